@@ -1,0 +1,224 @@
+"""Process wiring: the arena, the core, the gRPC server, the fd channel, and their lifecycle.
+
+``BrokerServer`` builds everything from ``ServeOptions`` on one asyncio event loop (which
+owns all core state), serves until SIGTERM/SIGINT, then drains: health NOT_SERVING, new
+calls refused with UNAVAILABLE, sessions told on their streams, in-flight calls given the
+grace period, everything released, the socket lock dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from broker.arena import ArenaGeometry, make_arena
+from broker.eviction import make_policy
+from broker.objects import ObjectStore, StoreConfig
+from broker.pool import PagePool, WindowSpace
+from broker.server.lock import SocketLock
+from broker.server.options import ServeOptions, format_size
+from broker.service import ArenaGrown, EchoService, MemoryBrokerService, ShuttingDown
+from broker.sessions.fd_channel import FdChannelServer
+from broker.sessions.liveness import PidWatcher
+from broker.sessions.manager import SessionManager
+from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryBroker"].full_name
+# How often open transactions are checked for expired leases.
+EXPIRY_TICK_S = 0.1
+
+
+class BrokerServer:
+    def __init__(self, opts: ServeOptions, log):
+        opts.validate()
+        self.opts = opts
+        self.log = log
+        self._stopped = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> None:
+        opts = self.opts
+        loop = asyncio.get_running_loop()
+        self.lock = SocketLock(opts.socket)
+        self.lock.acquire()
+        try:
+            await self._start(loop)
+        except BaseException:
+            await self._release()
+            raise
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        opts = self.opts
+        for path in (opts.socket, opts.fd_socket):
+            # Stale sockets of a dead broker: the lock says no live broker owns them.
+            if os.path.exists(path):
+                os.unlink(path)
+        os.makedirs(opts.state_dir, exist_ok=True)
+        pages_per_slab = opts.slab_size // opts.page_size
+        max_slabs = opts.pool_size // opts.slab_size
+        self.geometry = ArenaGeometry(
+            page_size=opts.page_size,
+            pages_per_slab=pages_per_slab,
+            max_slabs=max_slabs,
+            window_pages=pages_per_slab * max_slabs * opts.window_factor,
+        )
+        self.arena, why = make_arena(opts.arena, self.geometry, name=f"memory-broker-{os.getpid()}")
+        if opts.preallocate:
+            self.arena.grow(-(-opts.preallocate // opts.slab_size))
+        pool = PagePool(self.geometry.max_pages, pages_per_slab, self.arena.capacity_pages, grow=self._grow)
+        self.store = ObjectStore(
+            pool,
+            WindowSpace(self.geometry.window_pages, opts.placement),
+            make_policy(opts.eviction_policy),
+            StoreConfig(
+                high_watermark=opts.high_watermark,
+                low_watermark=opts.low_watermark,
+                default_lease_s=opts.default_lease_s,
+            ),
+            notify=lambda sid, ev: self.sessions.notify(sid, ev),
+        )
+        self.watcher = PidWatcher(loop)
+        self.sessions = SessionManager(self.store, self.watcher, log=self._log_event)
+        self.service = MemoryBrokerService(self.store, self.sessions, self.arena, self.arena_info, self._log_event)
+
+        self.fd_server = FdChannelServer(
+            opts.fd_socket,
+            allowed_uids=opts.effective_uids(),
+            authorize=self.sessions.authorize_fd_request,
+            slab_fds=lambda first: [self.arena.slab_fd(i) for i in range(first, self.arena.num_slabs)],
+            log=self._log_event,
+        )
+        await self.fd_server.start()
+
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        )
+        broker_pb2_grpc.add_MemoryBrokerServicer_to_server(self.service, self.server)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        if opts.enable_echo:
+            echo_pb2_grpc.add_EchoServicer_to_server(EchoService(), self.server)
+            names.append(echo_pb2.DESCRIPTOR.services_by_name["Echo"].full_name)
+        reflection.enable_server_reflection(names, self.server)
+        self.server.add_insecure_port(f"unix:{opts.socket}")
+        if opts.tcp_port:
+            self.server.add_insecure_port(f"127.0.0.1:{opts.tcp_port}")
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.ensure_future(self._expire_leases()))
+        self.log.info(
+            "serving",
+            socket=opts.socket,
+            fd_socket=opts.fd_socket,
+            tcp_port=opts.tcp_port or None,
+            arena=self.arena.backend,
+            arena_reason=why,
+            pool=format_size(opts.pool_size),
+            page_size=format_size(opts.page_size),
+            slab_size=format_size(opts.slab_size),
+            slabs=self.arena.num_slabs,
+            allowed_uids=sorted(opts.effective_uids()),
+            pid=os.getpid(),
+        )
+
+    def arena_info(self) -> pb.ArenaInfo:
+        g = self.geometry
+        return pb.ArenaInfo(
+            backend=self.arena.backend,
+            page_size=g.page_size,
+            pages_per_slab=g.pages_per_slab,
+            max_slabs=g.max_slabs,
+            num_slabs=self.arena.num_slabs,
+            window_pages=g.window_pages,
+            fd_socket_path=os.path.abspath(self.opts.fd_socket),
+            placement=self.opts.placement,
+        )
+
+    def _grow(self, slabs: int) -> None:
+        t0 = time.perf_counter()
+        self.arena.grow(slabs)
+        self.log.info(
+            "arena_grown", slabs=self.arena.num_slabs, added=slabs, ms=round((time.perf_counter() - t0) * 1e3, 3)
+        )
+        self.sessions.broadcast(ArenaGrown(self.arena.num_slabs))
+
+    def _log_event(self, event: str, **kw) -> None:
+        self.log.info(event, **kw)
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_TICK_S)
+            try:
+                expired = self.store.expire()
+                if expired:
+                    self.log.info("transactions_expired", transactions=expired)
+            except Exception as e:  # never let the timer die silently
+                self.log.error("lease_expiry_failed", error=repr(e))
+
+    # ------------------------------------------------------------------ stop
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(self.stop(f"signal {s.name}")))
+
+    async def stop(self, reason: str = "stop") -> None:
+        """Drain and release everything. Idempotent."""
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        self.log.info("draining", reason=reason, grace_s=self.opts.grace_s)
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        self.sessions.broadcast(ShuttingDown(reason))
+        # Let in-flight unary calls finish within the grace period; streams end below.
+        deadline = time.monotonic() + self.opts.grace_s
+        while self.service.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # let the ShuttingDown events reach the streams
+        self.sessions.close_all("broker shutting down")
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        await self._release()
+        self.log.info("stopped", reason=reason)
+        self._stopped.set()
+
+    async def _release(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if getattr(self, "fd_server", None) is not None:
+            await self.fd_server.close()
+        if getattr(self, "watcher", None) is not None:
+            self.watcher.close()
+        if getattr(self, "arena", None) is not None:
+            self.arena.close()
+        if os.path.exists(self.opts.socket):
+            try:
+                os.unlink(self.opts.socket)
+            except OSError:
+                pass
+        self.lock.release()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(opts: ServeOptions, log) -> None:
+    """Run a broker until a signal stops it."""
+    server = BrokerServer(opts, log)
+    await server.start()
+    server.install_signal_handlers()
+    await server.wait()

@@ -1,0 +1,108 @@
+"""What ``memory-broker serve`` is told: every setting with its default, checked at start.
+
+Sizes are written the way people write them ("2MiB", "1GiB", "512KiB", or plain bytes).
+A bad value is refused with a message that names the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+}  # fmt: skip
+
+DEFAULT_SOCKET = os.environ.get("MEMORY_BROKER_SOCKET", "/tmp/memory-broker.sock")
+
+
+def parse_size(text: str | int, what: str) -> int:
+    """'2MiB' -> 2097152. Binary units throughout (a GPU page is 2 MiB, not 2 MB)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what}: cannot read {text!r} as a size; write e.g. 2MiB, 512KiB, 1GiB or bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, k in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % (k // 1024 or 1) == 0:
+            v = n / k
+            return f"{v:g} {unit}"
+    return f"{n} B"
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    # gRPC Unix socket; the fd side channel listens at this path + ".fds".
+    socket: str = DEFAULT_SOCKET
+    # Optional loopback TCP port for gRPC (0 = none).
+    tcp_port: int = 0
+    # auto | host | cuda
+    arena: str = "auto"
+    # Most memory the arena may hold, and how much of it to create at start.
+    pool_size: int = 1 << 30
+    preallocate: int = 0
+    page_size: int = 2 << 20
+    slab_size: int = 64 << 20
+    # Virtual window size as a multiple of pool_size.
+    window_factor: int = 4
+    # best_fit | first_fit (placement of contiguous ranges in the window).
+    placement: str = "best_fit"
+    eviction_policy: str = "lru_size_aware"
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    default_lease_s: float = 30.0
+    # Where persistent state lives (the adapter registry of a later version); created if missing.
+    state_dir: str = field(default_factory=lambda: os.environ.get("MEMORY_BROKER_STATE_DIR", "/tmp/memory-broker-state"))
+    # uids allowed on the fd channel; empty = the broker's own uid only.
+    allowed_uids: tuple[int, ...] = ()
+    # Serve the bare Echo service beside the broker (benchmarks).
+    enable_echo: bool = False
+    # Seconds SIGTERM waits for in-flight calls.
+    grace_s: float = 10.0
+    log_level: str = "info"
+
+    @property
+    def fd_socket(self) -> str:
+        return self.socket + ".fds"
+
+    def effective_uids(self) -> frozenset[int]:
+        return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid()})
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        ps = self.page_size
+        if not (512 << 10) <= ps <= (4 << 20) or ps & (ps - 1):
+            raise ValueError(f"page_size: {ps} bytes; must be a power of two from 512KiB to 4MiB")
+        if self.slab_size % ps or self.slab_size < ps:
+            raise ValueError(f"slab_size: {self.slab_size} bytes is not a multiple of page_size ({ps})")
+        if self.pool_size < self.slab_size or self.pool_size % self.slab_size:
+            raise ValueError(
+                f"pool_size: {self.pool_size} bytes must be a positive multiple of slab_size ({self.slab_size})"
+            )
+        if self.preallocate < 0 or self.preallocate > self.pool_size:
+            raise ValueError(f"preallocate: {self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})")
+        if not 1 <= self.window_factor <= 64:
+            raise ValueError(f"window_factor: {self.window_factor}; must be 1..64")
+        if self.placement not in ("best_fit", "first_fit"):
+            raise ValueError(f"placement: {self.placement!r}; must be best_fit or first_fit")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(
+                f"low_watermark/high_watermark: {self.low_watermark}/{self.high_watermark}; need 0 < low <= high <= 1"
+            )
+        if not 0 < self.default_lease_s <= 600:
+            raise ValueError(f"default_lease_s: {self.default_lease_s}; must be in (0, 600]")
+        if not 0 <= self.tcp_port <= 65535:
+            raise ValueError(f"tcp_port: {self.tcp_port}; must be 0..65535")
+        if len(self.fd_socket.encode()) > 107:
+            raise ValueError(f"socket: {self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s: {self.grace_s}; must be >= 0")

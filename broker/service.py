@@ -1,0 +1,263 @@
+"""The gRPC servicer: translates RPCs to core calls and core errors to status codes.
+
+No policy lives here. Each handler reads the session from the "x-broker-session"
+metadata, converts the request into core arguments, calls the object store on the event
+loop that owns it, and converts the result. ``BrokerError`` codes map one to one onto gRPC
+status codes; anything else is a bug and becomes INTERNAL with the exception's text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+import grpc
+
+from broker.arena.base import Arena
+from broker.errors import BrokerError, Code
+from broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
+from broker.sessions.manager import CLOSED, SessionManager
+from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+
+SESSION_METADATA = "x-broker-session"
+
+STATUS = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Code.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+class ArenaGrown:
+    """Core-side event: the arena has more slabs (broadcast to every session)."""
+
+    __slots__ = ("num_slabs",)
+
+    def __init__(self, num_slabs: int):
+        self.num_slabs = num_slabs
+
+
+class ShuttingDown:
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _unary(fn):
+    """Wrap a handler: refuse while draining, map BrokerError to a status."""
+
+    async def handler(self: "MemoryBrokerService", request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is shutting down; retry on its successor")
+        self.inflight += 1
+        try:
+            return fn(self, request, context)
+        except BrokerError as e:
+            await context.abort(STATUS[e.code], e.message)
+        except Exception as e:  # a bug: say so instead of dropping the connection
+            self.log("rpc_internal_error", method=fn.__name__, error=repr(e))
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {e!r}")
+        finally:
+            self.inflight -= 1
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
+class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
+    def __init__(
+        self,
+        store: ObjectStore,
+        sessions: SessionManager,
+        arena: Arena,
+        arena_info: Callable[[], pb.ArenaInfo],
+        log: Callable[..., None],
+    ):
+        self.store = store
+        self.sessions = sessions
+        self.arena = arena
+        self.arena_info = arena_info
+        self.log = log
+        # Set on SIGTERM: new calls are refused with UNAVAILABLE.
+        self.draining = False
+        # Calls being handled now (the drain waits for them).
+        self.inflight = 0
+
+    # ------------------------------------------------------------- helpers
+
+    def _sid(self, context) -> int:
+        token = None
+        for k, v in context.invocation_metadata() or ():
+            if k == SESSION_METADATA:
+                token = v
+                break
+        return self.sessions.from_token(token).session_id
+
+    def _info(self, obj: Allocation, sid: int, dedup: bool = False) -> pb.ObjectInfo:
+        return pb.ObjectInfo(
+            object_id=obj.object_id,
+            content_type=int(obj.content_type),
+            state=int(obj.state),
+            key=obj.key or b"",
+            pages=obj.pages,
+            window_page=obj.window_page,
+            session_pins=obj.pins.get(sid, 0),
+            total_pins=obj.pin_count,
+            deduplicated=dedup,
+            owned=obj.owner == sid,
+            arena_slabs=self.arena.num_slabs,
+        )
+
+    @staticmethod
+    def _specs(objects) -> list[Spec]:
+        return [
+            Spec(o.num_pages, o.content_type, o.contiguous, o.key if o.key else None, o.pin) for o in objects
+        ]
+
+    # ------------------------------------------------------------- session
+
+    async def Attach(self, request_iterator, context) -> AsyncIterator[pb.SessionEvent]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is shutting down; retry on its successor")
+        try:
+            first = await request_iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("msg") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Attach message must be hello")
+        s = self.sessions.open(first.hello.client_name, first.hello.pid)
+        reader = asyncio.ensure_future(self._read_client(request_iterator, s.session_id))
+        try:
+            yield pb.SessionEvent(
+                opened=pb.SessionOpened(session_id=s.session_id, token=s.token, arena=self.arena_info())
+            )
+            while True:
+                ev = await s.events.get()
+                if ev is CLOSED:
+                    return
+                msg = self._event(ev)
+                if msg is not None:
+                    yield msg
+        finally:
+            reader.cancel()
+            self.sessions.close(s.session_id, "stream ended")
+
+    async def _read_client(self, request_iterator, session_id: int) -> None:
+        """Detach or a half-closed stream ends the session; other messages are ignored."""
+        try:
+            async for msg in request_iterator:
+                if msg.WhichOneof("msg") == "detach":
+                    break
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            return
+        except Exception:
+            pass
+        self.sessions.close(session_id, "client detached")
+
+    @staticmethod
+    def _event(ev) -> pb.SessionEvent | None:
+        if isinstance(ev, ObjectsEvicted):
+            return pb.SessionEvent(evicted=pb.ObjectsEvicted(object_ids=ev.object_ids, keys=ev.keys))
+        if isinstance(ev, TransactionsExpired):
+            return pb.SessionEvent(transactions_expired=pb.TransactionsExpired(transaction_ids=ev.transaction_ids))
+        if isinstance(ev, ArenaGrown):
+            return pb.SessionEvent(arena_grown=pb.ArenaGrown(num_slabs=ev.num_slabs))
+        if isinstance(ev, ShuttingDown):
+            return pb.SessionEvent(shutting_down=pb.ShuttingDown(reason=ev.reason))
+        return None
+
+    # ------------------------------------------------------------- unary calls
+
+    @_unary
+    def GetArena(self, request, context):
+        return self.arena_info()
+
+    @_unary
+    def Allocate(self, request, context):
+        sid = self._sid(context)
+        out = self.store.allocate(sid, self._specs(request.objects))
+        return pb.AllocateResponse(objects=[self._info(o, sid, d) for o, d in out])
+
+    @_unary
+    def Prepare(self, request, context):
+        sid = self._sid(context)
+        t = self.store.prepare(
+            sid, self._specs(request.objects), list(request.pin_object_ids), request.lease_ms / 1000.0
+        )
+        return pb.PrepareResponse(
+            transaction_id=t.txn_id,
+            deadline_unix_ms=int(t.deadline_unix * 1000),
+            objects=[self._info(o, sid) for o in t.objects],
+            pinned=[self._info(self.store.objects[oid], sid) for oid in t.pinned],
+        )
+
+    @_unary
+    def Commit(self, request, context):
+        sid = self._sid(context)
+        txns = self.store.commit(sid, list(request.transaction_ids))
+        return pb.CommitResponse(
+            transactions=[
+                pb.CommittedTransaction(
+                    transaction_id=t.txn_id, objects=[self._info(o, sid, d) for o, d in t.result]
+                )
+                for t in txns
+            ]
+        )
+
+    @_unary
+    def Abort(self, request, context):
+        sid = self._sid(context)
+        return pb.AbortResponse(freed_pages=self.store.abort(sid, list(request.transaction_ids)))
+
+    @_unary
+    def Free(self, request, context):
+        sid = self._sid(context)
+        freed, deferred = self.store.free(sid, list(request.object_ids))
+        return pb.FreeResponse(freed_pages=freed, deferred_pages=deferred)
+
+    @_unary
+    def Pin(self, request, context):
+        sid = self._sid(context)
+        objs = self.store.pin(sid, list(request.object_ids))
+        return pb.PinResponse(objects=[self._info(o, sid) for o in objs])
+
+    @_unary
+    def Unpin(self, request, context):
+        sid = self._sid(context)
+        self.store.unpin(sid, list(request.object_ids))
+        return pb.UnpinResponse()
+
+    @_unary
+    def Lookup(self, request, context):
+        sid = self._sid(context)
+        objs = self.store.lookup(sid, list(request.keys), request.pin)
+        return pb.LookupResponse(objects=[self._info(o, sid) for o in objs])
+
+    @_unary
+    def GetStats(self, request, context):
+        st = self.store.stats()
+        by_content = st.pop("by_content")
+        return pb.Stats(
+            backend=self.arena.backend,
+            page_size=self.arena.geometry.page_size,
+            num_slabs=self.arena.num_slabs,
+            by_content=[pb.ContentStats(content_type=ct, objects=n, pages=p) for ct, (n, p) in by_content.items()],
+            **st,
+        )
+
+
+class EchoService(echo_pb2_grpc.EchoServicer):
+    """The floor for RPC benchmarks: same server, same socket, no work."""
+
+    async def Echo(self, request, context):
+        return echo_pb2.EchoResponse(payload=request.payload)
+
+
+__all__ = ["MemoryBrokerService", "EchoService", "ArenaGrown", "ShuttingDown", "SESSION_METADATA"]

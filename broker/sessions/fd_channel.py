@@ -1,0 +1,284 @@
+"""The fd side channel, server side: hands the arena's slab fds to authorized local processes.
+
+This module owns the Unix socket that lends slab fds with ``SCM_RIGHTS`` and the wire
+protocol below; it decides nothing about sessions (``authorize`` does) and never owns or
+closes the slab fds it sends (``slab_fds`` returns the broker's own; the kernel duplicates
+them into the receiver). It must not import gRPC.
+
+Protocol, one request per connection:
+
+* The client connects and sends one JSON line: ``{"token": "<session token>", "from_slab": k}\\n``.
+* The server reads the peer's credentials (``SO_PEERCRED``, captured at connect time) and
+  checks, in order: the uid is in ``allowed_uids`` (``None`` allows any); the request is a
+  JSON object with a string ``token`` and an integer ``from_slab >= 0``; ``authorize(token,
+  peer)`` accepts it; then it sends the fds of slabs ``k..end`` from ``slab_fds(k)``.
+* Reply: a JSON line ``{"ok": true, "from_slab": k, "count": n}\\n``, then the fds in
+  chunks of at most ``MAX_FDS_PER_MESSAGE``, each chunk one ``sendmsg`` whose payload is
+  ``{"chunk": i, "count": m}\\n`` so the receiver can check it got them all. A refusal is
+  ``{"ok": false, "code": "...", "message": "..."}\\n``. Either way the server then closes.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+# The kernel allows 253 fds per message (SCM_MAX_FD); stay well under it.
+MAX_FDS_PER_MESSAGE = 200
+# A request is a token and a number; anything longer is not a client of ours.
+MAX_REQUEST_BYTES = 64 * 1024
+# How long a connection may take to send its request, and separately to take its reply.
+DEFAULT_REQUEST_TIMEOUT_S = 5.0
+# Pending connects the kernel queues while the loop is busy.
+LISTEN_BACKLOG = 64
+
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCred:
+    """The connecting process as the kernel saw it at connect time (``SO_PEERCRED``)."""
+
+    # 0 when the peer is in a pid namespace this process cannot see.
+    pid: int
+    uid: int
+    gid: int
+
+
+class FdRequestRefused(Exception):
+    """Raised by an authorize callback: code is one of "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT"."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"FdRequestRefused({self.code}, {self.message!r})"
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    """The credentials of a connected Unix socket's peer."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return PeerCred(pid, uid, gid)
+
+
+def parse_request(line: bytes) -> tuple[str, int]:
+    """The ``(token, from_slab)`` of a request line.
+
+    Raises:
+        FdRequestRefused: INVALID_ARGUMENT, saying what is wrong with the line.
+    """
+    try:
+        req = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FdRequestRefused("INVALID_ARGUMENT", f"request is not a JSON line: {e}") from None
+    if not isinstance(req, dict):
+        raise FdRequestRefused("INVALID_ARGUMENT", f"request must be a JSON object, got {type(req).__name__}")
+    token, from_slab = req.get("token"), req.get("from_slab")
+    if not isinstance(token, str):
+        raise FdRequestRefused("INVALID_ARGUMENT", 'request needs "token" (a string)')
+    # bool is an int in Python but `true` is not a slab number.
+    if not isinstance(from_slab, int) or isinstance(from_slab, bool):
+        raise FdRequestRefused("INVALID_ARGUMENT", 'request needs "from_slab" (an integer)')
+    if from_slab < 0:
+        raise FdRequestRefused("INVALID_ARGUMENT", f"from_slab must be >= 0, got {from_slab}")
+    return token, from_slab
+
+
+class FdChannelServer:
+    """Serves slab fds on a Unix socket from the running event loop; one task per connection."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        allowed_uids: frozenset[int] | None,
+        authorize: Callable[[str, PeerCred], None],
+        slab_fds: Callable[[int], list[int]],
+        log: Callable[..., None] | None = None,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ):
+        """
+        Args:
+            path: the socket path; it must not exist (the caller clears stale ones under its lock).
+            allowed_uids: uids that may connect; None allows any.
+            authorize: checks a token for a peer; raises FdRequestRefused to refuse. Called
+                on the event loop, so it may touch loop-owned state.
+            slab_fds: the broker's fds for slabs ``k..end``; borrowed, never closed here.
+            log: ``log(event, **fields)``.
+            request_timeout_s: time a client has to send its request, and to take its reply.
+        """
+        self.path = path
+        self.allowed_uids = allowed_uids
+        self._authorize = authorize
+        self._slab_fds = slab_fds
+        self._log = log or (lambda event, **kw: None)
+        self._timeout = request_timeout_s
+        self._sock: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._conns: dict[asyncio.Task, socket.socket] = {}
+
+    async def start(self) -> None:
+        """Bind and listen; the socket's mode follows the umask."""
+        if self._sock is not None:
+            raise RuntimeError(f"fd channel {self.path} already started")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.bind(self.path)
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def close(self) -> None:
+        """Stop accepting, drop live connections, unlink the socket path. Idempotent."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+            self._accept_task = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        tasks = list(self._conns)
+        for t in tasks:
+            t.cancel()
+        # Each task closes its own connection, also when cancelled.
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:
+                # EMFILE and friends: keep serving once the pressure is gone, without spinning.
+                self._log("fd_channel_accept_failed", path=self.path, error=str(e))
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            task = loop.create_task(self._serve(conn))
+            self._conns[task] = conn
+            task.add_done_callback(self._conns.pop)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        peer: PeerCred | None = None
+        try:
+            peer = peer_cred(conn)
+            try:
+                fds, from_slab = await self._decide(conn, peer)
+            except FdRequestRefused as r:
+                self._log("fd_request_refused", pid=peer.pid, uid=peer.uid, code=r.code, message=r.message)
+                reply = {"ok": False, "code": r.code, "message": r.message}
+                async with asyncio.timeout(self._timeout):
+                    await asyncio.get_running_loop().sock_sendall(conn, _line(reply))
+                return
+            async with asyncio.timeout(self._timeout):
+                await self._send_fds(conn, from_slab, fds)
+            self._log("fd_request_served", pid=peer.pid, uid=peer.uid, from_slab=from_slab, count=len(fds))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # A client that vanishes mid-reply, or a bug in a callback: this connection only.
+            self._log(
+                "fd_channel_connection_failed",
+                pid=peer.pid if peer else None,
+                uid=peer.uid if peer else None,
+                error=f"{type(e).__name__}: {e}",
+            )
+        finally:
+            conn.close()
+
+    async def _decide(self, conn: socket.socket, peer: PeerCred) -> tuple[list[int], int]:
+        """The fds to send for this connection's request, or FdRequestRefused."""
+        # Read before judging, so a refused client reads our reply instead of a reset.
+        line, unread = await self._read_request(conn)
+        if self.allowed_uids is not None and peer.uid not in self.allowed_uids:
+            raise FdRequestRefused(
+                "PERMISSION_DENIED",
+                f"uid {peer.uid} may not use this broker; allowed uids: {sorted(self.allowed_uids)}",
+            )
+        if unread is not None:
+            raise FdRequestRefused("INVALID_ARGUMENT", unread)
+        token, from_slab = parse_request(line)
+        try:
+            self._authorize(token, peer)
+        except FdRequestRefused:
+            raise
+        except Exception as e:
+            self._log("fd_channel_authorize_failed", pid=peer.pid, error=f"{type(e).__name__}: {e}")
+            raise FdRequestRefused("INTERNAL", f"broker failed to check the request: {type(e).__name__}: {e}")
+        try:
+            fds = list(self._slab_fds(from_slab))
+        except Exception as e:
+            self._log("fd_channel_slab_fds_failed", from_slab=from_slab, error=f"{type(e).__name__}: {e}")
+            raise FdRequestRefused("INTERNAL", f"broker failed to list slab fds from {from_slab}: {e}")
+        return fds, from_slab
+
+    async def _read_request(self, conn: socket.socket) -> tuple[bytes, str | None]:
+        """The request line, or what went wrong reading it (as a refusal message)."""
+        loop = asyncio.get_running_loop()
+        buf = bytearray()
+        try:
+            async with asyncio.timeout(self._timeout):
+                while b"\n" not in buf:
+                    if len(buf) > MAX_REQUEST_BYTES:
+                        return b"", f"request over {MAX_REQUEST_BYTES} bytes"
+                    data = await loop.sock_recv(conn, 4096)
+                    if not data:
+                        return b"", f"connection closed after {len(buf)} bytes, before a full request line"
+                    buf += data
+        except TimeoutError:
+            return b"", f"no request line within {self._timeout:g} s"
+        line = bytes(buf[: buf.index(b"\n")])
+        if len(line) > MAX_REQUEST_BYTES:
+            return b"", f"request over {MAX_REQUEST_BYTES} bytes"
+        return line, None
+
+    async def _send_fds(self, conn: socket.socket, from_slab: int, fds: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(conn, _line({"ok": True, "from_slab": from_slab, "count": len(fds)}))
+        for i, start in enumerate(range(0, len(fds), MAX_FDS_PER_MESSAGE)):
+            chunk = fds[start : start + MAX_FDS_PER_MESSAGE]
+            await _sendmsg_fds(loop, conn, _line({"chunk": i, "count": len(chunk)}), chunk)
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+async def _sendmsg_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, payload: bytes, fds: list[int]) -> None:
+    """``sendmsg`` with SCM_RIGHTS on a non-blocking socket (the loop has no such helper)."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+    while True:
+        try:
+            sent = sock.sendmsg([payload], ancillary)
+            break
+        except (BlockingIOError, InterruptedError):
+            await _writable(loop, sock)
+    if sent < len(payload):
+        # The fds travelled with the first byte; the rest of the payload is plain bytes.
+        await loop.sock_sendall(sock, payload[sent:])
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut = loop.create_future()
+    fd = sock.fileno()
+    loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_writer(fd)

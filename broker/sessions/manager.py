@@ -1,0 +1,129 @@
+"""Client sessions: tokens, event queues, and the two ways a session ends.
+
+A session is opened by the Attach stream and ends when that stream ends or when the
+process that fetched the slab fds dies (its pidfd fires), whichever comes first; either way
+the object store releases what the session held. This module holds no allocation state:
+it maps tokens to session ids, queues events for each stream, and watches pids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from broker.errors import denied
+from broker.objects import ObjectStore
+from broker.sessions.fd_channel import FdRequestRefused, PeerCred
+from broker.sessions.liveness import PidWatcher
+
+# Placed on a session's queue to end its stream.
+CLOSED = object()
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    session_id: int
+    # Secret presented as gRPC metadata and to the fd channel.
+    token: str
+    client_name: str
+    # Pid the client claimed in Hello (advisory).
+    claimed_pid: int
+    opened_at: float
+    # Events for the Attach stream (core events, or CLOSED).
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Processes (by SO_PEERCRED) that fetched fds for this session; watched by pidfd.
+    peer_pids: set[int] = field(default_factory=set)
+    uid: int | None = None
+    closed: bool = False
+
+
+class SessionManager:
+    """Open sessions by token and by id; ends them exactly once."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        watcher: PidWatcher | None,
+        log: Callable[..., None] | None = None,
+    ):
+        self.store = store
+        self.watcher = watcher
+        self._log = log or (lambda event, **kw: None)
+        self.by_id: dict[int, Session] = {}
+        self._by_token: dict[str, Session] = {}
+
+    def open(self, client_name: str, claimed_pid: int) -> Session:
+        sid = self.store.open_session()
+        s = Session(sid, secrets.token_hex(16), client_name[:200], claimed_pid, time.time())
+        self.by_id[sid] = s
+        self._by_token[s.token] = s
+        self._log("session_opened", session=sid, client=s.client_name, pid=claimed_pid)
+        return s
+
+    def from_token(self, token: str | None) -> Session:
+        """The open session behind a token, or PERMISSION_DENIED."""
+        if not token:
+            raise denied(
+                "this call needs a session: open Attach and send its token as metadata 'x-broker-session'"
+            )
+        s = self._by_token.get(token)
+        if s is None:
+            raise denied("unknown or ended session token; open a new session with Attach")
+        return s
+
+    def close(self, session_id: int, reason: str) -> None:
+        """End a session: release its core state, stop its pid watches, end its stream."""
+        s = self.by_id.pop(session_id, None)
+        if s is None:
+            return
+        s.closed = True
+        self._by_token.pop(s.token, None)
+        self.store.end_session(session_id)
+        if self.watcher is not None:
+            # One process may hold several sessions: stop watching a pid with the last one.
+            for pid in s.peer_pids:
+                if not any(pid in other.peer_pids for other in self.by_id.values()):
+                    self.watcher.unwatch(pid)
+        s.events.put_nowait(CLOSED)
+        self._log("session_closed", session=session_id, reason=reason)
+
+    def notify(self, session_id: int, event: object) -> None:
+        """Queue a core event for one session's stream (the store's notify callback)."""
+        s = self.by_id.get(session_id)
+        if s is not None:
+            s.events.put_nowait(event)
+
+    def broadcast(self, event: object) -> None:
+        for s in self.by_id.values():
+            s.events.put_nowait(event)
+
+    def authorize_fd_request(self, token: str, peer: PeerCred) -> None:
+        """The fd channel's check: a live session's token; the peer's pid is then watched."""
+        s = self._by_token.get(token)
+        if s is None:
+            raise FdRequestRefused("PERMISSION_DENIED", "unknown or ended session token")
+        s.uid = peer.uid
+        if peer.pid <= 0:
+            # A peer in a pid namespace we cannot see reports pid 0: nothing to watch, so
+            # the Attach stream alone tells when the session ends.
+            self._log("fd_peer_pid_unknown", session=s.session_id, uid=peer.uid)
+            return
+        if peer.pid not in s.peer_pids:
+            s.peer_pids.add(peer.pid)
+            if self.watcher is not None:
+                sid = s.session_id
+                alive = self.watcher.watch(peer.pid, lambda pid: self._peer_died(sid, pid))
+                if not alive:
+                    self._peer_died(sid, peer.pid)
+                    raise FdRequestRefused("PERMISSION_DENIED", f"process {peer.pid} exited")
+
+    def _peer_died(self, session_id: int, pid: int) -> None:
+        if session_id in self.by_id:
+            self.close(session_id, f"process {pid} exited")
+
+    def close_all(self, reason: str) -> None:
+        for sid in list(self.by_id):
+            self.close(sid, reason)

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""RPC cost of each broker call next to a bare echo RPC over the same socket, same run.
+
+Starts a broker (host arena, --enable-echo) in a subprocess, then times each call with the
+raw gRPC stub (what the wire and the servicer cost) and through the client library (what an
+engine pays, including building its objects). Prints medians and the ratio to echo's median.
+Also: pages per second for one batched allocate of 1,000 pages.
+Target from the issue: a broker RPC within 1.3x of the echo RPC at the median.
+
+    python ops/bench/bench_rpc.py [--n 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import grpc  # noqa: E402
+
+from broker.v1 import broker_pb2 as pb  # noqa: E402
+from broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
+from clients import BrokerClient, Spec  # noqa: E402
+
+
+def start_broker(socket: str, state: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "serve", "--socket", socket, "--arena", "host", "--enable-echo",
+         "--pool-size", "8GiB", "--page-size", "2MiB", "--slab-size", "256MiB", "--state-dir", state,
+         "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(socket):
+            try:
+                with grpc.insecure_channel(f"unix:{socket}") as ch:
+                    broker_pb2_grpc.MemoryBrokerStub(ch).GetArena(pb.GetArenaRequest(), timeout=1)
+                return proc
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("broker did not start")
+
+
+def timed(fn, n: int) -> float:
+    """Median microseconds of n calls of fn()."""
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) / 1000)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=400, help="calls per measurement")
+    a = ap.parse_args()
+    d = tempfile.mkdtemp(prefix="mb-bench-", dir="/tmp")
+    socket = os.path.join(d, "b.sock")
+    proc = start_broker(socket, os.path.join(d, "state"))
+    try:
+        run(socket, a.n)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def run(socket: str, n: int) -> None:
+    client = BrokerClient.connect(socket, client_name="bench")
+    md = ((("x-broker-session", client.token),))
+    ch = grpc.insecure_channel(f"unix:{socket}")
+    stub = broker_pb2_grpc.MemoryBrokerStub(ch)
+    echo = echo_pb2_grpc.EchoStub(ch)
+    kv = pb.CONTENT_TYPE_KV_CACHE
+
+    keyed = client.allocate([Spec(1, content_type="kv_cache", key=b"bench-key")])[0]
+    one = pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1, content_type=kv)])
+    pin_req = pb.PinRequest(object_ids=[keyed.object_id])
+    unpin_req = pb.UnpinRequest(object_ids=[keyed.object_id])
+
+    def alloc_then_free():
+        o = stub.Allocate(one, metadata=md).objects[0]
+        stub.Free(pb.FreeRequest(object_ids=[o.object_id]), metadata=md)
+
+    def prepare_commit():
+        t = stub.Prepare(pb.PrepareRequest(objects=[pb.ObjectSpec(num_pages=1, content_type=kv)]), metadata=md)
+        stub.Commit(pb.CommitRequest(transaction_ids=[t.transaction_id]), metadata=md)
+
+    # Free/Commit/Unpin need a prior call; they are timed as pairs and compared to 2 echoes.
+    echo_req = echo_pb2.EchoRequest(payload=b"x" * 16)
+    for _ in range(200):  # warm up both paths
+        echo.Echo(echo_req)
+        stub.GetStats(pb.GetStatsRequest())
+    echo_us = timed(lambda: echo.Echo(echo_req), n)
+    rows = [
+        ("Echo (bare, same server and socket)", echo_us, 1),
+        ("GetArena", timed(lambda: stub.GetArena(pb.GetArenaRequest()), n), 1),
+        ("GetStats", timed(lambda: stub.GetStats(pb.GetStatsRequest()), n), 1),
+        ("Allocate 1 page", None, 1),
+        ("Pin 1 object", None, 1),
+        ("Unpin 1 object", None, 1),
+        ("Lookup 1 key (no pin)", timed(lambda: stub.Lookup(pb.LookupRequest(keys=[b"bench-key"]), metadata=md), n), 1),
+        ("Allocate + Free (2 RPCs)", timed(alloc_then_free, n), 2),
+        ("Prepare + Commit (2 RPCs)", timed(prepare_commit, n), 2),
+    ]
+    # Single-call timings for Allocate / Pin / Unpin, interleaved with their undo (not timed).
+    alloc_s, pin_s, unpin_s = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        o = stub.Allocate(one, metadata=md).objects[0]
+        alloc_s.append((time.perf_counter_ns() - t0) / 1000)
+        stub.Free(pb.FreeRequest(object_ids=[o.object_id]), metadata=md)
+        t0 = time.perf_counter_ns()
+        stub.Pin(pin_req, metadata=md)
+        pin_s.append((time.perf_counter_ns() - t0) / 1000)
+        t0 = time.perf_counter_ns()
+        stub.Unpin(unpin_req, metadata=md)
+        unpin_s.append((time.perf_counter_ns() - t0) / 1000)
+    rows[3] = ("Allocate 1 page", statistics.median(alloc_s), 1)
+    rows[4] = ("Pin 1 object", statistics.median(pin_s), 1)
+    rows[5] = ("Unpin 1 object", statistics.median(unpin_s), 1)
+
+    lib_alloc = timed(lambda: client.free(client.allocate([Spec(1, content_type="kv_cache")])), n)
+    lib_lookup = timed(lambda: client.lookup([b"bench-key"], pin=False), n)
+
+    print(f"RPC costs over a Unix socket (median of {n} calls; grpcio {grpc.__version__})")
+    print(f"{'call':<40}{'median us':>12}{'x echo':>10}")
+    worst = 0.0
+    for name, us, calls in rows:
+        ratio = us / (echo_us * calls)
+        if name.startswith("Echo"):
+            ratio = 1.0
+        else:
+            worst = max(worst, ratio)
+        print(f"{name:<40}{us:>12.1f}{ratio:>10.2f}")
+    print(f"{'client lib: allocate + free (2 RPCs)':<40}{lib_alloc:>12.1f}{lib_alloc / (2 * echo_us):>10.2f}")
+    print(f"{'client lib: lookup 1 key':<40}{lib_lookup:>12.1f}{lib_lookup / echo_us:>10.2f}")
+    print(f"\ntarget: every broker RPC within 1.3x of echo at the median: worst {worst:.2f}x -> "
+          f"{'MET' if worst <= 1.3 else 'NOT MET'}")  # fmt: skip
+
+    # Batched allocate of 1,000 pages: one RPC, two shapes.
+    print(f"\n{'batched allocate of 1,000 pages':<40}{'median ms':>12}{'pages/s':>14}")
+    for name, req in (
+        ("1,000 objects of 1 page", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1, content_type=kv)] * 1000)),
+        ("1 object of 1,000 pages", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1000, content_type=kv)])),
+        ("1 contiguous object of 1,000 pages", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1000, content_type=kv, contiguous=True)])),
+    ):  # fmt: skip
+        samples = []
+        for _ in range(max(5, n // 20)):
+            t0 = time.perf_counter_ns()
+            resp = stub.Allocate(req, metadata=md)
+            samples.append((time.perf_counter_ns() - t0) / 1e6)
+            stub.Free(pb.FreeRequest(object_ids=[o.object_id for o in resp.objects]), metadata=md)
+        ms = statistics.median(samples)
+        print(f"{name:<40}{ms:>12.2f}{1000 / (ms / 1000):>14,.0f}")
+    client.close()
+    ch.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Shared fixtures: a real broker daemon in a subprocess, and helpers to run client processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Small geometry so tests can fill the pool: 512 KiB pages, 4 pages per slab, 64 pages max.
+SMALL = ["--page-size", "512KiB", "--slab-size", "2MiB", "--pool-size", "32MiB"]
+
+
+@dataclass
+class Broker:
+    socket: str
+    proc: subprocess.Popen
+    log_path: str
+    args: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def log_events(self) -> list[dict]:
+        out = []
+        for line in self.log().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+def short_tmpdir() -> str:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    return tempfile.mkdtemp(prefix="mb-", dir="/tmp")
+
+
+def wait_serving(socket: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"broker exited with {proc.returncode} before serving")
+        if os.path.exists(socket):
+            try:
+                with grpc.insecure_channel(f"unix:{socket}") as ch:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError("broker did not start serving in time")
+
+
+def start_broker(*extra: str, socket: str | None = None, wait: bool = True) -> Broker:
+    d = short_tmpdir()
+    socket = socket or os.path.join(d, "b.sock")
+    log_path = os.path.join(d, "broker.log")
+    args = [
+        sys.executable, "-m", "broker.cli", "serve", "--socket", socket, "--arena", "host",
+        "--state-dir", os.path.join(d, "state"), *SMALL, *extra,
+    ]  # fmt: skip
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
+    b = Broker(socket, proc, log_path, args)
+    if wait:
+        try:
+            wait_serving(socket, proc)
+        except Exception:
+            b.stop(signal.SIGKILL)
+            raise RuntimeError(f"broker failed to start; log:\n{b.log()}")
+    return b
+
+
+@pytest.fixture
+def broker():
+    b = start_broker()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def broker_factory():
+    started: list[Broker] = []
+
+    def make(*extra: str, **kw) -> Broker:
+        b = start_broker(*extra, **kw)
+        started.append(b)
+        return b
+
+    yield make
+    for b in started:
+        b.stop(signal.SIGKILL if b.proc.poll() is None else signal.SIGTERM)
+
+
+CHILD_PRELUDE = """
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+from clients import BrokerClient, Spec, BrokerError
+SOCKET = {socket!r}
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+"""
+
+
+def child_code(socket: str, body: str) -> str:
+    return CHILD_PRELUDE.format(root=ROOT, socket=socket) + textwrap.dedent(body)
+
+
+def run_child(socket: str, body: str, timeout: float = 60.0) -> list[dict]:
+    """Run ``body`` in a fresh Python process (with ``SOCKET`` and ``out(**kw)``); returns
+    the JSON lines it printed."""
+    r = subprocess.run(
+        [sys.executable, "-c", child_code(socket, body)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    if r.returncode != 0:
+        raise AssertionError(f"child failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def spawn_child(socket: str, body: str) -> subprocess.Popen:
+    """Start ``body`` in a child process that keeps running; read its lines from stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-c", child_code(socket, body)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> dict:
+    import select
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if r:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{"):
+                return json.loads(line)
+        elif proc.poll() is not None:
+            break
+    raise AssertionError(f"child gave no line; stderr:\n{proc.stderr.read() if proc.poll() is not None else ''}")
