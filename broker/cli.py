@@ -12,27 +12,37 @@ from broker.server.options import DEFAULT_SOCKET, ServeOptions, format_size, par
 
 def _serve_parser(sub) -> None:
     d = ServeOptions()
-    p = sub.add_parser("serve", help="run the broker in the foreground")
-    p.add_argument("--socket", default=d.socket, help=f"gRPC Unix socket (default {d.socket}); the fd channel is SOCKET.fds")
-    p.add_argument("--tcp-port", type=int, default=0, help="also serve gRPC on 127.0.0.1:PORT")
-    p.add_argument("--arena", choices=("auto", "host", "cuda"), default=d.arena, help="arena backend (default auto)")
-    p.add_argument("--pool-size", default="1GiB", help="most memory the arena may hold (default 1GiB)")
-    p.add_argument("--preallocate", default="0", help="memory to create at start (default 0: grow on demand)")
-    p.add_argument("--page-size", default="2MiB", help="page size, 512KiB..4MiB (default 2MiB)")
-    p.add_argument("--slab-size", default="64MiB", help="slab (growth unit) size (default 64MiB)")
-    p.add_argument("--window-factor", type=int, default=d.window_factor, help="virtual window / pool size (default 4)")
-    p.add_argument("--placement", choices=("best_fit", "first_fit"), default=d.placement)
-    p.add_argument("--eviction-policy", default=d.eviction_policy, help="lru_size_aware (default) or lru")
-    p.add_argument("--high-watermark", type=float, default=d.high_watermark)
-    p.add_argument("--low-watermark", type=float, default=d.low_watermark)
-    p.add_argument("--lease", type=float, default=d.default_lease_s, help="default transaction lease, seconds")
-    p.add_argument("--state-dir", default=d.state_dir, help=f"persistent state (default {d.state_dir})")
-    p.add_argument(
-        "--allow-uid", type=int, action="append", default=[], help="uid allowed on the fd channel (repeat; default: own uid)"
+    p = sub.add_parser(
+        "serve",
+        help="run the broker in the foreground",
+        description="Run the broker. Settings come from defaults, then --config FILE, then flags.",
+        argument_default=argparse.SUPPRESS,
     )
+    p.add_argument("--config", help="YAML configuration file (see ops/broker.example.yaml)")
+    p.add_argument("--instance", help="name of this broker (systemd instance: GPU index or UUID)")
+    p.add_argument("--socket", help=f"gRPC Unix socket (default {d.socket}); the fd channel is SOCKET.fds")
+    p.add_argument("--tcp-port", type=int, help="also serve gRPC on 127.0.0.1:PORT")
+    p.add_argument("--arena", choices=("auto", "host", "cuda"), help="arena backend (default auto)")
+    p.add_argument("--pool-size", help="most memory the arena may hold (default 1GiB)")
+    p.add_argument("--preallocate", help="memory to create at start (default 0: grow on demand)")
+    p.add_argument("--page-size", help="page size, 512KiB..4MiB (default 2MiB)")
+    p.add_argument("--slab-size", help="slab (growth unit) size (default 64MiB)")
+    p.add_argument("--window-factor", type=int, help="virtual window / pool size (default 4)")
+    p.add_argument("--placement", choices=("best_fit", "first_fit"), help="default best_fit")
+    p.add_argument("--eviction-policy", choices=("lru_size_aware", "lru"), help="default lru_size_aware")
+    p.add_argument("--high-watermark", type=float, help=f"default {d.high_watermark}")
+    p.add_argument("--low-watermark", type=float, help=f"default {d.low_watermark}")
+    p.add_argument("--lease", type=float, help=f"default transaction lease, seconds (default {d.default_lease_s:g})")
+    p.add_argument("--max-pins-per-session", type=int, help="most pins one session may hold (default 0: no limit)")
+    p.add_argument("--state-dir", help=f"persistent state (default {d.state_dir})")
+    p.add_argument("--allow-uid", type=int, action="append", help="uid allowed on the fd channel (repeat; default: own uid)")
+    p.add_argument("--socket-mode", help="permissions of both sockets, e.g. 0660 (default: umask)")
+    p.add_argument("--socket-group", help="group of both sockets (the engines' group)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0: off)")
+    p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--enable-echo", action="store_true", help="serve the bare Echo service (benchmarks)")
-    p.add_argument("--grace", type=float, default=d.grace_s, help="seconds SIGTERM waits for in-flight calls")
-    p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--grace", type=float, help=f"seconds SIGTERM waits for in-flight calls (default {d.grace_s:g})")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
 
 def _status_parser(sub) -> None:
@@ -42,43 +52,64 @@ def _status_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=5.0)
 
 
-def _options(a: argparse.Namespace) -> ServeOptions:
-    return ServeOptions(
-        socket=a.socket,
-        tcp_port=a.tcp_port,
-        arena=a.arena,
-        pool_size=parse_size(a.pool_size, "--pool-size"),
-        preallocate=parse_size(a.preallocate, "--preallocate"),
-        page_size=parse_size(a.page_size, "--page-size"),
-        slab_size=parse_size(a.slab_size, "--slab-size"),
-        window_factor=a.window_factor,
-        placement=a.placement,
-        eviction_policy=a.eviction_policy,
-        high_watermark=a.high_watermark,
-        low_watermark=a.low_watermark,
-        default_lease_s=a.lease,
-        state_dir=a.state_dir,
-        allowed_uids=tuple(a.allow_uid),
-        enable_echo=a.enable_echo,
-        grace_s=a.grace,
-        log_level=a.log_level,
-    )
+# flag dest -> (ServeOptions field, converter)
+_FLAGS = {
+    "instance": ("instance", str),
+    "socket": ("socket", str),
+    "tcp_port": ("tcp_port", int),
+    "arena": ("arena", str),
+    "pool_size": ("pool_size", lambda v: parse_size(v, "--pool-size")),
+    "preallocate": ("preallocate", lambda v: parse_size(v, "--preallocate")),
+    "page_size": ("page_size", lambda v: parse_size(v, "--page-size")),
+    "slab_size": ("slab_size", lambda v: parse_size(v, "--slab-size")),
+    "window_factor": ("window_factor", int),
+    "placement": ("placement", str),
+    "eviction_policy": ("eviction_policy", str),
+    "high_watermark": ("high_watermark", float),
+    "low_watermark": ("low_watermark", float),
+    "lease": ("default_lease_s", float),
+    "max_pins_per_session": ("max_pins_per_session", int),
+    "state_dir": ("state_dir", str),
+    "allow_uid": ("allowed_uids", tuple),
+    "socket_mode": ("socket_mode", lambda v: int(v, 8)),
+    "socket_group": ("socket_group", str),
+    "metrics_port": ("metrics_port", int),
+    "metrics_address": ("metrics_address", str),
+    "enable_echo": ("enable_echo", bool),
+    "grace": ("grace_s", float),
+    "log_level": ("log_level", str),
+}
+
+
+def flag_overrides(a: argparse.Namespace) -> dict:
+    """The options given as flags (argparse leaves absent flags out of the namespace)."""
+    out = {}
+    for dest, (field_name, conv) in _FLAGS.items():
+        if hasattr(a, dest):
+            try:
+                out[field_name] = conv(getattr(a, dest))
+            except ValueError as e:
+                raise ValueError(f"--{dest.replace('_', '-')}: {e}") from None
+    return out
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from broker.server.app import serve
+    from broker.server.config import build_options
     from broker.server.lock import SocketPathLocked
     from broker.server.logs import configure
 
     try:
-        opts = _options(a)
-        opts.validate()
+        overrides = flag_overrides(a)
+        config = getattr(a, "config", None)
+        opts = build_options(config, overrides)
+        opts.config_path = config
         log = configure(opts.log_level)
     except ValueError as e:
         print(f"memory-broker: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(opts, log))
+        asyncio.run(serve(opts, log, overrides))
     except SocketPathLocked as e:
         log.error("socket_locked", error=str(e))
         print(f"memory-broker: {e}", file=sys.stderr)

@@ -107,6 +107,8 @@ class SessionState:
     pins: dict[int, int] = field(default_factory=dict)
     # Open transactions.
     txns: set[int] = field(default_factory=set)
+    # Sum of ``pins`` (checked against max_pins_per_session).
+    pin_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,8 @@ class StoreConfig:
     default_lease_s: float = 30.0
     max_lease_s: float = 600.0
     max_key_bytes: int = 1024
+    # Most pins one session may hold at once (0 = no limit).
+    max_pins_per_session: int = 0
     # Most items in one batch.
     max_batch: int = 65536
     # How many finished transactions (for idempotent commit/abort) and gone objects
@@ -153,6 +157,8 @@ class Counters:
     eviction_runs: int = 0
     evicted_objects: int = 0
     evicted_pages: int = 0
+    # Pins taken on objects another session already pinned (shared use of hot objects).
+    pin_contention: int = 0
 
 
 Notify = Callable[[int, object], None]
@@ -245,6 +251,8 @@ class ObjectStore:
         s = self._session(session)
         self._check_batch(len(specs), "objects")
         self._check_specs(specs)
+        if self.config.max_pins_per_session:
+            self._check_pin_limit(s, sum(1 for sp in specs if sp.pin))
         # Keys already committed need no pages: they resolve to the existing object,
         # which must not be evicted to make room for the rest of the batch.
         existing = [self.keys.get(sp.key) if sp.key is not None else None for sp in specs]
@@ -280,6 +288,7 @@ class ObjectStore:
             raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {self.config.max_lease_s:g} s")
         self._check_specs(specs)
         to_pin = [self._pinnable(session, oid) for oid in pin_ids]
+        self._check_pin_limit(s, len(to_pin) + sum(1 for sp in specs if sp.pin))
         new = self._reserve(s, specs, exclude={o.object_id for o in to_pin})
         for obj in to_pin:
             self._pin(s, obj)
@@ -380,6 +389,7 @@ class ObjectStore:
             if own:
                 del obj.pins[session]
                 obj.pin_count -= own
+                s.pin_total -= own
             s.owned.discard(obj.object_id)
             obj.owner = 0
             n = obj.num_pages
@@ -394,6 +404,7 @@ class ObjectStore:
         s = self._session(session)
         self._check_batch(len(object_ids), "object_ids")
         objs = [self._pinnable(session, oid) for oid in object_ids]
+        self._check_pin_limit(s, len(objs))
         for obj in objs:
             self._pin(s, obj)
         return objs
@@ -433,6 +444,8 @@ class ObjectStore:
             if obj is None:
                 break
             found.append(obj)
+        if pin:
+            self._check_pin_limit(s, len(found))
         for obj in found:
             if pin:
                 self._pin(s, obj)
@@ -529,6 +542,7 @@ class ObjectStore:
         for k, obj in self.keys.items():
             assert obj.key == k and self.objects.get(obj.object_id) is obj
         for sid, s in self.sessions.items():
+            assert s.pin_total == sum(s.pins.values()), "session pin total drifted"
             for oid in s.owned:
                 assert self.objects[oid].owner == sid
             for oid, c in s.pins.items():
@@ -656,6 +670,19 @@ class ObjectStore:
         evictable = policy.evictable_pages - excluded_pages
         if pool.free_pages + evictable < total:
             raise exhausted(self._exhausted_message(total, evictable))
+        # Growth the request needs even if every candidate were evicted: ask for it before
+        # evicting anything or starting hysteresis, so that a backend that cannot grow
+        # refuses the request without side effects. (Eviction moves pages from evictable
+        # to free within capacity, so once this holds the fallback below always succeeds.)
+        unavoidable = total - (pool.free_in_capacity + evictable)
+        if unavoidable > 0:
+            try:
+                pool.grow(-(-unavoidable // pool.pages_per_slab))
+            except MemoryError as e:
+                raise exhausted(
+                    f"the arena could not grow ({e}); need {total} pages, {pool.free_in_capacity} free in "
+                    f"{pool.capacity_pages} backed pages, {evictable} evictable"
+                ) from None
         used_after = pool.used_pages + total
         if used_after > self._high_pages:
             self.eviction_active = True
@@ -770,9 +797,28 @@ class ObjectStore:
             return f"object {oid} was {why}"
         return f"no object {oid}"
 
+    def _check_pin_limit(self, s: SessionState, adding: int) -> None:
+        limit = self.config.max_pins_per_session
+        if limit and adding and s.pin_total + adding > limit:
+            raise exhausted(
+                f"session {s.session_id} holds {s.pin_total} pins and this call adds {adding}; "
+                f"the limit is {limit} (max_pins_per_session): unpin first"
+            )
+
+    def set_watermarks(self, high: float, low: float) -> None:
+        """Change the eviction watermarks of a running store (SIGHUP reload)."""
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1; got low={low}, high={high}")
+        self.config.high_watermark, self.config.low_watermark = high, low
+        self._high_pages = int(high * self.pool.max_pages)
+        self._low_pages = int(low * self.pool.max_pages)
+
     def _pin(self, s: SessionState, obj: Allocation) -> None:
         if obj.pin_count == 0:
             self.policy.remove(obj)
+        elif s.session_id not in obj.pins:
+            self.counters.pin_contention += 1
+        s.pin_total += 1
         obj.pin_count += 1
         sid = s.session_id
         obj.pins[sid] = obj.pins.get(sid, 0) + 1
@@ -788,6 +834,7 @@ class ObjectStore:
             del obj.pins[sid]
             del s.pins[obj.object_id]
         obj.pin_count -= count
+        s.pin_total -= count
         if obj.pin_count == 0:
             self._became_unpinned(obj)
 

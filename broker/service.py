@@ -9,9 +9,11 @@ status codes; anything else is a bug and becomes INTERNAL with the exception's t
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator, Callable
 
 import grpc
+import structlog
 
 from broker.arena.base import Arena
 from broker.errors import BrokerError, Code
@@ -51,23 +53,39 @@ class ShuttingDown:
 
 
 def _unary(fn):
-    """Wrap a handler: refuse while draining, map BrokerError to a status."""
+    """Wrap a handler: refuse while draining, map BrokerError to a status, time and log it."""
+    method = fn.__name__
 
     async def handler(self: "MemoryBrokerService", request, context):
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is shutting down; retry on its successor")
+        t0 = time.perf_counter()
+        code = "OK"
+        structlog.contextvars.bind_contextvars(rpc=method)
         self.inflight += 1
         try:
+            if self.draining:
+                code = "UNAVAILABLE"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is shutting down; retry on its successor")
             return fn(self, request, context)
         except BrokerError as e:
+            code = e.code.value
+            self.log.info("rpc_refused", code=code, message=e.message)
             await context.abort(STATUS[e.code], e.message)
-        except Exception as e:  # a bug: say so instead of dropping the connection
-            self.log("rpc_internal_error", method=fn.__name__, error=repr(e))
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {e!r}")
+        except Exception as e:
+            if isinstance(e, asyncio.CancelledError) or type(e).__name__ == "AbortError":
+                raise
+            # A bug: say so instead of dropping the connection.
+            code = "INTERNAL"
+            self.log.error("rpc_internal_error", error=repr(e), exc_info=True)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {e!r}")
         finally:
             self.inflight -= 1
+            elapsed = time.perf_counter() - t0
+            if self.metrics is not None:
+                self.metrics.rpc_latency.record(elapsed, {"method": method, "code": code})
+            self.log.debug("rpc", code=code, ms=round(elapsed * 1e3, 3))
+            structlog.contextvars.unbind_contextvars("rpc", "session")
 
-    handler.__name__ = fn.__name__
+    handler.__name__ = method
     return handler
 
 
@@ -78,13 +96,17 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         sessions: SessionManager,
         arena: Arena,
         arena_info: Callable[[], pb.ArenaInfo],
-        log: Callable[..., None],
+        log,
+        metrics=None,
     ):
         self.store = store
         self.sessions = sessions
         self.arena = arena
         self.arena_info = arena_info
+        # A structlog logger; the RPC name and session are bound per call.
         self.log = log
+        # BrokerMetrics, or None when metrics are off.
+        self.metrics = metrics
         # Set on SIGTERM: new calls are refused with UNAVAILABLE.
         self.draining = False
         # Calls being handled now (the drain waits for them).
@@ -98,7 +120,18 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             if k == SESSION_METADATA:
                 token = v
                 break
-        return self.sessions.from_token(token).session_id
+        sid = self.sessions.from_token(token).session_id
+        structlog.contextvars.bind_contextvars(session=sid)
+        return sid
+
+    def _timed_alloc(self, fn, *args):
+        if self.metrics is None:
+            return fn(*args)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.metrics.allocation_latency.record(time.perf_counter() - t0)
 
     def _info(self, obj: Allocation, sid: int, dedup: bool = False) -> pb.ObjectInfo:
         return pb.ObjectInfo(
@@ -133,6 +166,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         if first.WhichOneof("msg") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Attach message must be hello")
         s = self.sessions.open(first.hello.client_name, first.hello.pid)
+        structlog.contextvars.bind_contextvars(session=s.session_id)
         reader = asyncio.ensure_future(self._read_client(request_iterator, s.session_id))
         try:
             yield pb.SessionEvent(
@@ -150,15 +184,22 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             self.sessions.close(s.session_id, "stream ended")
 
     async def _read_client(self, request_iterator, session_id: int) -> None:
-        """Detach or a half-closed stream ends the session; other messages are ignored."""
+        """Detach ends the session; other messages are ignored."""
+        detached = False
         try:
             async for msg in request_iterator:
                 if msg.WhichOneof("msg") == "detach":
+                    detached = True
                     break
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             return
         except Exception:
-            pass
+            return
+        else:
+            # A half-closed stream (grpcurl does this) keeps the session: only Detach or
+            # the stream's end closes it.
+            if not detached:
+                return
         self.sessions.close(session_id, "client detached")
 
     @staticmethod
@@ -182,14 +223,14 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def Allocate(self, request, context):
         sid = self._sid(context)
-        out = self.store.allocate(sid, self._specs(request.objects))
+        out = self._timed_alloc(self.store.allocate, sid, self._specs(request.objects))
         return pb.AllocateResponse(objects=[self._info(o, sid, d) for o, d in out])
 
     @_unary
     def Prepare(self, request, context):
         sid = self._sid(context)
-        t = self.store.prepare(
-            sid, self._specs(request.objects), list(request.pin_object_ids), request.lease_ms / 1000.0
+        t = self._timed_alloc(
+            self.store.prepare, sid, self._specs(request.objects), list(request.pin_object_ids), request.lease_ms / 1000.0
         )
         return pb.PrepareResponse(
             transaction_id=t.txn_id,

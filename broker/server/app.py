@@ -9,6 +9,8 @@ grace period, everything released, the socket lock dropped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import grp
 import os
 import signal
 import time
@@ -22,7 +24,10 @@ from broker.arena import ArenaGeometry, make_arena
 from broker.eviction import make_policy
 from broker.objects import ObjectStore, StoreConfig
 from broker.pool import PagePool, WindowSpace
+from broker.server.config import ConfigError, build_options, reload_changes
 from broker.server.lock import SocketLock
+from broker.server.metrics import BrokerMetrics
+from broker.server.notify import Notifier
 from broker.server.options import ServeOptions, format_size
 from broker.service import ArenaGrown, EchoService, MemoryBrokerService, ShuttingDown
 from broker.sessions.fd_channel import FdChannelServer
@@ -37,10 +42,14 @@ EXPIRY_TICK_S = 0.1
 
 
 class BrokerServer:
-    def __init__(self, opts: ServeOptions, log):
+    def __init__(self, opts: ServeOptions, log, overrides: dict | None = None):
         opts.validate()
         self.opts = opts
         self.log = log
+        # Flags given on the command line: a reload rereads the file but keeps these.
+        self.overrides = dict(overrides or {})
+        self.notifier = Notifier()
+        self.metrics: BrokerMetrics | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
@@ -57,6 +66,7 @@ class BrokerServer:
         except BaseException:
             await self._release()
             raise
+        self.notifier.ready(self.status_line())
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         opts = self.opts
@@ -85,12 +95,18 @@ class BrokerServer:
                 high_watermark=opts.high_watermark,
                 low_watermark=opts.low_watermark,
                 default_lease_s=opts.default_lease_s,
+                max_pins_per_session=opts.max_pins_per_session,
             ),
             notify=lambda sid, ev: self.sessions.notify(sid, ev),
         )
         self.watcher = PidWatcher(loop)
         self.sessions = SessionManager(self.store, self.watcher, log=self._log_event)
-        self.service = MemoryBrokerService(self.store, self.sessions, self.arena, self.arena_info, self._log_event)
+        if opts.metrics_port:
+            self.metrics = BrokerMetrics(self.arena.backend)
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_address)
+        self.service = MemoryBrokerService(
+            self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics
+        )
 
         self.fd_server = FdChannelServer(
             opts.fd_socket,
@@ -116,12 +132,19 @@ class BrokerServer:
         if opts.tcp_port:
             self.server.add_insecure_port(f"127.0.0.1:{opts.tcp_port}")
         await self.server.start()
+        self._set_socket_permissions()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.ensure_future(self._expire_leases()))
+        self._tasks.append(asyncio.ensure_future(self._status_loop()))
+        if self.notifier.watchdog_interval_s:
+            self._tasks.append(asyncio.ensure_future(self._watchdog_loop()))
         self.log.info(
             "serving",
+            instance=opts.instance or None,
             socket=opts.socket,
+            metrics=f"{opts.metrics_address}:{self.metrics_port}" if self.metrics else None,
+            config=opts.config_path,
             fd_socket=opts.fd_socket,
             tcp_port=opts.tcp_port or None,
             arena=self.arena.backend,
@@ -146,6 +169,80 @@ class BrokerServer:
             fd_socket_path=os.path.abspath(self.opts.fd_socket),
             placement=self.opts.placement,
         )
+
+    def _set_socket_permissions(self) -> None:
+        opts = self.opts
+        gid = grp.getgrnam(opts.socket_group).gr_gid if opts.socket_group else -1
+        for path in (opts.socket, opts.fd_socket):
+            if gid != -1:
+                os.chown(path, -1, gid)
+            if opts.socket_mode is not None:
+                os.chmod(path, opts.socket_mode)
+
+    def status_line(self) -> str:
+        st = self.store.stats()
+        return (
+            f"{st['used_pages']}/{st['max_pages']} pages used ({st['utilization']:.0%}), "
+            f"{st['pinned_pages']} pinned, {st['sessions']} sessions, {st['evicted_pages']} pages evicted"
+        )
+
+    def _refresh(self) -> None:
+        st = self.store.stats()
+        if self.metrics is not None:
+            st["pin_contention"] = self.store.counters.pin_contention
+            from broker.eviction import ContentType
+
+            st["by_content_named"] = {ContentType(ct).name.lower(): v for ct, v in st["by_content"].items()}
+            self.metrics.snapshot = st
+
+    async def _status_loop(self) -> None:
+        """STATUS lines for systemd and fresh metric snapshots, every status_interval_s."""
+        last = ""
+        while True:
+            try:
+                self._refresh()
+                line = self.status_line()
+                if line != last:
+                    self.notifier.status(line)
+                    last = line
+            except Exception as e:
+                self.log.error("status_refresh_failed", error=repr(e))
+            await asyncio.sleep(self.opts.status_interval_s)
+
+    async def _watchdog_loop(self) -> None:
+        # Pinged from the loop itself: if the loop wedges, the pings stop.
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_interval_s)
+
+    async def reload(self) -> None:
+        """SIGHUP: reread the config file, apply what can change at run time."""
+        self.notifier.reloading()
+        try:
+            new = build_options(self.opts.config_path, self.overrides)
+            new.config_path = self.opts.config_path
+        except ConfigError as e:
+            self.log.error("reload_refused", error=str(e))
+            self.notifier.send("READY=1", f"STATUS=reload refused: {e}")
+            return
+        apply, restart = reload_changes(self.opts, new)
+        if "high_watermark" in apply or "low_watermark" in apply:
+            self.store.set_watermarks(new.high_watermark, new.low_watermark)
+        if "default_lease_s" in apply:
+            self.store.config.default_lease_s = new.default_lease_s
+        if "max_pins_per_session" in apply:
+            self.store.config.max_pins_per_session = new.max_pins_per_session
+        if "allowed_uids" in apply:
+            self.fd_server.allowed_uids = new.effective_uids()
+        if "log_level" in apply:
+            from broker.server.logs import configure
+
+            self.log = configure(new.log_level)
+            self.service.log = self.log
+        kept = {f: getattr(self.opts, f) for f in restart}
+        self.opts = dataclasses.replace(new, **kept)
+        self.log.info("reloaded", applied=apply, needs_restart=restart)
+        self.notifier.send("READY=1", f"STATUS=reloaded; {self.status_line()}")
 
     def _grow(self, slabs: int) -> None:
         t0 = time.perf_counter()
@@ -174,6 +271,13 @@ class BrokerServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(self.stop(f"signal {s.name}")))
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self._logged(self.reload(), "reload")))
+
+    async def _logged(self, coro, what: str) -> None:
+        try:
+            await coro
+        except Exception as e:  # a failed reload must not go unnoticed, nor stop the broker
+            self.log.error(f"{what}_failed", error=repr(e), exc_info=True)
 
     async def stop(self, reason: str = "stop") -> None:
         """Drain and release everything. Idempotent."""
@@ -181,6 +285,7 @@ class BrokerServer:
             await self._stopped.wait()
             return
         self._stopping = True
+        self.notifier.stopping(f"draining: {reason}")
         self.log.info("draining", reason=reason, grace_s=self.opts.grace_s)
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
@@ -205,6 +310,9 @@ class BrokerServer:
             self.watcher.close()
         if getattr(self, "arena", None) is not None:
             self.arena.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.notifier.close()
         if os.path.exists(self.opts.socket):
             try:
                 os.unlink(self.opts.socket)
@@ -216,9 +324,9 @@ class BrokerServer:
         await self._stopped.wait()
 
 
-async def serve(opts: ServeOptions, log) -> None:
+async def serve(opts: ServeOptions, log, overrides: dict | None = None) -> None:
     """Run a broker until a signal stops it."""
-    server = BrokerServer(opts, log)
+    server = BrokerServer(opts, log, overrides)
     await server.start()
     server.install_signal_handlers()
     await server.wait()

@@ -15,6 +15,9 @@ def configure(level: str = "info") -> structlog.typing.FilteringBoundLogger:
     lvl = getattr(logging, level.upper(), None)
     if not isinstance(lvl, int):
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
+    # One line per event, promptly: stdout is a pipe to journald (or a file), not a tty.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

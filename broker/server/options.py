@@ -69,6 +69,20 @@ class ServeOptions:
     # Seconds SIGTERM waits for in-flight calls.
     grace_s: float = 10.0
     log_level: str = "info"
+    # Most pins one session may hold at once (0 = no limit).
+    max_pins_per_session: int = 0
+    # Permissions for the two sockets (None: follow the umask) and their group (engines').
+    socket_mode: int | None = None
+    socket_group: str | None = None
+    # Prometheus endpoint (0 = off).
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
+    # How often STATUS lines and metric snapshots are refreshed.
+    status_interval_s: float = 1.0
+    # Name of this broker (the systemd instance, e.g. a GPU index or UUID); in logs.
+    instance: str = ""
+    # The YAML file the options came from (SIGHUP rereads it).
+    config_path: str | None = None
 
     @property
     def fd_socket(self) -> str:
@@ -94,9 +108,11 @@ class ServeOptions:
             raise ValueError(f"window_factor: {self.window_factor}; must be 1..64")
         if self.placement not in ("best_fit", "first_fit"):
             raise ValueError(f"placement: {self.placement!r}; must be best_fit or first_fit")
-        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"high_watermark: {self.high_watermark}; must be in (0, 1]")
+        if not 0.0 < self.low_watermark <= self.high_watermark:
             raise ValueError(
-                f"low_watermark/high_watermark: {self.low_watermark}/{self.high_watermark}; need 0 < low <= high <= 1"
+                f"low_watermark: {self.low_watermark}; must be in (0, high_watermark={self.high_watermark}]"
             )
         if not 0 < self.default_lease_s <= 600:
             raise ValueError(f"default_lease_s: {self.default_lease_s}; must be in (0, 600]")
@@ -106,3 +122,16 @@ class ServeOptions:
             raise ValueError(f"socket: {self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)")
         if self.grace_s < 0:
             raise ValueError(f"grace_s: {self.grace_s}; must be >= 0")
+        if self.max_pins_per_session < 0:
+            raise ValueError(f"max_pins_per_session: {self.max_pins_per_session}; must be >= 0 (0 = no limit)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: {self.metrics_port}; must be 0..65535")
+        if not 0.05 <= self.status_interval_s <= 3600:
+            raise ValueError(f"status_interval_s: {self.status_interval_s}; must be 0.05..3600 seconds")
+        if self.socket_group is not None:
+            import grp
+
+            try:
+                grp.getgrnam(self.socket_group)
+            except KeyError:
+                raise ValueError(f"socket_group: no group named {self.socket_group!r} on this machine") from None

@@ -1,0 +1,199 @@
+"""The YAML configuration file (shaped like the ADR's section 12) and how it maps to options.
+
+Every key has one place in ``ServeOptions``; unknown keys and bad values are refused with a
+message naming the key (``memory_pool.eviction.high_watermark: ...``). Flags override the
+file. ``RELOADABLE`` lists what SIGHUP may change while the broker runs; the rest needs a
+restart, and a reload that changes it says so and keeps the running value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from typing import Any, Callable
+
+import yaml
+
+from broker.server.options import ServeOptions, parse_size
+
+
+class ConfigError(ValueError):
+    """A configuration file or value that cannot be used; the message names the key."""
+
+
+def parse_duration(text: Any, key: str) -> float:
+    """'30s', '100ms', '2m', or a number of seconds."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{key}: expected a duration like 30s or 100ms, got {text!r}")
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(text))
+    if not m:
+        raise ConfigError(f"{key}: cannot read {text!r} as a duration; write e.g. 30s, 100ms, 2m")
+    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}[m.group(2)]
+
+
+def _size(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ConfigError(f"{key}: expected a size like 2MiB or a number of bytes, got {v!r}")
+    try:
+        return parse_size(v, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _int(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{key}: expected an integer, got {v!r}")
+    return v
+
+
+def _float(v: Any, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {v!r}")
+    return float(v)
+
+
+def _str(v: Any, key: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{key}: expected a non-empty string, got {v!r}")
+    return v
+
+
+def _choice(*choices: str) -> Callable[[Any, str], str]:
+    def parse(v: Any, key: str) -> str:
+        if v not in choices:
+            raise ConfigError(f"{key}: {v!r} is not one of {', '.join(choices)}")
+        return v
+
+    return parse
+
+
+def _uids(v: Any, key: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in v):
+        raise ConfigError(f"{key}: expected a list of uids (non-negative integers), got {v!r}")
+    return tuple(v)
+
+
+def _mode(v: Any, key: str) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        # YAML reads 0660 as octal-looking decimal 660 only if quoted oddly; accept ints < 0o1000.
+        if 0 <= v < 0o1000:
+            return v
+    if isinstance(v, str) and re.fullmatch(r"0?[0-7]{3}", v):
+        return int(v, 8)
+    raise ConfigError(f"{key}: expected a file mode like \"0660\", got {v!r}")
+
+
+# key -> (ServeOptions field, parser). total_pages is handled specially (needs page_size).
+SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
+    "memory_pool.page_size": ("page_size", _size),
+    "memory_pool.pool_size": ("pool_size", _size),
+    "memory_pool.total_pages": ("_total_pages", _int),
+    "memory_pool.slab_size": ("slab_size", _size),
+    "memory_pool.preallocate": ("preallocate", _size),
+    "memory_pool.window_factor": ("window_factor", _int),
+    "memory_pool.allocation_strategy": ("placement", _choice("best_fit", "first_fit")),
+    "memory_pool.eviction.policy": ("eviction_policy", _choice("lru_size_aware", "lru")),
+    "memory_pool.eviction.high_watermark": ("high_watermark", _float),
+    "memory_pool.eviction.low_watermark": ("low_watermark", _float),
+    "memory_pool.pinning.max_pins_per_session": ("max_pins_per_session", _int),
+    "memory_pool.transactions.default_lease": ("default_lease_s", parse_duration),
+    "arena.backend": ("arena", _choice("auto", "host", "cuda")),
+    "listeners.socket": ("socket", _str),
+    "listeners.tcp_port": ("tcp_port", _int),
+    "listeners.socket_mode": ("socket_mode", _mode),
+    "listeners.socket_group": ("socket_group", _str),
+    "listeners.metrics_port": ("metrics_port", _int),
+    "listeners.metrics_address": ("metrics_address", _str),
+    "security.allowed_uids": ("allowed_uids", _uids),
+    "state_dir": ("state_dir", _str),
+    "logging.level": ("log_level", _choice("debug", "info", "warning", "error")),
+    "shutdown.grace": ("grace_s", parse_duration),
+    "status_interval": ("status_interval_s", parse_duration),
+}
+
+# Options SIGHUP may change in a running broker.
+RELOADABLE = frozenset({
+    "high_watermark", "low_watermark", "default_lease_s", "allowed_uids", "log_level",
+    "max_pins_per_session", "grace_s", "status_interval_s",
+})  # fmt: skip
+
+
+def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{prefix or 'top level'}: key {k!r} is not a string")
+            key = f"{prefix}.{k}" if prefix else k
+            is_section = key not in SCHEMA and any(k.startswith(key + ".") for k in SCHEMA)
+            if is_section and v is None:
+                continue  # a section whose keys are all commented out
+            if is_section and not isinstance(v, dict):
+                raise ConfigError(f"{key}: expected a mapping of keys, got {type(v).__name__}")
+            if isinstance(v, dict):
+                if key in SCHEMA:
+                    raise ConfigError(f"{key}: expected a value, got a mapping")
+                _flatten(v, key, out)
+            else:
+                out[key] = v
+    else:
+        raise ConfigError(f"{prefix or 'the file'}: expected a mapping of keys, got {type(node).__name__}")
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """Read a YAML file into ``{ServeOptions field: value}``. Raises ConfigError."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if raw is None:
+        return {}
+    flat: dict[str, Any] = {}
+    _flatten(raw, "", flat)
+    values: dict[str, Any] = {}
+    for key, v in flat.items():
+        if key not in SCHEMA:
+            near = difflib.get_close_matches(key, SCHEMA.keys(), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else f"; known keys: {', '.join(sorted(SCHEMA))}"
+            raise ConfigError(f"{key}: unknown key in {path}{hint}")
+        field_name, parse = SCHEMA[key]
+        values[field_name] = parse(v, key)
+    if "_total_pages" in values:
+        if "pool_size" in values:
+            raise ConfigError("memory_pool.total_pages: give total_pages or pool_size, not both")
+        values["pool_size"] = values.pop("_total_pages") * values.get("page_size", ServeOptions().page_size)
+    return values
+
+
+def build_options(config_path: str | None, overrides: dict[str, Any]) -> ServeOptions:
+    """Defaults, then the file, then flags (``overrides``: only flags given). Validated."""
+    values: dict[str, Any] = load_config(config_path) if config_path else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    opts = ServeOptions(**values)
+    try:
+        opts.validate()
+    except ValueError as e:
+        # Say which config key the bad option came from.
+        msg = str(e)
+        field_name = msg.split(":", 1)[0]
+        keys = [k for k, (f, _) in SCHEMA.items() if f == field_name]
+        if keys and field_name not in overrides:
+            raise ConfigError(f"{keys[0]} ({msg})") from None
+        raise ConfigError(msg) from None
+    return opts
+
+
+def reload_changes(running: ServeOptions, new: ServeOptions) -> tuple[dict[str, Any], list[str]]:
+    """What a reload may apply now, and the fields that changed but need a restart."""
+    apply: dict[str, Any] = {}
+    restart: list[str] = []
+    for f in dataclasses.fields(ServeOptions):
+        old, cur = getattr(running, f.name), getattr(new, f.name)
+        if old != cur:
+            (apply.__setitem__(f.name, cur) if f.name in RELOADABLE else restart.append(f.name))
+    return apply, restart

@@ -1,0 +1,119 @@
+"""OpenTelemetry instruments exported on a Prometheus endpoint.
+
+Gauges and cumulative counters are read from a snapshot of the core's stats that the event
+loop refreshes (the scrape runs on the exporter's HTTP thread and must not walk the core's
+dicts while the loop changes them). Latencies are recorded where they happen, on the loop.
+Histogram buckets are in seconds and start at a microsecond: the defaults assume
+milliseconds and would put every allocation in the first bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+PREFIX = "memory_broker"
+
+# 1 us .. 2.5 s, roughly x2.5 per step.
+LATENCY_BUCKETS_S = (
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+    1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+POOL_STATES = ("free", "used", "prepared", "pinned", "evictable")
+
+
+class BrokerMetrics:
+    """The broker's instruments. ``snapshot`` is replaced wholesale by the loop."""
+
+    def __init__(self, backend: str):
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry()
+        reader = PrometheusMetricReader(disable_target_info=True, registry=self.registry)
+        views = [
+            View(instrument_name=f"{PREFIX}_allocation_latency_seconds",
+                 aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S)),
+            View(instrument_name=f"{PREFIX}_rpc_latency_seconds",
+                 aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S)),
+        ]  # fmt: skip
+        self.provider = MeterProvider(metric_readers=[reader], views=views, shutdown_on_exit=False)
+        meter = self.provider.get_meter("memory-broker")
+        self.backend = backend
+        self.snapshot: dict = {}
+        self.adapter_snapshot: dict = {}
+        self._http = None
+
+        def gauge(name: str, desc: str, fn: Callable[[dict], list[Observation]]):
+            meter.create_observable_gauge(f"{PREFIX}_{name}", callbacks=[self._cb(fn)], description=desc)
+
+        def counter(name: str, desc: str, fn: Callable[[dict], list[Observation]]):
+            meter.create_observable_counter(f"{PREFIX}_{name}", callbacks=[self._cb(fn)], description=desc)
+
+        s = lambda key: (lambda st: [Observation(st[key])] if key in st else [])  # noqa: E731
+        gauge("pool_utilization", "used pages / most pages the arena may hold", s("utilization"))
+        gauge("pool_pages", "pages by state", lambda st: [
+            Observation(st[f"{k}_pages"], {"state": k}) for k in POOL_STATES if f"{k}_pages" in st])
+        gauge("pool_max_pages", "most pages the arena may hold", s("max_pages"))
+        gauge("pool_capacity_pages", "pages backed by slabs now", s("capacity_pages"))
+        gauge("eviction_active", "1 between crossing the high watermark and reaching the low one",
+              lambda st: [Observation(int(st["eviction_active"]))] if "eviction_active" in st else [])
+        gauge("window_fragmentation_ratio", "1 - largest free window extent / free window pages",
+              s("window_fragmentation"))
+        gauge("objects", "allocations by content type", lambda st: [
+            Observation(n, {"content_type": ct}) for ct, (n, _) in st.get("by_content_named", {}).items()])
+        gauge("sessions_active", "open sessions", s("sessions"))
+        gauge("transactions_open", "prepared transactions not yet committed or aborted", s("open_transactions"))
+        counter("evicted_pages_total", "pages evicted", s("evicted_pages"))
+        counter("evicted_objects_total", "objects evicted", s("evicted_objects"))
+        counter("eviction_runs_total", "watermark eviction runs", s("eviction_runs"))
+        counter("allocations_total", "objects allocated", s("allocations_total"))
+        counter("allocation_failures_total", "allocation batches refused for lack of room", s("allocation_failures"))
+        counter("deduplicated_total", "commits that found their key present", s("deduplicated_total"))
+        counter("pin_contention_total", "pins taken on objects another session already pinned",
+                s("pin_contention"))
+        # Adapter figures (present once the adapter manager reports them).
+        a = lambda key: (lambda _st: [  # noqa: E731
+            Observation(v, {"tier": t}) for t, v in self.adapter_snapshot.get(key, {}).items()])
+        meter.create_observable_counter(f"{PREFIX}_adapter_hits_total", callbacks=[a("hits")],
+                                        description="adapter acquires served from a tier")
+        meter.create_observable_counter(f"{PREFIX}_adapter_loads_total", callbacks=[a("loads")],
+                                        description="adapter loads into a tier")
+        meter.create_observable_gauge(f"{PREFIX}_adapters_resident", callbacks=[a("resident")],
+                                      description="adapters resident per tier")
+        meter.create_observable_gauge(
+            f"{PREFIX}_adapter_hit_ratio",
+            callbacks=[lambda _o: [Observation(self.adapter_snapshot["hit_rate"])]
+                       if "hit_rate" in self.adapter_snapshot else []],
+            description="share of adapter acquires that found the adapter hot")  # fmt: skip
+        self.allocation_latency = meter.create_histogram(
+            f"{PREFIX}_allocation_latency_seconds", unit="s", description="time to serve an Allocate or Prepare in the core"
+        )
+        self.rpc_latency = meter.create_histogram(
+            f"{PREFIX}_rpc_latency_seconds", unit="s", description="time to handle an RPC, by method and status"
+        )
+
+    def _cb(self, fn):
+        def callback(options: CallbackOptions):
+            snap = self.snapshot
+            return fn(snap) if snap else []
+
+        return callback
+
+    def serve(self, port: int, address: str = "127.0.0.1") -> int:
+        """Start the Prometheus HTTP endpoint; returns the bound port."""
+        from prometheus_client import start_http_server
+
+        self._http, _thread = start_http_server(port, addr=address, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        self.provider.shutdown()

@@ -1,0 +1,248 @@
+"""PagePool and WindowSpace: which physical page is free, and where contiguous ranges sit."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.pool import FREE, PagePool, WindowSpace
+
+
+def make_pool(max_pages=16, pages_per_slab=4, capacity_pages=0, grow=None) -> PagePool:
+    return PagePool(max_pages, pages_per_slab, capacity_pages, grow or (lambda n: None))
+
+
+class GrowLog:
+    """A fake arena: records every grow call."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[int] = []
+        self.fail = fail
+
+    def __call__(self, slabs: int) -> None:
+        self.calls.append(slabs)
+        if self.fail:
+            raise MemoryError("device out of memory")
+
+
+# ------------------------------------------------------------------ PagePool
+
+
+def test_fresh_pool_hands_out_low_pages_first():
+    pool = make_pool(capacity_pages=8)
+    assert pool.take([1, 2], [3, 2]) == [[0, 1, 2], [3, 4]]
+
+
+def test_take_records_owner_of_each_page_in_page_table():
+    pool = make_pool(capacity_pages=8)
+    pool.take([7, 9], [2, 1])
+    assert list(pool.owner[:4]) == [7, 7, 9, FREE]
+
+
+def test_take_updates_free_and_used_counts():
+    pool = make_pool(max_pages=16, capacity_pages=8)
+    pool.take([1], [3])
+    assert (pool.used_pages, pool.free_in_capacity, pool.free_pages) == (3, 5, 13)
+
+
+def test_free_pages_counts_capacity_not_yet_grown():
+    pool = make_pool(max_pages=16, capacity_pages=4)
+    assert pool.free_pages == 16
+    assert pool.free_in_capacity == 4
+
+
+def test_give_back_then_take_reuses_the_returned_pages():
+    pool = make_pool(capacity_pages=8)
+    pool.take([1, 2, 3], [2, 2, 2])  # 0,1 | 2,3 | 4,5
+    pool.give_back([2, 3])
+    assert pool.take([4], [2]) == [[2, 3]]
+
+
+def test_give_back_marks_pages_free_in_page_table():
+    pool = make_pool(capacity_pages=4)
+    (pages,) = pool.take([5], [3])
+    pool.give_back(pages)
+    assert list(pool.owner) == [FREE] * 4
+    assert sorted(pool.free_page_list()) == [0, 1, 2, 3]
+    assert pool.used_pages == 0
+
+
+def test_take_of_zero_pages_takes_nothing():
+    pool = make_pool(capacity_pages=4)
+    assert pool.take([1], [0]) == [[]]
+    assert pool.free_in_capacity == 4
+
+
+def test_free_page_list_is_a_copy():
+    pool = make_pool(capacity_pages=4)
+    pool.free_page_list().clear()
+    assert pool.free_in_capacity == 4
+
+
+def test_grow_is_called_with_the_slab_count_and_extends_capacity():
+    log = GrowLog()
+    pool = make_pool(max_pages=16, pages_per_slab=4, grow=log)
+    pool.grow(2)
+    assert log.calls == [2]
+    assert pool.capacity_pages == 8
+    assert pool.free_in_capacity == 8
+    assert len(pool.owner) == 8
+
+
+def test_grown_pages_are_handed_out_after_older_free_pages_low_first():
+    pool = make_pool(max_pages=16, pages_per_slab=4, capacity_pages=4)
+    pool.take([1], [4])
+    pool.give_back([2])
+    pool.grow(1)
+    assert pool.take([2], [3]) == [[2, 4, 5]]
+
+
+def test_grow_past_max_pages_raises_memory_error_with_numbers_and_does_not_call_backend():
+    log = GrowLog()
+    pool = make_pool(max_pages=16, pages_per_slab=4, capacity_pages=12, grow=log)
+    with pytest.raises(MemoryError, match=r"20 pages.*maximum is 16"):
+        pool.grow(2)
+    assert log.calls == []
+    assert pool.capacity_pages == 12
+    assert pool.free_in_capacity == 12
+
+
+def test_grow_up_to_exactly_max_pages_succeeds():
+    pool = make_pool(max_pages=16, pages_per_slab=4, capacity_pages=12)
+    pool.grow(1)
+    assert pool.capacity_pages == 16
+    assert pool.free_pages == 16
+
+
+def test_backend_failure_to_grow_leaves_pool_unchanged():
+    log = GrowLog(fail=True)
+    pool = make_pool(max_pages=16, pages_per_slab=4, capacity_pages=4, grow=log)
+    with pytest.raises(MemoryError):
+        pool.grow(1)
+    assert log.calls == [1]
+    assert pool.capacity_pages == 4
+    assert pool.free_page_list() == [3, 2, 1, 0]
+    assert len(pool.owner) == 4
+
+
+def test_used_plus_free_is_always_max_pages():
+    pool = make_pool(max_pages=16, pages_per_slab=4, capacity_pages=4)
+    pool.take([1], [3])
+    pool.grow(1)
+    pool.take([2], [4])
+    assert pool.used_pages + pool.free_pages == 16
+    assert pool.used_pages == 7
+
+
+# --------------------------------------------------------------- WindowSpace
+
+
+def test_window_rejects_unknown_placement():
+    with pytest.raises(ValueError, match="placement"):
+        WindowSpace(16, "worst_fit")
+
+
+def test_fresh_window_places_from_zero():
+    w = WindowSpace(16)
+    assert w.place(4) == 0
+    assert w.place(3) == 4
+    assert w.extents() == [(7, 9)]
+
+
+def fragmented(placement: str) -> WindowSpace:
+    """A 32-page window whose free extents are (0,5), (9,3), (16,4), (24,8)."""
+    w = WindowSpace(32, placement)
+    assert w.place(32) == 0
+    for start, count in ((0, 5), (9, 3), (16, 4), (24, 8)):
+        w.release(start, count)
+    assert w.extents() == [(0, 5), (9, 3), (16, 4), (24, 8)]
+    return w
+
+
+def test_best_fit_picks_the_smallest_extent_that_fits():
+    w = fragmented("best_fit")
+    assert w.place(4) == 16
+    assert w.extents() == [(0, 5), (9, 3), (24, 8)]
+
+
+def test_best_fit_takes_the_front_of_a_larger_extent():
+    w = fragmented("best_fit")
+    assert w.place(6) == 24
+    assert w.extents() == [(0, 5), (9, 3), (16, 4), (30, 2)]
+
+
+def test_first_fit_picks_the_lowest_extent_that_fits():
+    w = fragmented("first_fit")
+    assert w.place(4) == 0
+    assert w.extents() == [(4, 1), (9, 3), (16, 4), (24, 8)]
+
+
+def test_first_fit_skips_extents_too_small():
+    w = fragmented("first_fit")
+    assert w.place(6) == 24
+
+
+def test_place_returns_minus_one_when_no_extent_fits_and_changes_nothing():
+    w = fragmented("best_fit")
+    before = w.extents()
+    assert w.place(9) == -1
+    assert w.extents() == before
+    assert w.free_pages == 20
+
+
+def test_place_larger_than_window_returns_minus_one():
+    w = WindowSpace(8)
+    assert w.place(9) == -1
+    assert w.extents() == [(0, 8)]
+
+
+def test_release_coalesces_with_both_neighbours():
+    w = WindowSpace(12)
+    a, b, c = w.place(4), w.place(4), w.place(4)
+    w.release(a, 4)
+    w.release(c, 4)
+    assert w.free_extents == 2
+    w.release(b, 4)
+    assert w.extents() == [(0, 12)]
+
+
+def test_release_coalesces_with_previous_neighbour_only():
+    w = WindowSpace(12)
+    a, b, _ = w.place(4), w.place(4), w.place(4)
+    w.release(a, 4)
+    w.release(b, 4)
+    assert w.extents() == [(0, 8)]
+
+
+def test_release_coalesces_with_next_neighbour_only():
+    w = WindowSpace(12)
+    _, b, c = w.place(4), w.place(4), w.place(4)
+    w.release(c, 4)
+    w.release(b, 4)
+    assert w.extents() == [(4, 8)]
+
+
+def test_release_between_used_ranges_makes_a_separate_extent():
+    w = WindowSpace(12)
+    _, b, _ = w.place(4), w.place(4), w.place(4)
+    w.release(b, 4)
+    assert w.extents() == [(4, 4)]
+
+
+def test_release_twice_is_caught():
+    w = WindowSpace(12)
+    a = w.place(4)
+    w.place(4)
+    w.release(a, 4)
+    with pytest.raises(AssertionError, match="twice"):
+        w.release(a, 4)
+
+
+def test_window_size_summaries():
+    w = fragmented("best_fit")
+    assert (w.free_pages, w.free_extents, w.largest_free) == (20, 4, 8)
+
+
+def test_empty_window_has_no_extents():
+    w = WindowSpace(0)
+    assert w.place(1) == -1
+    assert (w.free_pages, w.free_extents, w.largest_free) == (0, 0, 0)
