@@ -24,6 +24,8 @@ from broker.eviction import ContentType, EvictionPolicy, PriorityLRU
 from broker.pool import FREE, PagePool, WindowSpace
 
 VALID_CONTENT = frozenset(int(c) for c in ContentType)
+# int -> ContentType without the enum constructor's cost on the hot path.
+_CONTENT = {int(c): c for c in ContentType}
 
 
 class ObjectState(IntEnum):
@@ -67,6 +69,8 @@ class Allocation:
     # First window page of a contiguous object, or -1.
     window_page: int
     state: ObjectState
+    # len(pages): read on every policy update, so stored rather than computed.
+    num_pages: int
     # Open transaction holding the object while PREPARED, else 0.
     txn_id: int = 0
     # Pin counts per session id; pin_count is their sum.
@@ -74,10 +78,6 @@ class Allocation:
     pin_count: int = 0
     # Freed by its owner while other sessions pinned it: pages return with the last pin.
     freed: bool = False
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.pages)
 
 
 @dataclass(slots=True, eq=False)
@@ -198,8 +198,9 @@ class ObjectStore:
         self.sessions: dict[int, SessionState] = {}
         self.open_txns: dict[int, Transaction] = {}
         self._finished_txns: OrderedDict[int, Transaction] = OrderedDict()
-        # Why an object id is gone ("evicted" / "freed"), for messages.
-        self._gone: OrderedDict[int, str] = OrderedDict()
+        # Why an object id is gone ("evicted" / "freed"), for messages; insertion-ordered,
+        # oldest dropped first.
+        self._gone: dict[int, str] = {}
         self._object_ids = itertools.count(1)
         self._txn_ids = itertools.count(1)
         self._session_ids = itertools.count(1)
@@ -250,14 +251,21 @@ class ObjectStore:
         """
         s = self._session(session)
         self._check_batch(len(specs), "objects")
-        self._check_specs(specs)
+        total, has_keys = self._check_specs(specs)
         if self.config.max_pins_per_session:
             self._check_pin_limit(s, sum(1 for sp in specs if sp.pin))
+        if not has_keys:
+            # The common case: nothing to deduplicate.
+            new = self._reserve(s, specs, (), total)
+            publish = self._publish
+            return [publish(s, obj, sp.pin) for obj, sp in zip(new, specs)]
         # Keys already committed need no pages: they resolve to the existing object,
         # which must not be evicted to make room for the rest of the batch.
         existing = [self.keys.get(sp.key) if sp.key is not None else None for sp in specs]
         fresh = [sp for sp, e in zip(specs, existing) if e is None]
-        new = self._reserve(s, fresh, exclude={e.object_id for e in existing if e is not None})
+        new = self._reserve(
+            s, fresh, {e.object_id for e in existing if e is not None}, sum(sp.num_pages for sp in fresh)
+        )
         it = iter(new)
         out: list[tuple[Allocation, bool]] = []
         for sp, e in zip(specs, existing):
@@ -286,10 +294,10 @@ class ObjectStore:
             lease_s = self.config.default_lease_s
         if not 0 < lease_s <= self.config.max_lease_s:
             raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {self.config.max_lease_s:g} s")
-        self._check_specs(specs)
+        total, _ = self._check_specs(specs)
         to_pin = [self._pinnable(session, oid) for oid in pin_ids]
         self._check_pin_limit(s, len(to_pin) + sum(1 for sp in specs if sp.pin))
-        new = self._reserve(s, specs, exclude={o.object_id for o in to_pin})
+        new = self._reserve(s, specs, {o.object_id for o in to_pin}, total)
         for obj in to_pin:
             self._pin(s, obj)
         txn_id = next(self._txn_ids)
@@ -372,7 +380,8 @@ class ObjectStore:
         other sessions' pins go)."""
         s = self._session(session)
         self._check_batch(len(object_ids), "object_ids")
-        self._check_unique(object_ids, "object_ids")
+        if len(object_ids) > 1:
+            self._check_unique(object_ids, "object_ids")
         objs = []
         for oid in object_ids:
             obj = self._visible(session, oid)
@@ -581,7 +590,8 @@ class ObjectStore:
         if len(key) > self.config.max_key_bytes:
             raise invalid(f"{where} is {len(key)} bytes; keys are at most {self.config.max_key_bytes}")
 
-    def _check_specs(self, specs: Sequence[Spec]) -> None:
+    def _check_specs(self, specs: Sequence[Spec]) -> tuple[int, bool]:
+        """Validate a batch of specs; returns (total pages, whether any spec has a key)."""
         max_pages = self.pool.max_pages
         total = 0
         keys: set[bytes] = set()
@@ -602,14 +612,12 @@ class ObjectStore:
             total += n
         if total > max_pages:
             raise exhausted(f"batch needs {total} pages; the arena holds at most {max_pages}")
+        return total, bool(keys)
 
-    def _reserve(self, s: SessionState, specs: Sequence[Spec], exclude) -> list[Allocation]:
-        """Place and take pages for specs as PREPARED objects owned by ``s``."""
+    def _reserve(self, s: SessionState, specs: Sequence[Spec], exclude, total: int) -> list[Allocation]:
+        """Place and take ``total`` pages for specs as PREPARED objects owned by ``s``."""
         if not specs:
             return []
-        total = 0
-        for sp in specs:
-            total += sp.num_pages
         # Window placement first: it can be undone without a trace.
         window_pages: list[int] = []
         for sp in specs:
@@ -632,9 +640,8 @@ class ObjectStore:
                 self.window.release(w, sp.num_pages)
             self.counters.allocation_failures += 1
             raise
-        first = next(self._object_ids)
-        ids = [first]
-        ids.extend(next(self._object_ids) for _ in range(len(specs) - 1))
+        next_id = self._object_ids.__next__
+        ids = [next_id() for _ in specs]
         page_lists = self.pool.take(ids, [sp.num_pages for sp in specs])
         wit = iter(window_pages)
         out = []
@@ -644,11 +651,12 @@ class ObjectStore:
             obj = Allocation(
                 oid,
                 sid,
-                ContentType(sp.content_type),
+                _CONTENT[sp.content_type],
                 sp.key,
                 pages,
                 next(wit) if sp.contiguous else -1,
                 ObjectState.PREPARED,
+                sp.num_pages,
             )
             objects[oid] = obj
             s.owned.add(oid)
@@ -663,6 +671,13 @@ class ObjectStore:
         the pages about to be taken), then whatever the request itself still needs.
         """
         pool = self.pool
+        if (
+            not exclude
+            and not self.eviction_active
+            and total <= pool.free_in_capacity
+            and pool.used_pages + total <= self._high_pages
+        ):
+            return  # fast path: room within capacity and under the high watermark
         policy = self.policy
         excluded_pages = sum(
             self.objects[o].num_pages for o in exclude if self._is_evictable(self.objects[o])
@@ -799,9 +814,15 @@ class ObjectStore:
 
     def _check_pin_limit(self, s: SessionState, adding: int) -> None:
         limit = self.config.max_pins_per_session
-        if limit and adding and s.pin_total + adding > limit:
+        if not (limit and adding):
+            return
+        # Pins promised to open transactions (ObjectSpec.pin) are taken at commit, which does
+        # not check the limit again: they count as held until the transaction ends.
+        promised = sum(sum(self.open_txns[t].pin_on_commit) for t in s.txns)
+        if s.pin_total + promised + adding > limit:
+            held = f"{s.pin_total} pins" + (f" (and {promised} promised to open transactions)" if promised else "")
             raise exhausted(
-                f"session {s.session_id} holds {s.pin_total} pins and this call adds {adding}; "
+                f"session {s.session_id} holds {held} and this call adds {adding}; "
                 f"the limit is {limit} (max_pins_per_session): unpin first"
             )
 
@@ -871,7 +892,7 @@ class ObjectStore:
         gone = self._gone
         gone[oid] = why
         if len(gone) > self.config.remember:
-            gone.popitem(last=False)
+            del gone[next(iter(gone))]
 
     def _rollback(self, t: Transaction, state: TxnState) -> int:
         s = self.sessions.get(t.session)

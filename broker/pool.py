@@ -66,8 +66,13 @@ class PagePool:
         The caller has made sure enough pages are free within capacity (``grow`` first).
         """
         free = self._free
-        assert sum(sizes) <= len(free), "take() without enough free pages within capacity"
         owner = self.owner
+        if len(sizes) == 1 and sizes[0] == 1:
+            # The most common request: one page.
+            p = free.pop()
+            owner[p] = owner_ids[0]
+            return [[p]]
+        assert sum(sizes) <= len(free), "take() without enough free pages within capacity"
         out: list[list[int]] = []
         for oid, n in zip(owner_ids, sizes):
             # Not free[-n:]: for n == 0 that slice is the whole free list.
@@ -83,6 +88,11 @@ class PagePool:
     def give_back(self, pages: list[int]) -> None:
         """Return pages to the free stack."""
         owner = self.owner
+        if len(pages) == 1:
+            p = pages[0]
+            owner[p] = FREE
+            self._free.append(p)
+            return
         for p in pages:
             owner[p] = FREE
         self._free.extend(reversed(pages))
