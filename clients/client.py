@@ -224,11 +224,12 @@ class BrokerClient:
     # ------------------------------------------------------------- mapping
 
     def _make_view(self):
-        if self.arena.backend != "host":
-            raise BrokerError(Code.FAILED_PRECONDITION, f"this client cannot map a {self.arena.backend!r} arena")
-        from broker.arena.host import HostArenaView
+        from broker.arena import open_view
 
-        return HostArenaView(self.geometry)
+        try:
+            return open_view(self.arena.backend, self.geometry, self.arena.device)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise BrokerError(Code.FAILED_PRECONDITION, f"cannot map the broker's {self.arena.backend} arena: {e}") from None
 
     def _ensure_slabs(self, num_slabs: int, handshake: bool = False) -> None:
         """Map slabs up to ``num_slabs`` (fetching their fds) if this process lacks them."""
@@ -263,12 +264,7 @@ class BrokerClient:
         return obj
 
     def _tensor(self, address: int, nbytes: int, dtype):
-        import torch
-
-        from broker.arena.host import host_buffer
-
-        t = torch.frombuffer(host_buffer(address, nbytes), dtype=torch.uint8)
-        return t if dtype is None or dtype == torch.uint8 else t.view(dtype)
+        return self.view.tensor(address, nbytes, dtype)
 
     def physical_view(self, dtype=None):
         """The whole physical view mapped so far, as one tensor (page p at p * page_size)."""

@@ -31,4 +31,13 @@ def make_arena(backend: str, geometry: ArenaGeometry, name: str = "memory-broker
     return HostArena(geometry, name=name), why
 
 
-__all__ = ["Arena", "ArenaGeometry", "ArenaView", "make_arena", "BACKENDS"]
+def open_view(backend: str, geometry: ArenaGeometry, device: str = "") -> ArenaView:
+    """A client's (empty) view of a broker's arena, to attach the slabs it is sent."""
+    if backend == "host":
+        from broker.arena.host import HostArenaView
+
+        return HostArenaView(geometry)
+    raise ValueError(f"this client has no view for a {backend!r} arena ({cuda_unavailable_reason()})")
+
+
+__all__ = ["Arena", "ArenaGeometry", "ArenaView", "make_arena", "open_view", "BACKENDS"]

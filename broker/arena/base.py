@@ -80,6 +80,11 @@ class ArenaView(abc.ABC):
     def unmap_window(self, window_page: int, count: int) -> None:
         """Return window pages to reserved, inaccessible address space."""
 
+    @abc.abstractmethod
+    def tensor(self, address: int, nbytes: int, dtype=None):
+        """A zero-copy torch tensor over ``nbytes`` at ``address`` in this view (uint8 unless
+        ``dtype`` is given). It does not keep the mapping alive."""
+
     def page_address(self, page: int) -> int:
         return self.phys_base + page * self.geometry.page_size
 

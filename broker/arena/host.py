@@ -224,6 +224,12 @@ class HostArenaView(ArenaView):
             ps = self.geometry.page_size
             self._reserve(self._window_base + window_page * ps, count * ps)
 
+    def tensor(self, address: int, nbytes: int, dtype=None):
+        import torch
+
+        t = torch.frombuffer(host_buffer(address, nbytes), dtype=torch.uint8)
+        return t if dtype is None or dtype == torch.uint8 else t.view(dtype)
+
     def close(self) -> None:
         """Unmap both ranges and close this view's slab fds. Idempotent.
 
