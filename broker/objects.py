@@ -164,6 +164,11 @@ class Counters:
 Notify = Callable[[int, object], None]
 
 
+def _pages_at(fraction: float, max_pages: int) -> int:
+    """Pages at a watermark; the epsilon keeps 0.57 * 100 at 57, not 56.99... -> 56."""
+    return int(fraction * max_pages + 1e-9)
+
+
 class ObjectStore:
     """All allocations of one arena.
 
@@ -207,8 +212,8 @@ class ObjectStore:
         # Hysteresis state: set when usage crosses the high watermark, cleared at the low.
         self.eviction_active = False
         self.counters = Counters()
-        self._high_pages = int(self.config.high_watermark * pool.max_pages)
-        self._low_pages = int(self.config.low_watermark * pool.max_pages)
+        self._high_pages = _pages_at(self.config.high_watermark, pool.max_pages)
+        self._low_pages = _pages_at(self.config.low_watermark, pool.max_pages)
 
     # ----------------------------------------------------------------- sessions
 
@@ -428,6 +433,8 @@ class ObjectStore:
             obj = self.objects.get(oid)
             if obj is None:
                 raise not_found(self._gone_message(oid))
+            if obj.state == ObjectState.PREPARED and obj.owner != session:
+                raise not_found(f"no object {oid}")  # invisible until commit, as for pin and free
             held = obj.pins.get(session, 0)
             if held < count:
                 if held == 0 and obj.pin_count > 0:
@@ -597,7 +604,7 @@ class ObjectStore:
         keys: set[bytes] = set()
         for i, sp in enumerate(specs):
             n = sp.num_pages
-            if not 1 <= n <= max_pages:
+            if n.__class__ is not int or not 1 <= n <= max_pages:
                 raise invalid(f"objects[{i}].num_pages is {n}; must be 1..{max_pages} (the arena's size)")
             if sp.content_type not in VALID_CONTENT:
                 raise invalid(
@@ -831,8 +838,8 @@ class ObjectStore:
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1; got low={low}, high={high}")
         self.config.high_watermark, self.config.low_watermark = high, low
-        self._high_pages = int(high * self.pool.max_pages)
-        self._low_pages = int(low * self.pool.max_pages)
+        self._high_pages = _pages_at(high, self.pool.max_pages)
+        self._low_pages = _pages_at(low, self.pool.max_pages)
 
     def _pin(self, s: SessionState, obj: Allocation) -> None:
         if obj.pin_count == 0:

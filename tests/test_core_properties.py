@@ -32,7 +32,8 @@ MAX_KEY = 4
 KEYS = [b"a", b"b", b"c", b"d", b"e"]
 BAD_KEYS = [b"", b"toolong"]
 MAX_SESSIONS = 4
-
+# (high, low); (1.0, 1.0) turns watermark eviction off.
+WATERMARKS = [(1.0, 1.0), (0.9, 0.6), (0.75, 0.5)]
 
 
 def mostly(valid, invalid, one_in: int = 12):
@@ -79,7 +80,8 @@ def snapshot(store: ObjectStore) -> dict:
             for oid, o in store.objects.items()
         },
         "keys": {k: o.object_id for k, o in store.keys.items()},
-        "sessions": {sid: (set(s.owned), dict(s.pins), set(s.txns)) for sid, s in store.sessions.items()},
+        "sessions": {sid: (set(s.owned), dict(s.pins), s.pin_total, set(s.txns)) for sid, s in store.sessions.items()},
+        "pin_contention": store.counters.pin_contention,
         "open_txns": sorted(store.open_txns),
         "evictable": [o.object_id for o in store.policy],
         "window": store.window.extents(),
@@ -93,9 +95,10 @@ class CoreMachine(RuleBasedStateMachine):
         placement=st.sampled_from(["best_fit", "first_fit"]),
         window_factor=st.sampled_from([1, 2, 4]),
         capacity_slabs=st.integers(0, MAX_PAGES // PAGES_PER_SLAB),
-        watermarks=st.sampled_from([(1.0, 1.0), (0.9, 0.6), (0.75, 0.5)]),
+        watermarks=st.sampled_from(WATERMARKS),
+        pin_limit=st.sampled_from([0, 0, 2]),
     )
-    def setup(self, policy, placement, window_factor, capacity_slabs, watermarks):
+    def setup(self, policy, placement, window_factor, capacity_slabs, watermarks, pin_limit):
         self.grow = Grow()
         self.events: list[tuple[int, object]] = []
         self.now = 100.0
@@ -115,6 +118,7 @@ class CoreMachine(RuleBasedStateMachine):
                 max_lease_s=20.0,
                 max_key_bytes=MAX_KEY,
                 max_batch=MAX_BATCH,
+                max_pins_per_session=pin_limit,
             ),
             notify=lambda sid, ev: self.events.append((sid, ev)),
             clock=lambda: self.now,
@@ -288,13 +292,26 @@ class CoreMachine(RuleBasedStateMachine):
         sid = self.session(data)
         ids = self.ids(data, [t for t in self.txn_ids if self.txn_session.get(t) == sid])
         start, owners = len(self.events), self.owners()
+        was_open = set(ids) & set(self.store.open_txns)
         done = self.attempt(lambda: self.store.commit(sid, ids))
         if done is None:
             return
         self.check_events_since(start, owners)
+        assert [t.txn_id for t in done] == ids
         for t in done:
-            assert t.state == TxnState.COMMITTED
+            assert t.state == TxnState.COMMITTED and t.txn_id not in self.store.open_txns
             assert len(t.result) == len(t.objects)
+            if t.txn_id not in was_open:
+                continue  # an earlier commit's result, repeated
+            for (obj, dedup), prepared, pin in zip(t.result, t.objects, t.pin_on_commit):
+                assert obj.state == ObjectState.COMMITTED and self.store.objects.get(obj.object_id) is obj
+                assert (obj is not prepared) == dedup
+                if dedup:
+                    assert prepared.object_id not in self.store.objects, "deduplicated pages kept"
+                if obj.key is not None:
+                    assert self.store.keys[obj.key] is obj
+                if pin:
+                    assert obj.pins.get(sid, 0) >= 1
 
     @rule(data=st.data())
     def abort(self, data):
@@ -352,7 +369,10 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(
         data=st.data(),
-        wanted=mostly(st.lists(st.sampled_from(KEYS), max_size=4), st.lists(st.sampled_from(KEYS + BAD_KEYS), max_size=MAX_BATCH + 1)),
+        wanted=mostly(
+            st.lists(st.sampled_from(KEYS), max_size=4),
+            st.lists(st.sampled_from(KEYS + BAD_KEYS), max_size=MAX_BATCH + 1),
+        ),
         pin=st.booleans(),
     )
     def lookup(self, data, wanted, pin):
@@ -371,6 +391,12 @@ class CoreMachine(RuleBasedStateMachine):
     def toggle_growth_failure(self):
         self.grow.fail = not self.grow.fail
 
+    @rule(watermarks=st.sampled_from(WATERMARKS))
+    def set_watermarks(self, watermarks):
+        high, low = watermarks
+        self.store.set_watermarks(high, low)
+        self.watermarks_off = high == 1.0
+
     # ------------------------------------------------------------ invariants
 
     @invariant()
@@ -385,6 +411,7 @@ class CoreMachine(RuleBasedStateMachine):
         pool = self.store.pool
         holders: dict[int, int] = {}
         for oid, obj in self.store.objects.items():
+            assert obj.num_pages == len(obj.pages) > 0
             for p in obj.pages:
                 assert p not in holders, f"page {p} in objects {holders[p]} and {oid}"
                 holders[p] = oid
@@ -423,7 +450,11 @@ class CoreMachine(RuleBasedStateMachine):
                 assert self.store.sessions[sid].pins[oid] == c
             if obj.state == ObjectState.PREPARED:
                 assert obj.pin_count == 0 and obj.owner in self.store.sessions
+        limit = self.store.config.max_pins_per_session
         for sid, s in self.store.sessions.items():
+            assert s.pin_total == sum(s.pins.values())
+            promised = sum(sum(self.store.open_txns[t].pin_on_commit) for t in s.txns)
+            assert not limit or s.pin_total + promised <= limit, f"session {sid} is past its pin limit"
             for oid, c in s.pins.items():
                 assert c > 0 and self.store.objects[oid].pins[sid] == c
 

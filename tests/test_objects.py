@@ -52,6 +52,10 @@ class Grow:
             raise MemoryError("cuMemCreate: out of memory")
 
 
+# Every Harness made by the running test; their stores are checked when it ends.
+_harnesses: list["Harness"] = []
+
+
 class Harness:
     """A store plus the fakes around it, and the notifications it sent."""
 
@@ -82,6 +86,7 @@ class Harness:
             notify=lambda sid, ev: self.events.append((sid, ev)),
             clock=self.clock,
         )
+        _harnesses.append(self)
 
     def alloc(self, session: int, num_pages: int = 1, content_type=TEMP, **kw):
         """Allocate one object; returns it."""
@@ -101,8 +106,9 @@ def snapshot(store: ObjectStore) -> dict:
         },
         "keys": {k: o.object_id for k, o in store.keys.items()},
         "sessions": {
-            sid: (set(s.owned), dict(s.pins), set(s.txns)) for sid, s in store.sessions.items()
+            sid: (set(s.owned), dict(s.pins), s.pin_total, set(s.txns)) for sid, s in store.sessions.items()
         },
+        "pin_contention": store.counters.pin_contention,
         "open_txns": sorted(store.open_txns),
         "evictable": [o.object_id for o in store.policy],
         "window": store.window.extents(),
@@ -124,11 +130,19 @@ def refused(code: Code, fn, *args, match: str | None = None, **kw) -> BrokerErro
     return info.value
 
 
+@pytest.fixture(autouse=True)
+def invariants_hold_at_the_end():
+    """Whatever a test did, every store it made must still be consistent afterwards."""
+    _harnesses.clear()
+    yield
+    for harness in _harnesses:
+        harness.store.check_invariants()
+    _harnesses.clear()
+
+
 @pytest.fixture
 def h() -> Harness:
-    harness = Harness()
-    yield harness
-    harness.store.check_invariants()
+    return Harness()
 
 
 # ============================================================ sessions
@@ -1156,10 +1170,221 @@ def test_refusals_name_the_numbers_that_explain_them(world):
     h, s1, s2, obj, txn = world
     refused(Code.INVALID_ARGUMENT, h.store.allocate, s1, [Spec(17)], match="num_pages is 17; must be 1..16")
     refused(Code.INVALID_ARGUMENT, h.store.allocate, s1, [Spec(1)] * 5, match="has 5 items; at most 4")
-    refused(Code.INVALID_ARGUMENT, h.store.lookup, s2, [b"123456789"], pin=False, match="is 9 bytes; keys are at most 8")
+    refused(
+        Code.INVALID_ARGUMENT, h.store.lookup, s2, [b"123456789"], pin=False, match="is 9 bytes; keys are at most 8"
+    )
     refused(Code.INVALID_ARGUMENT, h.store.prepare, s1, [Spec(1)], lease_s=61.0, match="allowed 0 < lease <= 60 s")
 
 
 def test_store_config_rejects_inverted_watermarks():
     with pytest.raises(ValueError, match="watermarks"):
         Harness(high_watermark=0.5, low_watermark=0.8)
+
+
+# ============================================================ per-session pin limit
+
+
+def pin_limited(limit: int = 2) -> Harness:
+    return Harness(max_pins_per_session=limit)
+
+
+def test_pin_beyond_the_session_limit_is_resource_exhausted_with_numbers_and_changes_nothing():
+    h = pin_limited(2)
+    s = h.store.open_session()
+    a, b = h.alloc(s, 1), h.alloc(s, 1)
+    h.store.pin(s, [a.object_id])
+    before = snapshot(h.store)
+    refused(
+        Code.RESOURCE_EXHAUSTED,
+        h.store.pin,
+        s,
+        [a.object_id, b.object_id],
+        match="session 1 holds 1 pins and this call adds 2; the limit is 2",
+    )
+    h.store.check_invariants()
+    assert snapshot(h.store) == before
+
+
+def test_pin_up_to_the_session_limit_is_allowed():
+    h = pin_limited(2)
+    s = h.store.open_session()
+    a = h.alloc(s, 1)
+    h.store.pin(s, [a.object_id, a.object_id])
+    h.store.check_invariants()
+    assert h.store.sessions[s].pin_total == 2
+
+
+def test_unpinning_makes_room_under_the_pin_limit():
+    h = pin_limited(1)
+    s = h.store.open_session()
+    a, b = h.alloc(s, 1, pin=True), h.alloc(s, 1)
+    refused(Code.RESOURCE_EXHAUSTED, h.store.pin, s, [b.object_id])
+    h.store.unpin(s, [a.object_id])
+    h.store.pin(s, [b.object_id])
+    h.store.check_invariants()
+    assert b.pins == {s: 1}
+
+
+def test_other_sessions_pins_do_not_count_toward_a_sessions_limit():
+    h = pin_limited(1)
+    s1, s2 = h.store.open_session(), h.store.open_session()
+    a = h.alloc(s1, 1, pin=True)
+    h.store.pin(s2, [a.object_id])
+    h.store.check_invariants()
+    assert a.pins == {s1: 1, s2: 1}
+
+
+def test_allocate_with_pins_beyond_the_limit_is_refused_before_taking_pages():
+    h = pin_limited(1)
+    s = h.store.open_session()
+    before = snapshot(h.store)
+    refused(
+        Code.RESOURCE_EXHAUSTED,
+        h.store.allocate,
+        s,
+        [Spec(1, pin=True), Spec(1, pin=True)],
+        match="max_pins_per_session",
+    )
+    assert snapshot(h.store) == before
+
+
+def test_prepare_counts_prepare_time_pins_and_pins_on_commit_toward_the_limit():
+    h = pin_limited(2)
+    s1, s2 = h.store.open_session(), h.store.open_session()
+    a = h.alloc(s1, 1)
+    before = snapshot(h.store)
+    refused(
+        Code.RESOURCE_EXHAUSTED,
+        h.store.prepare,
+        s2,
+        [Spec(1, pin=True), Spec(1, pin=True)],
+        pin_ids=[a.object_id],
+        match="adds 3",
+    )
+    assert snapshot(h.store) == before
+
+
+def test_lookup_with_pin_counts_only_the_keys_found_toward_the_limit():
+    h = pin_limited(2)
+    s = h.store.open_session()
+    h.alloc(s, 1, KV, key=b"a")
+    h.alloc(s, 1, KV, key=b"c")
+    h.store.pin(s, [h.store.keys[b"c"].object_id])
+    assert len(h.store.lookup(s, [b"a", b"b", b"c"], pin=True)) == 1
+    h.store.check_invariants()
+    before = snapshot(h.store)
+    refused(
+        Code.RESOURCE_EXHAUSTED, h.store.lookup, s, [b"a", b"c"], pin=True, match="holds 2 pins and this call adds 2"
+    )
+    assert snapshot(h.store) == before
+
+
+def test_a_pin_limit_of_zero_means_no_limit():
+    h = pin_limited(0)
+    s = h.store.open_session()
+    a = h.alloc(s, 1)
+    h.store.pin(s, [a.object_id] * 100)
+    h.store.check_invariants()
+    assert a.pin_count == 100
+
+
+def test_session_pin_total_follows_free_abort_and_unpin():
+    h = pin_limited(10)
+    s1, s2 = h.store.open_session(), h.store.open_session()
+    a = h.alloc(s1, 1, pin=True)
+    b = h.alloc(s2, 1)
+    txn = h.store.prepare(s1, [], pin_ids=[b.object_id])
+    h.store.pin(s1, [b.object_id])
+    assert h.store.sessions[s1].pin_total == 3
+    h.store.free(s1, [a.object_id])
+    assert h.store.sessions[s1].pin_total == 2
+    h.store.abort(s1, [txn.txn_id])
+    assert h.store.sessions[s1].pin_total == 1
+    h.store.unpin(s1, [b.object_id])
+    h.store.check_invariants()
+    assert h.store.sessions[s1].pin_total == 0
+
+
+# ============================================================ pin contention
+
+
+def test_pin_contention_counts_sessions_joining_an_already_pinned_object(h):
+    s1, s2, s3 = (h.store.open_session() for _ in range(3))
+    a = h.alloc(s1, 1, KV, key=b"a")
+    h.store.pin(s1, [a.object_id])
+    assert h.store.counters.pin_contention == 0  # first pin
+    h.store.pin(s1, [a.object_id])
+    assert h.store.counters.pin_contention == 0  # same session again
+    h.store.lookup(s2, [b"a"], pin=True)
+    h.store.pin(s3, [a.object_id])
+    assert h.store.counters.pin_contention == 2
+
+
+# ============================================================ settable watermarks
+
+
+def test_set_watermarks_takes_effect_on_the_next_allocation():
+    h = Harness(max_pages=20, pages_per_slab=4)  # watermarks off
+    s = h.store.open_session()
+    fill(h, s, *[(TEMP, 1)] * 17)
+    h.store.set_watermarks(0.9, 0.5)
+    h.alloc(s, 2, KV)
+    st = h.store.stats()
+    assert (st["high_watermark"], st["low_watermark"]) == (0.9, 0.5)
+    assert (st["eviction_runs"], st["used_pages"]) == (1, 10)
+
+
+@pytest.mark.parametrize("high, low", [(0.5, 0.8), (1.5, 0.5), (0.9, 0.0)])
+def test_set_watermarks_rejects_bad_values_and_keeps_the_old_ones(high, low):
+    h = Harness(high_watermark=0.9, low_watermark=0.8)
+    with pytest.raises(ValueError, match="watermarks"):
+        h.store.set_watermarks(high, low)
+    st = h.store.stats()
+    assert (st["high_watermark"], st["low_watermark"]) == (0.9, 0.8)
+
+
+def test_pins_promised_to_an_open_transaction_count_toward_the_limit_until_it_ends():
+    h = pin_limited(2)
+    s = h.store.open_session()
+    a, b = h.alloc(s, 1), h.alloc(s, 1)
+    txn = h.store.prepare(s, [Spec(1, pin=True)])
+    h.store.pin(s, [a.object_id])
+    # One pin held, one promised at commit: a third would break the limit at commit.
+    refused(Code.RESOURCE_EXHAUSTED, h.store.pin, s, [b.object_id], match="1 promised to open transactions")
+    h.store.commit(s, [txn.txn_id])
+    h.store.check_invariants()
+    assert h.store.sessions[s].pin_total == 2
+
+
+def test_aborting_a_transaction_releases_its_promised_pins_from_the_limit():
+    h = pin_limited(1)
+    s = h.store.open_session()
+    a = h.alloc(s, 1)
+    txn = h.store.prepare(s, [Spec(1, pin=True)])
+    refused(Code.RESOURCE_EXHAUSTED, h.store.pin, s, [a.object_id])
+    h.store.abort(s, [txn.txn_id])
+    h.store.pin(s, [a.object_id])
+    h.store.check_invariants()
+    assert a.pins == {s: 1}
+
+
+def test_unpin_of_another_sessions_prepared_object_does_not_reveal_it(h):
+    a, b = h.store.open_session(), h.store.open_session()
+    t = h.store.prepare(a, [Spec(1)])
+    before = snapshot(h.store)
+    refused(Code.NOT_FOUND, h.store.unpin, b, [t.objects[0].object_id], match="no object")
+    assert snapshot(h.store) == before
+
+
+def test_watermarks_round_to_the_page_they_name():
+    # 0.57 * 100 is 56.999... in floating point; the high watermark is page 57, not 56.
+    h = Harness(max_pages=100, pages_per_slab=4, high_watermark=0.57, low_watermark=0.5)
+    s = h.store.open_session()
+    h.alloc(s, 57)
+    assert h.store.counters.eviction_runs == 0 and not h.store.eviction_active
+
+
+def test_a_non_integer_page_count_is_refused():
+    h = Harness()
+    s = h.store.open_session()
+    refused(Code.INVALID_ARGUMENT, h.store.allocate, s, [Spec(1.5)], match="num_pages")
