@@ -23,6 +23,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--socket", help=f"gRPC Unix socket (default {d.socket}); the fd channel is SOCKET.fds")
     p.add_argument("--tcp-port", type=int, help="also serve gRPC on 127.0.0.1:PORT")
     p.add_argument("--arena", choices=("auto", "host", "cuda"), help="arena backend (default auto)")
+    p.add_argument("--device", help="CUDA device index or UUID (default 0)")
     p.add_argument("--pool-size", help="most memory the arena may hold (default 1GiB)")
     p.add_argument("--preallocate", help="memory to create at start (default 0: grow on demand)")
     p.add_argument("--page-size", help="page size, 512KiB..4MiB (default 2MiB)")
@@ -58,6 +59,7 @@ _FLAGS = {
     "socket": ("socket", str),
     "tcp_port": ("tcp_port", int),
     "arena": ("arena", str),
+    "device": ("device", str),
     "pool_size": ("pool_size", lambda v: parse_size(v, "--pool-size")),
     "preallocate": ("preallocate", lambda v: parse_size(v, "--preallocate")),
     "page_size": ("page_size", lambda v: parse_size(v, "--page-size")),

@@ -57,6 +57,29 @@ def test_give_back_then_take_reuses_the_returned_pages():
     assert pool.take([4], [2]) == [[2, 3]]
 
 
+def test_one_page_takes_hand_out_low_pages_first():
+    pool = make_pool(capacity_pages=4)
+    assert [pool.take([i], [1]) for i in (1, 2, 3)] == [[[0]], [[1]], [[2]]]
+    assert list(pool.owner) == [1, 2, 3, FREE]
+
+
+def test_one_page_give_back_is_reused_by_the_next_take():
+    pool = make_pool(capacity_pages=4)
+    for i in (1, 2, 3):
+        pool.take([i], [1])
+    pool.give_back([1])
+    assert pool.owner[1] == FREE
+    assert pool.take([9], [1]) == [[1]]
+    assert pool.owner[1] == 9
+
+
+def test_give_back_of_several_pages_hands_them_out_again_in_order():
+    pool = make_pool(capacity_pages=8)
+    pool.take([1], [8])
+    pool.give_back([5, 2, 7])
+    assert pool.take([2], [3]) == [[5, 2, 7]]
+
+
 def test_give_back_marks_pages_free_in_page_table():
     pool = make_pool(capacity_pages=4)
     (pages,) = pool.take([5], [3])

@@ -1,8 +1,9 @@
 """Physical memory and mappings: one interface (``base``), one backend per kind of memory.
 
 ``make_arena`` picks the backend: ``host`` (memfd slabs, the default where no GPU is
-present) or ``cuda`` (CUDA VMM). ``auto`` chooses CUDA only where a CUDA backend is built
-and a device supports it.
+present) or ``cuda`` (CUDA VMM slabs, ``broker.arena.cuda``). ``auto`` chooses CUDA where
+cuda-python, a driver and a device with VMM and POSIX-fd handles are present, and host
+memory otherwise; either way it says why.
 """
 
 from __future__ import annotations
@@ -10,34 +11,89 @@ from __future__ import annotations
 from broker.arena.base import Arena, ArenaGeometry, ArenaView
 
 BACKENDS = ("auto", "host", "cuda")
+DEFAULT_DEVICE = "0"
 
 
-def cuda_unavailable_reason() -> str:
-    """Why ``auto`` does not pick CUDA on this build and machine."""
-    # The CUDA VMM backend is a separate piece of work (issue 3); until it lands every
-    # machine, GPU or not, runs the host arena.
-    return "this build has no CUDA arena backend yet"
+def _probe(device: str) -> tuple[bool, str]:
+    """``broker.arena.cuda.cuda_available``: at most ``cuInit``, nothing allocated."""
+    from broker.arena.cuda import cuda_available
+
+    return cuda_available(device)
 
 
-def make_arena(backend: str, geometry: ArenaGeometry, name: str = "memory-broker") -> tuple[Arena, str]:
-    """Build an arena; returns it and a sentence saying why this backend was chosen."""
+def cuda_unavailable_reason(device: str = DEFAULT_DEVICE) -> str:
+    """Why ``auto`` does not pick CUDA for ``device`` on this machine ("" where it would)."""
+    ok, why = _probe(device or DEFAULT_DEVICE)
+    return "" if ok else why
+
+
+def make_arena(
+    backend: str, geometry: ArenaGeometry, name: str = "memory-broker", device: str = DEFAULT_DEVICE
+) -> tuple[Arena, str]:
+    """Build an arena; returns it and a sentence saying why this backend was chosen.
+
+    Args:
+        backend: ``auto``, ``host`` or ``cuda``.
+        geometry: the arena's sizes.
+        name: shown in slab names and messages.
+        device: CUDA device index or UUID (``GPU-...``); ignored by the host backend.
+
+    Raises:
+        ValueError: an unknown backend, ``cuda`` where CUDA cannot run (with the reason), or
+            a geometry the device cannot map.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown arena backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "cuda":
-        raise ValueError(f"--arena cuda is not available: {cuda_unavailable_reason()}; use --arena host")
+    device = device or DEFAULT_DEVICE
+    if backend in ("auto", "cuda"):
+        ok, why = _probe(device)
+        if ok:
+            from broker.arena.cuda import CudaArena
+
+            try:
+                # A geometry the device cannot map raises ValueError here, for auto too: it
+                # is a setting to fix, not a reason to run a GPU's broker on host memory.
+                arena = CudaArena(geometry, device=device, name=name)
+            except RuntimeError as e:  # CudaUnavailable or CudaError: a driver call failed
+                if backend == "cuda":
+                    raise ValueError(f"--arena cuda is not available: {e}; use --arena host") from None
+                why = f"the CUDA arena failed to start ({e})"
+            else:
+                return arena, ("asked for cuda: " if backend == "cuda" else "auto: ") + why
+        if backend == "cuda":
+            raise ValueError(f"--arena cuda is not available: {why}; use --arena host")
+        from broker.arena.host import HostArena
+
+        return HostArena(geometry, name=name), f"auto: {why}, using host memory"
     from broker.arena.host import HostArena
 
-    why = "asked for host" if backend == "host" else f"auto: {cuda_unavailable_reason()}, using host memory"
-    return HostArena(geometry, name=name), why
+    return HostArena(geometry, name=name), "asked for host"
 
 
 def open_view(backend: str, geometry: ArenaGeometry, device: str = "") -> ArenaView:
-    """A client's (empty) view of a broker's arena, to attach the slabs it is sent."""
+    """A client's (empty) view of a broker's arena, to attach the slabs it is sent.
+
+    ``device`` is the broker's ``ArenaInfo.device`` (a GPU UUID, or an index; "" means
+    device 0). Raises ValueError or RuntimeError (``CudaUnavailable``, ``CudaError``) when
+    this process cannot map it.
+    """
     if backend == "host":
         from broker.arena.host import HostArenaView
 
         return HostArenaView(geometry)
-    raise ValueError(f"this client has no view for a {backend!r} arena ({cuda_unavailable_reason()})")
+    if backend == "cuda":
+        from broker.arena.cuda import CudaArenaView
+
+        return CudaArenaView(geometry, device or DEFAULT_DEVICE)
+    raise ValueError(f"this client has no view for a {backend!r} arena")
 
 
-__all__ = ["Arena", "ArenaGeometry", "ArenaView", "make_arena", "open_view", "BACKENDS"]
+__all__ = [
+    "Arena",
+    "ArenaGeometry",
+    "ArenaView",
+    "BACKENDS",
+    "cuda_unavailable_reason",
+    "make_arena",
+    "open_view",
+]

@@ -83,7 +83,9 @@ class BrokerServer:
             max_slabs=max_slabs,
             window_pages=pages_per_slab * max_slabs * opts.window_factor,
         )
-        self.arena, why = make_arena(opts.arena, self.geometry, name=f"memory-broker-{os.getpid()}")
+        self.arena, why = make_arena(
+            opts.arena, self.geometry, name=f"memory-broker-{os.getpid()}", device=opts.device
+        )
         if opts.preallocate:
             self.arena.grow(-(-opts.preallocate // opts.slab_size))
         pool = PagePool(self.geometry.max_pages, pages_per_slab, self.arena.capacity_pages, grow=self._grow)
@@ -168,6 +170,7 @@ class BrokerServer:
             window_pages=g.window_pages,
             fd_socket_path=os.path.abspath(self.opts.fd_socket),
             placement=self.opts.placement,
+            device=getattr(self.arena, "device_id", ""),
         )
 
     def _set_socket_permissions(self) -> None:

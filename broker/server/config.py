@@ -101,6 +101,7 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "memory_pool.pinning.max_pins_per_session": ("max_pins_per_session", _int),
     "memory_pool.transactions.default_lease": ("default_lease_s", parse_duration),
     "arena.backend": ("arena", _choice("auto", "host", "cuda")),
+    "arena.device": ("device", lambda v, k: _str(str(v), k)),
     "listeners.socket": ("socket", _str),
     "listeners.tcp_port": ("tcp_port", _int),
     "listeners.socket_mode": ("socket_mode", _mode),

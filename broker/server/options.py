@@ -47,6 +47,8 @@ class ServeOptions:
     tcp_port: int = 0
     # auto | host | cuda
     arena: str = "auto"
+    # CUDA device: index ("0") or UUID ("GPU-..."); sockets and state are best keyed by UUID.
+    device: str = "0"
     # Most memory the arena may hold, and how much of it to create at start.
     pool_size: int = 1 << 30
     preallocate: int = 0

@@ -1,0 +1,975 @@
+"""The CUDA arena backend without a GPU: backend choice, the checked-call helper, device and
+geometry validation, and the VMM call sequences driven against a fake driver.
+
+The fake driver (``FakeDriver``) models what the CUDA driver enforces and the arena relies
+on: reservations, whole-mapping unmaps, granularity, per-thread current contexts, handle
+and memory accounting, exported fds (real memfds, so dup/close/SCM_RIGHTS behave). It is a
+model, not the driver: tests/test_gpu_arena.py checks the real thing on a GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+import broker.arena as arena_pkg
+from broker.arena import ArenaGeometry, make_arena, open_view
+from broker.arena import cuda as cu
+from broker.arena.cuda import (
+    CudaArena,
+    CudaArenaView,
+    CudaError,
+    CudaUnavailable,
+    check,
+    check_geometry,
+    cuda_available,
+    format_uuid,
+    parse_device_spec,
+)
+from broker.arena.host import HostArena
+
+MiB = 1 << 20
+GRAN = 2 * MiB
+UUID0 = bytes(range(16))
+UUID1 = bytes(range(16, 32))
+UUID0_STR = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+UUID1_STR = "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f"
+
+
+class R(enum.IntEnum):
+    """The CUresult values the fake returns (same numbers as the driver)."""
+
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_NOT_PERMITTED = 800
+    CUDA_ERROR_NOT_SUPPORTED = 801
+
+
+OK = R.CUDA_SUCCESS
+
+
+class _Prop:
+    def __init__(self):
+        self.type = None
+        self.location = SimpleNamespace(type=None, id=None)
+        self.requestedHandleTypes = None
+
+
+class _Access:
+    def __init__(self):
+        self.location = SimpleNamespace(type=None, id=None)
+        self.flags = None
+
+
+class FakeDevice:
+    def __init__(self, name="Fake H100", uuid=UUID0, vmm=1, posix=1, memory=64 * MiB):
+        self.name, self.uuid, self.vmm, self.posix, self.memory = name, uuid, vmm, posix, memory
+
+
+class FakeDriver:
+    """Enough of ``cuda.bindings.driver`` for the arena, with the rules the driver enforces."""
+
+    CUresult = R
+    CUdevice_attribute = SimpleNamespace(
+        CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED="vmm",
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED="posix",
+    )
+    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR="posix_fd")
+    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED="pinned")
+    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE="device")
+    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READ="r", CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw")
+    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM="min")
+    CUmemAllocationProp = _Prop
+    CUmemAccessDesc = _Access
+
+    def __init__(self, devices=None, init_error=None, init_raises=None, granularity=GRAN):
+        self.devices = devices if devices is not None else [FakeDevice()]
+        self.init_error = init_error
+        self.init_raises = init_raises
+        self.granularity = granularity
+        self.calls: list[tuple] = []
+        self.fail: dict[str, list] = {}  # name -> [calls to let through, error]
+        self.ctx_refs: dict[int, int] = {}
+        self.tls = threading.local()
+        self.reservations: dict[int, int] = {}
+        self._next_va = 0x7F00_0000_0000
+        self.allocs: dict[int, dict] = {}  # id -> {size, dev, handles, mappings}
+        self.handles: dict[int, int] = {}  # handle -> alloc id
+        self.fd_inodes: dict[int, int] = {}  # memfd inode -> alloc id
+        self.exported_fds: list[int] = []
+        self.mappings: dict[int, dict] = {}  # va -> {size, alloc, offset, access}
+        self._next = 1
+
+    # -- plumbing
+    def _log(self, name, *args):
+        self.calls.append((name, *args))
+        f = self.fail.get(name)
+        if f is not None:
+            if f[0] == 0:
+                return f[1]
+            f[0] -= 1
+        return None
+
+    def names(self):
+        return [c[0] for c in self.calls]
+
+    def _id(self):
+        self._next += 1
+        return self._next
+
+    def _need_ctx(self):
+        return getattr(self.tls, "ctx", None) is None
+
+    def used(self, dev):
+        return sum(a["size"] for a in self.allocs.values() if a["dev"] == dev)
+
+    def _maybe_free(self, aid):
+        a = self.allocs.get(aid)
+        if a and a["handles"] == 0 and a["mappings"] == 0:
+            del self.allocs[aid]
+
+    # -- init and devices
+    def cuInit(self, flags):
+        self.calls.append(("cuInit",))
+        if self.init_raises:
+            raise self.init_raises
+        return (self.init_error or OK,)
+
+    def cuGetErrorName(self, err):
+        return (OK, R(int(err)).name.encode())
+
+    def cuDeviceGetCount(self):
+        return (OK, len(self.devices))
+
+    def cuDeviceGet(self, i):
+        if not 0 <= i < len(self.devices):
+            return (R.CUDA_ERROR_INVALID_DEVICE, None)
+        return (OK, i)
+
+    def cuDeviceGetName(self, n, dev):
+        return (OK, self.devices[dev].name.encode() + b"\0" * 8)
+
+    def cuDeviceGetUuid(self, dev):
+        return (OK, SimpleNamespace(bytes=self.devices[dev].uuid))
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        return (OK, getattr(self.devices[dev], attr))
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        self._log("cuDevicePrimaryCtxRetain", dev)
+        self.ctx_refs[dev] = self.ctx_refs.get(dev, 0) + 1
+        return (OK, ("ctx", dev))
+
+    def cuDevicePrimaryCtxRelease(self, dev):
+        self._log("cuDevicePrimaryCtxRelease", dev)
+        if self.ctx_refs.get(dev, 0) <= 0:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        self.ctx_refs[dev] -= 1
+        return (OK,)
+
+    def cuCtxSetCurrent(self, ctx):
+        self.tls.ctx = ctx
+        return (OK,)
+
+    def cuCtxSynchronize(self):
+        err = self._log("cuCtxSynchronize")
+        if self._need_ctx():
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        return (err or OK,)
+
+    def cuMemGetInfo(self):
+        if self._need_ctx():
+            return (R.CUDA_ERROR_INVALID_CONTEXT, 0, 0)
+        dev = self.tls.ctx[1]
+        total = self.devices[dev].memory
+        return (OK, total - self.used(dev), total)
+
+    # -- VMM
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        assert flag == "min"
+        return (OK, self.granularity)
+
+    def cuMemAddressReserve(self, size, align, addr, flags):
+        err = self._log("cuMemAddressReserve", size)
+        if err:
+            return (err, 0)
+        if size <= 0 or size % self.granularity:
+            return (R.CUDA_ERROR_INVALID_VALUE, 0)
+        va = self._next_va
+        self._next_va += size + 64 * MiB
+        self.reservations[va] = size
+        return (OK, va)
+
+    def cuMemAddressFree(self, va, size):
+        self._log("cuMemAddressFree", va, size)
+        if self.reservations.get(va) != size:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        if any(va <= m < va + size for m in self.mappings):
+            return (R.CUDA_ERROR_INVALID_VALUE,)  # still mapped inside
+        del self.reservations[va]
+        return (OK,)
+
+    def cuMemCreate(self, size, prop, flags):
+        err = self._log("cuMemCreate", size)
+        if err:
+            return (err, None)
+        if (
+            prop.type != "pinned"
+            or prop.location.type != "device"
+            or prop.requestedHandleTypes != "posix_fd"
+            or size % self.granularity
+        ):
+            return (R.CUDA_ERROR_INVALID_VALUE, None)
+        dev = prop.location.id
+        if self.used(dev) + size > self.devices[dev].memory:
+            return (R.CUDA_ERROR_OUT_OF_MEMORY, None)
+        aid, h = self._id(), self._id()
+        self.allocs[aid] = {"size": size, "dev": dev, "handles": 1, "mappings": 0}
+        self.handles[h] = aid
+        return (OK, h)
+
+    def cuMemExportToShareableHandle(self, h, htype, flags):
+        err = self._log("cuMemExportToShareableHandle", h)
+        if err:
+            return (err, None)
+        if h not in self.handles or htype != "posix_fd":
+            return (R.CUDA_ERROR_INVALID_VALUE, None)
+        fd = os.memfd_create("fake-cuda-export")  # not close-on-exec, like the driver's may be
+        os.set_inheritable(fd, True)
+        self.fd_inodes[os.fstat(fd).st_ino] = self.handles[h]
+        self.exported_fds.append(fd)
+        return (OK, fd)
+
+    def cuMemImportFromShareableHandle(self, fd, htype):
+        err = self._log("cuMemImportFromShareableHandle", fd)
+        if err:
+            return (err, None)
+        try:
+            aid = self.fd_inodes.get(os.fstat(fd).st_ino)
+        except OSError:
+            aid = None
+        if aid is None or aid not in self.allocs or htype != "posix_fd":
+            return (R.CUDA_ERROR_INVALID_VALUE, None)
+        h = self._id()
+        self.handles[h] = aid
+        self.allocs[aid]["handles"] += 1
+        return (OK, h)
+
+    def cuMemRelease(self, h):
+        self._log("cuMemRelease", h)
+        aid = self.handles.pop(h, None)
+        if aid is None:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        self.allocs[aid]["handles"] -= 1
+        self._maybe_free(aid)
+        return (OK,)
+
+    def cuMemMap(self, va, size, offset, h, flags):
+        err = self._log("cuMemMap", va, size, offset, h)
+        if err:
+            return (err,)
+        g = self.granularity
+        if va % g or size % g or offset % g or size <= 0 or flags != 0:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        if not any(b <= va and va + size <= b + s for b, s in self.reservations.items()):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        if any(m < va + size and va < m + d["size"] for m, d in self.mappings.items()):
+            return (R.CUDA_ERROR_INVALID_VALUE,)  # already mapped
+        aid = self.handles.get(h)
+        if aid is None or offset + size > self.allocs[aid]["size"]:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        self.mappings[va] = {"size": size, "alloc": aid, "offset": offset, "access": None}
+        self.allocs[aid]["mappings"] += 1
+        return (OK,)
+
+    def cuMemSetAccess(self, va, size, descs, count):
+        err = self._log("cuMemSetAccess", va, size, descs[0].flags)
+        if err:
+            return (err,)
+        m = self.mappings.get(va)
+        if m is None or m["size"] != size or count != 1 or descs[0].location.type != "device":
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        m["access"] = descs[0].flags
+        return (OK,)
+
+    def cuMemUnmap(self, va, size):
+        err = self._log("cuMemUnmap", va, size)
+        if err:
+            return (err,)
+        m = self.mappings.get(va)
+        if m is None or m["size"] != size:  # cuMemUnmap takes whole mappings only
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        del self.mappings[va]
+        self.allocs[m["alloc"]]["mappings"] -= 1
+        self._maybe_free(m["alloc"])
+        return (OK,)
+
+    def close_exported(self):
+        for fd in self.exported_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    drv = FakeDriver()
+    monkeypatch.setattr(cu, "_load_driver", lambda: drv)
+    yield drv
+
+
+def geom(page=GRAN, pps=4, slabs=8, window=None):
+    return ArenaGeometry(page_size=page, pages_per_slab=pps, max_slabs=slabs, window_pages=window or pps * slabs * 4)
+
+
+def fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------- the checked-call helper
+
+
+def test_check_raises_naming_the_call_and_the_error():
+    with pytest.raises(CudaError) as e:
+        check("cuMemCreate(67108864 bytes)", (R.CUDA_ERROR_OUT_OF_MEMORY, None))
+    assert str(e.value) == "cuMemCreate(67108864 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY"
+    assert e.value.code == 2 and e.value.name == "CUDA_ERROR_OUT_OF_MEMORY" and e.value.call.startswith("cuMemCreate")
+    assert isinstance(e.value, RuntimeError)
+
+
+def test_check_asks_the_driver_for_the_error_name():
+    drv = SimpleNamespace(cuGetErrorName=lambda err: (OK, b"CUDA_ERROR_FROM_DRIVER"))
+    with pytest.raises(CudaError, match=r"^cuMemMap\(x\) failed: CUDA_ERROR_FROM_DRIVER$"):
+        check("cuMemMap(x)", (R.CUDA_ERROR_INVALID_VALUE,), drv)
+
+    def broken(err):
+        raise RuntimeError("no libcuda")
+
+    # A driver that cannot name errors (no libcuda.so) falls back to the enum's name.
+    with pytest.raises(CudaError, match="failed: CUDA_ERROR_INVALID_VALUE$"):
+        check("cuMemMap(x)", (R.CUDA_ERROR_INVALID_VALUE,), SimpleNamespace(cuGetErrorName=broken))
+    with pytest.raises(CudaError, match="failed: CUresult 999$"):
+        check("cuFoo()", (999,))
+
+
+def test_check_returns_the_outputs():
+    assert check("cuCtxSynchronize()", (OK,)) is None
+    assert check("cuDeviceGetCount()", (OK, 3)) == 3
+    assert check("cuMemGetInfo()", (OK, 10, 20)) == (10, 20)
+    with pytest.raises(TypeError, match="cuFoo"):
+        check("cuFoo()", R.CUDA_SUCCESS)
+
+
+def test_check_with_the_real_bindings_when_installed():
+    driver = pytest.importorskip("cuda.bindings.driver")
+    with pytest.raises(CudaError) as e:
+        check("cuMemCreate(67108864 bytes)", (driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), driver)
+    # With or without a driver library, the name is the driver's constant name.
+    assert str(e.value) == "cuMemCreate(67108864 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY"
+    assert check("x", (driver.CUresult.CUDA_SUCCESS, 5), driver) == 5
+
+
+# ----------------------------------------------------------------- device specs and geometry
+
+
+@pytest.mark.parametrize(
+    "spec,want",
+    [
+        (None, 0),
+        ("", 0),
+        ("0", 0),
+        (" 3 ", 3),
+        (2, 2),
+        ("cuda:1", 1),
+        ("GPU-00010203-0405-0607-0809-0A0B0C0D0E0F", UUID0_STR),
+        ("MIG-00010203-0405-0607-0809-0a0b0c0d0e0f", UUID0_STR),
+        ("000102030405060708090a0b0c0d0e0f", UUID0_STR),
+    ],
+)
+def test_device_specs_are_indices_or_uuids(spec, want):
+    assert parse_device_spec(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["gpu0", "-1", -1, "GPU-1234", "cuda:x", True])
+def test_bad_device_specs_are_refused_with_the_accepted_forms(spec):
+    with pytest.raises(ValueError) as e:
+        parse_device_spec(spec)
+    assert repr(spec) in str(e.value) or str(spec) in str(e.value)
+
+
+def test_uuid_formatting_matches_nvidia_smi():
+    assert format_uuid(UUID0) == UUID0_STR
+    assert format_uuid(UUID0.decode("latin-1")) == UUID0_STR  # some bindings return str
+    with pytest.raises(ValueError):
+        format_uuid(b"short")
+
+
+def test_page_size_must_be_a_multiple_of_the_granularity():
+    check_geometry(geom(page=2 * MiB), GRAN)
+    check_geometry(geom(page=4 * MiB), GRAN)
+    with pytest.raises(ValueError) as e:
+        check_geometry(geom(page=512 << 10), GRAN, "CUDA device 0 (Fake H100, GPU-x)")
+    msg = str(e.value)
+    assert "page size 524288 bytes (512 KiB)" in msg
+    assert "granularity of CUDA device 0 (Fake H100, GPU-x), 2097152 bytes (2 MiB)" in msg
+    assert msg.endswith("use a page size of 2 MiB")
+    with pytest.raises(ValueError, match="use a page size of 4 MiB"):
+        check_geometry(geom(page=3 * MiB), GRAN)
+    with pytest.raises(ValueError, match="positive sizes"):
+        check_geometry(geom(pps=0), GRAN)
+
+
+# ----------------------------------------------------------------- probing and backend choice
+
+
+def test_probe_without_cuda_python(monkeypatch):
+    def missing():
+        raise ImportError("No module named 'cuda'")
+
+    monkeypatch.setattr(cu, "_load_driver", missing)
+    assert cuda_available("0") == (False, "cuda-python is not installed (No module named 'cuda')")
+
+
+def test_probe_without_a_driver_library(monkeypatch):
+    drv = FakeDriver(init_raises=OSError("libcuda.so.1: cannot open shared object file"))
+    monkeypatch.setattr(cu, "_load_driver", lambda: drv)
+    ok, why = cuda_available("0")
+    assert not ok
+    assert why == "no CUDA driver (cuInit: OSError: libcuda.so.1: cannot open shared object file)"
+
+
+def test_probe_without_a_device(monkeypatch):
+    drv = FakeDriver(init_error=R.CUDA_ERROR_NO_DEVICE)
+    monkeypatch.setattr(cu, "_load_driver", lambda: drv)
+    assert cuda_available("0") == (False, "no CUDA device (cuInit: CUDA_ERROR_NO_DEVICE)")
+
+
+def test_probe_names_missing_vmm_and_fd_support(monkeypatch):
+    drv = FakeDriver(devices=[FakeDevice(vmm=0), FakeDevice("Fake T4", UUID1, vmm=1, posix=0)])
+    monkeypatch.setattr(cu, "_load_driver", lambda: drv)
+    ok, why = cuda_available("0")
+    assert not ok
+    assert why == (
+        f"CUDA device 0 (Fake H100, {UUID0_STR}) does not support virtual memory management "
+        "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)"
+    )
+    ok, why = cuda_available(UUID1_STR)
+    assert not ok and "CUDA device 1 (Fake T4" in why and "POSIX file descriptors" in why
+    # The probe creates no context and allocates nothing.
+    assert set(drv.names()) == {"cuInit"}
+
+
+def test_probe_finds_devices_by_index_and_uuid(monkeypatch):
+    drv = FakeDriver(devices=[FakeDevice(), FakeDevice("Fake H200", UUID1)])
+    monkeypatch.setattr(cu, "_load_driver", lambda: drv)
+    assert cuda_available("1") == (True, f"CUDA device 1 (Fake H200, {UUID1_STR}) supports VMM with POSIX fds")
+    assert cuda_available(UUID1_STR.upper())[0]  # nvidia-smi case or not
+    ok, why = cuda_available("5")
+    assert not ok and why == "no CUDA device 5: this process sees 2 device(s) (0..1)"
+    ok, why = cuda_available("GPU-ffffffff-ffff-ffff-ffff-ffffffffffff")
+    assert not ok and "no CUDA device has UUID GPU-ffffffff-ffff-ffff-ffff-ffffffffffff among the 2" in why
+    ok, why = cuda_available("gpu zero")
+    assert not ok and "neither an index" in why
+
+
+def test_auto_falls_back_to_host_with_the_reason(monkeypatch):
+    monkeypatch.setattr(arena_pkg, "_probe", lambda device: (False, "no CUDA driver (cuInit: OSError: gone)"))
+    a, why = make_arena("auto", geom(page=512 << 10))
+    try:
+        assert isinstance(a, HostArena)
+        assert why == "auto: no CUDA driver (cuInit: OSError: gone), using host memory"
+    finally:
+        a.close()
+    monkeypatch.setattr(
+        arena_pkg, "_probe", lambda device: (False, "CUDA device 0 (X, GPU-y) does not support virtual memory management")
+    )
+    a, why = make_arena("auto", geom(page=512 << 10), name="t")
+    a.close()
+    assert isinstance(a, HostArena) and why.startswith("auto: CUDA device 0 (X, GPU-y) does not support")
+    assert why.endswith(", using host memory")
+
+
+def test_auto_on_this_machine_says_why_it_chose_its_backend():
+    a, why = make_arena("auto", geom(page=2 * MiB))
+    try:
+        if a.backend == "host":
+            reason = arena_pkg.cuda_unavailable_reason()
+            assert reason and why == f"auto: {reason}, using host memory"
+        else:
+            assert why.startswith("auto: CUDA device") and why.endswith("supports VMM with POSIX fds")
+    finally:
+        a.close()
+
+
+def test_cuda_backend_refuses_with_the_reason(monkeypatch):
+    monkeypatch.setattr(arena_pkg, "_probe", lambda device: (False, "no CUDA device (cuInit: CUDA_ERROR_NO_DEVICE)"))
+    with pytest.raises(ValueError) as e:
+        make_arena("cuda", geom())
+    assert str(e.value) == (
+        "--arena cuda is not available: no CUDA device (cuInit: CUDA_ERROR_NO_DEVICE); use --arena host"
+    )
+    assert arena_pkg.cuda_unavailable_reason() == "no CUDA device (cuInit: CUDA_ERROR_NO_DEVICE)"
+    with pytest.raises(ValueError, match="unknown arena backend 'gpu'"):
+        make_arena("gpu", geom())
+
+
+def test_auto_and_cuda_pick_the_cuda_arena_where_it_is_supported(fake):
+    a, why = make_arena("auto", geom(), name="t")
+    try:
+        assert isinstance(a, CudaArena) and a.backend == "cuda"
+        assert why == f"auto: CUDA device 0 (Fake H100, {UUID0_STR}) supports VMM with POSIX fds"
+        assert a.device_id == UUID0_STR
+    finally:
+        a.close()
+    a, why = make_arena("cuda", geom(), device=UUID0_STR)
+    a.close()
+    assert why.startswith("asked for cuda: CUDA device 0")
+    assert arena_pkg.cuda_unavailable_reason() == ""
+    # A geometry the device cannot map is a setting to fix, for auto too.
+    with pytest.raises(ValueError, match="not a multiple of the CUDA allocation granularity"):
+        make_arena("auto", geom(page=512 << 10))
+    assert fake.ctx_refs == {0: 0} and not fake.reservations
+
+
+def test_auto_falls_back_when_the_cuda_arena_fails_to_start(fake):
+    fake.fail["cuMemAddressReserve"] = [1, R.CUDA_ERROR_OUT_OF_MEMORY]  # the window's reservation
+    a, why = make_arena("auto", geom())
+    a.close()
+    assert isinstance(a, HostArena)
+    assert "the CUDA arena failed to start (cuMemAddressReserve(" in why and "CUDA_ERROR_OUT_OF_MEMORY" in why
+    assert not fake.reservations and fake.ctx_refs == {0: 0}
+    fake.fail["cuMemAddressReserve"] = [0, R.CUDA_ERROR_OUT_OF_MEMORY]
+    with pytest.raises(ValueError, match="--arena cuda is not available: cuMemAddressReserve"):
+        make_arena("cuda", geom())
+
+
+def test_open_view_cuda_maps_on_the_named_device(monkeypatch):
+    drv = FakeDriver(devices=[FakeDevice(), FakeDevice("Fake H200", UUID1)])
+    monkeypatch.setattr(cu, "_load_driver", lambda: drv)
+    v = open_view("cuda", geom(), UUID1_STR)
+    assert isinstance(v, CudaArenaView) and v.ordinal == 1 and v.device.name == "Fake H200"
+    v.close()
+    v = open_view("cuda", geom(), "")  # an ArenaInfo without a device: device 0
+    assert v.ordinal == 0
+    v.close()
+    drv.devices[0].posix = 0
+    with pytest.raises(CudaUnavailable, match="POSIX file descriptors"):
+        open_view("cuda", geom(), "0")
+    with pytest.raises(ValueError, match="no view for a 'rocm' arena"):
+        open_view("rocm", geom())
+
+
+# ----------------------------------------------------------------- call sequences (fake driver)
+
+
+def test_grow_creates_exports_and_maps_slabs(fake):
+    g = geom()
+    a = CudaArena(g, "0", name="t")
+    a.grow(2)
+    assert a.num_slabs == 2 and a.capacity_pages == 8 and a.view.mapped_slabs == 2
+    fds = [a.slab_fd(0), a.slab_fd(1)]
+    for fd in fds:
+        assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    creates = [c for c in fake.calls if c[0] == "cuMemCreate"]
+    assert creates == [("cuMemCreate", g.slab_size)] * 2
+    base = a.view.phys_base
+    assert sorted(fake.mappings) == [base, base + g.slab_size]
+    assert all(m["access"] == "rw" and m["offset"] == 0 for m in fake.mappings.values())
+    # The broker maps its own created handles: no import in its process.
+    assert "cuMemImportFromShareableHandle" not in fake.names()
+    with pytest.raises(ValueError, match="slab 2 does not exist"):
+        a.slab_fd(2)
+    a.close()
+    assert not fake.allocs and not fake.handles and not fake.mappings and not fake.reservations
+    assert fake.ctx_refs == {0: 0}
+    assert not any(fd_is_open(fd) for fd in fds)
+    a.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        a.grow(1)
+
+
+def test_grow_past_the_maximum_or_device_memory_is_a_memory_error_with_numbers(fake):
+    fake.devices[0].memory = 24 * MiB  # three 8 MiB slabs
+    a = CudaArena(geom(slabs=8), "0")
+    try:
+        with pytest.raises(MemoryError) as e:
+            a.grow(9)
+        assert str(e.value) == "arena at 0 of 8 slabs (0 B); cannot grow by 9"
+        a.grow(1)
+        with pytest.raises(MemoryError) as e:
+            a.grow(4)
+        msg = str(e.value)
+        assert msg.startswith("cuMemCreate(8388608 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY creating slab 3 (8 MiB)")
+        assert "growing the CUDA arena from 1 to 5 slabs (8 MiB -> 40 MiB of at most 64 MiB)" in msg
+        assert msg.endswith(f"CUDA device 0 (Fake H100, {UUID0_STR}) has 0 B free of 24 MiB")
+        assert isinstance(e.value.__cause__, CudaError)
+        # Nothing of the failed call is left: one slab, one mapping, one handle.
+        assert a.num_slabs == 1 and a.view.mapped_slabs == 1
+        assert len(fake.mappings) == 1 and len(fake.handles) == 1 and len(fake.allocs) == 1
+        assert sum(fd_is_open(fd) for fd in fake.exported_fds) == 1
+        a.grow(2)  # the memory the failed call took came back
+        assert a.num_slabs == 3
+    finally:
+        a.close()
+    assert not fake.allocs
+
+
+@pytest.mark.parametrize("failing", ["cuMemExportToShareableHandle", "cuMemMap", "cuMemSetAccess"])
+def test_a_failed_grow_releases_every_handle_mapping_and_fd(fake, failing):
+    a = CudaArena(geom(), "0")
+    a.grow(1)
+    fake.fail[failing] = [1, R.CUDA_ERROR_NOT_PERMITTED]  # the second slab of this call fails
+    with pytest.raises(MemoryError, match=f"{failing}.*CUDA_ERROR_NOT_PERMITTED.*from 1 to 4 slabs"):
+        a.grow(3)
+    assert a.num_slabs == 1 and a.view.mapped_slabs == 1
+    assert len(fake.mappings) == 1 and len(fake.handles) == 1 and len(fake.allocs) == 1
+    assert sum(fd_is_open(fd) for fd in fake.exported_fds) == 1
+    del fake.fail[failing]
+    a.close()
+    assert not fake.allocs and not fake.mappings
+
+
+def test_a_client_view_imports_fds_and_mirrors_window_placements(fake):
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(3)
+    v = CudaArenaView(g, UUID0_STR)
+    try:
+        for i in range(3):
+            fd = os.dup(a.slab_fd(i))  # as SCM_RIGHTS would deliver it
+            v.attach_slab(i, fd)
+            os.close(fd)  # the view keeps the imported handle, not the fd
+        assert v.mapped_slabs == 3 and v.phys_base != a.view.phys_base
+        assert [c[0] for c in fake.calls[-3:]] == ["cuMemImportFromShareableHandle", "cuMemMap", "cuMemSetAccess"]
+        fake.calls.clear()
+        # Pages 5,6,7 | 8,9 | 2 | 11: runs split at slab boundaries and gaps.
+        v.map_window(10, [5, 6, 7, 8, 9, 2, 11])
+        maps = [c for c in fake.calls if c[0] == "cuMemMap"]
+        ps = g.page_size
+        assert [(va - v.window_base) // ps for _, va, *_ in maps] == [10, 13, 15, 16]
+        assert [(size // ps, off // ps) for _, _, size, off, _ in maps] == [(3, 1), (2, 0), (1, 2), (1, 3)]
+        assert fake.names().count("cuMemSetAccess") == 4
+        assert "cuCtxSynchronize" not in fake.names()  # nothing was mapped there before
+        assert v.window_segments() == [(10, 3, 1, 1), (13, 2, 2, 0), (15, 1, 0, 2), (16, 1, 2, 3)]
+        # Mapping over part of a segment unmaps it whole (after a sync) and keeps the rest.
+        fake.calls.clear()
+        v.map_window(11, [0])
+        names = fake.names()
+        assert names.index("cuCtxSynchronize") < names.index("cuMemUnmap")
+        assert v.window_segments() == [(10, 1, 1, 1), (11, 1, 0, 0), (12, 1, 1, 3), (13, 2, 2, 0),
+                                       (15, 1, 0, 2), (16, 1, 2, 3)]  # fmt: skip
+        # Unmapping a range that cuts segments on both sides.
+        fake.calls.clear()
+        v.unmap_window(12, 2)
+        assert fake.names()[0] == "cuCtxSynchronize"
+        assert v.window_segments() == [(10, 1, 1, 1), (11, 1, 0, 0), (14, 1, 2, 1), (15, 1, 0, 2), (16, 1, 2, 3)]
+        fake.calls.clear()
+        v.unmap_window(20, 5)  # nothing mapped there: no sync, no calls
+        assert fake.calls == []
+        # The fake's mappings are exactly the segments (plus the 3 slabs of each view).
+        assert len(fake.mappings) == 3 + 3 + 5
+        for start, n, slab, sp in v.window_segments():
+            m = fake.mappings[v.window_base + start * ps]
+            assert m["size"] == n * ps and m["offset"] == sp * ps and m["access"] == "rw"
+    finally:
+        v.close()
+        a.close()
+    assert not fake.allocs and not fake.mappings and not fake.reservations and not fake.handles
+
+
+def test_the_client_keeps_memory_alive_after_the_broker_closes(fake):
+    g = geom()
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = CudaArenaView(g, "0")
+    v.attach_slab(0, a.slab_fd(0))
+    a.close()
+    assert len(fake.allocs) == 1  # the client's mapping and handle hold it
+    v.close()
+    assert not fake.allocs
+
+
+def test_readonly_slabs_and_windows(fake):
+    g = geom()
+    a = CudaArena(g, "0")
+    a.grow(2)
+    v = CudaArenaView(g, "0")
+    try:
+        v.attach_slab(0, a.slab_fd(0), readonly=True)
+        v.attach_slab(1, a.slab_fd(1))
+        v.map_window(0, [0, 1, 4, 5])
+        v.map_window(8, [6], readonly=True)
+        acc = {(va - v.window_base) // g.page_size: m["access"] for va, m in fake.mappings.items()
+               if v.window_base <= va < v.window_base + g.window_pages * g.page_size}  # fmt: skip
+        assert acc == {0: "r", 2: "rw", 8: "r"}
+        assert fake.mappings[v.phys_base]["access"] == "r"
+        assert fake.mappings[v.phys_base + g.slab_size]["access"] == "rw"
+    finally:
+        v.close()
+        a.close()
+
+
+def test_bad_requests_change_nothing(fake):
+    g = geom(pps=4, slabs=2)
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = CudaArenaView(g, "0")
+    try:
+        with pytest.raises(ValueError, match="slab 1 attached out of order: 0 slabs are mapped"):
+            v.attach_slab(1, a.slab_fd(0))
+        v.attach_slab(0, a.slab_fd(0))
+        n = len(fake.calls)
+        with pytest.raises(ValueError, match="physical page 4 \\(index 1\\) is outside the 4 pages of the 1 mapped slabs"):
+            v.map_window(0, [3, 4])
+        with pytest.raises(ValueError, match="outside the window of 32 pages"):
+            v.map_window(31, [0, 1])
+        with pytest.raises(ValueError, match="outside the window"):
+            v.unmap_window(-1, 2)
+        assert len(fake.calls) == n
+        with pytest.raises(CudaError, match=r"cuMemImportFromShareableHandle\(fd .*CUDA_ERROR_INVALID_VALUE"):
+            r, w = os.pipe()  # not an exported allocation
+            try:
+                v.attach_slab(1, r)
+            finally:
+                os.close(r)
+                os.close(w)
+        assert v.mapped_slabs == 1
+        a.grow(1)
+        v.attach_slab(1, a.slab_fd(1))
+        with pytest.raises(ValueError, match="past the arena's maximum of 2 slabs"):
+            v.attach_slab(2, a.slab_fd(1))
+    finally:
+        v.close()
+        a.close()
+    assert not fake.handles and not fake.allocs
+
+
+@pytest.mark.parametrize("failing", ["cuMemMap", "cuMemSetAccess"])
+def test_a_failed_attach_leaves_nothing_imported_or_mapped(fake, failing):
+    g = geom()
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = CudaArenaView(g, "0")
+    fake.fail[failing] = [0, R.CUDA_ERROR_OUT_OF_MEMORY]
+    with pytest.raises(CudaError, match=f"{failing}\\(slab 0.*CUDA_ERROR_OUT_OF_MEMORY"):
+        v.attach_slab(0, a.slab_fd(0))
+    assert v.mapped_slabs == 0 and len(fake.handles) == 1 and len(fake.mappings) == 1  # the broker's
+    del fake.fail[failing]
+    v.attach_slab(0, a.slab_fd(0))
+    v.close()
+    a.close()
+    assert not fake.handles
+
+
+def test_a_failed_window_mapping_leaves_the_range_unmapped(fake):
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(2)
+    v = CudaArenaView(g, "0")
+    try:
+        for i in range(2):
+            v.attach_slab(i, a.slab_fd(i))
+        v.map_window(0, [0])
+        fake.fail["cuMemSetAccess"] = [1, R.CUDA_ERROR_INVALID_VALUE]  # second run of the next call
+        with pytest.raises(CudaError, match=r"cuMemSetAccess\(window pages 6..7"):
+            v.map_window(4, [1, 2, 4, 6])
+        assert v.window_segments() == [(0, 1, 0, 0)]
+        del fake.fail["cuMemSetAccess"]
+        v.map_window(4, [1, 2, 4, 6])
+        assert v.window_segments() == [(0, 1, 0, 0), (4, 2, 0, 1), (6, 1, 1, 0), (7, 1, 1, 2)]
+    finally:
+        v.close()
+        a.close()
+    assert not fake.mappings
+
+
+def test_close_synchronizes_then_unmaps_then_releases_then_frees(fake):
+    g = geom()
+    a = CudaArena(g, "0")
+    a.grow(2)
+    v = CudaArenaView(g, "0")
+    v.attach_slab(0, a.slab_fd(0))
+    v.attach_slab(1, a.slab_fd(1))
+    v.map_window(0, [1, 2, 5])
+    fake.calls.clear()
+    v.close()
+    names = fake.names()
+    assert names[0] == "cuCtxSynchronize"
+    last_unmap = max(i for i, n in enumerate(names) if n == "cuMemUnmap")
+    first_release = names.index("cuMemRelease")
+    assert names.count("cuMemUnmap") == 2 + 2 and last_unmap < first_release
+    assert max(i for i, n in enumerate(names) if n == "cuMemRelease") < names.index("cuMemAddressFree")
+    assert names[-1] == "cuDevicePrimaryCtxRelease"
+    fake.calls.clear()
+    v.close()
+    assert fake.calls == []
+    with pytest.raises(RuntimeError, match="closed"):
+        v.map_window(0, [0])
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = v.phys_base
+    a.close()
+    assert not fake.allocs and not fake.reservations and fake.ctx_refs == {0: 0}
+
+
+def test_close_goes_on_after_errors_and_raises_the_first(fake):
+    g = geom()
+    a = CudaArena(g, "0")
+    a.grow(1)
+    fake.fail["cuCtxSynchronize"] = [0, R.CUDA_ERROR_INVALID_VALUE]  # e.g. a sticky kernel fault
+    with pytest.raises(CudaError, match="cuCtxSynchronize"):
+        a.close()
+    assert not fake.mappings and not fake.handles and not fake.reservations
+    assert not any(fd_is_open(fd) for fd in fake.exported_fds)
+
+
+def test_each_call_makes_the_context_current_in_its_own_thread(fake):
+    g = geom()
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = CudaArenaView(g, "0")
+    v.attach_slab(0, a.slab_fd(0))
+    v.map_window(0, [0, 1])
+    errors = []
+
+    def other():
+        try:
+            v.unmap_window(0, 2)  # needs cuCtxSynchronize: fails without a current context
+            a.grow(1)
+            v.attach_slab(1, a.slab_fd(1))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors == []
+    assert v.window_segments() == [] and v.mapped_slabs == 2
+    v.close()
+    a.close()
+
+
+def test_preallocate_a_fraction_of_free_memory(fake):
+    fake.devices[0].memory = 80 * MiB
+    a = CudaArena(geom(slabs=8), "0")
+    try:
+        assert a.memory_info() == (80 * MiB, 80 * MiB)
+        assert a.preallocate_fraction(0.5) == 5  # 40 MiB / 8 MiB
+        assert a.num_slabs == 5 and a.memory_info()[0] == 40 * MiB
+        assert a.preallocate_fraction(1.0) == 3  # capped at the arena's maximum of 8
+        assert a.preallocate_fraction(1.0) == 0
+        with pytest.raises(ValueError):
+            a.preallocate_fraction(0)
+    finally:
+        a.close()
+
+
+def test_view_construction_failures_leave_nothing_behind(fake):
+    with pytest.raises(ValueError, match="granularity"):
+        CudaArenaView(geom(page=1 * MiB), "0")
+    fake.fail["cuMemAddressReserve"] = [1, R.CUDA_ERROR_OUT_OF_MEMORY]
+    with pytest.raises(CudaError, match=r"cuMemAddressReserve\(\d+ bytes, window\) failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        CudaArenaView(geom(), "0")
+    assert not fake.reservations and fake.ctx_refs == {0: 0}
+    with pytest.raises(CudaUnavailable, match="no CUDA device 3"):
+        CudaArenaView(geom(), "3")
+
+
+def test_tensor_refuses_unmapped_ranges_before_touching_torch(fake):
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = a.view
+    try:
+        ps = g.page_size
+        with pytest.raises(ValueError, match="outside this view's mapped memory"):
+            v.tensor(v.phys_base + g.slab_size, 16)  # slab 1 is not there
+        v.map_window(0, [2])
+        with pytest.raises(ValueError, match="window page 1 .* is not mapped"):
+            v.tensor(v.window_base, 2 * ps)
+        with pytest.raises(ValueError, match="negative"):
+            v.tensor(v.phys_base, -1)
+    finally:
+        a.close()
+
+
+def test_cuda_array_interface_describes_bytes():
+    obj = cu._CudaArrayInterface(0x7F0000200000, 4096)
+    assert obj.__cuda_array_interface__ == {
+        "shape": (4096,),
+        "typestr": "|u1",
+        "data": (0x7F0000200000, False),
+        "strides": None,
+        "version": 3,
+    }
+
+
+def test_client_make_view_turns_cuda_errors_into_failed_precondition(monkeypatch):
+    from broker.errors import BrokerError, Code
+    from clients.client import BrokerClient
+
+    drv = FakeDriver(init_raises=OSError("no libcuda"))
+    monkeypatch.setattr(cu, "_load_driver", lambda: drv)
+    c = BrokerClient.__new__(BrokerClient)
+    c.arena = SimpleNamespace(backend="cuda", device="")
+    c.geometry = geom()
+    with pytest.raises(BrokerError) as e:
+        c._make_view()
+    assert e.value.code == Code.FAILED_PRECONDITION
+    assert "cannot map the broker's cuda arena: no CUDA driver (cuInit: OSError: no libcuda)" in e.value.message
+
+
+def test_tensor_asks_torch_for_a_view_on_the_device_and_refuses_a_copy(fake, monkeypatch):
+    import torch
+
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(1)
+    seen = []
+
+    class FakeTensor:
+        def __init__(self, ptr, n, device):
+            self.ptr, self.n, self.device = ptr, n, device
+
+        def data_ptr(self):
+            return self.ptr
+
+        def numel(self):
+            return self.n
+
+        def view(self, dtype):
+            return ("view", dtype, self)
+
+    def as_tensor(obj, device=None):
+        cai = obj.__cuda_array_interface__
+        seen.append((cai["data"][0], cai["shape"], str(device)))
+        ptr = cai["data"][0] + (0 if copy_ok else 4096)
+        return FakeTensor(ptr, cai["shape"][0], torch.device(device))
+
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+    try:
+        copy_ok = True
+        addr = a.view.page_address(2)
+        t = a.view.tensor(addr, 8192)
+        assert isinstance(t, FakeTensor) and seen == [(addr, (8192,), "cuda:0")]
+        kind, dtype, base = a.view.tensor(addr, 8192, torch.bfloat16)
+        assert kind == "view" and dtype == torch.bfloat16 and base.data_ptr() == addr
+        copy_ok = False
+        with pytest.raises(RuntimeError, match="copied device memory"):
+            a.view.tensor(addr, 8192)
+    finally:
+        a.close()

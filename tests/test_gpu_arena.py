@@ -1,0 +1,270 @@
+"""The CUDA arena on a real GPU: a real broker (``--arena cuda``) and real client processes.
+
+Every test here skips cleanly without a CUDA device that supports VMM with POSIX-fd
+handles (and a CUDA build of torch). ops/gpu/run_gpu_checks.sh runs them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from broker.arena import ArenaGeometry
+from broker.arena.cuda import cuda_available
+from broker.errors import BrokerError, Code
+from clients import BrokerClient, Spec
+from tests.conftest import read_line, run_child, spawn_child, start_broker
+
+try:
+    import torch
+
+    _torch_cuda = torch.cuda.is_available()
+except Exception:  # pragma: no cover - torch is a dependency
+    _torch_cuda = False
+
+_ok, CUDA_REASON = cuda_available("0")
+cuda_usable = _ok and _torch_cuda
+
+_why = CUDA_REASON if not _ok else "this torch has no CUDA device"
+pytestmark = pytest.mark.skipif(
+    not cuda_usable, reason=f"needs a CUDA device with VMM and POSIX-fd handles ({_why})"
+)
+
+MiB = 1 << 20
+# 2 MiB pages (the usual granularity), 4 pages per 8 MiB slab, 8 slabs at most (64 MiB).
+GPU_SMALL = ["--arena", "cuda", "--page-size", "2MiB", "--slab-size", "8MiB", "--pool-size", "64MiB"]
+
+
+@pytest.fixture
+def gpu_broker():
+    b = start_broker(*GPU_SMALL)
+    yield b
+    b.stop(signal.SIGKILL if b.proc.poll() is None else signal.SIGTERM)
+
+
+def _serving_line(b) -> dict:
+    return next(e for e in b.log_events() if e.get("event") == "serving")
+
+
+# ----------------------------------------------------------------- the arena alone
+
+
+def test_arena_and_a_second_view_share_device_memory():
+    from broker.arena.cuda import CudaArena, CudaArenaView
+
+    g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=4, window_pages=64)
+    a = CudaArena(g, "0")
+    v = None
+    try:
+        a.grow(2)
+        v = CudaArenaView(g, a.device_id)
+        for i in range(2):
+            v.attach_slab(i, a.slab_fd(i))
+        ps = g.page_size
+        mine = a.view.tensor(a.view.phys_base, 2 * g.slab_size)
+        assert mine.is_cuda and mine.data_ptr() == a.view.phys_base
+        mine.copy_((torch.arange(mine.numel(), device=mine.device) % 251).to(torch.uint8))
+        torch.cuda.synchronize()
+        theirs = v.tensor(v.phys_base, 2 * g.slab_size)
+        assert theirs.data_ptr() == v.phys_base and torch.equal(theirs, mine)
+        # A window over scattered pages of both slabs is one contiguous tensor.
+        pages = [6, 1, 3, 4]
+        v.map_window(5, pages)
+        w = v.tensor(v.window_address(5), len(pages) * ps)
+        assert w.is_contiguous() and w.data_ptr() == v.window_address(5)
+        for i, p in enumerate(pages):
+            assert torch.equal(w[i * ps : (i + 1) * ps], mine[p * ps : (p + 1) * ps])
+        # Writes through the window land in the physical pages; bf16 views alias.
+        w.view(torch.bfloat16)[: ps // 2].fill_(1.5)
+        torch.cuda.synchronize()
+        assert bool((mine[6 * ps : 7 * ps].view(torch.bfloat16) == 1.5).all())
+        # Replacing part of a window mapping keeps the rest.
+        v.map_window(6, [0])
+        w2 = v.tensor(v.window_address(5), 3 * ps)
+        assert torch.equal(w2[ps : 2 * ps], mine[0:ps]) and torch.equal(w2[2 * ps :], mine[3 * ps : 4 * ps])
+        del w, w2
+        v.unmap_window(5, 4)
+        with pytest.raises(ValueError):
+            v.tensor(v.window_address(5), ps)
+        del theirs, mine
+    finally:
+        if v is not None:
+            v.close()
+        a.close()
+
+
+# ----------------------------------------------------------------- broker and clients
+
+
+def test_broker_serves_the_cuda_arena_and_says_why(gpu_broker):
+    line = _serving_line(gpu_broker)
+    assert line["arena"] == "cuda"
+    assert "supports VMM with POSIX fds" in line["arena_reason"]
+    with BrokerClient.connect(gpu_broker.socket) as c:
+        assert c.arena.backend == "cuda"
+        assert type(c.view).__name__ == "CudaArenaView"
+
+
+def test_two_client_processes_share_pages_through_their_own_mappings(gpu_broker):
+    with BrokerClient.connect(gpu_broker.socket, client_name="writer") as c:
+        total = c.stats().max_pages
+        singles = c.allocate([Spec(1) for _ in range(total)])
+        c.free(singles[::2])  # every other page free: the free pages are scattered
+        free = c.stats().free_pages
+        big = c.allocate([Spec(free, contiguous=True, key=b"gpu-big")])[0]
+        phys = sorted(big.pages)
+        assert any(b - a > 1 for a, b in zip(phys, phys[1:])), "pages should be physically scattered"
+        t = big.tensor(torch.int32)
+        assert t.is_cuda and t.is_contiguous() and t.data_ptr() == big.address
+        t.copy_(torch.arange(t.numel(), dtype=torch.int32, device=t.device) * 3)  # a torch op on the GPU
+        torch.cuda.synchronize()
+        lines = run_child(
+            gpu_broker.socket,
+            """
+            import torch
+            with BrokerClient.connect(SOCKET) as c:
+                o = c.lookup([b"gpu-big"])[0]
+                t = o.tensor(torch.int32)
+                want = torch.arange(t.numel(), dtype=torch.int32, device=t.device) * 3
+                ok = bool(torch.equal(t, want))
+                ps = len(t) // len(o.pages)
+                pts = o.page_tensors(torch.int32)
+                per_page = all(torch.equal(t[i*ps:(i+1)*ps], pt) for i, pt in enumerate(pts))
+                same_ptr = t.data_ptr() == o.address and all(
+                    pt.data_ptr() == a for pt, a in zip(pts, o.page_addresses()))
+                t.add_(1)  # write back through this process's own mapping
+                torch.cuda.synchronize()
+                out(ok=ok, per_page=per_page, same_ptr=same_ptr, cuda=t.is_cuda,
+                    contiguous=t.is_contiguous(), n=len(o.pages))
+                c.unpin([o])
+            """,
+            timeout=120,
+        )
+        assert lines[0] == {"ok": True, "per_page": True, "same_ptr": True, "cuda": True, "contiguous": True, "n": free}
+        assert torch.equal(t, torch.arange(t.numel(), dtype=torch.int32, device=t.device) * 3 + 1)
+
+
+def test_killing_the_broker_leaves_a_live_client_computing(gpu_broker):
+    with BrokerClient.connect(gpu_broker.socket) as c:
+        o = c.allocate([Spec(4, contiguous=True)])[0]
+        t = o.tensor(torch.float32)
+        t.fill_(2.0)
+        gpu_broker.stop(signal.SIGKILL)
+        assert c.session_ended.wait(10)
+        for _ in range(50):  # keeps launching kernels on the mapping after the broker died
+            t.mul_(1.0).add_(0.0)
+        torch.cuda.synchronize()
+        assert float(t.sum()) == 2.0 * t.numel()
+        pages = o.page_tensors(torch.float32)
+        assert all(bool((p == 2.0).all()) for p in pages)
+
+
+def test_killing_a_client_returns_its_pages_and_they_are_reused(gpu_broker):
+    with BrokerClient.connect(gpu_broker.socket, client_name="watcher") as w:
+        w.allocate([Spec(1)])  # the arena has a slab before the child comes
+        slabs0 = w.stats().num_slabs
+        free0 = w.stats().free_pages
+        child = spawn_child(
+            gpu_broker.socket,
+            """
+            import torch
+            c = BrokerClient.connect(SOCKET)
+            o = c.allocate([Spec(3, contiguous=True)])[0]
+            o.tensor().fill_(0x33)
+            torch.cuda.synchronize()
+            out(pages=list(o.pages))
+            time.sleep(600)
+            """,
+        )
+        try:
+            pages = read_line(child, timeout=60)["pages"]
+            assert w.stats().free_pages == free0 - 3
+            child.send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and w.stats().sessions != 1:
+                time.sleep(0.02)
+            st = w.stats()
+            assert st.sessions == 1 and st.free_pages == free0
+            again = w.allocate([Spec(3)])[0]
+            assert sorted(again.pages) == sorted(pages)
+            assert w.stats().num_slabs == slabs0  # reused, not grown
+            # The pages a dead process had mapped are ordinary memory for the next owner.
+            for p in again.page_tensors():
+                p.fill_(0x44)
+            torch.cuda.synchronize()
+            assert all(bool((p == 0x44).all()) for p in again.page_tensors())
+        finally:
+            child.kill()
+            child.wait()
+
+
+def test_growth_slab_by_slab_to_the_maximum_then_eviction():
+    b = start_broker(*GPU_SMALL, "--pool-size", "32MiB", "--high-watermark", "1.0", "--low-watermark", "1.0")
+    try:
+        with BrokerClient.connect(b.socket) as c:
+            assert c.stats().num_slabs == 0
+            objs = []
+            for i in range(4):  # 4 slabs of 4 pages
+                o = c.allocate([Spec(4, key=f"k{i}".encode())])[0]
+                assert c.stats().num_slabs == i + 1
+                for p in o.page_tensors():
+                    p.fill_(i + 1)
+                objs.append(o)
+            torch.cuda.synchronize()
+            st = c.stats()
+            assert st.num_slabs == 4 and st.free_pages == 0 and st.evicted_objects == 0
+            new = c.allocate([Spec(4, key=b"k4")])[0]  # full: the least recently used goes
+            st = c.stats()
+            assert st.num_slabs == 4 and st.evicted_objects == 1
+            assert sorted(new.pages) == sorted(objs[0].pages)
+            with pytest.raises(BrokerError) as e:
+                c.pin([objs[0]])
+            assert e.value.code == Code.NOT_FOUND
+            lines = run_child(
+                b.socket,
+                """
+                with BrokerClient.connect(SOCKET) as c:
+                    found = c.lookup([b"k1", b"k2", b"k3"])
+                    out(vals=[int(o.page_tensors()[0][0]) for o in found], slabs=c.view.mapped_slabs)
+                    c.unpin(found)
+                """,
+                timeout=120,
+            )
+            assert lines[0] == {"vals": [2, 3, 4], "slabs": 4}
+    finally:
+        b.stop()
+
+
+def test_preallocated_slabs_exist_at_start():
+    b = start_broker(*GPU_SMALL, "--preallocate", "16MiB")
+    try:
+        with BrokerClient.connect(b.socket) as c:
+            assert c.stats().num_slabs == 2 and c.view.mapped_slabs == 2
+    finally:
+        b.stop()
+
+
+def test_allocating_past_the_devices_free_memory_is_resource_exhausted_not_a_crash():
+    free, total = torch.cuda.mem_get_info()
+    slab = 1 << 30
+    pool = -(-(total * 3 // 2) // slab) * slab  # the arena's maximum is past the device's memory
+    b = start_broker("--arena", "cuda", "--page-size", "2MiB", "--slab-size", "1GiB", "--pool-size", str(pool),
+                     "--window-factor", "1")  # fmt: skip
+    try:
+        with BrokerClient.connect(b.socket) as c:
+            want = total // (2 * MiB) + 1
+            with pytest.raises(BrokerError) as e:
+                c.allocate([Spec(want)])
+            assert e.value.code == Code.RESOURCE_EXHAUSTED
+            assert "could not grow" in e.value.message and "CUDA_ERROR_OUT_OF_MEMORY" in e.value.message
+            assert b.proc.poll() is None, "the broker died"
+            st = c.stats()
+            assert st.used_pages == 0 and st.num_slabs == 0  # nothing of the failed growth kept
+            o = c.allocate([Spec(2)])[0]  # and it still serves
+            o.page_tensors()[0].fill_(7)
+            torch.cuda.synchronize()
+            assert int(o.page_tensors()[0][0]) == 7
+    finally:
+        b.stop()
