@@ -1,4 +1,27 @@
-"""Triton kernels for batched multi-LoRA over the arena's pages, with a torch reference.
+"""Batched multi-LoRA kernels over the arena's pages (DESIGN.md section 6), with a torch
+reference and a fake-arena builder for tests and benchmarks.
 
-Empty in this version: the kernels arrive with the multi-LoRA work (DESIGN.md section 6).
+``lora_ops`` holds the Triton shrink/expand kernels, ``batch_plan`` the per-step metadata
+and path choice, ``reference`` the torch reference, ``testing`` the fake paged arena, and
+``compile_check`` compiles the kernels for a GPU target where no GPU is present.
+Triton is imported only when a kernel name is first used, so ``kernels.reference`` and
+``kernels.batch_plan`` work without it (and TRITON_INTERPRET can be set before it loads).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from .batch_plan import BatchPlan, SegmentTiles, choose_path, plan_batch
+
+_KERNEL_NAMES = frozenset({"shrink", "expand", "lora_apply", "RANK_BLOCK"})
+
+__all__ = ["BatchPlan", "SegmentTiles", "choose_path", "plan_batch", *sorted(_KERNEL_NAMES)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _KERNEL_NAMES:
+        from . import lora_ops
+
+        return getattr(lora_ops, name)
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -1,0 +1,131 @@
+"""Compiles every LoRA kernel variant the launchers can pick, for an NVIDIA target, on a machine
+without a GPU (Triton's bundled ptxas), so CPU-only CI catches code that runs in the
+interpreter but does not compile.
+
+It mirrors the launchers' choices (block sizes, warps, specialisation of 16-divisible ints and
+of unit strides) through ``lora_ops``'s own constants; it runs nothing and checks no numbers.
+Run it with TRITON_INTERPRET unset: ``python -m kernels.compile_check [--arch 90]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+# Integer arguments a real launch passes divisible by 16 (hidden sizes, strides, slice
+# offsets), which Triton specialises on; the compiled code then assumes that alignment.
+_DIVISIBLE_INTS = frozenset(
+    {"K", "OFF0", "OFF1", "OFF2", "N0", "N1", "N2", "stride_xt", "stride_yj", "stride_yt", "stride_ot",
+     "stride_as", "stride_aj", "stride_bs", "stride_bj"}
+)  # fmt: skip
+_TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledVariant:
+    """One kernel compiled with one set of launch choices."""
+
+    # Kernel function name.
+    kernel: str
+    # "fp16", "bf16" or "fp32" (the arena's and x's dtype).
+    dtype: str
+    # Launch constexprs, for messages.
+    constexprs: dict
+    # The kernel's PTX.
+    ptx: str
+
+    def global_access_forms(self) -> set[str]:
+        """The ld.global / st.global instruction forms in the PTX (v4 means 16-byte accesses)."""
+        return {w for line in self.ptx.splitlines() for w in line.split() if w.startswith(("ld.global", "st.global"))}
+
+
+def _compile(fn, pointer_types: dict[str, str], constexprs: dict, num_warps: int, arch: int, dtype: str):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = pointer_types.get(name, "i32").replace("DT", dtype)
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(names)
+        if signature[name] != "constexpr" and (signature[name].startswith("*") or name in _DIVISIBLE_INTS)
+    }
+    source = ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    return CompiledVariant(kernel=fn.__name__, dtype=dtype, constexprs=dict(constexprs), ptx=compiled.asm["ptx"])
+
+
+def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> list[CompiledVariant]:
+    """Compiles each kernel for each dtype, row alignment (1, 8) and segment block shape used.
+
+    Raises:
+        RuntimeError: TRITON_INTERPRET is set (the kernels are then interpreter objects).
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_check needs the compiled kernels: run it with TRITON_INTERPRET unset")
+    from . import lora_ops as L
+    from .batch_plan import DEFAULT_BLOCK_M
+
+    shrink_ptrs = {"x_ptr": "*DT", "arena_ptr": "*DT", "a_off_ptr": "*i64", "ranks_ptr": "*i32", "y_ptr": "*fp32"}
+    expand_ptrs = {"y_ptr": "*fp32", "arena_ptr": "*DT", "b_off_ptr": "*i64", "ranks_ptr": "*i32",
+                   "scalings_ptr": "*fp32", "out_ptr": "*DT"}  # fmt: skip
+    tiles = {"order_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"}
+    out = []
+    for torch_dtype in dtypes:
+        dt = _TRITON_DTYPES[torch_dtype]
+        precision = L.dot_precision(torch_dtype)
+        for align in (1, 8):
+            out.append(_compile(
+                L._shrink_token_kernel, {**shrink_ptrs, "token_slot_ptr": "*i32"},
+                {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K, "stride_xk": 1},
+                4, arch, dt,
+            ))  # fmt: skip
+            out.append(_compile(
+                L._expand_token_kernel, {**expand_ptrs, "token_slot_ptr": "*i32"},
+                {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N, "stride_on": 1},
+                4, arch, dt,
+            ))  # fmt: skip
+            for block_m in sorted({16, DEFAULT_BLOCK_M}):
+                for num_slices, max_rank in ((3, 16), (3, 128)):
+                    block_n = L.segment_shrink_block_n(num_slices, max_rank)
+                    out.append(_compile(
+                        L._shrink_segment_kernel, {**shrink_ptrs, **tiles},
+                        {"ROW_ALIGN": align, "DOT_PRECISION": precision, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                         "BLOCK_K": L.SEGMENT_SHRINK_BLOCK_K, "stride_xk": 1},
+                        L.segment_shrink_warps(block_m, block_n), arch, dt,
+                    ))  # fmt: skip
+                out.append(_compile(
+                    L._expand_segment_kernel, {**expand_ptrs, **tiles},
+                    {"ROW_ALIGN": align, "DOT_PRECISION": precision, "BLOCK_M": block_m,
+                     "BLOCK_N": L.SEGMENT_EXPAND_BLOCK_N, "BLOCK_R": L.RANK_BLOCK, "stride_on": 1},
+                    L.segment_expand_warps(block_m), arch, dt,
+                ))  # fmt: skip
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer, e.g. 80 or 90")
+    args = ap.parse_args()
+    variants = compile_all(args.arch)
+    for v in variants:
+        forms = " ".join(sorted(v.global_access_forms()))
+        print(f"{v.kernel:24} {v.dtype} {v.constexprs.get('ROW_ALIGN')} {v.constexprs.get('BLOCK_M', '-')}: {forms}")
+    print(f"compiled {len(variants)} kernel variants for sm_{args.arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
