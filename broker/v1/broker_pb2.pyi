@@ -21,6 +21,13 @@ class ObjectState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OBJECT_STATE_UNSPECIFIED: _ClassVar[ObjectState]
     OBJECT_STATE_PREPARED: _ClassVar[ObjectState]
     OBJECT_STATE_COMMITTED: _ClassVar[ObjectState]
+
+class AdapterTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_TIER_UNSPECIFIED: _ClassVar[AdapterTier]
+    ADAPTER_TIER_HOT: _ClassVar[AdapterTier]
+    ADAPTER_TIER_WARM: _ClassVar[AdapterTier]
+    ADAPTER_TIER_COLD: _ClassVar[AdapterTier]
 CONTENT_TYPE_UNSPECIFIED: ContentType
 CONTENT_TYPE_KV_CACHE: ContentType
 CONTENT_TYPE_LORA_WEIGHT: ContentType
@@ -30,6 +37,10 @@ CONTENT_TYPE_GRADIENT: ContentType
 OBJECT_STATE_UNSPECIFIED: ObjectState
 OBJECT_STATE_PREPARED: ObjectState
 OBJECT_STATE_COMMITTED: ObjectState
+ADAPTER_TIER_UNSPECIFIED: AdapterTier
+ADAPTER_TIER_HOT: AdapterTier
+ADAPTER_TIER_WARM: AdapterTier
+ADAPTER_TIER_COLD: AdapterTier
 
 class ObjectSpec(_message.Message):
     __slots__ = ("num_pages", "contiguous", "content_type", "key", "pin")
@@ -297,8 +308,278 @@ class ContentStats(_message.Message):
     pages: int
     def __init__(self, content_type: _Optional[_Union[ContentType, str]] = ..., objects: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
+class Adapter(_message.Message):
+    __slots__ = ("adapter_id", "path", "rank", "lora_alpha", "use_rslora", "target_modules", "num_layers", "file_bytes", "registered_at", "tier", "generation", "pin_count", "num_pages")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    USE_RSLORA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    path: str
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    num_layers: int
+    file_bytes: int
+    registered_at: float
+    tier: AdapterTier
+    generation: int
+    pin_count: int
+    num_pages: int
+    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., registered_at: _Optional[float] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., generation: _Optional[int] = ..., pin_count: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class RegisterAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "path")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    path: str
+    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RegisterAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class UnregisterAdapterRequest(_message.Message):
+    __slots__ = ("adapter_ids",)
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnregisterAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ("prefix", "limit", "page_token")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    limit: int
+    page_token: str
+    def __init__(self, prefix: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "next_page_token", "total")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    next_page_token: str
+    total: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
+
+class RowChunk(_message.Message):
+    __slots__ = ("page_index", "offset", "rows")
+    PAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    page_index: int
+    offset: int
+    rows: int
+    def __init__(self, page_index: _Optional[int] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class MatrixLayout(_message.Message):
+    __slots__ = ("rows", "row_elems", "row_stride", "chunks")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_ELEMS_FIELD_NUMBER: _ClassVar[int]
+    ROW_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    row_elems: int
+    row_stride: int
+    chunks: _containers.RepeatedCompositeFieldContainer[RowChunk]
+    def __init__(self, rows: _Optional[int] = ..., row_elems: _Optional[int] = ..., row_stride: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[RowChunk, _Mapping]]] = ...) -> None: ...
+
+class ModuleLayout(_message.Message):
+    __slots__ = ("layer", "module", "rank", "scaling", "in_features", "out_features", "a", "b")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    IN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    OUT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    module: str
+    rank: int
+    scaling: float
+    in_features: int
+    out_features: int
+    a: MatrixLayout
+    b: MatrixLayout
+    def __init__(self, layer: _Optional[int] = ..., module: _Optional[str] = ..., rank: _Optional[int] = ..., scaling: _Optional[float] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ..., a: _Optional[_Union[MatrixLayout, _Mapping]] = ..., b: _Optional[_Union[MatrixLayout, _Mapping]] = ...) -> None: ...
+
+class AdapterLayout(_message.Message):
+    __slots__ = ("adapter_id", "generation", "object_id", "pages", "page_size", "dtype", "row_align", "modules", "arena_slabs")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_ALIGN_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SLABS_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    generation: int
+    object_id: int
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    page_size: int
+    dtype: str
+    row_align: int
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleLayout]
+    arena_slabs: int
+    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., row_align: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ..., arena_slabs: _Optional[int] = ...) -> None: ...
+
+class GetAdapterLayoutRequest(_message.Message):
+    __slots__ = ("adapter_id",)
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+
+class AcquireAdaptersRequest(_message.Message):
+    __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms")
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WITH_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_adapters: int
+    with_layout: bool
+    prepare: bool
+    lease_ms: int
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., with_layout: _Optional[bool] = ..., prepare: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class AcquiredAdapter(_message.Message):
+    __slots__ = ("adapter_id", "generation", "object_id", "pages", "layout", "found_in", "arena_slabs")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FOUND_IN_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SLABS_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    generation: int
+    object_id: int
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    layout: AdapterLayout
+    found_in: AdapterTier
+    arena_slabs: int
+    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[AdapterLayout, _Mapping]] = ..., found_in: _Optional[_Union[AdapterTier, str]] = ..., arena_slabs: _Optional[int] = ...) -> None: ...
+
+class AcquireAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "deferred", "transaction_id", "deadline_unix_ms")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    TRANSACTION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AcquiredAdapter]
+    deferred: _containers.RepeatedScalarFieldContainer[str]
+    transaction_id: int
+    deadline_unix_ms: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AcquiredAdapter, _Mapping]]] = ..., deferred: _Optional[_Iterable[str]] = ..., transaction_id: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseAdaptersRequest(_message.Message):
+    __slots__ = ("adapter_ids",)
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseAdaptersResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefetchAdaptersRequest(_message.Message):
+    __slots__ = ("adapter_ids", "tier")
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    tier: AdapterTier
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[AdapterTier, str]] = ...) -> None: ...
+
+class PrefetchAdaptersResponse(_message.Message):
+    __slots__ = ("loaded", "failed")
+    class LoadedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: AdapterTier
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[AdapterTier, str]] = ...) -> None: ...
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.ScalarMap[str, AdapterTier]
+    failed: _containers.ScalarMap[str, str]
+    def __init__(self, loaded: _Optional[_Mapping[str, AdapterTier]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class AdapterStats(_message.Message):
+    __slots__ = ("registered", "hot", "warm", "cold", "hot_pages", "warm_bytes", "found_hot", "found_warm", "found_cold", "loads_hot", "loads_warm", "bytes_loaded_hot", "bytes_loaded_warm", "hit_rate", "deferred", "shared_loads", "load_failures", "evictions", "demotions")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    HOT_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
+    COLD_FIELD_NUMBER: _ClassVar[int]
+    HOT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WARM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FOUND_HOT_FIELD_NUMBER: _ClassVar[int]
+    FOUND_WARM_FIELD_NUMBER: _ClassVar[int]
+    FOUND_COLD_FIELD_NUMBER: _ClassVar[int]
+    LOADS_HOT_FIELD_NUMBER: _ClassVar[int]
+    LOADS_WARM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_HOT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_WARM_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    registered: int
+    hot: int
+    warm: int
+    cold: int
+    hot_pages: int
+    warm_bytes: int
+    found_hot: int
+    found_warm: int
+    found_cold: int
+    loads_hot: int
+    loads_warm: int
+    bytes_loaded_hot: int
+    bytes_loaded_warm: int
+    hit_rate: float
+    deferred: int
+    shared_loads: int
+    load_failures: int
+    evictions: int
+    demotions: int
+    def __init__(self, registered: _Optional[int] = ..., hot: _Optional[int] = ..., warm: _Optional[int] = ..., cold: _Optional[int] = ..., hot_pages: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., found_hot: _Optional[int] = ..., found_warm: _Optional[int] = ..., found_cold: _Optional[int] = ..., loads_hot: _Optional[int] = ..., loads_warm: _Optional[int] = ..., bytes_loaded_hot: _Optional[int] = ..., bytes_loaded_warm: _Optional[int] = ..., hit_rate: _Optional[float] = ..., deferred: _Optional[int] = ..., shared_loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ...) -> None: ...
+
 class Stats(_message.Message):
-    __slots__ = ("backend", "page_size", "max_pages", "capacity_pages", "num_slabs", "free_pages", "used_pages", "prepared_pages", "pinned_pages", "evictable_pages", "utilization", "high_watermark", "low_watermark", "eviction_active", "eviction_runs", "evicted_objects", "evicted_pages", "objects", "keyed_objects", "sessions", "open_transactions", "by_content", "window_free_pages", "window_free_extents", "window_largest_free", "window_fragmentation", "allocations_total", "deduplicated_total", "allocation_failures")
+    __slots__ = ("backend", "page_size", "max_pages", "capacity_pages", "num_slabs", "free_pages", "used_pages", "prepared_pages", "pinned_pages", "evictable_pages", "utilization", "high_watermark", "low_watermark", "eviction_active", "eviction_runs", "evicted_objects", "evicted_pages", "objects", "keyed_objects", "sessions", "open_transactions", "by_content", "window_free_pages", "window_free_extents", "window_largest_free", "window_fragmentation", "allocations_total", "deduplicated_total", "allocation_failures", "adapters")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +609,7 @@ class Stats(_message.Message):
     ALLOCATIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     page_size: int
     max_pages: int
@@ -357,4 +639,5 @@ class Stats(_message.Message):
     allocations_total: int
     deduplicated_total: int
     allocation_failures: int
-    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., max_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., num_slabs: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., prepared_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., utilization: _Optional[float] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., eviction_active: _Optional[bool] = ..., eviction_runs: _Optional[int] = ..., evicted_objects: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., objects: _Optional[int] = ..., keyed_objects: _Optional[int] = ..., sessions: _Optional[int] = ..., open_transactions: _Optional[int] = ..., by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ..., window_free_pages: _Optional[int] = ..., window_free_extents: _Optional[int] = ..., window_largest_free: _Optional[int] = ..., window_fragmentation: _Optional[float] = ..., allocations_total: _Optional[int] = ..., deduplicated_total: _Optional[int] = ..., allocation_failures: _Optional[int] = ...) -> None: ...
+    adapters: AdapterStats
+    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., max_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., num_slabs: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., prepared_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., utilization: _Optional[float] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., eviction_active: _Optional[bool] = ..., eviction_runs: _Optional[int] = ..., evicted_objects: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., objects: _Optional[int] = ..., keyed_objects: _Optional[int] = ..., sessions: _Optional[int] = ..., open_transactions: _Optional[int] = ..., by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ..., window_free_pages: _Optional[int] = ..., window_free_extents: _Optional[int] = ..., window_largest_free: _Optional[int] = ..., window_fragmentation: _Optional[float] = ..., allocations_total: _Optional[int] = ..., deduplicated_total: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., adapters: _Optional[_Union[AdapterStats, _Mapping]] = ...) -> None: ...

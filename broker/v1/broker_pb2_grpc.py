@@ -89,6 +89,41 @@ class MemoryBrokerStub:
                 request_serializer=broker_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=broker_dot_v1_dot_broker__pb2.Stats.FromString,
                 _registered_method=True)
+        self.RegisterAdapter = channel.unary_unary(
+                '/broker.v1.MemoryBroker/RegisterAdapter',
+                request_serializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnregisterAdapter = channel.unary_unary(
+                '/broker.v1.MemoryBroker/UnregisterAdapter',
+                request_serializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/broker.v1.MemoryBroker/ListAdapters',
+                request_serializer=broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.GetAdapterLayout = channel.unary_unary(
+                '/broker.v1.MemoryBroker/GetAdapterLayout',
+                request_serializer=broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
+                _registered_method=True)
+        self.AcquireAdapters = channel.unary_unary(
+                '/broker.v1.MemoryBroker/AcquireAdapters',
+                request_serializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
+                _registered_method=True)
+        self.ReleaseAdapters = channel.unary_unary(
+                '/broker.v1.MemoryBroker/ReleaseAdapters',
+                request_serializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
+                _registered_method=True)
+        self.PrefetchAdapters = channel.unary_unary(
+                '/broker.v1.MemoryBroker/PrefetchAdapters',
+                request_serializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryBrokerServicer:
@@ -160,9 +195,52 @@ class MemoryBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Adapter RPCs (RegisterAdapter, AcquireAdapters, ...) join this service in a later
-        version of this file; field and method numbers above are stable.
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterAdapter(self, request, context):
+        """LoRA adapters: registered once per GPU, loaded once, shared by every session.
+        Register/Unregister/List/GetAdapterLayout/Prefetch need no session.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAdapterLayout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireAdapters(self, request, context):
+        """Pins adapters for the session (loading them first if needed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -224,6 +302,41 @@ def add_MemoryBrokerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=broker_dot_v1_dot_broker__pb2.GetStatsRequest.FromString,
                     response_serializer=broker_dot_v1_dot_broker__pb2.Stats.SerializeToString,
+            ),
+            'RegisterAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterAdapter,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.SerializeToString,
+            ),
+            'UnregisterAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterAdapter,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'GetAdapterLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAdapterLayout,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.AdapterLayout.SerializeToString,
+            ),
+            'AcquireAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireAdapters,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.SerializeToString,
+            ),
+            'ReleaseAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseAdapters,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.SerializeToString,
+            ),
+            'PrefetchAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchAdapters,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -523,6 +636,195 @@ class MemoryBroker:
             '/broker.v1.MemoryBroker/GetStats',
             broker_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
             broker_dot_v1_dot_broker__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/RegisterAdapter',
+            broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/UnregisterAdapter',
+            broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/ListAdapters',
+            broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAdapterLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/GetAdapterLayout',
+            broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/AcquireAdapters',
+            broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/ReleaseAdapters',
+            broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/PrefetchAdapters',
+            broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

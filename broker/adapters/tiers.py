@@ -1,0 +1,425 @@
+"""The blocking halves of the tiers: cold files to warm host images, warm images into pages.
+
+``build_warm_image`` reads an adapter's safetensors file (cold) and lays its weights out
+exactly as they will sit in the pages (warm): A rows and Bᵀ rows in the layout's order,
+converted to the broker's dtype, each page's used bytes back to back, so promotion to hot is
+one copy per page. With int8 warm storage the image keeps each row as int8 with one fp32
+scale (absmax / 127) and promotion dequantizes while it writes. ``HostPageWriter`` does that
+copy through the broker's own mapping of a host arena.
+
+Everything here is plain blocking code meant for executor threads: it reads files and
+arrays it is given and writes pages it is told to, and touches no manager, store or loop
+state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from broker.adapters.layout import AdapterLayout, MatrixPlacement
+from broker.adapters.registry import FILE_DTYPES, AdapterMeta
+from broker.arena.base import ArenaView
+from broker.errors import precondition
+
+# numpy arrays that hold each element type's bits (bf16 has no numpy type: kept as uint16).
+_RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_FILE_RAW = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_FILE_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_FILE_NAME = {v: k for k, v in FILE_DTYPES.items()}
+# int8 warm storage: q = round(x / s), s = absmax(row) / INT8_MAX, so |x - q s| <= s / 2.
+INT8_MAX = 127
+
+
+# ------------------------------------------------------------------ conversions
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounding to nearest even as torch does; NaN stays NaN."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    r = u >> 16
+    r &= 1
+    r += 0x7FFF
+    r += u
+    r >>= 16
+    out = r.astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_f32(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.uint32) << 16).view(np.float32)
+
+
+def _to_f32(x: np.ndarray, file_dtype: str) -> np.ndarray:
+    if file_dtype == "F32":
+        return x
+    if file_dtype == "F16":
+        return x.astype(np.float32)
+    return bf16_bits_to_f32(x)
+
+
+def convert(x: np.ndarray, file_dtype: str, dtype: str) -> np.ndarray:
+    """Raw file elements (``_FILE_RAW`` arrays) -> raw elements of ``dtype`` (``_RAW`` arrays)."""
+    if FILE_DTYPES[file_dtype] == dtype:
+        return x
+    f32 = _to_f32(x, file_dtype)
+    if dtype == "float32":
+        return f32
+    if dtype == "float16":
+        return f32.astype(np.float16)
+    return f32_to_bf16_bits(f32)
+
+
+def _from_f32(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype(np.float16)
+    return f32_to_bf16_bits(x)
+
+
+# -------------------------------------------------------------- safetensors files
+
+
+class WeightsFile:
+    """An adapter's safetensors file open for reading, with its tensors' places in it.
+
+    Reads the safetensors layout directly (8-byte header length, JSON header, data) with
+    ``pread``, so the kernel copies each byte once from the page cache to where the image
+    wants it (no mapping to set up and tear down per load); the registry validated the same
+    header with the safetensors library. Thread-safe reads; use as a context manager.
+
+    Raises:
+        BrokerError(FAILED_PRECONDITION): the file is gone, or is no longer what was registered.
+    """
+
+    def __init__(self, meta: AdapterMeta):
+        self.meta = meta
+        path = meta.weights_path
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise precondition(
+                f"adapter {meta.adapter_id!r}: cannot open {path} ({e.strerror}); its files moved or were deleted "
+                "since it was registered: register it again"
+            ) from None
+        try:
+            size = os.fstat(self._fd).st_size
+            try:
+                (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+                header = json.loads(os.pread(self._fd, n, 8))
+                entries = [(k, v["dtype"], tuple(v["shape"]), v["data_offsets"]) for k, v in header.items() if k != "__metadata__"]
+            except (struct.error, ValueError, KeyError, TypeError) as e:
+                raise precondition(f"adapter {meta.adapter_id!r}: {path} is no longer a safetensors file ({e})") from None
+            base = 8 + n
+            # key -> (safetensors dtype, shape, byte offset in the file)
+            self.tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
+            for key, dt, shape, (b, e) in entries:
+                if dt not in _FILE_RAW or base + e > size or e - b != math.prod(shape) * _FILE_SIZE[dt]:
+                    raise precondition(
+                        f"adapter {meta.adapter_id!r}: {path} changed since registration "
+                        f"(tensor {key}: {dt} {list(shape)}); register it again"
+                    )
+                self.tensors[key] = (dt, shape, base + b)
+        except BaseException:
+            self.close()
+            raise
+
+    def entry(self, key: str, kind: str, rows: int, width: int) -> tuple[str, tuple[int, ...], int]:
+        """(dtype, shape, file offset) of a LoRA matrix, checked against the registered shape."""
+        got = self.tensors.get(key)
+        want = (rows, width) if kind == "A" else (width, rows)
+        if got is None or got[1] != want:
+            have = "missing" if got is None else f"{list(got[1])}"
+            raise precondition(
+                f"adapter {self.meta.adapter_id!r}: {self.meta.weights_path} changed since registration: {key} is "
+                f"{have}, registered as {list(want)}; register it again"
+            )
+        return got
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` with the file's bytes from ``offset``."""
+        done = 0
+        while done < len(buf):
+            got = os.preadv(self._fd, [buf[done:]], offset + done)
+            if got <= 0:
+                raise precondition(f"adapter {self.meta.adapter_id!r}: {self.meta.weights_path} was truncated while loading")
+            done += got
+
+    def array(self, dtype: str, shape: tuple[int, ...], offset: int, scratch: np.ndarray) -> np.ndarray:
+        """The tensor's raw elements, read into (a prefix of) ``scratch``."""
+        n = math.prod(shape) * _FILE_SIZE[dtype]
+        self.read_into(memoryview(scratch)[:n], offset)
+        return scratch[:n].view(_FILE_RAW[dtype]).reshape(shape)
+
+    def scratch_for(self, entries) -> np.ndarray:
+        """A buffer large enough for any of ``entries`` ((dtype, shape, offset) tuples)."""
+        return np.empty(max((math.prod(sh) * _FILE_SIZE[dt] for dt, sh, _ in entries), default=0), dtype=np.uint8)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> WeightsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -------------------------------------------------------------------- warm images
+
+
+@dataclass(slots=True, eq=False)
+class WarmImage:
+    """One adapter in host memory, ready to be written into its pages.
+
+    ``packed`` holds the pages' used bytes back to back (``layout.image_offsets()``); an
+    int8 image holds instead one int8 row per weight row (``q``, in layout order: per
+    module A rows then Bᵀ rows) and one float32 scale per row (``scales``).
+    """
+
+    layout: AdapterLayout
+    packed: np.ndarray | None = None
+    q: np.ndarray | None = None
+    scales: np.ndarray | None = None
+    # Bytes of the weights file read to build it.
+    source_bytes: int = 0
+
+    @property
+    def int8(self) -> bool:
+        return self.q is not None
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes
+        return self.q.nbytes + self.scales.nbytes
+
+    def matrices(self) -> Iterator[tuple[MatrixPlacement, np.ndarray, np.ndarray]]:
+        """int8 images: (placement, q int8 [rows, row_elems], scales float32 [rows]) per matrix."""
+        qpos = spos = 0
+        for m in self.layout.modules:
+            for mp in (m.a, m.b):
+                n = mp.rows * mp.row_elems
+                yield mp, self.q[qpos : qpos + n].reshape(mp.rows, mp.row_elems), self.scales[spos : spos + mp.rows]
+                qpos += n
+                spos += mp.rows
+
+
+def _rows_view(buf: np.ndarray, start: int, rows: int, mp: MatrixPlacement, raw, es: int) -> np.ndarray:
+    """[rows, row_elems] of ``raw`` elements at byte ``start`` of ``buf``, rows ``row_stride`` apart."""
+    return np.ndarray((rows, mp.row_elems), dtype=raw, buffer=buf, offset=start, strides=(mp.row_stride, es))
+
+
+def build_warm_image(
+    meta: AdapterMeta,
+    layout: AdapterLayout,
+    int8: bool = False,
+    threads: int = 1,
+) -> WarmImage:
+    """Read an adapter's file and lay it out for its pages (cold -> warm). Blocking.
+
+    Args:
+        meta: the registered adapter.
+        layout: its placement (``plan_layout`` of ``meta.weights``).
+        int8: keep int8 rows with per-row scales instead of ``layout.dtype`` elements.
+        threads: split the copies over this many threads (the copies release the GIL).
+
+    Raises:
+        BrokerError(FAILED_PRECONDITION): the file is gone or no longer matches the registration.
+    """
+    paths = {m.name: m.path for m in meta.modules}
+    with WeightsFile(meta) as wf:
+        # (placement, its module, the file entry), in layout order.
+        mats = []
+        for m in layout.modules:
+            key = f"{meta.key_prefix}{m.layer}.{paths[m.module]}.lora_"
+            mats.append((m.a, m, wf.entry(key + "A.weight", "A", m.rank, m.in_features)))
+            mats.append((m.b, m, wf.entry(key + "B.weight", "B", m.rank, m.out_features)))
+        if int8:
+            return _build_int8(wf, layout, mats, meta.file_bytes)
+        img = (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, dtype=np.uint8)
+        offs = layout.image_offsets()
+        raw, es = _RAW[layout.dtype], layout.elem_size
+        want = _FILE_NAME[layout.dtype]
+        # Rows stored as in the file (A, same dtype, no padding) are read straight into the
+        # image, one read per chunk; the rest (Bᵀ, conversions) are read into a small scratch
+        # buffer that stays in cache and laid out from there by numpy.
+        moves: list[tuple[int, int, int]] = []
+        arrays: list[tuple[MatrixPlacement, tuple]] = []
+        for mp, _m, ent in mats:
+            dt, _shape, off = ent
+            row_bytes = mp.row_elems * es
+            if mp.kind == "A" and dt == want and mp.row_stride == row_bytes:
+                r = 0
+                for c in mp.chunks:
+                    moves.append((offs[c.page] + c.offset, off + r * row_bytes, c.rows * row_bytes))
+                    r += c.rows
+            else:
+                arrays.append((mp, ent))
+
+        def copy_moves(part):
+            mv = memoryview(img)
+            for d, sr, n in part:
+                wf.read_into(mv[d : d + n], sr)
+
+        def copy_arrays(part):
+            scratch = wf.scratch_for([ent for _mp, ent in part])
+            for mp, (dt, shape, off) in part:
+                rows = convert(wf.array(dt, shape, off, scratch), dt, layout.dtype)
+                rows = rows if mp.kind == "A" else rows.T
+                i = 0
+                for c in mp.chunks:
+                    dst = _rows_view(img, offs[c.page] + c.offset, c.rows, mp, raw, es)
+                    np.copyto(dst, rows[i : i + c.rows], casting="no")
+                    i += c.rows
+
+        if threads <= 1 or not arrays or not moves:
+            copy_moves(moves)
+            copy_arrays(arrays)
+        else:
+            # Two streams: the plain reads beside the transposes (both release the GIL).
+            errors: list[BaseException] = []
+
+            def run_arrays(part=arrays):
+                try:
+                    copy_arrays(part)
+                except BaseException as e:  # re-raised below, in the caller's thread
+                    errors.append(e)
+
+            helper = threading.Thread(target=run_arrays, name="adapter-copy")
+            helper.start()
+            try:
+                copy_moves(moves)
+            finally:
+                helper.join()
+            if errors:
+                raise errors[0]
+    return WarmImage(layout, packed=img, source_bytes=meta.file_bytes)
+
+
+def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes: int) -> WarmImage:
+    total = sum(mp.rows * mp.row_elems for mp, _m, _e in mats)
+    q = np.empty(total, dtype=np.int8)
+    scales = np.empty(sum(mp.rows for mp, _m, _e in mats), dtype=np.float32)
+    qpos = spos = 0
+    scratch = wf.scratch_for([ent for _mp, _m, ent in mats])
+    for mp, _m, (dt, shape, off) in mats:
+        rows = _to_f32(wf.array(dt, shape, off, scratch), dt)
+        rows = rows if mp.kind == "A" else rows.T
+        absmax = np.abs(rows).max(axis=1)
+        s = np.where(absmax > 0, absmax / INT8_MAX, 1.0).astype(np.float32)
+        n = mp.rows * mp.row_elems
+        q[qpos : qpos + n].reshape(mp.rows, mp.row_elems)[...] = np.clip(np.rint(rows / s[:, None]), -INT8_MAX, INT8_MAX)
+        scales[spos : spos + mp.rows] = s
+        qpos += n
+        spos += mp.rows
+    return WarmImage(layout, q=q, scales=scales, source_bytes=source_bytes)
+
+
+# ------------------------------------------------------------------ page writing
+
+
+class HostPageWriter:
+    """Writes warm images into pages through the broker's own mapping of a host arena:
+    one ``memmove`` per page. (A device arena uses ``TensorPageWriter``; the manager only
+    calls ``write``.)"""
+
+    def __init__(self, view: ArenaView):
+        self.view = view
+
+    def write(self, image: WarmImage, pages: Sequence[int]) -> int:
+        """Copy ``image`` into the physical ``pages`` of its object (in layout page order);
+        returns bytes written. Blocking."""
+        layout = image.layout
+        if len(pages) != layout.num_pages:
+            raise ValueError(f"the layout spans {layout.num_pages} pages; {len(pages)} were given")
+        if image.packed is not None:
+            return self._copy(image.packed, layout, pages)
+        # int8: dequantize into a page image first (one more copy; the warm tier traded it
+        # for a quarter of the memory).
+        return self._copy(dequantize(image), layout, pages)
+
+    def _copy(self, packed: np.ndarray, layout: AdapterLayout, pages: Sequence[int]) -> int:
+        addr = self.view.page_address
+        src = packed.ctypes.data
+        pos = 0
+        for p, used in zip(pages, layout.page_used):
+            # ctypes releases the GIL for the copy, so loads overlap with the event loop.
+            ctypes.memmove(addr(p), src + pos, used)
+            pos += used
+        return pos
+
+
+def dequantize(image: WarmImage) -> np.ndarray:
+    """An int8 image as the packed page image it stands for (pages' used bytes back to back)."""
+    layout = image.layout
+    raw, es = _RAW[layout.dtype], layout.elem_size
+    img = (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, dtype=np.uint8)
+    offs = layout.image_offsets()
+    for mp, q, s in image.matrices():
+        rows = q.astype(np.float32)
+        rows *= s[:, None]
+        rows = _from_f32(rows, layout.dtype)
+        i = 0
+        for c in mp.chunks:
+            np.copyto(_rows_view(img, offs[c.page] + c.offset, c.rows, mp, raw, es), rows[i : i + c.rows], casting="no")
+            i += c.rows
+    return img
+
+
+class TensorPageWriter:
+    """Writes warm images into pages through the view's zero-copy torch tensors
+    (``ArenaView.tensor``): a host-to-device copy per page on a CUDA arena.
+
+    Works on any backend; on the host arena ``HostPageWriter`` does the same with less
+    overhead. Not yet run on a GPU: the copies are synchronous (pageable host memory), so
+    the pages hold the image when ``write`` returns and the object can be committed.
+    """
+
+    def __init__(self, view: ArenaView):
+        self.view = view
+
+    def write(self, image: WarmImage, pages: Sequence[int]) -> int:
+        import torch
+
+        layout = image.layout
+        if len(pages) != layout.num_pages:
+            raise ValueError(f"the layout spans {layout.num_pages} pages; {len(pages)} were given")
+        src = torch.from_numpy(image.packed if image.packed is not None else dequantize(image))
+        pos = 0
+        for p, used in zip(pages, layout.page_used):
+            self.view.tensor(self.view.page_address(p), used).copy_(src[pos : pos + used])
+            pos += used
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return pos
+
+
+def read_matrix(view: ArenaView, layout: AdapterLayout, pages: Sequence[int], layer: int, module: str, kind: str) -> np.ndarray:
+    """A copy of one stored matrix (A, or Bᵀ) from an arena mapping, as raw ``layout.dtype``
+    elements [rank, row_elems]. For checks and tools; any process's view works."""
+    mp = layout.matrix(layer, module, kind)
+    raw, es = _RAW[layout.dtype], layout.elem_size
+    out = np.empty((mp.rows, mp.row_elems), dtype=raw)
+    i = 0
+    for c in mp.chunks:
+        span = (c.rows - 1) * mp.row_stride + mp.row_elems * es
+        buf = (ctypes.c_uint8 * span).from_address(view.page_address(pages[c.page]) + c.offset)
+        out[i : i + c.rows] = np.ndarray((c.rows, mp.row_elems), dtype=raw, buffer=buf, strides=(mp.row_stride, es))
+        i += c.rows
+    return out
