@@ -1,4 +1,5 @@
-"""The ``memory-broker`` command: ``serve`` runs the daemon, ``status`` shows a person the pool."""
+"""The ``memory-broker`` command: ``serve`` runs the daemon; ``status`` and ``adapters`` show a
+person the pool and the adapters (``--json`` for scripts)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--allow-uid", type=int, action="append", help="uid allowed on the fd channel (repeat; default: own uid)")
     p.add_argument("--socket-mode", help="permissions of both sockets, e.g. 0660 (default: umask)")
     p.add_argument("--socket-group", help="group of both sockets (the engines' group)")
+    p.add_argument("--adapter-dtype", choices=("bfloat16", "float16", "float32"), help="storage of hot adapter rows (default bfloat16)")
+    p.add_argument("--adapter-max-rank", type=int, help="largest LoRA rank accepted (default 256)")
+    p.add_argument("--hot-tier-adapters", type=int, help="most adapters in arena pages (default 0: pool-bound)")
+    p.add_argument("--hot-tier-pages", type=int, help="most arena pages adapters may take (default 0: pool-bound)")
+    p.add_argument("--warm-tier-bytes", help="host memory for warm adapters (default 4GiB)")
+    p.add_argument("--warm-int8", action="store_true", help="keep warm adapters as int8 rows with per-row scales")
+    p.add_argument("--adapter-policy", choices=("lru", "lfu", "gdsf"), help="victim order of both adapter tiers (default lru)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0: off)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--enable-echo", action="store_true", help="serve the bare Echo service (benchmarks)")
@@ -75,6 +83,12 @@ _FLAGS = {
     "allow_uid": ("allowed_uids", tuple),
     "socket_mode": ("socket_mode", lambda v: int(v, 8)),
     "socket_group": ("socket_group", str),
+    "adapter_dtype": ("adapter_dtype", str),
+    "adapter_max_rank": ("adapter_max_rank", int),
+    "hot_tier_adapters": ("hot_tier_adapters", int),
+    "hot_tier_pages": ("hot_tier_pages", int),
+    "warm_tier_bytes": ("warm_tier_bytes", lambda v: parse_size(v, "--warm-tier-bytes")),
+    "warm_int8": ("warm_int8", bool),
     "metrics_port": ("metrics_port", int),
     "metrics_address": ("metrics_address", str),
     "enable_echo": ("enable_echo", bool),
@@ -86,6 +100,8 @@ _FLAGS = {
 def flag_overrides(a: argparse.Namespace) -> dict:
     """The options given as flags (argparse leaves absent flags out of the namespace)."""
     out = {}
+    if hasattr(a, "adapter_policy"):
+        out["adapter_hot_policy"] = out["adapter_warm_policy"] = a.adapter_policy
     for dest, (field_name, conv) in _FLAGS.items():
         if hasattr(a, dest):
             try:
@@ -167,13 +183,105 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
+def _adapters_parser(sub) -> None:
+    p = sub.add_parser("adapters", help="list, show, register or unregister LoRA adapters")
+    p.add_argument("--socket", default=DEFAULT_SOCKET)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    asub = p.add_subparsers(dest="action")
+    ls = asub.add_parser("list", help="registered adapters and where they are (default)")
+    ls.add_argument("--prefix", default="")
+    ls.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
+    sh = asub.add_parser("show", help="one adapter with its layout")
+    sh.add_argument("adapter_id")
+    rg = asub.add_parser("register", help="register a PEFT directory")
+    rg.add_argument("adapter_id")
+    rg.add_argument("path")
+    ur = asub.add_parser("unregister", help="forget adapters (refused while acquired)")
+    ur.add_argument("adapter_ids", nargs="+")
+
+
+_TIER = {0: "?", 1: "hot", 2: "warm", 3: "cold"}
+
+
+def cmd_adapters(a: argparse.Namespace) -> int:
+    import os
+
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from broker.v1 import broker_pb2 as pb
+    from broker.v1 import broker_pb2_grpc
+
+    def as_dict(m) -> dict:
+        return MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    action = a.action or "list"
+    try:
+        with grpc.insecure_channel(f"unix:{a.socket}") as ch:
+            stub = broker_pb2_grpc.MemoryBrokerStub(ch)
+            if action == "register":
+                r = stub.RegisterAdapter(
+                    pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)), timeout=a.timeout
+                )
+                print(json.dumps(as_dict(r.adapter), indent=2) if a.json else
+                      f"registered {r.adapter.adapter_id}: rank {r.adapter.rank}, "
+                      f"{len(r.adapter.target_modules)} module types over {r.adapter.num_layers} layers, "
+                      f"{format_size(r.adapter.file_bytes)}")  # fmt: skip
+                return 0
+            if action == "unregister":
+                stub.UnregisterAdapter(pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout)
+                print("unregistered " + ", ".join(a.adapter_ids))
+                return 0
+            if action == "show":
+                lay = stub.GetAdapterLayout(pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout)
+                if a.json:
+                    print(json.dumps(as_dict(lay), indent=2))
+                    return 0
+                state = f"hot, generation {lay.generation}, pages {list(lay.pages)}" if lay.generation else "not hot"
+                print(f"{lay.adapter_id}: {state}; {lay.num_pages} pages of {format_size(lay.page_size)}, "
+                      f"{lay.dtype}, rows aligned to {lay.row_align} B")  # fmt: skip
+                for m in lay.modules:
+                    print(f"  layer {m.layer:<3} {m.module:<12} rank {m.rank:<4} scaling {m.scaling:<8.4g} "
+                          f"A {m.a.rows}x{m.a.row_elems} in {len(m.a.chunks)} chunks, "
+                          f"Bt {m.b.rows}x{m.b.row_elems} in {len(m.b.chunks)} chunks")  # fmt: skip
+                return 0
+            rows, token = [], ""
+            while True:
+                page = stub.ListAdapters(
+                    pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token), timeout=a.timeout
+                )
+                rows.extend(page.adapters)
+                token = page.next_page_token
+                if not token or (a.limit and len(rows) >= a.limit):
+                    break
+            if a.limit:
+                rows = rows[: a.limit]
+            st = stub.GetStats(pb.GetStatsRequest(), timeout=a.timeout).adapters
+    except grpc.RpcError as e:
+        print(f"memory-broker: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps({"adapters": [as_dict(r) for r in rows], "stats": as_dict(st)}, indent=2))
+        return 0
+    print(f"{st.registered} registered: {st.hot} hot ({st.hot_pages} pages), {st.warm} warm "
+          f"({format_size(st.warm_bytes)}), {st.cold} cold; hit rate {st.hit_rate:.1%}")  # fmt: skip
+    if rows:
+        print(f"{'adapter':<32}{'tier':<6}{'rank':>5}{'pins':>6}{'gen':>6}  modules")
+    for r in rows:
+        print(f"{r.adapter_id:<32}{_TIER[r.tier]:<6}{r.rank:>5}{r.pin_count:>6}{r.generation:>6}  "
+              f"{','.join(r.target_modules)}")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="memory-broker", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _status_parser(sub)
+    _adapters_parser(sub)
     a = ap.parse_args(argv)
-    return {"serve": cmd_serve, "status": cmd_status}[a.command](a)
+    return {"serve": cmd_serve, "status": cmd_status, "adapters": cmd_adapters}[a.command](a)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,9 @@ class ObjectStore:
         # Committed, not freed objects by key.
         self.keys: dict[bytes, Allocation] = {}
         self.sessions: dict[int, SessionState] = {}
+        # Sessions the broker opened for itself (the adapter manager's): no pin limit, and
+        # not counted as client sessions in stats.
+        self.internal_sessions: set[int] = set()
         self.open_txns: dict[int, Transaction] = {}
         self._finished_txns: OrderedDict[int, Transaction] = OrderedDict()
         # Why an object id is gone ("evicted" / "freed"), for messages; insertion-ordered,
@@ -505,7 +508,7 @@ class ObjectStore:
             "eviction_active": self.eviction_active,
             "objects": len(self.objects),
             "keyed_objects": len(self.keys),
-            "sessions": len(self.sessions),
+            "sessions": len(self.sessions) - len(self.internal_sessions),
             "open_transactions": len(self.open_txns),
             "by_content": {ct: tuple(v) for ct, v in sorted(by_content.items())},
             "window_free_pages": wfree,
@@ -821,7 +824,7 @@ class ObjectStore:
 
     def _check_pin_limit(self, s: SessionState, adding: int) -> None:
         limit = self.config.max_pins_per_session
-        if not (limit and adding):
+        if not (limit and adding) or s.session_id in self.internal_sessions:
             return
         # Pins promised to open transactions (ObjectSpec.pin) are taken at commit, which does
         # not check the limit again: they count as held until the transaction ends.

@@ -9,6 +9,7 @@ status codes; anything else is a bug and becomes INTERNAL with the exception's t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import AsyncIterator, Callable
 
@@ -23,6 +24,9 @@ from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 SESSION_METADATA = "x-broker-session"
+
+# broker.adapters.Tier -> proto enum (by value, so this module need not import the adapters).
+TIERS = {"hot": pb.ADAPTER_TIER_HOT, "warm": pb.ADAPTER_TIER_WARM, "cold": pb.ADAPTER_TIER_COLD}
 
 STATUS = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -65,7 +69,10 @@ def _unary(fn):
             if self.draining:
                 code = "UNAVAILABLE"
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is shutting down; retry on its successor")
-            return fn(self, request, context)
+            result = fn(self, request, context)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
         except BrokerError as e:
             code = e.code.value
             self.log.info("rpc_refused", code=code, message=e.message)
@@ -98,6 +105,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         arena_info: Callable[[], pb.ArenaInfo],
         log,
         metrics=None,
+        adapters=None,
     ):
         self.store = store
         self.sessions = sessions
@@ -107,6 +115,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         self.log = log
         # BrokerMetrics, or None when metrics are off.
         self.metrics = metrics
+        # AdapterManager (broker.adapters), or None when adapters are off.
+        self.adapters = adapters
         # Set on SIGTERM: new calls are refused with UNAVAILABLE.
         self.draining = False
         # Calls being handled now (the drain waits for them).
@@ -290,7 +300,152 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             page_size=self.arena.geometry.page_size,
             num_slabs=self.arena.num_slabs,
             by_content=[pb.ContentStats(content_type=ct, objects=n, pages=p) for ct, (n, p) in by_content.items()],
+            adapters=self._adapter_stats() if self.adapters is not None else None,
             **st,
+        )
+
+    # ------------------------------------------------------------- adapters
+
+    def _manager(self):
+        if self.adapters is None:
+            raise BrokerError(Code.FAILED_PRECONDITION, "adapters are not enabled on this broker")
+        return self.adapters
+
+    def _adapter_stats(self) -> pb.AdapterStats:
+        a = self.adapters.stats()
+        res, hits, loads, loaded = a["resident"], a["hits"], a["loads"], a["bytes_loaded"]
+        return pb.AdapterStats(
+            registered=a["registered"], hot=res["hot"], warm=res["warm"], cold=res["cold"],
+            hot_pages=a["hot_pages"], warm_bytes=a["warm_bytes"],
+            found_hot=hits["hot"], found_warm=hits["warm"], found_cold=hits["cold"],
+            loads_hot=loads["hot"], loads_warm=loads["warm"],
+            bytes_loaded_hot=loaded["hot"], bytes_loaded_warm=loaded["warm"],
+            hit_rate=a["hit_rate"], deferred=a["deferred"], shared_loads=a["shared_loads"],
+            load_failures=a["load_failures"], evictions=a["evictions"], demotions=a["demotions"],
+        )  # fmt: skip
+
+    def _adapter_msg(self, info) -> pb.Adapter:
+        """A registry record (AdapterInfo or AdapterMeta) plus where the adapter is now."""
+        st = self.adapters.resident(info.adapter_id)
+        targets = info.target_modules if hasattr(info, "num_layers") else tuple(m.name for m in info.modules)
+        return pb.Adapter(
+            adapter_id=info.adapter_id,
+            path=info.source,
+            rank=info.rank,
+            lora_alpha=info.lora_alpha,
+            use_rslora=bool(getattr(info, "use_rslora", False)),
+            target_modules=list(targets),
+            num_layers=info.num_layers if hasattr(info, "num_layers") else len(info.layers),
+            file_bytes=info.file_bytes,
+            registered_at=info.registered_at,
+            tier=TIERS[st.tier] if st is not None else pb.ADAPTER_TIER_COLD,
+            generation=st.generation if st is not None else 0,
+            pin_count=st.pin_count if st is not None else 0,
+            num_pages=st.num_pages if st is not None else 0,
+        )
+
+    def _layout_msg(self, adapter_id: str, layout, generation: int, object_id: int, pages) -> pb.AdapterLayout:
+        def matrix(m) -> pb.MatrixLayout:
+            return pb.MatrixLayout(
+                rows=m.rows, row_elems=m.row_elems, row_stride=m.row_stride,
+                chunks=[pb.RowChunk(page_index=c.page, offset=c.offset, rows=c.rows) for c in m.chunks],
+            )  # fmt: skip
+
+        return pb.AdapterLayout(
+            adapter_id=adapter_id,
+            generation=generation,
+            object_id=object_id,
+            pages=list(pages),
+            page_size=layout.page_size,
+            dtype=layout.dtype,
+            row_align=layout.row_align,
+            num_pages=layout.num_pages,
+            modules=[
+                pb.ModuleLayout(
+                    layer=m.layer, module=m.module, rank=m.rank, scaling=m.scaling,
+                    in_features=m.in_features, out_features=m.out_features, a=matrix(m.a), b=matrix(m.b),
+                )  # fmt: skip
+                for m in layout.modules
+            ],
+            arena_slabs=self.arena.num_slabs,
+        )
+
+    @_unary
+    async def RegisterAdapter(self, request, context):
+        meta = await self._manager().register(request.adapter_id, request.path)
+        self.log.info("adapter_registered", adapter=meta.adapter_id, path=meta.source, rank=meta.rank)
+        return pb.RegisterAdapterResponse(adapter=self._adapter_msg(meta))
+
+    @_unary
+    def UnregisterAdapter(self, request, context):
+        metas = self._manager().unregister_many(list(request.adapter_ids))
+        self.log.info("adapters_unregistered", adapters=[m.adapter_id for m in metas])
+        return pb.UnregisterAdapterResponse()
+
+    @_unary
+    def ListAdapters(self, request, context):
+        m = self._manager()
+        page = m.registry.list(request.prefix, request.limit or 100, request.page_token)
+        return pb.ListAdaptersResponse(
+            adapters=[self._adapter_msg(a) for a in page.adapters],
+            next_page_token=page.next_page_token,
+            total=m.registry.count(request.prefix),
+        )
+
+    @_unary
+    def GetAdapterLayout(self, request, context):
+        m = self._manager()
+        layout = m.layout(request.adapter_id)
+        st = m.describe(request.adapter_id)
+        return self._layout_msg(request.adapter_id, layout, st.generation, st.object_id, st.pages)
+
+    @_unary
+    async def AcquireAdapters(self, request, context):
+        m = self._manager()
+        sid = self._sid(context)
+        ids = list(request.adapter_ids)
+        cap = request.max_adapters or None
+        if request.prepare:
+            r = await m.prepare_acquire(sid, ids, cap, request.with_layout, (request.lease_ms / 1000.0) or None)
+        else:
+            r = await m.acquire(sid, ids, cap, request.with_layout)
+        slabs = self.arena.num_slabs
+        return pb.AcquireAdaptersResponse(
+            adapters=[
+                pb.AcquiredAdapter(
+                    adapter_id=a.adapter_id,
+                    generation=a.generation,
+                    object_id=a.object_id,
+                    pages=list(a.pages),
+                    layout=self._layout_msg(a.adapter_id, a.layout, a.generation, a.object_id, a.pages)
+                    if a.layout is not None
+                    else None,
+                    found_in=TIERS[a.found_in],
+                    arena_slabs=slabs,
+                )
+                for a in r.adapters
+            ],
+            deferred=list(r.deferred),
+            transaction_id=r.txn_id,
+            deadline_unix_ms=int(r.deadline_unix * 1000),
+        )
+
+    @_unary
+    def ReleaseAdapters(self, request, context):
+        self._manager().release(self._sid(context), list(request.adapter_ids))
+        return pb.ReleaseAdaptersResponse()
+
+    @_unary
+    async def PrefetchAdapters(self, request, context):
+        tier = {pb.ADAPTER_TIER_UNSPECIFIED: "hot", pb.ADAPTER_TIER_HOT: "hot", pb.ADAPTER_TIER_WARM: "warm"}.get(
+            request.tier
+        )
+        if tier is None:
+            raise BrokerError(Code.INVALID_ARGUMENT, "tier must be ADAPTER_TIER_WARM or ADAPTER_TIER_HOT")
+        r = await self._manager().prefetch(list(request.adapter_ids), tier)
+        return pb.PrefetchAdaptersResponse(
+            loaded={k: TIERS[v] for k, v in r.loaded.items()},
+            failed={k: f"{e.code.value}: {e.message}" for k, e in r.failed.items()},
         )
 
 

@@ -169,6 +169,8 @@ class BrokerClient:
         self._requests.put(pb.AttachRequest(hello=pb.Hello(client_name=client_name, pid=os.getpid())))
         self._map_lock = threading.Lock()
         self._mapped_windows: dict[int, tuple[int, ...]] = {}
+        # Adapter id -> its layout (the same for every generation; pages change).
+        self._layout_cache: dict = {}
         self.closed = False
         # Set when the session stream ended from the broker's side.
         self.session_ended = threading.Event()
@@ -375,6 +377,65 @@ class BrokerClient:
         finally:
             if got and not self.closed:
                 self.unpin(got)
+
+    # ------------------------------------------------------------- adapters
+
+    def register_adapter(self, adapter_id: str, path: str) -> pb.Adapter:
+        """Register a PEFT directory (readable by the broker) under ``adapter_id``."""
+        req = pb.RegisterAdapterRequest(adapter_id=adapter_id, path=os.path.abspath(path))
+        return self._call(self._stub.RegisterAdapter, req).adapter
+
+    def unregister_adapters(self, adapter_ids: Sequence[str]) -> None:
+        self._call(self._stub.UnregisterAdapter, pb.UnregisterAdapterRequest(adapter_ids=list(adapter_ids)))
+        for aid in adapter_ids:
+            self._layout_cache.pop(aid, None)
+
+    def list_adapters(self, prefix: str = "", limit: int = 100, page_token: str = "") -> pb.ListAdaptersResponse:
+        return self._call(
+            self._stub.ListAdapters, pb.ListAdaptersRequest(prefix=prefix, limit=limit, page_token=page_token)
+        )
+
+    def adapter_layout(self, adapter_id: str) -> pb.AdapterLayout:
+        return self._call(self._stub.GetAdapterLayout, pb.GetAdapterLayoutRequest(adapter_id=adapter_id))
+
+    def acquire_adapters(
+        self,
+        adapter_ids: Sequence[str],
+        max_adapters: int = 0,
+        *,
+        prepare: bool = False,
+        lease_s: float = 0.0,
+    ):
+        """Pin adapters for this session (the broker loads them if needed); one RPC.
+
+        Returns an ``AdapterLease`` (a context manager that releases them). With
+        ``max_adapters`` N, the first N distinct ids are acquired and the rest come back in
+        ``lease.deferred``. Layouts are fetched only for adapters this client has not seen.
+        With ``prepare``, the pins hold under a lease until ``lease.commit()``.
+        """
+        from clients.adapters import AdapterLease
+
+        with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
+        req = pb.AcquireAdaptersRequest(
+            adapter_ids=list(adapter_ids),
+            max_adapters=max_adapters,
+            with_layout=with_layout,
+            prepare=prepare,
+            lease_ms=int(lease_s * 1000),
+        )
+        return AdapterLease(self, self._call(self._stub.AcquireAdapters, req))
+
+    def release_adapters(self, adapter_ids: Sequence[str]) -> None:
+        self._call(self._stub.ReleaseAdapters, pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids)))
+
+    def prefetch_adapters(self, adapter_ids: Sequence[str], tier: str = "hot") -> pb.PrefetchAdaptersResponse:
+        """Bring adapters to the warm or hot tier ahead of use, without pinning them."""
+        t = {"hot": pb.ADAPTER_TIER_HOT, "warm": pb.ADAPTER_TIER_WARM}[tier]
+        return self._call(self._stub.PrefetchAdapters, pb.PrefetchAdaptersRequest(adapter_ids=list(adapter_ids), tier=t))
+
+    def arena_tensor(self, dtype=None):
+        """The physical view as a 1-D tensor of ``dtype``: what the LoRA kernels index into."""
+        return self.physical_view(dtype)
 
     def stats(self) -> pb.Stats:
         return self._call(self._stub.GetStats, pb.GetStatsRequest())

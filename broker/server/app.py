@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry
 from broker.arena import ArenaGeometry, make_arena
 from broker.eviction import make_policy
 from broker.objects import ObjectStore, StoreConfig
@@ -99,15 +100,33 @@ class BrokerServer:
                 default_lease_s=opts.default_lease_s,
                 max_pins_per_session=opts.max_pins_per_session,
             ),
-            notify=lambda sid, ev: self.sessions.notify(sid, ev),
+            notify=self._route_event,
         )
+        self.registry = AdapterRegistry(opts.state_dir, max_rank=opts.adapter_max_rank)
+        self.adapters = AdapterManager(
+            self.store,
+            self.arena,
+            self.registry,
+            AdapterConfig(
+                dtype=opts.adapter_dtype,
+                hot_budget_pages=opts.hot_tier_pages,
+                hot_budget_adapters=opts.hot_tier_adapters,
+                warm_budget_bytes=opts.warm_tier_bytes,
+                warm_int8=opts.warm_int8,
+                hot_policy=opts.adapter_hot_policy,
+                warm_policy=opts.adapter_warm_policy,
+            ),
+            log=self.log,
+        )
+        # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
+        self.store.internal_sessions.add(self.adapters.system_session)
         self.watcher = PidWatcher(loop)
         self.sessions = SessionManager(self.store, self.watcher, log=self._log_event)
         if opts.metrics_port:
             self.metrics = BrokerMetrics(self.arena.backend)
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_address)
         self.service = MemoryBrokerService(
-            self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics
+            self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
         )
 
         self.fd_server = FdChannelServer(
@@ -156,6 +175,7 @@ class BrokerServer:
             slab_size=format_size(opts.slab_size),
             slabs=self.arena.num_slabs,
             allowed_uids=sorted(opts.effective_uids()),
+            adapters_registered=len(self.registry),
             pid=os.getpid(),
         )
 
@@ -197,6 +217,10 @@ class BrokerServer:
 
             st["by_content_named"] = {ContentType(ct).name.lower(): v for ct, v in st["by_content"].items()}
             self.metrics.snapshot = st
+            a = self.adapters.stats()
+            self.metrics.adapter_snapshot = {
+                "hits": a["hits"], "loads": a["loads"], "resident": a["resident"], "hit_rate": a["hit_rate"],
+            }  # fmt: skip
 
     async def _status_loop(self) -> None:
         """STATUS lines for systemd and fresh metric snapshots, every status_interval_s."""
@@ -246,6 +270,13 @@ class BrokerServer:
         self.opts = dataclasses.replace(new, **kept)
         self.log.info("reloaded", applied=apply, needs_restart=restart)
         self.notifier.send("READY=1", f"STATUS=reloaded; {self.status_line()}")
+
+    def _route_event(self, session_id: int, event: object) -> None:
+        """Store events: the adapter manager's own session, else the session's stream."""
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None and adapters.handle_store_event(session_id, event):
+            return
+        self.sessions.notify(session_id, event)
 
     def _grow(self, slabs: int) -> None:
         t0 = time.perf_counter()
@@ -300,6 +331,7 @@ class BrokerServer:
         await asyncio.sleep(0.05)  # let the ShuttingDown events reach the streams
         self.sessions.close_all("broker shutting down")
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        await self.adapters.close()
         await self._release()
         self.log.info("stopped", reason=reason)
         self._stopped.set()
@@ -311,6 +343,8 @@ class BrokerServer:
             await self.fd_server.close()
         if getattr(self, "watcher", None) is not None:
             self.watcher.close()
+        if getattr(self, "registry", None) is not None:
+            self.registry.close()  # every registration is already committed; this closes the file
         if getattr(self, "arena", None) is not None:
             self.arena.close()
         if self.metrics is not None:

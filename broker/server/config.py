@@ -55,6 +55,12 @@ def _float(v: Any, key: str) -> float:
     return float(v)
 
 
+def _bool(v: Any, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}: expected true or false, got {v!r}")
+    return v
+
+
 def _str(v: Any, key: str) -> str:
     if not isinstance(v, str) or not v:
         raise ConfigError(f"{key}: expected a non-empty string, got {v!r}")
@@ -100,6 +106,14 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "memory_pool.eviction.low_watermark": ("low_watermark", _float),
     "memory_pool.pinning.max_pins_per_session": ("max_pins_per_session", _int),
     "memory_pool.transactions.default_lease": ("default_lease_s", parse_duration),
+    "adapters.dtype": ("adapter_dtype", _choice("bfloat16", "float16", "float32")),
+    "adapters.max_rank": ("adapter_max_rank", _int),
+    "adapters.hot_tier_budget": ("hot_tier_adapters", _int),
+    "adapters.hot_tier_pages": ("hot_tier_pages", _int),
+    "adapters.warm_tier_bytes": ("warm_tier_bytes", _size),
+    "adapters.warm_int8": ("warm_int8", _bool),
+    "adapters.hot_policy": ("adapter_hot_policy", _choice("lru", "lfu", "gdsf")),
+    "adapters.warm_policy": ("adapter_warm_policy", _choice("lru", "lfu", "gdsf")),
     "arena.backend": ("arena", _choice("auto", "host", "cuda")),
     "arena.device": ("device", lambda v, k: _str(str(v), k)),
     "listeners.socket": ("socket", _str),

@@ -76,6 +76,17 @@ class ServeOptions:
     # Permissions for the two sockets (None: follow the umask) and their group (engines').
     socket_mode: int | None = None
     socket_group: str | None = None
+    # LoRA adapters: storage dtype of hot rows (what the kernels read), the largest rank
+    # accepted at registration, tier budgets (0 = bounded only by the pool for hot), int8
+    # warm images, and each tier's victim policy (lru, lfu, gdsf).
+    adapter_dtype: str = "bfloat16"
+    adapter_max_rank: int = 256
+    hot_tier_pages: int = 0
+    hot_tier_adapters: int = 0
+    warm_tier_bytes: int = 4 << 30
+    warm_int8: bool = False
+    adapter_hot_policy: str = "lru"
+    adapter_warm_policy: str = "lru"
     # Prometheus endpoint (0 = off).
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
@@ -130,6 +141,16 @@ class ServeOptions:
             raise ValueError(f"metrics_port: {self.metrics_port}; must be 0..65535")
         if not 0.05 <= self.status_interval_s <= 3600:
             raise ValueError(f"status_interval_s: {self.status_interval_s}; must be 0.05..3600 seconds")
+        if self.adapter_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"adapter_dtype: {self.adapter_dtype!r}; must be bfloat16, float16 or float32")
+        if not 1 <= self.adapter_max_rank <= 4096:
+            raise ValueError(f"adapter_max_rank: {self.adapter_max_rank}; must be 1..4096")
+        for name in ("hot_tier_pages", "hot_tier_adapters", "warm_tier_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: {getattr(self, name)}; must be >= 0")
+        for name in ("adapter_hot_policy", "adapter_warm_policy"):
+            if getattr(self, name) not in ("lru", "lfu", "gdsf"):
+                raise ValueError(f"{name}: {getattr(self, name)!r}; must be lru, lfu or gdsf")
         if self.socket_group is not None:
             import grp
 

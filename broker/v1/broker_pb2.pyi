@@ -425,7 +425,7 @@ class ModuleLayout(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., module: _Optional[str] = ..., rank: _Optional[int] = ..., scaling: _Optional[float] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ..., a: _Optional[_Union[MatrixLayout, _Mapping]] = ..., b: _Optional[_Union[MatrixLayout, _Mapping]] = ...) -> None: ...
 
 class AdapterLayout(_message.Message):
-    __slots__ = ("adapter_id", "generation", "object_id", "pages", "page_size", "dtype", "row_align", "modules", "arena_slabs")
+    __slots__ = ("adapter_id", "generation", "object_id", "pages", "page_size", "dtype", "row_align", "modules", "arena_slabs", "num_pages")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -435,6 +435,7 @@ class AdapterLayout(_message.Message):
     ROW_ALIGN_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     ARENA_SLABS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     generation: int
     object_id: int
@@ -444,7 +445,8 @@ class AdapterLayout(_message.Message):
     row_align: int
     modules: _containers.RepeatedCompositeFieldContainer[ModuleLayout]
     arena_slabs: int
-    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., row_align: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ..., arena_slabs: _Optional[int] = ...) -> None: ...
+    num_pages: int
+    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., row_align: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ..., arena_slabs: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class GetAdapterLayoutRequest(_message.Message):
     __slots__ = ("adapter_id",)
