@@ -206,9 +206,10 @@ class ObjectStore:
         self.internal_sessions: set[int] = set()
         self.open_txns: dict[int, Transaction] = {}
         self._finished_txns: OrderedDict[int, Transaction] = OrderedDict()
-        # Why an object id is gone ("evicted" / "freed"), for messages; insertion-ordered,
-        # oldest dropped first.
-        self._gone: dict[int, str] = {}
+        # Why an object id is gone ("evicted" / "freed"), for messages; oldest dropped first.
+        # An OrderedDict: trimming a plain dict from the front makes next(iter()) scan the
+        # deleted slots, O(n) per drop once the cap is reached.
+        self._gone: OrderedDict[int, str] = OrderedDict()
         self._object_ids = itertools.count(1)
         self._txn_ids = itertools.count(1)
         self._session_ids = itertools.count(1)
@@ -902,7 +903,7 @@ class ObjectStore:
         gone = self._gone
         gone[oid] = why
         if len(gone) > self.config.remember:
-            del gone[next(iter(gone))]
+            gone.popitem(last=False)
 
     def _rollback(self, t: Transaction, state: TxnState) -> int:
         s = self.sessions.get(t.session)
