@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from broker.adapters.layout import AdapterLayout, offset_table, row_offsets
+from broker.errors import BrokerError, Code
 from broker.v1 import broker_pb2 as pb
 
 if TYPE_CHECKING:
@@ -116,8 +117,9 @@ class AdapterLease:
             try:
                 self.client.abort([self.transaction_id])
                 return
-            except Exception:
-                pass
+            except BrokerError as e:
+                if e.code != Code.FAILED_PRECONDITION:  # committed: release its pins below
+                    raise
         if self.adapters and not self.client.closed:
             self.client.release_adapters(self.ids)
 

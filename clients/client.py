@@ -12,6 +12,7 @@ and ``close()`` end that; the broker says which objects were evicted through ``o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -27,6 +28,8 @@ from broker.v1 import broker_pb2_grpc
 from clients.fd_channel import FdChannelError, fetch_slab_fds
 
 SESSION_METADATA = "x-broker-session"
+
+log = logging.getLogger(__name__)
 
 CONTENT_TYPES = {
     "kv_cache": pb.CONTENT_TYPE_KV_CACHE,
@@ -292,7 +295,7 @@ class BrokerClient:
                     try:
                         self.on_event(ev)
                     except Exception:  # a callback's bug must not end the session
-                        pass
+                        log.exception("on_event callback failed for %s", ev.WhichOneof("event"))
         except grpc.RpcError:
             pass
         finally:
