@@ -1,8 +1,16 @@
 """The client library: sessions with a memory broker and zero-copy access to its pages."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from clients.adapters import AdapterLease, AdapterTables, LeasedAdapter
 from clients.client import BrokerClient, BrokerObject, Spec, Transaction
 from broker.errors import BrokerError, Code
+
+# Multi-LoRA in an engine (clients.lora) imports torch: loaded on first use, so a client
+# that only allocates pages never imports it.
+_LORA_NAMES = frozenset({"LoRALinear", "LoraBatch", "LoraModel", "Segment", "admitted_sequences", "wrap_model"})
 
 __all__ = [
     "AdapterLease",
@@ -14,4 +22,13 @@ __all__ = [
     "LeasedAdapter",
     "Spec",
     "Transaction",
+    *sorted(_LORA_NAMES),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LORA_NAMES:
+        from clients import lora
+
+        return getattr(lora, name)
+    raise AttributeError(f"module 'clients' has no attribute {name!r}")

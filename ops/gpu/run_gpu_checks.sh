@@ -35,7 +35,8 @@ log="$out.log"
 
 tests=${GPU_TESTS:-}
 if [ -z "$tests" ]; then
-    for f in tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py; do
+    for f in tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py tests/test_kernels_compile.py \
+        tests/test_lora_batch.py tests/test_lora_e2e.py; do
         [ -e "$f" ] && tests="$tests $f"
     done
 fi

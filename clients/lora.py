@@ -1,0 +1,411 @@
+"""Multi-LoRA in an engine: each step's batch metadata, built from an adapter lease, and a
+wrapper for a model's linear layers that adds every token's adapter delta with the batched
+kernels, reading the weights straight out of the arena's pages.
+
+``LoraBatch`` owns one step's metadata (each token's slot, the slot -> adapter list, the
+kernels' plan, the arena view); ``LoRALinear`` owns only its base ``nn.Linear`` and its
+(layer, modules) address; ``wrap_model`` installs LoRALinear layers in a decoder model and
+returns the ``LoraModel`` handle through which an engine runs a step. This module never
+talks to the broker: leases come from ``BrokerClient.acquire_adapters``, offset tables from
+``AdapterTables``, and the delta is inference-only (the kernels record no autograd graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from clients.adapters import AdapterTables, LeasedAdapter
+from kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
+
+if TYPE_CHECKING:
+    from clients.adapters import AdapterLease
+    from clients.client import BrokerClient
+
+# The linear layers of a Llama-style decoder layer that PEFT adapters target.
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# One launch's tables: a_offsets, b_offsets [S, J, R] int64, ranks [S] int32, scalings [S] fp32.
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A maximal run of consecutive tokens served by one slot."""
+
+    # First token of the run.
+    start: int
+    # One past its last token.
+    end: int
+    # Slot of the run's adapter; -1 for base-only tokens.
+    slot: int
+
+
+def admitted_sequences(seq_adapters: Sequence[str | None], lease: AdapterLease) -> list[int]:
+    """Indices of the sequences a step can run under ``lease``: base-only ones, and those
+    whose adapter it holds. Sequences of deferred adapters (over the lease's cap) are left out;
+    run them in a later step."""
+    held = set(lease.ids)
+    return [i for i, a in enumerate(seq_adapters) if a is None or a in held]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """One step's LoRA metadata, shared by every LoRALinear of the model for that step.
+
+    Valid while the lease it was built from holds its adapters: after a release their pages
+    may be evicted and reused.
+    """
+
+    # int32 [T] on the arena's device: each token's slot, -1 for base-only; sequences in order.
+    token_slot: torch.Tensor
+    # Per sequence, its slot (-1: base only).
+    seq_slots: tuple[int, ...]
+    # Maximal runs of one slot in token order (adjacent sequences of one adapter share a run).
+    segments: tuple[Segment, ...]
+    # slot -> the leased adapter there: the batch's distinct adapters in order of first use.
+    slots: tuple[LeasedAdapter, ...]
+    # The arena's physical view as a 1-D tensor of the adapters' dtype; None with no slots.
+    arena: torch.Tensor | None
+    # The kernels' plan for this step (path, segment tiles), built once for all layers.
+    plan: BatchPlan
+    # Every row offset is a multiple of this many elements (the kernels' row_align).
+    row_align: int
+    # Builds offset tables and caches them per (adapters, generations, layer, modules).
+    table_cache: AdapterTables
+    # (layer, modules) -> this step's launches; see ``launches``.
+    _launches: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        source: BrokerClient | torch.Tensor,
+        seq_adapters: Sequence[str | None],
+        seq_lens: Sequence[int],
+        lease: AdapterLease,
+        tables: AdapterTables,
+        *,
+        path: PathChoice = "auto",
+        block_m: int = DEFAULT_BLOCK_M,
+    ) -> LoraBatch:
+        """The metadata for one step whose tokens are the sequences' tokens back to back.
+
+        A padded ``[B, S]`` batch is served by passing ``seq_lens=[S] * B`` (padding tokens
+        then carry their sequence's adapter; their outputs are discarded anyway).
+
+        Args:
+            source: the client whose arena holds the lease's pages (its ``arena_tensor`` is
+                taken), or that arena as a 1-D tensor (viewed as the adapters' dtype).
+            seq_adapters: per sequence, the adapter id, or None for the base model alone.
+            seq_lens: per sequence, its number of tokens in this step (>= 1).
+            lease: the step's adapters, from ``acquire_adapters``.
+            tables: where offset tables are built and cached; on the arena's device.
+            path, block_m: for ``plan_batch`` ("auto" picks from tokens per adapter).
+
+        Raises:
+            ValueError: mismatched lengths, a length below 1, a sequence whose adapter the
+                lease deferred (leave it out: see ``admitted_sequences``), adapters of
+                different dtypes, a table cache on another device than the arena, or an
+                arena tensor that does not reach an adapter's pages.
+            RuntimeError: an adapter the lease does not hold (never acquired), or a released lease.
+        """
+        if len(seq_adapters) != len(seq_lens):
+            raise ValueError(f"{len(seq_adapters)} sequence adapters but {len(seq_lens)} sequence lengths")
+        short = [i for i, n in enumerate(seq_lens) if n < 1]
+        if short:
+            raise ValueError(f"sequences {short} have lengths {[seq_lens[i] for i in short]}; each needs >= 1 token")
+        if lease.released:
+            raise RuntimeError("the lease was released: its adapters' pages may already hold something else")
+        deferred = set(lease.deferred)
+        late = [i for i, a in enumerate(seq_adapters) if a is not None and a in deferred]
+        if late:
+            ids = sorted({seq_adapters[i] for i in late})
+            raise ValueError(
+                f"sequences {late} use adapters {ids} that the lease deferred (over its cap of "
+                f"{len(lease.adapters)} adapters); leave them out of this step (admitted_sequences) "
+                "and acquire them for a later one"
+            )
+        held = {a.adapter_id: a for a in lease.adapters}
+        slot_of: dict[str, int] = {}
+        slots: list[LeasedAdapter] = []
+        seq_slots: list[int] = []
+        for i, aid in enumerate(seq_adapters):
+            if aid is None:
+                seq_slots.append(-1)
+                continue
+            if aid not in slot_of:
+                if aid not in held:
+                    raise RuntimeError(
+                        f"sequence {i} uses adapter {aid!r}, which the lease does not hold "
+                        f"(it holds {sorted(held)}); acquire it first"
+                    )
+                slot_of[aid] = len(slots)
+                slots.append(held[aid])
+            seq_slots.append(slot_of[aid])
+
+        arena, row_align = None, 1
+        if slots:
+            kinds = {a.layout.dtype for a in slots}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"the batch's adapters are stored in different dtypes {sorted(kinds)}; one launch reads one"
+                )
+            dtype = TORCH_DTYPES[kinds.pop()]
+            if isinstance(source, torch.Tensor):
+                arena = source if source.dtype == dtype else source.view(dtype)
+            else:
+                arena = source.arena_tensor(dtype)
+            if arena.device != tables.device:
+                raise ValueError(f"the offset tables live on {tables.device} but the arena on {arena.device}")
+            reach = max((max(a.pages) + 1) * a.layout.page_size for a in slots)
+            covered = arena.numel() * arena.element_size()
+            if reach > covered:
+                raise ValueError(
+                    f"the adapters' pages reach byte {reach} but the arena view covers {covered}; "
+                    "build the batch after acquiring (the lease maps new slabs)"
+                )
+            row_align = math.gcd(*(a.layout.row_align_elems for a in slots))
+
+        slot_per_seq = torch.tensor(seq_slots, dtype=torch.int32)
+        token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(tables.device)
+        segments: list[Segment] = []
+        start = 0
+        for slot, n in zip(seq_slots, seq_lens):
+            if segments and segments[-1].slot == slot:
+                segments[-1] = Segment(segments[-1].start, start + n, slot)
+            else:
+                segments.append(Segment(start, start + n, slot))
+            start += n
+        plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
+        return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slot.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def tables(self, layer: int, modules: Sequence[str]) -> Tables:
+        """(a_offsets, b_offsets, ranks, scalings) for one launch over ``modules`` fused slices.
+
+        A slot whose adapter adapts none of the slices has rank 0 (its tokens are untouched).
+
+        Raises:
+            ValueError: a slot adapts only some of the slices, or with different ranks or
+                scalings (launch the slices separately).
+        """
+        return self.table_cache.tables(self.slots, layer, modules)
+
+    def launches(self, layer: int, modules: Sequence[str]) -> list[tuple[tuple[int, ...], Tables]]:
+        """The kernel launches that serve ``modules`` of ``layer`` this step, cached for the step.
+
+        Each is (slice indices, tables): one fused launch when every slot can fuse the slices,
+        otherwise one per slice; launches no slot has rows for are dropped.
+        """
+        key = (layer, tuple(modules))
+        hit = self._launches.get(key)
+        if hit is None:
+            try:
+                hit = [(tuple(range(len(modules))), self.tables(layer, modules))]
+            except ValueError:
+                if len(modules) == 1:
+                    raise
+                # An adapter adapts some of the fused slices, or with different ranks or
+                # scalings: the kernels take one rank and scaling per slot and launch.
+                hit = [((j,), self.tables(layer, [m])) for j, m in enumerate(modules)]
+            # A rank dimension of 0: no slot adapts these slices (shapes are host-side, no sync).
+            hit = [h for h in hit if h[1][0].shape[2] > 0]
+            self._launches[key] = hit
+        return hit
+
+
+class LoraContext:
+    """The step in force for a set of LoRALinear layers (one per wrapped model)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self) -> None:
+        # The active step's batch; None runs the base model alone.
+        self.batch: LoraBatch | None = None
+
+    @contextlib.contextmanager
+    def step(self, batch: LoraBatch | None) -> Iterator[LoraBatch | None]:
+        """Make ``batch`` the step in force inside the block (None: base model only)."""
+        previous, self.batch = self.batch, batch
+        try:
+            yield batch
+        finally:
+            self.batch = previous
+
+
+class LoRALinear(nn.Module):
+    """A base ``nn.Linear`` plus, for each token, the delta of that token's adapter.
+
+    The base runs unchanged in its own dtype; its output is the kernels' ``out``, updated in
+    place. x is cast to the adapters' weight dtype for the kernels (which accumulate in
+    fp32 and round once to the base output's dtype). Tokens are x's rows after flattening
+    all leading dimensions and must line up with the step's ``token_slot``; base-only tokens,
+    and tokens whose adapter adapts none of this layer's modules, get exactly the base
+    output. With no step in force the layer is the base layer.
+
+    Args:
+        base_layer: the layer to wrap (kept, not copied).
+        layer: the decoder layer's index, as in the adapters' layouts.
+        modules: the module name(s) of the output's slices, e.g. "q_proj", or
+            ("q_proj", "k_proj", "v_proj") for a fused layer.
+        slice_sizes: each slice's width (they add up to out_features); default: one slice.
+        context: the holder of the step in force; a fresh one by default.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        layer: int,
+        modules: str | Sequence[str],
+        *,
+        slice_sizes: Sequence[int] | None = None,
+        context: LoraContext | None = None,
+    ):
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer = layer
+        self.module_names = (modules,) if isinstance(modules, str) else tuple(modules)
+        sizes = (base_layer.out_features,) if slice_sizes is None else tuple(slice_sizes)
+        if len(sizes) != len(self.module_names) or sum(sizes) != base_layer.out_features:
+            raise ValueError(
+                f"slice sizes {list(sizes)} must be one per module {list(self.module_names)} "
+                f"and add up to out_features {base_layer.out_features}"
+            )
+        self.slice_sizes = sizes
+        self.slice_offsets = tuple(sum(sizes[:j]) for j in range(len(sizes)))
+        self.context = context or LoraContext()
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, modules={list(self.module_names)}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        batch = self.context.batch
+        if batch is None or not batch.slots:
+            return out
+        launches = batch.launches(self.layer, self.module_names)
+        if not launches:
+            return out
+        tokens = x.reshape(-1, self.in_features)
+        if tokens.shape[0] != batch.num_tokens:
+            raise RuntimeError(
+                f"layer {self.layer} {'+'.join(self.module_names)} got {tokens.shape[0]} tokens "
+                f"(input shape {tuple(x.shape)}) but the step's batch has {batch.num_tokens}"
+            )
+        from kernels import lora_apply  # Triton loads on first use, after TRITON_INTERPRET is set
+
+        xk = tokens.to(batch.arena.dtype)
+        flat = out.view(-1, self.out_features)
+        for slices, (a_off, b_off, ranks, scalings) in launches:
+            lora_apply(
+                xk, flat, batch.arena, a_off, b_off, ranks, scalings, batch.token_slot,
+                [self.slice_offsets[j] for j in slices], [self.slice_sizes[j] for j in slices],
+                plan=batch.plan, row_align=batch.row_align,
+            )  # fmt: skip
+        return out
+
+
+def layer_index(name: str) -> int | None:
+    """'model.layers.3.self_attn.q_proj' -> 3: the first numbered segment after the first,
+    the rule the broker's registry reads PEFT module names with."""
+    parts = name.split(".")
+    for p in parts[1:-1]:
+        if p.isdigit():
+            return int(p)
+    return None
+
+
+class LoraModel:
+    """What ``wrap_model`` returns: the model, its LoRALinear layers, and how to run a step."""
+
+    def __init__(self, model: nn.Module, layers: dict[str, LoRALinear], context: LoraContext, tables: AdapterTables):
+        self.model = model
+        # Full module name -> its LoRALinear.
+        self.layers = layers
+        self.context = context
+        # Offset tables for this model's batches, cached per adapter generation.
+        self.tables = tables
+
+    def batch(
+        self,
+        source: BrokerClient | torch.Tensor,
+        seq_adapters: Sequence[str | None],
+        seq_lens: Sequence[int],
+        lease: AdapterLease,
+        **kw,
+    ) -> LoraBatch:
+        """``LoraBatch.build`` with this model's table cache."""
+        return LoraBatch.build(source, seq_adapters, seq_lens, lease, self.tables, **kw)
+
+    def step(self, batch: LoraBatch | None):
+        """``with lora.step(batch): model(...)`` runs the model with each token's adapter."""
+        return self.context.step(batch)
+
+
+def wrap_model(
+    model: nn.Module,
+    target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
+    *,
+    device: torch.device | str | None = None,
+) -> LoraModel:
+    """Replace every ``nn.Linear`` named in ``target_modules`` inside a numbered decoder layer
+    (``model.layers.3.self_attn.q_proj``) with a LoRALinear for (3, "q_proj"), in place.
+
+    Layers outside numbered layers (lm_head) stay as they are: adapters cannot adapt them.
+
+    Args:
+        model: a Hugging Face decoder model (or anything named like one).
+        target_modules: short names of the layers to wrap.
+        device: where offset tables live (the arena's device); default: the model's.
+
+    Raises:
+        ValueError: no layer matched.
+        RuntimeError: the model is already wrapped.
+    """
+    targets = set(target_modules)
+    found: list[tuple[str, nn.Linear, int, str]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            raise RuntimeError(f"{type(model).__name__} is already wrapped ({name} is a LoRALinear)")
+        short = name.rsplit(".", 1)[-1]
+        if short in targets and isinstance(module, nn.Linear):
+            layer = layer_index(name)
+            if layer is not None:
+                found.append((name, module, layer, short))
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear named {sorted(targets)} inside a numbered layer"
+        )
+    context = LoraContext()
+    layers: dict[str, LoRALinear] = {}
+    for name, module, layer, short in found:
+        parent, _, attr = name.rpartition(".")
+        wrapped = LoRALinear(module, layer, short, context=context)
+        setattr(model.get_submodule(parent), attr, wrapped)
+        layers[name] = wrapped
+    if device is None:
+        device = found[0][1].weight.device
+    return LoraModel(model, layers, context, AdapterTables(device))
