@@ -1181,3 +1181,211 @@ def test_unregistering_several_changes_nothing_when_one_is_acquired(peft_dirs, s
         await h.close()
 
     run(main())
+
+
+# ------------------------------------------------------- converted-image cache
+
+
+def _image_path(h: AdapterHarness, adapter_id: str) -> str:
+    return h.manager.images.path(adapter_id)
+
+
+def _no_file_reads(monkeypatch) -> None:
+    """Any read of a safetensors file (a rebuild instead of the image) fails the test."""
+    import broker.adapters.manager as manager_mod
+    import broker.adapters.tiers as tiers_mod
+
+    def boom(*a, **k):
+        raise AssertionError("the safetensors file was read: the image cache was not used")
+
+    monkeypatch.setattr(manager_mod, "build_warm_image", boom)
+    monkeypatch.setattr(tiers_mod, "WeightsFile", boom)
+
+
+async def _acquire_and_check(h: AdapterHarness, ids) -> list:
+    s = h.store.open_session()
+    res = await h.manager.acquire(s, list(ids), with_layout=True)
+    view = h.reader()
+    try:
+        for a in res.adapters:
+            assert assert_stored_equals_file(view, h.registry, a) > 0
+    finally:
+        view.close()
+    h.manager.release(s, list(ids))
+    return list(res.adapters)
+
+
+def test_first_cold_load_writes_the_image_and_a_restart_loads_from_it(peft_dirs, state_dir, monkeypatch):
+    async def first():
+        h = AdapterHarness(state_dir)
+        register_all(h, peft_dirs)
+        await _acquire_and_check(h, peft_dirs)
+        await h.manager.wait_image_writes()
+        for name in peft_dirs:
+            path = _image_path(h, name)
+            assert os.path.dirname(path) == os.path.join(state_dir, "images")
+            assert os.path.getsize(path) == 4096 + h.manager.layout(name).used_bytes
+        assert not [f for f in os.listdir(os.path.join(state_dir, "images")) if f.endswith(".tmp")]
+        st = h.manager.stats()["images"]
+        assert st["enabled"] and st["misses"] == len(peft_dirs) and st["writes"] == len(peft_dirs) and st["hits"] == 0
+        await h.close()
+
+    async def second():
+        _no_file_reads(monkeypatch)
+        h = AdapterHarness(state_dir)
+        adapters = await _acquire_and_check(h, peft_dirs)
+        assert all(a.found_in == Tier.COLD for a in adapters)
+        st = h.manager.stats()["images"]
+        assert st["hits"] == len(peft_dirs) and st["misses"] == 0 and st["rejected"] == 0
+        h.store.check_invariants()
+        await h.close()
+
+    run(first())
+    run(second())
+
+
+def test_demoted_to_cold_reloads_from_the_image(peft_dirs, state_dir, monkeypatch):
+    async def main():
+        # No warm tier: a demoted adapter is cold again.
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", warm_budget_bytes=0))
+        h.registry.register("r8", peft_dirs["r8"])
+        await _acquire_and_check(h, ["r8"])
+        await h.manager.wait_image_writes()
+        assert h.manager.demote("r8") == Tier.COLD
+        _no_file_reads(monkeypatch)
+        (a,) = await _acquire_and_check(h, ["r8"])
+        assert a.found_in == Tier.COLD and h.manager.stats()["images"]["hits"] == 1
+        await h.close()
+
+    run(main())
+
+
+def test_a_changed_weights_file_or_layout_invalidates_the_image(peft_dirs, state_dir, tmp_path):
+    path = copy_adapter(peft_dirs["r4"], str(tmp_path / "changing"))
+    wpath = os.path.join(path, "adapter_model.safetensors")
+
+    async def load(config=None, expect_rejected=0):
+        h = AdapterHarness(state_dir, config=config)
+        if "x" not in h.registry:
+            h.registry.register("x", path)
+        if config is None:
+            await _acquire_and_check(h, ["x"])
+        else:
+            s = h.store.open_session()
+            await h.manager.acquire(s, ["x"])
+        await h.manager.wait_image_writes()
+        st = h.manager.stats()["images"]
+        assert st["rejected"] == expect_rejected
+        await h.close()
+        return st
+
+    st = run(load())
+    assert st["misses"] == 1
+    assert run(load())["hits"] == 1
+    # Same shapes, new values, and a new mtime: the image is stale and rebuilt from the file.
+    old = os.stat(wpath).st_mtime_ns
+    edit_tensors(path, lambda t: t.__setitem__(f"{Q0}.lora_B.weight", t[f"{Q0}.lora_B.weight"] * 2 + 1))
+    os.utime(wpath, ns=(old + 10**9, old + 10**9))
+    st = run(load(expect_rejected=1))
+    assert st["misses"] == 1 and st["hits"] == 0 and st["writes"] == 1
+    assert run(load())["hits"] == 1
+    # Another storage dtype: another geometry, never the float32 image.
+    st = run(load(AdapterConfig(dtype="bfloat16"), expect_rejected=1))
+    assert st["misses"] == 1 and st["hits"] == 0
+    assert run(load(AdapterConfig(dtype="bfloat16")))["hits"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage header", "header of another adapter", "empty"])
+def test_a_corrupt_image_is_ignored_and_rebuilt(peft_dirs, state_dir, damage, monkeypatch):
+    async def first():
+        h = AdapterHarness(state_dir)
+        register_all(h, peft_dirs)
+        await _acquire_and_check(h, ["r8", "r16"])
+        await h.close()
+        return h.manager.images.path("r8"), h.manager.images.path("r16")
+
+    p8, p16 = run(first())
+    if damage == "truncated":
+        os.truncate(p8, os.path.getsize(p8) - 100)
+    elif damage == "garbage header":
+        with open(p8, "r+b") as f:
+            f.seek(12)
+            f.write(b"\xff{not json")
+    elif damage == "header of another adapter":
+        os.replace(p16, p8)
+    else:
+        open(p8, "wb").close()
+
+    async def second():
+        h = AdapterHarness(state_dir)
+        await _acquire_and_check(h, ["r8"])
+        st = h.manager.stats()["images"]
+        assert st["rejected"] == 1 and st["misses"] == 1 and st["hits"] == 0
+        await h.close()
+
+    async def third():
+        _no_file_reads(monkeypatch)
+        h = AdapterHarness(state_dir)
+        await _acquire_and_check(h, ["r8"])
+        assert h.manager.stats()["images"]["hits"] == 1
+        await h.close()
+
+    run(second())
+    assert os.path.getsize(p8) > 4096
+    run(third())
+
+
+def test_unregister_deletes_the_image(peft_dirs, state_dir):
+    async def main():
+        h = AdapterHarness(state_dir)
+        register_all(h, peft_dirs)
+        await _acquire_and_check(h, ["r4", "r8"])
+        await h.manager.wait_image_writes()
+        p4, p8 = _image_path(h, "r4"), _image_path(h, "r8")
+        assert os.path.exists(p4) and os.path.exists(p8)
+        h.manager.unregister("r4")
+        assert not os.path.exists(p4) and os.path.exists(p8)
+        # Unregistered while its image is still being written: the image goes too.
+        h.manager.demote("r8")
+        await h.manager.prefetch(["r16"], "warm")
+        h.manager.unregister("r16")
+        await h.manager.wait_image_writes()
+        assert not os.path.exists(_image_path(h, "r16"))
+        await h.close()
+
+    run(main())
+
+
+def test_image_cache_off_writes_nothing(peft_dirs, state_dir):
+    async def main():
+        for config in (AdapterConfig(dtype="float32", image_cache=False), AdapterConfig(dtype="float32", warm_int8=True)):
+            h = AdapterHarness(state_dir, config=config)
+            if "r8" not in h.registry:
+                h.registry.register("r8", peft_dirs["r8"])
+            s = h.store.open_session()
+            await h.manager.acquire(s, ["r8"])
+            assert h.manager.images is None and not h.manager.stats()["images"]["enabled"]
+            await h.close()
+            assert not os.path.exists(os.path.join(state_dir, "images")) or not os.listdir(os.path.join(state_dir, "images"))
+
+    run(main())
+
+
+def test_image_cache_writer_and_reader_round_trip(peft_dirs, state_dir, tmp_path):
+    from broker.adapters.tiers import ImageCache, build_warm_image
+
+    reg = AdapterRegistry(state_dir)
+    meta = reg.register("a:b/c@d", peft_dirs["pattern"])
+    layout = plan_layout(meta.weights, 8192, "bfloat16", 64)
+    cache = ImageCache(str(tmp_path / "imgs"))
+    assert cache.load(meta, layout) == (None, "")
+    built = build_warm_image(meta, layout)
+    assert cache.store(meta, built) == 4096 + layout.used_bytes
+    assert "/" not in os.path.basename(cache.path(meta.adapter_id))
+    got, why = cache.load(meta, layout)
+    assert why == "" and np.array_equal(got.packed, built.packed)
+    other = plan_layout(meta.weights, 16384, "bfloat16", 64)
+    got, why = cache.load(meta, other)
+    assert got is None and "page_size" in why
+    assert cache.remove(meta.adapter_id) and not cache.remove(meta.adapter_id)
+    reg.close()

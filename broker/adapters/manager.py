@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from enum import Enum
 from broker.adapters.layout import DEFAULT_ROW_ALIGN, DTYPE_SIZES, AdapterLayout, plan_layout
 from broker.adapters.policy import make_tier_policy
 from broker.adapters.registry import AdapterMeta, AdapterRegistry, check_adapter_id
-from broker.adapters.tiers import HostPageWriter, TensorPageWriter, WarmImage, build_warm_image
+from broker.adapters.tiers import HostPageWriter, ImageCache, TensorPageWriter, WarmImage, build_warm_image
 from broker.arena.base import Arena
 from broker.errors import BrokerError, Code, denied, exhausted, invalid, not_found, precondition, unavailable
 from broker.eviction import ContentType
@@ -68,6 +69,14 @@ class AdapterConfig:
     copy_threads: int = 2
     # How many two-phase acquires are remembered (so commit and abort stay idempotent).
     remember_txns: int = 65536
+    # Keep each adapter's converted page image in ``<state_dir>/images`` after its first
+    # cold load, so later cold loads read it back in one sequential read instead of
+    # converting the safetensors again (Bᵀ, dtype). Needs the registry's state_dir; not used
+    # with warm_int8 (the image holds ``dtype`` elements).
+    image_cache: bool = True
+    # fsync each image before it is renamed into place (survives a power loss, not needed
+    # for correctness: a torn image fails validation and is rebuilt).
+    image_fsync: bool = False
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -159,6 +168,13 @@ class AdapterCounters:
     evictions: int = 0
     warm_drops: int = 0
     unregistered: int = 0
+    # The converted-image cache: cold loads served from an image / built from the file with
+    # the cache on; images found unusable (stale, corrupt, short); images written; failed writes.
+    image_hits: int = 0
+    image_misses: int = 0
+    image_rejects: int = 0
+    image_writes: int = 0
+    image_write_failures: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -257,6 +273,16 @@ class AdapterManager:
         self._generations = itertools.count(1)
         # Two-phase acquires: transaction id -> session.
         self._txns: OrderedDict[int, int] = OrderedDict()
+        # Converted images on disk (None: off, no state dir, or int8 warm storage), and the
+        # image writes in flight by adapter id.
+        self.images: ImageCache | None = None
+        state_dir = getattr(registry, "state_dir", None)
+        if self.config.image_cache and state_dir and not self.config.warm_int8:
+            try:
+                self.images = ImageCache(os.path.join(state_dir, "images"), fsync=self.config.image_fsync)
+            except OSError as err:
+                self.log.warning("adapter_image_cache_off", error=str(err))
+        self._image_writes: dict[str, object] = {}
         self._closed = False
 
     # ------------------------------------------------------------- registration
@@ -320,6 +346,7 @@ class AdapterManager:
             e.removed = True
             self._entries.pop(adapter_id, None)
         self.registry.unregister(adapter_id)
+        self._remove_image(adapter_id)
         forget = getattr(self.hot_policy, "forget", None)
         if forget:
             forget(adapter_id)
@@ -543,6 +570,10 @@ class AdapterManager:
             "evictions": c.evictions,
             "warm_drops": c.warm_drops,
             "unregistered": c.unregistered,
+            "images": {
+                "enabled": self.images is not None, "hits": c.image_hits, "misses": c.image_misses,
+                "rejected": c.image_rejects, "writes": c.image_writes, "write_failures": c.image_write_failures,
+            },
             "policies": {"hot": self.hot_policy.name, "warm": self.warm_policy.name},
         }
 
@@ -573,6 +604,8 @@ class AdapterManager:
         tasks = [t for e in self._entries.values() for t in (e.loading, e.warming) if t is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        # Let image writes finish, so the next start finds them.
+        await self.wait_image_writes()
         self.store.end_session(self.system_session)
         for e in list(self._hot.values()):
             self._drop_hot(e, evicted=False)
@@ -582,6 +615,13 @@ class AdapterManager:
         self._entries.clear()
         if self._own_executor:
             self._executor.shutdown(wait=False)
+
+    async def wait_image_writes(self) -> None:
+        """Wait until the converted images being written to the image cache are on disk."""
+        while self._image_writes:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in list(self._image_writes.values())), return_exceptions=True)
+            # The done callbacks run on the loop: let them clear the finished writes.
+            await asyncio.sleep(0)
 
     # ---------------------------------------------------------------- internals
 
@@ -780,21 +820,29 @@ class AdapterManager:
         try:
             loop = asyncio.get_running_loop()
             t0 = time.perf_counter()
-            image = await loop.run_in_executor(
-                self._executor, build_warm_image, e.meta, e.layout, self.config.warm_int8, self.config.copy_threads
-            )
+            image, cached, rejected = await loop.run_in_executor(self._executor, self._cold_to_warm, e.meta, e.layout)
             dt = time.perf_counter() - t0
+            c = self.counters
+            if rejected:
+                c.image_rejects += 1
+                self.log.warning("adapter_image_rejected", adapter=aid, reason=rejected)
             self._check_alive(e)
             e.warm = image
             self._warm_bytes += image.nbytes
             self.warm_policy.insert(aid, image.nbytes)
-            c = self.counters
             c.loads_warm += 1
             c.bytes_loaded_warm += image.source_bytes
             c.seconds_warm += dt
+            if self.images is not None:
+                if cached:
+                    c.image_hits += 1
+                else:
+                    c.image_misses += 1
+                    self._write_image(e.meta, image)
             self.log.info(
-                "adapter_loaded", adapter=aid, tier="warm", bytes=image.nbytes, int8=image.int8, ms=round(dt * 1e3, 3)
-            )
+                "adapter_loaded", adapter=aid, tier="warm", bytes=image.nbytes, int8=image.int8, ms=round(dt * 1e3, 3),
+                from_image=cached,
+            )  # fmt: skip
             ok = True
             return image
         finally:
@@ -803,6 +851,58 @@ class AdapterManager:
                 self._trim_warm(keep=e)
             else:
                 self._maybe_forget(e)
+
+    def _cold_to_warm(self, meta: AdapterMeta, layout: AdapterLayout) -> tuple[WarmImage, bool, str]:
+        """(image, read from the image cache?, why a cached image was rejected). Executor."""
+        rejected = ""
+        if self.images is not None:
+            image, rejected = self.images.load(meta, layout, self.config.copy_threads)
+            if image is not None:
+                return image, True, ""
+        image = build_warm_image(meta, layout, self.config.warm_int8, self.config.copy_threads)
+        return image, False, rejected
+
+    def _write_image(self, meta: AdapterMeta, image: WarmImage) -> None:
+        """Store a freshly built image in the cache, in the executor, off the load's path."""
+        aid = meta.adapter_id
+        if aid in self._image_writes:
+            return  # one write at a time per adapter; the next miss writes again
+        loop = asyncio.get_running_loop()
+        fut = self._executor.submit(self.images.store, meta, image)
+        self._image_writes[aid] = fut
+
+        def done(f) -> None:
+            if self._image_writes.get(aid) is f:
+                del self._image_writes[aid]
+            err = f.exception()
+            if err is not None:
+                self.counters.image_write_failures += 1
+                self.log.warning("adapter_image_write_failed", adapter=aid, error=str(err))
+            elif f.result():
+                self.counters.image_writes += 1
+            try:
+                gone = aid not in self.registry
+            except BrokerError:
+                gone = False  # the registry is closed: keep the image for the next start
+            if gone:
+                # Unregistered while the image was written: it must not outlive the adapter.
+                self._remove_image(aid)
+
+        def report(f) -> None:
+            try:
+                loop.call_soon_threadsafe(done, f)
+            except RuntimeError:
+                pass  # the loop is gone: nothing left to count or log
+
+        fut.add_done_callback(report)
+
+    def _remove_image(self, adapter_id: str) -> None:
+        if self.images is None:
+            return
+        try:
+            self.images.remove(adapter_id)
+        except OSError as err:
+            self.log.warning("adapter_image_remove_failed", adapter=adapter_id, error=str(err))
 
     def _make_hot_room(self, e: _Entry, n: int) -> None:
         """Demote idle hot adapters (hot policy order) until ``n`` more pages and one more

@@ -15,9 +15,11 @@ state.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import math
 import os
+import re
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -116,7 +118,10 @@ class WeightsFile:
                 "since it was registered: register it again"
             ) from None
         try:
-            size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            size = st.st_size
+            # What the image cache keys a converted image by (taken before any byte is read).
+            self.identity = file_identity(st)
             try:
                 (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
                 header = json.loads(os.pread(self._fd, n, 8))
@@ -198,6 +203,8 @@ class WarmImage:
     scales: np.ndarray | None = None
     # Bytes of the weights file read to build it.
     source_bytes: int = 0
+    # The weights file it was built from (``file_identity``), when known.
+    source_identity: tuple[int, int, int] | None = None
 
     @property
     def int8(self) -> bool:
@@ -251,7 +258,9 @@ def build_warm_image(
             mats.append((m.a, m, wf.entry(key + "A.weight", "A", m.rank, m.in_features)))
             mats.append((m.b, m, wf.entry(key + "B.weight", "B", m.rank, m.out_features)))
         if int8:
-            return _build_int8(wf, layout, mats, meta.file_bytes)
+            out = _build_int8(wf, layout, mats, meta.file_bytes)
+            out.source_identity = wf.identity
+            return out
         img = (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, dtype=np.uint8)
         offs = layout.image_offsets()
         raw, es = _RAW[layout.dtype], layout.elem_size
@@ -309,7 +318,8 @@ def build_warm_image(
                 helper.join()
             if errors:
                 raise errors[0]
-    return WarmImage(layout, packed=img, source_bytes=meta.file_bytes)
+        ident = wf.identity
+    return WarmImage(layout, packed=img, source_bytes=meta.file_bytes, source_identity=ident)
 
 
 def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes: int) -> WarmImage:
@@ -329,6 +339,177 @@ def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes
         qpos += n
         spos += mp.rows
     return WarmImage(layout, q=q, scales=scales, source_bytes=source_bytes)
+
+
+# ------------------------------------------------------------ converted-image cache
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int]:
+    """(size, mtime_ns, inode) of a weights file: a rewritten or replaced file changes it."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+IMAGE_MAGIC = b"BRKLORA\x01"
+# The payload starts here; the header (magic, u32 length, JSON) is zero-padded up to it.
+IMAGE_HEADER_BYTES = 4096
+IMAGE_VERSION = 1
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class ImageCache:
+    """Converted warm images on disk, so a cold load after the first is one sequential read.
+
+    ``<directory>/<safe name>.img`` holds one adapter's packed page image (the pages' used
+    bytes back to back, in ``layout.dtype``; never the int8 form) behind a 4 KiB header: a
+    magic, then JSON naming the adapter id, the weights file and its identity (size,
+    mtime_ns, inode) when the image was built, and the layout's geometry (dtype, page_size,
+    row_align, used_bytes, num_pages). ``load`` uses an image only when all of them match the
+    file as it is now and the layout asked for, and the file is exactly header + payload long;
+    anything else is a miss (with the reason), and the caller rebuilds from the safetensors
+    and stores the image again. Writes go to a temporary file renamed over the image, so a
+    crash leaves the old image or the new one, never half of one. The payload carries no
+    checksum (a CRC would cost more than the read): a bit flipped inside it on disk would go
+    unnoticed, as it would in the safetensors file.
+
+    Blocking; meant for executor threads. Thread-safe (each call opens its own file).
+    """
+
+    def __init__(self, directory: str, fsync: bool = False):
+        self.directory = directory
+        self.fsync = fsync
+        os.makedirs(directory, exist_ok=True)
+
+    def path(self, adapter_id: str) -> str:
+        # Adapter ids may hold ':/@+=': keep a readable prefix, and a hash so that distinct
+        # ids never share a file (also on case-insensitive file systems).
+        digest = hashlib.sha256(adapter_id.encode()).hexdigest()[:16]
+        return os.path.join(self.directory, f"{_UNSAFE.sub('_', adapter_id)[:96]}-{digest}.img")
+
+    @staticmethod
+    def _header(meta: AdapterMeta, layout: AdapterLayout, identity: tuple[int, int, int]) -> dict:
+        return {
+            "version": IMAGE_VERSION,
+            "adapter_id": meta.adapter_id,
+            "weights_path": os.path.abspath(meta.weights_path),
+            "file_bytes": identity[0],
+            "file_mtime_ns": identity[1],
+            "file_ino": identity[2],
+            "dtype": layout.dtype,
+            "page_size": layout.page_size,
+            "row_align": layout.row_align,
+            "used_bytes": layout.used_bytes,
+            "num_pages": layout.num_pages,
+        }
+
+    def load(self, meta: AdapterMeta, layout: AdapterLayout, threads: int = 1) -> tuple[WarmImage | None, str]:
+        """(the cached image, "") or (None, why it was not used: "" when there is none).
+
+        ``threads`` > 1 splits the read into that many sequential ranges read side by side
+        (the copies out of the page cache, and the first touch of the new buffer, release
+        the GIL and overlap)."""
+        path = self.path(meta.adapter_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None, ""
+        except OSError as e:
+            return None, f"cannot open {path}: {e.strerror}"
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, IMAGE_HEADER_BYTES, 0)
+            if len(head) < 12 or head[:8] != IMAGE_MAGIC:
+                return None, f"{path} is not an adapter image (bad magic)"
+            (n,) = struct.unpack_from("<I", head, 8)
+            try:
+                got = json.loads(head[12 : 12 + n]) if 12 + n <= IMAGE_HEADER_BYTES else None
+            except ValueError:
+                got = None
+            if not isinstance(got, dict):
+                return None, f"{path} has a corrupt header"
+            try:
+                ident = file_identity(os.stat(meta.weights_path))
+            except OSError as e:
+                return None, f"cannot stat {meta.weights_path}: {e.strerror}"
+            want = self._header(meta, layout, ident)
+            diff = sorted(k for k in want if got.get(k) != want[k])
+            if diff:
+                return None, f"{path} is stale ({', '.join(diff)} changed)"
+            if size != IMAGE_HEADER_BYTES + layout.used_bytes:
+                return None, f"{path} is {size} bytes, expected {IMAGE_HEADER_BYTES + layout.used_bytes}"
+            img = np.empty(layout.used_bytes, dtype=np.uint8)
+            mv = memoryview(img)
+            n = len(mv)
+            parts = max(1, min(threads, n // (1 << 20)))
+            bounds = [n * i // parts for i in range(parts + 1)]
+            short: list[str] = []
+
+            def read(lo: int, hi: int) -> None:
+                try:
+                    while lo < hi:
+                        r = os.preadv(fd, [mv[lo:hi]], IMAGE_HEADER_BYTES + lo)
+                        if r <= 0:
+                            short.append(f"{path} was truncated while reading")
+                            return
+                        lo += r
+                except OSError as e:
+                    short.append(f"cannot read {path}: {e.strerror}")
+
+            helpers = [threading.Thread(target=read, args=(bounds[i], bounds[i + 1]), name="adapter-image-read")
+                       for i in range(1, parts)]  # fmt: skip
+            for t in helpers:
+                t.start()
+            read(bounds[0], bounds[1])
+            for t in helpers:
+                t.join()
+            if short:
+                return None, short[0]
+            return WarmImage(layout, packed=img, source_bytes=layout.used_bytes, source_identity=ident), ""
+        except OSError as e:
+            return None, f"cannot read {path}: {e.strerror}"
+        finally:
+            os.close(fd)
+
+    def store(self, meta: AdapterMeta, image: WarmImage) -> int:
+        """Write ``image`` (a packed one built from the file) as the adapter's image, atomically;
+        returns bytes written (0 when there is nothing to store: int8, or no file identity)."""
+        if image.packed is None or image.source_identity is None:
+            return 0
+        layout = image.layout
+        text = json.dumps(self._header(meta, layout, image.source_identity)).encode()
+        if 12 + len(text) > IMAGE_HEADER_BYTES:
+            return 0  # an id or path too long for the header: such adapters are not cached
+        head = bytearray(IMAGE_HEADER_BYTES)
+        head[:8] = IMAGE_MAGIC
+        struct.pack_into("<I", head, 8, len(text))
+        head[12 : 12 + len(text)] = text
+        path = self.path(meta.adapter_id)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                for buf in (memoryview(head), memoryview(image.packed)):
+                    while len(buf):
+                        buf = buf[os.write(fd, buf) :]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return IMAGE_HEADER_BYTES + image.packed.nbytes
+
+    def remove(self, adapter_id: str) -> bool:
+        """Delete the adapter's image; False when there was none."""
+        try:
+            os.unlink(self.path(adapter_id))
+            return True
+        except FileNotFoundError:
+            return False
 
 
 # ------------------------------------------------------------------ page writing
