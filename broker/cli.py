@@ -46,6 +46,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--hot-tier-pages", type=int, help="most arena pages adapters may take (default 0: pool-bound)")
     p.add_argument("--warm-tier-bytes", help="host memory for warm adapters (default 4GiB)")
     p.add_argument("--warm-int8", action="store_true", help="keep warm adapters as int8 rows with per-row scales")
+    p.add_argument("--no-adapter-image-cache", action="store_true", help="do not keep converted adapter images on disk")
     p.add_argument("--adapter-policy", choices=("lru", "lfu", "gdsf"), help="victim order of both adapter tiers (default lru)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0: off)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
@@ -89,6 +90,7 @@ _FLAGS = {
     "hot_tier_pages": ("hot_tier_pages", int),
     "warm_tier_bytes": ("warm_tier_bytes", lambda v: parse_size(v, "--warm-tier-bytes")),
     "warm_int8": ("warm_int8", bool),
+    "no_adapter_image_cache": ("adapter_image_cache", lambda v: not v),
     "metrics_port": ("metrics_port", int),
     "metrics_address": ("metrics_address", str),
     "enable_echo": ("enable_echo", bool),

@@ -113,6 +113,7 @@ class BrokerServer:
                 hot_budget_adapters=opts.hot_tier_adapters,
                 warm_budget_bytes=opts.warm_tier_bytes,
                 warm_int8=opts.warm_int8,
+                image_cache=opts.adapter_image_cache,
                 hot_policy=opts.adapter_hot_policy,
                 warm_policy=opts.adapter_warm_policy,
             ),

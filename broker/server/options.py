@@ -85,6 +85,8 @@ class ServeOptions:
     hot_tier_adapters: int = 0
     warm_tier_bytes: int = 4 << 30
     warm_int8: bool = False
+    # Keep converted page images in STATE_DIR/images so later cold loads are a plain read.
+    adapter_image_cache: bool = True
     adapter_hot_policy: str = "lru"
     adapter_warm_policy: str = "lru"
     # Prometheus endpoint (0 = off).
