@@ -203,14 +203,16 @@ class BrokerServer:
             if opts.socket_mode is not None:
                 os.chmod(path, opts.socket_mode)
 
-    def status_line(self) -> str:
-        st = self.store.stats()
+    def status_line(self, st: dict | None = None) -> str:
+        """One line on the pool for systemd's STATUS (``st``: a store.stats() already taken)."""
+        st = self.store.stats() if st is None else st
         return (
             f"{st['used_pages']}/{st['max_pages']} pages used ({st['utilization']:.0%}), "
             f"{st['pinned_pages']} pinned, {st['sessions']} sessions, {st['evicted_pages']} pages evicted"
         )
 
-    def _refresh(self) -> None:
+    def _refresh(self) -> dict:
+        """One walk of the store per tick: metric snapshots, and the stats for STATUS."""
         st = self.store.stats()
         if self.metrics is not None:
             st["pin_contention"] = self.store.counters.pin_contention
@@ -222,14 +224,14 @@ class BrokerServer:
             self.metrics.adapter_snapshot = {
                 "hits": a["hits"], "loads": a["loads"], "resident": a["resident"], "hit_rate": a["hit_rate"],
             }  # fmt: skip
+        return st
 
     async def _status_loop(self) -> None:
         """STATUS lines for systemd and fresh metric snapshots, every status_interval_s."""
         last = ""
         while True:
             try:
-                self._refresh()
-                line = self.status_line()
+                line = self.status_line(self._refresh())
                 if line != last:
                     self.notifier.status(line)
                     last = line
