@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from broker.server.options import DEFAULT_SOCKET, ServeOptions, format_size, parse_size
@@ -207,7 +208,6 @@ _TIER = {0: "?", 1: "hot", 2: "warm", 3: "cold"}
 
 
 def cmd_adapters(a: argparse.Namespace) -> int:
-    import os
 
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -283,7 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     _status_parser(sub)
     _adapters_parser(sub)
     a = ap.parse_args(argv)
-    return {"serve": cmd_serve, "status": cmd_status, "adapters": cmd_adapters}[a.command](a)
+    try:
+        return {"serve": cmd_serve, "status": cmd_status, "adapters": cmd_adapters}[a.command](a)
+    except BrokenPipeError:
+        # `memory-broker status | head`: the reader left; not an error worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
