@@ -208,7 +208,6 @@ _TIER = {0: "?", 1: "hot", 2: "warm", 3: "cold"}
 
 
 def cmd_adapters(a: argparse.Namespace) -> int:
-
     import grpc
     from google.protobuf.json_format import MessageToDict
 
