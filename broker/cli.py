@@ -48,6 +48,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--warm-tier-bytes", help="host memory for warm adapters (default 4GiB)")
     p.add_argument("--warm-int8", action="store_true", help="keep warm adapters as int8 rows with per-row scales")
     p.add_argument("--no-adapter-image-cache", action="store_true", help="do not keep converted adapter images on disk")
+    p.add_argument("--adapter-image-budget", help="disk the converted images may take (default 64GiB; 0: no limit)")
+    p.add_argument("--no-adapter-convert-ahead", action="store_true",
+                   help="convert adapters into images only when first loaded, not after registration")
     p.add_argument("--adapter-policy", choices=("lru", "lfu", "gdsf"), help="victim order of both adapter tiers (default lru)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0: off)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
@@ -92,6 +95,8 @@ _FLAGS = {
     "warm_tier_bytes": ("warm_tier_bytes", lambda v: parse_size(v, "--warm-tier-bytes")),
     "warm_int8": ("warm_int8", bool),
     "no_adapter_image_cache": ("adapter_image_cache", lambda v: not v),
+    "adapter_image_budget": ("adapter_image_budget", lambda v: parse_size(v, "--adapter-image-budget")),
+    "no_adapter_convert_ahead": ("adapter_convert_ahead", lambda v: not v),
     "metrics_port": ("metrics_port", int),
     "metrics_address": ("metrics_address", str),
     "enable_echo": ("enable_echo", bool),
@@ -275,13 +280,17 @@ def cmd_adapters(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="memory-broker", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _status_parser(sub)
     _adapters_parser(sub)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         return {"serve": cmd_serve, "status": cmd_status, "adapters": cmd_adapters}[a.command](a)
     except BrokenPipeError:

@@ -313,7 +313,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     def _adapter_stats(self) -> pb.AdapterStats:
         a = self.adapters.stats()
-        res, hits, loads, loaded = a["resident"], a["hits"], a["loads"], a["bytes_loaded"]
+        res, hits, loads, loaded, im = a["resident"], a["hits"], a["loads"], a["bytes_loaded"], a["images"]
         return pb.AdapterStats(
             registered=a["registered"], hot=res["hot"], warm=res["warm"], cold=res["cold"],
             hot_pages=a["hot_pages"], warm_bytes=a["warm_bytes"],
@@ -322,6 +322,9 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             bytes_loaded_hot=loaded["hot"], bytes_loaded_warm=loaded["warm"],
             hit_rate=a["hit_rate"], deferred=a["deferred"], shared_loads=a["shared_loads"],
             load_failures=a["load_failures"], evictions=a["evictions"], demotions=a["demotions"],
+            image_count=im["count"], image_bytes=im["bytes"], image_budget_bytes=im["budget_bytes"],
+            image_hits=im["hits"], image_misses=im["misses"], converted_ahead=im["converted_ahead"],
+            convert_queued=im["convert_queued"],
         )  # fmt: skip
 
     def _adapter_msg(self, info) -> pb.Adapter:

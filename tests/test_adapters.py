@@ -1389,3 +1389,210 @@ def test_image_cache_writer_and_reader_round_trip(peft_dirs, state_dir, tmp_path
     assert got is None and "page_size" in why
     assert cache.remove(meta.adapter_id) and not cache.remove(meta.adapter_id)
     reg.close()
+
+
+# ------------------------------------------------------ conversion ahead of use
+
+
+def _images(state_dir: str) -> list[str]:
+    d = os.path.join(state_dir, "images")
+    return sorted(f for f in os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_registering_converts_ahead_so_the_first_acquire_reads_the_image(peft_dirs, state_dir, monkeypatch):
+    async def main():
+        h = AdapterHarness(state_dir)
+        for name in ("r4", "r8"):
+            await h.manager.register(name, peft_dirs[name])
+        await h.manager.wait_conversions()
+        st = h.manager.stats()["images"]
+        assert st["converted_ahead"] == 2 and st["writes"] == 2 and st["count"] == 2 and st["convert_queued"] == 0
+        assert st["bytes"] == sum(4096 + h.manager.layout(n).used_bytes for n in ("r4", "r8"))
+        assert len(_images(state_dir)) == 2
+        # Nothing went warm or hot: conversion ahead of use only writes images.
+        assert h.manager.stats()["resident"] == {"hot": 0, "warm": 0, "cold": 2}
+        _no_file_reads(monkeypatch)
+        adapters = await _acquire_and_check(h, ["r4", "r8"])
+        assert [a.found_in for a in adapters] == [Tier.COLD, Tier.COLD]
+        st = h.manager.stats()["images"]
+        assert st["hits"] == 2 and st["misses"] == 0
+        await h.close()
+
+    run(main())
+
+
+def test_convert_ahead_off_converts_only_on_first_load(peft_dirs, state_dir):
+    async def main():
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", convert_ahead=False))
+        await h.manager.register("r4", peft_dirs["r4"])
+        await h.manager.wait_conversions()
+        assert _images(state_dir) == [] and h.manager.stats()["images"]["converted_ahead"] == 0
+        await _acquire_and_check(h, ["r4"])
+        await h.manager.wait_image_writes()
+        st = h.manager.stats()["images"]
+        assert st["misses"] == 1 and st["writes"] == 1 and len(_images(state_dir)) == 1
+        await h.close()
+
+    run(main())
+
+
+def test_an_acquire_during_the_conversion_waits_for_it_and_reads_the_image(peft_dirs, state_dir, monkeypatch):
+    import threading
+
+    import broker.adapters.manager as manager_mod
+
+    builds = []
+    release = threading.Event()
+    real = manager_mod.build_warm_image
+
+    def slow(*a, **k):
+        builds.append(threading.current_thread().name)
+        release.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(manager_mod, "build_warm_image", slow)
+
+    async def main():
+        h = AdapterHarness(state_dir)
+        await h.manager.register("r8", peft_dirs["r8"])
+        while not builds:  # the conversion has started (and is held)
+            await asyncio.sleep(0.01)
+        acquire = asyncio.ensure_future(_acquire_and_check(h, ["r8"]))
+        await asyncio.sleep(0.1)
+        assert not acquire.done()
+        release.set()
+        (a,) = await acquire
+        st = h.manager.stats()["images"]
+        # One conversion (in the convert thread); the load read its image.
+        assert builds == ["adapter-convert_0"] and st["converted_ahead"] == 1
+        assert st["hits"] == 1 and st["misses"] == 0 and a.found_in == Tier.COLD
+        await h.close()
+
+    run(main())
+
+
+def test_unregistering_during_conversion_leaves_no_image(peft_dirs, state_dir):
+    async def main():
+        h = AdapterHarness(state_dir)
+        for name in ("r4", "r8", "r16"):
+            await h.manager.register(name, peft_dirs[name])
+        # r4 is converting or about to; r8 and r16 are queued.
+        h.manager.unregister("r4")
+        h.manager.unregister("r16")
+        await h.manager.wait_conversions()
+        await h.manager.wait_image_writes()
+        assert _images(state_dir) == [os.path.basename(_image_path(h, "r8"))]
+        st = h.manager.stats()["images"]
+        assert st["count"] == 1 and st["bytes"] == 4096 + h.manager.layout("r8").used_bytes
+        await h.close()
+
+    run(main())
+
+
+def test_image_budget_conversions_take_free_room_loads_push_out_the_oldest(peft_dirs, state_dir):
+    async def main():
+        cfg = AdapterConfig(dtype="float32")
+        probe = AdapterHarness(state_dir + "-probe", config=cfg)
+        for name in ("r4", "r8", "r16"):
+            probe.registry.register(name, peft_dirs[name])
+        size = {n: 4096 + probe.manager.layout(n).used_bytes for n in ("r4", "r8", "r16")}
+        await probe.close()
+        # Room for r8 and r16, so for r4 and r8 but not for r16 besides them.
+        budget = size["r8"] + size["r16"]
+        assert size["r4"] < size["r16"]
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", image_budget_bytes=budget))
+        for name in ("r4", "r8", "r16"):
+            await h.manager.register(name, peft_dirs[name])
+        await h.manager.wait_conversions()
+        st = h.manager.stats()["images"]
+        assert st["converted_ahead"] == 2 and st["convert_skipped"] == 1 and st["evictions"] == 0
+        assert sorted(_images(state_dir)) == sorted(os.path.basename(_image_path(h, n)) for n in ("r4", "r8"))
+        # r8 is used, so r4 is the least recently used image.
+        await _acquire_and_check(h, ["r8"])
+        # r16's first load converts it and stores its image, pushing out r4.
+        await _acquire_and_check(h, ["r16"])
+        await h.manager.wait_image_writes()
+        st = h.manager.stats()["images"]
+        assert st["evictions"] == 1 and st["bytes"] <= budget
+        assert sorted(_images(state_dir)) == sorted(os.path.basename(_image_path(h, n)) for n in ("r8", "r16"))
+        assert st["bytes"] == size["r8"] + size["r16"]
+        # r4 still loads (from its file) and still works.
+        (a,) = await _acquire_and_check(h, ["r4"])
+        assert a.found_in == Tier.COLD
+        await h.close()
+
+    run(main())
+
+
+def test_start_prunes_orphan_images_and_converts_the_registered_ones_without_one(peft_dirs, state_dir):
+    async def first():
+        h = AdapterHarness(state_dir)
+        # Registered behind the manager's back (as by an older broker): no images yet.
+        for name in ("r4", "r8"):
+            h.registry.register(name, peft_dirs[name])
+        await h.close()
+
+    run(first())
+    d = os.path.join(state_dir, "images")
+    os.makedirs(d, exist_ok=True)
+    orphan = os.path.join(d, "gone-0123456789abcdef.img")
+    with open(orphan, "wb") as f:
+        f.write(b"\0" * 5000)
+    leftover = os.path.join(d, "r4-feed.img.1.2.tmp")
+    open(leftover, "wb").close()
+
+    async def second(monkeypatch_free=True):
+        h = AdapterHarness(state_dir)
+        assert not os.path.exists(leftover)  # a torn write of a crashed broker
+        assert h.manager.images.used_bytes == 5000
+        await h.manager.start()
+        assert not os.path.exists(orphan)
+        await h.manager.wait_conversions()
+        assert sorted(_images(state_dir)) == sorted(os.path.basename(_image_path(h, n)) for n in ("r4", "r8"))
+        st = h.manager.stats()["images"]
+        assert st["converted_ahead"] == 2 and st["bytes"] == sum(4096 + h.manager.layout(n).used_bytes for n in ("r4", "r8"))
+        # A second start finds every image in place: nothing to convert.
+        await h.manager.start()
+        await h.manager.wait_conversions()
+        assert h.manager.stats()["images"]["converted_ahead"] == 2
+        await h.close()
+
+    run(second())
+
+
+def test_image_cache_budget_accounting(peft_dirs, state_dir, tmp_path):
+    from broker.adapters.tiers import ImageCache, build_warm_image
+
+    reg = AdapterRegistry(state_dir)
+    metas = [reg.register(n, peft_dirs[n]) for n in ("r4", "r8", "r16")]
+    layouts = [plan_layout(m.weights, 8192, "float32") for m in metas]
+    images = [build_warm_image(m, lay) for m, lay in zip(metas, layouts)]
+    sizes = [4096 + lay.used_bytes for lay in layouts]
+    d = str(tmp_path / "imgs")
+    with pytest.raises(ValueError, match="budget"):
+        ImageCache(d, max_bytes=-1)
+    cache = ImageCache(d, max_bytes=sizes[0] + sizes[2])
+    assert sizes[1] < sizes[2]
+    assert cache.store(metas[0], images[0]) == sizes[0]
+    assert cache.store(metas[1], images[1], evict=False) == sizes[1]
+    assert cache.fits(layouts[2]) is False
+    # No room without evicting: nothing stored, nothing lost.
+    assert cache.store(metas[2], images[2], evict=False) == 0
+    assert cache.used_bytes == sizes[0] + sizes[1] and cache.count == 2
+    # Loading r4 makes r8 the least recently used; a store with evict pushes it out.
+    assert cache.load(metas[0], layouts[0])[0] is not None
+    assert cache.store(metas[2], images[2]) == sizes[2]
+    assert not cache.has("r8") and cache.has("r4") and cache.has("r16") and cache.evictions == 1
+    assert not os.path.exists(cache.path("r8"))
+    assert cache.used_bytes == sizes[0] + sizes[2] <= cache.max_bytes
+    # Storing the same adapter again replaces its bytes, not adds to them.
+    assert cache.store(metas[2], images[2]) == sizes[2] and cache.used_bytes == sizes[0] + sizes[2]
+    # An image larger than the whole budget is never stored.
+    small = ImageCache(str(tmp_path / "small"), max_bytes=sizes[0] - 1)
+    assert small.store(metas[0], images[0]) == 0 and small.count == 0 and os.listdir(small.directory) == []
+    # A new cache over the same directory counts what is there.
+    again = ImageCache(d)
+    assert again.used_bytes == cache.used_bytes and sorted(again.paths()) == sorted(cache.paths())
+    assert again.valid(metas[0], layouts[0]) and not again.valid(metas[1], layouts[1])
+    assert again.remove("r4") and again.used_bytes == sizes[2]
+    reg.close()

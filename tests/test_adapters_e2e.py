@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from broker.errors import BrokerError, Code
 from clients import AdapterTables, BrokerClient
@@ -213,5 +214,58 @@ def test_adapter_metrics_move_with_acquires(peft_dirs):  # noqa: F811
         assert metric(text, "memory_broker_adapter_loads_total", tier="hot") == 1
         assert metric(text, "memory_broker_adapter_hits_total", tier="hot") == 1
         assert metric(text, "memory_broker_adapter_hit_ratio") == 0.5
+        # One cold load: served by the image converted ahead, or (had it come first) by
+        # converting the file and writing the image.
+        reads = [metric(text, "memory_broker_adapter_image_reads_total", result=r) for r in ("hit", "miss", "rejected")]
+        assert reads[0] + reads[1] == 1 and reads[2] == 0
+        assert metric(text, "memory_broker_adapter_image_bytes") > 4096
+        assert metric(text, "memory_broker_adapter_image_budget_bytes") == 64 << 30
+        assert metric(text, "memory_broker_adapter_convert_queue") == 0
     finally:
         b.stop()
+
+
+def test_registered_adapters_are_converted_ahead_and_a_restart_prunes_orphans(peft_dirs, tmp_path):  # noqa: F811
+    state = str(tmp_path / "state")
+    images = os.path.join(state, "images")
+
+    def wait_images(n: int) -> list[str]:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = sorted(f for f in os.listdir(images) if f.endswith(".img")) if os.path.isdir(images) else []
+            if len(got) == n and not [f for f in os.listdir(images) if f.endswith(".tmp")]:
+                return got
+            time.sleep(0.05)
+        raise AssertionError(f"expected {n} images in {images}, found {os.listdir(images) if os.path.isdir(images) else []}")
+
+    b = adapter_broker(state)
+    with BrokerClient.connect(b.socket) as c:
+        for name in ("r4", "r8"):
+            c.register_adapter(name, peft_dirs[name])
+        first = wait_images(2)
+        assert all(f.startswith(("r4-", "r8-")) for f in first)
+        # The first acquire of each reads its image, and the bytes are the files' (float32 here).
+        with c.acquire_adapters(["r4", "r8"]) as lease:
+            assert [a.found_in for a in lease.adapters] == ["cold", "cold"]
+            arena = c.arena_tensor(torch.float32)
+            for a in lease.adapters:
+                want = expected_rows(peft_dirs[a.adapter_id])
+                for (layer, module, kind), off in a.row_offsets().items():
+                    n = a.layout.matrix(layer, module, kind).row_elems
+                    got = arena[torch.from_numpy(off)[:, None] + torch.arange(n)[None, :]]
+                    assert torch.equal(got, want[(layer, module, kind)].float())
+        st = c.stats().adapters
+        assert (st.converted_ahead, st.image_hits, st.image_misses, st.convert_queued) == (2, 2, 0, 0)
+        assert st.image_count == 2 and st.image_bytes == sum(os.path.getsize(os.path.join(images, f)) for f in first)
+        assert st.image_budget_bytes == 64 << 30
+        c.unregister_adapters(["r4"])
+        assert wait_images(1)[0].startswith("r8-")
+    assert b.stop() == 0
+    orphan = os.path.join(images, "gone-0123456789abcdef.img")
+    with open(orphan, "wb") as f:
+        f.write(b"\0" * 5000)
+    b2 = adapter_broker(state)
+    try:
+        assert wait_images(1)[0].startswith("r8-") and not os.path.exists(orphan)
+    finally:
+        b2.stop()

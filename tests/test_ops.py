@@ -143,6 +143,22 @@ def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, word
     assert words in str(e.value)
 
 
+def test_adapter_image_settings_come_from_the_file_and_the_flags(tmp_path):
+    from broker.cli import build_parser, flag_overrides
+
+    p = tmp_path / "broker.yaml"
+    p.write_text("adapters:\n  image_budget: 2GiB\n  convert_ahead: false\n")
+    opts = build_options(str(p), {})
+    assert opts.adapter_image_budget == 2 << 30 and opts.adapter_convert_ahead is False
+    assert build_options(None, {}).adapter_image_budget == 64 << 30 and build_options(None, {}).adapter_convert_ahead
+    a = build_parser().parse_args(["serve", "--adapter-image-budget", "512MiB", "--no-adapter-convert-ahead"])
+    over = flag_overrides(a)
+    assert over["adapter_image_budget"] == 512 << 20 and over["adapter_convert_ahead"] is False
+    p.write_text("adapters:\n  image_budget: -1GiB\n")
+    with pytest.raises(ConfigError, match="adapters.image_budget"):
+        build_options(str(p), {})
+
+
 def test_daemon_refuses_a_bad_config_file_at_start_naming_the_key(tmp_path):
     p = tmp_path / "broker.yaml"
     p.write_text("memory_pool:\n  eviction:\n    low_watermark: 0.95\n")

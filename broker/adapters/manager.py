@@ -77,13 +77,20 @@ class AdapterConfig:
     # fsync each image before it is renamed into place (survives a power loss, not needed
     # for correctness: a torn image fails validation and is rebuilt).
     image_fsync: bool = False
+    # Disk the images may take together; 0 = no limit. A load's image pushes out the least
+    # recently used ones; a conversion ahead of use only takes room that is free.
+    image_budget_bytes: int = 0
+    # Convert adapters into images ahead of use, in one background thread: each adapter
+    # registered through the manager, and (``start``) every registered adapter without an
+    # image, so a first acquire reads an image instead of converting the safetensors.
+    convert_ahead: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"adapter dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
         if self.row_align <= 0 or self.row_align % DTYPE_SIZES[self.dtype]:
             raise ValueError(f"row_align {self.row_align} must be a positive multiple of the {self.dtype} element size")
-        for name in ("hot_budget_pages", "hot_budget_adapters", "warm_budget_bytes"):
+        for name in ("hot_budget_pages", "hot_budget_adapters", "warm_budget_bytes", "image_budget_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 means no limit for hot budgets, no warm tier for warm)")
         if self.load_lease_s <= 0 or self.load_workers < 1 or self.copy_threads < 1:
@@ -175,6 +182,11 @@ class AdapterCounters:
     image_rejects: int = 0
     image_writes: int = 0
     image_write_failures: int = 0
+    # Conversions ahead of use: images written; adapters passed over (image already there,
+    # no room in the image budget, or already loading); failures (logged, the load retries).
+    converted_ahead: int = 0
+    convert_skipped: int = 0
+    convert_failures: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -279,11 +291,50 @@ class AdapterManager:
         state_dir = getattr(registry, "state_dir", None)
         if self.config.image_cache and state_dir and not self.config.warm_int8:
             try:
-                self.images = ImageCache(os.path.join(state_dir, "images"), fsync=self.config.image_fsync)
+                self.images = ImageCache(
+                    os.path.join(state_dir, "images"), fsync=self.config.image_fsync,
+                    max_bytes=self.config.image_budget_bytes,
+                )  # fmt: skip
             except OSError as err:
                 self.log.warning("adapter_image_cache_off", error=str(err))
         self._image_writes: dict[str, object] = {}
+        # Conversions ahead of use: adapter ids waiting (in order), the one being converted
+        # and its future, and the task that works through them (in its own thread, so a
+        # burst of registrations never queues in front of loads).
+        self._convert_queue: OrderedDict[str, None] = OrderedDict()
+        self._converting: tuple[str, object] | None = None
+        self._convert_task: asyncio.Task | None = None
+        self._convert_executor: ThreadPoolExecutor | None = None
         self._closed = False
+
+    async def start(self) -> None:
+        """Once the loop runs: delete images of adapters no longer registered, and queue
+        every registered adapter without an image for conversion ahead of use."""
+        self._check_open()
+        if self.images is None:
+            return
+        loop = asyncio.get_running_loop()
+        missing, orphans = await loop.run_in_executor(self._executor, self._image_census)
+        for path in orphans:
+            self.images.remove_path(path)
+        if orphans:
+            self.log.info("adapter_images_pruned", images=len(orphans))
+        self.schedule_conversions(missing)
+
+    def _image_census(self) -> tuple[list[str], list[str]]:
+        """(registered ids without an image file, image files of no registered adapter). Executor."""
+        expected: dict[str, str] = {}
+        token = ""
+        while True:
+            page = self.registry.list(limit=10_000, page_token=token)
+            for info in page.adapters:
+                expected[self.images.path(info.adapter_id)] = info.adapter_id
+            token = page.next_page_token
+            if not token:
+                break
+        have = set(self.images.paths())
+        missing = [aid for path, aid in expected.items() if path not in have]
+        return missing, [path for path in have if path not in expected]
 
     # ------------------------------------------------------------- registration
 
@@ -299,7 +350,88 @@ class AdapterManager:
             raise BrokerError(Code.ALREADY_EXISTS, f"adapter id {adapter_id!r} is already registered")
         loop = asyncio.get_running_loop()
         meta = await loop.run_in_executor(self._executor, self.registry.inspect, source)
-        return self.registry.add(adapter_id, meta)
+        meta = self.registry.add(adapter_id, meta)
+        self.schedule_conversions([adapter_id])
+        return meta
+
+    # ------------------------------------------------------ conversion ahead of use
+
+    def schedule_conversions(self, adapter_ids: Sequence[str]) -> int:
+        """Queue adapters for conversion into images ahead of use (no-op with the image cache
+        or ``convert_ahead`` off); returns how many were queued."""
+        if self.images is None or not self.config.convert_ahead or self._closed:
+            return 0
+        n = 0
+        for aid in adapter_ids:
+            if aid not in self._convert_queue:
+                self._convert_queue[aid] = None
+                n += 1
+        if self._convert_queue and (self._convert_task is None or self._convert_task.done()):
+            self._convert_task = asyncio.get_running_loop().create_task(self._convert_loop())
+        return n
+
+    async def wait_conversions(self) -> None:
+        """Wait until every queued conversion ahead of use is done (tests, benchmarks)."""
+        while self._convert_task is not None and not self._convert_task.done():
+            await asyncio.shield(self._convert_task)
+
+    async def _convert_loop(self) -> None:
+        if self._convert_executor is None:
+            self._convert_executor = ThreadPoolExecutor(1, thread_name_prefix="adapter-convert")
+        while self._convert_queue and not self._closed:
+            aid, _ = self._convert_queue.popitem(last=False)
+            try:
+                meta = self.registry.find(aid)
+            except BrokerError:
+                return  # the registry is closed: the broker is stopping
+            e = self._entries.get(aid)
+            if meta is None:
+                continue  # unregistered while queued
+            if e is not None and (e.warm is not None or e.warming is not None):
+                # Loaded (or loading) from the file already: that load writes the image.
+                self.counters.convert_skipped += 1
+                continue
+            try:
+                layout = e.layout if e is not None else self._plan(meta)
+            except BrokerError:
+                self.counters.convert_skipped += 1
+                continue
+            fut = self._convert_executor.submit(self._convert_one, meta, layout)
+            self._converting = (aid, fut)
+            try:
+                written, ms = await asyncio.wrap_future(fut)
+            except Exception as err:  # noqa: BLE001  (a load of it converts again, and says why)
+                self.counters.convert_failures += 1
+                self.log.warning("adapter_convert_failed", adapter=aid, error=str(err))
+                continue
+            finally:
+                self._converting = None
+            if not written:
+                self.counters.convert_skipped += 1
+                continue
+            try:
+                gone = self.registry.find(aid) is None
+            except BrokerError:
+                gone = False  # the registry is closed: keep the image for the next start
+            if gone:
+                self._remove_image(aid)  # unregistered while it was converted
+                continue
+            self.counters.converted_ahead += 1
+            self.counters.image_writes += 1
+            self.log.info("adapter_converted", adapter=aid, bytes=written, ms=ms)
+
+    def _convert_one(self, meta: AdapterMeta, layout: AdapterLayout) -> tuple[int, float]:
+        """Build and store one adapter's image unless it has one or there is no room:
+        (bytes written, ms). The convert thread."""
+        images = self.images
+        if not images.fits(layout) and not images.has(meta.adapter_id):
+            return 0, 0.0
+        if images.has(meta.adapter_id) and images.valid(meta, layout):
+            return 0, 0.0
+        t0 = time.perf_counter()
+        image = build_warm_image(meta, layout, threads=1)
+        written = images.store(meta, image, evict=False)
+        return written, round((time.perf_counter() - t0) * 1e3, 3)
 
     def unregister(self, adapter_id: str) -> AdapterMeta:
         """Forget an adapter; its hot pages are freed and its warm image dropped.
@@ -573,6 +705,13 @@ class AdapterManager:
             "images": {
                 "enabled": self.images is not None, "hits": c.image_hits, "misses": c.image_misses,
                 "rejected": c.image_rejects, "writes": c.image_writes, "write_failures": c.image_write_failures,
+                "count": self.images.count if self.images else 0,
+                "bytes": self.images.used_bytes if self.images else 0,
+                "budget_bytes": self.config.image_budget_bytes,
+                "evictions": self.images.evictions if self.images else 0,
+                "converted_ahead": c.converted_ahead, "convert_skipped": c.convert_skipped,
+                "convert_failures": c.convert_failures,
+                "convert_queued": len(self._convert_queue) + (self._converting is not None),
             },
             "policies": {"hot": self.hot_policy.name, "warm": self.warm_policy.name},
         }
@@ -604,7 +743,13 @@ class AdapterManager:
         tasks = [t for e in self._entries.values() for t in (e.loading, e.warming) if t is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        # Let image writes finish, so the next start finds them.
+        # Let image writes finish, so the next start finds them; the conversions still
+        # queued are left for the next start.
+        self._convert_queue.clear()
+        if self._convert_task is not None:
+            await asyncio.gather(self._convert_task, return_exceptions=True)
+        if self._convert_executor is not None:
+            self._convert_executor.shutdown(wait=True)
         await self.wait_image_writes()
         self.store.end_session(self.system_session)
         for e in list(self._hot.values()):
@@ -820,6 +965,14 @@ class AdapterManager:
         try:
             loop = asyncio.get_running_loop()
             t0 = time.perf_counter()
+            conv = self._converting
+            if conv is not None and conv[0] == aid:
+                # Being converted ahead of use right now: its image is the quickest way in
+                # (if the conversion fails, this load converts the file and says why).
+                try:
+                    await asyncio.shield(asyncio.wrap_future(conv[1]))
+                except Exception:  # noqa: BLE001
+                    pass
             image, cached, rejected = await loop.run_in_executor(self._executor, self._cold_to_warm, e.meta, e.layout)
             dt = time.perf_counter() - t0
             c = self.counters

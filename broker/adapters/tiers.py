@@ -22,6 +22,7 @@ import os
 import re
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -371,13 +372,111 @@ class ImageCache:
     checksum (a CRC would cost more than the read): a bit flipped inside it on disk would go
     unnoticed, as it would in the safetensors file.
 
-    Blocking; meant for executor threads. Thread-safe (each call opens its own file).
+    Disk budget: with ``max_bytes`` > 0 the images together stay within it. ``store`` makes
+    room by deleting the least recently used images (loaded or stored longest ago) when
+    ``evict`` is true, and otherwise stores nothing when the image does not fit in what is
+    free (conversions ahead of use never push out images that served loads). The cache
+    counts the ``.img`` files it finds at start (oldest modification first) and deletes
+    leftover ``.tmp`` files of writes a crash cut short.
+
+    Blocking; meant for executor threads. Thread-safe (each call opens its own file; the
+    byte accounting is under a lock).
     """
 
-    def __init__(self, directory: str, fsync: bool = False):
+    def __init__(self, directory: str, fsync: bool = False, max_bytes: int = 0):
+        if max_bytes < 0:
+            raise ValueError(f"image cache budget {max_bytes} must be >= 0 (0: no limit)")
         self.directory = directory
         self.fsync = fsync
+        self.max_bytes = max_bytes
         os.makedirs(directory, exist_ok=True)
+        self._lock = threading.Lock()
+        # Image path -> bytes on disk (or reserved by a write in flight), least recently used first.
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        self.evictions = 0
+        found = []
+        with os.scandir(directory) as it:
+            for ent in it:
+                if not ent.is_file(follow_symlinks=False):
+                    continue
+                if ent.name.endswith(".tmp"):
+                    try:
+                        os.unlink(ent.path)
+                    except OSError:
+                        pass
+                elif ent.name.endswith(".img"):
+                    st = ent.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, ent.path, st.st_size))
+        for _mtime, path, size in sorted(found):
+            self._sizes[path] = size
+            self._used += size
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the images on disk (and of the writes in flight)."""
+        return self._used
+
+    @property
+    def count(self) -> int:
+        return len(self._sizes)
+
+    def has(self, adapter_id: str) -> bool:
+        """Whether an image file for the adapter exists (``load`` still checks it fits)."""
+        return self.path(adapter_id) in self._sizes
+
+    def image_size(self, layout: AdapterLayout) -> int:
+        """Bytes an image of ``layout`` takes on disk."""
+        return IMAGE_HEADER_BYTES + layout.used_bytes
+
+    def fits(self, layout: AdapterLayout) -> bool:
+        """Whether an image of ``layout`` fits in the free part of the budget now."""
+        return not self.max_bytes or self._used + self.image_size(layout) <= self.max_bytes
+
+    def paths(self) -> list[str]:
+        """The image files, least recently used first."""
+        with self._lock:
+            return list(self._sizes)
+
+    def _touch(self, path: str) -> None:
+        with self._lock:
+            if path in self._sizes:
+                self._sizes.move_to_end(path)
+
+    def _forget(self, path: str) -> None:
+        with self._lock:
+            self._used -= self._sizes.pop(path, 0)
+
+    def _reserve(self, path: str, need: int, evict: bool) -> tuple[bool, list[str]]:
+        """Account ``need`` bytes for ``path`` (replacing what it held); (False, []) when
+        they do not fit, else (True, the images to delete to make room)."""
+        with self._lock:
+            have = self._sizes.get(path, 0)
+            if self.max_bytes:
+                if need > self.max_bytes:
+                    return False, []
+                over = self._used - have + need - self.max_bytes
+                victims = []
+                if over > 0:
+                    if not evict:
+                        return False, []
+                    for victim, size in self._sizes.items():
+                        if over <= 0:
+                            break
+                        if victim != path:
+                            victims.append(victim)
+                            over -= size
+                    if over > 0:
+                        return False, []
+                for victim in victims:
+                    self._used -= self._sizes.pop(victim)
+                self.evictions += len(victims)
+            else:
+                victims = []
+            self._used += need - have
+            self._sizes[path] = need
+            self._sizes.move_to_end(path)
+            return True, victims
 
     def path(self, adapter_id: str) -> str:
         # Adapter ids may hold ':/@+=': keep a readable prefix, and a hash so that distinct
@@ -401,6 +500,46 @@ class ImageCache:
             "num_pages": layout.num_pages,
         }
 
+    def _check(self, fd: int, path: str, meta: AdapterMeta, layout: AdapterLayout) -> tuple[tuple | None, str]:
+        """(the weights file's identity, "") when the open image at ``fd`` is the one for
+        ``meta`` and ``layout`` as things are now, else (None, why not)."""
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, IMAGE_HEADER_BYTES, 0)
+        if len(head) < 12 or head[:8] != IMAGE_MAGIC:
+            return None, f"{path} is not an adapter image (bad magic)"
+        (n,) = struct.unpack_from("<I", head, 8)
+        try:
+            got = json.loads(head[12 : 12 + n]) if 12 + n <= IMAGE_HEADER_BYTES else None
+        except ValueError:
+            got = None
+        if not isinstance(got, dict):
+            return None, f"{path} has a corrupt header"
+        try:
+            ident = file_identity(os.stat(meta.weights_path))
+        except OSError as e:
+            return None, f"cannot stat {meta.weights_path}: {e.strerror}"
+        want = self._header(meta, layout, ident)
+        diff = sorted(k for k in want if got.get(k) != want[k])
+        if diff:
+            return None, f"{path} is stale ({', '.join(diff)} changed)"
+        if size != IMAGE_HEADER_BYTES + layout.used_bytes:
+            return None, f"{path} is {size} bytes, expected {IMAGE_HEADER_BYTES + layout.used_bytes}"
+        return ident, ""
+
+    def valid(self, meta: AdapterMeta, layout: AdapterLayout) -> bool:
+        """Whether the adapter's image is there and matches (its header; no payload read)."""
+        path = self.path(meta.adapter_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            return self._check(fd, path, meta, layout)[0] is not None
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
     def load(self, meta: AdapterMeta, layout: AdapterLayout, threads: int = 1) -> tuple[WarmImage | None, str]:
         """(the cached image, "") or (None, why it was not used: "" when there is none).
 
@@ -415,27 +554,9 @@ class ImageCache:
         except OSError as e:
             return None, f"cannot open {path}: {e.strerror}"
         try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, IMAGE_HEADER_BYTES, 0)
-            if len(head) < 12 or head[:8] != IMAGE_MAGIC:
-                return None, f"{path} is not an adapter image (bad magic)"
-            (n,) = struct.unpack_from("<I", head, 8)
-            try:
-                got = json.loads(head[12 : 12 + n]) if 12 + n <= IMAGE_HEADER_BYTES else None
-            except ValueError:
-                got = None
-            if not isinstance(got, dict):
-                return None, f"{path} has a corrupt header"
-            try:
-                ident = file_identity(os.stat(meta.weights_path))
-            except OSError as e:
-                return None, f"cannot stat {meta.weights_path}: {e.strerror}"
-            want = self._header(meta, layout, ident)
-            diff = sorted(k for k in want if got.get(k) != want[k])
-            if diff:
-                return None, f"{path} is stale ({', '.join(diff)} changed)"
-            if size != IMAGE_HEADER_BYTES + layout.used_bytes:
-                return None, f"{path} is {size} bytes, expected {IMAGE_HEADER_BYTES + layout.used_bytes}"
+            ident, why = self._check(fd, path, meta, layout)
+            if ident is None:
+                return None, why
             img = np.empty(layout.used_bytes, dtype=np.uint8)
             mv = memoryview(img)
             n = len(mv)
@@ -463,15 +584,17 @@ class ImageCache:
                 t.join()
             if short:
                 return None, short[0]
+            self._touch(path)
             return WarmImage(layout, packed=img, source_bytes=layout.used_bytes, source_identity=ident), ""
         except OSError as e:
             return None, f"cannot read {path}: {e.strerror}"
         finally:
             os.close(fd)
 
-    def store(self, meta: AdapterMeta, image: WarmImage) -> int:
+    def store(self, meta: AdapterMeta, image: WarmImage, evict: bool = True) -> int:
         """Write ``image`` (a packed one built from the file) as the adapter's image, atomically;
-        returns bytes written (0 when there is nothing to store: int8, or no file identity)."""
+        returns bytes written (0 when nothing was stored: int8, no file identity, or no room
+        in the budget; with ``evict`` the least recently used images make room)."""
         if image.packed is None or image.source_identity is None:
             return 0
         layout = image.layout
@@ -483,8 +606,22 @@ class ImageCache:
         struct.pack_into("<I", head, 8, len(text))
         head[12 : 12 + len(text)] = text
         path = self.path(meta.adapter_id)
+        had = path in self._sizes
+        ok, victims = self._reserve(path, IMAGE_HEADER_BYTES + image.packed.nbytes, evict)
+        if not ok:
+            return 0
+        for victim in victims:
+            try:
+                os.unlink(victim)
+            except FileNotFoundError:
+                pass
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except BaseException:
+            if not had:
+                self._forget(path)
+            raise
         try:
             try:
                 for buf in (memoryview(head), memoryview(image.packed)):
@@ -500,13 +637,20 @@ class ImageCache:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if not had or not os.path.exists(path):
+                self._forget(path)
             raise
         return IMAGE_HEADER_BYTES + image.packed.nbytes
 
     def remove(self, adapter_id: str) -> bool:
         """Delete the adapter's image; False when there was none."""
+        return self.remove_path(self.path(adapter_id))
+
+    def remove_path(self, path: str) -> bool:
+        """Delete one image file of this cache; False when there was none."""
+        self._forget(path)
         try:
-            os.unlink(self.path(adapter_id))
+            os.unlink(path)
             return True
         except FileNotFoundError:
             return False

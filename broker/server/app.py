@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry
 from broker.arena import ArenaGeometry, make_arena
+from broker.errors import BrokerError
 from broker.eviction import make_policy
 from broker.objects import ObjectStore, StoreConfig
 from broker.pool import PagePool, WindowSpace
@@ -114,6 +115,8 @@ class BrokerServer:
                 warm_budget_bytes=opts.warm_tier_bytes,
                 warm_int8=opts.warm_int8,
                 image_cache=opts.adapter_image_cache,
+                image_budget_bytes=opts.adapter_image_budget,
+                convert_ahead=opts.adapter_convert_ahead,
                 hot_policy=opts.adapter_hot_policy,
                 warm_policy=opts.adapter_warm_policy,
             ),
@@ -159,6 +162,11 @@ class BrokerServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.ensure_future(self._expire_leases()))
         self._tasks.append(asyncio.ensure_future(self._status_loop()))
+        try:
+            # Prune images of unregistered adapters; queue conversions ahead of use.
+            await self.adapters.start()
+        except (OSError, BrokerError) as err:
+            self.log.warning("adapter_images_census_failed", error=str(err))
         if self.notifier.watchdog_interval_s:
             self._tasks.append(asyncio.ensure_future(self._watchdog_loop()))
         self.log.info(
@@ -223,6 +231,7 @@ class BrokerServer:
             a = self.adapters.stats()
             self.metrics.adapter_snapshot = {
                 "hits": a["hits"], "loads": a["loads"], "resident": a["resident"], "hit_rate": a["hit_rate"],
+                "images": a["images"],
             }  # fmt: skip
         return st
 

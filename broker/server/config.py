@@ -113,6 +113,8 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "adapters.warm_tier_bytes": ("warm_tier_bytes", _size),
     "adapters.warm_int8": ("warm_int8", _bool),
     "adapters.image_cache": ("adapter_image_cache", _bool),
+    "adapters.image_budget": ("adapter_image_budget", _size),
+    "adapters.convert_ahead": ("adapter_convert_ahead", _bool),
     "adapters.hot_policy": ("adapter_hot_policy", _choice("lru", "lfu", "gdsf")),
     "adapters.warm_policy": ("adapter_warm_policy", _choice("lru", "lfu", "gdsf")),
     "arena.backend": ("arena", _choice("auto", "host", "cuda")),

@@ -85,6 +85,22 @@ class BrokerMetrics:
                                         description="adapter loads into a tier")
         meter.create_observable_gauge(f"{PREFIX}_adapters_resident", callbacks=[a("resident")],
                                       description="adapters resident per tier")
+        img = lambda key: (lambda _st: [  # noqa: E731
+            Observation(self.adapter_snapshot["images"][key])] if "images" in self.adapter_snapshot else [])
+        meter.create_observable_gauge(f"{PREFIX}_adapter_image_bytes", unit="By", callbacks=[img("bytes")],
+                                      description="disk taken by converted adapter images")
+        meter.create_observable_gauge(f"{PREFIX}_adapter_image_budget_bytes", unit="By", callbacks=[img("budget_bytes")],
+                                      description="disk the converted adapter images may take (0: no limit)")
+        meter.create_observable_counter(
+            f"{PREFIX}_adapter_image_reads_total",
+            callbacks=[lambda _o: [Observation(self.adapter_snapshot["images"][k], {"result": r})
+                                   for k, r in (("hits", "hit"), ("misses", "miss"), ("rejected", "rejected"))]
+                       if "images" in self.adapter_snapshot else []],
+            description="cold adapter loads by how the image cache served them")  # fmt: skip
+        meter.create_observable_counter(f"{PREFIX}_adapter_conversions_total", callbacks=[img("converted_ahead")],
+                                        description="adapters converted into images ahead of use")
+        meter.create_observable_gauge(f"{PREFIX}_adapter_convert_queue", callbacks=[img("convert_queued")],
+                                      description="adapters waiting for conversion ahead of use")
         meter.create_observable_gauge(
             f"{PREFIX}_adapter_hit_ratio",
             callbacks=[lambda _o: [Observation(self.adapter_snapshot["hit_rate"])]

@@ -85,8 +85,11 @@ class ServeOptions:
     hot_tier_adapters: int = 0
     warm_tier_bytes: int = 4 << 30
     warm_int8: bool = False
-    # Keep converted page images in STATE_DIR/images so later cold loads are a plain read.
+    # Keep converted page images in STATE_DIR/images so later cold loads are a plain read;
+    # the disk they may take (0 = no limit); convert registered adapters ahead of use.
     adapter_image_cache: bool = True
+    adapter_image_budget: int = 64 << 30
+    adapter_convert_ahead: bool = True
     adapter_hot_policy: str = "lru"
     adapter_warm_policy: str = "lru"
     # Prometheus endpoint (0 = off).
@@ -147,7 +150,7 @@ class ServeOptions:
             raise ValueError(f"adapter_dtype: {self.adapter_dtype!r}; must be bfloat16, float16 or float32")
         if not 1 <= self.adapter_max_rank <= 4096:
             raise ValueError(f"adapter_max_rank: {self.adapter_max_rank}; must be 1..4096")
-        for name in ("hot_tier_pages", "hot_tier_adapters", "warm_tier_bytes"):
+        for name in ("hot_tier_pages", "hot_tier_adapters", "warm_tier_bytes", "adapter_image_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: {getattr(self, name)}; must be >= 0")
         for name in ("adapter_hot_policy", "adapter_warm_policy"):

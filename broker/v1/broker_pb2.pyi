@@ -539,7 +539,7 @@ class PrefetchAdaptersResponse(_message.Message):
     def __init__(self, loaded: _Optional[_Mapping[str, AdapterTier]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AdapterStats(_message.Message):
-    __slots__ = ("registered", "hot", "warm", "cold", "hot_pages", "warm_bytes", "found_hot", "found_warm", "found_cold", "loads_hot", "loads_warm", "bytes_loaded_hot", "bytes_loaded_warm", "hit_rate", "deferred", "shared_loads", "load_failures", "evictions", "demotions")
+    __slots__ = ("registered", "hot", "warm", "cold", "hot_pages", "warm_bytes", "found_hot", "found_warm", "found_cold", "loads_hot", "loads_warm", "bytes_loaded_hot", "bytes_loaded_warm", "hit_rate", "deferred", "shared_loads", "load_failures", "evictions", "demotions", "image_count", "image_bytes", "image_budget_bytes", "image_hits", "image_misses", "converted_ahead", "convert_queued")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     HOT_FIELD_NUMBER: _ClassVar[int]
     WARM_FIELD_NUMBER: _ClassVar[int]
@@ -559,6 +559,13 @@ class AdapterStats(_message.Message):
     LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_HITS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CONVERTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    CONVERT_QUEUED_FIELD_NUMBER: _ClassVar[int]
     registered: int
     hot: int
     warm: int
@@ -578,7 +585,14 @@ class AdapterStats(_message.Message):
     load_failures: int
     evictions: int
     demotions: int
-    def __init__(self, registered: _Optional[int] = ..., hot: _Optional[int] = ..., warm: _Optional[int] = ..., cold: _Optional[int] = ..., hot_pages: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., found_hot: _Optional[int] = ..., found_warm: _Optional[int] = ..., found_cold: _Optional[int] = ..., loads_hot: _Optional[int] = ..., loads_warm: _Optional[int] = ..., bytes_loaded_hot: _Optional[int] = ..., bytes_loaded_warm: _Optional[int] = ..., hit_rate: _Optional[float] = ..., deferred: _Optional[int] = ..., shared_loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ...) -> None: ...
+    image_count: int
+    image_bytes: int
+    image_budget_bytes: int
+    image_hits: int
+    image_misses: int
+    converted_ahead: int
+    convert_queued: int
+    def __init__(self, registered: _Optional[int] = ..., hot: _Optional[int] = ..., warm: _Optional[int] = ..., cold: _Optional[int] = ..., hot_pages: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., found_hot: _Optional[int] = ..., found_warm: _Optional[int] = ..., found_cold: _Optional[int] = ..., loads_hot: _Optional[int] = ..., loads_warm: _Optional[int] = ..., bytes_loaded_hot: _Optional[int] = ..., bytes_loaded_warm: _Optional[int] = ..., hit_rate: _Optional[float] = ..., deferred: _Optional[int] = ..., shared_loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., image_count: _Optional[int] = ..., image_bytes: _Optional[int] = ..., image_budget_bytes: _Optional[int] = ..., image_hits: _Optional[int] = ..., image_misses: _Optional[int] = ..., converted_ahead: _Optional[int] = ..., convert_queued: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("backend", "page_size", "max_pages", "capacity_pages", "num_slabs", "free_pages", "used_pages", "prepared_pages", "pinned_pages", "evictable_pages", "utilization", "high_watermark", "low_watermark", "eviction_active", "eviction_runs", "evicted_objects", "evicted_pages", "objects", "keyed_objects", "sessions", "open_transactions", "by_content", "window_free_pages", "window_free_extents", "window_largest_free", "window_fragmentation", "allocations_total", "deduplicated_total", "allocation_failures", "adapters")
