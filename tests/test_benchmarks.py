@@ -1,0 +1,43 @@
+"""The CPU benchmark scripts still run (a smoke run each, small sizes; no timing is asserted).
+
+Their figures are read by people (ops/bench/results/); a script broken by a change to the
+code it drives would otherwise go unnoticed until the next person tries to measure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(script: str, *args: str) -> str:
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "ops", "bench", script), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def test_bench_adapters_quick_run_prints_every_table():
+    out = bench("bench_adapters.py", "--quick", "--runs", "3")
+    for title in ("1. load bandwidth", "end to end through AdapterManager.acquire", "2. adapter slots",
+                  "3. Zipf", "4. registry"):  # fmt: skip
+        assert title in out, out
+    assert "acquire cold->hot, first after register" in out and "cold->warm  cached, read image" in out
+
+
+def test_bench_rpc_small_run_prints_the_target_line():
+    out = bench("bench_rpc.py", "--n", "30")
+    assert "target: every broker RPC within 1.3x of echo" in out and "GetStats" in out
+
+
+@pytest.mark.parametrize("args", [("--chunks", "5")])
+def test_bench_core_small_run_prints_the_steady_state_target(args):
+    out = bench("bench_core.py", *args)
+    assert "allocate+free, 1 page" in out and "target:" in out
