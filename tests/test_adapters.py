@@ -1596,3 +1596,25 @@ def test_image_cache_budget_accounting(peft_dirs, state_dir, tmp_path):
     assert again.valid(metas[0], layouts[0]) and not again.valid(metas[1], layouts[1])
     assert again.remove("r4") and again.used_bytes == sizes[2]
     reg.close()
+
+
+def test_a_failed_conversion_is_counted_and_the_first_load_converts_instead(peft_dirs, state_dir):
+    async def main():
+        h = AdapterHarness(state_dir)
+
+        def broken(meta, layout):
+            raise OSError(28, "No space left on device")
+
+        h.manager._convert_one = broken
+        await h.manager.register("r8", peft_dirs["r8"])
+        await h.manager.wait_conversions()
+        st = h.manager.stats()["images"]
+        assert st["convert_failures"] == 1 and st["converted_ahead"] == 0 and _images(state_dir) == []
+        (a,) = await _acquire_and_check(h, ["r8"])
+        await h.manager.wait_image_writes()
+        st = h.manager.stats()["images"]
+        assert a.found_in == Tier.COLD and st["misses"] == 1 and st["writes"] == 1 and len(_images(state_dir)) == 1
+        h.store.check_invariants()
+        await h.close()
+
+    run(main())
