@@ -452,27 +452,22 @@ class ImageCache:
         they do not fit, else (True, the images to delete to make room)."""
         with self._lock:
             have = self._sizes.get(path, 0)
-            if self.max_bytes:
-                if need > self.max_bytes:
+            victims: list[str] = []
+            over = self._used - have + need - self.max_bytes if self.max_bytes else 0
+            if over > 0:
+                if not evict or need > self.max_bytes:
                     return False, []
-                over = self._used - have + need - self.max_bytes
-                victims = []
+                for victim, size in self._sizes.items():
+                    if over <= 0:
+                        break
+                    if victim != path:
+                        victims.append(victim)
+                        over -= size
                 if over > 0:
-                    if not evict:
-                        return False, []
-                    for victim, size in self._sizes.items():
-                        if over <= 0:
-                            break
-                        if victim != path:
-                            victims.append(victim)
-                            over -= size
-                    if over > 0:
-                        return False, []
+                    return False, []
                 for victim in victims:
                     self._used -= self._sizes.pop(victim)
                 self.evictions += len(victims)
-            else:
-                victims = []
             self._used += need - have
             self._sizes[path] = need
             self._sizes.move_to_end(path)
