@@ -409,12 +409,7 @@ class AdapterManager:
             if not written:
                 self.counters.convert_skipped += 1
                 continue
-            try:
-                gone = self.registry.find(aid) is None
-            except BrokerError:
-                gone = False  # the registry is closed: keep the image for the next start
-            if gone:
-                self._remove_image(aid)  # unregistered while it was converted
+            if self._drop_orphan_image(aid):
                 continue
             self.counters.converted_ahead += 1
             self.counters.image_writes += 1
@@ -1033,13 +1028,7 @@ class AdapterManager:
                 self.log.warning("adapter_image_write_failed", adapter=aid, error=str(err))
             elif f.result():
                 self.counters.image_writes += 1
-            try:
-                gone = aid not in self.registry
-            except BrokerError:
-                gone = False  # the registry is closed: keep the image for the next start
-            if gone:
-                # Unregistered while the image was written: it must not outlive the adapter.
-                self._remove_image(aid)
+            self._drop_orphan_image(aid)
 
         def report(f) -> None:
             try:
@@ -1048,6 +1037,18 @@ class AdapterManager:
                 pass  # the loop is gone: nothing left to count or log
 
         fut.add_done_callback(report)
+
+    def _drop_orphan_image(self, adapter_id: str) -> bool:
+        """After an image write: remove the image if the adapter was unregistered meanwhile (it
+        must not outlive the adapter); True when it was. A closed registry (the broker is
+        stopping) keeps the image for the next start."""
+        try:
+            gone = adapter_id not in self.registry
+        except BrokerError:
+            return False
+        if gone:
+            self._remove_image(adapter_id)
+        return gone
 
     def _remove_image(self, adapter_id: str) -> None:
         if self.images is None:

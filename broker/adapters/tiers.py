@@ -602,7 +602,7 @@ class ImageCache:
         head[12 : 12 + len(text)] = text
         path = self.path(meta.adapter_id)
         had = path in self._sizes
-        ok, victims = self._reserve(path, IMAGE_HEADER_BYTES + image.packed.nbytes, evict)
+        ok, victims = self._reserve(path, self.image_size(layout), evict)
         if not ok:
             return 0
         for victim in victims:
@@ -635,7 +635,7 @@ class ImageCache:
             if not had or not os.path.exists(path):
                 self._forget(path)
             raise
-        return IMAGE_HEADER_BYTES + image.packed.nbytes
+        return self.image_size(layout)
 
     def remove(self, adapter_id: str) -> bool:
         """Delete the adapter's image; False when there was none."""
