@@ -14,8 +14,9 @@ SERVE_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -e ".[dev]"
+	@# torch first and deliberately: says what it downloads, and warns before a CUDA build on a CPU machine.
+	$(PY) ops/dev/install_torch.py "$(TORCH_SPEC)"
+	$(PY) -m pip install --progress-bar on -e ".[dev]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -24,18 +25,25 @@ serve: venv
 	$(VENV)/bin/memory-broker serve --socket $(SOCKET) $(SERVE_ARGS)
 
 test: venv proto-check
-	$(PY) -m pytest -q
+	@# bin/pytest, not `python -m pytest`: the checkout is not put on sys.path, so tests import
+	@# the installed package through memory_broker only, as users do.
+	$(VENV)/bin/pytest -q
 
-# Regenerate broker/v1/*_pb2*.py from proto/. Generated code is committed.
+# Regenerate broker/v1/*_pb2*.py from proto/. Generated code is committed. The .proto files
+# keep their buf layout (proto/broker/v1, package broker.v1); protoc sees them under
+# memory_broker/ so the generated modules import each other through the project's import root.
+PROTO_STAGE = mkdir -p $$tmp/src/memory_broker $$tmp/out && cp -r proto/broker $$tmp/src/memory_broker/ && \
+	(cd $$tmp/src && $(CURDIR)/$(PY) -m grpc_tools.protoc -I . --python_out=$$tmp/out --pyi_out=$$tmp/out \
+	--grpc_python_out=$$tmp/out memory_broker/broker/v1/*.proto)
+
 proto: venv
-	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/broker/v1/*.proto
+	@tmp=$$(mktemp -d) && $(PROTO_STAGE) && cp $$tmp/out/memory_broker/broker/v1/*.py* broker/v1/ && rm -rf $$tmp && echo "regenerated broker/v1"
 
 # Fails when the committed generated code is stale.
 proto-check: venv
-	@tmp=$$(mktemp -d) && \
-	$(PY) -m grpc_tools.protoc -I proto --python_out=$$tmp --pyi_out=$$tmp --grpc_python_out=$$tmp proto/broker/v1/*.proto && \
-	if diff -r -x __init__.py -x __pycache__ $$tmp/broker/v1 broker/v1 >/dev/null; then rm -rf $$tmp; echo "generated code is up to date"; \
-	else diff -r -x __init__.py -x __pycache__ $$tmp/broker/v1 broker/v1 | head -20; rm -rf $$tmp; echo "generated code is stale: run 'make proto' and commit"; exit 1; fi
+	@tmp=$$(mktemp -d) && $(PROTO_STAGE) && \
+	if diff -r -x __init__.py -x __pycache__ $$tmp/out/memory_broker/broker/v1 broker/v1 >/dev/null; then rm -rf $$tmp; echo "generated code is up to date"; \
+	else diff -r -x __init__.py -x __pycache__ $$tmp/out/memory_broker/broker/v1 broker/v1 | head -20; rm -rf $$tmp; echo "generated code is stale: run 'make proto' and commit"; exit 1; fi
 
 bench: venv
 	$(PY) ops/bench/bench_core.py

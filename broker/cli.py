@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from broker.server.options import DEFAULT_SOCKET, ServeOptions, format_size, parse_size
+from memory_broker.broker.server.options import DEFAULT_SOCKET, ServeOptions, format_size, parse_size
 
 
 def _serve_parser(sub) -> None:
@@ -120,10 +120,10 @@ def flag_overrides(a: argparse.Namespace) -> dict:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from broker.server.app import serve
-    from broker.server.config import build_options
-    from broker.server.lock import SocketPathLocked
-    from broker.server.logs import configure
+    from memory_broker.broker.server.app import serve
+    from memory_broker.broker.server.config import build_options
+    from memory_broker.broker.server.lock import SocketPathLocked
+    from memory_broker.broker.server.logs import configure
 
     try:
         overrides = flag_overrides(a)
@@ -151,8 +151,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from broker.v1 import broker_pb2 as pb
-    from broker.v1 import broker_pb2_grpc
+    from memory_broker.broker.v1 import broker_pb2 as pb
+    from memory_broker.broker.v1 import broker_pb2_grpc
 
     try:
         with grpc.insecure_channel(f"unix:{a.socket}") as ch:
@@ -216,8 +216,8 @@ def cmd_adapters(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from broker.v1 import broker_pb2 as pb
-    from broker.v1 import broker_pb2_grpc
+    from memory_broker.broker.v1 import broker_pb2 as pb
+    from memory_broker.broker.v1 import broker_pb2_grpc
 
     def as_dict(m) -> dict:
         return MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

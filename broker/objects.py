@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable, Iterable, Sequence
 
-from broker.errors import denied, exhausted, invalid, not_found, precondition
-from broker.eviction import ContentType, EvictionPolicy, PriorityLRU
-from broker.pool import FREE, PagePool, WindowSpace
+from memory_broker.broker.errors import denied, exhausted, invalid, not_found, precondition
+from memory_broker.broker.eviction import ContentType, EvictionPolicy, PriorityLRU
+from memory_broker.broker.pool import FREE, PagePool, WindowSpace
 
 VALID_CONTENT = frozenset(int(c) for c in ContentType)
 # int -> ContentType without the enum constructor's cost on the hot path.

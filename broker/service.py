@@ -16,12 +16,12 @@ from typing import AsyncIterator, Callable
 import grpc
 import structlog
 
-from broker.arena.base import Arena
-from broker.errors import BrokerError, Code
-from broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
-from broker.sessions.manager import CLOSED, SessionManager
-from broker.v1 import broker_pb2 as pb
-from broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+from memory_broker.broker.arena.base import Arena
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
+from memory_broker.broker.sessions.manager import CLOSED, SessionManager
+from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 SESSION_METADATA = "x-broker-session"
 

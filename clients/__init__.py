@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from clients.adapters import AdapterLease, AdapterTables, LeasedAdapter
-from clients.client import BrokerClient, BrokerObject, Spec, Transaction
-from broker.errors import BrokerError, Code
+from memory_broker.clients.adapters import AdapterLease, AdapterTables, LeasedAdapter
+from memory_broker.clients.client import BrokerClient, BrokerObject, Spec, Transaction
+from memory_broker.broker.errors import BrokerError, Code
 
 # Multi-LoRA in an engine (clients.lora) imports torch: loaded on first use, so a client
 # that only allocates pages never imports it.
@@ -28,7 +28,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _LORA_NAMES:
-        from clients import lora
+        from memory_broker.clients import lora
 
         return getattr(lora, name)
     raise AttributeError(f"module 'clients' has no attribute {name!r}")

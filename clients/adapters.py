@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from broker.adapters.layout import AdapterLayout, offset_table, row_offsets
-from broker.errors import BrokerError, Code
-from broker.v1 import broker_pb2 as pb
+from memory_broker.broker.adapters.layout import AdapterLayout, offset_table, row_offsets
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.broker.v1 import broker_pb2 as pb
 
 if TYPE_CHECKING:
-    from clients.client import BrokerClient
+    from memory_broker.clients.client import BrokerClient
 
 TIER_NAMES = {pb.ADAPTER_TIER_HOT: "hot", pb.ADAPTER_TIER_WARM: "warm", pb.ADAPTER_TIER_COLD: "cold"}
 

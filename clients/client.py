@@ -21,11 +21,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import grpc
 
-from broker.arena.base import ArenaGeometry
-from broker.errors import BrokerError, Code
-from broker.v1 import broker_pb2 as pb
-from broker.v1 import broker_pb2_grpc
-from clients.fd_channel import FdChannelError, fetch_slab_fds
+from memory_broker.broker.arena.base import ArenaGeometry
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.broker.v1 import broker_pb2_grpc
+from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 
 SESSION_METADATA = "x-broker-session"
 
@@ -229,7 +229,7 @@ class BrokerClient:
     # ------------------------------------------------------------- mapping
 
     def _make_view(self):
-        from broker.arena import open_view
+        from memory_broker.broker.arena import open_view
 
         try:
             return open_view(self.arena.backend, self.geometry, self.arena.device)
@@ -416,7 +416,7 @@ class BrokerClient:
         ``lease.deferred``. Layouts are fetched only for adapters this client has not seen.
         With ``prepare``, the pins hold under a lease until ``lease.commit()``.
         """
-        from clients.adapters import AdapterLease
+        from memory_broker.clients.adapters import AdapterLease
 
         with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
         req = pb.AcquireAdaptersRequest(

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from clients.adapters import AdapterTables, LeasedAdapter
-from kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
+from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
+from memory_broker.kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
 
 if TYPE_CHECKING:
-    from clients.adapters import AdapterLease
-    from clients.client import BrokerClient
+    from memory_broker.clients.adapters import AdapterLease
+    from memory_broker.clients.client import BrokerClient
 
 # The linear layers of a Llama-style decoder layer that PEFT adapters target.
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -315,7 +315,7 @@ class LoRALinear(nn.Module):
                 f"layer {self.layer} {'+'.join(self.module_names)} got {tokens.shape[0]} tokens "
                 f"(input shape {tuple(x.shape)}) but the step's batch has {batch.num_tokens}"
             )
-        from kernels import lora_apply  # Triton loads on first use, after TRITON_INTERPRET is set
+        from memory_broker.kernels import lora_apply  # Triton loads on first use, after TRITON_INTERPRET is set
 
         xk = tokens.to(batch.arena.dtype)
         flat = out.view(-1, self.out_features)

@@ -81,7 +81,7 @@ def start_broker(*extra: str, socket: str | None = None, wait: bool = True) -> B
     socket = socket or os.path.join(d, "b.sock")
     log_path = os.path.join(d, "broker.log")
     args = [
-        sys.executable, "-m", "broker.cli", "serve", "--socket", socket, "--arena", "host",
+        sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host",
         "--state-dir", os.path.join(d, "state"), *SMALL, *extra,
     ]  # fmt: skip
     with open(log_path, "w") as logf:
@@ -119,8 +119,7 @@ def broker_factory():
 
 CHILD_PRELUDE = """
 import json, os, sys, time
-sys.path.insert(0, {root!r})
-from clients import BrokerClient, Spec, BrokerError
+from memory_broker.clients import BrokerClient, Spec, BrokerError
 SOCKET = {socket!r}
 def out(**kw):
     print(json.dumps(kw), flush=True)

@@ -30,7 +30,7 @@ from adapter_fixtures import (  # noqa: F401  (peft_dirs is a fixture)
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
-from broker.adapters import (
+from memory_broker.broker.adapters import (
     AdapterConfig,
     AdapterLayout,
     AdapterRegistry,
@@ -40,12 +40,12 @@ from broker.adapters import (
     plan_layout,
     row_offsets,
 )
-from broker.adapters.policy import GDSFPolicy, LFUPolicy, LRUPolicy
-from broker.adapters.tiers import bf16_bits_to_f32, f32_to_bf16_bits, read_matrix
-from broker.arena.host import host_buffer
-from broker.errors import BrokerError, Code
-from broker.eviction import ContentType
-from broker.objects import Spec
+from memory_broker.broker.adapters.policy import GDSFPolicy, LFUPolicy, LRUPolicy
+from memory_broker.broker.adapters.tiers import bf16_bits_to_f32, f32_to_bf16_bits, read_matrix
+from memory_broker.broker.arena.host import host_buffer
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.broker.eviction import ContentType
+from memory_broker.broker.objects import Spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMP = ContentType.TEMP_BUFFER
@@ -497,12 +497,11 @@ def test_offset_table_refuses_to_fuse_slices_of_different_ranks(peft_dirs, state
 CHILD = """
 import json, sys
 import numpy as np
-sys.path.insert(0, {root!r})
 from safetensors.numpy import load_file
-from broker.adapters.layout import AdapterLayout
-from broker.adapters.tiers import read_matrix
-from broker.arena.base import ArenaGeometry
-from broker.arena.host import HostArenaView
+from memory_broker.broker.adapters.layout import AdapterLayout
+from memory_broker.broker.adapters.tiers import read_matrix
+from memory_broker.broker.arena.base import ArenaGeometry
+from memory_broker.broker.arena.host import HostArenaView
 job = json.loads(sys.stdin.read())
 view = HostArenaView(ArenaGeometry(*job["geometry"]))
 for i, fd in enumerate(job["fds"]):
@@ -1093,7 +1092,7 @@ def test_skewed_traffic_keeps_lru_hit_rate_above_75_percent(peft_dirs, state_dir
 
 
 def test_two_copy_threads_build_the_same_image(peft_dirs, state_dir):
-    from broker.adapters.tiers import build_warm_image
+    from memory_broker.broker.adapters.tiers import build_warm_image
 
     reg = AdapterRegistry(state_dir)
     for name in ("r8", "pattern"):
@@ -1135,7 +1134,7 @@ def test_a_cancelled_acquire_leaves_no_pins_behind(peft_dirs, state_dir):
 @pytest.mark.parametrize("int8", [False, True])
 def test_the_tensor_page_writer_writes_the_same_pages(peft_dirs, state_dir, int8):
     """The writer used for device arenas (through ArenaView.tensor), run on the host arena."""
-    from broker.adapters.tiers import TensorPageWriter
+    from memory_broker.broker.adapters.tiers import TensorPageWriter
 
     async def main():
         ref = AdapterHarness(state_dir + "-ref", config=AdapterConfig(dtype="bfloat16", warm_int8=int8))
@@ -1192,8 +1191,8 @@ def _image_path(h: AdapterHarness, adapter_id: str) -> str:
 
 def _no_file_reads(monkeypatch) -> None:
     """Any read of a safetensors file (a rebuild instead of the image) fails the test."""
-    import broker.adapters.manager as manager_mod
-    import broker.adapters.tiers as tiers_mod
+    import memory_broker.broker.adapters.manager as manager_mod
+    import memory_broker.broker.adapters.tiers as tiers_mod
 
     def boom(*a, **k):
         raise AssertionError("the safetensors file was read: the image cache was not used")
@@ -1372,7 +1371,7 @@ def test_image_cache_off_writes_nothing(peft_dirs, state_dir):
 
 
 def test_image_cache_writer_and_reader_round_trip(peft_dirs, state_dir, tmp_path):
-    from broker.adapters.tiers import ImageCache, build_warm_image
+    from memory_broker.broker.adapters.tiers import ImageCache, build_warm_image
 
     reg = AdapterRegistry(state_dir)
     meta = reg.register("a:b/c@d", peft_dirs["pattern"])
@@ -1439,7 +1438,7 @@ def test_convert_ahead_off_converts_only_on_first_load(peft_dirs, state_dir):
 def test_an_acquire_during_the_conversion_waits_for_it_and_reads_the_image(peft_dirs, state_dir, monkeypatch):
     import threading
 
-    import broker.adapters.manager as manager_mod
+    import memory_broker.broker.adapters.manager as manager_mod
 
     builds = []
     release = threading.Event()
@@ -1561,7 +1560,7 @@ def test_start_prunes_orphan_images_and_converts_the_registered_ones_without_one
 
 
 def test_image_cache_budget_accounting(peft_dirs, state_dir, tmp_path):
-    from broker.adapters.tiers import ImageCache, build_warm_image
+    from memory_broker.broker.adapters.tiers import ImageCache, build_warm_image
 
     reg = AdapterRegistry(state_dir)
     metas = [reg.register(n, peft_dirs[n]) for n in ("r4", "r8", "r16")]

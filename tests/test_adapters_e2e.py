@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 import torch
 
-from broker.errors import BrokerError, Code
-from clients import AdapterTables, BrokerClient
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.clients import AdapterTables, BrokerClient
 from tests.adapter_fixtures import edit_config, copy_adapter, peft_dirs  # noqa: F401 - fixture
 from tests.conftest import ROOT, run_child, start_broker
 
@@ -176,7 +176,7 @@ def test_adapters_command_lists_registers_and_shows(peft_dirs):  # noqa: F811
     try:
         def cli(*args):
             return subprocess.run(
-                [sys.executable, "-m", "broker.cli", "adapters", "--socket", b.socket, *args],
+                [sys.executable, "-m", "memory_broker.broker.cli", "adapters", "--socket", b.socket, *args],
                 cwd=ROOT, capture_output=True, text=True, timeout=60,
             )  # fmt: skip
 

@@ -17,10 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import broker.arena as arena_pkg
-from broker.arena import ArenaGeometry, make_arena, open_view
-from broker.arena import cuda as cu
-from broker.arena.cuda import (
+import memory_broker.broker.arena as arena_pkg
+from memory_broker.broker.arena import ArenaGeometry, make_arena, open_view
+from memory_broker.broker.arena import cuda as cu
+from memory_broker.broker.arena.cuda import (
     CudaArena,
     CudaArenaView,
     CudaError,
@@ -31,7 +31,7 @@ from broker.arena.cuda import (
     format_uuid,
     parse_device_spec,
 )
-from broker.arena.host import HostArena
+from memory_broker.broker.arena.host import HostArena
 
 MiB = 1 << 20
 GRAN = 2 * MiB
@@ -919,8 +919,8 @@ def test_cuda_array_interface_describes_bytes():
 
 
 def test_client_make_view_turns_cuda_errors_into_failed_precondition(monkeypatch):
-    from broker.errors import BrokerError, Code
-    from clients.client import BrokerClient
+    from memory_broker.broker.errors import BrokerError, Code
+    from memory_broker.clients.client import BrokerClient
 
     drv = FakeDriver(init_raises=OSError("no libcuda"))
     monkeypatch.setattr(cu, "_load_driver", lambda: drv)

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker.arena import host
-from broker.arena.base import ArenaGeometry
-from broker.arena.host import HostArena, HostArenaView, host_buffer
+from memory_broker.broker.arena import host
+from memory_broker.broker.arena.base import ArenaGeometry
+from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -436,9 +436,8 @@ def test_importing_the_host_backend_does_not_import_torch() -> None:
 CHILD = textwrap.dedent(
     """
     import ctypes, os, socket, sys
-    sys.path.insert(0, {root!r})
-    from broker.arena.base import ArenaGeometry
-    from broker.arena.host import HostArenaView
+    from memory_broker.broker.arena.base import ArenaGeometry
+    from memory_broker.broker.arena.host import HostArenaView
 
     sock = socket.socket(fileno=int(sys.argv[1]))
     _, fds, _, _ = socket.recv_fds(sock, 16, 8)

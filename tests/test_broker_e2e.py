@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from broker.errors import BrokerError, Code
-from clients import BrokerClient, Spec
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.clients import BrokerClient, Spec
 from tests.conftest import ROOT, read_line, run_child, spawn_child, start_broker
 
 
@@ -35,7 +35,7 @@ class ByteCounter(grpc.UnaryUnaryClientInterceptor):
 def test_two_processes_share_a_keyed_object_without_copying(broker):
     counter = ByteCounter()
     with BrokerClient.connect(broker.socket, client_name="writer") as c:
-        c._stub = __import__("broker.v1.broker_pb2_grpc", fromlist=["x"]).MemoryBrokerStub(
+        c._stub = __import__("memory_broker.broker.v1.broker_pb2_grpc", fromlist=["x"]).MemoryBrokerStub(
             grpc.intercept_channel(c._channel, counter)
         )
         obj = c.allocate([Spec(4, contiguous=True, content_type="kv_cache", key=b"chunk-0")])[0]
@@ -252,7 +252,7 @@ def test_sessions_cannot_free_or_unpin_what_they_do_not_own(broker):
 
 
 def test_fd_channel_refuses_a_wrong_token(broker):
-    from clients.fd_channel import FdChannelError, fetch_slab_fds
+    from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 
     with BrokerClient.connect(broker.socket) as c:
         with pytest.raises(FdChannelError) as e:
@@ -281,7 +281,7 @@ def test_arena_grows_on_demand_and_clients_map_new_slabs(broker):
 
 def test_a_second_broker_cannot_take_a_live_socket(broker):
     r = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "serve", "--socket", broker.socket, "--arena", "host"],
+        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", broker.socket, "--arena", "host"],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 1
@@ -320,11 +320,11 @@ def test_status_command_prints_the_pool_for_a_person_and_as_json(broker):
     with BrokerClient.connect(broker.socket) as c:
         c.allocate([Spec(3, content_type="kv_cache", pin=True)])
         human = subprocess.run(
-            [sys.executable, "-m", "broker.cli", "status", "--socket", broker.socket],
+            [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket],
             cwd=ROOT, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         js = subprocess.run(
-            [sys.executable, "-m", "broker.cli", "status", "--socket", broker.socket, "--json"],
+            [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket, "--json"],
             cwd=ROOT, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
     assert human.returncode == 0, human.stderr
@@ -336,7 +336,7 @@ def test_status_command_prints_the_pool_for_a_person_and_as_json(broker):
 
 def test_status_without_a_broker_says_so():
     r = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "status", "--socket", "/tmp/no-such-broker.sock", "--timeout", "1"],
+        [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", "/tmp/no-such-broker.sock", "--timeout", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 1 and "no broker answered" in r.stderr
@@ -344,7 +344,7 @@ def test_status_without_a_broker_says_so():
 
 def test_bad_serve_flags_are_refused_naming_the_setting():
     r = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "serve", "--socket", "/tmp/x.sock", "--page-size", "3MiB"],
+        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", "/tmp/x.sock", "--page-size", "3MiB"],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 2 and "page_size" in r.stderr

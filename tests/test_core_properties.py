@@ -12,9 +12,9 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from broker.errors import BrokerError, Code
-from broker.eviction import ContentType, PlainLRU, PriorityLRU
-from broker.objects import (
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.broker.eviction import ContentType, PlainLRU, PriorityLRU
+from memory_broker.broker.objects import (
     ObjectsEvicted,
     ObjectState,
     ObjectStore,
@@ -23,7 +23,7 @@ from broker.objects import (
     TransactionsExpired,
     TxnState,
 )
-from broker.pool import FREE, PagePool, WindowSpace
+from memory_broker.broker.pool import FREE, PagePool, WindowSpace
 
 MAX_PAGES = 24
 PAGES_PER_SLAB = 4

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from broker.sessions.fd_channel import FdChannelServer, FdRequestRefused, PeerCred
-from clients.fd_channel import FdChannelError, fetch_slab_fds
+from memory_broker.broker.sessions.fd_channel import FdChannelServer, FdRequestRefused, PeerCred
+from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "good-token"
@@ -242,7 +242,7 @@ def test_received_fds_are_close_on_exec(serve):
 def test_authorize_receives_the_pid_and_uid_of_a_client_subprocess(serve):
     srv = serve(1)
     code = (
-        f"import sys, os; sys.path.insert(0, {ROOT!r})\n"
+        f"import sys, os\n"
         "from clients.fd_channel import fetch_slab_fds\n"
         f"fetch_slab_fds({srv.path!r}, {TOKEN!r}, 0)\n"
         "sys.stdin.read()\n"

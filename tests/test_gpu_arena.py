@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from broker.arena import ArenaGeometry
-from broker.arena.cuda import cuda_available
-from broker.errors import BrokerError, Code
-from clients import BrokerClient, Spec
+from memory_broker.broker.arena import ArenaGeometry
+from memory_broker.broker.arena.cuda import cuda_available
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.clients import BrokerClient, Spec
 from tests.conftest import read_line, run_child, spawn_child, start_broker
 
 try:
@@ -52,7 +52,7 @@ def _serving_line(b) -> dict:
 
 
 def test_arena_and_a_second_view_share_device_memory():
-    from broker.arena.cuda import CudaArena, CudaArenaView
+    from memory_broker.broker.arena.cuda import CudaArena, CudaArenaView
 
     g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=4, window_pages=64)
     a = CudaArena(g, "0")

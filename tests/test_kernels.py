@@ -24,9 +24,9 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels import lora_ops, reference  # noqa: E402
-from kernels.batch_plan import build_segment_tiles, choose_path, plan_batch  # noqa: E402
-from kernels.testing import LoraWeights, PackedArena, pack_adapters, random_adapter  # noqa: E402
+from memory_broker.kernels import lora_ops, reference  # noqa: E402
+from memory_broker.kernels.batch_plan import build_segment_tiles, choose_path, plan_batch  # noqa: E402
+from memory_broker.kernels.testing import LoraWeights, PackedArena, pack_adapters, random_adapter  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 BF16_SKIP = pytest.mark.skipif(not CUDA, reason="bf16 needs a GPU: the Triton interpreter's bf16 dot is wrong")

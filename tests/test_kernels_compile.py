@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not _has_nvidia_backend(), reason="needs Triton 
 
 _PROGRAM = """
 import json
-from kernels.compile_check import compile_all
+from memory_broker.kernels.compile_check import compile_all
 print(json.dumps([
     {"kernel": v.kernel, "dtype": v.dtype, "row_align": v.constexprs.get("ROW_ALIGN"),
      "forms": sorted(v.global_access_forms())}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from broker.sessions.liveness import PidWatcher
+from memory_broker.broker.sessions.liveness import PidWatcher
 
 
 def open_pidfds() -> int:

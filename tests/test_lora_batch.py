@@ -24,10 +24,10 @@ from dataclasses import dataclass, field  # noqa: E402
 import pytest  # noqa: E402
 from torch import nn  # noqa: E402
 
-from broker.adapters.layout import LoraModuleSpec, plan_layout, row_offsets  # noqa: E402
-from clients.adapters import AdapterTables, LeasedAdapter  # noqa: E402
-from clients.lora import LoraBatch, LoraContext, LoRALinear, Segment, admitted_sequences, wrap_model  # noqa: E402
-from kernels import reference  # noqa: E402
+from memory_broker.broker.adapters.layout import LoraModuleSpec, plan_layout, row_offsets  # noqa: E402
+from memory_broker.clients.adapters import AdapterTables, LeasedAdapter  # noqa: E402
+from memory_broker.clients.lora import LoraBatch, LoraContext, LoRALinear, Segment, admitted_sequences, wrap_model  # noqa: E402
+from memory_broker.kernels import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 IN, Q, KV = 32, 48, 16

@@ -24,8 +24,8 @@ if not CUDA:
 
 import pytest  # noqa: E402
 
-from broker.arena.cuda import cuda_available  # noqa: E402
-from clients import BrokerClient, wrap_model  # noqa: E402
+from memory_broker.broker.arena.cuda import cuda_available  # noqa: E402
+from memory_broker.clients import BrokerClient, wrap_model  # noqa: E402
 from tests.adapter_fixtures import ADAPTERS, LLAMA  # noqa: E402
 from tests.conftest import start_broker  # noqa: E402
 

@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from broker.errors import BrokerError, Code
-from broker.eviction import ContentType, PlainLRU
-from broker.objects import (
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.broker.eviction import ContentType, PlainLRU
+from memory_broker.broker.objects import (
     ObjectsEvicted,
     ObjectState,
     ObjectStore,
@@ -20,7 +20,7 @@ from broker.objects import (
     TransactionsExpired,
     TxnState,
 )
-from broker.pool import PagePool, WindowSpace
+from memory_broker.broker.pool import PagePool, WindowSpace
 
 CT = ContentType
 TEMP, ACT, GRAD, LORA, KV = CT.TEMP_BUFFER, CT.ACTIVATION, CT.GRADIENT, CT.LORA_WEIGHT, CT.KV_CACHE

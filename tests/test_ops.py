@@ -17,9 +17,9 @@ import urllib.request
 import pytest
 import yaml
 
-from broker.errors import BrokerError, Code
-from broker.server.config import SCHEMA, ConfigError, build_options, load_config
-from clients import BrokerClient, Spec
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.broker.server.config import SCHEMA, ConfigError, build_options, load_config
+from memory_broker.clients import BrokerClient, Spec
 from tests.conftest import ROOT, short_tmpdir, start_broker, wait_serving
 
 UNIT = os.path.join(ROOT, "ops", "systemd", "memory-broker@.service")
@@ -70,7 +70,7 @@ def test_daemon_speaks_the_notify_protocol_ready_status_watchdog_stopping():
     env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="600000")
     sock_path = os.path.join(d, "b.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "serve", "--socket", sock_path, "--arena", "host",
+        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", sock_path, "--arena", "host",
          "--pool-size", "32MiB", "--slab-size", "2MiB", "--page-size", "512KiB", "--state-dir", os.path.join(d, "s")],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -144,7 +144,7 @@ def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, word
 
 
 def test_adapter_image_settings_come_from_the_file_and_the_flags(tmp_path):
-    from broker.cli import build_parser, flag_overrides
+    from memory_broker.broker.cli import build_parser, flag_overrides
 
     p = tmp_path / "broker.yaml"
     p.write_text("adapters:\n  image_budget: 2GiB\n  convert_ahead: false\n")
@@ -163,7 +163,7 @@ def test_daemon_refuses_a_bad_config_file_at_start_naming_the_key(tmp_path):
     p = tmp_path / "broker.yaml"
     p.write_text("memory_pool:\n  eviction:\n    low_watermark: 0.95\n")
     r = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "serve", "--config", str(p), "--socket", str(tmp_path / "x.sock")],
+        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--config", str(p), "--socket", str(tmp_path / "x.sock")],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 2
@@ -339,8 +339,8 @@ def test_socket_mode_and_group_are_applied(broker_factory):
 def test_tcp_listener_on_loopback_serves_the_same_broker(broker_factory):
     import grpc
 
-    from broker.v1 import broker_pb2 as pb
-    from broker.v1 import broker_pb2_grpc
+    from memory_broker.broker.v1 import broker_pb2 as pb
+    from memory_broker.broker.v1 import broker_pb2_grpc
 
     port = free_port()
     b = broker_factory("--tcp-port", str(port))

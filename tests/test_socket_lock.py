@@ -11,14 +11,13 @@ import tempfile
 
 import pytest
 
-from broker.server.lock import SocketLock, SocketPathLocked
+from memory_broker.broker.server.lock import SocketLock, SocketPathLocked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HOLDER = """
 import sys, time
-sys.path.insert(0, {root!r})
-from broker.server.lock import SocketLock
+from memory_broker.broker.server.lock import SocketLock
 SocketLock({sock!r}).acquire()
 print("locked", flush=True)
 time.sleep(60)
@@ -26,8 +25,7 @@ time.sleep(60)
 
 CONTENDER = """
 import sys
-sys.path.insert(0, {root!r})
-from broker.server.lock import SocketLock, SocketPathLocked
+from memory_broker.broker.server.lock import SocketLock, SocketPathLocked
 try:
     SocketLock({sock!r}).acquire()
 except SocketPathLocked as e:

@@ -7,7 +7,7 @@ element-offset tables; ``tiers`` does the blocking copies (file -> host image ->
 on top of the object store. Nothing here imports gRPC.
 """
 
-from broker.adapters.layout import (
+from memory_broker.broker.adapters.layout import (
     AdapterLayout,
     LoraModuleSpec,
     MatrixPlacement,
@@ -19,7 +19,7 @@ from broker.adapters.layout import (
     plan_layout,
     row_offsets,
 )
-from broker.adapters.manager import (
+from memory_broker.broker.adapters.manager import (
     AcquiredAdapter,
     AcquireResult,
     AdapterConfig,
@@ -28,7 +28,7 @@ from broker.adapters.manager import (
     PrefetchResult,
     Tier,
 )
-from broker.adapters.registry import AdapterInfo, AdapterMeta, AdapterPage, AdapterRegistry, inspect_peft_dir
+from memory_broker.broker.adapters.registry import AdapterInfo, AdapterMeta, AdapterPage, AdapterRegistry, inspect_peft_dir
 
 __all__ = [
     "AcquireResult",

@@ -25,14 +25,14 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 
-from broker.adapters.layout import DEFAULT_ROW_ALIGN, DTYPE_SIZES, AdapterLayout, plan_layout
-from broker.adapters.policy import make_tier_policy
-from broker.adapters.registry import AdapterMeta, AdapterRegistry, check_adapter_id
-from broker.adapters.tiers import HostPageWriter, ImageCache, TensorPageWriter, WarmImage, build_warm_image
-from broker.arena.base import Arena
-from broker.errors import BrokerError, Code, denied, exhausted, invalid, not_found, precondition, unavailable
-from broker.eviction import ContentType
-from broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TxnState
+from memory_broker.broker.adapters.layout import DEFAULT_ROW_ALIGN, DTYPE_SIZES, AdapterLayout, plan_layout
+from memory_broker.broker.adapters.policy import make_tier_policy
+from memory_broker.broker.adapters.registry import AdapterMeta, AdapterRegistry, check_adapter_id
+from memory_broker.broker.adapters.tiers import HostPageWriter, ImageCache, TensorPageWriter, WarmImage, build_warm_image
+from memory_broker.broker.arena.base import Arena
+from memory_broker.broker.errors import BrokerError, Code, denied, exhausted, invalid, not_found, precondition, unavailable
+from memory_broker.broker.eviction import ContentType
+from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TxnState
 
 
 class Tier(str, Enum):

@@ -22,8 +22,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from broker.adapters.layout import LoraModuleSpec
-from broker.errors import BrokerError, Code, invalid, not_found
+from memory_broker.broker.adapters.layout import LoraModuleSpec
+from memory_broker.broker.errors import BrokerError, Code, invalid, not_found
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from broker.adapters.layout import AdapterLayout, MatrixPlacement
-from broker.adapters.registry import FILE_DTYPES, AdapterMeta
-from broker.arena.base import ArenaView
-from broker.errors import precondition
+from memory_broker.broker.adapters.layout import AdapterLayout, MatrixPlacement
+from memory_broker.broker.adapters.registry import FILE_DTYPES, AdapterMeta
+from memory_broker.broker.arena.base import ArenaView
+from memory_broker.broker.errors import precondition
 
 # numpy arrays that hold each element type's bits (bf16 has no numpy type: kept as uint16).
 _RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}

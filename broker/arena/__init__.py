@@ -8,7 +8,7 @@ memory otherwise; either way it says why.
 
 from __future__ import annotations
 
-from broker.arena.base import Arena, ArenaGeometry, ArenaView
+from memory_broker.broker.arena.base import Arena, ArenaGeometry, ArenaView
 
 BACKENDS = ("auto", "host", "cuda")
 DEFAULT_DEVICE = "0"
@@ -16,7 +16,7 @@ DEFAULT_DEVICE = "0"
 
 def _probe(device: str) -> tuple[bool, str]:
     """``broker.arena.cuda.cuda_available``: at most ``cuInit``, nothing allocated."""
-    from broker.arena.cuda import cuda_available
+    from memory_broker.broker.arena.cuda import cuda_available
 
     return cuda_available(device)
 
@@ -48,7 +48,7 @@ def make_arena(
     if backend in ("auto", "cuda"):
         ok, why = _probe(device)
         if ok:
-            from broker.arena.cuda import CudaArena
+            from memory_broker.broker.arena.cuda import CudaArena
 
             try:
                 # A geometry the device cannot map raises ValueError here, for auto too: it
@@ -62,10 +62,10 @@ def make_arena(
                 return arena, ("asked for cuda: " if backend == "cuda" else "auto: ") + why
         if backend == "cuda":
             raise ValueError(f"--arena cuda is not available: {why}; use --arena host")
-        from broker.arena.host import HostArena
+        from memory_broker.broker.arena.host import HostArena
 
         return HostArena(geometry, name=name), f"auto: {why}, using host memory"
-    from broker.arena.host import HostArena
+    from memory_broker.broker.arena.host import HostArena
 
     return HostArena(geometry, name=name), "asked for host"
 
@@ -78,11 +78,11 @@ def open_view(backend: str, geometry: ArenaGeometry, device: str = "") -> ArenaV
     this process cannot map it.
     """
     if backend == "host":
-        from broker.arena.host import HostArenaView
+        from memory_broker.broker.arena.host import HostArenaView
 
         return HostArenaView(geometry)
     if backend == "cuda":
-        from broker.arena.cuda import CudaArenaView
+        from memory_broker.broker.arena.cuda import CudaArenaView
 
         return CudaArenaView(geometry, device or DEFAULT_DEVICE)
     raise ValueError(f"this client has no view for a {backend!r} arena")

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.arena.base import Arena, ArenaGeometry, ArenaView
+from memory_broker.broker.arena.base import Arena, ArenaGeometry, ArenaView
 
 # Result codes this module treats specially (values are the driver's ABI).
 CUDA_SUCCESS = 0

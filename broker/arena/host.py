@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from broker.arena.base import Arena, ArenaGeometry, ArenaView
+from memory_broker.broker.arena.base import Arena, ArenaGeometry, ArenaView
 
 PROT_NONE = 0x0
 PROT_READ = 0x1

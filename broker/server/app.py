@@ -20,23 +20,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry
-from broker.arena import ArenaGeometry, make_arena
-from broker.errors import BrokerError
-from broker.eviction import make_policy
-from broker.objects import ObjectStore, StoreConfig
-from broker.pool import PagePool, WindowSpace
-from broker.server.config import ConfigError, build_options, reload_changes
-from broker.server.lock import SocketLock
-from broker.server.metrics import BrokerMetrics
-from broker.server.notify import Notifier
-from broker.server.options import ServeOptions, format_size
-from broker.service import ArenaGrown, EchoService, MemoryBrokerService, ShuttingDown
-from broker.sessions.fd_channel import FdChannelServer
-from broker.sessions.liveness import PidWatcher
-from broker.sessions.manager import SessionManager
-from broker.v1 import broker_pb2 as pb
-from broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+from memory_broker.broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry
+from memory_broker.broker.arena import ArenaGeometry, make_arena
+from memory_broker.broker.errors import BrokerError
+from memory_broker.broker.eviction import make_policy
+from memory_broker.broker.objects import ObjectStore, StoreConfig
+from memory_broker.broker.pool import PagePool, WindowSpace
+from memory_broker.broker.server.config import ConfigError, build_options, reload_changes
+from memory_broker.broker.server.lock import SocketLock
+from memory_broker.broker.server.metrics import BrokerMetrics
+from memory_broker.broker.server.notify import Notifier
+from memory_broker.broker.server.options import ServeOptions, format_size
+from memory_broker.broker.service import ArenaGrown, EchoService, MemoryBrokerService, ShuttingDown
+from memory_broker.broker.sessions.fd_channel import FdChannelServer
+from memory_broker.broker.sessions.liveness import PidWatcher
+from memory_broker.broker.sessions.manager import SessionManager
+from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryBroker"].full_name
 # How often open transactions are checked for expired leases.
@@ -224,7 +224,7 @@ class BrokerServer:
         st = self.store.stats()
         if self.metrics is not None:
             st["pin_contention"] = self.store.counters.pin_contention
-            from broker.eviction import ContentType
+            from memory_broker.broker.eviction import ContentType
 
             st["by_content_named"] = {ContentType(ct).name.lower(): v for ct, v in st["by_content"].items()}
             self.metrics.snapshot = st
@@ -274,7 +274,7 @@ class BrokerServer:
         if "allowed_uids" in apply:
             self.fd_server.allowed_uids = new.effective_uids()
         if "log_level" in apply:
-            from broker.server.logs import configure
+            from memory_broker.broker.server.logs import configure
 
             self.log = configure(new.log_level)
             self.service.log = self.log

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import yaml
 
-from broker.server.options import ServeOptions, parse_size
+from memory_broker.broker.server.options import ServeOptions, parse_size
 
 
 class ConfigError(ValueError):

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from broker.errors import denied
-from broker.objects import ObjectStore
-from broker.sessions.fd_channel import FdRequestRefused, PeerCred
-from broker.sessions.liveness import PidWatcher
+from memory_broker.broker.errors import denied
+from memory_broker.broker.objects import ObjectStore
+from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred
+from memory_broker.broker.sessions.liveness import PidWatcher
 
 # Placed on a session's queue to end its stream.
 CLOSED = object()

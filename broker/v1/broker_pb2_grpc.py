@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from broker.v1 import broker_pb2 as broker_dot_v1_dot_broker__pb2
+from memory_broker.broker.v1 import broker_pb2 as memory__broker_dot_broker_dot_v1_dot_broker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in broker/v1/broker_pb2_grpc.py depends on'
+        + ' but the generated code in memory_broker/broker/v1/broker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,93 +36,93 @@ class MemoryBrokerStub:
         """
         self.Attach = channel.stream_stream(
                 '/broker.v1.MemoryBroker/Attach',
-                request_serializer=broker_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.SessionEvent.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.SessionEvent.FromString,
                 _registered_method=True)
         self.GetArena = channel.unary_unary(
                 '/broker.v1.MemoryBroker/GetArena',
-                request_serializer=broker_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
                 _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Allocate',
-                request_serializer=broker_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
                 _registered_method=True)
         self.Prepare = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Prepare',
-                request_serializer=broker_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Commit',
-                request_serializer=broker_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.CommitResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.CommitResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Abort',
-                request_serializer=broker_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.AbortResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Free = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Free',
-                request_serializer=broker_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.FreeResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.FreeResponse.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Pin',
-                request_serializer=broker_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.PinResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PinResponse.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Unpin',
-                request_serializer=broker_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Lookup',
-                request_serializer=broker_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.LookupResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/broker.v1.MemoryBroker/GetStats',
-                request_serializer=broker_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.Stats.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.Stats.FromString,
                 _registered_method=True)
         self.RegisterAdapter = channel.unary_unary(
                 '/broker.v1.MemoryBroker/RegisterAdapter',
-                request_serializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
                 _registered_method=True)
         self.UnregisterAdapter = channel.unary_unary(
                 '/broker.v1.MemoryBroker/UnregisterAdapter',
-                request_serializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
                 _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/ListAdapters',
-                request_serializer=broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
         self.GetAdapterLayout = channel.unary_unary(
                 '/broker.v1.MemoryBroker/GetAdapterLayout',
-                request_serializer=broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
                 _registered_method=True)
         self.AcquireAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/AcquireAdapters',
-                request_serializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
                 _registered_method=True)
         self.ReleaseAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/ReleaseAdapters',
-                request_serializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
                 _registered_method=True)
         self.PrefetchAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/PrefetchAdapters',
-                request_serializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
-                response_deserializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
                 _registered_method=True)
 
 
@@ -250,93 +250,93 @@ def add_MemoryBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Attach': grpc.stream_stream_rpc_method_handler(
                     servicer.Attach,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.AttachRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.SessionEvent.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AttachRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.SessionEvent.SerializeToString,
             ),
             'GetArena': grpc.unary_unary_rpc_method_handler(
                     servicer.GetArena,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.GetArenaRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.ArenaInfo.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetArenaRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ArenaInfo.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.AllocateRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.AllocateResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AllocateRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AllocateResponse.SerializeToString,
             ),
             'Prepare': grpc.unary_unary_rpc_method_handler(
                     servicer.Prepare,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.PrepareRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.PrepareResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrepareRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrepareResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.CommitRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.CommitResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.CommitRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.CommitResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.AbortRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AbortRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AbortResponse.SerializeToString,
             ),
             'Free': grpc.unary_unary_rpc_method_handler(
                     servicer.Free,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.FreeRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.FreeResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.FreeRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.FreeResponse.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.PinRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.PinResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PinRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PinResponse.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.UnpinRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.UnpinResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnpinRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnpinResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.LookupRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.LookupRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.LookupResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.GetStatsRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.Stats.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetStatsRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.Stats.SerializeToString,
             ),
             'RegisterAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterAdapter,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.SerializeToString,
             ),
             'UnregisterAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnregisterAdapter,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.SerializeToString,
             ),
             'GetAdapterLayout': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAdapterLayout,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.AdapterLayout.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AdapterLayout.SerializeToString,
             ),
             'AcquireAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.AcquireAdapters,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.SerializeToString,
             ),
             'ReleaseAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseAdapters,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.SerializeToString,
             ),
             'PrefetchAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.PrefetchAdapters,
-                    request_deserializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.FromString,
-                    response_serializer=broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -364,8 +364,8 @@ class MemoryBroker:
             request_iterator,
             target,
             '/broker.v1.MemoryBroker/Attach',
-            broker_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.SessionEvent.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -391,8 +391,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/GetArena',
-            broker_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -418,8 +418,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Allocate',
-            broker_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -445,8 +445,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Prepare',
-            broker_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -472,8 +472,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Commit',
-            broker_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.CommitResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -499,8 +499,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Abort',
-            broker_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.AbortResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -526,8 +526,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Free',
-            broker_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.FreeResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.FreeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -553,8 +553,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Pin',
-            broker_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.PinResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -580,8 +580,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Unpin',
-            broker_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -607,8 +607,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Lookup',
-            broker_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.LookupResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -634,8 +634,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/GetStats',
-            broker_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.Stats.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.Stats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -661,8 +661,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/RegisterAdapter',
-            broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -688,8 +688,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/UnregisterAdapter',
-            broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -715,8 +715,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/ListAdapters',
-            broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -742,8 +742,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/GetAdapterLayout',
-            broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
             options,
             channel_credentials,
             insecure,
@@ -769,8 +769,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/AcquireAdapters',
-            broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -796,8 +796,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/ReleaseAdapters',
-            broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -823,8 +823,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/PrefetchAdapters',
-            broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
-            broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,19 +30,18 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry, plan_layout  # noqa: E402
-from broker.adapters.policy import POLICIES  # noqa: E402
-from broker.adapters.tiers import HostPageWriter, ImageCache, build_warm_image  # noqa: E402
-from broker.arena.base import ArenaGeometry  # noqa: E402
-from broker.arena.host import HostArena  # noqa: E402
-from broker.objects import ObjectStore, StoreConfig  # noqa: E402
-from broker.pool import PagePool, WindowSpace  # noqa: E402
+from memory_broker.broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry, plan_layout  # noqa: E402
+from memory_broker.broker.adapters.policy import POLICIES  # noqa: E402
+from memory_broker.broker.adapters.tiers import HostPageWriter, ImageCache, build_warm_image  # noqa: E402
+from memory_broker.broker.arena.base import ArenaGeometry  # noqa: E402
+from memory_broker.broker.arena.host import HostArena  # noqa: E402
+from memory_broker.broker.objects import ObjectStore, StoreConfig  # noqa: E402
+from memory_broker.broker.pool import PagePool, WindowSpace  # noqa: E402
 
 MiB = 1 << 20
 

@@ -15,11 +15,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from broker.eviction import ContentType  # noqa: E402
-from broker.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
-from broker.pool import PagePool, WindowSpace  # noqa: E402
+from memory_broker.broker.eviction import ContentType  # noqa: E402
+from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
+from memory_broker.broker.pool import PagePool, WindowSpace  # noqa: E402
 
 MAX_PAGES = 65536
 

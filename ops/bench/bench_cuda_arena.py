@@ -27,19 +27,18 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 MiB = 1 << 20
 
 
 def _size(text: str) -> int:
-    from broker.server.options import parse_size
+    from memory_broker.broker.server.options import parse_size
 
     return parse_size(text, "size")
 
 
 def _usable() -> tuple[bool, str]:
-    from broker.arena.cuda import cuda_available
+    from memory_broker.broker.arena.cuda import cuda_available
 
     ok, why = cuda_available("0")
     if not ok:
@@ -54,8 +53,8 @@ def _usable() -> tuple[bool, str]:
 
 
 def bench_mapping(args, torch) -> list[str]:
-    from broker.arena import ArenaGeometry
-    from broker.arena.cuda import CudaArena, CudaArenaView
+    from memory_broker.broker.arena import ArenaGeometry
+    from memory_broker.broker.arena.cuda import CudaArena, CudaArenaView
 
     ps, slab = args.page_size, args.slab_size
     g = ArenaGeometry(page_size=ps, pages_per_slab=slab // ps, max_slabs=args.slabs, window_pages=4 * args.slabs * (slab // ps))
@@ -121,8 +120,8 @@ def _time_copy(torch, dst, src, reps: int, warmup: int = 3) -> float:
 
 
 def bench_copy(args, torch) -> list[str]:
-    from broker.arena import ArenaGeometry
-    from broker.arena.cuda import CudaArena
+    from memory_broker.broker.arena import ArenaGeometry
+    from memory_broker.broker.arena.cuda import CudaArena
 
     n, ps = args.copy_size, args.page_size
     slab = args.slab_size

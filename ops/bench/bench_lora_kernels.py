@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # A name rather than a literal so a CPU dry run of the logic (not of the timings) can swap it.
 DEVICE = "cuda"
@@ -124,9 +123,9 @@ def stacked_tables(adapters, hidden: int, stacked_rank: int, dtype: torch.dtype)
 
 
 def run_case(case: Case, args, copy_bw: float, rows: list[tuple[str, str, float, float, float]]) -> None:
-    from kernels import lora_ops
-    from kernels.batch_plan import plan_batch
-    from kernels.testing import pack_adapters, random_adapter
+    from memory_broker.kernels import lora_ops
+    from memory_broker.kernels.batch_plan import plan_batch
+    from memory_broker.kernels.testing import pack_adapters, random_adapter
 
     dtype = torch.float16
     g = torch.Generator().manual_seed(args.seed)

@@ -23,18 +23,17 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
 import grpc  # noqa: E402
 
-from broker.v1 import broker_pb2 as pb  # noqa: E402
-from broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
-from clients import BrokerClient, Spec  # noqa: E402
+from memory_broker.broker.v1 import broker_pb2 as pb  # noqa: E402
+from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
+from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 
 
 def start_broker(socket: str, state: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "serve", "--socket", socket, "--arena", "host", "--enable-echo",
+        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host", "--enable-echo",
          "--pool-size", "8GiB", "--page-size", "2MiB", "--slab-size", "256MiB", "--state-dir", state,
          "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -66,7 +66,7 @@ try:
     print(f"cuda-python bindings: {cuda.bindings.__version__}")
 except Exception as e:
     print(f"cuda-python: not importable ({e})")
-from broker.arena.cuda import cuda_available
+from memory_broker.broker.arena.cuda import cuda_available
 print(f"cuda arena: {cuda_available('0')[1]}")
 PY
     echo
