@@ -24,8 +24,8 @@ def recipes() -> dict[str, str]:
     return {name: body.strip() for name, body in found}
 
 
-def grpcurl_env(socket: str, token: str = "") -> dict:
-    return dict(os.environ, SOCKET=socket, TOKEN=token, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+def grpcurl_env(socket: str, token: str = "", object_id: str = "") -> dict:
+    return dict(os.environ, SOCKET=socket, TOKEN=token, ID=object_id, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
 
 
 def run(recipe: str, env: dict) -> subprocess.CompletedProcess:
@@ -81,6 +81,8 @@ def test_every_grpcurl_recipe_works_against_a_live_broker():
         assert out.returncode == 0, out.stderr
         obj = first_json(out.stdout)["objects"][0]
         assert obj["object_id"] == "1" and len(obj["pages"]) == 4 and obj["session_pins"] == 1
+        # The later recipes take the id from this output, as the doc tells a person to.
+        env = grpcurl_env(b.socket, token, obj["object_id"])
 
         out = run(r["lookup"], env)
         assert out.returncode == 0 and first_json(out.stdout)["objects"][0]["object_id"] == "1"
