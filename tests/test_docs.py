@@ -11,8 +11,9 @@ The rules (a block's Markdown shows which one applies to it):
 * The default socket ``/tmp/memory-broker.sock`` in a block is replaced by the socket of the
   test's broker (one broker shared by every block, default geometry), and the environment
   carries ``MEMORY_BROKER_SOCKET`` (that socket), ``MEMORY_BROKER_STATE_DIR`` and ``TMPDIR``
-  (the test's own directories) and this environment's ``bin`` first on ``PATH``; ``.venv/bin/``
-  is read as this environment's ``bin``. Nothing else in a block is changed.
+  (the test's own directories) and this environment's ``bin`` first on ``PATH``, but not what the
+  suite sets for itself (``TRITON_INTERPRET``); ``.venv/bin/`` is read as this environment's
+  ``bin``. Nothing else in a block is changed.
 * A line that starts the daemon (``memory-broker serve ...``) runs in the background on a
   socket and state directory of its own; the block's other lines run once it serves, and it
   must then stop cleanly on SIGTERM.
@@ -96,6 +97,7 @@ with BrokerClient.connect("/tmp/memory-broker.sock") as c:
     )
 }
 BLOCK_TIMEOUT = 180.0
+SUITE_ONLY_ENV = {"TRITON_INTERPRET"}
 
 
 @dataclass
@@ -217,7 +219,9 @@ class Session:
     def __init__(self, socket: str, workdir: str):
         self.socket = socket
         self.workdir = workdir
-        self.env = dict(os.environ)
+        # A user's environment: not what other test modules set in this process (test_lora_e2e
+        # sets TRITON_INTERPRET, which would hide whether the example works without it).
+        self.env = {k: v for k, v in os.environ.items() if k not in SUITE_ONLY_ENV and not k.startswith("PYTEST_")}
         self.env.update(
             MEMORY_BROKER_SOCKET=socket,
             MEMORY_BROKER_STATE_DIR=os.path.join(workdir, "state"),
