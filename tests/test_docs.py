@@ -60,9 +60,13 @@ BIN = os.path.dirname(sys.executable)
 SHELL_LANGS = {"sh", "bash", "shell"}
 RUN_LANGS = SHELL_LANGS | {"python"}
 TEXT_LANGS = {"", "text", "console-output", "yaml", "json", "ini"}
-# What a docs example must not do on a developer's machine or in CI: only checked statically.
+# What a docs example must not do on a developer's machine or in CI (only checked statically):
+# root or systemd; installing or downloading packages; make (CI runs it); a GPU or minutes of
+# benchmarks (ops/gpu, ops/bench); vLLM, which lives in its own environment.
 NEEDS_MARKER = re.compile(
-    r"^\s*(sudo|systemctl|journalctl|useradd|groupadd)\b|\bpip3? install\b|^\s*make\b|\s/etc/", re.M
+    r"^\s*(sudo|systemctl|journalctl|useradd|groupadd)\b|\bpip3? (install|download)\b|^\s*make\b|\s/etc/"
+    r"|\bops/(gpu|bench)/|^\s*(from|import)\s+vllm\b|-m vllm\b",
+    re.M,
 )
 # TEMPORARY, to be deleted once the cpulora branch is merged: the Multi-LoRA example as it
 # stood before that branch (sha256 prefix of its text) uses a `model` and `input_ids` it never
@@ -189,8 +193,9 @@ def problems(blocks: list[Block]) -> list[str]:
             hit = NEEDS_MARKER.search(b.body)
             if hit:
                 out.append(
-                    f"{b.where}: the block runs {hit.group(0).strip()!r} (root, systemd, packages or make);"
-                    " mark it <!-- docs-test: static: REASON --> and let the static checks cover it"
+                    f"{b.where}: the block runs {hit.group(0).strip()!r} (root, systemd, packages, make, a GPU,"
+                    " benchmarks or vLLM); mark it <!-- docs-test: static: REASON --> and let the static"
+                    " checks cover it"
                 )
         elif b.marker("static") == "":
             out.append(f"{b.where}: a static marker needs its reason: <!-- docs-test: static: REASON -->")
@@ -378,7 +383,8 @@ def static_problems(b: Block) -> list[str]:
         r = subprocess.run(["bash", "-n"], input=b.body, capture_output=True, text=True)
         if r.returncode != 0:
             return [f"{b.where}: does not parse: {r.stderr.strip()}"]
-    for rel in REPO_PATH.findall(b.body):
+    named = b.body if b.lang == "python" else re.sub(r"(^|\s)#.*$", "", b.body, flags=re.M)  # not comments
+    for rel in REPO_PATH.findall(named):
         path = os.path.join(BIN, rel[len(".venv/bin/") :]) if rel.startswith(".venv/bin/") else os.path.join(ROOT, rel)
         if not os.path.exists(path):
             out.append(f"{b.where}: names {rel}, which does not exist")
@@ -430,13 +436,15 @@ def test_an_unmarked_block_that_needs_root_or_an_unknown_language_is_an_error():
         "<!-- docs-test: static: needs root -->\n```sh\nsudo useradd x\n```\n\n"
         "```ruby\nputs 1\n```\n\n<!-- docs-test: static: -->\n```sh\nls\n```\n\n"
         "<!-- docs-test: sometimes -->\n```python\nprint(1)\n```\n"
+        "```python\nfrom vllm import LLM\n```\n```sh\nops/gpu/run_gpu_checks.sh\n```\n"
     )
     found = problems(parse("x.md", text))
-    assert len(found) == 4, found
+    assert len(found) == 6, found
     assert "x.md:3: the block runs 'sudo'" in found[0]
     assert "x.md:12: ```ruby" in found[1]
     assert "x.md:17: a static marker needs its reason" in found[2]
     assert "unknown docs-test marker 'sometimes'" in found[3]
+    assert "runs 'from vllm'" in found[4] and "runs 'ops/gpu/'" in found[5]
 
 
 def test_markers_and_documented_output_attach_to_their_blocks():
