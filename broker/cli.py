@@ -488,10 +488,10 @@ def _list(a: argparse.Namespace, b: _Broker) -> int:
           f"({format_size(st.warm_bytes)}), {st.cold} cold; hit rate {st.hit_rate:.1%}")  # fmt: skip
     print(f"{_backlog(st.convert_queued)}; {st.image_count} page images on disk ({format_size(st.image_bytes)})")
     if rows:
-        print(f"{'adapter':<32}{'tier':<6}{'image':<12}{'rank':>5}{'pins':>6}{'gen':>6}  modules")
+        print(f"{'adapter':<32}{'tier':<6}{'rank':>5}{'pins':>6}{'gen':>6}  {'image':<12}modules")
     for r in rows:
-        print(f"{r.adapter_id:<32}{_TIER[r.tier]:<6}{_image_state(pb, r.image_state):<12}{r.rank:>5}"
-              f"{r.pin_count:>6}{r.generation:>6}  {','.join(r.target_modules)}")  # fmt: skip
+        print(f"{r.adapter_id:<32}{_TIER[r.tier]:<6}{r.rank:>5}{r.pin_count:>6}{r.generation:>6}  "
+              f"{_image_state(pb, r.image_state):<12}{','.join(r.target_modules)}")  # fmt: skip
     return 0
 
 

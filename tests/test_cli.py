@@ -226,8 +226,8 @@ def test_adapters_without_an_action_lists_them_with_tier_image_state_and_backlog
     lines = out.splitlines()
     assert lines[0].startswith("1 registered: 0 hot")
     assert lines[1].startswith("conversion backlog: none; 1 page images on disk")
-    assert lines[2].split() == ["adapter", "tier", "image", "rank", "pins", "gen", "modules"]
-    assert lines[3].split() == ["a1", "cold", "ready", "4", "0", "0", "q_proj,v_proj"]
+    assert lines[2].split() == ["adapter", "tier", "rank", "pins", "gen", "image", "modules"]
+    assert lines[3].split() == ["a1", "cold", "4", "0", "0", "ready", "q_proj,v_proj"]
     # The same listing with the options after the action, and as JSON.
     rc, out2, _ = cli(capsys, "adapters", "list", "--socket", sock)
     assert rc == 0 and out2 == out
@@ -248,6 +248,22 @@ def test_broker_refusals_are_one_line_with_the_status_name(capsys, broker_with_a
     assert_one_line_error(rc, err, "memory-broker: INVALID_ARGUMENT: /no/such/dir: no such directory")
     rc, _, err = cli(capsys, "adapters", "--socket", sock, "unregister", "ghost")
     assert_one_line_error(rc, err, "memory-broker: NOT_FOUND: ")
+
+
+def test_register_says_the_adapter_waits_for_conversion_and_where_to_watch_it(capsys, broker_with_adapter):
+    sock = broker_with_adapter.socket
+    rc, out, err = cli(capsys, "adapters", "register", "a2", write_adapter(os.path.join(short_tmpdir(), "a2"), rank=8),
+                       "--socket", sock)  # fmt: skip
+    try:
+        assert rc == 0, err
+        lines = out.splitlines()
+        assert lines[0].startswith("registered a2: rank 8, 2 module types over 2 layers")
+        assert lines[1].startswith("  page image queued (conversion backlog: ")
+        assert lines[1].endswith("`memory-broker adapters` shows progress")
+        rc, out, _ = cli(capsys, "--socket", sock, "status")
+        assert rc == 0 and out.startswith(f"broker on {sock}")
+    finally:
+        assert cli(capsys, "adapters", "unregister", "a2", "--socket", sock)[0] == 0
 
 
 def test_the_installed_command_lists_adapters_with_common_options_after_the_action(broker_with_adapter):
@@ -315,7 +331,9 @@ def test_the_listing_shows_queued_and_converting_adapters_and_the_backlog_count(
     assert _list(a, b) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("conversion backlog: 2 adapters waiting for a page image")
-    assert [line.split()[:3] for line in out[3:]] == [["x", "cold", "converting"], ["y", "cold", "queued"], ["z", "hot", "ready"]]
+    assert [line.split() for line in out[3:]] == [
+        ["x", "cold", "8", "0", "0", "converting"], ["y", "cold", "8", "0", "0", "queued"], ["z", "hot", "8", "0", "0", "ready"]
+    ]  # fmt: skip
 
 
 def test_the_manager_reports_each_adapters_image_state_while_conversions_wait(tmp_path):
@@ -366,7 +384,7 @@ def test_a_broker_that_does_not_convert_ahead_lists_no_image(capsys):
         assert rc == 0, err
         assert out.startswith("registered n1: rank 4") and "page image" not in out
         rc, out, _ = cli(capsys, "adapters", "--socket", b.socket)
-        assert out.splitlines()[3].split()[:3] == ["n1", "cold", "none"]
+        assert out.splitlines()[3].split() == ["n1", "cold", "4", "0", "0", "none", "q_proj,v_proj"]
     finally:
         b.stop()
 
