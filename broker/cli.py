@@ -499,7 +499,12 @@ def _list(a: argparse.Namespace, b: _Broker) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = _Parser(
+        prog=PROG,
+        description="A per-GPU memory broker: `serve` runs the daemon; `status` and `adapters` show a person "
+        "the pool and the LoRA adapters (--json for scripts).",
+        epilog="Every command's --help lists its options.",
+    )
     ap.add_argument("--version", action="version", version=f"{PROG} {_version()}",
                     help="print the installed version and exit")  # fmt: skip
     _common(ap)
