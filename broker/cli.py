@@ -308,6 +308,31 @@ def _rpc_error(e, a: argparse.Namespace) -> CliError:
     return CliError(f"{code.name}: {details}")
 
 
+class _PatientStub:
+    """The broker's stub, whose calls say so on stderr (once) when the answer takes longer than
+    ``notice_after`` seconds (a registration reading a large file, a loaded broker), so a person
+    knows the command waits rather than hangs. stdout stays clean for --json."""
+
+    def __init__(self, stub, socket: str, notice_after: float = 2.0):
+        self._stub, self._socket, self._notice_after = stub, socket, notice_after
+
+    def __getattr__(self, method: str):
+        import grpc
+
+        def call(request, timeout: float):
+            fut = getattr(self._stub, method).future(request, timeout=timeout)
+            if timeout <= self._notice_after:
+                return fut.result()
+            try:
+                return fut.result(timeout=min(self._notice_after, timeout))
+            except grpc.FutureTimeoutError:
+                print(f"{PROG}: waiting for the broker on {self._socket} to answer {method} "
+                      f"(up to {timeout:g}s, --timeout) ...", file=sys.stderr, flush=True)  # fmt: skip
+                return fut.result()
+
+        return call
+
+
 class _Broker:
     """A channel and stub to the broker on ``a.socket``; with ``a.wait``, first waits (and says
     so on stderr) until a broker answers there, for up to ``a.timeout`` seconds."""
@@ -322,7 +347,7 @@ class _Broker:
         if a.wait:
             self._wait_for_broker()
         self.channel = grpc.insecure_channel(f"unix:{a.socket}")
-        self.stub = broker_pb2_grpc.MemoryBrokerStub(self.channel)
+        self.stub = _PatientStub(broker_pb2_grpc.MemoryBrokerStub(self.channel), a.socket)
 
     def _wait_for_broker(self) -> None:
         import grpc

@@ -297,6 +297,36 @@ def test_wait_says_it_waits_for_a_broker_then_answers():
     assert out.startswith(f"broker on {sock}") and "pool" in out
 
 
+def test_a_call_that_takes_long_says_it_is_waiting_and_a_quick_one_says_nothing(capsys):
+    import grpc
+
+    from memory_broker.broker.cli import _PatientStub
+
+    class Slow:
+        """A grpc future that answers after ``delay`` seconds."""
+
+        def __init__(self, delay: float):
+            self.done_at = time.monotonic() + delay
+
+        def result(self, timeout=None):
+            left = self.done_at - time.monotonic()
+            if timeout is not None and left > timeout:
+                time.sleep(timeout)
+                raise grpc.FutureTimeoutError()
+            time.sleep(max(0.0, left))
+            return "answer"
+
+    class Stub:
+        def __init__(self, delay):
+            self.RegisterAdapter = argparse.Namespace(future=lambda req, timeout: Slow(delay))
+
+    assert _PatientStub(Stub(0.0), "S", notice_after=0.2).RegisterAdapter(None, timeout=60) == "answer"
+    assert capsys.readouterr() == ("", "")
+    assert _PatientStub(Stub(0.5), "S", notice_after=0.2).RegisterAdapter(None, timeout=60) == "answer"
+    out, err = capsys.readouterr()
+    assert out == "" and err == "memory-broker: waiting for the broker on S to answer RegisterAdapter (up to 60s, --timeout) ...\n"
+
+
 def test_wait_gives_up_after_the_timeout_in_one_line(capsys):
     sock = os.path.join(short_tmpdir(), "never.sock")
     t0 = time.monotonic()
