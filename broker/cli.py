@@ -1,10 +1,7 @@
 """The ``memory-broker`` command: ``serve`` runs the daemon; ``status`` and ``adapters`` show a
-person the pool and the adapters (``--json`` for scripts).
-
-The common options (``--socket``, ``--json``, ``--timeout``, ``--wait``) are accepted before
-or after any subcommand and action. Every failure is one line on stderr naming what went wrong
-(a broker's refusal starts with its gRPC status name) and a non-zero exit code; no tracebacks.
-"""
+person the pool and the adapters (``--json`` for scripts), with the common options accepted
+before or after any subcommand. Every failure is one line on stderr (a broker's refusal starts
+with its gRPC status name) and a non-zero exit code, never a traceback."""
 
 from __future__ import annotations
 
