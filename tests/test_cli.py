@@ -385,7 +385,10 @@ def test_the_manager_reports_each_adapters_image_state_while_conversions_wait(tm
         try:
             for i, src in enumerate(srcs):
                 await h.manager.register(f"a{i}", src)
-            await asyncio.sleep(0.05)
+            for _ in range(200):  # the convert task picks up the first one as soon as the loop lets it
+                if h.manager.image_state("a0") == "converting":
+                    break
+                await asyncio.sleep(0.05)
             states = [h.manager.image_state(f"a{i}") for i in range(3)]
             assert states == ["converting", "queued", "queued"]
             assert h.manager.stats()["images"]["convert_queued"] == 3
