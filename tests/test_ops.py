@@ -133,6 +133,16 @@ def test_example_config_documents_every_key_and_loads():
         ("memory_pool: [1, 2]\n", "memory_pool: expected a mapping"),
         ("memory_pool:\n  pool_size: 1GiB\n  total_pages: 10\n", "not both"),
         ("memory_pool: {page_size: 2MiB\n", "not valid YAML"),
+        # A misspelled section is refused even when its value is empty, with the intended key.
+        ("memory_pool:\n  evicton: {}\n", "memory_pool.evicton: unknown key"),
+        ("memory_pool:\n  evicton: {}\n", "did you mean memory_pool.eviction?"),
+        ("adaptors: {}\n", "adaptors: unknown key"),
+        ("memory_pool:\n  eviction:\n    policies: {}\n", "did you mean memory_pool.eviction.policy?"),
+        ("logging:\n  fromat: json\n", "did you mean logging.format?"),
+        ("wibble: {}\n", "known keys at the top level: adapters, arena"),
+        ("logging:\n  format: fancy\n", "logging.format: 'fancy' is not one of auto, console, json"),
+        ("memory_pool:\n  pool_size: 4GB\n", "memory_pool.pool_size: '4GB': decimal units"),
+        ("listeners:\n  socket: /nonexistent-dir/b.sock\n", "listeners.socket (socket: the directory /nonexistent-dir does not exist"),
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, words):
@@ -141,6 +151,18 @@ def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, word
     with pytest.raises(ConfigError) as e:
         build_options(str(p), {})
     assert words in str(e.value)
+
+
+def test_log_format_comes_from_the_file_and_a_flag_overrides_it(tmp_path):
+    from memory_broker.broker.cli import build_parser, flag_overrides
+
+    p = tmp_path / "broker.yaml"
+    p.write_text("logging:\n  format: console\n")
+    assert build_options(None, {}).log_format == "auto"
+    assert build_options(str(p), {}).log_format == "console"
+    over = flag_overrides(build_parser().parse_args(["serve", "--log-format", "json"]))
+    assert build_options(str(p), over).log_format == "json"
+    assert flag_overrides(build_parser().parse_args(["serve", "--json"]))["log_format"] == "json"
 
 
 def test_adapter_image_settings_come_from_the_file_and_the_flags(tmp_path):
