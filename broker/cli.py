@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
 from memory_broker.broker.server.options import DEFAULT_SOCKET, LOG_FORMATS, ServeOptions, format_size, parse_size
 
 PROG = "memory-broker"
@@ -135,7 +136,7 @@ def _serve_parser(sub) -> None:
                    help="disk the converted images may take (default 64GiB; 0: no limit)")  # fmt: skip
     p.add_argument("--no-adapter-convert-ahead", action="store_true",
                    help="convert adapters into images only when first loaded, not after registration")
-    p.add_argument("--adapter-policy", choices=("lru", "lfu", "gdsf"), help="victim order of both adapter tiers (default lru)")
+    p.add_argument("--adapter-policy", choices=tuple(POLICIES), help=f"victim order of both adapter tiers (default {DEFAULT_POLICY})")
     p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on this port (default 0: off)")
     p.add_argument("--metrics-address", metavar="ADDR", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--enable-echo", action="store_true", help="serve the bare Echo service (benchmarks)")

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import yaml
 
+from memory_broker.broker.adapters.policy import POLICIES
 from memory_broker.broker.server.options import LOG_FORMATS, ServeOptions, parse_size
 
 
@@ -115,8 +116,8 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "adapters.image_cache": ("adapter_image_cache", _bool),
     "adapters.image_budget": ("adapter_image_budget", _size),
     "adapters.convert_ahead": ("adapter_convert_ahead", _bool),
-    "adapters.hot_policy": ("adapter_hot_policy", _choice("lru", "lfu", "gdsf")),
-    "adapters.warm_policy": ("adapter_warm_policy", _choice("lru", "lfu", "gdsf")),
+    "adapters.hot_policy": ("adapter_hot_policy", _choice(*POLICIES)),
+    "adapters.warm_policy": ("adapter_warm_policy", _choice(*POLICIES)),
     "arena.backend": ("arena", _choice("auto", "host", "cuda")),
     "arena.device": ("device", lambda v, k: _str(str(v), k)),
     "listeners.socket": ("socket", _str),

@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
+
 # Binary units only: a GPU page is 2 MiB, not 2 MB. The single letters (1G, 512K) are binary
 # too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to
 # some readers and powers of two to others, and a pool size is no place to guess.
@@ -103,7 +105,7 @@ class ServeOptions:
     socket_group: str | None = None
     # LoRA adapters: storage dtype of hot rows (what the kernels read), the largest rank
     # accepted at registration, tier budgets (0 = bounded only by the pool for hot), int8
-    # warm images, and each tier's victim policy (lru, lfu, gdsf).
+    # warm images, and each tier's victim policy (adaptive, lru, lfu, gdsf).
     adapter_dtype: str = "bfloat16"
     adapter_max_rank: int = 256
     hot_tier_pages: int = 0
@@ -115,8 +117,8 @@ class ServeOptions:
     adapter_image_cache: bool = True
     adapter_image_budget: int = 64 << 30
     adapter_convert_ahead: bool = True
-    adapter_hot_policy: str = "lru"
-    adapter_warm_policy: str = "lru"
+    adapter_hot_policy: str = DEFAULT_POLICY
+    adapter_warm_policy: str = DEFAULT_POLICY
     # Prometheus endpoint (0 = off).
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
@@ -196,8 +198,8 @@ class ServeOptions:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: {getattr(self, name)}; must be >= 0")
         for name in ("adapter_hot_policy", "adapter_warm_policy"):
-            if getattr(self, name) not in ("lru", "lfu", "gdsf"):
-                raise ValueError(f"{name}: {getattr(self, name)!r}; must be lru, lfu or gdsf")
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name}: {getattr(self, name)!r}; must be one of {', '.join(POLICIES)}")
         if self.socket_group is not None:
             import grp
 
