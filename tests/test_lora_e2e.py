@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 
 from memory_broker.broker.arena.cuda import cuda_available  # noqa: E402
 from memory_broker.clients import BrokerClient, wrap_model  # noqa: E402
-from tests.adapter_fixtures import ADAPTERS, LLAMA  # noqa: E402
-from tests.conftest import start_broker  # noqa: E402
+from adapter_fixtures import ADAPTERS, LLAMA  # noqa: E402
+from conftest import start_broker  # noqa: E402
 
 if CUDA:
     # Compiled kernels need the weights on the device: the host arena cannot serve them.
