@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.conftest import ROOT, short_tmpdir, start_broker, wait_serving
+from conftest import ROOT, short_tmpdir, start_broker, wait_serving
 
 DOCS = ("README.md", os.path.join("ops", "grpcurl.md"))
 DEFAULT_SOCKET = "/tmp/memory-broker.sock"
