@@ -297,7 +297,7 @@ def _rpc_error(e, a: argparse.Namespace) -> CliError:
     code, details = e.code(), (e.details() or "").strip()
     if code == grpc.StatusCode.UNAVAILABLE:
         return CliError(
-            f"UNAVAILABLE: no broker answers on {a.socket} ({details.rsplit(': ', 1)[-1] or 'no answer'}); "
+            f"UNAVAILABLE: no broker answered on {a.socket} ({details.rsplit(': ', 1)[-1] or 'no answer'}); "
             f"start one (`{PROG} serve --socket {a.socket}`) or add --wait to wait for it"
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -208,7 +208,7 @@ def test_no_broker_is_one_unavailable_line_that_says_what_to_do(capsys):
     sock = os.path.join(short_tmpdir(), "none.sock")
     rc, _, err = cli(capsys, "adapters", "--socket", sock)
     assert rc == 1
-    assert_one_line_error(rc, err, f"memory-broker: UNAVAILABLE: no broker answers on {sock}")
+    assert_one_line_error(rc, err, f"memory-broker: UNAVAILABLE: no broker answered on {sock}")
     assert f"memory-broker serve --socket {sock}" in err and "--wait" in err
     rc, _, err = cli(capsys, "status", "--socket", sock, "--json")
     assert_one_line_error(rc, err, "memory-broker: UNAVAILABLE:")
