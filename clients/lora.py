@@ -5,7 +5,9 @@ kernels, reading the weights straight out of the arena's pages.
 ``LoraBatch`` owns one step's metadata (each token's slot, the slot -> adapter list, the
 kernels' plan, the arena view); ``LoRALinear`` owns only its base ``nn.Linear`` and its
 (layer, modules) address; ``wrap_model`` installs LoRALinear layers in a decoder model and
-returns the ``LoraModel`` handle through which an engine runs a step. This module never
+returns the ``LoraModel`` handle through which an engine runs a step (or a whole greedy
+decode, ``LoraModel.generate``). The deltas run where ``kernels.dispatch`` says: the Triton
+kernels for an arena on a GPU, the torch path for one on the CPU. This module never
 talks to the broker: leases come from ``BrokerClient.acquire_adapters``, offset tables from
 ``AdapterTables``, and the delta is inference-only (the kernels record no autograd graph).
 """
