@@ -1,5 +1,7 @@
 """The ``memory-broker`` command: ``serve`` runs the daemon; ``status`` and ``adapters`` show a
-person the pool and the adapters (``--json`` for scripts)."""
+person the pool and the adapters (``--json`` for scripts), with the common options accepted
+before or after any subcommand. Every failure is one line on stderr (a broker's refusal starts
+with its gRPC status name) and a non-zero exit code, never a traceback."""
 
 from __future__ import annotations
 
@@ -8,8 +10,78 @@ import asyncio
 import json
 import os
 import sys
+import time
 
-from memory_broker.broker.server.options import DEFAULT_SOCKET, ServeOptions, format_size, parse_size
+from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
+from memory_broker.broker.server.options import DEFAULT_SOCKET, LOG_FORMATS, ServeOptions, format_size, parse_size
+
+PROG = "memory-broker"
+
+# Default --timeout per command: reading the pool is quick; registering may read a large file.
+_TIMEOUTS = {"status": 5.0, "adapters": 60.0}
+
+
+class CliError(Exception):
+    """A failure the command reports as one line (``memory-broker: <message>``) and exit code."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that says where to find help (exit 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{PROG}: {message} (see `{self.prog} --help`)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("memory-broker")
+    except PackageNotFoundError:
+        return "unknown (the memory-broker distribution is not installed)"
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
+    return v
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return v
+
+
+def _common(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The options every command takes, in any position. Absent ones stay out of the namespace
+    (SUPPRESS), so an option given before the subcommand is not reset by the subcommand's parser;
+    ``_fill_defaults`` supplies the defaults afterwards."""
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("common options (before or after the command)")
+    if not serve:  # serve declares --socket among its own settings
+        g.add_argument("--socket", default=S, metavar="PATH",
+                       help=f"the broker's gRPC Unix socket (default {DEFAULT_SOCKET}; $MEMORY_BROKER_SOCKET)")  # fmt: skip
+    g.add_argument("--json", action="store_true", default=S,
+                   help="serve: log JSON lines (--log-format json); others: machine-readable output")  # fmt: skip
+    if not serve:
+        g.add_argument("--timeout", type=_positive_float, default=S, metavar="SECONDS",
+                       help="seconds each call to the broker may take, and --wait waits "
+                            "(default 5 for status, 60 for adapters)")  # fmt: skip
+        g.add_argument("--wait", action="store_true", default=S,
+                       help="if no broker answers yet, wait up to --timeout for one to come up (says so on stderr)")  # fmt: skip
 
 
 def _serve_parser(sub) -> None:
@@ -17,53 +89,102 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="run the broker in the foreground",
-        description="Run the broker. Settings come from defaults, then --config FILE, then flags.",
+        description="Run the broker. Settings come from defaults, then --config FILE, then flags. "
+        "Sizes are binary: 2MiB, 512KiB, 1GiB (or 1G), or bytes; 1GB is refused.",
         argument_default=argparse.SUPPRESS,
     )
-    p.add_argument("--config", help="YAML configuration file (see ops/broker.example.yaml)")
+    p.add_argument("--config", metavar="FILE", help="YAML configuration file (see ops/broker.example.yaml)")
     p.add_argument("--instance", help="name of this broker (systemd instance: GPU index or UUID)")
-    p.add_argument("--socket", help=f"gRPC Unix socket (default {d.socket}); the fd channel is SOCKET.fds")
-    p.add_argument("--tcp-port", type=int, help="also serve gRPC on 127.0.0.1:PORT")
+    p.add_argument("--socket", metavar="PATH",
+                   help=f"gRPC Unix socket (default {d.socket}); the fd channel is PATH.fds")  # fmt: skip
+    p.add_argument("--tcp-port", type=int, metavar="N", help="also serve gRPC on 127.0.0.1:N (default: none)")
     p.add_argument("--arena", choices=("auto", "host", "cuda"), help="arena backend (default auto)")
     p.add_argument("--device", help="CUDA device index or UUID (default 0)")
-    p.add_argument("--pool-size", help="most memory the arena may hold (default 1GiB)")
-    p.add_argument("--preallocate", help="memory to create at start (default 0: grow on demand)")
-    p.add_argument("--page-size", help="page size, 512KiB..4MiB (default 2MiB)")
-    p.add_argument("--slab-size", help="slab (growth unit) size (default 64MiB)")
-    p.add_argument("--window-factor", type=int, help="virtual window / pool size (default 4)")
-    p.add_argument("--placement", choices=("best_fit", "first_fit"), help="default best_fit")
-    p.add_argument("--eviction-policy", choices=("lru_size_aware", "lru"), help="default lru_size_aware")
-    p.add_argument("--high-watermark", type=float, help=f"default {d.high_watermark}")
-    p.add_argument("--low-watermark", type=float, help=f"default {d.low_watermark}")
-    p.add_argument("--lease", type=float, help=f"default transaction lease, seconds (default {d.default_lease_s:g})")
-    p.add_argument("--max-pins-per-session", type=int, help="most pins one session may hold (default 0: no limit)")
-    p.add_argument("--state-dir", help=f"persistent state (default {d.state_dir})")
-    p.add_argument("--allow-uid", type=int, action="append", help="uid allowed on the fd channel (repeat; default: own uid)")
-    p.add_argument("--socket-mode", help="permissions of both sockets, e.g. 0660 (default: umask)")
-    p.add_argument("--socket-group", help="group of both sockets (the engines' group)")
-    p.add_argument("--adapter-dtype", choices=("bfloat16", "float16", "float32"), help="storage of hot adapter rows (default bfloat16)")
-    p.add_argument("--adapter-max-rank", type=int, help="largest LoRA rank accepted (default 256)")
-    p.add_argument("--hot-tier-adapters", type=int, help="most adapters in arena pages (default 0: pool-bound)")
-    p.add_argument("--hot-tier-pages", type=int, help="most arena pages adapters may take (default 0: pool-bound)")
-    p.add_argument("--warm-tier-bytes", help="host memory for warm adapters (default 4GiB)")
+    p.add_argument("--pool-size", metavar="SIZE", help="most memory the arena may hold (default 1GiB)")
+    p.add_argument("--preallocate", metavar="SIZE", help="memory to create at start (default 0: grow on demand)")
+    p.add_argument("--page-size", metavar="SIZE", help="page size, a power of two 512KiB..4MiB (default 2MiB)")
+    p.add_argument("--slab-size", metavar="SIZE", help="slab (growth unit) size (default 64MiB)")
+    p.add_argument("--window-factor", type=int, metavar="N", help="virtual window / pool size (default 4)")
+    p.add_argument("--placement", choices=("best_fit", "first_fit"),
+                   help="placement of contiguous ranges in the window (default best_fit)")  # fmt: skip
+    p.add_argument("--eviction-policy", choices=("lru_size_aware", "lru"),
+                   help="victim order when above the high watermark (default lru_size_aware)")  # fmt: skip
+    p.add_argument("--high-watermark", type=float, metavar="F",
+                   help=f"pool utilization that starts eviction (default {d.high_watermark})")  # fmt: skip
+    p.add_argument("--low-watermark", type=float, metavar="F",
+                   help=f"utilization eviction brings the pool down to (default {d.low_watermark})")  # fmt: skip
+    p.add_argument("--lease", type=float, metavar="S",
+                   help=f"default transaction lease, seconds (default {d.default_lease_s:g})")  # fmt: skip
+    p.add_argument("--max-pins-per-session", type=int, metavar="N",
+                   help="most pins one session may hold (default 0: no limit)")  # fmt: skip
+    p.add_argument("--state-dir", metavar="DIR", help=f"persistent state (default {d.state_dir})")
+    p.add_argument("--allow-uid", type=int, action="append", metavar="UID",
+                   help="uid allowed on the fd channel (repeat; default: own uid)")  # fmt: skip
+    p.add_argument("--socket-mode", metavar="MODE", help="permissions of both sockets, e.g. 0660 (default: umask)")
+    p.add_argument("--socket-group", metavar="GROUP", help="group of both sockets (the engines' group)")
+    p.add_argument("--adapter-dtype", choices=("bfloat16", "float16", "float32"),
+                   help="storage of hot adapter rows (default bfloat16)")  # fmt: skip
+    p.add_argument("--adapter-max-rank", type=int, metavar="R", help="largest LoRA rank accepted (default 256)")
+    p.add_argument("--hot-tier-adapters", type=int, metavar="N",
+                   help="most adapters in arena pages (default 0: pool-bound)")  # fmt: skip
+    p.add_argument("--hot-tier-pages", type=int, metavar="N",
+                   help="most arena pages adapters may take (default 0: pool-bound)")  # fmt: skip
+    p.add_argument("--warm-tier-bytes", metavar="SIZE", help="host memory for warm adapters (default 4GiB)")
     p.add_argument("--warm-int8", action="store_true", help="keep warm adapters as int8 rows with per-row scales")
     p.add_argument("--no-adapter-image-cache", action="store_true", help="do not keep converted adapter images on disk")
-    p.add_argument("--adapter-image-budget", help="disk the converted images may take (default 64GiB; 0: no limit)")
+    p.add_argument("--adapter-image-budget", metavar="SIZE",
+                   help="disk the converted images may take (default 64GiB; 0: no limit)")  # fmt: skip
     p.add_argument("--no-adapter-convert-ahead", action="store_true",
                    help="convert adapters into images only when first loaded, not after registration")
-    p.add_argument("--adapter-policy", choices=("lru", "lfu", "gdsf"), help="victim order of both adapter tiers (default lru)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0: off)")
-    p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--adapter-policy", choices=tuple(POLICIES), help=f"victim order of both adapter tiers (default {DEFAULT_POLICY})")
+    p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on this port (default 0: off)")
+    p.add_argument("--metrics-address", metavar="ADDR", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--enable-echo", action="store_true", help="serve the bare Echo service (benchmarks)")
-    p.add_argument("--grace", type=float, help=f"seconds SIGTERM waits for in-flight calls (default {d.grace_s:g})")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--grace", type=float, metavar="S",
+                   help=f"seconds SIGTERM waits for in-flight calls (default {d.grace_s:g})")  # fmt: skip
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="least severe event logged (default info)")
+    p.add_argument("--log-format", choices=LOG_FORMATS,
+                   help="auto: human-readable on a terminal, JSON lines otherwise (default); console; json")  # fmt: skip
+    _common(p, serve=True)
 
 
 def _status_parser(sub) -> None:
-    p = sub.add_parser("status", help="print the pool's state")
-    p.add_argument("--socket", default=DEFAULT_SOCKET)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p = sub.add_parser("status", help="print the pool's state", description="Print the pool's state.")
+    _common(p)
+
+
+def _adapters_parser(sub) -> None:
+    p = sub.add_parser(
+        "adapters",
+        help="list, show, register or unregister LoRA adapters",
+        description="LoRA adapters. Without an action: list them, with each one's tier and page image "
+        "state and the conversion backlog.",
+    )
+    _common(p)
+    _list_options(p)
+    asub = p.add_subparsers(dest="action", metavar="{list,show,register,unregister}")
+    ls = asub.add_parser("list", help="registered adapters, their tier and image state (the default)",
+                         description="Registered adapters, their tier, their page image state and the conversion backlog.")  # fmt: skip
+    _list_options(ls)
+    _common(ls)
+    sh = asub.add_parser("show", help="one adapter with its layout", description="One adapter with its layout.")
+    sh.add_argument("adapter_id", help="the adapter's id")
+    _common(sh)
+    rg = asub.add_parser("register", help="register a PEFT directory",
+                         description="Register a PEFT directory (adapter_config.json + adapter_model.safetensors).")  # fmt: skip
+    rg.add_argument("adapter_id", help="the id engines will acquire it by")
+    rg.add_argument("path", help="the PEFT directory (the broker must be able to read it)")
+    _common(rg)
+    ur = asub.add_parser("unregister", help="forget adapters (refused while acquired)",
+                         description="Forget adapters; refused while any session has one acquired.")  # fmt: skip
+    ur.add_argument("adapter_ids", nargs="+", metavar="adapter_id", help="ids to forget")
+    _common(ur)
+
+
+def _list_options(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    p.add_argument("--prefix", default=S, help="only ids starting with this")
+    p.add_argument("--limit", type=_count, default=S, metavar="N", help="show at most N adapters (default 0: all)")
 
 
 # flag dest -> (ServeOptions field, converter)
@@ -73,10 +194,10 @@ _FLAGS = {
     "tcp_port": ("tcp_port", int),
     "arena": ("arena", str),
     "device": ("device", str),
-    "pool_size": ("pool_size", lambda v: parse_size(v, "--pool-size")),
-    "preallocate": ("preallocate", lambda v: parse_size(v, "--preallocate")),
-    "page_size": ("page_size", lambda v: parse_size(v, "--page-size")),
-    "slab_size": ("slab_size", lambda v: parse_size(v, "--slab-size")),
+    "pool_size": ("pool_size", parse_size),
+    "preallocate": ("preallocate", parse_size),
+    "page_size": ("page_size", parse_size),
+    "slab_size": ("slab_size", parse_size),
     "window_factor": ("window_factor", int),
     "placement": ("placement", str),
     "eviction_policy": ("eviction_policy", str),
@@ -92,21 +213,26 @@ _FLAGS = {
     "adapter_max_rank": ("adapter_max_rank", int),
     "hot_tier_adapters": ("hot_tier_adapters", int),
     "hot_tier_pages": ("hot_tier_pages", int),
-    "warm_tier_bytes": ("warm_tier_bytes", lambda v: parse_size(v, "--warm-tier-bytes")),
+    "warm_tier_bytes": ("warm_tier_bytes", parse_size),
     "warm_int8": ("warm_int8", bool),
     "no_adapter_image_cache": ("adapter_image_cache", lambda v: not v),
-    "adapter_image_budget": ("adapter_image_budget", lambda v: parse_size(v, "--adapter-image-budget")),
+    "adapter_image_budget": ("adapter_image_budget", parse_size),
     "no_adapter_convert_ahead": ("adapter_convert_ahead", lambda v: not v),
     "metrics_port": ("metrics_port", int),
     "metrics_address": ("metrics_address", str),
     "enable_echo": ("enable_echo", bool),
     "grace": ("grace_s", float),
     "log_level": ("log_level", str),
+    "log_format": ("log_format", str),
 }
 
 
 def flag_overrides(a: argparse.Namespace) -> dict:
-    """The options given as flags (argparse leaves absent flags out of the namespace)."""
+    """The options given as flags (argparse leaves absent flags out of the namespace).
+
+    Raises:
+        ValueError: a flag's value cannot be read; the message starts with the flag.
+    """
     out = {}
     if hasattr(a, "adapter_policy"):
         out["adapter_hot_policy"] = out["adapter_warm_policy"] = a.adapter_policy
@@ -116,187 +242,335 @@ def flag_overrides(a: argparse.Namespace) -> dict:
                 out[field_name] = conv(getattr(a, dest))
             except ValueError as e:
                 raise ValueError(f"--{dest.replace('_', '-')}: {e}") from None
+    if getattr(a, "json", False):
+        if out.get("log_format", "json") != "json":
+            raise ValueError(f"--json means --log-format json; it contradicts --log-format {out['log_format']}")
+        out["log_format"] = "json"
     return out
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    from memory_broker.broker.server.app import serve
-    from memory_broker.broker.server.config import build_options
-    from memory_broker.broker.server.lock import SocketPathLocked
-    from memory_broker.broker.server.logs import configure
+# ----------------------------------------------------------------- serve
 
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    for opt in ("timeout", "wait"):
+        if hasattr(a, opt):
+            raise CliError(f"--{opt} is for status and adapters, not serve", code=2)
+    try:
+        from memory_broker.broker.server.app import serve
+        from memory_broker.broker.server.config import build_options
+        from memory_broker.broker.server.lock import SocketPathLocked
+        from memory_broker.broker.server.logs import configure
+    except ImportError as e:
+        raise CliError(f"serve needs the daemon's dependencies ({e}); install them: "
+                       f"pip install 'memory-broker[daemon]'") from None  # fmt: skip
     try:
         overrides = flag_overrides(a)
         config = getattr(a, "config", None)
         opts = build_options(config, overrides)
         opts.config_path = config
-        log = configure(opts.log_level)
+        log = configure(opts.log_level, opts.log_format)
     except ValueError as e:
-        print(f"memory-broker: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), code=2) from None
     try:
         asyncio.run(serve(opts, log, overrides))
     except SocketPathLocked as e:
         log.error("socket_locked", error=str(e))
-        print(f"memory-broker: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, MemoryError, OSError) as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
         log.error("start_failed", error=str(e))
-        print(f"memory-broker: {e}", file=sys.stderr)
-        return 1
+        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        raise CliError(f"cannot start: {what}") from None
+    except (ValueError, MemoryError) as e:
+        log.error("start_failed", error=str(e))
+        raise CliError(f"cannot start: {e}") from None
     return 0
+
+
+# ----------------------------------------------------------------- talking to a broker
+
+
+def _rpc_error(e, a: argparse.Namespace) -> CliError:
+    """A gRPC failure as one line: the status name, then what it means here."""
+    import grpc
+
+    code, details = e.code(), (e.details() or "").strip()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return CliError(
+            f"UNAVAILABLE: no broker answers on {a.socket} ({details.rsplit(': ', 1)[-1] or 'no answer'}); "
+            f"start one (`{PROG} serve --socket {a.socket}`) or add --wait to wait for it"
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return CliError(f"DEADLINE_EXCEEDED: the broker on {a.socket} did not answer within {a.timeout:g}s "
+                        f"(raise --timeout)")  # fmt: skip
+    return CliError(f"{code.name}: {details}")
+
+
+class _PatientStub:
+    """The broker's stub, whose calls say so on stderr (once) when the answer takes longer than
+    ``notice_after`` seconds (a registration reading a large file, a loaded broker), so a person
+    knows the command waits rather than hangs. stdout stays clean for --json."""
+
+    def __init__(self, stub, socket: str, notice_after: float = 2.0):
+        self._stub, self._socket, self._notice_after = stub, socket, notice_after
+
+    def __getattr__(self, method: str):
+        import grpc
+
+        def call(request, timeout: float):
+            fut = getattr(self._stub, method).future(request, timeout=timeout)
+            if timeout <= self._notice_after:
+                return fut.result()
+            try:
+                return fut.result(timeout=min(self._notice_after, timeout))
+            except grpc.FutureTimeoutError:
+                print(f"{PROG}: waiting for the broker on {self._socket} to answer {method} "
+                      f"(up to {timeout:g}s, --timeout) ...", file=sys.stderr, flush=True)  # fmt: skip
+                return fut.result()
+
+        return call
+
+
+class _Broker:
+    """A channel and stub to the broker on ``a.socket``; with ``a.wait``, first waits (and says
+    so on stderr) until a broker answers there, for up to ``a.timeout`` seconds."""
+
+    def __init__(self, a: argparse.Namespace):
+        import grpc
+
+        from memory_broker.broker.v1 import broker_pb2 as pb
+        from memory_broker.broker.v1 import broker_pb2_grpc
+
+        self.a, self.pb = a, pb
+        if a.wait:
+            self._wait_for_broker()
+        self.channel = grpc.insecure_channel(f"unix:{a.socket}")
+        self.stub = _PatientStub(broker_pb2_grpc.MemoryBrokerStub(self.channel), a.socket)
+
+    def _wait_for_broker(self) -> None:
+        import grpc
+
+        from memory_broker.broker.v1 import broker_pb2_grpc
+
+        a, pb = self.a, self.pb
+        t0 = time.monotonic()
+        deadline = t0 + a.timeout
+        said = False
+        while True:
+            # A fresh channel per attempt: a channel that failed to connect backs off for
+            # seconds before trying again, longer than a broker takes to come up.
+            with grpc.insecure_channel(f"unix:{a.socket}") as ch:
+                try:
+                    broker_pb2_grpc.MemoryBrokerStub(ch).GetArena(pb.GetArenaRequest(), timeout=1.0)
+                    break
+                except grpc.RpcError as e:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+            if not said:
+                print(f"{PROG}: waiting up to {a.timeout:g}s for a broker on {a.socket} ...", file=sys.stderr, flush=True)
+                said = True
+            if time.monotonic() >= deadline:
+                raise CliError(f"UNAVAILABLE: no broker came up on {a.socket} within {a.timeout:g}s (--timeout)")
+            time.sleep(0.2)
+        if said:
+            print(f"{PROG}: broker on {a.socket} is up after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _Broker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.channel.close()
+
+
+def _as_dict(m) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def cmd_status(a: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from memory_broker.broker.v1 import broker_pb2 as pb
-    from memory_broker.broker.v1 import broker_pb2_grpc
 
     try:
-        with grpc.insecure_channel(f"unix:{a.socket}") as ch:
-            stub = broker_pb2_grpc.MemoryBrokerStub(ch)
-            arena = stub.GetArena(pb.GetArenaRequest(), timeout=a.timeout)
-            st = stub.GetStats(pb.GetStatsRequest(), timeout=a.timeout)
+        with _Broker(a) as b:
+            arena = b.stub.GetArena(b.pb.GetArenaRequest(), timeout=a.timeout)
+            st = b.stub.GetStats(b.pb.GetStatsRequest(), timeout=a.timeout)
     except grpc.RpcError as e:
-        print(f"memory-broker: no broker answered on {a.socket}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+        raise _rpc_error(e, a) from None
+    pb = b.pb
     if a.json:
-        out = {
-            "arena": MessageToDict(arena, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
-            "stats": MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
-        }
-        print(json.dumps(out, indent=2))
+        print(json.dumps({"arena": _as_dict(arena), "stats": _as_dict(st)}, indent=2))
         return 0
     ps = st.page_size
     print(f"broker on {a.socket}")
     print(f"  arena      {arena.backend}, page {format_size(ps)}, {st.num_slabs}/{arena.max_slabs} slabs "
-          f"of {arena.pages_per_slab} pages, placement {arena.placement}")
+          f"of {arena.pages_per_slab} pages, placement {arena.placement}")  # fmt: skip
     print(f"  pool       {st.used_pages}/{st.max_pages} pages used ({st.utilization:.1%}), "
-          f"{st.capacity_pages} backed, {st.free_pages} free")
+          f"{st.capacity_pages} backed, {st.free_pages} free")  # fmt: skip
     print(f"  pages      prepared {st.prepared_pages}, pinned {st.pinned_pages}, evictable {st.evictable_pages}")
     print(f"  eviction   watermarks {st.low_watermark:.2f}/{st.high_watermark:.2f}, "
           f"{'ACTIVE' if st.eviction_active else 'idle'}, {st.eviction_runs} runs, "
-          f"{st.evicted_objects} objects / {st.evicted_pages} pages evicted")
+          f"{st.evicted_objects} objects / {st.evicted_pages} pages evicted")  # fmt: skip
     print(f"  objects    {st.objects} ({st.keyed_objects} keyed), {st.sessions} sessions, "
-          f"{st.open_transactions} open transactions")
+          f"{st.open_transactions} open transactions")  # fmt: skip
     print(f"  window     {st.window_free_pages} free pages in {st.window_free_extents} extents, "
-          f"largest {st.window_largest_free}, fragmentation {st.window_fragmentation:.2f}")
+          f"largest {st.window_largest_free}, fragmentation {st.window_fragmentation:.2f}")  # fmt: skip
     for c in st.by_content:
         print(f"  {pb.ContentType.Name(c.content_type).removeprefix('CONTENT_TYPE_').lower():<10} "
-              f"{c.objects} objects, {c.pages} pages")
+              f"{c.objects} objects, {c.pages} pages")  # fmt: skip
     print(f"  totals     {st.allocations_total} allocations, {st.deduplicated_total} deduplicated, "
-          f"{st.allocation_failures} failed")
+          f"{st.allocation_failures} failed")  # fmt: skip
+    if st.HasField("adapters") and st.adapters.convert_queued:
+        print(f"  adapters   {_backlog(st.adapters.convert_queued)}")
     return 0
 
 
-def _adapters_parser(sub) -> None:
-    p = sub.add_parser("adapters", help="list, show, register or unregister LoRA adapters")
-    p.add_argument("--socket", default=DEFAULT_SOCKET)
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    asub = p.add_subparsers(dest="action")
-    ls = asub.add_parser("list", help="registered adapters and where they are (default)")
-    ls.add_argument("--prefix", default="")
-    ls.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
-    sh = asub.add_parser("show", help="one adapter with its layout")
-    sh.add_argument("adapter_id")
-    rg = asub.add_parser("register", help="register a PEFT directory")
-    rg.add_argument("adapter_id")
-    rg.add_argument("path")
-    ur = asub.add_parser("unregister", help="forget adapters (refused while acquired)")
-    ur.add_argument("adapter_ids", nargs="+")
-
+# ----------------------------------------------------------------- adapters
 
 _TIER = {0: "?", 1: "hot", 2: "warm", 3: "cold"}
 
 
+def _image_state(pb, state: int) -> str:
+    return pb.AdapterImageState.Name(state).removeprefix("ADAPTER_IMAGE_STATE_").lower()
+
+
+def _backlog(n: int) -> str:
+    if not n:
+        return "conversion backlog: none"
+    return f"conversion backlog: {n} adapter{'s' if n != 1 else ''} waiting for a page image"
+
+
 def cmd_adapters(a: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
-    from memory_broker.broker.v1 import broker_pb2 as pb
-    from memory_broker.broker.v1 import broker_pb2_grpc
-
-    def as_dict(m) -> dict:
-        return MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-
-    action = a.action or "list"
     try:
-        with grpc.insecure_channel(f"unix:{a.socket}") as ch:
-            stub = broker_pb2_grpc.MemoryBrokerStub(ch)
-            if action == "register":
-                r = stub.RegisterAdapter(
-                    pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)), timeout=a.timeout
-                )
-                print(json.dumps(as_dict(r.adapter), indent=2) if a.json else
-                      f"registered {r.adapter.adapter_id}: rank {r.adapter.rank}, "
-                      f"{len(r.adapter.target_modules)} module types over {r.adapter.num_layers} layers, "
-                      f"{format_size(r.adapter.file_bytes)}")  # fmt: skip
-                return 0
-            if action == "unregister":
-                stub.UnregisterAdapter(pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout)
-                print("unregistered " + ", ".join(a.adapter_ids))
-                return 0
-            if action == "show":
-                lay = stub.GetAdapterLayout(pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout)
-                if a.json:
-                    print(json.dumps(as_dict(lay), indent=2))
-                    return 0
-                state = f"hot, generation {lay.generation}, pages {list(lay.pages)}" if lay.generation else "not hot"
-                print(f"{lay.adapter_id}: {state}; {lay.num_pages} pages of {format_size(lay.page_size)}, "
-                      f"{lay.dtype}, rows aligned to {lay.row_align} B")  # fmt: skip
-                for m in lay.modules:
-                    print(f"  layer {m.layer:<3} {m.module:<12} rank {m.rank:<4} scaling {m.scaling:<8.4g} "
-                          f"A {m.a.rows}x{m.a.row_elems} in {len(m.a.chunks)} chunks, "
-                          f"Bt {m.b.rows}x{m.b.row_elems} in {len(m.b.chunks)} chunks")  # fmt: skip
-                return 0
-            rows, token = [], ""
-            while True:
-                page = stub.ListAdapters(
-                    pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token), timeout=a.timeout
-                )
-                rows.extend(page.adapters)
-                token = page.next_page_token
-                if not token or (a.limit and len(rows) >= a.limit):
-                    break
-            if a.limit:
-                rows = rows[: a.limit]
-            st = stub.GetStats(pb.GetStatsRequest(), timeout=a.timeout).adapters
+        with _Broker(a) as b:
+            return {"register": _register, "unregister": _unregister, "show": _show, "list": _list}[a.action](a, b)
     except grpc.RpcError as e:
-        print(f"memory-broker: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+        raise _rpc_error(e, a) from None
+
+
+def _register(a: argparse.Namespace, b: _Broker) -> int:
+    pb = b.pb
+    r = b.stub.RegisterAdapter(pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)),
+                               timeout=a.timeout).adapter  # fmt: skip
     if a.json:
-        print(json.dumps({"adapters": [as_dict(r) for r in rows], "stats": as_dict(st)}, indent=2))
+        print(json.dumps(_as_dict(r), indent=2))
         return 0
-    print(f"{st.registered} registered: {st.hot} hot ({st.hot_pages} pages), {st.warm} warm "
-          f"({format_size(st.warm_bytes)}), {st.cold} cold; hit rate {st.hit_rate:.1%}")  # fmt: skip
-    if rows:
-        print(f"{'adapter':<32}{'tier':<6}{'rank':>5}{'pins':>6}{'gen':>6}  modules")
-    for r in rows:
-        print(f"{r.adapter_id:<32}{_TIER[r.tier]:<6}{r.rank:>5}{r.pin_count:>6}{r.generation:>6}  "
-              f"{','.join(r.target_modules)}")  # fmt: skip
+    print(f"registered {r.adapter_id}: rank {r.rank}, {len(r.target_modules)} module types over {r.num_layers} "
+          f"layers, {format_size(r.file_bytes)}")  # fmt: skip
+    state = _image_state(pb, r.image_state)
+    if state in ("queued", "converting"):
+        n = b.stub.GetStats(pb.GetStatsRequest(), timeout=a.timeout).adapters.convert_queued
+        print(f"  page image {state} ({_backlog(n)}); `{PROG} adapters` shows progress")
     return 0
 
 
+def _unregister(a: argparse.Namespace, b: _Broker) -> int:
+    b.stub.UnregisterAdapter(b.pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout)
+    print(json.dumps({"unregistered": a.adapter_ids}) if a.json else "unregistered " + ", ".join(a.adapter_ids))
+    return 0
+
+
+def _show(a: argparse.Namespace, b: _Broker) -> int:
+    lay = b.stub.GetAdapterLayout(b.pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout)
+    if a.json:
+        print(json.dumps(_as_dict(lay), indent=2))
+        return 0
+    state = f"hot, generation {lay.generation}, pages {list(lay.pages)}" if lay.generation else "not hot"
+    print(f"{lay.adapter_id}: {state}; {lay.num_pages} pages of {format_size(lay.page_size)}, "
+          f"{lay.dtype}, rows aligned to {lay.row_align} B")  # fmt: skip
+    for m in lay.modules:
+        print(f"  layer {m.layer:<3} {m.module:<12} rank {m.rank:<4} scaling {m.scaling:<8.4g} "
+              f"A {m.a.rows}x{m.a.row_elems} in {len(m.a.chunks)} chunks, "
+              f"Bt {m.b.rows}x{m.b.row_elems} in {len(m.b.chunks)} chunks")  # fmt: skip
+    return 0
+
+
+def _list(a: argparse.Namespace, b: _Broker) -> int:
+    pb = b.pb
+    rows, token = [], ""
+    while True:
+        page = b.stub.ListAdapters(pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token),
+                                   timeout=a.timeout)  # fmt: skip
+        rows.extend(page.adapters)
+        token = page.next_page_token
+        if not token or (a.limit and len(rows) >= a.limit):
+            break
+    if a.limit:
+        rows = rows[: a.limit]
+    st = b.stub.GetStats(pb.GetStatsRequest(), timeout=a.timeout)
+    if not st.HasField("adapters"):
+        raise CliError(f"FAILED_PRECONDITION: adapters are not enabled on the broker on {a.socket}")
+    st = st.adapters
+    if a.json:
+        out = {"adapters": [_as_dict(r) for r in rows], "stats": _as_dict(st), "convert_backlog": st.convert_queued}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{st.registered} registered: {st.hot} hot ({st.hot_pages} pages), {st.warm} warm "
+          f"({format_size(st.warm_bytes)}), {st.cold} cold; hit rate {st.hit_rate:.1%}")  # fmt: skip
+    print(f"{_backlog(st.convert_queued)}; {st.image_count} page images on disk ({format_size(st.image_bytes)})")
+    if rows:
+        print(f"{'adapter':<32}{'tier':<6}{'rank':>5}{'pins':>6}{'gen':>6}  {'image':<12}modules")
+    for r in rows:
+        print(f"{r.adapter_id:<32}{_TIER[r.tier]:<6}{r.rank:>5}{r.pin_count:>6}{r.generation:>6}  "
+              f"{_image_state(pb, r.image_state):<12}{','.join(r.target_modules)}")  # fmt: skip
+    return 0
+
+
+# ----------------------------------------------------------------- entry point
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="memory-broker", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(
+        prog=PROG,
+        description="A per-GPU memory broker: `serve` runs the daemon; `status` and `adapters` show a person "
+        "the pool and the LoRA adapters (--json for scripts).",
+        epilog="Every command's --help lists its options.",
+    )
+    ap.add_argument("--version", action="version", version=f"{PROG} {_version()}",
+                    help="print the installed version and exit")  # fmt: skip
+    _common(ap)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{serve,status,adapters}")
     _serve_parser(sub)
     _status_parser(sub)
     _adapters_parser(sub)
     return ap
 
 
+def _fill_defaults(a: argparse.Namespace) -> None:
+    """Defaults of the options that were left out (SUPPRESS keeps them out while parsing)."""
+    if a.command == "serve":
+        return  # absent serve flags stay absent: the config file may set them
+    for name, default in (("socket", DEFAULT_SOCKET), ("json", False), ("wait", False),
+                          ("timeout", _TIMEOUTS[a.command]), ("prefix", ""), ("limit", 0)):  # fmt: skip
+        if not hasattr(a, name):
+            setattr(a, name, default)
+    if a.command == "adapters" and getattr(a, "action", None) is None:
+        a.action = "list"
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    _fill_defaults(a)
     try:
         return {"serve": cmd_serve, "status": cmd_status, "adapters": cmd_adapters}[a.command](a)
+    except CliError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # `memory-broker status | head`: the reader left; not an error worth a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as e:  # noqa: BLE001  (a bug: still one line, the traceback on request)
+        if os.environ.get("MEMORY_BROKER_DEBUG"):
+            raise
+        print(f"{PROG}: internal error: {type(e).__name__}: {e} (MEMORY_BROKER_DEBUG=1 shows the traceback)",
+              file=sys.stderr)  # fmt: skip
+        return 1
 
 
 if __name__ == "__main__":

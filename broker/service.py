@@ -345,6 +345,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             generation=st.generation if st is not None else 0,
             pin_count=st.pin_count if st is not None else 0,
             num_pages=st.num_pages if st is not None else 0,
+            image_state=pb.AdapterImageState.Value(f"ADAPTER_IMAGE_STATE_{self.adapters.image_state(info.adapter_id).upper()}"),
         )
 
     def _layout_msg(self, adapter_id: str, layout, generation: int, object_id: int, pages) -> pb.AdapterLayout:

@@ -15,8 +15,8 @@ import torch
 
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.clients import AdapterTables, BrokerClient
-from tests.adapter_fixtures import edit_config, copy_adapter, peft_dirs  # noqa: F401 - fixture
-from tests.conftest import ROOT, run_child, start_broker
+from adapter_fixtures import edit_config, copy_adapter, peft_dirs  # noqa: F401 - fixture
+from conftest import ROOT, run_child, start_broker
 
 
 def adapter_broker(state_dir: str | None = None, *extra: str):
@@ -198,7 +198,7 @@ def test_adapters_command_lists_registers_and_shows(peft_dirs):  # noqa: F811
 
 
 def test_adapter_metrics_move_with_acquires(peft_dirs):  # noqa: F811
-    from tests.test_ops import free_port, metric, scrape
+    from test_ops import free_port, metric, scrape
 
     port = free_port()
     b = adapter_broker(None, "--metrics-port", str(port))

@@ -41,3 +41,10 @@ def test_bench_rpc_small_run_prints_the_target_line():
 def test_bench_core_small_run_prints_the_steady_state_target(args):
     out = bench("bench_core.py", *args)
     assert "allocate+free, 1 page" in out and "target:" in out
+
+
+def test_bench_policy_quick_run_prints_every_trace_next_to_belady():
+    out = bench("bench_policy.py", "--quick")
+    for trace in ("| lab |", "| zipf |", "| shift |"):
+        assert trace in out, out
+    assert "Belady" in out and "adaptive / Belady" in out

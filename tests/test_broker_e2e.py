@@ -14,7 +14,7 @@ import torch
 
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.clients import BrokerClient, Spec
-from tests.conftest import ROOT, read_line, run_child, spawn_child, start_broker
+from conftest import ROOT, read_line, run_child, spawn_child, start_broker
 
 
 class ByteCounter(grpc.UnaryUnaryClientInterceptor):

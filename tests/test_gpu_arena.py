@@ -15,7 +15,7 @@ from memory_broker.broker.arena import ArenaGeometry
 from memory_broker.broker.arena.cuda import cuda_available
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.clients import BrokerClient, Spec
-from tests.conftest import read_line, run_child, spawn_child, start_broker
+from conftest import read_line, run_child, spawn_child, start_broker
 
 try:
     import torch

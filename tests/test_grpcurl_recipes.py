@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, start_broker
+from conftest import ROOT, start_broker
 
 DOC = os.path.join(ROOT, "ops", "grpcurl.md")
 BIN = os.path.dirname(sys.executable)

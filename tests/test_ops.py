@@ -20,7 +20,7 @@ import yaml
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.server.config import SCHEMA, ConfigError, build_options, load_config
 from memory_broker.clients import BrokerClient, Spec
-from tests.conftest import ROOT, short_tmpdir, start_broker, wait_serving
+from conftest import ROOT, short_tmpdir, start_broker, wait_serving
 
 UNIT = os.path.join(ROOT, "ops", "systemd", "memory-broker@.service")
 
@@ -84,6 +84,11 @@ def test_daemon_speaks_the_notify_protocol_ready_status_watchdog_stopping():
                 pass
 
     try:
+        # Start-up time depends on the machine's load; the pings are timed after READY.
+        deadline = time.monotonic() + 30.0
+        while not any("READY=1" in m for _, m in got) and time.monotonic() < deadline:
+            collect(time.monotonic() + 0.2)
+        got = [(t, m) for t, m in got if "READY=1" in m]
         collect(time.monotonic() + 3.0)
         ready = [m for _, m in got if "READY=1" in m]
         assert ready, got
@@ -133,6 +138,16 @@ def test_example_config_documents_every_key_and_loads():
         ("memory_pool: [1, 2]\n", "memory_pool: expected a mapping"),
         ("memory_pool:\n  pool_size: 1GiB\n  total_pages: 10\n", "not both"),
         ("memory_pool: {page_size: 2MiB\n", "not valid YAML"),
+        # A misspelled section is refused even when its value is empty, with the intended key.
+        ("memory_pool:\n  evicton: {}\n", "memory_pool.evicton: unknown key"),
+        ("memory_pool:\n  evicton: {}\n", "did you mean memory_pool.eviction?"),
+        ("adaptors: {}\n", "adaptors: unknown key"),
+        ("memory_pool:\n  eviction:\n    policies: {}\n", "did you mean memory_pool.eviction.policy?"),
+        ("logging:\n  fromat: json\n", "did you mean logging.format?"),
+        ("wibble: {}\n", "known keys at the top level: adapters, arena"),
+        ("logging:\n  format: fancy\n", "logging.format: 'fancy' is not one of auto, console, json"),
+        ("memory_pool:\n  pool_size: 4GB\n", "memory_pool.pool_size: '4GB': decimal units"),
+        ("listeners:\n  socket: /nonexistent-dir/b.sock\n", "listeners.socket (socket: the directory /nonexistent-dir does not exist"),
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, words):
@@ -141,6 +156,18 @@ def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, word
     with pytest.raises(ConfigError) as e:
         build_options(str(p), {})
     assert words in str(e.value)
+
+
+def test_log_format_comes_from_the_file_and_a_flag_overrides_it(tmp_path):
+    from memory_broker.broker.cli import build_parser, flag_overrides
+
+    p = tmp_path / "broker.yaml"
+    p.write_text("logging:\n  format: console\n")
+    assert build_options(None, {}).log_format == "auto"
+    assert build_options(str(p), {}).log_format == "console"
+    over = flag_overrides(build_parser().parse_args(["serve", "--log-format", "json"]))
+    assert build_options(str(p), over).log_format == "json"
+    assert flag_overrides(build_parser().parse_args(["serve", "--json"]))["log_format"] == "json"
 
 
 def test_adapter_image_settings_come_from_the_file_and_the_flags(tmp_path):

@@ -653,6 +653,17 @@ class AdapterManager:
         registered) without touching the registry: cheap enough for every row of a listing."""
         return self.describe(adapter_id) if adapter_id in self._entries else None
 
+    def image_state(self, adapter_id: str) -> str:
+        """The adapter's converted image: off, none, queued, converting or ready. In memory only
+        (no disk access): cheap enough for every row of a listing."""
+        if self.images is None:
+            return "off"
+        if self._converting is not None and self._converting[0] == adapter_id:
+            return "converting"
+        if adapter_id in self._convert_queue:
+            return "queued"
+        return "ready" if self.images.has(adapter_id) else "none"
+
     def layout(self, adapter_id: str) -> AdapterLayout:
         """An adapter's placement within its pages (the same for every generation)."""
         e = self._entries.get(adapter_id)

@@ -2,14 +2,17 @@
 
 A policy only orders the adapters resident in one tier. The manager tells it when an adapter
 enters the tier, is used, or leaves, and walks ``victims()`` skipping those it may not
-demote (acquired, loading). It never demotes anything itself. ``lru`` is the baseline;
-``lfu`` (frequency with history, recency breaking ties) and ``gdsf`` (GreedyDual-Size-
-Frequency: rarely used, large adapters go first) are the alternatives the benchmark compares.
+demote (acquired, loading). It never demotes anything itself. ``adaptive`` (the default:
+frequency with aging, whose memory length adapts to the traffic) is measured against Belady
+by ``ops/bench/bench_policy.py``; ``lru`` is the baseline, ``lfu`` (frequency with full
+history) and ``gdsf`` (GreedyDual-Size-Frequency) are the alternatives it compares.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Protocol
@@ -34,6 +37,9 @@ class TierPolicy(Protocol):
 
     def __len__(self) -> int: ...
 
+    def forget(self, key: str) -> None:
+        """Drop everything known about ``key`` (the adapter was unregistered)."""
+
 
 class LRUPolicy:
     """Least recently used first."""
@@ -53,6 +59,8 @@ class LRUPolicy:
 
     def remove(self, key: str) -> None:
         self._order.pop(key, None)
+
+    forget = remove
 
     def victims(self) -> Iterator[str]:
         return iter(list(self._order))
@@ -151,6 +159,8 @@ class GDSFPolicy:
             for d in (self._size, self._freq, self._prio, self._last):
                 d.pop(key, None)
 
+    forget = remove
+
     def victims(self) -> Iterator[str]:
         p, last = self._prio, self._last
         return iter(sorted(self._size, key=lambda k: (p[k], last[k])))
@@ -162,7 +172,135 @@ class GDSFPolicy:
         return len(self._size)
 
 
-POLICIES = {LRUPolicy.name: LRUPolicy, LFUPolicy.name: LFUPolicy, GDSFPolicy.name: GDSFPolicy}
+class _AgedFrequency:
+    """Use counts that halve every ``half_life`` ticks of a clock that advances on misses.
+
+    A count is kept as ``log2(count) + clock / half_life`` at its last update: two adapters'
+    order never changes while neither is used, so the order can live in a heap.
+    """
+
+    __slots__ = ("half_life", "clock", "key")
+
+    def __init__(self, half_life: float) -> None:
+        self.half_life = half_life
+        self.clock = 0
+        self.key: dict[str, float] = {}
+
+    def bump(self, k: str) -> float:
+        old = self.key.get(k)
+        now = self.clock / self.half_life
+        count = 2.0 ** (old - now) if old is not None else 0.0
+        self.key[k] = new = math.log2(count + 1.0) + now
+        return new
+
+
+class _Ghost:
+    """The keys a tier of the same size would hold if it evicted by one ``_AgedFrequency``.
+
+    Holds names only (no memory of the adapters); its recent hit rate says how well that
+    memory length suits the traffic now.
+    """
+
+    __slots__ = ("freq", "held", "heap", "hit_rate")
+
+    def __init__(self, freq: _AgedFrequency) -> None:
+        self.freq = freq
+        self.held: set[str] = set()
+        self.heap: list[tuple[float, str]] = []  # (key, name); stale entries are skipped
+        self.hit_rate = 0.5
+
+    def use(self, k: str, capacity: int, new_key: float) -> None:
+        hit = k in self.held
+        if not hit:
+            while len(self.held) >= max(1, capacity) and self.heap:
+                key, victim = heapq.heappop(self.heap)
+                if victim in self.held and victim != k and self.freq.key.get(victim) == key:
+                    self.held.discard(victim)
+            self.held.add(k)
+        heapq.heappush(self.heap, (new_key, k))
+        if len(self.heap) > 4 * len(self.held) + 64:  # drop stale entries now and then
+            self.heap = [(self.freq.key[n], n) for n in self.held]
+            heapq.heapify(self.heap)
+        self.hit_rate += (float(hit) - self.hit_rate) / 500.0
+
+    def forget(self, k: str) -> None:
+        self.held.discard(k)
+
+
+class AdaptivePolicy:
+    """Least frequently used first, with counts that age, and the aging rate chosen by the
+    traffic: the default of both tiers.
+
+    Plain LFU keeps stale popularity forever (it fails when popularity shifts); plain LRU
+    forgets frequency (it loses on skewed traffic). Here each use adds one to a count that
+    halves every ``half_lives[i]`` misses of the tier (misses, not uses: steady traffic ages
+    nothing, a shift in popularity ages fast). One ghost tier per half-life (names only, the
+    same size as the real tier) tracks how each would have done lately, and victims come in
+    the order of whichever is ahead. The least recent goes first among equal counts.
+
+    Args:
+        half_lives: the memory lengths to choose between, in misses (one short, one as good
+            as unbounded by default).
+    """
+
+    name = "adaptive"
+
+    def __init__(self, half_lives: tuple[float, ...] = (300.0, 1e6)) -> None:
+        self._freqs = [_AgedFrequency(h) for h in half_lives]
+        self._ghosts = [_Ghost(f) for f in self._freqs]
+        self._resident: set[str] = set()
+        self._last: dict[str, int] = {}
+        self._tick = itertools.count()
+
+    def insert(self, key: str, size: int) -> None:
+        if key not in self._resident:
+            self._resident.add(key)
+            for f in self._freqs:
+                f.clock += 1
+        self._last[key] = next(self._tick)
+
+    def access(self, key: str) -> None:
+        self._last[key] = next(self._tick)
+        capacity = len(self._resident)
+        for f, g in zip(self._freqs, self._ghosts):
+            g.use(key, capacity, f.bump(key))
+
+    def remove(self, key: str) -> None:
+        self._resident.discard(key)
+
+    def forget(self, key: str) -> None:
+        self._resident.discard(key)
+        self._last.pop(key, None)
+        for f, g in zip(self._freqs, self._ghosts):
+            f.key.pop(key, None)
+            g.forget(key)
+
+    @property
+    def half_life(self) -> float:
+        """The memory length in force now (misses)."""
+        return self._leader().half_life
+
+    def _leader(self) -> _AgedFrequency:
+        return max(zip(self._ghosts, self._freqs), key=lambda gf: gf[0].hit_rate)[1]
+
+    def victims(self) -> Iterator[str]:
+        key, last = self._leader().key, self._last
+        return iter(sorted(self._resident, key=lambda k: (key.get(k, -math.inf), last.get(k, 0))))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._resident
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+
+POLICIES = {
+    AdaptivePolicy.name: AdaptivePolicy,
+    LRUPolicy.name: LRUPolicy,
+    LFUPolicy.name: LFUPolicy,
+    GDSFPolicy.name: GDSFPolicy,
+}
+DEFAULT_POLICY = AdaptivePolicy.name
 
 
 def make_tier_policy(name: str) -> TierPolicy:

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import yaml
 
-from memory_broker.broker.server.options import ServeOptions, parse_size
+from memory_broker.broker.adapters.policy import POLICIES
+from memory_broker.broker.server.options import LOG_FORMATS, ServeOptions, parse_size
 
 
 class ConfigError(ValueError):
@@ -115,8 +116,8 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "adapters.image_cache": ("adapter_image_cache", _bool),
     "adapters.image_budget": ("adapter_image_budget", _size),
     "adapters.convert_ahead": ("adapter_convert_ahead", _bool),
-    "adapters.hot_policy": ("adapter_hot_policy", _choice("lru", "lfu", "gdsf")),
-    "adapters.warm_policy": ("adapter_warm_policy", _choice("lru", "lfu", "gdsf")),
+    "adapters.hot_policy": ("adapter_hot_policy", _choice(*POLICIES)),
+    "adapters.warm_policy": ("adapter_warm_policy", _choice(*POLICIES)),
     "arena.backend": ("arena", _choice("auto", "host", "cuda")),
     "arena.device": ("device", lambda v, k: _str(str(v), k)),
     "listeners.socket": ("socket", _str),
@@ -128,6 +129,7 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "security.allowed_uids": ("allowed_uids", _uids),
     "state_dir": ("state_dir", _str),
     "logging.level": ("log_level", _choice("debug", "info", "warning", "error")),
+    "logging.format": ("log_format", _choice(*LOG_FORMATS)),
     "shutdown.grace": ("grace_s", parse_duration),
     "status_interval": ("status_interval_s", parse_duration),
 }
@@ -139,25 +141,47 @@ RELOADABLE = frozenset({
 })  # fmt: skip
 
 
-def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if not isinstance(k, str):
-                raise ConfigError(f"{prefix or 'top level'}: key {k!r} is not a string")
-            key = f"{prefix}.{k}" if prefix else k
-            is_section = key not in SCHEMA and any(k.startswith(key + ".") for k in SCHEMA)
-            if is_section and v is None:
-                continue  # a section whose keys are all commented out
-            if is_section and not isinstance(v, dict):
-                raise ConfigError(f"{key}: expected a mapping of keys, got {type(v).__name__}")
-            if isinstance(v, dict):
-                if key in SCHEMA:
-                    raise ConfigError(f"{key}: expected a value, got a mapping")
-                _flatten(v, key, out)
-            else:
-                out[key] = v
+# Section paths ("memory_pool", "memory_pool.eviction", ...): the mappings a file may hold.
+SECTIONS = frozenset(k.rsplit(".", i)[0] for k in SCHEMA for i in range(1, k.count(".") + 1))
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    """Refuse ``key``, suggesting the closest known key or section at the same depth."""
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = sorted(
+        k for k in (*SCHEMA, *SECTIONS) if k.count(".") == key.count(".") and (k.rsplit(".", 1)[0] if "." in k else "") == parent
+    )
+    leaves = [k.rsplit(".", 1)[-1] for k in siblings]
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], leaves, n=1, cutoff=0.7)
+    if near:
+        hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)"
     else:
+        hint = f"; known keys {'in ' + parent if parent else 'at the top level'}: {', '.join(leaves)}"
+    return ConfigError(f"{key}: unknown key{where}{hint}")
+
+
+def _flatten(node: Any, prefix: str, out: dict[str, Any], where: str = "") -> None:
+    """``{"a": {"b": 1}}`` -> ``out["a.b"] = 1``. Refuses, at any depth, a key that is neither
+    a setting nor a section (even one whose value is empty), and a mapping where a value
+    belongs or the reverse."""
+    if not isinstance(node, dict):
         raise ConfigError(f"{prefix or 'the file'}: expected a mapping of keys, got {type(node).__name__}")
+    for k, v in node.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"{prefix or 'top level'}: key {k!r} is not a string")
+        key = f"{prefix}.{k}" if prefix else k
+        if key in SCHEMA:
+            if isinstance(v, dict):
+                raise ConfigError(f"{key}: expected a value, got a mapping")
+            out[key] = v
+        elif key in SECTIONS:
+            if v is None:
+                continue  # a section whose keys are all commented out
+            if not isinstance(v, dict):
+                raise ConfigError(f"{key}: expected a mapping of keys, got {type(v).__name__}")
+            _flatten(v, key, out, where)
+        else:
+            raise _unknown_key(key, where)
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -172,13 +196,9 @@ def load_config(path: str) -> dict[str, Any]:
     if raw is None:
         return {}
     flat: dict[str, Any] = {}
-    _flatten(raw, "", flat)
+    _flatten(raw, "", flat, f" in {path}")
     values: dict[str, Any] = {}
     for key, v in flat.items():
-        if key not in SCHEMA:
-            near = difflib.get_close_matches(key, SCHEMA.keys(), n=1)
-            hint = f" (did you mean {near[0]}?)" if near else f"; known keys: {', '.join(sorted(SCHEMA))}"
-            raise ConfigError(f"{key}: unknown key in {path}{hint}")
         field_name, parse = SCHEMA[key]
         values[field_name] = parse(v, key)
     if "_total_pages" in values:

@@ -1,33 +1,75 @@
-"""structlog set-up: JSON lines on stdout (journald keeps them), one key per fact.
+"""structlog set-up: one event per line on stdout, one key per fact, rendered by structlog's own
+renderers: JSON lines where a program reads them (journald, a file, a pipe), aligned
+human-readable lines (ConsoleRenderer) on a terminal, or either one forced by ``--log-format``.
 
-Only the process entry point calls ``configure``; library code takes a bound logger.
+Only the process entry point calls ``configure`` (and a reload, to change the level);
+library code takes a bound logger.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
+from memory_broker.broker.server.options import LOG_FORMATS
 
-def configure(level: str = "info") -> structlog.typing.FilteringBoundLogger:
+# The format the last ``configure`` chose ("auto" resolved), kept when a reload changes only
+# the level.
+_format: str | None = None
+
+
+def resolve_format(fmt: str, stream: TextIO) -> str:
+    """``auto`` -> ``console`` on a terminal, ``json`` otherwise; the others as given."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}; use {', '.join(LOG_FORMATS)}")
+    if fmt != "auto":
+        return fmt
+    isatty = getattr(stream, "isatty", None)
+    return "console" if isatty is not None and isatty() else "json"
+
+
+def configure(
+    level: str = "info", fmt: str | None = None, stream: TextIO | None = None
+) -> structlog.typing.FilteringBoundLogger:
+    """Route structlog events at ``level`` and above to ``stream`` (default stdout).
+
+    Args:
+        level: debug, info, warning or error.
+        fmt: auto, console or json; None keeps the format of the previous call (auto at first).
+        stream: where lines go; ``auto`` asks it whether it is a terminal.
+    Raises:
+        ValueError: an unknown level or format.
+    """
+    global _format
     lvl = getattr(logging, level.upper(), None)
     if not isinstance(lvl, int):
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
-    # One line per event, promptly: stdout is a pipe to journald (or a file), not a tty.
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(line_buffering=True)
+    stream = stream if stream is not None else sys.stdout
+    chosen = resolve_format(fmt, stream) if fmt is not None else (_format or resolve_format("auto", stream))
+    # One line per event, promptly: stdout is often a pipe to journald or a file.
+    if hasattr(stream, "reconfigure"):
+        stream.reconfigure(line_buffering=True)
+    if chosen == "console":
+        colors = bool(getattr(stream, "isatty", lambda: False)())
+        renderer = structlog.dev.ConsoleRenderer(colors=colors)
+        exc = []  # ConsoleRenderer formats exceptions itself
+    else:
+        renderer = structlog.processors.JSONRenderer()
+        exc = [structlog.processors.format_exc_info]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            *exc,
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+    _format = chosen
     return structlog.get_logger("memory-broker")

@@ -1,7 +1,8 @@
 """What ``memory-broker serve`` is told: every setting with its default, checked at start.
 
-Sizes are written the way people write them ("2MiB", "1GiB", "512KiB", or plain bytes).
-A bad value is refused with a message that names the setting.
+Sizes are binary and written the way people write them ("2MiB", "1GiB", "512KiB", "1G", or
+plain bytes); "1GB" is refused with a hint rather than guessed. A bad value is refused with
+a message that names the setting.
 """
 
 from __future__ import annotations
@@ -10,25 +11,49 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
+
+# Binary units only: a GPU page is 2 MiB, not 2 MB. The single letters (1G, 512K) are binary
+# too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to
+# some readers and powers of two to others, and a pool size is no place to guess.
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
-    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+    "k": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tib": 1 << 40,
 }  # fmt: skip
+_DECIMAL = {"kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB"}
+
+LOG_FORMATS = ("auto", "console", "json")
 
 DEFAULT_SOCKET = os.environ.get("MEMORY_BROKER_SOCKET", "/tmp/memory-broker.sock")
 
 
-def parse_size(text: str | int, what: str) -> int:
-    """'2MiB' -> 2097152. Binary units throughout (a GPU page is 2 MiB, not 2 MB)."""
-    if isinstance(text, int):
+def parse_size(text: str | int, what: str | None = None) -> int:
+    """'2MiB' -> 2097152: bytes, or a number with K/KiB, M/MiB, G/GiB or T/TiB (binary).
+
+    Raises:
+        ValueError: not a size, a decimal unit (GB), or not a whole number of bytes; the
+            message starts with ``what:`` when given.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
+    head = f"{what}: " if what else ""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if m and m.group(2).lower() in _DECIMAL:
+        unit = _DECIMAL[m.group(2).lower()]
+        raise ValueError(
+            f"{head}{text!r}: decimal units (kB, MB, GB, TB) are not accepted; sizes are binary: "
+            f"write {m.group(1)}{unit} ({m.group(1)} x 2^{_UNITS[unit.lower()].bit_length() - 1} bytes) "
+            f"or a number of bytes"
+        )
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what}: cannot read {text!r} as a size; write e.g. 2MiB, 512KiB, 1GiB or bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ValueError(f"{head}cannot read {text!r} as a size; write e.g. 2MiB, 512KiB, 1GiB or a number of bytes")
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n != int(n):
+        raise ValueError(f"{head}{text!r} is not a whole number of bytes ({n:g})")
+    return int(n)
 
 
 def format_size(n: int) -> str:
@@ -71,6 +96,8 @@ class ServeOptions:
     # Seconds SIGTERM waits for in-flight calls.
     grace_s: float = 10.0
     log_level: str = "info"
+    # auto (human-readable on a terminal, JSON lines otherwise) | console | json
+    log_format: str = "auto"
     # Most pins one session may hold at once (0 = no limit).
     max_pins_per_session: int = 0
     # Permissions for the two sockets (None: follow the umask) and their group (engines').
@@ -78,7 +105,7 @@ class ServeOptions:
     socket_group: str | None = None
     # LoRA adapters: storage dtype of hot rows (what the kernels read), the largest rank
     # accepted at registration, tier budgets (0 = bounded only by the pool for hot), int8
-    # warm images, and each tier's victim policy (lru, lfu, gdsf).
+    # warm images, and each tier's victim policy (adaptive, lru, lfu, gdsf).
     adapter_dtype: str = "bfloat16"
     adapter_max_rank: int = 256
     hot_tier_pages: int = 0
@@ -90,8 +117,8 @@ class ServeOptions:
     adapter_image_cache: bool = True
     adapter_image_budget: int = 64 << 30
     adapter_convert_ahead: bool = True
-    adapter_hot_policy: str = "lru"
-    adapter_warm_policy: str = "lru"
+    adapter_hot_policy: str = DEFAULT_POLICY
+    adapter_warm_policy: str = DEFAULT_POLICY
     # Prometheus endpoint (0 = off).
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
@@ -108,6 +135,20 @@ class ServeOptions:
 
     def effective_uids(self) -> frozenset[int]:
         return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid()})
+
+    def _check_socket_dir(self) -> None:
+        """The socket's directory must exist and take new files (the socket, .fds, .lock)."""
+        d = os.path.dirname(os.path.abspath(self.socket))
+        if not os.path.isdir(d):
+            raise ValueError(
+                f"socket: the directory {d} does not exist; create it (mkdir -p {d}) "
+                f"or choose a socket path in an existing directory"
+            )
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"socket: cannot create files in {d} (permission denied for uid {os.getuid()}); "
+                f"run as a user who may, or choose a socket path in a writable directory"
+            )
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -138,6 +179,9 @@ class ServeOptions:
             raise ValueError(f"tcp_port: {self.tcp_port}; must be 0..65535")
         if len(self.fd_socket.encode()) > 107:
             raise ValueError(f"socket: {self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)")
+        self._check_socket_dir()
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format: {self.log_format!r}; must be {', '.join(LOG_FORMATS)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s: {self.grace_s}; must be >= 0")
         if self.max_pins_per_session < 0:
@@ -154,8 +198,8 @@ class ServeOptions:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: {getattr(self, name)}; must be >= 0")
         for name in ("adapter_hot_policy", "adapter_warm_policy"):
-            if getattr(self, name) not in ("lru", "lfu", "gdsf"):
-                raise ValueError(f"{name}: {getattr(self, name)!r}; must be lru, lfu or gdsf")
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name}: {getattr(self, name)!r}; must be one of {', '.join(POLICIES)}")
         if self.socket_group is not None:
             import grp
 

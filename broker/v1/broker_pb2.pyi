@@ -28,6 +28,15 @@ class AdapterTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADAPTER_TIER_HOT: _ClassVar[AdapterTier]
     ADAPTER_TIER_WARM: _ClassVar[AdapterTier]
     ADAPTER_TIER_COLD: _ClassVar[AdapterTier]
+
+class AdapterImageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_IMAGE_STATE_UNSPECIFIED: _ClassVar[AdapterImageState]
+    ADAPTER_IMAGE_STATE_OFF: _ClassVar[AdapterImageState]
+    ADAPTER_IMAGE_STATE_NONE: _ClassVar[AdapterImageState]
+    ADAPTER_IMAGE_STATE_QUEUED: _ClassVar[AdapterImageState]
+    ADAPTER_IMAGE_STATE_CONVERTING: _ClassVar[AdapterImageState]
+    ADAPTER_IMAGE_STATE_READY: _ClassVar[AdapterImageState]
 CONTENT_TYPE_UNSPECIFIED: ContentType
 CONTENT_TYPE_KV_CACHE: ContentType
 CONTENT_TYPE_LORA_WEIGHT: ContentType
@@ -41,6 +50,12 @@ ADAPTER_TIER_UNSPECIFIED: AdapterTier
 ADAPTER_TIER_HOT: AdapterTier
 ADAPTER_TIER_WARM: AdapterTier
 ADAPTER_TIER_COLD: AdapterTier
+ADAPTER_IMAGE_STATE_UNSPECIFIED: AdapterImageState
+ADAPTER_IMAGE_STATE_OFF: AdapterImageState
+ADAPTER_IMAGE_STATE_NONE: AdapterImageState
+ADAPTER_IMAGE_STATE_QUEUED: AdapterImageState
+ADAPTER_IMAGE_STATE_CONVERTING: AdapterImageState
+ADAPTER_IMAGE_STATE_READY: AdapterImageState
 
 class ObjectSpec(_message.Message):
     __slots__ = ("num_pages", "contiguous", "content_type", "key", "pin")
@@ -309,7 +324,7 @@ class ContentStats(_message.Message):
     def __init__(self, content_type: _Optional[_Union[ContentType, str]] = ..., objects: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("adapter_id", "path", "rank", "lora_alpha", "use_rslora", "target_modules", "num_layers", "file_bytes", "registered_at", "tier", "generation", "pin_count", "num_pages")
+    __slots__ = ("adapter_id", "path", "rank", "lora_alpha", "use_rslora", "target_modules", "num_layers", "file_bytes", "registered_at", "tier", "generation", "pin_count", "num_pages", "image_state")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +338,7 @@ class Adapter(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PIN_COUNT_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STATE_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     path: str
     rank: int
@@ -336,7 +352,8 @@ class Adapter(_message.Message):
     generation: int
     pin_count: int
     num_pages: int
-    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., registered_at: _Optional[float] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., generation: _Optional[int] = ..., pin_count: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    image_state: AdapterImageState
+    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., registered_at: _Optional[float] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., generation: _Optional[int] = ..., pin_count: _Optional[int] = ..., num_pages: _Optional[int] = ..., image_state: _Optional[_Union[AdapterImageState, str]] = ...) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
     __slots__ = ("adapter_id", "path")

@@ -18,7 +18,8 @@ SPEC=${HF_KERNELS_SPEC:-kernels==0.17.2}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-deps=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# Every site-packages directory the interpreter sees (one venv may reach another's by a .pth).
+deps=$("$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("site-packages")))')
 echo "building this project's wheel"
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheels" . >/dev/null
 if [ -n "${HF_KERNELS_WHEEL:-}" ]; then
