@@ -13,8 +13,6 @@ automatically (no TRITON_INTERPRET); with one, a CUDA arena and the Triton kerne
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
