@@ -5,7 +5,9 @@ kernels, reading the weights straight out of the arena's pages.
 ``LoraBatch`` owns one step's metadata (each token's slot, the slot -> adapter list, the
 kernels' plan, the arena view); ``LoRALinear`` owns only its base ``nn.Linear`` and its
 (layer, modules) address; ``wrap_model`` installs LoRALinear layers in a decoder model and
-returns the ``LoraModel`` handle through which an engine runs a step. This module never
+returns the ``LoraModel`` handle through which an engine runs a step (or a whole greedy
+decode, ``LoraModel.generate``). The deltas run where ``kernels.dispatch`` says: the Triton
+kernels for an arena on a GPU, the torch path for one on the CPU. This module never
 talks to the broker: leases come from ``BrokerClient.acquire_adapters``, offset tables from
 ``AdapterTables``, and the delta is inference-only (the kernels record no autograd graph).
 """
@@ -13,6 +15,7 @@ talks to the broker: leases come from ``BrokerClient.acquire_adapters``, offset 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from torch import nn
 
 from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
+from memory_broker.kernels.dispatch import Backend, BackendChoice, choose_backend, lora_apply
 
 if TYPE_CHECKING:
     from memory_broker.clients.adapters import AdapterLease
@@ -81,6 +85,8 @@ class LoraBatch:
     row_align: int
     # Builds offset tables and caches them per (adapters, generations, layer, modules).
     table_cache: AdapterTables
+    # What computes the deltas: "triton" (the kernels, arena on a GPU) or "torch" (a CPU arena).
+    backend: Backend = "triton"
     # (layer, modules) -> this step's launches; see ``launches``.
     _launches: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -95,6 +101,7 @@ class LoraBatch:
         *,
         path: PathChoice = "auto",
         block_m: int = DEFAULT_BLOCK_M,
+        backend: BackendChoice = "auto",
     ) -> LoraBatch:
         """The metadata for one step whose tokens are the sequences' tokens back to back.
 
@@ -109,12 +116,15 @@ class LoraBatch:
             lease: the step's adapters, from ``acquire_adapters``.
             tables: where offset tables are built and cached; on the arena's device.
             path, block_m: for ``plan_batch`` ("auto" picks from tokens per adapter).
+            backend: for ``kernels.dispatch.choose_backend``: "auto" runs the Triton kernels
+                for an arena on a GPU and the torch path for one on the CPU (logged once).
 
         Raises:
             ValueError: mismatched lengths, a length below 1, a sequence whose adapter the
                 lease deferred (leave it out: see ``admitted_sequences``), adapters of
-                different dtypes, a table cache on another device than the arena, or an
-                arena tensor that does not reach an adapter's pages.
+                different dtypes, a table cache on another device than the arena, an
+                arena tensor that does not reach an adapter's pages, or a backend that
+                cannot run on the arena's device.
             RuntimeError: an adapter the lease does not hold (never acquired), or a released lease.
         """
         if len(seq_adapters) != len(seq_lens):
@@ -185,7 +195,10 @@ class LoraBatch:
                 segments.append(Segment(start, start + n, slot))
             start += n
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
-        return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables)
+        chosen = choose_backend(tables.device, backend)
+        return cls(
+            token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -315,15 +328,13 @@ class LoRALinear(nn.Module):
                 f"layer {self.layer} {'+'.join(self.module_names)} got {tokens.shape[0]} tokens "
                 f"(input shape {tuple(x.shape)}) but the step's batch has {batch.num_tokens}"
             )
-        from memory_broker.kernels import lora_apply  # Triton loads on first use, after TRITON_INTERPRET is set
-
         xk = tokens.to(batch.arena.dtype)
         flat = out.view(-1, self.out_features)
         for slices, (a_off, b_off, ranks, scalings) in launches:
             lora_apply(
                 xk, flat, batch.arena, a_off, b_off, ranks, scalings, batch.token_slot,
                 [self.slice_offsets[j] for j in slices], [self.slice_sizes[j] for j in slices],
-                plan=batch.plan, row_align=batch.row_align,
+                plan=batch.plan, row_align=batch.row_align, backend=batch.backend,
             )  # fmt: skip
         return out
 
@@ -363,6 +374,117 @@ class LoraModel:
     def step(self, batch: LoraBatch | None):
         """``with lora.step(batch): model(...)`` runs the model with each token's adapter."""
         return self.context.step(batch)
+
+    def generate(
+        self,
+        source: BrokerClient | torch.Tensor,
+        lease: AdapterLease,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        seq_adapters: Sequence[str | None],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        output_logits: bool = False,
+        path: PathChoice = "auto",
+    ) -> Generation:
+        """Greedy decoding of a batch whose sequences use different adapters (or none).
+
+        HF's ``model.generate()`` cannot run under ``step``: a step's batch is sized for one
+        forward, and generate runs many. This is the loop that does work, the way an engine
+        runs it: one prefill of the prompts, left-padded to one length (attention mask and
+        position ids as HF's generate builds them, padding tokens carry their sequence's
+        adapter and are masked out), then one token per sequence per step through the model's
+        KV cache, each step under a batch of ``seq_lens`` 1 (built once, reused every step).
+
+        Args:
+            source, lease: as for ``batch``; the lease must hold every adapter used until
+                this returns.
+            prompts: per sequence, its token ids (at least one).
+            seq_adapters: per sequence, the adapter id, or None for the base model.
+            max_new_tokens: tokens to generate per sequence (0: none, nothing runs).
+            eos_token_id: a sequence that emits it stops (its list ends with it); the batch
+                stops when all have.
+            pad_token_id: the left padding, and what finished sequences are fed; default
+                eos_token_id, else 0 (masked out either way).
+            output_logits: also return every step's logits (fp32 [B, steps, vocab]).
+            path: for ``plan_batch``, every step ("auto": segment for long prefills).
+
+        Returns:
+            A ``Generation``: per sequence, the new tokens, as HF's greedy ``generate`` would
+            give them for that sequence alone with its adapter (up to floating-point order).
+
+        Raises:
+            ValueError: mismatched lengths, an empty prompt, a negative max_new_tokens, or
+                what ``LoraBatch.build`` refuses (e.g. a sequence of a deferred adapter).
+        """
+        if len(prompts) != len(seq_adapters):
+            raise ValueError(f"{len(prompts)} prompts but {len(seq_adapters)} sequence adapters")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        rows = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+        empty = [i for i, p in enumerate(rows) if not p]
+        if empty:
+            raise ValueError(f"prompts {empty} are empty; each needs at least one token")
+        num_seqs = len(rows)
+        if max_new_tokens == 0 or num_seqs == 0:
+            return Generation([[] for _ in rows], None)
+        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in rows)
+        ids = torch.full((num_seqs, width), pad, dtype=torch.long)
+        mask = torch.zeros((num_seqs, width), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        # Positions count real tokens only, as HF's generate derives them from the mask.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        prefill = self.batch(source, seq_adapters, [width] * num_seqs, lease, path=path)
+        decode = self.batch(source, seq_adapters, [1] * num_seqs, lease, path=path)
+        extra = {}
+        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
+            extra["logits_to_keep"] = 1  # the last position's logits only
+
+        new: list[list[int]] = [[] for _ in rows]
+        steps: list[torch.Tensor] = []
+        done = torch.zeros(num_seqs, dtype=torch.bool, device=device)
+        with torch.inference_mode():
+            with self.step(prefill):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+            for n in range(max_new_tokens):
+                logits = out.logits[:, -1, :].float()
+                if output_logits:
+                    steps.append(logits)
+                token = logits.argmax(-1)
+                if eos_token_id is not None:
+                    token = torch.where(done, torch.full_like(token, pad), token)
+                for i, (t, finished) in enumerate(zip(token.tolist(), done.tolist())):
+                    if not finished:
+                        new[i].append(t)
+                if eos_token_id is not None:
+                    done |= token == eos_token_id
+                if n == max_new_tokens - 1 or bool(done.all()):
+                    break
+                mask = torch.cat([mask, torch.ones((num_seqs, 1), dtype=mask.dtype, device=device)], dim=1)
+                positions = positions[:, -1:] + 1
+                with self.step(decode):
+                    out = self.model(
+                        input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                        past_key_values=out.past_key_values, use_cache=True, **extra,
+                    )  # fmt: skip
+        return Generation(new, torch.stack(steps, dim=1) if output_logits else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What ``LoraModel.generate`` returns."""
+
+    # Per sequence, its new tokens in order (ending with eos_token_id if it emitted it).
+    tokens: list[list[int]]
+    # fp32 [B, steps, vocab]: each step's logits (rows of finished sequences included); None
+    # unless output_logits was asked for.
+    logits: torch.Tensor | None
 
 
 def wrap_model(

@@ -2,10 +2,12 @@
 reference and a fake-arena builder for tests and benchmarks.
 
 ``lora_ops`` holds the Triton shrink/expand kernels, ``batch_plan`` the per-step metadata
-and path choice, ``reference`` the torch reference, ``testing`` the fake paged arena, and
-``compile_check`` compiles the kernels for a GPU target where no GPU is present.
-Triton is imported only when a kernel name is first used, so ``kernels.reference`` and
-``kernels.batch_plan`` work without it (and TRITON_INTERPRET can be set before it loads).
+and path choice, ``reference`` the torch reference, ``dispatch`` the choice between them
+(``lora_apply`` here: Triton for an arena on a GPU, the torch path on a CPU), ``testing`` the
+fake paged arena, and ``compile_check`` compiles the kernels for a GPU target where no GPU is
+present. Triton is imported only when a Triton kernel is first used, so the torch path,
+``kernels.reference`` and ``kernels.batch_plan`` work without it (and TRITON_INTERPRET can be
+set before it loads).
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from .batch_plan import BatchPlan, SegmentTiles, choose_path, plan_batch
+from .dispatch import choose_backend, lora_apply
 
-_KERNEL_NAMES = frozenset({"shrink", "expand", "lora_apply", "RANK_BLOCK"})
+# Names served by the Triton module itself (imported on first use).
+_KERNEL_NAMES = frozenset({"shrink", "expand", "RANK_BLOCK"})
 
-__all__ = ["BatchPlan", "SegmentTiles", "choose_path", "plan_batch", *sorted(_KERNEL_NAMES)]
+__all__ = ["BatchPlan", "SegmentTiles", "choose_backend", "choose_path", "lora_apply", "plan_batch",
+           *sorted(_KERNEL_NAMES)]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

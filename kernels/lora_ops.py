@@ -22,6 +22,11 @@ import triton.language as tl
 
 from .batch_plan import BatchPlan, PathChoice, plan_batch
 
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # a Triton without an interpreter: nothing here is interpreted
+    InterpretedFunction = ()
+
 # Rows of A or Bᵀ per block, in both paths; the unit in which a slot's rank is rounded up.
 RANK_BLOCK = 16
 MAX_SLICES = 3
@@ -237,6 +242,13 @@ def _expand_segment_kernel(
     tl.store(o_ptrs, (o.to(tl.float32) + scaling * acc).to(o.dtype), mask=o_ok)
 
 
+# True when Triton's interpreter runs these kernels (TRITON_INTERPRET=1 was set before triton
+# loaded): numpy on the host, CPU tensors allowed. Its bfloat16 differs from a GPU's in two
+# ways the launchers work around (see ``shrink`` and ``expand``): tl.dot multiplies bf16 bit
+# patterns as integers, and an fp32 -> bf16 cast truncates instead of rounding to nearest.
+INTERPRETED = isinstance(_shrink_token_kernel, InterpretedFunction)
+
+
 def segment_shrink_block_n(num_slices: int, max_rank: int) -> int:
     """Columns per segment-shrink program: all (slice, row) columns at once up to 128."""
     return min(SEGMENT_SHRINK_MAX_BLOCK_N, max(RANK_BLOCK, triton.next_power_of_2(num_slices * max_rank)))
@@ -260,6 +272,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _check_common(
     arena: torch.Tensor, offsets: torch.Tensor, ranks: torch.Tensor, token_slot: torch.Tensor, name: str
 ) -> None:
+    if arena.device.type != "cuda" and not INTERPRETED:
+        # Triton would fail later with "0 active drivers", which says nothing about the fix.
+        raise ValueError(
+            f"the Triton LoRA kernels need CUDA tensors, got an arena on {arena.device}; on a machine "
+            "without a GPU call memory_broker.kernels.lora_apply (it picks the torch path), or set "
+            "TRITON_INTERPRET=1 before triton is first imported to run these kernels interpreted"
+        )
     if arena.dim() != 1 or arena.stride(0) != 1:
         raise ValueError(
             f"arena must be a contiguous 1-D tensor, got shape {tuple(arena.shape)} stride {arena.stride()}"
@@ -346,6 +365,10 @@ def shrink(
     plan = _plan_for(plan, token_slot, num_slots, path)
     if num_tokens == 0 or num_slots == 0 or max_rank == 0:
         return y
+    if INTERPRETED and arena.dtype == torch.bfloat16 and plan.path == "segment":
+        # The interpreter's bf16 tl.dot is wrong; fp32 copies are exact and its fp32 dot is right.
+        # (A copy of the whole arena: the interpreter is for tests and debugging.)
+        x, arena = x.float(), arena.float()
     if plan.path == "token":
         grid = (num_tokens, num_slices, triton.cdiv(max_rank, RANK_BLOCK))
         _shrink_token_kernel[grid](
@@ -433,11 +456,23 @@ def expand(
     max_width = max(slice_sizes)
     if num_tokens == 0 or num_slots == 0 or max_rank == 0 or max_width == 0:
         return out
+    if INTERPRETED and out.dtype == torch.bfloat16:
+        # The interpreter truncates fp32 -> bf16; a GPU rounds to nearest even. Run on an fp32
+        # copy (untouched entries convert back exactly, -0.0 included) and let torch round.
+        wide = out.float()
+        _expand(y, arena, b_offsets, ranks, scalings, token_slot, wide, slice_offsets, slice_sizes, plan, row_align)
+        return out.copy_(wide)
+    return _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets, slice_sizes, plan, row_align)
+
+
+def _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets, slice_sizes, plan, row_align):
+    num_tokens = token_slot.shape[0]
+    num_slices = b_offsets.shape[1]
     # Unused slice parameters repeat slice 0 so every select has a valid value.
     offs = list(slice_offsets) + [slice_offsets[0]] * (MAX_SLICES - num_slices)
     sizes = list(slice_sizes) + [slice_sizes[0]] * (MAX_SLICES - num_slices)
     if plan.path == "token":
-        grid = (num_tokens, num_slices, triton.cdiv(max_width, TOKEN_EXPAND_BLOCK_N))
+        grid = (num_tokens, num_slices, triton.cdiv(max(slice_sizes), TOKEN_EXPAND_BLOCK_N))
         _expand_token_kernel[grid](
             y, arena, b_offsets, ranks, scalings, token_slot, out,
             *offs, *sizes,
@@ -448,7 +483,7 @@ def expand(
         )  # fmt: skip
     else:
         seg = plan.segments
-        grid = (seg.num_tiles, num_slices, triton.cdiv(max_width, SEGMENT_EXPAND_BLOCK_N))
+        grid = (seg.num_tiles, num_slices, triton.cdiv(max(slice_sizes), SEGMENT_EXPAND_BLOCK_N))
         _expand_segment_kernel[grid](
             y, arena, b_offsets, ranks, scalings, out,
             seg.order, seg.tile_slot, seg.tile_start, seg.tile_end,

@@ -2,7 +2,8 @@
 same inputs (arena, row-offset tables, token slots), written for obviousness, not speed.
 
 Rows are gathered from the arena through the offset tables and multiplied in fp32, one slot
-at a time. The tests compare the Triton kernels against it; it imports no Triton.
+at a time. The tests compare the Triton kernels against it, and ``dispatch`` serves arenas
+without a GPU with it (right in every dtype, no Triton needed); it imports no Triton.
 """
 
 from __future__ import annotations

@@ -1,33 +1,24 @@
 """Multi-LoRA in an engine without a broker: a step's batch metadata, and LoRALinear against
 the torch reference on an arena packed here with the broker's own layout code.
 
-Without a CUDA device the kernels run in Triton's interpreter on CPU tensors; with one, the
-same tests run compiled on the device.
+Without a CUDA device the deltas run on the torch path that ``kernels.dispatch`` picks for a
+CPU arena (no TRITON_INTERPRET needed); with one, the same tests run the Triton kernels.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+from dataclasses import dataclass, field
 
+import pytest
 import torch
+from torch import nn
+
+from memory_broker.broker.adapters.layout import LoraModuleSpec, plan_layout, row_offsets
+from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
+from memory_broker.clients.lora import LoraBatch, LoraContext, LoRALinear, Segment, admitted_sequences, wrap_model
+from memory_broker.kernels import reference
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Must precede the first import of triton (see tests/test_kernels.py).
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from dataclasses import dataclass, field  # noqa: E402
-
-import pytest  # noqa: E402
-from torch import nn  # noqa: E402
-
-from memory_broker.broker.adapters.layout import LoraModuleSpec, plan_layout, row_offsets  # noqa: E402
-from memory_broker.clients.adapters import AdapterTables, LeasedAdapter  # noqa: E402
-from memory_broker.clients.lora import LoraBatch, LoraContext, LoRALinear, Segment, admitted_sequences, wrap_model  # noqa: E402
-from memory_broker.kernels import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 IN, Q, KV = 32, 48, 16
@@ -391,3 +382,26 @@ def test_a_step_is_in_force_only_inside_its_block(packed):
         assert lora.context.batch is batch
     assert lora.context.batch is None
     assert isinstance(lora.context, LoraContext)
+
+
+def test_the_batch_names_its_backend_from_the_arenas_device(packed):
+    assert build(packed, ["a"], [3]).backend == ("triton" if CUDA else "torch")
+    assert build(packed, ["a"], [3], backend="torch").backend == "torch"
+    with pytest.raises(ValueError, match="backend must be"):
+        build(packed, ["a"], [3], backend="cuda")
+
+
+# ------------------------------------------------------------------------- generate
+
+
+def test_generate_refuses_bad_arguments_before_running_anything(packed):
+    lora = wrap_model(TinyDecoder().to(DEVICE))
+    lease = packed.lease("a")
+    with pytest.raises(ValueError, match="2 prompts but 1 sequence adapters"):
+        lora.generate(packed.arena, lease, [[1], [2]], ["a"], 4)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        lora.generate(packed.arena, lease, [[1], []], ["a", None], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        lora.generate(packed.arena, lease, [[1]], ["a"], -1)
+    # Nothing to generate: no forward at all (TinyDecoder would fail on token ids).
+    assert lora.generate(packed.arena, lease, [[1, 2], [3]], ["a", None], 0).tokens == [[], []]
