@@ -1144,3 +1144,245 @@ def test_tensor_asks_torch_for_a_view_on_the_device_and_refuses_a_copy(fake, mon
             a.view.tensor(addr, 8192)
     finally:
         a.close()
+
+
+# ----------------------------------------------------------------- the stricter fake itself
+
+
+def test_the_fake_takes_and_returns_the_bindings_types_and_needs_a_context(fake):
+    g = geom()
+    a = CudaArena(g, "0")
+    try:
+        a.grow(1)
+        h = a.view._handles[0]
+        assert isinstance(h, real.CUmemGenericAllocationHandle) and isinstance(a.view._ctx, real.CUcontext)
+        assert isinstance(a.device.handle, real.CUdevice)
+        with pytest.raises(AssertionError, match="CUmemGenericAllocationHandle"):
+            fake.cuMemMap(a.view.window_base, GRAN, 0, int(h), 0)  # a plain int, as a bug would pass
+        fake.tls.ctx = None  # a thread that never made the context current
+        (err, _h) = fake.cuMemCreate(GRAN, a.view._allocation_prop(), 0)
+        assert err == real.CUresult.CUDA_ERROR_INVALID_CONTEXT
+    finally:
+        a.close()
+
+
+def test_a_fault_is_sticky_and_the_view_reports_it(fake, fake_torch):
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = a.view
+    v.map_window(0, [1, 2])
+    # A kernel over an unmapped address faults; every later call in the context fails.
+    fake.launch(0, v.window_address(5), 16)
+    assert fake.sticky == R.CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(CudaError, match=r"cuMemMap\(window pages 8..9.*CUDA_ERROR_ILLEGAL_ADDRESS"):
+        v.map_window(8, [3])
+    with pytest.raises(CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        a.close()  # goes through every step and raises the first error
+
+
+# ----------------------------------------------------------------- lifetimes
+
+
+def _client_view(fake, g, slabs=2):
+    a = CudaArena(g, "0")
+    a.grow(slabs)
+    v = CudaArenaView(g, "0")
+    for i in range(slabs):
+        v.attach_slab(i, a.slab_fd(i))
+    return a, v
+
+
+def test_a_live_tensor_keeps_its_window_mapping(fake, fake_torch):
+    import torch
+
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    ps = g.page_size
+    try:
+        v.map_window(4, [1, 2, 3])
+        t = v.tensor(v.window_address(4), 3 * ps)
+        bf = t.view(torch.bfloat16)  # views share the lease
+        del t
+        before = dict(fake.mappings)
+        fake.calls.clear()
+        for attempt in (lambda: v.map_window(5, [6]), lambda: v.unmap_window(6, 1)):
+            with pytest.raises(cu.MappingInUse, match=r"window pages \d+..\d+: 1 tensor\(s\) over this view .*\(window pages 4..7\)"):
+                attempt()
+        assert fake.mappings == before and "cuMemUnmap" not in fake.names()  # nothing was changed
+        assert v.live_tensors() == [(v.window_address(4), 3 * ps)]
+        del bf
+        v.map_window(5, [6])  # the last reference went: the pages may be mapped again
+        assert v.window_segments() == [(4, 1, 0, 1), (5, 1, 1, 2), (6, 1, 0, 3)]
+        # A tensor over other window pages does not stand in the way.
+        keep = v.tensor(v.window_address(4), ps)
+        v.map_window(6, [7])
+        del keep
+    finally:
+        v.close()
+        a.close()
+    assert not fake.mappings
+
+
+def test_close_refuses_while_a_tensor_lives_and_nothing_is_unmapped(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    t = v.tensor(v.page_address(5), g.page_size)
+    fake.calls.clear()
+    with pytest.raises(cu.MappingInUse, match=r"cannot close the arena view: 1 tensor\(s\) .*physical pages 5..6"):
+        v.close()
+    assert fake.calls == [] and not v._closed
+    v.map_window(0, [5])  # still a working view
+    del t
+    v.close()
+    a.close()
+    assert not fake.mappings and not fake.allocs
+
+
+def test_a_tensor_held_only_by_a_reference_cycle_does_not_block(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    try:
+        v.map_window(0, [1])
+        cycle: list = [v.tensor(v.window_address(0), g.page_size)]
+        cycle.append(cycle)
+        del cycle
+        v.map_window(0, [2])  # collects the cycle, then replaces
+        assert v.window_segments() == [(0, 1, 0, 2)]
+    finally:
+        v.close()
+        a.close()
+
+
+# ----------------------------------------------------------------- scoped synchronization
+
+
+def test_unmapping_waits_only_for_the_streams_that_used_the_range(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    ps = g.page_size
+    try:
+        v.map_window(0, [0, 1])
+        v.map_window(4, [4, 5])
+        fake_torch.stream = 0xA
+        t = v.tensor(v.window_address(0), 2 * ps)
+        fake.launch(0xA, v.window_address(0), 2 * ps, write=True)
+        fake_torch.stream = 0xB
+        u = v.tensor(v.window_address(4), 2 * ps)
+        fake.launch(0xB, v.window_address(4), 2 * ps)
+        v.record_stream(u, 0xC)  # another stream reads it too
+        fake.launch(0xC, v.window_address(4), ps)
+        del t, u
+        fake.calls.clear()
+        v.map_window(0, [2, 3])  # replaces what stream 0xA used
+        assert [c for c in fake.calls if c[0].endswith("Synchronize")] == [("cuStreamSynchronize", 0xA)]
+        assert set(fake.pending) == {0xB, 0xC}  # other streams' work was not waited for
+        fake.calls.clear()
+        v.unmap_window(4, 2)
+        assert [c for c in fake.calls if c[0].endswith("Synchronize")] == [
+            ("cuStreamSynchronize", 0xB), ("cuStreamSynchronize", 0xC)]  # fmt: skip
+        assert fake.sticky is None and not fake.pending
+        # Every mapping call ran in relaxed capture mode, restored afterwards.
+        modes = [m for _, m in fake.mode_changes]
+        relaxed = real.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        assert modes and modes[0::2] == [relaxed] * (len(modes) // 2)
+        assert all(m != relaxed for m in modes[1::2])
+    finally:
+        v.close()
+        a.close()
+
+
+def test_without_the_scoped_sync_the_fake_would_fault(fake, fake_torch, monkeypatch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    v.map_window(0, [0])
+    t = v.tensor(v.window_address(0), g.page_size)
+    fake.launch(0, v.window_address(0), g.page_size)
+    del t
+    monkeypatch.setattr(CudaArenaView, "_sync_streams", lambda self, streams, why: None)
+    with pytest.raises(CudaError, match=r"cuMemMap\(window pages 0..1 .*CUDA_ERROR_ILLEGAL_ADDRESS"):
+        v.map_window(0, [1])  # the unmap went through; the kernel faulted; the context is dead
+    assert fake.sticky == R.CUDA_ERROR_ILLEGAL_ADDRESS  # what the real driver does to the process
+    with pytest.raises(CudaError):
+        v.close()
+
+
+def test_a_stream_under_graph_capture_is_not_synchronized_and_nothing_changes(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    try:
+        v.map_window(0, [0, 1])
+        fake_torch.stream = 0xD
+        t = v.tensor(v.window_address(0), g.page_size)
+        del t
+        fake.capturing.add(0xD)
+        before = dict(fake.mappings)
+        with pytest.raises(cu.MappingInUse, match=r"stream 0xd, which used window pages 1..2, is capturing a CUDA graph"):
+            v.map_window(1, [3])
+        assert fake.mappings == before and fake.capturing == {0xD}  # the capture goes on
+        assert "cuCtxSynchronize" not in fake.names() and "cuStreamSynchronize" not in fake.names()
+        fake.capturing.clear()
+        v.map_window(1, [3])
+    finally:
+        v.close()
+        a.close()
+
+
+# ----------------------------------------------------------------- read-only pages
+
+
+def test_set_page_access_protects_pages_in_the_physical_view_and_the_window(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    ps = g.page_size
+    try:
+        v.map_window(0, [1, 2, 3])
+        n = len(fake.calls)
+        with pytest.raises(ValueError, match=r"page\(s\) 8 are outside the 8 pages of the 2 mapped slabs"):
+            v.set_page_access([2, 8], True)
+        assert len(fake.calls) == n
+        v.set_page_access([2, 3], True)
+        acc = fake.granule_access
+        assert [acc[v.page_address(p)] for p in range(4)] == ["rw", "rw", "r", "r"]
+        assert [acc[v.window_address(w)] for w in range(3)] == ["rw", "r", "r"]
+        # A later window mapping of a protected page is read-only too, a kept remainder as well.
+        v.map_window(8, [3, 4])
+        assert [acc[v.window_address(w)] for w in (8, 9)] == ["r", "rw"]
+        v.map_window(0, [5])
+        assert [acc[v.window_address(w)] for w in range(3)] == ["rw", "r", "r"]
+        # A write to a protected page faults (sticky), a read does not.
+        fake.launch(0, v.window_address(1), ps)
+        assert fake.sticky is None
+        fake.launch(0, v.window_address(1), ps, write=True)
+        assert fake.sticky == R.CUDA_ERROR_ILLEGAL_ADDRESS
+        fake.sticky = None
+        fake.pending.clear()
+        v.set_page_access([2, 3], False)
+        assert [acc[v.window_address(w)] for w in (1, 2, 8)] == ["rw", "rw", "rw"]
+        assert acc[v.page_address(3)] == "rw"
+    finally:
+        v.close()
+        a.close()
+
+
+def test_pages_of_a_readonly_slab_stay_readonly(fake):
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = CudaArenaView(g, "0")
+    try:
+        v.attach_slab(0, a.slab_fd(0), readonly=True)
+        v.map_window(0, [1])
+        v.set_page_access([1], False)
+        assert fake.granule_access[v.page_address(1)] == "r" and fake.granule_access[v.window_address(0)] == "r"
+    finally:
+        v.close()
+        a.close()
+
+
+def test_the_view_says_its_memory_is_not_host_addressable(fake):
+    v = CudaArenaView(geom(), "0")
+    try:
+        assert v.host_addressable is False
+    finally:
+        v.close()
