@@ -89,6 +89,7 @@ from memory_broker.broker.arena.base import Arena, ArenaGeometry, ArenaView
 
 # Result codes this module treats specially (values are the driver's ABI).
 CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
 CUDA_ERROR_DEINITIALIZED = 4
@@ -630,7 +631,14 @@ class CudaArenaView(ArenaView):
         with self._relaxed_capture():
             for _, first, n in _runs(want, pps):
                 if readonly or not self._slab_readonly[first // pps]:
-                    self._set_access(self._phys_base + first * ps, n * ps, readonly, f"pages {first}..{first + n}")
+                    try:
+                        self._set_access(self._phys_base + first * ps, n * ps, readonly, f"pages {first}..{first + n}")
+                    except CudaError as e:
+                        if e.code != CUDA_ERROR_INVALID_VALUE or n == pps:
+                            raise
+                        # Not yet seen on a GPU: whether the driver takes access flags for
+                        # part of a mapping (the physical view maps each slab whole).
+                        raise CudaError(f"{e.call} (part of slab {first // pps}'s mapping)", e.code, e.name) from None
             if readonly:
                 self._page_readonly.update(want)
             else:
