@@ -1386,3 +1386,18 @@ def test_the_view_says_its_memory_is_not_host_addressable(fake):
         assert v.host_addressable is False
     finally:
         v.close()
+
+
+def test_host_only_adapter_helpers_refuse_the_cuda_arena(fake):
+    from memory_broker.broker.adapters.tiers import HostPageWriter, read_matrix
+
+    a = CudaArena(geom(), "0")
+    try:
+        a.grow(1)
+        with pytest.raises(ValueError, match="read_matrix reads and writes arena addresses on the host, but this "
+                                             "CudaArenaView's memory is on a GPU"):  # fmt: skip
+            read_matrix(a.view, None, [0], 0, "q_proj", "A")
+        with pytest.raises(ValueError, match="HostPageWriter .* on a GPU; use TensorPageWriter"):
+            HostPageWriter(a.view)
+    finally:
+        a.close()
