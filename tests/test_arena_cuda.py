@@ -1401,3 +1401,15 @@ def test_host_only_adapter_helpers_refuse_the_cuda_arena(fake):
             HostPageWriter(a.view)
     finally:
         a.close()
+
+
+def test_the_broker_arena_does_not_close_under_a_live_tensor(fake, fake_torch):
+    a = CudaArena(geom(), "0")
+    a.grow(1)
+    t = a.view.tensor(a.view.page_address(0), 16)
+    with pytest.raises(cu.MappingInUse, match="cannot close the CUDA arena: 1 tensor"):
+        a.close()
+    assert a.num_slabs == 1 and all(fd_is_open(a.slab_fd(i)) for i in range(1))  # nothing closed
+    del t
+    a.close()
+    assert not fake.allocs

@@ -35,10 +35,9 @@ Design choices:
   cycles). A use of memory the view cannot see (a raw address handed to another library)
   is the caller's to finish before the pages are freed.
 * **Synchronization, scoped.** ``cuMemUnmap`` does not wait for the GPU, and a kernel still
-  reading an unmapped range faults with a sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``. Each lease
-  records the stream its tensor was made on (torch's current stream) and any stream named
-  with ``record_stream``; the view keeps, per window mapping and for the physical view, the
-  streams that ever used it. Unmapping window pages synchronizes exactly those streams of
+  reading an unmapped range faults with a sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``. The view
+  keeps, per window mapping, the streams that used it: the stream each tensor over it was
+  made on (torch's current stream) and any stream named with ``record_stream``. Unmapping window pages synchronizes exactly those streams of
   the mappings it removes (``cuStreamSynchronize``), and nothing when no tensor ever covered
   them; it never synchronizes the whole device (``cuCtxSynchronize`` stalls every stream and
   fails during another thread's graph capture), so the client's allocation path and event
@@ -388,14 +387,13 @@ class _Lease(_CudaArrayInterface):
     ``__cuda_array_interface__`` source) until the tensor's storage dies. The view keeps only
     weak references, so a live lease means a live tensor over ``[address, address + nbytes)``."""
 
-    __slots__ = ("view", "address", "nbytes", "streams")
+    __slots__ = ("view", "address", "nbytes")
 
-    def __init__(self, view: "CudaArenaView", address: int, nbytes: int, stream: int) -> None:
+    def __init__(self, view: "CudaArenaView", address: int, nbytes: int) -> None:
         super().__init__(address, nbytes)
         self.view = view  # keeps the view object (and so its mappings' bookkeeping) alive
         self.address = address
         self.nbytes = nbytes
-        self.streams = {stream}
 
     def overlaps(self, start: int, end: int) -> bool:
         return self.address < end and start < self.address + self.nbytes
@@ -479,9 +477,9 @@ class CudaArenaView(ArenaView):
         self._starts: list[int] = []
         # Live tensors' leases (weak: a lease goes when its tensor does).
         self._leases: weakref.WeakSet[_Lease] = weakref.WeakSet()
-        # Streams that used each window mapping (by its first page) and the physical view.
+        # Streams that used each window mapping, by its first page. (The physical view is
+        # unmapped only by close, which synchronizes the context.)
         self._seg_streams: dict[int, set[int]] = {}
-        self._phys_streams: set[int] = set()
         # Physical pages made read-only with set_page_access.
         self._page_readonly: set[int] = set()
         self._closed = False
@@ -678,7 +676,7 @@ class CudaArenaView(ArenaView):
         dev = torch.device("cuda", self.device.ordinal)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8 if dtype is None else dtype, device=dev)
-        lease = _Lease(self, address, nbytes, self._current_stream())
+        lease = _Lease(self, address, nbytes)
         t = torch.as_tensor(lease, device=dev)
         if t.data_ptr() != address or t.numel() != nbytes or t.device != dev:
             raise RuntimeError(
@@ -686,7 +684,7 @@ class CudaArenaView(ArenaView):
                 f"viewing it (got {t.data_ptr():#x} on {t.device})"
             )
         self._leases.add(lease)
-        self._note_streams(address, nbytes, lease.streams)
+        self._note_streams(address, nbytes, {self._current_stream()})
         return t if dtype is None or dtype == torch.uint8 else t.view(dtype)
 
     def record_stream(self, tensor_or_address, stream, nbytes: int | None = None) -> None:
@@ -708,11 +706,7 @@ class CudaArenaView(ArenaView):
         else:
             address = int(tensor_or_address)
         self._check_mapped(address, nbytes)
-        handle = int(getattr(stream, "cuda_stream", stream))
-        for lease in list(self._leases):
-            if lease.address <= address and address + nbytes <= lease.address + lease.nbytes:
-                lease.streams.add(handle)
-        self._note_streams(address, nbytes, {handle})
+        self._note_streams(address, nbytes, {int(getattr(stream, "cuda_stream", stream))})
 
     def live_tensors(self) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of each live tensor's lease (diagnostics)."""
@@ -730,12 +724,7 @@ class CudaArenaView(ArenaView):
         """
         if self._closed:
             return
-        live = self._live_leases(0, 1 << 64)
-        if live:
-            raise MappingInUse(
-                f"cannot close the arena view: {self._describe_leases(live)} still alive; "
-                "drop them (and any graph that captured them) first; nothing was unmapped"
-            )
+        self._refuse_close_in_use("the arena view")
         self._closed = True
         drv, g = self._drv, self.geometry
         errors: list[CudaError] = []
@@ -802,9 +791,8 @@ class CudaArenaView(ArenaView):
     def _note_streams(self, address: int, nbytes: int, streams: set[int]) -> None:
         """Remember that ``streams`` use ``[address, address + nbytes)``."""
         g = self.geometry
-        if self._phys_base <= address < self._phys_base + self._phys_size:
-            self._phys_streams |= streams
-            return
+        if not self._window_base <= address < self._window_base + self._window_size:
+            return  # the physical view: only close unmaps it
         first = (address - self._window_base) // g.page_size
         last = (address + max(nbytes, 1) - 1 - self._window_base) // g.page_size
         for start in self._overlapping(first, last - first + 1):
@@ -819,6 +807,14 @@ class CudaArenaView(ArenaView):
             gc.collect()
             live = [lease for lease in list(self._leases) if lease.overlaps(start, end)]
         return live
+
+    def _refuse_close_in_use(self, what: str) -> None:
+        live = self._live_leases(0, 1 << 64)
+        if live:
+            raise MappingInUse(
+                f"cannot close {what}: {self._describe_leases(live)} still alive; "
+                "drop them (and any graph that captured them) first; nothing was unmapped"
+            )
 
     def _describe_leases(self, live: list[_Lease]) -> str:
         ps = self.geometry.page_size
@@ -1143,11 +1139,13 @@ class CudaArena(Arena):
 
     def close(self) -> None:
         """Unmap the broker's view and release its handles, then close every slab fd. Idempotent.
+        Raises ``MappingInUse`` (closing nothing) while a tensor over the broker's view lives.
 
         Memory goes back to the device once every client has unmapped too.
         """
         if self._closed:
             return
+        self.view._refuse_close_in_use("the CUDA arena")  # before anything is closed
         self._closed = True
         try:
             self.view.close()
