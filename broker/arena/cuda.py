@@ -30,9 +30,9 @@ Design choices:
 * **Lifetimes.** Every tensor from ``tensor`` holds a lease (the ``__cuda_array_interface__``
   object torch keeps until the tensor's storage dies; slices and ``.view(dtype)`` share it).
   While a lease is alive nothing it covers is unmapped: replacing or unmapping window pages
-  that a live tensor covers raises ``MappingInUse`` and changes nothing, and ``close`` raises
-  it too, leaving everything mapped (after one ``gc.collect()`` for tensors held only by
-  cycles). A use of memory the view cannot see (a raw address handed to another library)
+  that a live tensor covers raises ``MappingInUse`` and changes nothing (after one
+  ``gc.collect()`` for tensors held only by cycles); ``close`` closes the view at once but
+  unmaps its memory only when the last lease goes. A use of memory the view cannot see (a raw address handed to another library)
   is the caller's to finish before the pages are freed.
 * **Synchronization, scoped.** ``cuMemUnmap`` does not wait for the GPU, and a kernel still
   reading an unmapped range faults with a sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``. The view
@@ -76,15 +76,20 @@ import bisect
 import contextlib
 import fcntl
 import gc
+import logging
 import math
 import os
 import re
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from memory_broker.broker.arena.base import Arena, ArenaGeometry, ArenaView
+
+log = logging.getLogger(__name__)
+_LEASE_LOCK = threading.Lock()
 
 # Result codes this module treats specially (values are the driver's ABI).
 CUDA_SUCCESS = 0
@@ -716,16 +721,37 @@ class CudaArenaView(ArenaView):
         """Synchronize, unmap the window and the slabs, release the handles and both
         reservations, and release the primary context. Idempotent.
 
-        Only when no tensor from ``tensor`` is alive: otherwise raises ``MappingInUse``
-        naming them and leaves everything mapped (call again once they are dropped). Then
-        best effort: every step is tried; the first error (other than a driver already torn
-        down at exit) is raised at the end. This teardown is the one place that
-        synchronizes the whole context.
+        The view is closed at once (every later call is refused), but its memory is unmapped
+        only when nothing references it: while tensors from ``tensor`` live, the teardown
+        waits and runs when the last of them is dropped (in the thread that drops it;
+        errors then are logged). Without live tensors it runs now, best effort: every step
+        is tried; the first error (other than a driver already torn down at exit) is
+        raised at the end. This teardown is the one place that synchronizes the whole
+        context.
         """
         if self._closed:
             return
-        self._refuse_close_in_use("the arena view")
         self._closed = True
+        live = self._live_leases(0, 1 << 64)
+        if live:
+            self._waiting_for = len(live)
+            log.info("arena view close deferred: %s still alive", self._describe_leases(live))
+            for lease in live:
+                weakref.finalize(lease, self._lease_gone)
+            return
+        self._teardown()
+
+    def _lease_gone(self) -> None:
+        with _LEASE_LOCK:  # leases may die in several threads at once
+            self._waiting_for -= 1
+            last = self._waiting_for == 0
+        if last:
+            try:
+                self._teardown()
+            except Exception:
+                log.exception("deferred teardown of a CUDA arena view failed")
+
+    def _teardown(self) -> None:
         drv, g = self._drv, self.geometry
         errors: list[CudaError] = []
 
@@ -807,14 +833,6 @@ class CudaArenaView(ArenaView):
             gc.collect()
             live = [lease for lease in list(self._leases) if lease.overlaps(start, end)]
         return live
-
-    def _refuse_close_in_use(self, what: str) -> None:
-        live = self._live_leases(0, 1 << 64)
-        if live:
-            raise MappingInUse(
-                f"cannot close {what}: {self._describe_leases(live)} still alive; "
-                "drop them (and any graph that captured them) first; nothing was unmapped"
-            )
 
     def _describe_leases(self, live: list[_Lease]) -> str:
         ps = self.geometry.page_size
@@ -1138,14 +1156,13 @@ class CudaArena(Arena):
         return self._fds[slab_index]
 
     def close(self) -> None:
-        """Unmap the broker's view and release its handles, then close every slab fd. Idempotent.
-        Raises ``MappingInUse`` (closing nothing) while a tensor over the broker's view lives.
+        """Unmap the broker's view and release its handles (once no tensor over it lives, as
+        ``CudaArenaView.close``), then close every slab fd. Idempotent.
 
         Memory goes back to the device once every client has unmapped too.
         """
         if self._closed:
             return
-        self.view._refuse_close_in_use("the CUDA arena")  # before anything is closed
         self._closed = True
         try:
             self.view.close()
