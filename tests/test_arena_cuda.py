@@ -2,9 +2,12 @@
 geometry validation, and the VMM call sequences driven against a fake driver.
 
 The fake driver (``FakeDriver``) models what the CUDA driver enforces and the arena relies
-on: reservations, whole-mapping unmaps, granularity, per-thread current contexts, handle
-and memory accounting, exported fds (real memfds, so dup/close/SCM_RIGHTS behave). It is a
-model, not the driver: tests/test_gpu_arena.py checks the real thing on a GPU.
+on: the bindings' own argument and result types (from the installed cuda-bindings), a
+current retained context for every call, reservations, whole-mapping unmaps, granularity,
+handle and memory accounting, exported fds (real memfds, so dup/close/SCM_RIGHTS behave),
+streams and graph capture, per-page access, and sticky faults (a kernel over memory unmapped
+under it, or writing a read-only page). It is a model, not the driver:
+tests/test_gpu_arena.py checks the real thing on a GPU.
 """
 
 from __future__ import annotations
