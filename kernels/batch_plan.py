@@ -23,6 +23,8 @@ SEGMENT_MIN_TOKENS_PER_ADAPTER = 16
 
 # Tokens per segment tile (the tl.dot M dimension of the segment path).
 DEFAULT_BLOCK_M = 64
+# Every tile size the planner accepts; kernels/compile_check.py compiles each of them.
+BLOCK_M_CHOICES = (16, 32, 64, 128)
 
 
 def choose_path(num_tokens: int, num_slots: int, active_slots: int | None = None) -> Path:
@@ -87,13 +89,16 @@ def build_segment_tiles(token_slot: torch.Tensor, num_slots: int, block_m: int =
         token_slot: int32 [T], the slot of each token or -1 for base-only tokens; values must
             be below ``num_slots``.
         num_slots: slots in the offset tables.
-        block_m: tokens per tile, at least 16 (the smallest tl.dot M).
+        block_m: tokens per tile, one of ``BLOCK_M_CHOICES`` (16, the smallest tl.dot M, to 128).
 
     Raises:
-        ValueError: block_m below 16 or not a power of two.
+        ValueError: block_m is not one of ``BLOCK_M_CHOICES``.
     """
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if block_m not in BLOCK_M_CHOICES:
+        raise ValueError(
+            f"block_m must be one of {', '.join(map(str, BLOCK_M_CHOICES))} (the tile sizes the kernels are "
+            f"compiled and checked for), got {block_m}"
+        )
     device = token_slot.device
     num_tokens = token_slot.shape[0]
     slot = token_slot.to(torch.int64)

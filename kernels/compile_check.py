@@ -2,8 +2,11 @@
 without a GPU (Triton's bundled ptxas), so CPU-only CI catches code that runs in the
 interpreter but does not compile.
 
-It mirrors the launchers' choices (block sizes, warps, specialisation of 16-divisible ints and
-of unit strides) through ``lora_ops``'s own constants; it runs nothing and checks no numbers.
+It mirrors the launchers' choices (every block size the planner accepts, ``BLOCK_M_CHOICES``;
+warps; specialisation of 16-divisible ints and of unit strides) through ``lora_ops``'s own
+constants, and reports each variant's shared memory against the architecture's limit (Triton
+checks that only at launch). It runs nothing and checks no numbers. The GPU machines run
+Triton 3.6; ``ASTSource``'s signature/constexprs/attrs forms used here are the 3.3+ ones.
 Run it with TRITON_INTERPRET unset: ``python -m kernels.compile_check [--arch 90]``.
 """
 
@@ -23,6 +26,10 @@ _DIVISIBLE_INTS = frozenset(
      "stride_as", "stride_aj", "stride_bs", "stride_bj"}
 )  # fmt: skip
 _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Per-block shared memory a kernel may opt into (CUDA programming guide, compute capabilities):
+# Triton checks ``metadata.shared`` against the device's at launch, so a too-big tile compiles
+# here and fails only on the GPU.
+MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +44,13 @@ class CompiledVariant:
     constexprs: dict
     # The kernel's PTX.
     ptx: str
+    # Shared memory the launch needs, in bytes (Triton refuses a launch past the device's limit).
+    shared: int = 0
+    num_warps: int = 4
+
+    def fits(self, arch: int) -> bool:
+        """Whether the shared memory fits the architecture's per-block opt-in maximum."""
+        return self.shared <= MAX_SHARED_BYTES.get(arch, MAX_SHARED_BYTES[80])
 
     def global_access_forms(self) -> set[str]:
         """The ld.global / st.global instruction forms in the PTX (v4 means 16-byte accesses)."""
@@ -64,7 +78,8 @@ def _compile(fn, pointer_types: dict[str, str], constexprs: dict, num_warps: int
         fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return CompiledVariant(kernel=fn.__name__, dtype=dtype, constexprs=dict(constexprs), ptx=compiled.asm["ptx"])
+    return CompiledVariant(kernel=fn.__name__, dtype=dtype, constexprs=dict(constexprs), ptx=compiled.asm["ptx"],
+                           shared=int(compiled.metadata.shared), num_warps=num_warps)  # fmt: skip
 
 
 def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> list[CompiledVariant]:
@@ -76,7 +91,7 @@ def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.flo
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_check needs the compiled kernels: run it with TRITON_INTERPRET unset")
     from . import lora_ops as L
-    from .batch_plan import DEFAULT_BLOCK_M
+    from .batch_plan import BLOCK_M_CHOICES
 
     shrink_ptrs = {"x_ptr": "*DT", "arena_ptr": "*DT", "a_off_ptr": "*i64", "ranks_ptr": "*i32", "y_ptr": "*fp32"}
     expand_ptrs = {"y_ptr": "*fp32", "arena_ptr": "*DT", "b_off_ptr": "*i64", "ranks_ptr": "*i32",
@@ -97,7 +112,7 @@ def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.flo
                 {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N, "stride_on": 1},
                 4, arch, dt,
             ))  # fmt: skip
-            for block_m in sorted({16, DEFAULT_BLOCK_M}):
+            for block_m in BLOCK_M_CHOICES:
                 for num_slices, max_rank in ((3, 16), (3, 128)):
                     block_n = L.segment_shrink_block_n(num_slices, max_rank)
                     out.append(_compile(
@@ -120,11 +135,17 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer, e.g. 80 or 90")
     args = ap.parse_args()
     variants = compile_all(args.arch)
+    too_big = [v for v in variants if not v.fits(args.arch)]
     for v in variants:
         forms = " ".join(sorted(v.global_access_forms()))
-        print(f"{v.kernel:24} {v.dtype} {v.constexprs.get('ROW_ALIGN')} {v.constexprs.get('BLOCK_M', '-')}: {forms}")
-    print(f"compiled {len(variants)} kernel variants for sm_{args.arch}")
-    return 0
+        print(f"{v.kernel:24} {v.dtype} {v.constexprs.get('ROW_ALIGN')} {v.constexprs.get('BLOCK_M', '-'):>3} "
+              f"warps {v.num_warps} shared {v.shared}: {forms}")  # fmt: skip
+    import triton
+
+    print(f"compiled {len(variants)} kernel variants for sm_{args.arch} with triton {triton.__version__}")
+    for v in too_big:
+        print(f"TOO BIG: {v.kernel} {v.dtype} {v.constexprs}: {v.shared} bytes of shared memory", file=sys.stderr)
+    return 1 if too_big else 0
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 geometry validation, and the VMM call sequences driven against a fake driver.
 
 The fake driver (``FakeDriver``) models what the CUDA driver enforces and the arena relies
-on: reservations, whole-mapping unmaps, granularity, per-thread current contexts, handle
-and memory accounting, exported fds (real memfds, so dup/close/SCM_RIGHTS behave). It is a
-model, not the driver: tests/test_gpu_arena.py checks the real thing on a GPU.
+on: the bindings' own argument and result types (from the installed cuda-bindings), a
+current retained context for every call, reservations, whole-mapping unmaps, granularity,
+handle and memory accounting, exported fds (real memfds, so dup/close/SCM_RIGHTS behave),
+streams and graph capture, per-page access, and sticky faults (a kernel over memory unmapped
+under it, or writing a read-only page). It is a model, not the driver:
+tests/test_gpu_arena.py checks the real thing on a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ UUID1_STR = "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f"
 
 
 class R(enum.IntEnum):
-    """The CUresult values the fake returns (same numbers as the driver)."""
+    """The CUresult values tests name (same numbers as the driver; the fake returns the
+    bindings' own ``CUresult``)."""
 
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
@@ -51,24 +55,18 @@ class R(enum.IntEnum):
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700
     CUDA_ERROR_NOT_PERMITTED = 800
     CUDA_ERROR_NOT_SUPPORTED = 801
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
 
 
 OK = R.CUDA_SUCCESS
-
-
-class _Prop:
-    def __init__(self):
-        self.type = None
-        self.location = SimpleNamespace(type=None, id=None)
-        self.requestedHandleTypes = None
-
-
-class _Access:
-    def __init__(self):
-        self.location = SimpleNamespace(type=None, id=None)
-        self.flags = None
+# The real bindings' types: the fake takes and returns them, as the driver module does.
+real = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is a dev dependency (pyproject [dev])")
+# Sticky errors: after one, every call that needs the context returns it (as the driver does
+# after a kernel fault), until the process ends.
+STICKY = {R.CUDA_ERROR_ILLEGAL_ADDRESS}
 
 
 class FakeDevice:
@@ -77,20 +75,34 @@ class FakeDevice:
 
 
 class FakeDriver:
-    """Enough of ``cuda.bindings.driver`` for the arena, with the rules the driver enforces."""
+    """Enough of ``cuda.bindings.driver`` for the arena, with the rules the driver enforces.
 
-    CUresult = R
-    CUdevice_attribute = SimpleNamespace(
-        CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED="vmm",
-        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED="posix",
-    )
-    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR="posix_fd")
-    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED="pinned")
-    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE="device")
-    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READ="r", CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw")
-    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM="min")
-    CUmemAllocationProp = _Prop
-    CUmemAccessDesc = _Access
+    Strict where the real driver is: it returns the bindings' own types (``CUresult``,
+    ``CUdevice``, ``CUcontext``, ``CUmemGenericAllocationHandle``, ``CUdeviceptr``, enums),
+    accepts only the bindings' structs and enums as arguments (``CUmemAllocationProp``,
+    ``CUmemAccessDesc``, ``CUstream``), needs a current, retained context in the calling
+    thread for every call but device queries, and models sticky errors: ``launch`` queues
+    fake kernel work over an address range on a stream; unmapping a range with unfinished
+    work on it, launching over unmapped memory, or writing read-only pages sets the sticky
+    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as a real fault would.
+    """
+
+    CUresult = real.CUresult
+    CUdevice_attribute = real.CUdevice_attribute
+    CUmemAllocationHandleType = real.CUmemAllocationHandleType
+    CUmemAllocationType = real.CUmemAllocationType
+    CUmemLocationType = real.CUmemLocationType
+    CUmemAccess_flags = real.CUmemAccess_flags
+    CUmemAllocationGranularity_flags = real.CUmemAllocationGranularity_flags
+    CUmemAllocationProp = real.CUmemAllocationProp
+    CUmemAccessDesc = real.CUmemAccessDesc
+    CUstreamCaptureMode = real.CUstreamCaptureMode
+    CUstreamCaptureStatus = real.CUstreamCaptureStatus
+    CUstream = real.CUstream
+    # Calls that need no current context.
+    NO_CONTEXT = {"cuInit", "cuGetErrorName", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetUuid",
+                  "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent",
+                  "cuThreadExchangeStreamCaptureMode"}  # fmt: skip
 
     def __init__(self, devices=None, init_error=None, init_raises=None, granularity=GRAN):
         self.devices = devices if devices is not None else [FakeDevice()]
@@ -108,11 +120,22 @@ class FakeDriver:
         self.fd_inodes: dict[int, int] = {}  # memfd inode -> alloc id
         self.exported_fds: list[int] = []
         self.mappings: dict[int, dict] = {}  # va -> {size, alloc, offset, access}
+        self.granule_access: dict[int, str] = {}  # granule va -> "r" / "rw"
+        self.pending: dict[int, list[tuple[int, int]]] = {}  # stream -> [(va, size)] not finished
+        self.capturing: set[int] = set()  # streams under graph capture
+        self.sticky = None
+        self.mode_changes: list[tuple[int, object]] = []
         self._next = 1
 
     # -- plumbing
     def _log(self, name, *args):
         self.calls.append((name, *args))
+        if name not in self.NO_CONTEXT:
+            ctx = getattr(self.tls, "ctx", None)
+            if ctx is None or self.ctx_refs.get(self._ctx_dev(ctx), 0) <= 0:
+                return R.CUDA_ERROR_INVALID_CONTEXT
+            if self.sticky is not None:
+                return self.sticky
         f = self.fail.get(name)
         if f is not None:
             if f[0] == 0:
@@ -120,15 +143,20 @@ class FakeDriver:
             f[0] -= 1
         return None
 
+    @staticmethod
+    def _r(err):
+        return real.CUresult(int(err))
+
+    def _ctx_dev(self, ctx):
+        assert isinstance(ctx, real.CUcontext), f"a context must be a CUcontext, got {ctx!r}"
+        return int(ctx) - 0x1000
+
     def names(self):
         return [c[0] for c in self.calls]
 
     def _id(self):
         self._next += 1
         return self._next
-
-    def _need_ctx(self):
-        return getattr(self.tls, "ctx", None) is None
 
     def used(self, dev):
         return sum(a["size"] for a in self.allocs.values() if a["dev"] == dev)
@@ -138,181 +166,285 @@ class FakeDriver:
         if a and a["handles"] == 0 and a["mappings"] == 0:
             del self.allocs[aid]
 
+    def _handle(self, h):
+        assert isinstance(h, real.CUmemGenericAllocationHandle), f"a handle must be CUmemGenericAllocationHandle, got {h!r}"
+        return int(h)
+
+    def _access_name(self, flags):
+        assert isinstance(flags, real.CUmemAccess_flags), f"access flags must be CUmemAccess_flags, got {flags!r}"
+        return {real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ: "r",
+                real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: "rw"}[flags]  # fmt: skip
+
+    def _granules(self, va, size):
+        return range(va, va + size, self.granularity)
+
+    # -- fake GPU work
+    def launch(self, stream: int, va: int, size: int, write: bool = False):
+        """A kernel queued on ``stream`` touching ``[va, va + size)``; faults (sticky) where
+        the range is not mapped with the access it needs."""
+        for gva in self._granules(va - va % self.granularity, size + va % self.granularity):
+            acc = self.granule_access.get(gva)
+            if acc is None or (write and acc != "rw"):
+                self.sticky = R.CUDA_ERROR_ILLEGAL_ADDRESS
+                return
+        self.pending.setdefault(int(stream), []).append((va, size))
+
+    def _fault_if_in_use(self, va, size):
+        for work in self.pending.values():
+            if any(w < va + size and va < w + n for w, n in work):
+                self.sticky = R.CUDA_ERROR_ILLEGAL_ADDRESS
+
     # -- init and devices
     def cuInit(self, flags):
         self.calls.append(("cuInit",))
         if self.init_raises:
             raise self.init_raises
-        return (self.init_error or OK,)
+        return (self._r(self.init_error or OK),)
 
     def cuGetErrorName(self, err):
-        return (OK, R(int(err)).name.encode())
+        assert isinstance(err, real.CUresult)
+        return (self._r(OK), R(int(err)).name.encode())
 
     def cuDeviceGetCount(self):
-        return (OK, len(self.devices))
+        return (self._r(OK), len(self.devices))
 
     def cuDeviceGet(self, i):
         if not 0 <= i < len(self.devices):
-            return (R.CUDA_ERROR_INVALID_DEVICE, None)
-        return (OK, i)
+            return (self._r(R.CUDA_ERROR_INVALID_DEVICE), real.CUdevice(0))
+        return (self._r(OK), real.CUdevice(i))
+
+    def _dev(self, dev):
+        assert isinstance(dev, real.CUdevice), f"a device must be a CUdevice, got {dev!r}"
+        return int(dev)
 
     def cuDeviceGetName(self, n, dev):
-        return (OK, self.devices[dev].name.encode() + b"\0" * 8)
+        return (self._r(OK), self.devices[self._dev(dev)].name.encode() + b"\0" * 8)
 
     def cuDeviceGetUuid(self, dev):
-        return (OK, SimpleNamespace(bytes=self.devices[dev].uuid))
+        u = real.CUuuid()
+        return (self._r(OK), SimpleNamespace(bytes=self.devices[self._dev(dev)].uuid, real=u))
 
     def cuDeviceGetAttribute(self, attr, dev):
-        return (OK, getattr(self.devices[dev], attr))
+        assert isinstance(attr, real.CUdevice_attribute)
+        name = {real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: "vmm",
+                real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: "posix"}[attr]  # fmt: skip
+        return (self._r(OK), getattr(self.devices[self._dev(dev)], name))
 
     def cuDevicePrimaryCtxRetain(self, dev):
-        self._log("cuDevicePrimaryCtxRetain", dev)
-        self.ctx_refs[dev] = self.ctx_refs.get(dev, 0) + 1
-        return (OK, ("ctx", dev))
+        d = self._dev(dev)
+        self._log("cuDevicePrimaryCtxRetain", d)
+        self.ctx_refs[d] = self.ctx_refs.get(d, 0) + 1
+        return (self._r(OK), real.CUcontext(0x1000 + d))
 
     def cuDevicePrimaryCtxRelease(self, dev):
-        self._log("cuDevicePrimaryCtxRelease", dev)
-        if self.ctx_refs.get(dev, 0) <= 0:
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
-        self.ctx_refs[dev] -= 1
-        return (OK,)
+        d = self._dev(dev)
+        self._log("cuDevicePrimaryCtxRelease", d)
+        if self.ctx_refs.get(d, 0) <= 0:
+            return (self._r(R.CUDA_ERROR_INVALID_CONTEXT),)
+        self.ctx_refs[d] -= 1
+        return (self._r(OK),)
 
     def cuCtxSetCurrent(self, ctx):
+        self._ctx_dev(ctx)
         self.tls.ctx = ctx
-        return (OK,)
+        return (self._r(OK),)
 
     def cuCtxSynchronize(self):
         err = self._log("cuCtxSynchronize")
-        if self._need_ctx():
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
-        return (err or OK,)
+        if err is None and self.capturing:
+            err = R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED  # and the capture is invalidated
+            self.capturing.clear()
+        if err is None:
+            self.pending.clear()
+        return (self._r(err or OK),)
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        assert isinstance(mode, real.CUstreamCaptureMode), f"a capture mode must be CUstreamCaptureMode, got {mode!r}"
+        # Kept out of ``calls`` (the sequences tests compare); recorded per thread instead.
+        self.mode_changes.append((threading.get_ident(), mode))
+        old = getattr(self.tls, "capture_mode", real.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        self.tls.capture_mode = mode
+        return (self._r(OK), old)
+
+    def _stream(self, stream):
+        assert isinstance(stream, real.CUstream), f"a stream must be a CUstream, got {stream!r}"
+        return int(stream)
+
+    def cuStreamIsCapturing(self, stream):
+        s = self._stream(stream)
+        err = self._log("cuStreamIsCapturing", s)
+        st = real.CUstreamCaptureStatus
+        return (self._r(err or OK), st.CU_STREAM_CAPTURE_STATUS_ACTIVE if s in self.capturing else st.CU_STREAM_CAPTURE_STATUS_NONE)
+
+    def cuStreamSynchronize(self, stream):
+        s = self._stream(stream)
+        err = self._log("cuStreamSynchronize", s)
+        if err is None and s in self.capturing:
+            err = R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+            self.capturing.discard(s)
+        if err is None:
+            self.pending.pop(s, None)
+        return (self._r(err or OK),)
 
     def cuMemGetInfo(self):
-        if self._need_ctx():
-            return (R.CUDA_ERROR_INVALID_CONTEXT, 0, 0)
-        dev = self.tls.ctx[1]
+        err = self._log("cuMemGetInfo")
+        if err:
+            return (self._r(err), 0, 0)
+        dev = self._ctx_dev(self.tls.ctx)
         total = self.devices[dev].memory
-        return (OK, total - self.used(dev), total)
+        return (self._r(OK), total - self.used(dev), total)
 
     # -- VMM
+    def _check_prop(self, prop):
+        assert isinstance(prop, real.CUmemAllocationProp), f"expected a CUmemAllocationProp, got {prop!r}"
+        return (
+            prop.type == real.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            and prop.location.type == real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            and prop.requestedHandleTypes == real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+
     def cuMemGetAllocationGranularity(self, prop, flag):
-        assert flag == "min"
-        return (OK, self.granularity)
+        err = self._log("cuMemGetAllocationGranularity")
+        assert flag == real.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        if err:
+            return (self._r(err), 0)
+        if not self._check_prop(prop):
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE), 0)
+        return (self._r(OK), self.granularity)
 
     def cuMemAddressReserve(self, size, align, addr, flags):
         err = self._log("cuMemAddressReserve", size)
         if err:
-            return (err, 0)
+            return (self._r(err), real.CUdeviceptr(0))
         if size <= 0 or size % self.granularity:
-            return (R.CUDA_ERROR_INVALID_VALUE, 0)
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE), real.CUdeviceptr(0))
         va = self._next_va
         self._next_va += size + 64 * MiB
         self.reservations[va] = size
-        return (OK, va)
+        return (self._r(OK), real.CUdeviceptr(va))
 
     def cuMemAddressFree(self, va, size):
-        self._log("cuMemAddressFree", va, size)
+        va = int(va)
+        err = self._log("cuMemAddressFree", va, size)
+        if err:
+            return (self._r(err),)
         if self.reservations.get(va) != size:
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
         if any(va <= m < va + size for m in self.mappings):
-            return (R.CUDA_ERROR_INVALID_VALUE,)  # still mapped inside
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)  # still mapped inside
         del self.reservations[va]
-        return (OK,)
+        return (self._r(OK),)
 
     def cuMemCreate(self, size, prop, flags):
         err = self._log("cuMemCreate", size)
+        none = real.CUmemGenericAllocationHandle(0)
         if err:
-            return (err, None)
-        if (
-            prop.type != "pinned"
-            or prop.location.type != "device"
-            or prop.requestedHandleTypes != "posix_fd"
-            or size % self.granularity
-        ):
-            return (R.CUDA_ERROR_INVALID_VALUE, None)
+            return (self._r(err), none)
+        if not self._check_prop(prop) or size % self.granularity:
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE), none)
         dev = prop.location.id
         if self.used(dev) + size > self.devices[dev].memory:
-            return (R.CUDA_ERROR_OUT_OF_MEMORY, None)
+            return (self._r(R.CUDA_ERROR_OUT_OF_MEMORY), none)
         aid, h = self._id(), self._id()
         self.allocs[aid] = {"size": size, "dev": dev, "handles": 1, "mappings": 0}
         self.handles[h] = aid
-        return (OK, h)
+        return (self._r(OK), real.CUmemGenericAllocationHandle(h))
 
     def cuMemExportToShareableHandle(self, h, htype, flags):
+        h = self._handle(h)
         err = self._log("cuMemExportToShareableHandle", h)
         if err:
-            return (err, None)
-        if h not in self.handles or htype != "posix_fd":
-            return (R.CUDA_ERROR_INVALID_VALUE, None)
+            return (self._r(err), None)
+        if h not in self.handles or htype != real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE), None)
         fd = os.memfd_create("fake-cuda-export")  # not close-on-exec, like the driver's may be
         os.set_inheritable(fd, True)
         self.fd_inodes[os.fstat(fd).st_ino] = self.handles[h]
         self.exported_fds.append(fd)
-        return (OK, fd)
+        return (self._r(OK), fd)  # the bindings return the fd as a plain int
 
     def cuMemImportFromShareableHandle(self, fd, htype):
         err = self._log("cuMemImportFromShareableHandle", fd)
+        none = real.CUmemGenericAllocationHandle(0)
         if err:
-            return (err, None)
+            return (self._r(err), none)
         try:
             aid = self.fd_inodes.get(os.fstat(fd).st_ino)
         except OSError:
             aid = None
-        if aid is None or aid not in self.allocs or htype != "posix_fd":
-            return (R.CUDA_ERROR_INVALID_VALUE, None)
+        if aid is None or aid not in self.allocs or htype != real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE), none)
         h = self._id()
         self.handles[h] = aid
         self.allocs[aid]["handles"] += 1
-        return (OK, h)
+        return (self._r(OK), real.CUmemGenericAllocationHandle(h))
 
     def cuMemRelease(self, h):
-        self._log("cuMemRelease", h)
+        h = self._handle(h)
+        err = self._log("cuMemRelease", h)
+        if err:
+            return (self._r(err),)
         aid = self.handles.pop(h, None)
         if aid is None:
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
         self.allocs[aid]["handles"] -= 1
         self._maybe_free(aid)
-        return (OK,)
+        return (self._r(OK),)
 
     def cuMemMap(self, va, size, offset, h, flags):
+        va, h = int(va), self._handle(h)
         err = self._log("cuMemMap", va, size, offset, h)
         if err:
-            return (err,)
+            return (self._r(err),)
         g = self.granularity
         if va % g or size % g or offset % g or size <= 0 or flags != 0:
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
         if not any(b <= va and va + size <= b + s for b, s in self.reservations.items()):
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
         if any(m < va + size and va < m + d["size"] for m, d in self.mappings.items()):
-            return (R.CUDA_ERROR_INVALID_VALUE,)  # already mapped
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)  # already mapped
         aid = self.handles.get(h)
         if aid is None or offset + size > self.allocs[aid]["size"]:
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
         self.mappings[va] = {"size": size, "alloc": aid, "offset": offset, "access": None}
         self.allocs[aid]["mappings"] += 1
-        return (OK,)
+        return (self._r(OK),)
 
     def cuMemSetAccess(self, va, size, descs, count):
-        err = self._log("cuMemSetAccess", va, size, descs[0].flags)
+        va = int(va)
+        assert isinstance(descs, (list, tuple)) and all(isinstance(d, real.CUmemAccessDesc) for d in descs), descs
+        flags = self._access_name(descs[0].flags)
+        err = self._log("cuMemSetAccess", va, size, flags)
         if err:
-            return (err,)
-        m = self.mappings.get(va)
-        if m is None or m["size"] != size or count != 1 or descs[0].location.type != "device":
-            return (R.CUDA_ERROR_INVALID_VALUE,)
-        m["access"] = descs[0].flags
-        return (OK,)
+            return (self._r(err),)
+        g = self.granularity
+        if va % g or size % g or size <= 0 or count != 1 or descs[0].location.type != real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE:
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
+        covering = {m: d for m, d in self.mappings.items() if m < va + size and va < m + d["size"]}
+        if sum(min(va + size, m + d["size"]) - max(va, m) for m, d in covering.items()) != size:
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)  # part of the range is not mapped
+        for gva in self._granules(va, size):
+            self.granule_access[gva] = flags
+        for m, d in covering.items():
+            kinds = {self.granule_access.get(x) for x in self._granules(m, d["size"])}
+            d["access"] = kinds.pop() if len(kinds) == 1 else "mixed"
+        return (self._r(OK),)
 
     def cuMemUnmap(self, va, size):
+        va = int(va)
         err = self._log("cuMemUnmap", va, size)
         if err:
-            return (err,)
+            return (self._r(err),)
         m = self.mappings.get(va)
         if m is None or m["size"] != size:  # cuMemUnmap takes whole mappings only
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
+        self._fault_if_in_use(va, size)  # the driver does not wait: unfinished work faults
         del self.mappings[va]
+        for gva in self._granules(va, size):
+            self.granule_access.pop(gva, None)
         self.allocs[m["alloc"]]["mappings"] -= 1
         self._maybe_free(m["alloc"])
-        return (OK,)
+        return (self._r(OK),)
 
     def close_exported(self):
         for fd in self.exported_fds:
@@ -320,6 +452,39 @@ class FakeDriver:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class FakeTensor:
+    """What torch.as_tensor returns over a __cuda_array_interface__ object: it keeps the
+    object until the tensor (and every view of it) is gone, as torch's storage does."""
+
+    def __init__(self, obj, device, base=None):
+        self.obj, self.device, self.base = obj, device, base
+        cai = obj.__cuda_array_interface__
+        self.ptr, self.n = cai["data"][0], cai["shape"][0]
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return self.n
+
+    def view(self, dtype):
+        return FakeTensor(self.obj, self.device, base=self)
+
+    def untyped_storage(self):
+        return SimpleNamespace(data_ptr=lambda: self.ptr, nbytes=lambda: self.n)
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """torch.as_tensor -> FakeTensor; the view's current stream is ``fake_torch.stream``."""
+    import torch
+
+    state = SimpleNamespace(stream=0)
+    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: FakeTensor(obj, torch.device(device)))
+    monkeypatch.setattr(CudaArenaView, "_current_stream", lambda self: state.stream)
+    return state
 
 
 @pytest.fixture
@@ -644,7 +809,8 @@ def test_a_failed_grow_releases_every_handle_mapping_and_fd(fake, failing):
     assert not fake.allocs and not fake.mappings
 
 
-def test_a_client_view_imports_fds_and_mirrors_window_placements(fake):
+def test_a_client_view_imports_fds_and_mirrors_window_placements(fake, fake_torch):
+    fake_torch.stream = 0x51
     g = geom(pps=4)
     a = CudaArena(g, "0")
     a.grow(3)
@@ -666,17 +832,25 @@ def test_a_client_view_imports_fds_and_mirrors_window_placements(fake):
         assert fake.names().count("cuMemSetAccess") == 4
         assert "cuCtxSynchronize" not in fake.names()  # nothing was mapped there before
         assert v.window_segments() == [(10, 3, 1, 1), (13, 2, 2, 0), (15, 1, 0, 2), (16, 1, 2, 3)]
-        # Mapping over part of a segment unmaps it whole (after a sync) and keeps the rest.
+        # Mapping over part of a segment unmaps it whole (after syncing the stream that used
+        # it: a tensor over it was made on stream 0x51, which still runs a kernel there) and
+        # keeps the rest.
+        t = v.tensor(v.window_address(10), 3 * ps)
+        fake.launch(0x51, v.window_address(10), 3 * ps, write=True)
+        del t
         fake.calls.clear()
         v.map_window(11, [0])
         names = fake.names()
-        assert names.index("cuCtxSynchronize") < names.index("cuMemUnmap")
+        assert names.index("cuStreamSynchronize") < names.index("cuMemUnmap")
+        assert ("cuStreamSynchronize", 0x51) in fake.calls and "cuCtxSynchronize" not in names
+        assert fake.sticky is None
         assert v.window_segments() == [(10, 1, 1, 1), (11, 1, 0, 0), (12, 1, 1, 3), (13, 2, 2, 0),
                                        (15, 1, 0, 2), (16, 1, 2, 3)]  # fmt: skip
         # Unmapping a range that cuts segments on both sides.
         fake.calls.clear()
         v.unmap_window(12, 2)
-        assert fake.names()[0] == "cuCtxSynchronize"
+        # No tensor ever covered these mappings since they were made: nothing to wait for.
+        assert fake.names()[0] == "cuMemUnmap" and "cuCtxSynchronize" not in fake.names()
         assert v.window_segments() == [(10, 1, 1, 1), (11, 1, 0, 0), (14, 1, 2, 1), (15, 1, 0, 2), (16, 1, 2, 3)]
         fake.calls.clear()
         v.unmap_window(20, 5)  # nothing mapped there: no sync, no calls
@@ -848,7 +1022,7 @@ def test_each_call_makes_the_context_current_in_its_own_thread(fake):
 
     def other():
         try:
-            v.unmap_window(0, 2)  # needs cuCtxSynchronize: fails without a current context
+            v.unmap_window(0, 2)  # cuMemUnmap fails without a current context
             a.grow(1)
             v.attach_slab(1, a.slab_fd(1))
         except Exception as e:  # pragma: no cover - reported below
@@ -973,3 +1147,281 @@ def test_tensor_asks_torch_for_a_view_on_the_device_and_refuses_a_copy(fake, mon
             a.view.tensor(addr, 8192)
     finally:
         a.close()
+
+
+# ----------------------------------------------------------------- the stricter fake itself
+
+
+def test_the_fake_takes_and_returns_the_bindings_types_and_needs_a_context(fake):
+    g = geom()
+    a = CudaArena(g, "0")
+    try:
+        a.grow(1)
+        h = a.view._handles[0]
+        assert isinstance(h, real.CUmemGenericAllocationHandle) and isinstance(a.view._ctx, real.CUcontext)
+        assert isinstance(a.device.handle, real.CUdevice)
+        with pytest.raises(AssertionError, match="CUmemGenericAllocationHandle"):
+            fake.cuMemMap(a.view.window_base, GRAN, 0, int(h), 0)  # a plain int, as a bug would pass
+        fake.tls.ctx = None  # a thread that never made the context current
+        (err, _h) = fake.cuMemCreate(GRAN, a.view._allocation_prop(), 0)
+        assert err == real.CUresult.CUDA_ERROR_INVALID_CONTEXT
+    finally:
+        a.close()
+
+
+def test_a_fault_is_sticky_and_the_view_reports_it(fake, fake_torch):
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = a.view
+    v.map_window(0, [1, 2])
+    # A kernel over an unmapped address faults; every later call in the context fails.
+    fake.launch(0, v.window_address(5), 16)
+    assert fake.sticky == R.CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(CudaError, match=r"cuMemMap\(window pages 8..9.*CUDA_ERROR_ILLEGAL_ADDRESS"):
+        v.map_window(8, [3])
+    with pytest.raises(CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        a.close()  # goes through every step and raises the first error
+
+
+# ----------------------------------------------------------------- lifetimes
+
+
+def _client_view(fake, g, slabs=2):
+    a = CudaArena(g, "0")
+    a.grow(slabs)
+    v = CudaArenaView(g, "0")
+    for i in range(slabs):
+        v.attach_slab(i, a.slab_fd(i))
+    return a, v
+
+
+def test_a_live_tensor_keeps_its_window_mapping(fake, fake_torch):
+    import torch
+
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    ps = g.page_size
+    try:
+        v.map_window(4, [1, 2, 3])
+        t = v.tensor(v.window_address(4), 3 * ps)
+        bf = t.view(torch.bfloat16)  # views share the lease
+        del t
+        before = dict(fake.mappings)
+        fake.calls.clear()
+        for attempt in (lambda: v.map_window(5, [6]), lambda: v.unmap_window(6, 1)):
+            with pytest.raises(cu.MappingInUse, match=r"window pages \d+..\d+: 1 tensor\(s\) over this view .*\(window pages 4..7\)"):
+                attempt()
+        assert fake.mappings == before and "cuMemUnmap" not in fake.names()  # nothing was changed
+        assert v.live_tensors() == [(v.window_address(4), 3 * ps)]
+        del bf
+        v.map_window(5, [6])  # the last reference went: the pages may be mapped again
+        assert v.window_segments() == [(4, 1, 0, 1), (5, 1, 1, 2), (6, 1, 0, 3)]
+        # A tensor over other window pages does not stand in the way.
+        keep = v.tensor(v.window_address(4), ps)
+        v.map_window(6, [7])
+        del keep
+    finally:
+        v.close()
+        a.close()
+    assert not fake.mappings
+
+
+def test_close_with_a_live_tensor_unmaps_when_the_last_one_goes(fake, fake_torch):
+    import torch
+
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    v.map_window(0, [5])
+    t = v.tensor(v.page_address(5), g.page_size)
+    w = v.tensor(v.window_address(0), g.page_size).view(torch.float16)
+    mine = {va for va in fake.mappings if v.phys_base <= va < v.phys_base + g.max_pages * g.page_size
+            or v.window_base <= va < v.window_base + g.window_pages * g.page_size}  # fmt: skip
+    fake.calls.clear()
+    v.close()  # returns; the view is closed, its memory still mapped under the tensors
+    assert fake.calls == [] and mine <= set(fake.mappings)
+    with pytest.raises(RuntimeError, match="closed"):
+        v.map_window(1, [6])
+    del t
+    assert "cuMemUnmap" not in fake.names()  # one tensor is still alive
+    del w
+    assert fake.names()[:2] == ["cuCtxSynchronize", "cuMemUnmap"]  # the teardown ran
+    assert not mine & set(fake.mappings) and fake.ctx_refs == {0: 1}  # only the broker's view is left
+    v.close()  # idempotent
+    a.close()
+    assert not fake.mappings and not fake.allocs
+
+
+def test_a_tensor_held_only_by_a_reference_cycle_does_not_block(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    try:
+        v.map_window(0, [1])
+        cycle: list = [v.tensor(v.window_address(0), g.page_size)]
+        cycle.append(cycle)
+        del cycle
+        v.map_window(0, [2])  # collects the cycle, then replaces
+        assert v.window_segments() == [(0, 1, 0, 2)]
+    finally:
+        v.close()
+        a.close()
+
+
+# ----------------------------------------------------------------- scoped synchronization
+
+
+def test_unmapping_waits_only_for_the_streams_that_used_the_range(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    ps = g.page_size
+    try:
+        v.map_window(0, [0, 1])
+        v.map_window(4, [4, 5])
+        fake_torch.stream = 0xA
+        t = v.tensor(v.window_address(0), 2 * ps)
+        fake.launch(0xA, v.window_address(0), 2 * ps, write=True)
+        fake_torch.stream = 0xB
+        u = v.tensor(v.window_address(4), 2 * ps)
+        fake.launch(0xB, v.window_address(4), 2 * ps)
+        v.record_stream(u, 0xC)  # another stream reads it too
+        fake.launch(0xC, v.window_address(4), ps)
+        del t, u
+        fake.calls.clear()
+        v.map_window(0, [2, 3])  # replaces what stream 0xA used
+        assert [c for c in fake.calls if c[0].endswith("Synchronize")] == [("cuStreamSynchronize", 0xA)]
+        assert set(fake.pending) == {0xB, 0xC}  # other streams' work was not waited for
+        fake.calls.clear()
+        v.unmap_window(4, 2)
+        assert [c for c in fake.calls if c[0].endswith("Synchronize")] == [
+            ("cuStreamSynchronize", 0xB), ("cuStreamSynchronize", 0xC)]  # fmt: skip
+        assert fake.sticky is None and not fake.pending
+        # Every mapping call ran in relaxed capture mode, restored afterwards.
+        modes = [m for _, m in fake.mode_changes]
+        relaxed = real.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        assert modes and modes[0::2] == [relaxed] * (len(modes) // 2)
+        assert all(m != relaxed for m in modes[1::2])
+    finally:
+        v.close()
+        a.close()
+
+
+def test_without_the_scoped_sync_the_fake_would_fault(fake, fake_torch, monkeypatch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    v.map_window(0, [0])
+    t = v.tensor(v.window_address(0), g.page_size)
+    fake.launch(0, v.window_address(0), g.page_size)
+    del t
+    monkeypatch.setattr(CudaArenaView, "_sync_streams", lambda self, streams, why: None)
+    with pytest.raises(CudaError, match=r"cuMemMap\(window pages 0..1 .*CUDA_ERROR_ILLEGAL_ADDRESS"):
+        v.map_window(0, [1])  # the unmap went through; the kernel faulted; the context is dead
+    assert fake.sticky == R.CUDA_ERROR_ILLEGAL_ADDRESS  # what the real driver does to the process
+    with pytest.raises(CudaError):
+        v.close()
+
+
+def test_a_stream_under_graph_capture_is_not_synchronized_and_nothing_changes(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    try:
+        v.map_window(0, [0, 1])
+        fake_torch.stream = 0xD
+        t = v.tensor(v.window_address(0), g.page_size)
+        del t
+        fake.capturing.add(0xD)
+        before = dict(fake.mappings)
+        with pytest.raises(cu.MappingInUse, match=r"stream 0xd, which used window pages 1..2, is capturing a CUDA graph"):
+            v.map_window(1, [3])
+        assert fake.mappings == before and fake.capturing == {0xD}  # the capture goes on
+        assert "cuCtxSynchronize" not in fake.names() and "cuStreamSynchronize" not in fake.names()
+        fake.capturing.clear()
+        v.map_window(1, [3])
+    finally:
+        v.close()
+        a.close()
+
+
+# ----------------------------------------------------------------- read-only pages
+
+
+def test_set_page_access_protects_pages_in_the_physical_view_and_the_window(fake, fake_torch):
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    ps = g.page_size
+    try:
+        v.map_window(0, [1, 2, 3])
+        n = len(fake.calls)
+        with pytest.raises(ValueError, match=r"page\(s\) 8 are outside the 8 pages of the 2 mapped slabs"):
+            v.set_page_access([2, 8], True)
+        assert len(fake.calls) == n
+        v.set_page_access([2, 3], True)
+        acc = fake.granule_access
+        assert [acc[v.page_address(p)] for p in range(4)] == ["rw", "rw", "r", "r"]
+        assert [acc[v.window_address(w)] for w in range(3)] == ["rw", "r", "r"]
+        # A later window mapping of a protected page is read-only too, a kept remainder as well.
+        v.map_window(8, [3, 4])
+        assert [acc[v.window_address(w)] for w in (8, 9)] == ["r", "rw"]
+        v.map_window(0, [5])
+        assert [acc[v.window_address(w)] for w in range(3)] == ["rw", "r", "r"]
+        # A write to a protected page faults (sticky), a read does not.
+        fake.launch(0, v.window_address(1), ps)
+        assert fake.sticky is None
+        fake.launch(0, v.window_address(1), ps, write=True)
+        assert fake.sticky == R.CUDA_ERROR_ILLEGAL_ADDRESS
+        fake.sticky = None
+        fake.pending.clear()
+        v.set_page_access([2, 3], False)
+        assert [acc[v.window_address(w)] for w in (1, 2, 8)] == ["rw", "rw", "rw"]
+        assert acc[v.page_address(3)] == "rw"
+    finally:
+        v.close()
+        a.close()
+
+
+def test_pages_of_a_readonly_slab_stay_readonly(fake):
+    g = geom(pps=4)
+    a = CudaArena(g, "0")
+    a.grow(1)
+    v = CudaArenaView(g, "0")
+    try:
+        v.attach_slab(0, a.slab_fd(0), readonly=True)
+        v.map_window(0, [1])
+        v.set_page_access([1], False)
+        assert fake.granule_access[v.page_address(1)] == "r" and fake.granule_access[v.window_address(0)] == "r"
+    finally:
+        v.close()
+        a.close()
+
+
+def test_the_view_says_its_memory_is_not_host_addressable(fake):
+    v = CudaArenaView(geom(), "0")
+    try:
+        assert v.host_addressable is False
+    finally:
+        v.close()
+
+
+def test_host_only_adapter_helpers_refuse_the_cuda_arena(fake):
+    from memory_broker.broker.adapters.tiers import HostPageWriter, read_matrix
+
+    a = CudaArena(geom(), "0")
+    try:
+        a.grow(1)
+        with pytest.raises(ValueError, match="read_matrix reads and writes arena addresses on the host, but this "
+                                             "CudaArenaView's memory is on a GPU"):  # fmt: skip
+            read_matrix(a.view, None, [0], 0, "q_proj", "A")
+        with pytest.raises(ValueError, match="HostPageWriter .* on a GPU; use TensorPageWriter"):
+            HostPageWriter(a.view)
+    finally:
+        a.close()
+
+
+def test_the_broker_arena_closes_its_fds_and_unmaps_when_its_last_tensor_goes(fake, fake_torch):
+    a = CudaArena(geom(), "0")
+    a.grow(1)
+    fd = a.slab_fd(0)
+    t = a.view.tensor(a.view.page_address(0), 16)
+    a.close()
+    assert not fd_is_open(fd) and len(fake.mappings) == 1  # the fd went; the mapping waits
+    del t
+    assert not fake.mappings and not fake.allocs

@@ -6,13 +6,17 @@ handles (and a CUDA build of torch). ops/gpu/run_gpu_checks.sh runs them on a GP
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 
 from memory_broker.broker.arena import ArenaGeometry
-from memory_broker.broker.arena.cuda import cuda_available
+from memory_broker.broker.arena.cuda import MappingInUse, cuda_available
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.clients import BrokerClient, Spec
 from conftest import read_line, run_child, spawn_child, start_broker
@@ -80,11 +84,16 @@ def test_arena_and_a_second_view_share_device_memory():
         w.view(torch.bfloat16)[: ps // 2].fill_(1.5)
         torch.cuda.synchronize()
         assert bool((mine[6 * ps : 7 * ps].view(torch.bfloat16) == 1.5).all())
+        # A live tensor keeps its window mapping: replacing it is refused, nothing changes.
+        with pytest.raises(MappingInUse, match="still alive"):
+            v.map_window(6, [0])
+        assert torch.equal(w[ps : 2 * ps], mine[ps : 2 * ps])
+        del w
         # Replacing part of a window mapping keeps the rest.
         v.map_window(6, [0])
         w2 = v.tensor(v.window_address(5), 3 * ps)
         assert torch.equal(w2[ps : 2 * ps], mine[0:ps]) and torch.equal(w2[2 * ps :], mine[3 * ps : 4 * ps])
-        del w, w2
+        del w2
         v.unmap_window(5, 4)
         with pytest.raises(ValueError):
             v.tensor(v.window_address(5), ps)
@@ -92,6 +101,118 @@ def test_arena_and_a_second_view_share_device_memory():
     finally:
         if v is not None:
             v.close()
+        a.close()
+
+
+def test_close_waits_for_live_tensors_and_unmapping_syncs_only_the_stream_that_used_the_range():
+    from memory_broker.broker.arena.cuda import CudaArena, CudaArenaView
+
+    g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=2, window_pages=16)
+    a = CudaArena(g, "0")
+    try:
+        a.grow(1)
+        v = a.view
+        v.map_window(0, [1, 2])
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            t = v.tensor(v.window_address(0), 2 * g.page_size, torch.float32)
+            for _ in range(20):  # queued work on the side stream over the window pages
+                t.mul_(1.0)
+        del t
+        v.map_window(0, [3])  # syncs `side` (its kernels used the range), then replaces
+        assert side.query()
+        # A second view closed under a live tensor: the tensor keeps working; the view's
+        # memory is unmapped when the tensor goes.
+        v2 = CudaArenaView(g, a.device_id)
+        v2.attach_slab(0, a.slab_fd(0))
+        held = v2.tensor(v2.page_address(3), g.page_size)
+        v2.close()
+        assert v2.mapped_slabs == 1
+        held.fill_(9)
+        torch.cuda.synchronize()
+        assert int(v.tensor(v.window_address(0), 1)[0]) == 9
+        del held
+        assert v2.mapped_slabs == 0  # the deferred teardown ran
+    finally:
+        a.close()
+
+
+def test_mapping_during_another_streams_graph_capture_leaves_the_capture_intact():
+    from memory_broker.broker.arena.cuda import CudaArena
+
+    g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=2, window_pages=16)
+    a = CudaArena(g, "0")
+    try:
+        a.grow(1)
+        v = a.view
+        v.map_window(0, [0])
+        x = v.tensor(v.window_address(0), g.page_size, torch.float32)
+        x.fill_(1.0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x.add_(1.0)
+            v.map_window(4, [2, 3])  # relaxed capture mode: allowed, and the capture survives
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert float(x[0]) == 3.0
+        assert v.window_segments()[-1] == (4, 2, 0, 2)
+        del graph, x
+    finally:
+        a.close()
+
+
+_READONLY_CHILD = """
+import os, sys, torch
+from memory_broker.broker.arena import ArenaGeometry
+from memory_broker.broker.arena.cuda import CudaArenaView
+MiB = 1 << 20
+g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=1, window_pages=8)
+v = CudaArenaView(g, sys.argv[1])
+v.attach_slab(0, int(sys.argv[2]))
+v.set_page_access([1], True)
+v.map_window(0, [1, 2])
+ps = g.page_size
+w = v.tensor(v.window_address(0), 2 * ps)
+print("read", int(w[0]), int(w[ps]), flush=True)  # reads of a read-only page work
+w[ps:].fill_(0x22)  # page 2 is writable
+torch.cuda.synchronize()
+print("wrote-rw", flush=True)
+try:
+    w[:ps].fill_(0x33)  # page 1 is read-only: the write must fault
+    torch.cuda.synchronize()
+    print("wrote-ro", flush=True)
+except Exception as e:
+    print("fault", type(e).__name__, str(e).splitlines()[0], flush=True)
+"""
+
+
+def test_a_write_to_a_read_only_page_faults_in_the_client_process():
+    from memory_broker.broker.arena.cuda import CudaArena
+
+    g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=1, window_pages=8)
+    a = CudaArena(g, "0")
+    try:
+        a.grow(1)
+        ps = g.page_size
+        mine = a.view.tensor(a.view.phys_base, g.slab_size)
+        mine.fill_(0x11)
+        torch.cuda.synchronize()
+        fd = os.dup(a.slab_fd(0))
+        try:
+            r = subprocess.run([sys.executable, "-c", textwrap.dedent(_READONLY_CHILD), a.device_id, str(fd)],
+                               pass_fds=[fd], capture_output=True, text=True, timeout=120)  # fmt: skip
+        finally:
+            os.close(fd)
+        lines = r.stdout.splitlines()
+        assert lines[:2] == ["read 17 17", "wrote-rw"], r.stdout + r.stderr
+        assert "wrote-ro" not in lines, "a write to a read-only page went through"
+        assert (lines[2:] and lines[2].startswith("fault")) or r.returncode != 0, r.stdout + r.stderr
+        # The broker's bytes: page 1 untouched, page 2 written by the child.
+        assert bool((mine[ps : 2 * ps] == 0x11).all()) and bool((mine[2 * ps : 3 * ps] == 0x22).all())
+        del mine
+    finally:
         a.close()
 
 

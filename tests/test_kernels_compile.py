@@ -28,14 +28,19 @@ def _has_nvidia_backend() -> bool:
     )
 
 
-pytestmark = pytest.mark.skipif(not _has_nvidia_backend(), reason="needs Triton with its NVIDIA backend")
+pytestmark = [
+    pytest.mark.skipif(not _has_nvidia_backend(), reason="needs Triton with its NVIDIA backend"),
+    # A cold Triton cache compiles every variant (84) here: minutes on a shared 2-core machine.
+    pytest.mark.timeout(600),
+]
 
 _PROGRAM = """
 import json
 from memory_broker.kernels.compile_check import compile_all
 print(json.dumps([
     {"kernel": v.kernel, "dtype": v.dtype, "row_align": v.constexprs.get("ROW_ALIGN"),
-     "forms": sorted(v.global_access_forms())}
+     "forms": sorted(v.global_access_forms()), "block_m": v.constexprs.get("BLOCK_M"),
+     "shared": v.shared, "fits": v.fits(90)}
     for v in compile_all(90)
 ]))
 """
@@ -45,7 +50,7 @@ print(json.dumps([
 def variants() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run(
-        [sys.executable, "-c", _PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110
+        [sys.executable, "-c", _PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540
     )
     assert r.returncode == 0, f"compiling the kernels for sm_90 failed:\n{r.stderr[-4000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -63,3 +68,25 @@ def test_row_align_8_turns_token_path_gathers_into_16_byte_loads(variants: list[
     assert "ld.global.v4.b32" in forms[8], f"{kernel} with row_align=8: {sorted(forms[8])}"
     # Without the promise the gathers are 2-byte loads: the reason row_align exists.
     assert "ld.global.b16" in forms[1], f"{kernel} with row_align=1: {sorted(forms[1])}"
+
+
+def test_every_block_size_the_planner_accepts_is_compiled_and_fits_in_shared_memory(variants: list[dict]):
+    from memory_broker.kernels.batch_plan import BLOCK_M_CHOICES
+
+    for kernel in ("_shrink_segment_kernel", "_expand_segment_kernel"):
+        for dtype in ("fp16", "bf16", "fp32"):
+            got = {v["block_m"] for v in variants if v["kernel"] == kernel and v["dtype"] == dtype}
+            assert got == set(BLOCK_M_CHOICES), f"{kernel} {dtype}: compiled {sorted(got)}"
+    too_big = [(v["kernel"], v["dtype"], v["block_m"], v["shared"]) for v in variants if not v["fits"]]
+    assert too_big == [], f"past sm_90's 227 KiB of shared memory: {too_big}"
+
+
+def test_the_planner_refuses_a_block_size_the_compile_check_does_not_build():
+    import torch
+
+    from memory_broker.kernels.batch_plan import build_segment_tiles
+
+    slots = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_m must be one of 16, 32, 64, 128 .* got 256"):
+        build_segment_tiles(slots, 1, 256)
+    assert build_segment_tiles(slots, 1, 128).block_m == 128

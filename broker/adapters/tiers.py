@@ -660,6 +660,7 @@ class HostPageWriter:
     calls ``write``.)"""
 
     def __init__(self, view: ArenaView):
+        _require_host_memory(view, "HostPageWriter", "use TensorPageWriter")
         self.view = view
 
     def write(self, image: WarmImage, pages: Sequence[int]) -> int:
@@ -730,9 +731,21 @@ class TensorPageWriter:
         return pos
 
 
+def _require_host_memory(view: ArenaView, what: str, instead: str) -> None:
+    """Refuse a view whose addresses are not host memory (the CUDA arena's): dereferencing
+    them on the host would crash the process."""
+    if getattr(view, "host_addressable", True) is False:
+        raise ValueError(
+            f"{what} reads and writes arena addresses on the host, but this {type(view).__name__}'s "
+            f"memory is on a GPU; {instead}"
+        )
+
+
 def read_matrix(view: ArenaView, layout: AdapterLayout, pages: Sequence[int], layer: int, module: str, kind: str) -> np.ndarray:
     """A copy of one stored matrix (A, or Bᵀ) from an arena mapping, as raw ``layout.dtype``
-    elements [rank, row_elems]. For checks and tools; any process's view works."""
+    elements [rank, row_elems]. For checks and tools; any process's host-memory view works
+    (a CUDA view is refused with ValueError: copy its pages to the host with ``view.tensor``)."""
+    _require_host_memory(view, "read_matrix", "copy the pages to the host with view.tensor(...).cpu() first")
     mp = layout.matrix(layer, module, kind)
     raw, es = _RAW[layout.dtype], layout.elem_size
     out = np.empty((mp.rows, mp.row_elems), dtype=raw)

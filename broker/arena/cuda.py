@@ -27,11 +27,38 @@ Design choices:
   records every window mapping (a run of consecutive physical pages of one slab) as a
   segment. Unmapping or re-mapping part of a segment unmaps the whole segment and maps its
   remainders again, from the same handle and offsets.
-* **Synchronization.** ``cuMemUnmap`` does not wait for the GPU. Every unmap of a range the
-  GPU may be using (``unmap_window``, replacing a window mapping, ``close``) is preceded by
-  one ``cuCtxSynchronize`` of the device's primary context, which waits for all of this
-  process's work on the device (every stream, torch's included). Fresh mappings undone on a
-  failed call were never handed out and are unmapped without it.
+* **Lifetimes.** Every tensor from ``tensor`` holds a lease (the ``__cuda_array_interface__``
+  object torch keeps until the tensor's storage dies; slices and ``.view(dtype)`` share it).
+  While a lease is alive nothing it covers is unmapped: replacing or unmapping window pages
+  that a live tensor covers raises ``MappingInUse`` and changes nothing (after one
+  ``gc.collect()`` for tensors held only by cycles); ``close`` closes the view at once but
+  unmaps its memory only when the last lease goes. A use of memory the view cannot see (a raw address handed to another library)
+  is the caller's to finish before the pages are freed.
+* **Synchronization, scoped.** ``cuMemUnmap`` does not wait for the GPU, and a kernel still
+  reading an unmapped range faults with a sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``. The view
+  keeps, per window mapping, the streams that used it: the stream each tensor over it was
+  made on (torch's current stream) and any stream named with ``record_stream``. Unmapping window pages synchronizes exactly those streams of
+  the mappings it removes (``cuStreamSynchronize``), and nothing when no tensor ever covered
+  them; it never synchronizes the whole device (``cuCtxSynchronize`` stalls every stream and
+  fails during another thread's graph capture), so the client's allocation path and event
+  thread stay clear of other streams. Only ``close`` (teardown) synchronizes the context.
+  Mapping calls switch the calling thread to ``CU_STREAM_CAPTURE_MODE_RELAXED`` for their
+  duration, so they do not invalidate a graph another thread is capturing.
+* **CUDA graphs.** (1) A graph that captured kernels over arena tensors must keep those
+  tensors (or one tensor over the same range) alive for as long as it may be replayed: the
+  lease is what stops the range being unmapped under a replay. (2) Capture on the stream the
+  tensor was made on, or name the capture stream with ``record_stream``. (3) Do not free or
+  replace objects whose window pages a stream is capturing over: the unmap refuses with
+  ``MappingInUse`` (it cannot synchronize a capturing stream) rather than break the capture.
+  (4) Mapping new slabs and window pages during a capture is allowed (relaxed mode above).
+* **Read-only pages.** ``set_page_access`` makes physical pages read-only (or writable again)
+  in this process: ``cuMemSetAccess`` on their ranges in the physical view and in every window
+  mapping that covers them, now and when they are mapped into the window later. A kernel
+  writing them faults (sticky, like any illegal address), so a client cannot overwrite shared
+  adapter pages.
+* **Host-only helpers.** The addresses are device addresses: code that dereferences arena
+  addresses on the host (``ctypes``/``numpy`` over ``page_address``) must refuse a view whose
+  ``host_addressable`` is False, as this one's is.
 * **Primary context.** Views retain the device's primary context (the one the CUDA runtime
   and torch use) and make it current in the calling thread on every entry point, because
   the current context is per thread (the client maps new slabs from its event thread).
@@ -39,29 +66,40 @@ Design choices:
   index is the process's own (``CUDA_VISIBLE_DEVICES`` renumbers), so long-lived state
   should name the UUID (``CudaArena.device_id``).
 
-Not thread-safe, like the host views: callers serialize attach/map/unmap/close.
+Not thread-safe, like the host views: callers serialize attach/map/unmap/close (a lease may
+die in any thread; that only drops it from a weak set).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fcntl
+import gc
+import logging
 import math
 import os
 import re
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from memory_broker.broker.arena.base import Arena, ArenaGeometry, ArenaView
 
+log = logging.getLogger(__name__)
+_LEASE_LOCK = threading.Lock()
+
 # Result codes this module treats specially (values are the driver's ABI).
 CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
 CUDA_ERROR_DEINITIALIZED = 4
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
+CU_STREAM_CAPTURE_STATUS_NONE = 0
 
 _UUID_RE = re.compile(r"^(?:GPU-|MIG-)?([0-9a-fA-F]{8})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{12})$")
 
@@ -78,6 +116,11 @@ class CudaError(RuntimeError):
 
 class CudaUnavailable(RuntimeError):
     """This process cannot run the CUDA arena here; the message says why, as a sentence."""
+
+
+class MappingInUse(RuntimeError):
+    """Memory a live tensor (or a capturing stream) still uses was to be unmapped; nothing was
+    changed. The message names the range and what holds it."""
 
 
 # ----------------------------------------------------------------- driver access
@@ -332,7 +375,7 @@ def check_geometry(geometry: ArenaGeometry, granularity: int, where: str = "this
 class _CudaArrayInterface:
     """A byte range of device memory, exposed as ``__cuda_array_interface__`` (v3) for torch."""
 
-    __slots__ = ("__cuda_array_interface__",)
+    __slots__ = ("__cuda_array_interface__", "__weakref__")
 
     def __init__(self, address: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
@@ -342,6 +385,23 @@ class _CudaArrayInterface:
             "strides": None,
             "version": 3,
         }
+
+
+class _Lease(_CudaArrayInterface):
+    """What a tensor over a view holds: torch keeps this object (it is the tensor's
+    ``__cuda_array_interface__`` source) until the tensor's storage dies. The view keeps only
+    weak references, so a live lease means a live tensor over ``[address, address + nbytes)``."""
+
+    __slots__ = ("view", "address", "nbytes")
+
+    def __init__(self, view: "CudaArenaView", address: int, nbytes: int) -> None:
+        super().__init__(address, nbytes)
+        self.view = view  # keeps the view object (and so its mappings' bookkeeping) alive
+        self.address = address
+        self.nbytes = nbytes
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.address < end and start < self.address + self.nbytes
 
 
 @dataclass(slots=True)
@@ -357,6 +417,9 @@ class _Segment:
 class CudaArenaView(ArenaView):
     """One process's physical view and window over CUDA VMM slabs, at addresses it reserved.
 
+    Its addresses are device addresses: ``host_addressable`` is False, and host-only helpers
+    (which dereference arena addresses with ctypes or numpy) refuse it.
+
     Args:
         geometry: the broker's sizes; page size a multiple of the device's granularity.
         device: index or UUID (``GPU-...``) of the device, as this process numbers it.
@@ -366,6 +429,8 @@ class CudaArenaView(ArenaView):
         ValueError: a malformed device or a geometry the device cannot map.
         CudaError: a driver call failed.
     """
+
+    host_addressable = False
 
     def __init__(self, geometry: ArenaGeometry, device: str | int | None = "0") -> None:
         try:
@@ -415,6 +480,13 @@ class CudaArenaView(ArenaView):
         # Window mappings by first window page, and their starts in order.
         self._segments: dict[int, _Segment] = {}
         self._starts: list[int] = []
+        # Live tensors' leases (weak: a lease goes when its tensor does).
+        self._leases: weakref.WeakSet[_Lease] = weakref.WeakSet()
+        # Streams that used each window mapping, by its first page. (The physical view is
+        # unmapped only by close, which synchronizes the context.)
+        self._seg_streams: dict[int, set[int]] = {}
+        # Physical pages made read-only with set_page_access.
+        self._page_readonly: set[int] = set()
         self._closed = False
 
     # ------------------------------------------------------------- properties
@@ -454,25 +526,29 @@ class CudaArenaView(ArenaView):
         """
         self._check_slab_index(slab_index)
         self._make_current()
-        handle = self._check(
-            f"cuMemImportFromShareableHandle(fd {fd}, slab {slab_index})",
-            self._drv.cuMemImportFromShareableHandle(fd, self._fd_type),
-        )
-        try:
-            self._attach_handle(slab_index, handle, readonly=readonly)
-        except BaseException:
-            self._drv.cuMemRelease(handle)
-            raise
+        with self._relaxed_capture():
+            handle = self._check(
+                f"cuMemImportFromShareableHandle(fd {fd}, slab {slab_index})",
+                self._drv.cuMemImportFromShareableHandle(fd, self._fd_type),
+            )
+            try:
+                self._attach_handle(slab_index, handle, readonly=readonly)
+            except BaseException:
+                self._drv.cuMemRelease(handle)
+                raise
 
     def map_window(self, window_page: int, phys_pages: Sequence[int], *, readonly: bool = False) -> None:
         """Map ``phys_pages`` back to back at window pages ``window_page, window_page+1, ...``.
 
         Runs of consecutive pages within one slab become one ``cuMemMap`` (at the run's offset
         into the slab's allocation) and one ``cuMemSetAccess``. Window pages mapped before are
-        replaced (after a context synchronize). Pages of a read-only slab map read-only.
+        replaced, after synchronizing the streams that used them (see the module notes). Pages
+        of a read-only slab, and pages made read-only with ``set_page_access``, map read-only.
 
         Raises:
             ValueError: the window range or a page is out of bounds (nothing is changed).
+            MappingInUse: a live tensor covers a mapping this would replace, or a stream that
+                used one is capturing a graph (nothing is changed).
             CudaError: a driver call failed; the range is left unmapped (reserved).
         """
         self._check_open()
@@ -489,39 +565,96 @@ class CudaArenaView(ArenaView):
         if not pages:
             return
         self._make_current()
-        self._clear_window(window_page, len(pages))
-        added: list[int] = []
-        try:
-            for off, first, n in _runs(pages, g.pages_per_slab):
-                slab, slab_page = divmod(first, g.pages_per_slab)
-                ro = readonly or self._slab_readonly[slab]
-                start = window_page + off
-                self._map(self._window_base + start * g.page_size, n * g.page_size, slab_page * g.page_size,
-                          self._handles[slab], ro, f"window pages {start}..{start + n} <- slab {slab} page {slab_page}")  # fmt: skip
-                self._add_segment(start, _Segment(n, slab, slab_page, ro))
-                added.append(start)
-        except BaseException:
-            # Nothing mapped by this call was handed out yet: undo it without a synchronize.
-            for start in added:
-                seg = self._remove_segment(start)
-                self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size)
-            raise
+        with self._relaxed_capture():
+            self._clear_window(window_page, len(pages))
+            added: list[int] = []
+            try:
+                for off, first, n in _runs(pages, g.pages_per_slab):
+                    slab, slab_page = divmod(first, g.pages_per_slab)
+                    ro = readonly or self._slab_readonly[slab]
+                    start = window_page + off
+                    seg = _Segment(n, slab, slab_page, ro)
+                    self._map(self._window_base + start * g.page_size, n * g.page_size, slab_page * g.page_size,
+                              self._handles[slab], ro, f"window pages {start}..{start + n} <- slab {slab} page {slab_page}")  # fmt: skip
+                    self._add_segment(start, seg)
+                    added.append(start)
+                    self._protect_segment(start, seg)
+            except BaseException:
+                # Nothing mapped by this call was handed out yet: undo it without a synchronize.
+                for start in added:
+                    seg = self._remove_segment(start)
+                    self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size)
+                raise
 
     def unmap_window(self, window_page: int, count: int) -> None:
         """Return window pages to reserved, inaccessible address space.
 
-        Synchronizes the context first (only when something in the range is mapped): the
-        GPU may still be using the range, and ``cuMemUnmap`` does not wait.
+        Synchronizes first the streams that used the mappings it removes (none when no
+        tensor ever covered them): ``cuMemUnmap`` does not wait for the GPU.
 
         Raises:
             ValueError: the range is outside the window.
+            MappingInUse: a live tensor covers a mapping in the range, or a stream that used
+                one is capturing a graph (nothing is changed).
             CudaError: a driver call failed.
         """
         self._check_open()
         self._check_window_range(window_page, count)
         if count:
             self._make_current()
-            self._clear_window(window_page, count)
+            with self._relaxed_capture():
+                self._clear_window(window_page, count)
+
+    def set_page_access(self, pages: Sequence[int], readonly: bool) -> None:
+        """Make physical ``pages`` read-only (or writable again) in this process.
+
+        Applies ``cuMemSetAccess`` to the pages' ranges in the physical view and in every
+        window mapping that covers them, and remembers the pages so later window mappings of
+        them are read-only too. A page of a slab attached read-only, or in a window mapped
+        read-only, stays read-only when ``readonly`` is False.
+
+        Raises:
+            ValueError: a page is not in a mapped slab (nothing is changed).
+            CudaError: a driver call failed.
+        """
+        self._check_open()
+        want = sorted(set(int(p) for p in pages))
+        g = self.geometry
+        mapped_pages = len(self._handles) * g.pages_per_slab
+        bad = [p for p in want if not 0 <= p < mapped_pages]
+        if bad:
+            raise ValueError(
+                f"page(s) {', '.join(map(str, bad[:5]))} are outside the {mapped_pages} pages of the "
+                f"{len(self._handles)} mapped slabs"
+            )
+        if not want:
+            return
+        self._make_current()
+        ps, pps = g.page_size, g.pages_per_slab
+        with self._relaxed_capture():
+            for _, first, n in _runs(want, pps):
+                if readonly or not self._slab_readonly[first // pps]:
+                    try:
+                        self._set_access(self._phys_base + first * ps, n * ps, readonly, f"pages {first}..{first + n}")
+                    except CudaError as e:
+                        if e.code != CUDA_ERROR_INVALID_VALUE or n == pps:
+                            raise
+                        # Not yet seen on a GPU: whether the driver takes access flags for
+                        # part of a mapping (the physical view maps each slab whole).
+                        raise CudaError(f"{e.call} (part of slab {first // pps}'s mapping)", e.code, e.name) from None
+            if readonly:
+                self._page_readonly.update(want)
+            else:
+                self._page_readonly.difference_update(want)
+            chosen = set(want)
+            for start in self._starts:
+                seg = self._segments[start]
+                if seg.readonly:
+                    continue
+                base = seg.slab * pps + seg.slab_page
+                hit = [start + i for i in range(seg.count) if base + i in chosen]
+                for _, w, n in _runs(hit, g.window_pages):
+                    self._set_access(self._window_base + w * ps, n * ps, readonly, f"window pages {w}..{w + n}")
 
     def window_segments(self) -> list[tuple[int, int, int, int]]:
         """The window's mappings as ``(window_page, count, slab, slab_page)``, in order (diagnostics)."""
@@ -532,8 +665,10 @@ class CudaArenaView(ArenaView):
 
         Built from ``__cuda_array_interface__`` with ``torch.as_tensor(..., device="cuda:N")``
         and checked to alias the address (a copy would be a silent bug). bf16 and other
-        types the interface cannot express come from ``.view(dtype)``. It does not keep the
-        mapping alive: drop it before ``close``.
+        types the interface cannot express come from ``.view(dtype)``. The tensor holds a
+        lease on the range: while it (or a slice or view of it) lives, the range is not
+        unmapped (``MappingInUse`` instead). Its uses are assumed to be on torch's current
+        stream; name other streams with ``record_stream``.
 
         Raises:
             ValueError: the range is not all mapped in this view.
@@ -545,27 +680,78 @@ class CudaArenaView(ArenaView):
 
         dev = torch.device("cuda", self.device.ordinal)
         if nbytes == 0:
-            t = torch.empty(0, dtype=torch.uint8, device=dev)
-        else:
-            t = torch.as_tensor(_CudaArrayInterface(address, nbytes), device=dev)
-            if t.data_ptr() != address or t.numel() != nbytes or t.device != dev:
-                raise RuntimeError(
-                    f"torch.as_tensor copied device memory at {address:#x} ({nbytes} bytes) instead of "
-                    f"viewing it (got {t.data_ptr():#x} on {t.device})"
-                )
+            return torch.empty(0, dtype=torch.uint8 if dtype is None else dtype, device=dev)
+        lease = _Lease(self, address, nbytes)
+        t = torch.as_tensor(lease, device=dev)
+        if t.data_ptr() != address or t.numel() != nbytes or t.device != dev:
+            raise RuntimeError(
+                f"torch.as_tensor copied device memory at {address:#x} ({nbytes} bytes) instead of "
+                f"viewing it (got {t.data_ptr():#x} on {t.device})"
+            )
+        self._leases.add(lease)
+        self._note_streams(address, nbytes, {self._current_stream()})
         return t if dtype is None or dtype == torch.uint8 else t.view(dtype)
+
+    def record_stream(self, tensor_or_address, stream, nbytes: int | None = None) -> None:
+        """Declare that ``stream`` uses a range of this view (as torch's ``Tensor.record_stream``):
+        unmapping the range then synchronizes that stream too.
+
+        Args:
+            tensor_or_address: a tensor from ``tensor`` (its whole storage), or an address.
+            stream: a ``torch.cuda.Stream``, a ``CUstream``, or a raw stream handle.
+            nbytes: the range's size, with an address.
+
+        Raises:
+            ValueError: the range is not mapped in this view.
+        """
+        self._check_open()
+        if nbytes is None:
+            storage = tensor_or_address.untyped_storage()
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+        else:
+            address = int(tensor_or_address)
+        self._check_mapped(address, nbytes)
+        self._note_streams(address, nbytes, {int(getattr(stream, "cuda_stream", stream))})
+
+    def live_tensors(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each live tensor's lease (diagnostics)."""
+        return sorted((lease.address, lease.nbytes) for lease in self._leases)
 
     def close(self) -> None:
         """Synchronize, unmap the window and the slabs, release the handles and both
         reservations, and release the primary context. Idempotent.
 
-        Best effort: every step is tried; the first error (other than a driver already torn
-        down at exit) is raised at the end. Tensors over these addresses must be dropped
-        first.
+        The view is closed at once (every later call is refused), but its memory is unmapped
+        only when nothing references it: while tensors from ``tensor`` live, the teardown
+        waits and runs when the last of them is dropped (in the thread that drops it;
+        errors then are logged). Without live tensors it runs now, best effort: every step
+        is tried; the first error (other than a driver already torn down at exit) is
+        raised at the end. This teardown is the one place that synchronizes the whole
+        context.
         """
         if self._closed:
             return
         self._closed = True
+        live = self._live_leases(0, 1 << 64)
+        if live:
+            self._waiting_for = len(live)
+            log.info("arena view close deferred: %s still alive", self._describe_leases(live))
+            for lease in live:
+                weakref.finalize(lease, self._lease_gone)
+            return
+        self._teardown()
+
+    def _lease_gone(self) -> None:
+        with _LEASE_LOCK:  # leases may die in several threads at once
+            self._waiting_for -= 1
+            last = self._waiting_for == 0
+        if last:
+            try:
+                self._teardown()
+            except Exception:
+                log.exception("deferred teardown of a CUDA arena view failed")
+
+    def _teardown(self) -> None:
         drv, g = self._drv, self.geometry
         errors: list[CudaError] = []
 
@@ -606,8 +792,92 @@ class CudaArenaView(ArenaView):
         # The current context is per thread; set it on every entry point (cheap).
         self._check("cuCtxSetCurrent(primary context)", self._drv.cuCtxSetCurrent(self._ctx))
 
-    def _synchronize(self, why: str) -> None:
-        self._check(f"cuCtxSynchronize() before {why}", self._drv.cuCtxSynchronize())
+    @contextlib.contextmanager
+    def _relaxed_capture(self):
+        """This thread in ``CU_STREAM_CAPTURE_MODE_RELAXED`` for the block: its driver calls
+        then cannot invalidate a global-mode capture running in another thread."""
+        drv = self._drv
+        old = self._check("cuThreadExchangeStreamCaptureMode(RELAXED)", drv.cuThreadExchangeStreamCaptureMode(
+            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))  # fmt: skip
+        try:
+            yield
+        finally:
+            drv.cuThreadExchangeStreamCaptureMode(old)
+
+    def _current_stream(self) -> int:
+        """torch's current stream on this device in this thread (0, the legacy default
+        stream, where torch cannot say)."""
+        try:
+            import torch
+
+            return int(torch.cuda.current_stream(self.device.ordinal).cuda_stream)
+        except Exception:
+            return 0
+
+    def _note_streams(self, address: int, nbytes: int, streams: set[int]) -> None:
+        """Remember that ``streams`` use ``[address, address + nbytes)``."""
+        g = self.geometry
+        if not self._window_base <= address < self._window_base + self._window_size:
+            return  # the physical view: only close unmaps it
+        first = (address - self._window_base) // g.page_size
+        last = (address + max(nbytes, 1) - 1 - self._window_base) // g.page_size
+        for start in self._overlapping(first, last - first + 1):
+            self._seg_streams.setdefault(start, set()).update(streams)
+
+    def _live_leases(self, start: int, end: int) -> list[_Lease]:
+        """Live leases overlapping addresses ``[start, end)``; collects cycles once before
+        reporting any (a tensor held only by a cycle is not in use)."""
+        live = [lease for lease in list(self._leases) if lease.overlaps(start, end)]
+        if live:
+            del live
+            gc.collect()
+            live = [lease for lease in list(self._leases) if lease.overlaps(start, end)]
+        return live
+
+    def _describe_leases(self, live: list[_Lease]) -> str:
+        ps = self.geometry.page_size
+        parts = []
+        for lease in sorted(live, key=lambda x: x.address)[:3]:
+            if self._window_base <= lease.address < self._window_base + self._window_size:
+                w = (lease.address - self._window_base) // ps
+                where = f"window pages {w}..{-(-(lease.address + lease.nbytes - self._window_base) // ps)}"
+            else:
+                p = (lease.address - self._phys_base) // ps
+                where = f"physical pages {p}..{-(-(lease.address + lease.nbytes - self._phys_base) // ps)}"
+            parts.append(f"{lease.nbytes} bytes at {lease.address:#x} ({where})")
+        more = f" and {len(live) - 3} more" if len(live) > 3 else ""
+        return f"{len(live)} tensor(s) over this view ({'; '.join(parts)}{more}) are"
+
+    def _sync_streams(self, streams: set[int], why: str) -> None:
+        """Wait for the work queued on ``streams`` (never the whole device). Refuses, before
+        waiting on any, if one of them is capturing a graph (syncing it would break it)."""
+        drv = self._drv
+        handles = sorted(streams)
+        for h in handles:
+            status = self._check(f"cuStreamIsCapturing(stream {h:#x})", drv.cuStreamIsCapturing(drv.CUstream(h)))
+            if int(status) != CU_STREAM_CAPTURE_STATUS_NONE:
+                raise MappingInUse(
+                    f"stream {h:#x}, which used {why.split(' ', 1)[1]}, is capturing a CUDA graph: "
+                    f"{why} must wait until the capture ends; nothing was changed"
+                )
+        for h in handles:
+            self._check(f"cuStreamSynchronize(stream {h:#x}) before {why}", drv.cuStreamSynchronize(drv.CUstream(h)))
+
+    def _set_access(self, va: int, size: int, readonly: bool, what: str) -> None:
+        mode = "read" if readonly else "read-write"
+        self._check(f"cuMemSetAccess({what}, {size} bytes, {mode})",
+                    self._drv.cuMemSetAccess(va, size, [self._access[readonly]], 1))  # fmt: skip
+
+    def _protect_segment(self, start: int, seg: _Segment) -> None:
+        """Make the pages of a (read-write) window mapping that ``set_page_access`` made
+        read-only read-only here too."""
+        if seg.readonly or not self._page_readonly:
+            return
+        g = self.geometry
+        base = seg.slab * g.pages_per_slab + seg.slab_page
+        hit = [start + i for i in range(seg.count) if base + i in self._page_readonly]
+        for _, w, n in _runs(hit, g.window_pages):
+            self._set_access(self._window_base + w * g.page_size, n * g.page_size, True, f"window pages {w}..{w + n}")
 
     def _allocation_prop(self):
         drv = self._drv
@@ -632,9 +902,7 @@ class CudaArenaView(ArenaView):
         drv = self._drv
         self._check(f"cuMemMap({what}, {size} bytes at offset {offset})", drv.cuMemMap(va, size, offset, handle, 0))
         try:
-            mode = "read" if readonly else "read-write"
-            self._check(f"cuMemSetAccess({what}, {size} bytes, {mode})",
-                        drv.cuMemSetAccess(va, size, [self._access[readonly]], 1))  # fmt: skip
+            self._set_access(va, size, readonly, what)
         except BaseException:
             drv.cuMemUnmap(va, size)
             raise
@@ -676,7 +944,18 @@ class CudaArenaView(ArenaView):
         if not hit:
             return
         g = self.geometry
-        self._synchronize(f"unmapping window pages {window_page}..{window_page + count}")
+        ps = g.page_size
+        lo, hi = hit[0], hit[-1] + self._segments[hit[-1]].count
+        live = self._live_leases(self._window_base + lo * ps, self._window_base + hi * ps)
+        if live:
+            raise MappingInUse(
+                f"cannot unmap window pages {window_page}..{window_page + count}: {self._describe_leases(live)} "
+                f"still alive over the mappings there (window pages {lo}..{hi}); drop them first (a tensor over a "
+                "freed object must not outlive it); nothing was changed"
+            )
+        streams = set().union(*(self._seg_streams.get(start, ()) for start in hit))
+        if streams:
+            self._sync_streams(streams, f"unmapping window pages {window_page}..{window_page + count}")
         end = window_page + count
         keep: list[tuple[int, _Segment]] = []
         for start in hit:
@@ -693,6 +972,7 @@ class CudaArenaView(ArenaView):
             self._map(self._window_base + start * g.page_size, seg.count * g.page_size, seg.slab_page * g.page_size,
                       self._handles[seg.slab], seg.readonly, f"window pages {start}..{start + seg.count} (kept)")  # fmt: skip
             self._add_segment(start, seg)
+            self._protect_segment(start, seg)
 
     def _add_segment(self, start: int, seg: _Segment) -> None:
         bisect.insort(self._starts, start)
@@ -700,6 +980,7 @@ class CudaArenaView(ArenaView):
 
     def _remove_segment(self, start: int) -> _Segment:
         del self._starts[bisect.bisect_left(self._starts, start)]
+        self._seg_streams.pop(start, None)
         return self._segments.pop(start)
 
     def _check_mapped(self, address: int, nbytes: int) -> None:
@@ -875,7 +1156,8 @@ class CudaArena(Arena):
         return self._fds[slab_index]
 
     def close(self) -> None:
-        """Unmap the broker's view and release its handles, then close every slab fd. Idempotent.
+        """Unmap the broker's view and release its handles (once no tensor over it lives, as
+        ``CudaArenaView.close``), then close every slab fd. Idempotent.
 
         Memory goes back to the device once every client has unmapped too.
         """
@@ -909,6 +1191,7 @@ class CudaArena(Arena):
 
 
 __all__ = [
+    "MappingInUse",
     "CudaArena",
     "CudaArenaView",
     "CudaDevice",

@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# Run the GPU tests and the GPU benchmarks on this machine and write one results file.
+# Install what the GPU checks need (offline), check that the CUDA arena can run here, run the GPU
+# tests and the GPU benchmarks, and write one results file.
 #
 #   ops/gpu/run_gpu_checks.sh [RESULTS_FILE]
 #
 # RESULTS_FILE defaults to ops/gpu/results-<date>-<device>.txt. The file holds the date, the
-# device (nvidia-smi, else torch), the software versions, one line per test (PASSED /
-# FAILED / SKIPPED / ERROR), the pytest summary, and the benchmark tables; the full pytest
-# output goes beside it as RESULTS_FILE.log. Exit status: 0 when no test failed (skips
-# included: on a machine without a usable GPU every GPU test skips and says why), 1 otherwise.
+# device (nvidia-smi, else torch), the software versions, the install log's tail, the preflight
+# (GPUs, driver CUDA version, cuda-bindings, torch, whether the CUDA arena can run and why
+# not), one line per test, the per-file tally, the verdict, and the benchmark tables; the full
+# pytest output goes beside it as RESULTS_FILE.log.
+#
+# Exit status 0 only when the CUDA arena actually ran: the preflight found a GPU the arena can
+# use, no test failed, and every test in tests/test_gpu_arena.py ran and passed (a run where
+# the GPU tests skip is a failure, with the skip reason). Without a GPU it fails at once with
+# the reason; with a GPU the arena cannot use (e.g. cuda-bindings 13 on a CUDA 12 driver) it
+# still runs the tests, for the record, and fails naming the reason.
+#
+# Install (the GPU machine has no package registry): WHEELHOUSE (default ops/gpu/wheelhouse,
+# made by ops/gpu/build_wheelhouse.py and carried along) is installed with pip --no-index
+# --find-links: its requirements.txt as ranges (what the machine already has at an accepted
+# version stays), then the project's wheel with --no-deps so pip never touches torch.
+# INSTALL_PROJECT=wheel (default) | editable (pip -e . from this checkout, for fixes made on the
+# GPU machine) | none. WHEELHOUSE= skips the install. The installed memory_broker must match
+# this checkout's sources (a stale wheel fails the run).
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), GPU_TESTS (test files,
-# default tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py where present),
-# GPU_BENCHES (default ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py where
-# present), BENCH_TIMEOUT (seconds per benchmark, default 900).
+# default tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels*.py
+# tests/test_lora_batch.py tests/test_lora_e2e.py where present), GPU_BENCHES (default
+# ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py where present), BENCH_TIMEOUT
+# (seconds per benchmark, default 900).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -32,6 +48,8 @@ slug=$(printf '%s' "${device%%,*}" | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9
 out=${1:-ops/gpu/results-$(date +%F)-${slug:-unknown}.txt}
 mkdir -p "$(dirname "$out")"
 log="$out.log"
+junit="$out.junit.xml"
+: >"$log"
 
 tests=${GPU_TESTS:-}
 if [ -z "$tests" ]; then
@@ -47,59 +65,152 @@ if [ -z "$benches" ]; then
     done
 fi
 
+fail() {  # the verdict line, then exit 1
+    echo "RESULT: FAIL: $*" >>"$out"
+    echo "wrote $out"
+    echo "RESULT: FAIL: $*"
+    exit 1
+}
+
 {
     echo "# memory-broker GPU checks"
     echo "date: $(date -Iseconds)"
     echo "host: $(hostname)"
     echo "device: $device"
     echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') ($(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') files changed)"
+    echo
+} >"$out"
+
+# ---- install, offline
+wheelhouse=${WHEELHOUSE-ops/gpu/wheelhouse}
+install_project=${INSTALL_PROJECT:-wheel}
+if [ -n "$wheelhouse" ]; then
+    echo "## Install from $wheelhouse (offline)" >>"$out"
+    [ -f "$wheelhouse/requirements.txt" ] || fail "no wheelhouse at $wheelhouse (build it with ops/gpu/build_wheelhouse.py where a registry is reachable, and carry it), or set WHEELHOUSE= to use what is installed"
+    [ -f "$wheelhouse/MANIFEST.txt" ] && tail -n 1 "$wheelhouse/MANIFEST.txt" >>"$out"
+    pip_install=("$PYTHON" -m pip install --no-index --find-links "$wheelhouse" --no-cache-dir --disable-pip-version-check)
+    if ! "${pip_install[@]}" -r "$wheelhouse/requirements.txt" >>"$log" 2>&1; then
+        tail -n 15 "$log" >>"$out"
+        fail "pip could not install $wheelhouse/requirements.txt offline (see $log)"
+    fi
+    case "$install_project" in
+        wheel)
+            whl=$(ls "$wheelhouse"/memory_broker-*.whl 2>/dev/null | head -n 1)
+            [ -n "$whl" ] || fail "the project's wheel is missing from $wheelhouse"
+            "${pip_install[@]}" --no-deps --force-reinstall "$whl" >>"$log" 2>&1 || fail "pip could not install $whl (see $log)"
+            ;;
+        editable)
+            "${pip_install[@]}" --no-deps --no-build-isolation -e . >>"$log" 2>&1 || fail "pip could not install this checkout editable (see $log)"
+            ;;
+        none) ;;
+        *) fail "INSTALL_PROJECT=$install_project: use wheel, editable or none" ;;
+    esac
+    echo "installed: $(grep -E '^Successfully installed' "$log" | tr '\n' ' ' || true)" >>"$out"
+    echo >>"$out"
+fi
+
+# The tests must exercise this checkout, not an older wheel.
+stale=$("$PYTHON" - <<'PY' 2>&1
+import filecmp, importlib.util, os, sys
+bad = []
+for folder in ("broker", "clients", "kernels"):
+    spec = importlib.util.find_spec(f"memory_broker.{folder}")  # finds without importing torch
+    if spec is None or not spec.submodule_search_locations:
+        print(f"memory_broker.{folder} is not installed"); sys.exit(0)
+    inst = list(spec.submodule_search_locations)[0]
+    if os.path.realpath(inst) == os.path.realpath(folder):
+        continue  # an editable install of this checkout
+    for dp, _, files in os.walk(folder):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dp, f), folder)
+                other = os.path.join(inst, rel)
+                if not os.path.exists(other) or not filecmp.cmp(os.path.join(dp, f), other, shallow=False):
+                    bad.append(os.path.join(folder, rel))
+if bad:
+    print(f"the installed memory_broker differs from this checkout in {len(bad)} file(s) ({', '.join(bad[:3])}): "
+          "rebuild the wheelhouse, or rerun with INSTALL_PROJECT=editable")
+PY
+)
+[ -z "$stale" ] || fail "$stale"
+
+{
     "$PYTHON" - <<'PY' 2>&1
 import platform
 print(f"python: {platform.python_version()}")
-try:
-    import torch
-    print(f"torch: {torch.__version__} (cuda {torch.version.cuda}, available: {torch.cuda.is_available()})")
-except Exception as e:
-    print(f"torch: not importable ({e})")
-try:
-    import cuda.bindings
-    print(f"cuda-python bindings: {cuda.bindings.__version__}")
-except Exception as e:
-    print(f"cuda-python: not importable ({e})")
-from memory_broker.broker.arena.cuda import cuda_available
-print(f"cuda arena: {cuda_available('0')[1]}")
+for name in ("torch", "triton", "cuda-bindings", "grpcio", "protobuf", "numpy", "transformers", "peft", "memory-broker"):
+    try:
+        from importlib.metadata import version
+        print(f"{name}: {version(name)}")
+    except Exception as e:
+        print(f"{name}: not installed ({type(e).__name__})")
 PY
     echo
-    echo "## Tests:$tests"
-} >"$out"
+    echo "## Preflight"
+} >>"$out"
+
+# ---- can the CUDA arena run here?
+"$PYTHON" ops/gpu/gpu_ready.py preflight >>"$out" 2>&1
+preflight_rc=$?
+echo >>"$out"
+if [ $preflight_rc -ne 0 ] && grep -q '^NOT READY: no GPU on this machine' "$out"; then
+    fail "$(grep -m1 '^NOT READY: ' "$out" | sed 's/^NOT READY: //')"
+fi
+
+# ---- import audit: a test module that cannot import fails here, by name, not as a skip
+echo "## Tests:$tests" >>"$out"
+# shellcheck disable=SC2086
+if ! "$PYTHON" -m pytest -q --collect-only -p no:cacheprovider $tests >"$log.collect" 2>&1; then
+    grep -E '^(ERROR|E +)' "$log.collect" | head -n 20 >>"$out"
+    fail "the GPU tests do not import (see $log.collect)"
+fi
 
 # shellcheck disable=SC2086
-"$PYTHON" -m pytest -rA -p no:cacheprovider $tests >"$log" 2>&1
+"$PYTHON" -m pytest -rA -p no:cacheprovider --junitxml="$junit" $tests >>"$log" 2>&1
 test_rc=$?
 {
     grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$log" || echo "(no per-test lines; see $log)"
     echo
     echo "pytest: $(tail -n 1 "$log") (exit $test_rc)"
     echo
+    echo "## Verdict"
 } >>"$out"
+verdict_rc=1
+if [ -s "$junit" ]; then
+    "$PYTHON" ops/gpu/gpu_ready.py verdict "$junit" >>"$out" 2>&1
+    verdict_rc=$?
+else
+    echo "NOT A PASS: pytest wrote no $junit" >>"$out"
+fi
+echo >>"$out"
 
 bench_rc=0
-for b in $benches; do
-    {
-        echo "## Benchmark: $b"
-        echo
-        timeout "${BENCH_TIMEOUT:-900}" "$PYTHON" "$b" 2>&1
-        rc=$?
-        if [ $rc -ne 0 ]; then
-            echo "(exit $rc)"
-            bench_rc=1
-        fi
-        echo
-    } >>"$out"
-done
+if [ $preflight_rc -eq 0 ]; then
+    for b in $benches; do
+        {
+            echo "## Benchmark: $b"
+            echo
+            timeout "${BENCH_TIMEOUT:-900}" "$PYTHON" "$b" 2>&1
+            rc=$?
+            if [ $rc -ne 0 ]; then
+                echo "(exit $rc)"
+                bench_rc=1
+            fi
+            echo
+        } >>"$out"
+    done
+fi
 
-echo "wrote $out (pytest log: $log)"
 grep -E '^pytest: ' "$out"
-# pytest exits 5 when it collected nothing; 0 is a pass (skips included).
-if [ $test_rc -ne 0 ] || [ $bench_rc -ne 0 ]; then exit 1; fi
+if [ $preflight_rc -ne 0 ]; then
+    fail "$(grep '^NOT READY: ' "$out" | sed 's/^NOT READY: //' | paste -sd ';' -)"
+fi
+if [ $test_rc -ne 0 ] || [ $verdict_rc -ne 0 ] || [ $bench_rc -ne 0 ]; then
+    why=$(grep '^NOT A PASS: ' "$out" | sed 's/^NOT A PASS: //' | paste -sd ';' -)
+    [ $bench_rc -eq 0 ] || why="${why:+$why; }a benchmark failed"
+    fail "${why:-pytest exited $test_rc}"
+fi
+echo "RESULT: PASS: the CUDA arena ran and every GPU test passed" >>"$out"
+echo "wrote $out (pytest log: $log)"
+echo "RESULT: PASS"
 exit 0
