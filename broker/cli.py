@@ -218,17 +218,18 @@ def cmd_adapters(a: argparse.Namespace) -> int:
 
     from memory_broker.broker.v1 import broker_pb2 as pb
     from memory_broker.broker.v1 import broker_pb2_grpc
+    from memory_broker.clients.admin import FdChannelError, admin_session
 
     def as_dict(m) -> dict:
         return MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     action = a.action or "list"
     try:
-        with grpc.insecure_channel(f"unix:{a.socket}") as ch:
+        with grpc.insecure_channel(f"unix:{a.socket}") as ch, admin_session(ch, timeout=a.timeout) as md:
             stub = broker_pb2_grpc.MemoryBrokerStub(ch)
             if action == "register":
                 r = stub.RegisterAdapter(
-                    pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)), timeout=a.timeout
+                    pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)), timeout=a.timeout, metadata=md
                 )
                 print(json.dumps(as_dict(r.adapter), indent=2) if a.json else
                       f"registered {r.adapter.adapter_id}: rank {r.adapter.rank}, "
@@ -236,11 +237,13 @@ def cmd_adapters(a: argparse.Namespace) -> int:
                       f"{format_size(r.adapter.file_bytes)}")  # fmt: skip
                 return 0
             if action == "unregister":
-                stub.UnregisterAdapter(pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout)
+                stub.UnregisterAdapter(pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout, metadata=md)
                 print("unregistered " + ", ".join(a.adapter_ids))
                 return 0
             if action == "show":
-                lay = stub.GetAdapterLayout(pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout)
+                lay = stub.GetAdapterLayout(
+                    pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout, metadata=md
+                )
                 if a.json:
                     print(json.dumps(as_dict(lay), indent=2))
                     return 0
@@ -255,7 +258,7 @@ def cmd_adapters(a: argparse.Namespace) -> int:
             rows, token = [], ""
             while True:
                 page = stub.ListAdapters(
-                    pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token), timeout=a.timeout
+                    pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token), timeout=a.timeout, metadata=md
                 )
                 rows.extend(page.adapters)
                 token = page.next_page_token
@@ -266,6 +269,9 @@ def cmd_adapters(a: argparse.Namespace) -> int:
             st = stub.GetStats(pb.GetStatsRequest(), timeout=a.timeout).adapters
     except grpc.RpcError as e:
         print(f"memory-broker: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except FdChannelError as e:
+        print(f"memory-broker: {e.code}: {e.message}", file=sys.stderr)
         return 1
     if a.json:
         print(json.dumps({"adapters": [as_dict(r) for r in rows], "stats": as_dict(st)}, indent=2))
