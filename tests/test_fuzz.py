@@ -156,6 +156,7 @@ def test_fuzz_every_rpc_gets_a_deliberate_status_in_bounded_time_and_refusals_ch
     tokens = [None, "", "f" * 32, "not a token", "a" * 8000, other_token] + [owner_token] * 4
     counts: dict[str, dict[str, int]] = {}
     slowest = 0.0
+    history: list[str] = []
     t_start = time.monotonic()
     for i in range(REQUESTS):
         m = unary[i % len(unary)] if i < 2 * len(unary) else rng.choice(unary)
@@ -174,7 +175,9 @@ def test_fuzz_every_rpc_gets_a_deliberate_status_in_bounded_time_and_refusals_ch
         slowest = max(slowest, took)
         counts.setdefault(m.name, {}).setdefault(code.name, 0)
         counts[m.name][code.name] += 1
-        where = f"request {i} (seed {SEED}): {m.name}({str(req)[:300]!r}) token={token!r}"
+        where = f"request {i} (seed {SEED}): {m.name}({str(req)[:300]!r}) token={token[:40] if token else token!r}"
+        history.append(f"{m.name} -> {code.name}")
+        where += f"; before it: {history[-4:-1]}"
         assert code not in BAD, f"{where} -> {code.name}: {detail}"
         assert took < BOUND_S, f"{where} took {took:.2f} s"
         if code != grpc.StatusCode.OK:
