@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -317,8 +318,8 @@ class _PatientStub:
     def __getattr__(self, method: str):
         import grpc
 
-        def call(request, timeout: float):
-            fut = getattr(self._stub, method).future(request, timeout=timeout)
+        def call(request, timeout: float, metadata=None):
+            fut = getattr(self._stub, method).future(request, timeout=timeout, metadata=metadata)
             if timeout <= self._notice_after:
                 return fut.result()
             try:
@@ -346,6 +347,8 @@ class _Broker:
             self._wait_for_broker()
         self.channel = grpc.insecure_channel(f"unix:{a.socket}")
         self.stub = _PatientStub(broker_pb2_grpc.MemoryBrokerStub(self.channel), a.socket)
+        self._stack = contextlib.ExitStack()
+        self._session: tuple | None = None
 
     def _wait_for_broker(self) -> None:
         import grpc
@@ -375,10 +378,24 @@ class _Broker:
         if said:
             print(f"{PROG}: broker on {a.socket} is up after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
+    @property
+    def session(self) -> tuple:
+        """Call metadata of a session for this process, opened on first use: the adapter RPCs
+        need one (the broker allows adapter management by the caller's uid)."""
+        if self._session is None:
+            from memory_broker.clients.admin import FdChannelError, admin_session
+
+            try:
+                self._session = self._stack.enter_context(admin_session(self.channel, timeout=self.a.timeout))
+            except FdChannelError as e:
+                raise CliError(f"{e.code}: {e.message}") from None
+        return self._session
+
     def __enter__(self) -> _Broker:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stack.close()  # the session first: it ends on this channel
         self.channel.close()
 
 
@@ -453,7 +470,7 @@ def cmd_adapters(a: argparse.Namespace) -> int:
 def _register(a: argparse.Namespace, b: _Broker) -> int:
     pb = b.pb
     r = b.stub.RegisterAdapter(pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)),
-                               timeout=a.timeout).adapter  # fmt: skip
+                               timeout=a.timeout, metadata=b.session).adapter  # fmt: skip
     if a.json:
         print(json.dumps(_as_dict(r), indent=2))
         return 0
@@ -467,13 +484,15 @@ def _register(a: argparse.Namespace, b: _Broker) -> int:
 
 
 def _unregister(a: argparse.Namespace, b: _Broker) -> int:
-    b.stub.UnregisterAdapter(b.pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout)
+    b.stub.UnregisterAdapter(b.pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout,
+                            metadata=b.session)
     print(json.dumps({"unregistered": a.adapter_ids}) if a.json else "unregistered " + ", ".join(a.adapter_ids))
     return 0
 
 
 def _show(a: argparse.Namespace, b: _Broker) -> int:
-    lay = b.stub.GetAdapterLayout(b.pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout)
+    lay = b.stub.GetAdapterLayout(b.pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout,
+                               metadata=b.session)
     if a.json:
         print(json.dumps(_as_dict(lay), indent=2))
         return 0
@@ -492,7 +511,7 @@ def _list(a: argparse.Namespace, b: _Broker) -> int:
     rows, token = [], ""
     while True:
         page = b.stub.ListAdapters(pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token),
-                                   timeout=a.timeout)  # fmt: skip
+                                   timeout=a.timeout, metadata=b.session)  # fmt: skip
         rows.extend(page.adapters)
         token = page.next_page_token
         if not token or (a.limit and len(rows) >= a.limit):

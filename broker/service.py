@@ -1,25 +1,30 @@
-"""The gRPC servicer: translates RPCs to core calls and core errors to status codes.
+"""The gRPC servicer: who may call what (the ``POLICY`` table), RPCs to core calls, errors to statuses.
 
-No policy lives here. Each handler reads the session from the "x-broker-session"
-metadata, converts the request into core arguments, calls the object store on the event
-loop that owns it, and converts the result. ``BrokerError`` codes map one to one onto gRPC
-status codes; anything else is a bug and becomes INTERNAL with the exception's text.
+``POLICY`` says per RPC whether it needs a session, which targets the session must own or
+see, whether it changes state, whether it needs an adapter-manager uid, and whether the TCP
+listener (which has no peer credentials) serves it; ``_unary`` enforces it in one place
+before any handler runs. Handlers convert requests into core calls on the event loop that
+owns the core; ``BrokerError`` codes map onto gRPC statuses, anything else is a bug and
+becomes INTERNAL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import grpc
 import structlog
 
+from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
-from memory_broker.broker.sessions.manager import CLOSED, SessionManager
+from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
 from memory_broker.broker.v1 import broker_pb2 as pb
 from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
@@ -56,9 +61,63 @@ class ShuttingDown:
         self.reason = reason
 
 
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Who may call one RPC."""
+
+    # Needs a session token ("x-broker-session"); the handler gets the Session.
+    session: bool
+    # Changes broker state (False: read-only, as any session may).
+    writes: bool
+    # Request fields naming objects the session must be able to see: keyed committed objects
+    # are anyone's, anonymous ones only their owner's (and those the session already pins,
+    # and broker-owned ones such as adapter pages). Invisible ids answer NOT_FOUND, as
+    # unknown ids do, so ids cannot be probed.
+    visible: tuple[str, ...] = ()
+    # What else the core checks against the session (documentation: enforced there).
+    owns: str = ""
+    # Needs a session owned by a uid in adapters.manager_uids.
+    manage: bool = False
+    # Served on the TCP listener, which has no peer credentials.
+    tcp: bool = False
+
+
+POLICY: dict[str, Rule] = {
+    "Attach": Rule(session=False, writes=True),
+    "GetArena": Rule(session=False, writes=False, tcp=True),
+    "GetStats": Rule(session=False, writes=False, tcp=True),
+    "Allocate": Rule(session=True, writes=True),
+    "Prepare": Rule(session=True, writes=True, visible=("pin_object_ids",)),
+    "Commit": Rule(session=True, writes=True, owns="transactions"),
+    "Abort": Rule(session=True, writes=True, owns="transactions"),
+    "Free": Rule(session=True, writes=True, owns="objects"),
+    "Pin": Rule(session=True, writes=True, visible=("object_ids",)),
+    "Unpin": Rule(session=True, writes=True, owns="pins"),
+    "Lookup": Rule(session=True, writes=True),
+    "RegisterAdapter": Rule(session=True, writes=True, manage=True),
+    "UnregisterAdapter": Rule(session=True, writes=True, manage=True),
+    "PrefetchAdapters": Rule(session=True, writes=True, manage=True),
+    "ListAdapters": Rule(session=True, writes=False),
+    "GetAdapterLayout": Rule(session=True, writes=False),
+    "AcquireAdapters": Rule(session=True, writes=True, owns="pins (its own)"),
+    "ReleaseAdapters": Rule(session=True, writes=True, owns="pins"),
+}
+
+
+def is_tcp(context) -> bool:
+    """Whether the call came over the TCP listener (the Unix socket's peers are "unix:...")."""
+    try:
+        peer = context.peer() or ""
+    except Exception:
+        return False
+    return peer.startswith(("ipv4:", "ipv6:"))
+
+
 def _unary(fn):
-    """Wrap a handler: refuse while draining, map BrokerError to a status, time and log it."""
+    """Wrap a handler: refuse while draining, enforce ``POLICY``, map BrokerError to a
+    status, time and log it. The handler is called as ``fn(self, request, context, session)``."""
     method = fn.__name__
+    rule = POLICY[method]
 
     async def handler(self: "MemoryBrokerService", request, context):
         t0 = time.perf_counter()
@@ -69,7 +128,8 @@ def _unary(fn):
             if self.draining:
                 code = "UNAVAILABLE"
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is shutting down; retry on its successor")
-            result = fn(self, request, context)
+            session = self._authorize(rule, method, request, context)
+            result = fn(self, request, context, session)
             if inspect.isawaitable(result):
                 result = await result
             return result
@@ -121,18 +181,64 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         self.draining = False
         # Calls being handled now (the drain waits for them).
         self.inflight = 0
+        # Uids whose sessions may register, unregister and prefetch adapters (None: any).
+        self.manager_uids: frozenset[int] | None = frozenset({os.getuid()})
 
     # ------------------------------------------------------------- helpers
 
-    def _sid(self, context) -> int:
+    def _session(self, context) -> Session:
         token = None
         for k, v in context.invocation_metadata() or ():
             if k == SESSION_METADATA:
                 token = v
                 break
-        sid = self.sessions.from_token(token).session_id
-        structlog.contextvars.bind_contextvars(session=sid)
-        return sid
+        s = self.sessions.from_token(token)
+        structlog.contextvars.bind_contextvars(session=s.session_id)
+        return s
+
+    def _authorize(self, rule: Rule, method: str, request, context) -> Session | None:
+        """Enforce one ``POLICY`` rule; the caller's session (None where none is needed)."""
+        if not rule.tcp and is_tcp(context):
+            raise BrokerError(
+                Code.PERMISSION_DENIED,
+                f"{method} is not served on the TCP listener, which cannot tell who is calling; "
+                "use the broker's Unix socket (TCP serves GetArena, GetStats and health only)",
+            )
+        if not rule.session:
+            return None
+        s = self._session(context)
+        if rule.manage:
+            self._check_manager(s, method)
+        for field in rule.visible:
+            self._check_visible(s.session_id, getattr(request, field))
+        return s
+
+    def _check_manager(self, s: Session, method: str) -> None:
+        if s.caller is None:
+            raise BrokerError(
+                Code.PERMISSION_DENIED,
+                f"{method} needs to know the caller's uid, and session {s.session_id} has not presented its token "
+                "on the fd channel yet (BrokerClient.connect does it); connect with the client library",
+            )
+        if self.manager_uids is not None and s.caller.uid not in self.manager_uids:
+            raise BrokerError(
+                Code.PERMISSION_DENIED,
+                f"uid {s.caller.uid} may not manage adapters (adapters.manager_uids: {sorted(self.manager_uids)}); "
+                "it may list and acquire them",
+            )
+
+    def _check_visible(self, sid: int, ids) -> None:
+        """NOT_FOUND for an anonymous object of another session (as for an unknown id)."""
+        if len(ids) > self.store.config.max_batch:
+            return  # the core refuses the batch as a whole
+        objects, internal = self.store.objects, self.store.internal_sessions
+        for oid in ids:
+            obj = objects.get(oid)
+            if obj is None or obj.key is not None or obj.owner == sid or obj.owner in internal:
+                continue
+            if obj.pins.get(sid):
+                continue
+            raise BrokerError(Code.NOT_FOUND, f"no object {oid}")
 
     def _timed_alloc(self, fn, *args):
         if self.metrics is None:
@@ -175,7 +281,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             return
         if first.WhichOneof("msg") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Attach message must be hello")
-        s = self.sessions.open(first.hello.client_name, first.hello.pid)
+        try:
+            self._authorize(POLICY["Attach"], "Attach", first, context)
+            s = self.sessions.open(first.hello.client_name, first.hello.pid)
+        except BrokerError as e:
+            self.log.info("rpc_refused", rpc="Attach", code=e.code.value, message=e.message)
+            await context.abort(STATUS[e.code], e.message)
         structlog.contextvars.bind_contextvars(session=s.session_id)
         reader = asyncio.ensure_future(self._read_client(request_iterator, s.session_id))
         try:
@@ -227,18 +338,18 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     # ------------------------------------------------------------- unary calls
 
     @_unary
-    def GetArena(self, request, context):
+    def GetArena(self, request, context, session):
         return self.arena_info()
 
     @_unary
-    def Allocate(self, request, context):
-        sid = self._sid(context)
+    def Allocate(self, request, context, session):
+        sid = session.session_id
         out = self._timed_alloc(self.store.allocate, sid, self._specs(request.objects))
         return pb.AllocateResponse(objects=[self._info(o, sid, d) for o, d in out])
 
     @_unary
-    def Prepare(self, request, context):
-        sid = self._sid(context)
+    def Prepare(self, request, context, session):
+        sid = session.session_id
         t = self._timed_alloc(
             self.store.prepare, sid, self._specs(request.objects), list(request.pin_object_ids), request.lease_ms / 1000.0
         )
@@ -250,8 +361,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
 
     @_unary
-    def Commit(self, request, context):
-        sid = self._sid(context)
+    def Commit(self, request, context, session):
+        sid = session.session_id
         txns = self.store.commit(sid, list(request.transaction_ids))
         return pb.CommitResponse(
             transactions=[
@@ -263,36 +374,36 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
 
     @_unary
-    def Abort(self, request, context):
-        sid = self._sid(context)
+    def Abort(self, request, context, session):
+        sid = session.session_id
         return pb.AbortResponse(freed_pages=self.store.abort(sid, list(request.transaction_ids)))
 
     @_unary
-    def Free(self, request, context):
-        sid = self._sid(context)
+    def Free(self, request, context, session):
+        sid = session.session_id
         freed, deferred = self.store.free(sid, list(request.object_ids))
         return pb.FreeResponse(freed_pages=freed, deferred_pages=deferred)
 
     @_unary
-    def Pin(self, request, context):
-        sid = self._sid(context)
+    def Pin(self, request, context, session):
+        sid = session.session_id
         objs = self.store.pin(sid, list(request.object_ids))
         return pb.PinResponse(objects=[self._info(o, sid) for o in objs])
 
     @_unary
-    def Unpin(self, request, context):
-        sid = self._sid(context)
+    def Unpin(self, request, context, session):
+        sid = session.session_id
         self.store.unpin(sid, list(request.object_ids))
         return pb.UnpinResponse()
 
     @_unary
-    def Lookup(self, request, context):
-        sid = self._sid(context)
+    def Lookup(self, request, context, session):
+        sid = session.session_id
         objs = self.store.lookup(sid, list(request.keys), request.pin)
         return pb.LookupResponse(objects=[self._info(o, sid) for o in objs])
 
     @_unary
-    def GetStats(self, request, context):
+    def GetStats(self, request, context, session):
         st = self.store.stats()
         by_content = st.pop("by_content")
         return pb.Stats(
@@ -375,19 +486,21 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
 
     @_unary
-    async def RegisterAdapter(self, request, context):
-        meta = await self._manager().register(request.adapter_id, request.path)
+    async def RegisterAdapter(self, request, context, session):
+        m = self._manager()
+        path = check_path_text(request.path)
+        meta = await m.register(request.adapter_id, path, caller=session.caller)
         self.log.info("adapter_registered", adapter=meta.adapter_id, path=meta.source, rank=meta.rank)
         return pb.RegisterAdapterResponse(adapter=self._adapter_msg(meta))
 
     @_unary
-    def UnregisterAdapter(self, request, context):
+    def UnregisterAdapter(self, request, context, session):
         metas = self._manager().unregister_many(list(request.adapter_ids))
         self.log.info("adapters_unregistered", adapters=[m.adapter_id for m in metas])
         return pb.UnregisterAdapterResponse()
 
     @_unary
-    def ListAdapters(self, request, context):
+    def ListAdapters(self, request, context, session):
         m = self._manager()
         page = m.registry.list(request.prefix, request.limit or 100, request.page_token)
         return pb.ListAdaptersResponse(
@@ -397,16 +510,16 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
 
     @_unary
-    def GetAdapterLayout(self, request, context):
+    def GetAdapterLayout(self, request, context, session):
         m = self._manager()
         layout = m.layout(request.adapter_id)
         st = m.describe(request.adapter_id)
         return self._layout_msg(request.adapter_id, layout, st.generation, st.object_id, st.pages)
 
     @_unary
-    async def AcquireAdapters(self, request, context):
+    async def AcquireAdapters(self, request, context, session):
         m = self._manager()
-        sid = self._sid(context)
+        sid = session.session_id
         ids = list(request.adapter_ids)
         cap = request.max_adapters or None
         if request.prepare:
@@ -435,12 +548,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
 
     @_unary
-    def ReleaseAdapters(self, request, context):
-        self._manager().release(self._sid(context), list(request.adapter_ids))
+    def ReleaseAdapters(self, request, context, session):
+        self._manager().release(session.session_id, list(request.adapter_ids))
         return pb.ReleaseAdaptersResponse()
 
     @_unary
-    async def PrefetchAdapters(self, request, context):
+    async def PrefetchAdapters(self, request, context, session):
         tier = {pb.ADAPTER_TIER_UNSPECIFIED: "hot", pb.ADAPTER_TIER_HOT: "hot", pb.ADAPTER_TIER_WARM: "warm"}.get(
             request.tier
         )
@@ -460,4 +573,4 @@ class EchoService(echo_pb2_grpc.EchoServicer):
         return echo_pb2.EchoResponse(payload=request.payload)
 
 
-__all__ = ["MemoryBrokerService", "EchoService", "ArenaGrown", "ShuttingDown", "SESSION_METADATA"]
+__all__ = ["MemoryBrokerService", "EchoService", "ArenaGrown", "ShuttingDown", "SESSION_METADATA", "POLICY", "Rule"]

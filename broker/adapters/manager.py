@@ -338,8 +338,9 @@ class AdapterManager:
 
     # ------------------------------------------------------------- registration
 
-    async def register(self, adapter_id: str, source: str) -> AdapterMeta:
-        """Validate a PEFT directory (in the executor) and register it.
+    async def register(self, adapter_id: str, source: str, caller=None) -> AdapterMeta:
+        """Validate a PEFT directory (in the executor) and register it; ``caller`` (an
+        ``access.Caller``, None for the broker itself) bounds what may be read.
 
         Raises:
             BrokerError: INVALID_ARGUMENT (with the file and the problem), ALREADY_EXISTS.
@@ -349,7 +350,7 @@ class AdapterManager:
         if adapter_id in self.registry:
             raise BrokerError(Code.ALREADY_EXISTS, f"adapter id {adapter_id!r} is already registered")
         loop = asyncio.get_running_loop()
-        meta = await loop.run_in_executor(self._executor, self.registry.inspect, source)
+        meta = await loop.run_in_executor(self._executor, self.registry.inspect, source, caller)
         meta = self.registry.add(adapter_id, meta)
         self.schedule_conversions([adapter_id])
         return meta

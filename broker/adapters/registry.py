@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from memory_broker.broker.adapters.access import Caller, Opened, normalize_roots, open_for, read_bounded
 from memory_broker.broker.adapters.layout import LoraModuleSpec
 from memory_broker.broker.errors import BrokerError, Code, invalid, not_found
 
@@ -37,6 +38,8 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9._:/@+=-]{0,256}")
 # Safetensors element types an adapter file may use (converted to the broker's dtype on load).
 FILE_DTYPES: Mapping[str, str] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_MAX_RANK = 256
+# Largest adapter_config.json read (real ones are a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
 MAX_LIST_PAGE = 10_000
 # PEFT prefixes every saved key with this (the PeftModel wrapper's attribute path).
 _PEFT_KEY_PREFIX = "base_model.model."
@@ -254,16 +257,27 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _read_config(path: str) -> dict:
+def _read_config(path: str, caller: Caller | None = None, roots: tuple[str, ...] = (),
+                 start: Opened | None = None, max_bytes: int = MAX_CONFIG_BYTES) -> dict:
+    """The JSON object in a config file, read bounded and typed (see ``access.open_for``)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise invalid(f"{path}: missing; a PEFT LoRA directory holds {CONFIG_FILE} and {WEIGHTS_FILE}") from None
-    except (OSError, UnicodeDecodeError) as e:
+        with open_for(os.path.basename(path) if start is not None else path, caller, roots,
+                      max_bytes=max_bytes, start=start, what=path) as f:  # fmt: skip
+            text = read_bounded(f, max_bytes, path)
+    except BrokerError as e:
+        if e.code == Code.INVALID_ARGUMENT and "no such file" in e.message:
+            raise invalid(f"{path}: missing; a PEFT LoRA directory holds {CONFIG_FILE} and {WEIGHTS_FILE}") from None
+        raise
+    except OSError as e:
+        raise invalid(f"{path}: cannot be read ({e})") from None
+    try:
+        cfg = json.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as e:
         raise invalid(f"{path}: cannot be read ({e})") from None
     except json.JSONDecodeError as e:
         raise invalid(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise invalid(f"{path}: JSON nested too deeply") from None
     if not isinstance(cfg, dict):
         raise invalid(f"{path}: must hold a JSON object, not {type(cfg).__name__}")
     return cfg
@@ -322,43 +336,70 @@ def inspect_peft_dir(
     *,
     max_rank: int = DEFAULT_MAX_RANK,
     require_uniform: bool = False,
+    caller: Caller | None = None,
+    roots: tuple[str, ...] = (),
+    max_config_bytes: int = MAX_CONFIG_BYTES,
 ) -> AdapterMeta:
     """Validate a PEFT LoRA directory and describe it (reads the config and the safetensors
     header only).
+
+    Files are opened as ``access.open_for`` does: regular files only, the config at most
+    ``max_config_bytes``, each path checked against ``caller``'s rights (None: the broker's
+    own read) and, when ``roots`` is given, resolved inside one of them.
 
     Args:
         source: the directory.
         max_rank: largest rank accepted for any module.
         require_uniform: refuse adapters whose modules differ in rank or scaling (for
             engines that fuse modules into one kernel launch).
+        caller: whose rights bound the reads (the RPC's session peer).
+        roots: real paths the adapter's files must resolve inside.
+        max_config_bytes: largest ``adapter_config.json`` read.
 
     Returns:
-        The adapter's metadata with an empty id.
+        The adapter's metadata with an empty id; ``source`` is the resolved directory.
 
     Raises:
-        BrokerError(INVALID_ARGUMENT): with the file and the problem.
+        BrokerError: INVALID_ARGUMENT with the file and the problem; PERMISSION_DENIED
+            when the caller could not read it or it lies outside the roots.
     """
     from safetensors import safe_open
 
+    if "\x00" in source:
+        raise invalid("path contains a NUL byte; give a plain absolute path")
     source = os.path.abspath(source)
-    if not os.path.isdir(source):
-        raise invalid(f"{source}: no such directory; register a PEFT LoRA directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    cfg_path = os.path.join(source, CONFIG_FILE)
-    cfg = _read_config(cfg_path)
-    _check_config(cfg, cfg_path)
-    wpath = os.path.join(source, WEIGHTS_FILE)
     try:
-        st = os.stat(wpath)
-    except FileNotFoundError:
-        hint = ""
-        if os.path.exists(os.path.join(source, "adapter_model.bin")):
-            hint = " (adapter_model.bin is a pickle; convert it to safetensors)"
-        raise invalid(f"{wpath}: missing{hint}; a PEFT LoRA directory holds {CONFIG_FILE} and {WEIGHTS_FILE}") from None
-    try:
-        with safe_open(wpath, framework="numpy") as f:
-            header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except Exception as e:  # the library raises its own error types for a bad header
-        raise invalid(f"{wpath}: not a readable safetensors file ({e})") from None
+        d = open_for(source, caller, roots, directory=True)
+    except BrokerError as e:
+        if e.code == Code.INVALID_ARGUMENT and ("no such file" in e.message or "not a directory" in e.message):
+            raise invalid(
+                f"{source}: no such directory; register a PEFT LoRA directory ({CONFIG_FILE} + {WEIGHTS_FILE})"
+            ) from None
+        raise
+    with d:
+        source = d.path
+        cfg_path = os.path.join(source, CONFIG_FILE)
+        cfg = _read_config(cfg_path, caller, roots, start=d, max_bytes=max_config_bytes)
+        _check_config(cfg, cfg_path)
+        wpath = os.path.join(source, WEIGHTS_FILE)
+        try:
+            w = open_for(WEIGHTS_FILE, caller, roots, start=d, what=wpath)
+        except BrokerError as e:
+            if e.code != Code.INVALID_ARGUMENT or "no such file" not in e.message:
+                raise
+            hint = ""
+            if os.path.exists(os.path.join(source, "adapter_model.bin")):
+                hint = " (adapter_model.bin is a pickle; convert it to safetensors)"
+            raise invalid(
+                f"{wpath}: missing{hint}; a PEFT LoRA directory holds {CONFIG_FILE} and {WEIGHTS_FILE}"
+            ) from None
+        with w:
+            st = w.st
+            try:
+                with safe_open(w.proc_path, framework="numpy") as f:
+                    header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            except Exception as e:  # the library raises its own error types for a bad header
+                raise invalid(f"{wpath}: not a readable safetensors file ({e})") from None
     if not header:
         raise invalid(f"{wpath}: holds no tensors")
 
@@ -483,6 +524,9 @@ class AdapterRegistry:
         synchronous: SQLite's ``synchronous`` for the WAL journal: "NORMAL" (the default)
             survives a crash of the broker; "FULL" also survives a power loss, at an fsync
             per registration.
+        allowed_roots: directories registered adapters must lie in (after resolving
+            symlinks); empty allows any path the caller may read.
+        max_config_bytes: largest ``adapter_config.json`` read.
     """
 
     def __init__(
@@ -492,6 +536,8 @@ class AdapterRegistry:
         max_rank: int = DEFAULT_MAX_RANK,
         require_uniform: bool = False,
         synchronous: str = "NORMAL",
+        allowed_roots: Iterable[str] = (),
+        max_config_bytes: int = MAX_CONFIG_BYTES,
     ):
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
@@ -502,7 +548,23 @@ class AdapterRegistry:
         self.path = os.path.join(state_dir, DB_FILE)
         self.max_rank = max_rank
         self.require_uniform = require_uniform
+        # Real paths adapter files must resolve inside (empty: anywhere the caller may read).
+        self.allowed_roots = normalize_roots(tuple(allowed_roots))
+        self.max_config_bytes = max_config_bytes
         self._lock = threading.Lock()
+        # Owner-only: the database names every adapter path. SQLite gives its -wal and -shm
+        # files the database file's mode, so creating it 0600 first covers all three.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            if os.fstat(fd).st_mode & 0o077:
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+        for extra in ("-wal", "-shm"):
+            try:
+                os.chmod(self.path + extra, 0o600, follow_symlinks=False)
+            except (FileNotFoundError, NotImplementedError):
+                pass
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
@@ -535,15 +597,21 @@ class AdapterRegistry:
 
     # ------------------------------------------------------------------ writing
 
-    def inspect(self, source: str) -> AdapterMeta:
-        """Validate a directory with this registry's limits; changes nothing (see ``inspect_peft_dir``)."""
-        ident = self._file_identity(source)
+    def inspect(self, source: str, caller: Caller | None = None) -> AdapterMeta:
+        """Validate a directory with this registry's limits; changes nothing (see ``inspect_peft_dir``).
+
+        ``caller``: whose rights bound the reads (None: the broker's own). The allowed roots
+        apply either way."""
+        ident = self._file_identity(source, caller, self.allowed_roots)
         if ident is not None:
             with self._lock:
                 hit = self._inspected.get(ident)
             if hit is not None:
                 return hit
-        meta = inspect_peft_dir(source, max_rank=self.max_rank, require_uniform=self.require_uniform)
+        meta = inspect_peft_dir(
+            source, max_rank=self.max_rank, require_uniform=self.require_uniform, caller=caller,
+            roots=self.allowed_roots, max_config_bytes=self.max_config_bytes,
+        )  # fmt: skip
         if ident is not None:
             with self._lock:
                 self._inspected[ident] = meta
@@ -707,14 +775,19 @@ class AdapterRegistry:
         return "id >= ? AND id < ?", [prefix, prefix + "\x7f"]
 
     @staticmethod
-    def _file_identity(source: str) -> tuple | None:
-        try:
-            src = os.path.abspath(source)
-            c = os.stat(os.path.join(src, CONFIG_FILE))
-            w = os.stat(os.path.join(src, WEIGHTS_FILE))
-        except OSError:
+    def _file_identity(source: str, caller: Caller | None = None, roots: tuple[str, ...] = ()) -> tuple | None:
+        """The (directory, config, weights) files as opened with the caller's rights, or None
+        when any check fails (then the full inspection says why)."""
+        if not isinstance(source, str) or "\x00" in source:
             return None
-        return (src, c.st_ino, c.st_size, c.st_mtime_ns, w.st_ino, w.st_size, w.st_mtime_ns)
+        try:
+            with open_for(os.path.abspath(source), caller, roots, directory=True) as d:
+                with open_for(CONFIG_FILE, caller, roots, start=d) as c, open_for(WEIGHTS_FILE, caller, roots, start=d) as w:
+                    cs, ws = c.st, w.st
+                    return (d.path, cs.st_dev, cs.st_ino, cs.st_size, cs.st_mtime_ns,
+                            ws.st_dev, ws.st_ino, ws.st_size, ws.st_mtime_ns)  # fmt: skip
+        except (BrokerError, OSError):
+            return None
 
     @staticmethod
     def _taken(adapter_id: str) -> BrokerError:

@@ -39,6 +39,41 @@ from memory_broker.broker.v1 import broker_pb2 as pb
 from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryBroker"].full_name
+# Unary calls served at once beyond one Attach stream per session (more wait: RESOURCE_EXHAUSTED).
+MAX_CALLS_IN_FLIGHT = 1024
+# The server pings a connection silent this long, and drops it if the ping goes unanswered
+# within the timeout: a vanished peer (its host or network gone) is noticed in under a minute.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+# Clients may ping (BrokerClient does not by default); not more often than this.
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
+
+def server_options(opts: ServeOptions) -> list[tuple[str, int]]:
+    """gRPC server settings: message sizes, keepalive, and the idle limit.
+
+    A connection with no call open for ``idle_timeout_s`` is closed (an Attach stream is a
+    call, so a live session's connection is never idle). There is no maximum connection
+    age: ending a connection would end the session streamed over it."""
+    return [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_connection_idle_ms", int(opts.idle_timeout_s * 1000)),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_concurrent_streams", 1024),
+    ]
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` 0700, or make an existing one of ours 0700 (it holds the registry)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o700)
 # How often open transactions are checked for expired leases.
 EXPIRY_TICK_S = 0.1
 
@@ -76,7 +111,7 @@ class BrokerServer:
             # Stale sockets of a dead broker: the lock says no live broker owns them.
             if os.path.exists(path):
                 os.unlink(path)
-        os.makedirs(opts.state_dir, exist_ok=True)
+        make_private_dir(opts.state_dir)
         pages_per_slab = opts.slab_size // opts.page_size
         max_slabs = opts.pool_size // opts.slab_size
         self.geometry = ArenaGeometry(
@@ -103,7 +138,9 @@ class BrokerServer:
             ),
             notify=self._route_event,
         )
-        self.registry = AdapterRegistry(opts.state_dir, max_rank=opts.adapter_max_rank)
+        self.registry = AdapterRegistry(
+            opts.state_dir, max_rank=opts.adapter_max_rank, allowed_roots=opts.adapter_allowed_roots
+        )
         self.adapters = AdapterManager(
             self.store,
             self.arena,
@@ -125,13 +162,20 @@ class BrokerServer:
         # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
         self.store.internal_sessions.add(self.adapters.system_session)
         self.watcher = PidWatcher(loop)
-        self.sessions = SessionManager(self.store, self.watcher, log=self._log_event)
+        self.sessions = SessionManager(
+            self.store,
+            self.watcher,
+            log=self._log_event,
+            max_sessions=opts.max_sessions,
+            max_sessions_per_uid=opts.max_sessions_per_uid,
+        )
         if opts.metrics_port:
             self.metrics = BrokerMetrics(self.arena.backend)
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_address)
         self.service = MemoryBrokerService(
             self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
         )
+        self.service.manager_uids = opts.manager_uids()
 
         self.fd_server = FdChannelServer(
             opts.fd_socket,
@@ -143,7 +187,9 @@ class BrokerServer:
         await self.fd_server.start()
 
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+            options=server_options(opts),
+            # Attach streams count: room for every session plus calls in flight.
+            maximum_concurrent_rpcs=(opts.max_sessions + MAX_CALLS_IN_FLIGHT) if opts.max_sessions else None,
         )
         broker_pb2_grpc.add_MemoryBrokerServicer_to_server(self.service, self.server)
         self.health = HealthServicer()
@@ -273,6 +319,12 @@ class BrokerServer:
             self.store.config.max_pins_per_session = new.max_pins_per_session
         if "allowed_uids" in apply:
             self.fd_server.allowed_uids = new.effective_uids()
+        if "allowed_uids" in apply or "adapter_manager_uids" in apply:
+            self.service.manager_uids = new.manager_uids()
+        if "max_sessions" in apply:
+            self.sessions.max_sessions = new.max_sessions
+        if "max_sessions_per_uid" in apply:
+            self.sessions.max_sessions_per_uid = new.max_sessions_per_uid
         if "log_level" in apply:
             from memory_broker.broker.server.logs import configure
 

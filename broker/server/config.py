@@ -83,6 +83,12 @@ def _uids(v: Any, key: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _paths(v: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(p, str) and p.startswith("/") for p in v):
+        raise ConfigError(f"{key}: expected a list of absolute directory paths, got {v!r}")
+    return tuple(v)
+
+
 def _mode(v: Any, key: str) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         # YAML reads 0660 as octal-looking decimal 660 only if quoted oddly; accept ints < 0o1000.
@@ -118,6 +124,8 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "adapters.convert_ahead": ("adapter_convert_ahead", _bool),
     "adapters.hot_policy": ("adapter_hot_policy", _choice(*POLICIES)),
     "adapters.warm_policy": ("adapter_warm_policy", _choice(*POLICIES)),
+    "adapters.allowed_roots": ("adapter_allowed_roots", _paths),
+    "adapters.manager_uids": ("adapter_manager_uids", _uids),
     "arena.backend": ("arena", _choice("auto", "host", "cuda")),
     "arena.device": ("device", lambda v, k: _str(str(v), k)),
     "listeners.socket": ("socket", _str),
@@ -127,6 +135,9 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "listeners.metrics_port": ("metrics_port", _int),
     "listeners.metrics_address": ("metrics_address", _str),
     "security.allowed_uids": ("allowed_uids", _uids),
+    "security.max_sessions": ("max_sessions", _int),
+    "security.max_sessions_per_uid": ("max_sessions_per_uid", _int),
+    "listeners.idle_timeout": ("idle_timeout_s", parse_duration),
     "state_dir": ("state_dir", _str),
     "logging.level": ("log_level", _choice("debug", "info", "warning", "error")),
     "logging.format": ("log_format", _choice(*LOG_FORMATS)),
@@ -137,7 +148,8 @@ SCHEMA: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
 # Options SIGHUP may change in a running broker.
 RELOADABLE = frozenset({
     "high_watermark", "low_watermark", "default_lease_s", "allowed_uids", "log_level",
-    "max_pins_per_session", "grace_s", "status_interval_s",
+    "max_pins_per_session", "grace_s", "status_interval_s", "adapter_manager_uids", "max_sessions",
+    "max_sessions_per_uid",
 })  # fmt: skip
 
 

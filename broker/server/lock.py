@@ -43,7 +43,7 @@ class SocketLock:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already held by this SocketLock")
         for _ in range(_ACQUIRE_ATTEMPTS):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -119,6 +119,15 @@ class ServeOptions:
     adapter_convert_ahead: bool = True
     adapter_hot_policy: str = DEFAULT_POLICY
     adapter_warm_policy: str = DEFAULT_POLICY
+    # Security (see README "Security"): directories registered adapters must resolve inside
+    # (empty: wherever the caller may read); uids whose sessions may register, unregister and
+    # prefetch adapters (empty: the broker's own uid and the allowed uids); open sessions in
+    # all and per uid (0: no limit); seconds a gRPC connection with no call open is kept.
+    adapter_allowed_roots: tuple[str, ...] = ()
+    adapter_manager_uids: tuple[int, ...] = ()
+    max_sessions: int = 4096
+    max_sessions_per_uid: int = 1024
+    idle_timeout_s: float = 300.0
     # Prometheus endpoint (0 = off).
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
@@ -149,6 +158,12 @@ class ServeOptions:
                 f"socket: cannot create files in {d} (permission denied for uid {os.getuid()}); "
                 f"run as a user who may, or choose a socket path in a writable directory"
             )
+
+    def manager_uids(self) -> frozenset[int]:
+        """Uids allowed to manage adapters: as configured, else the broker's and the allowed ones."""
+        if self.adapter_manager_uids:
+            return frozenset(self.adapter_manager_uids)
+        return self.effective_uids() | {os.getuid()}
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -200,6 +215,14 @@ class ServeOptions:
         for name in ("adapter_hot_policy", "adapter_warm_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name}: {getattr(self, name)!r}; must be one of {', '.join(POLICIES)}")
+        for name in ("max_sessions", "max_sessions_per_uid"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: {getattr(self, name)}; must be >= 0 (0 = no limit)")
+        if not 1 <= self.idle_timeout_s <= 86400:
+            raise ValueError(f"idle_timeout_s: {self.idle_timeout_s}; must be 1..86400 seconds")
+        for root in self.adapter_allowed_roots:
+            if not root.startswith("/") or "\x00" in root:
+                raise ValueError(f"adapter_allowed_roots: {root!r} is not an absolute path")
         if self.socket_group is not None:
             import grp
 

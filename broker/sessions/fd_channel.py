@@ -38,6 +38,10 @@ MAX_REQUEST_BYTES = 64 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
 # Pending connects the kernel queues while the loop is busy.
 LISTEN_BACKLOG = 64
+# Connections served at once, in all and from one uid (a request takes milliseconds; more
+# than this at once is a client gone wrong or an attempt to wear the broker down).
+MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_PER_UID = 32
 
 
 
@@ -52,7 +56,8 @@ class PeerCred:
 
 
 class FdRequestRefused(Exception):
-    """Raised by an authorize callback: code is one of "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT"."""
+    """Raised by an authorize callback: code is one of "PERMISSION_DENIED", "NOT_FOUND",
+    "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -104,6 +109,8 @@ class FdChannelServer:
         slab_fds: Callable[[int], list[int]],
         log: Callable[..., None] | None = None,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_uid: int = MAX_CONNECTIONS_PER_UID,
     ):
         """
         Args:
@@ -114,6 +121,8 @@ class FdChannelServer:
             slab_fds: the broker's fds for slabs ``k..end``; borrowed, never closed here.
             log: ``log(event, **fields)``.
             request_timeout_s: time a client has to send its request, and to take its reply.
+            max_connections, max_connections_per_uid: connections served at once; one
+                over either is answered RESOURCE_EXHAUSTED and closed.
         """
         self.path = path
         self.allowed_uids = allowed_uids
@@ -124,6 +133,10 @@ class FdChannelServer:
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._conns: dict[asyncio.Task, socket.socket] = {}
+        self.max_connections = max_connections
+        self.max_connections_per_uid = max_connections_per_uid
+        # Connections being served, by peer uid.
+        self._per_uid: dict[int, int] = {}
 
     async def start(self) -> None:
         """Bind and listen; the socket's mode follows the umask."""
@@ -174,11 +187,25 @@ class FdChannelServer:
             self._conns[task] = conn
             task.add_done_callback(self._conns.pop)
 
+    def _over_limit(self, peer: PeerCred) -> str | None:
+        if len(self._conns) > self.max_connections:
+            return f"the fd channel is serving {len(self._conns) - 1} connections, its limit; retry shortly"
+        if self._per_uid.get(peer.uid, 0) > self.max_connections_per_uid:
+            return (
+                f"uid {peer.uid} has {self._per_uid[peer.uid] - 1} fd channel connections open, the limit "
+                f"({self.max_connections_per_uid}); retry shortly"
+            )
+        return None
+
     async def _serve(self, conn: socket.socket) -> None:
         peer: PeerCred | None = None
         try:
             peer = peer_cred(conn)
+            self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
             try:
+                over = self._over_limit(peer)
+                if over is not None:
+                    raise FdRequestRefused("RESOURCE_EXHAUSTED", over)
                 fds, from_slab = await self._decide(conn, peer)
             except FdRequestRefused as r:
                 self._log("fd_request_refused", pid=peer.pid, uid=peer.uid, code=r.code, message=r.message)
@@ -200,6 +227,12 @@ class FdChannelServer:
                 error=f"{type(e).__name__}: {e}",
             )
         finally:
+            if peer is not None:
+                left = self._per_uid.get(peer.uid, 1) - 1
+                if left:
+                    self._per_uid[peer.uid] = left
+                else:
+                    self._per_uid.pop(peer.uid, None)
             conn.close()
 
     async def _decide(self, conn: socket.socket, peer: PeerCred) -> tuple[list[int], int]:

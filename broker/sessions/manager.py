@@ -1,9 +1,10 @@
-"""Client sessions: tokens, event queues, and the two ways a session ends.
+"""Client sessions: tokens, event queues, the process each belongs to, and how it ends.
 
-A session is opened by the Attach stream and ends when that stream ends or when the
-process that fetched the slab fds dies (its pidfd fires), whichever comes first; either way
-the object store releases what the session held. This module holds no allocation state:
-it maps tokens to session ids, queues events for each stream, and watches pids.
+A session is opened by the Attach stream; the first process to present its token on the fd
+channel becomes its owner (uid, gids and pid by SO_PEERCRED) and any other process
+presenting it is refused, so one process's exit never ends another's session. The session
+ends when the stream ends or the owner dies (its pidfd fires); the object store then
+releases what it held. Sessions are bounded in all and per uid. No allocation state here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from memory_broker.broker.errors import denied
+from memory_broker.broker.adapters.access import Caller
+from memory_broker.broker.errors import BrokerError, Code, denied
 from memory_broker.broker.objects import ObjectStore
 from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred
 from memory_broker.broker.sessions.liveness import PidWatcher
@@ -37,6 +39,9 @@ class Session:
     # Processes (by SO_PEERCRED) that fetched fds for this session; watched by pidfd.
     peer_pids: set[int] = field(default_factory=set)
     uid: int | None = None
+    # The owning process, set when it first presents the token on the fd channel (its
+    # uid/gids bound what the broker reads for it); None until then.
+    caller: Caller | None = None
     closed: bool = False
 
 
@@ -48,7 +53,15 @@ class SessionManager:
         store: ObjectStore,
         watcher: PidWatcher | None,
         log: Callable[..., None] | None = None,
+        *,
+        max_sessions: int = 0,
+        max_sessions_per_uid: int = 0,
     ):
+        """``max_sessions``: open sessions in all (0: no limit), checked at Attach;
+        ``max_sessions_per_uid``: sessions one uid may own, checked when the owner first
+        presents the token (the uid is not known before)."""
+        self.max_sessions = max_sessions
+        self.max_sessions_per_uid = max_sessions_per_uid
         self.store = store
         self.watcher = watcher
         self._log = log or (lambda event, **kw: None)
@@ -56,6 +69,13 @@ class SessionManager:
         self._by_token: dict[str, Session] = {}
 
     def open(self, client_name: str, claimed_pid: int) -> Session:
+        """Raises BrokerError(RESOURCE_EXHAUSTED) at the session limit."""
+        if self.max_sessions and len(self.by_id) >= self.max_sessions:
+            raise BrokerError(
+                Code.RESOURCE_EXHAUSTED,
+                f"the broker has {len(self.by_id)} open sessions, its limit (security.max_sessions); "
+                "close unused clients or raise the limit",
+            )
         sid = self.store.open_session()
         s = Session(sid, secrets.token_hex(16), client_name[:200], claimed_pid, time.time())
         self.by_id[sid] = s
@@ -101,24 +121,46 @@ class SessionManager:
             s.events.put_nowait(event)
 
     def authorize_fd_request(self, token: str, peer: PeerCred) -> None:
-        """The fd channel's check: a live session's token; the peer's pid is then watched."""
+        """The fd channel's check: a live session's token, presented by its owner.
+
+        The first process to present a token owns the session from then on (its pid is
+        watched: its exit ends the session); a token presented by any other process is
+        refused, so a stolen or shared token can neither map the arena nor tie the session's
+        life to a stranger. Engines with several processes open one session per process."""
         s = self._by_token.get(token)
         if s is None:
             raise FdRequestRefused("PERMISSION_DENIED", "unknown or ended session token")
+        if s.caller is not None:
+            if peer.uid != s.caller.uid or peer.pid != s.caller.pid:
+                raise FdRequestRefused(
+                    "PERMISSION_DENIED",
+                    f"session {s.session_id} belongs to process {s.caller.pid} (uid {s.caller.uid}); process "
+                    f"{peer.pid} (uid {peer.uid}) may not use its token: open a session of its own in each process",
+                )
+            return
+        limit = self.max_sessions_per_uid
+        if limit:
+            owned = sum(1 for o in self.by_id.values() if o.caller is not None and o.caller.uid == peer.uid)
+            if owned >= limit:
+                raise FdRequestRefused(
+                    "RESOURCE_EXHAUSTED",
+                    f"uid {peer.uid} already owns {owned} sessions, the limit (security.max_sessions_per_uid); "
+                    "close unused clients or raise the limit",
+                )
+        s.caller = Caller.of_process(peer.pid, peer.uid, peer.gid)
         s.uid = peer.uid
         if peer.pid <= 0:
             # A peer in a pid namespace we cannot see reports pid 0: nothing to watch, so
             # the Attach stream alone tells when the session ends.
             self._log("fd_peer_pid_unknown", session=s.session_id, uid=peer.uid)
             return
-        if peer.pid not in s.peer_pids:
-            s.peer_pids.add(peer.pid)
-            if self.watcher is not None:
-                sid = s.session_id
-                alive = self.watcher.watch(peer.pid, lambda pid: self._peer_died(sid, pid))
-                if not alive:
-                    self._peer_died(sid, peer.pid)
-                    raise FdRequestRefused("PERMISSION_DENIED", f"process {peer.pid} exited")
+        s.peer_pids.add(peer.pid)
+        if self.watcher is not None:
+            sid = s.session_id
+            alive = self.watcher.watch(peer.pid, lambda pid: self._peer_died(sid, pid))
+            if not alive:
+                self._peer_died(sid, peer.pid)
+                raise FdRequestRefused("PERMISSION_DENIED", f"process {peer.pid} exited")
 
     def _peer_died(self, session_id: int, pid: int) -> None:
         if session_id in self.by_id:

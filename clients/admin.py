@@ -1,0 +1,56 @@
+"""A session without an arena mapping, for tools that manage the broker (the ``adapters`` CLI).
+
+``admin_session`` opens the Attach stream on a gRPC channel and presents the token on the
+fd channel, asking for no slabs, so the broker learns this process's uid (adapter
+management is allowed by uid) and ties the session to this process; it yields the call
+metadata and ends the session on exit. Engines use ``BrokerClient`` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+from typing import Iterator
+
+import grpc
+
+from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.broker.v1 import broker_pb2_grpc
+from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
+
+SESSION_METADATA = "x-broker-session"
+
+
+@contextlib.contextmanager
+def admin_session(channel: grpc.Channel, client_name: str = "memory-broker-cli", timeout: float = 10.0) -> Iterator[tuple]:
+    """Yield ``(("x-broker-session", token),)`` for calls on ``channel`` that need a session.
+
+    Raises:
+        grpc.RpcError: the broker refused or could not be reached.
+        FdChannelError: the fd channel refused the handshake (its code and message).
+    """
+    requests: queue.Queue = queue.Queue()
+    requests.put(pb.AttachRequest(hello=pb.Hello(client_name=client_name, pid=os.getpid())))
+
+    def gen():
+        while True:
+            msg = requests.get()
+            if msg is None:
+                return
+            yield msg
+
+    stream = broker_pb2_grpc.MemoryBrokerStub(channel).Attach(gen(), timeout=None)
+    try:
+        opened = next(stream).opened
+        # No slabs wanted: from the current end, so nothing is sent but the handshake.
+        for fd in fetch_slab_fds(opened.arena.fd_socket_path, opened.token, opened.arena.num_slabs, timeout=timeout):
+            os.close(fd)
+        yield ((SESSION_METADATA, opened.token),)
+    finally:
+        requests.put(pb.AttachRequest(detach=pb.Detach()))
+        requests.put(None)
+        stream.cancel()
+
+
+__all__ = ["admin_session", "FdChannelError"]
