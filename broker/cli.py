@@ -319,7 +319,8 @@ class _PatientStub:
         import grpc
 
         def call(request, timeout: float, metadata=None):
-            fut = getattr(self._stub, method).future(request, timeout=timeout, metadata=metadata)
+            extra = {"metadata": metadata} if metadata else {}
+            fut = getattr(self._stub, method).future(request, timeout=timeout, **extra)
             if timeout <= self._notice_after:
                 return fut.result()
             try:

@@ -346,7 +346,7 @@ def test_the_listing_shows_queued_and_converting_adapters_and_the_backlog_count(
     S = pb.AdapterImageState
 
     class Stub:
-        def ListAdapters(self, req, timeout):
+        def ListAdapters(self, req, timeout, metadata=None):
             return pb.ListAdaptersResponse(adapters=[
                 pb.Adapter(adapter_id="x", tier=pb.ADAPTER_TIER_COLD, rank=8, image_state=S.Value("ADAPTER_IMAGE_STATE_CONVERTING")),
                 pb.Adapter(adapter_id="y", tier=pb.ADAPTER_TIER_COLD, rank=8, image_state=S.Value("ADAPTER_IMAGE_STATE_QUEUED")),
@@ -356,7 +356,7 @@ def test_the_listing_shows_queued_and_converting_adapters_and_the_backlog_count(
         def GetStats(self, req, timeout):
             return pb.Stats(adapters=pb.AdapterStats(registered=3, hot=1, cold=2, convert_queued=2, image_count=1))
 
-    b = argparse.Namespace(stub=Stub(), pb=pb)
+    b = argparse.Namespace(stub=Stub(), pb=pb, session=())
     a = argparse.Namespace(prefix="", limit=0, timeout=5.0, json=False, socket="S")
     assert _list(a, b) == 0
     out = capsys.readouterr().out.splitlines()
