@@ -192,7 +192,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def _adapters_parser(sub) -> None:
-    p = sub.add_parser("adapters", help="list, show, register or unregister LoRA adapters")
+    p = sub.add_parser("adapters", help="list, show, register, unregister or verify LoRA adapters")
     p.add_argument("--socket", default=DEFAULT_SOCKET)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -207,6 +207,8 @@ def _adapters_parser(sub) -> None:
     rg.add_argument("path")
     ur = asub.add_parser("unregister", help="forget adapters (refused while acquired)")
     ur.add_argument("adapter_ids", nargs="+")
+    vf = asub.add_parser("verify", help="check resident copies against their checksums (exit 1 if any is corrupt)")
+    vf.add_argument("adapter_ids", nargs="*", help="default: every hot or warm adapter")
 
 
 _TIER = {0: "?", 1: "hot", 2: "warm", 3: "cold"}
@@ -239,6 +241,14 @@ def cmd_adapters(a: argparse.Namespace) -> int:
                 stub.UnregisterAdapter(pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout)
                 print("unregistered " + ", ".join(a.adapter_ids))
                 return 0
+            if action == "verify":
+                r = stub.VerifyAdapters(pb.VerifyAdaptersRequest(adapter_ids=a.adapter_ids), timeout=a.timeout)
+                if a.json:
+                    print(json.dumps(as_dict(r), indent=2))
+                for c in [] if a.json else r.checks:
+                    verdict = "ok" if c.ok else "CORRUPT"
+                    print(f"{c.adapter_id:<32}{_TIER[c.tier]:<6}{verdict if c.checked else 'not checked':<12}{c.detail}")
+                return 1 if r.corrupt else 0
             if action == "show":
                 lay = stub.GetAdapterLayout(pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout)
                 if a.json:

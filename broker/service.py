@@ -451,6 +451,20 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             failed={k: f"{e.code.value}: {e.message}" for k, e in r.failed.items()},
         )
 
+    @_unary
+    async def VerifyAdapters(self, request, context):
+        checks = await self._manager().verify(list(request.adapter_ids))
+        return pb.VerifyAdaptersResponse(
+            checks=[
+                pb.AdapterCheck(
+                    adapter_id=c.adapter_id, tier=TIERS[c.tier], checked=c.checked, ok=c.ok, checksum=c.checksum,
+                    detail=c.detail,
+                )
+                for c in checks
+            ],
+            corrupt=sum(1 for c in checks if not c.ok),
+        )
+
 
 class EchoService(echo_pb2_grpc.EchoServicer):
     """The floor for RPC benchmarks: same server, same socket, no work."""
