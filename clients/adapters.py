@@ -79,6 +79,7 @@ class AdapterLease:
         self.client = client
         # The session holding the pins: a lease of a session lost to a broker restart holds nothing.
         self.session_id: int = client.session_id
+        self.epoch: int = client.epoch
         self.adapters: list[LeasedAdapter] = []
         for a in resp.adapters:
             client._ensure_slabs(a.arena_slabs)
@@ -121,7 +122,7 @@ class AdapterLease:
         if self.released:
             return
         self.released = True
-        if self.session_id != self.client.session_id:
+        if self.epoch != self.client.epoch:
             return  # its pins ended with the old session
         if self.transaction_id:
             # A prepared acquire that was never committed aborts; a committed one releases.

@@ -114,7 +114,7 @@ class BrokerObject:
     """An allocation as this process sees it: ids, pages, and tensors over its own mapping."""
 
     __slots__ = ("client", "object_id", "pages", "window_page", "key", "content_type", "state",
-                 "deduplicated", "owned", "session_pins", "total_pins", "session_id")  # fmt: skip
+                 "deduplicated", "owned", "session_pins", "total_pins", "session_id", "epoch")  # fmt: skip
 
     def __init__(self, client: "BrokerClient", info: pb.ObjectInfo):
         self.client = client
@@ -129,8 +129,11 @@ class BrokerObject:
         self.owned: bool = info.owned
         self.session_pins: int = info.session_pins
         self.total_pins: int = info.total_pins
-        # The session that got it: after a reconnect, objects of the old session are gone.
+        # The session that got it (and the client's count of sessions so far, which a
+        # restarted broker's reused session ids cannot confuse): after a reconnect, objects
+        # of the old session are gone.
         self.session_id: int = client.session_id
+        self.epoch: int = client.epoch
 
     @property
     def contiguous(self) -> bool:
@@ -173,6 +176,7 @@ class Transaction:
         self.transaction_id: int = resp.transaction_id
         self.deadline_unix_ms: int = resp.deadline_unix_ms
         self.session_id: int = client.session_id
+        self.epoch: int = client.epoch
         self.objects = [client._object(i, writer=True) for i in resp.objects]
         self.pinned = [client._object(i) for i in resp.pinned]
         # After commit: the objects as committed (existing ones where keys were deduplicated).
@@ -229,6 +233,8 @@ class BrokerClient:
         # Sessions opened after the first (broker restarts survived).
         self.reconnects = 0
         self.session_id = 0
+        # Sessions opened by this client (1 for the first): what objects and leases are checked by.
+        self.epoch = 0
         self.view = None
         # Views of a previous broker's arena: kept mapped (stale tensors read old bytes
         # instead of faulting) until close().
@@ -323,6 +329,7 @@ class BrokerClient:
             self.arena: pb.ArenaInfo = arena
             self.geometry = geometry
             self.session_id = opened.session_id
+            self.epoch += 1
             self.token: str = opened.token
             self._metadata = ((SESSION_METADATA, self.token),)
             self._requests = requests
@@ -461,11 +468,11 @@ class BrokerClient:
         out = []
         for o in objs:
             if isinstance(o, BrokerObject):
-                if o.client is self and o.session_id != self.session_id:
+                if o.client is self and o.epoch != self.epoch:
                     raise BrokerError(
                         Code.FAILED_PRECONDITION,
                         f"object {o.object_id} came from session {o.session_id}, which ended when the broker "
-                        f"restarted (session {self.session_id} now): {LOST}; allocate or look it up again",
+                        f"restarted (this client is on a new session now): {LOST}; allocate or look it up again",
                     )
                 out.append(o.object_id)
             else:
@@ -530,7 +537,7 @@ class BrokerClient:
         if self.closed:
             raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
         self._wait_live()
-        sid = self.session_id
+        epoch = self.epoch
         try:
             return method(request, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
@@ -538,7 +545,7 @@ class BrokerClient:
         if retry and err.code == Code.UNAVAILABLE and self.reconnect_s > 0 and not self.closed:
             deadline = time.monotonic() + self.timeout
             while time.monotonic() < deadline and not self.closed and not self._end_reason:
-                if self.session_id != sid and self._live.is_set():
+                if self.epoch != epoch and self._live.is_set():
                     try:
                         return method(request, metadata=self._metadata, timeout=self.timeout)
                     except grpc.RpcError as e:
@@ -576,7 +583,7 @@ class BrokerClient:
         out = []
         for t in txns:
             if isinstance(t, Transaction):
-                if t.client is self and t.session_id != self.session_id:
+                if t.client is self and t.epoch != self.epoch:
                     raise BrokerError(
                         Code.FAILED_PRECONDITION,
                         f"transaction {t.transaction_id} was opened in session {t.session_id}, which ended when the "
