@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable
 import grpc
 import structlog
 
+from memory_broker.broker.adapters.manager import AdapterCorrupted
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
@@ -222,6 +223,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             return pb.SessionEvent(arena_grown=pb.ArenaGrown(num_slabs=ev.num_slabs))
         if isinstance(ev, ShuttingDown):
             return pb.SessionEvent(shutting_down=pb.ShuttingDown(reason=ev.reason))
+        if isinstance(ev, AdapterCorrupted):
+            return pb.SessionEvent(
+                adapter_corrupted=pb.AdapterCorrupted(
+                    adapter_id=ev.adapter_id, object_id=ev.object_id, generation=ev.generation, detail=ev.detail
+                )
+            )
         return None
 
     # ------------------------------------------------------------- unary calls

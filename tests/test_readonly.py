@@ -21,7 +21,7 @@ import pytest
 
 from adapter_fixtures import AdapterHarness, peft_dirs, run  # noqa: F401  (peft_dirs is a fixture)
 from memory_broker.broker.adapters import AdapterConfig
-from memory_broker.broker.adapters.manager import Tier
+from memory_broker.broker.adapters.manager import AdapterCorrupted, Tier
 from memory_broker.broker.adapters.tiers import read_matrix
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
@@ -265,6 +265,9 @@ def test_verify_finds_a_corrupt_hot_copy_and_the_next_acquire_reloads_it(peft_di
         (check,) = await h.manager.verify(["r8"])
         assert (check.tier, check.checked, check.ok) == (Tier.HOT, True, False)
         assert h.manager.stats()["checksums"]["corruptions"] == 1
+        # The session that holds it is told which copy went bad.
+        told = [ev for sid, ev in h.events if sid == holder and isinstance(ev, AdapterCorrupted)]
+        assert [(ev.adapter_id, ev.object_id, ev.generation) for ev in told] == [("r8", first.object_id, first.generation)]
         # The holder still pins the corrupt copy; a new acquire never gets it.
         other = h.store.open_session()
         again = (await h.manager.acquire(other, ["r8"], with_layout=True)).adapters[0]

@@ -173,6 +173,16 @@ class AdapterStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterCorrupted:
+    """Core event for each session that pins a hot copy found corrupt (sent on its stream)."""
+
+    adapter_id: str
+    object_id: int
+    generation: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class AdapterCheck:
     """What one checksum check of an adapter found."""
 
@@ -315,6 +325,9 @@ class AdapterManager:
         self._executor = executor or ThreadPoolExecutor(self.config.load_workers, thread_name_prefix="adapter-load")
         self.log = log or _NoLog()
         self.system_session = store.open_session()
+        # Where core events for a session go: the store's route (the server sends them on
+        # to the session's stream).
+        self._notify = getattr(store, "_notify", None) or (lambda session, event: None)
         self.hot_policy = make_tier_policy(self.config.hot_policy)
         self.warm_policy = make_tier_policy(self.config.warm_policy)
         self.counters = AdapterCounters()
@@ -883,6 +896,12 @@ class AdapterManager:
             "adapter_corrupted", adapter=aid, tier="hot", object_id=obj.object_id, generation=e.generation,
             expected=want, found=got, pinned_by_sessions=pinned_by,
         )  # fmt: skip
+        detail = (
+            f"adapter {aid!r} (object {obj.object_id}, generation {e.generation}) does not match its checksum; "
+            "release it and acquire it again for a copy reloaded from its source"
+        )
+        for session in pinned_by:
+            self._notify(session, AdapterCorrupted(aid, obj.object_id, e.generation, detail))
         self.store.free(self.system_session, [obj.object_id])
         if obj.pin_count:
             self._retired.setdefault(aid, []).append(obj)

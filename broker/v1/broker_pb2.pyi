@@ -129,20 +129,22 @@ class Detach(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired", "reconnected")
+    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired", "reconnected", "adapter_corrupted")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     ARENA_GROWN_FIELD_NUMBER: _ClassVar[int]
     SHUTTING_DOWN_FIELD_NUMBER: _ClassVar[int]
     TRANSACTIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     RECONNECTED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CORRUPTED_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     evicted: ObjectsEvicted
     arena_grown: ArenaGrown
     shutting_down: ShuttingDown
     transactions_expired: TransactionsExpired
     reconnected: Reconnected
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ...) -> None: ...
+    adapter_corrupted: AdapterCorrupted
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ..., adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "token", "arena")
@@ -179,6 +181,18 @@ class TransactionsExpired(_message.Message):
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AdapterCorrupted(_message.Message):
+    __slots__ = ("adapter_id", "object_id", "generation", "detail")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    object_id: int
+    generation: int
+    detail: str
+    def __init__(self, adapter_id: _Optional[str] = ..., object_id: _Optional[int] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Reconnected(_message.Message):
     __slots__ = ("old_session_id", "new_session_id", "reason", "waited_s", "lost")
