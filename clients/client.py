@@ -367,8 +367,11 @@ class BrokerClient:
                 last = repr(e)
                 time.sleep(0.1)
                 continue
-            if self.closed:  # closed while it opened: end the new session too
+            if self.closed:  # closed while it opened: end the new session and unmap it too
                 self._end_session()
+                with self._map_lock:
+                    if self.view is not None:
+                        self.view.close()
                 return False
             self.reconnects += 1
             waited = time.monotonic() - t0

@@ -865,16 +865,14 @@ class AdapterManager:
 
     async def _verify_hot(self, e: _Entry, obj: Allocation) -> AdapterCheck:
         aid, gen, want = e.adapter_id, e.generation, e.hot_checksum
-        # A hold keeps the pages this object's while they are read (no eviction, no reuse).
-        self._hold(e, obj)
-        try:
-            got = await asyncio.get_running_loop().run_in_executor(
-                self._checker(), pages_checksum, self.arena.view, e.layout, list(obj.pages)
-            )
-        finally:
-            self._unhold(e)
+        # No pin is taken (a check must never make an adapter look acquired): if the object
+        # was freed or evicted while its pages were read, the result says nothing and is
+        # dropped below; an object still the same afterwards owned its pages all along.
+        got = await asyncio.get_running_loop().run_in_executor(
+            self._checker(), pages_checksum, self.arena.view, e.layout, list(obj.pages)
+        )
         self.counters.verifications += 1
-        if e.obj is not obj or e.generation != gen:
+        if self._hot_obj(e) is not obj or e.generation != gen:
             return AdapterCheck(aid, Tier.HOT, False, True, want, "placed anew while it was checked; check again")
         if got == want:
             return AdapterCheck(aid, Tier.HOT, True, True, want, f"hot copy (generation {gen}) matches")
