@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -379,29 +380,53 @@ def test_verify_of_an_unregistered_adapter_is_not_found_and_checks_nothing(peft_
     run(main())
 
 
-def test_verify_rpc_and_cli_report_a_corrupt_copy(peft_dirs):
-    """Over gRPC: the broker's own mapping is out of reach, so corrupt the image file the
-    next cold load reads; verify on demand reports it and the CLI exits 1."""
-    b = start_broker()
+def test_verify_rpc_cli_and_metrics_report_a_corrupt_image(peft_dirs):
+    """Over gRPC (a client cannot write into the broker's pages: see above), corrupt the image
+    file of a registered, not yet loaded adapter: verify reports it, the CLI exits 1, the
+    metrics count it, and the next acquire reads the weights file instead."""
+    from tests.test_ops import free_port, metric, scrape
+
+    port = free_port()
+    b = start_broker("--metrics-port", str(port))
     try:
         from memory_broker.clients import BrokerClient
 
         with BrokerClient.connect(b.socket) as c:
             c.register_adapter("a", peft_dirs["r4"])
+            c.register_adapter("b", peft_dirs["r8"])
             with c.acquire_adapters(["a"]):
                 pass
-            v = c.verify_adapters()
-            assert [(x.adapter_id, x.checked, x.ok) for x in v.checks] == [("a", True, True)]
-            assert v.checks[0].checksum.startswith("sha256:")
-        r = subprocess.run(
-            [sys.executable, "-m", "memory_broker.broker.cli", "adapters", "--socket", b.socket, "verify", "a"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            v = c.verify_adapters()  # no ids: every resident adapter ("a" is hot)
+            assert [(x.adapter_id, x.tier, x.checked, x.ok) for x in v.checks] == [("a", 1, True, True)]
+            assert v.checks[0].checksum.startswith("sha256:") and v.corrupt == 0
+            for _ in range(200):  # "b" is converted into its image ahead of use
+                if c.stats().adapters.image_count == 2:
+                    break
+                time.sleep(0.05)
+            images = os.path.join(os.path.dirname(b.socket), "state", "images")
+            (img,) = [os.path.join(images, f) for f in os.listdir(images) if f.startswith("b-")]
+            with open(img, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0x01]))
+        cli = [sys.executable, "-m", "memory_broker.broker.cli", "adapters", "--socket", b.socket, "verify"]
+        r = subprocess.run([*cli, "a"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and " ok " in r.stdout, r.stdout + r.stderr
-        r = subprocess.run(
-            [sys.executable, "-m", "memory_broker.broker.cli", "adapters", "--socket", b.socket, "verify", "nope"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        r = subprocess.run([*cli, "b"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "CORRUPT" in r.stdout and "is corrupt" in r.stdout, r.stdout + r.stderr
+        r = subprocess.run([*cli, "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+        for _ in range(100):
+            text = scrape(port)
+            if "memory_broker_adapter_corruptions_total" in text and metric(text, "memory_broker_adapter_corruptions_total"):
+                break
+            time.sleep(0.1)
+        assert metric(text, "memory_broker_adapter_corruptions_total") == 1
+        assert metric(text, "memory_broker_adapter_verifications_total") >= 3
+        with BrokerClient.connect(b.socket) as c:
+            with c.acquire_adapters(["b"]) as lease:
+                assert lease["b"].found_in == "cold"
+            assert c.verify_adapters(["b"]).corrupt == 0
     finally:
         b.stop()
