@@ -81,6 +81,14 @@ CHANNEL_OPTIONS = (
 LOST = "its anonymous objects, pins, open transactions and adapter leases are gone"
 
 
+# Words of gRPC's own transport failures (the broker's UNAVAILABLE refusals say what to do).
+_TRANSPORT_TEXT = (
+    "failed to connect", "Socket closed", "Connection reset", "Connection refused", "Broken pipe",
+    "No such file", "recvmsg", "sendmsg", "unix:", "ipv4:", "ipv6:", "GOAWAY", "Stream removed", "keepalive",
+    "connections to all backends failing", "Transport closed",
+)  # fmt: skip
+
+
 def _error(e: grpc.RpcError, socket_path: str = "", timeout: float = 0.0) -> BrokerError:
     """A gRPC failure as a BrokerError naming the status and what to do, without transport text.
 
@@ -96,7 +104,7 @@ def _error(e: grpc.RpcError, socket_path: str = "", timeout: float = 0.0) -> Bro
             Code.UNAVAILABLE,
             f"{where} did not answer within {timeout:g} s (busy or stuck); retry, or raise the client's timeout",
         )
-    if code == grpc.StatusCode.UNAVAILABLE and not details.startswith("the broker"):
+    if code == grpc.StatusCode.UNAVAILABLE and (not details or any(w in details for w in _TRANSPORT_TEXT)):
         return BrokerError(
             Code.UNAVAILABLE,
             f"{where} is not reachable (not running, restarting, or the socket path is wrong); "
@@ -405,9 +413,12 @@ class BrokerClient:
 
     # ------------------------------------------------------------- mapping
 
-    def _make_view(self, arena: pb.ArenaInfo, geometry: ArenaGeometry):
+    def _make_view(self, arena: pb.ArenaInfo | None = None, geometry: ArenaGeometry | None = None):
+        """An empty view of ``arena`` (default: the current session's)."""
         from memory_broker.broker.arena import open_view
 
+        arena = arena if arena is not None else self.arena
+        geometry = geometry if geometry is not None else self.geometry
         try:
             return open_view(arena.backend, geometry, arena.device)
         except (ValueError, RuntimeError, OSError) as e:
