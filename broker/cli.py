@@ -157,13 +157,13 @@ def _status_parser(sub) -> None:
 def _adapters_parser(sub) -> None:
     p = sub.add_parser(
         "adapters",
-        help="list, show, register or unregister LoRA adapters",
+        help="list, show, register, unregister or verify LoRA adapters",
         description="LoRA adapters. Without an action: list them, with each one's tier and page image "
         "state and the conversion backlog.",
     )
     _common(p)
     _list_options(p)
-    asub = p.add_subparsers(dest="action", metavar="{list,show,register,unregister}")
+    asub = p.add_subparsers(dest="action", metavar="{list,show,register,unregister,verify}")
     ls = asub.add_parser("list", help="registered adapters, their tier and image state (the default)",
                          description="Registered adapters, their tier, their page image state and the conversion backlog.")  # fmt: skip
     _list_options(ls)
@@ -180,6 +180,12 @@ def _adapters_parser(sub) -> None:
                          description="Forget adapters; refused while any session has one acquired.")  # fmt: skip
     ur.add_argument("adapter_ids", nargs="+", metavar="adapter_id", help="ids to forget")
     _common(ur)
+    vf = asub.add_parser("verify", help="check resident copies against their checksums (exit 1 if any is corrupt)",
+                         description="Check adapters' resident copies (hot pages, warm images, image files) against "
+                         "their checksums; a corrupt copy is dropped and reloaded from its source on the next "
+                         "acquire. Exits 1 if any was corrupt.")  # fmt: skip
+    vf.add_argument("adapter_ids", nargs="*", metavar="adapter_id", help="ids to check (default: every resident adapter)")
+    _common(vf)
 
 
 def _list_options(p: argparse.ArgumentParser) -> None:
@@ -463,7 +469,8 @@ def cmd_adapters(a: argparse.Namespace) -> int:
 
     try:
         with _Broker(a) as b:
-            return {"register": _register, "unregister": _unregister, "show": _show, "list": _list}[a.action](a, b)
+            actions = {"register": _register, "unregister": _unregister, "show": _show, "list": _list, "verify": _verify}
+            return actions[a.action](a, b)
     except grpc.RpcError as e:
         raise _rpc_error(e, a) from None
 
@@ -489,6 +496,18 @@ def _unregister(a: argparse.Namespace, b: _Broker) -> int:
                             metadata=b.session)
     print(json.dumps({"unregistered": a.adapter_ids}) if a.json else "unregistered " + ", ".join(a.adapter_ids))
     return 0
+
+
+def _verify(a: argparse.Namespace, b: _Broker) -> int:
+    r = b.stub.VerifyAdapters(b.pb.VerifyAdaptersRequest(adapter_ids=a.adapter_ids), timeout=a.timeout,
+                              metadata=b.session)  # fmt: skip
+    if a.json:
+        print(json.dumps(_as_dict(r), indent=2))
+    else:
+        for c in r.checks:
+            verdict = ("ok" if c.ok else "CORRUPT") if c.checked else "not checked"
+            print(f"{c.adapter_id:<32}{_TIER[c.tier]:<6}{verdict:<12}{c.detail}")
+    return 1 if r.corrupt else 0
 
 
 def _show(a: argparse.Namespace, b: _Broker) -> int:

@@ -29,6 +29,10 @@ class BrokerError(Exception):
         self.code = code
         self.message = message
 
+    def __str__(self) -> str:
+        # The status first, then what to do: "NOT_FOUND: no object 7 ...".
+        return f"{self.code.value}: {self.message}"
+
     def __repr__(self) -> str:
         return f"BrokerError({self.code.value}, {self.message!r})"
 

@@ -21,6 +21,7 @@ import grpc
 import structlog
 
 from memory_broker.broker.adapters.access import check_path_text
+from memory_broker.broker.adapters.manager import AdapterCorrupted
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
@@ -101,6 +102,8 @@ POLICY: dict[str, Rule] = {
     "GetAdapterLayout": Rule(session=True, writes=False),
     "AcquireAdapters": Rule(session=True, writes=True, owns="pins (its own)"),
     "ReleaseAdapters": Rule(session=True, writes=True, owns="pins"),
+    # Any session: it only drops copies that fail their checksum (reloaded on next acquire).
+    "VerifyAdapters": Rule(session=True, writes=True),
 }
 
 
@@ -333,6 +336,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             return pb.SessionEvent(arena_grown=pb.ArenaGrown(num_slabs=ev.num_slabs))
         if isinstance(ev, ShuttingDown):
             return pb.SessionEvent(shutting_down=pb.ShuttingDown(reason=ev.reason))
+        if isinstance(ev, AdapterCorrupted):
+            return pb.SessionEvent(
+                adapter_corrupted=pb.AdapterCorrupted(
+                    adapter_id=ev.adapter_id, object_id=ev.object_id, generation=ev.generation, detail=ev.detail
+                )
+            )
         return None
 
     # ------------------------------------------------------------- unary calls
@@ -563,6 +572,20 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         return pb.PrefetchAdaptersResponse(
             loaded={k: TIERS[v] for k, v in r.loaded.items()},
             failed={k: f"{e.code.value}: {e.message}" for k, e in r.failed.items()},
+        )
+
+    @_unary
+    async def VerifyAdapters(self, request, context, session):
+        checks = await self._manager().verify(list(request.adapter_ids))
+        return pb.VerifyAdaptersResponse(
+            checks=[
+                pb.AdapterCheck(
+                    adapter_id=c.adapter_id, tier=TIERS[c.tier], checked=c.checked, ok=c.ok, checksum=c.checksum,
+                    detail=c.detail,
+                )
+                for c in checks
+            ],
+            corrupt=sum(1 for c in checks if not c.ok),
         )
 
 

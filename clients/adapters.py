@@ -4,7 +4,9 @@ A lease is what ``BrokerClient.acquire_adapters`` returns: the adapters pinned f
 session (released when the lease ends), each with its generation, physical pages and layout.
 ``AdapterTables`` turns (layout, pages) into the kernels' element-offset tables once per
 (adapter, generation) and keeps them on the device; a new generation (the adapter was
-evicted and placed anew) misses the cache and builds fresh tables.
+evicted and placed anew) misses the cache and builds fresh tables. An adapter's pages are
+read-only in this process's mapping from the moment a lease names them: shared weights are
+never written by a client (copy what must change).
 """
 
 from __future__ import annotations
@@ -75,14 +77,22 @@ class AdapterLease:
 
     def __init__(self, client: "BrokerClient", resp: pb.AcquireAdaptersResponse):
         self.client = client
+        # The session holding the pins: a lease of a session lost to a broker restart holds nothing.
+        self.session_id: int = client.session_id
+        self.epoch: int = client.epoch
         self.adapters: list[LeasedAdapter] = []
         for a in resp.adapters:
             client._ensure_slabs(a.arena_slabs)
+            # Shared weights: read-only in this mapping before anyone here can touch them.
+            client._set_access(a.pages, True)
             layout = client._layout_cache.get(a.adapter_id)
             if a.HasField("layout"):
                 layout = layout_from_proto(a.layout)
                 client._layout_cache[a.adapter_id] = layout
-            assert layout is not None, "the client asked for layouts it did not have"
+            if layout is None:
+                # The cache was cleared under the request (a reconnect): ask for it now.
+                layout = layout_from_proto(client.adapter_layout(a.adapter_id))
+                client._layout_cache[a.adapter_id] = layout
             self.adapters.append(
                 LeasedAdapter(a.adapter_id, a.generation, a.object_id, tuple(a.pages), layout, TIER_NAMES[a.found_in])
             )
@@ -112,6 +122,8 @@ class AdapterLease:
         if self.released:
             return
         self.released = True
+        if self.epoch != self.client.epoch:
+            return  # its pins ended with the old session
         if self.transaction_id:
             # A prepared acquire that was never committed aborts; a committed one releases.
             try:

@@ -10,6 +10,12 @@ object freed, its image kept warm) when the hot budget needs room or when the st
 it under pressure and tells the system session. The manager owns no pages and no sessions:
 the store decides placement, pins and eviction; the registry knows what exists.
 
+Every copy carries the checksum of its page bytes (``tiers.packed_checksum``): image files
+are checked when read, hot copies on demand (``verify``) and one at a time in the background
+(every ``verify_interval_s``, never on the acquire path). A copy that does not match is
+reported (counter, ``adapter_corrupted`` log event) and dropped, warm image included, so the
+next acquire reloads the adapter from its source.
+
 All methods run on the broker's event loop; file reads and page writes run in the executor.
 """
 
@@ -28,7 +34,15 @@ from enum import Enum
 from memory_broker.broker.adapters.layout import DEFAULT_ROW_ALIGN, DTYPE_SIZES, AdapterLayout, plan_layout
 from memory_broker.broker.adapters.policy import make_tier_policy
 from memory_broker.broker.adapters.registry import AdapterMeta, AdapterRegistry, check_adapter_id
-from memory_broker.broker.adapters.tiers import HostPageWriter, ImageCache, TensorPageWriter, WarmImage, build_warm_image
+from memory_broker.broker.adapters.tiers import (
+    HostPageWriter,
+    ImageCache,
+    TensorPageWriter,
+    WarmImage,
+    build_warm_image,
+    image_checksum,
+    pages_checksum,
+)
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code, denied, exhausted, invalid, not_found, precondition, unavailable
 from memory_broker.broker.eviction import ContentType
@@ -84,6 +98,11 @@ class AdapterConfig:
     # registered through the manager, and (``start``) every registered adapter without an
     # image, so a first acquire reads an image instead of converting the safetensors.
     convert_ahead: bool = True
+    # Seconds between background checks of one hot adapter's pages against its checksum
+    # (each check hashes one adapter, in its own thread); 0 turns the background check off.
+    verify_interval_s: float = 30.0
+    # Hash every image read back from disk and refuse one whose bytes changed.
+    verify_images: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -93,6 +112,8 @@ class AdapterConfig:
         for name in ("hot_budget_pages", "hot_budget_adapters", "warm_budget_bytes", "image_budget_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 means no limit for hot budgets, no warm tier for warm)")
+        if self.verify_interval_s < 0:
+            raise ValueError(f"verify_interval_s {self.verify_interval_s} must be >= 0 (0: no background checks)")
         if self.load_lease_s <= 0 or self.load_workers < 1 or self.copy_threads < 1:
             raise ValueError("load_lease_s must be positive, load_workers and copy_threads at least 1")
         make_tier_policy(self.hot_policy)
@@ -151,6 +172,32 @@ class AdapterStatus:
     loading: bool
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterCorrupted:
+    """Core event for each session that pins a hot copy found corrupt (sent on its stream)."""
+
+    adapter_id: str
+    object_id: int
+    generation: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterCheck:
+    """What one checksum check of an adapter found."""
+
+    adapter_id: str
+    # The copy checked: HOT (its pages), WARM (its host image) or COLD (its image file).
+    tier: Tier
+    # False when there was nothing to check (cold without an image file, or replaced meanwhile).
+    checked: bool
+    # False: the copy did not match and was dropped (the next acquire reloads it).
+    ok: bool
+    # What the copy must hash to ("sha256:<hex>"), "" when unknown.
+    checksum: str
+    detail: str
+
+
 @dataclass(slots=True)
 class AdapterCounters:
     acquires: int = 0
@@ -187,6 +234,9 @@ class AdapterCounters:
     converted_ahead: int = 0
     convert_skipped: int = 0
     convert_failures: int = 0
+    # Checksum checks of resident copies (hot, warm, image files) and the corrupt ones found.
+    verifications: int = 0
+    corruptions: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -199,6 +249,8 @@ class _Entry:
     # The committed hot object, or None.
     obj: Allocation | None = None
     generation: int = 0
+    # What the hot object's pages hash to as loaded (its warm image's checksum).
+    hot_checksum: str = ""
     # In-flight loads: warm -> hot and cold -> warm.
     loading: asyncio.Task | None = None
     warming: asyncio.Task | None = None
@@ -206,6 +258,9 @@ class _Entry:
     waiters: int = 0
     # System-session pins held for acquires between load and the caller's own pin.
     holds: int = 0
+    # Holds taken on a hot copy that was then found corrupt and freed (its system pins went
+    # with it): the next unholds give back nothing.
+    stale_holds: int = 0
     # Unregistered while a load was in flight: the load aborts.
     removed: bool = False
 
@@ -270,6 +325,9 @@ class AdapterManager:
         self._executor = executor or ThreadPoolExecutor(self.config.load_workers, thread_name_prefix="adapter-load")
         self.log = log or _NoLog()
         self.system_session = store.open_session()
+        # Where core events for a session go: the store's route (the server sends them on
+        # to the session's stream).
+        self._notify = getattr(store, "_notify", None) or (lambda session, event: None)
         self.hot_policy = make_tier_policy(self.config.hot_policy)
         self.warm_policy = make_tier_policy(self.config.warm_policy)
         self.counters = AdapterCounters()
@@ -293,7 +351,7 @@ class AdapterManager:
             try:
                 self.images = ImageCache(
                     os.path.join(state_dir, "images"), fsync=self.config.image_fsync,
-                    max_bytes=self.config.image_budget_bytes,
+                    max_bytes=self.config.image_budget_bytes, verify=self.config.verify_images,
                 )  # fmt: skip
             except OSError as err:
                 self.log.warning("adapter_image_cache_off", error=str(err))
@@ -305,12 +363,22 @@ class AdapterManager:
         self._converting: tuple[str, object] | None = None
         self._convert_task: asyncio.Task | None = None
         self._convert_executor: ThreadPoolExecutor | None = None
+        # Hot objects found corrupt that sessions still pin (by adapter id): their pins are
+        # released through ``release`` and their pages return with the last one.
+        self._retired: dict[str, list[Allocation]] = {}
+        # Checksum checks run in their own thread, off the loaders' executor.
+        self._verify_executor: ThreadPoolExecutor | None = None
+        self._verify_task: asyncio.Task | None = None
+        self._verify_turn = 0
         self._closed = False
 
     async def start(self) -> None:
         """Once the loop runs: delete images of adapters no longer registered, and queue
-        every registered adapter without an image for conversion ahead of use."""
+        every registered adapter without an image for conversion ahead of use; start the
+        background checksum checks."""
         self._check_open()
+        if self.config.verify_interval_s > 0 and self._verify_task is None:
+            self._verify_task = asyncio.get_running_loop().create_task(self._verify_loop())
         if self.images is None:
             return
         loop = asyncio.get_running_loop()
@@ -450,11 +518,17 @@ class AdapterManager:
         return metas
 
     def _check_unregistrable(self, adapter_id: str) -> None:
+        self._prune_retired()
+        if self._retired.get(adapter_id):
+            raise precondition(
+                f"adapter {adapter_id!r}: sessions still pin a copy of it that was found corrupt; "
+                "they must release it before it can be unregistered"
+            )
         e = self._entries.get(adapter_id)
         if e is None:
             return
         obj = self._hot_obj(e)
-        if e.waiters or e.holds:
+        if e.waiters or e.holds or e.stale_holds:
             raise precondition(f"adapter {adapter_id!r} is being acquired right now; release it, then unregister")
         if obj is not None and obj.pin_count:
             raise precondition(
@@ -574,21 +648,31 @@ class AdapterManager:
                 the session is not open). Nothing is released when any id is refused.
         """
         self._check_session(session)
+        self._prune_retired()
         oids: list[int] = []
         for aid, count in Counter(self._check_ids(adapter_ids)).items():
             e = self._entries.get(aid)
             obj = self._hot_obj(e) if e is not None else None
-            if obj is None:
+            # Copies found corrupt that this session still pins: released first.
+            olds = [o for o in self._retired.get(aid, ()) if o.pins.get(session, 0)]
+            if obj is None and not olds:
                 if aid not in self.registry:
                     raise not_found(f"no adapter {aid!r} is registered")
                 raise precondition(f"session {session} holds no pin on adapter {aid!r} (it is not loaded)")
-            held = obj.pins.get(session, 0)
+            held = (obj.pins.get(session, 0) if obj is not None else 0) + sum(o.pins[session] for o in olds)
             if held < count:
                 if held == 0 and any(s != self.system_session for s in obj.pins):
                     raise denied(f"adapter {aid!r} is acquired only by other sessions; session {session} holds no pin on it")
                 raise precondition(f"adapter {aid!r}: asked to release {count}, session {session} holds {held} pin(s)")
-            oids.extend([obj.object_id] * count)
+            left = count
+            for o in olds:
+                k = min(left, o.pins[session])
+                oids.extend([o.object_id] * k)
+                left -= k
+            if left:
+                oids.extend([obj.object_id] * left)
         self.store.unpin(session, oids)
+        self._prune_retired()
 
     async def prefetch(self, adapter_ids: Sequence[str], tier: Tier | str = Tier.HOT) -> PrefetchResult:
         """Bring adapters up to ``tier`` ("warm" or "hot") without pinning them.
@@ -721,7 +805,144 @@ class AdapterManager:
                 "convert_queued": len(self._convert_queue) + (self._converting is not None),
             },
             "policies": {"hot": self.hot_policy.name, "warm": self.warm_policy.name},
+            "checksums": {
+                "verifications": c.verifications, "corruptions": c.corruptions,
+                "image_corruptions": self.images.corrupt if self.images else 0,
+                "retired_copies": sum(len(v) for v in self._retired.values()),
+                "interval_s": self.config.verify_interval_s,
+            },
         }
+
+    # ---------------------------------------------------------------- checksums
+
+    async def verify(self, adapter_ids: Sequence[str] | None = None) -> list[AdapterCheck]:
+        """Check adapters' resident copies against their checksums, one adapter at a time,
+        in the checksum thread: the hot pages if hot, else the warm image, else the image
+        file. A corrupt copy is reported and dropped (see the module docstring).
+
+        Args:
+            adapter_ids: the adapters to check; None or empty: every hot or warm adapter.
+
+        Raises:
+            BrokerError: INVALID_ARGUMENT (bad ids), NOT_FOUND (unregistered id; nothing checked).
+        """
+        self._check_open()
+        if adapter_ids:
+            ids = list(dict.fromkeys(self._check_ids(adapter_ids)))
+            for aid in ids:
+                if aid not in self._entries:
+                    self.registry.get(aid)
+        else:
+            ids = [aid for aid, e in self._entries.items() if e.obj is not None or e.warm is not None]
+        return [await self._verify_one(aid) for aid in ids]
+
+    def _checker(self) -> ThreadPoolExecutor:
+        if self._verify_executor is None:
+            self._verify_executor = ThreadPoolExecutor(1, thread_name_prefix="adapter-verify")
+        return self._verify_executor
+
+    async def _verify_one(self, aid: str) -> AdapterCheck:
+        loop = asyncio.get_running_loop()
+        e = self._entries.get(aid)
+        if e is not None:
+            obj = self._hot_obj(e)
+            if obj is not None and e.hot_checksum:
+                return await self._verify_hot(e, obj)
+            if e.warm is not None and e.warm.checksum:
+                warm, want = e.warm, e.warm.checksum
+                got = await loop.run_in_executor(self._checker(), image_checksum, warm)
+                self.counters.verifications += 1
+                if e.warm is not warm:
+                    return AdapterCheck(aid, Tier.WARM, False, True, want, "its warm image changed while it was checked")
+                if got == want:
+                    return AdapterCheck(aid, Tier.WARM, True, True, want, "warm image matches")
+                self.counters.corruptions += 1
+                self.log.warning("adapter_corrupted", adapter=aid, tier="warm", expected=want, found=got)
+                self._drop_warm(e)
+                return AdapterCheck(
+                    aid, Tier.WARM, True, False, want,
+                    f"warm image hashes to {got}: dropped; the next acquire reloads it from its source",
+                )  # fmt: skip
+        if self.images is not None and self.images.has(aid):
+            meta = self.registry.get(aid)
+            layout = e.layout if e is not None else self._plan(meta)
+            checked, ok, want, detail = await loop.run_in_executor(self._checker(), self.images.check, meta, layout)
+            if checked:
+                self.counters.verifications += 1
+            if not ok:
+                self.counters.corruptions += 1
+                self.log.warning("adapter_corrupted", adapter=aid, tier="cold", copy="image file", reason=detail)
+            return AdapterCheck(aid, Tier.COLD, checked, ok, want, detail)
+        return AdapterCheck(aid, Tier.COLD, False, True, "", "cold: nothing resident to check; its files are read on the next acquire")
+
+    async def _verify_hot(self, e: _Entry, obj: Allocation) -> AdapterCheck:
+        aid, gen, want = e.adapter_id, e.generation, e.hot_checksum
+        # No pin is taken (a check must never make an adapter look acquired): if the object
+        # was freed or evicted while its pages were read, the result says nothing and is
+        # dropped below; an object still the same afterwards owned its pages all along.
+        got = await asyncio.get_running_loop().run_in_executor(
+            self._checker(), pages_checksum, self.arena.view, e.layout, list(obj.pages)
+        )
+        self.counters.verifications += 1
+        if self._hot_obj(e) is not obj or e.generation != gen:
+            return AdapterCheck(aid, Tier.HOT, False, True, want, "placed anew while it was checked; check again")
+        if got == want:
+            return AdapterCheck(aid, Tier.HOT, True, True, want, f"hot copy (generation {gen}) matches")
+        self._drop_corrupt_hot(e, obj, want, got)
+        return AdapterCheck(
+            aid, Tier.HOT, True, False, want,
+            f"hot copy (object {obj.object_id}, generation {gen}) hashes to {got}: dropped; the next acquire "
+            "reloads it from its source",
+        )  # fmt: skip
+
+    def _drop_corrupt_hot(self, e: _Entry, obj: Allocation, want: str, got: str) -> None:
+        """Report a corrupt hot copy and drop it with the warm image it came from, so no
+        acquire returns it again: sessions that pin it keep their pins (released as usual),
+        its pages return with the last one."""
+        aid = e.adapter_id
+        self.counters.corruptions += 1
+        pinned_by = sorted(s for s in obj.pins if s != self.system_session)
+        self.log.warning(
+            "adapter_corrupted", adapter=aid, tier="hot", object_id=obj.object_id, generation=e.generation,
+            expected=want, found=got, pinned_by_sessions=pinned_by,
+        )  # fmt: skip
+        detail = (
+            f"adapter {aid!r} (object {obj.object_id}, generation {e.generation}) does not match its checksum; "
+            "release it and acquire it again for a copy reloaded from its source"
+        )
+        for session in pinned_by:
+            self._notify(session, AdapterCorrupted(aid, obj.object_id, e.generation, detail))
+        self.store.free(self.system_session, [obj.object_id])
+        if obj.pin_count:
+            self._retired.setdefault(aid, []).append(obj)
+        # The free dropped the system session's pins, the holds of acquires in flight too.
+        e.stale_holds += e.holds
+        e.holds = 0
+        if e.warm is not None:
+            self._drop_warm(e)
+        self._drop_hot(e, evicted=False)
+
+    def _prune_retired(self) -> None:
+        for aid in [a for a, objs in self._retired.items() if not any(self.store.objects.get(o.object_id) is o for o in objs)]:
+            del self._retired[aid]
+        for aid, objs in self._retired.items():
+            objs[:] = [o for o in objs if self.store.objects.get(o.object_id) is o]
+
+    async def _verify_loop(self) -> None:
+        """Every ``verify_interval_s``, check one hot adapter (in turn) against its checksum."""
+        while not self._closed:
+            await asyncio.sleep(self.config.verify_interval_s)
+            hot = sorted(self._hot)
+            if not hot:
+                continue
+            aid = hot[self._verify_turn % len(hot)]
+            self._verify_turn += 1
+            try:
+                await self._verify_one(aid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001  (a check that fails must not end the checks)
+                self.log.warning("adapter_verify_failed", adapter=aid, error=str(err))
 
     # ------------------------------------------------------------ store events
 
@@ -747,6 +968,9 @@ class AdapterManager:
         if self._closed:
             return
         self._closed = True
+        if self._verify_task is not None:
+            self._verify_task.cancel()
+            await asyncio.gather(self._verify_task, return_exceptions=True)
         tasks = [t for e in self._entries.values() for t in (e.loading, e.warming) if t is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -757,6 +981,8 @@ class AdapterManager:
             await asyncio.gather(self._convert_task, return_exceptions=True)
         if self._convert_executor is not None:
             self._convert_executor.shutdown(wait=True)
+        if self._verify_executor is not None:
+            self._verify_executor.shutdown(wait=True)
         await self.wait_image_writes()
         self.store.end_session(self.system_session)
         for e in list(self._hot.values()):
@@ -808,6 +1034,10 @@ class AdapterManager:
                 if errors:
                     raise next((r for r in errors if not isinstance(r, BrokerError)), errors[0])
                 held_now = held
+                for aid in admitted:
+                    if self._hot_obj(held_now[aid]) is None:
+                        # Found corrupt (and dropped) between its load and this pin.
+                        raise unavailable(f"adapter {aid!r} was found corrupt as it loaded and is being reloaded; acquire again")
             objs = [held_now[aid].obj for aid in admitted]
             oids = [o.object_id for o in objs]
             self._check_session(session)
@@ -922,6 +1152,7 @@ class AdapterManager:
             dt = time.perf_counter() - t0
             # Publish: nothing below awaits or fails.
             e.obj = obj
+            e.hot_checksum = image.checksum
             e.generation = next(self._generations)
             self._hot[aid] = e
             self._by_object[obj.object_id] = e
@@ -985,6 +1216,10 @@ class AdapterManager:
             c = self.counters
             if rejected:
                 c.image_rejects += 1
+                if " is corrupt: " in rejected:  # ImageCache.load's words for a checksum mismatch
+                    c.verifications += 1
+                    c.corruptions += 1
+                    self.log.warning("adapter_corrupted", adapter=aid, tier="cold", copy="image file", reason=rejected)
                 self.log.warning("adapter_image_rejected", adapter=aid, reason=rejected)
             self._check_alive(e)
             e.warm = image
@@ -1168,7 +1403,7 @@ class AdapterManager:
         """Forget an entry with nothing left in any tier and nothing in flight (it is cold)."""
         if (
             e.obj is None and e.warm is None and e.loading is None and e.warming is None
-            and not e.waiters and not e.holds and self._entries.get(e.adapter_id) is e
+            and not e.waiters and not e.holds and not e.stale_holds and self._entries.get(e.adapter_id) is e
         ):  # fmt: skip
             del self._entries[e.adapter_id]
 
@@ -1177,6 +1412,10 @@ class AdapterManager:
         e.holds += 1
 
     def _unhold(self, e: _Entry) -> None:
+        if e.stale_holds:
+            e.stale_holds -= 1
+            self._maybe_forget(e)
+            return
         e.holds -= 1
         obj = e.obj
         if obj is not None and obj.pins.get(self.system_session, 0) > 0 and self.system_session in self.store.sessions:

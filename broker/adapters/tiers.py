@@ -7,6 +7,12 @@ one copy per page. With int8 warm storage the image keeps each row as int8 with 
 scale (absmax / 127) and promotion dequantizes while it writes. ``HostPageWriter`` does that
 copy through the broker's own mapping of a host arena.
 
+Checksums: every image carries the SHA-256 of the page bytes it stands for (the pages' used
+bytes in layout order, ``packed_checksum``), computed when it is built from the file and
+stored in the image file's header; an image read back from disk is checked against it, and
+``pages_checksum`` reads the same bytes back out of an arena mapping, so the manager can tell
+a hot copy that someone wrote into from the one it loaded.
+
 Everything here is plain blocking code meant for executor threads: it reads files and
 arrays it is given and writes pages it is told to, and touches no manager, store or loop
 state.
@@ -40,6 +46,43 @@ _FILE_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
 _FILE_NAME = {v: k for k, v in FILE_DTYPES.items()}
 # int8 warm storage: q = round(x / s), s = absmax(row) / INT8_MAX, so |x - q s| <= s / 2.
 INT8_MAX = 127
+# Checksums read "sha256:<hex>" (the algorithm is named so it can change).
+CHECKSUM_ALGO = "sha256"
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def packed_checksum(packed: np.ndarray) -> str:
+    """The checksum of a packed page image (the pages' used bytes back to back). Blocking;
+    hashlib releases the GIL while it hashes."""
+    h = hashlib.new(CHECKSUM_ALGO)
+    h.update(memoryview(packed).cast("B"))
+    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+
+
+def pages_checksum(view: ArenaView, layout: AdapterLayout, pages: Sequence[int]) -> str:
+    """The checksum of what ``pages`` hold now, read through ``view`` (the bytes
+    ``packed_checksum`` hashes when the pages hold the image). Blocking."""
+    if len(pages) != layout.num_pages:
+        raise ValueError(f"the layout spans {layout.num_pages} pages; {len(pages)} were given")
+    h = hashlib.new(CHECKSUM_ALGO)
+    from memory_broker.broker.arena.host import HostArenaView
+
+    host = isinstance(view, HostArenaView)
+    for p, used in zip(pages, layout.page_used):
+        if not used:
+            continue
+        if host:
+            h.update((ctypes.c_uint8 * used).from_address(view.page_address(p)))
+        else:  # a device arena: copy the page's used bytes to the host first
+            h.update(view.tensor(view.page_address(p), used).cpu().numpy())
+    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+
+
+def image_checksum(image: "WarmImage") -> str:
+    """The checksum of the page bytes ``image`` stands for (an int8 image: once dequantized)."""
+    return packed_checksum(image.packed if image.packed is not None else dequantize(image))
 
 
 # ------------------------------------------------------------------ conversions
@@ -206,6 +249,8 @@ class WarmImage:
     source_bytes: int = 0
     # The weights file it was built from (``file_identity``), when known.
     source_identity: tuple[int, int, int] | None = None
+    # ``packed_checksum`` of the page bytes it stands for (what its pages must hold).
+    checksum: str = ""
 
     @property
     def int8(self) -> bool:
@@ -261,6 +306,7 @@ def build_warm_image(
         if int8:
             out = _build_int8(wf, layout, mats, meta.file_bytes)
             out.source_identity = wf.identity
+            out.checksum = image_checksum(out)
             return out
         img = (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, dtype=np.uint8)
         offs = layout.image_offsets()
@@ -320,7 +366,7 @@ def build_warm_image(
             if errors:
                 raise errors[0]
         ident = wf.identity
-    return WarmImage(layout, packed=img, source_bytes=meta.file_bytes, source_identity=ident)
+    return WarmImage(layout, packed=img, source_bytes=meta.file_bytes, source_identity=ident, checksum=packed_checksum(img))
 
 
 def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes: int) -> WarmImage:
@@ -353,7 +399,8 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int]:
 IMAGE_MAGIC = b"BRKLORA\x01"
 # The payload starts here; the header (magic, u32 length, JSON) is zero-padded up to it.
 IMAGE_HEADER_BYTES = 4096
-IMAGE_VERSION = 1
+# 2: the header carries the payload's checksum (version 1 images are rebuilt).
+IMAGE_VERSION = 2
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -368,9 +415,9 @@ class ImageCache:
     file as it is now and the layout asked for, and the file is exactly header + payload long;
     anything else is a miss (with the reason), and the caller rebuilds from the safetensors
     and stores the image again. Writes go to a temporary file renamed over the image, so a
-    crash leaves the old image or the new one, never half of one. The payload carries no
-    checksum (a CRC would cost more than the read): a bit flipped inside it on disk would go
-    unnoticed, as it would in the safetensors file.
+    crash leaves the old image or the new one, never half of one. The header also holds the
+    payload's checksum; ``load`` (with ``verify``) hashes what it read and refuses an image
+    whose bytes changed on disk, so a corrupt image is rebuilt from the file, never loaded.
 
     Disk budget: with ``max_bytes`` > 0 the images together stay within it. ``store`` makes
     room by deleting the least recently used images (loaded or stored longest ago) when
@@ -383,11 +430,15 @@ class ImageCache:
     byte accounting is under a lock).
     """
 
-    def __init__(self, directory: str, fsync: bool = False, max_bytes: int = 0):
+    def __init__(self, directory: str, fsync: bool = False, max_bytes: int = 0, verify: bool = True):
         if max_bytes < 0:
             raise ValueError(f"image cache budget {max_bytes} must be >= 0 (0: no limit)")
         self.directory = directory
         self.fsync = fsync
+        # Hash every payload read back and compare it with the header's checksum.
+        self.verify = verify
+        # Loads refused because the payload did not match its checksum.
+        self.corrupt = 0
         self.max_bytes = max_bytes
         os.makedirs(directory, exist_ok=True)
         self._lock = threading.Lock()
@@ -535,8 +586,22 @@ class ImageCache:
         finally:
             os.close(fd)
 
-    def load(self, meta: AdapterMeta, layout: AdapterLayout, threads: int = 1) -> tuple[WarmImage | None, str]:
+    def check(self, meta: AdapterMeta, layout: AdapterLayout) -> tuple[bool, bool, str, str]:
+        """Verify the adapter's image file against its checksum: (checked, ok, checksum,
+        detail). A corrupt image is deleted (the next load rebuilds it from the file)."""
+        image, why = self.load(meta, layout, verify=True)
+        if image is not None:
+            return True, True, image.checksum, "image file matches"
+        if " is corrupt: " in why:
+            self.remove(meta.adapter_id)
+            return True, False, "", f"{why}; deleted, the next load rebuilds it from the weights file"
+        return False, True, "", why or "no image file"
+
+    def load(
+        self, meta: AdapterMeta, layout: AdapterLayout, threads: int = 1, verify: bool | None = None
+    ) -> tuple[WarmImage | None, str]:
         """(the cached image, "") or (None, why it was not used: "" when there is none).
+        ``verify`` (default: the cache's setting) hashes the payload against its checksum.
 
         ``threads`` > 1 splits the read into that many sequential ranges read side by side
         (the copies out of the page cache, and the first touch of the new buffer, release
@@ -579,12 +644,26 @@ class ImageCache:
                 t.join()
             if short:
                 return None, short[0]
+            want = self._stored_checksum(fd)
+            if self.verify if verify is None else verify:
+                got = packed_checksum(img)
+                if got != want:
+                    self.corrupt += 1
+                    return None, f"{path} is corrupt: its payload hashes to {got}, its header says {want}"
             self._touch(path)
-            return WarmImage(layout, packed=img, source_bytes=layout.used_bytes, source_identity=ident), ""
+            return WarmImage(
+                layout, packed=img, source_bytes=layout.used_bytes, source_identity=ident, checksum=want
+            ), ""
         except OSError as e:
             return None, f"cannot read {path}: {e.strerror}"
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _stored_checksum(fd: int) -> str:
+        head = os.pread(fd, IMAGE_HEADER_BYTES, 0)
+        (n,) = struct.unpack_from("<I", head, 8)
+        return str(json.loads(head[12 : 12 + n]).get("checksum", ""))
 
     def store(self, meta: AdapterMeta, image: WarmImage, evict: bool = True) -> int:
         """Write ``image`` (a packed one built from the file) as the adapter's image, atomically;
@@ -593,7 +672,9 @@ class ImageCache:
         if image.packed is None or image.source_identity is None:
             return 0
         layout = image.layout
-        text = json.dumps(self._header(meta, layout, image.source_identity)).encode()
+        header = self._header(meta, layout, image.source_identity)
+        header["checksum"] = image.checksum or packed_checksum(image.packed)
+        text = json.dumps(header).encode()
         if 12 + len(text) > IMAGE_HEADER_BYTES:
             return 0  # an id or path too long for the header: such adapters are not cached
         head = bytearray(IMAGE_HEADER_BYTES)

@@ -80,6 +80,21 @@ class ArenaView(abc.ABC):
     def unmap_window(self, window_page: int, count: int) -> None:
         """Return window pages to reserved, inaccessible address space."""
 
+    def set_page_access(self, pages: Sequence[int], readonly: bool) -> None:
+        """Make physical ``pages`` read-only (or writable again) in this view: in the physical
+        view and in every window page that maps them now or is mapped onto them later.
+
+        Clients call it to keep their mapping in step with what the pages hold: pages of
+        shared content (adapters) read-only once learned, pages they are given to write
+        writable again. A write to a read-only page faults (SIGSEGV on the host). Pages of a
+        slab attached read-only stay read-only whatever ``readonly`` says.
+
+        Raises:
+            ValueError: a page is outside the mapped slabs (nothing changed).
+            NotImplementedError: this backend cannot change access per page.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot change page access")
+
     @abc.abstractmethod
     def tensor(self, address: int, nbytes: int, dtype=None):
         """A zero-copy torch tensor over ``nbytes`` at ``address`` in this view (uint8 unless

@@ -42,6 +42,9 @@ _libc_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc_munmap = _libc.munmap
 _libc_munmap.restype = ctypes.c_int
 _libc_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc_mprotect = _libc.mprotect
+_libc_mprotect.restype = ctypes.c_int
+_libc_mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MAP_FAILED: int = ctypes.c_void_p(-1).value  # type: ignore[assignment]
 
 
@@ -64,6 +67,23 @@ def _munmap(addr: int, length: int) -> None:
     if _libc_munmap(addr, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"munmap({addr:#x}, {length}): {os.strerror(err)}")
+
+
+def _mprotect(addr: int, length: int, prot: int) -> None:
+    if _libc_mprotect(addr, length, prot) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mprotect({addr:#x}, {length}, prot={prot:#x}): {os.strerror(err)}")
+
+
+def _runs(pages: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct pages as (first, count) runs of consecutive pages."""
+    out: list[tuple[int, int]] = []
+    for p in sorted(set(pages)):
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
 
 
 def host_buffer(address: int, nbytes: int) -> ctypes.Array[ctypes.c_uint8]:
@@ -110,6 +130,11 @@ class HostArenaView(ArenaView):
         self._phys_size = geometry.max_pages * geometry.page_size
         self._window_size = geometry.window_pages * geometry.page_size
         self._slabs: list[_AttachedSlab] = []
+        # Physical pages made read-only by set_page_access (their window pages are too).
+        self._readonly_pages: set[int] = set()
+        # Window page -> the physical page mapped there, and the reverse (for set_page_access).
+        self._window_phys: dict[int, int] = {}
+        self._phys_windows: dict[int, set[int]] = {}
         self._closed = False
         self._phys_base = _mmap(None, self._phys_size, PROT_NONE, _RESERVE_FLAGS, -1, 0)
         try:
@@ -167,7 +192,8 @@ class HostArenaView(ArenaView):
         """Map ``phys_pages`` back to back at window pages ``window_page, window_page+1, ...``.
 
         Runs of consecutive pages within one slab become one mapping. Pages of a slab
-        attached read-only are mapped read-only whatever ``readonly`` says.
+        attached read-only, and pages ``set_page_access`` made read-only, are mapped
+        read-only whatever ``readonly`` says.
 
         Raises:
             ValueError: the window range or a page is out of bounds (nothing is mapped).
@@ -184,17 +210,23 @@ class HostArenaView(ArenaView):
                     f"physical page {p} (index {i}) is outside the {mapped_pages} pages of the "
                     f"{len(self._slabs)} mapped slabs"
                 )
+        self._forget_window(window_page, len(pages))
+        ro_pages = self._readonly_pages
         try:
             start = 0
             while start < len(pages):
                 first = pages[start]
                 slab = first // g.pages_per_slab
+                ro = first in ro_pages
                 end = start + 1
-                # Extend the run while the next page follows in the same slab file.
-                while end < len(pages) and pages[end] == pages[end - 1] + 1 and pages[end] // g.pages_per_slab == slab:
+                # Extend the run while the next page follows in the same slab file (with the same access).
+                while (
+                    end < len(pages) and pages[end] == pages[end - 1] + 1 and pages[end] // g.pages_per_slab == slab
+                    and (pages[end] in ro_pages) == ro
+                ):  # fmt: skip
                     end += 1
                 s = self._slabs[slab]
-                prot = PROT_READ if readonly or s.readonly else PROT_READ | PROT_WRITE
+                prot = PROT_READ if readonly or ro or s.readonly else PROT_READ | PROT_WRITE
                 _mmap(
                     self._window_base + (window_page + start) * g.page_size,
                     (end - start) * g.page_size,
@@ -205,12 +237,68 @@ class HostArenaView(ArenaView):
                 )
                 start = end
         except OSError:
+            self._forget_window(window_page, len(pages))
             # A half-mapped range would alias pages nobody placed there; leave it inaccessible.
             try:
                 self._reserve(self._window_base + window_page * g.page_size, len(pages) * g.page_size)
             except OSError:
                 pass
             raise
+        for i, p in enumerate(pages):
+            self._window_phys[window_page + i] = p
+            self._phys_windows.setdefault(p, set()).add(window_page + i)
+
+    def set_page_access(self, pages: Sequence[int], readonly: bool) -> None:
+        """Make physical ``pages`` read-only (PROT_READ) or writable again in this view: the
+        physical view's pages and every window page mapping them (now, or later through
+        ``map_window``). Pages already in the asked state cost nothing, so callers may pass
+        every page they learn. Pages of a slab attached read-only stay read-only.
+
+        Raises:
+            ValueError: a page is outside the mapped slabs (nothing changed).
+            OSError: ``mprotect`` failed.
+        """
+        self._check_open()
+        g = self.geometry
+        mapped_pages = len(self._slabs) * g.pages_per_slab
+        for i, p in enumerate(pages):
+            if not 0 <= p < mapped_pages:
+                raise ValueError(
+                    f"physical page {p} (index {i}) is outside the {mapped_pages} pages of the "
+                    f"{len(self._slabs)} mapped slabs"
+                )
+        ro = self._readonly_pages
+        if readonly:
+            change = [p for p in pages if p not in ro]
+        else:
+            change = [p for p in pages if p in ro and not self._slabs[p // g.pages_per_slab].readonly]
+        if not change:
+            return
+        prot = PROT_READ if readonly else PROT_READ | PROT_WRITE
+        ps = g.page_size
+        for first, count in _runs(change):
+            _mprotect(self._phys_base + first * ps, count * ps, prot)
+        windows = [w for p in set(change) for w in self._phys_windows.get(p, ())]
+        for first, count in _runs(windows):
+            _mprotect(self._window_base + first * ps, count * ps, prot)
+        if readonly:
+            ro.update(change)
+        else:
+            ro.difference_update(change)
+
+    def readonly_pages(self) -> frozenset[int]:
+        """Physical pages ``set_page_access`` made read-only (for checks and tests)."""
+        return frozenset(self._readonly_pages)
+
+    def _forget_window(self, window_page: int, count: int) -> None:
+        for w in range(window_page, window_page + count):
+            p = self._window_phys.pop(w, None)
+            if p is not None:
+                ws = self._phys_windows.get(p)
+                if ws is not None:
+                    ws.discard(w)
+                    if not ws:
+                        del self._phys_windows[p]
 
     def unmap_window(self, window_page: int, count: int) -> None:
         """Return window pages to reserved, inaccessible address space.
@@ -222,6 +310,7 @@ class HostArenaView(ArenaView):
         self._check_window_range(window_page, count)
         if count:
             ps = self.geometry.page_size
+            self._forget_window(window_page, count)
             self._reserve(self._window_base + window_page * ps, count * ps)
 
     def tensor(self, address: int, nbytes: int, dtype=None):
@@ -244,6 +333,9 @@ class HostArenaView(ArenaView):
         for s in self._slabs:
             os.close(s.fd)
         self._slabs.clear()
+        self._readonly_pages.clear()
+        self._window_phys.clear()
+        self._phys_windows.clear()
 
     # ------------------------------------------------------------- internals
 

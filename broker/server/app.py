@@ -277,7 +277,7 @@ class BrokerServer:
             a = self.adapters.stats()
             self.metrics.adapter_snapshot = {
                 "hits": a["hits"], "loads": a["loads"], "resident": a["resident"], "hit_rate": a["hit_rate"],
-                "images": a["images"],
+                "images": a["images"], "checksums": a["checksums"],
             }  # fmt: skip
         return st
 

@@ -101,6 +101,12 @@ class BrokerMetrics:
                                         description="adapters converted into images ahead of use")
         meter.create_observable_gauge(f"{PREFIX}_adapter_convert_queue", callbacks=[img("convert_queued")],
                                       description="adapters waiting for conversion ahead of use")
+        chk = lambda key: (lambda _st: [  # noqa: E731
+            Observation(self.adapter_snapshot["checksums"][key])] if "checksums" in self.adapter_snapshot else [])
+        meter.create_observable_counter(f"{PREFIX}_adapter_verifications_total", callbacks=[chk("verifications")],
+                                        description="adapter copies checked against their checksums")
+        meter.create_observable_counter(f"{PREFIX}_adapter_corruptions_total", callbacks=[chk("corruptions")],
+                                        description="adapter copies found not to match their checksums (dropped, reloaded)")
         meter.create_observable_gauge(
             f"{PREFIX}_adapter_hit_ratio",
             callbacks=[lambda _o: [Observation(self.adapter_snapshot["hit_rate"])]

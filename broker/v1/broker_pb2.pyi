@@ -144,18 +144,22 @@ class Detach(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired")
+    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired", "reconnected", "adapter_corrupted")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     ARENA_GROWN_FIELD_NUMBER: _ClassVar[int]
     SHUTTING_DOWN_FIELD_NUMBER: _ClassVar[int]
     TRANSACTIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    RECONNECTED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CORRUPTED_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     evicted: ObjectsEvicted
     arena_grown: ArenaGrown
     shutting_down: ShuttingDown
     transactions_expired: TransactionsExpired
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ...) -> None: ...
+    reconnected: Reconnected
+    adapter_corrupted: AdapterCorrupted
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ..., adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "token", "arena")
@@ -192,6 +196,32 @@ class TransactionsExpired(_message.Message):
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AdapterCorrupted(_message.Message):
+    __slots__ = ("adapter_id", "object_id", "generation", "detail")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    object_id: int
+    generation: int
+    detail: str
+    def __init__(self, adapter_id: _Optional[str] = ..., object_id: _Optional[int] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Reconnected(_message.Message):
+    __slots__ = ("old_session_id", "new_session_id", "reason", "waited_s", "lost")
+    OLD_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    old_session_id: int
+    new_session_id: int
+    reason: str
+    waited_s: float
+    lost: str
+    def __init__(self, old_session_id: _Optional[int] = ..., new_session_id: _Optional[int] = ..., reason: _Optional[str] = ..., waited_s: _Optional[float] = ..., lost: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("objects",)
@@ -674,3 +704,33 @@ class Stats(_message.Message):
     allocation_failures: int
     adapters: AdapterStats
     def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., max_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., num_slabs: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., prepared_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., utilization: _Optional[float] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., eviction_active: _Optional[bool] = ..., eviction_runs: _Optional[int] = ..., evicted_objects: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., objects: _Optional[int] = ..., keyed_objects: _Optional[int] = ..., sessions: _Optional[int] = ..., open_transactions: _Optional[int] = ..., by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ..., window_free_pages: _Optional[int] = ..., window_free_extents: _Optional[int] = ..., window_largest_free: _Optional[int] = ..., window_fragmentation: _Optional[float] = ..., allocations_total: _Optional[int] = ..., deduplicated_total: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., adapters: _Optional[_Union[AdapterStats, _Mapping]] = ...) -> None: ...
+
+class VerifyAdaptersRequest(_message.Message):
+    __slots__ = ("adapter_ids",)
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AdapterCheck(_message.Message):
+    __slots__ = ("adapter_id", "tier", "checked", "ok", "checksum", "detail")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    tier: AdapterTier
+    checked: bool
+    ok: bool
+    checksum: str
+    detail: str
+    def __init__(self, adapter_id: _Optional[str] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., checked: _Optional[bool] = ..., ok: _Optional[bool] = ..., checksum: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class VerifyAdaptersResponse(_message.Message):
+    __slots__ = ("checks", "corrupt")
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    checks: _containers.RepeatedCompositeFieldContainer[AdapterCheck]
+    corrupt: int
+    def __init__(self, checks: _Optional[_Iterable[_Union[AdapterCheck, _Mapping]]] = ..., corrupt: _Optional[int] = ...) -> None: ...

@@ -124,6 +124,11 @@ class MemoryBrokerStub:
                 request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
                 response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
                 _registered_method=True)
+        self.VerifyAdapters = channel.unary_unary(
+                '/broker.v1.MemoryBroker/VerifyAdapters',
+                request_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryBrokerServicer:
@@ -245,6 +250,14 @@ class MemoryBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyAdapters(self, request, context):
+        """Checks adapters' resident copies against their checksums; a corrupt copy is dropped
+        (reloaded from its source on the next acquire). No ids: every resident adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -337,6 +350,11 @@ def add_MemoryBrokerServicer_to_server(servicer, server):
                     servicer.PrefetchAdapters,
                     request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.FromString,
                     response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.SerializeToString,
+            ),
+            'VerifyAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyAdapters,
+                    request_deserializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_broker_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -825,6 +843,33 @@ class MemoryBroker:
             '/broker.v1.MemoryBroker/PrefetchAdapters',
             memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
             memory__broker_dot_broker_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/VerifyAdapters',
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
+            memory__broker_dot_broker_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
