@@ -12,8 +12,8 @@ import sys
 import time
 
 from memory_broker.clients import BrokerClient
-from tests.adapter_fixtures import peft_dirs  # noqa: F401  (a fixture)
-from tests.conftest import ROOT, start_broker
+from adapter_fixtures import peft_dirs  # noqa: F401  (a fixture)
+from conftest import ROOT, start_broker
 
 # The operations both tests draw from. ``work(c, rng, adapters, steps, tick)`` runs ``steps``
 # random operations (forever when None), calling ``tick()`` after each; it returns how many
@@ -267,7 +267,7 @@ out(counts=counts)
 
 
 def test_random_operations_from_several_processes_keep_the_books_straight(peft_dirs):
-    from tests.conftest import child_code
+    from conftest import child_code
 
     b = start_broker()
     try:

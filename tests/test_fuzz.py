@@ -17,8 +17,8 @@ from memory_broker.broker.service import POLICY
 from memory_broker.broker.v1 import broker_pb2 as pb
 from memory_broker.broker.v1 import broker_pb2_grpc
 from memory_broker.clients import BrokerClient, Spec
-from tests.adapter_fixtures import copy_adapter, peft_dirs  # noqa: F401 - fixture
-from tests.conftest import short_tmpdir
+from adapter_fixtures import copy_adapter, peft_dirs  # noqa: F401 - fixture
+from conftest import short_tmpdir
 
 SEED = int(os.environ.get("FUZZ_SEED", "1107"))
 REQUESTS = int(os.environ.get("FUZZ_REQUESTS", "2400"))

@@ -27,7 +27,7 @@ from memory_broker.broker.adapters.tiers import read_matrix
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 from memory_broker.broker.errors import BrokerError, Code
-from tests.conftest import ROOT, child_code, start_broker
+from conftest import ROOT, child_code, start_broker
 
 @pytest.fixture
 def state_dir(tmp_path) -> str:
@@ -384,7 +384,7 @@ def test_verify_rpc_cli_and_metrics_report_a_corrupt_image(peft_dirs):
     """Over gRPC (a client cannot write into the broker's pages: see above), corrupt the image
     file of a registered, not yet loaded adapter: verify reports it, the CLI exits 1, the
     metrics count it, and the next acquire reads the weights file instead."""
-    from tests.test_ops import free_port, metric, scrape
+    from test_ops import free_port, metric, scrape
 
     port = free_port()
     b = start_broker("--metrics-port", str(port))

@@ -25,8 +25,8 @@ from memory_broker.broker.v1 import broker_pb2 as pb
 from memory_broker.broker.v1 import broker_pb2_grpc
 from memory_broker.clients import BrokerClient, Spec
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
-from tests.adapter_fixtures import AdapterHarness, copy_adapter, peft_dirs  # noqa: F401 - fixture
-from tests.conftest import ROOT, short_tmpdir
+from adapter_fixtures import AdapterHarness, copy_adapter, peft_dirs  # noqa: F401 - fixture
+from conftest import ROOT, short_tmpdir
 
 S = grpc.StatusCode
 NOBODY = Caller(65534, frozenset({65534}))
@@ -350,7 +350,7 @@ out(session=c.session_id)
 time.sleep(0.3)
 os._exit(0)
 """
-    from tests.conftest import run_child
+    from conftest import run_child
 
     with BrokerClient.connect(broker.socket) as main:
         anon = main.allocate([Spec(1)])[0]
