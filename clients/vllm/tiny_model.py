@@ -33,8 +33,15 @@ _CORPUS = [
 ]
 
 
-def build(path: str, seed: int = 0) -> str:
-    """Write the model (config, safetensors weights, tokenizer) to ``path``; idempotent."""
+# Big enough that a 1k-token prefill costs real time on a CPU (the benchmark's model):
+# about 26M parameters, 512 KiB of float32 KV per 32-token block.
+SMALL = dict(LLAMA, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4)  # fmt: skip
+
+
+def build(path: str, seed: int = 0, config: dict | None = None) -> str:
+    """Write the model (config, safetensors weights, tokenizer) to ``path``; idempotent.
+    ``config``: LlamaConfig fields (default ``LLAMA``, the tests' model; ``SMALL`` for timing)."""
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     import torch
@@ -49,7 +56,7 @@ def build(path: str, seed: int = 0) -> str:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**LLAMA, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    cfg = LlamaConfig(**(config or LLAMA), bos_token_id=1, eos_token_id=2, torch_dtype="float32")
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
