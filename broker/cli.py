@@ -186,6 +186,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     for c in st.by_content:
         print(f"  {pb.ContentType.Name(c.content_type).removeprefix('CONTENT_TYPE_').lower():<10} "
               f"{c.objects} objects, {c.pages} pages")
+    for o in st.by_owner:
+        who = f"{o.client_name or '?'} (session {o.session_id}, pid {o.pid})" if o.session_id else "no owner (session ended)"
+        print(f"  owner      {who}: {pb.ContentType.Name(o.content_type).removeprefix('CONTENT_TYPE_').lower()} "
+              f"{o.objects} objects, {o.pages} pages")
     print(f"  totals     {st.allocations_total} allocations, {st.deduplicated_total} deduplicated, "
           f"{st.allocation_failures} failed")
     return 0

@@ -177,3 +177,29 @@ def test_an_outage_is_logged_once_and_the_session_comes_back(caplog):
             b.stop(signal.SIGKILL)
     finally:
         kv.close()
+
+
+def test_status_shows_kv_objects_by_owner(broker):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    with BrokerClient.connect(broker.socket, client_name="vllm-kv:engine-1") as c1:
+        c1.allocate(store.kv_specs([b"a", b"b"], 100, c1.geometry.page_size))
+        with BrokerClient.connect(broker.socket, client_name="vllm-kv:engine-2") as c2:
+            c2.allocate(store.kv_specs([b"c"], 100, c2.geometry.page_size))
+            owners = {(o.client_name, o.content_type): (o.objects, o.pages) for o in c2.stats().by_owner}
+            assert owners[("vllm-kv:engine-1", 1)] == (2, 2) and owners[("vllm-kv:engine-2", 1)] == (1, 1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # engine 2's session ends: its keyed object stays, ownerless
+            by = {o.session_id: o for o in c1.stats().by_owner}
+            if 0 in by:
+                break
+            time.sleep(0.1)
+        assert by[0].objects == 1 and by[0].client_name == ""
+        r = subprocess.run([sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "owner      vllm-kv:engine-1 (session" in r.stdout and "kv_cache 2 objects, 2 pages" in r.stdout
+        assert "owner      no owner (session ended): kv_cache 1 objects, 1 pages" in r.stdout

@@ -398,25 +398,37 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     def _load_one(self, c, lr: LoadRequest) -> None:
         rank = self.tp_rank
         wanted = [blk[rank] for blk in lr.objects]
+        if c is not None:
+            # The scheduler's own session and mapping: its pins hold the pages.
+            if c.view.mapped_slabs * c.geometry.pages_per_slab <= max((max(p) for _, _, p in wanted), default=0):
+                raise RuntimeError("pages beyond this process's mapping")
+            self._copy_in(c, lr, [p for _, _, p in wanted])
+            return
+        # The scheduler runs in another process: pin the blocks in this process's session for
+        # the copy, and check they are the very objects the scheduler pinned.
+        c = self.broker.client()
         if c is None:
-            # Another process pinned these: find them through this process's session and check
-            # they are the very objects the scheduler pinned (a restarted broker would not be).
-            c = self.broker.client()
-            if c is None:
-                raise RuntimeError("the broker is unavailable")
-            got = c.lookup([k for k, _, _ in wanted], pin=False)
+            raise RuntimeError("the broker is unavailable")
+        got = c.lookup([k for k, _, _ in wanted], pin=True)
+        try:
             if [(o.object_id, list(o.pages)) for o in got] != [(oid, pages) for _, oid, pages in wanted]:
-                raise RuntimeError("the broker no longer holds the pinned blocks")
-        elif c.view.mapped_slabs * c.geometry.pages_per_slab <= max((max(p) for _, _, p in wanted), default=0):
-            raise RuntimeError("pages beyond this process's mapping")
+                raise RuntimeError("the broker no longer holds the blocks the scheduler found")
+            self._copy_in(c, lr, [list(o.pages) for o in got])
+        finally:
+            if got:
+                try:
+                    c.unpin(got)
+                except BrokerError as e:
+                    self.broker.failed(c, e, "unpin")
+
+    def _copy_in(self, c, lr: LoadRequest, block_pages: list[list[int]]) -> None:
         ps = c.geometry.page_size
         phys = c.physical_view()
-        for (key, oid, pages), bid in zip(wanted, lr.block_ids):
+        for pages, bid in zip(block_pages, lr.block_ids):
             if len(pages) * ps < self._block_nbytes:
-                raise ValueError(f"object {oid} has {len(pages)} pages, fewer than a block's {self._block_nbytes} bytes")
+                raise ValueError(f"an object of {len(pages)} pages is smaller than a block's {self._block_nbytes} bytes")
             for name, li in self._layers.items():
-                t = self._kv[name]
-                dst = self._block_view(name, t, bid)
+                dst = self._block_view(name, self._kv[name], bid)
                 if dst.is_contiguous():
                     store.read_bytes(phys, pages, ps, li * self._layer_nbytes, dst.view(-1).view(torch.uint8))
                 else:
