@@ -90,6 +90,8 @@ class LoadRequest:
     block_ids: list[int]
     # Per block, per tensor-parallel rank: (key, object id, pages) as the scheduler pinned it.
     objects: list[list[tuple[bytes, int, list[int]]]]
+    # The scheduler's session that pinned them (see BrokerKV.client_for).
+    incarnation: str = ""
 
 
 @dataclass
@@ -101,8 +103,6 @@ class SaveRequest:
 
 @dataclass
 class BrokerKVMetadata(KVConnectorMetadata):
-    # The scheduler's session the loads were pinned in (see BrokerKV.client_for).
-    incarnation: str = ""
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[SaveRequest] = field(default_factory=list)
 
@@ -198,7 +198,6 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self._enabled = False
             self._txn = None
             self._txn_client = None
-            self._txn_blocks: list[int] = []
             self._step_saves: list[tuple[int, bytes]] | None = None
             self._load_errors: set[int] = set()
             self._loaded: set[str] = set()
@@ -280,7 +279,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         self.stats.add("hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = BrokerKVMetadata(incarnation="")
+        meta = BrokerKVMetadata()
         mgr = self._kv_cache_manager
         sched = scheduler_output.num_scheduled_tokens
         progress: list[tuple[str, int]] = []
@@ -300,8 +299,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 objs = []
                 for b in range(start, end):
                     objs.append([(o.key, o.object_id, list(o.pages)) for o in (rank[b] for rank in st.pinned)])
-                meta.loads.append(LoadRequest(req_id, [block_ids[b] for b in range(start, end)], objs))
-                meta.incarnation = st.incarnation
+                meta.loads.append(LoadRequest(req_id, [block_ids[b] for b in range(start, end)], objs, st.incarnation))
                 st.load = None
                 self._to_load.discard(req_id)
                 self._loading[req_id] = st
@@ -379,10 +377,10 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                     self._load_errors.update(lr.block_ids)
                     self.stats.add("load_failed_blocks", len(lr.block_ids))
             return
-        # The scheduler's session when it lives in this process: the pinned pages are in this
-        # mapping, and stay readable even if the broker went away since the lookup.
-        c = self.broker.client_for(meta.incarnation)
         for lr in meta.loads:
+            # The scheduler's session when it lives in this process: the pinned pages are in
+            # this mapping, and stay readable even if the broker went away since the lookup.
+            c = self.broker.client_for(lr.incarnation)
             try:
                 self._load_one(c, lr)
                 self._loaded.add(lr.req_id)
