@@ -30,7 +30,7 @@ venv: $(VENV)/.installed
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --progress-bar on "$(VLLM_SPEC)" "grpcio>=1.85.1,<2" "protobuf>=7.36,<8" numpy pytest
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar on "$(VLLM_SPEC)" "grpcio>=1.85.1,<2" "protobuf>=7.36,<8" numpy pytest "setuptools>=68"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
