@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=64)
     ap.add_argument("--modes", default="none,file,broker")
     ap.add_argument("--out", default="", help="append a markdown table to this file")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (engine and broker logs)")
     a = ap.parse_args()
     if a.engine:
         engine_main(a)
@@ -197,7 +198,7 @@ def main() -> None:
         "",
         f"{a.requests} requests, a {a.prefix}-token shared system prompt + {a.tail}-token tails, two engines "
         f"(engine 1 serves the first half, then engine 2 the rest), one request at a time, model tiny_model.SMALL "
-        f"float32. Greedy first tokens identical across modes: {same}.",
+        f"float32; modes in the order {a.modes}. Greedy first tokens identical across modes: {same}.",
         "",
         "| connector | TTFT mean (ms) | TTFT median (ms) | engine 2's first TTFT (ms) | prefill tokens computed | of prompt tokens |",
         "|---|---:|---:|---:|---:|---:|",
@@ -210,7 +211,10 @@ def main() -> None:
     if a.out:
         with open(a.out, "a") as f:
             f.write("\n" + text)
-    shutil.rmtree(tmp, ignore_errors=True)
+    if a.keep:
+        print(f"logs in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     if not same:
         sys.exit("greedy tokens differ between modes")
 
