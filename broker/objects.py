@@ -478,6 +478,15 @@ class ObjectStore:
     def describe_gone(self, object_id: int) -> str:
         return self._gone_message(object_id)
 
+    def objects_by_owner(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(owning session, content type) -> (objects, pages); session 0: owner gone."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for obj in self.objects.values():
+            c = out.setdefault((obj.owner, int(obj.content_type)), [0, 0])
+            c[0] += 1
+            c[1] += obj.num_pages
+        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
     def stats(self) -> dict:
         pool = self.pool
         by_content: dict[int, list[int]] = {}

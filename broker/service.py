@@ -421,8 +421,16 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             num_slabs=self.arena.num_slabs,
             by_content=[pb.ContentStats(content_type=ct, objects=n, pages=p) for ct, (n, p) in by_content.items()],
             adapters=self._adapter_stats() if self.adapters is not None else None,
+            by_owner=[self._owner_stats(sid, ct, n, p) for (sid, ct), (n, p) in self.store.objects_by_owner().items()],
             **st,
         )
+
+    def _owner_stats(self, sid: int, ct: int, n: int, p: int) -> pb.OwnerStats:
+        s = self.sessions.by_id.get(sid)
+        name, pid = (s.client_name, s.claimed_pid) if s is not None else ("", 0)
+        if sid in self.store.internal_sessions:
+            name = "broker (internal)"
+        return pb.OwnerStats(session_id=sid, client_name=name, pid=pid, content_type=ct, objects=n, pages=p)
 
     # ------------------------------------------------------------- adapters
 

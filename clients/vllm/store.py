@@ -1,0 +1,220 @@
+"""The KV connector's side of the broker: one session per process, failure handling, and the
+byte copies between vLLM's KV cache and the broker's pages.
+
+``BrokerKV`` owns the process's session with the broker (shared by the scheduler-side and
+worker-side connectors when they live in one process), reconnects after a broker restart,
+logs an outage once and counts errors; a broker that is away makes every call here return
+"nothing" so that vLLM recomputes. The copy helpers place a block's layers back to back in
+an object's pages and read or write them through this process's own mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.clients.client import BrokerClient, BrokerObject, Spec
+
+# A child of vLLM's logger, so these lines show among vLLM's own.
+log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
+
+DEFAULT_SOCKET = "/tmp/memory-broker.sock"
+
+# Codes that mean the session or the broker is gone (the client maps gRPC's CANCELLED,
+# DEADLINE_EXCEEDED, UNKNOWN and UNAUTHENTICATED to INTERNAL): drop the session, reconnect later.
+_BROKEN = {Code.UNAVAILABLE, Code.INTERNAL, Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION}
+
+
+def default_socket() -> str:
+    return os.environ.get("MEMORY_BROKER_SOCKET") or DEFAULT_SOCKET
+
+
+class BrokerKV:
+    """This process's session with one broker, for KV. Thread-safe; never raises BrokerError
+    from ``client()``: a broker that is away yields ``None`` until ``retry_s`` has passed."""
+
+    def __init__(self, socket: str, *, client_name: str = "vllm-kv", timeout_s: float = 5.0, retry_s: float = 2.0):
+        self.socket = socket
+        self.client_name = client_name
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._lock = threading.RLock()
+        self._client: BrokerClient | None = None
+        self.incarnation: str = ""
+        # Sessions that broke while pins of theirs were still in use: incarnation -> [client, holds].
+        self._stale: dict[str, list] = {}
+        self._holds: dict[str, int] = {}
+        self._next_try = 0.0
+        self._down_since: float | None = None
+        self.errors = 0
+        self.connects = 0
+
+    # ------------------------------------------------------------- session
+
+    def client(self) -> BrokerClient | None:
+        with self._lock:
+            c = self._client
+            if c is not None and (c.session_ended.is_set() or c.closed):
+                self._drop("the session with the broker ended")
+                c = None
+            if c is not None:
+                return c
+            now = time.monotonic()
+            if now < self._next_try:
+                return None
+            try:
+                c = BrokerClient.connect(self.socket, client_name=self.client_name, timeout=self.timeout_s)
+            except (BrokerError, OSError, ValueError) as e:
+                self._next_try = now + self.retry_s
+                self._outage(f"cannot connect: {e}")
+                return None
+            self._client = c
+            self.incarnation = uuid.uuid4().hex
+            self._holds[self.incarnation] = 0
+            self.connects += 1
+            if self._down_since is not None:
+                log.warning("memory broker at %s is back after %.1f s: KV is stored and loaded again",
+                            self.socket, now - self._down_since)  # fmt: skip
+                self._down_since = None
+            return c
+
+    def _outage(self, why: str) -> None:
+        self.errors += 1
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning("memory broker at %s is unavailable (%s): vLLM recomputes KV until it is back; "
+                        "retrying every %.0f s", self.socket, why, self.retry_s)  # fmt: skip
+        else:
+            log.debug("memory broker at %s still unavailable: %s", self.socket, why)
+
+    def _drop(self, why: str) -> None:
+        c, inc = self._client, self.incarnation
+        self._client = None
+        self.incarnation = ""
+        self._next_try = time.monotonic() + self.retry_s
+        self._outage(why)
+        if c is None:
+            return
+        if self._holds.get(inc, 0) > 0:
+            # Pinned pages are read through this mapping yet: keep it until they are let go.
+            self._stale[inc] = [c, self._holds.pop(inc)]
+        else:
+            self._holds.pop(inc, None)
+            c.close()
+
+    def failed(self, client: BrokerClient | None, e: BaseException, what: str) -> None:
+        """Record an error from a call made with ``client``; drop the session if it is broken."""
+        with self._lock:
+            if isinstance(e, BrokerError) and e.code not in _BROKEN and client is not None and not client.session_ended.is_set():
+                self.errors += 1
+                log.debug("memory broker refused %s: %s", what, e)
+                return
+            if client is not None and client is self._client:
+                self._drop(f"{what}: {e}")
+            else:
+                self.errors += 1
+
+    def client_for(self, incarnation: str) -> BrokerClient | None:
+        """The session named ``incarnation`` if this process holds it (current or stale)."""
+        with self._lock:
+            if incarnation and incarnation == self.incarnation:
+                return self._client
+            s = self._stale.get(incarnation)
+            return s[0] if s else None
+
+    def hold(self, incarnation: str, n: int) -> None:
+        with self._lock:
+            if incarnation in self._holds:
+                self._holds[incarnation] += n
+
+    def release(self, incarnation: str, objs: Sequence[BrokerObject]) -> None:
+        """Unpin ``objs`` (pinned through session ``incarnation``); never raises."""
+        if not objs:
+            return
+        with self._lock:
+            c = self._client if incarnation == self.incarnation else None
+            stale = self._stale.get(incarnation)
+            if stale is not None:
+                stale[1] -= len(objs)
+                if stale[1] <= 0:
+                    del self._stale[incarnation]
+                    stale[0].close()
+                return  # the broker dropped that session's pins when it ended
+            if c is None:
+                return
+            self._holds[incarnation] = max(0, self._holds.get(incarnation, 0) - len(objs))
+        try:
+            c.unpin(objs)
+        except BrokerError as e:
+            self.failed(c, e, "unpin")
+
+    def close(self) -> None:
+        with self._lock:
+            for c, _ in self._stale.values():
+                c.close()
+            self._stale.clear()
+            if self._client is not None:
+                self._client.close()
+            self._client = None
+            self.incarnation = ""
+
+
+_shared: dict[str, BrokerKV] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(socket: str, **kw: Any) -> BrokerKV:
+    """The one ``BrokerKV`` for ``socket`` in this process (the scheduler and worker sides
+    of an engine that run in one process share its session and mapping)."""
+    with _shared_lock:
+        b = _shared.get(socket)
+        if b is None:
+            b = _shared[socket] = BrokerKV(socket, **kw)
+        return b
+
+
+# ------------------------------------------------------------- data plane
+
+
+def pages_for(nbytes: int, page_size: int) -> int:
+    return max(1, -(-nbytes // page_size))
+
+
+def segments(pages: Sequence[int], page_size: int, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """(physical-view offset, length, offset in the range) of bytes [offset, offset+nbytes)
+    of an object made of ``pages`` in order."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > len(pages) * page_size:
+        raise ValueError(f"bytes [{offset}, {offset + nbytes}) outside an object of {len(pages)} pages")
+    out = []
+    done = 0
+    while done < nbytes:
+        pos = offset + done
+        i, within = divmod(pos, page_size)
+        n = min(page_size - within, nbytes - done)
+        out.append((pages[i] * page_size + within, n, done))
+        done += n
+    return out
+
+
+def kv_specs(keys: Sequence[bytes], nbytes: int, page_size: int) -> list[Spec]:
+    n = pages_for(nbytes, page_size)
+    return [Spec(n, content_type="kv_cache", key=k) for k in keys]
+
+
+def write_bytes(phys, pages: Sequence[int], page_size: int, offset: int, src) -> None:
+    """Copy the flat uint8 tensor ``src`` into the object at ``offset`` (``phys``: the
+    physical view as a uint8 tensor)."""
+    for po, n, so in segments(pages, page_size, offset, src.numel()):
+        phys[po : po + n].copy_(src[so : so + n])
+
+
+def read_bytes(phys, pages: Sequence[int], page_size: int, offset: int, dst) -> None:
+    """Copy bytes of the object at ``offset`` into the flat uint8 tensor ``dst``."""
+    for po, n, so in segments(pages, page_size, offset, dst.numel()):
+        dst[so : so + n].copy_(phys[po : po + n])

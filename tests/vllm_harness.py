@@ -1,0 +1,95 @@
+"""A vLLM engine in its own process, driven over stdin/stdout by tests/test_vllm_kv.py.
+
+Runs under the vLLM environment's Python (.venv-vllm), not the main one: it builds an
+offline ``LLM`` on the tiny model (with or without the memory-broker connector) and
+answers one JSON line per command. vLLM's own output goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--connector", default="none", help="none | broker | file:DIR")
+    ap.add_argument("--socket", default="")
+    ap.add_argument("--lora", action="append", default=[], help="NAME=PATH (repeat)")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    a = ap.parse_args()
+
+    # Answers go to the real stdout; everything vLLM prints goes to stderr.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    kw: dict = {}
+    if a.connector == "broker":
+        extra = {"socket": a.socket} if a.socket else {}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="MemoryBrokerConnector",
+            kv_connector_module_path="memory_broker.clients.vllm.kv_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
+    elif a.connector.startswith("file:"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": a.connector[5:]},
+        )
+    loras = {}
+    for i, item in enumerate(a.lora):
+        name, path = item.split("=", 1)
+        loras[name] = LoRARequest(name, i + 1, path)
+    if loras:
+        # One slot more than needed: the CPU backend gives base rows the last slot's adapter
+        # when every slot is taken (FIELD-NOTES).
+        kw.update(enable_lora=True, max_loras=len(loras) + 1, max_lora_rank=8)
+    t0 = time.monotonic()
+    llm = LLM(
+        model=a.model,
+        dtype=a.dtype,
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=a.max_model_len,
+        max_num_seqs=16,
+        seed=0,
+        enable_prefix_caching=not a.no_prefix_caching,
+        disable_hybrid_kv_cache_manager=True,
+        **kw,
+    )
+    answers.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0, "pid": os.getpid()}) + "\n")
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            break
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+        names = cmd.get("lora") or [None] * len(prompts)
+        sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)
+        t = time.monotonic()
+        outs = llm.generate(prompts, sp, lora_request=[loras[n] if n else None for n in names], use_tqdm=False)
+        res = [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs]
+        answers.write(json.dumps({"outputs": res, "s": time.monotonic() - t}) + "\n")
+    answers.write(json.dumps({"bye": True}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
