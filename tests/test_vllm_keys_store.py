@@ -14,7 +14,7 @@ import torch
 
 from memory_broker.clients import BrokerClient
 from memory_broker.clients.vllm import check_vllm_version, identity, store
-from tests.conftest import short_tmpdir, start_broker
+from conftest import short_tmpdir, start_broker
 
 
 def _config(dtype="float32", block_size=32, groups=1, tp=1, model="/m"):
@@ -183,7 +183,7 @@ def test_status_shows_kv_objects_by_owner(broker):
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from conftest import ROOT
 
     with BrokerClient.connect(broker.socket, client_name="vllm-kv:engine-1") as c1:
         c1.allocate(store.kv_specs([b"a", b"b"], 100, c1.geometry.page_size))

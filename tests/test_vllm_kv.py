@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, short_tmpdir, start_broker
+from conftest import ROOT, short_tmpdir, start_broker
 from memory_broker.clients import BrokerClient
 
 VLLM_PY = os.environ.get("MEMORY_BROKER_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
