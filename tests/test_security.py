@@ -421,11 +421,16 @@ def test_idle_connections_are_closed(broker_factory):
     with grpc.insecure_channel(f"unix:{b.socket}") as ch:
         ch.subscribe(states.append, try_to_connect=False)
         broker_pb2_grpc.MemoryBrokerStub(ch).GetStats(pb.GetStatsRequest(), timeout=5)
+        ready, idle = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE
+
+        def closed_after_ready() -> bool:
+            seen = list(states)  # the callbacks arrive on another thread
+            return ready in seen and idle in seen[seen.index(ready):]
+
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and grpc.ChannelConnectivity.IDLE not in states[states.index(grpc.ChannelConnectivity.READY):]:
+        while time.monotonic() < deadline and not closed_after_ready():
             time.sleep(0.1)
-        ready = states.index(grpc.ChannelConnectivity.READY)
-        assert grpc.ChannelConnectivity.IDLE in states[ready:], states
+        assert closed_after_ready(), states
 
 
 def test_fd_channel_bounds_connections_per_uid():
