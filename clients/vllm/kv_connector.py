@@ -1,10 +1,9 @@
-"""``MemoryBrokerConnector``: vLLM's KV connector (``KVConnectorBase_V1``) over the broker.
+"""``MemoryBrokerConnector``, vLLM's KV connector (``KVConnectorBase_V1``) over the broker.
 
-The scheduler side keys each request's full prompt blocks (``identity``), asks the broker
-for the longest stored prefix (pinning it for the request) and plans, per step, which
-blocks the worker loads and which it stores. The worker side copies loaded blocks from the
-broker's pages into vLLM's KV cache before the forward pass, and stores new blocks in one
-prepare per step, layer by layer as vLLM saves them, committing when the step's saves are
+Its scheduler side keys each request's full prompt blocks, pins the longest stored prefix
+and plans per step which blocks the worker loads and which it stores; its worker side copies
+loaded blocks from the broker's pages into vLLM's KV cache before the forward pass and
+stores new ones in one prepare per step, layer by layer, committed when the step's saves are
 done. A broker that is away, restarting or full never fails a request: vLLM recomputes.
 """
 
