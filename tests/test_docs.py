@@ -37,7 +37,6 @@ The rules (a block's Markdown shows which one applies to it):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -68,38 +67,6 @@ NEEDS_MARKER = re.compile(
     r"|\bops/(gpu|bench)/|^\s*(from|import)\s+vllm\b|-m vllm\b",
     re.M,
 )
-# TEMPORARY, to be deleted once the cpulora branch is merged: the Multi-LoRA example as it
-# stood before that branch (sha256 prefix of its text) uses a `model` and `input_ids` it never
-# makes, and needs Triton's interpreter on a CPU machine. Only that exact text gets this
-# prelude and TRITON_INTERPRET=1; the rewritten, self-contained example runs as written.
-LEGACY_BLOCKS = {
-    "38fd2c86ce11d6a4": (
-        """
-import os, tempfile
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
-from memory_broker.clients import BrokerClient, BrokerError, Code
-config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-torch.manual_seed(0)
-model = LlamaForCausalLM(config).eval()
-input_ids = torch.randint(0, config.vocab_size, (5, 12))
-with BrokerClient.connect("/tmp/memory-broker.sock") as c:
-    for name, r in (("r4", 4), ("r8", 8), ("r16", 16)):
-        path = os.path.join(tempfile.gettempdir(), "legacy-engine-example", name)
-        if not os.path.exists(path):
-            lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-            get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(path)
-        try:
-            c.register_adapter(name, path)
-        except BrokerError as e:
-            if e.code != Code.ALREADY_EXISTS:
-                raise
-""",
-        {"TRITON_INTERPRET": "1"},
-    )
-}
 BLOCK_TIMEOUT = 180.0
 SUITE_ONLY_ENV = {"TRITON_INTERPRET"}
 
@@ -206,9 +173,6 @@ def problems(blocks: list[Block]) -> list[str]:
     return out
 
 
-def legacy(b: Block) -> tuple[str, dict]:
-    return LEGACY_BLOCKS.get(hashlib.sha256(b.body.encode()).hexdigest()[:16], ("", {}))
-
 
 def all_blocks() -> list[Block]:
     return [b for doc in DOCS for b in parse(doc)]
@@ -237,7 +201,7 @@ class Session:
         self.background: list[subprocess.Popen] = []
 
     def text(self, b: Block, socket: str | None = None) -> str:
-        body = legacy(b)[0] + b.body
+        body = b.body
         body = body.replace(DEFAULT_SOCKET, socket or self.socket)
         if os.path.realpath(os.path.join(ROOT, ".venv", "bin")) != os.path.realpath(BIN):
             body = body.replace(".venv/bin/", BIN + "/")
@@ -253,7 +217,7 @@ class Session:
         )
 
     def run(self, b: Block) -> None:
-        env = dict(self.env, **legacy(b)[1])
+        env = dict(self.env)
         if b.lang == "python":
             r = self._python(b, env)
         elif b.marker("background") is not None:
