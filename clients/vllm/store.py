@@ -69,9 +69,13 @@ class BrokerKV:
             if now < self._next_try:
                 return None
             try:
-                c = BrokerClient.connect(self.socket, client_name=self.client_name, timeout=self.timeout_s)
+                # A short wait for a broker that is not there (vLLM recomputes meanwhile) and
+                # no client-side reconnect: this store retries every retry_s itself and tells
+                # sessions apart by incarnation.
+                c = BrokerClient.connect(self.socket, client_name=self.client_name, timeout=self.timeout_s,
+                                         wait_s=min(1.0, self.timeout_s), reconnect_s=0.0)
             except (BrokerError, OSError, ValueError) as e:
-                self._next_try = now + self.retry_s
+                self._next_try = time.monotonic() + self.retry_s
                 self._outage(f"cannot connect: {e}")
                 return None
             self._client = c
