@@ -180,6 +180,30 @@ def test_manager_registers_with_the_callers_rights(peft_dirs):  # noqa: F811
     asyncio.run(main())
 
 
+def test_a_symlink_put_in_after_registration_is_not_followed_when_the_adapter_loads(peft_dirs):  # noqa: F811
+    # Registered with the caller's rights on its files; then the caller swaps its weights for a
+    # symlink to another tenant's adapter that it may not read. The load must not follow it.
+    from memory_broker.broker.adapters.manager import AdapterConfig
+
+    mine = _private_tree(peft_dirs, 0o755, 0o644)
+    theirs = _private_tree(peft_dirs, 0o700, 0o644)
+
+    async def main():
+        h = AdapterHarness(short_tmpdir(), config=AdapterConfig(image_cache=False, convert_ahead=False))
+        await h.manager.register("mine", mine, caller=NOBODY)
+        weights = os.path.join(mine, "adapter_model.safetensors")
+        os.unlink(weights)
+        os.symlink(os.path.join(theirs, "adapter_model.safetensors"), weights)
+        s = h.store.open_session()
+        with pytest.raises(BrokerError) as e:
+            await h.manager.acquire(s, ["mine"])
+        assert e.value.code == Code.FAILED_PRECONDITION and "symlink" in e.value.message, e.value.message
+        assert h.store.stats()["pinned_pages"] == 0
+        await h.manager.close()
+
+    asyncio.run(main())
+
+
 def test_allowed_roots_confine_registration_and_refuse_symlink_escapes(broker_factory, peft_dirs):  # noqa: F811
     root = os.path.realpath(short_tmpdir())
     inside = copy_adapter(peft_dirs["r4"], os.path.join(root, "ok"))

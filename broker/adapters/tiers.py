@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memory_broker.broker.adapters.access import open_for
 from memory_broker.broker.adapters.layout import AdapterLayout, MatrixPlacement
 from memory_broker.broker.adapters.registry import FILE_DTYPES, AdapterMeta
 from memory_broker.broker.arena.base import ArenaView
-from memory_broker.broker.errors import precondition
+from memory_broker.broker.errors import BrokerError, precondition
 
 # numpy arrays that hold each element type's bits (bf16 has no numpy type: kept as uint16).
 _RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
@@ -155,12 +156,22 @@ class WeightsFile:
         self.meta = meta
         path = meta.weights_path
         try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
+            # Component by component, symlinks resolved by hand: the registered path is the
+            # resolved one, so a path that resolves elsewhere now had a symlink put in since
+            # registration (which checked the caller's rights on what it pointed to then).
+            opened = open_for(path, None, what=f"adapter {meta.adapter_id!r}'s weights")
+        except BrokerError as e:
             raise precondition(
-                f"adapter {meta.adapter_id!r}: cannot open {path} ({e.strerror}); its files moved or were deleted "
+                f"adapter {meta.adapter_id!r}: cannot open {path} ({e.message}); its files moved or were deleted "
                 "since it was registered: register it again"
             ) from None
+        if opened.path != os.path.normpath(path):
+            opened.close()
+            raise precondition(
+                f"adapter {meta.adapter_id!r}: {path} resolves to {opened.path} now, not to the file that was "
+                "registered (a symlink appeared on its path): register it again"
+            )
+        self._fd = opened.fd
         try:
             st = os.fstat(self._fd)
             size = st.st_size
