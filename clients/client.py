@@ -478,16 +478,20 @@ class BrokerClient:
                     self._mapped_windows[obj.window_page] = pages
         return obj
 
+    def _check_current(self, item: BrokerObject | Transaction, what: str, again: str) -> None:
+        """Refuse an object or transaction of a session that ended with a broker restart."""
+        if item.client is self and item.epoch != self.epoch:
+            raise BrokerError(
+                Code.FAILED_PRECONDITION,
+                f"{what} came from session {item.session_id}, which ended when the broker restarted "
+                f"(this client is on a new session now): {LOST}; {again}",
+            )
+
     def _ids(self, objs: Iterable[BrokerObject | int]) -> list[int]:
         out = []
         for o in objs:
             if isinstance(o, BrokerObject):
-                if o.client is self and o.epoch != self.epoch:
-                    raise BrokerError(
-                        Code.FAILED_PRECONDITION,
-                        f"object {o.object_id} came from session {o.session_id}, which ended when the broker "
-                        f"restarted (this client is on a new session now): {LOST}; allocate or look it up again",
-                    )
+                self._check_current(o, f"object {o.object_id}", "allocate or look it up again")
                 out.append(o.object_id)
             else:
                 out.append(int(o))
@@ -597,12 +601,7 @@ class BrokerClient:
         out = []
         for t in txns:
             if isinstance(t, Transaction):
-                if t.client is self and t.epoch != self.epoch:
-                    raise BrokerError(
-                        Code.FAILED_PRECONDITION,
-                        f"transaction {t.transaction_id} was opened in session {t.session_id}, which ended when the "
-                        f"broker restarted: {LOST}; prepare again",
-                    )
+                self._check_current(t, f"transaction {t.transaction_id}", "prepare again")
                 out.append(t.transaction_id)
             else:
                 out.append(int(t))
