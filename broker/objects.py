@@ -216,6 +216,13 @@ class ObjectStore:
         # Hysteresis state: set when usage crosses the high watermark, cleared at the low.
         self.eviction_active = False
         self.counters = Counters()
+        # Running figures for stats(), so reading them is O(1) at any size (kept by
+        # _account, _set_owner and the pin zero crossings; check_invariants re-derives them).
+        self._by_content: dict[int, list[int]] = {}
+        self._by_owner: dict[tuple[int, int], list[int]] = {}
+        self._prepared_pages = 0
+        self._pinned_pages = 0
+        self._pinned_objects = 0
         self._high_pages = _pages_at(self.config.high_watermark, pool.max_pages)
         self._low_pages = _pages_at(self.config.low_watermark, pool.max_pages)
 
@@ -246,7 +253,7 @@ class ObjectStore:
             obj = self.objects.get(oid)
             if obj is None:
                 continue
-            obj.owner = 0
+            self._set_owner(obj, 0)
             if obj.key is None:
                 self._free_one(obj)
 
@@ -408,8 +415,11 @@ class ObjectStore:
                 del obj.pins[session]
                 obj.pin_count -= own
                 s.pin_total -= own
+                if obj.pin_count == 0:
+                    self._pinned_pages -= obj.num_pages
+                    self._pinned_objects -= 1
             s.owned.discard(obj.object_id)
-            obj.owner = 0
+            self._set_owner(obj, 0)
             n = obj.num_pages
             if self._free_one(obj):
                 freed += n
@@ -480,26 +490,12 @@ class ObjectStore:
 
     def objects_by_owner(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(owning session, content type) -> (objects, pages); session 0: owner gone."""
-        out: dict[tuple[int, int], list[int]] = {}
-        for obj in self.objects.values():
-            c = out.setdefault((obj.owner, int(obj.content_type)), [0, 0])
-            c[0] += 1
-            c[1] += obj.num_pages
-        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+        return {k: (v[0], v[1]) for k, v in sorted(self._by_owner.items())}
 
     def stats(self) -> dict:
         pool = self.pool
-        by_content: dict[int, list[int]] = {}
-        prepared = pinned = 0
-        for obj in self.objects.values():
-            n = obj.num_pages
-            c = by_content.setdefault(int(obj.content_type), [0, 0])
-            c[0] += 1
-            c[1] += n
-            if obj.state == ObjectState.PREPARED:
-                prepared += n
-            elif obj.pin_count:
-                pinned += n
+        by_content = self._by_content
+        prepared, pinned = self._prepared_pages, self._pinned_pages
         used = pool.used_pages
         w = self.window
         largest = w.largest_free
@@ -576,6 +572,24 @@ class ObjectStore:
                 assert self.objects[oid].owner == sid
             for oid, c in s.pins.items():
                 assert self.objects[oid].pins.get(sid) == c
+        by_content: dict[int, list[int]] = {}
+        by_owner: dict[tuple[int, int], list[int]] = {}
+        prepared = pinned = pinned_objs = 0
+        for obj in self.objects.values():
+            for d, k in ((by_content, int(obj.content_type)), (by_owner, (obj.owner, int(obj.content_type)))):
+                c = d.setdefault(k, [0, 0])
+                c[0] += 1
+                c[1] += obj.num_pages
+            if obj.state == ObjectState.PREPARED:
+                prepared += obj.num_pages
+            elif obj.pin_count:
+                pinned += obj.num_pages
+                pinned_objs += 1
+        assert by_content == self._by_content, "running per-content figures drifted"
+        assert by_owner == self._by_owner, "running per-owner figures drifted"
+        assert (prepared, pinned, pinned_objs) == (
+            self._prepared_pages, self._pinned_pages, self._pinned_objects
+        ), "running prepared/pinned figures drifted"
         placed = sorted((o.window_page, o.num_pages) for o in self.objects.values() if o.window_page >= 0)
         ranges = sorted(placed + self.window.extents())
         pos = 0
@@ -679,6 +693,7 @@ class ObjectStore:
                 sp.num_pages,
             )
             objects[oid] = obj
+            self._account(obj, 1)
             s.owned.add(oid)
             out.append(obj)
         self.counters.allocations_total += len(out)
@@ -748,13 +763,7 @@ class ObjectStore:
                 self._evict(policy.select(need + excluded_pages), need, exclude)
 
     def _exhausted_message(self, total: int, evictable: int) -> str:
-        pinned_objs = pinned_pages = prepared = 0
-        for obj in self.objects.values():
-            if obj.state == ObjectState.PREPARED:
-                prepared += obj.num_pages
-            elif obj.pin_count:
-                pinned_objs += 1
-                pinned_pages += obj.num_pages
+        pinned_objs, pinned_pages, prepared = self._pinned_objects, self._pinned_pages, self._prepared_pages
         return (
             f"need {total} pages, {self.pool.free_pages} free, {evictable} evictable "
             f"(of {self.pool.max_pages}: {pinned_pages} pinned in {pinned_objs} objects, "
@@ -800,6 +809,7 @@ class ObjectStore:
                     self.policy.touch(existing)
                 return existing, True
             self.keys[obj.key] = obj
+        self._prepared_pages -= obj.num_pages
         obj.state = ObjectState.COMMITTED
         obj.txn_id = 0
         if pin:
@@ -857,6 +867,8 @@ class ObjectStore:
     def _pin(self, s: SessionState, obj: Allocation) -> None:
         if obj.pin_count == 0:
             self.policy.remove(obj)
+            self._pinned_pages += obj.num_pages
+            self._pinned_objects += 1
         elif s.session_id not in obj.pins:
             self.counters.pin_contention += 1
         s.pin_total += 1
@@ -880,6 +892,8 @@ class ObjectStore:
             self._became_unpinned(obj)
 
     def _became_unpinned(self, obj: Allocation) -> None:
+        self._pinned_pages -= obj.num_pages
+        self._pinned_objects -= 1
         if obj.freed:
             self._drop(obj, "freed")
         else:
@@ -896,10 +910,50 @@ class ObjectStore:
         self._drop(obj, "freed")
         return True
 
+    def _account(self, obj: Allocation, sign: int) -> None:
+        """Add (sign 1) or take away (sign -1) an object's share of the running figures."""
+        n = sign * obj.num_pages
+        ct = int(obj.content_type)
+        c = self._by_content.get(ct)
+        if c is None:
+            c = self._by_content[ct] = [0, 0]
+        c[0] += sign
+        c[1] += n
+        if not c[0]:
+            del self._by_content[ct]
+        key = (obj.owner, ct)
+        o = self._by_owner.get(key)
+        if o is None:
+            o = self._by_owner[key] = [0, 0]
+        o[0] += sign
+        o[1] += n
+        if not o[0]:
+            del self._by_owner[key]
+        if obj.state == ObjectState.PREPARED:
+            self._prepared_pages += n
+        elif obj.pin_count:
+            self._pinned_pages += n
+            self._pinned_objects += sign
+
+    def _set_owner(self, obj: Allocation, owner: int) -> None:
+        ct = int(obj.content_type)
+        o = self._by_owner[(obj.owner, ct)]
+        o[0] -= 1
+        o[1] -= obj.num_pages
+        if not o[0]:
+            del self._by_owner[(obj.owner, ct)]
+        obj.owner = owner
+        o = self._by_owner.get((owner, ct))
+        if o is None:
+            o = self._by_owner[(owner, ct)] = [0, 0]
+        o[0] += 1
+        o[1] += obj.num_pages
+
     def _drop(self, obj: Allocation, why: str) -> None:
         """Forget an object and return its pages and window range."""
         oid = obj.object_id
         del self.objects[oid]
+        self._account(obj, -1)
         if obj.key is not None and self.keys.get(obj.key) is obj:
             del self.keys[obj.key]
         if obj.owner:

@@ -11,6 +11,7 @@ Neither knows about objects, pins or eviction: the object store decides what to 
 from __future__ import annotations
 
 import bisect
+import heapq
 from array import array
 from typing import Callable
 
@@ -124,7 +125,13 @@ class PagePool:
 class WindowSpace:
     """Free extents of the virtual window, for placing contiguous allocations.
 
-    Extents are kept sorted by start with their lengths, coalesced on release.
+    Every operation costs the same with 10 or 100,000 free extents: extents are indexed by
+    start and by end (dicts, so a release finds its neighbours in O(1)) and by length (a
+    sorted list of the distinct free lengths, each with a min-heap of starts). Best fit
+    bisects the lengths (O(log n)) and takes the lowest start of the smallest length that
+    fits; first fit looks at the lowest start of each distinct length that fits (there are
+    at most sqrt(2 * window_pages) distinct lengths). Heap entries are dropped lazily: one
+    is live only while ``_by_start`` still maps its start to its length.
     """
 
     def __init__(self, window_pages: int, placement: str = "best_fit"):
@@ -132,68 +139,102 @@ class WindowSpace:
             raise ValueError(f"placement must be best_fit or first_fit, not {placement!r}")
         self.window_pages = window_pages
         self.placement = placement
-        self._starts: list[int] = [0] if window_pages else []
-        self._lengths: list[int] = [window_pages] if window_pages else []
+        self._by_start: dict[int, int] = {}
+        self._end_at: dict[int, int] = {}
+        # Distinct free lengths, ascending; per length: live extents and a heap of starts.
+        self._lengths: list[int] = []
+        self._count: dict[int, int] = {}
+        self._heaps: dict[int, list[int]] = {}
+        self._free = 0
+        if window_pages:
+            self._add(0, window_pages)
+
+    def _add(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._end_at[start + length] = start
+        self._free += length
+        n = self._count.get(length, 0)
+        self._count[length] = n + 1
+        heap = self._heaps.get(length)
+        if heap is None:
+            heap = self._heaps[length] = []
+        if n == 0:
+            bisect.insort(self._lengths, length)
+            heap.clear()  # every entry left in it is stale
+        heapq.heappush(heap, start)
+
+    def _remove(self, start: int, length: int) -> None:
+        del self._by_start[start]
+        del self._end_at[start + length]
+        self._free -= length
+        n = self._count[length] - 1
+        if n:
+            self._count[length] = n
+            heap = self._heaps[length]
+            if len(heap) > 2 * n + 16:  # compact stale entries now and then
+                by_start = self._by_start
+                heap[:] = [s for s in heap if by_start.get(s) == length]
+                heapq.heapify(heap)
+        else:
+            del self._count[length]
+            del self._heaps[length]
+            del self._lengths[bisect.bisect_left(self._lengths, length)]
+
+    def _lowest(self, length: int) -> int:
+        """The lowest start among the live extents of ``length`` (there is one)."""
+        heap, by_start = self._heaps[length], self._by_start
+        while by_start.get(heap[0]) != length:
+            heapq.heappop(heap)
+        return heap[0]
 
     def place(self, count: int) -> int:
         """Reserve ``count`` window pages; returns the first one, or -1 if no extent fits."""
-        starts, lengths = self._starts, self._lengths
-        best = -1
-        if self.placement == "first_fit":
-            for i, length in enumerate(lengths):
-                if length >= count:
-                    best = i
-                    break
-        else:
-            best_len = self.window_pages + 1
-            for i, length in enumerate(lengths):
-                if count <= length < best_len:
-                    best, best_len = i, length
-                    if length == count:
-                        break
-        if best < 0:
+        lengths = self._lengths
+        i = bisect.bisect_left(lengths, count)
+        if i == len(lengths):
             return -1
-        start = starts[best]
-        if lengths[best] == count:
-            del starts[best]
-            del lengths[best]
+        if self.placement == "first_fit":
+            length, start = lengths[i], self._lowest(lengths[i])
+            for other in lengths[i + 1 :]:
+                s = self._lowest(other)
+                if s < start:
+                    length, start = other, s
         else:
-            starts[best] += count
-            lengths[best] -= count
+            length = lengths[i]
+            start = self._lowest(length)
+        self._remove(start, length)
+        if length > count:
+            self._add(start + count, length - count)
         return start
 
     def release(self, start: int, count: int) -> None:
         """Return a placed range, merging it with free neighbours."""
-        starts, lengths = self._starts, self._lengths
-        i = bisect.bisect_left(starts, start)
-        assert i == len(starts) or starts[i] >= start + count, "window range released twice"
-        assert i == 0 or starts[i - 1] + lengths[i - 1] <= start, "window range released twice"
-        merge_prev = i > 0 and starts[i - 1] + lengths[i - 1] == start
-        merge_next = i < len(starts) and starts[i] == start + count
-        if merge_prev and merge_next:
-            lengths[i - 1] += count + lengths[i]
-            del starts[i]
-            del lengths[i]
-        elif merge_prev:
-            lengths[i - 1] += count
-        elif merge_next:
-            starts[i] = start
-            lengths[i] += count
-        else:
-            starts.insert(i, start)
-            lengths.insert(i, count)
+        by_start = self._by_start
+        assert start not in by_start and start + count not in self._end_at, "window range released twice"
+        prev = self._end_at.get(start)
+        nxt = by_start.get(start + count)
+        if prev is not None:
+            assert prev + by_start[prev] == start
+            plen = by_start[prev]
+            self._remove(prev, plen)
+            start, count = prev, count + plen
+        if nxt is not None:
+            self._remove(start + count, nxt)
+            count += nxt
+        self._add(start, count)
 
     @property
     def free_pages(self) -> int:
-        return sum(self._lengths)
+        return self._free
 
     @property
     def free_extents(self) -> int:
-        return len(self._starts)
+        return len(self._by_start)
 
     @property
     def largest_free(self) -> int:
-        return max(self._lengths, default=0)
+        return self._lengths[-1] if self._lengths else 0
 
     def extents(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._lengths))
+        """Free extents sorted by start (sorts: for diagnostics and checks, not hot paths)."""
+        return sorted(self._by_start.items())
