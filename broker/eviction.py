@@ -48,7 +48,7 @@ class EvictionPolicy(Protocol):
     def add(self, obj: Evictable) -> None: ...
     def remove(self, obj: Evictable) -> None: ...
     def touch(self, obj: Evictable) -> None: ...
-    def select(self, need_pages: int) -> list[Evictable]: ...
+    def select(self, need_pages: int, limit: int | None = None) -> list[Evictable]: ...
     def __len__(self) -> int: ...
 
 
@@ -89,8 +89,9 @@ class PriorityLRU:
         for q in self._queues:
             yield from q.values()
 
-    def select(self, need_pages: int) -> list[Evictable]:
-        """Victims whose pages add up to at least ``need_pages`` (all candidates if fewer).
+    def select(self, need_pages: int, limit: int | None = None) -> list[Evictable]:
+        """Victims whose pages add up to at least ``need_pages`` (all candidates if fewer),
+        at most ``limit`` of them when given (bounded work per call).
 
         Does not remove them: the caller evicts each and calls ``remove``.
         """
@@ -100,7 +101,7 @@ class PriorityLRU:
         for q in self._queues:
             it = iter(q.values())
             buf: list[Evictable] = []
-            while remaining > 0:
+            while remaining > 0 and (limit is None or len(chosen) < limit):
                 while len(buf) < lookahead:
                     o = next(it, None)
                     if o is None:
@@ -118,7 +119,7 @@ class PriorityLRU:
                     victim = buf.pop(0)
                 chosen.append(victim)
                 remaining -= victim.num_pages
-            if remaining <= 0:
+            if remaining <= 0 or (limit is not None and len(chosen) >= limit):
                 break
         return chosen
 

@@ -223,6 +223,14 @@ class ObjectStore:
         self._prepared_pages = 0
         self._pinned_pages = 0
         self._pinned_objects = 0
+        # Bounded work (DESIGN.md section 4): when a host sets ``background`` (a callback
+        # that arranges for ``work()`` to be called soon, off the request path), eviction
+        # down to the low watermark and the release of an ended session's holdings run in
+        # batches of ``work_batch`` objects instead of all at once inside one call.
+        self.background: Callable[[], None] | None = None
+        self.work_batch = 256
+        # Sessions ended whose pins and objects are still being released.
+        self._ending: dict[int, SessionState] = {}
         self._high_pages = _pages_at(self.config.high_watermark, pool.max_pages)
         self._low_pages = _pages_at(self.config.low_watermark, pool.max_pages)
 
@@ -236,26 +244,75 @@ class ObjectStore:
     def end_session(self, session: int) -> None:
         """Release everything the session held: abort its open transactions, drop its
         pins, free its anonymous objects; its keyed committed objects stay (ownerless).
-        Idempotent."""
+        Idempotent. The session is gone at once (no call can use it); with a
+        ``background`` host, holdings beyond ``work_batch`` objects are released by
+        ``work()`` in batches."""
         s = self.sessions.pop(session, None)
         if s is None:
             return
         for txn_id in list(s.txns):
             self._rollback(self.open_txns.pop(txn_id), TxnState.ABORTED)
-        for oid, count in s.pins.items():
-            obj = self.objects[oid]
-            del obj.pins[session]
+        self._ending[session] = s
+        bounded = self.background is not None
+        if not self._release_holdings(s, self.work_batch if bounded else None):
+            self.background()
+
+    def _release_holdings(self, s: SessionState, budget: int | None) -> bool:
+        """Drop up to ``budget`` of an ended session's pins and objects; True when done."""
+        sid = s.session_id
+        pins, owned, objects = s.pins, s.owned, self.objects
+        work = 0
+        while pins and (budget is None or work < budget):
+            oid, count = pins.popitem()
+            obj = objects[oid]
+            del obj.pins[sid]
             obj.pin_count -= count
+            s.pin_total -= count
             if obj.pin_count == 0:
                 self._became_unpinned(obj)
-        s.pins.clear()
-        for oid in s.owned:
-            obj = self.objects.get(oid)
+            work += 1
+        while owned and (budget is None or work < budget):
+            obj = objects.get(owned.pop())
+            work += 1
             if obj is None:
                 continue
             self._set_owner(obj, 0)
             if obj.key is None:
                 self._free_one(obj)
+        if pins or owned:
+            return False
+        del self._ending[sid]
+        return True
+
+    def work(self, budget: int | None = None) -> bool:
+        """Do up to ``budget`` objects of deferred work (ended sessions first, then eviction
+        down to the low watermark); True if more remains. Hosts call it from their loop."""
+        budget = self.work_batch if budget is None else budget
+        for s in list(self._ending.values()):
+            if not self._release_holdings(s, budget):
+                return True
+        return self._drain(budget)
+
+    def _drain(self, budget: int) -> bool:
+        """One bounded batch of watermark eviction; True if more is needed."""
+        if not self.eviction_active:
+            return False
+        over = self.pool.used_pages - self._low_pages
+        if over <= 0:
+            self.eviction_active = False
+            return False
+        if not self.policy.evictable_pages:
+            return False  # all pinned: allocations retry as pins go
+        self._evict(self.policy.select(over, budget), over, ())
+        if self.pool.used_pages <= self._low_pages:
+            self.eviction_active = False
+            return False
+        return bool(self.policy.evictable_pages)
+
+    @property
+    def ending_sessions(self) -> int:
+        """Ended sessions whose holdings are still being released."""
+        return len(self._ending)
 
     # ------------------------------------------------------------ allocation
 
@@ -536,6 +593,8 @@ class ObjectStore:
         assert len(free) == len(set(free)), "a page is on the free list twice"
         assert pool.used_pages + len(free) == pool.capacity_pages, "free + used != capacity"
         seen: dict[int, int] = {}
+        every = {**self._ending, **self.sessions}
+        assert not set(self._ending) & set(self.sessions), "a session is both open and ending"
         evictable_pages = 0
         evictable_ids = set()
         for oid, obj in self.objects.items():
@@ -547,7 +606,7 @@ class ObjectStore:
             assert obj.pin_count == sum(obj.pins.values()) and obj.pin_count >= 0
             assert all(c > 0 for c in obj.pins.values()), "a zero or negative pin count is stored"
             for sid, c in obj.pins.items():
-                assert self.sessions[sid].pins.get(oid) == c, "session pin mirror disagrees"
+                assert every[sid].pins.get(oid) == c, "session pin mirror disagrees"
             if obj.state == ObjectState.PREPARED:
                 t = self.open_txns[obj.txn_id]
                 assert obj in t.objects and not obj.pins
@@ -558,7 +617,7 @@ class ObjectStore:
             if obj.key is not None and obj.state == ObjectState.COMMITTED and not obj.freed:
                 assert self.keys.get(obj.key) is obj, "committed keyed object missing from the key index"
             if obj.owner:
-                assert oid in self.sessions[obj.owner].owned
+                assert oid in every[obj.owner].owned
         for p in free:
             assert p not in seen and pool.owner[p] == FREE, f"free page {p} is owned"
         assert len(seen) == pool.used_pages, "pages in objects != used pages"
@@ -566,7 +625,7 @@ class ObjectStore:
         assert {o.object_id for o in self.policy} == evictable_ids, "eviction candidates drifted"
         for k, obj in self.keys.items():
             assert obj.key == k and self.objects.get(obj.object_id) is obj
-        for sid, s in self.sessions.items():
+        for sid, s in every.items():
             assert s.pin_total == sum(s.pins.values()), "session pin total drifted"
             for oid in s.owned:
                 assert self.objects[oid].owner == sid
@@ -738,11 +797,16 @@ class ObjectStore:
             self.eviction_active = True
         if self.eviction_active:
             over = used_after - self._low_pages
+            # With a background host only one batch is evicted inline; the rest of the way to
+            # the low watermark is drained by work(), off this request.
+            limit = self.work_batch if self.background is not None else None
             if over > 0 and evictable > 0:
                 self.counters.eviction_runs += 1
-                self._evict(policy.select(over + excluded_pages), over, exclude)
+                self._evict(policy.select(over + excluded_pages, None if limit is None else limit + len(exclude)), over, exclude)
             if pool.used_pages + total <= self._low_pages:
                 self.eviction_active = False
+            elif limit is not None and policy.evictable_pages > 0:
+                self.background()
         if pool.free_pages < total:
             need = total - pool.free_pages
             self._evict(policy.select(need + excluded_pages), need, exclude)
@@ -957,7 +1021,7 @@ class ObjectStore:
         if obj.key is not None and self.keys.get(obj.key) is obj:
             del self.keys[obj.key]
         if obj.owner:
-            s = self.sessions.get(obj.owner)
+            s = self.sessions.get(obj.owner) or self._ending.get(obj.owner)
             if s is not None:
                 s.owned.discard(oid)
         if obj.window_page >= 0:

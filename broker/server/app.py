@@ -138,6 +138,10 @@ class BrokerServer:
             ),
             notify=self._route_event,
         )
+        # Eviction to the low watermark and the release of a large ended session run in
+        # batches between other callbacks of this loop, never as one long stall.
+        self._store_work_scheduled = False
+        self.store.background = lambda: self._schedule_store_work(loop)
         self.registry = AdapterRegistry(
             opts.state_dir, max_rank=opts.adapter_max_rank, allowed_roots=opts.adapter_allowed_roots
         )
@@ -256,6 +260,21 @@ class BrokerServer:
                 os.chown(path, -1, gid)
             if opts.socket_mode is not None:
                 os.chmod(path, opts.socket_mode)
+
+    def _schedule_store_work(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._store_work_scheduled:
+            self._store_work_scheduled = True
+            loop.call_soon(self._store_work, loop)
+
+    def _store_work(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._store_work_scheduled = False
+        try:
+            more = self.store.work()
+        except Exception as e:  # never leave the loop's callback with an exception
+            self.log.error("store_work_failed", error=repr(e))
+            return
+        if more:
+            self._schedule_store_work(loop)
 
     def status_line(self, st: dict | None = None) -> str:
         """One line on the pool for systemd's STATUS (``st``: a store.stats() already taken)."""
