@@ -228,7 +228,7 @@ class ObjectStore:
         # down to the low watermark and the release of an ended session's holdings run in
         # batches of ``work_batch`` objects instead of all at once inside one call.
         self.background: Callable[[], None] | None = None
-        self.work_batch = 256
+        self.work_batch = 128
         # Sessions ended whose pins and objects are still being released.
         self._ending: dict[int, SessionState] = {}
         self._high_pages = _pages_at(self.config.high_watermark, pool.max_pages)
@@ -797,16 +797,16 @@ class ObjectStore:
             self.eviction_active = True
         if self.eviction_active:
             over = used_after - self._low_pages
-            # With a background host only one batch is evicted inline; the rest of the way to
-            # the low watermark is drained by work(), off this request.
-            limit = self.work_batch if self.background is not None else None
             if over > 0 and evictable > 0:
                 self.counters.eviction_runs += 1
-                self._evict(policy.select(over + excluded_pages, None if limit is None else limit + len(exclude)), over, exclude)
+                if self.background is not None:
+                    # The way down to the low watermark is drained by work(), off this
+                    # request; inline it evicts only what it needs itself (below).
+                    self.background()
+                else:
+                    self._evict(policy.select(over + excluded_pages), over, exclude)
             if pool.used_pages + total <= self._low_pages:
                 self.eviction_active = False
-            elif limit is not None and policy.evictable_pages > 0:
-                self.background()
         if pool.free_pages < total:
             need = total - pool.free_pages
             self._evict(policy.select(need + excluded_pages), need, exclude)

@@ -78,6 +78,10 @@ def make_private_dir(path: str) -> None:
 EXPIRY_TICK_S = 0.1
 
 
+# Seconds between two batches of the store's deferred work (see _schedule_store_work).
+STORE_WORK_GAP_S = 0.001
+
+
 class BrokerServer:
     def __init__(self, opts: ServeOptions, log, overrides: dict | None = None):
         opts.validate()
@@ -264,7 +268,9 @@ class BrokerServer:
     def _schedule_store_work(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._store_work_scheduled:
             self._store_work_scheduled = True
-            loop.call_soon(self._store_work, loop)
+            # A pause between batches: one RPC spans several loop iterations, and a batch
+            # in every one of them would add up to several milliseconds for it.
+            loop.call_later(STORE_WORK_GAP_S, self._store_work, loop)
 
     def _store_work(self, loop: asyncio.AbstractEventLoop) -> None:
         self._store_work_scheduled = False
