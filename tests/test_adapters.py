@@ -122,6 +122,28 @@ def test_registry_survives_a_restart(peft_dirs, state_dir):
     reg.close()
 
 
+def test_registry_count_is_kept_without_scanning_and_matches_the_table(peft_dirs, state_dir):
+    reg = AdapterRegistry(state_dir)
+    meta = reg.inspect(peft_dirs["r4"])
+    reg.add_many([(f"t/{i:04d}", meta) for i in range(300)])
+    reg.register("x", peft_dirs["r8"])
+    with pytest.raises(BrokerError):
+        reg.add_many([("t/0001", meta), ("new", meta)])  # all or none: nothing counted
+    reg.unregister("t/0007")
+    with pytest.raises(BrokerError):
+        reg.unregister("t/0007")
+
+    def table_count(prefix=""):
+        return reg._db.execute("SELECT count(*) FROM adapters WHERE id LIKE ?", (prefix + "%",)).fetchone()[0]
+
+    assert reg.count() == table_count() == 300
+    assert reg.count("t/") == table_count("t/") == 299 and reg.count("t/00") == 99
+    reg.close()
+    reg = AdapterRegistry(state_dir)  # counted once at open
+    assert len(reg) == 300
+    reg.close()
+
+
 def test_taken_id_is_already_exists_and_changes_nothing(peft_dirs, state_dir):
     reg = AdapterRegistry(state_dir)
     reg.register("a", peft_dirs["r4"])

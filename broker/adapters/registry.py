@@ -594,6 +594,10 @@ class AdapterRegistry:
         # Inspections by file identity, so one directory registered under many ids is read once.
         self._inspected: OrderedDict[tuple, AdapterMeta] = OrderedDict()
         self._closed = False
+        # Registered adapters, counted once here and kept by add_many/unregister, so that
+        # count() (every ListAdapters page and the adapter stats read it) never scans the
+        # table. This process is the registry's only writer (the broker holds its state dir).
+        self._total: int = self._db.execute("SELECT count(*) FROM adapters").fetchone()[0]
 
     # ------------------------------------------------------------------ writing
 
@@ -657,6 +661,7 @@ class AdapterRegistry:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.executemany("INSERT INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
                 self._db.execute("COMMIT")
+                self._total += len(rows)
             except sqlite3.IntegrityError:
                 self._db.execute("ROLLBACK")
                 taken = [
@@ -678,7 +683,7 @@ class AdapterRegistry:
         meta = self.get(adapter_id)
         with self._lock:
             self._check_open()
-            self._db.execute("DELETE FROM adapters WHERE id = ?", (adapter_id,))
+            self._total -= self._db.execute("DELETE FROM adapters WHERE id = ?", (adapter_id,)).rowcount
             self._cache.pop(adapter_id, None)
         return meta
 
@@ -718,9 +723,13 @@ class AdapterRegistry:
         return self.count()
 
     def count(self, prefix: str = "") -> int:
+        """Registered adapters: O(1) for all of them; for a prefix, a range scan of the
+        primary key over the ids that match (never the whole table)."""
         where, args = self._prefix_clause(prefix)
         with self._lock:
             self._check_open()
+            if not prefix:
+                return self._total
             return self._db.execute(f"SELECT count(*) FROM adapters WHERE {where}", args).fetchone()[0]
 
     def list(self, prefix: str = "", limit: int = 100, page_token: str = "") -> AdapterPage:
