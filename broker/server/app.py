@@ -184,6 +184,7 @@ class BrokerServer:
             self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
         )
         self.service.manager_uids = opts.manager_uids()
+        self.service.debug_rpcs = opts.log_level == "debug"
 
         self.fd_server = FdChannelServer(
             opts.fd_socket,
@@ -355,6 +356,7 @@ class BrokerServer:
 
             self.log = configure(new.log_level)
             self.service.log = self.log
+            self.service.debug_rpcs = new.log_level == "debug"
         kept = {f: getattr(self.opts, f) for f in restart}
         self.opts = dataclasses.replace(new, **kept)
         self.log.info("reloaded", applied=apply, needs_restart=restart)

@@ -15,6 +15,7 @@ from typing import TextIO
 import structlog
 
 from memory_broker.broker.server.options import LOG_FORMATS
+from memory_broker.broker.service import merge_call
 
 # The format the last ``configure`` chose ("auto" resolved), kept when a reload changes only
 # the level.
@@ -62,6 +63,7 @@ def configure(
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            merge_call,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *exc,

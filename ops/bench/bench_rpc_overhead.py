@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""The service's fixed cost per call, without the transport (issue 13).
+
+Runs a broker in this process (host arena), opens a session, and calls the servicer's Pin and
+Unpin handlers directly with a minimal context object: what remains is the handler's own
+work (draining check, policy, session lookup, log context, metrics, debug log) plus the core's
+pin and unpin, which are timed alone in the same run. Prints medians of chunks.
+
+    python ops/bench/bench_rpc_overhead.py [--chunks 30] [--per-chunk 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+
+from memory_broker.broker.server.app import BrokerServer
+from memory_broker.broker.server.logs import configure
+from memory_broker.broker.server.options import ServeOptions
+from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.broker.objects import Spec
+
+
+class Context:
+    """What a handler reads from grpc's context on the success path."""
+
+    def __init__(self, token: str):
+        self._md = (("x-broker-session", token),)
+
+    def invocation_metadata(self):
+        return self._md
+
+    def peer(self):
+        return "unix:"
+
+    async def abort(self, code, message):
+        raise RuntimeError(f"{code}: {message}")
+
+
+async def run(chunks: int, per_chunk: int) -> None:
+    d = tempfile.mkdtemp(prefix="mb-ovh-", dir="/tmp")
+    opts = ServeOptions(socket=os.path.join(d, "b.sock"), arena="host", pool_size=256 << 20,
+                        slab_size=64 << 20, state_dir=os.path.join(d, "state"))  # fmt: skip
+    srv = BrokerServer(opts, configure("info", "json", open(os.devnull, "w")))
+    await srv.start()
+    try:
+        s = srv.sessions.open("bench", os.getpid())
+        (obj, _), = srv.store.allocate(s.session_id, [Spec(1, key=b"k")])
+        ctx = Context(s.token)
+        svc = srv.service
+        pin = pb.PinRequest(object_ids=[obj.object_id])
+        unpin = pb.UnpinRequest(object_ids=[obj.object_id])
+        ids = [obj.object_id]
+
+        async def rpc(n):
+            for _ in range(n):
+                await svc.Pin(pin, ctx)
+                await svc.Unpin(unpin, ctx)
+
+        def core(n):
+            p, u, sid = srv.store.pin, srv.store.unpin, s.session_id
+            for _ in range(n):
+                p(sid, ids)
+                u(sid, ids)
+
+        rows = {"core pin + unpin": [], "servicer Pin + Unpin (no transport)": []}
+        for _ in range(chunks):
+            t0 = time.perf_counter_ns()
+            core(per_chunk)
+            rows["core pin + unpin"].append((time.perf_counter_ns() - t0) / per_chunk / 1e3)
+            t0 = time.perf_counter_ns()
+            await rpc(per_chunk)
+            rows["servicer Pin + Unpin (no transport)"].append((time.perf_counter_ns() - t0) / per_chunk / 1e3)
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        print(f"{'call':<40} {'median us':>10}")
+        for k, v in med.items():
+            print(f"{k:<40} {v:10.2f}")
+        fixed = (med["servicer Pin + Unpin (no transport)"] - med["core pin + unpin"]) / 2
+        print(f"{'fixed cost per call (handler - core) / 2':<40} {fixed:10.2f}")
+    finally:
+        await srv.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=30)
+    ap.add_argument("--per-chunk", type=int, default=2000)
+    a = ap.parse_args()
+    asyncio.run(run(a.chunks, a.per_chunk))
+
+
+if __name__ == "__main__":
+    main()
