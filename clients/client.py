@@ -15,6 +15,7 @@ event: everything of the old session is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import queue
@@ -30,6 +31,7 @@ from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.v1 import broker_pb2 as pb
 from memory_broker.broker.v1 import broker_pb2_grpc
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
+from memory_broker.clients.mappings import MappingBudget
 
 SESSION_METADATA = "x-broker-session"
 
@@ -230,6 +232,9 @@ class BrokerClient:
         self._stub = broker_pb2_grpc.MemoryBrokerStub(self._channel)
         self._map_lock = threading.Lock()
         self._mapped_windows: dict[int, tuple[int, ...]] = {}
+        # The process's mapping limit (vm.max_map_count), checked before asking for
+        # contiguous objects; tests may replace it with a smaller one.
+        self.mappings = MappingBudget()
         # Adapter id -> its layout (the same for every generation; pages change).
         self._layout_cache: dict = {}
         self.closed = False
@@ -474,8 +479,14 @@ class BrokerClient:
             pages = tuple(obj.pages)
             with self._map_lock:
                 if self._mapped_windows.get(obj.window_page) != pages:
-                    self.view.map_window(obj.window_page, obj.pages)
+                    try:
+                        self.view.map_window(obj.window_page, obj.pages)
+                    except OSError as e:
+                        if e.errno == errno.ENOMEM:
+                            raise self.mappings.exhausted_error(e, f"object {obj.object_id}") from None
+                        raise
                     self._mapped_windows[obj.window_page] = pages
+                    self.mappings.mapped()
         return obj
 
     def _check_current(self, item: BrokerObject | Transaction, what: str, again: str) -> None:
@@ -574,6 +585,7 @@ class BrokerClient:
     def allocate(self, specs: Sequence[Spec]) -> list[BrokerObject]:
         """Allocate and commit a batch in one RPC. A key that already exists returns the
         existing object with ``deduplicated=True`` (do not write into it)."""
+        self.mappings.check(sum(1 for s in specs if s.contiguous), "allocate")
         resp = self._call(self._stub.Allocate, pb.AllocateRequest(objects=[s.to_proto() for s in specs]), retry=True)
         return [self._object(i, writer=True) for i in resp.objects]
 
@@ -585,6 +597,7 @@ class BrokerClient:
     ) -> Transaction:
         """Reserve a batch under a lease; use as a context manager to commit on success."""
         pin_ids = self._ids(pin)
+        self.mappings.check(sum(1 for s in specs if s.contiguous), "prepare")
         resp = self._call(
             self._stub.Prepare,
             pb.PrepareRequest(
