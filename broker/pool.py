@@ -44,22 +44,25 @@ class PagePool:
         self._grow = grow
         # Page table: owning object id per page within capacity, FREE otherwise.
         self.owner = array("Q", bytes(8 * capacity_pages))
-        # Free pages within capacity, kept as a stack popped from the end; it starts in
-        # descending order so a fresh arena hands out low page numbers first.
+        # Free pages within capacity: a stack in ``_free[:_top]``, popped from the top; it
+        # starts in descending order so a fresh arena hands out low page numbers first. The
+        # list is as long as the capacity and never resized by take/give_back: a resize of
+        # a million-entry list copies it and stalls the call that happens to trigger it.
         self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
+        self._top = capacity_pages
 
     @property
     def free_pages(self) -> int:
         """Pages that can be handed out, counting capacity the arena may still grow into."""
-        return len(self._free) + self.max_pages - self.capacity_pages
+        return self._top + self.max_pages - self.capacity_pages
 
     @property
     def free_in_capacity(self) -> int:
-        return len(self._free)
+        return self._top
 
     @property
     def used_pages(self) -> int:
-        return self.capacity_pages - len(self._free)
+        return self.capacity_pages - self._top
 
     def take(self, owner_ids: list[int], sizes: list[int]) -> list[list[int]]:
         """Take ``sizes[i]`` free pages for object ``owner_ids[i]``, for each i.
@@ -70,33 +73,38 @@ class PagePool:
         owner = self.owner
         if len(sizes) == 1 and sizes[0] == 1:
             # The most common request: one page.
-            p = free.pop()
+            self._top -= 1
+            p = free[self._top]
             owner[p] = owner_ids[0]
             return [[p]]
-        assert sum(sizes) <= len(free), "take() without enough free pages within capacity"
+        assert sum(sizes) <= self._top, "take() without enough free pages within capacity"
         out: list[list[int]] = []
+        top = self._top
         for oid, n in zip(owner_ids, sizes):
-            # Not free[-n:]: for n == 0 that slice is the whole free list.
-            cut = len(free) - n
-            pages = free[cut:]
-            del free[cut:]
+            pages = free[top - n : top]
+            top -= n
             pages.reverse()
             for p in pages:
                 owner[p] = oid
             out.append(pages)
+        self._top = top
         return out
 
     def give_back(self, pages: list[int]) -> None:
         """Return pages to the free stack."""
         owner = self.owner
+        top = self._top
         if len(pages) == 1:
             p = pages[0]
             owner[p] = FREE
-            self._free.append(p)
+            self._free[top] = p
+            self._top = top + 1
             return
         for p in pages:
             owner[p] = FREE
-        self._free.extend(reversed(pages))
+        n = len(pages)
+        self._free[top : top + n] = pages[::-1]
+        self._top = top + n
 
     def grow(self, slabs: int) -> None:
         """Back ``slabs`` more slabs with memory (the arena creates them).
@@ -115,11 +123,14 @@ class PagePool:
         self.owner.frombytes(bytes(8 * needed))
         # New pages go under the existing free pages so older (already touched) pages
         # are reused first; within the new range, low numbers first.
-        self._free[:0] = range(old + needed - 1, old - 1, -1)
+        top = self._top
+        self._free[:top] = [*range(old + needed - 1, old - 1, -1), *self._free[:top]]
+        self._free.extend([0] * (self.capacity_pages - len(self._free)))
+        self._top = top + needed
 
     def free_page_list(self) -> list[int]:
         """A copy of the free pages (for invariant checks and diagnostics)."""
-        return list(self._free)
+        return self._free[: self._top]
 
 
 class WindowSpace:

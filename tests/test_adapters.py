@@ -1442,6 +1442,33 @@ def test_registering_converts_ahead_so_the_first_acquire_reads_the_image(peft_di
     run(main())
 
 
+def test_conversion_ahead_of_use_keeps_to_its_duty_cycle_and_shows_its_backlog(peft_dirs, state_dir, monkeypatch):
+    import memory_broker.broker.adapters.manager as manager_mod
+
+    pauses: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s, *a, **kw):
+        pauses.append(s)
+        await real_sleep(0)
+
+    async def main():
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", convert_duty=0.2))
+        monkeypatch.setattr(manager_mod.asyncio, "sleep", sleep)
+        meta = h.registry.inspect(peft_dirs["r4"])
+        h.registry.add_many([(f"bulk/{i}", meta) for i in range(6)])
+        assert h.manager.schedule_conversions([f"bulk/{i}" for i in range(6)]) == 6
+        assert h.manager.stats()["images"]["convert_queued"] >= 5  # the backlog is visible
+        await h.manager.wait_conversions()
+        st = h.manager.stats()["images"]
+        assert st["converted_ahead"] == 6 and st["convert_queued"] == 0
+        # After each conversion it slept 4x its time (duty 0.2): pauses are positive.
+        assert len([p for p in pauses if p > 0]) >= 6
+        await h.close()
+
+    run(main())
+
+
 def test_convert_ahead_off_converts_only_on_first_load(peft_dirs, state_dir):
     async def main():
         h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", convert_ahead=False))

@@ -98,6 +98,10 @@ class AdapterConfig:
     # registered through the manager, and (``start``) every registered adapter without an
     # image, so a first acquire reads an image instead of converting the safetensors.
     convert_ahead: bool = True
+    # Share of wall time conversion ahead of use may take (after each conversion it sleeps
+    # the rest): a backlog of thousands of registrations drains in the background without
+    # starving requests of the CPU (the backlog's size: adapter stats convert_queued).
+    convert_duty: float = 0.25
     # Seconds between background checks of one hot adapter's pages against its checksum
     # (each check hashes one adapter, in its own thread); 0 turns the background check off.
     verify_interval_s: float = 30.0
@@ -483,6 +487,13 @@ class AdapterManager:
             self.counters.converted_ahead += 1
             self.counters.image_writes += 1
             self.log.info("adapter_converted", adapter=aid, bytes=written, ms=ms)
+            await self._convert_pause(ms / 1e3)
+
+    async def _convert_pause(self, spent_s: float) -> None:
+        """Rate-limit conversion ahead of use to ``convert_duty`` of the wall time."""
+        duty = self.config.convert_duty
+        if 0 < duty < 1:
+            await asyncio.sleep(spent_s * (1 - duty) / duty)
 
     def _convert_one(self, meta: AdapterMeta, layout: AdapterLayout) -> tuple[int, float]:
         """Build and store one adapter's image unless it has one or there is no room:
