@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable, Iterable, Sequence
@@ -164,6 +164,38 @@ class Counters:
 Notify = Callable[[int, object], None]
 
 
+class Recent:
+    """The last ``remember/2 .. remember`` entries added, for messages and idempotent retries.
+
+    Two plain dicts: new entries go to the current one; when it holds ``remember/2`` it
+    becomes the previous one and the oldest half is dropped in one step. Unlike trimming an
+    OrderedDict entry by entry, nothing here rebuilds a table of ``remember`` entries inside
+    one call (that rebuild stalled a call for milliseconds every few ten thousand drops).
+    """
+
+    __slots__ = ("half", "cur", "prev")
+
+    def __init__(self, remember: int):
+        self.half = max(1, remember // 2)
+        self.cur: dict = {}
+        self.prev: dict = {}
+
+    def __setitem__(self, key, value) -> None:
+        cur = self.cur
+        cur[key] = value
+        if len(cur) >= self.half:
+            self.prev, self.cur = cur, {}
+
+    def get(self, key, default=None):
+        v = self.cur.get(key, self)
+        if v is self:
+            v = self.prev.get(key, default)
+        return v
+
+    def __len__(self) -> int:
+        return len(self.cur) + len(self.prev)
+
+
 def _pages_at(fraction: float, max_pages: int) -> int:
     """Pages at a watermark; the epsilon keeps 0.57 * 100 at 57, not 56.99... -> 56."""
     return int(fraction * max_pages + 1e-9)
@@ -205,11 +237,9 @@ class ObjectStore:
         # not counted as client sessions in stats.
         self.internal_sessions: set[int] = set()
         self.open_txns: dict[int, Transaction] = {}
-        self._finished_txns: OrderedDict[int, Transaction] = OrderedDict()
-        # Why an object id is gone ("evicted" / "freed"), for messages; oldest dropped first.
-        # An OrderedDict: trimming a plain dict from the front makes next(iter()) scan the
-        # deleted slots, O(n) per drop once the cap is reached.
-        self._gone: OrderedDict[int, str] = OrderedDict()
+        self._finished_txns: Recent = Recent(self.config.remember)
+        # Why an object id is gone ("evicted" / "freed"), for messages; oldest forgotten first.
+        self._gone: Recent = Recent(self.config.remember)
         self._object_ids = itertools.count(1)
         self._txn_ids = itertools.count(1)
         self._session_ids = itertools.count(1)
@@ -1027,10 +1057,7 @@ class ObjectStore:
         if obj.window_page >= 0:
             self.window.release(obj.window_page, obj.num_pages)
         self.pool.give_back(obj.pages)
-        gone = self._gone
-        gone[oid] = why
-        if len(gone) > self.config.remember:
-            gone.popitem(last=False)
+        self._gone[oid] = why
 
     def _rollback(self, t: Transaction, state: TxnState) -> int:
         s = self.sessions.get(t.session)
@@ -1055,10 +1082,7 @@ class ObjectStore:
         s = self.sessions.get(t.session)
         if s is not None:
             s.txns.discard(t.txn_id)
-        done = self._finished_txns
-        done[t.txn_id] = t
-        if len(done) > self.config.remember:
-            done.popitem(last=False)
+        self._finished_txns[t.txn_id] = t
 
     def _own_txn(self, session: int, txn_id: int) -> Transaction:
         t = self.open_txns.get(txn_id) or self._finished_txns.get(txn_id)

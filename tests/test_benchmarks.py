@@ -48,3 +48,17 @@ def test_bench_policy_quick_run_prints_every_trace_next_to_belady():
     for trace in ("| lab |", "| zipf |", "| shift |"):
         assert trace in out, out
     assert "Belady" in out and "adaptive / Belady" in out
+
+
+def test_bench_scale_quick_run_prints_every_operation_and_the_adapter_rows():
+    out = bench("bench_scale.py", "--quick")
+    for op in ("stats read", "contiguous place + release", "allocation crossing the high watermark", "allocation (same batch, below the watermark)",
+               "session end: longest single stall", "Echo RPC while a session owning N objects ends",
+               "ListAdapters page (50) + total", "Echo RPC while conversions drain",
+               "largest / smallest median", "memory per object"):  # fmt: skip
+        assert op in out, out
+
+
+def test_bench_rpc_overhead_small_run_prints_the_fixed_cost():
+    out = bench("bench_rpc_overhead.py", "--chunks", "3", "--per-chunk", "200")
+    assert "fixed cost per call" in out and "core pin + unpin" in out
