@@ -9,9 +9,10 @@ size-aware step that takes one object covering the remaining need instead of man
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from enum import IntEnum
 from typing import Iterator, Protocol
+
+from memory_broker.broker.shards import RecencyQueue
 
 
 class ContentType(IntEnum):
@@ -65,7 +66,8 @@ class PriorityLRU:
     def __init__(self, size_window: int = 8):
         self.size_window = size_window
         # One LRU queue per priority rank; insertion order is recency (oldest first).
-        self._queues: list[OrderedDict[int, Evictable]] = [OrderedDict() for _ in EVICTION_ORDER]
+        # Recency queues per content class, in segments (no million-entry table rebuilt inside a call).
+        self._queues: list[RecencyQueue] = [RecencyQueue() for _ in EVICTION_ORDER]
         self.evictable_pages = 0
 
     def __len__(self) -> int:

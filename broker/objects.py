@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 from memory_broker.broker.errors import denied, exhausted, invalid, not_found, precondition
 from memory_broker.broker.eviction import ContentType, EvictionPolicy, PriorityLRU
 from memory_broker.broker.pool import FREE, PagePool, WindowSpace
+from memory_broker.broker.shards import ShardedMap, ShardedSet
 
 VALID_CONTENT = frozenset(int(c) for c in ContentType)
 # int -> ContentType without the enum constructor's cost on the hot path.
@@ -102,7 +103,7 @@ class Transaction:
 class SessionState:
     session_id: int
     # Objects the session owns (may free).
-    owned: set[int] = field(default_factory=set)
+    owned: ShardedSet = field(default_factory=ShardedSet)
     # Pins the session holds: object id -> count (mirrors Allocation.pins).
     pins: dict[int, int] = field(default_factory=dict)
     # Open transactions.
@@ -229,9 +230,10 @@ class ObjectStore:
         self.config.validate()
         self._notify = notify or (lambda session, event: None)
         self._clock = clock
-        self.objects: dict[int, Allocation] = {}
+        # Sharded: a million-entry dict rebuilds its table inside one call under churn.
+        self.objects: ShardedMap = ShardedMap()
         # Committed, not freed objects by key.
-        self.keys: dict[bytes, Allocation] = {}
+        self.keys: ShardedMap = ShardedMap()
         self.sessions: dict[int, SessionState] = {}
         # Sessions the broker opened for itself (the adapter manager's): no pin limit, and
         # not counted as client sessions in stats.

@@ -140,6 +140,29 @@ def bench_crossing(sizes: list[int], table: list, trials: int) -> None:
         gc.collect()
 
 
+def bench_churn(sizes: list[int], table: list) -> None:
+    """Free one object, allocate one, 1.5 N times: every table the store keeps sees a full
+    turnover, which is when CPython rebuilds a dict's table in one step."""
+    for n in sizes:
+        store = make_store(n + 4096)
+        sid = store.open_session()
+        fill(store, sid, n)
+        ids = list(store.objects)
+        ids.sort()
+        spec = [Spec(1)]
+        samples = []
+        for i in range(n + n // 2):
+            t0 = time.perf_counter_ns()
+            ((o, _),) = store.allocate(sid, spec)
+            store.free(sid, (ids[i],))
+            samples.append((time.perf_counter_ns() - t0) / 1e6)
+            ids.append(o.object_id)
+        row(table, "allocate + free under full turnover", f"{n:,} objects", samples)
+        table[-1]["max_ms"] = max(samples)
+        del store, ids
+        gc.collect()
+
+
 def bench_teardown(sizes: list[int], table: list) -> None:
     for n in sizes:
         store = make_store(n + 1024)
@@ -297,10 +320,14 @@ def main() -> None:
     holes = [1_000, 10_000] if a.quick else [1_000, 10_000, 100_000]
     table: list[dict] = []
     memory: list[tuple[int, float]] = []
+    from memory_broker.broker.server.app import quiet_gc
+
+    quiet_gc()  # as the daemon does at startup
     bench_stats_and_memory(sizes, table, memory)
     bench_placement(holes, table)
     bench_crossing(sizes, table, trials=3 if a.quick else 20)
     bench_teardown(sizes, table)
+    bench_churn(sizes, table)
     if not a.skip_daemon:
         bench_daemon(sizes[-1], 2.0 if a.quick else a.echo_seconds, table)
     try:
