@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 BITS = 8
 MASK = (1 << BITS) - 1
+# ShardedSet: consecutive ints per shard.
+RUN_BITS = 12
 _MISSING = object()
 
 
@@ -83,40 +85,60 @@ class ShardedMap:
 
 
 class ShardedSet:
-    """A set of ints in up to 256 shards, each made on first use (cheap when small)."""
+    """A set of ints in up to 256 shards, each made on first use (cheap when small).
 
-    __slots__ = ("_shards", "_len")
+    A shard holds runs of 4,096 consecutive ints, so ``pop`` gives ids roughly in order:
+    objects made together are released together, and the allocator returns their memory
+    as it goes instead of all of it in the last few batches.
+    """
+
+    __slots__ = ("_shards", "_len", "_first")
 
     def __init__(self, items=()) -> None:
         self._shards: list[set | None] = [None] * (MASK + 1)
         self._len = 0
+        # No shard below this index holds anything (pop starts here).
+        self._first = MASK + 1
         for x in items:
             self.add(x)
 
     def add(self, x: int) -> None:
-        i = x & MASK
+        i = (x >> RUN_BITS) & MASK
         s = self._shards[i]
         if s is None:
             s = self._shards[i] = set()
+        if i < self._first:
+            self._first = i
         n = len(s)
         s.add(x)
         self._len += len(s) - n
 
     def discard(self, x: int) -> None:
-        s = self._shards[x & MASK]
+        i = (x >> RUN_BITS) & MASK
+        s = self._shards[i]
         if s is not None and x in s:
             s.remove(x)
             self._len -= 1
+            if not s:
+                self._shards[i] = None  # its table goes now, not all at once later
 
     def pop(self) -> int:
-        for s in self._shards:
+        shards, i = self._shards, self._first
+        while i <= MASK:
+            s = shards[i]
             if s:
+                self._first = i
                 self._len -= 1
-                return s.pop()
+                x = s.pop()
+                if not s:
+                    shards[i] = None
+                return x
+            i += 1
+        self._first = i
         raise KeyError("pop from an empty set")
 
     def __contains__(self, x: int) -> bool:
-        s = self._shards[x & MASK]
+        s = self._shards[(x >> RUN_BITS) & MASK]
         return s is not None and x in s
 
     def __len__(self) -> int:

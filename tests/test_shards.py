@@ -28,15 +28,18 @@ def test_sharded_map_and_set_match_dict_and_set_under_random_operations(seed):
         else:
             assert m.get(k) == d.get(k) and (k in m) == (k in d)
         if isinstance(k, int):
+            x = k * 5003  # spread over the set's shards (runs of 4,096 ints each)
             if rng.random() < 0.5:
-                s.add(k)
-                ref.add(k)
+                s.add(x)
+                ref.add(x)
             else:
-                s.discard(k)
-                ref.discard(k)
+                s.discard(x)
+                ref.discard(x)
+            assert (x in s) == (x in ref)
         assert len(m) == len(d) and len(s) == len(ref)
     assert dict(m.items()) == d and set(m) == set(d) and sorted(m.values(), key=repr) == sorted(d.values(), key=repr)
     assert set(s) == ref and s == ref
+    assert len({x >> 12 for x in ref}) > 100  # many shards were used
     while ref:
         ref.remove(s.pop())
     assert len(s) == 0 and not s
