@@ -55,7 +55,7 @@ def test_bench_scale_quick_run_prints_every_operation_and_the_adapter_rows():
     for op in ("stats read", "contiguous place + release", "allocation crossing the high watermark", "allocation just before it (same batch, below)",
                "session end: longest single stall", "allocate + free under full turnover", "Echo RPC while a session owning N objects ends",
                "ListAdapters page (50) + total", "Echo RPC while conversions drain",
-               "largest / smallest median", "memory per object"):  # fmt: skip
+               "largest / smallest median", "memory per object", "Belady"):  # fmt: skip
         assert op in out, out
 
 

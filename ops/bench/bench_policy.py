@@ -88,12 +88,17 @@ def main() -> None:
     a.add_argument("--quick", action="store_true", help="short traces (a smoke run)")
     a.add_argument("--requests", type=int, default=0, help="requests per Zipf trace (default 100,000; quick 12,000)")
     args = a.parse_args()
-    n = args.requests or (12_000 if args.quick else 100_000)
-    shift = 3_000 if args.quick else 10_000
+    hit_rate_table(args.quick, args.requests)
+
+
+def hit_rate_table(quick: bool, requests: int = 0) -> None:
+    """Print each policy's hit rate next to Belady's on the three traces (bench_scale uses it)."""
+    n = requests or (12_000 if quick else 100_000)
+    shift = 3_000 if quick else 10_000
     cases = [
         ("lab", lab_trace(n // 5), [4]),
-        ("zipf", zipf_trace(n), [50, 100, 200] if not args.quick else [50]),
-        ("shift", zipf_trace(n, shift_every=shift), [50, 100, 200] if not args.quick else [50]),
+        ("zipf", zipf_trace(n), [50, 100, 200] if not quick else [50]),
+        ("shift", zipf_trace(n, shift_every=shift), [50, 100, 200] if not quick else [50]),
     ]
     names = list(POLICIES)
     print(f"Hit rate per policy and its share of Belady (default: {DEFAULT_POLICY}); "

@@ -6,7 +6,8 @@ and the metrics read), a contiguous placement among F free holes, the allocation
 crosses the high watermark, and the end of a session that owns N objects (its longest
 single stall: the inline part or one background batch). Then a real daemon (host arena,
 --enable-echo) holding N objects: the max and p99 latency of Echo RPCs over a period, and
-the same while a session that owns N objects ends. Also memory per object (RSS growth).
+the same while a session that owns N objects ends. Also memory per object (RSS growth),
+and the adapter tier policies' hit rates next to Belady's (``bench_policy.py``).
 Sections from ``bench_scale_adapters.py`` (registry pages, conversion backlog) are added
 when that script is present.
 
@@ -349,6 +350,10 @@ def main() -> None:
     print("memory per object (RSS growth / objects):")
     for n, b in memory:
         print(f"  {n:>10,} objects: {b:6.0f} bytes")
+    print()
+    import bench_policy
+
+    bench_policy.hit_rate_table(a.quick)
 
 
 if __name__ == "__main__":
