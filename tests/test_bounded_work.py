@@ -143,3 +143,26 @@ def test_random_operations_interleaved_with_background_work_keep_every_invariant
         store.check_invariants()
     host.run()
     assert store.ending_sessions == 0
+
+
+def test_lease_expiry_and_the_next_deadline_skip_transactions_that_ended_early():
+    now = [100.0]
+    pool = PagePool(512, 512, 512, lambda slabs: None)
+    store = ObjectStore(pool, WindowSpace(2048), config=StoreConfig(high_watermark=1.0, low_watermark=1.0),
+                        clock=lambda: now[0])  # fmt: skip
+    sid = store.open_session()
+    txns = [store.prepare(sid, [Spec(1)], lease_s=float(1 + i % 5)) for i in range(100)]
+    # Transactions with the earliest deadlines end early: the next deadline is a live one.
+    early = [t for t in txns if t.deadline == 101.0]
+    store.commit(sid, [t.txn_id for t in early[:10]])
+    store.abort(sid, [t.txn_id for t in early[10:]])
+    assert store.next_deadline() == 102.0
+    now[0] = 103.5
+    expired = store.expire()
+    want = sorted(t.txn_id for t in txns if t.deadline <= 103.5 and t not in early)
+    assert expired == want and len(want) == 40
+    assert store.next_deadline() == 104.0
+    store.check_invariants()
+    now[0] = 1000.0
+    assert len(store.expire()) == 40 and store.next_deadline() is None and not store.open_txns
+    store.check_invariants()
