@@ -61,4 +61,4 @@ def test_bench_scale_quick_run_prints_every_operation_and_the_adapter_rows():
 
 def test_bench_rpc_overhead_small_run_prints_the_fixed_cost():
     out = bench("bench_rpc_overhead.py", "--chunks", "3", "--per-chunk", "200")
-    assert "fixed cost per call" in out and "core pin + unpin" in out
+    assert "fixed cost per call" in out and "core pin + unpin" in out and "not the response message" in out

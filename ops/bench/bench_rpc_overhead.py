@@ -45,6 +45,7 @@ async def run(chunks: int, per_chunk: int) -> None:
     d = tempfile.mkdtemp(prefix="mb-ovh-", dir="/tmp")
     opts = ServeOptions(socket=os.path.join(d, "b.sock"), arena="host", pool_size=256 << 20,
                         slab_size=64 << 20, state_dir=os.path.join(d, "state"))  # fmt: skip
+
     srv = BrokerServer(opts, configure("info", "json", open(os.devnull, "w")))
     await srv.start()
     try:
@@ -67,7 +68,14 @@ async def run(chunks: int, per_chunk: int) -> None:
                 p(sid, ids)
                 u(sid, ids)
 
-        rows = {"core pin + unpin": [], "servicer Pin + Unpin (no transport)": []}
+        def responses(n):
+            info, sid = svc._info, s.session_id
+            for _ in range(n):
+                pb.PinResponse(objects=[info(obj, sid)])
+                pb.UnpinResponse()
+
+        rows = {"core pin + unpin": [], "servicer Pin + Unpin (no transport)": [],
+                "their two response messages": []}  # fmt: skip
         for _ in range(chunks):
             t0 = time.perf_counter_ns()
             core(per_chunk)
@@ -75,12 +83,17 @@ async def run(chunks: int, per_chunk: int) -> None:
             t0 = time.perf_counter_ns()
             await rpc(per_chunk)
             rows["servicer Pin + Unpin (no transport)"].append((time.perf_counter_ns() - t0) / per_chunk / 1e3)
+            t0 = time.perf_counter_ns()
+            responses(per_chunk)
+            rows["their two response messages"].append((time.perf_counter_ns() - t0) / per_chunk / 1e3)
         med = {k: statistics.median(v) for k, v in rows.items()}
         print(f"{'call':<40} {'median us':>10}")
         for k, v in med.items():
             print(f"{k:<40} {v:10.2f}")
         fixed = (med["servicer Pin + Unpin (no transport)"] - med["core pin + unpin"]) / 2
         print(f"{'fixed cost per call (handler - core) / 2':<40} {fixed:10.2f}")
+        bare = fixed - med["their two response messages"] / 2
+        print(f"{'  of which not the response message':<40} {bare:10.2f}")
     finally:
         await srv.stop()
 
