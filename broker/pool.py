@@ -140,9 +140,9 @@ class WindowSpace:
     start and by end (dicts, so a release finds its neighbours in O(1)) and by length (a
     sorted list of the distinct free lengths, each with a min-heap of starts). Best fit
     bisects the lengths (O(log n)) and takes the lowest start of the smallest length that
-    fits; first fit looks at the lowest start of each distinct length that fits (there are
-    at most sqrt(2 * window_pages) distinct lengths). Heap entries are dropped lazily: one
-    is live only while ``_by_start`` still maps its start to its length.
+    fits; first fit descends a max-tree over the window's pages (O(log window pages)).
+    Heap entries are dropped lazily: one is live only while ``_by_start`` still maps its
+    start to its length.
     """
 
     def __init__(self, window_pages: int, placement: str = "best_fit"):
@@ -157,10 +157,43 @@ class WindowSpace:
         self._count: dict[int, int] = {}
         self._heaps: dict[int, list[int]] = {}
         self._free = 0
+        # First fit: a max-tree over window pages (leaf = length of the free extent that
+        # starts there, else 0); the leftmost leaf >= count is found in O(log window).
+        self._tree: array | None = None
+        if placement == "first_fit" and window_pages:
+            size = 1
+            while size < window_pages:
+                size *= 2
+            self._leaves = size
+            self._tree = array("q", bytes(16 * size))
         if window_pages:
             self._add(0, window_pages)
 
+    def _set_leaf(self, start: int, length: int) -> None:
+        tree = self._tree
+        i = self._leaves + start
+        tree[i] = length
+        i >>= 1
+        while i:
+            m = max(tree[2 * i], tree[2 * i + 1])
+            if tree[i] == m:
+                break
+            tree[i] = m
+            i >>= 1
+
+    def _first_fit(self, count: int) -> int:
+        """The lowest start of a free extent of at least ``count`` pages, or -1."""
+        tree = self._tree
+        if tree[1] < count:
+            return -1
+        i, leaves = 1, self._leaves
+        while i < leaves:
+            i = 2 * i if tree[2 * i] >= count else 2 * i + 1
+        return i - leaves
+
     def _add(self, start: int, length: int) -> None:
+        if self._tree is not None:
+            self._set_leaf(start, length)
         self._by_start[start] = length
         self._end_at[start + length] = start
         self._free += length
@@ -175,6 +208,8 @@ class WindowSpace:
         heapq.heappush(heap, start)
 
     def _remove(self, start: int, length: int) -> None:
+        if self._tree is not None:
+            self._set_leaf(start, 0)
         del self._by_start[start]
         del self._end_at[start + length]
         self._free -= length
@@ -204,12 +239,9 @@ class WindowSpace:
         i = bisect.bisect_left(lengths, count)
         if i == len(lengths):
             return -1
-        if self.placement == "first_fit":
-            length, start = lengths[i], self._lowest(lengths[i])
-            for other in lengths[i + 1 :]:
-                s = self._lowest(other)
-                if s < start:
-                    length, start = other, s
+        if self._tree is not None:
+            start = self._first_fit(count)
+            length = self._by_start[start]
         else:
             length = lengths[i]
             start = self._lowest(length)

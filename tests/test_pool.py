@@ -269,3 +269,30 @@ def test_empty_window_has_no_extents():
     w = WindowSpace(0)
     assert w.place(1) == -1
     assert (w.free_pages, w.free_extents, w.largest_free) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("placement", ["first_fit", "best_fit"])
+def test_indexed_placement_matches_a_scan_of_the_free_extents(placement):
+    import random
+
+    rng = random.Random(5)
+    w = WindowSpace(1000, placement)
+    placed: list[tuple[int, int]] = []
+    for _ in range(3000):
+        if placed and rng.random() < 0.45:
+            start, n = placed.pop(rng.randrange(len(placed)))
+            w.release(start, n)
+            continue
+        n = rng.randint(1, 40)
+        ext = w.extents()
+        fits = [(s, ln) for s, ln in ext if ln >= n]
+        if placement == "first_fit":
+            want = fits[0][0] if fits else -1
+        else:
+            want = min(fits, key=lambda e: (e[1], e[0]))[0] if fits else -1
+        got = w.place(n)
+        assert got == want, (placement, n, ext)
+        if got >= 0:
+            placed.append((got, n))
+        assert w.free_pages == sum(ln for _, ln in w.extents())
+        assert w.largest_free == max((ln for _, ln in w.extents()), default=0)

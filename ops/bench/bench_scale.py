@@ -97,21 +97,22 @@ def bench_stats_and_memory(sizes: list[int], table: list, memory: list) -> None:
 
 
 def bench_placement(holes: list[int], table: list) -> None:
-    for f in holes:
-        w = WindowSpace(8 * f + 4096)
-        starts = [w.place(2) for _ in range(2 * f)]
-        rng = random.Random(1)
-        for s in starts[::2]:  # every other range: f holes of 2 pages between used ranges
-            w.release(s, 2)
-        assert w.free_extents >= f
-        sizes = [rng.choice((1, 2, 3)) for _ in range(1000)]
-        samples = []
-        for k in sizes:
-            t0 = time.perf_counter_ns()
-            s = w.place(k)
-            w.release(s, k)
-            samples.append((time.perf_counter_ns() - t0) / 1e6)
-        row(table, "contiguous place + release", f"{f:,} holes", samples)
+    for placement in ("best_fit", "first_fit"):
+        for f in holes:
+            w = WindowSpace(8 * f + 4096, placement)
+            starts = [w.place(2) for _ in range(2 * f)]
+            rng = random.Random(1)
+            for s in starts[::2]:  # every other range: f holes of 2 pages between used ranges
+                w.release(s, 2)
+            assert w.free_extents >= f
+            sizes = [rng.choice((1, 2, 3)) for _ in range(1000)]
+            samples = []
+            for k in sizes:
+                t0 = time.perf_counter_ns()
+                s = w.place(k)
+                w.release(s, k)
+                samples.append((time.perf_counter_ns() - t0) / 1e6)
+            row(table, f"contiguous place + release ({placement.replace('_', ' ')})", f"{f:,} holes", samples)
 
 
 def bench_crossing(sizes: list[int], table: list, trials: int) -> None:
