@@ -29,18 +29,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_adapters import write_peft_dir  # noqa: E402
+from bench_scale import pct, rss_bytes  # noqa: E402
 
 from memory_broker.broker.adapters import AdapterRegistry  # noqa: E402
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))]
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def registry_rows(root: str, src: str, sizes: list[int], out: list, memory: list) -> None:
