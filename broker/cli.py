@@ -13,8 +13,7 @@ import os
 import sys
 import time
 
-from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
-from memory_broker.broker.server.options import DEFAULT_SOCKET, LOG_FORMATS, ServeOptions, format_size, parse_size
+from memory_broker.broker.server.values import DEFAULT_SOCKET, format_size
 
 PROG = "memory-broker"
 
@@ -31,7 +30,27 @@ class CliError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line that says where to find help (exit 2)."""
+    """argparse, but a usage error is one line that says where to find help (exit 2); and with
+    ``populate``, the options are added on first use (parsing, help, or a look at them), so
+    building the whole command line for ``--version`` or ``status`` does not import serve's
+    settings schema (pydantic)."""
+
+    def __init__(self, *args, populate=None, **kwargs):
+        self._populate = None
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    # argparse reaches every option through ``_actions``: the first reach adds them.
+    @property
+    def _actions(self) -> list:
+        if self._populate is not None:
+            populate, self._populate = self._populate, None
+            populate(self)
+        return self.__dict__["_actions"]
+
+    @_actions.setter
+    def _actions(self, value: list) -> None:
+        self.__dict__["_actions"] = value
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{PROG}: {message} (see `{self.prog} --help`)\n")
@@ -86,66 +105,38 @@ def _common(p: argparse.ArgumentParser, serve: bool = False) -> None:
 
 
 def _serve_parser(sub) -> None:
-    d = ServeOptions()
-    p = sub.add_parser(
+    sub.add_parser(
         "serve",
         help="run the broker in the foreground",
         description="Run the broker. Settings come from defaults, then --config FILE, then flags. "
-        "Sizes are binary: 2MiB, 512KiB, 1GiB (or 1G), or bytes; 1GB is refused.",
+        "Sizes are binary: 2MiB, 512KiB, 1GiB (or 1G), or bytes; 1GB is refused. Durations: 100ms, 30s, 2m "
+        "or seconds. Every flag is also a key of the config file (ops/broker.example.yaml).",
         argument_default=argparse.SUPPRESS,
+        populate=_serve_options,
     )
+
+
+def _serve_options(p: argparse.ArgumentParser) -> None:
+    """serve's flags, one per setting of the schema (``options.SETTINGS``), in its order."""
+    from memory_broker.broker.server.options import SETTINGS, SHORTHANDS
+
     p.add_argument("--config", metavar="FILE", help="YAML configuration file (see ops/broker.example.yaml)")
-    p.add_argument("--instance", help="name of this broker (systemd instance: GPU index or UUID)")
-    p.add_argument("--socket", metavar="PATH",
-                   help=f"gRPC Unix socket (default {d.socket}); the fd channel is PATH.fds")  # fmt: skip
-    p.add_argument("--tcp-port", type=int, metavar="N", help="also serve gRPC on 127.0.0.1:N (default: none)")
-    p.add_argument("--arena", choices=("auto", "host", "cuda"), help="arena backend (default auto)")
-    p.add_argument("--device", help="CUDA device index or UUID (default 0)")
-    p.add_argument("--pool-size", metavar="SIZE", help="most memory the arena may hold (default 1GiB)")
-    p.add_argument("--preallocate", metavar="SIZE", help="memory to create at start (default 0: grow on demand)")
-    p.add_argument("--page-size", metavar="SIZE", help="page size, a power of two 512KiB..4MiB (default 2MiB)")
-    p.add_argument("--slab-size", metavar="SIZE", help="slab (growth unit) size (default 64MiB)")
-    p.add_argument("--window-factor", type=int, metavar="N", help="virtual window / pool size (default 4)")
-    p.add_argument("--placement", choices=("best_fit", "first_fit"),
-                   help="placement of contiguous ranges in the window (default best_fit)")  # fmt: skip
-    p.add_argument("--eviction-policy", choices=("lru_size_aware", "lru"),
-                   help="victim order when above the high watermark (default lru_size_aware)")  # fmt: skip
-    p.add_argument("--high-watermark", type=float, metavar="F",
-                   help=f"pool utilization that starts eviction (default {d.high_watermark})")  # fmt: skip
-    p.add_argument("--low-watermark", type=float, metavar="F",
-                   help=f"utilization eviction brings the pool down to (default {d.low_watermark})")  # fmt: skip
-    p.add_argument("--lease", type=float, metavar="S",
-                   help=f"default transaction lease, seconds (default {d.default_lease_s:g})")  # fmt: skip
-    p.add_argument("--max-pins-per-session", type=int, metavar="N",
-                   help="most pins one session may hold (default 0: no limit)")  # fmt: skip
-    p.add_argument("--state-dir", metavar="DIR", help=f"persistent state (default {d.state_dir})")
-    p.add_argument("--allow-uid", type=int, action="append", metavar="UID",
-                   help="uid allowed on the fd channel (repeat; default: own uid)")  # fmt: skip
-    p.add_argument("--socket-mode", metavar="MODE", help="permissions of both sockets, e.g. 0660 (default: umask)")
-    p.add_argument("--socket-group", metavar="GROUP", help="group of both sockets (the engines' group)")
-    p.add_argument("--adapter-dtype", choices=("bfloat16", "float16", "float32"),
-                   help="storage of hot adapter rows (default bfloat16)")  # fmt: skip
-    p.add_argument("--adapter-max-rank", type=int, metavar="R", help="largest LoRA rank accepted (default 256)")
-    p.add_argument("--hot-tier-adapters", type=int, metavar="N",
-                   help="most adapters in arena pages (default 0: pool-bound)")  # fmt: skip
-    p.add_argument("--hot-tier-pages", type=int, metavar="N",
-                   help="most arena pages adapters may take (default 0: pool-bound)")  # fmt: skip
-    p.add_argument("--warm-tier-bytes", metavar="SIZE", help="host memory for warm adapters (default 4GiB)")
-    p.add_argument("--warm-int8", action="store_true", help="keep warm adapters as int8 rows with per-row scales")
-    p.add_argument("--no-adapter-image-cache", action="store_true", help="do not keep converted adapter images on disk")
-    p.add_argument("--adapter-image-budget", metavar="SIZE",
-                   help="disk the converted images may take (default 64GiB; 0: no limit)")  # fmt: skip
-    p.add_argument("--no-adapter-convert-ahead", action="store_true",
-                   help="convert adapters into images only when first loaded, not after registration")
-    p.add_argument("--adapter-policy", choices=tuple(POLICIES), help=f"victim order of both adapter tiers (default {DEFAULT_POLICY})")
-    p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on this port (default 0: off)")
-    p.add_argument("--metrics-address", metavar="ADDR", help="address of the metrics endpoint (default 127.0.0.1)")
-    p.add_argument("--enable-echo", action="store_true", help="serve the bare Echo service (benchmarks)")
-    p.add_argument("--grace", type=float, metavar="S",
-                   help=f"seconds SIGTERM waits for in-flight calls (default {d.grace_s:g})")  # fmt: skip
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="least severe event logged (default info)")
-    p.add_argument("--log-format", choices=LOG_FORMATS,
-                   help="auto: human-readable on a terminal, JSON lines otherwise (default); console; json")  # fmt: skip
+    for s in SETTINGS.values():
+        if not s.flag:
+            continue
+        if s.kind == "bool":
+            p.add_argument(s.flag, action="store_true", help=s.help)
+            continue
+        kw: dict = {"metavar": s.metavar, "help": f"{s.help} (default {s.shown_default()})"}
+        if s.choices:
+            kw = {"choices": s.choices, "help": kw["help"]}
+        elif s.kind in ("int", "float", "uids"):
+            kw["type"] = float if s.kind == "float" else int
+        if s.kind in ("uids", "paths"):
+            kw["action"] = "append"
+        p.add_argument(s.flag, **kw)
+    for flag, (_, _, help) in SHORTHANDS.items():
+        p.add_argument(flag, choices=SETTINGS["adapter_hot_policy"].choices, help=help)
     _common(p, serve=True)
 
 
@@ -194,61 +185,31 @@ def _list_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=_count, default=S, metavar="N", help="show at most N adapters (default 0: all)")
 
 
-# flag dest -> (ServeOptions field, converter)
-_FLAGS = {
-    "instance": ("instance", str),
-    "socket": ("socket", str),
-    "tcp_port": ("tcp_port", int),
-    "arena": ("arena", str),
-    "device": ("device", str),
-    "pool_size": ("pool_size", parse_size),
-    "preallocate": ("preallocate", parse_size),
-    "page_size": ("page_size", parse_size),
-    "slab_size": ("slab_size", parse_size),
-    "window_factor": ("window_factor", int),
-    "placement": ("placement", str),
-    "eviction_policy": ("eviction_policy", str),
-    "high_watermark": ("high_watermark", float),
-    "low_watermark": ("low_watermark", float),
-    "lease": ("default_lease_s", float),
-    "max_pins_per_session": ("max_pins_per_session", int),
-    "state_dir": ("state_dir", str),
-    "allow_uid": ("allowed_uids", tuple),
-    "socket_mode": ("socket_mode", lambda v: int(v, 8)),
-    "socket_group": ("socket_group", str),
-    "adapter_dtype": ("adapter_dtype", str),
-    "adapter_max_rank": ("adapter_max_rank", int),
-    "hot_tier_adapters": ("hot_tier_adapters", int),
-    "hot_tier_pages": ("hot_tier_pages", int),
-    "warm_tier_bytes": ("warm_tier_bytes", parse_size),
-    "warm_int8": ("warm_int8", bool),
-    "no_adapter_image_cache": ("adapter_image_cache", lambda v: not v),
-    "adapter_image_budget": ("adapter_image_budget", parse_size),
-    "no_adapter_convert_ahead": ("adapter_convert_ahead", lambda v: not v),
-    "metrics_port": ("metrics_port", int),
-    "metrics_address": ("metrics_address", str),
-    "enable_echo": ("enable_echo", bool),
-    "grace": ("grace_s", float),
-    "log_level": ("log_level", str),
-    "log_format": ("log_format", str),
-}
-
-
 def flag_overrides(a: argparse.Namespace) -> dict:
     """The options given as flags (argparse leaves absent flags out of the namespace).
 
     Raises:
         ValueError: a flag's value cannot be read; the message starts with the flag.
     """
+    from memory_broker.broker.server.options import SETTINGS, SHORTHANDS
+    from memory_broker.broker.server.values import read
+
     out = {}
-    if hasattr(a, "adapter_policy"):
-        out["adapter_hot_policy"] = out["adapter_warm_policy"] = a.adapter_policy
-    for dest, (field_name, conv) in _FLAGS.items():
+    for flag, (dest, names, _) in SHORTHANDS.items():
         if hasattr(a, dest):
-            try:
-                out[field_name] = conv(getattr(a, dest))
-            except ValueError as e:
-                raise ValueError(f"--{dest.replace('_', '-')}: {e}") from None
+            out.update(dict.fromkeys(names, getattr(a, dest)))
+    for s in SETTINGS.values():
+        dest = s.flag[2:].replace("-", "_") if s.flag else None
+        if dest is None or not hasattr(a, dest):
+            continue
+        v = getattr(a, dest)
+        if s.kind == "bool":
+            v = not s.flag.startswith("--no-")  # store_true: given means on, or off for --no-X
+        elif s.kind == "uids":
+            v = tuple(v)
+        elif s.kind in ("size", "duration", "mode", "paths"):
+            v = read(s.kind, v, s.flag)
+        out[s.name] = v
     if getattr(a, "json", False):
         if out.get("log_format", "json") != "json":
             raise ValueError(f"--json means --log-format json; it contradicts --log-format {out['log_format']}")
@@ -265,7 +226,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             raise CliError(f"--{opt} is for status and adapters, not serve", code=2)
     try:
         from memory_broker.broker.server.app import serve
-        from memory_broker.broker.server.config import build_options
+        from memory_broker.broker.server.config import build_options, deprecation_notes
         from memory_broker.broker.server.lock import SocketPathLocked
         from memory_broker.broker.server.logs import configure
     except ImportError as e:
@@ -279,6 +240,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         log = configure(opts.log_level, opts.log_format)
     except ValueError as e:
         raise CliError(str(e), code=2) from None
+    for note in deprecation_notes():
+        log.warning("deprecated_setting", detail=note)
     try:
         asyncio.run(serve(opts, log, overrides))
     except SocketPathLocked as e:

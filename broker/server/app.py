@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import dataclasses
 import grp
 import os
 import signal
@@ -21,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from memory_broker.broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry
+from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
 from memory_broker.broker.arena import ArenaGeometry, make_arena
 from memory_broker.broker.errors import BrokerError
 from memory_broker.broker.eviction import make_policy
@@ -31,7 +30,7 @@ from memory_broker.broker.server.config import ConfigError, build_options, reloa
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
-from memory_broker.broker.server.options import ServeOptions, format_size
+from memory_broker.broker.server.options import ServeOptions, adapter_config, format_size
 from memory_broker.broker.service import ArenaGrown, EchoService, MemoryBrokerService, ShuttingDown
 from memory_broker.broker.sessions.fd_channel import FdChannelServer
 from memory_broker.broker.sessions.liveness import PidWatcher
@@ -170,18 +169,7 @@ class BrokerServer:
             self.store,
             self.arena,
             self.registry,
-            AdapterConfig(
-                dtype=opts.adapter_dtype,
-                hot_budget_pages=opts.hot_tier_pages,
-                hot_budget_adapters=opts.hot_tier_adapters,
-                warm_budget_bytes=opts.warm_tier_bytes,
-                warm_int8=opts.warm_int8,
-                image_cache=opts.adapter_image_cache,
-                image_budget_bytes=opts.adapter_image_budget,
-                convert_ahead=opts.adapter_convert_ahead,
-                hot_policy=opts.adapter_hot_policy,
-                warm_policy=opts.adapter_warm_policy,
-            ),
+            adapter_config(opts),
             log=self.log,
         )
         # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
@@ -375,7 +363,7 @@ class BrokerServer:
             self.service.log = self.log
             self.service.debug_rpcs = new.log_level == "debug"
         kept = {f: getattr(self.opts, f) for f in restart}
-        self.opts = dataclasses.replace(new, **kept)
+        self.opts = new.model_copy(update=kept)
         self.log.info("reloaded", applied=apply, needs_restart=restart)
         self.notifier.send("READY=1", f"STATUS=reloaded; {self.status_line()}")
 

@@ -14,7 +14,7 @@ from typing import TextIO
 
 import structlog
 
-from memory_broker.broker.server.options import LOG_FORMATS
+from memory_broker.broker.server.values import LOG_FORMATS
 from memory_broker.broker.service import merge_call
 
 # The format the last ``configure`` chose ("auto" resolved), kept when a reload changes only

@@ -1,142 +1,198 @@
-"""What ``memory-broker serve`` is told: every setting with its default, checked at start.
+"""The one schema of what ``memory-broker serve`` is told: each setting declared once, as a
+field of ``ServeOptions`` (a pydantic model) with its type, default, bounds, YAML key, flag,
+help, whether SIGHUP may change it, and its deprecated spellings.
 
-Sizes are binary and written the way people write them ("2MiB", "1GiB", "512KiB", "1G", or
-plain bytes); "1GB" is refused with a hint rather than guessed. A bad value is refused with
-a message that names the setting.
+Everything else is generated from here: the serve flags (``cli.py``), the YAML reading and the
+reload split (``config.py``), the messages that name a setting, and the check of
+``ops/broker.example.yaml`` (tests/test_config_schema.py). This module does not read files or
+parse command lines, and is imported only by ``serve`` (pydantic costs ~0.1 s to import).
+
+One name per setting: the field is the flag's name (``--hot-tier-adapters`` ->
+``hot_tier_adapters``; the shorthands ``--lease``, ``--grace`` and ``--allow-uid`` are the only
+exceptions); the YAML key is ``<section>.<name>``, where the ``adapters`` section drops the
+``adapter_`` prefix of a field (``adapter_image_budget`` -> ``adapters.image_budget``), and
+``AdapterConfig``'s fields are those YAML leaf names.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import annotated_types as at
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
+from memory_broker.broker.server.values import (  # noqa: F401  (parse_size, format_size: their old home)
+    DEFAULT_SOCKET,
+    KINDS,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    ConfigError,
+    format_size,
+    parse_size,
+    show,
+)
 
-# Binary units only: a GPU page is 2 MiB, not 2 MB. The single letters (1G, 512K) are binary
-# too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to
-# some readers and powers of two to others, and a pool size is no place to guess.
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10,
-    "m": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tib": 1 << 40,
-}  # fmt: skip
-_DECIMAL = {"kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB"}
-
-LOG_FORMATS = ("auto", "console", "json")
-
-DEFAULT_SOCKET = os.environ.get("MEMORY_BROKER_SOCKET", "/tmp/memory-broker.sock")
+_AUTO = "auto"
 
 
-def parse_size(text: str | int, what: str | None = None) -> int:
-    """'2MiB' -> 2097152: bytes, or a number with K/KiB, M/MiB, G/GiB or T/TiB (binary).
+def setting(
+    default: Any = None,
+    *,
+    kind: str,
+    help: str,
+    yaml: str | None,
+    flag: str | None = _AUTO,
+    metavar: str | None = None,
+    reload: bool = False,
+    aliases: tuple[str, ...] = (),
+    shown: str | None = None,
+    note: str = "",
+    unit: str = "",
+    factory: Any = None,
+    **bounds: Any,
+) -> Any:
+    """One setting's declaration: a pydantic ``Field`` carrying the rest in ``json_schema_extra``.
 
-    Raises:
-        ValueError: not a size, a decimal unit (GB), or not a whole number of bytes; the
-            message starts with ``what:`` when given.
+    ``flag`` defaults to the field's name with dashes; None means no flag (``yaml`` None: no
+    YAML key). ``shown`` replaces the default in help text ("0: grow on demand"); ``note`` and
+    ``unit`` complete the bounds in messages ("must be >= 0 (0 = no limit)").
     """
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    head = f"{what}: " if what else ""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if m and m.group(2).lower() in _DECIMAL:
-        unit = _DECIMAL[m.group(2).lower()]
-        raise ValueError(
-            f"{head}{text!r}: decimal units (kB, MB, GB, TB) are not accepted; sizes are binary: "
-            f"write {m.group(1)}{unit} ({m.group(1)} x 2^{_UNITS[unit.lower()].bit_length() - 1} bytes) "
-            f"or a number of bytes"
-        )
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{head}cannot read {text!r} as a size; write e.g. 2MiB, 512KiB, 1GiB or a number of bytes")
-    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if n != int(n):
-        raise ValueError(f"{head}{text!r} is not a whole number of bytes ({n:g})")
-    return int(n)
+    assert kind in KINDS, kind
+    extra = {"kind": kind, "yaml": yaml, "flag": flag, "metavar": metavar, "reload": reload,
+             "aliases": list(aliases), "shown": shown, "note": note, "unit": unit}  # fmt: skip
+    if factory is not None:
+        return Field(default_factory=factory, description=help, json_schema_extra=extra, **bounds)
+    return Field(default, description=help, json_schema_extra=extra, **bounds)
 
 
-def format_size(n: int) -> str:
-    for unit, k in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k and n % (k // 1024 or 1) == 0:
-            v = n / k
-            return f"{v:g} {unit}"
-    return f"{n} B"
+class ServeOptions(BaseModel):
+    """Every setting of a running broker, with its default. Types and bounds are checked on
+    construction and on assignment; ``validate`` adds the checks that span settings or look at
+    the machine (the socket's directory, the group)."""
 
+    model_config = ConfigDict(strict=True, validate_assignment=True, extra="forbid")
 
-@dataclass(slots=True)
-class ServeOptions:
-    # gRPC Unix socket; the fd side channel listens at this path + ".fds".
-    socket: str = DEFAULT_SOCKET
-    # Optional loopback TCP port for gRPC (0 = none).
-    tcp_port: int = 0
-    # auto | host | cuda
-    arena: str = "auto"
-    # CUDA device: index ("0") or UUID ("GPU-..."); sockets and state are best keyed by UUID.
-    device: str = "0"
-    # Most memory the arena may hold, and how much of it to create at start.
-    pool_size: int = 1 << 30
-    preallocate: int = 0
-    page_size: int = 2 << 20
-    slab_size: int = 64 << 20
-    # Virtual window size as a multiple of pool_size.
-    window_factor: int = 4
-    # best_fit | first_fit (placement of contiguous ranges in the window).
-    placement: str = "best_fit"
-    eviction_policy: str = "lru_size_aware"
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
-    default_lease_s: float = 30.0
-    # Where persistent state lives (the adapter registry of a later version); created if missing.
-    state_dir: str = field(default_factory=lambda: os.environ.get("MEMORY_BROKER_STATE_DIR", "/tmp/memory-broker-state"))
-    # uids allowed on the fd channel; empty = the broker's own uid only.
-    allowed_uids: tuple[int, ...] = ()
-    # Serve the bare Echo service beside the broker (benchmarks).
-    enable_echo: bool = False
-    # Seconds SIGTERM waits for in-flight calls.
-    grace_s: float = 10.0
-    log_level: str = "info"
-    # auto (human-readable on a terminal, JSON lines otherwise) | console | json
-    log_format: str = "auto"
-    # Most pins one session may hold at once (0 = no limit).
-    max_pins_per_session: int = 0
-    # Permissions for the two sockets (None: follow the umask) and their group (engines').
-    socket_mode: int | None = None
-    socket_group: str | None = None
-    # LoRA adapters: storage dtype of hot rows (what the kernels read), the largest rank
-    # accepted at registration, tier budgets (0 = bounded only by the pool for hot), int8
-    # warm images, and each tier's victim policy (adaptive, lru, lfu, gdsf).
-    adapter_dtype: str = "bfloat16"
-    adapter_max_rank: int = 256
-    hot_tier_pages: int = 0
-    hot_tier_adapters: int = 0
-    warm_tier_bytes: int = 4 << 30
-    warm_int8: bool = False
-    # Keep converted page images in STATE_DIR/images so later cold loads are a plain read;
-    # the disk they may take (0 = no limit); convert registered adapters ahead of use.
-    adapter_image_cache: bool = True
-    adapter_image_budget: int = 64 << 30
-    adapter_convert_ahead: bool = True
-    adapter_hot_policy: str = DEFAULT_POLICY
-    adapter_warm_policy: str = DEFAULT_POLICY
-    # Security (see README "Security"): directories registered adapters must resolve inside
-    # (empty: wherever the caller may read); uids whose sessions may register, unregister and
-    # prefetch adapters (empty: the broker's own uid and the allowed uids); open sessions in
-    # all and per uid (0: no limit); seconds a gRPC connection with no call open is kept.
-    adapter_allowed_roots: tuple[str, ...] = ()
-    adapter_manager_uids: tuple[int, ...] = ()
-    max_sessions: int = 4096
-    max_sessions_per_uid: int = 1024
-    idle_timeout_s: float = 300.0
-    # Prometheus endpoint (0 = off).
-    metrics_port: int = 0
-    metrics_address: str = "127.0.0.1"
-    # How often STATUS lines and metric snapshots are refreshed.
-    status_interval_s: float = 1.0
-    # Name of this broker (the systemd instance, e.g. a GPU index or UUID); in logs.
-    instance: str = ""
-    # The YAML file the options came from (SIGHUP rereads it).
+    socket: str = setting(DEFAULT_SOCKET, kind="str", yaml="listeners.socket", metavar="PATH",
+                          help="gRPC Unix socket; the fd channel is PATH.fds, PATH.lock guards it")  # fmt: skip
+    tcp_port: int = setting(0, kind="int", yaml="listeners.tcp_port", metavar="N", shown="none", ge=0, le=65535,
+                            help="also serve gRPC on 127.0.0.1:N (GetArena, GetStats and health only)")  # fmt: skip
+    arena: Literal["auto", "host", "cuda"] = setting("auto", kind="choice", yaml="arena.backend",
+                                                     help="arena backend (auto: CUDA where usable, else host)")  # fmt: skip
+    device: str = setting("0", kind="text", yaml="arena.device",
+                          help="CUDA device index or UUID (GPU-...; stable across CUDA_VISIBLE_DEVICES)")  # fmt: skip
+    pool_size: int = setting(1 << 30, kind="size", yaml="memory_pool.pool_size", metavar="SIZE",
+                             help="most memory the arena may hold")  # fmt: skip
+    preallocate: int = setting(0, kind="size", yaml="memory_pool.preallocate", metavar="SIZE",
+                               shown="0: grow on demand", help="memory to create at start")  # fmt: skip
+    page_size: int = setting(2 << 20, kind="size", yaml="memory_pool.page_size", metavar="SIZE",
+                             help="page size, a power of two 512KiB..4MiB")  # fmt: skip
+    slab_size: int = setting(64 << 20, kind="size", yaml="memory_pool.slab_size", metavar="SIZE",
+                             help="slab (growth unit) size, a multiple of the page size")  # fmt: skip
+    window_factor: int = setting(4, kind="int", yaml="memory_pool.window_factor", metavar="N", ge=1, le=64,
+                                 help="virtual window / pool size")  # fmt: skip
+    placement: Literal["best_fit", "first_fit"] = setting(
+        "best_fit", kind="choice", yaml="memory_pool.allocation_strategy",
+        help="placement of contiguous ranges in the window")  # fmt: skip
+    eviction_policy: Literal["lru_size_aware", "lru"] = setting(
+        "lru_size_aware", kind="choice", yaml="memory_pool.eviction.policy",
+        help="victim order when above the high watermark")  # fmt: skip
+    high_watermark: float = setting(0.90, kind="float", yaml="memory_pool.eviction.high_watermark", metavar="F",
+                                    reload=True, gt=0.0, le=1.0, help="pool utilization that starts eviction")  # fmt: skip
+    low_watermark: float = setting(0.80, kind="float", yaml="memory_pool.eviction.low_watermark", metavar="F",
+                                   reload=True, gt=0.0, le=1.0,
+                                   help="utilization eviction brings the pool down to")  # fmt: skip
+    default_lease_s: float = setting(30.0, kind="duration", yaml="memory_pool.transactions.default_lease",
+                                     flag="--lease", metavar="S", reload=True, gt=0.0, le=600.0,
+                                     help="default transaction lease (30s, 2m, or seconds)")  # fmt: skip
+    state_dir: str = setting(kind="str", yaml="state_dir", metavar="DIR",
+                             factory=lambda: os.environ.get("MEMORY_BROKER_STATE_DIR", "/tmp/memory-broker-state"),
+                             help="persistent state: the adapter registry and images; created if missing")  # fmt: skip
+    allowed_uids: tuple[int, ...] = setting((), kind="uids", yaml="security.allowed_uids", flag="--allow-uid",
+                                            metavar="UID", reload=True, shown="own uid",
+                                            help="uid allowed on the fd channel (repeat)")  # fmt: skip
+    enable_echo: bool = setting(False, kind="bool", yaml=None, help="serve the bare Echo service (benchmarks)")
+    grace_s: float = setting(10.0, kind="duration", yaml="shutdown.grace", flag="--grace", metavar="S",
+                             reload=True, ge=0.0, help="time SIGTERM waits for in-flight calls")  # fmt: skip
+    log_level: Literal["debug", "info", "warning", "error"] = setting(
+        "info", kind="choice", yaml="logging.level", reload=True, help="least severe event logged")
+    log_format: Literal["auto", "console", "json"] = setting(
+        "auto", kind="choice", yaml="logging.format",
+        help="auto: human-readable on a terminal, JSON lines otherwise; console; json (--json)")  # fmt: skip
+    max_pins_per_session: int = setting(0, kind="int", yaml="memory_pool.pinning.max_pins_per_session",
+                                        metavar="N", reload=True, ge=0, note="0 = no limit", shown="0: no limit",
+                                        help="most pins one session may hold")  # fmt: skip
+    socket_mode: int | None = setting(None, kind="mode", yaml="listeners.socket_mode", metavar="MODE",
+                                      shown="umask", help="permissions of both sockets, e.g. 0660")  # fmt: skip
+    socket_group: str | None = setting(None, kind="str", yaml="listeners.socket_group", metavar="GROUP",
+                                       shown="the broker's", help="group of both sockets (the engines' group)")  # fmt: skip
+    # LoRA adapters (the adapters section; AdapterConfig's fields are the YAML leaf names).
+    adapter_dtype: Literal["bfloat16", "float16", "float32"] = setting(
+        "bfloat16", kind="choice", yaml="adapters.dtype", help="storage of hot adapter rows (what the kernels read)")
+    adapter_max_rank: int = setting(256, kind="int", yaml="adapters.max_rank", metavar="R", ge=1, le=4096,
+                                    help="largest LoRA rank accepted at registration")  # fmt: skip
+    hot_tier_pages: int = setting(0, kind="int", yaml="adapters.hot_tier_pages", metavar="N", ge=0,
+                                  shown="0: pool-bound", help="most arena pages adapters may take")  # fmt: skip
+    hot_tier_adapters: int = setting(0, kind="int", yaml="adapters.hot_tier_adapters", metavar="N", ge=0,
+                                     aliases=("adapters.hot_tier_budget",), shown="0: pool-bound",
+                                     help="most adapters in arena pages")  # fmt: skip
+    warm_tier_bytes: int = setting(4 << 30, kind="size", yaml="adapters.warm_tier_bytes", metavar="SIZE", ge=0,
+                                   help="host memory for warm adapters (0: no warm tier)")  # fmt: skip
+    warm_int8: bool = setting(False, kind="bool", yaml="adapters.warm_int8",
+                              help="keep warm adapters as int8 rows with per-row scales")  # fmt: skip
+    adapter_image_cache: bool = setting(True, kind="bool", yaml="adapters.image_cache",
+                                        flag="--no-adapter-image-cache",
+                                        help="do not keep converted adapter images on disk")  # fmt: skip
+    adapter_image_budget: int = setting(64 << 30, kind="size", yaml="adapters.image_budget", metavar="SIZE", ge=0,
+                                        help="disk the converted images may take (0: no limit)")  # fmt: skip
+    adapter_convert_ahead: bool = setting(True, kind="bool", yaml="adapters.convert_ahead",
+                                          flag="--no-adapter-convert-ahead",
+                                          help="convert adapters into images only when first loaded, "
+                                               "not after registration")  # fmt: skip
+    adapter_hot_policy: Literal[tuple(POLICIES)] = setting(  # type: ignore[valid-type]
+        DEFAULT_POLICY, kind="choice", yaml="adapters.hot_policy", help="victim order of the hot tier")
+    adapter_warm_policy: Literal[tuple(POLICIES)] = setting(  # type: ignore[valid-type]
+        DEFAULT_POLICY, kind="choice", yaml="adapters.warm_policy", help="victim order of the warm tier")
+    # Security (README "Security").
+    adapter_allowed_roots: tuple[str, ...] = setting(
+        (), kind="paths", yaml="adapters.allowed_roots", flag="--adapter-allowed-root", metavar="DIR",
+        shown="any path the caller may read", help="directory registered adapters must resolve inside (repeat)")  # fmt: skip
+    adapter_manager_uids: tuple[int, ...] = setting(
+        (), kind="uids", yaml="adapters.manager_uids", flag="--adapter-manager-uid", metavar="UID", reload=True,
+        shown="own and allowed uids", help="uid whose sessions may register, unregister and prefetch adapters (repeat)")  # fmt: skip
+    max_sessions: int = setting(4096, kind="int", yaml="security.max_sessions", metavar="N", reload=True, ge=0,
+                                note="0 = no limit", help="open sessions in all (0: no limit)")  # fmt: skip
+    max_sessions_per_uid: int = setting(1024, kind="int", yaml="security.max_sessions_per_uid", metavar="N",
+                                        reload=True, ge=0, note="0 = no limit",
+                                        help="open sessions owned by one uid (0: no limit)")  # fmt: skip
+    idle_timeout_s: float = setting(300.0, kind="duration", yaml="listeners.idle_timeout", flag="--idle-timeout",
+                                    metavar="T", ge=1.0, le=86400.0, unit="seconds",
+                                    help="close a gRPC connection with no call open for this long")  # fmt: skip
+    metrics_port: int = setting(0, kind="int", yaml="listeners.metrics_port", metavar="N", ge=0, le=65535,
+                                shown="0: off", help="serve Prometheus metrics on this port")  # fmt: skip
+    metrics_address: str = setting("127.0.0.1", kind="str", yaml="listeners.metrics_address", metavar="ADDR",
+                                   help="address of the metrics endpoint")  # fmt: skip
+    status_interval_s: float = setting(1.0, kind="duration", yaml="status_interval", flag="--status-interval",
+                                       metavar="T", reload=True, ge=0.05, le=3600.0, unit="seconds",
+                                       help="how often STATUS lines and metric snapshots are refreshed")  # fmt: skip
+    instance: str = setting("", kind="str", yaml=None, shown="none",
+                            help="name of this broker (systemd instance: GPU index or UUID); in logs")  # fmt: skip
+    # The YAML file the options came from (SIGHUP rereads it): not a setting.
     config_path: str | None = None
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise _explain(e) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise _explain(e) from None
 
     @property
     def fd_socket(self) -> str:
@@ -145,88 +201,168 @@ class ServeOptions:
     def effective_uids(self) -> frozenset[int]:
         return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid()})
 
-    def _check_socket_dir(self) -> None:
-        """The socket's directory must exist and take new files (the socket, .fds, .lock)."""
-        d = os.path.dirname(os.path.abspath(self.socket))
-        if not os.path.isdir(d):
-            raise ValueError(
-                f"socket: the directory {d} does not exist; create it (mkdir -p {d}) "
-                f"or choose a socket path in an existing directory"
-            )
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise ValueError(
-                f"socket: cannot create files in {d} (permission denied for uid {os.getuid()}); "
-                f"run as a user who may, or choose a socket path in a writable directory"
-            )
-
     def manager_uids(self) -> frozenset[int]:
         """Uids allowed to manage adapters: as configured, else the broker's and the allowed ones."""
         if self.adapter_manager_uids:
             return frozenset(self.adapter_manager_uids)
         return self.effective_uids() | {os.getuid()}
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad setting."""
+    def _check_socket_dir(self) -> None:
+        """The socket's directory must exist and take new files (the socket, .fds, .lock)."""
+        d = os.path.dirname(os.path.abspath(self.socket))
+        if not os.path.isdir(d):
+            raise SettingError("socket", f"the directory {d} does not exist; create it (mkdir -p {d}) "
+                               f"or choose a socket path in an existing directory")  # fmt: skip
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise SettingError("socket", f"cannot create files in {d} (permission denied for uid {os.getuid()}); "
+                               f"run as a user who may, or choose a socket path in a writable directory")  # fmt: skip
+
+    def validate(self) -> None:  # type: ignore[override]  (pydantic's deprecated classmethod)
+        """Raise SettingError naming the first bad setting. Types and single-setting bounds were
+        checked on construction; these are the checks that span settings or ask the machine.
+        The arena geometry checks move to the shared arena package with the arena split."""
         ps = self.page_size
         if not (512 << 10) <= ps <= (4 << 20) or ps & (ps - 1):
-            raise ValueError(f"page_size: {ps} bytes; must be a power of two from 512KiB to 4MiB")
+            raise SettingError("page_size", f"{ps} bytes; must be a power of two from 512KiB to 4MiB")
         if self.slab_size % ps or self.slab_size < ps:
-            raise ValueError(f"slab_size: {self.slab_size} bytes is not a multiple of page_size ({ps})")
+            raise SettingError("slab_size", f"{self.slab_size} bytes is not a multiple of page_size ({ps})")
         if self.pool_size < self.slab_size or self.pool_size % self.slab_size:
-            raise ValueError(
-                f"pool_size: {self.pool_size} bytes must be a positive multiple of slab_size ({self.slab_size})"
-            )
+            raise SettingError("pool_size", f"{self.pool_size} bytes must be a positive multiple of "
+                               f"slab_size ({self.slab_size})")  # fmt: skip
         if self.preallocate < 0 or self.preallocate > self.pool_size:
-            raise ValueError(f"preallocate: {self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})")
-        if not 1 <= self.window_factor <= 64:
-            raise ValueError(f"window_factor: {self.window_factor}; must be 1..64")
-        if self.placement not in ("best_fit", "first_fit"):
-            raise ValueError(f"placement: {self.placement!r}; must be best_fit or first_fit")
-        if not 0.0 < self.high_watermark <= 1.0:
-            raise ValueError(f"high_watermark: {self.high_watermark}; must be in (0, 1]")
-        if not 0.0 < self.low_watermark <= self.high_watermark:
-            raise ValueError(
-                f"low_watermark: {self.low_watermark}; must be in (0, high_watermark={self.high_watermark}]"
-            )
-        if not 0 < self.default_lease_s <= 600:
-            raise ValueError(f"default_lease_s: {self.default_lease_s}; must be in (0, 600]")
-        if not 0 <= self.tcp_port <= 65535:
-            raise ValueError(f"tcp_port: {self.tcp_port}; must be 0..65535")
+            raise SettingError("preallocate", f"{self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})")
+        if not self.low_watermark <= self.high_watermark:
+            raise SettingError("low_watermark", f"{self.low_watermark}; must be in (0, high_watermark={self.high_watermark}]")
         if len(self.fd_socket.encode()) > 107:
-            raise ValueError(f"socket: {self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)")
+            raise SettingError("socket", f"{self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)")
         self._check_socket_dir()
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format: {self.log_format!r}; must be {', '.join(LOG_FORMATS)}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s: {self.grace_s}; must be >= 0")
-        if self.max_pins_per_session < 0:
-            raise ValueError(f"max_pins_per_session: {self.max_pins_per_session}; must be >= 0 (0 = no limit)")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port: {self.metrics_port}; must be 0..65535")
-        if not 0.05 <= self.status_interval_s <= 3600:
-            raise ValueError(f"status_interval_s: {self.status_interval_s}; must be 0.05..3600 seconds")
-        if self.adapter_dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"adapter_dtype: {self.adapter_dtype!r}; must be bfloat16, float16 or float32")
-        if not 1 <= self.adapter_max_rank <= 4096:
-            raise ValueError(f"adapter_max_rank: {self.adapter_max_rank}; must be 1..4096")
-        for name in ("hot_tier_pages", "hot_tier_adapters", "warm_tier_bytes", "adapter_image_budget"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: {getattr(self, name)}; must be >= 0")
-        for name in ("adapter_hot_policy", "adapter_warm_policy"):
-            if getattr(self, name) not in POLICIES:
-                raise ValueError(f"{name}: {getattr(self, name)!r}; must be one of {', '.join(POLICIES)}")
-        for name in ("max_sessions", "max_sessions_per_uid"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: {getattr(self, name)}; must be >= 0 (0 = no limit)")
-        if not 1 <= self.idle_timeout_s <= 86400:
-            raise ValueError(f"idle_timeout_s: {self.idle_timeout_s}; must be 1..86400 seconds")
         for root in self.adapter_allowed_roots:
             if not root.startswith("/") or "\x00" in root:
-                raise ValueError(f"adapter_allowed_roots: {root!r} is not an absolute path")
+                raise SettingError("adapter_allowed_roots", f"{root!r} is not an absolute path")
         if self.socket_group is not None:
             import grp
 
             try:
                 grp.getgrnam(self.socket_group)
             except KeyError:
-                raise ValueError(f"socket_group: no group named {self.socket_group!r} on this machine") from None
+                raise SettingError("socket_group", f"no group named {self.socket_group!r} on this machine") from None
+
+
+class SettingError(ConfigError):
+    """A bad value of one setting: ``<field>: <what is wrong>``; ``setting`` is the field."""
+
+    def __init__(self, setting: str, detail: str):
+        super().__init__(f"{setting}: {detail}")
+        self.setting, self.detail = setting, detail
+
+
+# ----------------------------------------------------------------- the schema, as records
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting as the rest of the daemon sees it (read from ``ServeOptions``' fields)."""
+
+    name: str  # the ServeOptions field
+    kind: str  # how it is written (values.KINDS)
+    yaml: str | None  # its key in the config file, dotted
+    flag: str | None  # its serve flag
+    help: str
+    metavar: str | None
+    reload: bool  # SIGHUP may change it in a running broker
+    aliases: tuple[str, ...]  # deprecated YAML keys, still read
+    choices: tuple[str, ...]
+    shown: str | None  # the default as help text shows it, where showing the value misleads
+    note: str
+    unit: str
+    bounds: tuple[Any, ...]  # annotated_types Gt/Ge/Lt/Le
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``adapters.hot_tier_adapters (--hot-tier-adapters)``."""
+        names = [n for n in (self.yaml, self.flag) if n]
+        return f"{names[0]} ({names[1]})" if len(names) == 2 else names[0]
+
+    def default(self) -> Any:
+        return ServeOptions.model_fields[self.name].get_default(call_default_factory=True)
+
+    def shown_default(self) -> str:
+        return self.shown if self.shown is not None else show(self.kind, self.default())
+
+    def must_be(self) -> str:
+        """The bounds in words: ``1..64``, ``in (0, 1]``, ``>= 0 (0 = no limit)``."""
+        b = {type(x).__name__: getattr(x, type(x).__name__.lower()) for x in self.bounds}
+        lo, hi = b.get("Ge", b.get("Gt")), b.get("Le", b.get("Lt"))
+        if lo is not None and hi is not None:
+            text = f"{lo:g}..{hi:g}" if "Ge" in b and "Le" in b else (
+                f"in {'[' if 'Ge' in b else '('}{lo:g}, {hi:g}{']' if 'Le' in b else ')'}")
+        elif lo is not None:
+            text = f"{'>=' if 'Ge' in b else '>'} {lo:g}"
+        else:
+            text = f"{'<=' if 'Le' in b else '<'} {hi:g}"
+        return text + (f" {self.unit}" if self.unit else "") + (f" ({self.note})" if self.note else "")
+
+
+def _settings() -> dict[str, Setting]:
+    out = {}
+    for name, f in ServeOptions.model_fields.items():
+        x = f.json_schema_extra
+        if not isinstance(x, dict):
+            continue  # config_path: not a setting
+        flag = x["flag"]
+        if flag == _AUTO:
+            flag = "--" + name.replace("_", "-")
+        choices = tuple(getattr(f.annotation, "__args__", ())) if x["kind"] == "choice" else ()
+        bounds = tuple(m for m in f.metadata if isinstance(m, (at.Gt, at.Ge, at.Lt, at.Le)))
+        out[name] = Setting(name, x["kind"], x["yaml"], flag, f.description or "", x["metavar"], x["reload"],
+                            tuple(x["aliases"]), choices, x["shown"], x["note"], x["unit"], bounds)  # fmt: skip
+    return out
+
+
+# Every setting, by field name, in declaration order.
+SETTINGS: dict[str, Setting] = _settings()
+
+# Flags that set several settings at once: --adapter-policy sets both tiers' policies (a
+# tier's own flag, given too, wins for that tier).
+SHORTHANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "--adapter-policy": ("adapter_policy", ("adapter_hot_policy", "adapter_warm_policy"),
+                         f"victim order of both adapter tiers (default {DEFAULT_POLICY})"),
+}  # fmt: skip
+
+
+def _explain(e: ValidationError) -> SettingError:
+    """pydantic's first complaint, as this project words it: ``window_factor: 70; must be 1..64``."""
+    err = e.errors()[0]
+    name = str(err["loc"][0]) if err["loc"] else "options"
+    v = err.get("input")
+    s = SETTINGS.get(name)
+    if err["type"] == "extra_forbidden":
+        return SettingError(name, "not a setting of ServeOptions")
+    if s and err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return SettingError(name, f"{v}; must be {s.must_be()}")
+    if s and err["type"] == "literal_error":
+        return SettingError(name, f"{v!r}; must be one of {', '.join(s.choices)}")
+    return SettingError(name, f"{err['msg'].lower()}, got {v!r}")
+
+
+def adapter_config(opts: ServeOptions) -> Any:
+    """The adapter wing's ``AdapterConfig`` from the options: the one place that maps them.
+
+    Merge note: AdapterConfig's fields are being renamed to the YAML leaf names (``hot_tier_pages``,
+    ``hot_tier_adapters``, ``warm_tier_bytes``, ``image_budget``); until then this maps onto the
+    names that exist, and only these keyword names change with the rename.
+    """
+    from memory_broker.broker.adapters import AdapterConfig
+
+    return AdapterConfig(
+        dtype=opts.adapter_dtype,
+        hot_budget_pages=opts.hot_tier_pages,
+        hot_budget_adapters=opts.hot_tier_adapters,
+        warm_budget_bytes=opts.warm_tier_bytes,
+        warm_int8=opts.warm_int8,
+        image_cache=opts.adapter_image_cache,
+        image_budget_bytes=opts.adapter_image_budget,
+        convert_ahead=opts.adapter_convert_ahead,
+        hot_policy=opts.adapter_hot_policy,
+        warm_policy=opts.adapter_warm_policy,
+    )
