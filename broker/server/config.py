@@ -58,9 +58,11 @@ def _unknown_key(key: str, where: str) -> ConfigError:
         k for k in (*SCHEMA, *SECTIONS) if k.count(".") == key.count(".") and (k.rsplit(".", 1)[0] if "." in k else "") == parent
     )
     leaves = [k.rsplit(".", 1)[-1] for k in siblings]
-    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], leaves, n=1, cutoff=0.7)
+    # A misspelled old spelling is pointed at the current key, not at the old one.
+    old = {k.rsplit(".", 1)[-1]: s.yaml.rsplit(".", 1)[-1] for k, s in ALIASES.items() if k.startswith(f"{parent}.")}
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], leaves + list(old), n=1, cutoff=0.7)
     if near:
-        hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)"
+        hint = f" (did you mean {parent + '.' if parent else ''}{old.get(near[0], near[0])}?)"
     else:
         hint = f"; known keys {'in ' + parent if parent else 'at the top level'}: {', '.join(leaves)}"
     return ConfigError(f"{key}: unknown key{where}{hint}")
