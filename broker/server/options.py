@@ -20,7 +20,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import annotated_types as at
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
@@ -275,7 +274,7 @@ class Setting:
     shown: str | None  # the default as help text shows it, where showing the value misleads
     note: str
     unit: str
-    bounds: tuple[Any, ...]  # annotated_types Gt/Ge/Lt/Le
+    bounds: tuple[Any, ...]  # pydantic's bound markers (annotated_types Gt/Ge/Lt/Le)
 
     @property
     def label(self) -> str:
@@ -313,7 +312,7 @@ def _settings() -> dict[str, Setting]:
         if flag == _AUTO:
             flag = "--" + name.replace("_", "-")
         choices = tuple(getattr(f.annotation, "__args__", ())) if x["kind"] == "choice" else ()
-        bounds = tuple(m for m in f.metadata if isinstance(m, (at.Gt, at.Ge, at.Lt, at.Le)))
+        bounds = tuple(m for m in f.metadata if type(m).__name__ in ("Gt", "Ge", "Lt", "Le"))  # annotated_types
         out[name] = Setting(name, x["kind"], x["yaml"], flag, f.description or "", x["metavar"], x["reload"],
                             tuple(x["aliases"]), choices, x["shown"], x["note"], x["unit"], bounds)  # fmt: skip
     return out
