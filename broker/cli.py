@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from memory_broker.broker.server.flags import add_serve_options, flag_overrides  # noqa: F401  (tests use it here)
 from memory_broker.broker.server.values import DEFAULT_SOCKET, format_size
 
 PROG = "memory-broker"
@@ -117,26 +118,7 @@ def _serve_parser(sub) -> None:
 
 
 def _serve_options(p: argparse.ArgumentParser) -> None:
-    """serve's flags, one per setting of the schema (``options.SETTINGS``), in its order."""
-    from memory_broker.broker.server.options import SETTINGS, SHORTHANDS
-
-    p.add_argument("--config", metavar="FILE", help="YAML configuration file (see ops/broker.example.yaml)")
-    for s in SETTINGS.values():
-        if not s.flag:
-            continue
-        if s.kind == "bool":
-            p.add_argument(s.flag, action="store_true", help=s.help)
-            continue
-        kw: dict = {"metavar": s.metavar, "help": f"{s.help} (default {s.shown_default()})"}
-        if s.choices:
-            kw = {"choices": s.choices, "help": kw["help"]}
-        elif s.kind in ("int", "float", "uids"):
-            kw["type"] = float if s.kind == "float" else int
-        if s.kind in ("uids", "paths"):
-            kw["action"] = "append"
-        p.add_argument(s.flag, **kw)
-    for flag, (_, _, help) in SHORTHANDS.items():
-        p.add_argument(flag, choices=SETTINGS["adapter_hot_policy"].choices, help=help)
+    add_serve_options(p)  # one per setting of the schema
     _common(p, serve=True)
 
 
@@ -183,38 +165,6 @@ def _list_options(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS
     p.add_argument("--prefix", default=S, help="only ids starting with this")
     p.add_argument("--limit", type=_count, default=S, metavar="N", help="show at most N adapters (default 0: all)")
-
-
-def flag_overrides(a: argparse.Namespace) -> dict:
-    """The options given as flags (argparse leaves absent flags out of the namespace).
-
-    Raises:
-        ValueError: a flag's value cannot be read; the message starts with the flag.
-    """
-    from memory_broker.broker.server.options import SETTINGS, SHORTHANDS
-    from memory_broker.broker.server.values import read
-
-    out = {}
-    for flag, (dest, names, _) in SHORTHANDS.items():
-        if hasattr(a, dest):
-            out.update(dict.fromkeys(names, getattr(a, dest)))
-    for s in SETTINGS.values():
-        dest = s.flag[2:].replace("-", "_") if s.flag else None
-        if dest is None or not hasattr(a, dest):
-            continue
-        v = getattr(a, dest)
-        if s.kind == "bool":
-            v = not s.flag.startswith("--no-")  # store_true: given means on, or off for --no-X
-        elif s.kind == "uids":
-            v = tuple(v)
-        elif s.kind in ("size", "duration", "mode", "paths"):
-            v = read(s.kind, v, s.flag)
-        out[s.name] = v
-    if getattr(a, "json", False):
-        if out.get("log_format", "json") != "json":
-            raise ValueError(f"--json means --log-format json; it contradicts --log-format {out['log_format']}")
-        out["log_format"] = "json"
-    return out
 
 
 # ----------------------------------------------------------------- serve
