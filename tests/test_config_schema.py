@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -186,6 +188,15 @@ def test_the_daemon_logs_an_old_spelling_as_a_warning(tmp_path):
         assert [e["detail"] for e in said] == [
             "adapters.hot_tier_budget is deprecated; write adapters.hot_tier_adapters (--hot-tier-adapters)"]
         assert said[0]["level"] == "warning"
+        # A reload reads the old spelling again (a new value is applied) without saying it again.
+        p.write_text("adapters:\n  hot_tier_budget: 3\nshutdown:\n  grace: 7s\n")
+        b.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while not any(e.get("event") == "reloaded" for e in b.log_events()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (reloaded,) = [e for e in b.log_events() if e.get("event") == "reloaded"]
+        assert reloaded["applied"] == {"grace_s": 7.0} and reloaded["needs_restart"] == []
+        assert len([e for e in b.log_events() if e.get("event") == "deprecated_setting"]) == 1
     finally:
         assert b.stop() == 0
 

@@ -26,7 +26,7 @@ from memory_broker.broker.errors import BrokerError
 from memory_broker.broker.eviction import make_policy
 from memory_broker.broker.objects import ObjectStore, StoreConfig
 from memory_broker.broker.pool import PagePool, WindowSpace
-from memory_broker.broker.server.config import ConfigError, build_options, reload_changes
+from memory_broker.broker.server.config import ConfigError, build_options, deprecation_notes, reload_changes
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
@@ -341,6 +341,8 @@ class BrokerServer:
             self.log.error("reload_refused", error=str(e))
             self.notifier.send("READY=1", f"STATUS=reload refused: {e}")
             return
+        for note in deprecation_notes():  # an old spelling new in the file: said once
+            self.log.warning("deprecated_setting", detail=note)
         apply, restart = reload_changes(self.opts, new)
         if "high_watermark" in apply or "low_watermark" in apply:
             self.store.set_watermarks(new.high_watermark, new.low_watermark)
