@@ -47,6 +47,9 @@ def test_every_setting_has_one_yaml_key_one_flag_and_help():
         # The one-name rule: the field is the flag's name, bar the three old shorthands.
         if s.flag and s.flag not in ("--lease", "--grace", "--allow-uid") and not s.flag.startswith("--no-"):
             assert s.flag[2:].replace("-", "_") in (s.name, s.name.removesuffix("_s"), s.name.removesuffix("s")), s
+        # The adapters section drops the field's adapter_ prefix: AdapterConfig's names.
+        if s.yaml and s.yaml.startswith("adapters."):
+            assert s.yaml == "adapters." + s.name.removeprefix("adapter_"), s
     # Every serve flag comes from the schema (plus --config, --json and --help).
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     serve = sub.choices["serve"]

@@ -2,7 +2,7 @@
 field of ``ServeOptions`` (a pydantic model) with its type, default, bounds, YAML key, flag,
 help, whether SIGHUP may change it, and its deprecated spellings.
 
-Everything else is generated from here: the serve flags (``cli.py``), the YAML reading and the
+Everything else is generated from here: the serve flags (``flags.py``), the YAML reading and the
 reload split (``config.py``), the messages that name a setting, and the check of
 ``ops/broker.example.yaml`` (tests/test_config_schema.py). This module does not read files or
 parse command lines, and is imported only by ``serve`` (pydantic costs ~0.1 s to import).
@@ -11,7 +11,8 @@ One name per setting: the field is the flag's name (``--hot-tier-adapters`` ->
 ``hot_tier_adapters``; the shorthands ``--lease``, ``--grace`` and ``--allow-uid`` are the only
 exceptions); the YAML key is ``<section>.<name>``, where the ``adapters`` section drops the
 ``adapter_`` prefix of a field (``adapter_image_budget`` -> ``adapters.image_budget``), and
-``AdapterConfig``'s fields are those YAML leaf names.
+``AdapterConfig``'s fields are those YAML leaf names; the other sections keep the ADR's keys
+(``placement`` is ``memory_pool.allocation_strategy``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def setting(
     YAML key). ``shown`` replaces the default in help text ("0: grow on demand"); ``note`` and
     ``unit`` complete the bounds in messages ("must be >= 0 (0 = no limit)").
     """
-    assert kind in KINDS, kind
+    if kind not in KINDS:
+        raise ValueError(f"unknown setting kind {kind!r}; one of {', '.join(sorted(KINDS))}")
     extra = {"kind": kind, "yaml": yaml, "flag": flag, "metavar": metavar, "reload": reload,
              "aliases": list(aliases), "shown": shown, "note": note, "unit": unit}  # fmt: skip
     if factory is not None:
