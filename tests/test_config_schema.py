@@ -142,8 +142,13 @@ def test_a_bad_value_in_the_file_names_its_key_and_the_bound(tmp_path, doc, word
 
 
 def test_a_bad_flag_value_names_the_setting_and_the_bound():
-    with pytest.raises(ConfigError, match=r"^window_factor: 99; must be 1\.\.64$"):
+    with pytest.raises(ConfigError, match=r"^window_factor: 99; must be 1\.\.64 \(given as --window-factor\)$"):
         build_options(None, flag_overrides(build_parser().parse_args(["serve", "--window-factor", "99"])))
+    # A default that no longer fits what was given: named with the key and flag that change it.
+    with pytest.raises(ConfigError) as e:
+        build_options(None, flag_overrides(build_parser().parse_args(["serve", "--slab-size", "48MiB"])))
+    assert str(e.value) == ("pool_size: 1073741824 bytes must be a positive multiple of slab_size (50331648); "
+                            "pool_size is at its default: set memory_pool.pool_size (--pool-size)")
     with pytest.raises(ValueError, match=r"^--idle-timeout: cannot read 'soon' as a duration"):
         flag_overrides(build_parser().parse_args(["serve", "--idle-timeout", "soon"]))
 

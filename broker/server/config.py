@@ -126,17 +126,24 @@ def load_config(path: str) -> dict[str, Any]:
 
 def build_options(config_path: str | None, overrides: dict[str, Any]) -> ServeOptions:
     """Defaults, then the file, then flags (``overrides``: only flags given). Validated; a bad
-    value from the file is named by its key (``memory_pool.page_size (page_size: ...)``)."""
+    value is named with where it came from: its key in the file (``memory_pool.page_size
+    (page_size: ...)``), its flag (``page_size: ... (given as --page-size)``), or the key and
+    flag that would change a default."""
     values: dict[str, Any] = load_config(config_path) if config_path else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         opts = ServeOptions(**values)
         opts.validate()
     except SettingError as e:
+        # Say where the bad value came from, and so where to change it.
         s = SETTINGS.get(e.setting)
-        if s and s.yaml and e.setting not in overrides:
+        if s is None:
+            raise ConfigError(str(e)) from None
+        if e.setting in overrides:
+            raise ConfigError(f"{e} (given as {s.flag})") from None
+        if s.yaml and e.setting in values:
             raise ConfigError(f"{s.yaml} ({e})") from None
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"{e}; {s.name} is at its default: set {s.label}") from None
     return opts
 
 
