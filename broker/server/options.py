@@ -117,9 +117,9 @@ class ServeOptions(BaseModel):
     enable_echo: bool = setting(False, kind="bool", yaml=None, help="serve the bare Echo service (benchmarks)")
     grace_s: float = setting(10.0, kind="duration", yaml="shutdown.grace", flag="--grace", metavar="S",
                              reload=True, ge=0.0, help="time SIGTERM waits for in-flight calls")  # fmt: skip
-    log_level: Literal["debug", "info", "warning", "error"] = setting(
+    log_level: Literal[LOG_LEVELS] = setting(  # type: ignore[valid-type]
         "info", kind="choice", yaml="logging.level", reload=True, help="least severe event logged")
-    log_format: Literal["auto", "console", "json"] = setting(
+    log_format: Literal[LOG_FORMATS] = setting(  # type: ignore[valid-type]
         "auto", kind="choice", yaml="logging.format",
         help="auto: human-readable on a terminal, JSON lines otherwise; console; json (--json)")  # fmt: skip
     max_pins_per_session: int = setting(0, kind="int", yaml="memory_pool.pinning.max_pins_per_session",
