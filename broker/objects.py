@@ -1,10 +1,11 @@
 """Allocations and their lifecycle: owners, keys, per-session pins and transactions.
 
-``ObjectStore`` is the broker's core state machine (DESIGN.md section 3). It decides which
-pages an allocation gets (through the page pool and the window), when an object is visible,
-who may free or unpin it, and what a session's end releases. Making room (eviction and
-growth) is its ``RoomMaker``, the transaction records its ``TransactionBook``, the running
-figures its ``Tally``. It never touches memory, sockets or gRPC: the arena maps, the service
+``ObjectStore`` is the broker's core state machine (DESIGN.md section 3), a facade over parts
+with one job each: the ``ObjectTable`` (objects by id and key, their pages), the
+``PinLedger`` (who pins what), the ``RoomMaker`` (evict or grow), the ``TransactionBook``
+(open and finished transactions) and the ``Tally`` (running figures). The store validates
+each request, decides who may free or unpin what and what a session's end releases, and
+drives the parts. It never touches memory, sockets or gRPC: the arena maps, the service
 translates, and events leave through the ``notify`` callback.
 
 Every public method validates its whole batch before changing anything and raises
@@ -20,17 +21,17 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from memory_broker.broker.batches import check_batch, check_key, check_specs, check_unique
-from memory_broker.broker.errors import denied, exhausted, invalid, not_found, precondition
+from memory_broker.broker.errors import denied, invalid, not_found, precondition
 from memory_broker.broker.eviction import EvictionPolicy, PriorityLRU
+from memory_broker.broker.object_table import ObjectTable
+from memory_broker.broker.pins import PinLedger
 from memory_broker.broker.pool import PagePool, WindowSpace
 from memory_broker.broker.room import RoomMaker
 from memory_broker.broker.shards import ShardedMap
 from memory_broker.broker.store_records import (
-    CONTENT_BY_NUMBER,
     Allocation,
     ObjectsEvicted,
     ObjectState,
-    Recent,
     SessionState,
     Spec,
     StoreConfig,
@@ -80,33 +81,34 @@ class ObjectStore:
         self._limits = StoreLimits.of(self.config)
         self._notify = notify or (lambda session, event: None)
         self._clock = clock
-        # Sharded: a million-entry dict rebuilds its table inside one call under churn.
-        self.objects: ShardedMap = ShardedMap()
-        # Committed, not freed objects by key.
-        self.keys: ShardedMap = ShardedMap()
         self.sessions: dict[int, SessionState] = {}
+        # Sessions ended whose pins and objects are still being released.
+        self._ending: dict[int, SessionState] = {}
         # Sessions the broker opened for itself (the adapter manager's): no pin limit, and
         # not counted as client sessions in stats.
         self.internal_sessions: set[int] = set()
         self.txns = TransactionBook(self.config.remember)
-        # Why an object id is gone ("evicted" / "freed"), for messages; oldest forgotten first.
-        self._gone: Recent = Recent(self.config.remember)
-        self._object_ids = itertools.count(1)
         self._session_ids = itertools.count(1)
         self.counters = Counters()
-        # Running figures for stats(), so reading them is O(1) at any size (kept by
-        # _drop, _reserve, the owner changes and the pin zero crossings).
+        # Running figures for stats(), so reading them is O(1) at any size (kept by the
+        # table as objects come and go, the owner changes and the pin zero crossings).
         self.tally = Tally()
+        self.table = ObjectTable(pool, window, self.policy, self.tally, self.config.remember, self._owner_state)
+        # The table's maps, by id and by key (read by the service, the adapter wing and tests).
+        self.objects: ShardedMap = self.table.objects
+        self.keys: ShardedMap = self.table.keys
+        self._drop = self.table.drop
         self.room = RoomMaker(
             pool, self.policy, self.objects, self.counters, self.tally, self._drop, self._notify,
             self.config.high_watermark, self.config.low_watermark,
         )  # fmt: skip
+        self.ledger = PinLedger(
+            self.policy, self.tally, self.counters, self.config, self.internal_sessions, self.txns, self._drop
+        )
         # Bounded work (DESIGN.md section 4): with a ``background`` host (see the property),
         # eviction down to the low watermark and the release of an ended session's holdings
         # run in batches of ``work_batch`` objects instead of all at once inside one call.
         self.work_batch = 128
-        # Sessions ended whose pins and objects are still being released.
-        self._ending: dict[int, SessionState] = {}
 
     # ------------------------------------------------ the narrow interface
 
@@ -202,18 +204,8 @@ class ObjectStore:
 
     def _release_holdings(self, s: SessionState, budget: int | None) -> bool:
         """Drop up to ``budget`` of an ended session's pins and objects; True when done."""
-        sid = s.session_id
-        pins, owned, objects = s.pins, s.owned, self.objects
-        work = 0
-        while pins and (budget is None or work < budget):
-            oid, count = pins.popitem()
-            obj = objects[oid]
-            del obj.pins[sid]
-            obj.pin_count -= count
-            s.pin_total -= count
-            if obj.pin_count == 0:
-                self._became_unpinned(obj)
-            work += 1
+        owned, objects = s.owned, self.objects
+        work = self.ledger.release(s, objects, budget)
         while owned and (budget is None or work < budget):
             obj = objects.get(owned.pop())
             work += 1
@@ -221,10 +213,10 @@ class ObjectStore:
                 continue
             self.tally.set_owner(obj, 0)
             if obj.key is None:
-                self._free_one(obj)
-        if pins or owned:
+                self.table.free_one(obj)
+        if s.pins or owned:
             return False
-        del self._ending[sid]
+        del self._ending[s.session_id]
         return True
 
     def work(self, budget: int | None = None) -> bool:
@@ -253,7 +245,7 @@ class ObjectStore:
         check_batch(len(specs), "objects", self.config.max_batch)
         total, has_keys = check_specs(specs, self.pool.max_pages, self.config.max_key_bytes)
         if self.config.max_pins_per_session:
-            self._check_pin_limit(s, sum(1 for sp in specs if sp.pin))
+            self.ledger.check_limit(s, sum(1 for sp in specs if sp.pin))
         if not has_keys:
             # The common case: nothing to deduplicate.
             new = self._reserve(s, specs, (), total)
@@ -274,7 +266,7 @@ class ObjectStore:
                 continue
             self.counters.deduplicated_total += 1
             if sp.pin:
-                self._pin(s, e)
+                self.ledger.pin(s, e)
             else:
                 self.policy.touch(e)
             out.append((e, True))
@@ -295,11 +287,11 @@ class ObjectStore:
         if not 0 < lease_s <= self.config.max_lease_s:
             raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {self.config.max_lease_s:g} s")
         total, _ = check_specs(specs, self.pool.max_pages, self.config.max_key_bytes)
-        to_pin = [self._pinnable(session, oid) for oid in pin_ids]
-        self._check_pin_limit(s, len(to_pin) + sum(1 for sp in specs if sp.pin))
+        to_pin = [self.table.pinnable(session, oid) for oid in pin_ids]
+        self.ledger.check_limit(s, len(to_pin) + sum(1 for sp in specs if sp.pin))
         new = self._reserve(s, specs, {o.object_id for o in to_pin}, total)
         for obj in to_pin:
-            self._pin(s, obj)
+            self.ledger.pin(s, obj)
         txn = self.txns.begin(
             session,
             new,
@@ -379,7 +371,7 @@ class ObjectStore:
             check_unique(object_ids, "object_ids")
         objs = []
         for oid in object_ids:
-            obj = self._visible(session, oid)
+            obj = self.table.visible(session, oid)
             if obj.owner != session:
                 raise denied(f"object {oid} is not owned by session {session}; only its owner may free it")
             if obj.state == ObjectState.PREPARED:
@@ -388,20 +380,12 @@ class ObjectStore:
                 )
             objs.append(obj)
         freed = deferred = 0
-        tally = self.tally
         for obj in objs:
-            own = s.pins.pop(obj.object_id, 0)
-            if own:
-                del obj.pins[session]
-                obj.pin_count -= own
-                s.pin_total -= own
-                if obj.pin_count == 0:
-                    tally.pinned_pages -= obj.num_pages
-                    tally.pinned_objects -= 1
+            self.ledger.drop_own(s, obj)
             s.owned.discard(obj.object_id)
-            tally.set_owner(obj, 0)
+            self.tally.set_owner(obj, 0)
             n = obj.num_pages
-            if self._free_one(obj):
+            if self.table.free_one(obj):
                 freed += n
             else:
                 deferred += n
@@ -411,10 +395,10 @@ class ObjectStore:
         """Pin committed objects for the session (counts add up)."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
-        objs = [self._pinnable(session, oid) for oid in object_ids]
-        self._check_pin_limit(s, len(objs))
+        objs = [self.table.pinnable(session, oid) for oid in object_ids]
+        self.ledger.check_limit(s, len(objs))
         for obj in objs:
-            self._pin(s, obj)
+            self.ledger.pin(s, obj)
         return objs
 
     def unpin(self, session: int, object_ids: Sequence[int]) -> None:
@@ -426,7 +410,7 @@ class ObjectStore:
         for oid, count in wanted.items():
             obj = self.objects.get(oid)
             if obj is None:
-                raise not_found(self._gone_message(oid))
+                raise not_found(self.table.gone_message(oid))
             if obj.state == ObjectState.PREPARED and obj.owner != session:
                 raise not_found(f"no object {oid}")  # invisible until commit, as for pin and free
             held = obj.pins.get(session, 0)
@@ -440,7 +424,7 @@ class ObjectStore:
                 )
             objs.append((obj, count))
         for obj, count in objs:
-            self._unpin(s, obj, count)
+            self.ledger.unpin(s, obj, count)
 
     def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
@@ -455,10 +439,10 @@ class ObjectStore:
                 break
             found.append(obj)
         if pin:
-            self._check_pin_limit(s, len(found))
+            self.ledger.check_limit(s, len(found))
         for obj in found:
             if pin:
-                self._pin(s, obj)
+                self.ledger.pin(s, obj)
             else:
                 self.policy.touch(obj)
         return found
@@ -466,7 +450,7 @@ class ObjectStore:
     # ---------------------------------------------------------------- reading
 
     def describe_gone(self, object_id: int) -> str:
-        return self._gone_message(object_id)
+        return self.table.gone_message(object_id)
 
     def objects_by_owner(self) -> dict[tuple[int, int], Usage]:
         """(owning session, content type) -> (objects, pages); session 0: owner gone."""
@@ -510,6 +494,9 @@ class ObjectStore:
 
     # ---------------------------------------------------------------- internals
 
+    def _owner_state(self, session: int) -> SessionState | None:
+        return self.sessions.get(session) or self._ending.get(session)
+
     def _session(self, session: int) -> SessionState:
         s = self.sessions.get(session)
         if s is None:
@@ -520,51 +507,19 @@ class ObjectStore:
         """Place and take ``total`` pages for specs as PREPARED objects owned by ``s``."""
         if not specs:
             return []
-        # Window placement first: it can be undone without a trace.
-        window_pages: list[int] = []
-        for sp in specs:
-            if sp.contiguous:
-                w = self.window.place(sp.num_pages)
-                if w < 0:
-                    for done, spd in zip(window_pages, (x for x in specs if x.contiguous)):
-                        self.window.release(done, spd.num_pages)
-                    self.counters.allocation_failures += 1
-                    raise exhausted(
-                        f"no free range of {sp.num_pages} pages in the virtual window "
-                        f"({self.window.free_pages} free in {self.window.free_extents} extents, largest "
-                        f"{self.window.largest_free}); free contiguous objects or raise window_factor"
-                    )
-                window_pages.append(w)
+        table = self.table
         try:
-            self.room.make_room(total, exclude)
+            # Window placement first: it can be undone without a trace.
+            window_pages = table.place(specs)
+            try:
+                self.room.make_room(total, exclude)
+            except Exception:
+                table.unplace(window_pages, specs)
+                raise
         except Exception:
-            for w, sp in zip(window_pages, (x for x in specs if x.contiguous)):
-                self.window.release(w, sp.num_pages)
             self.counters.allocation_failures += 1
             raise
-        next_id = self._object_ids.__next__
-        ids = [next_id() for _ in specs]
-        page_lists = self.pool.take(ids, [sp.num_pages for sp in specs])
-        wit = iter(window_pages)
-        out = []
-        objects = self.objects
-        account = self.tally.account
-        sid = s.session_id
-        for oid, sp, pages in zip(ids, specs, page_lists):
-            obj = Allocation(
-                oid,
-                sid,
-                CONTENT_BY_NUMBER[sp.content_type],
-                sp.key,
-                pages,
-                next(wit) if sp.contiguous else -1,
-                ObjectState.PREPARED,
-                sp.num_pages,
-            )
-            objects[oid] = obj
-            account(obj, 1)
-            s.owned.add(oid)
-            out.append(obj)
+        out = table.create(s, specs, window_pages)
         self.counters.allocations_total += len(out)
         return out
 
@@ -577,7 +532,7 @@ class ObjectStore:
                 self._drop(obj, "deduplicated")
                 self.counters.deduplicated_total += 1
                 if pin:
-                    self._pin(s, existing)
+                    self.ledger.pin(s, existing)
                 else:
                     self.policy.touch(existing)
                 return existing, True
@@ -586,112 +541,10 @@ class ObjectStore:
         obj.state = ObjectState.COMMITTED
         obj.txn_id = 0
         if pin:
-            self._pin(s, obj)
+            self.ledger.pin(s, obj)
         else:
             self.policy.add(obj)
         return obj, False
-
-    def _pinnable(self, session: int, oid: int) -> Allocation:
-        obj = self._visible(session, oid)
-        if obj.state == ObjectState.PREPARED:
-            raise precondition(
-                f"object {oid} is prepared in open transaction {obj.txn_id}; pin it at commit (ObjectSpec.pin)"
-            )
-        return obj
-
-    def _visible(self, session: int, oid: int) -> Allocation:
-        obj = self.objects.get(oid)
-        if obj is None or obj.freed or (obj.state == ObjectState.PREPARED and obj.owner != session):
-            if obj is not None and obj.freed:
-                raise not_found(f"object {oid} was freed (its pages return when its last pin goes)")
-            raise not_found(self._gone_message(oid) if obj is None else f"no object {oid}")
-        return obj
-
-    def _gone_message(self, oid: int) -> str:
-        why = self._gone.get(oid)
-        if why == "evicted":
-            return f"object {oid} was evicted; allocate it again"
-        if why:
-            return f"object {oid} was {why}"
-        return f"no object {oid}"
-
-    def _check_pin_limit(self, s: SessionState, adding: int) -> None:
-        limit = self.config.max_pins_per_session
-        if not (limit and adding) or s.session_id in self.internal_sessions:
-            return
-        # Pins promised to open transactions (ObjectSpec.pin) are taken at commit, which does
-        # not check the limit again: they count as held until the transaction ends.
-        promised = self.txns.promised_pins(s.txns)
-        if s.pin_total + promised + adding > limit:
-            held = f"{s.pin_total} pins" + (f" (and {promised} promised to open transactions)" if promised else "")
-            raise exhausted(
-                f"session {s.session_id} holds {held} and this call adds {adding}; "
-                f"the limit is {limit} (max_pins_per_session): unpin first"
-            )
-
-    def _pin(self, s: SessionState, obj: Allocation) -> None:
-        if obj.pin_count == 0:
-            self.policy.remove(obj)
-            tally = self.tally
-            tally.pinned_pages += obj.num_pages
-            tally.pinned_objects += 1
-        elif s.session_id not in obj.pins:
-            self.counters.pin_contention += 1
-        s.pin_total += 1
-        obj.pin_count += 1
-        sid = s.session_id
-        obj.pins[sid] = obj.pins.get(sid, 0) + 1
-        s.pins[obj.object_id] = s.pins.get(obj.object_id, 0) + 1
-
-    def _unpin(self, s: SessionState, obj: Allocation, count: int) -> None:
-        sid = s.session_id
-        left = obj.pins[sid] - count
-        if left:
-            obj.pins[sid] = left
-            s.pins[obj.object_id] = left
-        else:
-            del obj.pins[sid]
-            del s.pins[obj.object_id]
-        obj.pin_count -= count
-        s.pin_total -= count
-        if obj.pin_count == 0:
-            self._became_unpinned(obj)
-
-    def _became_unpinned(self, obj: Allocation) -> None:
-        tally = self.tally
-        tally.pinned_pages -= obj.num_pages
-        tally.pinned_objects -= 1
-        if obj.freed:
-            self._drop(obj, "freed")
-        else:
-            self.policy.add(obj)
-
-    def _free_one(self, obj: Allocation) -> bool:
-        """Free an object now, or when its last pin goes. True if freed now."""
-        if obj.key is not None and self.keys.get(obj.key) is obj:
-            del self.keys[obj.key]
-        if obj.pin_count:
-            obj.freed = True
-            return False
-        self.policy.remove(obj)
-        self._drop(obj, "freed")
-        return True
-
-    def _drop(self, obj: Allocation, why: str) -> None:
-        """Forget an object and return its pages and window range."""
-        oid = obj.object_id
-        del self.objects[oid]
-        self.tally.account(obj, -1)
-        if obj.key is not None and self.keys.get(obj.key) is obj:
-            del self.keys[obj.key]
-        if obj.owner:
-            s = self.sessions.get(obj.owner) or self._ending.get(obj.owner)
-            if s is not None:
-                s.owned.discard(oid)
-        if obj.window_page >= 0:
-            self.window.release(obj.window_page, obj.num_pages)
-        self.pool.give_back(obj.pages)
-        self._gone[oid] = why
 
     def _rollback(self, t: Transaction, state: TxnState) -> int:
         s = self.sessions.get(t.session)
@@ -704,7 +557,7 @@ class ObjectStore:
         for oid in t.pinned:
             # The session may have dropped the prepare-time pin itself already.
             if s is not None and s.pins.get(oid, 0) > 0:
-                self._unpin(s, self.objects[oid], 1)
+                self.ledger.unpin(s, self.objects[oid], 1)
         if s is not None:
             s.txns.discard(t.txn_id)
         t.state = state
