@@ -144,6 +144,19 @@ class ObjectTable:
         self.drop(obj, "freed")
         return True
 
+    def disown(self, s: SessionState, budget: int | None) -> None:
+        """Release up to ``budget`` of an ended session's objects: anonymous ones are freed
+        (or marked freed while pinned), keyed ones stay, ownerless."""
+        owned, objects, work = s.owned, self.objects, 0
+        while owned and (budget is None or work < budget):
+            obj = objects.get(owned.pop())
+            work += 1
+            if obj is None:
+                continue
+            self._tally.set_owner(obj, 0)
+            if obj.key is None:
+                self.free_one(obj)
+
     def drop(self, obj: Allocation, why: str) -> None:
         """Forget an object and return its pages and window range."""
         oid = obj.object_id

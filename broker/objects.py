@@ -21,7 +21,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from memory_broker.broker.batches import check_batch, check_key, check_specs, check_unique
-from memory_broker.broker.errors import denied, invalid, not_found, precondition
+from memory_broker.broker.errors import denied, not_found, precondition
 from memory_broker.broker.eviction import EvictionPolicy, PriorityLRU
 from memory_broker.broker.object_table import ObjectTable
 from memory_broker.broker.pins import PinLedger
@@ -41,7 +41,7 @@ from memory_broker.broker.store_records import (
     TxnState,
 )
 from memory_broker.broker.store_stats import Counters, StoreStats, Tally, Usage
-from memory_broker.broker.transactions import TransactionBook
+from memory_broker.broker.transactions import TransactionBook, Transactions
 
 # The records callers use come from here too (one import for the store's API).
 __all__ = [
@@ -80,7 +80,6 @@ class ObjectStore:
         self.config.validate()
         self._limits = StoreLimits.of(self.config)
         self._notify = notify or (lambda session, event: None)
-        self._clock = clock
         self.sessions: dict[int, SessionState] = {}
         # Sessions ended whose pins and objects are still being released.
         self._ending: dict[int, SessionState] = {}
@@ -105,6 +104,10 @@ class ObjectStore:
         self.ledger = PinLedger(
             self.policy, self.tally, self.counters, self.config, self.internal_sessions, self.txns, self._drop
         )
+        self.transactions = Transactions(
+            self.txns, self.table, self.ledger, self.sessions, self.config, pool.max_pages,
+            self._reserve, self._publish, self._notify, clock,
+        )  # fmt: skip
         # Bounded work (DESIGN.md section 4): with a ``background`` host (see the property),
         # eviction down to the low watermark and the release of an ended session's holdings
         # run in batches of ``work_batch`` objects instead of all at once inside one call.
@@ -196,7 +199,7 @@ class ObjectStore:
         if s is None:
             return
         for txn_id in list(s.txns):
-            self._rollback(self.txns.open.pop(txn_id), TxnState.ABORTED)
+            self.transactions.rollback(self.txns.open.pop(txn_id), TxnState.ABORTED)
         self._ending[session] = s
         background = self.room.background
         if not self._release_holdings(s, self.work_batch if background is not None else None):
@@ -204,17 +207,9 @@ class ObjectStore:
 
     def _release_holdings(self, s: SessionState, budget: int | None) -> bool:
         """Drop up to ``budget`` of an ended session's pins and objects; True when done."""
-        owned, objects = s.owned, self.objects
-        work = self.ledger.release(s, objects, budget)
-        while owned and (budget is None or work < budget):
-            obj = objects.get(owned.pop())
-            work += 1
-            if obj is None:
-                continue
-            self.tally.set_owner(obj, 0)
-            if obj.key is None:
-                self.table.free_one(obj)
-        if s.pins or owned:
+        work = self.ledger.release(s, self.objects, budget)
+        self.table.disown(s, None if budget is None else budget - work)
+        if s.pins or s.owned:
             return False
         del self._ending[s.session_id]
         return True
@@ -282,80 +277,25 @@ class ObjectStore:
         """Reserve a batch (PREPARED objects, pins on committed objects) under a lease."""
         s = self._session(session)
         check_batch(len(specs) + len(pin_ids), "objects + pin_object_ids", self.config.max_batch)
-        if lease_s is None or lease_s == 0:
-            lease_s = self.config.default_lease_s
-        if not 0 < lease_s <= self.config.max_lease_s:
-            raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {self.config.max_lease_s:g} s")
-        total, _ = check_specs(specs, self.pool.max_pages, self.config.max_key_bytes)
-        to_pin = [self.table.pinnable(session, oid) for oid in pin_ids]
-        self.ledger.check_limit(s, len(to_pin) + sum(1 for sp in specs if sp.pin))
-        new = self._reserve(s, specs, {o.object_id for o in to_pin}, total)
-        for obj in to_pin:
-            self.ledger.pin(s, obj)
-        txn = self.txns.begin(
-            session,
-            new,
-            pin_on_commit=[sp.pin for sp in specs],
-            pinned=[o.object_id for o in to_pin],
-            deadline=self._clock() + lease_s,
-            deadline_unix=time.time() + lease_s,
-        )
-        s.txns.add(txn.txn_id)
-        return txn
+        return self.transactions.prepare(s, specs, pin_ids, lease_s)
 
     def commit(self, session: int, txn_ids: Sequence[int]) -> list[Transaction]:
         """Make prepared batches visible. Committing a committed transaction is a no-op
         that returns the same result."""
         s = self._session(session)
         check_batch(len(txn_ids), "transaction_ids", self.config.max_batch)
-        txns = [self.txns.owned(session, t) for t in txn_ids]
-        now = self._clock()
-        late = [t for t in txns if t.state == TxnState.OPEN and t.deadline <= now]
-        if late:
-            self.expire(now)
-            raise precondition(
-                f"transaction {late[0].txn_id} expired before commit (its lease ended); prepare again"
-            )
-        for t in txns:
-            if t.state in (TxnState.ABORTED, TxnState.EXPIRED):
-                raise precondition(
-                    f"transaction {t.txn_id} was {t.state.name.lower()}; it cannot be committed, prepare again"
-                )
-        for t in txns:
-            if t.state != TxnState.OPEN:
-                continue
-            t.result = [self._publish(s, obj, pin) for obj, pin in zip(t.objects, t.pin_on_commit)]
-            t.state = TxnState.COMMITTED
-            self._finish(t)
-        return txns
+        return self.transactions.commit(s, txn_ids)
 
     def abort(self, session: int, txn_ids: Sequence[int]) -> int:
         """Roll prepared batches back; returns pages freed. Aborting an aborted or expired
         transaction is a no-op."""
         self._session(session)
         check_batch(len(txn_ids), "transaction_ids", self.config.max_batch)
-        txns = [self.txns.owned(session, t) for t in txn_ids]
-        for t in txns:
-            if t.state == TxnState.COMMITTED:
-                raise precondition(f"transaction {t.txn_id} is already committed; free its objects instead")
-        freed = 0
-        for t in txns:
-            if t.state == TxnState.OPEN:
-                freed += self._rollback(t, TxnState.ABORTED)
-        return freed
+        return self.transactions.abort(session, txn_ids)
 
     def expire(self, now: float | None = None) -> list[int]:
         """Abort every open transaction whose lease has ended; tell their sessions."""
-        now = self._clock() if now is None else now
-        late = self.txns.due(now)
-        by_session: dict[int, list[int]] = {}
-        for t in late:
-            self.txns.open.pop(t.txn_id)
-            self._rollback(t, TxnState.EXPIRED)
-            by_session.setdefault(t.session, []).append(t.txn_id)
-        for sid, ids in by_session.items():
-            self._notify(sid, TransactionsExpired(ids))
-        return [t.txn_id for t in late]
+        return self.transactions.expire(now)
 
     def next_deadline(self) -> float | None:
         return self.txns.next_deadline()
@@ -413,15 +353,7 @@ class ObjectStore:
                 raise not_found(self.table.gone_message(oid))
             if obj.state == ObjectState.PREPARED and obj.owner != session:
                 raise not_found(f"no object {oid}")  # invisible until commit, as for pin and free
-            held = obj.pins.get(session, 0)
-            if held < count:
-                if held == 0 and obj.pin_count > 0:
-                    raise denied(
-                        f"object {oid} is pinned only by other sessions; session {session} holds no pin on it"
-                    )
-                raise precondition(
-                    f"object {oid}: asked to unpin {count}, session {session} holds {held} pin(s)"
-                )
+            self.ledger.check_unpin(session, obj, count)
             objs.append((obj, count))
         for obj, count in objs:
             self.ledger.unpin(s, obj, count)
@@ -545,27 +477,3 @@ class ObjectStore:
         else:
             self.policy.add(obj)
         return obj, False
-
-    def _rollback(self, t: Transaction, state: TxnState) -> int:
-        s = self.sessions.get(t.session)
-        freed = 0
-        for obj in t.objects:
-            if s is not None:
-                s.owned.discard(obj.object_id)
-            freed += obj.num_pages
-            self._drop(obj, "aborted")
-        for oid in t.pinned:
-            # The session may have dropped the prepare-time pin itself already.
-            if s is not None and s.pins.get(oid, 0) > 0:
-                self.ledger.unpin(s, self.objects[oid], 1)
-        if s is not None:
-            s.txns.discard(t.txn_id)
-        t.state = state
-        self._finish(t)
-        return freed
-
-    def _finish(self, t: Transaction) -> None:
-        self.txns.finish(t)
-        s = self.sessions.get(t.session)
-        if s is not None:
-            s.txns.discard(t.txn_id)

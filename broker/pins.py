@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from memory_broker.broker.errors import exhausted
+from memory_broker.broker.errors import denied, exhausted, precondition
 from memory_broker.broker.eviction import EvictionPolicy
 from memory_broker.broker.shards import ShardedMap
 from memory_broker.broker.store_records import Allocation, SessionState, StoreConfig
@@ -64,6 +64,15 @@ class PinLedger:
                 f"session {s.session_id} holds {held} and this call adds {adding}; "
                 f"the limit is {limit} (max_pins_per_session): unpin first"
             )
+
+    def check_unpin(self, session: int, obj: Allocation, count: int) -> None:
+        """Refuse unless ``session`` holds at least ``count`` pins on ``obj``."""
+        held = obj.pins.get(session, 0)
+        if held < count:
+            oid = obj.object_id
+            if held == 0 and obj.pin_count > 0:
+                raise denied(f"object {oid} is pinned only by other sessions; session {session} holds no pin on it")
+            raise precondition(f"object {oid}: asked to unpin {count}, session {session} holds {held} pin(s)")
 
     def pin(self, s: SessionState, obj: Allocation) -> None:
         """One more pin of ``obj`` for ``s`` (the object must be committed and visible)."""
