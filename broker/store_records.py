@@ -2,8 +2,9 @@
 per-object, per-transaction and per-session records, the events sent to sessions, the
 store's configuration and its read-only limits.
 
-Plain data with no behaviour beyond validation: the store (``objects.py``) and its
-collaborators change these records; nothing here touches pages, the policy or gRPC.
+Plain data with no behaviour beyond validation, plus ``Recent`` (the bounded memory of recent
+ids): the store (``objects.py``) and its parts change these records; nothing here touches
+pages, the policy or gRPC.
 """
 
 from __future__ import annotations
