@@ -253,12 +253,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     def _check_visible(self, sid: int, ids) -> None:
         """NOT_FOUND for an anonymous object of another session (as for an unknown id)."""
-        if len(ids) > self.store.config.max_batch:
+        store = self.store
+        if len(ids) > store.limits.max_batch:
             return  # the core refuses the batch as a whole
-        objects, internal = self.store.objects, self.store.internal_sessions
         for oid in ids:
-            obj = objects.get(oid)
-            if obj is None or obj.key is not None or obj.owner == sid or obj.owner in internal:
+            obj = store.get(oid)
+            if obj is None or obj.key is not None or obj.owner == sid or store.is_internal(obj.owner):
                 continue
             if obj.pins.get(sid):
                 continue
@@ -387,7 +387,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             transaction_id=t.txn_id,
             deadline_unix_ms=int(t.deadline_unix * 1000),
             objects=[self._info(o, sid) for o in t.objects],
-            pinned=[self._info(self.store.objects[oid], sid) for oid in t.pinned],
+            pinned=[self._info(self.store.get(oid), sid) for oid in t.pinned],
         )
 
     @_unary
@@ -435,21 +435,44 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def GetStats(self, request, context, session):
         st = self.store.stats()
-        by_content = st.pop("by_content")
         return pb.Stats(
             backend=self.arena.backend,
             page_size=self.arena.geometry.page_size,
             num_slabs=self.arena.num_slabs,
-            by_content=[pb.ContentStats(content_type=ct, objects=n, pages=p) for ct, (n, p) in by_content.items()],
+            max_pages=st.max_pages,
+            capacity_pages=st.capacity_pages,
+            free_pages=st.free_pages,
+            used_pages=st.used_pages,
+            prepared_pages=st.prepared_pages,
+            pinned_pages=st.pinned_pages,
+            evictable_pages=st.evictable_pages,
+            utilization=st.utilization,
+            high_watermark=st.high_watermark,
+            low_watermark=st.low_watermark,
+            eviction_active=st.eviction_active,
+            eviction_runs=st.eviction_runs,
+            evicted_objects=st.evicted_objects,
+            evicted_pages=st.evicted_pages,
+            objects=st.objects,
+            keyed_objects=st.keyed_objects,
+            sessions=st.sessions,
+            open_transactions=st.open_transactions,
+            by_content=[pb.ContentStats(content_type=ct, objects=n, pages=p) for ct, (n, p) in st.by_content.items()],
+            window_free_pages=st.window_free_pages,
+            window_free_extents=st.window_free_extents,
+            window_largest_free=st.window_largest_free,
+            window_fragmentation=st.window_fragmentation,
+            allocations_total=st.allocations_total,
+            deduplicated_total=st.deduplicated_total,
+            allocation_failures=st.allocation_failures,
             adapters=self._adapter_stats() if self.adapters is not None else None,
             by_owner=[self._owner_stats(sid, ct, n, p) for (sid, ct), (n, p) in self.store.objects_by_owner().items()],
-            **st,
         )
 
     def _owner_stats(self, sid: int, ct: int, n: int, p: int) -> pb.OwnerStats:
         s = self.sessions.by_id.get(sid)
         name, pid = (s.client_name, s.claimed_pid) if s is not None else ("", 0)
-        if sid in self.store.internal_sessions:
+        if self.store.is_internal(sid):
             name = "broker (internal)"
         return pb.OwnerStats(session_id=sid, client_name=name, pid=pid, content_type=ct, objects=n, pages=p)
 

@@ -46,6 +46,7 @@ from memory_broker.broker.arena.host import host_buffer
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.eviction import ContentType
 from memory_broker.broker.objects import Spec
+from store_invariants import check_invariants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMP = ContentType.TEMP_BUFFER
@@ -440,7 +441,7 @@ def test_acquired_pages_hold_the_safetensors_tensors_in_the_documented_layout(pe
         # The layout that comes back is the one the manager reports any time.
         for a in res.adapters:
             assert a.layout == h.manager.layout(a.adapter_id) and len(a.pages) == a.layout.num_pages
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -596,8 +597,8 @@ def test_two_sessions_share_one_copy(peft_dirs, state_dir):
         st = h.manager.stats()
         assert st["loads"] == {"hot": 1, "warm": 1} and st["hits"]["hot"] == 1
         assert h.store.objects[a1.object_id].pins == {s1: 1, s2: 1}
-        assert h.store.stats()["by_content"][int(ContentType.LORA_WEIGHT)] == (1, len(a1.pages))
-        h.store.check_invariants()
+        assert h.store.stats().by_content[int(ContentType.LORA_WEIGHT)] == (1, len(a1.pages))
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -615,7 +616,7 @@ def test_concurrent_acquires_share_one_load(peft_dirs, state_dir):
         assert st["shared_loads"] == 14
         obj = h.store.objects[results[0].adapters[0].object_id]
         assert obj.pins == {s: 1 for s in sessions}
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -634,7 +635,7 @@ def test_repeat_acquires_add_pins_and_each_release_drops_one(peft_dirs, state_di
         assert obj.pins == {s: 1}
         h.manager.release(s, ["r4"])
         assert obj.pin_count == 0 and h.manager.describe("r4").tier == Tier.HOT
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -708,7 +709,7 @@ def test_session_end_releases_adapter_pins(peft_dirs, state_dir):
         assert h.manager.describe("r16").pin_count == 0
         # Idle now: the store may evict it.
         assert a.object_id in {o.object_id for o in h.store.policy}
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -736,7 +737,7 @@ def test_store_eviction_demotes_idle_adapters_to_warm_and_spares_acquired_ones(p
             h.store.allocate(other, [Spec(1, TEMP)])
         assert e.value.code == Code.RESOURCE_EXHAUSTED
         assert h.manager.describe("r8").tier == Tier.HOT
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -814,7 +815,7 @@ def test_resource_exhausted_with_numbers_when_the_pool_is_all_pinned(peft_dirs, 
         assert "'r16' needs 9 pages" in msg and "free" in msg and "0 evictable" in msg and "pinned" in msg, msg
         # All or nothing: r8 may have loaded, but the session holds no new pin.
         assert h.manager.describe("r8").pin_count == 0 and h.manager.describe("r4").pin_count == 1
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -927,7 +928,7 @@ def test_two_phase_acquire_pins_at_prepare_and_keeps_them_at_commit(peft_dirs, s
         assert h.manager.describe("r8").pin_count == 1
         h.manager.release(s, ["r8", "r4"])
         assert h.manager.describe("r8").pin_count == 0
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -962,7 +963,7 @@ def test_two_phase_acquire_released_by_abort_lease_end_or_session_end(peft_dirs,
         with pytest.raises(BrokerError) as e:
             h.manager.commit_acquire(other, 424242)
         assert e.value.code == Code.NOT_FOUND
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -1000,7 +1001,7 @@ def test_unregistering_an_idle_hot_adapter_frees_its_pages(peft_dirs, state_dir)
         with pytest.raises(BrokerError) as e:
             await h.manager.acquire(s, ["r16"])
         assert e.value.code == Code.NOT_FOUND
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -1015,8 +1016,8 @@ def test_unregistering_while_a_prefetch_loads_aborts_the_load(peft_dirs, state_d
         h.manager.unregister("r16")
         res = await task
         assert res.failed["r16"].code == Code.NOT_FOUND
-        assert int(ContentType.LORA_WEIGHT) not in h.store.stats()["by_content"]
-        h.store.check_invariants()
+        assert int(ContentType.LORA_WEIGHT) not in h.store.stats().by_content
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -1032,7 +1033,7 @@ def test_changed_source_files_fail_the_load_not_the_registry(peft_dirs, state_di
         with pytest.raises(BrokerError) as e:
             await h.manager.acquire(s, ["moving"])
         assert e.value.code == Code.FAILED_PRECONDITION and "changed since registration" in e.value.message
-        assert h.store.stats()["objects"] == 0
+        assert h.store.stats().objects == 0
         await h.close()
 
     run(main())
@@ -1107,7 +1108,7 @@ def test_skewed_traffic_keeps_lru_hit_rate_above_75_percent(peft_dirs, state_dir
         st = h.manager.stats()
         assert st["hit_rate"] > 0.75, st
         assert st["resident"]["hot"] == 4
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())
@@ -1145,7 +1146,7 @@ def test_a_cancelled_acquire_leaves_no_pins_behind(peft_dirs, state_dir):
             assert st.tier == Tier.HOT
             # No session's pin and no pin of the manager's own (a hold for the cancelled call).
             assert h.store.objects[st.object_id].pin_count == 0
-        h.store.check_invariants()
+        check_invariants(h.store)
         (a,) = (await h.manager.acquire(s, ["r16"])).adapters
         assert a.found_in == Tier.HOT
         await h.close()
@@ -1258,7 +1259,7 @@ def test_first_cold_load_writes_the_image_and_a_restart_loads_from_it(peft_dirs,
         assert all(a.found_in == Tier.COLD for a in adapters)
         st = h.manager.stats()["images"]
         assert st["hits"] == len(peft_dirs) and st["misses"] == 0 and st["rejected"] == 0
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(first())
@@ -1662,7 +1663,7 @@ def test_a_failed_conversion_is_counted_and_the_first_load_converts_instead(peft
         await h.manager.wait_image_writes()
         st = h.manager.stats()["images"]
         assert a.found_in == Tier.COLD and st["misses"] == 1 and st["writes"] == 1 and len(_images(state_dir)) == 1
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())

@@ -12,6 +12,7 @@ import random
 
 from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig
 from memory_broker.broker.pool import PagePool, WindowSpace
+from store_invariants import check_invariants
 
 
 class Host:
@@ -33,7 +34,7 @@ class Host:
             more = self.store.work()
             batches += 1
             if check:
-                self.store.check_invariants()
+                check_invariants(self.store)
             if not more:
                 return batches
 
@@ -54,14 +55,14 @@ def test_ending_a_large_session_is_released_in_batches_and_nothing_is_lost():
     store.pin(big, [o.object_id for o, _ in objs[:300]])
     shared = objs[0][0].object_id
     store.pin(other, [shared])
-    store.check_invariants()
+    check_invariants(store)
 
     store.end_session(big)
     # The session is gone at once; only one batch of its holdings went inline.
     assert big not in store.sessions and store.ending_sessions == 1
     assert host.asked == 1
     assert len(store.objects) > 900
-    store.check_invariants()
+    check_invariants(store)
     # Other sessions work between batches, including on objects the ended session held.
     store.allocate(other, [Spec(2)])
     store.unpin(other, [shared])
@@ -70,7 +71,7 @@ def test_ending_a_large_session_is_released_in_batches_and_nothing_is_lost():
     assert store.ending_sessions == 0
     # Anonymous objects are freed, keyed ones stay (ownerless) as when ending inline.
     assert {o.key for o in store.objects.values() if o.owner == 0} == {o.key for o, _ in kept}
-    assert store.stats()["used_pages"] == 50 + 2
+    assert store.stats().used_pages == 50 + 2
 
 
 def test_without_a_host_a_session_ends_inline_as_before():
@@ -79,7 +80,7 @@ def test_without_a_host_a_session_ends_inline_as_before():
     store.allocate(sid, [Spec(1) for _ in range(200)])
     store.end_session(sid)
     assert store.ending_sessions == 0 and not store.objects
-    store.check_invariants()
+    check_invariants(store)
 
 
 def test_crossing_the_high_watermark_evicts_one_batch_inline_and_drains_in_batches():
@@ -88,17 +89,17 @@ def test_crossing_the_high_watermark_evicts_one_batch_inline_and_drains_in_batch
     sid = store.open_session()
     for _ in range(17):
         store.allocate(sid, [Spec(1) for _ in range(100)])
-    assert store.stats()["used_pages"] == 1700 and not store.eviction_active
+    assert store.stats().used_pages == 1700 and not store.eviction_active
     before = store.counters.evicted_objects
     # This allocation crosses 1800 pages: it may evict only one batch inline.
     store.allocate(sid, [Spec(1) for _ in range(150)])
     assert store.eviction_active and host.asked >= 1
     assert store.counters.evicted_objects - before <= 64
-    store.check_invariants()
+    check_invariants(store)
     host.run()
     st = store.stats()
-    assert st["used_pages"] <= 1000 and not st["eviction_active"]
-    assert st["evicted_objects"] >= 850
+    assert st.used_pages <= 1000 and not st.eviction_active
+    assert st.evicted_objects >= 850
 
 
 def test_draining_stops_when_everything_left_is_pinned():
@@ -110,9 +111,9 @@ def test_draining_stops_when_everything_left_is_pinned():
     store.allocate(sid, [Spec(1) for _ in range(100)])
     host.run()
     st = store.stats()
-    assert st["pinned_pages"] == 800 and st["evictable_pages"] == 0
+    assert st.pinned_pages == 800 and st.evictable_pages == 0
     # Nothing else to evict: hysteresis stays on until pins go, as it did inline.
-    assert st["eviction_active"]
+    assert st.eviction_active
 
 
 def test_random_operations_interleaved_with_background_work_keep_every_invariant():
@@ -140,7 +141,7 @@ def test_random_operations_interleaved_with_background_work_keep_every_invariant
                 store.work()
         except Exception as e:  # refusals (exhausted) are fine; corruption is not
             assert type(e).__name__ == "BrokerError", e
-        store.check_invariants()
+        check_invariants(store)
     host.run()
     assert store.ending_sessions == 0
 
@@ -162,7 +163,7 @@ def test_lease_expiry_and_the_next_deadline_skip_transactions_that_ended_early()
     want = sorted(t.txn_id for t in txns if t.deadline <= 103.5 and t not in early)
     assert expired == want and len(want) == 40
     assert store.next_deadline() == 104.0
-    store.check_invariants()
+    check_invariants(store)
     now[0] = 1000.0
     assert len(store.expire()) == 40 and store.next_deadline() is None and not store.open_txns
-    store.check_invariants()
+    check_invariants(store)

@@ -5,6 +5,7 @@ The store is driven with a fake grow callback and a fake clock: no arena, no gRP
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -21,6 +22,7 @@ from memory_broker.broker.objects import (
     TxnState,
 )
 from memory_broker.broker.pool import PagePool, WindowSpace
+from store_invariants import check_invariants
 
 CT = ContentType
 TEMP, ACT, GRAD, LORA, KV = CT.TEMP_BUFFER, CT.ACTIVATION, CT.GRADIENT, CT.LORA_WEIGHT, CT.KV_CACHE
@@ -91,7 +93,7 @@ class Harness:
     def alloc(self, session: int, num_pages: int = 1, content_type=TEMP, **kw):
         """Allocate one object; returns it."""
         ((obj, _),) = self.store.allocate(session, [Spec(num_pages, content_type, **kw)])
-        self.store.check_invariants()
+        check_invariants(self.store)
         return obj
 
 
@@ -116,8 +118,7 @@ def snapshot(store: ObjectStore) -> dict:
 
 
 def without_failure_count(snap: dict) -> dict:
-    stats = dict(snap["stats"])
-    del stats["allocation_failures"]
+    stats = dataclasses.replace(snap["stats"], allocation_failures=0)
     return {**snap, "stats": stats}
 
 
@@ -136,7 +137,7 @@ def invariants_hold_at_the_end():
     _harnesses.clear()
     yield
     for harness in _harnesses:
-        harness.store.check_invariants()
+        check_invariants(harness.store)
     _harnesses.clear()
 
 
@@ -151,7 +152,7 @@ def h() -> Harness:
 def test_sessions_get_distinct_ids(h):
     a, b = h.store.open_session(), h.store.open_session()
     assert a != b
-    assert h.store.stats()["sessions"] == 2
+    assert h.store.stats().sessions == 2
 
 
 def test_unknown_session_is_permission_denied(h):
@@ -185,7 +186,7 @@ def test_allocate_commits_an_owned_object_with_fresh_pages(h):
     assert obj.pages == [0, 1, 2]
     assert obj.window_page == -1
     st = h.store.stats()
-    assert (st["used_pages"], st["free_pages"], st["evictable_pages"], st["objects"]) == (3, 13, 3, 1)
+    assert (st.used_pages, st.free_pages, st.evictable_pages, st.objects) == (3, 13, 3, 1)
 
 
 def test_allocate_grows_the_arena_by_whole_slabs():
@@ -193,12 +194,12 @@ def test_allocate_grows_the_arena_by_whole_slabs():
     s = h.store.open_session()
     h.alloc(s, 5)
     assert h.grow.calls == [2]
-    assert h.store.stats()["capacity_pages"] == 8
+    assert h.store.stats().capacity_pages == 8
     h.alloc(s, 3)
     assert h.grow.calls == [2]  # fits in the capacity already backed
     h.alloc(s, 1)
     assert h.grow.calls == [2, 1]
-    assert h.store.stats()["capacity_pages"] == 12
+    assert h.store.stats().capacity_pages == 12
 
 
 def test_allocate_with_pin_pins_for_the_session_and_is_not_evictable(h):
@@ -207,18 +208,18 @@ def test_allocate_with_pin_pins_for_the_session_and_is_not_evictable(h):
     assert obj.pins == {s: 1}
     assert obj.pin_count == 1
     st = h.store.stats()
-    assert (st["pinned_pages"], st["evictable_pages"]) == (2, 0)
+    assert (st.pinned_pages, st.evictable_pages) == (2, 0)
 
 
 def test_allocate_of_an_existing_key_returns_the_existing_object_without_pages(h):
     s1, s2 = h.store.open_session(), h.store.open_session()
     a = h.alloc(s1, 3, KV, key=b"chunk")
-    free_before = h.store.stats()["free_pages"]
+    free_before = h.store.stats().free_pages
     ((obj, dedup),) = h.store.allocate(s2, [Spec(3, KV, key=b"chunk")])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert obj is a and dedup is True
-    assert h.store.stats()["free_pages"] == free_before
-    assert h.store.stats()["deduplicated_total"] == 1
+    assert h.store.stats().free_pages == free_before
+    assert h.store.stats().deduplicated_total == 1
     assert a.owner == s1
 
 
@@ -226,23 +227,23 @@ def test_allocate_dedup_with_pin_pins_the_existing_object(h):
     s1, s2 = h.store.open_session(), h.store.open_session()
     a = h.alloc(s1, 2, KV, key=b"chunk")
     h.store.allocate(s2, [Spec(2, KV, key=b"chunk", pin=True)])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {s2: 1}
-    assert h.store.stats()["evictable_pages"] == 0
+    assert h.store.stats().evictable_pages == 0
 
 
 def test_contiguous_allocation_gets_a_window_range(h):
     s = h.store.open_session()
     obj = h.alloc(s, 4, contiguous=True)
     assert obj.window_page == 0
-    assert h.store.stats()["window_free_pages"] == h.window.window_pages - 4
+    assert h.store.stats().window_free_pages == h.window.window_pages - 4
 
 
 def test_freeing_a_contiguous_object_returns_its_window_range(h):
     s = h.store.open_session()
     obj = h.alloc(s, 4, contiguous=True)
     h.store.free(s, [obj.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert h.window.extents() == [(0, h.window.window_pages)]
 
 
@@ -250,13 +251,13 @@ def test_contiguous_allocation_succeeds_over_fragmented_physical_pages(h):
     s = h.store.open_session()
     objs = [h.alloc(s, 1) for _ in range(16)]
     h.store.free(s, [o.object_id for o in objs[::2]])
-    h.store.check_invariants()
-    assert h.store.stats()["free_pages"] == 8
+    check_invariants(h.store)
+    assert h.store.stats().free_pages == 8
     big = h.alloc(s, 8, contiguous=True)
     assert big.window_page >= 0
     assert big.num_pages == 8
     assert sorted(big.pages) == list(range(0, 16, 2))
-    assert h.store.stats()["free_pages"] == 0
+    assert h.store.stats().free_pages == 0
 
 
 def test_contiguous_allocation_fails_when_no_window_extent_fits_and_changes_nothing():
@@ -272,10 +273,10 @@ def test_contiguous_allocation_fails_when_no_window_extent_fits_and_changes_noth
         [Spec(2, contiguous=True), Spec(6, contiguous=True)],
         match="no free range of 6 pages in the virtual window (8 free in 2 extents, largest 4)",
     )
-    h.store.check_invariants()
+    check_invariants(h.store)
     # The first spec's window range was given back.
     assert without_failure_count(snapshot(h.store)) == without_failure_count(before)
-    assert h.store.stats()["allocation_failures"] == 1
+    assert h.store.stats().allocation_failures == 1
 
 
 # ============================================================ two-phase commit
@@ -284,12 +285,12 @@ def test_contiguous_allocation_fails_when_no_window_extent_fits_and_changes_noth
 def test_prepared_keyed_object_is_invisible_to_lookup_until_commit(h):
     s1, s2 = h.store.open_session(), h.store.open_session()
     txn = h.store.prepare(s1, [Spec(2, KV, key=b"k")])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert txn.objects[0].state == ObjectState.PREPARED
     assert h.store.lookup(s1, [b"k"], pin=False) == []
     assert h.store.lookup(s2, [b"k"], pin=False) == []
     h.store.commit(s1, [txn.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert h.store.lookup(s2, [b"k"], pin=False) == [txn.objects[0]]
 
 
@@ -312,31 +313,31 @@ def test_prepared_object_is_not_evictable(h):
     s = h.store.open_session()
     h.store.prepare(s, [Spec(4)])
     st = h.store.stats()
-    assert (st["prepared_pages"], st["evictable_pages"], st["open_transactions"]) == (4, 0, 1)
+    assert (st.prepared_pages, st.evictable_pages, st.open_transactions) == (4, 0, 1)
 
 
 def test_commit_makes_prepared_objects_committed_and_evictable(h):
     s = h.store.open_session()
     txn = h.store.prepare(s, [Spec(2), Spec(3, pin=True)])
     (done,) = h.store.commit(s, [txn.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert done.state == TxnState.COMMITTED
     assert [o.state for o, _ in done.result] == [ObjectState.COMMITTED] * 2
     assert [dedup for _, dedup in done.result] == [False, False]
     assert done.result[1][0].pins == {s: 1}
     st = h.store.stats()
-    assert (st["prepared_pages"], st["evictable_pages"], st["pinned_pages"]) == (0, 2, 3)
+    assert (st.prepared_pages, st.evictable_pages, st.pinned_pages) == (0, 2, 3)
 
 
 def test_abort_returns_the_pages(h):
     s = h.store.open_session()
-    free_before = h.store.stats()["free_pages"]
+    free_before = h.store.stats().free_pages
     txn = h.store.prepare(s, [Spec(3), Spec(2, contiguous=True, key=b"k")])
-    assert h.store.stats()["free_pages"] == free_before - 5
+    assert h.store.stats().free_pages == free_before - 5
     assert h.store.abort(s, [txn.txn_id]) == 5
-    h.store.check_invariants()
+    check_invariants(h.store)
     st = h.store.stats()
-    assert (st["free_pages"], st["objects"], st["open_transactions"]) == (free_before, 0, 0)
+    assert (st.free_pages, st.objects, st.open_transactions) == (free_before, 0, 0)
     assert h.window.extents() == [(0, h.window.window_pages)]
     assert txn.state == TxnState.ABORTED
 
@@ -347,9 +348,9 @@ def test_abort_releases_prepare_time_pins(h):
     txn = h.store.prepare(s2, [], pin_ids=[a.object_id])
     assert a.pins == {s2: 1}
     h.store.abort(s2, [txn.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {}
-    assert h.store.stats()["evictable_pages"] == 2
+    assert h.store.stats().evictable_pages == 2
 
 
 def test_commit_keeps_prepare_time_pins(h):
@@ -357,7 +358,7 @@ def test_commit_keeps_prepare_time_pins(h):
     a = h.alloc(s1, 2)
     txn = h.store.prepare(s2, [Spec(1)], pin_ids=[a.object_id])
     h.store.commit(s2, [txn.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {s2: 1}
 
 
@@ -422,16 +423,16 @@ def test_commit_of_a_batch_with_an_unknown_transaction_commits_nothing(h):
 def test_committing_an_existing_key_deduplicates_and_frees_the_new_pages(h):
     s1, s2 = h.store.open_session(), h.store.open_session()
     a = h.alloc(s1, 3, KV, key=b"chunk")
-    free_before = h.store.stats()["free_pages"]
+    free_before = h.store.stats().free_pages
     txn = h.store.prepare(s2, [Spec(3, KV, key=b"chunk", contiguous=True)])
     new = txn.objects[0]
-    assert h.store.stats()["free_pages"] == free_before - 3
+    assert h.store.stats().free_pages == free_before - 3
     (done,) = h.store.commit(s2, [txn.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert done.result == [(a, True)]
     st = h.store.stats()
-    assert st["free_pages"] == free_before
-    assert (st["objects"], st["deduplicated_total"]) == (1, 1)
+    assert st.free_pages == free_before
+    assert (st.objects, st.deduplicated_total) == (1, 1)
     assert new.object_id not in h.store.objects
     assert new.object_id not in h.store.sessions[s2].owned
     assert h.window.extents() == [(0, h.window.window_pages)]
@@ -442,7 +443,7 @@ def test_committing_an_existing_key_with_pin_pins_the_existing_object(h):
     a = h.alloc(s1, 3, KV, key=b"chunk")
     txn = h.store.prepare(s2, [Spec(3, KV, key=b"chunk", pin=True)])
     h.store.commit(s2, [txn.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {s2: 1}
 
 
@@ -451,14 +452,14 @@ def test_committing_an_existing_key_with_pin_pins_the_existing_object(h):
 
 def test_lease_expiry_returns_pages_and_notifies_the_session(h):
     s = h.store.open_session()
-    free_before = h.store.stats()["free_pages"]
+    free_before = h.store.stats().free_pages
     txn = h.store.prepare(s, [Spec(4)], lease_s=5.0)
     assert h.store.next_deadline() == h.clock.now + 5.0
     h.clock.advance(5.0)
     assert h.store.expire() == [txn.txn_id]
-    h.store.check_invariants()
-    assert h.store.stats()["free_pages"] == free_before
-    assert h.store.stats()["open_transactions"] == 0
+    check_invariants(h.store)
+    assert h.store.stats().free_pages == free_before
+    assert h.store.stats().open_transactions == 0
     assert txn.state == TxnState.EXPIRED
     assert h.events == [(s, TransactionsExpired([txn.txn_id]))]
 
@@ -480,12 +481,12 @@ def test_expiry_notifies_each_session_of_its_own_transactions_only(h):
     h.store.prepare(s3, [Spec(1)], lease_s=60.0)
     h.clock.advance(2.0)
     assert sorted(h.store.expire()) == sorted([t1.txn_id, t2.txn_id, t3.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert sorted(h.events, key=lambda e: e[0]) == [
         (s1, TransactionsExpired([t1.txn_id, t3.txn_id])),
         (s2, TransactionsExpired([t2.txn_id])),
     ]
-    assert h.store.stats()["open_transactions"] == 1
+    assert h.store.stats().open_transactions == 1
 
 
 def test_default_lease_applies_when_none_is_given():
@@ -507,13 +508,13 @@ def test_commit_after_expiry_is_failed_precondition(h):
 
 def test_commit_past_the_lease_expires_it_and_is_failed_precondition(h):
     s = h.store.open_session()
-    free_before = h.store.stats()["free_pages"]
+    free_before = h.store.stats().free_pages
     txn = h.store.prepare(s, [Spec(2)], lease_s=1.0)
     h.clock.advance(1.5)
     refused(Code.FAILED_PRECONDITION, h.store.commit, s, [txn.txn_id], match="expired before commit")
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert txn.state == TxnState.EXPIRED
-    assert h.store.stats()["free_pages"] == free_before
+    assert h.store.stats().free_pages == free_before
     assert h.events == [(s, TransactionsExpired([txn.txn_id]))]
 
 
@@ -536,10 +537,10 @@ def test_lookup_pins_the_longest_existing_prefix_of_keys(h):
     b = h.alloc(s1, 1, KV, key=b"b")
     c = h.alloc(s1, 1, KV, key=b"d")  # "c" is missing
     found = h.store.lookup(s2, [b"a", b"b", b"c", b"d"], pin=True)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert found == [a, b]
     assert (a.pins, b.pins, c.pins) == ({s2: 1}, {s2: 1}, {})
-    assert h.store.stats()["evictable_pages"] == 1
+    assert h.store.stats().evictable_pages == 1
 
 
 def test_lookup_stops_at_a_missing_first_key(h):
@@ -563,9 +564,9 @@ def test_unpin_releases_the_lookup_pins(h):
     a = h.alloc(s1, 2, KV, key=b"a")
     h.store.lookup(s2, [b"a"], pin=True)
     h.store.unpin(s2, [a.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {}
-    assert h.store.stats()["evictable_pages"] == 2
+    assert h.store.stats().evictable_pages == 2
 
 
 def test_pin_counts_add_up_per_session(h):
@@ -573,11 +574,11 @@ def test_pin_counts_add_up_per_session(h):
     a = h.alloc(s1, 1)
     h.store.pin(s1, [a.object_id, a.object_id])
     h.store.pin(s2, [a.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {s1: 2, s2: 1}
     assert a.pin_count == 3
     h.store.unpin(s1, [a.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {s1: 1, s2: 1}
 
 
@@ -618,9 +619,9 @@ def test_free_returns_pages_and_forgets_the_key(h):
     s = h.store.open_session()
     a = h.alloc(s, 3, key=b"k")
     assert h.store.free(s, [a.object_id]) == (3, 0)
-    h.store.check_invariants()
+    check_invariants(h.store)
     st = h.store.stats()
-    assert (st["used_pages"], st["objects"], st["keyed_objects"], st["evictable_pages"]) == (0, 0, 0, 0)
+    assert (st.used_pages, st.objects, st.keyed_objects, st.evictable_pages) == (0, 0, 0, 0)
     assert h.store.lookup(s, [b"k"], pin=False) == []
     refused(Code.NOT_FOUND, h.store.pin, s, [a.object_id], match="was freed")
 
@@ -629,7 +630,7 @@ def test_free_drops_the_owners_own_pins(h):
     s = h.store.open_session()
     a = h.alloc(s, 2, pin=True)
     assert h.store.free(s, [a.object_id]) == (2, 0)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert h.store.sessions[s].pins == {}
 
 
@@ -638,13 +639,13 @@ def test_free_of_an_object_pinned_by_another_session_is_deferred_until_its_last_
     a = h.alloc(s1, 2, key=b"k")
     h.store.pin(s2, [a.object_id])
     assert h.store.free(s1, [a.object_id]) == (0, 2)
-    h.store.check_invariants()
-    assert h.store.stats()["used_pages"] == 2
+    check_invariants(h.store)
+    assert h.store.stats().used_pages == 2
     assert h.store.lookup(s2, [b"k"], pin=False) == []
     refused(Code.NOT_FOUND, h.store.pin, s2, [a.object_id], match="was freed")
     h.store.unpin(s2, [a.object_id])
-    h.store.check_invariants()
-    assert h.store.stats()["used_pages"] == 0
+    check_invariants(h.store)
+    assert h.store.stats().used_pages == 0
     assert a.object_id not in h.store.objects
 
 
@@ -664,21 +665,21 @@ def test_end_session_releases_its_pins(h):
     a = h.alloc(s1, 2, key=b"k")
     h.store.pin(s2, [a.object_id, a.object_id])
     h.store.end_session(s2)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {} and a.pin_count == 0
-    assert h.store.stats()["evictable_pages"] == 2
+    assert h.store.stats().evictable_pages == 2
 
 
 def test_end_session_aborts_its_open_transactions(h):
     s1, s2 = h.store.open_session(), h.store.open_session()
     a = h.alloc(s1, 1)
-    free_before = h.store.stats()["free_pages"]
+    free_before = h.store.stats().free_pages
     txn = h.store.prepare(s2, [Spec(3, key=b"k")], pin_ids=[a.object_id])
     h.store.end_session(s2)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert txn.state == TxnState.ABORTED
     st = h.store.stats()
-    assert (st["free_pages"], st["open_transactions"], st["prepared_pages"]) == (free_before, 0, 0)
+    assert (st.free_pages, st.open_transactions, st.prepared_pages) == (free_before, 0, 0)
     assert a.pins == {}
 
 
@@ -687,20 +688,20 @@ def test_end_session_frees_its_anonymous_objects(h):
     h.alloc(s, 2)
     h.alloc(s, 3, pin=True)
     h.store.end_session(s)
-    h.store.check_invariants()
+    check_invariants(h.store)
     st = h.store.stats()
-    assert (st["used_pages"], st["objects"]) == (0, 0)
+    assert (st.used_pages, st.objects) == (0, 0)
 
 
 def test_end_session_keeps_keyed_committed_objects_ownerless_and_findable(h):
     s1, s2 = h.store.open_session(), h.store.open_session()
     a = h.alloc(s1, 2, KV, key=b"k", pin=True)
     h.store.end_session(s1)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.owner == 0
     assert a.pins == {}
     assert h.store.lookup(s2, [b"k"], pin=True) == [a]
-    h.store.check_invariants()
+    check_invariants(h.store)
     # Nobody owns it any more, so nobody may free it; it leaves by eviction only.
     refused(Code.PERMISSION_DENIED, h.store.free, s2, [a.object_id])
 
@@ -710,13 +711,13 @@ def test_anonymous_object_pinned_by_another_session_outlives_its_owner_until_unp
     a = h.alloc(s1, 2)
     h.store.pin(s2, [a.object_id])
     h.store.end_session(s1)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.object_id in h.store.objects
-    assert h.store.stats()["used_pages"] == 2
+    assert h.store.stats().used_pages == 2
     h.store.unpin(s2, [a.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.object_id not in h.store.objects
-    assert h.store.stats()["used_pages"] == 0
+    assert h.store.stats().used_pages == 0
 
 
 def test_anonymous_object_pinned_by_another_session_is_freed_when_that_session_ends(h):
@@ -725,9 +726,9 @@ def test_anonymous_object_pinned_by_another_session_is_freed_when_that_session_e
     h.store.pin(s2, [a.object_id])
     h.store.end_session(s1)
     h.store.end_session(s2)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.object_id not in h.store.objects
-    assert h.store.stats()["used_pages"] == 0
+    assert h.store.stats().used_pages == 0
 
 
 # ============================================================ eviction under pressure
@@ -741,7 +742,7 @@ def fill(h: Harness, session: int, *specs) -> list:
 def test_pressure_evicts_unpinned_objects_in_priority_then_lru_order(h):
     s = h.store.open_session()
     kv1, temp1, lora, kv2, temp2, act = fill(h, s, (KV, 3), (TEMP, 2), (LORA, 3), (KV, 3), (TEMP, 2), (ACT, 3))
-    assert h.store.stats()["free_pages"] == 0
+    assert h.store.stats().free_pages == 0
     h.alloc(s, 7, KV)
     # Need 7: both temp buffers (4), then the activation (3).
     gone = {temp1.object_id, temp2.object_id, act.object_id}
@@ -753,7 +754,7 @@ def test_pressure_evicts_unpinned_objects_in_priority_then_lru_order(h):
     assert kv1.object_id not in h.store.objects
     assert kv2.object_id in h.store.objects
     st = h.store.stats()
-    assert (st["evicted_objects"], st["evicted_pages"]) == (5, 13)
+    assert (st.evicted_objects, st.evicted_pages) == (5, 13)
 
 
 def test_pressure_evicts_least_recently_used_within_a_class(h):
@@ -788,7 +789,7 @@ def test_objects_pinned_through_a_prepare_are_not_evicted_for_it(h):
     s = h.store.open_session()
     old, young = fill(h, s, (TEMP, 8), (TEMP, 8))
     txn = h.store.prepare(s, [Spec(8)], pin_ids=[old.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert old.object_id in h.store.objects
     assert young.object_id not in h.store.objects
     assert old.pins == {s: 1}
@@ -799,7 +800,7 @@ def test_an_existing_key_in_the_batch_is_not_evicted_to_make_room_for_the_rest(h
     s = h.store.open_session()
     keyed, other = h.alloc(s, 8, TEMP, key=b"k"), h.alloc(s, 8, KV)
     out = h.store.allocate(s, [Spec(8, TEMP, key=b"k"), Spec(8, TEMP)])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert out[0] == (keyed, True)
     assert keyed.object_id in h.store.objects
     assert other.object_id not in h.store.objects
@@ -813,9 +814,9 @@ def test_nothing_evictable_fails_with_resource_exhausted_and_numbers(h):
     err = refused(Code.RESOURCE_EXHAUSTED, h.store.allocate, s, [Spec(7)])
     assert "need 7 pages, 3 free, 3 evictable" in err.message
     assert "10 pinned in 1 objects" in err.message
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert without_failure_count(snapshot(h.store)) == without_failure_count(before)
-    assert h.store.stats()["allocation_failures"] == 1
+    assert h.store.stats().allocation_failures == 1
 
 
 def test_prepared_pages_cannot_be_evicted_for_a_request(h):
@@ -854,7 +855,7 @@ def test_evicted_ownerless_object_notifies_nobody(h):
     h.store.end_session(s1)
     h.alloc(s2, 16, KV)
     assert h.events == []
-    assert h.store.stats()["evicted_objects"] == 1
+    assert h.store.stats().evicted_objects == 1
 
 
 def test_pinning_an_evicted_object_is_not_found_saying_evicted(h):
@@ -882,7 +883,7 @@ def test_allocating_below_the_high_watermark_does_not_evict():
     s = h.store.open_session()
     fill(h, s, *[(TEMP, 1)] * 18)
     st = h.store.stats()
-    assert (st["used_pages"], st["eviction_runs"], st["evicted_pages"], st["eviction_active"]) == (18, 0, 0, False)
+    assert (st.used_pages, st.eviction_runs, st.evicted_pages, st.eviction_active) == (18, 0, 0, False)
 
 
 def test_crossing_the_high_watermark_evicts_down_to_the_low_watermark():
@@ -891,10 +892,10 @@ def test_crossing_the_high_watermark_evicts_down_to_the_low_watermark():
     olds = fill(h, s, *[(TEMP, 1)] * 17)
     h.alloc(s, 2, KV)
     st = h.store.stats()
-    assert st["eviction_runs"] == 1
-    assert st["evicted_pages"] == 9  # 17 + 2 - 10
-    assert st["used_pages"] == 10
-    assert st["eviction_active"] is False  # reached the low watermark
+    assert st.eviction_runs == 1
+    assert st.evicted_pages == 9  # 17 + 2 - 10
+    assert st.used_pages == 10
+    assert st.eviction_active is False  # reached the low watermark
     # The oldest went first.
     assert [o.object_id in h.store.objects for o in olds] == [False] * 9 + [True] * 8
 
@@ -906,7 +907,7 @@ def test_allocating_between_the_watermarks_after_an_eviction_run_does_not_evict(
     h.alloc(s, 2, KV)  # evicts down to 10
     fill(h, s, *[(TEMP, 1)] * 8)
     st = h.store.stats()
-    assert (st["used_pages"], st["eviction_runs"], st["evicted_pages"]) == (18, 1, 9)
+    assert (st.used_pages, st.eviction_runs, st.evicted_pages) == (18, 1, 9)
 
 
 def test_crossing_the_high_watermark_again_evicts_again():
@@ -917,9 +918,9 @@ def test_crossing_the_high_watermark_again_evicts_again():
     fill(h, s, *[(TEMP, 1)] * 8)  # 18 used
     h.alloc(s, 1, TEMP)
     st = h.store.stats()
-    assert st["eviction_runs"] == 2
-    assert st["used_pages"] == 10
-    assert st["evicted_pages"] == 9 + 9
+    assert st.eviction_runs == 2
+    assert st.used_pages == 10
+    assert st.evicted_pages == 9 + 9
 
 
 def test_eviction_stays_active_while_pinned_pages_keep_usage_above_the_low_watermark():
@@ -929,14 +930,14 @@ def test_eviction_stays_active_while_pinned_pages_keep_usage_above_the_low_water
     fill(h, s, (TEMP, 1), (TEMP, 1), (TEMP, 1))  # 17 used
     h.alloc(s, 2, TEMP)
     st = h.store.stats()
-    assert st["eviction_active"] is True
-    assert (st["used_pages"], st["evicted_pages"], st["eviction_runs"]) == (16, 3, 1)
+    assert st.eviction_active is True
+    assert (st.used_pages, st.evicted_pages, st.eviction_runs) == (16, 3, 1)
     # Still active: the next allocation evicts although it stays below the high watermark.
     h.alloc(s, 1, TEMP)
     st = h.store.stats()
-    assert st["eviction_runs"] == 2
-    assert st["evicted_pages"] == 5
-    assert st["used_pages"] == 15
+    assert st.eviction_runs == 2
+    assert st.evicted_pages == 5
+    assert st.used_pages == 15
 
 
 def test_eviction_becomes_inactive_once_usage_is_back_at_the_low_watermark():
@@ -945,12 +946,12 @@ def test_eviction_becomes_inactive_once_usage_is_back_at_the_low_watermark():
     big = h.alloc(s, 14, KV, pin=True)
     fill(h, s, (TEMP, 1), (TEMP, 1), (TEMP, 1))
     h.alloc(s, 2, TEMP)
-    assert h.store.stats()["eviction_active"] is True
+    assert h.store.stats().eviction_active is True
     h.store.free(s, [big.object_id])
     h.alloc(s, 1, TEMP)
     st = h.store.stats()
-    assert st["eviction_active"] is False
-    assert st["eviction_runs"] == 1
+    assert st.eviction_active is False
+    assert st.eviction_runs == 1
 
 
 # ============================================================ arena growth failure
@@ -963,7 +964,7 @@ def test_growth_failure_makes_allocation_evict_inside_current_capacity():
     c = h.alloc(s, 4, KV)
     assert h.grow.calls == [1]
     st = h.store.stats()
-    assert st["capacity_pages"] == 8
+    assert st.capacity_pages == 8
     assert a.object_id not in h.store.objects
     assert b.object_id in h.store.objects
     assert sorted(c.pages) == [0, 1, 2, 3]
@@ -979,9 +980,9 @@ def test_growth_failure_with_nothing_evictable_is_resource_exhausted_saying_the_
     err = refused(Code.RESOURCE_EXHAUSTED, h.store.allocate, s, [Spec(4)])
     assert "the arena could not grow" in err.message
     assert "need 4 pages, 1 free in 8 backed pages, 1 evictable" in err.message
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert without_failure_count(snapshot(h.store)) == without_failure_count(before)
-    assert h.store.stats()["allocation_failures"] == 1
+    assert h.store.stats().allocation_failures == 1
 
 
 def test_growth_failure_refusal_evicts_nothing_when_the_pool_is_full():
@@ -992,7 +993,7 @@ def test_growth_failure_refusal_evicts_nothing_when_the_pool_is_full():
     h.alloc(s, 4)
     before = snapshot(h.store)
     refused(Code.RESOURCE_EXHAUSTED, h.store.allocate, s, [Spec(12)], match="could not grow")
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert without_failure_count(snapshot(h.store)) == without_failure_count(before)
     assert h.events == []
 
@@ -1006,10 +1007,10 @@ def test_growth_failure_refusal_evicts_nothing_above_the_high_watermark():
     h.alloc(s, 2)
     before = snapshot(h.store)
     refused(Code.RESOURCE_EXHAUSTED, h.store.allocate, s, [Spec(5)], match="could not grow")
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert without_failure_count(snapshot(h.store)) == without_failure_count(before)
     st = h.store.stats()
-    assert (st["eviction_active"], st["eviction_runs"], st["evicted_pages"]) == (False, 0, 0)
+    assert (st.eviction_active, st.eviction_runs, st.evicted_pages) == (False, 0, 0)
     assert h.events == []
 
 
@@ -1020,7 +1021,7 @@ def test_growth_and_eviction_together_grow_only_what_eviction_cannot_cover():
     old = h.alloc(s, 4)
     new = h.alloc(s, 12)
     assert h.grow.calls == [2]
-    assert h.store.stats()["capacity_pages"] == 16
+    assert h.store.stats().capacity_pages == 16
     assert old.object_id not in h.store.objects
     assert new.num_pages == 12
 
@@ -1030,7 +1031,7 @@ def test_growth_failure_releases_the_window_range_of_a_refused_contiguous_reques
     s = h.store.open_session()
     before = snapshot(h.store)
     refused(Code.RESOURCE_EXHAUSTED, h.store.allocate, s, [Spec(6, contiguous=True)], match="could not grow")
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert without_failure_count(snapshot(h.store)) == without_failure_count(before)
 
 
@@ -1044,7 +1045,7 @@ def world():
     s1, s2 = h.store.open_session(), h.store.open_session()
     obj = h.alloc(s1, 2, KV, key=b"key")
     txn = h.store.prepare(s1, [Spec(2)])
-    h.store.check_invariants()
+    check_invariants(h.store)
     return h, s1, s2, obj, txn
 
 
@@ -1161,7 +1162,7 @@ def test_malformed_or_out_of_range_request_is_refused_with_its_code_and_changes_
     code, call = BAD_CALLS[case]
     before = snapshot(h.store)
     refused(code, call, h.store, s1, s2, obj, txn)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert snapshot(h.store) == before
     assert h.events == []
 
@@ -1201,7 +1202,7 @@ def test_pin_beyond_the_session_limit_is_resource_exhausted_with_numbers_and_cha
         [a.object_id, b.object_id],
         match="session 1 holds 1 pins and this call adds 2; the limit is 2",
     )
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert snapshot(h.store) == before
 
 
@@ -1210,7 +1211,7 @@ def test_pin_up_to_the_session_limit_is_allowed():
     s = h.store.open_session()
     a = h.alloc(s, 1)
     h.store.pin(s, [a.object_id, a.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert h.store.sessions[s].pin_total == 2
 
 
@@ -1221,7 +1222,7 @@ def test_unpinning_makes_room_under_the_pin_limit():
     refused(Code.RESOURCE_EXHAUSTED, h.store.pin, s, [b.object_id])
     h.store.unpin(s, [a.object_id])
     h.store.pin(s, [b.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert b.pins == {s: 1}
 
 
@@ -1230,7 +1231,7 @@ def test_other_sessions_pins_do_not_count_toward_a_sessions_limit():
     s1, s2 = h.store.open_session(), h.store.open_session()
     a = h.alloc(s1, 1, pin=True)
     h.store.pin(s2, [a.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {s1: 1, s2: 1}
 
 
@@ -1271,7 +1272,7 @@ def test_lookup_with_pin_counts_only_the_keys_found_toward_the_limit():
     h.alloc(s, 1, KV, key=b"c")
     h.store.pin(s, [h.store.keys[b"c"].object_id])
     assert len(h.store.lookup(s, [b"a", b"b", b"c"], pin=True)) == 1
-    h.store.check_invariants()
+    check_invariants(h.store)
     before = snapshot(h.store)
     refused(
         Code.RESOURCE_EXHAUSTED, h.store.lookup, s, [b"a", b"c"], pin=True, match="holds 2 pins and this call adds 2"
@@ -1284,7 +1285,7 @@ def test_a_pin_limit_of_zero_means_no_limit():
     s = h.store.open_session()
     a = h.alloc(s, 1)
     h.store.pin(s, [a.object_id] * 100)
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pin_count == 100
 
 
@@ -1301,7 +1302,7 @@ def test_session_pin_total_follows_free_abort_and_unpin():
     h.store.abort(s1, [txn.txn_id])
     assert h.store.sessions[s1].pin_total == 1
     h.store.unpin(s1, [b.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert h.store.sessions[s1].pin_total == 0
 
 
@@ -1330,8 +1331,8 @@ def test_set_watermarks_takes_effect_on_the_next_allocation():
     h.store.set_watermarks(0.9, 0.5)
     h.alloc(s, 2, KV)
     st = h.store.stats()
-    assert (st["high_watermark"], st["low_watermark"]) == (0.9, 0.5)
-    assert (st["eviction_runs"], st["used_pages"]) == (1, 10)
+    assert (st.high_watermark, st.low_watermark) == (0.9, 0.5)
+    assert (st.eviction_runs, st.used_pages) == (1, 10)
 
 
 @pytest.mark.parametrize("high, low", [(0.5, 0.8), (1.5, 0.5), (0.9, 0.0)])
@@ -1340,7 +1341,7 @@ def test_set_watermarks_rejects_bad_values_and_keeps_the_old_ones(high, low):
     with pytest.raises(ValueError, match="watermarks"):
         h.store.set_watermarks(high, low)
     st = h.store.stats()
-    assert (st["high_watermark"], st["low_watermark"]) == (0.9, 0.8)
+    assert (st.high_watermark, st.low_watermark) == (0.9, 0.8)
 
 
 def test_pins_promised_to_an_open_transaction_count_toward_the_limit_until_it_ends():
@@ -1352,7 +1353,7 @@ def test_pins_promised_to_an_open_transaction_count_toward_the_limit_until_it_en
     # One pin held, one promised at commit: a third would break the limit at commit.
     refused(Code.RESOURCE_EXHAUSTED, h.store.pin, s, [b.object_id], match="1 promised to open transactions")
     h.store.commit(s, [txn.txn_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert h.store.sessions[s].pin_total == 2
 
 
@@ -1364,7 +1365,7 @@ def test_aborting_a_transaction_releases_its_promised_pins_from_the_limit():
     refused(Code.RESOURCE_EXHAUSTED, h.store.pin, s, [a.object_id])
     h.store.abort(s, [txn.txn_id])
     h.store.pin(s, [a.object_id])
-    h.store.check_invariants()
+    check_invariants(h.store)
     assert a.pins == {s: 1}
 
 

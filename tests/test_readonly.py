@@ -28,6 +28,7 @@ from memory_broker.broker.adapters.tiers import read_matrix
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 from memory_broker.broker.errors import BrokerError, Code
+from store_invariants import check_invariants
 from conftest import ROOT, child_code, start_broker
 
 @pytest.fixture
@@ -282,7 +283,7 @@ def test_verify_finds_a_corrupt_hot_copy_and_the_next_acquire_reloads_it(peft_di
         h.manager.release(holder, ["r8"])
         assert first.object_id not in h.store.objects
         h.manager.release(other, ["r8"])
-        h.store.check_invariants()
+        check_invariants(h.store)
         await h.close()
 
     run(main())

@@ -198,7 +198,7 @@ def test_a_symlink_put_in_after_registration_is_not_followed_when_the_adapter_lo
         with pytest.raises(BrokerError) as e:
             await h.manager.acquire(s, ["mine"])
         assert e.value.code == Code.FAILED_PRECONDITION and "symlink" in e.value.message, e.value.message
-        assert h.store.stats()["pinned_pages"] == 0
+        assert h.store.stats().pinned_pages == 0
         await h.manager.close()
 
     asyncio.run(main())

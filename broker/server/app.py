@@ -24,7 +24,7 @@ from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
 from memory_broker.broker.arena import ArenaGeometry, make_arena
 from memory_broker.broker.errors import BrokerError
 from memory_broker.broker.eviction import make_policy
-from memory_broker.broker.objects import ObjectStore, StoreConfig
+from memory_broker.broker.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.pool import PagePool, WindowSpace
 from memory_broker.broker.server.config import ConfigError, build_options, deprecation_notes, reload_changes
 from memory_broker.broker.server.lock import SocketLock
@@ -173,7 +173,7 @@ class BrokerServer:
             log=self.log,
         )
         # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
-        self.store.internal_sessions.add(self.adapters.system_session)
+        self.store.mark_internal(self.adapters.system_session)
         self.watcher = PidWatcher(loop)
         self.sessions = SessionManager(
             self.store,
@@ -288,22 +288,18 @@ class BrokerServer:
         if more:
             self._schedule_store_work(loop)
 
-    def status_line(self, st: dict | None = None) -> str:
+    def status_line(self, st: StoreStats | None = None) -> str:
         """One line on the pool for systemd's STATUS (``st``: a store.stats() already taken)."""
         st = self.store.stats() if st is None else st
         return (
-            f"{st['used_pages']}/{st['max_pages']} pages used ({st['utilization']:.0%}), "
-            f"{st['pinned_pages']} pinned, {st['sessions']} sessions, {st['evicted_pages']} pages evicted"
+            f"{st.used_pages}/{st.max_pages} pages used ({st.utilization:.0%}), "
+            f"{st.pinned_pages} pinned, {st.sessions} sessions, {st.evicted_pages} pages evicted"
         )
 
-    def _refresh(self) -> dict:
-        """One walk of the store per tick: metric snapshots, and the stats for STATUS."""
+    def _refresh(self) -> StoreStats:
+        """One reading of the store per tick: metric snapshots, and the stats for STATUS."""
         st = self.store.stats()
         if self.metrics is not None:
-            st["pin_contention"] = self.store.counters.pin_contention
-            from memory_broker.broker.eviction import ContentType
-
-            st["by_content_named"] = {ContentType(ct).name.lower(): v for ct, v in st["by_content"].items()}
             self.metrics.snapshot = st
             a = self.adapters.stats()
             self.metrics.adapter_snapshot = {
@@ -346,10 +342,11 @@ class BrokerServer:
         apply, restart = reload_changes(self.opts, new)
         if "high_watermark" in apply or "low_watermark" in apply:
             self.store.set_watermarks(new.high_watermark, new.low_watermark)
-        if "default_lease_s" in apply:
-            self.store.config.default_lease_s = new.default_lease_s
-        if "max_pins_per_session" in apply:
-            self.store.config.max_pins_per_session = new.max_pins_per_session
+        if "default_lease_s" in apply or "max_pins_per_session" in apply:
+            self.store.reconfigure(
+                default_lease_s=new.default_lease_s if "default_lease_s" in apply else None,
+                max_pins_per_session=new.max_pins_per_session if "max_pins_per_session" in apply else None,
+            )
         if "allowed_uids" in apply:
             self.fd_server.allowed_uids = new.effective_uids()
         if "allowed_uids" in apply or "adapter_manager_uids" in apply:

@@ -1,8 +1,8 @@
 """OpenTelemetry instruments exported on a Prometheus endpoint.
 
-Gauges and cumulative counters are read from a snapshot of the core's stats that the event
-loop refreshes (the scrape runs on the exporter's HTTP thread and must not walk the core's
-dicts while the loop changes them). Latencies are recorded where they happen, on the loop.
+Gauges and cumulative counters are read from a snapshot of the core's stats (a frozen
+``StoreStats``) that the event loop refreshes (the scrape runs on the exporter's HTTP thread
+and must not walk the core's dicts while the loop changes them). Latencies are recorded where they happen, on the loop.
 Histogram buckets are in seconds and start at a microsecond: the defaults assume
 milliseconds and would put every allocation in the first bucket.
 """
@@ -14,6 +14,9 @@ from typing import Callable
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+from memory_broker.broker.eviction import ContentType
+from memory_broker.broker.store_stats import StoreStats
 
 PREFIX = "memory_broker"
 
@@ -44,28 +47,28 @@ class BrokerMetrics:
         self.provider = MeterProvider(metric_readers=[reader], views=views, shutdown_on_exit=False)
         meter = self.provider.get_meter("memory-broker")
         self.backend = backend
-        self.snapshot: dict = {}
+        self.snapshot: StoreStats | None = None
         self.adapter_snapshot: dict = {}
         self._http = None
 
-        def gauge(name: str, desc: str, fn: Callable[[dict], list[Observation]]):
+        def gauge(name: str, desc: str, fn: Callable[[StoreStats], list[Observation]]):
             meter.create_observable_gauge(f"{PREFIX}_{name}", callbacks=[self._cb(fn)], description=desc)
 
-        def counter(name: str, desc: str, fn: Callable[[dict], list[Observation]]):
+        def counter(name: str, desc: str, fn: Callable[[StoreStats], list[Observation]]):
             meter.create_observable_counter(f"{PREFIX}_{name}", callbacks=[self._cb(fn)], description=desc)
 
-        s = lambda key: (lambda st: [Observation(st[key])] if key in st else [])  # noqa: E731
+        s = lambda field: (lambda st: [Observation(getattr(st, field))])  # noqa: E731
         gauge("pool_utilization", "used pages / most pages the arena may hold", s("utilization"))
         gauge("pool_pages", "pages by state", lambda st: [
-            Observation(st[f"{k}_pages"], {"state": k}) for k in POOL_STATES if f"{k}_pages" in st])
+            Observation(getattr(st, f"{k}_pages"), {"state": k}) for k in POOL_STATES])
         gauge("pool_max_pages", "most pages the arena may hold", s("max_pages"))
         gauge("pool_capacity_pages", "pages backed by slabs now", s("capacity_pages"))
         gauge("eviction_active", "1 between crossing the high watermark and reaching the low one",
-              lambda st: [Observation(int(st["eviction_active"]))] if "eviction_active" in st else [])
+              lambda st: [Observation(int(st.eviction_active))])
         gauge("window_fragmentation_ratio", "1 - largest free window extent / free window pages",
               s("window_fragmentation"))
         gauge("objects", "allocations by content type", lambda st: [
-            Observation(n, {"content_type": ct}) for ct, (n, _) in st.get("by_content_named", {}).items()])
+            Observation(u.objects, {"content_type": ContentType(ct).name.lower()}) for ct, u in st.by_content.items()])
         gauge("sessions_active", "open sessions", s("sessions"))
         gauge("transactions_open", "prepared transactions not yet committed or aborted", s("open_transactions"))
         counter("evicted_pages_total", "pages evicted", s("evicted_pages"))
@@ -122,7 +125,7 @@ class BrokerMetrics:
     def _cb(self, fn):
         def callback(options: CallbackOptions):
             snap = self.snapshot
-            return fn(snap) if snap else []
+            return fn(snap) if snap is not None else []
 
         return callback
 

@@ -20,6 +20,10 @@ from memory_broker.broker.eviction import ContentType  # noqa: E402
 from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
 from memory_broker.broker.pool import PagePool, WindowSpace  # noqa: E402
 
+# The invariant checker is test support (tests/store_invariants.py), not product code.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from store_invariants import check_invariants  # noqa: E402
+
 MAX_PAGES = 65536
 
 
@@ -101,7 +105,7 @@ def main() -> None:
         fn(200)  # warm up
         us = median_us(fn, a.chunks, max(1, a.per_chunk // div))
         print(f"{name:<48}{us:>14.2f}")
-    store.check_invariants()
+    check_invariants(store)
     # By now far more objects than StoreConfig.remember have come and gone: the steady state
     # of a long-running broker, which the target is measured in.
     assert store.counters.allocations_total > store.config.remember, "run more iterations for the steady state"

@@ -131,7 +131,7 @@ def bench_crossing(sizes: list[int], table: list, trials: int) -> None:
             # Fill to 15 pages under the high watermark; then an 8-object batch that stays
             # under it (also the reference row: the first call after a large fill pays for
             # cold caches either way), then the 8-object batch that crosses it.
-            gap = store._high_pages - store.pool.used_pages
+            gap = store.room.high_pages - store.pool.used_pages
             fill(store, sid, gap - 15)
             t0 = time.perf_counter_ns()
             store.allocate(sid, [Spec(1)] * 8)

@@ -1,0 +1,174 @@
+"""The table of live objects: by id, by key, and why a recent id is gone; where an object's
+pages and window range come from and go back to.
+
+``ObjectTable`` places contiguous objects in the window, creates PREPARED objects on pages
+the pool hands out, answers "may this session see object N", and drops objects (pages, window
+range, key, owner's set, running figures). It never decides whether there is room (the
+``RoomMaker`` does, before ``create``), never changes pins, and never checks a request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+from memory_broker.broker.errors import exhausted, not_found, precondition
+from memory_broker.broker.eviction import EvictionPolicy
+from memory_broker.broker.pool import PagePool, WindowSpace
+from memory_broker.broker.shards import ShardedMap
+from memory_broker.broker.store_records import CONTENT_BY_NUMBER, Allocation, ObjectState, Recent, SessionState, Spec
+from memory_broker.broker.store_stats import Tally
+
+
+class ObjectTable:
+    """Objects of one arena by id and key.
+
+    Args:
+        pool: physical pages and the page table.
+        window: placement of contiguous objects.
+        policy: eviction candidates (a freed object leaves them).
+        tally: running figures, kept as objects come and go.
+        remember: how many gone object ids keep their reason, for messages.
+        owner_state: the open or ending session record of an owner id, or None.
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        window: WindowSpace,
+        policy: EvictionPolicy,
+        tally: Tally,
+        remember: int,
+        owner_state: Callable[[int], SessionState | None],
+    ):
+        self._pool = pool
+        self._window = window
+        self._policy = policy
+        self._tally = tally
+        self._owner_state = owner_state
+        # Sharded: a million-entry dict rebuilds its table inside one call under churn.
+        self.objects: ShardedMap = ShardedMap()
+        # Committed, not freed objects by key.
+        self.keys: ShardedMap = ShardedMap()
+        # Why an object id is gone ("evicted" / "freed"), for messages; oldest forgotten first.
+        self._gone: Recent = Recent(remember)
+        self._ids = itertools.count(1)
+
+    def place(self, specs: Sequence[Spec]) -> list[int]:
+        """Window ranges for the contiguous specs, in order; all or none.
+
+        Raises:
+            BrokerError: RESOURCE_EXHAUSTED when a range does not fit (nothing stays placed).
+        """
+        window = self._window
+        window_pages: list[int] = []
+        for sp in specs:
+            if sp.contiguous:
+                w = window.place(sp.num_pages)
+                if w < 0:
+                    self.unplace(window_pages, specs)
+                    raise exhausted(
+                        f"no free range of {sp.num_pages} pages in the virtual window "
+                        f"({window.free_pages} free in {window.free_extents} extents, largest "
+                        f"{window.largest_free}); free contiguous objects or raise window_factor"
+                    )
+                window_pages.append(w)
+        return window_pages
+
+    def unplace(self, window_pages: list[int], specs: Sequence[Spec]) -> None:
+        """Give back ranges ``place`` returned (for the first ``len(window_pages)`` contiguous specs)."""
+        for w, sp in zip(window_pages, (x for x in specs if x.contiguous)):
+            self._window.release(w, sp.num_pages)
+
+    def create(self, s: SessionState, specs: Sequence[Spec], window_pages: list[int]) -> list[Allocation]:
+        """PREPARED objects owned by ``s`` on pages taken now (the room was made first)."""
+        next_id = self._ids.__next__
+        ids = [next_id() for _ in specs]
+        page_lists = self._pool.take(ids, [sp.num_pages for sp in specs])
+        wit = iter(window_pages)
+        out = []
+        objects = self.objects
+        account = self._tally.account
+        sid = s.session_id
+        for oid, sp, pages in zip(ids, specs, page_lists):
+            obj = Allocation(
+                oid,
+                sid,
+                CONTENT_BY_NUMBER[sp.content_type],
+                sp.key,
+                pages,
+                next(wit) if sp.contiguous else -1,
+                ObjectState.PREPARED,
+                sp.num_pages,
+            )
+            objects[oid] = obj
+            account(obj, 1)
+            s.owned.add(oid)
+            out.append(obj)
+        return out
+
+    def visible(self, session: int, oid: int) -> Allocation:
+        """The object if ``session`` may see it (not freed; PREPARED only to its owner)."""
+        obj = self.objects.get(oid)
+        if obj is None or obj.freed or (obj.state == ObjectState.PREPARED and obj.owner != session):
+            if obj is not None and obj.freed:
+                raise not_found(f"object {oid} was freed (its pages return when its last pin goes)")
+            raise not_found(self.gone_message(oid) if obj is None else f"no object {oid}")
+        return obj
+
+    def pinnable(self, session: int, oid: int) -> Allocation:
+        """The object if ``session`` may pin it now (visible and committed)."""
+        obj = self.visible(session, oid)
+        if obj.state == ObjectState.PREPARED:
+            raise precondition(
+                f"object {oid} is prepared in open transaction {obj.txn_id}; pin it at commit (ObjectSpec.pin)"
+            )
+        return obj
+
+    def gone_message(self, oid: int) -> str:
+        why = self._gone.get(oid)
+        if why == "evicted":
+            return f"object {oid} was evicted; allocate it again"
+        if why:
+            return f"object {oid} was {why}"
+        return f"no object {oid}"
+
+    def free_one(self, obj: Allocation) -> bool:
+        """Free an object now, or when its last pin goes. True if freed now."""
+        if obj.key is not None and self.keys.get(obj.key) is obj:
+            del self.keys[obj.key]
+        if obj.pin_count:
+            obj.freed = True
+            return False
+        self._policy.remove(obj)
+        self.drop(obj, "freed")
+        return True
+
+    def disown(self, s: SessionState, budget: int | None) -> None:
+        """Release up to ``budget`` of an ended session's objects: anonymous ones are freed
+        (or marked freed while pinned), keyed ones stay, ownerless."""
+        owned, objects, work = s.owned, self.objects, 0
+        while owned and (budget is None or work < budget):
+            obj = objects.get(owned.pop())
+            work += 1
+            if obj is None:
+                continue
+            self._tally.set_owner(obj, 0)
+            if obj.key is None:
+                self.free_one(obj)
+
+    def drop(self, obj: Allocation, why: str) -> None:
+        """Forget an object and return its pages and window range."""
+        oid = obj.object_id
+        del self.objects[oid]
+        self._tally.account(obj, -1)
+        if obj.key is not None and self.keys.get(obj.key) is obj:
+            del self.keys[obj.key]
+        if obj.owner:
+            s = self._owner_state(obj.owner)
+            if s is not None:
+                s.owned.discard(oid)
+        if obj.window_page >= 0:
+            self._window.release(obj.window_page, obj.num_pages)
+        self._pool.give_back(obj.pages)
+        self._gone[oid] = why

@@ -1,0 +1,141 @@
+"""Pins between sessions and committed objects: the two mirrored counts (``Allocation.pins``
+and ``SessionState.pins``), the per-session limit, and the zero crossings that move an object
+out of and back into the eviction candidates.
+
+``PinLedger`` changes only pin counts, the policy's candidate set and the pinned figures of
+the tally; it decides nothing about visibility or ownership (the store checks those first)
+and frees nothing itself: the last pin of a freed object goes to the store's ``drop``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from memory_broker.broker.errors import denied, exhausted, precondition
+from memory_broker.broker.eviction import EvictionPolicy
+from memory_broker.broker.shards import ShardedMap
+from memory_broker.broker.store_records import Allocation, SessionState, StoreConfig
+from memory_broker.broker.store_stats import Counters, Tally
+from memory_broker.broker.transactions import TransactionBook
+
+
+class PinLedger:
+    """Who pins what, and how many.
+
+    Args:
+        policy: the eviction candidates (an object with pins is never one).
+        tally: the store's running figures (pinned pages and objects).
+        counters: the store's counters (pin contention).
+        config: read for ``max_pins_per_session`` at each check (it may be reconfigured).
+        internal_sessions: sessions the limit does not apply to.
+        txns: open transactions, whose promised pins count against the limit.
+        drop: ``drop(obj, why)``: the store forgets an object (a freed one at its last pin).
+    """
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        tally: Tally,
+        counters: Counters,
+        config: StoreConfig,
+        internal_sessions: set[int],
+        txns: TransactionBook,
+        drop: Callable[[Allocation, str], None],
+    ):
+        self._policy = policy
+        self._tally = tally
+        self._counters = counters
+        self._config = config
+        self._internal = internal_sessions
+        self._txns = txns
+        self._drop = drop
+
+    def check_limit(self, s: SessionState, adding: int) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) if ``adding`` pins would take ``s`` over its limit."""
+        limit = self._config.max_pins_per_session
+        if not (limit and adding) or s.session_id in self._internal:
+            return
+        # Pins promised to open transactions (ObjectSpec.pin) are taken at commit, which does
+        # not check the limit again: they count as held until the transaction ends.
+        promised = self._txns.promised_pins(s.txns)
+        if s.pin_total + promised + adding > limit:
+            held = f"{s.pin_total} pins" + (f" (and {promised} promised to open transactions)" if promised else "")
+            raise exhausted(
+                f"session {s.session_id} holds {held} and this call adds {adding}; "
+                f"the limit is {limit} (max_pins_per_session): unpin first"
+            )
+
+    def check_unpin(self, session: int, obj: Allocation, count: int) -> None:
+        """Refuse unless ``session`` holds at least ``count`` pins on ``obj``."""
+        held = obj.pins.get(session, 0)
+        if held < count:
+            oid = obj.object_id
+            if held == 0 and obj.pin_count > 0:
+                raise denied(f"object {oid} is pinned only by other sessions; session {session} holds no pin on it")
+            raise precondition(f"object {oid}: asked to unpin {count}, session {session} holds {held} pin(s)")
+
+    def pin(self, s: SessionState, obj: Allocation) -> None:
+        """One more pin of ``obj`` for ``s`` (the object must be committed and visible)."""
+        if obj.pin_count == 0:
+            self._policy.remove(obj)
+            tally = self._tally
+            tally.pinned_pages += obj.num_pages
+            tally.pinned_objects += 1
+        elif s.session_id not in obj.pins:
+            self._counters.pin_contention += 1
+        s.pin_total += 1
+        obj.pin_count += 1
+        sid = s.session_id
+        obj.pins[sid] = obj.pins.get(sid, 0) + 1
+        s.pins[obj.object_id] = s.pins.get(obj.object_id, 0) + 1
+
+    def unpin(self, s: SessionState, obj: Allocation, count: int) -> None:
+        """Drop ``count`` of the pins ``s`` holds on ``obj`` (the caller checked it holds them)."""
+        sid = s.session_id
+        left = obj.pins[sid] - count
+        if left:
+            obj.pins[sid] = left
+            s.pins[obj.object_id] = left
+        else:
+            del obj.pins[sid]
+            del s.pins[obj.object_id]
+        obj.pin_count -= count
+        s.pin_total -= count
+        if obj.pin_count == 0:
+            self._became_unpinned(obj)
+
+    def drop_own(self, s: SessionState, obj: Allocation) -> None:
+        """Drop every pin ``s`` holds on ``obj``, which its owner ``s`` is freeing: the object
+        does not become an eviction candidate (the store frees it, or marks it freed)."""
+        own = s.pins.pop(obj.object_id, 0)
+        if own:
+            del obj.pins[s.session_id]
+            obj.pin_count -= own
+            s.pin_total -= own
+            if obj.pin_count == 0:
+                self._tally.pinned_pages -= obj.num_pages
+                self._tally.pinned_objects -= 1
+
+    def release(self, s: SessionState, objects: ShardedMap, budget: int | None) -> int:
+        """Drop up to ``budget`` objects' worth of an ended session's pins; returns how many."""
+        sid, pins = s.session_id, s.pins
+        work = 0
+        while pins and (budget is None or work < budget):
+            oid, count = pins.popitem()
+            obj = objects[oid]
+            del obj.pins[sid]
+            obj.pin_count -= count
+            s.pin_total -= count
+            if obj.pin_count == 0:
+                self._became_unpinned(obj)
+            work += 1
+        return work
+
+    def _became_unpinned(self, obj: Allocation) -> None:
+        tally = self._tally
+        tally.pinned_pages -= obj.num_pages
+        tally.pinned_objects -= 1
+        if obj.freed:
+            self._drop(obj, "freed")
+        else:
+            self._policy.add(obj)

@@ -1,0 +1,188 @@
+"""Making room for an allocation: evict unpinned objects or grow the arena, and the watermark
+hysteresis that decides how far eviction goes (DESIGN.md section 4).
+
+``RoomMaker`` owns the watermarks and the "eviction active" state; it asks the policy for
+victims, has the store drop them (``drop``) and tells their owners (``notify``), and asks the
+pool to grow. It never creates objects, changes pins or keys, or reads sessions: the store
+does, and calls ``make_room`` before it takes pages.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection
+
+from memory_broker.broker.errors import exhausted
+from memory_broker.broker.eviction import EvictionPolicy
+from memory_broker.broker.pool import PagePool
+from memory_broker.broker.shards import ShardedMap
+from memory_broker.broker.store_records import Allocation, ObjectsEvicted, ObjectState, pages_at
+from memory_broker.broker.store_stats import Counters, Tally
+
+Notify = Callable[[int, object], None]
+
+
+class RoomMaker:
+    """Free pages within capacity for the store, by eviction and growth.
+
+    Args:
+        pool: free pages and the arena's growth.
+        policy: orders eviction candidates (the store keeps it current).
+        objects: the store's objects by id (read only here).
+        counters: the store's counters (eviction runs, evicted objects and pages).
+        tally: the store's running figures (read for error messages).
+        drop: ``drop(obj, why)``: the store forgets an object and returns its pages.
+        notify: ``notify(session_id, event)`` for ObjectsEvicted.
+        high_watermark, low_watermark: fractions of ``pool.max_pages``.
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        policy: EvictionPolicy,
+        objects: ShardedMap,
+        counters: Counters,
+        tally: Tally,
+        drop: Callable[[Allocation, str], None],
+        notify: Notify,
+        high_watermark: float,
+        low_watermark: float,
+    ):
+        self.pool = pool
+        self.policy = policy
+        self._objects = objects
+        self._counters = counters
+        self._tally = tally
+        self._drop = drop
+        self._notify = notify
+        # Hysteresis state: set when usage crosses the high watermark, cleared at the low.
+        self.eviction_active = False
+        # Set by a host that drains eviction off the request path (see ObjectStore.background).
+        self.background: Callable[[], None] | None = None
+        self.set_watermarks(high_watermark, low_watermark)
+
+    def set_watermarks(self, high: float, low: float) -> None:
+        """Change the eviction watermarks (also of a running store: SIGHUP reload)."""
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1; got low={low}, high={high}")
+        self.high_watermark, self.low_watermark = high, low
+        self.high_pages = pages_at(high, self.pool.max_pages)
+        self.low_pages = pages_at(low, self.pool.max_pages)
+
+    def drain(self, budget: int) -> bool:
+        """One bounded batch of watermark eviction; True if more is needed."""
+        if not self.eviction_active:
+            return False
+        over = self.pool.used_pages - self.low_pages
+        if over <= 0:
+            self.eviction_active = False
+            return False
+        if not self.policy.evictable_pages:
+            return False  # all pinned: allocations retry as pins go
+        self.evict(self.policy.select(over, budget), over, ())
+        if self.pool.used_pages <= self.low_pages:
+            self.eviction_active = False
+            return False
+        return bool(self.policy.evictable_pages)
+
+    def make_room(self, total: int, exclude: Collection[int]) -> None:
+        """Ensure ``total`` free pages within the arena's capacity, evicting and growing.
+
+        Watermark eviction runs first (best effort, down to the low watermark, counting
+        the pages about to be taken), then whatever the request itself still needs.
+        ``exclude``: ids of objects the request uses, which must not be evicted for it.
+        """
+        pool = self.pool
+        if (
+            not exclude
+            and not self.eviction_active
+            and total <= pool.free_in_capacity
+            and pool.used_pages + total <= self.high_pages
+        ):
+            return  # fast path: room within capacity and under the high watermark
+        policy = self.policy
+        objects = self._objects
+        excluded_pages = sum(objects[o].num_pages for o in exclude if self.is_evictable(objects[o]))
+        evictable = policy.evictable_pages - excluded_pages
+        if pool.free_pages + evictable < total:
+            raise exhausted(self.exhausted_message(total, evictable))
+        # Growth the request needs even if every candidate were evicted: ask for it before
+        # evicting anything or starting hysteresis, so that a backend that cannot grow
+        # refuses the request without side effects. (Eviction moves pages from evictable
+        # to free within capacity, so once this holds the fallback below always succeeds.)
+        unavoidable = total - (pool.free_in_capacity + evictable)
+        if unavoidable > 0:
+            try:
+                pool.grow(-(-unavoidable // pool.pages_per_slab))
+            except MemoryError as e:
+                raise exhausted(
+                    f"the arena could not grow ({e}); need {total} pages, {pool.free_in_capacity} free in "
+                    f"{pool.capacity_pages} backed pages, {evictable} evictable"
+                ) from None
+        used_after = pool.used_pages + total
+        if used_after > self.high_pages:
+            self.eviction_active = True
+        if self.eviction_active:
+            over = used_after - self.low_pages
+            if over > 0 and evictable > 0:
+                self._counters.eviction_runs += 1
+                if self.background is not None:
+                    # The way down to the low watermark is drained by the store's work(),
+                    # off this request; inline it evicts only what it needs itself (below).
+                    self.background()
+                else:
+                    self.evict(policy.select(over + excluded_pages), over, exclude)
+            if pool.used_pages + total <= self.low_pages:
+                self.eviction_active = False
+        if pool.free_pages < total:
+            need = total - pool.free_pages
+            self.evict(policy.select(need + excluded_pages), need, exclude)
+        short = total - (pool.capacity_pages - pool.used_pages)
+        if short > 0:
+            try:
+                pool.grow(-(-short // pool.pages_per_slab))
+            except MemoryError as e:
+                # The backend could not grow (device memory taken by others): make room
+                # inside the capacity we have instead, if the cache allows.
+                inside = pool.capacity_pages - pool.used_pages
+                need = total - inside
+                if policy.evictable_pages - excluded_pages < need:
+                    raise exhausted(
+                        f"the arena could not grow ({e}); need {total} pages, {inside} free in "
+                        f"{pool.capacity_pages} backed pages, {policy.evictable_pages - excluded_pages} evictable"
+                    ) from None
+                self.evict(policy.select(need + excluded_pages), need, exclude)
+
+    def exhausted_message(self, total: int, evictable: int) -> str:
+        t = self._tally
+        return (
+            f"need {total} pages, {self.pool.free_pages} free, {evictable} evictable "
+            f"(of {self.pool.max_pages}: {t.pinned_pages} pinned in {t.pinned_objects} objects, "
+            f"{t.prepared_pages} prepared); unpin or free objects, or raise the pool size"
+        )
+
+    def evict(self, victims: list, need: int, exclude: Collection[int]) -> None:
+        """Evict victims in order until ``need`` pages are freed; tell each owner once."""
+        freed = 0
+        told: dict[int, tuple[list[int], list[bytes]]] = {}
+        counters = self._counters
+        for obj in victims:
+            if freed >= need:
+                break
+            if obj.object_id in exclude:
+                continue
+            self.policy.remove(obj)
+            freed += obj.num_pages
+            if obj.owner:
+                ids, keys = told.setdefault(obj.owner, ([], []))
+                ids.append(obj.object_id)
+                if obj.key is not None:
+                    keys.append(obj.key)
+            self._drop(obj, "evicted")
+            counters.evicted_objects += 1
+            counters.evicted_pages += obj.num_pages
+        for sid, (ids, keys) in told.items():
+            self._notify(sid, ObjectsEvicted(ids, keys))
+
+    @staticmethod
+    def is_evictable(obj: Allocation) -> bool:
+        return obj.state == ObjectState.COMMITTED and obj.pin_count == 0 and not obj.freed
