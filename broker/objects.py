@@ -151,6 +151,16 @@ class StoreConfig:
             raise ValueError("default_lease_s must be positive and at most max_lease_s")
 
 
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """What requests are checked against (a snapshot of StoreConfig's limits)."""
+
+    max_lease_s: float
+    max_batch: int
+    default_lease_s: float
+    max_pins_per_session: int
+
+
 @dataclass(slots=True)
 class Counters:
     allocations_total: int = 0
@@ -588,6 +598,43 @@ class ObjectStore:
             else:
                 self.policy.touch(obj)
         return found
+
+    # ------------------------------------------------ narrow interface (adapters, server)
+
+    def is_live(self, obj: Allocation) -> bool:
+        """True while ``obj`` is the store's current object for its id and not freed."""
+        return self.objects.get(obj.object_id) is obj and not obj.freed
+
+    def has_session(self, session_id: int) -> bool:
+        return session_id in self.sessions
+
+    def get(self, object_id: int) -> Allocation | None:
+        return self.objects.get(object_id)
+
+    @property
+    def max_pages(self) -> int:
+        return self.pool.max_pages
+
+    @property
+    def limits(self) -> StoreLimits:
+        """The limits callers check requests against (a read-only record)."""
+        c = self.config
+        return StoreLimits(c.max_lease_s, c.max_batch, c.default_lease_s, c.max_pins_per_session)
+
+    def reconfigure(self, *, default_lease_s: float | None = None, max_pins_per_session: int | None = None) -> None:
+        """Change the limits a reload may change; a bad value changes nothing (ValueError)."""
+        lease = self.config.default_lease_s if default_lease_s is None else default_lease_s
+        if not 0 < lease <= self.config.max_lease_s:
+            raise ValueError(f"default_lease_s {lease:g} must be positive and at most max_lease_s {self.config.max_lease_s:g}")
+        if max_pins_per_session is not None and max_pins_per_session < 0:
+            raise ValueError(f"max_pins_per_session {max_pins_per_session} must be >= 0 (0: no limit)")
+        self.config.default_lease_s = lease
+        if max_pins_per_session is not None:
+            self.config.max_pins_per_session = max_pins_per_session
+
+    def notify(self, session_id: int, event: object) -> None:
+        """Send a core event to a session through the store's route (its stream)."""
+        self._notify(session_id, event)
 
     # ---------------------------------------------------------------- reading
 
