@@ -172,12 +172,12 @@ class BrokerServer:
             self.registry,
             AdapterConfig(
                 dtype=opts.adapter_dtype,
-                hot_budget_pages=opts.hot_tier_pages,
-                hot_budget_adapters=opts.hot_tier_adapters,
-                warm_budget_bytes=opts.warm_tier_bytes,
+                hot_tier_pages=opts.hot_tier_pages,
+                hot_tier_adapters=opts.hot_tier_adapters,
+                warm_tier_bytes=opts.warm_tier_bytes,
                 warm_int8=opts.warm_int8,
                 image_cache=opts.adapter_image_cache,
-                image_budget_bytes=opts.adapter_image_budget,
+                image_budget=opts.adapter_image_budget,
                 convert_ahead=opts.adapter_convert_ahead,
                 hot_policy=opts.adapter_hot_policy,
                 warm_policy=opts.adapter_warm_policy,
@@ -317,11 +317,7 @@ class BrokerServer:
 
             st["by_content_named"] = {ContentType(ct).name.lower(): v for ct, v in st["by_content"].items()}
             self.metrics.snapshot = st
-            a = self.adapters.stats()
-            self.metrics.adapter_snapshot = {
-                "hits": a["hits"], "loads": a["loads"], "resident": a["resident"], "hit_rate": a["hit_rate"],
-                "images": a["images"], "checksums": a["checksums"],
-            }  # fmt: skip
+            self.metrics.adapter_snapshot = self.adapters.stats()
         return st
 
     async def _status_loop(self) -> None:
