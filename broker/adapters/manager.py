@@ -15,7 +15,6 @@ All methods run on the broker's event loop; file reads and page writes run in th
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
@@ -28,10 +27,10 @@ from memory_broker.broker.adapters.image_service import ImageService
 from memory_broker.broker.adapters.layout import AdapterLayout, plan_layout
 from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.page_writers import HostPageWriter, TensorPageWriter
+from memory_broker.broker.adapters.pins import AdapterPins
 from memory_broker.broker.adapters.peft import AdapterMeta, check_adapter_id
 from memory_broker.broker.adapters.policy import make_tier_policy
 from memory_broker.broker.adapters.records import (
-    AcquiredAdapter,
     AcquireResult,
     AdapterCheck,
     AdapterStatus,
@@ -42,7 +41,7 @@ from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters, AdapterStats, snapshot
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.arena.base import Arena
-from memory_broker.broker.errors import BrokerError, Code, denied, invalid, not_found, precondition, unavailable
+from memory_broker.broker.errors import BrokerError, Code, invalid, precondition, unavailable
 from memory_broker.broker.objects import ObjectsEvicted, ObjectStore
 
 
@@ -113,8 +112,10 @@ class AdapterManager:
             store, self.system_session, arena.view, self.entries, self.hot, self.warm, self.image_service,
             registry, self._plan, config, counters, log,
         )  # fmt: skip
-        # Two-phase acquires: transaction id -> session.
-        self._txns: OrderedDict[int, int] = OrderedDict()
+        self.pins = AdapterPins(
+            store, self.system_session, self.entries, self.hot, self.warm, self.loader, self.checker, registry,
+            config, counters,
+        )  # fmt: skip
         self._closed = False
 
     @property
@@ -184,7 +185,7 @@ class AdapterManager:
     def unregister_many(self, adapter_ids: Sequence[str]) -> list[AdapterMeta]:
         """``unregister`` for several adapters: every one is checked before any is forgotten."""
         self._check_open()
-        ids = list(dict.fromkeys(self._check_ids(adapter_ids)))
+        ids = list(dict.fromkeys(self.pins.check_ids(adapter_ids)))
         metas = [self.registry.get(aid) for aid in ids]
         for aid in ids:
             self._check_unregistrable(aid)
@@ -272,7 +273,8 @@ class AdapterManager:
                 pages needed, free, evictable and pinned), FAILED_PRECONDITION (the files
                 changed since registration), UNAVAILABLE (shutting down).
         """
-        return await self._acquire(session, adapter_ids, max_adapters, with_layout, None)
+        self._check_open()
+        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, None)
 
     async def prepare_acquire(
         self,
@@ -290,7 +292,8 @@ class AdapterManager:
         """
         if lease_s is None:
             lease_s = self.config.acquire_lease_s
-        return await self._acquire(session, adapter_ids, max_adapters, with_layout, lease_s or 0.0)
+        self._check_open()
+        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, lease_s or 0.0)
 
     def commit_acquire(self, session: int, txn_id: int) -> None:
         """Keep a prepared acquire's pins. Idempotent.
@@ -299,13 +302,13 @@ class AdapterManager:
             BrokerError: NOT_FOUND (not an adapter acquire), PERMISSION_DENIED (another
                 session's), FAILED_PRECONDITION (aborted, or the lease ended).
         """
-        self._own_acquire_txn(session, txn_id)
-        self.store.commit(session, [txn_id])
+        self._check_open()
+        self.pins.commit(session, txn_id)
 
     def abort_acquire(self, session: int, txn_id: int) -> None:
         """Drop a prepared acquire's pins. Idempotent; FAILED_PRECONDITION once committed."""
-        self._own_acquire_txn(session, txn_id)
-        self.store.abort(session, [txn_id])
+        self._check_open()
+        self.pins.abort(session, txn_id)
 
     def release(self, session: int, adapter_ids: Sequence[str]) -> None:
         """Drop one of the session's pins per listed id (an id listed twice drops two).
@@ -315,32 +318,7 @@ class AdapterManager:
                 fewer pins than asked), PERMISSION_DENIED (only other sessions hold it, or
                 the session is not open). Nothing is released when any id is refused.
         """
-        self._check_session(session)
-        self.checker.prune_retired()
-        oids: list[int] = []
-        for aid, count in Counter(self._check_ids(adapter_ids)).items():
-            e = self.entries.get(aid)
-            obj = self.hot.current(e) if e is not None else None
-            # Copies found corrupt that this session still pins: released first.
-            olds = self.checker.retired_pinned_by(aid, session)
-            if obj is None and not olds:
-                if aid not in self.registry:
-                    raise not_found(f"no adapter {aid!r} is registered")
-                raise precondition(f"session {session} holds no pin on adapter {aid!r} (it is not loaded)")
-            held = (obj.pins.get(session, 0) if obj is not None else 0) + sum(o.pins[session] for o in olds)
-            if held < count:
-                if held == 0 and any(s != self.system_session for s in obj.pins):
-                    raise denied(f"adapter {aid!r} is acquired only by other sessions; session {session} holds no pin on it")
-                raise precondition(f"adapter {aid!r}: asked to release {count}, session {session} holds {held} pin(s)")
-            left = count
-            for o in olds:
-                k = min(left, o.pins[session])
-                oids.extend([o.object_id] * k)
-                left -= k
-            if left:
-                oids.extend([obj.object_id] * left)
-        self.store.unpin(session, oids)
-        self.checker.prune_retired()
+        self.pins.release(session, adapter_ids)
 
     async def prefetch(self, adapter_ids: Sequence[str], tier: Tier | str = Tier.HOT) -> PrefetchResult:
         """Bring adapters up to ``tier`` ("warm" or "hot") without pinning them.
@@ -357,7 +335,7 @@ class AdapterManager:
             raise invalid(f"prefetch tier {tier!r}: choose 'warm' or 'hot'") from None
         if tier == Tier.COLD:
             raise invalid("prefetch tier 'cold': choose 'warm' or 'hot' (cold is where adapters already are)")
-        ids = list(dict.fromkeys(self._check_ids(adapter_ids)))
+        ids = list(dict.fromkeys(self.pins.check_ids(adapter_ids)))
         self.entries.entries_for(ids)
 
         async def one(aid: str) -> Tier:
@@ -379,84 +357,6 @@ class AdapterManager:
             else:
                 loaded[aid] = r
         return PrefetchResult(loaded, failed)
-
-    async def _acquire(self, session, adapter_ids, max_adapters, with_layout, lease_s) -> AcquireResult:
-        self._check_open()
-        ids = self._check_ids(adapter_ids)
-        if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
-            raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
-        max_lease_s = self.store.limits.max_lease_s
-        if lease_s and not 0 < lease_s <= max_lease_s:
-            raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {max_lease_s:g} s")
-        distinct = list(dict.fromkeys(ids))
-        cap = max_adapters or len(distinct)
-        admitted, deferred = distinct[:cap], distinct[cap:]
-        self._check_session(session)
-        entries = self.entries.entries_for(admitted)
-        found = {aid: self._classify(e) for aid, e in entries.items()}
-        held: dict[str, AdapterEntry] = {}
-
-        async def one(aid: str) -> None:
-            e, _ = await self.loader.ensure_hot(aid, hold=True)
-            held[aid] = e
-
-        txn = None
-        try:
-            if all(f == Tier.HOT for f in found.values()):
-                # All hot: pin below without yielding to the loop, so nothing can evict them
-                # in between and no holds are needed (the common, cheap case).
-                held_now = entries
-            else:
-                results = await asyncio.gather(*(one(a) for a in admitted), return_exceptions=True)
-                errors = [r for r in results if isinstance(r, BaseException)]
-                if errors:
-                    raise next((r for r in errors if not isinstance(r, BrokerError)), errors[0])
-                held_now = held
-                for aid in admitted:
-                    if self.hot.current(held_now[aid]) is None:
-                        # Found corrupt (and dropped) between its load and this pin.
-                        raise unavailable(f"adapter {aid!r} was found corrupt as it loaded and is being reloaded; acquire again")
-            objs = [held_now[aid].obj for aid in admitted]
-            oids = [o.object_id for o in objs]
-            self._check_session(session)
-            if lease_s is None:
-                self.store.pin(session, oids)
-            else:
-                txn = self.store.prepare(session, [], pin_ids=oids, lease_s=lease_s)
-                self._txns[txn.txn_id] = session
-                if len(self._txns) > self.config.remember_txns:
-                    self._txns.popitem(last=False)
-        finally:
-            for e in held.values():
-                self.loader.unhold(e)
-        c = self.counters
-        c.acquires += 1
-        c.acquired_adapters += len(admitted)
-        c.deferred += len(deferred)
-        out = []
-        for aid, obj in zip(admitted, objs):
-            e = held_now[aid]
-            self.hot.policy.access(aid)
-            self.warm.policy.access(aid)
-            out.append(
-                AcquiredAdapter(aid, e.generation, obj.object_id, tuple(obj.pages), e.layout if with_layout else None, found[aid])
-            )
-        return AcquireResult(
-            tuple(out), tuple(deferred), txn.txn_id if txn else 0, txn.deadline_unix if txn else 0.0
-        )
-
-    def _classify(self, e: AdapterEntry) -> Tier:
-        """Count one lookup of an admitted adapter; returns where it was found."""
-        c = self.counters
-        if self.hot.current(e) is not None:
-            c.hot_hits += 1
-            return Tier.HOT
-        c.hot_misses += 1
-        if e.warm is not None:
-            c.warm_hits += 1
-            return Tier.WARM
-        c.warm_misses += 1
-        return Tier.COLD
 
     # ------------------------------------------------------------------ reading
 
@@ -514,7 +414,7 @@ class AdapterManager:
         """
         self._check_open()
         if adapter_ids:
-            ids = list(dict.fromkeys(self._check_ids(adapter_ids)))
+            ids = list(dict.fromkeys(self.pins.check_ids(adapter_ids)))
             for aid in ids:
                 if aid not in self.entries:
                     self.registry.get(aid)
@@ -572,29 +472,6 @@ class AdapterManager:
         except ValueError as err:
             raise invalid(f"adapter {meta.adapter_id!r} cannot be placed in pages: {err}") from None
 
-    def _check_ids(self, adapter_ids: Sequence[str]) -> list[str]:
-        if isinstance(adapter_ids, str):
-            raise invalid("adapter_ids must be a list of adapter ids, not one string")
-        ids = list(adapter_ids)
-        max_batch = self.store.limits.max_batch
-        if len(ids) > max_batch:
-            raise invalid(f"adapter_ids has {len(ids)} items; at most {max_batch} per call")
-        for i, aid in enumerate(ids):
-            check_adapter_id(aid, f"adapter_ids[{i}]")
-        return ids
-
-    def _check_session(self, session: int) -> None:
-        if not self.store.has_session(session) or session == self.system_session:
-            raise denied(f"session {session} is not open")
-
     def _check_open(self) -> None:
         if self._closed:
             raise unavailable("the adapter manager is shutting down")
-
-    def _own_acquire_txn(self, session: int, txn_id: int) -> None:
-        self._check_open()
-        owner = self._txns.get(txn_id)
-        if owner is None:
-            raise not_found(f"no adapter acquire transaction {txn_id} (unknown, or finished too long ago to remember)")
-        if owner != session:
-            raise denied(f"adapter acquire transaction {txn_id} belongs to another session")
