@@ -123,14 +123,6 @@ class AdapterManager:
         """The converted-image cache (None: off, no state dir, or int8 warm storage)."""
         return self.image_service.cache
 
-    @property
-    def hot_policy(self):
-        return self.hot.policy
-
-    @property
-    def warm_policy(self):
-        return self.warm.policy
-
     async def start(self) -> None:
         """Once the loop runs: delete images of adapters no longer registered, and queue
         every registered adapter without an image for conversion ahead of use; start the

@@ -226,7 +226,7 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
                 from_warm.append(time.perf_counter() - t0)
                 rig.manager.release(s, ["big"])
                 rig.manager.demote("big")
-            warm = rig.manager.stats()["warm_bytes"]
+            warm = rig.manager.stats().as_dict()["warm_bytes"]
             out.append([f"acquire cold->hot{' (int8 warm)' if int8 else ''}", f"{med_ms(to_hot):.2f}",
                         f"{weight_bytes / statistics.median(to_hot) / 1e9:.2f}", ""])  # fmt: skip
             out.append([f"acquire warm->hot{' (int8 warm)' if int8 else ''}", f"{med_ms(from_warm):.2f}",
@@ -248,13 +248,13 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
             cached.append(time.perf_counter() - t0)
             rig.manager.release(s, ["big"])
             rig.manager.demote("big")
-        assert rig.manager.stats()["images"]["hits"] == runs
+        assert rig.manager.stats().as_dict()["images"]["hits"] == runs
         out.insert(1, ["acquire cold->hot (cached image)", f"{med_ms(cached):.2f}",
                        f"{weight_bytes / statistics.median(cached) / 1e9:.2f}", ""])  # fmt: skip
         # The first acquire after RegisterAdapter: the manager converted the adapter ahead of
         # use (in its background thread, timed apart), so even this acquire reads an image.
         first, convert = [], []
-        misses = rig.manager.stats()["images"]["misses"]
+        misses = rig.manager.stats().as_dict()["images"]["misses"]
         for _ in range(runs):
             rig.manager.unregister("big")
             t0 = time.perf_counter()
@@ -266,7 +266,7 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
             first.append(time.perf_counter() - t0)
             rig.manager.release(s, ["big"])
             rig.manager.demote("big")
-        im = rig.manager.stats()["images"]
+        im = rig.manager.stats().as_dict()["images"]
         assert im["converted_ahead"] == runs and im["misses"] == misses, im
         out.insert(2, ["acquire cold->hot, first after register", f"{med_ms(first):.2f}",
                        f"{weight_bytes / statistics.median(first) / 1e9:.2f}", ""])  # fmt: skip
@@ -292,7 +292,7 @@ async def replay(rig: Rig, trace: list[str]) -> dict:
     for aid in trace:
         await acquire(s, [aid])
         release(s, [aid])
-    return rig.manager.stats()
+    return rig.manager.stats().as_dict()
 
 
 def bench_slots(root: str, src: str, requests: int) -> None:
