@@ -353,9 +353,9 @@ class BrokerServer:
         if "high_watermark" in apply or "low_watermark" in apply:
             self.store.set_watermarks(new.high_watermark, new.low_watermark)
         if "default_lease_s" in apply:
-            self.store.config.default_lease_s = new.default_lease_s
+            self.store.reconfigure(default_lease_s=new.default_lease_s)
         if "max_pins_per_session" in apply:
-            self.store.config.max_pins_per_session = new.max_pins_per_session
+            self.store.reconfigure(max_pins_per_session=new.max_pins_per_session)
         if "allowed_uids" in apply:
             self.fd_server.allowed_uids = new.effective_uids()
         if "allowed_uids" in apply or "adapter_manager_uids" in apply:
