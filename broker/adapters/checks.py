@@ -112,6 +112,17 @@ class ChecksumChecker:
 
     # ----------------------------------------------------------------- checks
 
+    async def check_many(self, ids: list[str] | None) -> list[AdapterCheck]:
+        """Check ``ids`` one at a time (NOT_FOUND for an unregistered one before any is
+        checked); None: every hot or warm adapter."""
+        if ids is None:
+            ids = [e.adapter_id for e in self.entries.values() if e.obj is not None or e.warm is not None]
+        else:
+            for aid in ids:
+                if aid not in self.entries:
+                    self.registry.get(aid)
+        return [await self.check(aid) for aid in ids]
+
     async def check(self, aid: str) -> AdapterCheck:
         """Check the adapter's highest copy: hot pages, else warm image, else image file."""
         loop = asyncio.get_running_loop()

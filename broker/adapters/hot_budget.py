@@ -9,7 +9,7 @@ and pins belong to the other parts of the wing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from memory_broker.broker.adapters.config import SETTING_NAMES, AdapterConfig
 from memory_broker.broker.adapters.entry import AdapterEntry
@@ -70,9 +70,6 @@ class HotBudget:
     def ids(self) -> list[str]:
         return list(self._hot)
 
-    def by_object(self, object_id: int) -> AdapterEntry | None:
-        return self._by_object.get(object_id)
-
     def peek(self, e: AdapterEntry) -> Allocation | None:
         """The entry's hot object if the store still has it; changes nothing (for readers)."""
         obj = e.obj
@@ -131,6 +128,13 @@ class HotBudget:
             self.counters.evictions += 1
         self.log.info("adapter_demoted", adapter=aid, object_id=obj.object_id, evicted=evicted, warm=e.warm is not None)
         self._on_drop(e)
+
+    def evicted(self, object_ids: Iterable[int]) -> None:
+        """The store evicted these objects: their adapters are no longer hot."""
+        for oid in object_ids:
+            e = self._by_object.get(oid)
+            if e is not None and e.obj is not None and e.obj.object_id == oid:
+                self.drop(e, evicted=True)
 
     def free(self, e: AdapterEntry) -> None:
         """Free ``e``'s hot object in the store and forget it (not counted as a demotion)."""

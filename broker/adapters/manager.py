@@ -405,14 +405,8 @@ class AdapterManager:
             BrokerError: INVALID_ARGUMENT (bad ids), NOT_FOUND (unregistered id; nothing checked).
         """
         self._check_open()
-        if adapter_ids:
-            ids = list(dict.fromkeys(self.pins.check_ids(adapter_ids)))
-            for aid in ids:
-                if aid not in self.entries:
-                    self.registry.get(aid)
-        else:
-            ids = [e.adapter_id for e in self.entries.values() if e.obj is not None or e.warm is not None]
-        return [await self.checker.check(aid) for aid in ids]
+        ids = list(dict.fromkeys(self.pins.check_ids(adapter_ids))) if adapter_ids else None
+        return await self.checker.check_many(ids)
 
     # ------------------------------------------------------------ store events
 
@@ -427,10 +421,7 @@ class AdapterManager:
     def on_objects_evicted(self, object_ids: Sequence[int]) -> None:
         """The store evicted these objects of the system session: their adapters are warm
         now (or cold, where the warm tier dropped their image)."""
-        for oid in object_ids:
-            e = self.hot.by_object(oid)
-            if e is not None and e.obj is not None and e.obj.object_id == oid:
-                self.hot.drop(e, evicted=True)
+        self.hot.evicted(object_ids)
 
     async def close(self) -> None:
         """Stop: wait for loads in flight (they abort), free idle hot adapters, end the
