@@ -79,7 +79,7 @@ def test_the_table_has_one_transition_per_event_and_every_event():
 @pytest.mark.parametrize("event", list(EntryEvent), ids=lambda ev: ev.value)
 def test_an_event_from_a_state_the_table_does_not_list_raises_and_changes_nothing(event):
     (t,) = [t for t in TRANSITIONS if t.event is event]
-    illegal = [s for s in EntryState if s not in t.sources]
+    illegal = [s for s in EntryState if s not in t.from_states]
     assert illegal, f"{event.value} is allowed from every state"
     for state in illegal:
         e = _entry_in(state)
@@ -117,7 +117,7 @@ def test_state_is_derived_from_facts_through_a_whole_life():
 
 def test_a_legal_event_lands_in_a_state_the_table_lists():
     for t in TRANSITIONS:
-        for state in t.sources:
+        for state in t.from_states:
             e = _entry_in(state)
             try:
                 _fire(e, t.event)
@@ -126,7 +126,7 @@ def test_a_legal_event_lands_in_a_state_the_table_lists():
                 # load in flight to finish); those refuse with a reason, changing nothing.
                 assert "with no" in str(err) or "with a warm image" in str(err), err
                 continue
-            assert e.state in t.targets, (state, t.event, e.state)
+            assert e.state in t.to_states, (state, t.event, e.state)
 
 
 def test_the_table_forgets_an_entry_only_when_it_is_cold_and_unheld():

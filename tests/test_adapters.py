@@ -40,9 +40,9 @@ from memory_broker.broker.adapters import (
     plan_layout,
     row_offsets,
 )
-from memory_broker.broker.adapters.policy import GDSFPolicy, LFUPolicy, LRUPolicy
 from memory_broker.broker.adapters.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from memory_broker.broker.adapters.page_writers import read_matrix
+from memory_broker.broker.adapters.policy import GDSFPolicy, LFUPolicy, LRUPolicy
 from memory_broker.broker.arena.host import host_buffer
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.eviction import ContentType

@@ -56,10 +56,10 @@ class InvalidTransition(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Transition:
     # States the event may happen in.
-    sources: frozenset[EntryState]
+    from_states: frozenset[EntryState]
     event: EntryEvent
     # States the entry may be in afterwards (derived from the facts the event changed).
-    targets: frozenset[EntryState]
+    to_states: frozenset[EntryState]
 
 
 def _s(*states: EntryState) -> frozenset[EntryState]:
@@ -90,6 +90,8 @@ class AdapterEntry:
     """An adapter that is warm, hot or on its way (cold adapters have none).
 
     Read the facts freely; change them only through the methods below (each one event).
+    ``waiters``, ``holds`` and ``stale_holds`` are counts, not state: they only keep an entry
+    that is cold from being forgotten while an acquire still needs it.
     """
 
     meta: AdapterMeta
@@ -137,18 +139,15 @@ class AdapterEntry:
         """Cold and held by no acquire: nothing is lost by forgetting the entry."""
         return self.state is EntryState.COLD and not (self.waiters or self.holds or self.stale_holds)
 
-    def allows(self, event: EntryEvent) -> bool:
-        return self.state in _BY_EVENT[event].sources
-
     def _check(self, event: EntryEvent) -> EntryState:
         state = self.state
-        if state not in _BY_EVENT[event].sources:
+        if state not in _BY_EVENT[event].from_states:
             raise InvalidTransition(f"adapter {self.adapter_id!r}: {event.value} is not allowed when {state.value}")
         return state
 
     def _arrived(self, event: EntryEvent, before: EntryState) -> None:
         after = self.state
-        if after not in _BY_EVENT[event].targets:
+        if after not in _BY_EVENT[event].to_states:
             raise InvalidTransition(
                 f"adapter {self.adapter_id!r}: {event.value} went from {before.value} to {after.value}, "
                 f"which the table does not allow"
