@@ -615,11 +615,16 @@ class ObjectStore:
     def max_pages(self) -> int:
         return self.pool.max_pages
 
+    # Built on first use and again after each reconfigure (read on every adapter acquire).
+    _limits: StoreLimits | None = None
+
     @property
     def limits(self) -> StoreLimits:
         """The limits callers check requests against (a read-only record)."""
-        c = self.config
-        return StoreLimits(c.max_lease_s, c.max_batch, c.default_lease_s, c.max_pins_per_session)
+        if self._limits is None:
+            c = self.config
+            self._limits = StoreLimits(c.max_lease_s, c.max_batch, c.default_lease_s, c.max_pins_per_session)
+        return self._limits
 
     def reconfigure(self, *, default_lease_s: float | None = None, max_pins_per_session: int | None = None) -> None:
         """Change the limits a reload may change; a bad value changes nothing (ValueError)."""
@@ -631,6 +636,7 @@ class ObjectStore:
         self.config.default_lease_s = lease
         if max_pins_per_session is not None:
             self.config.max_pins_per_session = max_pins_per_session
+        self._limits = None
 
     def notify(self, session_id: int, event: object) -> None:
         """Send a core event to a session through the store's route (its stream)."""
