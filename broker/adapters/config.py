@@ -100,13 +100,13 @@ class AdapterConfig(_AdapterSettings):
 
     __slots__ = ()
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         for old in [k for k in kwargs if k in DEPRECATED_FIELDS]:
             new = _deprecated(old)
             if new in kwargs:
                 raise TypeError(f"AdapterConfig got both {old} (deprecated) and {new}; give only {new}")
             kwargs[new] = kwargs.pop(old)
-        super().__init__(**kwargs)
+        super().__init__(*args, **kwargs)
 
     def __getattr__(self, name: str):
         # Only reached for names that are not fields: the deprecated aliases.
