@@ -136,6 +136,10 @@ class ObjectStore:
     def has_session(self, session_id: int) -> bool:
         return session_id in self.sessions
 
+    def notify(self, session_id: int, event: object) -> None:
+        """Send a core event to a session through the store's route (its stream)."""
+        self._notify(session_id, event)
+
     def mark_internal(self, session_id: int) -> None:
         """A session the broker opened for itself: no pin limit, not counted in stats."""
         self.internal_sessions.add(session_id)

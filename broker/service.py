@@ -21,7 +21,8 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from memory_broker.broker.adapters.access import check_path_text
-from memory_broker.broker.adapters.manager import AdapterCorrupted
+from memory_broker.broker.adapters.peft import AdapterInfo
+from memory_broker.broker.adapters.records import AdapterCorrupted
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
@@ -485,32 +486,31 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     def _adapter_stats(self) -> pb.AdapterStats:
         a = self.adapters.stats()
-        res, hits, loads, loaded, im = a["resident"], a["hits"], a["loads"], a["bytes_loaded"], a["images"]
+        res, hits, loads, loaded, im = a.resident, a.hits, a.loads, a.bytes_loaded, a.images
         return pb.AdapterStats(
-            registered=a["registered"], hot=res["hot"], warm=res["warm"], cold=res["cold"],
-            hot_pages=a["hot_pages"], warm_bytes=a["warm_bytes"],
-            found_hot=hits["hot"], found_warm=hits["warm"], found_cold=hits["cold"],
-            loads_hot=loads["hot"], loads_warm=loads["warm"],
-            bytes_loaded_hot=loaded["hot"], bytes_loaded_warm=loaded["warm"],
-            hit_rate=a["hit_rate"], deferred=a["deferred"], shared_loads=a["shared_loads"],
-            load_failures=a["load_failures"], evictions=a["evictions"], demotions=a["demotions"],
-            image_count=im["count"], image_bytes=im["bytes"], image_budget_bytes=im["budget_bytes"],
-            image_hits=im["hits"], image_misses=im["misses"], converted_ahead=im["converted_ahead"],
-            convert_queued=im["convert_queued"],
+            registered=a.registered, hot=res.hot, warm=res.warm, cold=res.cold,
+            hot_pages=a.hot_pages, warm_bytes=a.warm_bytes,
+            found_hot=hits.hot, found_warm=hits.warm, found_cold=hits.cold,
+            loads_hot=loads.hot, loads_warm=loads.warm,
+            bytes_loaded_hot=loaded.hot, bytes_loaded_warm=loaded.warm,
+            hit_rate=a.hit_rate, deferred=a.deferred, shared_loads=a.shared_loads,
+            load_failures=a.load_failures, evictions=a.evictions, demotions=a.demotions,
+            image_count=im.count, image_bytes=im.bytes, image_budget_bytes=im.budget_bytes,
+            image_hits=im.hits, image_misses=im.misses, converted_ahead=im.converted_ahead,
+            convert_queued=im.convert_queued,
         )  # fmt: skip
 
-    def _adapter_msg(self, info) -> pb.Adapter:
-        """A registry record (AdapterInfo or AdapterMeta) plus where the adapter is now."""
+    def _adapter_msg(self, info: AdapterInfo) -> pb.Adapter:
+        """A registered adapter (its one record, ``AdapterInfo``) plus where it is now."""
         st = self.adapters.resident(info.adapter_id)
-        targets = info.target_modules if hasattr(info, "num_layers") else tuple(m.name for m in info.modules)
         return pb.Adapter(
             adapter_id=info.adapter_id,
             path=info.source,
             rank=info.rank,
             lora_alpha=info.lora_alpha,
-            use_rslora=bool(getattr(info, "use_rslora", False)),
-            target_modules=list(targets),
-            num_layers=info.num_layers if hasattr(info, "num_layers") else len(info.layers),
+            use_rslora=info.use_rslora,
+            target_modules=list(info.target_modules),
+            num_layers=info.num_layers,
             file_bytes=info.file_bytes,
             registered_at=info.registered_at,
             tier=TIERS[st.tier] if st is not None else pb.ADAPTER_TIER_COLD,
@@ -552,7 +552,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         path = check_path_text(request.path)
         meta = await m.register(request.adapter_id, path, caller=session.caller)
         self.log.info("adapter_registered", adapter=meta.adapter_id, path=meta.source, rank=meta.rank)
-        return pb.RegisterAdapterResponse(adapter=self._adapter_msg(meta))
+        return pb.RegisterAdapterResponse(adapter=self._adapter_msg(meta.info))
 
     @_unary
     def UnregisterAdapter(self, request, context, session):

@@ -40,8 +40,9 @@ from memory_broker.broker.adapters import (
     plan_layout,
     row_offsets,
 )
+from memory_broker.broker.adapters.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.broker.adapters.policy import GDSFPolicy, LFUPolicy, LRUPolicy
-from memory_broker.broker.adapters.tiers import bf16_bits_to_f32, f32_to_bf16_bits, read_matrix
 from memory_broker.broker.arena.host import host_buffer
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.eviction import ContentType
@@ -522,7 +523,7 @@ import json, sys
 import numpy as np
 from safetensors.numpy import load_file
 from memory_broker.broker.adapters.layout import AdapterLayout
-from memory_broker.broker.adapters.tiers import read_matrix
+from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArenaView
 job = json.loads(sys.stdin.read())
@@ -594,7 +595,7 @@ def test_two_sessions_share_one_copy(peft_dirs, state_dir):
         (a2,) = (await h.manager.acquire(s2, ["r8"])).adapters
         assert (a1.object_id, a1.pages, a1.generation) == (a2.object_id, a2.pages, a2.generation)
         assert (a1.found_in, a2.found_in) == (Tier.COLD, Tier.HOT)
-        st = h.manager.stats()
+        st = h.manager.stats().as_dict()
         assert st["loads"] == {"hot": 1, "warm": 1} and st["hits"]["hot"] == 1
         assert h.store.objects[a1.object_id].pins == {s1: 1, s2: 1}
         assert h.store.stats().by_content[int(ContentType.LORA_WEIGHT)] == (1, len(a1.pages))
@@ -611,7 +612,7 @@ def test_concurrent_acquires_share_one_load(peft_dirs, state_dir):
         sessions = [h.store.open_session() for _ in range(8)]
         results = await asyncio.gather(*(h.manager.acquire(s, ["r16", "r4"]) for s in sessions))
         assert len({r.adapters[0].object_id for r in results}) == 1
-        st = h.manager.stats()
+        st = h.manager.stats().as_dict()
         assert st["loads"] == {"hot": 2, "warm": 2}
         assert st["shared_loads"] == 14
         obj = h.store.objects[results[0].adapters[0].object_id]
@@ -673,7 +674,7 @@ def test_cap_admits_the_first_n_distinct_in_order_and_defers_the_rest(peft_dirs,
         assert [a.adapter_id for a in res.adapters] == ["r8", "r4"]
         assert res.deferred == ("r16", "pattern")
         assert h.manager.describe("r16").tier == Tier.COLD and h.manager.describe("pattern").tier == Tier.COLD
-        assert h.manager.stats()["deferred"] == 2
+        assert h.manager.stats().as_dict()["deferred"] == 2
         res = await h.manager.acquire(s, ["r8", "r4"], max_adapters=2)
         assert res.deferred == ()
         await h.close()
@@ -732,7 +733,7 @@ def test_store_eviction_demotes_idle_adapters_to_warm_and_spares_acquired_ones(p
         assert h.manager.describe("r16").tier == Tier.WARM
         assert h.manager.describe("r8").tier == Tier.HOT
         assert h.store.objects[kept.object_id].pins == {user: 1}
-        assert h.manager.stats()["evictions"] == 1
+        assert h.manager.stats().as_dict()["evictions"] == 1
         with pytest.raises(BrokerError) as e:
             h.store.allocate(other, [Spec(1, TEMP)])
         assert e.value.code == Code.RESOURCE_EXHAUSTED
@@ -756,7 +757,7 @@ def test_generation_changes_after_eviction_and_reload(peft_dirs, state_dir):
         (second,) = (await h.manager.acquire(user, ["r16"], with_layout=True)).adapters
         assert second.found_in == Tier.WARM and second.generation > first.generation
         assert second.object_id != first.object_id and second.layout == first.layout
-        assert h.manager.stats()["loads"] == {"hot": 2, "warm": 1}
+        assert h.manager.stats().as_dict()["loads"] == {"hot": 2, "warm": 1}
         view = h.reader()
         assert_stored_equals_file(view, h.registry, second)
         view.close()
@@ -767,7 +768,7 @@ def test_generation_changes_after_eviction_and_reload(peft_dirs, state_dir):
 
 def test_hot_budget_demotes_the_least_recently_used_idle_adapter(peft_dirs, state_dir):
     async def main():
-        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", hot_budget_adapters=2))
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", hot_tier_adapters=2))
         register_all(h, peft_dirs)
         s = h.store.open_session()
         for aid in ("r4", "r8", "r4"):
@@ -776,7 +777,7 @@ def test_hot_budget_demotes_the_least_recently_used_idle_adapter(peft_dirs, stat
         await h.manager.acquire(s, ["r16"])
         tiers = {a: h.manager.describe(a).tier for a in ("r4", "r8", "r16")}
         assert tiers == {"r4": Tier.HOT, "r8": Tier.WARM, "r16": Tier.HOT}
-        assert h.manager.stats()["demotions"] == 1
+        assert h.manager.stats().as_dict()["demotions"] == 1
         await h.close()
 
     run(main())
@@ -784,7 +785,7 @@ def test_hot_budget_demotes_the_least_recently_used_idle_adapter(peft_dirs, stat
 
 def test_resource_exhausted_with_numbers_when_the_hot_budget_is_all_pinned(peft_dirs, state_dir):
     async def main():
-        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", hot_budget_adapters=2))
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", hot_tier_adapters=2))
         register_all(h, peft_dirs)
         s = h.store.open_session()
         await h.manager.acquire(s, ["r4", "r8"])
@@ -844,7 +845,7 @@ def test_int8_warm_tier_restores_weights_within_half_a_quantization_step(peft_di
                 worst = max(worst, float((err / bound).max()))
         view.close()
         assert worst > 0.5  # it is a real quantization, not a copy
-        st = h.manager.stats()
+        st = h.manager.stats().as_dict()
         assert st["warm_bytes"] < a.layout.weight_bytes / 3  # int8 + scales vs fp32
         await h.close()
 
@@ -857,14 +858,14 @@ def test_warm_budget_drops_least_recently_used_images_to_cold(peft_dirs, state_d
         register_all(probe, peft_dirs)
         sizes = {n: probe.manager.layout(n).used_bytes for n in peft_dirs}
         await probe.close()
-        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", warm_budget_bytes=sizes["r8"] + sizes["r4"]))
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", warm_tier_bytes=sizes["r8"] + sizes["r4"]))
         register_all(h, peft_dirs)
         await h.manager.prefetch(["r4"], "warm")
         await h.manager.prefetch(["r8"], "warm")
         await h.manager.prefetch(["pattern"], "warm")
         tiers = {a: h.manager.describe(a).tier for a in ("r4", "r8", "pattern")}
         assert tiers["r4"] == Tier.COLD and tiers["pattern"] == Tier.WARM
-        assert h.manager.stats()["warm_bytes"] <= sizes["r8"] + sizes["r4"]
+        assert h.manager.stats().as_dict()["warm_bytes"] <= sizes["r8"] + sizes["r4"]
         await h.close()
 
     run(main())
@@ -897,7 +898,7 @@ def test_stats_count_hits_and_loads_per_tier(peft_dirs, state_dir):
         s = h.store.open_session()
         for _ in range(3):
             await h.manager.acquire(s, ["r4", "r8"])
-        st = h.manager.stats()
+        st = h.manager.stats().as_dict()
         assert st["hits"] == {"hot": 4, "warm": 0, "cold": 2}
         assert st["misses"] == {"hot": 2, "warm": 2}
         assert st["hit_rate"] == pytest.approx(4 / 6)
@@ -997,7 +998,7 @@ def test_unregistering_an_idle_hot_adapter_frees_its_pages(peft_dirs, state_dir)
         used = h.pool.used_pages
         h.manager.unregister("r16")
         assert h.pool.used_pages == used - 9
-        assert "r16" not in h.registry and h.manager.stats()["resident"]["hot"] == 0
+        assert "r16" not in h.registry and h.manager.stats().as_dict()["resident"]["hot"] == 0
         with pytest.raises(BrokerError) as e:
             await h.manager.acquire(s, ["r16"])
         assert e.value.code == Code.NOT_FOUND
@@ -1095,7 +1096,7 @@ def test_skewed_traffic_keeps_lru_hit_rate_above_75_percent(peft_dirs, state_dir
     to the hottest 20% (3 adapters) and the other 20% uniformly over all 16."""
 
     async def main():
-        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", hot_budget_adapters=4))
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", hot_tier_adapters=4))
         ids = [f"t{i:02d}" for i in range(16)]
         for aid in ids:
             h.registry.register(aid, peft_dirs["r4"])
@@ -1105,7 +1106,7 @@ def test_skewed_traffic_keeps_lru_hit_rate_above_75_percent(peft_dirs, state_dir
             aid = rng.choice(ids[:3]) if rng.random() < 0.8 else rng.choice(ids)
             await h.manager.acquire(s, [aid])
             h.manager.release(s, [aid])
-        st = h.manager.stats()
+        st = h.manager.stats().as_dict()
         assert st["hit_rate"] > 0.75, st
         assert st["resident"]["hot"] == 4
         check_invariants(h.store)
@@ -1115,7 +1116,7 @@ def test_skewed_traffic_keeps_lru_hit_rate_above_75_percent(peft_dirs, state_dir
 
 
 def test_two_copy_threads_build_the_same_image(peft_dirs, state_dir):
-    from memory_broker.broker.adapters.tiers import build_warm_image
+    from memory_broker.broker.adapters.warm_image import build_warm_image
 
     reg = AdapterRegistry(state_dir)
     for name in ("r8", "pattern"):
@@ -1157,7 +1158,7 @@ def test_a_cancelled_acquire_leaves_no_pins_behind(peft_dirs, state_dir):
 @pytest.mark.parametrize("int8", [False, True])
 def test_the_tensor_page_writer_writes_the_same_pages(peft_dirs, state_dir, int8):
     """The writer used for device arenas (through ArenaView.tensor), run on the host arena."""
-    from memory_broker.broker.adapters.tiers import TensorPageWriter
+    from memory_broker.broker.adapters.page_writers import TensorPageWriter
 
     async def main():
         ref = AdapterHarness(state_dir + "-ref", config=AdapterConfig(dtype="bfloat16", warm_int8=int8))
@@ -1214,8 +1215,8 @@ def _image_path(h: AdapterHarness, adapter_id: str) -> str:
 
 def _no_file_reads(monkeypatch) -> None:
     """Any read of a safetensors file (a rebuild instead of the image) fails the test."""
-    import memory_broker.broker.adapters.manager as manager_mod
-    import memory_broker.broker.adapters.tiers as tiers_mod
+    import memory_broker.broker.adapters.image_service as manager_mod
+    import memory_broker.broker.adapters.warm_image as tiers_mod
 
     def boom(*a, **k):
         raise AssertionError("the safetensors file was read: the image cache was not used")
@@ -1248,7 +1249,7 @@ def test_first_cold_load_writes_the_image_and_a_restart_loads_from_it(peft_dirs,
             assert os.path.dirname(path) == os.path.join(state_dir, "images")
             assert os.path.getsize(path) == 4096 + h.manager.layout(name).used_bytes
         assert not [f for f in os.listdir(os.path.join(state_dir, "images")) if f.endswith(".tmp")]
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["enabled"] and st["misses"] == len(peft_dirs) and st["writes"] == len(peft_dirs) and st["hits"] == 0
         await h.close()
 
@@ -1257,7 +1258,7 @@ def test_first_cold_load_writes_the_image_and_a_restart_loads_from_it(peft_dirs,
         h = AdapterHarness(state_dir)
         adapters = await _acquire_and_check(h, peft_dirs)
         assert all(a.found_in == Tier.COLD for a in adapters)
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["hits"] == len(peft_dirs) and st["misses"] == 0 and st["rejected"] == 0
         check_invariants(h.store)
         await h.close()
@@ -1269,14 +1270,14 @@ def test_first_cold_load_writes_the_image_and_a_restart_loads_from_it(peft_dirs,
 def test_demoted_to_cold_reloads_from_the_image(peft_dirs, state_dir, monkeypatch):
     async def main():
         # No warm tier: a demoted adapter is cold again.
-        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", warm_budget_bytes=0))
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", warm_tier_bytes=0))
         h.registry.register("r8", peft_dirs["r8"])
         await _acquire_and_check(h, ["r8"])
         await h.manager.wait_image_writes()
         assert h.manager.demote("r8") == Tier.COLD
         _no_file_reads(monkeypatch)
         (a,) = await _acquire_and_check(h, ["r8"])
-        assert a.found_in == Tier.COLD and h.manager.stats()["images"]["hits"] == 1
+        assert a.found_in == Tier.COLD and h.manager.stats().as_dict()["images"]["hits"] == 1
         await h.close()
 
     run(main())
@@ -1296,7 +1297,7 @@ def test_a_changed_weights_file_or_layout_invalidates_the_image(peft_dirs, state
             s = h.store.open_session()
             await h.manager.acquire(s, ["x"])
         await h.manager.wait_image_writes()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["rejected"] == expect_rejected
         await h.close()
         return st
@@ -1341,7 +1342,7 @@ def test_a_corrupt_image_is_ignored_and_rebuilt(peft_dirs, state_dir, damage, mo
     async def second():
         h = AdapterHarness(state_dir)
         await _acquire_and_check(h, ["r8"])
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["rejected"] == 1 and st["misses"] == 1 and st["hits"] == 0
         await h.close()
 
@@ -1349,7 +1350,7 @@ def test_a_corrupt_image_is_ignored_and_rebuilt(peft_dirs, state_dir, damage, mo
         _no_file_reads(monkeypatch)
         h = AdapterHarness(state_dir)
         await _acquire_and_check(h, ["r8"])
-        assert h.manager.stats()["images"]["hits"] == 1
+        assert h.manager.stats().as_dict()["images"]["hits"] == 1
         await h.close()
 
     run(second())
@@ -1386,7 +1387,7 @@ def test_image_cache_off_writes_nothing(peft_dirs, state_dir):
                 h.registry.register("r8", peft_dirs["r8"])
             s = h.store.open_session()
             await h.manager.acquire(s, ["r8"])
-            assert h.manager.images is None and not h.manager.stats()["images"]["enabled"]
+            assert h.manager.images is None and not h.manager.stats().as_dict()["images"]["enabled"]
             await h.close()
             assert not os.path.exists(os.path.join(state_dir, "images")) or not os.listdir(os.path.join(state_dir, "images"))
 
@@ -1394,7 +1395,8 @@ def test_image_cache_off_writes_nothing(peft_dirs, state_dir):
 
 
 def test_image_cache_writer_and_reader_round_trip(peft_dirs, state_dir, tmp_path):
-    from memory_broker.broker.adapters.tiers import ImageCache, build_warm_image
+    from memory_broker.broker.adapters.image_cache import ImageCache
+    from memory_broker.broker.adapters.warm_image import build_warm_image
 
     reg = AdapterRegistry(state_dir)
     meta = reg.register("a:b/c@d", peft_dirs["pattern"])
@@ -1427,16 +1429,16 @@ def test_registering_converts_ahead_so_the_first_acquire_reads_the_image(peft_di
         for name in ("r4", "r8"):
             await h.manager.register(name, peft_dirs[name])
         await h.manager.wait_conversions()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["converted_ahead"] == 2 and st["writes"] == 2 and st["count"] == 2 and st["convert_queued"] == 0
         assert st["bytes"] == sum(4096 + h.manager.layout(n).used_bytes for n in ("r4", "r8"))
         assert len(_images(state_dir)) == 2
         # Nothing went warm or hot: conversion ahead of use only writes images.
-        assert h.manager.stats()["resident"] == {"hot": 0, "warm": 0, "cold": 2}
+        assert h.manager.stats().as_dict()["resident"] == {"hot": 0, "warm": 0, "cold": 2}
         _no_file_reads(monkeypatch)
         adapters = await _acquire_and_check(h, ["r4", "r8"])
         assert [a.found_in for a in adapters] == [Tier.COLD, Tier.COLD]
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["hits"] == 2 and st["misses"] == 0
         await h.close()
 
@@ -1444,7 +1446,7 @@ def test_registering_converts_ahead_so_the_first_acquire_reads_the_image(peft_di
 
 
 def test_conversion_ahead_of_use_keeps_to_its_duty_cycle_and_shows_its_backlog(peft_dirs, state_dir, monkeypatch):
-    import memory_broker.broker.adapters.manager as manager_mod
+    import memory_broker.broker.adapters.image_service as manager_mod
 
     pauses: list[float] = []
     real_sleep = asyncio.sleep
@@ -1459,9 +1461,9 @@ def test_conversion_ahead_of_use_keeps_to_its_duty_cycle_and_shows_its_backlog(p
         meta = h.registry.inspect(peft_dirs["r4"])
         h.registry.add_many([(f"bulk/{i}", meta) for i in range(6)])
         assert h.manager.schedule_conversions([f"bulk/{i}" for i in range(6)]) == 6
-        assert h.manager.stats()["images"]["convert_queued"] >= 5  # the backlog is visible
+        assert h.manager.stats().as_dict()["images"]["convert_queued"] >= 5  # the backlog is visible
         await h.manager.wait_conversions()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["converted_ahead"] == 6 and st["convert_queued"] == 0
         # After each conversion it slept 4x its time (duty 0.2): pauses are positive.
         assert len([p for p in pauses if p > 0]) >= 6
@@ -1475,10 +1477,10 @@ def test_convert_ahead_off_converts_only_on_first_load(peft_dirs, state_dir):
         h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", convert_ahead=False))
         await h.manager.register("r4", peft_dirs["r4"])
         await h.manager.wait_conversions()
-        assert _images(state_dir) == [] and h.manager.stats()["images"]["converted_ahead"] == 0
+        assert _images(state_dir) == [] and h.manager.stats().as_dict()["images"]["converted_ahead"] == 0
         await _acquire_and_check(h, ["r4"])
         await h.manager.wait_image_writes()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["misses"] == 1 and st["writes"] == 1 and len(_images(state_dir)) == 1
         await h.close()
 
@@ -1488,7 +1490,7 @@ def test_convert_ahead_off_converts_only_on_first_load(peft_dirs, state_dir):
 def test_an_acquire_during_the_conversion_waits_for_it_and_reads_the_image(peft_dirs, state_dir, monkeypatch):
     import threading
 
-    import memory_broker.broker.adapters.manager as manager_mod
+    import memory_broker.broker.adapters.image_service as manager_mod
 
     builds = []
     release = threading.Event()
@@ -1511,7 +1513,7 @@ def test_an_acquire_during_the_conversion_waits_for_it_and_reads_the_image(peft_
         assert not acquire.done()
         release.set()
         (a,) = await acquire
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         # One conversion (in the convert thread); the load read its image.
         assert builds == ["adapter-convert_0"] and st["converted_ahead"] == 1
         assert st["hits"] == 1 and st["misses"] == 0 and a.found_in == Tier.COLD
@@ -1531,7 +1533,7 @@ def test_unregistering_during_conversion_leaves_no_image(peft_dirs, state_dir):
         await h.manager.wait_conversions()
         await h.manager.wait_image_writes()
         assert _images(state_dir) == [os.path.basename(_image_path(h, "r8"))]
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["count"] == 1 and st["bytes"] == 4096 + h.manager.layout("r8").used_bytes
         await h.close()
 
@@ -1549,11 +1551,11 @@ def test_image_budget_conversions_take_free_room_loads_push_out_the_oldest(peft_
         # Room for r8 and r16, so for r4 and r8 but not for r16 besides them.
         budget = size["r8"] + size["r16"]
         assert size["r4"] < size["r16"]
-        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", image_budget_bytes=budget))
+        h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", image_budget=budget))
         for name in ("r4", "r8", "r16"):
             await h.manager.register(name, peft_dirs[name])
         await h.manager.wait_conversions()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["converted_ahead"] == 2 and st["convert_skipped"] == 1 and st["evictions"] == 0
         assert sorted(_images(state_dir)) == sorted(os.path.basename(_image_path(h, n)) for n in ("r4", "r8"))
         # r8 is used, so r4 is the least recently used image.
@@ -1561,7 +1563,7 @@ def test_image_budget_conversions_take_free_room_loads_push_out_the_oldest(peft_
         # r16's first load converts it and stores its image, pushing out r4.
         await _acquire_and_check(h, ["r16"])
         await h.manager.wait_image_writes()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["evictions"] == 1 and st["bytes"] <= budget
         assert sorted(_images(state_dir)) == sorted(os.path.basename(_image_path(h, n)) for n in ("r8", "r16"))
         assert st["bytes"] == size["r8"] + size["r16"]
@@ -1598,19 +1600,20 @@ def test_start_prunes_orphan_images_and_converts_the_registered_ones_without_one
         assert not os.path.exists(orphan)
         await h.manager.wait_conversions()
         assert sorted(_images(state_dir)) == sorted(os.path.basename(_image_path(h, n)) for n in ("r4", "r8"))
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["converted_ahead"] == 2 and st["bytes"] == sum(4096 + h.manager.layout(n).used_bytes for n in ("r4", "r8"))
         # A second start finds every image in place: nothing to convert.
         await h.manager.start()
         await h.manager.wait_conversions()
-        assert h.manager.stats()["images"]["converted_ahead"] == 2
+        assert h.manager.stats().as_dict()["images"]["converted_ahead"] == 2
         await h.close()
 
     run(second())
 
 
 def test_image_cache_budget_accounting(peft_dirs, state_dir, tmp_path):
-    from memory_broker.broker.adapters.tiers import ImageCache, build_warm_image
+    from memory_broker.broker.adapters.image_cache import ImageCache
+    from memory_broker.broker.adapters.warm_image import build_warm_image
 
     reg = AdapterRegistry(state_dir)
     metas = [reg.register(n, peft_dirs[n]) for n in ("r4", "r8", "r16")]
@@ -1654,14 +1657,14 @@ def test_a_failed_conversion_is_counted_and_the_first_load_converts_instead(peft
         def broken(meta, layout):
             raise OSError(28, "No space left on device")
 
-        h.manager._convert_one = broken
+        h.manager.image_service.convert_one = broken
         await h.manager.register("r8", peft_dirs["r8"])
         await h.manager.wait_conversions()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert st["convert_failures"] == 1 and st["converted_ahead"] == 0 and _images(state_dir) == []
         (a,) = await _acquire_and_check(h, ["r8"])
         await h.manager.wait_image_writes()
-        st = h.manager.stats()["images"]
+        st = h.manager.stats().as_dict()["images"]
         assert a.found_in == Tier.COLD and st["misses"] == 1 and st["writes"] == 1 and len(_images(state_dir)) == 1
         check_invariants(h.store)
         await h.close()

@@ -1402,7 +1402,7 @@ def test_the_view_says_its_memory_is_not_host_addressable(fake):
 
 
 def test_host_only_adapter_helpers_refuse_the_cuda_arena(fake):
-    from memory_broker.broker.adapters.tiers import HostPageWriter, read_matrix
+    from memory_broker.broker.adapters.page_writers import HostPageWriter, read_matrix
 
     a = CudaArena(geom(), "0")
     try:

@@ -375,13 +375,13 @@ def test_the_manager_reports_each_adapters_image_state_while_conversions_wait(tm
     async def go() -> None:
         h = AdapterHarness(str(tmp_path / "state"), config=AdapterConfig(dtype="float32"))
         release = threading.Event()
-        real = h.manager._convert_one
+        real = h.manager.image_service.convert_one
 
         def slow(meta, layout):
             assert release.wait(30)
             return real(meta, layout)
 
-        h.manager._convert_one = slow
+        h.manager.image_service.convert_one = slow
         try:
             for i, src in enumerate(srcs):
                 await h.manager.register(f"a{i}", src)
@@ -391,11 +391,11 @@ def test_the_manager_reports_each_adapters_image_state_while_conversions_wait(tm
                 await asyncio.sleep(0.05)
             states = [h.manager.image_state(f"a{i}") for i in range(3)]
             assert states == ["converting", "queued", "queued"]
-            assert h.manager.stats()["images"]["convert_queued"] == 3
+            assert h.manager.stats().as_dict()["images"]["convert_queued"] == 3
             release.set()
             await asyncio.wait_for(h.manager.wait_conversions(), 30)
             assert [h.manager.image_state(f"a{i}") for i in range(3)] == ["ready"] * 3
-            assert h.manager.stats()["images"]["convert_queued"] == 0
+            assert h.manager.stats().as_dict()["images"]["convert_queued"] == 0
         finally:
             release.set()
             await h.close()

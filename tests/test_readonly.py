@@ -23,8 +23,8 @@ import pytest
 
 from adapter_fixtures import AdapterHarness, peft_dirs, run  # noqa: F401  (peft_dirs is a fixture)
 from memory_broker.broker.adapters import AdapterConfig
-from memory_broker.broker.adapters.manager import AdapterCorrupted, Tier
-from memory_broker.broker.adapters.tiers import read_matrix
+from memory_broker.broker.adapters.records import AdapterCorrupted, Tier
+from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 from memory_broker.broker.errors import BrokerError, Code
@@ -268,7 +268,7 @@ def test_verify_finds_a_corrupt_hot_copy_and_the_next_acquire_reloads_it(peft_di
         assert not _matches_file(h, first)
         (check,) = await h.manager.verify(["r8"])
         assert (check.tier, check.checked, check.ok) == (Tier.HOT, True, False)
-        assert h.manager.stats()["checksums"]["corruptions"] == 1
+        assert h.manager.stats().as_dict()["checksums"]["corruptions"] == 1
         # The session that holds it is told which copy went bad.
         told = [ev for sid, ev in h.events if sid == holder and isinstance(ev, AdapterCorrupted)]
         assert [(ev.adapter_id, ev.object_id, ev.generation) for ev in told] == [("r8", first.object_id, first.generation)]
@@ -299,10 +299,10 @@ def test_background_check_finds_corruption_without_anyone_asking(peft_dirs, stat
         h.manager.release(s, ["r4"])
         _corrupt(h, a.pages[-1])
         for _ in range(100):
-            if h.manager.stats()["checksums"]["corruptions"]:
+            if h.manager.stats().as_dict()["checksums"]["corruptions"]:
                 break
             await asyncio.sleep(0.05)
-        assert h.manager.stats()["checksums"]["corruptions"] == 1
+        assert h.manager.stats().as_dict()["checksums"]["corruptions"] == 1
         assert h.manager.describe("r4").tier == Tier.COLD
         b = (await h.manager.acquire(s, ["r4"], with_layout=True)).adapters[0]
         assert b.generation != a.generation and _matches_file(h, b)
@@ -314,7 +314,7 @@ def test_background_check_finds_corruption_without_anyone_asking(peft_dirs, stat
 
 def test_acquire_path_never_hashes(peft_dirs, state_dir, monkeypatch):
     """Checks run on demand and in the background only: acquiring a hot adapter reads no page."""
-    import memory_broker.broker.adapters.manager as mgr
+    import memory_broker.broker.adapters.checks as mgr
 
     calls = []
     monkeypatch.setattr(mgr, "pages_checksum", lambda *a: calls.append(a) or "")
@@ -351,7 +351,7 @@ def test_corrupt_image_file_is_refused_on_load_and_rebuilt_from_the_weights(peft
         await h.manager.prefetch(["r4"], "warm")
         await h.manager.wait_image_writes()
         h.manager.demote("r4")
-        h.manager._drop_warm(h.manager._entries["r4"])
+        h.manager.warm.drop(h.manager.entries.get("r4"))
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) - 3)
             byte = f.read(1)
@@ -359,7 +359,7 @@ def test_corrupt_image_file_is_refused_on_load_and_rebuilt_from_the_weights(peft
             f.write(bytes([byte[0] ^ 0x5A]))
         s = h.store.open_session()
         a = (await h.manager.acquire(s, ["r4"], with_layout=True)).adapters[0]
-        st = h.manager.stats()
+        st = h.manager.stats().as_dict()
         # Both corrupt images were counted: the one verify found, the one the load refused.
         assert st["images"]["rejected"] == 1
         assert st["checksums"]["image_corruptions"] == 2 and st["checksums"]["corruptions"] == 2
@@ -377,7 +377,7 @@ def test_verify_of_an_unregistered_adapter_is_not_found_and_checks_nothing(peft_
         with pytest.raises(BrokerError) as e:
             await h.manager.verify(["r4", "nope"])
         assert e.value.code == Code.NOT_FOUND
-        assert h.manager.stats()["checksums"]["verifications"] == 0
+        assert h.manager.stats().as_dict()["checksums"]["verifications"] == 0
         await h.close()
 
     run(main())

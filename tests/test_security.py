@@ -183,7 +183,7 @@ def test_manager_registers_with_the_callers_rights(peft_dirs):  # noqa: F811
 def test_a_symlink_put_in_after_registration_is_not_followed_when_the_adapter_loads(peft_dirs):  # noqa: F811
     # Registered with the caller's rights on its files; then the caller swaps its weights for a
     # symlink to another tenant's adapter that it may not read. The load must not follow it.
-    from memory_broker.broker.adapters.manager import AdapterConfig
+    from memory_broker.broker.adapters.config import AdapterConfig
 
     mine = _private_tree(peft_dirs, 0o755, 0o644)
     theirs = _private_tree(peft_dirs, 0o700, 0o644)

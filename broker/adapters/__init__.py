@@ -1,10 +1,12 @@
-"""LoRA adapters in the broker: registry, placement into pages, tiers and their manager.
+"""LoRA adapters in the broker: registration, placement into pages, tiers, and the facade over them.
 
-``registry`` validates PEFT directories and persists what is registered; ``layout`` decides
-where every weight row sits inside an adapter's pages and turns that into the kernels'
-element-offset tables; ``tiers`` does the blocking copies (file -> host image -> pages);
-``policy`` orders victims within a tier; ``manager`` runs it all on the broker's event loop
-on top of the object store. Nothing here imports gRPC.
+Where to start: ``manager`` (the facade the service calls) composes ``entry`` (each adapter's
+state machine), ``hot_budget`` and ``warm_budget`` (the tiers' book-keeping), ``loader`` (loads
+up the tiers), ``image_service`` (the converted-image cache and conversion ahead of use) and
+``checks`` (checksum checks); ``stats`` and ``records`` are what it returns. Below them:
+``peft`` validates PEFT directories, ``registry`` persists them in SQLite, ``layout`` places
+rows in pages, ``safetensors_io``, ``dtypes``, ``warm_image``, ``image_cache`` and
+``page_writers`` do the blocking copies, ``policy`` orders victims. Nothing here imports gRPC.
 """
 
 from importlib import import_module
@@ -16,9 +18,12 @@ from typing import Any
 _EXPORTS = {
     "layout": ("AdapterLayout", "LoraModuleSpec", "MatrixPlacement", "ModulePlacement", "OffsetTable", "RowChunk",
                "offset_table", "pages_needed", "plan_layout", "row_offsets"),
-    "manager": ("AcquiredAdapter", "AcquireResult", "AdapterConfig", "AdapterManager", "AdapterStatus",
-                "PrefetchResult", "Tier"),
-    "registry": ("AdapterInfo", "AdapterMeta", "AdapterPage", "AdapterRegistry", "inspect_peft_dir"),
+    "config": ("AdapterConfig",),
+    "manager": ("AdapterManager",),
+    "peft": ("AdapterInfo", "AdapterMeta", "inspect_peft_dir"),
+    "records": ("AcquiredAdapter", "AcquireResult", "AdapterStatus", "PrefetchResult", "Tier"),
+    "registry": ("AdapterPage", "AdapterRegistry"),
+    "stats": ("AdapterStats",),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -40,6 +45,7 @@ __all__ = [
     "AdapterMeta",
     "AdapterPage",
     "AdapterRegistry",
+    "AdapterStats",
     "AdapterStatus",
     "LoraModuleSpec",
     "MatrixPlacement",

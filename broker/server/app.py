@@ -301,11 +301,7 @@ class BrokerServer:
         st = self.store.stats()
         if self.metrics is not None:
             self.metrics.snapshot = st
-            a = self.adapters.stats()
-            self.metrics.adapter_snapshot = {
-                "hits": a["hits"], "loads": a["loads"], "resident": a["resident"], "hit_rate": a["hit_rate"],
-                "images": a["images"], "checksums": a["checksums"],
-            }  # fmt: skip
+            self.metrics.adapter_snapshot = self.adapters.stats()
         return st
 
     async def _status_loop(self) -> None:

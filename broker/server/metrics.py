@@ -9,7 +9,8 @@ milliseconds and would put every allocation in the first bucket.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import fields
+from typing import TYPE_CHECKING, Callable
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -17,6 +18,9 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 
 from memory_broker.broker.eviction import ContentType
 from memory_broker.broker.store_stats import StoreStats
+
+if TYPE_CHECKING:
+    from memory_broker.broker.adapters.stats import AdapterStats
 
 PREFIX = "memory_broker"
 
@@ -48,7 +52,8 @@ class BrokerMetrics:
         meter = self.provider.get_meter("memory-broker")
         self.backend = backend
         self.snapshot: StoreStats | None = None
-        self.adapter_snapshot: dict = {}
+        # The adapter wing's figures, once the server has taken them (None: adapters off or not yet).
+        self.adapter_snapshot: AdapterStats | None = None
         self._http = None
 
         def gauge(name: str, desc: str, fn: Callable[[StoreStats], list[Observation]]):
@@ -80,40 +85,54 @@ class BrokerMetrics:
         counter("pin_contention_total", "pins taken on objects another session already pinned",
                 s("pin_contention"))
         # Adapter figures (present once the adapter manager reports them).
-        a = lambda key: (lambda _st: [  # noqa: E731
-            Observation(v, {"tier": t}) for t, v in self.adapter_snapshot.get(key, {}).items()])
-        meter.create_observable_counter(f"{PREFIX}_adapter_hits_total", callbacks=[a("hits")],
+        def per_tier(key: str):
+            def observe(_o):
+                a = self.adapter_snapshot
+                if a is None:
+                    return []
+                rec = getattr(a, key)
+                return [Observation(getattr(rec, f.name), {"tier": f.name}) for f in fields(rec)]
+
+            return observe
+
+        def part(section: str, key: str):
+            def observe(_o):
+                a = self.adapter_snapshot
+                return [Observation(getattr(getattr(a, section), key))] if a is not None else []
+
+            return observe
+
+        meter.create_observable_counter(f"{PREFIX}_adapter_hits_total", callbacks=[per_tier("hits")],
                                         description="adapter acquires served from a tier")
-        meter.create_observable_counter(f"{PREFIX}_adapter_loads_total", callbacks=[a("loads")],
+        meter.create_observable_counter(f"{PREFIX}_adapter_loads_total", callbacks=[per_tier("loads")],
                                         description="adapter loads into a tier")
-        meter.create_observable_gauge(f"{PREFIX}_adapters_resident", callbacks=[a("resident")],
+        meter.create_observable_gauge(f"{PREFIX}_adapters_resident", callbacks=[per_tier("resident")],
                                       description="adapters resident per tier")
-        img = lambda key: (lambda _st: [  # noqa: E731
-            Observation(self.adapter_snapshot["images"][key])] if "images" in self.adapter_snapshot else [])
-        meter.create_observable_gauge(f"{PREFIX}_adapter_image_bytes", unit="By", callbacks=[img("bytes")],
+        meter.create_observable_gauge(f"{PREFIX}_adapter_image_bytes", unit="By", callbacks=[part("images", "bytes")],
                                       description="disk taken by converted adapter images")
-        meter.create_observable_gauge(f"{PREFIX}_adapter_image_budget_bytes", unit="By", callbacks=[img("budget_bytes")],
+        meter.create_observable_gauge(f"{PREFIX}_adapter_image_budget_bytes", unit="By",
+                                      callbacks=[part("images", "budget_bytes")],
                                       description="disk the converted adapter images may take (0: no limit)")
         meter.create_observable_counter(
             f"{PREFIX}_adapter_image_reads_total",
-            callbacks=[lambda _o: [Observation(self.adapter_snapshot["images"][k], {"result": r})
+            callbacks=[lambda _o: [Observation(getattr(self.adapter_snapshot.images, k), {"result": r})
                                    for k, r in (("hits", "hit"), ("misses", "miss"), ("rejected", "rejected"))]
-                       if "images" in self.adapter_snapshot else []],
+                       if self.adapter_snapshot is not None else []],
             description="cold adapter loads by how the image cache served them")  # fmt: skip
-        meter.create_observable_counter(f"{PREFIX}_adapter_conversions_total", callbacks=[img("converted_ahead")],
+        meter.create_observable_counter(f"{PREFIX}_adapter_conversions_total",
+                                        callbacks=[part("images", "converted_ahead")],
                                         description="adapters converted into images ahead of use")
-        meter.create_observable_gauge(f"{PREFIX}_adapter_convert_queue", callbacks=[img("convert_queued")],
+        meter.create_observable_gauge(f"{PREFIX}_adapter_convert_queue", callbacks=[part("images", "convert_queued")],
                                       description="adapters waiting for conversion ahead of use")
-        chk = lambda key: (lambda _st: [  # noqa: E731
-            Observation(self.adapter_snapshot["checksums"][key])] if "checksums" in self.adapter_snapshot else [])
-        meter.create_observable_counter(f"{PREFIX}_adapter_verifications_total", callbacks=[chk("verifications")],
+        meter.create_observable_counter(f"{PREFIX}_adapter_verifications_total",
+                                        callbacks=[part("checksums", "verifications")],
                                         description="adapter copies checked against their checksums")
-        meter.create_observable_counter(f"{PREFIX}_adapter_corruptions_total", callbacks=[chk("corruptions")],
+        meter.create_observable_counter(f"{PREFIX}_adapter_corruptions_total", callbacks=[part("checksums", "corruptions")],
                                         description="adapter copies found not to match their checksums (dropped, reloaded)")
         meter.create_observable_gauge(
             f"{PREFIX}_adapter_hit_ratio",
-            callbacks=[lambda _o: [Observation(self.adapter_snapshot["hit_rate"])]
-                       if "hit_rate" in self.adapter_snapshot else []],
+            callbacks=[lambda _o: [Observation(self.adapter_snapshot.hit_rate)]
+                       if self.adapter_snapshot is not None else []],
             description="share of adapter acquires that found the adapter hot")  # fmt: skip
         self.allocation_latency = meter.create_histogram(
             f"{PREFIX}_allocation_latency_seconds", unit="s", description="time to serve an Allocate or Prepare in the core"

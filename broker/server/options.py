@@ -347,22 +347,18 @@ def _explain(e: ValidationError) -> SettingError:
 
 
 def adapter_config(opts: ServeOptions) -> Any:
-    """The adapter wing's ``AdapterConfig`` from the options: the one place that maps them.
-
-    Merge note: AdapterConfig's fields are being renamed to the YAML leaf names (``hot_tier_pages``,
-    ``hot_tier_adapters``, ``warm_tier_bytes``, ``image_budget``); until then this maps onto the
-    names that exist, and only these keyword names change with the rename.
-    """
+    """The adapter wing's ``AdapterConfig`` from the options: the one place that maps them
+    (its fields carry the YAML leaf names under ``adapters.``)."""
     from memory_broker.broker.adapters import AdapterConfig
 
     return AdapterConfig(
         dtype=opts.adapter_dtype,
-        hot_budget_pages=opts.hot_tier_pages,
-        hot_budget_adapters=opts.hot_tier_adapters,
-        warm_budget_bytes=opts.warm_tier_bytes,
+        hot_tier_pages=opts.hot_tier_pages,
+        hot_tier_adapters=opts.hot_tier_adapters,
+        warm_tier_bytes=opts.warm_tier_bytes,
         warm_int8=opts.warm_int8,
         image_cache=opts.adapter_image_cache,
-        image_budget_bytes=opts.adapter_image_budget,
+        image_budget=opts.adapter_image_budget,
         convert_ahead=opts.adapter_convert_ahead,
         hot_policy=opts.adapter_hot_policy,
         warm_policy=opts.adapter_warm_policy,

@@ -37,7 +37,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from memory_broker.broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry, plan_layout  # noqa: E402
 from memory_broker.broker.adapters.policy import POLICIES  # noqa: E402
-from memory_broker.broker.adapters.tiers import HostPageWriter, ImageCache, build_warm_image  # noqa: E402
+from memory_broker.broker.adapters.image_cache import ImageCache  # noqa: E402
+from memory_broker.broker.adapters.page_writers import HostPageWriter  # noqa: E402
+from memory_broker.broker.adapters.warm_image import build_warm_image  # noqa: E402
 from memory_broker.broker.arena.base import ArenaGeometry  # noqa: E402
 from memory_broker.broker.arena.host import HostArena  # noqa: E402
 from memory_broker.broker.objects import ObjectStore, StoreConfig  # noqa: E402
@@ -224,7 +226,7 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
                 from_warm.append(time.perf_counter() - t0)
                 rig.manager.release(s, ["big"])
                 rig.manager.demote("big")
-            warm = rig.manager.stats()["warm_bytes"]
+            warm = rig.manager.stats().as_dict()["warm_bytes"]
             out.append([f"acquire cold->hot{' (int8 warm)' if int8 else ''}", f"{med_ms(to_hot):.2f}",
                         f"{weight_bytes / statistics.median(to_hot) / 1e9:.2f}", ""])  # fmt: skip
             out.append([f"acquire warm->hot{' (int8 warm)' if int8 else ''}", f"{med_ms(from_warm):.2f}",
@@ -232,7 +234,7 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
             await rig.close()
         # Cold again after each acquire (no warm tier): every acquire after the first reads the image.
         rig = Rig(os.path.join(root, "state-e2e-cached"), page, 2 * n + 16,
-                  AdapterConfig(dtype="bfloat16", warm_budget_bytes=0))  # fmt: skip
+                  AdapterConfig(dtype="bfloat16", warm_tier_bytes=0))  # fmt: skip
         rig.registry.register("big", src)
         s = rig.store.open_session()
         await rig.manager.acquire(s, ["big"])
@@ -246,13 +248,13 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
             cached.append(time.perf_counter() - t0)
             rig.manager.release(s, ["big"])
             rig.manager.demote("big")
-        assert rig.manager.stats()["images"]["hits"] == runs
+        assert rig.manager.stats().as_dict()["images"]["hits"] == runs
         out.insert(1, ["acquire cold->hot (cached image)", f"{med_ms(cached):.2f}",
                        f"{weight_bytes / statistics.median(cached) / 1e9:.2f}", ""])  # fmt: skip
         # The first acquire after RegisterAdapter: the manager converted the adapter ahead of
         # use (in its background thread, timed apart), so even this acquire reads an image.
         first, convert = [], []
-        misses = rig.manager.stats()["images"]["misses"]
+        misses = rig.manager.stats().as_dict()["images"]["misses"]
         for _ in range(runs):
             rig.manager.unregister("big")
             t0 = time.perf_counter()
@@ -264,7 +266,7 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
             first.append(time.perf_counter() - t0)
             rig.manager.release(s, ["big"])
             rig.manager.demote("big")
-        im = rig.manager.stats()["images"]
+        im = rig.manager.stats().as_dict()["images"]
         assert im["converted_ahead"] == runs and im["misses"] == misses, im
         out.insert(2, ["acquire cold->hot, first after register", f"{med_ms(first):.2f}",
                        f"{weight_bytes / statistics.median(first) / 1e9:.2f}", ""])  # fmt: skip
@@ -290,7 +292,7 @@ async def replay(rig: Rig, trace: list[str]) -> dict:
     for aid in trace:
         await acquire(s, [aid])
         release(s, [aid])
-    return rig.manager.stats()
+    return rig.manager.stats().as_dict()
 
 
 def bench_slots(root: str, src: str, requests: int) -> None:
@@ -303,7 +305,7 @@ def bench_slots(root: str, src: str, requests: int) -> None:
         rng = random.Random(0)
         trace = [pick(rng) for _ in range(requests)]
         for policy in POLICIES:
-            cfg = AdapterConfig(dtype="bfloat16", hot_budget_adapters=4, hot_policy=policy, warm_policy=policy)
+            cfg = AdapterConfig(dtype="bfloat16", hot_tier_adapters=4, hot_policy=policy, warm_policy=policy)
             rig = Rig(os.path.join(root, f"state-slots-{policy}-{len(rows)}"), 64 * 1024, 256, cfg)
             meta = rig.registry.inspect(src)
             rig.registry.add_many([(aid, meta) for aid in ids])
@@ -343,7 +345,7 @@ def bench_zipf(root: str, srcs: dict[int, str], adapters: int, requests: int, s:
     warm_bytes = int(sum(image.values()) / 3 * adapters * 0.20)
     rows = []
     for policy in POLICIES:
-        cfg = AdapterConfig(dtype="bfloat16", hot_budget_pages=hot_pages, warm_budget_bytes=warm_bytes,
+        cfg = AdapterConfig(dtype="bfloat16", hot_tier_pages=hot_pages, warm_tier_bytes=warm_bytes,
                             hot_policy=policy, warm_policy=policy)  # fmt: skip
         rig = Rig(os.path.join(root, f"state-zipf-{policy}"), page, hot_pages + 64, cfg, pages_per_slab=64)
         rig.registry.add_many([(aid, metas[ranks[i % 3]]) for i, aid in enumerate(ids)])

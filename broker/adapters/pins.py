@@ -1,0 +1,204 @@
+"""The pins acquiring sessions hold on adapters: acquire (one-phase or two-phase), release.
+
+``AdapterPins`` admits an acquire (ids, cap, lease, session), counts where each adapter was
+found, has the loader bring the missing ones up (holding each fresh hot object until the
+session's own pin is in place), then pins them all or none; it remembers which session owns
+each two-phase acquire, and releases pins (copies found corrupt first). It never loads,
+frees or demotes anything itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+from memory_broker.broker.adapters.checks import ChecksumChecker
+from memory_broker.broker.adapters.config import AdapterConfig
+from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable
+from memory_broker.broker.adapters.hot_budget import HotBudget
+from memory_broker.broker.adapters.loader import TierLoader
+from memory_broker.broker.adapters.peft import check_adapter_id
+from memory_broker.broker.adapters.records import AcquiredAdapter, AcquireResult, Tier
+from memory_broker.broker.adapters.registry import AdapterRegistry
+from memory_broker.broker.adapters.stats import AdapterCounters
+from memory_broker.broker.adapters.warm_budget import WarmBudget
+from memory_broker.broker.errors import BrokerError, denied, invalid, not_found, precondition, unavailable
+from memory_broker.broker.objects import ObjectStore
+
+
+class AdapterPins:
+    """Acquires and releases of adapters by client sessions.
+
+    Args:
+        store: pins (or prepares a pin transaction) for the acquiring session.
+        system_session: the manager's own session (never a client).
+        entries, hot, warm, loader, checker, registry: the wing's other parts.
+        config, counters: settings (``remember_txns``) and where acquires are counted.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        system_session: int,
+        entries: EntryTable,
+        hot: HotBudget,
+        warm: WarmBudget,
+        loader: TierLoader,
+        checker: ChecksumChecker,
+        registry: AdapterRegistry,
+        config: AdapterConfig,
+        counters: AdapterCounters,
+    ):
+        self.store = store
+        self.system_session = system_session
+        self.entries = entries
+        self.hot = hot
+        self.warm = warm
+        self.loader = loader
+        self.checker = checker
+        self.registry = registry
+        self.config = config
+        self.counters = counters
+        # Two-phase acquires: transaction id -> session.
+        self._txns: OrderedDict[int, int] = OrderedDict()
+
+    def check_ids(self, adapter_ids: Sequence[str]) -> list[str]:
+        if isinstance(adapter_ids, str):
+            raise invalid("adapter_ids must be a list of adapter ids, not one string")
+        ids = list(adapter_ids)
+        max_batch = self.store.limits.max_batch
+        if len(ids) > max_batch:
+            raise invalid(f"adapter_ids has {len(ids)} items; at most {max_batch} per call")
+        for i, aid in enumerate(ids):
+            check_adapter_id(aid, f"adapter_ids[{i}]")
+        return ids
+
+    def check_session(self, session: int) -> None:
+        if not self.store.has_session(session) or session == self.system_session:
+            raise denied(f"session {session} is not open")
+
+    async def acquire(
+        self, session: int, adapter_ids: Sequence[str], max_adapters: int | None, with_layout: bool, lease_s: float | None
+    ) -> AcquireResult:
+        """Load (if needed) and pin adapters for ``session``; with ``lease_s`` (not None) the
+        pins are a store transaction under that lease (0: the store's default)."""
+        ids = self.check_ids(adapter_ids)
+        if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
+            raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
+        max_lease_s = self.store.limits.max_lease_s
+        if lease_s and not 0 < lease_s <= max_lease_s:
+            raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {max_lease_s:g} s")
+        distinct = list(dict.fromkeys(ids))
+        cap = max_adapters or len(distinct)
+        admitted, deferred = distinct[:cap], distinct[cap:]
+        self.check_session(session)
+        entries = self.entries.entries_for(admitted)
+        found = {aid: self._classify(e) for aid, e in entries.items()}
+        held: dict[str, AdapterEntry] = {}
+
+        async def one(aid: str) -> None:
+            e, _ = await self.loader.ensure_hot(aid, hold=True)
+            held[aid] = e
+
+        txn = None
+        try:
+            if all(f == Tier.HOT for f in found.values()):
+                # All hot: pin below without yielding to the loop, so nothing can evict them
+                # in between and no holds are needed (the common, cheap case).
+                held_now = entries
+            else:
+                results = await asyncio.gather(*(one(a) for a in admitted), return_exceptions=True)
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    raise next((r for r in errors if not isinstance(r, BrokerError)), errors[0])
+                held_now = held
+                for aid in admitted:
+                    if self.hot.current(held_now[aid]) is None:
+                        # Found corrupt (and dropped) between its load and this pin.
+                        raise unavailable(f"adapter {aid!r} was found corrupt as it loaded and is being reloaded; acquire again")
+            objs = [held_now[aid].obj for aid in admitted]
+            oids = [o.object_id for o in objs]
+            self.check_session(session)
+            if lease_s is None:
+                self.store.pin(session, oids)
+            else:
+                txn = self.store.prepare(session, [], pin_ids=oids, lease_s=lease_s)
+                self._txns[txn.txn_id] = session
+                if len(self._txns) > self.config.remember_txns:
+                    self._txns.popitem(last=False)
+        finally:
+            for e in held.values():
+                self.loader.unhold(e)
+        c = self.counters
+        c.acquires += 1
+        c.acquired_adapters += len(admitted)
+        c.deferred += len(deferred)
+        out = []
+        for aid, obj in zip(admitted, objs):
+            e = held_now[aid]
+            self.hot.policy.access(aid)
+            self.warm.policy.access(aid)
+            out.append(
+                AcquiredAdapter(aid, e.generation, obj.object_id, tuple(obj.pages), e.layout if with_layout else None, found[aid])
+            )
+        return AcquireResult(
+            tuple(out), tuple(deferred), txn.txn_id if txn else 0, txn.deadline_unix if txn else 0.0
+        )
+
+    def _classify(self, e: AdapterEntry) -> Tier:
+        """Count one lookup of an admitted adapter; returns where it was found."""
+        c = self.counters
+        if self.hot.current(e) is not None:
+            c.hot_hits += 1
+            return Tier.HOT
+        c.hot_misses += 1
+        if e.warm is not None:
+            c.warm_hits += 1
+            return Tier.WARM
+        c.warm_misses += 1
+        return Tier.COLD
+
+    def commit(self, session: int, txn_id: int) -> None:
+        self._own(session, txn_id)
+        self.store.commit(session, [txn_id])
+
+    def abort(self, session: int, txn_id: int) -> None:
+        self._own(session, txn_id)
+        self.store.abort(session, [txn_id])
+
+    def _own(self, session: int, txn_id: int) -> None:
+        owner = self._txns.get(txn_id)
+        if owner is None:
+            raise not_found(f"no adapter acquire transaction {txn_id} (unknown, or finished too long ago to remember)")
+        if owner != session:
+            raise denied(f"adapter acquire transaction {txn_id} belongs to another session")
+
+    def release(self, session: int, adapter_ids: Sequence[str]) -> None:
+        """Drop one of the session's pins per listed id; nothing when any id is refused."""
+        self.check_session(session)
+        self.checker.prune_retired()
+        oids: list[int] = []
+        for aid, count in Counter(self.check_ids(adapter_ids)).items():
+            e = self.entries.get(aid)
+            obj = self.hot.current(e) if e is not None else None
+            # Copies found corrupt that this session still pins: released first.
+            olds = self.checker.retired_pinned_by(aid, session)
+            if obj is None and not olds:
+                if aid not in self.registry:
+                    raise not_found(f"no adapter {aid!r} is registered")
+                raise precondition(f"session {session} holds no pin on adapter {aid!r} (it is not loaded)")
+            held = (obj.pins.get(session, 0) if obj is not None else 0) + sum(o.pins[session] for o in olds)
+            if held < count:
+                if held == 0 and any(s != self.system_session for s in obj.pins):
+                    raise denied(f"adapter {aid!r} is acquired only by other sessions; session {session} holds no pin on it")
+                raise precondition(f"adapter {aid!r}: asked to release {count}, session {session} holds {held} pin(s)")
+            left = count
+            for o in olds:
+                k = min(left, o.pins[session])
+                oids.extend([o.object_id] * k)
+                left -= k
+            if left:
+                oids.extend([obj.object_id] * left)
+        self.store.unpin(session, oids)
+        self.checker.prune_retired()
