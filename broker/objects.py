@@ -156,7 +156,7 @@ class ObjectStore:
         lease = self.config.default_lease_s if default_lease_s is None else default_lease_s
         pins = self.config.max_pins_per_session if max_pins_per_session is None else max_pins_per_session
         if not 0 < lease <= self.config.max_lease_s:
-            raise ValueError(f"default_lease_s must be in (0, {self.config.max_lease_s:g}]; got {lease:g}")
+            raise ValueError(f"default_lease_s {lease:g} must be positive and at most max_lease_s {self.config.max_lease_s:g}")
         if pins < 0:
             raise ValueError(f"max_pins_per_session must be 0 (no limit) or more; got {pins}")
         self.config.default_lease_s, self.config.max_pins_per_session = lease, pins
