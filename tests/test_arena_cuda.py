@@ -22,9 +22,9 @@ import pytest
 
 import memory_broker.broker.arena as arena_pkg
 from memory_broker.broker.arena import ArenaGeometry, make_arena, open_view
-from memory_broker.broker.arena import cuda as cu
-from memory_broker.broker.arena.cuda import (
-    CudaArena,
+from memory_broker.wire.arena import cuda as cu
+from memory_broker.broker.arena.cuda import CudaArena
+from memory_broker.wire.arena.cuda import (
     CudaArenaView,
     CudaError,
     CudaUnavailable,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memory_broker.broker.arena import host
+from memory_broker.wire.arena import host
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
+from memory_broker.wire.arena import check_sizes, format_size  # format_size: re-exported for the CLI
 
 # Binary units only: a GPU page is 2 MiB, not 2 MB. The single letters (1G, 512K) are binary
 # too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to
@@ -54,14 +55,6 @@ def parse_size(text: str | int, what: str | None = None) -> int:
     if n != int(n):
         raise ValueError(f"{head}{text!r} is not a whole number of bytes ({n:g})")
     return int(n)
-
-
-def format_size(n: int) -> str:
-    for unit, k in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k and n % (k // 1024 or 1) == 0:
-            v = n / k
-            return f"{v:g} {unit}"
-    return f"{n} B"
 
 
 @dataclass(slots=True)
@@ -167,15 +160,7 @@ class ServeOptions:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
-        ps = self.page_size
-        if not (512 << 10) <= ps <= (4 << 20) or ps & (ps - 1):
-            raise ValueError(f"page_size: {ps} bytes; must be a power of two from 512KiB to 4MiB")
-        if self.slab_size % ps or self.slab_size < ps:
-            raise ValueError(f"slab_size: {self.slab_size} bytes is not a multiple of page_size ({ps})")
-        if self.pool_size < self.slab_size or self.pool_size % self.slab_size:
-            raise ValueError(
-                f"pool_size: {self.pool_size} bytes must be a positive multiple of slab_size ({self.slab_size})"
-            )
+        check_sizes(self.page_size, self.slab_size, self.pool_size)
         if self.preallocate < 0 or self.preallocate > self.pool_size:
             raise ValueError(f"preallocate: {self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})")
         if not 1 <= self.window_factor <= 64:
