@@ -74,20 +74,19 @@ die in any thread; that only drops it from a weak set).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from memory_broker.wire.arena import geometry as _geometry
 from memory_broker.wire.arena.cuda_driver import (
-    CU_STREAM_CAPTURE_STATUS_NONE,
     CUDA_ERROR_DEINITIALIZED,
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_INITIALIZED,
     CudaDevice,
     CudaError,
     CudaUnavailable,
+    DeviceContext,
     MappingInUse,
     _init_driver,
     check,
@@ -95,7 +94,8 @@ from memory_broker.wire.arena.cuda_driver import (
     parse_device_spec,
     resolve_device,
 )
-from memory_broker.wire.arena.cuda_mappings import CudaArrayInterface as _CudaArrayInterface
+# The torch-facing wrapper of a device range, under the name tests/test_arena_cuda.py uses.
+from memory_broker.wire.arena.cuda_mappings import CudaArrayInterface as _CudaArrayInterface  # noqa: F401
 from memory_broker.wire.arena.cuda_mappings import Lease, Leases, Segment, WindowSegments, describe_leases
 from memory_broker.wire.arena.geometry import ArenaGeometry
 from memory_broker.wire.arena.view import ArenaView, page_runs
@@ -150,7 +150,7 @@ def check_geometry(geometry: ArenaGeometry, granularity: int, where: str = "this
 # ----------------------------------------------------------------- views
 
 
-class CudaArenaView(ArenaView):
+class CudaArenaView(DeviceContext, ArenaView):
     """One process's physical view and window over CUDA VMM slabs, at addresses it reserved.
 
     Its addresses are device addresses: ``host_addressable`` is False, and host-only helpers
@@ -173,17 +173,10 @@ class CudaArenaView(ArenaView):
             drv = _load_driver()
         except ImportError as e:
             raise CudaUnavailable(f"cuda-python is not installed ({e})") from None
-        self._drv = drv
         self.geometry = geometry
         self._closed = True  # until everything below is in place
-        _init_driver(drv)
-        self.device = resolve_device(drv, device)
-        why = self.device.unsupported_reason()
-        if why:
-            raise CudaUnavailable(why)
-        self.fd_handle_type = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._open_device(drv, device)
         d = self.device
-        self._ctx = self._check(f"cuDevicePrimaryCtxRetain(device {d.ordinal})", drv.cuDevicePrimaryCtxRetain(d.handle))
         self._phys_base = self._window_base = 0
         try:
             self.make_current()
@@ -209,7 +202,6 @@ class CudaArenaView(ArenaView):
                 drv.cuMemAddressFree(self._phys_base, self._phys_size)
             drv.cuDevicePrimaryCtxRelease(d.handle)
             raise
-        self._access = {ro: self._access_desc(ro) for ro in (False, True)}
         # Per attached slab: its allocation handle (owned by this view) and read-only flag.
         self._handles: list[Any] = []
         self._slab_readonly: list[bool] = []
@@ -226,15 +218,6 @@ class CudaArenaView(ArenaView):
     @property
     def mapped_slabs(self) -> int:
         return len(self._handles)
-
-    @property
-    def ordinal(self) -> int:
-        return self.device.ordinal
-
-    @property
-    def driver(self) -> Any:
-        """The driver module this view calls; the broker's arena creates its slabs with it."""
-        return self._drv
 
     # ------------------------------------------------------------- mapping
 
@@ -484,37 +467,6 @@ class CudaArenaView(ArenaView):
 
     # ------------------------------------------------------------- internals
 
-    def _check(self, call: str, result) -> Any:
-        return check(call, result, self._drv)
-
-    def make_current(self) -> None:
-        """Make the device's primary context current in this thread (the broker's arena calls it
-        before creating slabs)."""
-        # The current context is per thread; set it on every entry point (cheap).
-        self._check("cuCtxSetCurrent(primary context)", self._drv.cuCtxSetCurrent(self._ctx))
-
-    @contextlib.contextmanager
-    def _relaxed_capture(self):
-        """This thread in ``CU_STREAM_CAPTURE_MODE_RELAXED`` for the block: its driver calls
-        then cannot invalidate a global-mode capture running in another thread."""
-        drv = self._drv
-        old = self._check("cuThreadExchangeStreamCaptureMode(RELAXED)", drv.cuThreadExchangeStreamCaptureMode(
-            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))  # fmt: skip
-        try:
-            yield
-        finally:
-            drv.cuThreadExchangeStreamCaptureMode(old)
-
-    def _current_stream(self) -> int:
-        """torch's current stream on this device in this thread (0, the legacy default
-        stream, where torch cannot say)."""
-        try:
-            import torch
-
-            return int(torch.cuda.current_stream(self.device.ordinal).cuda_stream)
-        except Exception:
-            return 0
-
     def _note_streams(self, address: int, nbytes: int, streams: set[int]) -> None:
         """Remember that ``streams`` use ``[address, address + nbytes)``."""
         g = self.geometry
@@ -528,26 +480,6 @@ class CudaArenaView(ArenaView):
         g = self.geometry
         return describe_leases(live, self._phys_base, self._window_base, self._window_size, g.page_size)
 
-    def _sync_streams(self, streams: set[int], why: str) -> None:
-        """Wait for the work queued on ``streams`` (never the whole device). Refuses, before
-        waiting on any, if one of them is capturing a graph (syncing it would break it)."""
-        drv = self._drv
-        handles = sorted(streams)
-        for h in handles:
-            status = self._check(f"cuStreamIsCapturing(stream {h:#x})", drv.cuStreamIsCapturing(drv.CUstream(h)))
-            if int(status) != CU_STREAM_CAPTURE_STATUS_NONE:
-                raise MappingInUse(
-                    f"stream {h:#x}, which used {why.split(' ', 1)[1]}, is capturing a CUDA graph: "
-                    f"{why} must wait until the capture ends; nothing was changed"
-                )
-        for h in handles:
-            self._check(f"cuStreamSynchronize(stream {h:#x}) before {why}", drv.cuStreamSynchronize(drv.CUstream(h)))
-
-    def _set_access(self, va: int, size: int, readonly: bool, what: str) -> None:
-        mode = "read" if readonly else "read-write"
-        self._check(f"cuMemSetAccess({what}, {size} bytes, {mode})",
-                    self._drv.cuMemSetAccess(va, size, [self._access[readonly]], 1))  # fmt: skip
-
     def _protect_segment(self, start: int, seg: Segment) -> None:
         """Make the pages of a (read-write) window mapping that ``set_page_access`` made
         read-only read-only here too."""
@@ -558,37 +490,6 @@ class CudaArenaView(ArenaView):
         hit = [start + i for i in range(seg.count) if base + i in self._page_readonly]
         for _, w, n in page_runs(hit):
             self._set_access(self._window_base + w * g.page_size, n * g.page_size, True, f"window pages {w}..{w + n}")
-
-    def allocation_prop(self):
-        """``CUmemAllocationProp`` of a slab on this device, exportable as a POSIX fd."""
-        drv = self._drv
-        prop = drv.CUmemAllocationProp()
-        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = self.device.ordinal
-        prop.requestedHandleTypes = self.fd_handle_type
-        return prop
-
-    _allocation_prop = allocation_prop  # its former name, which tests/test_arena_cuda.py calls
-
-    def _access_desc(self, readonly: bool):
-        drv = self._drv
-        desc = drv.CUmemAccessDesc()
-        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = self.device.ordinal
-        flags = drv.CUmemAccess_flags
-        desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        return desc
-
-    def _map(self, va: int, size: int, offset: int, handle, readonly: bool, what: str) -> None:
-        """cuMemMap + cuMemSetAccess of one range; unmaps it again if access fails."""
-        drv = self._drv
-        self._check(f"cuMemMap({what}, {size} bytes at offset {offset})", drv.cuMemMap(va, size, offset, handle, 0))
-        try:
-            self._set_access(va, size, readonly, what)
-        except BaseException:
-            drv.cuMemUnmap(va, size)
-            raise
 
     def attach_handle(self, slab_index: int, handle, *, readonly: bool = False) -> None:
         """Map an allocation handle as slab ``slab_index``; on success the view owns it

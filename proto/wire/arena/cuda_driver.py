@@ -2,13 +2,15 @@
 
 This module owns the errors of the CUDA arena (``CudaError``, ``CudaUnavailable``,
 ``MappingInUse``), the one checker of a driver call's result (``check``), ``cuInit`` and the
-device queries (``resolve_device``). Every function takes the driver module as an argument:
-loading it, and everything that maps memory, is ``memory_broker.wire.arena.cuda``'s. It must
-not import the daemon or the client library.
+device queries (``resolve_device``), and ``DeviceContext``: one device's retained primary
+context with the checked calls a view makes in it. The driver module is always passed in:
+loading it, and the view's mapping state, are ``memory_broker.wire.arena.cuda``'s. It must not
+import the daemon or the client library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -221,8 +223,138 @@ def resolve_device(drv, spec: str | int | None) -> CudaDevice:
     raise CudaUnavailable(f"no CUDA device has UUID {want} among the {count} this process sees")
 
 
+# ----------------------------------------------------------------- one device's context
+
+
+class DeviceContext:
+    """One device's primary context, retained, and the checked driver calls made in it.
+
+    The base of ``CudaArenaView``: opening the device, making its context current in the
+    calling thread, the stream-capture mode, the mapping and access calls, and waiting on
+    streams. It keeps no mapping state of its own.
+    """
+
+    _drv: Any
+    device: CudaDevice
+    _ctx: Any
+    # The handle type slabs are exported and imported as (POSIX file descriptors).
+    fd_handle_type: Any
+    _access: dict[bool, Any]
+
+    def _open_device(self, drv: Any, device: str | int | None) -> None:
+        """``cuInit``, find ``device`` and retain its primary context (released by the caller).
+
+        Raises:
+            CudaUnavailable: no driver, no such device, or no VMM / POSIX-fd support.
+            ValueError: a malformed device.
+            CudaError: a driver call failed.
+        """
+        self._drv = drv
+        _init_driver(drv)
+        self.device = resolve_device(drv, device)
+        why = self.device.unsupported_reason()
+        if why:
+            raise CudaUnavailable(why)
+        self.fd_handle_type = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._access = {ro: self._access_desc(ro) for ro in (False, True)}
+        d = self.device
+        self._ctx = self._check(f"cuDevicePrimaryCtxRetain(device {d.ordinal})", drv.cuDevicePrimaryCtxRetain(d.handle))
+
+    @property
+    def ordinal(self) -> int:
+        return self.device.ordinal
+
+    @property
+    def driver(self) -> Any:
+        """The driver module this view calls; the broker's arena creates its slabs with it."""
+        return self._drv
+
+    def _check(self, call: str, result) -> Any:
+        return check(call, result, self._drv)
+
+    def make_current(self) -> None:
+        """Make the device's primary context current in this thread (the broker's arena calls it
+        before creating slabs)."""
+        # The current context is per thread; set it on every entry point (cheap).
+        self._check("cuCtxSetCurrent(primary context)", self._drv.cuCtxSetCurrent(self._ctx))
+
+    @contextlib.contextmanager
+    def _relaxed_capture(self):
+        """This thread in ``CU_STREAM_CAPTURE_MODE_RELAXED`` for the block: its driver calls
+        then cannot invalidate a global-mode capture running in another thread."""
+        drv = self._drv
+        old = self._check("cuThreadExchangeStreamCaptureMode(RELAXED)", drv.cuThreadExchangeStreamCaptureMode(
+            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))  # fmt: skip
+        try:
+            yield
+        finally:
+            drv.cuThreadExchangeStreamCaptureMode(old)
+
+    def _current_stream(self) -> int:
+        """torch's current stream on this device in this thread (0, the legacy default
+        stream, where torch cannot say)."""
+        try:
+            import torch
+
+            return int(torch.cuda.current_stream(self.device.ordinal).cuda_stream)
+        except Exception:
+            return 0
+
+    def _sync_streams(self, streams: set[int], why: str) -> None:
+        """Wait for the work queued on ``streams`` (never the whole device). Refuses, before
+        waiting on any, if one of them is capturing a graph (syncing it would break it)."""
+        drv = self._drv
+        handles = sorted(streams)
+        for h in handles:
+            status = self._check(f"cuStreamIsCapturing(stream {h:#x})", drv.cuStreamIsCapturing(drv.CUstream(h)))
+            if int(status) != CU_STREAM_CAPTURE_STATUS_NONE:
+                raise MappingInUse(
+                    f"stream {h:#x}, which used {why.split(' ', 1)[1]}, is capturing a CUDA graph: "
+                    f"{why} must wait until the capture ends; nothing was changed"
+                )
+        for h in handles:
+            self._check(f"cuStreamSynchronize(stream {h:#x}) before {why}", drv.cuStreamSynchronize(drv.CUstream(h)))
+
+    def _set_access(self, va: int, size: int, readonly: bool, what: str) -> None:
+        mode = "read" if readonly else "read-write"
+        self._check(f"cuMemSetAccess({what}, {size} bytes, {mode})",
+                    self._drv.cuMemSetAccess(va, size, [self._access[readonly]], 1))  # fmt: skip
+
+    def allocation_prop(self):
+        """``CUmemAllocationProp`` of a slab on this device, exportable as a POSIX fd."""
+        drv = self._drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device.ordinal
+        prop.requestedHandleTypes = self.fd_handle_type
+        return prop
+
+    _allocation_prop = allocation_prop  # its former name, which tests/test_arena_cuda.py calls
+
+    def _access_desc(self, readonly: bool):
+        drv = self._drv
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.device.ordinal
+        flags = drv.CUmemAccess_flags
+        desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return desc
+
+    def _map(self, va: int, size: int, offset: int, handle, readonly: bool, what: str) -> None:
+        """cuMemMap + cuMemSetAccess of one range; unmaps it again if access fails."""
+        drv = self._drv
+        self._check(f"cuMemMap({what}, {size} bytes at offset {offset})", drv.cuMemMap(va, size, offset, handle, 0))
+        try:
+            self._set_access(va, size, readonly, what)
+        except BaseException:
+            drv.cuMemUnmap(va, size)
+            raise
+
+
 __all__ = [
     "CudaDevice",
+    "DeviceContext",
     "CudaError",
     "CudaUnavailable",
     "MappingInUse",
