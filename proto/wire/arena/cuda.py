@@ -96,7 +96,7 @@ from memory_broker.wire.arena.cuda_driver import (
 )
 # The torch-facing wrapper of a device range, under the name tests/test_arena_cuda.py uses.
 from memory_broker.wire.arena.cuda_mappings import CudaArrayInterface as _CudaArrayInterface  # noqa: F401
-from memory_broker.wire.arena.cuda_mappings import Lease, Leases, Segment, WindowSegments, describe_leases
+from memory_broker.wire.arena.cuda_mappings import CudaTensors, Leases, Segment, WindowSegments
 from memory_broker.wire.arena.geometry import ArenaGeometry
 from memory_broker.wire.arena.view import ArenaView, page_runs
 
@@ -150,7 +150,7 @@ def check_geometry(geometry: ArenaGeometry, granularity: int, where: str = "this
 # ----------------------------------------------------------------- views
 
 
-class CudaArenaView(DeviceContext, ArenaView):
+class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
     """One process's physical view and window over CUDA VMM slabs, at addresses it reserved.
 
     Its addresses are device addresses: ``host_addressable`` is False, and host-only helpers
@@ -356,63 +356,6 @@ class CudaArenaView(DeviceContext, ArenaView):
         """The window's mappings as ``(window_page, count, slab, slab_page)``, in order (diagnostics)."""
         return [(s, seg.count, seg.slab, seg.slab_page) for s, seg in self._window]
 
-    def tensor(self, address: int, nbytes: int, dtype=None):
-        """A zero-copy CUDA tensor over ``nbytes`` at ``address`` (uint8 unless ``dtype``).
-
-        Built from ``__cuda_array_interface__`` with ``torch.as_tensor(..., device="cuda:N")``
-        and checked to alias the address (a copy would be a silent bug). bf16 and other
-        types the interface cannot express come from ``.view(dtype)``. The tensor holds a
-        lease on the range: while it (or a slice or view of it) lives, the range is not
-        unmapped (``MappingInUse`` instead). Its uses are assumed to be on torch's current
-        stream; name other streams with ``record_stream``.
-
-        Raises:
-            ValueError: the range is not all mapped in this view.
-            RuntimeError: torch made a copy instead of a view.
-        """
-        self._check_open()
-        self._check_mapped(address, nbytes)
-        import torch
-
-        dev = torch.device("cuda", self.device.ordinal)
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8 if dtype is None else dtype, device=dev)
-        lease = Lease(self, address, nbytes)
-        t = torch.as_tensor(lease, device=dev)
-        if t.data_ptr() != address or t.numel() != nbytes or t.device != dev:
-            raise RuntimeError(
-                f"torch.as_tensor copied device memory at {address:#x} ({nbytes} bytes) instead of "
-                f"viewing it (got {t.data_ptr():#x} on {t.device})"
-            )
-        self._leases.add(lease)
-        self._note_streams(address, nbytes, {self._current_stream()})
-        return t if dtype is None or dtype == torch.uint8 else t.view(dtype)
-
-    def record_stream(self, tensor_or_address, stream, nbytes: int | None = None) -> None:
-        """Declare that ``stream`` uses a range of this view (as torch's ``Tensor.record_stream``):
-        unmapping the range then synchronizes that stream too.
-
-        Args:
-            tensor_or_address: a tensor from ``tensor`` (its whole storage), or an address.
-            stream: a ``torch.cuda.Stream``, a ``CUstream``, or a raw stream handle.
-            nbytes: the range's size, with an address.
-
-        Raises:
-            ValueError: the range is not mapped in this view.
-        """
-        self._check_open()
-        if nbytes is None:
-            storage = tensor_or_address.untyped_storage()
-            address, nbytes = storage.data_ptr(), storage.nbytes()
-        else:
-            address = int(tensor_or_address)
-        self._check_mapped(address, nbytes)
-        self._note_streams(address, nbytes, {int(getattr(stream, "cuda_stream", stream))})
-
-    def live_tensors(self) -> list[tuple[int, int]]:
-        """``(address, nbytes)`` of each live tensor's lease (diagnostics)."""
-        return self._leases.ranges()
-
     def close(self) -> None:
         """Synchronize, unmap the window and the slabs, release the handles and both
         reservations, and release the primary context. Idempotent.
@@ -466,19 +409,6 @@ class CudaArenaView(DeviceContext, ArenaView):
             raise errors[0]
 
     # ------------------------------------------------------------- internals
-
-    def _note_streams(self, address: int, nbytes: int, streams: set[int]) -> None:
-        """Remember that ``streams`` use ``[address, address + nbytes)``."""
-        g = self.geometry
-        if not self._window_base <= address < self._window_base + self._window_size:
-            return  # the physical view: only close unmaps it
-        first = (address - self._window_base) // g.page_size
-        last = (address + max(nbytes, 1) - 1 - self._window_base) // g.page_size
-        self._window.note_streams(first, last, streams)
-
-    def _describe_leases(self, live: list[Lease]) -> str:
-        g = self.geometry
-        return describe_leases(live, self._phys_base, self._window_base, self._window_size, g.page_size)
 
     def _protect_segment(self, start: int, seg: Segment) -> None:
         """Make the pages of a (read-write) window mapping that ``set_page_access`` made
@@ -545,30 +475,6 @@ class CudaArenaView(DeviceContext, ArenaView):
                       self._handles[seg.slab], seg.readonly, f"window pages {start}..{start + seg.count} (kept)")  # fmt: skip
             self._window.add(start, seg)
             self._protect_segment(start, seg)
-
-    def _check_mapped(self, address: int, nbytes: int) -> None:
-        """Refuse a range this view has not mapped (a kernel touching it would fault the context)."""
-        g = self.geometry
-        if nbytes < 0:
-            raise ValueError(f"negative size {nbytes}")
-        end = address + nbytes
-        phys_end = self._phys_base + len(self._handles) * g.slab_size
-        if self._phys_base <= address and end <= phys_end:
-            return
-        wb, ps = self._window_base, g.page_size
-        if wb <= address and end <= wb + self._window_size:
-            page = (address - wb) // ps
-            last = (end - 1 - wb) // ps if nbytes else page
-            while page <= last:
-                hit = self._window.overlapping(page, 1)
-                if not hit:
-                    raise ValueError(f"window page {page} (address {wb + page * ps:#x}) is not mapped in this view")
-                page = hit[0] + self._window[hit[0]].count
-            return
-        raise ValueError(
-            f"{nbytes} bytes at {address:#x} are outside this view's mapped memory (physical view "
-            f"{self._phys_base:#x}..{phys_end:#x}, window {wb:#x}..{wb + self._window_size:#x})"
-        )
 
 
 __all__ = [

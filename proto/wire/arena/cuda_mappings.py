@@ -1,9 +1,9 @@
 """What a CUDA arena view remembers about its mappings: window segments and who uses them.
 
-This module owns the pure bookkeeping behind ``CudaArenaView``: the window's mappings as
-segments (``cuMemUnmap`` only takes whole mappings) with the streams that used each, and the
-leases that live tensors hold on ranges of the view. It makes no driver call and must not
-import the daemon or the client library.
+This module owns the bookkeeping behind ``CudaArenaView``: the window's mappings as segments
+(``cuMemUnmap`` only takes whole mappings) with the streams that used each, and the tensors
+over the view with the leases they hold on its ranges (``CudaTensors``). It makes no driver
+call and must not import the daemon or the client library.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 _LEASE_LOCK = threading.Lock()
@@ -174,4 +175,116 @@ def describe_leases(live: list[Lease], phys_base: int, window_base: int, window_
     return f"{len(live)} tensor(s) over this view ({'; '.join(parts)}{more}) are"
 
 
-__all__ = ["CudaArrayInterface", "Lease", "Leases", "Segment", "WindowSegments", "describe_leases"]
+class CudaTensors:
+    """Zero-copy tensors over a CUDA view, the leases they hold and the streams that use them.
+
+    A base of ``CudaArenaView``, which provides the mappings (``_window``, ``_leases``, the
+    bases and sizes, ``mapped_slabs``), ``_check_open`` and ``_current_stream``. It makes no
+    driver call: the view refuses to unmap what a live lease covers.
+    """
+
+    geometry: Any
+    device: Any
+    _window: WindowSegments
+    _leases: Leases
+    _phys_base: int
+    _window_base: int
+    _window_size: int
+    mapped_slabs: int
+
+    def tensor(self, address: int, nbytes: int, dtype=None):
+        """A zero-copy CUDA tensor over ``nbytes`` at ``address`` (uint8 unless ``dtype``).
+
+        Built from ``__cuda_array_interface__`` with ``torch.as_tensor(..., device="cuda:N")``
+        and checked to alias the address (a copy would be a silent bug). bf16 and other
+        types the interface cannot express come from ``.view(dtype)``. The tensor holds a
+        lease on the range: while it (or a slice or view of it) lives, the range is not
+        unmapped (``MappingInUse`` instead). Its uses are assumed to be on torch's current
+        stream; name other streams with ``record_stream``.
+
+        Raises:
+            ValueError: the range is not all mapped in this view.
+            RuntimeError: torch made a copy instead of a view.
+        """
+        self._check_open()
+        self._check_mapped(address, nbytes)
+        import torch
+
+        dev = torch.device("cuda", self.device.ordinal)
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8 if dtype is None else dtype, device=dev)
+        lease = Lease(self, address, nbytes)
+        t = torch.as_tensor(lease, device=dev)
+        if t.data_ptr() != address or t.numel() != nbytes or t.device != dev:
+            raise RuntimeError(
+                f"torch.as_tensor copied device memory at {address:#x} ({nbytes} bytes) instead of "
+                f"viewing it (got {t.data_ptr():#x} on {t.device})"
+            )
+        self._leases.add(lease)
+        self._note_streams(address, nbytes, {self._current_stream()})
+        return t if dtype is None or dtype == torch.uint8 else t.view(dtype)
+
+    def record_stream(self, tensor_or_address, stream, nbytes: int | None = None) -> None:
+        """Declare that ``stream`` uses a range of this view (as torch's ``Tensor.record_stream``):
+        unmapping the range then synchronizes that stream too.
+
+        Args:
+            tensor_or_address: a tensor from ``tensor`` (its whole storage), or an address.
+            stream: a ``torch.cuda.Stream``, a ``CUstream``, or a raw stream handle.
+            nbytes: the range's size, with an address.
+
+        Raises:
+            ValueError: the range is not mapped in this view.
+        """
+        self._check_open()
+        if nbytes is None:
+            storage = tensor_or_address.untyped_storage()
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+        else:
+            address = int(tensor_or_address)
+        self._check_mapped(address, nbytes)
+        self._note_streams(address, nbytes, {int(getattr(stream, "cuda_stream", stream))})
+
+    def live_tensors(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each live tensor's lease (diagnostics)."""
+        return self._leases.ranges()
+
+    def _note_streams(self, address: int, nbytes: int, streams: set[int]) -> None:
+        """Remember that ``streams`` use ``[address, address + nbytes)``."""
+        g = self.geometry
+        if not self._window_base <= address < self._window_base + self._window_size:
+            return  # the physical view: only close unmaps it
+        first = (address - self._window_base) // g.page_size
+        last = (address + max(nbytes, 1) - 1 - self._window_base) // g.page_size
+        self._window.note_streams(first, last, streams)
+
+    def _describe_leases(self, live: list[Lease]) -> str:
+        g = self.geometry
+        return describe_leases(live, self._phys_base, self._window_base, self._window_size, g.page_size)
+
+    def _check_mapped(self, address: int, nbytes: int) -> None:
+        """Refuse a range this view has not mapped (a kernel touching it would fault the context)."""
+        g = self.geometry
+        if nbytes < 0:
+            raise ValueError(f"negative size {nbytes}")
+        end = address + nbytes
+        phys_end = self._phys_base + self.mapped_slabs * g.slab_size
+        if self._phys_base <= address and end <= phys_end:
+            return
+        wb, ps = self._window_base, g.page_size
+        if wb <= address and end <= wb + self._window_size:
+            page = (address - wb) // ps
+            last = (end - 1 - wb) // ps if nbytes else page
+            while page <= last:
+                hit = self._window.overlapping(page, 1)
+                if not hit:
+                    raise ValueError(f"window page {page} (address {wb + page * ps:#x}) is not mapped in this view")
+                page = hit[0] + self._window[hit[0]].count
+            return
+        raise ValueError(
+            f"{nbytes} bytes at {address:#x} are outside this view's mapped memory (physical view "
+            f"{self._phys_base:#x}..{phys_end:#x}, window {wb:#x}..{wb + self._window_size:#x})"
+        )
+
+
+__all__ = ["CudaArrayInterface", "CudaTensors", "Lease", "Leases", "Segment", "WindowSegments", "describe_leases"]
