@@ -421,24 +421,6 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         for _, w, n in page_runs(hit):
             self._set_access(self._window_base + w * g.page_size, n * g.page_size, True, f"window pages {w}..{w + n}")
 
-    def attach_handle(self, slab_index: int, handle, *, readonly: bool = False) -> None:
-        """Map an allocation handle as slab ``slab_index``; on success the view owns it
-        (released at close), on failure the caller still does."""
-        self._check_attach_index(slab_index)
-        self.make_current()
-        g = self.geometry
-        self._map(self._phys_base + slab_index * g.slab_size, g.slab_size, 0, handle, readonly, f"slab {slab_index}")
-        self._handles.append(handle)
-        self._slab_readonly.append(readonly)
-
-    def detach_from(self, first_slab: int) -> None:
-        """Unmap and release slabs ``first_slab..`` (for a failed grow; they have no window pages)."""
-        g = self.geometry
-        for slab in range(len(self._handles) - 1, first_slab - 1, -1):
-            self._drv.cuMemUnmap(self._phys_base + slab * g.slab_size, g.slab_size)
-            self._drv.cuMemRelease(self._handles.pop())
-            self._slab_readonly.pop()
-
     def _clear_window(self, window_page: int, count: int) -> None:
         """Unmap whatever is mapped in ``[window_page, window_page + count)``, keeping (by
         mapping them again) the parts of cut segments that lie outside it."""
@@ -475,6 +457,26 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
                       self._handles[seg.slab], seg.readonly, f"window pages {start}..{start + seg.count} (kept)")  # fmt: skip
             self._window.add(start, seg)
             self._protect_segment(start, seg)
+
+    # ------------------------------------------------------------- for the broker's arena (owner side)
+
+    def attach_handle(self, slab_index: int, handle, *, readonly: bool = False) -> None:
+        """Map an allocation handle as slab ``slab_index``; on success the view owns it
+        (released at close), on failure the caller still does."""
+        self._check_attach_index(slab_index)
+        self.make_current()
+        g = self.geometry
+        self._map(self._phys_base + slab_index * g.slab_size, g.slab_size, 0, handle, readonly, f"slab {slab_index}")
+        self._handles.append(handle)
+        self._slab_readonly.append(readonly)
+
+    def detach_from(self, first_slab: int) -> None:
+        """Unmap and release slabs ``first_slab..`` (for a failed grow; they have no window pages)."""
+        g = self.geometry
+        for slab in range(len(self._handles) - 1, first_slab - 1, -1):
+            self._drv.cuMemUnmap(self._phys_base + slab * g.slab_size, g.slab_size)
+            self._drv.cuMemRelease(self._handles.pop())
+            self._slab_readonly.pop()
 
 
 __all__ = [
