@@ -478,7 +478,9 @@ def test_the_daemon_settings_format_sizes_with_the_one_format_size() -> None:
         (2 << 20, 8 << 20, 12 << 20, r"pool_size: 12582912 bytes"),
     ],
 )
-def test_arena_sizes_are_checked_in_one_place_that_names_the_setting(page: int, slab: int, pool: int, message: str) -> None:
+def test_arena_sizes_are_checked_in_one_place_that_names_the_setting(
+    page: int, slab: int, pool: int, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         check_sizes(page, slab, pool)
     with pytest.raises(ValueError, match=message):
@@ -493,7 +495,8 @@ def test_arena_sizes_a_broker_accepts_pass_the_check() -> None:
 
 def test_host_view_refuses_a_page_size_the_os_cannot_map_and_names_the_nearest() -> None:
     page = os.sysconf("SC_PAGE_SIZE")
-    with pytest.raises(ValueError, match=rf"not a multiple of the OS page size of this machine, {page} bytes.*use a page size of"):
+    message = rf"not a multiple of the OS page size of this machine, {page} bytes.*use a page size of"
+    with pytest.raises(ValueError, match=message):
         HostArenaView(ArenaGeometry(page_size=page + 512, pages_per_slab=4, max_slabs=1, window_pages=4))
     with pytest.raises(ValueError, match="geometry needs positive sizes: 4 pages per slab, 0 slabs"):
         HostArenaView(ArenaGeometry(page_size=page, pages_per_slab=4, max_slabs=0, window_pages=4))

@@ -14,7 +14,14 @@ import os
 
 from memory_broker.broker.arena.base import Arena
 from memory_broker.wire.arena.geometry import ArenaGeometry
-from memory_broker.wire.arena.host import F_ADD_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, HostArenaView, host_buffer
+from memory_broker.wire.arena.host import (
+    F_ADD_SEALS,
+    F_SEAL_GROW,
+    F_SEAL_SEAL,
+    F_SEAL_SHRINK,
+    HostArenaView,
+    host_buffer,
+)
 
 
 class HostArena(Arena):
