@@ -3,15 +3,15 @@
 ``make_arena`` picks the backend: ``host`` (memfd slabs, the default where no GPU is
 present) or ``cuda`` (CUDA VMM slabs, ``broker.arena.cuda``). ``auto`` chooses CUDA where
 cuda-python, a driver and a device with VMM and POSIX-fd handles are present, and host
-memory otherwise; either way it says why. The views that map slabs, and the geometry, are
-shared with clients in ``memory_broker.wire.arena`` (re-exported here); this package must
-not be imported by the client.
+memory otherwise; either way it says why. The geometry and the views that map slabs are
+shared with clients in ``memory_broker.wire.arena`` (clients open theirs with its
+``open_view``); the client must not import this package.
 """
 
 from __future__ import annotations
 
 from memory_broker.broker.arena.base import Arena
-from memory_broker.wire.arena import DEFAULT_DEVICE, ArenaGeometry, ArenaView, open_view
+from memory_broker.wire.arena import DEFAULT_DEVICE, ArenaGeometry, ArenaView
 
 BACKENDS = ("auto", "host", "cuda")
 
@@ -79,5 +79,4 @@ __all__ = [
     "BACKENDS",
     "cuda_unavailable_reason",
     "make_arena",
-    "open_view",
 ]
