@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import grpc
 
-from memory_broker.broker.arena.base import ArenaGeometry
+from memory_broker.wire.arena import ArenaGeometry
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.v1 import broker_pb2 as pb
 from memory_broker.broker.v1 import broker_pb2_grpc
@@ -420,7 +420,7 @@ class BrokerClient:
 
     def _make_view(self, arena: pb.ArenaInfo | None = None, geometry: ArenaGeometry | None = None):
         """An empty view of ``arena`` (default: the current session's)."""
-        from memory_broker.broker.arena import open_view
+        from memory_broker.wire.arena import open_view
 
         arena = arena if arena is not None else self.arena
         geometry = geometry if geometry is not None else self.geometry

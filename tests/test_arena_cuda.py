@@ -21,10 +21,12 @@ from types import SimpleNamespace
 import pytest
 
 import memory_broker.broker.arena as arena_pkg
-from memory_broker.broker.arena import ArenaGeometry, make_arena, open_view
-from memory_broker.broker.arena import cuda as cu
-from memory_broker.broker.arena.cuda import (
-    CudaArena,
+from memory_broker.broker.arena import make_arena
+from memory_broker.broker.arena.cuda import CudaArena
+from memory_broker.broker.arena.host import HostArena
+from memory_broker.wire.arena import ArenaGeometry, open_view
+from memory_broker.wire.arena import cuda as cu
+from memory_broker.wire.arena.cuda import (
     CudaArenaView,
     CudaError,
     CudaUnavailable,
@@ -34,7 +36,6 @@ from memory_broker.broker.arena.cuda import (
     format_uuid,
     parse_device_spec,
 )
-from memory_broker.broker.arena.host import HostArena
 
 MiB = 1 << 20
 GRAN = 2 * MiB

@@ -14,9 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from memory_broker.broker.arena import host
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
+from memory_broker.broker.server.options import ServeOptions
+from memory_broker.broker.server.options import format_size as options_format_size
+from memory_broker.wire.arena import check_sizes, format_size, host
+from memory_broker.wire.arena.view import page_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -431,13 +434,89 @@ def test_importing_the_host_backend_does_not_import_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_the_client_side_of_the_arena_loads_no_daemon_module() -> None:
+    # What a client process imports to map a broker's arena, host or CUDA.
+    code = textwrap.dedent(
+        """
+        import sys
+        from memory_broker.wire.arena import ArenaGeometry, open_view
+        import memory_broker.wire.arena.cuda
+        view = open_view("host", ArenaGeometry(page_size=65536, pages_per_slab=4, max_slabs=2, window_pages=8))
+        view.close()
+        loaded = sorted(m for m in sys.modules if m.startswith("memory_broker.broker") or m in ("torch", "grpc"))
+        assert not loaded, loaded
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------- sizes, one definition
+
+
+def test_format_size_writes_the_largest_binary_unit_reached() -> None:
+    assert format_size(0) == "0 B"
+    assert format_size(1000) == "1000 B"
+    assert format_size(512 << 10) == "512 KiB"
+    assert format_size(2 << 20) == "2 MiB"
+    assert format_size(1536 << 20) == "1.5 GiB"
+    assert format_size(3 << 40) == "3 TiB"
+
+
+def test_the_daemon_settings_format_sizes_with_the_one_format_size() -> None:
+    assert options_format_size is format_size
+
+
+@pytest.mark.parametrize(
+    ("page", "slab", "pool", "message"),
+    [
+        (3 << 20, 6 << 20, 60 << 20, r"page_size: 3145728 bytes; must be a power of two from 512KiB to 4MiB"),
+        (256 << 10, 1 << 20, 8 << 20, r"page_size: 262144 bytes"),
+        (8 << 20, 8 << 20, 8 << 20, r"page_size: 8388608 bytes"),
+        (2 << 20, 3 << 20, 6 << 20, r"slab_size: 3145728 bytes is not a multiple of page_size \(2097152\)"),
+        (2 << 20, 8 << 20, 4 << 20, r"pool_size: 4194304 bytes must be a positive multiple of slab_size \(8388608\)"),
+        (2 << 20, 8 << 20, 12 << 20, r"pool_size: 12582912 bytes"),
+    ],
+)
+def test_arena_sizes_are_checked_in_one_place_that_names_the_setting(
+    page: int, slab: int, pool: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_sizes(page, slab, pool)
+    with pytest.raises(ValueError, match=message):
+        ServeOptions(page_size=page, slab_size=slab, pool_size=pool).validate()
+
+
+def test_arena_sizes_a_broker_accepts_pass_the_check() -> None:
+    check_sizes(512 << 10, 512 << 10, 512 << 10)
+    check_sizes(2 << 20, 64 << 20, 1 << 30)
+    check_sizes(4 << 20, 8 << 20, 64 << 20)
+
+
+def test_host_view_refuses_a_page_size_the_os_cannot_map_and_names_the_nearest() -> None:
+    page = os.sysconf("SC_PAGE_SIZE")
+    message = rf"not a multiple of the OS page size of this machine, {page} bytes.*use a page size of"
+    with pytest.raises(ValueError, match=message):
+        HostArenaView(ArenaGeometry(page_size=page + 512, pages_per_slab=4, max_slabs=1, window_pages=4))
+    with pytest.raises(ValueError, match="geometry needs positive sizes: 4 pages per slab, 0 slabs"):
+        HostArenaView(ArenaGeometry(page_size=page, pages_per_slab=4, max_slabs=0, window_pages=4))
+
+
+def test_page_runs_split_at_gaps_slab_boundaries_and_changes_of_key() -> None:
+    pages = [*range(60, 68), 100, 3, 4]
+    assert page_runs(pages) == [(0, 60, 8), (8, 100, 1), (9, 3, 2)]
+    assert page_runs(pages, 64) == [(0, 60, 4), (4, 64, 4), (8, 100, 1), (9, 3, 2)]
+    assert page_runs([1, 2, 3, 4], 64, key=lambda p: p == 3) == [(0, 1, 2), (2, 3, 1), (3, 4, 1)]
+    assert page_runs([]) == []
+
+
 # ------------------------------------------------------------- two processes
 
 CHILD = textwrap.dedent(
     """
     import ctypes, os, socket, sys
-    from memory_broker.broker.arena.base import ArenaGeometry
-    from memory_broker.broker.arena.host import HostArenaView
+    from memory_broker.wire.arena import ArenaGeometry
+    from memory_broker.wire.arena.host import HostArenaView
 
     sock = socket.socket(fileno=int(sys.argv[1]))
     _, fds, _, _ = socket.recv_fds(sock, 16, 8)

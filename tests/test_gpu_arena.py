@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from memory_broker.broker.arena import ArenaGeometry
-from memory_broker.broker.arena.cuda import MappingInUse, cuda_available
+from memory_broker.wire.arena import ArenaGeometry
+from memory_broker.wire.arena.cuda import MappingInUse, cuda_available
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.clients import BrokerClient, Spec
 from conftest import read_line, run_child, spawn_child, start_broker
@@ -56,7 +56,8 @@ def _serving_line(b) -> dict:
 
 
 def test_arena_and_a_second_view_share_device_memory():
-    from memory_broker.broker.arena.cuda import CudaArena, CudaArenaView
+    from memory_broker.broker.arena.cuda import CudaArena
+    from memory_broker.wire.arena.cuda import CudaArenaView
 
     g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=4, window_pages=64)
     a = CudaArena(g, "0")
@@ -105,7 +106,8 @@ def test_arena_and_a_second_view_share_device_memory():
 
 
 def test_close_waits_for_live_tensors_and_unmapping_syncs_only_the_stream_that_used_the_range():
-    from memory_broker.broker.arena.cuda import CudaArena, CudaArenaView
+    from memory_broker.broker.arena.cuda import CudaArena
+    from memory_broker.wire.arena.cuda import CudaArenaView
 
     g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=2, window_pages=16)
     a = CudaArena(g, "0")
@@ -165,8 +167,8 @@ def test_mapping_during_another_streams_graph_capture_leaves_the_capture_intact(
 
 _READONLY_CHILD = """
 import os, sys, torch
-from memory_broker.broker.arena import ArenaGeometry
-from memory_broker.broker.arena.cuda import CudaArenaView
+from memory_broker.wire.arena import ArenaGeometry
+from memory_broker.wire.arena.cuda import CudaArenaView
 MiB = 1 << 20
 g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=1, window_pages=8)
 v = CudaArenaView(g, sys.argv[1])

@@ -1,17 +1,19 @@
-"""Physical memory and mappings: one interface (``base``), one backend per kind of memory.
+"""The broker's physical memory: one owner interface (``base``), one backend per kind of memory.
 
 ``make_arena`` picks the backend: ``host`` (memfd slabs, the default where no GPU is
 present) or ``cuda`` (CUDA VMM slabs, ``broker.arena.cuda``). ``auto`` chooses CUDA where
 cuda-python, a driver and a device with VMM and POSIX-fd handles are present, and host
-memory otherwise; either way it says why.
+memory otherwise; either way it says why. The geometry and the views that map slabs are
+shared with clients in ``memory_broker.wire.arena`` (clients open theirs with its
+``open_view``); the client must not import this package.
 """
 
 from __future__ import annotations
 
-from memory_broker.broker.arena.base import Arena, ArenaGeometry, ArenaView
+from memory_broker.broker.arena.base import Arena
+from memory_broker.wire.arena import DEFAULT_DEVICE, ArenaGeometry, ArenaView
 
 BACKENDS = ("auto", "host", "cuda")
-DEFAULT_DEVICE = "0"
 
 
 def _probe(device: str) -> tuple[bool, str]:
@@ -70,24 +72,6 @@ def make_arena(
     return HostArena(geometry, name=name), "asked for host"
 
 
-def open_view(backend: str, geometry: ArenaGeometry, device: str = "") -> ArenaView:
-    """A client's (empty) view of a broker's arena, to attach the slabs it is sent.
-
-    ``device`` is the broker's ``ArenaInfo.device`` (a GPU UUID, or an index; "" means
-    device 0). Raises ValueError or RuntimeError (``CudaUnavailable``, ``CudaError``) when
-    this process cannot map it.
-    """
-    if backend == "host":
-        from memory_broker.broker.arena.host import HostArenaView
-
-        return HostArenaView(geometry)
-    if backend == "cuda":
-        from memory_broker.broker.arena.cuda import CudaArenaView
-
-        return CudaArenaView(geometry, device or DEFAULT_DEVICE)
-    raise ValueError(f"this client has no view for a {backend!r} arena")
-
-
 __all__ = [
     "Arena",
     "ArenaGeometry",
@@ -95,5 +79,4 @@ __all__ = [
     "BACKENDS",
     "cuda_unavailable_reason",
     "make_arena",
-    "open_view",
 ]

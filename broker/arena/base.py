@@ -1,114 +1,19 @@
-"""The arena interface: physical memory in slabs, and the two views every process keeps.
+"""The broker's arena: physical memory in slabs that it creates, maps and exports as fds.
 
-An arena owns slabs of physical memory, each exportable as a file descriptor, and maps them
-into two reserved virtual ranges: the *physical view* (slab after slab, so page ``p`` is at
-``phys_base + p * page_size``) and the *virtual window* (where a contiguous allocation's
-pages are mapped one by one, wherever they physically are). It knows nothing of objects,
-owners or eviction: the page pool above decides which page goes where.
-
-Two sides share this module: the broker's ``Arena`` creates slabs; an ``ArenaView`` (used by
-the broker's arena internally and by every client) maps slabs it was handed as fds.
+This module owns what every backend's owner side shares (``Arena``): the slab fds it hands
+out, growth with its bounds check and its all-or-nothing rollback, and closing. A backend
+keeps only how one slab is made and exported (``_create_slab``). Mapping is the view's
+(``memory_broker.wire.arena``, shared with clients); it knows nothing of objects, owners or
+eviction: the page pool above decides which page goes where.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Sequence
+import os
 
-
-@dataclass(frozen=True, slots=True)
-class ArenaGeometry:
-    """Sizes every process must agree on to mirror the broker's views."""
-
-    # Bytes in one page, the unit of allocation.
-    page_size: int
-    # Pages in one slab (a slab is the unit of growth and of fd export).
-    pages_per_slab: int
-    # Most slabs the arena may ever hold; the physical view reserves this much VA.
-    max_slabs: int
-    # Pages in the virtual window (a multiple of the physical maximum).
-    window_pages: int
-
-    @property
-    def slab_size(self) -> int:
-        return self.page_size * self.pages_per_slab
-
-    @property
-    def max_pages(self) -> int:
-        return self.pages_per_slab * self.max_slabs
-
-
-class ArenaView(abc.ABC):
-    """One process's mappings of an arena: the physical view and the virtual window.
-
-    Addresses are plain integers (host pointers on the host backend, device pointers on
-    CUDA). Mapping calls are idempotent where that is cheap: mapping a window page again
-    replaces the old mapping.
-    """
-
-    geometry: ArenaGeometry
-
-    @property
-    @abc.abstractmethod
-    def phys_base(self) -> int:
-        """Address of page 0 in the physical view."""
-
-    @property
-    @abc.abstractmethod
-    def window_base(self) -> int:
-        """Address of window page 0."""
-
-    @property
-    @abc.abstractmethod
-    def mapped_slabs(self) -> int:
-        """How many slabs (0..n-1) this view has mapped into the physical view."""
-
-    @abc.abstractmethod
-    def attach_slab(self, slab_index: int, fd: int) -> None:
-        """Map the slab behind ``fd`` at its place in the physical view.
-
-        Slabs are attached in order (``slab_index == mapped_slabs``). The caller keeps
-        ownership of ``fd`` and may close it afterwards.
-        """
-
-    @abc.abstractmethod
-    def map_window(self, window_page: int, phys_pages: Sequence[int]) -> None:
-        """Map ``phys_pages`` back to back at window pages ``window_page, window_page+1, ...``."""
-
-    @abc.abstractmethod
-    def unmap_window(self, window_page: int, count: int) -> None:
-        """Return window pages to reserved, inaccessible address space."""
-
-    def set_page_access(self, pages: Sequence[int], readonly: bool) -> None:
-        """Make physical ``pages`` read-only (or writable again) in this view: in the physical
-        view and in every window page that maps them now or is mapped onto them later.
-
-        Clients call it to keep their mapping in step with what the pages hold: pages of
-        shared content (adapters) read-only once learned, pages they are given to write
-        writable again. A write to a read-only page faults (SIGSEGV on the host). Pages of a
-        slab attached read-only stay read-only whatever ``readonly`` says.
-
-        Raises:
-            ValueError: a page is outside the mapped slabs (nothing changed).
-            NotImplementedError: this backend cannot change access per page.
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot change page access")
-
-    @abc.abstractmethod
-    def tensor(self, address: int, nbytes: int, dtype=None):
-        """A zero-copy torch tensor over ``nbytes`` at ``address`` in this view (uint8 unless
-        ``dtype`` is given). It does not keep the mapping alive."""
-
-    def page_address(self, page: int) -> int:
-        return self.phys_base + page * self.geometry.page_size
-
-    def window_address(self, window_page: int) -> int:
-        return self.window_base + window_page * self.geometry.page_size
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Unmap everything and release the reservations. Idempotent."""
+from memory_broker.wire.arena.geometry import ArenaGeometry, format_size
+from memory_broker.wire.arena.view import ArenaView
 
 
 class Arena(abc.ABC):
@@ -116,33 +21,95 @@ class Arena(abc.ABC):
 
     # Short name shown in logs and status: "host" or "cuda".
     backend: str
-    geometry: ArenaGeometry
-    # The broker's own mappings.
-    view: ArenaView
+
+    def __init__(self, geometry: ArenaGeometry, view: ArenaView, name: str) -> None:
+        self.geometry = geometry
+        # Shown in slab names and messages.
+        self.name = name
+        # The broker's own mappings.
+        self.view = view
+        # The broker's slab fds, close-on-exec; shared with clients over SCM_RIGHTS.
+        self._fds: list[int] = []
+        self._closed = False
 
     @property
-    @abc.abstractmethod
     def num_slabs(self) -> int:
         """Slabs created so far."""
+        return len(self._fds)
 
     @property
     def capacity_pages(self) -> int:
         """Pages backed by physical memory now (grows up to ``geometry.max_pages``)."""
         return self.num_slabs * self.geometry.pages_per_slab
 
-    @abc.abstractmethod
     def grow(self, slabs: int) -> None:
         """Create ``slabs`` more slabs and map them into the broker's view.
 
         Raises:
-            MemoryError: the backend could not create a slab (device or host out of memory),
-                or the arena would exceed ``geometry.max_slabs``.
+            MemoryError: the backend could not create a slab (device or host out of memory;
+                the message names the call and the sizes), or the arena would exceed
+                ``geometry.max_slabs``. Nothing this call created is left behind.
+            ValueError: ``slabs`` is negative.
         """
+        self._check_open()
+        g = self.geometry
+        if slabs < 0:
+            raise ValueError(f"cannot grow by {slabs} slabs")
+        have = len(self._fds)
+        if have + slabs > g.max_slabs:
+            raise MemoryError(
+                f"arena at {have} of {g.max_slabs} slabs ({format_size(have * g.slab_size)}); cannot grow by {slabs}"
+            )
+        created: list[int] = []
+        try:
+            prepared = self._prepare_growth()
+            for idx in range(have, have + slabs):
+                created.append(self._create_slab(idx, have, slabs, prepared))
+        except BaseException:
+            try:
+                self.view.detach_from(have)
+            finally:
+                for fd in created:
+                    os.close(fd)
+            raise
+        self._fds.extend(created)
 
-    @abc.abstractmethod
     def slab_fd(self, slab_index: int) -> int:
         """The broker-held fd of a slab; callers duplicate it (SCM_RIGHTS does) and never close it."""
+        self._check_open()
+        if not 0 <= slab_index < len(self._fds):
+            raise ValueError(f"slab {slab_index} does not exist; the arena has {len(self._fds)} slabs")
+        return self._fds[slab_index]
+
+    def close(self) -> None:
+        """Unmap the broker's view and close every slab fd. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.view.close()
+        finally:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds.clear()
+
+    # ------------------------------------------------------------- per backend
+
+    def _prepare_growth(self) -> object:
+        """What every ``_create_slab`` of one ``grow`` needs (made once per grow); None here."""
+        return None
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Unmap, close every slab fd and release memory. Idempotent."""
+    def _create_slab(self, idx: int, have: int, slabs: int, prepared: object) -> int:
+        """Create slab ``idx``, map it into ``self.view`` and return its exported fd.
+
+        ``have`` and ``slabs`` are the grow's start and size, for the message. On failure it
+        raises MemoryError (naming the failed call) and leaves nothing of slab ``idx`` behind;
+        ``grow`` undoes the slabs before it.
+        """
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this arena is closed")
+
+__all__ = ["Arena", "ArenaGeometry", "ArenaView"]

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
+from memory_broker.wire.arena import check_sizes
 from memory_broker.broker.server.values import (  # noqa: F401  (parse_size, format_size: their old home)
     DEFAULT_SOCKET,
     KINDS,
@@ -221,15 +222,12 @@ class ServeOptions(BaseModel):
     def validate(self) -> None:  # type: ignore[override]  (pydantic's deprecated classmethod)
         """Raise SettingError naming the first bad setting. Types and single-setting bounds were
         checked on construction; these are the checks that span settings or ask the machine.
-        The arena geometry checks move to the shared arena package with the arena split."""
-        ps = self.page_size
-        if not (512 << 10) <= ps <= (4 << 20) or ps & (ps - 1):
-            raise SettingError("page_size", f"{ps} bytes; must be a power of two from 512KiB to 4MiB")
-        if self.slab_size % ps or self.slab_size < ps:
-            raise SettingError("slab_size", f"{self.slab_size} bytes is not a multiple of page_size ({ps})")
-        if self.pool_size < self.slab_size or self.pool_size % self.slab_size:
-            raise SettingError("pool_size", f"{self.pool_size} bytes must be a positive multiple of "
-                               f"slab_size ({self.slab_size})")  # fmt: skip
+        The arena geometry (page, slab, pool) is checked by the one check the arenas use."""
+        try:
+            check_sizes(self.page_size, self.slab_size, self.pool_size)
+        except ValueError as e:
+            name, _, detail = str(e).partition(": ")
+            raise SettingError(name, detail) from None
         if self.preallocate < 0 or self.preallocate > self.pool_size:
             raise SettingError("preallocate", f"{self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})")
         if not self.low_watermark <= self.high_watermark:

@@ -13,6 +13,8 @@ import os
 import re
 from typing import Any
 
+from memory_broker.wire.arena import format_size  # noqa: F401  (the one formatter; sizes shown in help and the example)
+
 # Binary units only: a GPU page is 2 MiB, not 2 MB. The single letters (1G, 512K) are binary
 # too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to
 # some readers and powers of two to others, and a pool size is no place to guess.
@@ -59,14 +61,6 @@ def parse_size(text: str | int, what: str | None = None) -> int:
     if n != int(n):
         raise ValueError(f"{head}{text!r} is not a whole number of bytes ({n:g})")
     return int(n)
-
-
-def format_size(n: int) -> str:
-    for unit, k in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k and n % (k // 1024 or 1) == 0:
-            v = n / k
-            return f"{v:g} {unit}"
-    return f"{n} B"
 
 
 def parse_duration(text: Any, key: str) -> float:

@@ -113,10 +113,11 @@ fi
 stale=$("$PYTHON" - <<'PY' 2>&1
 import filecmp, importlib.util, os, sys
 bad = []
-for folder in ("broker", "clients", "kernels"):
-    spec = importlib.util.find_spec(f"memory_broker.{folder}")  # finds without importing torch
+# The arena's views (the CUDA arena's mapping code) live in proto/wire, as memory_broker.wire.
+for folder, name in (("broker", "broker"), ("clients", "clients"), ("kernels", "kernels"), ("proto/wire", "wire")):
+    spec = importlib.util.find_spec(f"memory_broker.{name}")  # finds without importing torch
     if spec is None or not spec.submodule_search_locations:
-        print(f"memory_broker.{folder} is not installed"); sys.exit(0)
+        print(f"memory_broker.{name} is not installed"); sys.exit(0)
     inst = list(spec.submodule_search_locations)[0]
     if os.path.realpath(inst) == os.path.realpath(folder):
         continue  # an editable install of this checkout
