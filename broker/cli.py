@@ -346,8 +346,8 @@ class _Broker:
     def __init__(self, a: argparse.Namespace):
         import grpc
 
-        from memory_broker.broker.v1 import broker_pb2 as pb
-        from memory_broker.broker.v1 import broker_pb2_grpc
+        from memory_broker.wire.v1 import broker_pb2 as pb
+        from memory_broker.wire.v1 import broker_pb2_grpc
 
         self.a, self.pb = a, pb
         if a.wait:
@@ -360,7 +360,7 @@ class _Broker:
     def _wait_for_broker(self) -> None:
         import grpc
 
-        from memory_broker.broker.v1 import broker_pb2_grpc
+        from memory_broker.wire.v1 import broker_pb2_grpc
 
         a, pb = self.a, self.pb
         t0 = time.monotonic()

@@ -26,8 +26,8 @@ from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 SESSION_METADATA = "x-broker-session"
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from memory_broker.broker.adapters.layout import AdapterLayout, offset_table, row_offsets
 from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2 as pb
 
 if TYPE_CHECKING:
     from memory_broker.clients.client import BrokerClient

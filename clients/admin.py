@@ -15,8 +15,8 @@ from typing import Iterator
 
 import grpc
 
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 
 SESSION_METADATA = "x-broker-session"

@@ -28,8 +28,8 @@ import grpc
 
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 from memory_broker.clients.mappings import MappingBudget
 
