@@ -24,6 +24,8 @@ from memory_broker.broker.errors import denied, exhausted, invalid, not_found, p
 from memory_broker.broker.eviction import ContentType, EvictionPolicy, PriorityLRU
 from memory_broker.broker.pool import FREE, PagePool, WindowSpace
 from memory_broker.broker.shards import ShardedMap, ShardedSet
+# One allocation request, shared with the client (a positional Spec means the same on both sides).
+from memory_broker.wire.spec import Spec
 
 VALID_CONTENT = frozenset(int(c) for c in ContentType)
 # int -> ContentType without the enum constructor's cost on the hot path.
@@ -42,19 +44,6 @@ class TxnState(IntEnum):
     COMMITTED = 2
     ABORTED = 3
     EXPIRED = 4
-
-
-@dataclass(slots=True)
-class Spec:
-    """One allocation asked for."""
-
-    num_pages: int
-    content_type: int = ContentType.TEMP_BUFFER
-    contiguous: bool = False
-    # Content key; None for an anonymous object.
-    key: bytes | None = None
-    # Pin for the asking session once committed.
-    pin: bool = False
 
 
 @dataclass(slots=True, eq=False)

@@ -27,49 +27,20 @@ from typing import Callable, Iterable, Iterator, Sequence
 import grpc
 
 from memory_broker.broker.arena.base import ArenaGeometry
-from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc
+from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 from memory_broker.clients.mappings import MappingBudget
-
-SESSION_METADATA = "x-broker-session"
+from memory_broker.wire import session as wire_session
+from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.wire.layout import AdapterLayout
+from memory_broker.wire.messages import TIER_NAMES, layout_from_proto, spec_to_proto
+from memory_broker.wire.session import session_metadata, version_mismatch
+from memory_broker.wire.spec import Spec
+from memory_broker.wire.status import code_of, error_from_rpc
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-CONTENT_TYPES = {
-    "kv_cache": pb.CONTENT_TYPE_KV_CACHE,
-    "lora_weight": pb.CONTENT_TYPE_LORA_WEIGHT,
-    "temp_buffer": pb.CONTENT_TYPE_TEMP_BUFFER,
-    "activation": pb.CONTENT_TYPE_ACTIVATION,
-    "gradient": pb.CONTENT_TYPE_GRADIENT,
-}
-
-
-@dataclass(slots=True)
-class Spec:
-    """One allocation to ask for."""
-
-    num_pages: int
-    contiguous: bool = False
-    # "kv_cache", "lora_weight", "temp_buffer", "activation", "gradient" (or the proto enum).
-    content_type: str | int = "temp_buffer"
-    # Content key (shared, findable by lookup once committed); None for anonymous.
-    key: bytes | None = None
-    # Pin for this session once committed.
-    pin: bool = False
-
-    def to_proto(self) -> pb.ObjectSpec:
-        ct = self.content_type
-        if isinstance(ct, str):
-            try:
-                ct = CONTENT_TYPES[ct]
-            except KeyError:
-                raise ValueError(f"unknown content type {ct!r}; use one of {sorted(CONTENT_TYPES)}") from None
-        return pb.ObjectSpec(
-            num_pages=self.num_pages, contiguous=self.contiguous, content_type=ct, key=self.key or b"", pin=self.pin
-        )
-
 
 # Reconnect quickly once a (re)starting broker's socket answers: gRPC's default backoff
 # starts at a second, which made a connect() right after the broker came up fail.
@@ -81,43 +52,6 @@ CHANNEL_OPTIONS = (
 
 # What a caller loses with its session (said in errors and in the reconnected event).
 LOST = "its anonymous objects, pins, open transactions and adapter leases are gone"
-
-
-# Words of gRPC's own transport failures (the broker's UNAVAILABLE refusals say what to do).
-_TRANSPORT_TEXT = (
-    "failed to connect", "Socket closed", "Connection reset", "Connection refused", "Broken pipe",
-    "No such file", "recvmsg", "sendmsg", "unix:", "ipv4:", "ipv6:", "GOAWAY", "Stream removed", "keepalive",
-    "connections to all backends failing", "Transport closed",
-)  # fmt: skip
-
-
-def _error(e: grpc.RpcError, socket_path: str = "", timeout: float = 0.0) -> BrokerError:
-    """A gRPC failure as a BrokerError naming the status and what to do, without transport text.
-
-    Statuses the broker sends keep its message (it says what to do). Failures of the
-    transport (no broker on the socket, the connection dropped, no answer in time) carry
-    gRPC's internal text in ``details()``; they become UNAVAILABLE with a plain sentence.
-    """
-    code = e.code()
-    details = e.details() or ""
-    where = f"the broker at {socket_path}" if socket_path else "the broker"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return BrokerError(
-            Code.UNAVAILABLE,
-            f"{where} did not answer within {timeout:g} s (busy or stuck); retry, or raise the client's timeout",
-        )
-    if code == grpc.StatusCode.UNAVAILABLE and (not details or any(w in details for w in _TRANSPORT_TEXT)):
-        return BrokerError(
-            Code.UNAVAILABLE,
-            f"{where} is not reachable (not running, restarting, or the socket path is wrong); "
-            "start it or wait for it, then retry",
-        )
-    if code == grpc.StatusCode.CANCELLED:
-        return BrokerError(Code.UNAVAILABLE, f"the call to {where} was cancelled (the connection closed); retry")
-    name = code.name if code is not None else "INTERNAL"
-    if name not in Code.__members__:
-        return BrokerError(Code.INTERNAL, f"{where} failed the call with {name}; see the broker's log")
-    return BrokerError(Code[name], details or name)
 
 
 class BrokerObject:
@@ -236,7 +170,7 @@ class BrokerClient:
         # contiguous objects; tests may replace it with a smaller one.
         self.mappings = MappingBudget()
         # Adapter id -> its layout (the same for every generation; pages change).
-        self._layout_cache: dict = {}
+        self._layout_cache: dict[str, AdapterLayout] = {}
         self.closed = False
         # Set when the current session's stream ended from the broker's side (cleared when a
         # reconnect opens a new session); ``_live`` is set while a session is open.
@@ -304,17 +238,25 @@ class BrokerClient:
                 f"(memory-broker serve --socket {self.socket_path}) or check the path",
             ) from None
         requests: queue.Queue = queue.Queue()
-        requests.put(pb.AttachRequest(hello=pb.Hello(client_name=self.client_name, pid=os.getpid())))
+        hello = pb.Hello(client_name=self.client_name, pid=os.getpid(), protocol_version=wire_session.PROTOCOL_VERSION)
+        requests.put(pb.AttachRequest(hello=hello))
         try:
             stream = self._stub.Attach(self._request_iter(requests), wait_for_ready=True)
             first = next(stream)
         except grpc.RpcError as e:
             requests.put(None)
-            raise _error(e, self.socket_path, self.timeout) from None
+            raise error_from_rpc(e, self.socket_path, self.timeout) from None
         except StopIteration:
             requests.put(None)
             raise BrokerError(Code.UNAVAILABLE, f"the broker at {self.socket_path} ended the session as it opened; retry") from None
         opened = first.opened
+        mismatch = version_mismatch(opened.protocol_version, peer=f"the broker at {self.socket_path}", mine="this client")
+        if mismatch is not None:
+            requests.put(pb.AttachRequest(detach=pb.Detach()))
+            requests.put(None)
+            with contextlib.suppress(Exception):
+                stream.cancel()
+            raise BrokerError(Code.FAILED_PRECONDITION, mismatch)
         arena = opened.arena
         geometry = ArenaGeometry(
             page_size=arena.page_size,
@@ -344,7 +286,7 @@ class BrokerClient:
             self.session_id = opened.session_id
             self.epoch += 1
             self.token: str = opened.token
-            self._metadata = ((SESSION_METADATA, self.token),)
+            self._metadata = session_metadata(self.token)
             self._requests = requests
             self._stream = stream
             self._mapped_windows = {}
@@ -435,8 +377,7 @@ class BrokerClient:
         try:
             fds = fetch_slab_fds(fd_socket_path, token, first, timeout=self.timeout)
         except FdChannelError as e:
-            code = Code[e.code] if e.code in Code.__members__ else Code.INTERNAL
-            raise BrokerError(code, f"fd channel {fd_socket_path}: {e}") from None
+            raise BrokerError(code_of(e.code), f"fd channel {fd_socket_path}: {e}") from None
         try:
             for i, fd in enumerate(fds):
                 view.attach_slab(first + i, fd)
@@ -570,7 +511,7 @@ class BrokerClient:
         try:
             return method(request, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
-            err = _error(e, self.socket_path, self.timeout)
+            err = error_from_rpc(e, self.socket_path, self.timeout)
         if retry and err.code == Code.UNAVAILABLE and self.reconnect_s > 0 and not self.closed:
             deadline = time.monotonic() + self.timeout
             while time.monotonic() < deadline and not self.closed and not self._end_reason:
@@ -578,7 +519,7 @@ class BrokerClient:
                     try:
                         return method(request, metadata=self._metadata, timeout=self.timeout)
                     except grpc.RpcError as e:
-                        raise _error(e, self.socket_path, self.timeout) from None
+                        raise error_from_rpc(e, self.socket_path, self.timeout) from None
                 time.sleep(0.02)
         raise err
 
@@ -586,7 +527,7 @@ class BrokerClient:
         """Allocate and commit a batch in one RPC. A key that already exists returns the
         existing object with ``deduplicated=True`` (do not write into it)."""
         self.mappings.check(sum(1 for s in specs if s.contiguous), "allocate")
-        resp = self._call(self._stub.Allocate, pb.AllocateRequest(objects=[s.to_proto() for s in specs]), retry=True)
+        resp = self._call(self._stub.Allocate, pb.AllocateRequest(objects=[spec_to_proto(s) for s in specs]), retry=True)
         return [self._object(i, writer=True) for i in resp.objects]
 
     def allocate_one(self, num_pages: int, **kw) -> BrokerObject:
@@ -601,7 +542,7 @@ class BrokerClient:
         resp = self._call(
             self._stub.Prepare,
             pb.PrepareRequest(
-                objects=[s.to_proto() for s in specs], pin_object_ids=pin_ids, lease_ms=int(lease_s * 1000)
+                objects=[spec_to_proto(s) for s in specs], pin_object_ids=pin_ids, lease_ms=int(lease_s * 1000)
             ),
             retry=not pin_ids,
         )
@@ -701,8 +642,6 @@ class BrokerClient:
         ``lease.deferred``. Layouts are fetched only for adapters this client has not seen.
         With ``prepare``, the pins hold under a lease until ``lease.commit()``.
         """
-        from memory_broker.clients.adapters import AdapterLease
-
         with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
         req = pb.AcquireAdaptersRequest(
             adapter_ids=list(adapter_ids),
@@ -711,7 +650,25 @@ class BrokerClient:
             prepare=prepare,
             lease_ms=int(lease_s * 1000),
         )
-        return AdapterLease(self, self._call(self._stub.AcquireAdapters, req, retry=True))
+        resp = self._call(self._stub.AcquireAdapters, req, retry=True)
+        leased = [self._leased(a) for a in resp.adapters]
+        return AdapterLease(self, leased, resp.deferred, resp.transaction_id, self.session_id)
+
+    def _leased(self, a: pb.AcquiredAdapter) -> LeasedAdapter:
+        """An acquired adapter mapped read-only here, with its layout (cached per adapter id)."""
+        self._ensure_slabs(a.arena_slabs)
+        # Shared weights: read-only in this mapping before anyone here can touch them.
+        self._set_access(a.pages, True)
+        layout = self._layout_cache.get(a.adapter_id)
+        if a.HasField("layout"):
+            layout = layout_from_proto(a.layout)
+            self._layout_cache[a.adapter_id] = layout
+        if layout is None:
+            # The cache was cleared under the request (a reconnect): ask for it now.
+            layout = layout_from_proto(self.adapter_layout(a.adapter_id))
+            self._layout_cache[a.adapter_id] = layout
+        pages = tuple(a.pages)
+        return LeasedAdapter(a.adapter_id, a.generation, a.object_id, pages, layout, TIER_NAMES[a.found_in])
 
     def release_adapters(self, adapter_ids: Sequence[str]) -> None:
         self._call(self._stub.ReleaseAdapters, pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids)))
