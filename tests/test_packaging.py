@@ -9,7 +9,12 @@ import sys
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDERS = {"broker": "memory_broker.broker", "clients": "memory_broker.clients", "kernels": "memory_broker.kernels"}
+FOLDERS = {
+    "broker": "memory_broker.broker",
+    "clients": "memory_broker.clients",
+    "kernels": "memory_broker.kernels",
+    os.path.join("proto", "wire"): "memory_broker.wire",
+}
 # check_coexistence.sh imports Hugging Face's `kernels` on purpose.
 NOT_OURS = {os.path.join("ops", "dev", "check_coexistence.sh")}
 BARE_IMPORT = re.compile(r"^\s*(from|import)\s+(broker|clients|kernels)(\.|\s|$)", re.M)
