@@ -275,8 +275,9 @@ def test_the_client_refuses_a_broker_of_another_protocol_version_and_ends_the_se
 
 def test_a_positional_spec_means_the_same_on_both_sides():
     s = Spec(4, "kv_cache", contiguous=True, key=b"k", pin=True)
-    assert s.content_type == CONTENT_TYPES["kv_cache"] == ContentType.KV_CACHE
-    assert spec_from_proto(spec_to_proto(s)) == s
+    assert s.content_type_number == CONTENT_TYPES["kv_cache"] == ContentType.KV_CACHE
+    # The daemon reads the client's Spec back field for field, the content type as its number.
+    assert spec_from_proto(spec_to_proto(s)) == Spec(4, ContentType.KV_CACHE, contiguous=True, key=b"k", pin=True)
     assert spec_from_proto(spec_to_proto(Spec(2))) == Spec(2, ContentType.TEMP_BUFFER)
     with pytest.raises(TypeError):
         Spec(4, "kv_cache", True)  # contiguous is keyword-only

@@ -23,7 +23,7 @@ def spec_to_proto(spec: Spec) -> pb.ObjectSpec:
     return pb.ObjectSpec(
         num_pages=spec.num_pages,
         contiguous=spec.contiguous,
-        content_type=spec.content_type,
+        content_type=spec.content_type_number,
         key=spec.key or b"",
         pin=spec.pin,
     )

@@ -27,15 +27,17 @@ class Spec:
     """One allocation to ask for: ``Spec(num_pages, content_type, *, contiguous, key, pin)``.
 
     ``content_type`` is a name ("kv_cache", "lora_weight", "temp_buffer", "activation",
-    "gradient") or its number; a name is turned into its number here. Numbers are checked by
-    the store (an unknown one is refused there with INVALID_ARGUMENT).
+    "gradient") or its number (``content_type_number`` reads either). A name is checked here
+    and becomes its number on the wire; numbers are checked by the store (an unknown one is
+    refused there with INVALID_ARGUMENT). The daemon's store takes numbers: the service
+    decodes them from the wire.
 
     Raises:
         ValueError: an unknown content type name, or a bool given as the content type.
     """
 
     num_pages: int
-    content_type: int = TEMP_BUFFER
+    content_type: int | str = TEMP_BUFFER
     _: KW_ONLY
     # Map the pages into one contiguous range of the virtual window.
     contiguous: bool = False
@@ -47,10 +49,8 @@ class Spec:
     def __post_init__(self) -> None:
         ct = self.content_type
         if isinstance(ct, str):
-            try:
-                self.content_type = CONTENT_TYPES[ct]
-            except KeyError:
-                raise ValueError(f"unknown content type {ct!r}; use one of {sorted(CONTENT_TYPES)}") from None
+            if ct not in CONTENT_TYPES:
+                raise ValueError(f"unknown content type {ct!r}; use one of {sorted(CONTENT_TYPES)}")
         elif isinstance(ct, bool):
             # Spec(4, True) once meant contiguous=True in the client: refuse it rather than
             # read it as content type 1.
@@ -58,3 +58,9 @@ class Spec:
                 f"content_type must be a content type name or number, not {ct!r}; "
                 "for a contiguous object write Spec(n, contiguous=True)"
             )
+
+    @property
+    def content_type_number(self) -> int:
+        """The content type as its number (what the wire and the store use)."""
+        ct = self.content_type
+        return CONTENT_TYPES[ct] if isinstance(ct, str) else ct
