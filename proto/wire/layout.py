@@ -156,7 +156,10 @@ class AdapterLayout:
         return tuple(out)
 
     def to_dict(self) -> dict:
-        """A JSON-able form (for the wire and for other processes); ``from_dict`` reverses it."""
+        """A JSON-able form (logs, tools, other processes outside gRPC); ``from_dict`` reverses it.
+
+        The proto form is ``wire.messages``' job, the one codec both sides use on the wire.
+        """
         return {
             "page_size": self.page_size,
             "dtype": self.dtype,
