@@ -259,8 +259,8 @@ class _Broker:
     def __init__(self, a: argparse.Namespace):
         import grpc
 
-        from memory_broker.broker.v1 import broker_pb2 as pb
-        from memory_broker.broker.v1 import broker_pb2_grpc
+        from memory_broker.wire.v1 import broker_pb2 as pb
+        from memory_broker.wire.v1 import broker_pb2_grpc
 
         self.a, self.pb = a, pb
         if a.wait:
@@ -273,7 +273,7 @@ class _Broker:
     def _wait_for_broker(self) -> None:
         import grpc
 
-        from memory_broker.broker.v1 import broker_pb2_grpc
+        from memory_broker.wire.v1 import broker_pb2_grpc
 
         a, pb = self.a, self.pb
         t0 = time.monotonic()
@@ -303,12 +303,12 @@ class _Broker:
         """Call metadata of a session for this process, opened on first use: the adapter RPCs
         need one (the broker allows adapter management by the caller's uid)."""
         if self._session is None:
-            from memory_broker.clients.admin import FdChannelError, admin_session
+            from memory_broker.clients.admin import BrokerError, FdChannelError, admin_session
 
             try:
                 self._session = self._stack.enter_context(admin_session(self.channel, timeout=self.a.timeout))
-            except FdChannelError as e:
-                raise CliError(f"{e.code}: {e.message}") from None
+            except (FdChannelError, BrokerError) as e:  # BrokerError: another protocol version
+                raise CliError(f"{getattr(e.code, 'value', e.code)}: {e.message}") from None
         return self._session
 
     def __enter__(self) -> _Broker:

@@ -27,24 +27,12 @@ from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
-
-SESSION_METADATA = "x-broker-session"
-
-# broker.adapters.Tier -> proto enum (by value, so this module need not import the adapters).
-TIERS = {"hot": pb.ADAPTER_TIER_HOT, "warm": pb.ADAPTER_TIER_WARM, "cold": pb.ADAPTER_TIER_COLD}
-
-STATUS = {
-    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Code.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    Code.INTERNAL: grpc.StatusCode.INTERNAL,
-}
+from memory_broker.wire import session as wire_session
+from memory_broker.wire.messages import TIERS, layout_to_proto, spec_from_proto
+from memory_broker.wire.session import SESSION_METADATA, token_from_metadata, version_mismatch
+from memory_broker.wire.status import STATUS
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 
 class ArenaGrown:
@@ -214,12 +202,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     # ------------------------------------------------------------- helpers
 
     def _session(self, context) -> Session:
-        token = None
-        for k, v in context.invocation_metadata() or ():
-            if k == SESSION_METADATA:
-                token = v
-                break
-        return self.sessions.from_token(token)
+        return self.sessions.from_token(token_from_metadata(context.invocation_metadata()))
 
     def _authorize(self, rule: Rule, method: str, request, context) -> Session | None:
         """Enforce one ``POLICY`` rule; the caller's session (None where none is needed)."""
@@ -291,9 +274,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     @staticmethod
     def _specs(objects) -> list[Spec]:
-        return [
-            Spec(o.num_pages, o.content_type, o.contiguous, o.key if o.key else None, o.pin) for o in objects
-        ]
+        return [spec_from_proto(o) for o in objects]
 
     # ------------------------------------------------------------- session
 
@@ -308,6 +289,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Attach message must be hello")
         try:
             self._authorize(POLICY["Attach"], "Attach", first, context)
+            self._check_protocol(first.hello.protocol_version)
             s = self.sessions.open(first.hello.client_name, first.hello.pid)
         except BrokerError as e:
             self.log.info("rpc_refused", rpc="Attach", code=e.code.value, message=e.message)
@@ -316,7 +298,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         reader = asyncio.ensure_future(self._read_client(request_iterator, s.session_id))
         try:
             yield pb.SessionEvent(
-                opened=pb.SessionOpened(session_id=s.session_id, token=s.token, arena=self.arena_info())
+                opened=pb.SessionOpened(
+                    session_id=s.session_id,
+                    token=s.token,
+                    arena=self.arena_info(),
+                    protocol_version=wire_session.PROTOCOL_VERSION,
+                )
             )
             while True:
                 ev = await s.events.get()
@@ -328,6 +315,14 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         finally:
             reader.cancel()
             self.sessions.close(s.session_id, "stream ended")
+
+    @staticmethod
+    def _check_protocol(version: int) -> None:
+        """Refuse a client that states another protocol version (0, not stated, is served)."""
+        if version:
+            why = version_mismatch(version, peer="this client", mine="the broker")
+            if why is not None:
+                raise BrokerError(Code.FAILED_PRECONDITION, why)
 
     async def _read_client(self, request_iterator, session_id: int) -> None:
         """Detach ends the session; other messages are ignored."""
@@ -521,30 +516,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
 
     def _layout_msg(self, adapter_id: str, layout, generation: int, object_id: int, pages) -> pb.AdapterLayout:
-        def matrix(m) -> pb.MatrixLayout:
-            return pb.MatrixLayout(
-                rows=m.rows, row_elems=m.row_elems, row_stride=m.row_stride,
-                chunks=[pb.RowChunk(page_index=c.page, offset=c.offset, rows=c.rows) for c in m.chunks],
-            )  # fmt: skip
-
-        return pb.AdapterLayout(
-            adapter_id=adapter_id,
-            generation=generation,
-            object_id=object_id,
-            pages=list(pages),
-            page_size=layout.page_size,
-            dtype=layout.dtype,
-            row_align=layout.row_align,
-            num_pages=layout.num_pages,
-            modules=[
-                pb.ModuleLayout(
-                    layer=m.layer, module=m.module, rank=m.rank, scaling=m.scaling,
-                    in_features=m.in_features, out_features=m.out_features, a=matrix(m.a), b=matrix(m.b),
-                )  # fmt: skip
-                for m in layout.modules
-            ],
-            arena_slabs=self.arena.num_slabs,
-        )
+        return layout_to_proto(adapter_id, layout, generation, object_id, pages, self.arena.num_slabs)
 
     @_unary
     async def RegisterAdapter(self, request, context, session):

@@ -15,6 +15,8 @@ from enum import IntEnum
 
 from memory_broker.broker.eviction import ContentType
 from memory_broker.broker.shards import ShardedSet
+# One allocation request, shared with the client (a positional Spec means the same on both sides).
+from memory_broker.wire.spec import Spec  # noqa: F401  (re-exported: the store's records include it)
 
 VALID_CONTENT = frozenset(int(c) for c in ContentType)
 # int -> ContentType without the enum constructor's cost on the hot path.
@@ -33,19 +35,6 @@ class TxnState(IntEnum):
     COMMITTED = 2
     ABORTED = 3
     EXPIRED = 4
-
-
-@dataclass(slots=True)
-class Spec:
-    """One allocation asked for."""
-
-    num_pages: int
-    content_type: int = ContentType.TEMP_BUFFER
-    contiguous: bool = False
-    # Content key; None for an anonymous object.
-    key: bytes | None = None
-    # Pin for the asking session once committed.
-    pin: bool = False
 
 
 @dataclass(slots=True, eq=False)

@@ -6,53 +6,34 @@ session (released when the lease ends), each with its generation, physical pages
 (adapter, generation) and keeps them on the device; a new generation (the adapter was
 evicted and placed anew) misses the cache and builds fresh tables. An adapter's pages are
 read-only in this process's mapping from the moment a lease names them: shared weights are
-never written by a client (copy what must change).
+never written by a client (copy what must change). The client maps an acquired adapter's
+pages and decodes its layout before it builds the lease, so nothing here reaches into the
+client (which only needs to commit, abort and release for a lease: ``LeaseHolder``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from memory_broker.broker.adapters.layout import AdapterLayout, offset_table, row_offsets
-from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.v1 import broker_pb2 as pb
-
-if TYPE_CHECKING:
-    from memory_broker.clients.client import BrokerClient
-
-TIER_NAMES = {pb.ADAPTER_TIER_HOT: "hot", pb.ADAPTER_TIER_WARM: "warm", pb.ADAPTER_TIER_COLD: "cold"}
+from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.wire.layout import AdapterLayout, offset_table, row_offsets
 
 
-def layout_from_proto(msg: pb.AdapterLayout) -> AdapterLayout:
-    """The broker's placement record, rebuilt from its wire form."""
-    return AdapterLayout.from_dict(
-        {
-            "page_size": msg.page_size,
-            "dtype": msg.dtype,
-            "row_align": msg.row_align,
-            "num_pages": msg.num_pages,
-            # Only the broker writes pages; readers do not need the used extents.
-            "page_used": [0] * msg.num_pages,
-            "modules": [
-                {
-                    "layer": m.layer,
-                    "module": m.module,
-                    "rank": m.rank,
-                    "scaling": m.scaling,
-                    "in_features": m.in_features,
-                    "out_features": m.out_features,
-                    "a": [[c.page_index, c.offset, c.rows] for c in m.a.chunks],
-                    "b": [[c.page_index, c.offset, c.rows] for c in m.b.chunks],
-                    "a_stride": m.a.row_stride,
-                    "b_stride": m.b.row_stride,
-                }
-                for m in msg.modules
-            ],
-        }
-    )
+class LeaseHolder(Protocol):
+    """What a lease needs of the session that holds its pins (``BrokerClient`` is one)."""
+
+    # Sessions the holder has opened so far: a lease of an earlier one holds nothing.
+    epoch: int
+    closed: bool
+
+    def commit(self, txns: Sequence[int]) -> object: ...
+
+    def abort(self, txns: Sequence[int]) -> int: ...
+
+    def release_adapters(self, adapter_ids: Sequence[str]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,31 +56,32 @@ class LeasedAdapter:
 class AdapterLease:
     """Adapters pinned for this session until ``release()`` (or the end of a ``with`` block)."""
 
-    def __init__(self, client: "BrokerClient", resp: pb.AcquireAdaptersResponse):
+    def __init__(
+        self,
+        client: LeaseHolder,
+        adapters: Sequence[LeasedAdapter],
+        deferred: Sequence[str] = (),
+        transaction_id: int = 0,
+        session_id: int = 0,
+    ):
+        """A lease of ``adapters`` (already mapped read-only by the holder) pinned by ``client``.
+
+        Args:
+            client: the session holding the pins; its ``epoch`` now is the lease's.
+            adapters: what was acquired, in request order.
+            deferred: ids over the cap (max_adapters), in request order: not acquired.
+            transaction_id: a two-phase acquire's transaction (0: pins are active now).
+            session_id: the broker's id of the holding session (for messages).
+        """
         self.client = client
         # The session holding the pins: a lease of a session lost to a broker restart holds nothing.
-        self.session_id: int = client.session_id
+        self.session_id: int = session_id
         self.epoch: int = client.epoch
-        self.adapters: list[LeasedAdapter] = []
-        for a in resp.adapters:
-            client._ensure_slabs(a.arena_slabs)
-            # Shared weights: read-only in this mapping before anyone here can touch them.
-            client._set_access(a.pages, True)
-            layout = client._layout_cache.get(a.adapter_id)
-            if a.HasField("layout"):
-                layout = layout_from_proto(a.layout)
-                client._layout_cache[a.adapter_id] = layout
-            if layout is None:
-                # The cache was cleared under the request (a reconnect): ask for it now.
-                layout = layout_from_proto(client.adapter_layout(a.adapter_id))
-                client._layout_cache[a.adapter_id] = layout
-            self.adapters.append(
-                LeasedAdapter(a.adapter_id, a.generation, a.object_id, tuple(a.pages), layout, TIER_NAMES[a.found_in])
-            )
+        self.adapters: list[LeasedAdapter] = list(adapters)
         # Ids over the cap (max_adapters), in request order: not acquired; ask again later.
-        self.deferred: list[str] = list(resp.deferred)
+        self.deferred: list[str] = list(deferred)
         # Two-phase acquires: the transaction to commit (or abort).
-        self.transaction_id: int = resp.transaction_id
+        self.transaction_id: int = transaction_id
         self.released = False
 
     def __getitem__(self, adapter_id: str) -> LeasedAdapter:

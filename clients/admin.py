@@ -15,11 +15,12 @@ from typing import Iterator
 
 import grpc
 
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
-
-SESSION_METADATA = "x-broker-session"
+from memory_broker.wire import session as wire_session
+from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.wire.session import session_metadata, version_mismatch
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc
 
 
 @contextlib.contextmanager
@@ -28,10 +29,12 @@ def admin_session(channel: grpc.Channel, client_name: str = "memory-broker-cli",
 
     Raises:
         grpc.RpcError: the broker refused or could not be reached.
+        BrokerError: FAILED_PRECONDITION, the broker speaks another protocol version.
         FdChannelError: the fd channel refused the handshake (its code and message).
     """
     requests: queue.Queue = queue.Queue()
-    requests.put(pb.AttachRequest(hello=pb.Hello(client_name=client_name, pid=os.getpid())))
+    hello = pb.Hello(client_name=client_name, pid=os.getpid(), protocol_version=wire_session.PROTOCOL_VERSION)
+    requests.put(pb.AttachRequest(hello=hello))
 
     def gen():
         while True:
@@ -43,14 +46,17 @@ def admin_session(channel: grpc.Channel, client_name: str = "memory-broker-cli",
     stream = broker_pb2_grpc.MemoryBrokerStub(channel).Attach(gen(), timeout=None)
     try:
         opened = next(stream).opened
+        mismatch = version_mismatch(opened.protocol_version, peer="the broker", mine="this tool")
+        if mismatch is not None:
+            raise BrokerError(Code.FAILED_PRECONDITION, mismatch)
         # No slabs wanted: from the current end, so nothing is sent but the handshake.
         for fd in fetch_slab_fds(opened.arena.fd_socket_path, opened.token, opened.arena.num_slabs, timeout=timeout):
             os.close(fd)
-        yield ((SESSION_METADATA, opened.token),)
+        yield session_metadata(opened.token)
     finally:
         requests.put(pb.AttachRequest(detach=pb.Detach()))
         requests.put(None)
         stream.cancel()
 
 
-__all__ = ["admin_session", "FdChannelError"]
+__all__ = ["admin_session", "BrokerError", "FdChannelError"]

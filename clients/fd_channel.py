@@ -1,6 +1,6 @@
 """The fd side channel, client side: fetches the arena's slab fds from a broker (blocking).
 
-This module speaks the protocol described in ``broker.sessions.fd_channel`` and returns fds
+This module speaks the protocol of ``memory_broker.wire.fd_channel`` and returns fds
 that the caller owns and must close; it maps nothing and knows nothing of sessions beyond
 the token. It must not import torch or gRPC.
 """
@@ -8,28 +8,16 @@ the token. It must not import torch or gRPC.
 from __future__ import annotations
 
 import array
-import json
 import os
 import resource
 import socket
 import time
 
-# The kernel's cap on fds in one message (SCM_MAX_FD); the server sends at most 200.
-_MAX_FDS_PER_RECV = 253
-_RECV_BYTES = 64 * 1024
+from memory_broker.wire import fd_channel as proto
 
-
-class FdChannelError(Exception):
-    """A failed fetch: ``code`` as sent by the server, "UNAVAILABLE" when the socket cannot
-    be reached or does not answer in time, "INTERNAL" when the reply breaks the protocol."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-    def __repr__(self) -> str:
-        return f"FdChannelError({self.code}, {self.message!r})"
+# A failed fetch: ``code`` as sent by the server, "UNAVAILABLE" when the socket cannot be
+# reached or does not answer in time, "INTERNAL" when the reply breaks the protocol.
+FdChannelError = proto.FdChannelError
 
 
 def fetch_slab_fds(path: str, token: str, from_slab: int, *, timeout: float = 5.0) -> list[int]:
@@ -57,7 +45,7 @@ def fetch_slab_fds(path: str, token: str, from_slab: int, *, timeout: float = 5.
             sock.connect(path)
         except (OSError, TimeoutError) as e:
             raise FdChannelError("UNAVAILABLE", f"cannot reach the broker's fd channel at {path}: {e}") from None
-        request = json.dumps({"token": token, "from_slab": from_slab}).encode() + b"\n"
+        request = proto.request_line(token, from_slab)
         try:
             sock.sendall(request)
         except (BrokenPipeError, ConnectionResetError):
@@ -75,6 +63,7 @@ def fetch_slab_fds(path: str, token: str, from_slab: int, *, timeout: float = 5.
 
 def _receive(sock: socket.socket, path: str, from_slab: int, deadline: float, fds: list[int]) -> None:
     """Read the reply into ``fds`` (appended as they arrive, so the caller can close them)."""
+    where = f"fd channel {path}"
     buf = bytearray()
     count: int | None = None
     chunks_total = 0
@@ -84,14 +73,12 @@ def _receive(sock: socket.socket, path: str, from_slab: int, deadline: float, fd
         while b"\n" in buf:
             i = buf.index(b"\n")
             line, buf = bytes(buf[:i]), buf[i + 1 :]
-            msg = _json(line, path)
+            msg = proto.parse_reply_line(line, where)
             if count is None:
-                count = _header(msg, path, from_slab)
+                count = proto.header_count(msg, where, from_slab)
             else:
-                if msg.get("chunk") != next_chunk or not isinstance(msg.get("count"), int):
-                    raise FdChannelError("INTERNAL", f"fd channel {path}: expected chunk {next_chunk}, got {msg}")
+                chunks_total += proto.chunk_count(msg, where, next_chunk)
                 next_chunk += 1
-                chunks_total += msg["count"]
             if count is not None and chunks_total >= count:
                 # Each chunk's fds arrive with its line, so the tally is complete here.
                 if chunks_total != count or len(fds) != count:
@@ -106,9 +93,7 @@ def _receive(sock: socket.socket, path: str, from_slab: int, deadline: float, fd
             raise FdChannelError("UNAVAILABLE", f"fd channel {path}: no complete reply in time ({len(fds)} fds so far)")
         sock.settimeout(remaining)
         try:
-            data, ancdata, flags, _ = sock.recvmsg(
-                _RECV_BYTES, socket.CMSG_SPACE(_MAX_FDS_PER_RECV * 4), socket.MSG_CMSG_CLOEXEC
-            )
+            data, ancdata, flags, _ = sock.recvmsg(proto.RECV_BYTES, proto.FDS_ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC)
         except TimeoutError:
             raise FdChannelError(
                 "UNAVAILABLE", f"fd channel {path}: no complete reply in time ({len(fds)} fds so far)"
@@ -132,22 +117,3 @@ def _receive(sock: socket.socket, path: str, from_slab: int, deadline: float, fd
             raise FdChannelError("INTERNAL", f"fd channel {path}: connection closed after {got_what}")
         buf += data
 
-
-def _json(line: bytes, path: str) -> dict:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        raise FdChannelError("INTERNAL", f"fd channel {path}: reply is not JSON: {line[:200]!r}") from None
-    if not isinstance(msg, dict):
-        raise FdChannelError("INTERNAL", f"fd channel {path}: reply is not a JSON object: {line[:200]!r}")
-    return msg
-
-
-def _header(msg: dict, path: str, from_slab: int) -> int:
-    """The fd count the reply announces; raises the broker's refusal as FdChannelError."""
-    if msg.get("ok") is not True:
-        raise FdChannelError(str(msg.get("code", "INTERNAL")), str(msg.get("message", f"refused: {msg}")))
-    count = msg.get("count")
-    if not isinstance(count, int) or count < 0 or msg.get("from_slab") != from_slab:
-        raise FdChannelError("INTERNAL", f"fd channel {path}: bad reply header {msg} for from_slab {from_slab}")
-    return count

@@ -35,7 +35,7 @@ class ByteCounter(grpc.UnaryUnaryClientInterceptor):
 def test_two_processes_share_a_keyed_object_without_copying(broker):
     counter = ByteCounter()
     with BrokerClient.connect(broker.socket, client_name="writer") as c:
-        c._stub = __import__("memory_broker.broker.v1.broker_pb2_grpc", fromlist=["x"]).MemoryBrokerStub(
+        c._stub = __import__("memory_broker.wire.v1.broker_pb2_grpc", fromlist=["x"]).MemoryBrokerStub(
             grpc.intercept_channel(c._channel, counter)
         )
         obj = c.allocate([Spec(4, contiguous=True, content_type="kv_cache", key=b"chunk-0")])[0]

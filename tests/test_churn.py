@@ -141,8 +141,8 @@ def _settled_stats(socket: str, timeout: float = 15.0):
     no load or transaction is in flight (or the timeout passed)."""
     import grpc
 
-    from memory_broker.broker.v1 import broker_pb2 as pb
-    from memory_broker.broker.v1 import broker_pb2_grpc
+    from memory_broker.wire.v1 import broker_pb2 as pb
+    from memory_broker.wire.v1 import broker_pb2_grpc
 
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(f"unix:{socket}") as ch:
@@ -284,8 +284,8 @@ def test_random_operations_from_several_processes_keep_the_books_straight(peft_d
         # While they run, the pool's books must balance at every look.
         import grpc
 
-        from memory_broker.broker.v1 import broker_pb2 as pb
-        from memory_broker.broker.v1 import broker_pb2_grpc
+        from memory_broker.wire.v1 import broker_pb2 as pb
+        from memory_broker.wire.v1 import broker_pb2_grpc
 
         looks = 0
         with grpc.insecure_channel(f"unix:{b.socket}") as ch:

@@ -341,7 +341,7 @@ def test_wait_gives_up_after_the_timeout_in_one_line(capsys):
 
 
 def test_the_listing_shows_queued_and_converting_adapters_and_the_backlog_count(capsys):
-    from memory_broker.broker.v1 import broker_pb2 as pb
+    from memory_broker.wire.v1 import broker_pb2 as pb
 
     S = pb.AdapterImageState
 

@@ -14,8 +14,8 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
 
 from memory_broker.broker.service import POLICY
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc
 from memory_broker.clients import BrokerClient, Spec
 from adapter_fixtures import copy_adapter, peft_dirs  # noqa: F401 - fixture
 from conftest import short_tmpdir

@@ -368,8 +368,8 @@ def test_socket_mode_and_group_are_applied(broker_factory):
 def test_tcp_listener_on_loopback_serves_the_same_broker(broker_factory):
     import grpc
 
-    from memory_broker.broker.v1 import broker_pb2 as pb
-    from memory_broker.broker.v1 import broker_pb2_grpc
+    from memory_broker.wire.v1 import broker_pb2 as pb
+    from memory_broker.wire.v1 import broker_pb2_grpc
 
     port = free_port()
     b = broker_factory("--tcp-port", str(port))

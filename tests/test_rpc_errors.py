@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc
 from memory_broker.clients import BrokerClient, Spec
 
 KV = pb.CONTENT_TYPE_KV_CACHE

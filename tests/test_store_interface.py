@@ -13,7 +13,7 @@ import pytest
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig, StoreLimits, StoreStats
 from memory_broker.broker.pool import PagePool, WindowSpace
-from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2 as pb
 from store_invariants import check_invariants
 
 

@@ -35,8 +35,8 @@ from memory_broker.broker.service import ArenaGrown, EchoService, MemoryBrokerSe
 from memory_broker.broker.sessions.fd_channel import FdChannelServer
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import SessionManager
-from memory_broker.broker.v1 import broker_pb2 as pb
-from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryBroker"].full_name
 # Unary calls served at once beyond one Attach stream per session (more wait: RESOURCE_EXHAUSTED).

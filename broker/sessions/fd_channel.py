@@ -1,21 +1,10 @@
 """The fd side channel, server side: hands the arena's slab fds to authorized local processes.
 
-This module owns the Unix socket that lends slab fds with ``SCM_RIGHTS`` and the wire
-protocol below; it decides nothing about sessions (``authorize`` does) and never owns or
-closes the slab fds it sends (``slab_fds`` returns the broker's own; the kernel duplicates
-them into the receiver). It must not import gRPC.
-
-Protocol, one request per connection:
-
-* The client connects and sends one JSON line: ``{"token": "<session token>", "from_slab": k}\\n``.
-* The server reads the peer's credentials (``SO_PEERCRED``, captured at connect time) and
-  checks, in order: the uid is in ``allowed_uids`` (``None`` allows any); the request is a
-  JSON object with a string ``token`` and an integer ``from_slab >= 0``; ``authorize(token,
-  peer)`` accepts it; then it sends the fds of slabs ``k..end`` from ``slab_fds(k)``.
-* Reply: a JSON line ``{"ok": true, "from_slab": k, "count": n}\\n``, then the fds in
-  chunks of at most ``MAX_FDS_PER_MESSAGE``, each chunk one ``sendmsg`` whose payload is
-  ``{"chunk": i, "count": m}\\n`` so the receiver can check it got them all. A refusal is
-  ``{"ok": false, "code": "...", "message": "..."}\\n``. Either way the server then closes.
+This module owns the Unix socket that lends slab fds with ``SCM_RIGHTS``; the protocol
+(framing, limits, messages) is ``memory_broker.wire.fd_channel``, shared with the client. It
+decides nothing about sessions (``authorize`` does) and never owns or closes the slab fds it
+sends (``slab_fds`` returns the broker's own; the kernel duplicates them into the receiver).
+It must not import gRPC.
 """
 
 from __future__ import annotations
@@ -23,17 +12,22 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import json
 import os
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Callable
 
-# The kernel allows 253 fds per message (SCM_MAX_FD); stay well under it.
-MAX_FDS_PER_MESSAGE = 200
-# A request is a token and a number; anything longer is not a client of ours.
-MAX_REQUEST_BYTES = 64 * 1024
+from memory_broker.wire.fd_channel import (
+    MAX_FDS_PER_MESSAGE,
+    MAX_REQUEST_BYTES,
+    FdChannelError,
+    chunk_line,
+    header_line,
+    parse_request,
+    refusal_line,
+)
+
 # How long a connection may take to send its request, and separately to take its reply.
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
 # Pending connects the kernel queues while the loop is busy.
@@ -42,7 +36,6 @@ LISTEN_BACKLOG = 64
 # than this at once is a client gone wrong or an attempt to wear the broker down).
 MAX_CONNECTIONS = 256
 MAX_CONNECTIONS_PER_UID = 32
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +48,9 @@ class PeerCred:
     gid: int
 
 
-class FdRequestRefused(Exception):
+class FdRequestRefused(FdChannelError):
     """Raised by an authorize callback: code is one of "PERMISSION_DENIED", "NOT_FOUND",
     "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
     def __repr__(self) -> str:
         return f"FdRequestRefused({self.code}, {self.message!r})"
@@ -72,29 +60,6 @@ def peer_cred(sock: socket.socket) -> PeerCred:
     """The credentials of a connected Unix socket's peer."""
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return PeerCred(pid, uid, gid)
-
-
-def parse_request(line: bytes) -> tuple[str, int]:
-    """The ``(token, from_slab)`` of a request line.
-
-    Raises:
-        FdRequestRefused: INVALID_ARGUMENT, saying what is wrong with the line.
-    """
-    try:
-        req = json.loads(line)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FdRequestRefused("INVALID_ARGUMENT", f"request is not a JSON line: {e}") from None
-    if not isinstance(req, dict):
-        raise FdRequestRefused("INVALID_ARGUMENT", f"request must be a JSON object, got {type(req).__name__}")
-    token, from_slab = req.get("token"), req.get("from_slab")
-    if not isinstance(token, str):
-        raise FdRequestRefused("INVALID_ARGUMENT", 'request needs "token" (a string)')
-    # bool is an int in Python but `true` is not a slab number.
-    if not isinstance(from_slab, int) or isinstance(from_slab, bool):
-        raise FdRequestRefused("INVALID_ARGUMENT", 'request needs "from_slab" (an integer)')
-    if from_slab < 0:
-        raise FdRequestRefused("INVALID_ARGUMENT", f"from_slab must be >= 0, got {from_slab}")
-    return token, from_slab
 
 
 class FdChannelServer:
@@ -207,11 +172,10 @@ class FdChannelServer:
                 if over is not None:
                     raise FdRequestRefused("RESOURCE_EXHAUSTED", over)
                 fds, from_slab = await self._decide(conn, peer)
-            except FdRequestRefused as r:
+            except FdChannelError as r:  # FdRequestRefused, or a malformed request
                 self._log("fd_request_refused", pid=peer.pid, uid=peer.uid, code=r.code, message=r.message)
-                reply = {"ok": False, "code": r.code, "message": r.message}
                 async with asyncio.timeout(self._timeout):
-                    await asyncio.get_running_loop().sock_sendall(conn, _line(reply))
+                    await asyncio.get_running_loop().sock_sendall(conn, refusal_line(r.code, r.message))
                 return
             async with asyncio.timeout(self._timeout):
                 await self._send_fds(conn, from_slab, fds)
@@ -249,7 +213,7 @@ class FdChannelServer:
         token, from_slab = parse_request(line)
         try:
             self._authorize(token, peer)
-        except FdRequestRefused:
+        except FdChannelError:
             raise
         except Exception as e:
             self._log("fd_channel_authorize_failed", pid=peer.pid, error=f"{type(e).__name__}: {e}")
@@ -283,14 +247,10 @@ class FdChannelServer:
 
     async def _send_fds(self, conn: socket.socket, from_slab: int, fds: list[int]) -> None:
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(conn, _line({"ok": True, "from_slab": from_slab, "count": len(fds)}))
+        await loop.sock_sendall(conn, header_line(from_slab, len(fds)))
         for i, start in enumerate(range(0, len(fds), MAX_FDS_PER_MESSAGE)):
             chunk = fds[start : start + MAX_FDS_PER_MESSAGE]
-            await _sendmsg_fds(loop, conn, _line({"chunk": i, "count": len(chunk)}), chunk)
-
-
-def _line(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+            await _sendmsg_fds(loop, conn, chunk_line(i, len(chunk)), chunk)
 
 
 async def _sendmsg_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, payload: bytes, fds: list[int]) -> None:

@@ -20,6 +20,7 @@ from memory_broker.broker.errors import BrokerError, Code, denied
 from memory_broker.broker.objects import ObjectStore
 from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred
 from memory_broker.broker.sessions.liveness import PidWatcher
+from memory_broker.wire.session import SESSION_METADATA
 
 # Placed on a session's queue to end its stream.
 CLOSED = object()
@@ -87,7 +88,7 @@ class SessionManager:
         """The open session behind a token, or PERMISSION_DENIED."""
         if not token:
             raise denied(
-                "this call needs a session: open Attach and send its token as metadata 'x-broker-session'"
+                f"this call needs a session: open Attach and send its token as metadata {SESSION_METADATA!r}"
             )
         s = self._by_token.get(token)
         if s is None:

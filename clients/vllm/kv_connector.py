@@ -27,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
-from memory_broker.broker.errors import BrokerError  # noqa: E402
 from memory_broker.clients.vllm import identity, store  # noqa: E402
+from memory_broker.wire.errors import BrokerError  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -18,8 +18,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.clients.client import BrokerClient, BrokerObject, Spec
+from memory_broker.wire.errors import BrokerError, Code
 
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])

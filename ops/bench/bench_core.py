@@ -52,7 +52,7 @@ def main() -> None:
     kv = ContentType.KV_CACHE
 
     def alloc_free(n_pages: int, contiguous: bool = False):
-        spec = [Spec(n_pages, kv, contiguous)]
+        spec = [Spec(n_pages, kv, contiguous=contiguous)]
 
         def run(k: int) -> None:
             allocate, free = store.allocate, store.free

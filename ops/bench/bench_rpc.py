@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import grpc  # noqa: E402
 
-from memory_broker.broker.v1 import broker_pb2 as pb  # noqa: E402
-from memory_broker.broker.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
+from memory_broker.wire.v1 import broker_pb2 as pb  # noqa: E402
+from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 
 

@@ -21,7 +21,7 @@ import time
 from memory_broker.broker.server.app import BrokerServer
 from memory_broker.broker.server.logs import configure
 from memory_broker.broker.server.options import ServeOptions
-from memory_broker.broker.v1 import broker_pb2 as pb
+from memory_broker.wire.v1 import broker_pb2 as pb
 from memory_broker.broker.objects import Spec
 
 

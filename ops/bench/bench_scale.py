@@ -200,8 +200,8 @@ def bench_teardown(sizes: list[int], table: list) -> None:
 def start_broker(socket: str, state: str, pages: int) -> subprocess.Popen:
     import grpc
 
-    from memory_broker.broker.v1 import broker_pb2 as pb
-    from memory_broker.broker.v1 import broker_pb2_grpc
+    from memory_broker.wire.v1 import broker_pb2 as pb
+    from memory_broker.wire.v1 import broker_pb2_grpc
 
     # The smallest page the broker allows (512 KiB): host slabs are sparse memfds and
     # nothing here touches a page, so a large pool costs address space, not memory.
@@ -230,7 +230,7 @@ def start_broker(socket: str, state: str, pages: int) -> subprocess.Popen:
 
 ECHO_CHILD = """
 import json, sys, time, grpc
-from memory_broker.broker.v1 import echo_pb2, echo_pb2_grpc
+from memory_broker.wire.v1 import echo_pb2, echo_pb2_grpc
 echo = echo_pb2_grpc.EchoStub(grpc.insecure_channel("unix:" + sys.argv[1]))
 req = echo_pb2.EchoRequest(payload=b"x")
 echo.Echo(req)
@@ -262,8 +262,8 @@ def echo_result(p: subprocess.Popen) -> list[float]:
 def bench_daemon(n: int, seconds: float, table: list) -> None:
     import grpc
 
-    from memory_broker.broker.v1 import broker_pb2 as pb
-    from memory_broker.broker.v1 import broker_pb2_grpc
+    from memory_broker.wire.v1 import broker_pb2 as pb
+    from memory_broker.wire.v1 import broker_pb2_grpc
     from memory_broker.clients import BrokerClient
 
     d = tempfile.mkdtemp(prefix="mb-scale-", dir="/tmp")

@@ -1,6 +1,8 @@
-"""The wire package: what a client and the daemon must agree on, importable by both.
+"""The wire: what the broker daemon and its clients both speak, imported by both sides.
 
-It holds the shared descriptions (the arena's geometry and the client-side views of it, and
-the contract types beside the .proto files). It must never import the daemon
-(``memory_broker.broker``) or the client library (``memory_broker.clients``).
+It owns the contract beside the .proto files: the generated gRPC code (``v1``), one
+allocation ``Spec``, the error codes and their gRPC statuses, session metadata and the
+protocol version, the fd channel's framing and limits, the adapter layout types and their
+one codec, and the arena's geometry and client-side views (``arena``). It must not import
+the daemon (``memory_broker.broker``) or the client (``memory_broker.clients``).
 """

@@ -132,12 +132,14 @@ class AttachRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("client_name", "pid")
+    __slots__ = ("client_name", "pid", "protocol_version")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     pid: int
-    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Detach(_message.Message):
     __slots__ = ()
@@ -162,14 +164,16 @@ class SessionEvent(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ..., adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "token", "arena")
+    __slots__ = ("session_id", "token", "arena", "protocol_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     token: str
     arena: ArenaInfo
-    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class ObjectsEvicted(_message.Message):
     __slots__ = ("object_ids", "keys")

@@ -1,0 +1,50 @@
+"""What a session carries on the wire besides its messages: the token's metadata key and the
+protocol version that client and daemon exchange when a session opens.
+
+The client states ``PROTOCOL_VERSION`` in ``Hello``; the daemon states its own in
+``SessionOpened``. Each side checks the other's with ``version_mismatch`` and refuses a
+different one (FAILED_PRECONDITION) instead of misreading its messages. This module holds no
+session state and imports neither the daemon nor the client.
+"""
+
+from __future__ import annotations
+
+# The call metadata key that carries a session's token (the secret from SessionOpened).
+SESSION_METADATA = "x-broker-session"
+
+# Raised whenever a message's meaning changes in a way the other side would misread (a field
+# reused, a unit changed, a layout rule changed); adding an optional field does not need it.
+# 0 on the wire means "not stated": a daemon older than the exchange, or a hand-made client.
+PROTOCOL_VERSION = 1
+
+
+def session_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata to send with every call of the session whose token is ``token``."""
+    return ((SESSION_METADATA, token),)
+
+
+def token_from_metadata(metadata) -> str | None:
+    """The session token among a call's ``(key, value)`` metadata pairs, or None."""
+    for k, v in metadata or ():
+        if k == SESSION_METADATA:
+            return v
+    return None
+
+
+def version_mismatch(peer_version: int, *, peer: str, mine: str, ours: int = 0) -> str | None:
+    """Why a peer speaking ``peer_version`` cannot be served, or None when it can.
+
+    Args:
+        peer_version: the version the other side stated (0: it stated none).
+        peer, mine: how to name the other side and this one in the message ("the broker at
+            /run/b.sock", "this client").
+        ours: this side's version (default: ``PROTOCOL_VERSION``).
+    """
+    ours = ours or PROTOCOL_VERSION
+    if peer_version == ours:
+        return None
+    stated = f"speaks protocol version {peer_version}" if peer_version else "states no protocol version (it is older)"
+    return (
+        f"{peer} {stated} and {mine} speaks version {ours}; they would misread each other's messages: "
+        "run a client and a broker from the same memory-broker release"
+    )
