@@ -110,9 +110,9 @@ wheelhouse = _load("build_wheelhouse")
 
 
 def _generated_minimums() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    pb2 = open(os.path.join(ROOT, "broker", "v1", "broker_pb2.py")).read()
+    pb2 = open(os.path.join(ROOT, "proto", "wire", "v1", "broker_pb2.py")).read()
     m = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
-    grpc_py = open(os.path.join(ROOT, "broker", "v1", "broker_pb2_grpc.py")).read()
+    grpc_py = open(os.path.join(ROOT, "proto", "wire", "v1", "broker_pb2_grpc.py")).read()
     g = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_py)
     return tuple(int(x) for x in m.groups()), tuple(int(x) for x in g.group(1).split("."))
 
