@@ -102,6 +102,21 @@ class AdapterLease:
         self.transaction_id: int = resp.transaction_id
         self.released = False
 
+    @classmethod
+    def of(
+        cls, client: "BrokerClient", adapters: list[LeasedAdapter], deferred: Sequence[str], transaction_id: int
+    ) -> "AdapterLease":
+        """A lease from records the client already holds (the step path's acquire)."""
+        lease = cls.__new__(cls)
+        lease.client = client
+        lease.session_id = client.session_id
+        lease.epoch = client.epoch
+        lease.adapters = adapters
+        lease.deferred = list(deferred)
+        lease.transaction_id = transaction_id
+        lease.released = False
+        return lease
+
     def __getitem__(self, adapter_id: str) -> LeasedAdapter:
         for a in self.adapters:
             if a.adapter_id == adapter_id:
@@ -115,7 +130,7 @@ class AdapterLease:
     def commit(self) -> None:
         """Keep a prepared acquire's pins past its lease."""
         if self.transaction_id:
-            self.client.commit([self.transaction_id])
+            self.client.commit_acquire(self.transaction_id)
 
     def release(self) -> None:
         """Drop this lease's pins (once)."""
@@ -127,7 +142,7 @@ class AdapterLease:
         if self.transaction_id:
             # A prepared acquire that was never committed aborts; a committed one releases.
             try:
-                self.client.abort([self.transaction_id])
+                self.client.abort_acquire(self.transaction_id)
                 return
             except BrokerError as e:
                 if e.code != Code.FAILED_PRECONDITION:  # committed: release its pins below

@@ -32,6 +32,8 @@ from memory_broker.broker.v1 import broker_pb2 as pb
 from memory_broker.broker.v1 import broker_pb2_grpc
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 from memory_broker.clients.mappings import MappingBudget
+from memory_broker.broker.sessions import step_wire as _w
+from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
 
 SESSION_METADATA = "x-broker-session"
 
@@ -222,8 +224,22 @@ class BrokerClient:
         timeout: float,
         wait_s: float = 5.0,
         reconnect_s: float = 300.0,
+        fast_path: bool = True,
+        hold_s: float = 0.0,
     ):
         self.socket_path = socket_path
+        # Step calls (acquire/release adapters, lookup, pin, unpin) over the step channel
+        # when the broker has one; ``hold_s`` > 0 also keeps released holdings that long
+        # (see clients/step.py).
+        self.fast_path = fast_path
+        self.hold_s = hold_s
+        self._step: StepPath | None = None
+        self._step_epoch = 0
+        # The session (epoch) whose step channel could not be used: gRPC only for it.
+        self._step_off_epoch = 0
+        self._step_lock = threading.Lock()
+        # (adapter id, generation, object id) -> LeasedAdapter, for this session.
+        self._leased: dict[tuple[str, int, int], object] = {}
         self.client_name = client_name
         self.timeout = timeout
         self.on_event = on_event
@@ -274,6 +290,8 @@ class BrokerClient:
         timeout: float = 30.0,
         wait_s: float = 5.0,
         reconnect_s: float = 300.0,
+        fast_path: bool = True,
+        hold_s: float = 0.0,
     ) -> "BrokerClient":
         """Open a session and map the arena.
 
@@ -288,8 +306,18 @@ class BrokerClient:
                 answering yet) before UNAVAILABLE.
             reconnect_s: after the broker restarts, how long to keep trying to open a new
                 session (0: never; the client then stays ended, as ``session_ended`` says).
+            fast_path: send the step calls (acquire and release adapters, lookup, pin,
+                unpin, commit/abort of adapter acquires) over the broker's step channel, a
+                compact binary protocol on a Unix socket, instead of gRPC; same semantics.
+                Falls back to gRPC where the broker has no step channel.
+            hold_s: with the fast path, keep what this process releases (adapter leases,
+                pins) held at the broker for up to this long, so acquiring or looking it up
+                again costs no round trip; releases are sent with a later call. 0 (the
+                default): every release is sent at once, as over gRPC.
         """
-        return cls(socket_path, client_name or f"pid-{os.getpid()}", on_event, timeout, wait_s, reconnect_s)
+        return cls(
+            socket_path, client_name or f"pid-{os.getpid()}", on_event, timeout, wait_s, reconnect_s, fast_path, hold_s
+        )
 
     # ------------------------------------------------------------- session
 
@@ -351,6 +379,7 @@ class BrokerClient:
             self._page_access = True
         # A new broker may lay adapters out differently (another dtype or page size).
         self._layout_cache.clear()
+        self._leased = {}
         if old_view is not None:
             self._stale_views.append(old_view)
         self.session_ended.clear()
@@ -635,11 +664,29 @@ class BrokerClient:
         return resp.freed_pages, resp.deferred_pages
 
     def pin(self, objs: Iterable[BrokerObject | int]) -> list[BrokerObject]:
-        resp = self._call(self._stub.Pin, pb.PinRequest(object_ids=self._ids(objs)))
+        ids = self._ids(objs)
+        st = self._step_path()
+        if st is not None:
+            if st.caching:
+                held = st.ref_pins(ids)
+                if held is not None:
+                    return [self._object(r) for r in held]
+            reply = self._fast(st.send, [_w.Op(_w.OP_PIN, tuple(ids))])
+            st.raise_error(reply)
+            recs = reply.results[0]
+            if st.caching:
+                st.add_pins(recs)
+            return [self._object(r) for r in recs]
+        resp = self._call(self._stub.Pin, pb.PinRequest(object_ids=ids))
         return [self._object(i) for i in resp.objects]
 
     def unpin(self, objs: Iterable[BrokerObject | int]) -> None:
-        self._call(self._stub.Unpin, pb.UnpinRequest(object_ids=self._ids(objs)))
+        ids = self._ids(objs)
+        st = self._step_path()
+        if st is not None:
+            self._fast(st.step, unpin=ids, acquire=False, lookup=False)
+            return
+        self._call(self._stub.Unpin, pb.UnpinRequest(object_ids=ids))
 
     @contextlib.contextmanager
     def pinned(self, objs: Iterable[BrokerObject | int]) -> Iterator[list[BrokerObject]]:
@@ -653,6 +700,10 @@ class BrokerClient:
 
     def lookup(self, keys: Sequence[bytes], pin: bool = True) -> list[BrokerObject]:
         """The longest prefix of ``keys`` present (pinned for this session unless pin=False)."""
+        st = self._step_path()
+        if st is not None:
+            out = self._fast(st.step, keys=keys, acquire=False, pin_keys=pin)
+            return self._objects(out.objects)
         resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys), pin=pin), retry=True)
         return [self._object(i) for i in resp.objects]
 
@@ -703,6 +754,13 @@ class BrokerClient:
         """
         from memory_broker.clients.adapters import AdapterLease
 
+        st = self._step_path()
+        if st is not None:
+            out = self._fast(
+                st.step, adapter_ids, max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000), lookup=False
+            )
+            if out.acquire_hot:
+                return self._lease(out)
         with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
         req = pb.AcquireAdaptersRequest(
             adapter_ids=list(adapter_ids),
@@ -714,6 +772,10 @@ class BrokerClient:
         return AdapterLease(self, self._call(self._stub.AcquireAdapters, req, retry=True))
 
     def release_adapters(self, adapter_ids: Sequence[str]) -> None:
+        st = self._step_path()
+        if st is not None:
+            self._fast(st.step, release=list(adapter_ids), acquire=False, lookup=False)
+            return
         self._call(self._stub.ReleaseAdapters, pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids)))
 
     def prefetch_adapters(self, adapter_ids: Sequence[str], tier: str = "hot") -> pb.PrefetchAdaptersResponse:
@@ -728,6 +790,168 @@ class BrokerClient:
         every resident adapter). A corrupt copy is dropped and reloaded from its source on
         the next acquire; ``response.corrupt`` counts them."""
         return self._call(self._stub.VerifyAdapters, pb.VerifyAdaptersRequest(adapter_ids=list(adapter_ids)), retry=True)
+
+    # ------------------------------------------------------------- the step path
+
+    def step(
+        self,
+        adapter_ids: Sequence[str] = (),
+        keys: Sequence[bytes] = (),
+        *,
+        max_adapters: int = 0,
+        prepare: bool = False,
+        lease_s: float = 0.0,
+        commit: "AdapterLease | None" = None,
+        release: "StepLease | None" = None,
+    ) -> "StepLease":
+        """An engine step's changes in one round trip (none when ``hold_s`` keeps them all).
+
+        Releases what ``release`` holds (a previous step), commits ``commit`` (a prepared
+        lease: prepare the next step's adapters while this one runs, commit it here),
+        acquires ``adapter_ids`` (prepared under a lease with ``prepare``; the cap
+        ``max_adapters`` defers the overflow, as ``acquire_adapters`` does) and looks up and
+        pins the longest present prefix of ``keys``. Returns a ``StepLease`` holding both;
+        release it (or pass it as the next step's ``release``). Without the step channel
+        this is the same calls over gRPC.
+        """
+        from memory_broker.clients.adapters import AdapterLease
+
+        ids = list(adapter_ids)
+        st = self._step_path()
+        if st is None:
+            if release is not None:
+                release.release()
+            if commit is not None:
+                commit.commit()
+            lease = self.acquire_adapters(ids, max_adapters, prepare=prepare, lease_s=lease_s) if ids else None
+            objs = self.lookup(keys) if keys else []
+            return StepLease(self, lease, objs)
+        rel_ids: list[str] = []
+        unpins: list[int] = []
+        if release is not None and not release.released:
+            release.released = True
+            if release.epoch == self.epoch:
+                prev = release.adapters
+                if prev is not None and not prev.released:
+                    if prev.transaction_id:
+                        prev.release()  # a prepared lease: abort it, or release it once committed
+                    else:
+                        prev.released = True
+                        rel_ids = prev.ids
+                unpins = [o.object_id for o in release.objects]
+        out = self._fast(
+            st.step, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
+            commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
+            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys),
+        )  # fmt: skip
+        objs = self._objects(out.objects) if out.objects is not None else []
+        if not ids:
+            lease = None
+        elif out.acquire_hot:
+            lease = self._lease(out)
+        else:
+            try:
+                lease = self.acquire_adapters(ids, max_adapters, prepare=prepare, lease_s=lease_s)
+            except BaseException:
+                if objs:
+                    self.unpin(objs)
+                raise
+        return StepLease(self, lease, objs)
+
+    def flush_holdings(self) -> int:
+        """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
+        st = self._step if self._step is not None and self._step_epoch == self.epoch else None
+        if st is None:
+            return 0
+        return self._fast(st.flush)
+
+    def _step_socket(self) -> str:
+        fd = self.arena.fd_socket_path
+        if fd.endswith(".fds"):
+            return fd[: -len(".fds")] + ".step"
+        return os.path.abspath(self.socket_path) + ".step"
+
+    def _step_path(self) -> StepPath | None:
+        """The step channel of the current session, connected on first use; None: use gRPC."""
+        if not self.fast_path:
+            return None
+        st = self._step
+        if st is not None and self._step_epoch == self.epoch and not st.transport.closed:
+            return st
+        if self.closed:
+            raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
+        self._wait_live()
+        with self._step_lock:
+            epoch = self.epoch
+            if self._step_off_epoch == epoch:
+                return None
+            st = self._step
+            if st is not None and self._step_epoch == epoch and not st.transport.closed:
+                return st
+            if st is not None:
+                st.transport.close()
+                self._step = None
+            try:
+                transport = StepTransport(self._step_socket(), self.token, self.timeout)
+            except StepUnavailable as e:
+                log.info("using gRPC for step calls: %s", e)
+                self._step_off_epoch = epoch
+                return None
+            self._step = StepPath(transport, hold_s=self.hold_s)
+            self._step_epoch = epoch
+            return self._step
+
+    def _fast(self, fn, *args, **kw):
+        """A step-path call, its transport failures as UNAVAILABLE (as gRPC's are)."""
+        try:
+            return fn(*args, **kw)
+        except StepUnavailable as e:
+            raise BrokerError(
+                Code.UNAVAILABLE, f"the broker at {self.socket_path} did not answer on its step channel ({e}); retry"
+            ) from None
+
+    def _objects(self, recs) -> list[BrokerObject]:
+        return [self._object(r) for r in recs]
+
+    def _lease(self, out: StepOutcome):
+        from memory_broker.clients.adapters import AdapterLease, LeasedAdapter, layout_from_proto
+
+        if out.arena_slabs:
+            self._ensure_slabs(out.arena_slabs)
+        leased = []
+        cache = self._leased
+        for aid, rec in out.adapters:
+            k = (aid, rec.generation, rec.object_id)
+            la = cache.get(k)
+            if la is None:
+                # First sight of this placement: its pages read-only here, its layout fetched once.
+                self._set_access(rec.pages, True)
+                layout = self._layout_cache.get(aid)
+                if layout is None:
+                    layout = layout_from_proto(self.adapter_layout(aid))
+                    self._layout_cache[aid] = layout
+                la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
+                                              _w.TIER_NAMES.get(rec.found_in, "hot"))  # fmt: skip
+            elif rec.found_in != _w.TIER_HOT:
+                la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
+            leased.append(la)
+        return AdapterLease.of(self, leased, out.deferred, out.txn_id)
+
+    def commit_acquire(self, transaction_id: int) -> None:
+        """Keep a prepared adapter acquire's pins (``AdapterLease.commit``)."""
+        st = self._step_path()
+        if st is not None:
+            st.raise_error(self._fast(st.send, [_w.Op(_w.OP_COMMIT, (transaction_id,))]))
+            return
+        self.commit([transaction_id])
+
+    def abort_acquire(self, transaction_id: int) -> None:
+        """Drop a prepared adapter acquire's pins (FAILED_PRECONDITION once committed)."""
+        st = self._step_path()
+        if st is not None:
+            st.raise_error(self._fast(st.send, [_w.Op(_w.OP_ABORT, (transaction_id,))]))
+            return
+        self.abort([transaction_id])
 
     def arena_tensor(self, dtype=None):
         """The physical view as a 1-D tensor of ``dtype``: what the LoRA kernels index into."""
@@ -757,6 +981,8 @@ class BrokerClient:
             self._stale_views.clear()
 
     def _end_session(self) -> None:
+        if self._step is not None:
+            self._step.transport.close()
         requests, stream = self._requests, self._stream
         if requests is not None:
             requests.put(pb.AttachRequest(detach=pb.Detach()))
@@ -770,3 +996,32 @@ class BrokerClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StepLease:
+    """What one ``BrokerClient.step`` holds: an adapter lease (or None) and pinned objects."""
+
+    def __init__(self, client: BrokerClient, adapters, objects: list[BrokerObject]):
+        self.client = client
+        self.epoch = client.epoch
+        # AdapterLease of the step's adapters, or None when it asked for none.
+        self.adapters = adapters
+        # The longest present prefix of the step's keys, pinned for this session.
+        self.objects = objects
+        self.released = False
+
+    def release(self) -> None:
+        """Release the adapters and unpin the objects (once)."""
+        if self.released:
+            return
+        self.released = True
+        if self.adapters is not None:
+            self.adapters.release()
+        if self.objects and self.epoch == self.client.epoch and not self.client.closed:
+            self.client.unpin(self.objects)
+
+    def __enter__(self) -> "StepLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
