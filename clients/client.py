@@ -36,6 +36,8 @@ from memory_broker.broker.sessions import step_wire as _w
 from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
 
 SESSION_METADATA = "x-broker-session"
+# BrokerObjects kept for step-cache records (cleared beyond this: they are rebuilt on demand).
+_MADE_LIMIT = 16384
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +240,11 @@ class BrokerClient:
         # The session (epoch) whose step channel could not be used: gRPC only for it.
         self._step_off_epoch = 0
         self._step_lock = threading.Lock()
-        # (adapter id, generation, object id) -> LeasedAdapter, for this session.
-        self._leased: dict[tuple[str, int, int], object] = {}
+        # (adapter id, generation, object id) -> LeasedAdapter, and adapter id -> (the step
+        # cache's record, its LeasedAdapter), for this session.
+        self._leased: dict = {}
+        # Object id -> (step record, BrokerObject made from it), for this session.
+        self._made: dict[int, tuple[object, BrokerObject]] = {}
         self.client_name = client_name
         self.timeout = timeout
         self.on_event = on_event
@@ -380,6 +385,7 @@ class BrokerClient:
         # A new broker may lay adapters out differently (another dtype or page size).
         self._layout_cache.clear()
         self._leased = {}
+        self._made = {}
         if old_view is not None:
             self._stale_views.append(old_view)
         self.session_ended.clear()
@@ -814,9 +820,8 @@ class BrokerClient:
         release it (or pass it as the next step's ``release``). Without the step channel
         this is the same calls over gRPC.
         """
-        from memory_broker.clients.adapters import AdapterLease
-
         ids = list(adapter_ids)
+        keys = list(keys)
         st = self._step_path()
         if st is None:
             if release is not None:
@@ -825,7 +830,66 @@ class BrokerClient:
                 commit.commit()
             lease = self.acquire_adapters(ids, max_adapters, prepare=prepare, lease_s=lease_s) if ids else None
             objs = self.lookup(keys) if keys else []
-            return StepLease(self, lease, objs)
+            return StepLease(self, lease, objs, ids, list(keys), max_adapters)
+        same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
+        if same is not None:
+            return same
+        rel_ids, unpins = self._giving_back(release)
+        out = self._fast(
+            st.step, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
+            commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
+            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys),
+        )  # fmt: skip
+        return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys)
+
+    def step_begin(
+        self,
+        adapter_ids: Sequence[str] = (),
+        keys: Sequence[bytes] = (),
+        *,
+        max_adapters: int = 0,
+        prepare: bool = False,
+        lease_s: float = 0.0,
+        commit: "AdapterLease | None" = None,
+        release: "StepLease | None" = None,
+    ) -> "PendingStepLease":
+        """``step`` in two halves: the frame goes out now, ``result()`` collects the reply.
+
+        Call it as soon as the next step's batch is known and collect it after the current
+        step's model work: the round trip overlaps that work. Without the step channel,
+        ``result()`` makes the calls over gRPC."""
+        ids = list(adapter_ids)
+        keys = list(keys)
+        st = self._step_path()
+        if st is None:
+            return PendingStepLease(lambda: self.step(ids, keys, max_adapters=max_adapters, prepare=prepare,
+                                                      lease_s=lease_s, commit=commit, release=release))  # fmt: skip
+        same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
+        if same is not None:
+            return PendingStepLease(lambda: same)
+        rel_ids, unpins = self._giving_back(release)
+        pending = self._fast(
+            st.begin, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
+            commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
+            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys),
+        )  # fmt: skip
+        return PendingStepLease(
+            lambda: self._step_lease(self._fast(pending.result), ids, max_adapters, prepare, lease_s, keys)
+        )
+
+    def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> "StepLease | None":
+        """The steady state: a step asking for what ``release`` holds takes it over (the
+        cache's references pass from one lease to the next; nothing to tell the broker)."""
+        if (
+            release is None or not st.caching or prepare or commit is not None
+            or not release.same_as(ids, keys, max_adapters) or st.sweep_due()
+        ):  # fmt: skip
+            return None
+        release.released = True
+        return StepLease(self, release.adapters, release.objects, ids, keys, max_adapters)
+
+    def _giving_back(self, release: "StepLease | None") -> tuple[list[str], list[int]]:
+        """What a step gives back of a previous step's lease: (adapter ids, object ids)."""
         rel_ids: list[str] = []
         unpins: list[int] = []
         if release is not None and not release.released:
@@ -839,24 +903,24 @@ class BrokerClient:
                         prev.released = True
                         rel_ids = prev.ids
                 unpins = [o.object_id for o in release.objects]
-        out = self._fast(
-            st.step, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
-            commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
-            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys),
-        )  # fmt: skip
+        return rel_ids, unpins
+
+    def _step_lease(self, out: StepOutcome, ids: list[str], max_adapters: int, prepare: bool, lease_s: float,
+                    keys: Sequence[bytes] = ()) -> "StepLease":
         objs = self._objects(out.objects) if out.objects is not None else []
         if not ids:
             lease = None
         elif out.acquire_hot:
             lease = self._lease(out)
         else:
+            # An adapter needs a load: gRPC does it (and defers over the cap) as always.
             try:
                 lease = self.acquire_adapters(ids, max_adapters, prepare=prepare, lease_s=lease_s)
             except BaseException:
                 if objs:
                     self.unpin(objs)
                 raise
-        return StepLease(self, lease, objs)
+        return StepLease(self, lease, objs, ids, list(keys), max_adapters)
 
     def flush_holdings(self) -> int:
         """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
@@ -911,7 +975,21 @@ class BrokerClient:
             ) from None
 
     def _objects(self, recs) -> list[BrokerObject]:
-        return [self._object(r) for r in recs]
+        """BrokerObjects for step-path records; a record the step cache hands out again
+        (the same record object) gets the same BrokerObject, built and mapped once."""
+        made = self._made
+        out = []
+        for r in recs:
+            hit = made.get(r.object_id)
+            if hit is not None and hit[0] is r:
+                out.append(hit[1])
+                continue
+            obj = self._object(r)
+            if len(made) >= _MADE_LIMIT:
+                made.clear()
+            made[r.object_id] = (r, obj)
+            out.append(obj)
+        return out
 
     def _lease(self, out: StepOutcome):
         from memory_broker.clients.adapters import AdapterLease, LeasedAdapter, layout_from_proto
@@ -921,6 +999,11 @@ class BrokerClient:
         leased = []
         cache = self._leased
         for aid, rec in out.adapters:
+            hit = cache.get(aid)
+            if hit is not None and hit[0] is rec:
+                # The step cache's own record again: the lease entry built from it stands.
+                leased.append(hit[1])
+                continue
             k = (aid, rec.generation, rec.object_id)
             la = cache.get(k)
             if la is None:
@@ -932,8 +1015,10 @@ class BrokerClient:
                     self._layout_cache[aid] = layout
                 la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
                                               _w.TIER_NAMES.get(rec.found_in, "hot"))  # fmt: skip
-            elif rec.found_in != _w.TIER_HOT:
+            if rec.found_in != _w.TIER_HOT:
                 la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
+            else:
+                cache[aid] = (rec, la)
             leased.append(la)
         return AdapterLease.of(self, leased, out.deferred, out.txn_id)
 
@@ -998,17 +1083,49 @@ class BrokerClient:
         self.close()
 
 
+class PendingStepLease:
+    """A step sent by ``BrokerClient.step_begin``; ``result()`` returns its StepLease (once)."""
+
+    def __init__(self, finish: Callable[[], "StepLease"]):
+        self._finish = finish
+        self._lease: StepLease | None = None
+
+    def result(self) -> "StepLease":
+        if self._lease is None:
+            self._lease = self._finish()
+        return self._lease
+
+
 class StepLease:
     """What one ``BrokerClient.step`` holds: an adapter lease (or None) and pinned objects."""
 
-    def __init__(self, client: BrokerClient, adapters, objects: list[BrokerObject]):
+    def __init__(
+        self, client: BrokerClient, adapters, objects: list[BrokerObject], adapter_ids: list[str] = (),
+        keys: Sequence[bytes] = (), max_adapters: int = 0,
+    ):  # fmt: skip
         self.client = client
         self.epoch = client.epoch
+        # What the step asked for (a next step asking the same may take this one's holdings over).
+        self._asked = (adapter_ids, keys, max_adapters)
         # AdapterLease of the step's adapters, or None when it asked for none.
         self.adapters = adapters
         # The longest present prefix of the step's keys, pinned for this session.
         self.objects = objects
         self.released = False
+
+    def same_as(self, adapter_ids: list[str], keys: Sequence[bytes], max_adapters: int) -> bool:
+        """Whether a step asking for this would get exactly what this lease holds (all its
+        keys were found; its adapters were acquired outright, not prepared)."""
+        return (
+            not self.released
+            and self.epoch == self.client.epoch
+            and self._asked[0] == adapter_ids
+            and self._asked[2] == max_adapters
+            and len(self.objects) == len(keys)
+            and self._asked[1] == keys
+            and (self.adapters is None or not self.adapters.transaction_id)
+            and (self.adapters is not None) == bool(adapter_ids)
+        )
 
     def release(self) -> None:
         """Release the adapters and unpin the objects (once)."""

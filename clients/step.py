@@ -56,9 +56,21 @@ class StepTransport:
 
     def request(self, data: bytes) -> w.StepReply:
         """Send one frame and read its reply. Raises StepUnavailable when the socket breaks."""
+        self.send(data)
+        return self.reply()
+
+    def send(self, data: bytes) -> None:
+        """Send one frame; its reply is read by ``reply()`` (replies come in order)."""
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
+
+    def reply(self) -> w.StepReply:
+        """Read the reply to the oldest frame not yet answered."""
         sock = self._sock
         try:
-            sock.sendall(data)
             hdr = self._hdr
             got = sock.recv_into(hdr)
             while got < 5:
@@ -96,9 +108,9 @@ class StepTransport:
 
 @dataclass(slots=True)
 class HeldAdapter:
-    generation: int
-    object_id: int
-    pages: tuple[int, ...]
+    # What leases are made of (one record object for as long as it is held, so the client
+    # can reuse what it built from it).
+    record: w.AcquiredRecord
     # References this process's leases hold now.
     refs: int = 0
     # When refs last dropped to 0 (monotonic seconds).
@@ -145,6 +157,8 @@ class StepPath:
         self._next_sweep = 0.0
         # Frames sent (what tests and the benchmark count round trips by).
         self.frames = 0
+        # A step sent by ``begin`` whose reply is not read yet (at most one).
+        self._pending: PendingStep | None = None
 
     @property
     def caching(self) -> bool:
@@ -153,7 +167,9 @@ class StepPath:
     # ------------------------------------------------------------ one round trip
 
     def send(self, ops: list[w.Op]) -> w.StepReply:
-        """One frame; raises BrokerError for a refused op (after applying the ones that ran)."""
+        """One frame and its reply (after the reply of a step begun earlier)."""
+        if self._pending is not None:
+            self._pending._collect()
         self.frames += 1
         return self.transport.request(w.encode_step(ops))
 
@@ -187,12 +203,38 @@ class StepPath:
         with a later frame) and a held adapter or key costs nothing. Raises BrokerError for a
         refused op; ops before it in the frame took effect and are accounted for."""
         with self.lock:
-            return self._step(
+            plan = self._plan(
                 list(adapter_ids) if acquire else None, list(keys) if lookup else None, max_adapters, prepare,
                 lease_ms, commit, abort, release, unpin, pin_keys,
             )  # fmt: skip
+            reply = self.send(plan.ops) if plan.ops else None
+            return self._finish(plan, reply)
 
-    def _step(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys) -> StepOutcome:
+    def begin(self, adapter_ids: Sequence[str] = (), keys: Sequence[bytes] = (), **kw) -> "PendingStep":
+        """``step`` without waiting: the frame is sent now and its reply read by
+        ``PendingStep.result()`` (or before the next frame), so the round trip overlaps
+        whatever the caller does in between (the model's work for the current step)."""
+        acquire, lookup = kw.pop("acquire", True), kw.pop("lookup", True)
+        with self.lock:
+            if self._pending is not None:
+                self._pending._collect()
+            plan = self._plan(
+                list(adapter_ids) if acquire else None, list(keys) if lookup else None, kw.pop("max_adapters", 0),
+                kw.pop("prepare", False), kw.pop("lease_ms", 0), kw.pop("commit", ()), kw.pop("abort", ()),
+                kw.pop("release", ()), kw.pop("unpin", ()), kw.pop("pin_keys", True),
+            )  # fmt: skip
+            if kw:
+                raise TypeError(f"unknown arguments {sorted(kw)}")
+            p = PendingStep(self, plan)
+            if plan.ops:
+                self.frames += 1
+                self.transport.send(w.encode_step(plan.ops))
+                self._pending = p
+            else:
+                p._reply_done = True
+            return p
+
+    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys) -> "_Plan":
         out = StepOutcome()
         ops: list[w.Op] = []
         caching = self.caching and not prepare
@@ -221,13 +263,19 @@ class StepPath:
         flush = self._flush_ops(now, force=False) if self.caching else []
         ops[:0] = flush
         acq_index = look_index = -1
+        held: dict[str, w.AcquiredRecord] = {}
         admitted: list[str] = []
         missing_ids: list[str] = []
         if ids is not None:
             distinct = list(dict.fromkeys(ids))
             n = cap or len(distinct)
             admitted, out.deferred = distinct[:n], distinct[n:]
-            missing_ids = [a for a in admitted if a not in self.adapters] if caching else admitted
+            if caching:
+                # References taken now, so nothing can flush them before this step's reply.
+                held = {a: self._lease_record(a) for a in admitted if a in self.adapters}
+                missing_ids = [a for a in admitted if a not in held]
+            else:
+                missing_ids = admitted
             if missing_ids or not caching:
                 acq_index = len(ops)
                 # Cached: only the missing ones, each admitted already (no cap needed).
@@ -244,6 +292,7 @@ class StepPath:
                     oid = self._by_key.get(k)
                     if oid is None:
                         break
+                    self._ref_pin(oid)
                     cached_objs.append(self.pins[oid].record)
                     i += 1
                 tail_keys = list(keys[i:])
@@ -252,9 +301,14 @@ class StepPath:
             if tail_keys:
                 look_index = len(ops)
                 ops.append(w.Op(w.OP_LOOKUP, tuple(tail_keys), 1 if pin_keys else 0))
-        reply = None
-        if ops:
-            reply = self.send(ops)
+        return _Plan(out, ops, now, caching, acq_index, look_index, admitted, missing_ids, cached_objs, ids, keys, pin_keys, held)
+
+    def _finish(self, plan: "_Plan", reply: w.StepReply | None) -> StepOutcome:
+        out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
+        admitted, missing_ids, cached_objs, ids, keys, pin_keys = (
+            plan.admitted, plan.missing_ids, plan.cached_objs, plan.ids, plan.keys, plan.pin_keys
+        )
+        if reply is not None:
             out.round_trips = 1
             out.arena_slabs = reply.arena_slabs
         results = reply.results if reply is not None else []
@@ -272,15 +326,20 @@ class StepPath:
                         got[aid] = rec
                         if caching:
                             # Held from now on; idle until a lease takes it below.
-                            self.adapters[aid] = HeldAdapter(rec.generation, rec.object_id, rec.pages, 0, now)
+                            self.adapters[aid] = HeldAdapter(
+                                w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
+                            )
                             self._idle += 1
                     if not ok and not caching:
                         self._undo_acquire(admitted, r)
             if ok and out.acquire_hot:
                 if caching:
-                    out.adapters = [(aid, self._lease_record(aid)) for aid in admitted]
+                    held = plan.held
+                    out.adapters = [(aid, held.get(aid) or self._lease_record(aid)) for aid in admitted]
                 else:
                     out.adapters = [(aid, got[aid]) for aid in admitted]
+            elif plan.held:
+                self._drop_adapter_refs(list(plan.held), now)
         # Keys.
         if keys is not None:
             new: list[w.ObjectRecord] = results[look_index] if 0 <= look_index < len(results) else []
@@ -288,10 +347,10 @@ class StepPath:
                 for rec in new:
                     self._add_pin(rec, now)
                 if ok:
-                    for rec in cached_objs:
-                        self._ref_pin(rec.object_id)
                     for rec in new:
                         self._ref_pin(rec.object_id)
+                else:
+                    self._drop_pin_refs([rec.object_id for rec in cached_objs], now)
             out.objects = cached_objs + list(new)
         if reply is not None:
             self.raise_error(reply)
@@ -314,7 +373,7 @@ class StepPath:
             self._idle -= 1
         h.refs += 1
         h.idle_since = 0.0
-        return w.AcquiredRecord(h.generation, h.object_id, w.TIER_HOT, h.pages)
+        return h.record
 
     def _drop_adapter_refs(self, ids: Sequence[str], now: float) -> list[str]:
         """Drop local references; the ids this cache holds no reference on (acquired over
@@ -424,5 +483,67 @@ class StepPath:
             self.raise_error(self.send(ops))
             return n
 
+    def sweep_due(self) -> bool:
+        """Whether idle holdings may be due for release (the next frame would carry them)."""
+        return bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
+
     def idle(self) -> int:
         return self._idle
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A step's frame and what its reply is matched against."""
+
+    out: StepOutcome
+    ops: list
+    now: float
+    caching: bool
+    acq_index: int
+    look_index: int
+    admitted: list
+    missing_ids: list
+    cached_objs: list
+    ids: list | None
+    keys: list | None
+    pin_keys: bool
+    # Cached adapters this step took references on (given back if it fails).
+    held: dict
+
+
+class PendingStep:
+    """A step sent by ``StepPath.begin``; ``result()`` reads its reply (once)."""
+
+    def __init__(self, path: StepPath, plan: _Plan):
+        self._path = path
+        self._plan = plan
+        self._reply: w.StepReply | None = None
+        self._reply_done = False
+        self._outcome: StepOutcome | None = None
+        self._error: BaseException | None = None
+
+    def _collect(self) -> None:
+        """Read this step's reply off the socket (the path's lock is held)."""
+        path = self._path
+        path._pending = None
+        try:
+            self._reply = path.transport.reply()
+        except BaseException as e:
+            self._error = e
+        self._reply_done = True
+
+    def result(self) -> StepOutcome:
+        """The step's outcome; raises its BrokerError as ``step`` would."""
+        path = self._path
+        with path.lock:
+            if self._outcome is None and self._error is None:
+                if not self._reply_done:
+                    self._collect()
+                if self._error is None:
+                    try:
+                        self._outcome = path._finish(self._plan, self._reply)
+                    except BaseException as e:
+                        self._error = e
+            if self._error is not None:
+                raise self._error
+            return self._outcome

@@ -55,6 +55,8 @@ class StepCounters:
     ops: int = 0
     refused: int = 0
     not_hot: int = 0
+    # Seconds spent running ops, by op kind (what the store and manager cost per frame).
+    op_seconds: dict = field(default_factory=dict)
 
 
 class StepChannelServer:
@@ -131,6 +133,11 @@ class StepChannelServer:
                 os.unlink(self.path)
         for c in list(self._conns.values()):
             self._drop(c)
+        k = self.counters
+        self._log(
+            "step_channel_closed", connections=k.connections, frames=k.frames, ops=k.ops, refused=k.refused,
+            not_hot=k.not_hot, op_ms={w.OP_NAMES[o]: round(t * 1e3, 3) for o, t in k.op_seconds.items()},
+        )
 
     @property
     def open_connections(self) -> int:
@@ -314,9 +321,12 @@ class StepChannelServer:
         sid = s.session_id
         results: list[bytes] = []
         self.counters.ops += len(ops)
+        spent = self.counters.op_seconds
         for i, op in enumerate(ops):
+            t0 = time.perf_counter()
             try:
                 results.append(self._op(sid, op))
+                spent[op.kind] = spent.get(op.kind, 0.0) + time.perf_counter() - t0
             except BrokerError as e:
                 self.counters.refused += 1
                 return w.encode_step_reply(self._num_slabs(), results, e, i)
