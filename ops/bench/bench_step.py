@@ -13,7 +13,8 @@ adapters and pinning one KV block key per sequence, and giving back the previous
 Each runs through every client path: gRPC (the old path, 4 RPCs per step), the step channel
 with the same four calls, one ``client.step()`` call, and both again with the holdings cache
 (``hold_s``); with the cache also pipelined (``step_begin`` sent when the next batch is known,
-the reply collected after a simulated 200 us of model work, which is not counted). Per-step
+the reply collected after a simulated 200 us of model work (a sleep, as a CPU waiting on
+its GPU), which is not counted). Per-step
 client-side cost: median and p99, in us and as a multiple of a raw Unix-socket ping-pong
 (a bare echo process, 32-byte messages) measured in the same run, next to the step channel's
 own PING and a bare gRPC Echo. Targets (issue 16): steady median <= 2x raw; trace median
@@ -159,9 +160,9 @@ def pipelined(c: BrokerClient, work):
         elif before is not None:
             before.release()
         yield (time.perf_counter_ns() - t0) / 1000
-        end = time.perf_counter() + MODEL_WORK_S
-        while time.perf_counter() < end:  # the model's work for step i (not counted)
-            pass
+        # The model's work for step i (not counted): on an engine the GPU runs it while
+        # the CPU waits, so this thread sleeps rather than spins.
+        time.sleep(MODEL_WORK_S)
         t0 = time.perf_counter_ns()
         before = cur
     before.release()
