@@ -834,13 +834,13 @@ class BrokerClient:
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return same
-        rel_ids, unpins = self._giving_back(release)
+        rel_ids, unpins, carry = self._giving_back(release, st)
         out = self._fast(
             st.step, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
             commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
-            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys),
+            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys), carry=carry,
         )  # fmt: skip
-        return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys)
+        return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys, st)
 
     def step_begin(
         self,
@@ -867,14 +867,14 @@ class BrokerClient:
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return PendingStepLease(lambda: same)
-        rel_ids, unpins = self._giving_back(release)
+        rel_ids, unpins, carry = self._giving_back(release, st)
         pending = self._fast(
             st.begin, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
             commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
-            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys),
+            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys), carry=carry,
         )  # fmt: skip
         return PendingStepLease(
-            lambda: self._step_lease(self._fast(pending.result), ids, max_adapters, prepare, lease_s, keys)
+            lambda: self._step_lease(self._fast(pending.result), ids, max_adapters, prepare, lease_s, keys, st)
         )
 
     def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> "StepLease | None":
@@ -886,13 +886,19 @@ class BrokerClient:
         ):  # fmt: skip
             return None
         release.released = True
-        return StepLease(self, release.adapters, release.objects, ids, keys, max_adapters)
+        sl = StepLease(self, release.adapters, release.objects, ids, keys, max_adapters)
+        sl.cache, sl.cached = release.cache, release.cached
+        return sl
 
-    def _giving_back(self, release: "StepLease | None") -> tuple[list[str], list[int]]:
-        """What a step gives back of a previous step's lease: (adapter ids, object ids)."""
+    def _giving_back(self, release: "StepLease | None", st: StepPath) -> tuple[list[str], list[int], tuple[bool, bool]]:
+        """What a step gives back of a previous step's lease: (adapter ids, object ids,
+        whether each part holds references of ``st``'s cache, which can pass over)."""
         rel_ids: list[str] = []
         unpins: list[int] = []
+        carry = (False, False)
         if release is not None and not release.released:
+            if release.cache is st:
+                carry = release.cached
             release.released = True
             if release.epoch == self.epoch:
                 prev = release.adapters
@@ -903,10 +909,10 @@ class BrokerClient:
                         prev.released = True
                         rel_ids = prev.ids
                 unpins = [o.object_id for o in release.objects]
-        return rel_ids, unpins
+        return rel_ids, unpins, carry
 
     def _step_lease(self, out: StepOutcome, ids: list[str], max_adapters: int, prepare: bool, lease_s: float,
-                    keys: Sequence[bytes] = ()) -> "StepLease":
+                    keys: Sequence[bytes] = (), st: StepPath | None = None) -> "StepLease":
         objs = self._objects(out.objects) if out.objects is not None else []
         if not ids:
             lease = None
@@ -920,7 +926,13 @@ class BrokerClient:
                 if objs:
                     self.unpin(objs)
                 raise
-        return StepLease(self, lease, objs, ids, list(keys), max_adapters)
+        sl = StepLease(self, lease, objs, ids, list(keys), max_adapters)
+        if st is not None and st.caching:
+            # What this lease holds are references of st's cache (adapters: unless gRPC
+            # acquired them, or they are prepared): a next step may carry them over.
+            sl.cache = st
+            sl.cached = (bool(ids) and out.acquire_hot and not prepare, True)
+        return sl
 
     def flush_holdings(self) -> int:
         """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
@@ -1107,6 +1119,10 @@ class StepLease:
         self.epoch = client.epoch
         # What the step asked for (a next step asking the same may take this one's holdings over).
         self._asked = (adapter_ids, keys, max_adapters)
+        # The step cache whose references this lease holds, and for which parts
+        # (adapters, objects); None when it holds broker pins of its own.
+        self.cache = None
+        self.cached = (False, False)
         # AdapterLease of the step's adapters, or None when it asked for none.
         self.adapters = adapters
         # The longest present prefix of the step's keys, pinned for this session.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -195,17 +196,21 @@ class StepPath:
         acquire: bool = True,
         lookup: bool = True,
         pin_keys: bool = True,
+        carry: tuple[bool, bool] = (False, False),
     ) -> StepOutcome:
         """Release and unpin, commit or abort prepared acquires, acquire adapters, look up
         (and pin) keys: at most one round trip, none when the cache has everything.
 
         With the cache, ``release`` and ``unpin`` drop local references (the broker is told
         with a later frame) and a held adapter or key costs nothing. Raises BrokerError for a
-        refused op; ops before it in the frame took effect and are accounted for."""
+        refused op; ops before it in the frame took effect and are accounted for.
+
+        ``carry``: (adapters, pins) of ``release``/``unpin`` were taken from this cache by
+        one earlier step, so what this step takes again passes over without a count change."""
         with self.lock:
             plan = self._plan(
                 list(adapter_ids) if acquire else None, list(keys) if lookup else None, max_adapters, prepare,
-                lease_ms, commit, abort, release, unpin, pin_keys,
+                lease_ms, commit, abort, release, unpin, pin_keys, carry,
             )  # fmt: skip
             reply = self.send(plan.ops) if plan.ops else None
             return self._finish(plan, reply)
@@ -221,7 +226,7 @@ class StepPath:
             plan = self._plan(
                 list(adapter_ids) if acquire else None, list(keys) if lookup else None, kw.pop("max_adapters", 0),
                 kw.pop("prepare", False), kw.pop("lease_ms", 0), kw.pop("commit", ()), kw.pop("abort", ()),
-                kw.pop("release", ()), kw.pop("unpin", ()), kw.pop("pin_keys", True),
+                kw.pop("release", ()), kw.pop("unpin", ()), kw.pop("pin_keys", True), kw.pop("carry", (False, False)),
             )  # fmt: skip
             if kw:
                 raise TypeError(f"unknown arguments {sorted(kw)}")
@@ -234,11 +239,37 @@ class StepPath:
                 p._reply_done = True
             return p
 
-    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys) -> "_Plan":
+    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> "_Plan":
         out = StepOutcome()
         ops: list[w.Op] = []
         caching = self.caching and not prepare
         now = time.monotonic()
+        admitted: list[str] = []
+        if ids is not None:
+            distinct = list(dict.fromkeys(ids))
+            n = cap or len(distinct)
+            admitted, out.deferred = distinct[:n], distinct[n:]
+        # What the previous step gives back and this one takes again keeps its reference
+        # (the usual step: most of the batch stays).
+        carried_a: set = set()
+        carried_o: dict[int, int] = {}
+        if caching and carry[0] and release and admitted:
+            carried_a = set(release).intersection(admitted)
+            if carried_a:
+                release = [a for a in release if a not in carried_a]
+        if self.caching and carry[1] and unpin and keys and pin_keys:
+            pinned = Counter(unpin)
+            by_key = self._by_key
+            for k in keys:
+                oid = by_key.get(k)
+                if oid is None:
+                    break
+                if pinned.get(oid, 0) > carried_o.get(oid, 0):
+                    carried_o[oid] = carried_o.get(oid, 0) + 1
+            if carried_o:
+                left = Counter(unpin)
+                left.subtract(carried_o)
+                unpin = list(left.elements())
         # Releases first: what the step gives back makes room for what it takes.
         if release:
             if self.caching:
@@ -264,15 +295,15 @@ class StepPath:
         ops[:0] = flush
         acq_index = look_index = -1
         held: dict[str, w.AcquiredRecord] = {}
-        admitted: list[str] = []
         missing_ids: list[str] = []
         if ids is not None:
-            distinct = list(dict.fromkeys(ids))
-            n = cap or len(distinct)
-            admitted, out.deferred = distinct[:n], distinct[n:]
             if caching:
                 # References taken now, so nothing can flush them before this step's reply.
-                held = {a: self._lease_record(a) for a in admitted if a in self.adapters}
+                adapters = self.adapters
+                for a in admitted:
+                    h = adapters.get(a)
+                    if h is not None:
+                        held[a] = h.record if a in carried_a else self._lease_record(a)
                 missing_ids = [a for a in admitted if a not in held]
             else:
                 missing_ids = admitted
@@ -292,7 +323,10 @@ class StepPath:
                     oid = self._by_key.get(k)
                     if oid is None:
                         break
-                    self._ref_pin(oid)
+                    if carried_o.get(oid):
+                        carried_o[oid] -= 1
+                    else:
+                        self._ref_pin(oid)
                     cached_objs.append(self.pins[oid].record)
                     i += 1
                 tail_keys = list(keys[i:])

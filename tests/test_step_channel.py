@@ -343,3 +343,34 @@ def test_a_broker_without_the_channel_is_served_over_grpc(rig, monkeypatch):
             assert s.adapters.ids == ["a0"] and [o.key for o in s.objects] == [b"k0"]
             assert c.stats().pinned_pages == 2
         assert c.stats().pinned_pages == 0
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["no-cache", "cache"])
+def test_random_steps_keep_the_counts_straight_and_give_everything_back(rig, hold_s):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
+    keys = [b"k%d" % i for i in range(6)] + [b"absent"]
+    rng = random.Random(9)
+    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+        prev = None
+        pending = None
+        for i in range(120):
+            ids = rng.sample(["a0", "a1", "a2", "a3"], rng.randint(0, 3))
+            ks = rng.sample(keys, rng.randint(0, 4)) if rng.random() < 0.7 else rng.choices(keys, k=3)
+            if rng.random() < 0.4:
+                pending = c.step_begin(ids, ks, max_adapters=2, release=prev)
+                cur = pending.result()
+            else:
+                cur = c.step(ids, ks, max_adapters=2, release=prev)
+            want = list(dict.fromkeys(ids))[:2]
+            assert (cur.adapters.ids if cur.adapters else []) == want
+            found = [o.key for o in cur.objects]
+            assert found == ks[: len(found)] and (len(found) == len(ks) or ks[len(found)] == b"absent")
+            # The broker pins at least what the current step holds.
+            assert c.stats().pinned_pages >= len(want) + len(set(found))
+            prev = cur
+        prev.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
+        st = c._step_path()
+        assert st.idle() == 0 and not st.adapters and not st.pins
