@@ -666,7 +666,11 @@ class BrokerClient:
 
     def free(self, objs: Iterable[BrokerObject | int]) -> tuple[int, int]:
         """Free owned objects; returns (pages freed now, pages freed when others unpin)."""
-        resp = self._call(self._stub.Free, pb.FreeRequest(object_ids=self._ids(objs)))
+        ids = self._ids(objs)
+        resp = self._call(self._stub.Free, pb.FreeRequest(object_ids=ids))
+        st = self._step
+        if st is not None and st.caching and self._step_epoch == self.epoch:
+            st.forget_pins(ids)
         return resp.freed_pages, resp.deferred_pages
 
     def pin(self, objs: Iterable[BrokerObject | int]) -> list[BrokerObject]:

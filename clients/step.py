@@ -13,6 +13,7 @@ mappings or tensors (``BrokerClient`` turns its records into leases and objects)
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -22,6 +23,8 @@ from typing import Sequence
 
 from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.broker.sessions import step_wire as w
+
+log = logging.getLogger(__name__)
 
 # Idle holdings kept at most (beyond this the oldest are released with the next frame).
 DEFAULT_MAX_IDLE = 4096
@@ -289,10 +292,6 @@ class StepPath:
             ops.append(w.Op(w.OP_COMMIT, tuple(commit)))
         if abort:
             ops.append(w.Op(w.OP_ABORT, tuple(abort)))
-        # Idle holdings past their time ride along with this frame, or get one of their own
-        # when there is none (at most once per hold_s).
-        flush = self._flush_ops(now, force=False) if self.caching else []
-        ops[:0] = flush
         acq_index = look_index = -1
         held: dict[str, w.AcquiredRecord] = {}
         missing_ids: list[str] = []
@@ -335,7 +334,13 @@ class StepPath:
             if tail_keys:
                 look_index = len(ops)
                 ops.append(w.Op(w.OP_LOOKUP, tuple(tail_keys), 1 if pin_keys else 0))
-        return _Plan(out, ops, now, caching, acq_index, look_index, admitted, missing_ids, cached_objs, ids, keys, pin_keys, held)
+        # Idle holdings past their time ride at the end of this frame (the caller's ops run
+        # first whatever becomes of them), or get a frame of their own when there is none.
+        own = len(ops)
+        if self.caching:
+            ops.extend(self._flush_ops(now, force=False))
+        return _Plan(out, ops, now, caching, acq_index, look_index, admitted, missing_ids, cached_objs, ids, keys,
+                     pin_keys, held, own)  # fmt: skip
 
     def _finish(self, plan: "_Plan", reply: w.StepReply | None) -> StepOutcome:
         out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
@@ -345,6 +350,11 @@ class StepPath:
         if reply is not None:
             out.round_trips = 1
             out.arena_slabs = reply.arena_slabs
+            if reply.error is not None and reply.failed_index >= plan.own:
+                # Only the release of idle holdings was refused (what they held is gone
+                # already, e.g. freed): nothing the caller asked for.
+                log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
+                reply = w.StepReply(reply.arena_slabs, reply.results)
         results = reply.results if reply is not None else []
         ok = reply is None or reply.error is None
         # Adapters.
@@ -464,9 +474,17 @@ class StepPath:
                 self._add_pin(rec, now)
                 self._ref_pin(rec.object_id)
 
-    def held_pin(self, oid: int) -> bool:
-        h = self.pins.get(oid)
-        return h is not None
+    def forget_pins(self, oids: Sequence[int]) -> None:
+        """Objects this session freed: their pins went with them at the broker."""
+        with self.lock:
+            for oid in oids:
+                h = self.pins.pop(oid, None)
+                if h is None:
+                    continue
+                if h.refs == 0:
+                    self._idle -= 1
+                if h.record.key and self._by_key.get(h.record.key) == oid:
+                    del self._by_key[h.record.key]
 
     def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
         """Take a reference on each held object (all or none); None when one is not held."""
@@ -543,6 +561,8 @@ class _Plan:
     pin_keys: bool
     # Cached adapters this step took references on (given back if it fails).
     held: dict
+    # Ops of the caller (the idle releases come after them).
+    own: int
 
 
 class PendingStep:

@@ -374,3 +374,15 @@ def test_random_steps_keep_the_counts_straight_and_give_everything_back(rig, hol
         assert c.stats().pinned_pages == 0
         st = c._step_path()
         assert st.idle() == 0 and not st.adapters and not st.pins
+
+
+def test_freeing_an_object_the_cache_holds_drops_it_from_the_cache(rig):
+    b, _ = rig
+    with BrokerClient.connect(b.socket, hold_s=0.1) as c:
+        (mine,) = c.allocate([Spec(1, content_type="kv_cache", key=b"own")])
+        c.unpin(c.lookup([b"own"]))  # idle in the cache, pinned at the broker
+        assert c.stats().pinned_pages == 1
+        assert c.free([mine]) == (1, 0)  # the owner's own pins go with the object
+        time.sleep(0.2)
+        assert [o.key for o in c.lookup([b"k0"])] == [b"k0"]  # a frame that would release it: no error
+        assert c.stats().pinned_pages == 1
