@@ -985,6 +985,8 @@ class BrokerClient:
         """A step-path call, its transport failures as UNAVAILABLE (as gRPC's are)."""
         try:
             return fn(*args, **kw)
+        except _w.WireError as e:
+            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
         except StepUnavailable as e:
             raise BrokerError(
                 Code.UNAVAILABLE, f"the broker at {self.socket_path} did not answer on its step channel ({e}); retry"

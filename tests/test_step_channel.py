@@ -386,3 +386,16 @@ def test_freeing_an_object_the_cache_holds_drops_it_from_the_cache(rig):
         time.sleep(0.2)
         assert [o.key for o in c.lookup([b"k0"])] == [b"k0"]  # a frame that would release it: no error
         assert c.stats().pinned_pages == 1
+
+
+def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        before = books(c)
+        for call_ in (lambda: c.unpin([-1]), lambda: c.acquire_adapters(["a0"], max_adapters=70000),
+                      lambda: c.step(["a0"], prepare=True, lease_s=1e9)):  # fmt: skip
+            with pytest.raises(BrokerError) as e:
+                call_()
+            assert e.value.code == Code.INVALID_ARGUMENT
+        assert books(c) == before

@@ -148,7 +148,10 @@ def _ids(ids: Sequence[int]) -> bytes:
     n = len(ids)
     if n > 0xFFFF:
         raise WireError(f"{n} ids in one op; at most 65535")
-    return _U16.pack(n) + struct.pack(f"<{n}Q", *ids)
+    try:
+        return _U16.pack(n) + struct.pack(f"<{n}Q", *ids)
+    except struct.error:
+        raise WireError(f"object and transaction ids are integers in 0..2**64-1; got {list(ids)[:8]}") from None
 
 
 def encode_step(ops: Sequence[Op]) -> bytes:
@@ -159,12 +162,19 @@ def encode_step(ops: Sequence[Op]) -> bytes:
     for op in ops:
         k = op.kind
         parts.append(bytes((k,)))
+        if k in (OP_RELEASE, OP_LOOKUP) and len(op.items) > 0xFFFF:
+            raise WireError(f"{len(op.items)} items in one op; at most 65535")
         if k == OP_RELEASE:
             parts.append(_U16.pack(len(op.items)))
             parts.extend(_str16(a.encode(), "an adapter id") for a in op.items)
         elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
             parts.append(_ids(op.items))
         elif k == OP_ACQUIRE:
+            if not (0 <= op.max_adapters <= 0xFFFF and 0 <= op.lease_ms <= 0xFFFFFFFF and len(op.items) <= 0xFFFF):
+                raise WireError(
+                    f"acquire: max_adapters {op.max_adapters} (0..65535), lease {op.lease_ms} ms (0..4294967295) "
+                    f"or {len(op.items)} ids (at most 65535) out of range"
+                )
             parts.append(_ACQ_HEAD.pack(op.flags, op.max_adapters, op.lease_ms, len(op.items)))
             parts.extend(_str16(a.encode(), "an adapter id") for a in op.items)
         elif k == OP_LOOKUP:
