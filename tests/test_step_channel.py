@@ -399,3 +399,12 @@ def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(rig):
                 call_()
             assert e.value.code == Code.INVALID_ARGUMENT
         assert books(c) == before
+
+
+def test_the_step_socket_follows_socket_mode_and_goes_with_the_broker(broker_factory):
+    import stat
+
+    b = broker_factory("--socket-mode", "0660")
+    assert stat.S_IMODE(os.stat(b.socket + ".step").st_mode) == 0o660
+    b.stop()
+    assert not os.path.exists(b.socket + ".step")
