@@ -153,7 +153,8 @@ class StepPath:
         self.transport = transport
         self.hold_s = hold_s
         self.max_idle = max_idle
-        self.lock = threading.Lock()
+        # Reentrant: a step holds it while it sends; one caller at a time on the socket.
+        self.lock = threading.RLock()
         self.adapters: dict[str, HeldAdapter] = {}
         self.pins: dict[int, HeldPin] = {}
         self._by_key: dict[bytes, int] = {}
@@ -172,10 +173,11 @@ class StepPath:
 
     def send(self, ops: list[w.Op]) -> w.StepReply:
         """One frame and its reply (after the reply of a step begun earlier)."""
-        if self._pending is not None:
-            self._pending._collect()
-        self.frames += 1
-        return self.transport.request(w.encode_step(ops))
+        with self.lock:
+            if self._pending is not None:
+                self._pending._collect()
+            self.frames += 1
+            return self.transport.request(w.encode_step(ops))
 
     @staticmethod
     def raise_error(reply: w.StepReply) -> None:

@@ -408,3 +408,31 @@ def test_the_step_socket_follows_socket_mode_and_goes_with_the_broker(broker_fac
     assert stat.S_IMODE(os.stat(b.socket + ".step").st_mode) == 0o660
     b.stop()
     assert not os.path.exists(b.socket + ".step")
+
+
+def test_threads_sharing_a_client_each_get_their_own_answers(rig):
+    import threading
+
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
+        errors = []
+
+        def worker(i: int) -> None:
+            try:
+                for n in range(150):
+                    key = b"k%d" % ((i + n) % 6)
+                    with c.step([f"a{(i + n) % 2}"], [key]) as s:
+                        assert [o.key for o in s.objects] == [key] and s.adapters.ids == [f"a{(i + n) % 2}"]
+                    c.unpin(c.pin([s.objects[0]]))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
