@@ -286,7 +286,7 @@ class BrokerServer:
             check_visible=self.service._check_visible,
             is_draining=lambda: self.service.draining,
             num_slabs=lambda: self.arena.num_slabs,
-            record=(lambda s, code: metrics.rpc_latency.record(s, {"method": "Step", "code": code}))
+            record=(lambda s, method, code: metrics.rpc_latency.record(s, {"method": method, "code": code}))
             if metrics is not None
             else None,
             log=self._log_event,

@@ -30,6 +30,12 @@ LISTEN_BACKLOG = 64
 RECV_BYTES = 1 << 16
 
 _TIERS = {"hot": w.TIER_HOT, "warm": w.TIER_WARM, "cold": w.TIER_COLD}
+# Each op is recorded in the RPC latency metric under the gRPC method it stands for, so
+# dashboards and alerts count fast-path work as they count RPCs; refused frames as "Step".
+METHODS = {
+    w.OP_RELEASE: "ReleaseAdapters", w.OP_UNPIN: "Unpin", w.OP_PIN: "Pin", w.OP_COMMIT: "Commit",
+    w.OP_ABORT: "Abort", w.OP_ACQUIRE: "AcquireAdapters", w.OP_LOOKUP: "Lookup",
+}  # fmt: skip
 
 
 @dataclass(slots=True, eq=False)
@@ -74,7 +80,7 @@ class StepChannelServer:
         check_visible: Callable[[int, list[int]], None],
         is_draining: Callable[[], bool] = lambda: False,
         num_slabs: Callable[[], int] = lambda: 0,
-        record: Callable[[float, str], None] | None = None,
+        record: Callable[[float, str, str], None] | None = None,
         log: Callable[..., None] | None = None,
         max_connections: int = MAX_CONNECTIONS,
     ):
@@ -88,7 +94,8 @@ class StepChannelServer:
             check_visible: the gRPC Pin rule (NOT_FOUND for another session's anonymous object).
             is_draining: True once the broker is shutting down (steps are refused UNAVAILABLE).
             num_slabs: the arena's slab count now (a client maps new slabs before using pages).
-            record: ``record(seconds, code)`` per frame (the RPC latency metric).
+            record: ``record(seconds, method, code)`` per op, and per refused frame as
+                method "Step" (the RPC latency metric).
         """
         self.path = path
         self._loop = loop
@@ -263,10 +270,7 @@ class StepChannelServer:
                 code = "INVALID_ARGUMENT"
                 return b""
             if kind == w.STEP:
-                reply = self._step(c, body)
-                if reply[4] == w.ERROR:
-                    code = "REFUSED"
-                return reply
+                return self._step(c, body)
             if kind == w.HELLO:
                 return self._hello(c, body)
             if kind == w.PING:
@@ -287,8 +291,8 @@ class StepChannelServer:
             self._log("step_channel_internal_error", error=repr(e))
             return w.error_frame(BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}"))
         finally:
-            if self._record is not None:
-                self._record(time.perf_counter() - t0, code)
+            if self._record is not None and code != "OK":
+                self._record(time.perf_counter() - t0, "Step", code)
 
     def _hello(self, c: _Conn, body) -> bytes:
         if c.session is not None:
@@ -322,14 +326,20 @@ class StepChannelServer:
         results: list[bytes] = []
         self.counters.ops += len(ops)
         spent = self.counters.op_seconds
+        record = self._record
         for i, op in enumerate(ops):
             t0 = time.perf_counter()
             try:
                 results.append(self._op(sid, op))
-                spent[op.kind] = spent.get(op.kind, 0.0) + time.perf_counter() - t0
             except BrokerError as e:
                 self.counters.refused += 1
+                if record is not None:
+                    record(time.perf_counter() - t0, METHODS[op.kind], e.code.value)
                 return w.encode_step_reply(self._num_slabs(), results, e, i)
+            t1 = time.perf_counter()
+            spent[op.kind] = spent.get(op.kind, 0.0) + t1 - t0
+            if record is not None:
+                record(t1 - t0, METHODS[op.kind], "OK")
         return w.encode_step_reply(self._num_slabs(), results)
 
     def _op(self, sid: int, op: w.Op) -> bytes:
