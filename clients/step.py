@@ -17,7 +17,6 @@ import logging
 import socket
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -157,7 +156,8 @@ class StepPath:
         self.lock = threading.RLock()
         self.adapters: dict[str, HeldAdapter] = {}
         self.pins: dict[int, HeldPin] = {}
-        self._by_key: dict[bytes, int] = {}
+        # Key -> the entry of the object it names.
+        self._by_key: dict[bytes, HeldPin] = {}
         self._idle = 0
         self._next_sweep = 0.0
         # Frames sent (what tests and the benchmark count round trips by).
@@ -263,18 +263,19 @@ class StepPath:
             if carried_a:
                 release = [a for a in release if a not in carried_a]
         if self.caching and carry[1] and unpin and keys and pin_keys:
-            pinned = Counter(unpin)
-            by_key = self._by_key
-            for k in keys:
-                oid = by_key.get(k)
-                if oid is None:
-                    break
-                if pinned.get(oid, 0) > carried_o.get(oid, 0):
-                    carried_o[oid] = carried_o.get(oid, 0) + 1
-            if carried_o:
-                left = Counter(unpin)
-                left.subtract(carried_o)
-                unpin = list(left.elements())
+            give = set(unpin)
+            if len(give) == len(unpin):  # each object once (the usual case; else no carry)
+                by_key = self._by_key
+                for k in keys:
+                    h = by_key.get(k)
+                    if h is None:
+                        break
+                    oid = h.record.object_id
+                    if oid in give:
+                        give.discard(oid)
+                        carried_o[oid] = 1
+                if carried_o:
+                    unpin = [o for o in unpin if o not in carried_o]
         # Releases first: what the step gives back makes room for what it takes.
         if release:
             if self.caching:
@@ -320,15 +321,18 @@ class StepPath:
         if keys is not None:
             if self.caching and pin_keys:
                 i = 0
+                by_key = self._by_key
+                append = cached_objs.append
                 for k in keys:
-                    oid = self._by_key.get(k)
-                    if oid is None:
+                    h = by_key.get(k)
+                    if h is None:
                         break
-                    if carried_o.get(oid):
-                        carried_o[oid] -= 1
-                    else:
-                        self._ref_pin(oid)
-                    cached_objs.append(self.pins[oid].record)
+                    if not (carried_o and carried_o.pop(h.record.object_id, 0)):
+                        if h.refs == 0:
+                            self._idle -= 1
+                        h.refs += 1
+                        h.idle_since = 0.0
+                    append(h.record)
                     i += 1
                 tail_keys = list(keys[i:])
             else:
@@ -440,10 +444,10 @@ class StepPath:
         """Account one broker pin; the entry is idle until a reference is taken."""
         h = self.pins.get(rec.object_id)
         if h is None:
-            self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
+            h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
             self._idle += 1
             if rec.key:
-                self._by_key[rec.key] = rec.object_id
+                self._by_key[rec.key] = h
         else:
             h.broker_pins += 1
 
@@ -485,7 +489,7 @@ class StepPath:
                     continue
                 if h.refs == 0:
                     self._idle -= 1
-                if h.record.key and self._by_key.get(h.record.key) == oid:
+                if h.record.key and self._by_key.get(h.record.key) is h:
                     del self._by_key[h.record.key]
 
     def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
@@ -517,8 +521,8 @@ class StepPath:
                 unp.extend([oid] * h.broker_pins)
                 over -= 1
                 del self.pins[oid]
-                if h.record.key:
-                    self._by_key.pop(h.record.key, None)
+                if h.record.key and self._by_key.get(h.record.key) is h:
+                    del self._by_key[h.record.key]
         self._idle -= len(rel) + len({*unp})
         ops = []
         if rel:

@@ -9,12 +9,12 @@ adapters and pinning one KV block key per sequence, and giving back the previous
 * steady: the same 16 sequences (8 adapters, 16 keys) every step (issue 16's example step);
 * trace: requests arrive and complete every step (Zipf(1.0) over the 200 adapters, batch
   size drifting within 8..32 sequences, at least one arrival and one completion per step,
-  a fresh KV key per arrival).
+  a KV key per arrival never seen before in the run, so every step has something to ask).
 Each runs through every client path: gRPC (the old path, 4 RPCs per step), the step channel
 with the same four calls, one ``client.step()`` call, and both again with the holdings cache
 (``hold_s``); with the cache also pipelined (``step_begin`` sent when the next batch is known,
-the reply collected after a simulated 200 us of model work (a sleep, as a CPU waiting on
-its GPU), which is not counted). Per-step
+the reply collected after a simulated 2 ms of model work (a sleep, as a CPU waiting on
+its GPU; a tenth of a 20 ms decode step), which is not counted). Per-step
 client-side cost: median and p99, in us and as a multiple of a raw Unix-socket ping-pong
 (a bare echo process, 32-byte messages) measured in the same run, next to the step channel's
 own PING and a bare gRPC Echo. Targets (issue 16): steady median <= 2x raw; trace median
@@ -40,14 +40,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_rpc import start_broker  # noqa: E402
 from memory_broker.broker.sessions import step_wire  # noqa: E402
 from memory_broker.broker.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 
 ADAPTERS = 200
-KEYS = 1024
-MODEL_WORK_S = 200e-6
+# KV blocks (one 512 KiB page each): enough that no arrival's key was seen before.
+KEYS = int(os.environ.get("BENCH_STEP_KEYS", 12000))
+# The model's work per step in the pipelined path: a tenth of a 20 ms decode step.
+MODEL_WORK_S = 2e-3
 
 ECHO_SERVER = r"""
 import os, socket, sys
@@ -101,7 +102,7 @@ def trace(steps: int, seed: int = 7) -> list[tuple[list[str], list[bytes]]]:
 
     def arrival() -> tuple[str, bytes]:
         a = rng.choices(range(ADAPTERS), weights)[0]
-        k = b"kv-%d" % (nxt[0] % KEYS)
+        k = b"kv-%d" % (nxt[0] % KEYS)  # fresh: KEYS exceeds the arrivals of a run
         nxt[0] += 1
         return f"ad{a}", k
 
@@ -116,6 +117,8 @@ def trace(steps: int, seed: int = 7) -> list[tuple[list[str], list[bytes]]]:
         kept += [arrival() for _ in range(max(1, target - len(kept)))]  # at least one arrival
         batch = kept
         out.append(([a for a, _ in batch], [k for _, k in batch]))
+    if nxt[0] > KEYS:
+        raise SystemExit(f"{steps} trace steps need {nxt[0]} fresh KV keys; the benchmark allocates {KEYS}")
     return out
 
 
@@ -182,6 +185,9 @@ def measure(socket_path: str, kw: dict, fn, work, warm: int) -> tuple[list[float
     """(per-step us, round trips per step) over ``work`` after ``warm`` untimed steps."""
     c = BrokerClient.connect(socket_path, client_name="bench-step", **kw)
     try:
+        # An engine that has run a while has every adapter's layout (fetched once per
+        # adapter, over gRPC); so does this client before it is timed.
+        c.acquire_adapters([f"ad{i}" for i in range(ADAPTERS)]).release()
         for _ in fn(c, work[:warm]):
             pass
         st = c._step_path()
@@ -242,6 +248,28 @@ def grpc_echo(socket_path: str, n: int) -> list[float]:
         return out[200:]
 
 
+def start_broker(socket_path: str, state: str) -> subprocess.Popen:
+    """A broker with the bare Echo service, 512 KiB pages (KV blocks) and room for them all."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket_path, "--arena", "host",
+         "--enable-echo", "--pool-size", "8GiB", "--page-size", "512KiB", "--slab-size", "256MiB",
+         "--state-dir", state, "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(socket_path):
+            try:
+                with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+                    echo_pb2_grpc.EchoStub(ch).Echo(echo_pb2.EchoRequest(), timeout=1)
+                return proc
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("broker did not start")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per path and workload")
@@ -267,7 +295,8 @@ def run(d: str, sock: str, steps: int) -> None:
     if r.failed:
         raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
     # The KV blocks stay allocated (owned by the setup session) while the paths run.
-    setup.allocate([Spec(1, content_type="kv_cache", key=b"kv-%d" % i) for i in range(KEYS)])
+    for first in range(0, KEYS, 1000):
+        setup.allocate([Spec(1, content_type="kv_cache", key=b"kv-%d" % i) for i in range(first, min(KEYS, first + 1000))])
     warm = max(50, steps // 10)
     workloads = {"steady": steady(steps + warm), "trace": trace(steps + warm)}
 
