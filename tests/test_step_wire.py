@@ -83,3 +83,9 @@ def test_random_bytes_never_escape_as_anything_but_a_wire_error():
             w.decode_step(bytes(b))
         except w.WireError:
             pass
+
+
+def test_object_rows_encode_as_records_do():
+    rec = w.ObjectRecord(5, 3, 2, 1, False, True, 0, 2, [7], b"", 0)
+    row = (5, 3, 2, 1, False, True, 0, 2, [7], b"")
+    assert w.encode_object_rows(w.OP_PIN, [row]) == w.encode_objects(w.OP_PIN, [rec])

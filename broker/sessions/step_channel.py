@@ -378,16 +378,14 @@ class StepChannelServer:
 
     @staticmethod
     def _objects(kind: int, sid: int, objs) -> bytes:
-        return w.encode_objects(
+        return w.encode_object_rows(
             kind,
             [
-                w.ObjectRecord(
-                    o.object_id, o.window_page, int(o.state), int(o.content_type), o.owner == sid, False,
-                    o.pins.get(sid, 0), o.pin_count, o.pages, o.key or b"",
-                )
+                (o.object_id, o.window_page, int(o.state), int(o.content_type), o.owner == sid, False,
+                 o.pins.get(sid, 0), o.pin_count, o.pages, o.key or b"")
                 for o in objs
             ],
-        )
+        )  # fmt: skip
 
     def _acquire(self, sid: int, op: w.Op) -> bytes:
         """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.

@@ -69,11 +69,15 @@ _OBJS_HEAD = struct.Struct("<BH")
 OBJ_OWNED, OBJ_DEDUP = 1, 2
 
 
+# The records below are plain (not frozen) slotted dataclasses: a frozen one costs several
+# times more to build, and a step builds dozens; treat them as read-only all the same.
+
+
 class WireError(ValueError):
     """A frame that does not parse; the message says where."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Op:
     kind: int
     # Adapter ids (release, acquire), object or transaction ids (unpin, pin, commit,
@@ -85,7 +89,7 @@ class Op:
     lease_ms: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AcquiredRecord:
     generation: int
     object_id: int
@@ -93,7 +97,7 @@ class AcquiredRecord:
     pages: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AcquireOutcome:
     # False: an admitted adapter was not hot; nothing was pinned; ask over gRPC (it loads).
     hot: bool
@@ -103,7 +107,7 @@ class AcquireOutcome:
     adapters: tuple[AcquiredRecord, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ObjectRecord:
     """What ``pb.ObjectInfo`` says of an object, in the fields a client reads."""
 
@@ -120,7 +124,7 @@ class ObjectRecord:
     arena_slabs: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepReply:
     arena_slabs: int
     # One per op that ran: None (release, unpin, commit, abort), AcquireOutcome, or a list
@@ -281,6 +285,17 @@ def encode_objects(kind: int, objs: Sequence[ObjectRecord]) -> bytes:
         )
         parts.append(struct.pack("<%dI" % len(pages), *pages))
         parts.append(_U16.pack(len(o.key)) + o.key)
+    return b"".join(parts)
+
+
+def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
+    """``encode_objects`` from tuples in ``ObjectRecord``'s field order (no records built)."""
+    parts = [_OBJS_HEAD.pack(kind, len(rows))]
+    head, u16 = _OBJ_HEAD.pack, _U16.pack
+    for oid, wp, state, ct, owned, dedup, sp, tp, pages, key in rows:
+        parts.append(head(oid, wp, state, ct, (OBJ_OWNED if owned else 0) | (OBJ_DEDUP if dedup else 0), sp, tp, len(pages)))
+        parts.append(struct.pack("<%dI" % len(pages), *pages))
+        parts.append(u16(len(key)) + key)
     return b"".join(parts)
 
 
