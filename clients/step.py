@@ -158,7 +158,9 @@ class StepPath:
         self.pins: dict[int, HeldPin] = {}
         # Key -> the entry of the object it names.
         self._by_key: dict[bytes, HeldPin] = {}
-        self._idle = 0
+        # Idle holdings (no reference here, still held at the broker), oldest first.
+        self._idle_a: dict[str, None] = {}
+        self._idle_p: dict[int, None] = {}
         self._next_sweep = 0.0
         # Frames sent (what tests and the benchmark count round trips by).
         self.frames = 0
@@ -329,7 +331,7 @@ class StepPath:
                         break
                     if not (carried_o and carried_o.pop(h.record.object_id, 0)):
                         if h.refs == 0:
-                            self._idle -= 1
+                            self._idle_p.pop(h.record.object_id, None)
                         h.refs += 1
                         h.idle_since = 0.0
                     append(h.record)
@@ -379,7 +381,7 @@ class StepPath:
                             self.adapters[aid] = HeldAdapter(
                                 w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
                             )
-                            self._idle += 1
+                            self._idle_a[aid] = None
                     if not ok and not caching:
                         self._undo_acquire(admitted, r)
             if ok and out.acquire_hot:
@@ -420,7 +422,7 @@ class StepPath:
     def _lease_record(self, aid: str) -> w.AcquiredRecord:
         h = self.adapters[aid]
         if h.refs == 0:
-            self._idle -= 1
+            self._idle_a.pop(aid, None)
         h.refs += 1
         h.idle_since = 0.0
         return h.record
@@ -437,7 +439,7 @@ class StepPath:
             h.refs -= 1
             if h.refs == 0:
                 h.idle_since = now
-                self._idle += 1
+                self._idle_a[aid] = None
         return direct
 
     def _add_pin(self, rec: w.ObjectRecord, now: float) -> None:
@@ -445,7 +447,7 @@ class StepPath:
         h = self.pins.get(rec.object_id)
         if h is None:
             h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
-            self._idle += 1
+            self._idle_p[rec.object_id] = None
             if rec.key:
                 self._by_key[rec.key] = h
         else:
@@ -454,7 +456,7 @@ class StepPath:
     def _ref_pin(self, oid: int) -> None:
         h = self.pins[oid]
         if h.refs == 0:
-            self._idle -= 1
+            self._idle_p.pop(oid, None)
         h.refs += 1
         h.idle_since = 0.0
 
@@ -469,7 +471,7 @@ class StepPath:
             h.refs -= 1
             if h.refs == 0:
                 h.idle_since = now
-                self._idle += 1
+                self._idle_p[oid] = None
         return direct
 
     def add_pins(self, recs: Sequence[w.ObjectRecord]) -> None:
@@ -488,7 +490,7 @@ class StepPath:
                 if h is None:
                     continue
                 if h.refs == 0:
-                    self._idle -= 1
+                    self._idle_p.pop(oid, None)
                 if h.record.key and self._by_key.get(h.record.key) is h:
                     del self._by_key[h.record.key]
 
@@ -501,29 +503,39 @@ class StepPath:
                 self._ref_pin(oid)
             return [self.pins[oid].record for oid in oids]
 
+    @property
+    def _idle(self) -> int:
+        return len(self._idle_a) + len(self._idle_p)
+
     def _flush_ops(self, now: float, force: bool) -> list[w.Op]:
         """Release and unpin ops for idle holdings that are due (all of them with ``force``),
-        removed from the cache."""
-        if not self._idle or (not force and now < self._next_sweep and self._idle <= self.max_idle):
+        removed from the cache. Walks the idle entries oldest first: O(what it releases)."""
+        idle = self._idle
+        if not idle or (not force and now < self._next_sweep and idle <= self.max_idle):
             return []
         self._next_sweep = now + self.hold_s / 2
         cutoff = now - self.hold_s
-        over = self._idle - self.max_idle
+        over = idle - self.max_idle
         rel: list[str] = []
-        for aid, h in list(self.adapters.items()):
-            if h.refs == 0 and (force or h.idle_since <= cutoff or over > 0):
-                rel.append(aid)
-                over -= 1
-                del self.adapters[aid]
+        for aid in list(self._idle_a):
+            h = self.adapters[aid]
+            if not (force or h.idle_since <= cutoff or over > 0):
+                break
+            rel.append(aid)
+            over -= 1
+            del self.adapters[aid]
+            del self._idle_a[aid]
         unp: list[int] = []
-        for oid, h in list(self.pins.items()):
-            if h.refs == 0 and (force or h.idle_since <= cutoff or over > 0):
-                unp.extend([oid] * h.broker_pins)
-                over -= 1
-                del self.pins[oid]
-                if h.record.key and self._by_key.get(h.record.key) is h:
-                    del self._by_key[h.record.key]
-        self._idle -= len(rel) + len({*unp})
+        for oid in list(self._idle_p):
+            h = self.pins[oid]
+            if not (force or h.idle_since <= cutoff or over > 0):
+                break
+            unp.extend([oid] * h.broker_pins)
+            over -= 1
+            del self.pins[oid]
+            del self._idle_p[oid]
+            if h.record.key and self._by_key.get(h.record.key) is h:
+                del self._by_key[h.record.key]
         ops = []
         if rel:
             ops.append(w.Op(w.OP_RELEASE, tuple(rel)))
