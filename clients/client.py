@@ -698,8 +698,11 @@ class BrokerClient(StepCalls):
         """The longest prefix of ``keys`` present (pinned for this session unless pin=False)."""
         st = self._step_path()
         if st is not None:
-            out = self._fast(st.step, keys=keys, acquire=False, pin_keys=pin)
-            return self._objects(out.objects)
+            # A step channel that broke (the broker restarting) is not retried here: the
+            # gRPC call below waits for the new session and retries, as it always did.
+            out = self._fast_or_none(st.step, keys=keys, acquire=False, pin_keys=pin)
+            if out is not None:
+                return self._objects(out.objects)
         resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys), pin=pin), retry=True)
         return [self._object(i) for i in resp.objects]
 
@@ -752,10 +755,10 @@ class BrokerClient(StepCalls):
 
         st = self._step_path()
         if st is not None:
-            out = self._fast(
+            out = self._fast_or_none(
                 st.step, adapter_ids, max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000), lookup=False
             )
-            if out.acquire_hot:
+            if out is not None and out.acquire_hot:
                 return self._lease(out)
         with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
         req = pb.AcquireAdaptersRequest(

@@ -241,6 +241,16 @@ class StepCalls:
                 Code.UNAVAILABLE, f"the broker at {self.socket_path} did not answer on its step channel ({e}); retry"
             ) from None
 
+    def _fast_or_none(self, fn, *args, **kw):
+        """A step-path call that asks nothing of the old session; None when the step channel
+        broke (the caller then retries over gRPC, which waits for a reconnect)."""
+        try:
+            return fn(*args, **kw)
+        except _w.WireError as e:
+            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
+        except StepUnavailable:
+            return None
+
     def _objects(self, recs) -> list[BrokerObject]:
         """BrokerObjects for step-path records; a record the step cache hands out again
         (the same record object) gets the same BrokerObject, built and mapped once."""
