@@ -436,3 +436,34 @@ def test_threads_sharing_a_client_each_get_their_own_answers(rig):
         assert not errors, errors
         c.flush_holdings()
         assert c.stats().pinned_pages == 0
+
+
+def test_the_step_path_follows_the_client_across_a_broker_restart():
+    from conftest import short_tmpdir
+
+    sock = os.path.join(short_tmpdir(), "b.sock")
+    b1 = start_broker(socket=sock)
+    b2 = None
+    c = BrokerClient.connect(sock, timeout=10, hold_s=30.0)
+    try:
+        c.allocate([Spec(1, content_type="kv_cache", key=b"r")])
+        assert [o.key for o in c.lookup([b"r"])] == [b"r"]
+        first = c._step_path()
+        b1.stop(signal.SIGKILL)
+        assert c.session_ended.wait(10)
+        b2 = start_broker(socket=sock)
+        deadline = time.monotonic() + 20
+        while c.reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The old session's cache is gone with it; the new session gets a step path of its own.
+        assert c.lookup([b"r"]) == []
+        assert c._step_path() is not first and not c._step_path().pins
+        c.allocate([Spec(1, content_type="kv_cache", key=b"r")])
+        n = frames(c)
+        assert [o.key for o in c.lookup([b"r"])] == [b"r"] and frames(c) == n + 1
+        assert c.stats().pinned_pages == 1
+    finally:
+        c.close()
+        for b in (b1, b2):
+            if b is not None:
+                b.stop(signal.SIGKILL)
