@@ -595,25 +595,28 @@ class PendingStep:
         self._error: BaseException | None = None
 
     def _collect(self) -> None:
-        """Read this step's reply off the socket (the path's lock is held)."""
+        """Read this step's reply off the socket and account it in the cache at once (the
+        path's lock is held), so later steps see what it took even before ``result()``."""
         path = self._path
         path._pending = None
+        self._reply_done = True
         try:
             self._reply = path.transport.reply()
+            self._outcome = path._finish(self._plan, self._reply)
         except BaseException as e:
             self._error = e
-        self._reply_done = True
 
     def result(self) -> StepOutcome:
-        """The step's outcome; raises its BrokerError as ``step`` would."""
+        """The step's outcome; raises its BrokerError as ``step`` would. Call it once for
+        every ``begin`` (what the step took is the caller's until it releases it)."""
         path = self._path
         with path.lock:
             if self._outcome is None and self._error is None:
                 if not self._reply_done:
                     self._collect()
-                if self._error is None:
+                elif self._reply is None:  # nothing was sent: all from the cache
                     try:
-                        self._outcome = path._finish(self._plan, self._reply)
+                        self._outcome = path._finish(self._plan, None)
                     except BaseException as e:
                         self._error = e
             if self._error is not None:

@@ -467,3 +467,17 @@ def test_the_step_path_follows_the_client_across_a_broker_restart():
         for b in (b1, b2):
             if b is not None:
                 b.stop(signal.SIGKILL)
+
+
+def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        pending = c.step_begin(["a0"], [b"k0", b"k1"])
+        assert [o.key for o in c.lookup([b"k2"])] == [b"k2"]  # its own reply, not the begun one's
+        s = pending.result()
+        assert s.adapters.ids == ["a0"] and [o.key for o in s.objects] == [b"k0", b"k1"]
+        assert pending.result() is s
+        s.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 1  # k2, still the caller's
