@@ -46,7 +46,8 @@ class StepTransport:
             sock.close()
             raise StepUnavailable(f"no step channel at {path}: {e}") from None
         self._sock = sock
-        self._hdr = bytearray(w.HEADER.size)
+        # Replies land here first (a step's reply is a few hundred bytes).
+        self._buf = bytearray(1 << 16)
         try:
             reply = self.request(w.frame(w.HELLO, token.encode()))
         except BaseException:
@@ -71,32 +72,40 @@ class StepTransport:
             raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
 
     def reply(self) -> w.StepReply:
-        """Read the reply to the oldest frame not yet answered."""
+        """Read the reply to the oldest frame not yet answered (at most one is in flight,
+        so nothing after it is on the socket)."""
         sock = self._sock
+        buf = self._buf
         try:
-            hdr = self._hdr
-            got = sock.recv_into(hdr)
+            # One read takes the whole of a usual reply; larger ones are read to their end.
+            got = sock.recv_into(buf)
             while got < 5:
-                n = sock.recv_into(memoryview(hdr)[got:])
+                n = sock.recv_into(memoryview(buf)[got:])
                 if not n:
                     raise ConnectionResetError("the broker closed the step channel")
                 got += n
-            size, kind = w.HEADER.unpack(hdr)
+            size, kind = w.HEADER.unpack_from(buf)
             if size > w.MAX_FRAME_BYTES:
                 raise ConnectionResetError(f"reply of {size} bytes")
-            body = bytearray(size)
-            view = memoryview(body)
-            got = 0
-            while got < size:
-                n = sock.recv_into(view[got:])
-                if not n:
-                    raise ConnectionResetError("the broker closed the step channel")
-                got += n
+            if got > 5 + size:
+                raise ConnectionResetError(f"{got - 5 - size} bytes after a reply no request asked for")
+            if got == 5 + size:
+                body = bytes(memoryview(buf)[5:got])
+            else:
+                whole = bytearray(5 + size)
+                whole[:got] = memoryview(buf)[:got]
+                view = memoryview(whole)
+                while got < 5 + size:
+                    n = sock.recv_into(view[got:])
+                    if not n:
+                        raise ConnectionResetError("the broker closed the step channel")
+                    got += n
+                body = bytes(view[5:])
         except OSError as e:
             self.close()
             raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
         try:
-            return w.decode_step_reply(kind, bytes(body))
+            return w.decode_step_reply(kind, body)
         except w.WireError as e:
             self.close()
             raise StepUnavailable(f"the step channel at {self.path} sent a malformed reply: {e}") from None

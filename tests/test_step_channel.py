@@ -481,3 +481,13 @@ def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(rig):
         s.release()
         c.flush_holdings()
         assert c.stats().pinned_pages == 1  # k2, still the caller's
+
+
+def test_a_reply_larger_than_one_read_arrives_whole(rig):
+    b, setup = rig
+    keys = [b"big-%04d-" % i + b"x" * 100 for i in range(40)]
+    setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in keys])
+    with BrokerClient.connect(b.socket) as c:
+        # 40 objects x (40 B + a 109 B key) x repeated 12 times: ~70 KiB in one reply.
+        got = c.lookup(keys * 12, pin=False)
+        assert [o.key for o in got] == keys * 12
