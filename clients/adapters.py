@@ -29,9 +29,9 @@ class LeaseHolder(Protocol):
     epoch: int
     closed: bool
 
-    def commit(self, txns: Sequence[int]) -> object: ...
+    def commit_acquire(self, transaction_id: int) -> None: ...
 
-    def abort(self, txns: Sequence[int]) -> int: ...
+    def abort_acquire(self, transaction_id: int) -> None: ...
 
     def release_adapters(self, adapter_ids: Sequence[str]) -> None: ...
 
@@ -97,7 +97,7 @@ class AdapterLease:
     def commit(self) -> None:
         """Keep a prepared acquire's pins past its lease."""
         if self.transaction_id:
-            self.client.commit([self.transaction_id])
+            self.client.commit_acquire(self.transaction_id)
 
     def release(self) -> None:
         """Drop this lease's pins (once)."""
@@ -109,7 +109,7 @@ class AdapterLease:
         if self.transaction_id:
             # A prepared acquire that was never committed aborts; a committed one releases.
             try:
-                self.client.abort([self.transaction_id])
+                self.client.abort_acquire(self.transaction_id)
                 return
             except BrokerError as e:
                 if e.code != Code.FAILED_PRECONDITION:  # committed: release its pins below

@@ -20,14 +20,16 @@ import os
 from typing import Callable, Iterable, Iterator, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.clients.fastpath import PendingStepLease, StepCalls, StepLease
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST, BrokerSession
 from memory_broker.wire.errors import BrokerError, Code
 from memory_broker.wire.layout import AdapterLayout
 from memory_broker.wire.messages import TIER_NAMES, layout_from_proto, spec_to_proto
+from memory_broker.wire import step as _w
 from memory_broker.wire.spec import Spec
 from memory_broker.wire.v1 import broker_pb2 as pb
 
-__all__ = ["BrokerClient", "BrokerObject", "Spec", "Transaction", "CHANNEL_OPTIONS", "LOST"]
+__all__ = ["BrokerClient", "BrokerObject", "Spec", "Transaction", "StepLease", "PendingStepLease", "CHANNEL_OPTIONS", "LOST"]
 
 
 class BrokerObject:
@@ -121,13 +123,17 @@ class Transaction:
                 self.abort()
 
 
-class BrokerClient(BrokerSession):
-    """A session with the broker on ``socket_path``. Use ``connect``; close when done."""
+class BrokerClient(StepCalls, BrokerSession):
+    """A session with the broker on ``socket_path``. Use ``connect``; close when done.
 
-    def __init__(self, *args, **kwargs):
+    The step calls (``step``, ``step_begin`` and the fast path under acquire, lookup, pin
+    and unpin) come from ``StepCalls`` (clients/fastpath.py)."""
+
+    def __init__(self, *args, fast_path: bool = True, hold_s: float = 0.0, **kwargs):
         # Adapter id -> its layout (the same for every generation; pages change). Set before
         # the session opens, which clears it.
         self._layout_cache: dict[str, AdapterLayout] = {}
+        self._init_step_calls(fast_path, hold_s)
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -140,6 +146,8 @@ class BrokerClient(BrokerSession):
         timeout: float = 30.0,
         wait_s: float = 5.0,
         reconnect_s: float = 300.0,
+        fast_path: bool = True,
+        hold_s: float = 0.0,
     ) -> "BrokerClient":
         """Open a session and map the arena.
 
@@ -154,12 +162,24 @@ class BrokerClient(BrokerSession):
                 answering yet) before UNAVAILABLE.
             reconnect_s: after the broker restarts, how long to keep trying to open a new
                 session (0: never; the client then stays ended, as ``session_ended`` says).
+            fast_path: send the step calls (acquire and release adapters, lookup, pin,
+                unpin, commit/abort of adapter acquires) over the broker's step channel, a
+                compact binary protocol on a Unix socket, instead of gRPC; same semantics.
+                Falls back to gRPC where the broker has no step channel.
+            hold_s: with the fast path, keep what this process releases (adapter leases,
+                pins) held at the broker for up to this long, so acquiring or looking it up
+                again costs no round trip; releases are sent with a later call. 0 (the
+                default): every release is sent at once, as over gRPC.
         """
-        return cls(socket_path, client_name or f"pid-{os.getpid()}", on_event, timeout, wait_s, reconnect_s)
+        return cls(
+            socket_path, client_name or f"pid-{os.getpid()}", on_event, timeout, wait_s, reconnect_s,
+            fast_path=fast_path, hold_s=hold_s,
+        )  # fmt: skip
 
     def _session_opened(self) -> None:
         # A new broker may lay adapters out differently (another dtype or page size).
         self._layout_cache.clear()
+        self._forget_step_objects()
 
     # ------------------------------------------------------------- objects
 
@@ -256,15 +276,37 @@ class BrokerClient(BrokerSession):
 
     def free(self, objs: Iterable[BrokerObject | int]) -> tuple[int, int]:
         """Free owned objects; returns (pages freed now, pages freed when others unpin)."""
-        resp = self._call(self._stub.Free, pb.FreeRequest(object_ids=self._ids(objs)))
+        ids = self._ids(objs)
+        resp = self._call(self._stub.Free, pb.FreeRequest(object_ids=ids))
+        st = self._step
+        if st is not None and st.caching and self._step_epoch == self.epoch:
+            st.forget_pins(ids)
         return resp.freed_pages, resp.deferred_pages
 
     def pin(self, objs: Iterable[BrokerObject | int]) -> list[BrokerObject]:
-        resp = self._call(self._stub.Pin, pb.PinRequest(object_ids=self._ids(objs)))
+        ids = self._ids(objs)
+        st = self._step_path()
+        if st is not None:
+            if st.caching:
+                held = st.ref_pins(ids)
+                if held is not None:
+                    return [self._object(r) for r in held]
+            reply = self._fast(st.send, [_w.Op(_w.OP_PIN, tuple(ids))])
+            st.raise_error(reply)
+            recs = reply.results[0]
+            if st.caching:
+                st.add_pins(recs)
+            return [self._object(r) for r in recs]
+        resp = self._call(self._stub.Pin, pb.PinRequest(object_ids=ids))
         return [self._object(i) for i in resp.objects]
 
     def unpin(self, objs: Iterable[BrokerObject | int]) -> None:
-        self._call(self._stub.Unpin, pb.UnpinRequest(object_ids=self._ids(objs)))
+        ids = self._ids(objs)
+        st = self._step_path()
+        if st is not None:
+            self._fast(st.step, unpin=ids, acquire=False, lookup=False)
+            return
+        self._call(self._stub.Unpin, pb.UnpinRequest(object_ids=ids))
 
     @contextlib.contextmanager
     def pinned(self, objs: Iterable[BrokerObject | int]) -> Iterator[list[BrokerObject]]:
@@ -278,6 +320,13 @@ class BrokerClient(BrokerSession):
 
     def lookup(self, keys: Sequence[bytes], pin: bool = True) -> list[BrokerObject]:
         """The longest prefix of ``keys`` present (pinned for this session unless pin=False)."""
+        st = self._step_path()
+        if st is not None:
+            # A step channel that broke (the broker restarting) is not retried here: the
+            # gRPC call below waits for the new session and retries, as it always did.
+            out = self._fast_or_none(st.step, keys=keys, acquire=False, pin_keys=pin)
+            if out is not None:
+                return self._objects(out.objects)
         resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys), pin=pin), retry=True)
         return [self._object(i) for i in resp.objects]
 
@@ -326,6 +375,13 @@ class BrokerClient(BrokerSession):
         ``lease.deferred``. Layouts are fetched only for adapters this client has not seen.
         With ``prepare``, the pins hold under a lease until ``lease.commit()``.
         """
+        st = self._step_path()
+        if st is not None:
+            out = self._fast_or_none(
+                st.step, adapter_ids, max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000), lookup=False
+            )
+            if out is not None and out.acquire_hot:
+                return self._lease(out)
         with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
         req = pb.AcquireAdaptersRequest(
             adapter_ids=list(adapter_ids),
@@ -355,6 +411,10 @@ class BrokerClient(BrokerSession):
         return LeasedAdapter(a.adapter_id, a.generation, a.object_id, pages, layout, TIER_NAMES[a.found_in])
 
     def release_adapters(self, adapter_ids: Sequence[str]) -> None:
+        st = self._step_path()
+        if st is not None:
+            self._fast(st.step, release=list(adapter_ids), acquire=False, lookup=False)
+            return
         self._call(self._stub.ReleaseAdapters, pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids)))
 
     def prefetch_adapters(self, adapter_ids: Sequence[str], tier: str = "hot") -> pb.PrefetchAdaptersResponse:
@@ -379,3 +439,8 @@ class BrokerClient(BrokerSession):
 
     def get_arena(self) -> pb.ArenaInfo:
         return self._call(self._stub.GetArena, pb.GetArenaRequest(), retry=True)
+
+    def _end_session(self) -> None:
+        if self._step is not None:
+            self._step.transport.close()
+        super()._end_session()

@@ -62,3 +62,11 @@ def test_bench_scale_quick_run_prints_every_operation_and_the_adapter_rows():
 def test_bench_rpc_overhead_small_run_prints_the_fixed_cost():
     out = bench("bench_rpc_overhead.py", "--chunks", "3", "--per-chunk", "200")
     assert "fixed cost per call" in out and "core pin + unpin" in out and "not the response message" in out
+
+
+def test_bench_step_quick_run_prints_every_path_and_both_targets():
+    out = bench("bench_step.py", "--quick", "--steps", "60")
+    for row in ("raw Unix-socket ping-pong", "step channel PING", "gRPC Echo", "gRPC, 4 calls (old path)",
+                "step channel, client.step()", "cache, client.step()", "cache, step_begin (pipelined)"):  # fmt: skip
+        assert row in out, out
+    assert "target steady:" in out and "target trace" in out

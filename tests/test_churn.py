@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from memory_broker.clients import BrokerClient
 from adapter_fixtures import peft_dirs  # noqa: F401  (a fixture)
 from conftest import ROOT, start_broker
@@ -171,6 +173,7 @@ sys.setswitchinterval(0.001)
 from memory_broker.clients import BrokerClient
 exec(compile(WORKER, "worker", "exec"))
 SOCKET, N, PARALLEL, SEED, ADAPTERS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+CONNECT = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
 rng = random.Random(SEED)
 live = {}     # pid -> (read end, kill-after seconds from its first operation, first-op time)
 started = killed = ops_seen = 0
@@ -179,7 +182,7 @@ signals = {}
 
 def child(seed, w):
     try:
-        c = BrokerClient.connect(SOCKET, reconnect_s=0)
+        c = BrokerClient.connect(SOCKET, reconnect_s=0, **CONNECT)
         first = [True]
 
         def tick():
@@ -232,14 +235,23 @@ print(json.dumps({"started": started, "killed": killed, "ops_seen": ops_seen, "s
 '''
 
 
-def test_fifty_clients_killed_at_random_moments_leak_no_pages(peft_dirs):
+# How the clients reach the broker: gRPC only, the step channel (the default), and the step
+# channel with its holdings cache (releases held back, sent with later frames).
+PATHS = pytest.mark.parametrize(
+    "connect", [{"fast_path": False}, {}, {"hold_s": 0.05}], ids=["grpc", "step", "step-cache"]
+)
+
+
+@PATHS
+def test_fifty_clients_killed_at_random_moments_leak_no_pages(peft_dirs, connect):
     b = start_broker()
     try:
         with BrokerClient.connect(b.socket) as c:
             adapters = _register(c, peft_dirs)
         t0 = time.monotonic()
         r = subprocess.run(
-            [sys.executable, "-c", f"WORKER = {WORKER!r}\n" + LAUNCHER, b.socket, "50", "5", "11", json.dumps(adapters)],
+            [sys.executable, "-c", f"WORKER = {WORKER!r}\n" + LAUNCHER, b.socket, "50", "5", "11", json.dumps(adapters),
+             json.dumps(connect)],
             cwd=ROOT, capture_output=True, text=True, timeout=180,
         )  # fmt: skip
         assert r.returncode == 0, r.stdout + r.stderr
@@ -259,14 +271,15 @@ def test_fifty_clients_killed_at_random_moments_leak_no_pages(peft_dirs):
 RANDOM_OPS = """
 import random
 exec(compile(WORKER, "worker", "exec"))
-seed, steps, adapters = {seed}, {steps}, {adapters!r}
-with BrokerClient.connect(SOCKET) as c:
+seed, steps, adapters, connect = {seed}, {steps}, {adapters!r}, {connect!r}
+with BrokerClient.connect(SOCKET, **connect) as c:
     counts = work(c, random.Random(seed), adapters, steps)
 out(counts=counts)
 """
 
 
-def test_random_operations_from_several_processes_keep_the_books_straight(peft_dirs):
+@PATHS
+def test_random_operations_from_several_processes_keep_the_books_straight(peft_dirs, connect):
     from conftest import child_code
 
     b = start_broker()
@@ -276,7 +289,7 @@ def test_random_operations_from_several_processes_keep_the_books_straight(peft_d
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", f"WORKER = {WORKER!r}\n" + child_code(b.socket, RANDOM_OPS.format(
-                    seed=seed, steps=400, adapters=adapters))],
+                    seed=seed, steps=400, adapters=adapters, connect=connect))],
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             for seed in range(4)

@@ -33,6 +33,7 @@ from memory_broker.broker.server.notify import Notifier
 from memory_broker.broker.server.options import ServeOptions, adapter_config, format_size
 from memory_broker.broker.service import ArenaGrown, EchoService, MemoryBrokerService, ShuttingDown
 from memory_broker.broker.sessions.fd_channel import FdChannelServer
+from memory_broker.broker.sessions.step_channel import StepChannelServer
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import SessionManager
 from memory_broker.wire.v1 import broker_pb2 as pb
@@ -47,6 +48,11 @@ KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 # Clients may ping (BrokerClient does not by default); not more often than this.
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
+
+def step_socket_path(socket_path: str) -> str:
+    """Where the step channel listens: beside the gRPC socket, as the fd channel is."""
+    return socket_path + ".step"
 
 
 def server_options(opts: ServeOptions) -> list[tuple[str, int]]:
@@ -127,7 +133,7 @@ class BrokerServer:
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         opts = self.opts
-        for path in (opts.socket, opts.fd_socket):
+        for path in (opts.socket, opts.fd_socket, step_socket_path(opts.socket)):
             # Stale sockets of a dead broker: the lock says no live broker owns them.
             if os.path.exists(path):
                 os.unlink(path)
@@ -199,6 +205,7 @@ class BrokerServer:
             log=self._log_event,
         )
         await self.fd_server.start()
+        self._start_step_channel(loop)
 
         self.server = grpc.aio.server(
             options=server_options(opts),
@@ -248,6 +255,32 @@ class BrokerServer:
             pid=os.getpid(),
         )
 
+    def _start_step_channel(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The engines' per-step fast path (issue 16), beside the fd channel; clients find it
+        at the gRPC socket's path plus ".step" and fall back to gRPC where it is absent."""
+        self.step_server = None
+        path = step_socket_path(self.opts.socket)
+        if len(path.encode()) > 107:
+            self.log.warning("step_channel_off", reason=f"socket path {path!r} is too long for a Unix socket")
+            return
+        metrics = self.metrics
+        self.step_server = StepChannelServer(
+            path,
+            loop=loop,
+            store=self.store,
+            sessions=self.sessions,
+            adapters=self.adapters,
+            allowed_uids=self.opts.effective_uids(),
+            check_visible=self.service._check_visible,
+            is_draining=lambda: self.service.draining,
+            num_slabs=lambda: self.arena.num_slabs,
+            record=(lambda s, method, code: metrics.rpc_latency.record(s, {"method": method, "code": code}))
+            if metrics is not None
+            else None,
+            log=self._log_event,
+        )
+        self.step_server.start()
+
     def arena_info(self) -> pb.ArenaInfo:
         g = self.geometry
         return pb.ArenaInfo(
@@ -265,7 +298,9 @@ class BrokerServer:
     def _set_socket_permissions(self) -> None:
         opts = self.opts
         gid = grp.getgrnam(opts.socket_group).gr_gid if opts.socket_group else -1
-        for path in (opts.socket, opts.fd_socket):
+        for path in (opts.socket, opts.fd_socket, step_socket_path(opts.socket)):
+            if not os.path.exists(path):
+                continue
             if gid != -1:
                 os.chown(path, -1, gid)
             if opts.socket_mode is not None:
@@ -432,6 +467,8 @@ class BrokerServer:
             t.cancel()
         if getattr(self, "fd_server", None) is not None:
             await self.fd_server.close()
+        if getattr(self, "step_server", None) is not None:
+            self.step_server.close()
         if getattr(self, "watcher", None) is not None:
             self.watcher.close()
         if getattr(self, "registry", None) is not None:

@@ -1,0 +1,430 @@
+"""The step channel, server side: an engine's per-step changes in one compact round trip.
+
+This module owns a Unix socket served straight from the event loop that owns the core
+(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.wire.step``): each STEP
+frame's ops (release adapters, unpin, pin, commit/abort adapter acquires, acquire hot
+adapters, look up keys) run in order on the same ``ObjectStore`` and ``AdapterManager`` the
+gRPC service uses, as the session that presented its token, so gRPC sees every change and a
+dead process's pins go with its session. It decides nothing about sessions (``SessionManager``
+authorizes, as on the fd channel) and never loads an adapter: an acquire whose adapters are
+not all hot answers "not hot" and the client asks over gRPC. It must not import gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from memory_broker.broker.errors import BrokerError, Code, denied, invalid, unavailable
+from memory_broker.wire import step as w
+from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred, peer_cred
+
+# Connections served at once (each is one engine process; more is a client gone wrong).
+MAX_CONNECTIONS = 1024
+LISTEN_BACKLOG = 64
+# Read size per readable callback: a step frame is a few hundred bytes.
+RECV_BYTES = 1 << 16
+
+_TIERS = {"hot": w.TIER_HOT, "warm": w.TIER_WARM, "cold": w.TIER_COLD}
+# Each op is recorded in the RPC latency metric under the gRPC method it stands for, so
+# dashboards and alerts count fast-path work as they count RPCs; refused frames as "Step".
+METHODS = {
+    w.OP_RELEASE: "ReleaseAdapters", w.OP_UNPIN: "Unpin", w.OP_PIN: "Pin", w.OP_COMMIT: "Commit",
+    w.OP_ABORT: "Abort", w.OP_ACQUIRE: "AcquireAdapters", w.OP_LOOKUP: "Lookup",
+}  # fmt: skip
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    sock: socket.socket
+    peer: PeerCred
+    # The session bound by HELLO; None until then.
+    session: object | None = None
+    # Bytes received and not yet a whole frame.
+    inbuf: bytearray = field(default_factory=bytearray)
+    # Reply bytes the socket did not take yet (reading pauses until they are sent).
+    outbuf: bytearray = field(default_factory=bytearray)
+    # Close once outbuf is sent (after refusing a frame that cannot be skipped).
+    closing: bool = False
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """What the channel did since start (for tests and the status line)."""
+
+    connections: int = 0
+    frames: int = 0
+    ops: int = 0
+    refused: int = 0
+    not_hot: int = 0
+    # Seconds spent running ops, by op kind (what the store and manager cost per frame).
+    op_seconds: dict = field(default_factory=dict)
+
+
+class StepChannelServer:
+    """Serves STEP frames on a Unix socket from the running event loop."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        loop,
+        store,
+        sessions,
+        adapters,
+        allowed_uids: frozenset[int] | None,
+        check_visible: Callable[[int, list[int]], None],
+        is_draining: Callable[[], bool] = lambda: False,
+        num_slabs: Callable[[], int] = lambda: 0,
+        record: Callable[[float, str, str], None] | None = None,
+        log: Callable[..., None] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
+        """
+        Args:
+            path: the socket path; it must not exist (the caller clears stale ones under its lock).
+            loop: the event loop that owns the core; every callback runs on it.
+            store, sessions, adapters: the core (``adapters`` may be None: acquire answers
+                "not hot" and gRPC says why).
+            allowed_uids: uids that may connect; None allows any.
+            check_visible: the gRPC Pin rule (NOT_FOUND for another session's anonymous object).
+            is_draining: True once the broker is shutting down (steps are refused UNAVAILABLE).
+            num_slabs: the arena's slab count now (a client maps new slabs before using pages).
+            record: ``record(seconds, method, code)`` per op, and per refused frame as
+                method "Step" (the RPC latency metric).
+        """
+        self.path = path
+        self._loop = loop
+        self.store = store
+        self.sessions = sessions
+        self.adapters = adapters
+        self.allowed_uids = allowed_uids
+        self._check_visible = check_visible
+        self._is_draining = is_draining
+        self._num_slabs = num_slabs
+        self._record = record
+        self._log = log or (lambda event, **kw: None)
+        self.max_connections = max_connections
+        self.counters = StepCounters()
+        self._sock: socket.socket | None = None
+        self._conns: dict[int, _Conn] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind and listen; the socket's mode follows the umask."""
+        if self._sock is not None:
+            raise RuntimeError(f"step channel {self.path} already started")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.bind(self.path)
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._loop.add_reader(sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        """Stop accepting, drop live connections, unlink the socket path. Idempotent."""
+        if self._sock is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for c in list(self._conns.values()):
+            self._drop(c)
+        k = self.counters
+        self._log(
+            "step_channel_closed", connections=k.connections, frames=k.frames, ops=k.ops, refused=k.refused,
+            not_hot=k.not_hot, op_ms={w.OP_NAMES[o]: round(t * 1e3, 3) for o, t in k.op_seconds.items()},
+        )
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    # ------------------------------------------------------------ sockets
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                # EMFILE and friends: the next readable callback tries again.
+                self._log("step_channel_accept_failed", path=self.path, error=str(e))
+                return
+            sock.setblocking(False)
+            try:
+                peer = peer_cred(sock)
+            except OSError:
+                sock.close()
+                continue
+            if len(self._conns) >= self.max_connections:
+                self._log("step_channel_refused", pid=peer.pid, uid=peer.uid, reason="connection limit")
+                sock.close()
+                continue
+            c = _Conn(sock, peer)
+            self._conns[sock.fileno()] = c
+            self.counters.connections += 1
+            self._loop.add_reader(sock.fileno(), self._readable, c)
+
+    def _drop(self, c: _Conn) -> None:
+        fd = c.sock.fileno()
+        if self._conns.pop(fd, None) is None:
+            return
+        self._loop.remove_reader(fd)
+        if c.outbuf:
+            self._loop.remove_writer(fd)
+        c.sock.close()
+
+    def _readable(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(c)
+            return
+        buf = c.inbuf
+        if not buf:
+            # The common case: exactly one whole frame arrived; no copy into the buffer.
+            if len(data) >= 5:
+                n, kind = w.HEADER.unpack_from(data)
+                if len(data) == 5 + n:
+                    self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
+                    return
+        buf += data
+        while len(buf) >= 5 and not c.closing:
+            n, kind = w.HEADER.unpack_from(buf)
+            if n > w.MAX_FRAME_BYTES:
+                self._frame(c, kind, n, None)
+                self._reply(c, w.error_frame(invalid(f"frame of {n} bytes; at most {w.MAX_FRAME_BYTES}")))
+                c.closing = True
+                break
+            if len(buf) < 5 + n:
+                break
+            body = bytes(buf[5 : 5 + n])
+            del buf[: 5 + n]
+            self._reply(c, self._frame(c, kind, n, body))
+        if c.closing and not c.outbuf:
+            self._drop(c)
+
+    def _reply(self, c: _Conn, data: bytes) -> None:
+        if c.outbuf:
+            c.outbuf += data
+            return
+        try:
+            sent = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(c)
+            return
+        if sent < len(data):
+            # A client that does not read its replies: stop reading its requests until it does.
+            c.outbuf += data[sent:]
+            fd = c.sock.fileno()
+            self._loop.remove_reader(fd)
+            self._loop.add_writer(fd, self._writable, c)
+        elif c.closing:
+            self._drop(c)
+
+    def _writable(self, c: _Conn) -> None:
+        try:
+            sent = c.sock.send(c.outbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(c)
+            return
+        del c.outbuf[:sent]
+        if not c.outbuf:
+            fd = c.sock.fileno()
+            self._loop.remove_writer(fd)
+            if c.closing:
+                self._drop(c)
+            else:
+                self._loop.add_reader(fd, self._readable, c)
+
+    # ------------------------------------------------------------ frames
+
+    def _frame(self, c: _Conn, kind: int, n: int, body) -> bytes:
+        """The reply to one frame; never raises."""
+        t0 = time.perf_counter()
+        self.counters.frames += 1
+        code = "OK"
+        try:
+            if body is None:
+                code = "INVALID_ARGUMENT"
+                return b""
+            if kind == w.STEP:
+                return self._step(c, body)
+            if kind == w.HELLO:
+                return self._hello(c, body)
+            if kind == w.PING:
+                if c.session is None:
+                    raise denied("send HELLO with the session token first")
+                return w.encode_step_reply(0, ())
+            raise invalid(f"unknown frame kind {kind}; known: HELLO={w.HELLO}, STEP={w.STEP}, PING={w.PING}")
+        except BrokerError as e:
+            code = e.code.value
+            self.counters.refused += 1
+            if kind == w.HELLO or c.session is None:
+                # A refused handshake ends the connection: nothing else may follow it.
+                c.closing = True
+                self._log("step_channel_refused", pid=c.peer.pid, uid=c.peer.uid, code=code, message=e.message)
+            return w.error_frame(e)
+        except Exception as e:  # a bug: say so on this connection only
+            code = "INTERNAL"
+            self._log("step_channel_internal_error", error=repr(e))
+            return w.error_frame(BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}"))
+        finally:
+            if self._record is not None and code != "OK":
+                self._record(time.perf_counter() - t0, "Step", code)
+
+    def _hello(self, c: _Conn, body) -> bytes:
+        if c.session is not None:
+            raise invalid("HELLO twice on one connection")
+        if self.allowed_uids is not None and c.peer.uid not in self.allowed_uids:
+            raise denied(f"uid {c.peer.uid} may not use this broker; allowed uids: {sorted(self.allowed_uids)}")
+        try:
+            token = bytes(body).decode()
+        except UnicodeDecodeError:
+            raise invalid("the session token is not UTF-8") from None
+        try:
+            self.sessions.authorize_fd_request(token, c.peer)
+        except FdRequestRefused as r:
+            raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
+        c.session = self.sessions.from_token(token)
+        return w.encode_step_reply(self._num_slabs(), ())
+
+    def _step(self, c: _Conn, body) -> bytes:
+        s = c.session
+        if s is None:
+            raise denied("send HELLO with the session token first")
+        try:
+            ops = w.decode_step(body)
+        except w.WireError as e:
+            raise invalid(f"malformed step frame: {e}") from None
+        if s.closed:
+            raise denied(f"session {s.session_id} has ended; open a new session with Attach")
+        if self._is_draining():
+            raise unavailable("the broker is shutting down; retry on its successor")
+        sid = s.session_id
+        results: list[bytes] = []
+        self.counters.ops += len(ops)
+        spent = self.counters.op_seconds
+        record = self._record
+        for i, op in enumerate(ops):
+            t0 = time.perf_counter()
+            try:
+                results.append(self._op(sid, op))
+            except BrokerError as e:
+                self.counters.refused += 1
+                if record is not None:
+                    record(time.perf_counter() - t0, METHODS[op.kind], e.code.value)
+                return w.encode_step_reply(self._num_slabs(), results, e, i)
+            t1 = time.perf_counter()
+            spent[op.kind] = spent.get(op.kind, 0.0) + t1 - t0
+            if record is not None:
+                record(t1 - t0, METHODS[op.kind], "OK")
+        return w.encode_step_reply(self._num_slabs(), results)
+
+    def _op(self, sid: int, op: w.Op) -> bytes:
+        k, items = op.kind, op.items
+        store = self.store
+        if k == w.OP_LOOKUP:
+            return self._objects(w.OP_LOOKUP, sid, store.lookup(sid, list(items), bool(op.flags)))
+        if k == w.OP_UNPIN:
+            store.unpin(sid, list(items))
+            return bytes((k,))
+        if k == w.OP_ACQUIRE:
+            return self._acquire(sid, op)
+        if k == w.OP_RELEASE:
+            self._manager().release(sid, list(items))
+            return bytes((k,))
+        if k == w.OP_PIN:
+            ids = list(items)
+            self._check_visible(sid, ids)
+            return self._objects(w.OP_PIN, sid, store.pin(sid, ids))
+        if k == w.OP_COMMIT:
+            m = self._manager()
+            for t in items:
+                m.commit_acquire(sid, t)
+            return bytes((k,))
+        if k == w.OP_ABORT:
+            m = self._manager()
+            for t in items:
+                m.abort_acquire(sid, t)
+            return bytes((k,))
+        raise invalid(f"unknown op kind {k}")  # decode_step lets none through
+
+    def _manager(self):
+        if self.adapters is None:
+            raise BrokerError(Code.FAILED_PRECONDITION, "adapters are not enabled on this broker")
+        return self.adapters
+
+    @staticmethod
+    def _objects(kind: int, sid: int, objs) -> bytes:
+        return w.encode_object_rows(
+            kind,
+            [
+                (o.object_id, o.window_page, int(o.state), int(o.content_type), o.owner == sid, False,
+                 o.pins.get(sid, 0), o.pin_count, o.pages, o.key or b"")
+                for o in objs
+            ],
+        )  # fmt: skip
+
+    def _acquire(self, sid: int, op: w.Op) -> bytes:
+        """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.
+
+        The manager's acquire does not yield to the loop when every admitted adapter is
+        hot, so it runs to completion right here, between two other callbacks of the loop,
+        like any other core call. One admitted adapter that is not hot (or unknown, or a
+        bad id) and nothing is pinned: the client asks over gRPC, which loads, defers and
+        refuses exactly as it always does."""
+        m = self.adapters
+        if m is None:
+            self.counters.not_hot += 1
+            return w.encode_acquire(w.AcquireOutcome(False))
+        distinct = list(dict.fromkeys(op.items))
+        admitted = distinct[: op.max_adapters or len(distinct)]
+        for aid in admitted:
+            st = m.resident(aid) if isinstance(aid, str) else None
+            if st is None or st.tier != "hot":
+                self.counters.not_hot += 1
+                return w.encode_acquire(w.AcquireOutcome(False))
+        cap = op.max_adapters or None
+        if op.flags & w.ACQUIRE_PREPARE:
+            coro = m.prepare_acquire(sid, list(op.items), cap, False, (op.lease_ms / 1000.0) or None)
+        else:
+            coro = m.acquire(sid, list(op.items), cap, False)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            r = done.value
+        else:
+            # It waited on something after all: never leave it half done on this loop.
+            coro.close()
+            self.counters.not_hot += 1
+            return w.encode_acquire(w.AcquireOutcome(False))
+        return w.encode_acquire(
+            w.AcquireOutcome(
+                True,
+                r.txn_id,
+                r.deadline_unix,
+                tuple(w.AcquiredRecord(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters),
+            )
+        )

@@ -1,0 +1,633 @@
+"""The client's step path: one compact round trip per engine step, none when nothing changed.
+
+``StepTransport`` is a blocking Unix socket to the broker's step channel (the frames of
+``memory_broker.wire.step``, authenticated by the session token and this process's credentials).
+``StepPath`` sits on it for one session: it sends batches of ops and, when asked to
+(``hold_s > 0``), keeps a cache of the adapters and pins this process holds, with local
+reference counts. A release to count 0 is not sent at once: the broker keeps that pin (so
+nothing of it can be evicted) until the release rides along with the next frame, and an
+acquire or lookup of something still held costs no round trip. Idle holdings are released
+after ``hold_s`` or when more than ``max_idle`` are idle. This module knows nothing of gRPC,
+mappings or tensors (``BrokerClient`` turns its records into leases and objects).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.wire import step as w
+
+log = logging.getLogger(__name__)
+
+# Idle holdings kept at most (beyond this the oldest are released with the next frame).
+DEFAULT_MAX_IDLE = 4096
+
+
+class StepUnavailable(Exception):
+    """The step channel cannot be used (absent, refused the handshake, or broke): use gRPC."""
+
+
+class StepTransport:
+    """A connected, authenticated step socket; one call at a time (the caller locks)."""
+
+    def __init__(self, path: str, token: str, timeout: float):
+        self.path = path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as e:
+            sock.close()
+            raise StepUnavailable(f"no step channel at {path}: {e}") from None
+        self._sock = sock
+        # Replies land here first (a step's reply is a few hundred bytes).
+        self._buf = bytearray(1 << 16)
+        try:
+            reply = self.request(w.frame(w.HELLO, token.encode()))
+        except BaseException:
+            sock.close()
+            raise
+        if reply.error is not None:
+            sock.close()
+            raise StepUnavailable(f"the step channel refused this session: {reply.error}")
+        self.arena_slabs = reply.arena_slabs
+
+    def request(self, data: bytes) -> w.StepReply:
+        """Send one frame and read its reply. Raises StepUnavailable when the socket breaks."""
+        self.send(data)
+        return self.reply()
+
+    def send(self, data: bytes) -> None:
+        """Send one frame; its reply is read by ``reply()`` (replies come in order)."""
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
+
+    def reply(self) -> w.StepReply:
+        """Read the reply to the oldest frame not yet answered (at most one is in flight,
+        so nothing after it is on the socket)."""
+        sock = self._sock
+        buf = self._buf
+        try:
+            # One read takes the whole of a usual reply; larger ones are read to their end.
+            got = sock.recv_into(buf)
+            while got < 5:
+                n = sock.recv_into(memoryview(buf)[got:])
+                if not n:
+                    raise ConnectionResetError("the broker closed the step channel")
+                got += n
+            size, kind = w.HEADER.unpack_from(buf)
+            if size > w.MAX_FRAME_BYTES:
+                raise ConnectionResetError(f"reply of {size} bytes")
+            if got > 5 + size:
+                raise ConnectionResetError(f"{got - 5 - size} bytes after a reply no request asked for")
+            if got == 5 + size:
+                body = bytes(memoryview(buf)[5:got])
+            else:
+                whole = bytearray(5 + size)
+                whole[:got] = memoryview(buf)[:got]
+                view = memoryview(whole)
+                while got < 5 + size:
+                    n = sock.recv_into(view[got:])
+                    if not n:
+                        raise ConnectionResetError("the broker closed the step channel")
+                    got += n
+                body = bytes(view[5:])
+        except OSError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
+        try:
+            return w.decode_step_reply(kind, body)
+        except w.WireError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} sent a malformed reply: {e}") from None
+
+    def close(self) -> None:
+        self._sock.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() < 0
+
+
+@dataclass(slots=True)
+class HeldAdapter:
+    # What leases are made of (one record object for as long as it is held, so the client
+    # can reuse what it built from it).
+    record: w.AcquiredRecord
+    # References this process's leases hold now.
+    refs: int = 0
+    # When refs last dropped to 0 (monotonic seconds).
+    idle_since: float = 0.0
+
+
+@dataclass(slots=True)
+class HeldPin:
+    record: w.ObjectRecord
+    refs: int = 0
+    # Pins the broker holds for this entry (each lookup or pin sent adds one).
+    broker_pins: int = 1
+    idle_since: float = 0.0
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one ``StepPath.step`` got: records the client turns into a lease and objects."""
+
+    # Admitted adapter ids, in request order, with their records; None when no acquire was
+    # asked. ``acquire_hot`` False: the broker would have to load one; ask over gRPC.
+    adapters: list[tuple[str, w.AcquiredRecord]] | None = None
+    deferred: list[str] = field(default_factory=list)
+    acquire_hot: bool = True
+    txn_id: int = 0
+    objects: list[w.ObjectRecord] | None = None
+    arena_slabs: int = 0
+    # Round trips this step took (0: all from the cache).
+    round_trips: int = 0
+
+
+class StepPath:
+    """Batched step ops for one session, with an optional holdings cache (``hold_s > 0``)."""
+
+    def __init__(self, transport: StepTransport, *, hold_s: float = 0.0, max_idle: int = DEFAULT_MAX_IDLE):
+        self.transport = transport
+        self.hold_s = hold_s
+        self.max_idle = max_idle
+        # Reentrant: a step holds it while it sends; one caller at a time on the socket.
+        self.lock = threading.RLock()
+        self.adapters: dict[str, HeldAdapter] = {}
+        self.pins: dict[int, HeldPin] = {}
+        # Key -> the entry of the object it names.
+        self._by_key: dict[bytes, HeldPin] = {}
+        # Idle holdings (no reference here, still held at the broker), oldest first.
+        self._idle_a: dict[str, None] = {}
+        self._idle_p: dict[int, None] = {}
+        self._next_sweep = 0.0
+        # Frames sent (what tests and the benchmark count round trips by).
+        self.frames = 0
+        # A step sent by ``begin`` whose reply is not read yet (at most one).
+        self._pending: PendingStep | None = None
+
+    @property
+    def caching(self) -> bool:
+        return self.hold_s > 0
+
+    # ------------------------------------------------------------ one round trip
+
+    def send(self, ops: list[w.Op]) -> w.StepReply:
+        """One frame and its reply (after the reply of a step begun earlier)."""
+        with self.lock:
+            if self._pending is not None:
+                self._pending._collect()
+            self.frames += 1
+            return self.transport.request(w.encode_step(ops))
+
+    @staticmethod
+    def raise_error(reply: w.StepReply) -> None:
+        if reply.error is not None:
+            raise reply.error
+
+    # ------------------------------------------------------------ the step
+
+    def step(
+        self,
+        adapter_ids: Sequence[str] = (),
+        keys: Sequence[bytes] = (),
+        *,
+        max_adapters: int = 0,
+        prepare: bool = False,
+        lease_ms: int = 0,
+        commit: Sequence[int] = (),
+        abort: Sequence[int] = (),
+        release: Sequence[str] = (),
+        unpin: Sequence[int] = (),
+        acquire: bool = True,
+        lookup: bool = True,
+        pin_keys: bool = True,
+        carry: tuple[bool, bool] = (False, False),
+    ) -> StepOutcome:
+        """Release and unpin, commit or abort prepared acquires, acquire adapters, look up
+        (and pin) keys: at most one round trip, none when the cache has everything.
+
+        With the cache, ``release`` and ``unpin`` drop local references (the broker is told
+        with a later frame) and a held adapter or key costs nothing. Raises BrokerError for a
+        refused op; ops before it in the frame took effect and are accounted for.
+
+        ``carry``: (adapters, pins) of ``release``/``unpin`` were taken from this cache by
+        one earlier step, so what this step takes again passes over without a count change."""
+        with self.lock:
+            plan = self._plan(
+                list(adapter_ids) if acquire else None, list(keys) if lookup else None, max_adapters, prepare,
+                lease_ms, commit, abort, release, unpin, pin_keys, carry,
+            )  # fmt: skip
+            reply = self.send(plan.ops) if plan.ops else None
+            return self._finish(plan, reply)
+
+    def begin(self, adapter_ids: Sequence[str] = (), keys: Sequence[bytes] = (), **kw) -> "PendingStep":
+        """``step`` without waiting: the frame is sent now and its reply read by
+        ``PendingStep.result()`` (or before the next frame), so the round trip overlaps
+        whatever the caller does in between (the model's work for the current step)."""
+        acquire, lookup = kw.pop("acquire", True), kw.pop("lookup", True)
+        with self.lock:
+            if self._pending is not None:
+                self._pending._collect()
+            plan = self._plan(
+                list(adapter_ids) if acquire else None, list(keys) if lookup else None, kw.pop("max_adapters", 0),
+                kw.pop("prepare", False), kw.pop("lease_ms", 0), kw.pop("commit", ()), kw.pop("abort", ()),
+                kw.pop("release", ()), kw.pop("unpin", ()), kw.pop("pin_keys", True), kw.pop("carry", (False, False)),
+            )  # fmt: skip
+            if kw:
+                raise TypeError(f"unknown arguments {sorted(kw)}")
+            p = PendingStep(self, plan)
+            if plan.ops:
+                self.frames += 1
+                self.transport.send(w.encode_step(plan.ops))
+                self._pending = p
+            else:
+                p._reply_done = True
+            return p
+
+    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> "_Plan":
+        out = StepOutcome()
+        ops: list[w.Op] = []
+        caching = self.caching and not prepare
+        now = time.monotonic()
+        admitted: list[str] = []
+        if ids is not None:
+            distinct = list(dict.fromkeys(ids))
+            n = cap or len(distinct)
+            admitted, out.deferred = distinct[:n], distinct[n:]
+        # What the previous step gives back and this one takes again keeps its reference
+        # (the usual step: most of the batch stays).
+        carried_a: set = set()
+        carried_o: dict[int, int] = {}
+        if caching and carry[0] and release and admitted:
+            carried_a = set(release).intersection(admitted)
+            if carried_a:
+                release = [a for a in release if a not in carried_a]
+        if self.caching and carry[1] and unpin and keys and pin_keys:
+            give = set(unpin)
+            if len(give) == len(unpin):  # each object once (the usual case; else no carry)
+                by_key = self._by_key
+                for k in keys:
+                    h = by_key.get(k)
+                    if h is None:
+                        break
+                    oid = h.record.object_id
+                    if oid in give:
+                        give.discard(oid)
+                        carried_o[oid] = 1
+                if carried_o:
+                    unpin = [o for o in unpin if o not in carried_o]
+        # Releases first: what the step gives back makes room for what it takes.
+        if release:
+            if self.caching:
+                direct_ids = self._drop_adapter_refs(release, now)
+                if direct_ids:
+                    ops.append(w.Op(w.OP_RELEASE, tuple(direct_ids)))
+            else:
+                ops.append(w.Op(w.OP_RELEASE, tuple(release)))
+        if unpin:
+            if self.caching:
+                direct = self._drop_pin_refs(unpin, now)
+                if direct:
+                    ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
+            else:
+                ops.append(w.Op(w.OP_UNPIN, tuple(unpin)))
+        if commit:
+            ops.append(w.Op(w.OP_COMMIT, tuple(commit)))
+        if abort:
+            ops.append(w.Op(w.OP_ABORT, tuple(abort)))
+        acq_index = look_index = -1
+        held: dict[str, w.AcquiredRecord] = {}
+        missing_ids: list[str] = []
+        if ids is not None:
+            if caching:
+                # References taken now, so nothing can flush them before this step's reply.
+                adapters = self.adapters
+                for a in admitted:
+                    h = adapters.get(a)
+                    if h is not None:
+                        held[a] = h.record if a in carried_a else self._lease_record(a)
+                missing_ids = [a for a in admitted if a not in held]
+            else:
+                missing_ids = admitted
+            if missing_ids or not caching:
+                acq_index = len(ops)
+                # Cached: only the missing ones, each admitted already (no cap needed).
+                ops.append(
+                    w.Op(w.OP_ACQUIRE, tuple(missing_ids) if caching else tuple(ids),
+                         w.ACQUIRE_PREPARE if prepare else 0, 0 if caching else cap, lease_ms)
+                )  # fmt: skip
+        cached_objs: list[w.ObjectRecord] = []
+        tail_keys: list[bytes] = []
+        if keys is not None:
+            if self.caching and pin_keys:
+                i = 0
+                by_key = self._by_key
+                append = cached_objs.append
+                for k in keys:
+                    h = by_key.get(k)
+                    if h is None:
+                        break
+                    if not (carried_o and carried_o.pop(h.record.object_id, 0)):
+                        if h.refs == 0:
+                            self._idle_p.pop(h.record.object_id, None)
+                        h.refs += 1
+                        h.idle_since = 0.0
+                    append(h.record)
+                    i += 1
+                tail_keys = list(keys[i:])
+            else:
+                tail_keys = list(keys)
+            if tail_keys:
+                look_index = len(ops)
+                ops.append(w.Op(w.OP_LOOKUP, tuple(tail_keys), 1 if pin_keys else 0))
+        # Idle holdings past their time ride at the end of this frame (the caller's ops run
+        # first whatever becomes of them), or get a frame of their own when there is none.
+        own = len(ops)
+        if self.caching:
+            ops.extend(self._flush_ops(now, force=False))
+        return _Plan(out, ops, now, caching, acq_index, look_index, admitted, missing_ids, cached_objs, ids, keys,
+                     pin_keys, held, own)  # fmt: skip
+
+    def _finish(self, plan: "_Plan", reply: w.StepReply | None) -> StepOutcome:
+        out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
+        admitted, missing_ids, cached_objs, ids, keys, pin_keys = (
+            plan.admitted, plan.missing_ids, plan.cached_objs, plan.ids, plan.keys, plan.pin_keys
+        )
+        if reply is not None:
+            out.round_trips = 1
+            out.arena_slabs = reply.arena_slabs
+            if reply.error is not None and reply.failed_index >= plan.own:
+                # Only the release of idle holdings was refused (what they held is gone
+                # already, e.g. freed): nothing the caller asked for.
+                log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
+                reply = w.StepReply(reply.arena_slabs, reply.results)
+        results = reply.results if reply is not None else []
+        ok = reply is None or reply.error is None
+        # Adapters.
+        if ids is not None:
+            got: dict[str, w.AcquiredRecord] = {}
+            if 0 <= acq_index < len(results):
+                r: w.AcquireOutcome = results[acq_index]
+                out.acquire_hot = r.hot
+                out.txn_id = r.txn_id
+                if r.hot:
+                    names = missing_ids if caching else admitted
+                    for aid, rec in zip(names, r.adapters):
+                        got[aid] = rec
+                        if caching:
+                            # Held from now on; idle until a lease takes it below.
+                            self.adapters[aid] = HeldAdapter(
+                                w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
+                            )
+                            self._idle_a[aid] = None
+                    if not ok and not caching:
+                        self._undo_acquire(admitted, r)
+            if ok and out.acquire_hot:
+                if caching:
+                    held = plan.held
+                    out.adapters = [(aid, held.get(aid) or self._lease_record(aid)) for aid in admitted]
+                else:
+                    out.adapters = [(aid, got[aid]) for aid in admitted]
+            elif plan.held:
+                self._drop_adapter_refs(list(plan.held), now)
+        # Keys.
+        if keys is not None:
+            new: list[w.ObjectRecord] = results[look_index] if 0 <= look_index < len(results) else []
+            if self.caching and pin_keys:
+                for rec in new:
+                    self._add_pin(rec, now)
+                if ok:
+                    for rec in new:
+                        self._ref_pin(rec.object_id)
+                else:
+                    self._drop_pin_refs([rec.object_id for rec in cached_objs], now)
+            out.objects = cached_objs + list(new)
+        if reply is not None:
+            self.raise_error(reply)
+        return out
+
+    def _undo_acquire(self, admitted: list[str], r: w.AcquireOutcome) -> None:
+        """A later op of the frame failed: give back what its acquire took (the caller gets
+        the error, not a lease)."""
+        op = w.Op(w.OP_ABORT, (r.txn_id,)) if r.txn_id else w.Op(w.OP_RELEASE, tuple(admitted))
+        try:
+            self.send([op])
+        except (BrokerError, StepUnavailable):
+            pass  # the session is gone, and its pins with it
+
+    # ------------------------------------------------------------ the cache
+
+    def _lease_record(self, aid: str) -> w.AcquiredRecord:
+        h = self.adapters[aid]
+        if h.refs == 0:
+            self._idle_a.pop(aid, None)
+        h.refs += 1
+        h.idle_since = 0.0
+        return h.record
+
+    def _drop_adapter_refs(self, ids: Sequence[str], now: float) -> list[str]:
+        """Drop local references; the ids this cache holds no reference on (acquired over
+        gRPC, or prepared), to release at the broker now."""
+        direct = []
+        for aid in ids:
+            h = self.adapters.get(aid)
+            if h is None or h.refs <= 0:
+                direct.append(aid)
+                continue
+            h.refs -= 1
+            if h.refs == 0:
+                h.idle_since = now
+                self._idle_a[aid] = None
+        return direct
+
+    def _add_pin(self, rec: w.ObjectRecord, now: float) -> None:
+        """Account one broker pin; the entry is idle until a reference is taken."""
+        h = self.pins.get(rec.object_id)
+        if h is None:
+            h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
+            self._idle_p[rec.object_id] = None
+            if rec.key:
+                self._by_key[rec.key] = h
+        else:
+            h.broker_pins += 1
+
+    def _ref_pin(self, oid: int) -> None:
+        h = self.pins[oid]
+        if h.refs == 0:
+            self._idle_p.pop(oid, None)
+        h.refs += 1
+        h.idle_since = 0.0
+
+    def _drop_pin_refs(self, oids: Sequence[int], now: float) -> list[int]:
+        """Drop local references; the ids this cache does not hold, to unpin at the broker."""
+        direct = []
+        for oid in oids:
+            h = self.pins.get(oid)
+            if h is None or h.refs <= 0:
+                direct.append(oid)
+                continue
+            h.refs -= 1
+            if h.refs == 0:
+                h.idle_since = now
+                self._idle_p[oid] = None
+        return direct
+
+    def add_pins(self, recs: Sequence[w.ObjectRecord]) -> None:
+        """Account pins a frame's PIN op took (one reference each)."""
+        with self.lock:
+            now = time.monotonic()
+            for rec in recs:
+                self._add_pin(rec, now)
+                self._ref_pin(rec.object_id)
+
+    def forget_pins(self, oids: Sequence[int]) -> None:
+        """Objects this session freed: their pins went with them at the broker."""
+        with self.lock:
+            for oid in oids:
+                h = self.pins.pop(oid, None)
+                if h is None:
+                    continue
+                if h.refs == 0:
+                    self._idle_p.pop(oid, None)
+                if h.record.key and self._by_key.get(h.record.key) is h:
+                    del self._by_key[h.record.key]
+
+    def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
+        """Take a reference on each held object (all or none); None when one is not held."""
+        with self.lock:
+            if any(oid not in self.pins for oid in oids):
+                return None
+            for oid in oids:
+                self._ref_pin(oid)
+            return [self.pins[oid].record for oid in oids]
+
+    @property
+    def _idle(self) -> int:
+        return len(self._idle_a) + len(self._idle_p)
+
+    def _flush_ops(self, now: float, force: bool) -> list[w.Op]:
+        """Release and unpin ops for idle holdings that are due (all of them with ``force``),
+        removed from the cache. Walks the idle entries oldest first: O(what it releases)."""
+        idle = self._idle
+        if not idle or (not force and now < self._next_sweep and idle <= self.max_idle):
+            return []
+        self._next_sweep = now + self.hold_s / 2
+        cutoff = now - self.hold_s
+        over = idle - self.max_idle
+        rel: list[str] = []
+        for aid in list(self._idle_a):
+            h = self.adapters[aid]
+            if not (force or h.idle_since <= cutoff or over > 0):
+                break
+            rel.append(aid)
+            over -= 1
+            del self.adapters[aid]
+            del self._idle_a[aid]
+        unp: list[int] = []
+        for oid in list(self._idle_p):
+            h = self.pins[oid]
+            if not (force or h.idle_since <= cutoff or over > 0):
+                break
+            unp.extend([oid] * h.broker_pins)
+            over -= 1
+            del self.pins[oid]
+            del self._idle_p[oid]
+            if h.record.key and self._by_key.get(h.record.key) is h:
+                del self._by_key[h.record.key]
+        ops = []
+        if rel:
+            ops.append(w.Op(w.OP_RELEASE, tuple(rel)))
+        if unp:
+            ops.append(w.Op(w.OP_UNPIN, tuple(unp)))
+        return ops
+
+    def flush(self) -> int:
+        """Release every idle holding now (one round trip if there are any); returns how many."""
+        with self.lock:
+            ops = self._flush_ops(time.monotonic(), force=True)
+            if not ops:
+                return 0
+            n = sum(len(op.items) for op in ops)
+            self.raise_error(self.send(ops))
+            return n
+
+    def sweep_due(self) -> bool:
+        """Whether idle holdings may be due for release (the next frame would carry them)."""
+        return bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
+
+    def idle(self) -> int:
+        return self._idle
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A step's frame and what its reply is matched against."""
+
+    out: StepOutcome
+    ops: list
+    now: float
+    caching: bool
+    acq_index: int
+    look_index: int
+    admitted: list
+    missing_ids: list
+    cached_objs: list
+    ids: list | None
+    keys: list | None
+    pin_keys: bool
+    # Cached adapters this step took references on (given back if it fails).
+    held: dict
+    # Ops of the caller (the idle releases come after them).
+    own: int
+
+
+class PendingStep:
+    """A step sent by ``StepPath.begin``; ``result()`` reads its reply (once)."""
+
+    def __init__(self, path: StepPath, plan: _Plan):
+        self._path = path
+        self._plan = plan
+        self._reply: w.StepReply | None = None
+        self._reply_done = False
+        self._outcome: StepOutcome | None = None
+        self._error: BaseException | None = None
+
+    def _collect(self) -> None:
+        """Read this step's reply off the socket and account it in the cache at once (the
+        path's lock is held), so later steps see what it took even before ``result()``."""
+        path = self._path
+        path._pending = None
+        self._reply_done = True
+        try:
+            self._reply = path.transport.reply()
+            self._outcome = path._finish(self._plan, self._reply)
+        except BaseException as e:
+            self._error = e
+
+    def result(self) -> StepOutcome:
+        """The step's outcome; raises its BrokerError as ``step`` would. Call it once for
+        every ``begin`` (what the step took is the caller's until it releases it)."""
+        path = self._path
+        with path.lock:
+            if self._outcome is None and self._error is None:
+                if not self._reply_done:
+                    self._collect()
+                elif self._reply is None:  # nothing was sent: all from the cache
+                    try:
+                        self._outcome = path._finish(self._plan, None)
+                    except BaseException as e:
+                        self._error = e
+            if self._error is not None:
+                raise self._error
+            return self._outcome

@@ -1,0 +1,337 @@
+#!/usr/bin/env python3
+"""An engine step's control-plane cost at the client: gRPC, the step channel, its cache.
+
+    python ops/bench/bench_step.py [--steps 2000] [--quick]
+
+Starts a broker (host arena, --enable-echo) in a subprocess, registers 200 tiny adapters and
+makes them hot, and allocates keyed KV blocks. Two workloads, each step holding the batch's
+adapters and pinning one KV block key per sequence, and giving back the previous step's:
+* steady: the same 16 sequences (8 adapters, 16 keys) every step (issue 16's example step);
+* trace: requests arrive and complete every step (Zipf(1.0) over the 200 adapters, batch
+  size drifting within 8..32 sequences, at least one arrival and one completion per step,
+  a KV key per arrival never seen before in the run, so every step has something to ask).
+Each runs through every client path: gRPC (the old path, 4 RPCs per step), the step channel
+with the same four calls, one ``client.step()`` call, and both again with the holdings cache
+(``hold_s``); with the cache also pipelined (``step_begin`` sent when the next batch is known,
+the reply collected after a simulated 2 ms of model work (a sleep, as a CPU waiting on
+its GPU; a tenth of a 20 ms decode step), which is not counted). Per-step
+client-side cost: median and p99, in us and as a multiple of a raw Unix-socket ping-pong
+(a bare echo process, 32-byte messages) measured in the same run, next to the step channel's
+own PING and a bare gRPC Echo. Targets (issue 16): steady median <= 2x raw; trace median
+<= 2x raw and p99 <= 10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+
+from memory_broker.wire import step as step_wire  # noqa: E402
+from memory_broker.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
+from memory_broker.clients import BrokerClient, Spec  # noqa: E402
+
+ADAPTERS = 200
+# KV blocks (one 512 KiB page each): enough that no arrival's key was seen before.
+KEYS = int(os.environ.get("BENCH_STEP_KEYS", 12000))
+# The model's work per step in the pipelined path: a tenth of a 20 ms decode step.
+MODEL_WORK_S = 2e-3
+
+ECHO_SERVER = r"""
+import os, socket, sys
+path = sys.argv[1]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.bind(path); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+while True:
+    b = c.recv(4096)
+    if not b:
+        break
+    c.sendall(b)
+"""
+
+
+def write_adapter(path: str, seed: int) -> str:
+    """A tiny PEFT LoRA directory (rank 4, hidden 64, one layer, q/v)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    t = {}
+    for m in ("q_proj", "v_proj"):
+        k = f"base_model.model.model.layers.0.self_attn.{m}"
+        t[f"{k}.lora_A.weight"] = (rng.standard_normal((4, 64)) * 0.02).astype(np.float16)
+        t[f"{k}.lora_B.weight"] = (rng.standard_normal((64, 4)) * 0.02).astype(np.float16)
+    save_file(t, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        f.write('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}')
+    return path
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ------------------------------------------------------------------ workloads
+
+
+def steady(steps: int) -> list[tuple[list[str], list[bytes]]]:
+    ids = [f"ad{i % 8}" for i in range(16)]
+    keys = [b"kv-%d" % i for i in range(16)]
+    return [(ids, keys)] * steps
+
+
+def trace(steps: int, seed: int = 7) -> list[tuple[list[str], list[bytes]]]:
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) for i in range(ADAPTERS)]
+    nxt = [16]
+
+    def arrival() -> tuple[str, bytes]:
+        a = rng.choices(range(ADAPTERS), weights)[0]
+        k = b"kv-%d" % (nxt[0] % KEYS)  # fresh: KEYS exceeds the arrivals of a run
+        nxt[0] += 1
+        return f"ad{a}", k
+
+    batch = [arrival() for _ in range(16)]
+    target = 16
+    out = []
+    for _ in range(steps):
+        target = max(8, min(32, target + rng.choice((-1, 0, 1))))
+        kept = [s for s in batch if rng.random() > 1 / 20]
+        if len(kept) == len(batch):
+            kept.pop(rng.randrange(len(kept)))  # at least one completion
+        kept += [arrival() for _ in range(max(1, target - len(kept)))]  # at least one arrival
+        batch = kept
+        out.append(([a for a, _ in batch], [k for _, k in batch]))
+    if nxt[0] > KEYS:
+        raise SystemExit(f"{steps} trace steps need {nxt[0]} fresh KV keys; the benchmark allocates {KEYS}")
+    return out
+
+
+# ------------------------------------------------------------------ client paths
+
+
+def old_api(c: BrokerClient, work):
+    """The four calls an engine written against the client library makes."""
+    prev = None
+    for ids, keys in work:
+        t0 = time.perf_counter_ns()
+        lease = c.acquire_adapters(ids)
+        objs = c.lookup(keys, pin=True)
+        if prev is not None:
+            prev[0].release()
+            c.unpin(prev[1])
+        yield (time.perf_counter_ns() - t0) / 1000
+        prev = (lease, objs)
+    prev[0].release()
+    c.unpin(prev[1])
+
+
+def step_api(c: BrokerClient, work):
+    prev = None
+    for ids, keys in work:
+        t0 = time.perf_counter_ns()
+        prev = c.step(ids, keys, release=prev)
+        yield (time.perf_counter_ns() - t0) / 1000
+    prev.release()
+
+
+def pipelined(c: BrokerClient, work):
+    """Send step i+1's changes (with step i-1's releases) as step i starts, run step i's
+    model work, then collect them: the round trip overlaps the work."""
+    before = None  # step i-1's lease
+    t0 = time.perf_counter_ns()
+    pending = c.step_begin(*work[0])
+    for i in range(len(work)):
+        cur = pending.result()
+        if i + 1 < len(work):
+            pending = c.step_begin(*work[i + 1], release=before)
+        elif before is not None:
+            before.release()
+        yield (time.perf_counter_ns() - t0) / 1000
+        # The model's work for step i (not counted): on an engine the GPU runs it while
+        # the CPU waits, so this thread sleeps rather than spins.
+        time.sleep(MODEL_WORK_S)
+        t0 = time.perf_counter_ns()
+        before = cur
+    before.release()
+
+
+PATHS = [
+    ("gRPC, 4 calls (old path)", dict(fast_path=False), old_api),
+    ("step channel, same 4 calls", dict(hold_s=0.0), old_api),
+    ("step channel, client.step()", dict(hold_s=0.0), step_api),
+    ("cache, same 4 calls", dict(hold_s=1.0), old_api),
+    ("cache, client.step()", dict(hold_s=1.0), step_api),
+    ("cache, step_begin (pipelined)", dict(hold_s=1.0), pipelined),
+]
+
+
+def measure(socket_path: str, kw: dict, fn, work, warm: int) -> tuple[list[float], float]:
+    """(per-step us, round trips per step) over ``work`` after ``warm`` untimed steps."""
+    c = BrokerClient.connect(socket_path, client_name="bench-step", **kw)
+    try:
+        # An engine that has run a while has every adapter's layout (fetched once per
+        # adapter, over gRPC); so does this client before it is timed.
+        c.acquire_adapters([f"ad{i}" for i in range(ADAPTERS)]).release()
+        for _ in fn(c, work[:warm]):
+            pass
+        st = c._step_path()
+        f0 = st.frames if st is not None else 0
+        xs = list(fn(c, work[warm:]))
+        rts = ((st.frames - f0) / len(xs)) if st is not None else 4.0
+        return xs, rts
+    finally:
+        c.close()
+
+
+def raw_pingpong(d: str, n: int) -> list[float]:
+    path = os.path.join(d, "echo.sock")
+    if os.path.exists(path):
+        os.unlink(path)
+    p = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        p.stdout.readline()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        msg = b"x" * 32
+        out = []
+        for _ in range(n + 200):
+            t0 = time.perf_counter_ns()
+            s.sendall(msg)
+            s.recv(4096)
+            out.append((time.perf_counter_ns() - t0) / 1000)
+        s.close()
+        return out[200:]
+    finally:
+        p.wait(10)
+
+
+def step_ping(socket_path: str, n: int) -> list[float]:
+    c = BrokerClient.connect(socket_path, client_name="bench-ping")
+    try:
+        t = c._step_path().transport
+        ping = step_wire.frame(step_wire.PING)
+        out = []
+        for _ in range(n + 200):
+            t0 = time.perf_counter_ns()
+            t.request(ping)
+            out.append((time.perf_counter_ns() - t0) / 1000)
+        return out[200:]
+    finally:
+        c.close()
+
+
+def grpc_echo(socket_path: str, n: int) -> list[float]:
+    with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+        echo = echo_pb2_grpc.EchoStub(ch)
+        req = echo_pb2.EchoRequest(payload=b"x" * 32)
+        out = []
+        for _ in range(n + 200):
+            t0 = time.perf_counter_ns()
+            echo.Echo(req)
+            out.append((time.perf_counter_ns() - t0) / 1000)
+        return out[200:]
+
+
+def start_broker(socket_path: str, state: str) -> subprocess.Popen:
+    """A broker with the bare Echo service, 512 KiB pages (KV blocks) and room for them all."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket_path, "--arena", "host",
+         "--enable-echo", "--pool-size", "8GiB", "--page-size", "512KiB", "--slab-size", "256MiB",
+         "--state-dir", state, "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(socket_path):
+            try:
+                with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+                    echo_pb2_grpc.EchoStub(ch).Echo(echo_pb2.EchoRequest(), timeout=1)
+                return proc
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("broker did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000, help="timed steps per path and workload")
+    ap.add_argument("--quick", action="store_true", help="at most 200 steps (a smoke run)")
+    a = ap.parse_args()
+    steps = min(a.steps, 200) if a.quick else a.steps
+    d = tempfile.mkdtemp(prefix="mb-bench-", dir="/tmp")
+    sock = os.path.join(d, "b.sock")
+    proc = start_broker(sock, os.path.join(d, "state"))
+    try:
+        run(d, sock, steps)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def run(d: str, sock: str, steps: int) -> None:
+    setup = BrokerClient.connect(sock, client_name="bench-setup")
+    ids = [f"ad{i}" for i in range(ADAPTERS)]
+    for i, aid in enumerate(ids):
+        setup.register_adapter(aid, write_adapter(os.path.join(d, "adapters", aid), i))
+    r = setup.prefetch_adapters(ids, "hot")
+    if r.failed:
+        raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
+    # The KV blocks stay allocated (owned by the setup session) while the paths run.
+    for first in range(0, KEYS, 1000):
+        setup.allocate([Spec(1, content_type="kv_cache", key=b"kv-%d" % i) for i in range(first, min(KEYS, first + 1000))])
+    warm = max(50, steps // 10)
+    workloads = {"steady": steady(steps + warm), "trace": trace(steps + warm)}
+
+    raw, ping, echo = [], [], []
+    results: dict[tuple[str, str], tuple[list[float], float]] = {}
+    # Baselines between the paths, so drift on a shared machine hits both.
+    for name, kw, fn in PATHS:
+        raw += raw_pingpong(d, max(200, steps // 2))
+        ping += step_ping(sock, max(200, steps // 2))
+        echo += grpc_echo(sock, max(200, steps // 4))
+        for wl, work in workloads.items():
+            results[(name, wl)] = measure(sock, kw, fn, work, warm)
+    raw_us = statistics.median(raw)
+    print(f"Engine step control plane, per step at the client ({steps} steps per row; "
+          f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')})")  # fmt: skip
+    print(f"{'baseline':<44}{'median us':>10}{'p99 us':>10}{'x raw':>8}")
+    for name, xs in (("raw Unix-socket ping-pong (32 B)", raw), ("step channel PING (broker, same socket kind)", ping),
+                     ("gRPC Echo (bare, same broker)", echo)):  # fmt: skip
+        print(f"{name:<44}{statistics.median(xs):>10.1f}{pct(xs, 0.99):>10.1f}{statistics.median(xs) / raw_us:>8.2f}")
+    print()
+    print(f"{'path':<36}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}")
+    for (name, wl), (xs, rts) in results.items():
+        med, p99 = statistics.median(xs), pct(xs, 0.99)
+        print(f"{name:<36}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}")
+    print("(x raw = per-step median or p99 / the raw ping-pong median of this run; RT/step = frames sent)")
+    best_steady = min(statistics.median(results[(n, "steady")][0]) for n, _, _ in PATHS[3:])
+    best = min(PATHS[3:], key=lambda p: statistics.median(results[(p[0], "trace")][0]))
+    tr = results[(best[0], "trace")][0]
+    ok1 = best_steady <= 2 * raw_us
+    ok2 = statistics.median(tr) <= 2 * raw_us and pct(tr, 0.99) <= 10 * raw_us
+    print(f"\ntarget steady: median <= 2x raw: {best_steady / raw_us:.2f}x -> {'MET' if ok1 else 'NOT MET'}")
+    print(f"target trace ({best[0]}): median <= 2x raw, p99 <= 10x: {statistics.median(tr) / raw_us:.2f}x, "
+          f"{pct(tr, 0.99) / raw_us:.2f}x -> {'MET' if ok2 else 'NOT MET'}")  # fmt: skip
+    setup.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""The step channel's wire format: one definition of its frames, used by the daemon and the client.
+
+This module owns the byte layout of the fast path (``broker/sessions/step_channel.py`` serves
+it, ``clients/step.py`` speaks it): frame headers, operation and result records, limits and
+error codes. It is plain ``struct`` code with no I/O and no state; it must not import gRPC
+or anything of the daemon (it belongs with the shared wire types).
+
+A frame is ``<IB`` (body length, kind) then the body; little-endian throughout. Requests:
+``HELLO`` (body: the session token), ``STEP`` (``<H`` op count, then ops), ``PING`` (empty).
+Every request gets exactly one reply frame of kind ``OK`` or ``ERROR``. A STEP reply body is
+``<IH`` (arena slabs, results) then one result record per op that ran, in order; an ERROR
+reply carries those records too, then ``<BHH`` (code, index of the failed op, message
+length) and the message. A frame that cannot be parsed runs no op at all.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+from memory_broker.wire.errors import BrokerError, Code
+
+# Frame header: body length, kind.
+HEADER = struct.Struct("<IB")
+# Larger frames are not a client of ours: refused and the connection closed (its stream
+# cannot be resynchronized).
+MAX_FRAME_BYTES = 4 << 20
+# Ops in one STEP frame (one per kind is the usual step; a few more for batching).
+MAX_OPS = 64
+
+# Request kinds.
+HELLO, STEP, PING = 1, 2, 3
+# Reply kinds.
+OK, ERROR = 0x80, 0x81
+
+# Op kinds, each with its arguments:
+OP_RELEASE = 1  # adapter ids (one pin dropped per listed id)
+OP_UNPIN = 2  # object ids
+OP_PIN = 3  # object ids
+OP_COMMIT = 4  # adapter acquire transaction ids
+OP_ABORT = 5  # adapter acquire transaction ids
+OP_ACQUIRE = 6  # flags, max_adapters, lease_ms, adapter ids
+OP_LOOKUP = 7  # pin flag, keys
+OP_NAMES = {
+    OP_RELEASE: "release", OP_UNPIN: "unpin", OP_PIN: "pin", OP_COMMIT: "commit", OP_ABORT: "abort",
+    OP_ACQUIRE: "acquire", OP_LOOKUP: "lookup",
+}  # fmt: skip
+ACQUIRE_PREPARE = 1
+
+# Error codes on the wire (index into this tuple).
+CODES: tuple[Code, ...] = tuple(Code)
+_CODE_INDEX = {c: i for i, c in enumerate(CODES)}
+
+# Adapter tiers in acquire results (the proto's order).
+TIER_HOT, TIER_WARM, TIER_COLD = 1, 2, 3
+TIER_NAMES = {TIER_HOT: "hot", TIER_WARM: "warm", TIER_COLD: "cold"}
+
+_U16 = struct.Struct("<H")
+_COUNT_OPS = _U16
+_ACQ_HEAD = struct.Struct("<BHIH")
+_LOOKUP_HEAD = struct.Struct("<BH")
+_STEP_REPLY_HEAD = struct.Struct("<IH")
+_ERR_TRAILER = struct.Struct("<BHH")
+_ACQ_RESULT_HEAD = struct.Struct("<BBQdH")
+_ACQ_ADAPTER = struct.Struct("<QQBI")
+_OBJ_HEAD = struct.Struct("<QqBBBIII")
+_OBJS_HEAD = struct.Struct("<BH")
+OBJ_OWNED, OBJ_DEDUP = 1, 2
+
+
+# The records below are plain (not frozen) slotted dataclasses: a frozen one costs several
+# times more to build, and a step builds dozens; treat them as read-only all the same.
+
+
+class WireError(ValueError):
+    """A frame that does not parse; the message says where."""
+
+
+@dataclass(slots=True)
+class Op:
+    kind: int
+    # Adapter ids (release, acquire), object or transaction ids (unpin, pin, commit,
+    # abort), or keys (lookup).
+    items: tuple
+    # Acquire: ACQUIRE_PREPARE or 0; lookup: 1 to pin.
+    flags: int = 0
+    max_adapters: int = 0
+    lease_ms: int = 0
+
+
+@dataclass(slots=True)
+class AcquiredRecord:
+    generation: int
+    object_id: int
+    found_in: int
+    pages: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class AcquireOutcome:
+    # False: an admitted adapter was not hot; nothing was pinned; ask over gRPC (it loads).
+    hot: bool
+    txn_id: int = 0
+    deadline_unix: float = 0.0
+    # Admitted adapters in request order (the first ``max_adapters`` distinct ids).
+    adapters: tuple[AcquiredRecord, ...] = ()
+
+
+@dataclass(slots=True)
+class ObjectRecord:
+    """What ``pb.ObjectInfo`` says of an object, in the fields a client reads."""
+
+    object_id: int
+    window_page: int
+    state: int
+    content_type: int
+    owned: bool
+    deduplicated: bool
+    session_pins: int
+    total_pins: int
+    pages: list[int]
+    key: bytes
+    arena_slabs: int = 0
+
+
+@dataclass(slots=True)
+class StepReply:
+    arena_slabs: int
+    # One per op that ran: None (release, unpin, commit, abort), AcquireOutcome, or a list
+    # of ObjectRecord (pin, lookup).
+    results: list
+    # The refusal of op ``failed_index`` (the ops before it ran), or None.
+    error: BrokerError | None = None
+    failed_index: int = -1
+
+
+# ------------------------------------------------------------------ framing
+
+
+def frame(kind: int, body: bytes = b"") -> bytes:
+    return HEADER.pack(len(body), kind) + body
+
+
+def _str16(b: bytes, what: str) -> bytes:
+    if len(b) > 0xFFFF:
+        raise WireError(f"{what} is {len(b)} bytes; at most 65535")
+    return _U16.pack(len(b)) + b
+
+
+def _ids(ids: Sequence[int]) -> bytes:
+    n = len(ids)
+    if n > 0xFFFF:
+        raise WireError(f"{n} ids in one op; at most 65535")
+    try:
+        return _U16.pack(n) + struct.pack(f"<{n}Q", *ids)
+    except struct.error:
+        raise WireError(f"object and transaction ids are integers in 0..2**64-1; got {list(ids)[:8]}") from None
+
+
+def encode_step(ops: Sequence[Op]) -> bytes:
+    """A STEP request frame."""
+    if len(ops) > MAX_OPS:
+        raise WireError(f"{len(ops)} ops in one step; at most {MAX_OPS}")
+    parts = [_COUNT_OPS.pack(len(ops))]
+    for op in ops:
+        k = op.kind
+        parts.append(bytes((k,)))
+        if k in (OP_RELEASE, OP_LOOKUP) and len(op.items) > 0xFFFF:
+            raise WireError(f"{len(op.items)} items in one op; at most 65535")
+        if k == OP_RELEASE:
+            parts.append(_U16.pack(len(op.items)))
+            parts.extend(_str16(a.encode(), "an adapter id") for a in op.items)
+        elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
+            parts.append(_ids(op.items))
+        elif k == OP_ACQUIRE:
+            if not (0 <= op.max_adapters <= 0xFFFF and 0 <= op.lease_ms <= 0xFFFFFFFF and len(op.items) <= 0xFFFF):
+                raise WireError(
+                    f"acquire: max_adapters {op.max_adapters} (0..65535), lease {op.lease_ms} ms (0..4294967295) "
+                    f"or {len(op.items)} ids (at most 65535) out of range"
+                )
+            parts.append(_ACQ_HEAD.pack(op.flags, op.max_adapters, op.lease_ms, len(op.items)))
+            parts.extend(_str16(a.encode(), "an adapter id") for a in op.items)
+        elif k == OP_LOOKUP:
+            parts.append(_LOOKUP_HEAD.pack(op.flags, len(op.items)))
+            parts.extend(_str16(bytes(key), "a key") for key in op.items)
+        else:
+            raise WireError(f"unknown op kind {k}")
+    body = b"".join(parts)
+    return HEADER.pack(len(body), STEP) + body
+
+
+class _Reader:
+    """A cursor over a frame body; every short read is a WireError naming what was cut."""
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes):
+        self.buf = buf
+        self.pos = 0
+
+    def unpack(self, st: struct.Struct, what: str) -> tuple:
+        end = self.pos + st.size
+        if end > len(self.buf):
+            raise WireError(f"frame ends inside {what} (byte {self.pos} of {len(self.buf)})")
+        out = st.unpack_from(self.buf, self.pos)
+        self.pos = end
+        return out
+
+    def take(self, n: int, what: str) -> bytes:
+        end = self.pos + n
+        if end > len(self.buf):
+            raise WireError(f"frame ends inside {what}: {n} bytes announced, {len(self.buf) - self.pos} left")
+        out = bytes(self.buf[self.pos : end])
+        self.pos = end
+        return out
+
+    def u16(self, what: str) -> int:
+        return self.unpack(_U16, what)[0]
+
+    def str16(self, what: str) -> bytes:
+        return self.take(self.u16(what), what)
+
+    def ids(self, what: str) -> tuple[int, ...]:
+        n = self.u16(what)
+        return struct.unpack("<%dQ" % n, self.take(8 * n, what))
+
+    def done(self) -> None:
+        if self.pos != len(self.buf):
+            raise WireError(f"{len(self.buf) - self.pos} bytes after the last op")
+
+
+def _text(b: bytes, what: str) -> str:
+    try:
+        return b.decode()
+    except UnicodeDecodeError:
+        raise WireError(f"{what} is not UTF-8") from None
+
+
+def decode_step(body: bytes) -> list[Op]:
+    """The ops of a STEP body. Raises WireError (nothing may run then)."""
+    r = _Reader(body)
+    n = r.u16("the op count")
+    if n > MAX_OPS:
+        raise WireError(f"{n} ops in one step; at most {MAX_OPS}")
+    ops = []
+    for i in range(n):
+        (k,) = r.unpack(_U8, f"op {i}'s kind")
+        where = f"op {i} ({OP_NAMES.get(k, k)})"
+        if k == OP_RELEASE:
+            count = r.u16(where)
+            ops.append(Op(k, tuple(_text(r.str16(where), where + "'s adapter id") for _ in range(count))))
+        elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
+            ops.append(Op(k, r.ids(where)))
+        elif k == OP_ACQUIRE:
+            flags, cap, lease_ms, count = r.unpack(_ACQ_HEAD, where)
+            if flags & ~ACQUIRE_PREPARE:
+                raise WireError(f"{where}: unknown flags {flags:#x}")
+            ids = tuple(_text(r.str16(where), where + "'s adapter id") for _ in range(count))
+            ops.append(Op(k, ids, flags, cap, lease_ms))
+        elif k == OP_LOOKUP:
+            pin, count = r.unpack(_LOOKUP_HEAD, where)
+            if pin > 1:
+                raise WireError(f"{where}: pin flag must be 0 or 1, got {pin}")
+            ops.append(Op(k, tuple(r.str16(where) for _ in range(count)), pin))
+        else:
+            raise WireError(f"op {i} has unknown kind {k}; known: {sorted(OP_NAMES)}")
+    r.done()
+    return ops
+
+
+_U8 = struct.Struct("<B")
+
+
+# ------------------------------------------------------------------ replies
+
+
+def encode_objects(kind: int, objs: Sequence[ObjectRecord]) -> bytes:
+    parts = [_OBJS_HEAD.pack(kind, len(objs))]
+    for o in objs:
+        flags = (OBJ_OWNED if o.owned else 0) | (OBJ_DEDUP if o.deduplicated else 0)
+        pages = o.pages
+        parts.append(
+            _OBJ_HEAD.pack(o.object_id, o.window_page, o.state, o.content_type, flags, o.session_pins, o.total_pins, len(pages))
+        )
+        parts.append(struct.pack("<%dI" % len(pages), *pages))
+        parts.append(_U16.pack(len(o.key)) + o.key)
+    return b"".join(parts)
+
+
+def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
+    """``encode_objects`` from tuples in ``ObjectRecord``'s field order (no records built)."""
+    parts = [_OBJS_HEAD.pack(kind, len(rows))]
+    head, u16 = _OBJ_HEAD.pack, _U16.pack
+    for oid, wp, state, ct, owned, dedup, sp, tp, pages, key in rows:
+        parts.append(head(oid, wp, state, ct, (OBJ_OWNED if owned else 0) | (OBJ_DEDUP if dedup else 0), sp, tp, len(pages)))
+        parts.append(struct.pack("<%dI" % len(pages), *pages))
+        parts.append(u16(len(key)) + key)
+    return b"".join(parts)
+
+
+def encode_acquire(out: AcquireOutcome) -> bytes:
+    if not out.hot:
+        return _ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 0, 0, 0.0, 0)
+    parts = [_ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 1, out.txn_id, out.deadline_unix, len(out.adapters))]
+    for a in out.adapters:
+        parts.append(_ACQ_ADAPTER.pack(a.generation, a.object_id, a.found_in, len(a.pages)))
+        parts.append(struct.pack("<%dI" % len(a.pages), *a.pages))
+    return b"".join(parts)
+
+
+def encode_step_reply(arena_slabs: int, results: Sequence[bytes], error: BrokerError | None = None, index: int = 0) -> bytes:
+    """A STEP reply frame from already-encoded result records."""
+    body = _STEP_REPLY_HEAD.pack(arena_slabs, len(results)) + b"".join(results)
+    if error is None:
+        return HEADER.pack(len(body), OK) + body
+    body += error_trailer(error, index)
+    return HEADER.pack(len(body), ERROR) + body
+
+
+def error_trailer(error: BrokerError, index: int = 0) -> bytes:
+    msg = error.message.encode()[:4000]
+    return _ERR_TRAILER.pack(_CODE_INDEX.get(error.code, _CODE_INDEX[Code.INTERNAL]), index, len(msg)) + msg
+
+
+def error_frame(error: BrokerError) -> bytes:
+    """An ERROR reply to a frame that ran nothing (a STEP error reply with no results)."""
+    return encode_step_reply(0, (), error, 0)
+
+
+def _decode_error(r: _Reader) -> tuple[BrokerError, int]:
+    code, index, n = r.unpack(_ERR_TRAILER, "the error")
+    msg = r.take(n, "the error message").decode(errors="replace")
+    return BrokerError(CODES[code] if code < len(CODES) else Code.INTERNAL, msg), index
+
+
+def decode_step_reply(kind: int, body: bytes) -> StepReply:
+    """A STEP (or refused HELLO/PING) reply. Raises WireError on a malformed one."""
+    if kind not in (OK, ERROR):
+        raise WireError(f"reply of unknown kind {kind}")
+    r = _Reader(body)
+    slabs, n = r.unpack(_STEP_REPLY_HEAD, "the reply header")
+    results: list = []
+    for _ in range(n):
+        (k,) = r.unpack(_U8, "a result's kind")
+        if k == OP_ACQUIRE:
+            r.pos -= 1
+            _, hot, txn, deadline, count = r.unpack(_ACQ_RESULT_HEAD, "an acquire result")
+            ads = []
+            for _ in range(count):
+                gen, oid, tier, npages = r.unpack(_ACQ_ADAPTER, "an adapter")
+                ads.append(AcquiredRecord(gen, oid, tier, struct.unpack("<%dI" % npages, r.take(4 * npages, "pages"))))
+            results.append(AcquireOutcome(bool(hot), txn, deadline, tuple(ads)))
+        elif k in (OP_PIN, OP_LOOKUP):
+            count = r.u16("an object count")
+            objs = []
+            for _ in range(count):
+                oid, wp, state, ct, flags, sp, tp, npages = r.unpack(_OBJ_HEAD, "an object")
+                pages = list(struct.unpack("<%dI" % npages, r.take(4 * npages, "pages")))
+                key = r.str16("a key")
+                objs.append(ObjectRecord(oid, wp, state, ct, bool(flags & OBJ_OWNED), bool(flags & OBJ_DEDUP), sp, tp, pages, key, slabs))
+            results.append(objs)
+        elif k in OP_NAMES:
+            results.append(None)
+        else:
+            raise WireError(f"result of unknown kind {k}")
+    if kind == ERROR:
+        err, index = _decode_error(r)
+        r.done()
+        return StepReply(slabs, results, err, index)
+    r.done()
+    return StepReply(slabs, results)

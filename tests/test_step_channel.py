@@ -1,0 +1,493 @@
+"""The step channel end to end: the client's step calls go over it with gRPC's semantics, the
+broker's books (GetStats) see them, the cache holds what it says it holds, and the channel
+refuses strangers and malformed frames without changing anything."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, spawn_child, read_line, start_broker
+from memory_broker.wire import step as w
+from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
+
+sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
+from bench_step import write_adapter  # noqa: E402
+
+
+@pytest.fixture
+def rig():
+    """A broker with 4 tiny registered adapters and 6 keyed KV blocks (owned by ``setup``)."""
+    b = start_broker()
+    d = os.path.dirname(b.socket)
+    setup = BrokerClient.connect(b.socket, client_name="setup")
+    for i in range(4):
+        setup.register_adapter(f"a{i}", write_adapter(os.path.join(d, "adapters", f"a{i}"), i))
+    setup.allocate([Spec(1, content_type="kv_cache", key=b"k%d" % i) for i in range(6)])
+    try:
+        yield b, setup
+    finally:
+        setup.close()
+        b.stop()
+
+
+def frames(c: BrokerClient) -> int:
+    return c._step_path().frames
+
+
+def books(c: BrokerClient) -> tuple:
+    st = c.stats()
+    return (st.sessions, st.objects, st.pinned_pages, st.open_transactions, st.used_pages, st.adapters.hot)
+
+
+# ------------------------------------------------------------------ the calls
+
+
+def test_step_calls_go_over_the_channel_and_getstats_sees_them(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        n = frames(c)
+        base = c.stats().pinned_pages
+        lease = c.acquire_adapters(["a0", "a1"])
+        assert frames(c) == n + 1 and lease.ids == ["a0", "a1"] and {a.found_in for a in lease.adapters} == {"hot"}
+        assert c.stats().pinned_pages == base + 2
+        objs = c.lookup([b"k0", b"k1", b"nope", b"k2"])
+        assert [o.key for o in objs] == [b"k0", b"k1"] and all(o.session_pins == 1 for o in objs)
+        assert c.stats().pinned_pages == base + 4
+        c.unpin(objs)
+        lease.release()
+        assert frames(c) == n + 4
+        assert c.stats().pinned_pages == base
+        # Pin by id and a pinned() block take the same path.
+        with c.pinned(objs) as again:
+            assert [o.object_id for o in again] == [o.object_id for o in objs]
+            assert c.stats().pinned_pages == base + 2
+        assert c.stats().pinned_pages == base and frames(c) == n + 6
+
+
+def test_calls_act_in_the_order_issued_across_both_paths(rig):
+    b, setup = rig
+    with BrokerClient.connect(b.socket) as c:
+        (obj,) = setup.allocate([Spec(2)])  # gRPC, another session
+        (mine,) = c.allocate([Spec(1)])  # gRPC
+        c.pin([mine])  # step channel
+        assert c.stats().pinned_pages == 1  # gRPC sees it at once
+        c.unpin([mine])
+        assert c.stats().pinned_pages == 0
+        (held,) = c.lookup([b"k3"])  # step channel
+        assert setup.free([obj]) == (2, 0)
+        (k3,) = setup.lookup([b"k3"], pin=False)
+        assert setup.free([k3]) == (0, 1)  # gRPC: the step channel's pin defers the free
+        c.unpin([held])  # step channel: the deferred free happens now
+        assert c.stats().objects == 6
+
+
+def test_an_adapter_that_is_not_hot_is_acquired_over_grpc_with_the_same_deferral(rig):
+    b, _ = rig
+    with BrokerClient.connect(b.socket) as fast, BrokerClient.connect(b.socket, fast_path=False) as slow:
+        n = frames(fast)
+        lease = fast.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
+        assert frames(fast) == n + 1  # asked, told "not hot", then gRPC loaded them
+        assert lease.ids == ["a0", "a1"] and lease.deferred == ["a2"]
+        assert [a.found_in for a in lease.adapters] == ["cold", "cold"]
+        other = slow.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
+        assert (other.ids, other.deferred) == (lease.ids, lease.deferred)
+        # Now hot: the step channel admits the same way by itself.
+        again = fast.acquire_adapters(["a1", "a0", "a1", "a2"], max_adapters=2)
+        assert frames(fast) == n + 2 and again.ids == ["a1", "a0"] and again.deferred == ["a2"]
+        assert [a.generation for a in again.adapters] == [lease["a1"].generation, lease["a0"].generation]
+        for x in (lease, other, again):
+            x.release()
+        assert fast.stats().pinned_pages == 0
+
+
+def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(rig):
+    b, setup = rig
+    with BrokerClient.connect(b.socket) as c:
+        before = books(c)
+        with pytest.raises(BrokerError) as e:
+            c.acquire_adapters(["no-such"])
+        assert e.value.code == Code.NOT_FOUND
+        with pytest.raises(BrokerError) as e:
+            c.release_adapters(["a0"])
+        assert e.value.code in (Code.FAILED_PRECONDITION, Code.NOT_FOUND)
+        with pytest.raises(BrokerError) as e:
+            c.unpin([999])
+        assert e.value.code == Code.NOT_FOUND
+        anon = setup.allocate([Spec(1)])[0]
+        with pytest.raises(BrokerError) as e:
+            c.pin([anon.object_id])
+        assert e.value.code == Code.NOT_FOUND and e.value.message == f"no object {anon.object_id}"
+        with pytest.raises(BrokerError) as e:
+            c.commit_acquire(12345)
+        assert e.value.code == Code.NOT_FOUND
+        setup.free([anon])
+        assert books(c) == before
+
+
+def test_two_phase_acquire_prepares_the_next_step_and_commits_it_in_one_call(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        n = frames(c)
+        nxt = c.step(["a1", "a2"], prepare=True, lease_s=0.3)
+        assert nxt.adapters.transaction_id and frames(c) == n + 1
+        assert c.stats().open_transactions == 1
+        cur = c.step(["a0"], [b"k0"], commit=nxt.adapters)  # commit + acquire + lookup: one frame
+        assert frames(c) == n + 2 and c.stats().open_transactions == 0
+        time.sleep(0.5)  # past the lease: committed pins stay
+        assert c.stats().pinned_pages == 4
+        nxt.release()
+        cur.release()
+        assert c.stats().pinned_pages == 0
+        # An uncommitted prepare ends with its lease.
+        c.step(["a0"], prepare=True, lease_s=0.2)
+        time.sleep(0.6)
+        assert c.stats().pinned_pages == 0 and c.stats().open_transactions == 0
+
+
+# ------------------------------------------------------------------ the cache
+
+
+def test_the_cache_makes_a_steady_step_free_and_releases_ride_on_the_next_frame(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        n = frames(c)
+        s1 = c.step(["a0", "a1"], [b"k0", b"k1"])
+        assert frames(c) == n + 1
+        s2 = c.step(["a0", "a1"], [b"k0", b"k1"], release=s1)
+        s3 = c.step(["a1", "a0"], [b"k0"], release=s2)  # a subset: still nothing to ask
+        assert frames(c) == n + 1 and [o.key for o in s3.objects] == [b"k0"]
+        # Released locally, still pinned at the broker: eviction cannot take them.
+        assert c.stats().pinned_pages == 4
+        s4 = c.step(["a2"], [b"k0", b"k2"], release=s3)
+        assert frames(c) == n + 2 and s4.adapters.ids == ["a2"] and [o.key for o in s4.objects] == [b"k0", b"k2"]
+        assert c.stats().pinned_pages == 6
+        s4.release()
+        with c.lookup_pinned([b"k0", b"k1"]) as objs:  # held already: no round trip
+            assert [o.key for o in objs] == [b"k0", b"k1"]
+        assert frames(c) == n + 2
+        assert c.flush_holdings() == 6 and frames(c) == n + 3
+        assert c.stats().pinned_pages == 0
+
+
+def test_idle_holdings_are_released_after_hold_s_with_the_next_call(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=0.2) as c:
+        c.acquire_adapters(["a0"]).release()
+        c.lookup([b"k0"])  # pinned, held by the caller
+        assert c.stats().pinned_pages == 2
+        time.sleep(0.3)
+        c.lookup([b"k1"])  # this frame carries the release of a0
+        assert c.stats().pinned_pages == 2  # k0 and k1, held by the caller
+
+
+def test_eviction_never_takes_what_the_cache_holds(rig):
+    b, setup = rig
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        with c.lookup_pinned([b"k0", b"k1"]):
+            pass  # released here, held by the cache
+        # Fill the pool: every unpinned page of the broker may be evicted for this.
+        free = setup.stats().free_pages
+        setup.allocate([Spec(free + 4)])
+        assert [o.key for o in setup.lookup([b"k0", b"k1"], pin=False)] == [b"k0", b"k1"]
+        assert setup.lookup([b"k2"], pin=False) == []  # not held: evicted
+
+
+def test_a_dead_process_loses_its_cached_pins_and_leases_within_a_second(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    body = """
+c = BrokerClient.connect(SOCKET, hold_s=30.0)
+s = c.step(["a0", "a1"], [b"k0", b"k1", b"k2"])
+s.release()
+out(held=len(s.objects))
+time.sleep(60)
+"""
+    p = spawn_child(b.socket, body)
+    try:
+        assert read_line(p)["held"] == 3
+        assert setup.stats().pinned_pages == 5
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 1.0
+        while setup.stats().pinned_pages and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st = setup.stats()
+        assert st.pinned_pages == 0 and st.sessions == 1, st
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+# ------------------------------------------------------------------ strangers and garbage
+
+
+def raw_conn(c: BrokerClient, token: str | None = None) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(c._step_socket())
+    if token is not None:
+        kind, r = call(s, w.frame(w.HELLO, token.encode()))
+        assert kind == w.OK, r.error
+    return s
+
+
+def call(s: socket.socket, data: bytes) -> tuple[int, w.StepReply]:
+    s.sendall(data)
+    hdr = recv_exact(s, 5)
+    n, kind = w.HEADER.unpack(hdr)
+    return kind, w.decode_step_reply(kind, recv_exact(s, n))
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        if not got:
+            raise ConnectionError("closed")
+        out += got
+    return out
+
+
+def test_a_wrong_token_or_a_step_before_hello_is_refused_and_the_connection_closed(rig):
+    b, _ = rig
+    with BrokerClient.connect(b.socket) as c:
+        for first in (w.frame(w.HELLO, b"not-a-token"), w.encode_step([w.Op(w.OP_UNPIN, (1,))]), w.frame(w.PING)):
+            s = raw_conn(c)
+            kind, r = call(s, first)
+            assert kind == w.ERROR and r.error.code == Code.PERMISSION_DENIED, r.error
+            assert s.recv(1) == b""  # closed
+            s.close()
+
+
+def test_another_process_presenting_the_token_is_refused(rig):
+    b, _ = rig
+    with BrokerClient.connect(b.socket) as owner:
+        code = (
+            "import socket, struct\n"
+            f"s = socket.socket(socket.AF_UNIX); s.connect({owner._step_socket()!r})\n"
+            f"t = {owner.token!r}.encode(); s.sendall(struct.pack('<IB', len(t), 1) + t)\n"
+            "print(s.recv(65536))\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert "belongs to process" in r.stdout, r.stdout + r.stderr
+        time.sleep(0.3)
+        assert not owner.session_ended.is_set() and owner.stats().sessions == 2
+
+
+def test_malformed_frames_get_an_error_frame_and_change_nothing(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        c.acquire_adapters(["a0"])  # something held, so a bad release could take it
+        c.lookup([b"k0"])
+        before = books(c)
+        s = raw_conn(c, c.token)
+        good = w.encode_step([w.Op(w.OP_RELEASE, ("a0",)), w.Op(w.OP_UNPIN, (1,))])[5:]
+        bad = [
+            good[:-3],  # truncated inside an op
+            good + b"\x01",  # trailing bytes
+            struct.pack("<HB", 1, 200),  # unknown op
+            struct.pack("<H", 65535),  # a count with nothing behind it
+            b"",  # no op count at all
+        ]
+        rng = random.Random(5)
+        for _ in range(300):  # corrupted copies of a valid frame that would change state
+            x = bytearray(good)
+            for _ in range(rng.randint(1, 4)):
+                x[rng.randrange(len(x))] = rng.randrange(256)
+            bad.append(bytes(x[: rng.randint(0, len(x))]))
+        refused = 0
+        for body in bad:
+            kind, r = call(s, struct.pack("<IB", len(body), w.STEP) + body)
+            if kind == w.ERROR:
+                refused += 1
+                assert r.error.code in (Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION,
+                                        Code.PERMISSION_DENIED), r.error  # fmt: skip
+                assert r.results == []  # nothing ran before the refusal
+            else:
+                # A corruption that still parses as something harmless (e.g. an empty step).
+                assert all(x is None for x in r.results), r
+        assert refused >= 250
+        # Unknown frame kinds: an error, the connection lives on.
+        kind, r = call(s, struct.pack("<IB", 0, 77))
+        assert kind == w.ERROR and r.error.code == Code.INVALID_ARGUMENT and "unknown frame kind" in r.error.message
+        assert call(s, w.frame(w.PING))[0] == w.OK
+        assert books(c) == before
+        # A length no client sends: refused and closed (the stream cannot be resynchronized).
+        kind, r = call(s, struct.pack("<IB", w.MAX_FRAME_BYTES + 1, w.STEP))
+        assert kind == w.ERROR and r.error.code == Code.INVALID_ARGUMENT and "at most" in r.error.message
+        assert s.recv(1) == b""
+        assert books(c) == before
+
+
+def test_a_broker_without_the_channel_is_served_over_grpc(rig, monkeypatch):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    monkeypatch.setattr(BrokerClient, "_step_socket", lambda self: "/nonexistent/step")
+    with BrokerClient.connect(b.socket) as c:
+        assert c._step_path() is None
+        with c.step(["a0"], [b"k0"]) as s:
+            assert s.adapters.ids == ["a0"] and [o.key for o in s.objects] == [b"k0"]
+            assert c.stats().pinned_pages == 2
+        assert c.stats().pinned_pages == 0
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["no-cache", "cache"])
+def test_random_steps_keep_the_counts_straight_and_give_everything_back(rig, hold_s):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
+    keys = [b"k%d" % i for i in range(6)] + [b"absent"]
+    rng = random.Random(9)
+    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+        prev = None
+        pending = None
+        for i in range(120):
+            ids = rng.sample(["a0", "a1", "a2", "a3"], rng.randint(0, 3))
+            ks = rng.sample(keys, rng.randint(0, 4)) if rng.random() < 0.7 else rng.choices(keys, k=3)
+            if rng.random() < 0.4:
+                pending = c.step_begin(ids, ks, max_adapters=2, release=prev)
+                cur = pending.result()
+            else:
+                cur = c.step(ids, ks, max_adapters=2, release=prev)
+            want = list(dict.fromkeys(ids))[:2]
+            assert (cur.adapters.ids if cur.adapters else []) == want
+            found = [o.key for o in cur.objects]
+            assert found == ks[: len(found)] and (len(found) == len(ks) or ks[len(found)] == b"absent")
+            # The broker pins at least what the current step holds.
+            assert c.stats().pinned_pages >= len(want) + len(set(found))
+            prev = cur
+        prev.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
+        st = c._step_path()
+        assert st.idle() == 0 and not st.adapters and not st.pins
+
+
+def test_freeing_an_object_the_cache_holds_drops_it_from_the_cache(rig):
+    b, _ = rig
+    with BrokerClient.connect(b.socket, hold_s=0.1) as c:
+        (mine,) = c.allocate([Spec(1, content_type="kv_cache", key=b"own")])
+        c.unpin(c.lookup([b"own"]))  # idle in the cache, pinned at the broker
+        assert c.stats().pinned_pages == 1
+        assert c.free([mine]) == (1, 0)  # the owner's own pins go with the object
+        time.sleep(0.2)
+        assert [o.key for o in c.lookup([b"k0"])] == [b"k0"]  # a frame that would release it: no error
+        assert c.stats().pinned_pages == 1
+
+
+def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        before = books(c)
+        for call_ in (lambda: c.unpin([-1]), lambda: c.acquire_adapters(["a0"], max_adapters=70000),
+                      lambda: c.step(["a0"], prepare=True, lease_s=1e9)):  # fmt: skip
+            with pytest.raises(BrokerError) as e:
+                call_()
+            assert e.value.code == Code.INVALID_ARGUMENT
+        assert books(c) == before
+
+
+def test_the_step_socket_follows_socket_mode_and_goes_with_the_broker(broker_factory):
+    import stat
+
+    b = broker_factory("--socket-mode", "0660")
+    assert stat.S_IMODE(os.stat(b.socket + ".step").st_mode) == 0o660
+    b.stop()
+    assert not os.path.exists(b.socket + ".step")
+
+
+def test_threads_sharing_a_client_each_get_their_own_answers(rig):
+    import threading
+
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
+        errors = []
+
+        def worker(i: int) -> None:
+            try:
+                for n in range(150):
+                    key = b"k%d" % ((i + n) % 6)
+                    with c.step([f"a{(i + n) % 2}"], [key]) as s:
+                        assert [o.key for o in s.objects] == [key] and s.adapters.ids == [f"a{(i + n) % 2}"]
+                    c.unpin(c.pin([s.objects[0]]))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
+
+
+def test_the_step_path_follows_the_client_across_a_broker_restart():
+    from conftest import short_tmpdir
+
+    sock = os.path.join(short_tmpdir(), "b.sock")
+    b1 = start_broker(socket=sock)
+    b2 = None
+    c = BrokerClient.connect(sock, timeout=10, hold_s=30.0)
+    try:
+        c.allocate([Spec(1, content_type="kv_cache", key=b"r")])
+        assert [o.key for o in c.lookup([b"r"])] == [b"r"]
+        first = c._step_path()
+        b1.stop(signal.SIGKILL)
+        assert c.session_ended.wait(10)
+        b2 = start_broker(socket=sock)
+        deadline = time.monotonic() + 20
+        while c.reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The old session's cache is gone with it; the new session gets a step path of its own.
+        assert c.lookup([b"r"]) == []
+        assert c._step_path() is not first and not c._step_path().pins
+        c.allocate([Spec(1, content_type="kv_cache", key=b"r")])
+        n = frames(c)
+        assert [o.key for o in c.lookup([b"r"])] == [b"r"] and frames(c) == n + 1
+        assert c.stats().pinned_pages == 1
+    finally:
+        c.close()
+        for b in (b1, b2):
+            if b is not None:
+                b.stop(signal.SIGKILL)
+
+
+def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        pending = c.step_begin(["a0"], [b"k0", b"k1"])
+        assert [o.key for o in c.lookup([b"k2"])] == [b"k2"]  # its own reply, not the begun one's
+        s = pending.result()
+        assert s.adapters.ids == ["a0"] and [o.key for o in s.objects] == [b"k0", b"k1"]
+        assert pending.result() is s
+        s.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 1  # k2, still the caller's
+
+
+def test_a_reply_larger_than_one_read_arrives_whole(rig):
+    b, setup = rig
+    keys = [b"big-%04d-" % i + b"x" * 100 for i in range(40)]
+    setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in keys])
+    with BrokerClient.connect(b.socket) as c:
+        # 40 objects x (40 B + a 109 B key) x repeated 12 times: ~70 KiB in one reply.
+        got = c.lookup(keys * 12, pin=False)
+        assert [o.key for o in got] == keys * 12

@@ -1,0 +1,91 @@
+"""The step channel's frames: every op and result survives a round trip through the codec,
+and anything cut short, oversized or unknown is a WireError naming the place (no op runs)."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.wire import step as w
+
+OPS = [
+    w.Op(w.OP_RELEASE, ("a", "b", "é")),
+    w.Op(w.OP_UNPIN, (1, 2, 2**63)),
+    w.Op(w.OP_PIN, (7,)),
+    w.Op(w.OP_COMMIT, (9,)),
+    w.Op(w.OP_ABORT, ()),
+    w.Op(w.OP_ACQUIRE, ("x", "y"), w.ACQUIRE_PREPARE, 3, 2500),
+    w.Op(w.OP_LOOKUP, (b"k1", b"", b"\x00\xff"), 1),
+]
+
+
+def body(frame: bytes) -> bytes:
+    n, kind = w.HEADER.unpack_from(frame)
+    assert kind == w.STEP and len(frame) == 5 + n
+    return frame[5:]
+
+
+def test_every_op_round_trips():
+    assert w.decode_step(body(w.encode_step(OPS))) == OPS
+
+
+def test_every_result_and_the_error_round_trip():
+    obj = w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 0)
+    acq = w.AcquireOutcome(True, 11, 1234.5, (w.AcquiredRecord(2, 6, w.TIER_WARM, (1, 2, 3)),))
+    results = [bytes((w.OP_RELEASE,)), w.encode_acquire(acq), w.encode_acquire(w.AcquireOutcome(False)),
+               w.encode_objects(w.OP_LOOKUP, [obj])]  # fmt: skip
+    frame = w.encode_step_reply(4, results, BrokerError(Code.NOT_FOUND, "no object 3"), 4)
+    n, kind = w.HEADER.unpack_from(frame)
+    r = w.decode_step_reply(kind, frame[5:])
+    assert r.arena_slabs == 4 and r.failed_index == 4
+    assert r.error.code == Code.NOT_FOUND and r.error.message == "no object 3"
+    assert r.results[0] is None and r.results[1] == acq and r.results[2] == w.AcquireOutcome(False)
+    assert r.results[3] == [w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 4)]
+
+
+@pytest.mark.parametrize("cut", range(1, 40))
+def test_a_frame_cut_anywhere_is_a_wire_error(cut):
+    b = body(w.encode_step(OPS))
+    with pytest.raises(w.WireError):
+        w.decode_step(b[: len(b) - cut])
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (struct.pack("<HB", 1, 99), "unknown kind 99"),
+        (struct.pack("<H", w.MAX_OPS + 1), "at most"),
+        (body(w.encode_step([w.Op(w.OP_PIN, (1,))])) + b"\x00", "after the last op"),
+        (struct.pack("<HBBHIH", 1, w.OP_ACQUIRE, 0x80, 0, 0, 0), "unknown flags"),
+        (struct.pack("<HBBH", 1, w.OP_LOOKUP, 2, 0), "pin flag"),
+        (struct.pack("<HBHH", 1, w.OP_RELEASE, 1, 2) + b"\xff\xfe", "not UTF-8"),
+        (struct.pack("<HBH", 1, w.OP_UNPIN, 5) + b"\x00" * 8, "frame ends inside"),
+    ],
+)
+def test_malformed_bodies_say_what_is_wrong(raw, words):
+    with pytest.raises(w.WireError, match=words):
+        w.decode_step(raw)
+
+
+def test_random_bytes_never_escape_as_anything_but_a_wire_error():
+    rng = random.Random(3)
+    good = body(w.encode_step(OPS))
+    for _ in range(3000):
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            b = b[: rng.randrange(len(b))]
+        try:
+            w.decode_step(bytes(b))
+        except w.WireError:
+            pass
+
+
+def test_object_rows_encode_as_records_do():
+    rec = w.ObjectRecord(5, 3, 2, 1, False, True, 0, 2, [7], b"", 0)
+    row = (5, 3, 2, 1, False, True, 0, 2, [7], b"")
+    assert w.encode_object_rows(w.OP_PIN, [row]) == w.encode_objects(w.OP_PIN, [rec])
