@@ -194,7 +194,7 @@ def _reconciling(orig):
         if st is not None:
             live = set(self.list_adapters())
             st.source.pending.difference_update(live)
-            st.source.reconcile(live | st.source.pending)
+            st.source.reconcile(live)
         return result
 
     return call

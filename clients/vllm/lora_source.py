@@ -134,10 +134,11 @@ class BrokerAdapters:
             return True
 
     def reconcile(self, live_int_ids) -> int:
-        """Release every adapter none of whose ids is in ``live_int_ids`` (what vLLM still holds)."""
+        """Forget every id not in ``live_int_ids`` (what vLLM still holds) nor pending, releasing
+        adapters left with no id; returns how many leases were released."""
         live = set(live_int_ids)
         with self._lock:
-            gone = [i for i in self._by_int if i not in live]
+            gone = [i for i in self._by_int if i not in live and i not in self.pending]
         return sum(self.release(i) for i in gone)
 
     def held(self) -> dict[str, LeasedAdapter]:
