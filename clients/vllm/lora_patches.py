@@ -25,7 +25,7 @@ import torch
 from memory_broker.clients.vllm import SUPPORTED, check_vllm_version
 from memory_broker.clients.vllm.identity import broker_adapter_id
 from memory_broker.clients.vllm.lora_source import BrokerAdapters
-from memory_broker.clients.vllm.lora_zero_copy import LayerAddress, StepHolder, ZeroCopyStep, check_backend
+from memory_broker.clients.vllm.lora_zero_copy import ROUNDINGS, LayerAddress, StepHolder, ZeroCopyStep, check_backend
 
 log = logging.getLogger("vllm.memory_broker.lora")
 
@@ -41,6 +41,8 @@ class State:
     # "zero-copy" or "copy" (vLLM's slot buffers filled with copies from the pages).
     mode: str
     source: BrokerAdapters
+    # Where zero-copy layers round half-precision outputs (lora_zero_copy.ROUNDINGS).
+    rounding: str = "vllm"
 
 
 _state: State | None = None
@@ -50,7 +52,7 @@ def state() -> State | None:
     return _state
 
 
-def install(socket: str, mode: str = "zero-copy") -> bool:
+def install(socket: str, mode: str = "zero-copy", rounding: str = "vllm") -> bool:
     """Patch vLLM in this process to load ``broker://`` adapters from the broker on ``socket``.
 
     Idempotent. Returns False (and patches nothing) on a vLLM release other than the one the
@@ -62,6 +64,8 @@ def install(socket: str, mode: str = "zero-copy") -> bool:
     global _state
     if mode not in MODES:
         raise ValueError(f"memory-broker LoRA mode must be one of {MODES}, got {mode!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"memory-broker LoRA rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if _state is not None:
         return True
     try:
@@ -69,7 +73,7 @@ def install(socket: str, mode: str = "zero-copy") -> bool:
     except ImportError as e:
         log.warning("memory-broker: LoRA patches not installed, vLLM loads adapters its own way: %s", e)
         return False
-    _state = State(mode, BrokerAdapters(socket))
+    _state = State(mode, BrokerAdapters(socket), rounding)
     _patch()
     log.info("memory-broker: LoRA adapters from the broker at %s (%s)", socket, mode)
     return True
@@ -317,7 +321,7 @@ def _set_adapter_mapping(orig):
             return
         wrapper = next(iter(self.punica_wrapper_mapping.values()))
         slots = tuple(st.source.adapter(i) for i in self.lora_index_to_id)
-        holder.step = ZeroCopyStep.build(slots, wrapper.token_lora_indices, holder.tables, st.source.arena)
+        holder.step = ZeroCopyStep.build(slots, wrapper.token_lora_indices, holder.tables, st.source.arena, st.rounding)
         holder.builds += 1
 
     return set_mapping

@@ -4,7 +4,9 @@ vLLM runs ``register`` in every process it starts (API server, engine core, work
 more than once; it is idempotent. It does nothing unless ``MEMORY_BROKER_SOCKET`` names the
 broker's socket; then it registers the "memory-broker" ``LoRAResolver`` and installs the worker
 patches (``lora_patches``) in the mode ``MEMORY_BROKER_VLLM_LORA`` says ("zero-copy", the
-default, or "copy"; "off" disables the plugin). It owns only that decision.
+default, or "copy"; "off" disables the plugin) and the rounding ``MEMORY_BROKER_VLLM_LORA_ROUNDING``
+says ("vllm", the default: tokens as vLLM's own LoRA gives them; "once": the kernels' single
+rounding). It owns only that decision.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def register() -> None:
         return
     from memory_broker.clients.vllm import lora_patches
 
-    if not lora_patches.install(socket, mode):
+    rounding = os.environ.get("MEMORY_BROKER_VLLM_LORA_ROUNDING", "vllm").strip().lower() or "vllm"
+    if not lora_patches.install(socket, mode, rounding):
         return
     from vllm.lora.resolver import LoRAResolverRegistry
 

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
+from memory_broker.kernels import reference
 from memory_broker.kernels.dispatch import choose_backend, lora_apply
+
+# "vllm": round where vLLM's own LoRA path rounds (the rank-r intermediate and the delta to the
+# output's dtype, then add), so tokens equal vLLM's file-loaded LoRA in bfloat16/float16 too.
+# "once": the project kernels' contract, fp32 accumulation rounded once (more precise).
+ROUNDINGS = ("vllm", "once")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,8 @@ class ZeroCopyStep:
     arena: torch.Tensor | None
     # Every row offset is a multiple of this many elements (the Triton kernels' row_align).
     row_align: int = 1
+    # Where a half-precision output is rounded (see ROUNDINGS); float32 outputs round once.
+    rounding: str = "vllm"
     # (layer, modules) -> [(slice indices, tables)], built on first use in the step.
     _launches: dict = field(default_factory=dict)
     # Token count -> token_slot padded with -1 (or cut) to that many rows.
@@ -63,12 +71,16 @@ class ZeroCopyStep:
         token_slot: torch.Tensor,
         tables: AdapterTables,
         arena_of: Callable[[str], torch.Tensor],
+        rounding: str = "vllm",
     ) -> ZeroCopyStep:
         """The step for ``slots`` and vLLM's per-token slot indices ``token_slot``.
 
         Raises:
-            ValueError: the slots' adapters are stored in different dtypes (one launch reads one).
+            ValueError: the slots' adapters are stored in different dtypes (one launch reads
+                one), or an unknown rounding.
         """
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         present = [a for a in slots if a is not None]
         arena, row_align = None, 1
         token_slot = token_slot.to(device=tables.device, dtype=torch.int32)
@@ -81,7 +93,7 @@ class ZeroCopyStep:
             if reach > arena.numel() * arena.element_size():
                 raise ValueError(f"the adapters' pages reach byte {reach} beyond the mapped arena")
             row_align = math.gcd(*(a.layout.row_align_elems for a in present))
-        return cls(tuple(slots), token_slot, tables, arena, row_align)
+        return cls(tuple(slots), token_slot, tables, arena, row_align, rounding)
 
     @property
     def active(self) -> bool:
@@ -126,11 +138,28 @@ class ZeroCopyStep:
         token_slot = self._token_slot(x.shape[0])
         xk = x if x.dtype == self.arena.dtype else x.to(self.arena.dtype)
         offsets, sizes = address.slice_offsets, address.slice_sizes
+        if self.rounding == "vllm" and out.dtype != torch.float32 and choose_backend(self.arena.device) == "torch":
+            return self._apply_rounding_as_vllm(xk, out, token_slot, launches, offsets, sizes)
         for slices, (a_off, b_off, ranks, scalings) in launches:
             lora_apply(
                 xk, out, self.arena, a_off, b_off, ranks, scalings, token_slot,
                 [offsets[j] for j in slices], [sizes[j] for j in slices], row_align=self.row_align,
             )  # fmt: skip
+        return out
+
+    def _apply_rounding_as_vllm(self, xk, out, token_slot, launches, offsets, sizes) -> torch.Tensor:
+        # vLLM's CPU path: shrink in fp32, the intermediate cast to the output dtype, the expand's
+        # product rounded to it, then added to the output (a second rounding). The same
+        # reference shrink/expand over the pages, with vLLM's rounding points.
+        rows = torch.nonzero(token_slot >= 0).flatten()
+        if rows.numel() == 0:
+            return out
+        for slices, (a_off, b_off, ranks, scalings) in launches:
+            y = reference.shrink(xk, self.arena, a_off, ranks, token_slot).to(out.dtype).float()
+            delta = torch.zeros_like(out)
+            reference.expand(y, self.arena, b_off, ranks, scalings, token_slot, delta,
+                             [offsets[j] for j in slices], [sizes[j] for j in slices])  # fmt: skip
+            out[rows] += delta[rows]
         return out
 
     def extra_bytes(self) -> int:
