@@ -147,3 +147,41 @@ def test_zero_copy_step_keeps_base_rows_base_with_every_slot_taken(adapters):
         assert step.extra_bytes() > 0
     finally:
         src.close()
+
+
+def test_half_precision_rounds_where_vllm_rounds(adapters):
+    """bfloat16 outputs: the rank-r intermediate and the delta rounded to bfloat16, then added
+    (vLLM's CPU LoRA ops), bit for bit; "once" is the kernels' single rounding."""
+    _, dirs = adapters
+    broker = start_broker("--pool-size", "64MiB", "--slab-size", "16MiB", "--adapter-dtype", "bfloat16")
+    try:
+        with BrokerClient.connect(broker.socket, client_name="test") as c:
+            c.register_adapter("a1", dirs["a1"])
+        src = BrokerAdapters(broker.socket)
+        try:
+            slots = (src.acquire("a1", 1), None)
+            token_slot = torch.tensor([0, -1, 0, 0])
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(4, HIDDEN, generator=g).to(torch.bfloat16)
+            base = torch.randn(4, HIDDEN, generator=g).to(torch.bfloat16)
+            address = LayerAddress(1, ("o_proj",), (HIDDEN,))
+            a, b = _file_weights(dirs["a1"], 1, "o_proj")
+            a, b = a.to(torch.bfloat16), (b.to(torch.bfloat16) * 2.0)  # vLLM: B scaled in the LoRA dtype
+            # vLLM's bgmv_shrink / bgmv_expand on CPU, for the adapter's rows.
+            y = (x.float() @ a.float().T).to(torch.bfloat16)
+            want = base.clone()
+            want[[0, 2, 3]] += (y @ b.T)[[0, 2, 3]]
+            out = base.clone()
+            ZeroCopyStep.build(slots, token_slot, StepHolder("cpu").tables, src.arena).apply(x, out, address)
+            assert torch.equal(out, want)
+            once = base.clone()
+            ZeroCopyStep.build(slots, token_slot, StepHolder("cpu").tables, src.arena, "once").apply(x, once, address)
+            exact = base.float() + (x.float() @ a.float().T) @ b.float().T  # b holds the scaling
+            assert torch.equal(once[1], base[1])
+            assert (once.float() - exact).abs().max() <= (out.float() - exact).abs().max()
+            with pytest.raises(ValueError, match="rounding"):
+                ZeroCopyStep.build(slots, token_slot, StepHolder("cpu").tables, src.arena, "twice")
+        finally:
+            src.close()
+    finally:
+        broker.stop()
