@@ -178,7 +178,9 @@ def test_half_precision_rounds_where_vllm_rounds(adapters):
             ZeroCopyStep.build(slots, token_slot, StepHolder("cpu").tables, src.arena, "once").apply(x, once, address)
             exact = base.float() + (x.float() @ a.float().T) @ b.float().T  # b holds the scaling
             assert torch.equal(once[1], base[1])
-            assert (once.float() - exact).abs().max() <= (out.float() - exact).abs().max()
+            rows = [0, 2, 3]
+            assert not torch.equal(once[rows], out[rows])  # the two roundings do differ here
+            assert (once[rows].float() - exact[rows]).abs().sum() < (out[rows].float() - exact[rows]).abs().sum()
             with pytest.raises(ValueError, match="rounding"):
                 ZeroCopyStep.build(slots, token_slot, StepHolder("cpu").tables, src.arena, "twice")
         finally:
