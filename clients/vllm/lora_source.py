@@ -111,7 +111,18 @@ class BrokerAdapters:
         with self._lock:
             aid = self._by_int.get(lora_int_id)
             held = self._held.get(aid) if aid is not None else None
-            return held.adapter if held is not None else None
+            if held is None:
+                return None
+            if self._client is not None and held.lease.epoch != self._client.epoch:
+                # The broker restarted under vLLM's cached adapter: its old pages are gone.
+                # Acquire it again on the new session (new pages, new generation).
+                log.warning("memory-broker: the broker restarted; acquiring adapter %s again", aid)
+                ids = held.int_ids
+                self._held.pop(aid)
+                for i in ids:
+                    self.acquire(aid, i)
+                held = self._held[aid]
+            return held.adapter
 
     def release(self, lora_int_id: int) -> bool:
         """vLLM dropped ``lora_int_id``: release the adapter's lease when no other id uses it."""
