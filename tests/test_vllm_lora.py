@@ -61,13 +61,13 @@ class LoraEngine(Engine):
 class Server:
     """vLLM's OpenAI server on the tiny model, adapters resolved by the plugin's resolver."""
 
-    def __init__(self, tmp: str, model: str, socket: str):
+    def __init__(self, tmp: str, model: str, socket: str, mode: str = "zero-copy"):
         with socketlib.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log_path = os.path.join(tmp, "server.log")
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", MEMORY_BROKER_SOCKET=socket,
-                   VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # fmt: skip
+                   MEMORY_BROKER_VLLM_LORA=mode, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # fmt: skip
         args = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
                 "--enforce-eager", "--block-size", "32", "--max-model-len", "2048", "--enable-lora",
                 "--max-loras", "2", "--max-lora-rank", "8", "--host", "127.0.0.1", "--port", str(self.port),
@@ -198,7 +198,46 @@ def test_zero_copy_engine_holds_no_adapter_weights(env):
     assert 0 < mine["zero_copy_extra_bytes"] < per_slot * mine["max_loras"] // 10
 
 
+def test_two_engines_on_one_broker_share_one_hot_copy(env):
+    """The OpenAI server is the second engine: it serves l1 and l2 by name (the resolver) from
+    the same pages the harness engine reads. It runs in copy mode (vLLM's slot buffers filled
+    with copies, which vLLM scales in place): the pages test below checks they stayed intact."""
+    srv = env.get("server")
+    if srv is None:
+        srv = env["server"] = Server(env["tmp"], env["model"], env["broker"].socket, mode="copy")
+        env["stop"].append(srv)
+    srv.wait_ready()
+    assert "LoRA adapters from the broker at" in srv.log() and "(copy)" in srv.log()
+    with BrokerClient.connect(env["broker"].socket, client_name="test") as c:
+        loads_before = c.stats().adapters.loads_hot
+    want = env["want32"]
+    for i in (1, 2):  # PROMPTS[1] with l1, PROMPTS[2] with l2 (MIXED)
+        status, body = srv.complete(MIXED[i], PROMPTS[i])
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == want[i]
+    pins = _pins(env["broker"].socket)
+    # The test's pin, the harness engine's and the server's: three sessions on one copy each.
+    assert pins["l1"] == 3 and pins["l2"] == 3, pins
+    with BrokerClient.connect(env["broker"].socket, client_name="test") as c:
+        st = c.stats().adapters
+    assert st.loads_hot == loads_before, "the second engine made the broker load another copy"
+    assert st.hot == len(ADAPTERS)
+
+
+def test_adapter_registered_while_the_server_runs_is_served_by_name(env):
+    srv = env["server"].wait_ready()
+    status, _ = srv.complete("late", PROMPTS[4])
+    assert status == 404
+    env["client"].register_adapter("late", env["dirs"]["l3"])  # l3's weights under a new name
+    status, body = srv.complete("late", PROMPTS[4])
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == env["want32"][4]
+    assert _pins(env["broker"].socket)["late"] == 1
+
+
 def test_shared_pages_stay_bit_identical_after_engines_load_use_and_evict(env):
+    """After the zero-copy engine and the copy-mode server loaded, used and (the server, by LRU)
+    evicted adapters, and the engine removed one."""
     zc = env["zc32"]
     before = env["pages_before"]
     assert _pins(env["broker"].socket)["l3"] == 2  # the test's pin and the engine's
@@ -225,41 +264,6 @@ def test_shared_pages_stay_bit_identical_after_engines_load_use_and_evict(env):
     want = env["want32"]
     assert _tokens(zc.generate(PROMPTS[4:5], lora=["l3"])) == [want[4]]
     assert _pins(env["broker"].socket)["l3"] == 2
-
-
-def test_two_engines_on_one_broker_share_one_hot_copy(env):
-    """The OpenAI server is the second engine: it serves l1 and l2 by name (the resolver), from
-    the same pages the harness engine reads."""
-    srv = env.get("server")
-    if srv is None:
-        srv = env["server"] = Server(env["tmp"], env["model"], env["broker"].socket)
-        env["stop"].append(srv)
-    srv.wait_ready()
-    with BrokerClient.connect(env["broker"].socket, client_name="test") as c:
-        loads_before = c.stats().adapters.loads_hot
-    want = env["want32"]
-    for i in (1, 2):  # PROMPTS[1] with l1, PROMPTS[2] with l2 (MIXED)
-        status, body = srv.complete(MIXED[i], PROMPTS[i])
-        assert status == 200, body
-        assert body["choices"][0]["token_ids"] == want[i]
-    pins = _pins(env["broker"].socket)
-    # The test's pin, the harness engine's and the server's: three sessions on one copy each.
-    assert pins["l1"] == 3 and pins["l2"] == 3, pins
-    with BrokerClient.connect(env["broker"].socket, client_name="test") as c:
-        st = c.stats().adapters
-    assert st.loads_hot == loads_before, "the second engine made the broker load another copy"
-    assert st.hot == len(ADAPTERS)
-
-
-def test_adapter_registered_while_the_server_runs_is_served_by_name(env):
-    srv = env["server"].wait_ready()
-    status, _ = srv.complete("late", PROMPTS[4])
-    assert status == 404
-    env["client"].register_adapter("late", env["dirs"]["l3"])  # l3's weights under a new name
-    status, body = srv.complete("late", PROMPTS[4])
-    assert status == 200, body
-    assert body["choices"][0]["token_ids"] == env["want32"][4]
-    assert _pins(env["broker"].socket)["late"] == 1
 
 
 def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
