@@ -53,8 +53,11 @@ def test_broker_lora_paths_name_adapters_and_get_stable_ids():
         identity.broker_adapter_id("broker://")
     a, b = identity.broker_lora_int_id("a1"), identity.broker_lora_int_id("a2")
     assert a == identity.broker_lora_int_id("a1") and a != b and 0 < a < 2**31
-    # The KV connector's keys see the adapter through the same request fields.
+    # The KV connector's keys: a broker adapter is its id, whatever number an engine gave it.
+    assert identity.lora_identity(("a1", a, "broker://a1")) == identity.lora_identity(("a1", 3, "broker://a1"))
     assert identity.lora_identity(("a1", a, "broker://a1")) != identity.lora_identity(("a2", b, "broker://a2"))
+    assert identity.lora_identity(("a1", a, "broker://a1")) != identity.lora_identity(("a1", a, "/loras/a1"))
+    assert identity.lora_identity(("a1", 1, "/loras/a1")) != identity.lora_identity(("a1", 2, "/loras/a1"))
 
 
 def test_plugin_does_nothing_without_the_broker_socket(monkeypatch):

@@ -38,7 +38,8 @@ def lora_identity(lora_request: Any) -> bytes:
     """The adapter a request runs with, as bytes; ``b""`` for the base model.
 
     Covers the adapter's name, its integer id and its path: the same name served from
-    another directory, or another id, is another adapter (never shares KV). Accepts a
+    another directory, or another id, is another adapter (never shares KV). An adapter
+    served from the broker (``broker://<adapter_id>``) is its name and broker id alone. Accepts a
     ``vllm.lora.request.LoRARequest`` or anything with ``lora_name``/``lora_int_id``/
     ``lora_path``, or a plain ``(name, int_id, path)`` tuple.
     """
@@ -52,6 +53,11 @@ def lora_identity(lora_request: Any) -> bytes:
         path = getattr(lora_request, "lora_path", "") or ""
     if not name:
         raise ValueError("a LoRA identity needs the adapter's name")
+    if str(path).startswith(BROKER_SCHEME):
+        # An adapter from the broker is its broker id, whatever integer id the engine gave it
+        # (the OpenAI server numbers adapters in the order it resolves them): every engine
+        # serving it from the broker shares its KV.
+        return _canonical({"lora": str(name), "broker": str(path)[len(BROKER_SCHEME) :]})
     return _canonical({"lora": str(name), "id": int(int_id), "path": str(path)})
 
 
