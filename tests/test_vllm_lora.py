@@ -144,16 +144,16 @@ def env():
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     broker = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32")
-    files = [a for n in ADAPTERS for a in ("--lora", f"{n}={dirs[n]}")]
-    brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
+    files = [a for n in (*ADAPTERS, "l4") for a in ("--lora", f"{n}={dirs[n]}")]
+    brokered = [a for n in (*ADAPTERS, "l4") for a in ("--broker-lora", n)]
     state = {"tmp": tmp, "model": model, "dirs": dirs, "broker": broker, "stop": []}
-    state["ref32"] = LoraEngine("ref32", tmp, model, *files, "--max-loras", "4")
+    state["ref32"] = LoraEngine("ref32", tmp, model, *files, "--max-loras", "5")
     state["zc32"] = LoraEngine("zc32", tmp, model, *brokered, "--max-loras", "3", socket=broker.socket)
     state["stop"] += [state["ref32"], state["zc32"]]
     # The test's own session: registers the adapters and pins them (so their pages stay put)
     # to read their bytes before any engine has touched them.
     client = BrokerClient.connect(broker.socket, client_name="test-pages")
-    for n in ADAPTERS:
+    for n in (*ADAPTERS, "l4"):
         client.register_adapter(n, dirs[n])
     lease = client.acquire_adapters(list(ADAPTERS))
     state.update(client=client, lease=lease, pages_before=_page_bytes(client, lease))
@@ -264,6 +264,21 @@ def test_shared_pages_stay_bit_identical_after_engines_load_use_and_evict(env):
     want = env["want32"]
     assert _tokens(zc.generate(PROMPTS[4:5], lora=["l3"])) == [want[4]]
     assert _pins(env["broker"].socket)["l3"] == 2
+
+
+def test_more_adapters_than_slots_are_scheduled_and_evicted(env):
+    """Four adapters in one call with max_loras=3: vLLM's scheduler runs them in turns, and its
+    adapter cache (3) evicts the least recently used one, whose lease the engine releases."""
+    ref, zc = env["ref32"], env["zc32"]
+    mix = ["l4", "l1", None, "l2", "l3", "l4", None]
+    want = _tokens(ref.generate(PROMPTS, lora=mix))
+    assert _tokens(zc.generate(PROMPTS, lora=mix)) == want
+    held = zc.op(op="lora_memory")["memory"]
+    assert len(held["held"]) == 3 and held["releases"] >= 1, held
+    # The engine's pins follow what it holds (l3 and l4: only the test's lease pins l3 besides).
+    pins = _pins(env["broker"].socket)
+    engine_pins = {"l3": pins["l3"] - 1, "l4": pins["l4"]}
+    assert engine_pins == {n: int(n in held["held"]) for n in ("l3", "l4")}, (pins, held)
 
 
 def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
