@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import short_tmpdir, start_broker
+from memory_broker.broker.errors import BrokerError
 from memory_broker.clients import BrokerClient
 from memory_broker.clients.vllm import identity, lora_patches, lora_plugin, tiny_model
 from memory_broker.clients.vllm.lora_source import BrokerAdapters
@@ -190,3 +191,18 @@ def test_half_precision_rounds_where_vllm_rounds(adapters):
             src.close()
     finally:
         broker.stop()
+
+
+def test_a_directory_named_by_path_is_registered_once_under_a_stable_id(adapters):
+    broker, dirs = adapters
+    src = BrokerAdapters(broker.socket)
+    try:
+        aid = src.register_directory(dirs["a2"])
+        assert aid.startswith("vllm-dir-") and src.register_directory(dirs["a2"] + "/") == aid
+        assert src.register_directory(dirs["a1"]) != aid
+        leased = src.acquire(aid, 11)
+        assert _pins(broker.socket)[aid] == 1 and leased.layout.module(0, "q_proj").rank == 8
+        with pytest.raises(BrokerError, match="INVALID_ARGUMENT|adapter_config"):
+            src.register_directory(os.path.join(dirs["a2"], "missing"))
+    finally:
+        src.close()

@@ -8,7 +8,8 @@ installed version and, on any other, patches nothing and logs a warning (vLLM th
 adapters its own way and ``broker://`` paths fail to load). This module owns the patches and
 their on/off state; the lease bookkeeping is ``lora_source``'s and the arithmetic
 ``lora_zero_copy``'s. It must not change vLLM's behaviour for adapters that are not from the
-broker, except that a zero-copy engine refuses them (it has no slot buffers to copy them into).
+broker, except that a zero-copy engine has the broker register their directories and serves
+them from its pages too (it has no slot buffers to copy them into).
 """
 
 from __future__ import annotations
@@ -142,14 +143,22 @@ def _load_adapter(orig):
         st = _state
         zero_copy = getattr(self._adapter_manager, "_mb_holder", None) is not None
         if aid is None:
-            if zero_copy:
+            if not zero_copy:
+                return orig(self, lora_request)
+            # A zero-copy engine has no slot buffers to copy a file adapter into: the broker
+            # registers the directory (vLLM's resolution of the path: local, or downloaded)
+            # and the engine computes from its pages like any other.
+            from vllm.lora.utils import get_adapter_absolute_path
+
+            try:
+                aid = st.source.register_directory(get_adapter_absolute_path(lora_request.lora_path))
+            except Exception as e:
                 raise ValueError(
-                    f"LoRA {lora_request.lora_name!r} ({lora_request.lora_path}) is not from the broker, and this "
-                    "engine serves adapters zero-copy from the broker's pages (it has no slot buffers): "
-                    "register it in the broker and request broker://<adapter_id>, or run the engine with "
-                    "MEMORY_BROKER_VLLM_LORA=copy"
-                )
-            return orig(self, lora_request)
+                    f"LoRA {lora_request.lora_name!r} ({lora_request.lora_path}): this engine serves adapters "
+                    f"zero-copy from the broker's pages, and the broker could not register the directory: {e}. "
+                    "Register it in the broker yourself and request broker://<adapter_id>, or run the engine "
+                    "with MEMORY_BROKER_VLLM_LORA=copy"
+                ) from e
         return _load_from_broker(self, st, aid, lora_request, zero_copy)
 
     return load

@@ -10,6 +10,7 @@ types beyond the client library.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memory_broker.broker.errors import BrokerError, Code
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.client import BrokerClient
 from memory_broker.kernels.reference import gather_rows
@@ -78,6 +80,20 @@ class BrokerAdapters:
             if self._client is None or self._client.closed:
                 self._client = BrokerClient.connect(self.socket, client_name=self.client_name, timeout=self.timeout_s)
             return self._client
+
+    def register_directory(self, path: str) -> str:
+        """Register a PEFT directory under an id derived from its real path (once; a directory
+        registered before keeps its id) and return the id: how a zero-copy engine serves an
+        adapter vLLM names by path."""
+        real = os.path.realpath(path)
+        adapter_id = "vllm-dir-" + hashlib.sha256(real.encode()).hexdigest()[:32]
+        try:
+            self.client().register_adapter(adapter_id, real)
+            log.info("memory-broker: registered %s as adapter %s", real, adapter_id)
+        except BrokerError as e:
+            if e.code != Code.ALREADY_EXISTS:
+                raise
+        return adapter_id
 
     def acquire(self, adapter_id: str, lora_int_id: int) -> LeasedAdapter:
         """Pin ``adapter_id`` for vLLM's adapter ``lora_int_id`` (once per adapter per process).
