@@ -148,7 +148,9 @@ def env():
     brokered = [a for n in (*ADAPTERS, "l4") for a in ("--broker-lora", n)]
     state = {"tmp": tmp, "model": model, "dirs": dirs, "broker": broker, "stop": []}
     state["ref32"] = LoraEngine("ref32", tmp, model, *files, "--max-loras", "5")
-    state["zc32"] = LoraEngine("zc32", tmp, model, *brokered, "--max-loras", "3", socket=broker.socket)
+    # l4f: l4's directory named by path; the zero-copy engine has the broker register it.
+    state["zc32"] = LoraEngine("zc32", tmp, model, *brokered, "--lora", f"l4f={dirs['l4']}", "--max-loras", "3",
+                               socket=broker.socket)  # fmt: skip
     state["stop"] += [state["ref32"], state["zc32"]]
     # The test's own session: registers the adapters and pins them (so their pages stay put)
     # to read their bytes before any engine has touched them.
@@ -279,6 +281,10 @@ def test_more_adapters_than_slots_are_scheduled_and_evicted(env):
     pins = _pins(env["broker"].socket)
     engine_pins = {"l3": pins["l3"] - 1, "l4": pins["l4"]}
     assert engine_pins == {n: int(n in held["held"]) for n in ("l3", "l4")}, (pins, held)
+    # An adapter named by its directory: registered in the broker, served from its pages.
+    assert _tokens(zc.generate(PROMPTS[:1], lora=["l4f"])) == want[:1]
+    assert [a for a in _pins(env["broker"].socket) if a.startswith("vllm-dir-")] != []
+    assert zc.op(op="lora_memory")["memory"]["slot_buffer_bytes"] == 0
 
 
 def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
