@@ -5,6 +5,7 @@ step against the weights in the PEFT files (a real broker, no engine)."""
 from __future__ import annotations
 
 import logging
+import time
 import os
 
 import pytest
@@ -206,3 +207,35 @@ def test_a_directory_named_by_path_is_registered_once_under_a_stable_id(adapters
             src.register_directory(os.path.join(dirs["a2"], "missing"))
     finally:
         src.close()
+
+
+def test_adapters_are_acquired_again_after_a_broker_restart(adapters):
+    _, dirs = adapters
+    first = start_broker("--pool-size", "64MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32")
+    second = None
+    try:
+        with BrokerClient.connect(first.socket, client_name="test") as c:
+            c.register_adapter("a1", dirs["a1"])
+        src = BrokerAdapters(first.socket)
+        try:
+            src.acquire("a1", 4)
+            epoch = src.client().epoch
+            first.stop()
+            second = start_broker("--pool-size", "64MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32",
+                                  socket=first.socket)  # fmt: skip
+            with BrokerClient.connect(second.socket, client_name="test") as c:
+                c.register_adapter("a1", dirs["a1"])
+            deadline = time.monotonic() + 30
+            while src.client().epoch == epoch:
+                assert time.monotonic() < deadline, "the client did not reconnect to the new broker"
+                time.sleep(0.1)
+            # The next step asks for the adapter: it is pinned again on the new broker.
+            again = src.adapter(4)
+            assert again is not None and _pins(second.socket) == {"a1": 1}
+            assert src.adapter(4) is again  # once
+        finally:
+            src.close()
+    finally:
+        for b in (first, second):
+            if b is not None and b.proc.poll() is None:
+                b.stop()
