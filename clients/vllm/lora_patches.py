@@ -104,6 +104,7 @@ def _patch() -> None:
     _wrap(mm.LoRAModelManager, "_create_merged_loras_inplace", _create_merged_loras_inplace)
     _wrap(mm.LoRAModelManager, "create_dummy_lora", _create_dummy_lora)
     _wrap(mm.LoRAModelManager, "_set_adapter_mapping", _set_adapter_mapping)
+    _wrap(mm.LoRAModelManager, "set_adapter_mapping", _set_adapter_mapping_public)
 
 
 # ----------------------------------------------------------------- loading and leases
@@ -321,17 +322,34 @@ def _create_dummy_lora(orig):
     return dummy
 
 
+def _build_step(manager, holder: StepHolder, st: State) -> None:
+    wrapper = next(iter(manager.punica_wrapper_mapping.values()))
+    slots = tuple(st.source.adapter(i) for i in manager.lora_index_to_id)
+    holder.step = ZeroCopyStep.build(slots, wrapper.token_lora_indices, holder.tables, st.source.arena, st.rounding)
+    holder.epoch = st.source.epoch()
+    holder.builds += 1
+
+
 def _set_adapter_mapping(orig):
+    # Called by vLLM when the mapping or the slot layout changed: a new step.
+    def set_mapping(self, mapping):
+        orig(self, mapping)
+        holder = getattr(self, "_mb_holder", None)
+        if holder is not None and _state is not None:
+            _build_step(self, holder, _state)
+
+    return set_mapping
+
+
+def _set_adapter_mapping_public(orig):
+    # Called every step: a broker restart under an unchanged mapping still rebuilds the step
+    # (new session, new pages) before the layers read them.
     def set_mapping(self, mapping):
         orig(self, mapping)
         holder = getattr(self, "_mb_holder", None)
         st = _state
-        if holder is None or st is None:
-            return
-        wrapper = next(iter(self.punica_wrapper_mapping.values()))
-        slots = tuple(st.source.adapter(i) for i in self.lora_index_to_id)
-        holder.step = ZeroCopyStep.build(slots, wrapper.token_lora_indices, holder.tables, st.source.arena, st.rounding)
-        holder.builds += 1
+        if holder is not None and st is not None and holder.step is not None and holder.epoch != st.source.epoch():
+            _build_step(self, holder, st)
 
     return set_mapping
 

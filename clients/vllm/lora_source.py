@@ -168,6 +168,11 @@ class BrokerAdapters:
             gone = [i for i in self._by_int if i not in live and i not in self.pending]
         return sum(self.release(i) for i in gone)
 
+    def epoch(self) -> int:
+        """The current broker session's number (changes when the client reconnects); 0 before any."""
+        c = self._client
+        return c.epoch if c is not None else 0
+
     def held(self) -> dict[str, LeasedAdapter]:
         with self._lock:
             return {aid: h.adapter for aid, h in self._held.items()}

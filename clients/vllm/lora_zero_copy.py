@@ -173,11 +173,13 @@ class ZeroCopyStep:
 class StepHolder:
     """The step in force for one vLLM LoRA manager's zero-copy layers."""
 
-    __slots__ = ("step", "tables", "builds")
+    __slots__ = ("step", "tables", "builds", "epoch")
 
     def __init__(self, device: torch.device | str):
         self.step: ZeroCopyStep | None = None
         self.tables = AdapterTables(device)
+        # The broker session (client epoch) the step's pages belong to.
+        self.epoch = 0
         # Steps built (vLLM set a new mapping or slot layout).
         self.builds = 0
 
