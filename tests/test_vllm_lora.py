@@ -302,11 +302,31 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
     zc = env["zc16"] = LoraEngine("zc16", env["tmp"], env["model"], "--dtype", "bfloat16", *brokered,
                                   "--max-loras", "3", socket=broker.socket)  # fmt: skip
     env["stop"] += [ref, zc]
-    want = _tokens(ref.generate(PROMPTS, lora=MIXED))
+    want = env["want16"] = _tokens(ref.generate(PROMPTS, lora=MIXED))
     assert _tokens(zc.generate(PROMPTS, lora=MIXED)) == want
     mix = ["l3", "l1", "l2"]
     assert _tokens(zc.generate(PROMPTS[:3], lora=mix)) == _tokens(ref.generate(PROMPTS[:3], lora=mix))
     ref.stop()
+
+
+def test_engine_serves_on_from_a_restarted_broker(env):
+    """The broker under a running zero-copy engine is killed and started again (adapters
+    registered anew): the engine's next steps acquire its adapters on the new broker's pages."""
+    old = env["broker16"]
+    old.stop(signal.SIGKILL)
+    broker = env["broker16"] = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB",
+                                            "--adapter-dtype", "bfloat16", socket=old.socket)  # fmt: skip
+    with BrokerClient.connect(broker.socket, client_name="test") as c:
+        for n in ADAPTERS:
+            c.register_adapter(n, env["dirs"][n])
+    deadline = time.monotonic() + 60
+    while True:
+        got = _tokens(env["zc16"].generate(PROMPTS, lora=MIXED))
+        assert got == env["want16"]
+        if _pins(broker.socket) == {n: 1 for n in ADAPTERS}:
+            break
+        assert time.monotonic() < deadline, f"the engine never acquired its adapters again: {_pins(broker.socket)}"
+        time.sleep(0.5)
 
 
 def test_engine_killed_with_sigkill_has_its_leases_released_within_a_second(env):
