@@ -135,8 +135,14 @@ class BrokerAdapters:
                 log.warning("memory-broker: the broker restarted; acquiring adapter %s again", aid)
                 ids = held.int_ids
                 self._held.pop(aid)
-                for i in ids:
-                    self.acquire(aid, i)
+                try:
+                    for i in ids:
+                        self.acquire(aid, i)
+                except BrokerError as e:
+                    raise RuntimeError(
+                        f"the broker restarted and adapter {aid!r}, which vLLM holds, cannot be acquired again "
+                        f"({e}); register it in the broker again"
+                    ) from e
                 held = self._held[aid]
             return held.adapter
 
