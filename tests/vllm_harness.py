@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--lora", action="append", default=[], help="NAME=PATH (repeat)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--broker-lora", action="append", default=[], help="ADAPTER_ID served from the broker (repeat)")
+    ap.add_argument("--max-loras", type=int, default=0, help="default: one more than the adapters named")
+    ap.add_argument("--max-lora-rank", type=int, default=8)
     a = ap.parse_args()
 
     # Answers go to the real stdout; everything vLLM prints goes to stderr.
@@ -56,10 +59,15 @@ def main() -> None:
     for i, item in enumerate(a.lora):
         name, path = item.split("=", 1)
         loras[name] = LoRARequest(name, i + 1, path)
+    if a.broker_lora:
+        from memory_broker.clients.vllm.identity import broker_lora_request
+
+        for aid in a.broker_lora:
+            loras[aid] = broker_lora_request(aid)
     if loras:
-        # One slot more than needed: the CPU backend gives base rows the last slot's adapter
-        # when every slot is taken (FIELD-NOTES).
-        kw.update(enable_lora=True, max_loras=len(loras) + 1, max_lora_rank=8)
+        # By default one slot more than needed: the CPU backend gives base rows the last slot's
+        # adapter when every slot is taken (FIELD-NOTES).
+        kw.update(enable_lora=True, max_loras=a.max_loras or len(loras) + 1, max_lora_rank=a.max_lora_rank)
     t0 = time.monotonic()
     llm = LLM(
         model=a.model,
@@ -81,6 +89,15 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd.get("op") == "quit":
             break
+        if cmd.get("op") == "lora_memory":
+            from memory_broker.clients.vllm.lora_patches import lora_memory
+
+            answers.write(json.dumps({"memory": llm.collective_rpc(lora_memory)[0]}) + "\n")
+            continue
+        if cmd.get("op") == "remove_lora":
+            ok = llm.llm_engine.remove_lora(loras[cmd["name"]].lora_int_id)
+            answers.write(json.dumps({"removed": bool(ok)}) + "\n")
+            continue
         prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
         names = cmd.get("lora") or [None] * len(prompts)
         sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)

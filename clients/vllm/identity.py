@@ -38,7 +38,8 @@ def lora_identity(lora_request: Any) -> bytes:
     """The adapter a request runs with, as bytes; ``b""`` for the base model.
 
     Covers the adapter's name, its integer id and its path: the same name served from
-    another directory, or another id, is another adapter (never shares KV). Accepts a
+    another directory, or another id, is another adapter (never shares KV). An adapter
+    served from the broker (``broker://<adapter_id>``) is its name and broker id alone. Accepts a
     ``vllm.lora.request.LoRARequest`` or anything with ``lora_name``/``lora_int_id``/
     ``lora_path``, or a plain ``(name, int_id, path)`` tuple.
     """
@@ -52,6 +53,11 @@ def lora_identity(lora_request: Any) -> bytes:
         path = getattr(lora_request, "lora_path", "") or ""
     if not name:
         raise ValueError("a LoRA identity needs the adapter's name")
+    if str(path).startswith(BROKER_SCHEME):
+        # An adapter from the broker is its broker id, whatever integer id the engine gave it
+        # (the OpenAI server numbers adapters in the order it resolves them): every engine
+        # serving it from the broker shares its KV.
+        return _canonical({"lora": str(name), "broker": str(path)[len(BROKER_SCHEME) :]})
     return _canonical({"lora": str(name), "id": int(int_id), "path": str(path)})
 
 
@@ -130,3 +136,32 @@ def chain_hashes(root: bytes, token_ids: Sequence[int], block_size: int) -> list
 def block_key(chain_hash: bytes, tp_rank: int = 0) -> bytes:
     """The broker key of one block's KV as tensor-parallel rank ``tp_rank`` holds it."""
     return KEY_PREFIX + _digest(chain_hash, tp_rank.to_bytes(4, "little"))
+
+
+# A LoRARequest whose lora_path has this prefix names an adapter registered in the broker;
+# the worker-side loader (lora_patches) takes it from the broker's pages, never from a path.
+BROKER_SCHEME = "broker://"
+
+
+def broker_adapter_id(lora_path: str | None) -> str | None:
+    """The broker adapter id a ``broker://<adapter_id>`` LoRA path names, else None."""
+    if lora_path and lora_path.startswith(BROKER_SCHEME):
+        aid = lora_path[len(BROKER_SCHEME) :]
+        if not aid:
+            raise ValueError(f"{lora_path!r} names no adapter: use {BROKER_SCHEME}<adapter_id>")
+        return aid
+    return None
+
+
+def broker_lora_int_id(adapter_id: str) -> int:
+    """A stable positive 31-bit integer id for an adapter id (vLLM's ``lora_int_id``): every
+    engine and every restart gives one adapter the same number, so KV keys and LoRA slots agree."""
+    n = int.from_bytes(hashlib.sha256(b"memory-broker lora " + adapter_id.encode()).digest()[:4], "little")
+    return (n & 0x7FFFFFFF) or 1
+
+
+def broker_lora_request(adapter_id: str, lora_int_id: int | None = None):
+    """A ``vllm.lora.request.LoRARequest`` for an adapter registered in the broker (imports vLLM)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter_id, lora_int_id or broker_lora_int_id(adapter_id), BROKER_SCHEME + adapter_id)

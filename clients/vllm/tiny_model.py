@@ -67,8 +67,13 @@ def build(path: str, seed: int = 0, config: dict | None = None) -> str:
     return path
 
 
-def build_lora(path: str, seed: int, rank: int = 8, alpha: float = 16.0) -> str:
-    """Write a PEFT LoRA adapter (q/k/v/o projections, random A and B) for ``build``'s model."""
+def build_lora(
+    path: str, seed: int, rank: int = 8, alpha: float = 16.0, bf16_exact: bool = False, config: dict | None = None
+) -> str:
+    """Write a PEFT LoRA adapter (q/k/v/o projections, random A and B) for ``build``'s model.
+    ``bf16_exact``: float32 weights that bfloat16 holds exactly (a broker storing adapters in
+    bfloat16 then serves the very weights a float32 engine reads from the file). ``config``: the
+    model's LlamaConfig fields, as given to ``build`` (default ``LLAMA``)."""
     if os.path.exists(os.path.join(path, "adapter_model.safetensors")):
         return path
     import torch
@@ -76,15 +81,18 @@ def build_lora(path: str, seed: int, rank: int = 8, alpha: float = 16.0) -> str:
 
     os.makedirs(path, exist_ok=True)
     g = torch.Generator().manual_seed(1000 + seed)
-    hidden = LLAMA["hidden_size"]
-    kv = hidden // LLAMA["num_attention_heads"] * LLAMA["num_key_value_heads"]
+    cfg = config or LLAMA
+    hidden = cfg["hidden_size"]
+    kv = hidden // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
     outs = {"q_proj": hidden, "k_proj": kv, "v_proj": kv, "o_proj": hidden}
     tensors = {}
-    for layer in range(LLAMA["num_hidden_layers"]):
+    for layer in range(cfg["num_hidden_layers"]):
         for mod, out in outs.items():
             pre = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
             tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.3
             tensors[f"{pre}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
+    if bf16_exact:
+        tensors = {k: v.to(torch.bfloat16).to(torch.float32) for k, v in tensors.items()}
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({
