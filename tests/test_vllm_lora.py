@@ -73,7 +73,9 @@ class Server:
                 "--max-loras", "2", "--max-lora-rank", "8", "--host", "127.0.0.1", "--port", str(self.port),
                 "--seed", "0", "--max-num-seqs", "16"]  # fmt: skip
         with open(self.log_path, "w") as logf:
-            self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
+            # Not the checkout: ``python -m`` puts the working directory first on sys.path, and a
+            # memory_broker.egg-info left there by a wheel build would hide the plugin's entry point.
+            self.proc = subprocess.Popen(args, cwd=tmp, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # fmt: skip
 
     def wait_ready(self) -> "Server":

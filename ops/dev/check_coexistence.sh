@@ -16,7 +16,12 @@ cd "$(dirname "$0")/../.."
 PY=${1:-.venv/bin/python}
 SPEC=${HF_KERNELS_SPEC:-kernels==0.17.2}
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# A wheel build from the checkout leaves memory_broker.egg-info in it; a stale one there (its
+# entry points from an older pyproject.toml) shadows the installed metadata for any
+# `python -m` run from the checkout. Remove it unless it was there before.
+egg_existed=$([ -e memory_broker.egg-info ] && echo 1 || true)
+build_existed=$([ -e build ] && echo 1 || true)
+trap 'rm -rf "$work"; [ -n "$egg_existed" ] || rm -rf memory_broker.egg-info; [ -n "$build_existed" ] || rm -rf build' EXIT
 
 # Every site-packages directory the interpreter sees (one venv may reach another's by a .pth).
 deps=$("$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("site-packages")))')
