@@ -1,4 +1,4 @@
-"""The gRPC servicer: who may call what (the ``POLICY`` table), RPCs to core calls, errors to statuses.
+"""The gRPC servicer: RPCs to core calls under the ``POLICY`` table (service_policy.py), errors to statuses.
 
 ``POLICY`` says per RPC whether it needs a session, which targets the session must own or
 see, whether it changes state, whether it needs an adapter-manager uid, and whether the TCP
@@ -14,18 +14,17 @@ import asyncio
 import inspect
 import os
 import time
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import grpc
 
 from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.peft import AdapterInfo
-from memory_broker.broker.adapters.records import AdapterCorrupted
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.objects import Allocation, ObjectsEvicted, ObjectStore, Spec, TransactionsExpired
+from memory_broker.broker.objects import Allocation, ObjectStore, Spec
+from memory_broker.broker.service_messages import adapter_message, adapter_stats_message, event_message, stats_message
+from memory_broker.broker.service_policy import CALL, POLICY, Rule, is_tcp, merge_call  # noqa: F401  (POLICY, merge_call: imported from here)
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
 from memory_broker.wire import session as wire_session
 from memory_broker.wire.messages import TIERS, layout_to_proto, spec_from_proto
@@ -33,91 +32,6 @@ from memory_broker.wire.session import SESSION_METADATA, token_from_metadata, ve
 from memory_broker.wire.status import STATUS
 from memory_broker.wire.v1 import broker_pb2 as pb
 from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
-
-
-class ArenaGrown:
-    """Core-side event: the arena has more slabs (broadcast to every session)."""
-
-    __slots__ = ("num_slabs",)
-
-    def __init__(self, num_slabs: int):
-        self.num_slabs = num_slabs
-
-
-class ShuttingDown:
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str):
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """Who may call one RPC."""
-
-    # Needs a session token ("x-broker-session"); the handler gets the Session.
-    session: bool
-    # Changes broker state (False: read-only, as any session may).
-    writes: bool
-    # Request fields naming objects the session must be able to see: keyed committed objects
-    # are anyone's, anonymous ones only their owner's (and those the session already pins,
-    # and broker-owned ones such as adapter pages). Invisible ids answer NOT_FOUND, as
-    # unknown ids do, so ids cannot be probed.
-    visible: tuple[str, ...] = ()
-    # What else the core checks against the session (documentation: enforced there).
-    owns: str = ""
-    # Needs a session owned by a uid in adapters.manager_uids.
-    manage: bool = False
-    # Served on the TCP listener, which has no peer credentials.
-    tcp: bool = False
-
-
-POLICY: dict[str, Rule] = {
-    "Attach": Rule(session=False, writes=True),
-    "GetArena": Rule(session=False, writes=False, tcp=True),
-    "GetStats": Rule(session=False, writes=False, tcp=True),
-    "Allocate": Rule(session=True, writes=True),
-    "Prepare": Rule(session=True, writes=True, visible=("pin_object_ids",)),
-    "Commit": Rule(session=True, writes=True, owns="transactions"),
-    "Abort": Rule(session=True, writes=True, owns="transactions"),
-    "Free": Rule(session=True, writes=True, owns="objects"),
-    "Pin": Rule(session=True, writes=True, visible=("object_ids",)),
-    "Unpin": Rule(session=True, writes=True, owns="pins"),
-    "Lookup": Rule(session=True, writes=True),
-    "RegisterAdapter": Rule(session=True, writes=True, manage=True),
-    "UnregisterAdapter": Rule(session=True, writes=True, manage=True),
-    "PrefetchAdapters": Rule(session=True, writes=True, manage=True),
-    "ListAdapters": Rule(session=True, writes=False),
-    "GetAdapterLayout": Rule(session=True, writes=False),
-    "AcquireAdapters": Rule(session=True, writes=True, owns="pins (its own)"),
-    "ReleaseAdapters": Rule(session=True, writes=True, owns="pins"),
-    # Any session: it only drops copies that fail their checksum (reloaded on next acquire).
-    "VerifyAdapters": Rule(session=True, writes=True),
-}
-
-
-# The call being served, for its log lines: (rpc name, session id or None). One ContextVar
-# set per call (cheaper than binding structlog context vars key by key); ``merge_call``,
-# a structlog processor installed by broker.server.logs, adds it to every event.
-CALL: ContextVar[tuple[str, int | None] | None] = ContextVar("memory_broker_call", default=None)
-
-
-def merge_call(logger, method_name, event: dict) -> dict:
-    call = CALL.get()
-    if call is not None:
-        event.setdefault("rpc", call[0])
-        if call[1] is not None:
-            event.setdefault("session", call[1])
-    return event
-
-
-def is_tcp(context) -> bool:
-    """Whether the call came over the TCP listener (the Unix socket's peers are "unix:...")."""
-    try:
-        peer = context.peer() or ""
-    except Exception:
-        return False
-    return peer.startswith(("ipv4:", "ipv6:"))
 
 
 def _unary(fn):
@@ -309,7 +223,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
                 ev = await s.events.get()
                 if ev is CLOSED:
                     return
-                msg = self._event(ev)
+                msg = event_message(ev)
                 if msg is not None:
                     yield msg
         finally:
@@ -342,24 +256,6 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             if not detached:
                 return
         self.sessions.close(session_id, "client detached")
-
-    @staticmethod
-    def _event(ev) -> pb.SessionEvent | None:
-        if isinstance(ev, ObjectsEvicted):
-            return pb.SessionEvent(evicted=pb.ObjectsEvicted(object_ids=ev.object_ids, keys=ev.keys))
-        if isinstance(ev, TransactionsExpired):
-            return pb.SessionEvent(transactions_expired=pb.TransactionsExpired(transaction_ids=ev.transaction_ids))
-        if isinstance(ev, ArenaGrown):
-            return pb.SessionEvent(arena_grown=pb.ArenaGrown(num_slabs=ev.num_slabs))
-        if isinstance(ev, ShuttingDown):
-            return pb.SessionEvent(shutting_down=pb.ShuttingDown(reason=ev.reason))
-        if isinstance(ev, AdapterCorrupted):
-            return pb.SessionEvent(
-                adapter_corrupted=pb.AdapterCorrupted(
-                    adapter_id=ev.adapter_id, object_id=ev.object_id, generation=ev.generation, detail=ev.detail
-                )
-            )
-        return None
 
     # ------------------------------------------------------------- unary calls
 
@@ -430,39 +326,10 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     @_unary
     def GetStats(self, request, context, session):
-        st = self.store.stats()
-        return pb.Stats(
-            backend=self.arena.backend,
-            page_size=self.arena.geometry.page_size,
-            num_slabs=self.arena.num_slabs,
-            max_pages=st.max_pages,
-            capacity_pages=st.capacity_pages,
-            free_pages=st.free_pages,
-            used_pages=st.used_pages,
-            prepared_pages=st.prepared_pages,
-            pinned_pages=st.pinned_pages,
-            evictable_pages=st.evictable_pages,
-            utilization=st.utilization,
-            high_watermark=st.high_watermark,
-            low_watermark=st.low_watermark,
-            eviction_active=st.eviction_active,
-            eviction_runs=st.eviction_runs,
-            evicted_objects=st.evicted_objects,
-            evicted_pages=st.evicted_pages,
-            objects=st.objects,
-            keyed_objects=st.keyed_objects,
-            sessions=st.sessions,
-            open_transactions=st.open_transactions,
-            by_content=[pb.ContentStats(content_type=ct, objects=n, pages=p) for ct, (n, p) in st.by_content.items()],
-            window_free_pages=st.window_free_pages,
-            window_free_extents=st.window_free_extents,
-            window_largest_free=st.window_largest_free,
-            window_fragmentation=st.window_fragmentation,
-            allocations_total=st.allocations_total,
-            deduplicated_total=st.deduplicated_total,
-            allocation_failures=st.allocation_failures,
-            adapters=self._adapter_stats() if self.adapters is not None else None,
-            by_owner=[self._owner_stats(sid, ct, n, p) for (sid, ct), (n, p) in self.store.objects_by_owner().items()],
+        adapters = adapter_stats_message(self.adapters.stats()) if self.adapters is not None else None
+        by_owner = [self._owner_stats(sid, ct, n, p) for (sid, ct), (n, p) in self.store.objects_by_owner().items()]
+        return stats_message(
+            self.store.stats(), self.arena.backend, self.arena.geometry.page_size, self.arena.num_slabs, adapters, by_owner
         )
 
     def _owner_stats(self, sid: int, ct: int, n: int, p: int) -> pb.OwnerStats:
@@ -479,41 +346,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             raise BrokerError(Code.FAILED_PRECONDITION, "adapters are not enabled on this broker")
         return self.adapters
 
-    def _adapter_stats(self) -> pb.AdapterStats:
-        a = self.adapters.stats()
-        res, hits, loads, loaded, im = a.resident, a.hits, a.loads, a.bytes_loaded, a.images
-        return pb.AdapterStats(
-            registered=a.registered, hot=res.hot, warm=res.warm, cold=res.cold,
-            hot_pages=a.hot_pages, warm_bytes=a.warm_bytes,
-            found_hot=hits.hot, found_warm=hits.warm, found_cold=hits.cold,
-            loads_hot=loads.hot, loads_warm=loads.warm,
-            bytes_loaded_hot=loaded.hot, bytes_loaded_warm=loaded.warm,
-            hit_rate=a.hit_rate, deferred=a.deferred, shared_loads=a.shared_loads,
-            load_failures=a.load_failures, evictions=a.evictions, demotions=a.demotions,
-            image_count=im.count, image_bytes=im.bytes, image_budget_bytes=im.budget_bytes,
-            image_hits=im.hits, image_misses=im.misses, converted_ahead=im.converted_ahead,
-            convert_queued=im.convert_queued,
-        )  # fmt: skip
-
     def _adapter_msg(self, info: AdapterInfo) -> pb.Adapter:
-        """A registered adapter (its one record, ``AdapterInfo``) plus where it is now."""
-        st = self.adapters.resident(info.adapter_id)
-        return pb.Adapter(
-            adapter_id=info.adapter_id,
-            path=info.source,
-            rank=info.rank,
-            lora_alpha=info.lora_alpha,
-            use_rslora=info.use_rslora,
-            target_modules=list(info.target_modules),
-            num_layers=info.num_layers,
-            file_bytes=info.file_bytes,
-            registered_at=info.registered_at,
-            tier=TIERS[st.tier] if st is not None else pb.ADAPTER_TIER_COLD,
-            generation=st.generation if st is not None else 0,
-            pin_count=st.pin_count if st is not None else 0,
-            num_pages=st.num_pages if st is not None else 0,
-            image_state=pb.AdapterImageState.Value(f"ADAPTER_IMAGE_STATE_{self.adapters.image_state(info.adapter_id).upper()}"),
-        )
+        return adapter_message(info, self.adapters.resident(info.adapter_id), self.adapters.image_state(info.adapter_id))
 
     def _layout_msg(self, adapter_id: str, layout, generation: int, object_id: int, pages) -> pb.AdapterLayout:
         return layout_to_proto(adapter_id, layout, generation, object_id, pages, self.arena.num_slabs)
@@ -620,4 +454,4 @@ class EchoService(echo_pb2_grpc.EchoServicer):
         return echo_pb2.EchoResponse(payload=request.payload)
 
 
-__all__ = ["MemoryBrokerService", "EchoService", "ArenaGrown", "ShuttingDown", "SESSION_METADATA", "POLICY", "Rule"]
+__all__ = ["MemoryBrokerService", "EchoService", "SESSION_METADATA", "POLICY", "Rule", "merge_call"]

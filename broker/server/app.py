@@ -31,7 +31,8 @@ from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
 from memory_broker.broker.server.options import ServeOptions, adapter_config, format_size
-from memory_broker.broker.service import ArenaGrown, EchoService, MemoryBrokerService, ShuttingDown
+from memory_broker.broker.service import EchoService, MemoryBrokerService
+from memory_broker.broker.service_messages import ArenaGrown, ShuttingDown
 from memory_broker.broker.sessions.fd_channel import FdChannelServer
 from memory_broker.broker.sessions.step_channel import StepChannelServer
 from memory_broker.broker.sessions.liveness import PidWatcher
