@@ -29,6 +29,7 @@ import grpc  # noqa: E402
 from memory_broker.wire.v1 import broker_pb2 as pb  # noqa: E402
 from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
+from memory_broker.wire.session import SESSION_METADATA  # noqa: E402
 
 
 def start_broker(socket: str, state: str) -> subprocess.Popen:
@@ -68,7 +69,7 @@ def main() -> None:
 
 def run(socket: str, n: int) -> None:
     client = BrokerClient.connect(socket, client_name="bench")
-    md = ((("x-broker-session", client.token),))
+    md = (((SESSION_METADATA, client.token),))
     ch = grpc.insecure_channel(f"unix:{socket}")
     stub = broker_pb2_grpc.MemoryBrokerStub(ch)
     echo = echo_pb2_grpc.EchoStub(ch)

@@ -22,6 +22,7 @@ from memory_broker.broker.server.app import BrokerServer
 from memory_broker.broker.server.logs import configure
 from memory_broker.broker.server.options import ServeOptions
 from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.wire.session import SESSION_METADATA
 from memory_broker.broker.objects import Spec
 
 
@@ -29,7 +30,7 @@ class Context:
     """What a handler reads from grpc's context on the success path."""
 
     def __init__(self, token: str):
-        self._md = (("x-broker-session", token),)
+        self._md = ((SESSION_METADATA, token),)
 
     def invocation_metadata(self):
         return self._md

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
 from memory_broker.broker.pool import PagePool, WindowSpace  # noqa: E402
+from memory_broker.wire.session import SESSION_METADATA  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -277,7 +278,7 @@ def bench_daemon(n: int, seconds: float, table: list) -> None:
         holder = BrokerClient.connect(socket, client_name="scale-holder")
         ch = grpc.insecure_channel(f"unix:{socket}")
         stub = broker_pb2_grpc.MemoryBrokerStub(ch)
-        md = (("x-broker-session", holder.token),)
+        md = ((SESSION_METADATA, holder.token),)
         left = n
         while left:
             k = min(left, 65536)
