@@ -185,6 +185,11 @@ class StepCalls:
             sl.cached = (bool(ids) and out.acquire_hot and not prepare, True)
         return sl
 
+    def step_batch(self) -> "StepBatch":
+        """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
+        completions (a change costs what changed, not the batch's size)."""
+        return StepBatch(self)
+
     def flush_holdings(self) -> int:
         """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
         st = self._step if self._step is not None and self._step_epoch == self.epoch else None
@@ -371,6 +376,243 @@ class StepLease:
             self.client.unpin(self.objects)
 
     def __enter__(self) -> "StepLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class BatchDelta:
+    """What one ``StepBatch`` change added: the leased adapters of its ``add`` (one per
+    listed id, in order) and the objects of its ``add_keys`` (the longest present prefix)."""
+
+    __slots__ = ("adapters", "objects", "round_trips")
+
+    def __init__(self, adapters: list, objects: list, round_trips: int):
+        self.adapters: list[LeasedAdapter] = adapters
+        self.objects: list = objects
+        # Frames this change took (0: the step cache had all of it).
+        self.round_trips = round_trips
+
+
+class PendingBatchStep:
+    """A change sent by ``StepBatch.begin``; ``result()`` returns its ``BatchDelta`` (once;
+    the batch's next change collects it first if the caller has not)."""
+
+    __slots__ = ("_finish", "_delta", "_error")
+
+    def __init__(self, finish: Callable[[], BatchDelta]):
+        self._finish: Callable[[], BatchDelta] | None = finish
+        self._delta: BatchDelta | None = None
+        self._error: BaseException | None = None
+
+    def result(self) -> BatchDelta:
+        if self._finish is not None:
+            fn, self._finish = self._finish, None
+            try:
+                self._delta = fn()
+            except BaseException as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._delta
+
+
+class StepBatch:
+    """An engine's running batch, changed by its arrivals and completions only.
+
+    ``client.step_batch()`` makes one. Each change (``update``, or ``begin`` then ``result``
+    to overlap the round trip with the model's work) names what arrives (``add`` adapter ids,
+    ``add_keys`` KV keys) and what completes (``drop``, ``drop_keys``); the batch keeps
+    per-id and per-key counts, so an id or key already held costs a dict update, and only
+    the first hold and the last drop of one reach the step path (and, through its cache,
+    the broker). The cost of a change is proportional to the change, not to the batch.
+
+    ``add_keys`` is looked up like ``lookup``: the longest present prefix (keys the batch
+    holds count as present) is pinned; the keys after it are counted but hold nothing.
+    A drop takes effect when sent (``begin``), so drop only what the running step no longer
+    reads. A refused change (e.g. an unknown adapter) raises BrokerError: its drops took
+    effect, its adds did not. Bad arguments (dropping what the batch does not hold) raise
+    ValueError and change nothing.
+    """
+
+    def __init__(self, client: "BrokerClient"):
+        self.client = client
+        self.epoch = client.epoch
+        # Adapter id -> its LeasedAdapter, for every id the batch holds (what kernels read).
+        self.adapters: dict[str, LeasedAdapter] = {}
+        # Key -> BrokerObject, for every key the batch holds pinned.
+        self.objects: dict[bytes, object] = {}
+        self._acount: dict[str, int] = {}
+        self._kcount: dict[bytes, int] = {}
+        # Adapters held by an AdapterLease of their own (acquired over gRPC: not hot, or no
+        # step channel), released through it.
+        self._own: dict[str, AdapterLease] = {}
+        self._pending: PendingBatchStep | None = None
+        self.released = False
+
+    # ------------------------------------------------------------ changes
+
+    def update(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
+               drop_keys: Sequence[bytes] = ()) -> BatchDelta:  # fmt: skip
+        """Apply one change in one round trip (none when the step cache has all of it)."""
+        return self.begin(add, drop, add_keys, drop_keys).result()
+
+    def begin(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
+              drop_keys: Sequence[bytes] = ()) -> PendingBatchStep:  # fmt: skip
+        """Send one change now; ``result()`` reads the reply (after the model's work)."""
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            try:
+                p.result()
+            except BrokerError:
+                pass  # its caller gets it from its own result()
+        client = self.client
+        if self.released:
+            raise BrokerError(Code.FAILED_PRECONDITION, "this step batch was released; make a new one")
+        if self.epoch != client.epoch:
+            raise BrokerError(
+                Code.FAILED_PRECONDITION,
+                "the session this batch held its pins in ended (the broker restarted); make a new step batch",
+            )
+        acount, kcount = self._acount, self._kcount
+        # Check every drop before changing anything.
+        if drop:
+            self._check_drops(drop, acount, "adapter id")
+        if drop_keys:
+            self._check_drops(drop_keys, kcount, "key")
+        rel: list[str] = []
+        for a in drop:
+            n = acount[a] - 1
+            if n:
+                acount[a] = n
+            else:
+                del acount[a]
+                del self.adapters[a]
+                if a in self._own:
+                    self._own.pop(a).release()
+                else:
+                    rel.append(a)
+        unpin: list[int] = []
+        objects = self.objects
+        for k in drop_keys:
+            n = kcount[k] - 1
+            if n:
+                kcount[k] = n
+            else:
+                del kcount[k]
+                o = objects.pop(k, None)
+                if o is not None:
+                    unpin.append(o.object_id)
+        new_ids = [a for a in dict.fromkeys(add) if a not in acount]
+        new_keys = [k for k in add_keys if k not in objects]
+        st = client._step_path()
+        if st is None:
+            pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
+        else:
+            sent = client._fast(
+                st.begin, new_ids, new_keys, release=rel, unpin=unpin, acquire=bool(new_ids), lookup=bool(new_keys)
+            )
+            pending = PendingBatchStep(lambda: self._finish(sent, add, new_ids, add_keys, new_keys))
+        self._pending = pending
+        return pending
+
+    @staticmethod
+    def _check_drops(items: Sequence, counts: dict, what: str) -> None:
+        need: dict = {}
+        for x in items:
+            need[x] = need.get(x, 0) + 1
+        for x, n in need.items():
+            if counts.get(x, 0) < n:
+                raise ValueError(f"drop of {what} {x!r} x{n}: the batch holds it {counts.get(x, 0)} times")
+
+    def _finish(self, sent, add, new_ids, add_keys, new_keys) -> BatchDelta:
+        client = self.client
+        out = client._fast(sent.result)
+        rts = 1 if sent.sent else 0
+        if new_ids:
+            if out.acquire_hot:
+                for la in client._lease(out).adapters:
+                    self.adapters[la.adapter_id] = la
+            else:
+                self._acquire_own(new_ids, out.objects)
+        found = client._objects(out.objects) if new_keys else []
+        return self._account(add, add_keys, new_keys, found, rts)
+
+    def _grpc(self, rel, unpin, add, new_ids, add_keys, new_keys) -> BatchDelta:
+        client = self.client
+        if rel:
+            client.release_adapters(rel)
+        if unpin:
+            client.unpin(unpin)
+        if new_ids:
+            self._acquire_own(new_ids, None)
+        found = client.lookup(new_keys) if new_keys else []
+        return self._account(add, add_keys, new_keys, found, 0)
+
+    def _acquire_own(self, ids: list[str], pinned) -> None:
+        """Adapters the step channel cannot give (one needs a load): over gRPC, each under a
+        lease of its own so that each can be released when its last sequence completes."""
+        client = self.client
+        try:
+            lease = client.acquire_adapters(ids)
+        except BaseException:
+            if pinned:
+                client.unpin(client._objects(pinned))
+            raise
+        for la in lease.adapters:
+            self.adapters[la.adapter_id] = la
+            self._own[la.adapter_id] = AdapterLease(client, [la], (), 0, lease.session_id)
+
+    def _account(self, add, add_keys, new_keys, found: list, rts: int) -> BatchDelta:
+        acount, kcount, objects = self._acount, self._kcount, self.objects
+        for a in add:
+            acount[a] = acount.get(a, 0) + 1
+        for k, o in zip(new_keys, found):
+            objects[k] = o
+        got = []
+        for k in add_keys:
+            kcount[k] = kcount.get(k, 0) + 1
+            if got is not None:
+                o = objects.get(k)
+                if o is None:
+                    got = None  # the end of the present prefix
+                else:
+                    got.append(o)
+        adapters = self.adapters
+        return BatchDelta([adapters[a] for a in add], got or [], rts)
+
+    # ------------------------------------------------------------ the end
+
+    def release(self) -> None:
+        """Give back everything the batch holds (once; a change not collected is first)."""
+        if self.released:
+            return
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            try:
+                p.result()
+            except BrokerError:
+                pass
+        self.released = True
+        client = self.client
+        own, self._own = self._own, {}
+        rel = [a for a in self.adapters if a not in own]
+        unpin = [o.object_id for o in self.objects.values()]
+        self.adapters, self.objects, self._acount, self._kcount = {}, {}, {}, {}
+        if self.epoch != client.epoch or client.closed:
+            return  # the pins ended with the session
+        for lease in own.values():
+            lease.release()
+        st = client._step_path()
+        if st is None:
+            if unpin:
+                client.unpin(unpin)
+            return
+        if rel or unpin:
+            client._fast(st.step, release=rel, unpin=unpin, acquire=False, lookup=False)
+
+    def __enter__(self) -> "StepBatch":
         return self
 
     def __exit__(self, *exc) -> None:

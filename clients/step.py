@@ -603,6 +603,11 @@ class PendingStep:
         self._outcome: StepOutcome | None = None
         self._error: BaseException | None = None
 
+    @property
+    def sent(self) -> bool:
+        """Whether this step sent a frame (False: the cache had all of it)."""
+        return bool(self._plan.ops)
+
     def _collect(self) -> None:
         """Read this step's reply off the socket and account it in the cache at once (the
         path's lock is held), so later steps see what it took even before ``result()``."""

@@ -171,6 +171,51 @@ def pipelined(c: BrokerClient, work):
     before.release()
 
 
+def deltas(work):
+    """Each step's arrivals and completions against the step before (what a scheduler
+    knows without computing anything): (add ids, drop ids, add keys, drop keys). Made
+    before the timing starts; a sequence is its (adapter, key) pair."""
+    out = []
+    prev: dict = {}
+    for ids, keys in work:
+        cur = dict.fromkeys(zip(ids, keys))
+        arr = [s for s in cur if s not in prev]
+        done = [s for s in prev if s not in cur]
+        out.append(([a for a, _ in arr], [a for a, _ in done], [k for _, k in arr], [k for _, k in done]))
+        prev = cur
+    return out
+
+
+def batch_api(c: BrokerClient, work):
+    """Blocking: one ``StepBatch.update`` per step with its arrivals and completions."""
+    b = c.step_batch()
+    for add, drop, add_keys, drop_keys in deltas(work):
+        t0 = time.perf_counter_ns()
+        b.update(add, drop, add_keys, drop_keys)
+        yield (time.perf_counter_ns() - t0) / 1000
+    b.release()
+
+
+def batch_overlapped(c: BrokerClient, work):
+    """The engine's loop with the round trip overlapping the model: while step i's model
+    work runs (a sleep, as a CPU waiting on its GPU), step i+1's arrivals are sent with the
+    completions of step i-1 (what step i no longer reads); the reply is collected after the
+    work. Counted: the time this thread spends in ``begin`` and ``result`` (not the work)."""
+    d = deltas(work)
+    b = c.step_batch()
+    b.update(d[0][0], (), d[0][2], ())
+    for i in range(len(d)):
+        nxt = d[i + 1] if i + 1 < len(d) else ((), (), (), ())
+        t0 = time.perf_counter_ns()
+        p = b.begin(nxt[0], d[i][1], nxt[2], d[i][3])
+        t1 = time.perf_counter_ns()
+        time.sleep(MODEL_WORK_S)  # step i's model work (not counted)
+        t2 = time.perf_counter_ns()
+        p.result()
+        yield (t1 - t0 + time.perf_counter_ns() - t2) / 1000
+    b.release()
+
+
 PATHS = [
     ("gRPC, 4 calls (old path)", dict(fast_path=False), old_api),
     ("step channel, same 4 calls", dict(hold_s=0.0), old_api),
@@ -178,6 +223,9 @@ PATHS = [
     ("cache, same 4 calls", dict(hold_s=1.0), old_api),
     ("cache, client.step()", dict(hold_s=1.0), step_api),
     ("cache, step_begin (pipelined)", dict(hold_s=1.0), pipelined),
+    ("step channel, StepBatch.update()", dict(hold_s=0.0), batch_api),
+    ("cache, StepBatch.update() (blocking)", dict(hold_s=1.0), batch_api),
+    ("cache, StepBatch begin+result (overlap)", dict(hold_s=1.0), batch_overlapped),
 ]
 
 
@@ -274,7 +322,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per path and workload")
     ap.add_argument("--quick", action="store_true", help="at most 200 steps (a smoke run)")
+    ap.add_argument("--only", default="", help="run only the paths whose name contains this (a quick look)")
     a = ap.parse_args()
+    if a.only:
+        PATHS[:] = [p for p in PATHS if a.only in p[0]]
     steps = min(a.steps, 200) if a.quick else a.steps
     d = tempfile.mkdtemp(prefix="mb-bench-", dir="/tmp")
     sock = os.path.join(d, "b.sock")
@@ -322,14 +373,25 @@ def run(d: str, sock: str, steps: int) -> None:
         med, p99 = statistics.median(xs), pct(xs, 0.99)
         print(f"{name:<36}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}")
     print("(x raw = per-step median or p99 / the raw ping-pong median of this run; RT/step = frames sent)")
-    best_steady = min(statistics.median(results[(n, "steady")][0]) for n, _, _ in PATHS[3:])
-    best = min(PATHS[3:], key=lambda p: statistics.median(results[(p[0], "trace")][0]))
-    tr = results[(best[0], "trace")][0]
+    cached = [n for n, _, _ in PATHS if n.startswith("cache")]
+    if not cached:
+        setup.close()
+        return
+    best_steady = min(statistics.median(results[(n, "steady")][0]) for n in cached)
     ok1 = best_steady <= 2 * raw_us
-    ok2 = statistics.median(tr) <= 2 * raw_us and pct(tr, 0.99) <= 10 * raw_us
     print(f"\ntarget steady: median <= 2x raw: {best_steady / raw_us:.2f}x -> {'MET' if ok1 else 'NOT MET'}")
-    print(f"target trace ({best[0]}): median <= 2x raw, p99 <= 10x: {statistics.median(tr) / raw_us:.2f}x, "
-          f"{pct(tr, 0.99) / raw_us:.2f}x -> {'MET' if ok2 else 'NOT MET'}")  # fmt: skip
+    # The trace target, for the best blocking path and for the overlapped one apart: the
+    # overlapped row counts only the engine thread's time in the client (the round trip
+    # runs during the model's work), so it is not a round trip's latency.
+    blocking = [n for n in cached if "overlap" not in n and "pipelined" not in n]
+    for label, names in (("blocking", blocking), ("overlapped", [n for n in cached if "overlap" in n])):
+        if not names:
+            continue
+        best = min(names, key=lambda n: statistics.median(results[(n, "trace")][0]))
+        tr = results[(best, "trace")][0]
+        ok2 = statistics.median(tr) <= 2 * raw_us and pct(tr, 0.99) <= 10 * raw_us
+        print(f"target trace, {label} ({best}): median <= 2x raw, p99 <= 10x: "
+              f"{statistics.median(tr) / raw_us:.2f}x, {pct(tr, 0.99) / raw_us:.2f}x -> {'MET' if ok2 else 'NOT MET'}")
     setup.close()
 
 
