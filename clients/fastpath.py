@@ -274,31 +274,32 @@ class StepCalls:
     def _lease(self, out: StepOutcome):
         if out.arena_slabs:
             self._ensure_slabs(out.arena_slabs)
-        leased = []
-        cache = self._step_leased
-        for aid, rec in out.adapters:
-            hit = cache.get(aid)
-            if hit is not None and hit[0] is rec:
-                # The step cache's own record again: the lease entry built from it stands.
-                leased.append(hit[1])
-                continue
-            k = (aid, rec.generation, rec.object_id)
-            la = cache.get(k)
-            if la is None:
-                # First sight of this placement: its pages read-only here, its layout fetched once.
-                self._set_access(rec.pages, True)
-                layout = self._layout_cache.get(aid)
-                if layout is None:
-                    layout = layout_from_proto(self.adapter_layout(aid))
-                    self._layout_cache[aid] = layout
-                la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
-                                              _w.TIER_NAMES.get(rec.found_in, "hot"))  # fmt: skip
-            if rec.found_in != _w.TIER_HOT:
-                la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
-            else:
-                cache[aid] = (rec, la)
-            leased.append(la)
+        leased = [self._leased_step(aid, rec) for aid, rec in out.adapters]
         return AdapterLease(self, leased, out.deferred, out.txn_id, self.session_id)
+
+    def _leased_step(self, aid: str, rec) -> LeasedAdapter:
+        """The LeasedAdapter of a step-path record (the caller mapped the reply's slabs)."""
+        cache = self._step_leased
+        hit = cache.get(aid)
+        if hit is not None and hit[0] is rec:
+            # The step cache's own record again: the lease entry built from it stands.
+            return hit[1]
+        k = (aid, rec.generation, rec.object_id)
+        la = cache.get(k)
+        if la is None:
+            # First sight of this placement: its pages read-only here, its layout fetched once.
+            self._set_access(rec.pages, True)
+            layout = self._layout_cache.get(aid)
+            if layout is None:
+                layout = layout_from_proto(self.adapter_layout(aid))
+                self._layout_cache[aid] = layout
+            la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
+                                          _w.TIER_NAMES.get(rec.found_in, "hot"))  # fmt: skip
+        if rec.found_in != _w.TIER_HOT:
+            la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
+        else:
+            cache[aid] = (rec, la)
+        return la
 
     def commit_acquire(self, transaction_id: int) -> None:
         """Keep a prepared adapter acquire's pins (``AdapterLease.commit``)."""
@@ -505,14 +506,13 @@ class StepBatch:
                 if o is not None:
                     unpin.append(o.object_id)
         new_ids = [a for a in dict.fromkeys(add) if a not in acount]
-        new_keys = [k for k in add_keys if k not in objects]
+        # Each key once: the batch holds one pin per key, whatever its count.
+        new_keys = [k for k in dict.fromkeys(add_keys) if k not in objects]
         st = client._step_path()
         if st is None:
             pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
         else:
-            sent = client._fast(
-                st.begin, new_ids, new_keys, release=rel, unpin=unpin, acquire=bool(new_ids), lookup=bool(new_keys)
-            )
+            sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
             pending = PendingBatchStep(lambda: self._finish(sent, add, new_ids, add_keys, new_keys))
         self._pending = pending
         return pending
@@ -528,16 +528,18 @@ class StepBatch:
 
     def _finish(self, sent, add, new_ids, add_keys, new_keys) -> BatchDelta:
         client = self.client
-        out = client._fast(sent.result)
-        rts = 1 if sent.sent else 0
+        recs, objs, slabs = client._fast(sent.result)
+        if slabs:
+            client._ensure_slabs(slabs)
         if new_ids:
-            if out.acquire_hot:
-                for la in client._lease(out).adapters:
-                    self.adapters[la.adapter_id] = la
+            if recs is not None:
+                adapters, leased = self.adapters, client._leased_step
+                for aid, rec in recs:
+                    adapters[aid] = leased(aid, rec)
             else:
-                self._acquire_own(new_ids, out.objects)
-        found = client._objects(out.objects) if new_keys else []
-        return self._account(add, add_keys, new_keys, found, rts)
+                self._acquire_own(new_ids, objs)
+        found = client._objects(objs) if objs else []
+        return self._account(add, add_keys, new_keys, found, 1 if sent.sent else 0)
 
     def _grpc(self, rel, unpin, add, new_ids, add_keys, new_keys) -> BatchDelta:
         client = self.client
