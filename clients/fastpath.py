@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from typing import Callable, Sequence
 
@@ -185,10 +186,11 @@ class StepCalls:
             sl.cached = (bool(ids) and out.acquire_hot and not prepare, True)
         return sl
 
-    def step_batch(self) -> "StepBatch":
+    def step_batch(self, background: bool = False) -> "StepBatch":
         """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
-        completions (a change costs what changed, not the batch's size)."""
-        return StepBatch(self)
+        completions (a change costs what changed, not the batch's size). ``background``: a
+        thread of the batch collects each ``begin``'s reply as it arrives (see StepBatch)."""
+        return StepBatch(self, background)
 
     def flush_holdings(self) -> int:
         """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
@@ -398,25 +400,53 @@ class BatchDelta:
 
 class PendingBatchStep:
     """A change sent by ``StepBatch.begin``; ``result()`` returns its ``BatchDelta`` (once;
-    the batch's next change collects it first if the caller has not)."""
+    the batch's next change collects it first if the caller has not). With a background
+    batch, the batch's collector thread reads and accounts the reply as soon as it arrives
+    and ``result()`` waits for that."""
 
-    __slots__ = ("_finish", "_delta", "_error")
+    __slots__ = ("_finish", "_delta", "_error", "_done")
 
-    def __init__(self, finish: Callable[[], BatchDelta]):
+    def __init__(self, finish: Callable[[], BatchDelta], done: "threading.Lock | None" = None):
         self._finish: Callable[[], BatchDelta] | None = finish
         self._delta: BatchDelta | None = None
         self._error: BaseException | None = None
+        # Held until the collector thread has run ``finish`` (None: the caller runs it).
+        self._done = done
 
-    def result(self) -> BatchDelta:
-        if self._finish is not None:
-            fn, self._finish = self._finish, None
+    def _run(self) -> None:
+        fn, self._finish = self._finish, None
+        if fn is not None:
             try:
                 self._delta = fn()
             except BaseException as e:
                 self._error = e
+
+    def _collected(self) -> None:
+        """The collector thread's turn."""
+        try:
+            self._run()
+        finally:
+            self._done.release()
+
+    def result(self) -> BatchDelta:
+        done = self._done
+        if done is not None:
+            done.acquire()  # until the collector has run it
+            done.release()
+        else:
+            self._run()
         if self._error is not None:
             raise self._error
         return self._delta
+
+
+def _collector(q: "queue.SimpleQueue") -> None:
+    """A background batch's thread: collect each begun change when its reply arrives."""
+    while True:
+        p = q.get()
+        if p is None:
+            return
+        p._collected()
 
 
 class StepBatch:
@@ -437,9 +467,17 @@ class StepBatch:
     ValueError and change nothing.
     """
 
-    def __init__(self, client: "BrokerClient"):
+    def __init__(self, client: "BrokerClient", background: bool = False):
         self.client = client
         self.epoch = client.epoch
+        # Background: a thread of this batch reads each begun change's reply as soon as it
+        # arrives and accounts it (cache, leases, objects), while the engine thread waits for
+        # its model; ``result()`` then finds it done. The work moves to that thread (it takes
+        # the GIL when the engine thread is not running Python); it is not removed.
+        self._q: queue.SimpleQueue | None = None
+        if background:
+            self._q = queue.SimpleQueue()
+            threading.Thread(target=_collector, args=(self._q,), name="step-batch-collector", daemon=True).start()
         # Adapter id -> its LeasedAdapter, for every id the batch holds (what kernels read).
         self.adapters: dict[str, LeasedAdapter] = {}
         # Key -> BrokerObject, for every key the batch holds pinned.
@@ -457,11 +495,12 @@ class StepBatch:
     def update(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
                drop_keys: Sequence[bytes] = ()) -> BatchDelta:  # fmt: skip
         """Apply one change in one round trip (none when the step cache has all of it)."""
-        return self.begin(add, drop, add_keys, drop_keys).result()
+        return self.begin(add, drop, add_keys, drop_keys, _inline=True).result()
 
     def begin(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
-              drop_keys: Sequence[bytes] = ()) -> PendingBatchStep:  # fmt: skip
-        """Send one change now; ``result()`` reads the reply (after the model's work)."""
+              drop_keys: Sequence[bytes] = (), *, _inline: bool = False) -> PendingBatchStep:  # fmt: skip
+        """Send one change now; ``result()`` reads the reply (after the model's work), or
+        the collector thread does as soon as it arrives (a background batch)."""
         if self._pending is not None:
             p, self._pending = self._pending, None
             try:
@@ -513,7 +552,15 @@ class StepBatch:
             pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
         else:
             sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
-            pending = PendingBatchStep(lambda: self._finish(sent, add, new_ids, add_keys, new_keys))
+            fin = lambda: self._finish(sent, add, new_ids, add_keys, new_keys)  # noqa: E731
+            q = self._q
+            if q is not None and sent.sent and not _inline:
+                done = threading.Lock()
+                done.acquire()
+                pending = PendingBatchStep(fin, done)
+                q.put(pending)
+            else:
+                pending = PendingBatchStep(fin)
         self._pending = pending
         return pending
 
@@ -597,6 +644,8 @@ class StepBatch:
             except BrokerError:
                 pass
         self.released = True
+        if self._q is not None:
+            self._q.put(None)  # the collector ends
         client = self.client
         own, self._own = self._own, {}
         rel = [a for a in self.adapters if a not in own]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -96,11 +97,12 @@ def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(rig):
         assert c.stats().pinned_pages == 0
 
 
-def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(rig):
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "collector-thread"])
+def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(rig, background):
     b, setup = rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
-        batch = c.step_batch()
+        batch = c.step_batch(background=background)
         p1 = batch.begin(["a0"], (), [b"k0"])
         assert c.stats().pinned_pages == 2  # a gRPC call between begin and result: in order
         p2 = batch.begin(["a1"], (), [b"k1"])  # p1 is read first
@@ -114,7 +116,7 @@ def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(rig):
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc"])
+@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-collector-thread"])
 def test_random_changes_keep_the_counts_straight_and_give_everything_back(rig, mode, monkeypatch):
     b, setup = rig
     setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
@@ -122,8 +124,8 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(rig, m
         monkeypatch.setattr(BrokerClient, "_step_socket", lambda self: "/nonexistent/step")
     keys = [b"k%d" % i for i in range(6)] + [b"absent"]
     rng = random.Random(11)
-    with BrokerClient.connect(b.socket, hold_s=30.0 if mode == "cache" else 0.0) as c:
-        batch = c.step_batch()
+    with BrokerClient.connect(b.socket, hold_s=30.0 if mode.startswith("cache") else 0.0) as c:
+        batch = c.step_batch(background=mode.endswith("thread"))
         seqs: list[tuple[str, bytes]] = []
         for i in range(150):
             done = rng.sample(seqs, rng.randint(0, min(3, len(seqs))))
@@ -143,6 +145,28 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(rig, m
             assert all(batch.objects[k].key == k for k in batch.objects)
             # The broker pins at least what the batch holds.
             assert c.stats().pinned_pages >= len(batch.adapters) + len(batch.objects)
+        batch.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
+
+
+def test_a_collector_thread_reads_the_reply_while_the_caller_waits_and_calls_in_between_stay_in_order(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        batch = c.step_batch(background=True)
+        p = batch.begin(["a0"], (), [b"k0", b"k1"])
+        deadline = time.monotonic() + 5
+        while b"k1" not in batch.objects and time.monotonic() < deadline:
+            time.sleep(0.001)  # the model's work: the collector accounts the reply meanwhile
+        assert set(batch.objects) == {b"k0", b"k1"} and set(batch.adapters) == {"a0"}
+        # A step-path call of this client after begin: answered after the begun change.
+        with c.lookup_pinned([b"k2"]) as objs:
+            assert [o.key for o in objs] == [b"k2"]
+        assert [o.key for o in p.result().objects] == [b"k0", b"k1"]
+        with pytest.raises(BrokerError) as e:
+            batch.begin(["nope"]).result()  # a refused change raises from result()
+        assert e.value.code == Code.NOT_FOUND
         batch.release()
         c.flush_holdings()
         assert c.stats().pinned_pages == 0
