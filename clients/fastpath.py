@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
+import select
 import threading
+import time
 from typing import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
@@ -401,20 +402,25 @@ class BatchDelta:
 class PendingBatchStep:
     """A change sent by ``StepBatch.begin``; ``result()`` returns its ``BatchDelta`` (once;
     the batch's next change collects it first if the caller has not). With a background
-    batch, the batch's collector thread reads and accounts the reply as soon as it arrives
-    and ``result()`` waits for that."""
+    batch, the thread that reads the reply (the batch's collector, as soon as it arrives)
+    also accounts it, and ``result()`` waits for that."""
 
-    __slots__ = ("_finish", "_delta", "_error", "_done")
+    __slots__ = ("_finish", "_delta", "_error", "_done", "_swap", "_wait_s")
 
-    def __init__(self, finish: Callable[[], BatchDelta], done: "threading.Lock | None" = None):
-        self._finish: Callable[[], BatchDelta] | None = finish
+    def __init__(self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None,
+                 wait_s: float = 0.0):  # fmt: skip
+        self._finish = finish
         self._delta: BatchDelta | None = None
         self._error: BaseException | None = None
-        # Held until the collector thread has run ``finish`` (None: the caller runs it).
+        # Held until the reply is read and accounted by another thread (None: the caller
+        # reads it); ``wait_s`` bounds that wait (then the caller reads it itself).
         self._done = done
+        self._wait_s = wait_s
+        self._swap = threading.Lock()
 
     def _run(self) -> None:
-        fn, self._finish = self._finish, None
+        with self._swap:  # one thread runs it, once
+            fn, self._finish = self._finish, None
         if fn is not None:
             try:
                 self._delta = fn()
@@ -422,7 +428,8 @@ class PendingBatchStep:
                 self._error = e
 
     def _collected(self) -> None:
-        """The collector thread's turn."""
+        """The reply was read (by the collector, or by any caller of the step path): account
+        it now, unless ``begin`` has not finished setting this up (then ``result()`` does)."""
         try:
             self._run()
         finally:
@@ -431,22 +438,34 @@ class PendingBatchStep:
     def result(self) -> BatchDelta:
         done = self._done
         if done is not None:
-            done.acquire()  # until the collector has run it
-            done.release()
-        else:
-            self._run()
+            if done.acquire(timeout=self._wait_s):
+                done.release()
+        self._run()
         if self._error is not None:
             raise self._error
         return self._delta
 
 
-def _collector(q: "queue.SimpleQueue") -> None:
-    """A background batch's thread: collect each begun change when its reply arrives."""
-    while True:
-        p = q.get()
-        if p is None:
+def _collector(st: StepPath, stop: threading.Event) -> None:
+    """A background batch's thread: wait on the step socket and read a begun change's reply
+    as soon as it arrives (the engine thread is waiting for its model meanwhile)."""
+    poller = select.poll()
+    fd = st.transport.fileno()
+    if fd < 0:
+        return
+    poller.register(fd, select.POLLIN)
+    while not stop.is_set():
+        try:
+            if not poller.poll(100):
+                continue
+            if st.transport.closed:
+                return
+            if not st.collect_ready():
+                # Another caller's reply, or one not begun by the batch: that caller reads it.
+                time.sleep(0.0002)
+        except Exception as e:  # the engine thread reads its replies itself from now on
+            log.warning("step batch collector stopped: %r", e)
             return
-        p._collected()
 
 
 class StepBatch:
@@ -474,10 +493,8 @@ class StepBatch:
         # arrives and accounts it (cache, leases, objects), while the engine thread waits for
         # its model; ``result()`` then finds it done. The work moves to that thread (it takes
         # the GIL when the engine thread is not running Python); it is not removed.
-        self._q: queue.SimpleQueue | None = None
-        if background:
-            self._q = queue.SimpleQueue()
-            threading.Thread(target=_collector, args=(self._q,), name="step-batch-collector", daemon=True).start()
+        self.background = background
+        self._stop: threading.Event | None = None
         # Adapter id -> its LeasedAdapter, for every id the batch holds (what kernels read).
         self.adapters: dict[str, LeasedAdapter] = {}
         # Key -> BrokerObject, for every key the batch holds pinned.
@@ -551,16 +568,21 @@ class StepBatch:
         if st is None:
             pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
         else:
-            sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
-            fin = lambda: self._finish(sent, add, new_ids, add_keys, new_keys)  # noqa: E731
-            q = self._q
-            if q is not None and sent.sent and not _inline:
+            if self.background and not _inline:
+                if self._stop is None:
+                    self._stop = threading.Event()
+                    threading.Thread(target=_collector, args=(st, self._stop), name="step-batch-collector",
+                                     daemon=True).start()  # fmt: skip
                 done = threading.Lock()
                 done.acquire()
-                pending = PendingBatchStep(fin, done)
-                q.put(pending)
+                pending = PendingBatchStep(None, done, client.timeout + 1.0)
+                sent = client._fast(st.delta, new_ids, rel, new_keys, unpin, pending._collected)
+                if not sent.sent:
+                    done.release()
             else:
-                pending = PendingBatchStep(fin)
+                pending = PendingBatchStep(None)
+                sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
+            pending._finish = lambda: self._finish(sent, add, new_ids, add_keys, new_keys)
         self._pending = pending
         return pending
 
@@ -644,8 +666,8 @@ class StepBatch:
             except BrokerError:
                 pass
         self.released = True
-        if self._q is not None:
-            self._q.put(None)  # the collector ends
+        if self._stop is not None:
+            self._stop.set()  # the collector ends
         client = self.client
         own, self._own = self._own, {}
         rel = [a for a in self.adapters if a not in own]

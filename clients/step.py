@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from memory_broker.wire.errors import BrokerError, Code
 from memory_broker.wire import step as w
@@ -116,6 +116,10 @@ class StepTransport:
     @property
     def closed(self) -> bool:
         return self._sock.fileno() < 0
+
+    def fileno(self) -> int:
+        """The socket's descriptor (to wait for a reply with poll; -1 once closed)."""
+        return self._sock.fileno()
 
 
 @dataclass(slots=True)
@@ -255,11 +259,13 @@ class StepPath:
                 p._reply_done = True
             return p
 
-    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> "PendingDelta":
+    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int],
+              then: "Callable[[], None] | None" = None) -> "PendingDelta":  # fmt: skip
         """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
         ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
         At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
-        proportional to the change (no cap, no prepare, no carry: the batch counts itself)."""
+        proportional to the change (no cap, no prepare, no carry: the batch counts itself).
+        ``then`` is called (lock held) by whichever thread reads the reply, right after."""
         with self.lock:
             if self._pending is not None:
                 self._pending._collect()
@@ -309,6 +315,7 @@ class StepPath:
             if caching:
                 ops.extend(self._flush_ops(now, force=False))
             p = PendingDelta(self, acquire, held, missing, acq, cached, look, own, bool(ops))
+            p.then = then
             if ops:
                 self.frames += 1
                 self.transport.send(w.encode_step(ops))
@@ -671,6 +678,17 @@ class StepPath:
             self.raise_error(self.send(ops))
             return n
 
+    def collect_ready(self) -> bool:
+        """Read the begun change's reply if one is out and of a background batch (the
+        collector thread calls this when the socket is readable). False: nothing of its to
+        read (another caller's reply, read by that caller)."""
+        with self.lock:
+            p = self._pending
+            if isinstance(p, PendingDelta) and p.then is not None:
+                p._collect()
+                return True
+            return False
+
     def sweep_due(self) -> bool:
         """Whether idle holdings may be due for release (the next frame would carry them)."""
         return bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
@@ -751,7 +769,7 @@ class PendingDelta:
     """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
 
     __slots__ = ("_path", "acquire", "held", "missing", "acq", "cached", "look", "own", "sent", "_reply_done",
-                 "_out", "_error")  # fmt: skip
+                 "_out", "_error", "then")  # fmt: skip
 
     def __init__(self, path: StepPath, acquire, held, missing, acq, cached, look, own, sent):
         self._path = path
@@ -762,6 +780,8 @@ class PendingDelta:
         self._reply_done = not sent
         self._out = None
         self._error: BaseException | None = None
+        # Called by the thread that reads the reply, once it is accounted (a background batch).
+        self.then: Callable[[], None] | None = None
 
     def _collect(self) -> None:
         path = self._path
@@ -771,6 +791,9 @@ class PendingDelta:
             self._out = path._delta_finish(self, path.transport.reply())
         except BaseException as e:
             self._error = e
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
     def result(self):
         """(adapter records in order, or None: one is not hot; object records; arena slabs)."""
