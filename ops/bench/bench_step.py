@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An engine step's control-plane cost at the client: gRPC, the step channel, its cache.
 
-    python ops/bench/bench_step.py [--steps 2000] [--quick]
+    python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT]
 
 Starts a broker (host arena, --enable-echo) in a subprocess, registers 200 tiny adapters and
 makes them hot, and allocates keyed KV blocks. Two workloads, each step holding the batch's
@@ -14,7 +14,12 @@ Each runs through every client path: gRPC (the old path, 4 RPCs per step), the s
 with the same four calls, one ``client.step()`` call, and both again with the holdings cache
 (``hold_s``); with the cache also pipelined (``step_begin`` sent when the next batch is known,
 the reply collected after a simulated 2 ms of model work (a sleep, as a CPU waiting on
-its GPU; a tenth of a 20 ms decode step), which is not counted). Per-step
+its GPU; a tenth of a 20 ms decode step), which is not counted). The ``StepBatch`` rows
+tell the broker only each step's arrivals and completions (``client.step_batch()``):
+blocking (``update``), overlapped (``begin`` before the model work, ``result`` after; the
+engine thread's time in both is counted, its CPU time printed too), and overlapped with the
+batch's background collector thread. ``BENCH_STEP_WAIT=spin`` makes the model work a busy
+wait instead of a sleep; ``--only TEXT`` runs the paths whose name contains TEXT. Per-step
 client-side cost: median and p99, in us and as a multiple of a raw Unix-socket ping-pong
 (a bare echo process, 32-byte messages) measured in the same run, next to the step channel's
 own PING and a bare gRPC Echo. Targets (issue 16): steady median <= 2x raw; trace median
