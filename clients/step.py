@@ -7,8 +7,10 @@
 reference counts. A release to count 0 is not sent at once: the broker keeps that pin (so
 nothing of it can be evicted) until the release rides along with the next frame, and an
 acquire or lookup of something still held costs no round trip. Idle holdings are released
-after ``hold_s`` or when more than ``max_idle`` are idle. This module knows nothing of gRPC,
-mappings or tensors (``BrokerClient`` turns its records into leases and objects).
+after ``hold_s`` or when more than ``max_idle`` are idle. ``StepPath.delta`` is the lean
+call of a running batch (``clients/batch.py``): its work is proportional to the change. This
+module knows nothing of gRPC, mappings or tensors (``BrokerClient`` turns its records into
+leases and objects).
 """
 
 from __future__ import annotations
