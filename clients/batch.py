@@ -14,14 +14,11 @@ import logging
 import select
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.step import StepPath
 from memory_broker.wire.errors import BrokerError, Code
-
-if TYPE_CHECKING:
-    from memory_broker.clients.client import BrokerClient
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +123,9 @@ class StepBatch:
     ValueError and change nothing.
     """
 
-    def __init__(self, client: "BrokerClient", background: bool = False):
+    def __init__(self, client, background: bool = False):
+        """``client``: the ``BrokerClient`` whose session holds the batch (not imported here:
+        the client module imports this one)."""
         self.client = client
         self.epoch = client.epoch
         # Background: a thread of this batch reads each begun change's reply as soon as it
