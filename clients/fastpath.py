@@ -2,7 +2,8 @@
 
 ``StepCalls`` is the part of ``BrokerClient`` that routes the step calls (acquire and release
 adapters, lookup, pin, unpin, commit/abort of adapter acquires, ``step``/``step_begin``) over
-``clients/step.py``'s ``StepPath`` when the broker has a step channel, and builds leases and
+``clients/step.py``'s ``StepPath`` when the broker has a step channel (``step_batch()`` makes
+the changes-only ``StepBatch`` of ``clients/batch.py``), and builds leases and
 objects from its records (once per placement: later steps reuse what was built). It owns no
 session state of its own beyond those caches and never talks gRPC itself (the methods it
 falls back to are ``BrokerClient``'s).
@@ -16,6 +17,7 @@ import threading
 from typing import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.clients.batch import StepBatch
 from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
 from memory_broker.wire import step as _w
 from memory_broker.wire.errors import BrokerError, Code
@@ -185,6 +187,12 @@ class StepCalls:
             sl.cached = (bool(ids) and out.acquire_hot and not prepare, True)
         return sl
 
+    def step_batch(self, background: bool = False) -> "StepBatch":
+        """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
+        completions (a change costs what changed, not the batch's size). ``background``: a
+        thread of the batch collects each ``begin``'s reply as it arrives (see StepBatch)."""
+        return StepBatch(self, background)
+
     def flush_holdings(self) -> int:
         """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
         st = self._step if self._step is not None and self._step_epoch == self.epoch else None
@@ -269,31 +277,32 @@ class StepCalls:
     def _lease(self, out: StepOutcome):
         if out.arena_slabs:
             self._ensure_slabs(out.arena_slabs)
-        leased = []
-        cache = self._step_leased
-        for aid, rec in out.adapters:
-            hit = cache.get(aid)
-            if hit is not None and hit[0] is rec:
-                # The step cache's own record again: the lease entry built from it stands.
-                leased.append(hit[1])
-                continue
-            k = (aid, rec.generation, rec.object_id)
-            la = cache.get(k)
-            if la is None:
-                # First sight of this placement: its pages read-only here, its layout fetched once.
-                self._set_access(rec.pages, True)
-                layout = self._layout_cache.get(aid)
-                if layout is None:
-                    layout = layout_from_proto(self.adapter_layout(aid))
-                    self._layout_cache[aid] = layout
-                la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
-                                              _w.TIER_NAMES.get(rec.found_in, "hot"))  # fmt: skip
-            if rec.found_in != _w.TIER_HOT:
-                la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
-            else:
-                cache[aid] = (rec, la)
-            leased.append(la)
+        leased = [self._leased_step(aid, rec) for aid, rec in out.adapters]
         return AdapterLease(self, leased, out.deferred, out.txn_id, self.session_id)
+
+    def _leased_step(self, aid: str, rec) -> LeasedAdapter:
+        """The LeasedAdapter of a step-path record (the caller mapped the reply's slabs)."""
+        cache = self._step_leased
+        hit = cache.get(aid)
+        if hit is not None and hit[0] is rec:
+            # The step cache's own record again: the lease entry built from it stands.
+            return hit[1]
+        k = (aid, rec.generation, rec.object_id)
+        la = cache.get(k)
+        if la is None:
+            # First sight of this placement: its pages read-only here, its layout fetched once.
+            self._set_access(rec.pages, True)
+            layout = self._layout_cache.get(aid)
+            if layout is None:
+                layout = layout_from_proto(self.adapter_layout(aid))
+                self._layout_cache[aid] = layout
+            la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
+                                          _w.TIER_NAMES.get(rec.found_in, "hot"))  # fmt: skip
+        if rec.found_in != _w.TIER_HOT:
+            la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
+        else:
+            cache[aid] = (rec, la)
+        return la
 
     def commit_acquire(self, transaction_id: int) -> None:
         """Keep a prepared adapter acquire's pins (``AdapterLease.commit``)."""

@@ -7,8 +7,10 @@
 reference counts. A release to count 0 is not sent at once: the broker keeps that pin (so
 nothing of it can be evicted) until the release rides along with the next frame, and an
 acquire or lookup of something still held costs no round trip. Idle holdings are released
-after ``hold_s`` or when more than ``max_idle`` are idle. This module knows nothing of gRPC,
-mappings or tensors (``BrokerClient`` turns its records into leases and objects).
+after ``hold_s`` or when more than ``max_idle`` are idle. ``StepPath.delta`` is the lean
+call of a running batch (``clients/batch.py``): its work is proportional to the change. This
+module knows nothing of gRPC, mappings or tensors (``BrokerClient`` turns its records into
+leases and objects).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from memory_broker.wire.errors import BrokerError, Code
 from memory_broker.wire import step as w
@@ -116,6 +118,10 @@ class StepTransport:
     @property
     def closed(self) -> bool:
         return self._sock.fileno() < 0
+
+    def fileno(self) -> int:
+        """The socket's descriptor (to wait for a reply with poll; -1 once closed)."""
+        return self._sock.fileno()
 
 
 @dataclass(slots=True)
@@ -254,6 +260,118 @@ class StepPath:
             else:
                 p._reply_done = True
             return p
+
+    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int],
+              then: "Callable[[], None] | None" = None) -> "PendingDelta":  # fmt: skip
+        """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
+        ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
+        At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
+        proportional to the change (no cap, no prepare, no carry: the batch counts itself).
+        ``then`` is called (lock held) by whichever thread reads the reply, right after."""
+        with self.lock:
+            if self._pending is not None:
+                self._pending._collect()
+            ops: list[w.Op] = []
+            caching = self.hold_s > 0
+            now = time.monotonic()
+            if release:
+                direct = self._drop_adapter_refs(release, now) if caching else release
+                if direct:
+                    ops.append(w.Op(w.OP_RELEASE, tuple(direct)))
+            if unpin:
+                direct = self._drop_pin_refs(unpin, now) if caching else unpin
+                if direct:
+                    ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
+            held: dict[str, w.AcquiredRecord] = {}
+            missing = acquire
+            if caching and acquire:
+                adapters = self.adapters
+                missing = []
+                for a in acquire:
+                    if a in adapters:
+                        held[a] = self._lease_record(a)
+                    else:
+                        missing.append(a)
+            acq = look = -1
+            if missing:
+                acq = len(ops)
+                ops.append(w.Op(w.OP_ACQUIRE, tuple(missing)))
+            cached: list[w.ObjectRecord] = []
+            tail = keys
+            if caching and keys:
+                by_key = self._by_key
+                for k in keys:
+                    h = by_key.get(k)
+                    if h is None:
+                        break
+                    if h.refs == 0:
+                        self._idle_p.pop(h.record.object_id, None)
+                    h.refs += 1
+                    h.idle_since = 0.0
+                    cached.append(h.record)
+                tail = keys[len(cached):]
+            if tail:
+                look = len(ops)
+                ops.append(w.Op(w.OP_LOOKUP, tuple(tail), 1))
+            own = len(ops)
+            if caching:
+                ops.extend(self._flush_ops(now, force=False))
+            p = PendingDelta(self, acquire, held, missing, acq, cached, look, own, bool(ops))
+            p.then = then
+            if ops:
+                self.frames += 1
+                self.transport.send(w.encode_step(ops))
+                self._pending = p
+            return p
+
+    def _delta_finish(self, p: "PendingDelta", reply: w.StepReply | None):
+        """Account a change's reply in the cache: (adapter records in ``acquire`` order, or
+        None when one is not hot; object records of the found prefix). Raises its error."""
+        caching = self.hold_s > 0
+        now = time.monotonic()
+        results: list = []
+        ok = True
+        if reply is not None:
+            if reply.error is not None and reply.failed_index >= p.own:
+                log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
+                reply = w.StepReply(reply.arena_slabs, reply.results)
+            results = reply.results
+            ok = reply.error is None
+        recs = None
+        if p.acquire:
+            hot = True
+            got: dict = p.held
+            if p.acq >= 0:
+                r = results[p.acq] if p.acq < len(results) else None
+                hot = r is not None and r.hot
+                if hot:
+                    if caching:
+                        got = dict(got)
+                        for aid, rec in zip(p.missing, r.adapters):
+                            rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
+                            self.adapters[aid] = HeldAdapter(rec, 1 if ok else 0, 0.0 if ok else now)
+                            if not ok:
+                                self._idle_a[aid] = None
+                            got[aid] = rec
+                    else:
+                        got = dict(zip(p.missing, r.adapters))
+                        if not ok:
+                            self._undo_acquire(p.missing, r)
+            if ok and hot:
+                recs = [(aid, got[aid]) for aid in p.acquire]
+            elif p.held:
+                self._drop_adapter_refs(list(p.held), now)
+        new: list = results[p.look] if 0 <= p.look < len(results) else []
+        if caching:
+            for rec in new:
+                self._add_pin(rec, now)
+                if ok:
+                    self._ref_pin(rec.object_id)
+            if not ok and p.cached:
+                self._drop_pin_refs([rec.object_id for rec in p.cached], now)
+        if reply is not None and reply.error is not None:
+            raise reply.error
+        return recs, (p.cached + new if p.cached else new), (reply.arena_slabs if reply is not None else 0)
 
     def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> "_Plan":
         out = StepOutcome()
@@ -562,6 +680,17 @@ class StepPath:
             self.raise_error(self.send(ops))
             return n
 
+    def collect_ready(self) -> bool:
+        """Read the begun change's reply if one is out and of a background batch (the
+        collector thread calls this when the socket is readable). False: nothing of its to
+        read (another caller's reply, read by that caller)."""
+        with self.lock:
+            p = self._pending
+            if isinstance(p, PendingDelta) and p.then is not None:
+                p._collect()
+                return True
+            return False
+
     def sweep_due(self) -> bool:
         """Whether idle holdings may be due for release (the next frame would carry them)."""
         return bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
@@ -603,6 +732,11 @@ class PendingStep:
         self._outcome: StepOutcome | None = None
         self._error: BaseException | None = None
 
+    @property
+    def sent(self) -> bool:
+        """Whether this step sent a frame (False: the cache had all of it)."""
+        return bool(self._plan.ops)
+
     def _collect(self) -> None:
         """Read this step's reply off the socket and account it in the cache at once (the
         path's lock is held), so later steps see what it took even before ``result()``."""
@@ -631,3 +765,50 @@ class PendingStep:
             if self._error is not None:
                 raise self._error
             return self._outcome
+
+
+class PendingDelta:
+    """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
+
+    __slots__ = ("_path", "acquire", "held", "missing", "acq", "cached", "look", "own", "sent", "_reply_done",
+                 "_out", "_error", "then")  # fmt: skip
+
+    def __init__(self, path: StepPath, acquire, held, missing, acq, cached, look, own, sent):
+        self._path = path
+        self.acquire, self.held, self.missing, self.acq = acquire, held, missing, acq
+        self.cached, self.look, self.own = cached, look, own
+        # Whether a frame went out (False: the cache had all of it).
+        self.sent: bool = sent
+        self._reply_done = not sent
+        self._out = None
+        self._error: BaseException | None = None
+        # Called by the thread that reads the reply, once it is accounted (a background batch).
+        self.then: Callable[[], None] | None = None
+
+    def _collect(self) -> None:
+        path = self._path
+        path._pending = None
+        self._reply_done = True
+        try:
+            self._out = path._delta_finish(self, path.transport.reply())
+        except BaseException as e:
+            self._error = e
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+
+    def result(self):
+        """(adapter records in order, or None: one is not hot; object records; arena slabs)."""
+        path = self._path
+        with path.lock:
+            if self._out is None and self._error is None:
+                if not self._reply_done:
+                    self._collect()
+                else:
+                    try:
+                        self._out = path._delta_finish(self, None)
+                    except BaseException as e:
+                        self._error = e
+            if self._error is not None:
+                raise self._error
+            return self._out

@@ -67,6 +67,7 @@ def test_bench_rpc_overhead_small_run_prints_the_fixed_cost():
 def test_bench_step_quick_run_prints_every_path_and_both_targets():
     out = bench("bench_step.py", "--quick", "--steps", "60")
     for row in ("raw Unix-socket ping-pong", "step channel PING", "gRPC Echo", "gRPC, 4 calls (old path)",
-                "step channel, client.step()", "cache, client.step()", "cache, step_begin (pipelined)"):  # fmt: skip
+                "step channel, client.step()", "cache, client.step()", "cache, step_begin (pipelined)",
+                "cache, StepBatch.update() (blocking)", "cache, StepBatch begin+result (overlap)"):  # fmt: skip
         assert row in out, out
-    assert "target steady:" in out and "target trace" in out
+    assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out

@@ -89,3 +89,40 @@ def test_object_rows_encode_as_records_do():
     rec = w.ObjectRecord(5, 3, 2, 1, False, True, 0, 2, [7], b"", 0)
     row = (5, 3, 2, 1, False, True, 0, 2, [7], b"")
     assert w.encode_object_rows(w.OP_PIN, [row]) == w.encode_objects(w.OP_PIN, [rec])
+
+
+def _reply_body() -> tuple[int, bytes]:
+    obj = w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 0)
+    acq = w.AcquireOutcome(True, 11, 1234.5, (w.AcquiredRecord(2, 6, w.TIER_HOT, (1, 2, 3)),))
+    results = [bytes((w.OP_UNPIN,)), w.encode_acquire(acq), w.encode_objects(w.OP_LOOKUP, [obj, obj])]
+    frame = w.encode_step_reply(2, results)
+    return frame[4], frame[5:]
+
+
+@pytest.mark.parametrize("cut", range(1, 60))
+def test_a_reply_cut_anywhere_is_a_wire_error(cut):
+    kind, b = _reply_body()
+    with pytest.raises(w.WireError):
+        w.decode_step_reply(kind, b[: len(b) - cut])
+
+
+def test_a_reply_with_bytes_after_its_results_is_a_wire_error():
+    kind, b = _reply_body()
+    assert len(w.decode_step_reply(kind, b).results) == 3
+    with pytest.raises(w.WireError, match="after the last result"):
+        w.decode_step_reply(kind, b + b"\x00")
+
+
+def test_random_reply_bytes_never_escape_as_anything_but_a_wire_error():
+    rng = random.Random(5)
+    kind, good = _reply_body()
+    for _ in range(3000):
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            b = b[: rng.randrange(len(b))]
+        try:
+            w.decode_step_reply(rng.choice((w.OK, w.ERROR)), bytes(b))
+        except w.WireError:
+            pass

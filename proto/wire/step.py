@@ -335,38 +335,65 @@ def _decode_error(r: _Reader) -> tuple[BrokerError, int]:
 
 
 def decode_step_reply(kind: int, body: bytes) -> StepReply:
-    """A STEP (or refused HELLO/PING) reply. Raises WireError on a malformed one."""
+    """A STEP (or refused HELLO/PING) reply. Raises WireError on a malformed one.
+
+    Read with precompiled structs at a running offset (a reply is decoded on every step of
+    an engine; the cursor object's per-field calls cost more than the rest of it)."""
     if kind not in (OK, ERROR):
         raise WireError(f"reply of unknown kind {kind}")
-    r = _Reader(body)
-    slabs, n = r.unpack(_STEP_REPLY_HEAD, "the reply header")
-    results: list = []
-    for _ in range(n):
-        (k,) = r.unpack(_U8, "a result's kind")
-        if k == OP_ACQUIRE:
-            r.pos -= 1
-            _, hot, txn, deadline, count = r.unpack(_ACQ_RESULT_HEAD, "an acquire result")
-            ads = []
-            for _ in range(count):
-                gen, oid, tier, npages = r.unpack(_ACQ_ADAPTER, "an adapter")
-                ads.append(AcquiredRecord(gen, oid, tier, struct.unpack("<%dI" % npages, r.take(4 * npages, "pages"))))
-            results.append(AcquireOutcome(bool(hot), txn, deadline, tuple(ads)))
-        elif k in (OP_PIN, OP_LOOKUP):
-            count = r.u16("an object count")
-            objs = []
-            for _ in range(count):
-                oid, wp, state, ct, flags, sp, tp, npages = r.unpack(_OBJ_HEAD, "an object")
-                pages = list(struct.unpack("<%dI" % npages, r.take(4 * npages, "pages")))
-                key = r.str16("a key")
-                objs.append(ObjectRecord(oid, wp, state, ct, bool(flags & OBJ_OWNED), bool(flags & OBJ_DEDUP), sp, tp, pages, key, slabs))
-            results.append(objs)
-        elif k in OP_NAMES:
-            results.append(None)
-        else:
-            raise WireError(f"result of unknown kind {k}")
+    end = len(body)
+    pos = 0
+    try:
+        slabs, n = _STEP_REPLY_HEAD.unpack_from(body, 0)
+        pos = _STEP_REPLY_HEAD.size
+        results: list = []
+        append = results.append
+        for _ in range(n):
+            k = body[pos]
+            if k == OP_ACQUIRE:
+                _, hot, txn, deadline, count = _ACQ_RESULT_HEAD.unpack_from(body, pos)
+                pos += _ACQ_RESULT_HEAD.size
+                ads = []
+                for _ in range(count):
+                    gen, oid, tier, npages = _ACQ_ADAPTER.unpack_from(body, pos)
+                    pos += _ACQ_ADAPTER.size
+                    if pos + 4 * npages > end:
+                        raise WireError(f"frame ends inside an adapter's pages (byte {pos} of {end})")
+                    ads.append(AcquiredRecord(gen, oid, tier, struct.unpack_from("<%dI" % npages, body, pos)))
+                    pos += 4 * npages
+                append(AcquireOutcome(bool(hot), txn, deadline, tuple(ads)))
+            elif k == OP_PIN or k == OP_LOOKUP:
+                (count,) = _U16.unpack_from(body, pos + 1)
+                pos += 3
+                objs = []
+                for _ in range(count):
+                    oid, wp, state, ct, flags, sp, tp, npages = _OBJ_HEAD.unpack_from(body, pos)
+                    pos += _OBJ_HEAD.size
+                    if pos + 4 * npages > end:
+                        raise WireError(f"frame ends inside an object's pages (byte {pos} of {end})")
+                    pages = list(struct.unpack_from("<%dI" % npages, body, pos))
+                    pos += 4 * npages
+                    (klen,) = _U16.unpack_from(body, pos)
+                    pos += 2
+                    if pos + klen > end:
+                        raise WireError(f"frame ends inside a key: {klen} bytes announced, {end - pos} left")
+                    key = bytes(body[pos : pos + klen])
+                    pos += klen
+                    objs.append(ObjectRecord(oid, wp, state, ct, bool(flags & OBJ_OWNED), bool(flags & OBJ_DEDUP), sp, tp, pages, key, slabs))
+                append(objs)
+            elif k in OP_NAMES:
+                pos += 1
+                append(None)
+            else:
+                raise WireError(f"result of unknown kind {k}")
+    except (struct.error, IndexError):
+        raise WireError(f"frame ends inside the reply (byte {pos} of {end})") from None
     if kind == ERROR:
+        r = _Reader(body)
+        r.pos = pos
         err, index = _decode_error(r)
         r.done()
         return StepReply(slabs, results, err, index)
-    r.done()
+    if pos != end:
+        raise WireError(f"{end - pos} bytes after the last result")
     return StepReply(slabs, results)

@@ -1,0 +1,172 @@
+"""StepBatch: an engine's running batch changed by its arrivals and completions. A change
+costs a round trip only for what the batch (and the step cache) does not hold, the broker's
+books follow every change, bad drops change nothing, and releasing gives everything back."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import ROOT, start_broker
+from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
+
+sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
+from bench_step import write_adapter  # noqa: E402
+
+
+@pytest.fixture
+def rig():
+    """A broker with 4 tiny registered adapters and 6 keyed KV blocks (owned by ``setup``)."""
+    b = start_broker()
+    d = os.path.dirname(b.socket)
+    setup = BrokerClient.connect(b.socket, client_name="setup")
+    for i in range(4):
+        setup.register_adapter(f"a{i}", write_adapter(os.path.join(d, "adapters", f"a{i}"), i))
+    setup.allocate([Spec(1, content_type="kv_cache", key=b"k%d" % i) for i in range(6)])
+    try:
+        yield b, setup
+    finally:
+        setup.close()
+        b.stop()
+
+
+def frames(c: BrokerClient) -> int:
+    return c._step_path().frames
+
+
+def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        batch = c.step_batch()
+        n = frames(c)
+        d = batch.update(["a0", "a1", "a0"], (), [b"k0", b"k1"])
+        assert frames(c) == n + 1 and d.round_trips == 1
+        assert [a.adapter_id for a in d.adapters] == ["a0", "a1", "a0"] and [o.key for o in d.objects] == [b"k0", b"k1"]
+        assert set(batch.adapters) == {"a0", "a1"} and set(batch.objects) == {b"k0", b"k1"}
+        assert c.stats().pinned_pages == 4
+        # Another sequence of a0 on k0 arrives, one of a0 on k1 completes: nothing to ask.
+        d = batch.update(["a0"], ["a0"], [b"k0"], [b"k1"])
+        assert frames(c) == n + 1 and d.round_trips == 0 and [o.key for o in d.objects] == [b"k0"]
+        assert set(batch.objects) == {b"k0"}  # k1's last sequence completed
+        # A new adapter and key: one frame carrying only them.
+        d = batch.update(["a2"], ["a1"], [b"k2"])
+        assert frames(c) == n + 2 and d.adapters[0].adapter_id == "a2"
+        assert set(batch.adapters) == {"a0", "a2"} and set(batch.objects) == {b"k0", b"k2"}
+        # What was dropped stays pinned in the cache (eviction cannot take it) until flushed.
+        assert c.stats().pinned_pages == 6
+        batch.release()
+        assert c.flush_holdings() == 6 and c.stats().pinned_pages == 0
+
+
+def test_a_bad_drop_is_refused_and_changes_nothing(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        batch = c.step_batch()
+        batch.update(["a0"], (), [b"k0"])
+        n, pinned = frames(c), c.stats().pinned_pages
+        for args in ((["a1"], ["a0", "a0"]), ((), (), (), [b"k1"]), ((), ["a0"], (), [b"k0", b"k0"])):
+            with pytest.raises(ValueError, match="the batch holds it"):
+                batch.update(*args)
+        assert frames(c) == n and c.stats().pinned_pages == pinned
+        assert set(batch.adapters) == {"a0"} and set(batch.objects) == {b"k0"}
+        batch.release()
+        assert c.stats().pinned_pages == 0
+
+
+def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        batch = c.step_batch()
+        batch.update(["a0"], (), [b"k0"])
+        with pytest.raises(BrokerError) as e:
+            batch.update(["nope"], ["a0"], [b"k1"], [b"k0"])
+        assert e.value.code == Code.NOT_FOUND
+        assert batch.adapters == {} and batch.objects == {}
+        assert c.stats().pinned_pages == 0
+        batch.update(["a1"], (), [b"k1"])  # the batch goes on
+        assert set(batch.adapters) == {"a1"} and c.stats().pinned_pages == 2
+        batch.release()
+        assert c.stats().pinned_pages == 0
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "collector-thread"])
+def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(rig, background):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        batch = c.step_batch(background=background)
+        p1 = batch.begin(["a0"], (), [b"k0"])
+        assert c.stats().pinned_pages == 2  # a gRPC call between begin and result: in order
+        p2 = batch.begin(["a1"], (), [b"k1"])  # p1 is read first
+        assert [o.key for o in p2.result().objects] == [b"k1"]
+        assert [a.adapter_id for a in p1.result().adapters] == ["a0"]
+        assert set(batch.adapters) == {"a0", "a1"} and set(batch.objects) == {b"k0", b"k1"}
+        batch.release()
+        with pytest.raises(BrokerError, match="released"):
+            batch.update(["a0"])
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
+
+
+@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-collector-thread"])
+def test_random_changes_keep_the_counts_straight_and_give_everything_back(rig, mode, monkeypatch):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
+    if mode == "grpc":
+        monkeypatch.setattr(BrokerClient, "_step_socket", lambda self: "/nonexistent/step")
+    keys = [b"k%d" % i for i in range(6)] + [b"absent"]
+    rng = random.Random(11)
+    with BrokerClient.connect(b.socket, hold_s=30.0 if mode.startswith("cache") else 0.0) as c:
+        batch = c.step_batch(background=mode.endswith("thread"))
+        seqs: list[tuple[str, bytes]] = []
+        for i in range(150):
+            done = rng.sample(seqs, rng.randint(0, min(3, len(seqs))))
+            for s in done:
+                seqs.remove(s)
+            new = [(rng.choice(["a0", "a1", "a2", "a3"]), rng.choice(keys)) for _ in range(rng.randint(0, 3))]
+            args = ([a for a, _ in new], [a for a, _ in done], [k for _, k in new], [k for _, k in done])
+            if rng.random() < 0.5:
+                d = batch.begin(*args).result()
+            else:
+                d = batch.update(*args)
+            seqs += new
+            assert [a.adapter_id for a in d.adapters] == args[0]
+            assert set(batch.adapters) == {a for a, _ in seqs}
+            held = Counter(k for _, k in seqs)
+            assert set(batch.objects) <= set(held) and b"absent" not in batch.objects
+            assert all(batch.objects[k].key == k for k in batch.objects)
+            # The broker pins at least what the batch holds.
+            assert c.stats().pinned_pages >= len(batch.adapters) + len(batch.objects)
+        batch.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
+
+
+def test_a_collector_thread_reads_the_reply_while_the_caller_waits_and_calls_in_between_stay_in_order(rig):
+    b, setup = rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        batch = c.step_batch(background=True)
+        p = batch.begin(["a0"], (), [b"k0", b"k1"])
+        deadline = time.monotonic() + 5
+        while b"k1" not in batch.objects and time.monotonic() < deadline:
+            time.sleep(0.001)  # the model's work: the collector accounts the reply meanwhile
+        assert set(batch.objects) == {b"k0", b"k1"} and set(batch.adapters) == {"a0"}
+        # A step-path call of this client after begin: answered after the begun change.
+        with c.lookup_pinned([b"k2"]) as objs:
+            assert [o.key for o in objs] == [b"k2"]
+        assert [o.key for o in p.result().objects] == [b"k0", b"k1"]
+        with pytest.raises(BrokerError) as e:
+            batch.begin(["nope"]).result()  # a refused change raises from result()
+        assert e.value.code == Code.NOT_FOUND
+        batch.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
