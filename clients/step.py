@@ -1,8 +1,8 @@
 """The client's step path: one compact round trip per engine step, none when nothing changed.
 
-``StepTransport`` is a blocking Unix socket to the broker's step channel (the frames of
-``memory_broker.wire.step``, authenticated by the session token and this process's credentials).
-``StepPath`` sits on it for one session: it sends batches of ops and, when asked to
+``StepTransport`` (``step_transport.py``) is a blocking Unix socket to the broker's step
+channel (the frames of ``memory_broker.wire.step``, authenticated by the session token and this
+process's credentials). ``StepPath`` sits on it for one session: it sends batches of ops and, when asked to
 (``hold_s > 0``), keeps a cache of the adapters and pins this process holds, with local
 reference counts. A release to count 0 is not sent at once: the broker keeps that pin (so
 nothing of it can be evicted) until the release rides along with the next frame, and an
@@ -10,138 +10,26 @@ acquire or lookup of something still held costs no round trip. Idle holdings are
 after ``hold_s`` or when more than ``max_idle`` are idle. ``StepPath.delta`` is the lean
 call of a running batch (``clients/batch.py``): its work is proportional to the change. This
 module knows nothing of gRPC, mappings or tensors (``BrokerClient`` turns its records into
-leases and objects).
+leases and objects). The holdings cache's bookkeeping is ``StepHoldings`` (``step_holdings.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
+from memory_broker.clients.step_transport import StepTransport, StepUnavailable
 from memory_broker.wire import step as w
+from memory_broker.wire.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
 # Idle holdings kept at most (beyond this the oldest are released with the next frame).
 DEFAULT_MAX_IDLE = 4096
-
-
-class StepUnavailable(Exception):
-    """The step channel cannot be used (absent, refused the handshake, or broke): use gRPC."""
-
-
-class StepTransport:
-    """A connected, authenticated step socket; one call at a time (the caller locks)."""
-
-    def __init__(self, path: str, token: str, timeout: float):
-        self.path = path
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-        except OSError as e:
-            sock.close()
-            raise StepUnavailable(f"no step channel at {path}: {e}") from None
-        self._sock = sock
-        # Replies land here first (a step's reply is a few hundred bytes).
-        self._buf = bytearray(1 << 16)
-        try:
-            reply = self.request(w.frame(w.HELLO, token.encode()))
-        except BaseException:
-            sock.close()
-            raise
-        if reply.error is not None:
-            sock.close()
-            raise StepUnavailable(f"the step channel refused this session: {reply.error}")
-        self.arena_slabs = reply.arena_slabs
-
-    def request(self, data: bytes) -> w.StepReply:
-        """Send one frame and read its reply. Raises StepUnavailable when the socket breaks."""
-        self.send(data)
-        return self.reply()
-
-    def send(self, data: bytes) -> None:
-        """Send one frame; its reply is read by ``reply()`` (replies come in order)."""
-        try:
-            self._sock.sendall(data)
-        except OSError as e:
-            self.close()
-            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
-
-    def reply(self) -> w.StepReply:
-        """Read the reply to the oldest frame not yet answered (at most one is in flight,
-        so nothing after it is on the socket)."""
-        sock = self._sock
-        buf = self._buf
-        try:
-            # One read takes the whole of a usual reply; larger ones are read to their end.
-            got = sock.recv_into(buf)
-            while got < 5:
-                n = sock.recv_into(memoryview(buf)[got:])
-                if not n:
-                    raise ConnectionResetError("the broker closed the step channel")
-                got += n
-            size, kind = w.HEADER.unpack_from(buf)
-            if size > w.MAX_FRAME_BYTES:
-                raise ConnectionResetError(f"reply of {size} bytes")
-            if got > 5 + size:
-                raise ConnectionResetError(f"{got - 5 - size} bytes after a reply no request asked for")
-            if got == 5 + size:
-                body = bytes(memoryview(buf)[5:got])
-            else:
-                whole = bytearray(5 + size)
-                whole[:got] = memoryview(buf)[:got]
-                view = memoryview(whole)
-                while got < 5 + size:
-                    n = sock.recv_into(view[got:])
-                    if not n:
-                        raise ConnectionResetError("the broker closed the step channel")
-                    got += n
-                body = bytes(view[5:])
-        except OSError as e:
-            self.close()
-            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
-        try:
-            return w.decode_step_reply(kind, body)
-        except w.WireError as e:
-            self.close()
-            raise StepUnavailable(f"the step channel at {self.path} sent a malformed reply: {e}") from None
-
-    def close(self) -> None:
-        self._sock.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._sock.fileno() < 0
-
-    def fileno(self) -> int:
-        """The socket's descriptor (to wait for a reply with poll; -1 once closed)."""
-        return self._sock.fileno()
-
-
-@dataclass(slots=True)
-class HeldAdapter:
-    # What leases are made of (one record object for as long as it is held, so the client
-    # can reuse what it built from it).
-    record: w.AcquiredRecord
-    # References this process's leases hold now.
-    refs: int = 0
-    # When refs last dropped to 0 (monotonic seconds).
-    idle_since: float = 0.0
-
-
-@dataclass(slots=True)
-class HeldPin:
-    record: w.ObjectRecord
-    refs: int = 0
-    # Pins the broker holds for this entry (each lookup or pin sent adds one).
-    broker_pins: int = 1
-    idle_since: float = 0.0
 
 
 @dataclass(slots=True)
@@ -160,7 +48,7 @@ class StepOutcome:
     round_trips: int = 0
 
 
-class StepPath:
+class StepPath(StepHoldings):
     """Batched step ops for one session, with an optional holdings cache (``hold_s > 0``)."""
 
     def __init__(self, transport: StepTransport, *, hold_s: float = 0.0, max_idle: int = DEFAULT_MAX_IDLE):
@@ -544,132 +432,6 @@ class StepPath:
         except (BrokerError, StepUnavailable):
             pass  # the session is gone, and its pins with it
 
-    # ------------------------------------------------------------ the cache
-
-    def _lease_record(self, aid: str) -> w.AcquiredRecord:
-        h = self.adapters[aid]
-        if h.refs == 0:
-            self._idle_a.pop(aid, None)
-        h.refs += 1
-        h.idle_since = 0.0
-        return h.record
-
-    def _drop_adapter_refs(self, ids: Sequence[str], now: float) -> list[str]:
-        """Drop local references; the ids this cache holds no reference on (acquired over
-        gRPC, or prepared), to release at the broker now."""
-        direct = []
-        for aid in ids:
-            h = self.adapters.get(aid)
-            if h is None or h.refs <= 0:
-                direct.append(aid)
-                continue
-            h.refs -= 1
-            if h.refs == 0:
-                h.idle_since = now
-                self._idle_a[aid] = None
-        return direct
-
-    def _add_pin(self, rec: w.ObjectRecord, now: float) -> None:
-        """Account one broker pin; the entry is idle until a reference is taken."""
-        h = self.pins.get(rec.object_id)
-        if h is None:
-            h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
-            self._idle_p[rec.object_id] = None
-            if rec.key:
-                self._by_key[rec.key] = h
-        else:
-            h.broker_pins += 1
-
-    def _ref_pin(self, oid: int) -> None:
-        h = self.pins[oid]
-        if h.refs == 0:
-            self._idle_p.pop(oid, None)
-        h.refs += 1
-        h.idle_since = 0.0
-
-    def _drop_pin_refs(self, oids: Sequence[int], now: float) -> list[int]:
-        """Drop local references; the ids this cache does not hold, to unpin at the broker."""
-        direct = []
-        for oid in oids:
-            h = self.pins.get(oid)
-            if h is None or h.refs <= 0:
-                direct.append(oid)
-                continue
-            h.refs -= 1
-            if h.refs == 0:
-                h.idle_since = now
-                self._idle_p[oid] = None
-        return direct
-
-    def add_pins(self, recs: Sequence[w.ObjectRecord]) -> None:
-        """Account pins a frame's PIN op took (one reference each)."""
-        with self.lock:
-            now = time.monotonic()
-            for rec in recs:
-                self._add_pin(rec, now)
-                self._ref_pin(rec.object_id)
-
-    def forget_pins(self, oids: Sequence[int]) -> None:
-        """Objects this session freed: their pins went with them at the broker."""
-        with self.lock:
-            for oid in oids:
-                h = self.pins.pop(oid, None)
-                if h is None:
-                    continue
-                if h.refs == 0:
-                    self._idle_p.pop(oid, None)
-                if h.record.key and self._by_key.get(h.record.key) is h:
-                    del self._by_key[h.record.key]
-
-    def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
-        """Take a reference on each held object (all or none); None when one is not held."""
-        with self.lock:
-            if any(oid not in self.pins for oid in oids):
-                return None
-            for oid in oids:
-                self._ref_pin(oid)
-            return [self.pins[oid].record for oid in oids]
-
-    @property
-    def _idle(self) -> int:
-        return len(self._idle_a) + len(self._idle_p)
-
-    def _flush_ops(self, now: float, force: bool) -> list[w.Op]:
-        """Release and unpin ops for idle holdings that are due (all of them with ``force``),
-        removed from the cache. Walks the idle entries oldest first: O(what it releases)."""
-        idle = self._idle
-        if not idle or (not force and now < self._next_sweep and idle <= self.max_idle):
-            return []
-        self._next_sweep = now + self.hold_s / 2
-        cutoff = now - self.hold_s
-        over = idle - self.max_idle
-        rel: list[str] = []
-        for aid in list(self._idle_a):
-            h = self.adapters[aid]
-            if not (force or h.idle_since <= cutoff or over > 0):
-                break
-            rel.append(aid)
-            over -= 1
-            del self.adapters[aid]
-            del self._idle_a[aid]
-        unp: list[int] = []
-        for oid in list(self._idle_p):
-            h = self.pins[oid]
-            if not (force or h.idle_since <= cutoff or over > 0):
-                break
-            unp.extend([oid] * h.broker_pins)
-            over -= 1
-            del self.pins[oid]
-            del self._idle_p[oid]
-            if h.record.key and self._by_key.get(h.record.key) is h:
-                del self._by_key[h.record.key]
-        ops = []
-        if rel:
-            ops.append(w.Op(w.OP_RELEASE, tuple(rel)))
-        if unp:
-            ops.append(w.Op(w.OP_UNPIN, tuple(unp)))
-        return ops
-
     def flush(self) -> int:
         """Release every idle holding now (one round trip if there are any); returns how many."""
         with self.lock:
@@ -690,13 +452,6 @@ class StepPath:
                 p._collect()
                 return True
             return False
-
-    def sweep_due(self) -> bool:
-        """Whether idle holdings may be due for release (the next frame would carry them)."""
-        return bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
-
-    def idle(self) -> int:
-        return self._idle
 
 
 @dataclass(slots=True)

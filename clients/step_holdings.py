@@ -1,0 +1,172 @@
+"""The step path's holdings cache: what this process holds at the broker, with local counts.
+
+``StepHoldings`` is the bookkeeping half of ``StepPath`` (``step.py``): adapters and pins held
+for this session, their local reference counts, which of them are idle (no reference here,
+still pinned at the broker, so nothing of them can be evicted), and the release ops an idle
+holding turns into when it is due. It sends nothing itself: the ops it returns ride along with
+``StepPath``'s next frame (or ``StepPath.flush``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from memory_broker.wire import step as w
+
+
+@dataclass(slots=True)
+class HeldAdapter:
+    # What leases are made of (one record object for as long as it is held, so the client
+    # can reuse what it built from it).
+    record: w.AcquiredRecord
+    # References this process's leases hold now.
+    refs: int = 0
+    # When refs last dropped to 0 (monotonic seconds).
+    idle_since: float = 0.0
+
+
+@dataclass(slots=True)
+class HeldPin:
+    record: w.ObjectRecord
+    refs: int = 0
+    # Pins the broker holds for this entry (each lookup or pin sent adds one).
+    broker_pins: int = 1
+    idle_since: float = 0.0
+
+
+class StepHoldings:
+    """Mixed into ``StepPath``: the cache's records and counts (``adapters``, ``pins``, idle sets)."""
+
+
+    def _lease_record(self, aid: str) -> w.AcquiredRecord:
+        h = self.adapters[aid]
+        if h.refs == 0:
+            self._idle_a.pop(aid, None)
+        h.refs += 1
+        h.idle_since = 0.0
+        return h.record
+
+    def _drop_adapter_refs(self, ids: Sequence[str], now: float) -> list[str]:
+        """Drop local references; the ids this cache holds no reference on (acquired over
+        gRPC, or prepared), to release at the broker now."""
+        direct = []
+        for aid in ids:
+            h = self.adapters.get(aid)
+            if h is None or h.refs <= 0:
+                direct.append(aid)
+                continue
+            h.refs -= 1
+            if h.refs == 0:
+                h.idle_since = now
+                self._idle_a[aid] = None
+        return direct
+
+    def _add_pin(self, rec: w.ObjectRecord, now: float) -> None:
+        """Account one broker pin; the entry is idle until a reference is taken."""
+        h = self.pins.get(rec.object_id)
+        if h is None:
+            h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
+            self._idle_p[rec.object_id] = None
+            if rec.key:
+                self._by_key[rec.key] = h
+        else:
+            h.broker_pins += 1
+
+    def _ref_pin(self, oid: int) -> None:
+        h = self.pins[oid]
+        if h.refs == 0:
+            self._idle_p.pop(oid, None)
+        h.refs += 1
+        h.idle_since = 0.0
+
+    def _drop_pin_refs(self, oids: Sequence[int], now: float) -> list[int]:
+        """Drop local references; the ids this cache does not hold, to unpin at the broker."""
+        direct = []
+        for oid in oids:
+            h = self.pins.get(oid)
+            if h is None or h.refs <= 0:
+                direct.append(oid)
+                continue
+            h.refs -= 1
+            if h.refs == 0:
+                h.idle_since = now
+                self._idle_p[oid] = None
+        return direct
+
+    def add_pins(self, recs: Sequence[w.ObjectRecord]) -> None:
+        """Account pins a frame's PIN op took (one reference each)."""
+        with self.lock:
+            now = time.monotonic()
+            for rec in recs:
+                self._add_pin(rec, now)
+                self._ref_pin(rec.object_id)
+
+    def forget_pins(self, oids: Sequence[int]) -> None:
+        """Objects this session freed: their pins went with them at the broker."""
+        with self.lock:
+            for oid in oids:
+                h = self.pins.pop(oid, None)
+                if h is None:
+                    continue
+                if h.refs == 0:
+                    self._idle_p.pop(oid, None)
+                if h.record.key and self._by_key.get(h.record.key) is h:
+                    del self._by_key[h.record.key]
+
+    def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
+        """Take a reference on each held object (all or none); None when one is not held."""
+        with self.lock:
+            if any(oid not in self.pins for oid in oids):
+                return None
+            for oid in oids:
+                self._ref_pin(oid)
+            return [self.pins[oid].record for oid in oids]
+
+    @property
+    def _idle(self) -> int:
+        return len(self._idle_a) + len(self._idle_p)
+
+    def _flush_ops(self, now: float, force: bool) -> list[w.Op]:
+        """Release and unpin ops for idle holdings that are due (all of them with ``force``),
+        removed from the cache. Walks the idle entries oldest first: O(what it releases)."""
+        idle = self._idle
+        if not idle or (not force and now < self._next_sweep and idle <= self.max_idle):
+            return []
+        self._next_sweep = now + self.hold_s / 2
+        cutoff = now - self.hold_s
+        over = idle - self.max_idle
+        rel: list[str] = []
+        for aid in list(self._idle_a):
+            h = self.adapters[aid]
+            if not (force or h.idle_since <= cutoff or over > 0):
+                break
+            rel.append(aid)
+            over -= 1
+            del self.adapters[aid]
+            del self._idle_a[aid]
+        unp: list[int] = []
+        for oid in list(self._idle_p):
+            h = self.pins[oid]
+            if not (force or h.idle_since <= cutoff or over > 0):
+                break
+            unp.extend([oid] * h.broker_pins)
+            over -= 1
+            del self.pins[oid]
+            del self._idle_p[oid]
+            if h.record.key and self._by_key.get(h.record.key) is h:
+                del self._by_key[h.record.key]
+        ops = []
+        if rel:
+            ops.append(w.Op(w.OP_RELEASE, tuple(rel)))
+        if unp:
+            ops.append(w.Op(w.OP_UNPIN, tuple(unp)))
+        return ops
+
+    def sweep_due(self) -> bool:
+        """Whether idle holdings may be due for release (the next frame would carry them)."""
+        return bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
+
+    def idle(self) -> int:
+        return self._idle

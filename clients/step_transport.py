@@ -1,0 +1,105 @@
+"""The client's step socket: a blocking, authenticated Unix socket to the broker's step channel.
+
+``StepTransport`` connects, says HELLO with the session token (the broker checks it and this
+process's credentials), and sends and receives whole frames of ``memory_broker.wire.step``; one
+call at a time (its caller locks). It knows nothing of what the frames mean (``step.py``).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from memory_broker.wire import step as w
+
+
+class StepUnavailable(Exception):
+    """The step channel cannot be used (absent, refused the handshake, or broke): use gRPC."""
+
+
+class StepTransport:
+    """A connected, authenticated step socket; one call at a time (the caller locks)."""
+
+    def __init__(self, path: str, token: str, timeout: float):
+        self.path = path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as e:
+            sock.close()
+            raise StepUnavailable(f"no step channel at {path}: {e}") from None
+        self._sock = sock
+        # Replies land here first (a step's reply is a few hundred bytes).
+        self._buf = bytearray(1 << 16)
+        try:
+            reply = self.request(w.frame(w.HELLO, token.encode()))
+        except BaseException:
+            sock.close()
+            raise
+        if reply.error is not None:
+            sock.close()
+            raise StepUnavailable(f"the step channel refused this session: {reply.error}")
+        self.arena_slabs = reply.arena_slabs
+
+    def request(self, data: bytes) -> w.StepReply:
+        """Send one frame and read its reply. Raises StepUnavailable when the socket breaks."""
+        self.send(data)
+        return self.reply()
+
+    def send(self, data: bytes) -> None:
+        """Send one frame; its reply is read by ``reply()`` (replies come in order)."""
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
+
+    def reply(self) -> w.StepReply:
+        """Read the reply to the oldest frame not yet answered (at most one is in flight,
+        so nothing after it is on the socket)."""
+        sock = self._sock
+        buf = self._buf
+        try:
+            # One read takes the whole of a usual reply; larger ones are read to their end.
+            got = sock.recv_into(buf)
+            while got < 5:
+                n = sock.recv_into(memoryview(buf)[got:])
+                if not n:
+                    raise ConnectionResetError("the broker closed the step channel")
+                got += n
+            size, kind = w.HEADER.unpack_from(buf)
+            if size > w.MAX_FRAME_BYTES:
+                raise ConnectionResetError(f"reply of {size} bytes")
+            if got > 5 + size:
+                raise ConnectionResetError(f"{got - 5 - size} bytes after a reply no request asked for")
+            if got == 5 + size:
+                body = bytes(memoryview(buf)[5:got])
+            else:
+                whole = bytearray(5 + size)
+                whole[:got] = memoryview(buf)[:got]
+                view = memoryview(whole)
+                while got < 5 + size:
+                    n = sock.recv_into(view[got:])
+                    if not n:
+                        raise ConnectionResetError("the broker closed the step channel")
+                    got += n
+                body = bytes(view[5:])
+        except OSError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
+        try:
+            return w.decode_step_reply(kind, body)
+        except w.WireError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} sent a malformed reply: {e}") from None
+
+    def close(self) -> None:
+        self._sock.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() < 0
+
+    def fileno(self) -> int:
+        """The socket's descriptor (to wait for a reply with poll; -1 once closed)."""
+        return self._sock.fileno()
