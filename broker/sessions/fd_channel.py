@@ -38,6 +38,20 @@ MAX_CONNECTIONS = 256
 MAX_CONNECTIONS_PER_UID = 32
 
 
+def listen_unix(path: str) -> socket.socket:
+    """A non-blocking Unix stream socket bound to ``path`` and listening (the fd and step
+    channels' listeners); its mode follows the umask. Closed again if binding fails."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.bind(path)
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @dataclass(frozen=True, slots=True)
 class PeerCred:
     """The connecting process as the kernel saw it at connect time (``SO_PEERCRED``)."""
@@ -107,15 +121,7 @@ class FdChannelServer:
         """Bind and listen; the socket's mode follows the umask."""
         if self._sock is not None:
             raise RuntimeError(f"fd channel {self.path} already started")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            sock.bind(self.path)
-            sock.listen(LISTEN_BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
+        self._sock = listen_unix(self.path)
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     async def close(self) -> None:

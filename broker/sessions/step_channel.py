@@ -21,11 +21,10 @@ from typing import Callable
 
 from memory_broker.broker.errors import BrokerError, Code, denied, invalid, unavailable
 from memory_broker.wire import step as w
-from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred, peer_cred
+from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
 
 # Connections served at once (each is one engine process; more is a client gone wrong).
 MAX_CONNECTIONS = 1024
-LISTEN_BACKLOG = 64
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
@@ -119,15 +118,7 @@ class StepChannelServer:
         """Bind and listen; the socket's mode follows the umask."""
         if self._sock is not None:
             raise RuntimeError(f"step channel {self.path} already started")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            sock.bind(self.path)
-            sock.listen(LISTEN_BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
+        self._sock = sock = listen_unix(self.path)
         self._loop.add_reader(sock.fileno(), self._accept)
 
     def close(self) -> None:
