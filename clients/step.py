@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
+from memory_broker.clients.step_pending import PendingDelta, PendingStep, StepOutcome, _Plan
 from memory_broker.clients.step_transport import StepTransport, StepUnavailable
 from memory_broker.wire import step as w
 from memory_broker.wire.errors import BrokerError
@@ -30,22 +30,6 @@ log = logging.getLogger(__name__)
 
 # Idle holdings kept at most (beyond this the oldest are released with the next frame).
 DEFAULT_MAX_IDLE = 4096
-
-
-@dataclass(slots=True)
-class StepOutcome:
-    """What one ``StepPath.step`` got: records the client turns into a lease and objects."""
-
-    # Admitted adapter ids, in request order, with their records; None when no acquire was
-    # asked. ``acquire_hot`` False: the broker would have to load one; ask over gRPC.
-    adapters: list[tuple[str, w.AcquiredRecord]] | None = None
-    deferred: list[str] = field(default_factory=list)
-    acquire_hot: bool = True
-    txn_id: int = 0
-    objects: list[w.ObjectRecord] | None = None
-    arena_slabs: int = 0
-    # Round trips this step took (0: all from the cache).
-    round_trips: int = 0
 
 
 class StepPath(StepHoldings):
@@ -452,118 +436,3 @@ class StepPath(StepHoldings):
                 p._collect()
                 return True
             return False
-
-
-@dataclass(slots=True)
-class _Plan:
-    """A step's frame and what its reply is matched against."""
-
-    out: StepOutcome
-    ops: list
-    now: float
-    caching: bool
-    acq_index: int
-    look_index: int
-    admitted: list
-    missing_ids: list
-    cached_objs: list
-    ids: list | None
-    keys: list | None
-    pin_keys: bool
-    # Cached adapters this step took references on (given back if it fails).
-    held: dict
-    # Ops of the caller (the idle releases come after them).
-    own: int
-
-
-class PendingStep:
-    """A step sent by ``StepPath.begin``; ``result()`` reads its reply (once)."""
-
-    def __init__(self, path: StepPath, plan: _Plan):
-        self._path = path
-        self._plan = plan
-        self._reply: w.StepReply | None = None
-        self._reply_done = False
-        self._outcome: StepOutcome | None = None
-        self._error: BaseException | None = None
-
-    @property
-    def sent(self) -> bool:
-        """Whether this step sent a frame (False: the cache had all of it)."""
-        return bool(self._plan.ops)
-
-    def _collect(self) -> None:
-        """Read this step's reply off the socket and account it in the cache at once (the
-        path's lock is held), so later steps see what it took even before ``result()``."""
-        path = self._path
-        path._pending = None
-        self._reply_done = True
-        try:
-            self._reply = path.transport.reply()
-            self._outcome = path._finish(self._plan, self._reply)
-        except BaseException as e:
-            self._error = e
-
-    def result(self) -> StepOutcome:
-        """The step's outcome; raises its BrokerError as ``step`` would. Call it once for
-        every ``begin`` (what the step took is the caller's until it releases it)."""
-        path = self._path
-        with path.lock:
-            if self._outcome is None and self._error is None:
-                if not self._reply_done:
-                    self._collect()
-                elif self._reply is None:  # nothing was sent: all from the cache
-                    try:
-                        self._outcome = path._finish(self._plan, None)
-                    except BaseException as e:
-                        self._error = e
-            if self._error is not None:
-                raise self._error
-            return self._outcome
-
-
-class PendingDelta:
-    """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
-
-    __slots__ = ("_path", "acquire", "held", "missing", "acq", "cached", "look", "own", "sent", "_reply_done",
-                 "_out", "_error", "then")  # fmt: skip
-
-    def __init__(self, path: StepPath, acquire, held, missing, acq, cached, look, own, sent):
-        self._path = path
-        self.acquire, self.held, self.missing, self.acq = acquire, held, missing, acq
-        self.cached, self.look, self.own = cached, look, own
-        # Whether a frame went out (False: the cache had all of it).
-        self.sent: bool = sent
-        self._reply_done = not sent
-        self._out = None
-        self._error: BaseException | None = None
-        # Called by the thread that reads the reply, once it is accounted (a background batch).
-        self.then: Callable[[], None] | None = None
-
-    def _collect(self) -> None:
-        path = self._path
-        path._pending = None
-        self._reply_done = True
-        try:
-            self._out = path._delta_finish(self, path.transport.reply())
-        except BaseException as e:
-            self._error = e
-        then, self.then = self.then, None
-        if then is not None:
-            then()
-
-    def result(self):
-        """(adapter records in order, or None: one is not hot; object records; arena slabs)."""
-        path = self._path
-        with path.lock:
-            if self._out is None and self._error is None:
-                if not self._reply_done:
-                    self._collect()
-                else:
-                    try:
-                        self._out = path._delta_finish(self, None)
-                    except BaseException as e:
-                        self._error = e
-            if self._error is not None:
-                raise self._error
-            return self._out

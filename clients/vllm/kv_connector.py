@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from memory_broker.clients.vllm import check_vllm_version
@@ -28,6 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
 from memory_broker.clients.vllm import identity, store  # noqa: E402
+from memory_broker.clients.vllm.kv_records import (  # noqa: E402,F401  (STAT_NAMES, the records: imported from here too)
+    STAT_NAMES,
+    BrokerKVMetadata,
+    BrokerKVStats,
+    BrokerKVWorkerMetadata,
+    LoadRequest,
+    SaveRequest,
+    _ReqState,
+)
 from memory_broker.wire.errors import BrokerError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -41,96 +49,6 @@ if TYPE_CHECKING:
 
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
-
-# Counters reported through vLLM's connector stats (summed over workers and the scheduler).
-STAT_NAMES = (
-    "lookups",          # requests looked up in the broker
-    "hit_tokens",       # tokens the broker held for them (what vLLM will not compute)
-    "loaded_blocks",    # blocks copied from the broker into vLLM's cache
-    "stored_blocks",    # blocks committed by this engine
-    "deduplicated_blocks",  # blocks another engine committed first (pages given back)
-    "store_skipped_blocks",  # blocks not stored (broker away or full)
-    "load_failed_blocks",   # blocks reported to vLLM for recompute
-    "broker_errors",    # failed broker calls
-)  # fmt: skip
-
-
-@dataclass
-class BrokerKVStats(KVConnectorStats):
-    """Counters since the last report; ``reduce`` gives the sums."""
-
-    def __post_init__(self):
-        for k in STAT_NAMES:
-            self.data.setdefault(k, 0)
-
-    def add(self, name: str, n: int = 1) -> None:
-        self.data[name] = self.data.get(name, 0) + n
-
-    def reset(self):
-        self.data = {k: 0 for k in STAT_NAMES}
-
-    def aggregate(self, other: KVConnectorStats) -> "BrokerKVStats":
-        for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-@dataclass
-class LoadRequest:
-    """Blocks of one request to copy into vLLM's cache this step."""
-
-    req_id: str
-    block_ids: list[int]
-    # Per block, per tensor-parallel rank: (key, object id, pages) as the scheduler pinned it.
-    objects: list[list[tuple[bytes, int, list[int]]]]
-    # The scheduler's session that pinned them (see BrokerKV.client_for).
-    incarnation: str = ""
-
-
-@dataclass
-class SaveRequest:
-    req_id: str
-    block_ids: list[int]
-    chain_hashes: list[bytes]
-
-
-@dataclass
-class BrokerKVMetadata(KVConnectorMetadata):
-    loads: list[LoadRequest] = field(default_factory=list)
-    saves: list[SaveRequest] = field(default_factory=list)
-
-
-@dataclass
-class BrokerKVWorkerMetadata(KVConnectorWorkerMetadata):
-    # Requests whose loads finished this step (their pins may go).
-    loaded: set[str] = field(default_factory=set)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "BrokerKVWorkerMetadata":
-        if isinstance(other, BrokerKVWorkerMetadata):
-            self.loaded |= other.loaded
-        return self
-
-
-@dataclass
-class _ReqState:
-    chain: list[bytes]
-    prompt_len: int
-    # Pins held for the request: per rank, the objects the lookup returned.
-    pinned: list[list[Any]] = field(default_factory=list)
-    incarnation: str = ""
-    hit_blocks: int = 0
-    local_tokens: int = 0
-    # Block range to load at the request's first schedule, [start, end).
-    load: tuple[int, int] | None = None
-    # First prompt block not known to be in the broker.
-    next_save: int = 0
-
 
 def _keyable(request: Any) -> bool:
     """Requests whose KV is a function of token ids (no images, no prompt embeddings)."""

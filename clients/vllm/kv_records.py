@@ -1,0 +1,111 @@
+"""The KV connector's records: its stats (what vLLM aggregates and reports), the per-step
+metadata the scheduler hands the workers, and the scheduler's per-request state.
+
+Plain data in vLLM's connector types; ``kv_connector.py`` (``MemoryBrokerConnector``) fills
+and reads them. Nothing here talks to the broker or touches KV tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory_broker.clients.vllm import check_vllm_version
+
+check_vllm_version()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
+
+
+# Counters reported through vLLM's connector stats (summed over workers and the scheduler).
+STAT_NAMES = (
+    "lookups",          # requests looked up in the broker
+    "hit_tokens",       # tokens the broker held for them (what vLLM will not compute)
+    "loaded_blocks",    # blocks copied from the broker into vLLM's cache
+    "stored_blocks",    # blocks committed by this engine
+    "deduplicated_blocks",  # blocks another engine committed first (pages given back)
+    "store_skipped_blocks",  # blocks not stored (broker away or full)
+    "load_failed_blocks",   # blocks reported to vLLM for recompute
+    "broker_errors",    # failed broker calls
+)  # fmt: skip
+
+
+@dataclass
+class BrokerKVStats(KVConnectorStats):
+    """Counters since the last report; ``reduce`` gives the sums."""
+
+    def __post_init__(self):
+        for k in STAT_NAMES:
+            self.data.setdefault(k, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + n
+
+    def reset(self):
+        self.data = {k: 0 for k in STAT_NAMES}
+
+    def aggregate(self, other: KVConnectorStats) -> "BrokerKVStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class LoadRequest:
+    """Blocks of one request to copy into vLLM's cache this step."""
+
+    req_id: str
+    block_ids: list[int]
+    # Per block, per tensor-parallel rank: (key, object id, pages) as the scheduler pinned it.
+    objects: list[list[tuple[bytes, int, list[int]]]]
+    # The scheduler's session that pinned them (see BrokerKV.client_for).
+    incarnation: str = ""
+
+
+@dataclass
+class SaveRequest:
+    req_id: str
+    block_ids: list[int]
+    chain_hashes: list[bytes]
+
+
+@dataclass
+class BrokerKVMetadata(KVConnectorMetadata):
+    loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[SaveRequest] = field(default_factory=list)
+
+
+@dataclass
+class BrokerKVWorkerMetadata(KVConnectorWorkerMetadata):
+    # Requests whose loads finished this step (their pins may go).
+    loaded: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "BrokerKVWorkerMetadata":
+        if isinstance(other, BrokerKVWorkerMetadata):
+            self.loaded |= other.loaded
+        return self
+
+
+@dataclass
+class _ReqState:
+    chain: list[bytes]
+    prompt_len: int
+    # Pins held for the request: per rank, the objects the lookup returned.
+    pinned: list[list[Any]] = field(default_factory=list)
+    incarnation: str = ""
+    hit_blocks: int = 0
+    local_tokens: int = 0
+    # Block range to load at the request's first schedule, [start, end).
+    load: tuple[int, int] | None = None
+    # First prompt block not known to be in the broker.
+    next_save: int = 0
