@@ -87,12 +87,7 @@ class StepCalls:
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return same
-        rel_ids, unpins, carry = self._giving_back(release, st)
-        out = self._fast(
-            st.step, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
-            commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
-            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys), carry=carry,
-        )  # fmt: skip
+        out = self._step_frame(st, st.step, ids, keys, max_adapters, prepare, lease_s, commit, release)
         return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys, st)
 
     def step_begin(
@@ -120,15 +115,20 @@ class StepCalls:
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return PendingStepLease(lambda: same)
-        rel_ids, unpins, carry = self._giving_back(release, st)
-        pending = self._fast(
-            st.begin, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
-            commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
-            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys), carry=carry,
-        )  # fmt: skip
+        pending = self._step_frame(st, st.begin, ids, keys, max_adapters, prepare, lease_s, commit, release)
         return PendingStepLease(
             lambda: self._step_lease(self._fast(pending.result), ids, max_adapters, prepare, lease_s, keys, st)
         )
+
+    def _step_frame(self, st: StepPath, send, ids, keys, max_adapters, prepare, lease_s, commit, release):
+        """One step's frame through ``send`` (``st.step``: sent and read; ``st.begin``: sent,
+        read later): what ``release`` gives back, ``commit``'s transaction, the acquire and lookup."""
+        rel_ids, unpins, carry = self._giving_back(release, st)
+        return self._fast(
+            send, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
+            commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
+            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys), carry=carry,
+        )  # fmt: skip
 
     def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> "StepLease | None":
         """The steady state: a step asking for what ``release`` holds takes it over (the
@@ -257,7 +257,7 @@ class StepCalls:
         except StepUnavailable:
             return None
 
-    def _objects(self, recs) -> list[BrokerObject]:
+    def _objects(self, recs) -> list:  # of BrokerObject (clients/client.py, which imports this module)
         """BrokerObjects for step-path records; a record the step cache hands out again
         (the same record object) gets the same BrokerObject, built and mapped once."""
         made = self._made
@@ -338,7 +338,7 @@ class StepLease:
     """What one ``BrokerClient.step`` holds: an adapter lease (or None) and pinned objects."""
 
     def __init__(
-        self, client: "BrokerClient", adapters, objects: "list[BrokerObject]", adapter_ids: list[str] = (),
+        self, client, adapters, objects: list, adapter_ids: list[str] = (),
         keys: Sequence[bytes] = (), max_adapters: int = 0,
     ):  # fmt: skip
         self.client = client

@@ -104,6 +104,32 @@ def broker():
 
 
 @pytest.fixture
+def step_rig():
+    """A broker with 4 tiny registered adapters and 6 keyed KV blocks (owned by ``setup``):
+    the step-path tests' broker."""
+    sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
+    from bench_step import write_adapter
+    from memory_broker.clients import BrokerClient, Spec
+
+    b = start_broker()
+    d = os.path.dirname(b.socket)
+    setup = BrokerClient.connect(b.socket, client_name="setup")
+    for i in range(4):
+        setup.register_adapter(f"a{i}", write_adapter(os.path.join(d, "adapters", f"a{i}"), i))
+    setup.allocate([Spec(1, content_type="kv_cache", key=b"k%d" % i) for i in range(6)])
+    try:
+        yield b, setup
+    finally:
+        setup.close()
+        b.stop()
+
+
+def step_frames(c) -> int:
+    """Frames the client's step path has sent (how tests count round trips)."""
+    return c._step_path().frames
+
+
+@pytest.fixture
 def broker_factory():
     started: list[Broker] = []
 

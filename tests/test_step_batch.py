@@ -4,43 +4,18 @@ books follow every change, bad drops change nothing, and releasing gives everyth
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 import time
 from collections import Counter
 
 import pytest
 
-from conftest import ROOT, start_broker
-from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
-
-sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
-from bench_step import write_adapter  # noqa: E402
+from conftest import step_frames as frames
+from memory_broker.clients import BrokerClient, BrokerError, Code
 
 
-@pytest.fixture
-def rig():
-    """A broker with 4 tiny registered adapters and 6 keyed KV blocks (owned by ``setup``)."""
-    b = start_broker()
-    d = os.path.dirname(b.socket)
-    setup = BrokerClient.connect(b.socket, client_name="setup")
-    for i in range(4):
-        setup.register_adapter(f"a{i}", write_adapter(os.path.join(d, "adapters", f"a{i}"), i))
-    setup.allocate([Spec(1, content_type="kv_cache", key=b"k%d" % i) for i in range(6)])
-    try:
-        yield b, setup
-    finally:
-        setup.close()
-        b.stop()
-
-
-def frames(c: BrokerClient) -> int:
-    return c._step_path().frames
-
-
-def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(rig):
-    b, setup = rig
+def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         batch = c.step_batch()
@@ -64,8 +39,8 @@ def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(rig):
         assert c.flush_holdings() == 6 and c.stats().pinned_pages == 0
 
 
-def test_a_bad_drop_is_refused_and_changes_nothing(rig):
-    b, setup = rig
+def test_a_bad_drop_is_refused_and_changes_nothing(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket) as c:
         batch = c.step_batch()
@@ -80,8 +55,8 @@ def test_a_bad_drop_is_refused_and_changes_nothing(rig):
         assert c.stats().pinned_pages == 0
 
 
-def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(rig):
-    b, setup = rig
+def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket) as c:
         batch = c.step_batch()
@@ -98,8 +73,8 @@ def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(rig):
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["caller", "collector-thread"])
-def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(rig, background):
-    b, setup = rig
+def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(step_rig, background):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         batch = c.step_batch(background=background)
@@ -117,8 +92,8 @@ def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(rig, bac
 
 
 @pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-collector-thread"])
-def test_random_changes_keep_the_counts_straight_and_give_everything_back(rig, mode, monkeypatch):
-    b, setup = rig
+def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_rig, mode, monkeypatch):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
     if mode == "grpc":
         monkeypatch.setattr(BrokerClient, "_step_socket", lambda self: "/nonexistent/step")
@@ -150,8 +125,8 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(rig, m
         assert c.stats().pinned_pages == 0
 
 
-def test_a_collector_thread_reads_the_reply_while_the_caller_waits_and_calls_in_between_stay_in_order(rig):
-    b, setup = rig
+def test_a_collector_thread_reads_the_reply_while_the_caller_waits_and_calls_in_between_stay_in_order(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         batch = c.step_batch(background=True)

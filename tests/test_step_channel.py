@@ -15,32 +15,10 @@ import time
 
 import pytest
 
-from conftest import ROOT, spawn_child, read_line, start_broker
+from conftest import ROOT, read_line, spawn_child, start_broker, step_frames as frames
 from memory_broker.wire import step as w
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 
-sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
-from bench_step import write_adapter  # noqa: E402
-
-
-@pytest.fixture
-def rig():
-    """A broker with 4 tiny registered adapters and 6 keyed KV blocks (owned by ``setup``)."""
-    b = start_broker()
-    d = os.path.dirname(b.socket)
-    setup = BrokerClient.connect(b.socket, client_name="setup")
-    for i in range(4):
-        setup.register_adapter(f"a{i}", write_adapter(os.path.join(d, "adapters", f"a{i}"), i))
-    setup.allocate([Spec(1, content_type="kv_cache", key=b"k%d" % i) for i in range(6)])
-    try:
-        yield b, setup
-    finally:
-        setup.close()
-        b.stop()
-
-
-def frames(c: BrokerClient) -> int:
-    return c._step_path().frames
 
 
 def books(c: BrokerClient) -> tuple:
@@ -51,8 +29,8 @@ def books(c: BrokerClient) -> tuple:
 # ------------------------------------------------------------------ the calls
 
 
-def test_step_calls_go_over_the_channel_and_getstats_sees_them(rig):
-    b, setup = rig
+def test_step_calls_go_over_the_channel_and_getstats_sees_them(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket) as c:
         n = frames(c)
@@ -74,8 +52,8 @@ def test_step_calls_go_over_the_channel_and_getstats_sees_them(rig):
         assert c.stats().pinned_pages == base and frames(c) == n + 6
 
 
-def test_calls_act_in_the_order_issued_across_both_paths(rig):
-    b, setup = rig
+def test_calls_act_in_the_order_issued_across_both_paths(step_rig):
+    b, setup = step_rig
     with BrokerClient.connect(b.socket) as c:
         (obj,) = setup.allocate([Spec(2)])  # gRPC, another session
         (mine,) = c.allocate([Spec(1)])  # gRPC
@@ -91,8 +69,8 @@ def test_calls_act_in_the_order_issued_across_both_paths(rig):
         assert c.stats().objects == 6
 
 
-def test_an_adapter_that_is_not_hot_is_acquired_over_grpc_with_the_same_deferral(rig):
-    b, _ = rig
+def test_an_adapter_that_is_not_hot_is_acquired_over_grpc_with_the_same_deferral(step_rig):
+    b, _ = step_rig
     with BrokerClient.connect(b.socket) as fast, BrokerClient.connect(b.socket, fast_path=False) as slow:
         n = frames(fast)
         lease = fast.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
@@ -110,8 +88,8 @@ def test_an_adapter_that_is_not_hot_is_acquired_over_grpc_with_the_same_deferral
         assert fast.stats().pinned_pages == 0
 
 
-def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(rig):
-    b, setup = rig
+def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(step_rig):
+    b, setup = step_rig
     with BrokerClient.connect(b.socket) as c:
         before = books(c)
         with pytest.raises(BrokerError) as e:
@@ -134,8 +112,8 @@ def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(rig):
         assert books(c) == before
 
 
-def test_two_phase_acquire_prepares_the_next_step_and_commits_it_in_one_call(rig):
-    b, setup = rig
+def test_two_phase_acquire_prepares_the_next_step_and_commits_it_in_one_call(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
     with BrokerClient.connect(b.socket) as c:
         n = frames(c)
@@ -158,8 +136,8 @@ def test_two_phase_acquire_prepares_the_next_step_and_commits_it_in_one_call(rig
 # ------------------------------------------------------------------ the cache
 
 
-def test_the_cache_makes_a_steady_step_free_and_releases_ride_on_the_next_frame(rig):
-    b, setup = rig
+def test_the_cache_makes_a_steady_step_free_and_releases_ride_on_the_next_frame(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         n = frames(c)
@@ -181,8 +159,8 @@ def test_the_cache_makes_a_steady_step_free_and_releases_ride_on_the_next_frame(
         assert c.stats().pinned_pages == 0
 
 
-def test_idle_holdings_are_released_after_hold_s_with_the_next_call(rig):
-    b, setup = rig
+def test_idle_holdings_are_released_after_hold_s_with_the_next_call(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket, hold_s=0.2) as c:
         c.acquire_adapters(["a0"]).release()
@@ -193,8 +171,8 @@ def test_idle_holdings_are_released_after_hold_s_with_the_next_call(rig):
         assert c.stats().pinned_pages == 2  # k0 and k1, held by the caller
 
 
-def test_eviction_never_takes_what_the_cache_holds(rig):
-    b, setup = rig
+def test_eviction_never_takes_what_the_cache_holds(step_rig):
+    b, setup = step_rig
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         with c.lookup_pinned([b"k0", b"k1"]):
             pass  # released here, held by the cache
@@ -205,8 +183,8 @@ def test_eviction_never_takes_what_the_cache_holds(rig):
         assert setup.lookup([b"k2"], pin=False) == []  # not held: evicted
 
 
-def test_a_dead_process_loses_its_cached_pins_and_leases_within_a_second(rig):
-    b, setup = rig
+def test_a_dead_process_loses_its_cached_pins_and_leases_within_a_second(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     body = """
 c = BrokerClient.connect(SOCKET, hold_s=30.0)
@@ -261,8 +239,8 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
     return out
 
 
-def test_a_wrong_token_or_a_step_before_hello_is_refused_and_the_connection_closed(rig):
-    b, _ = rig
+def test_a_wrong_token_or_a_step_before_hello_is_refused_and_the_connection_closed(step_rig):
+    b, _ = step_rig
     with BrokerClient.connect(b.socket) as c:
         for first in (w.frame(w.HELLO, b"not-a-token"), w.encode_step([w.Op(w.OP_UNPIN, (1,))]), w.frame(w.PING)):
             s = raw_conn(c)
@@ -272,8 +250,8 @@ def test_a_wrong_token_or_a_step_before_hello_is_refused_and_the_connection_clos
             s.close()
 
 
-def test_another_process_presenting_the_token_is_refused(rig):
-    b, _ = rig
+def test_another_process_presenting_the_token_is_refused(step_rig):
+    b, _ = step_rig
     with BrokerClient.connect(b.socket) as owner:
         code = (
             "import socket, struct\n"
@@ -287,8 +265,8 @@ def test_another_process_presenting_the_token_is_refused(rig):
         assert not owner.session_ended.is_set() and owner.stats().sessions == 2
 
 
-def test_malformed_frames_get_an_error_frame_and_change_nothing(rig):
-    b, setup = rig
+def test_malformed_frames_get_an_error_frame_and_change_nothing(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket) as c:
         c.acquire_adapters(["a0"])  # something held, so a bad release could take it
@@ -333,8 +311,8 @@ def test_malformed_frames_get_an_error_frame_and_change_nothing(rig):
         assert books(c) == before
 
 
-def test_a_broker_without_the_channel_is_served_over_grpc(rig, monkeypatch):
-    b, setup = rig
+def test_a_broker_without_the_channel_is_served_over_grpc(step_rig, monkeypatch):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     monkeypatch.setattr(BrokerClient, "_step_socket", lambda self: "/nonexistent/step")
     with BrokerClient.connect(b.socket) as c:
@@ -346,8 +324,8 @@ def test_a_broker_without_the_channel_is_served_over_grpc(rig, monkeypatch):
 
 
 @pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["no-cache", "cache"])
-def test_random_steps_keep_the_counts_straight_and_give_everything_back(rig, hold_s):
-    b, setup = rig
+def test_random_steps_keep_the_counts_straight_and_give_everything_back(step_rig, hold_s):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
     keys = [b"k%d" % i for i in range(6)] + [b"absent"]
     rng = random.Random(9)
@@ -376,8 +354,8 @@ def test_random_steps_keep_the_counts_straight_and_give_everything_back(rig, hol
         assert st.idle() == 0 and not st.adapters and not st.pins
 
 
-def test_freeing_an_object_the_cache_holds_drops_it_from_the_cache(rig):
-    b, _ = rig
+def test_freeing_an_object_the_cache_holds_drops_it_from_the_cache(step_rig):
+    b, _ = step_rig
     with BrokerClient.connect(b.socket, hold_s=0.1) as c:
         (mine,) = c.allocate([Spec(1, content_type="kv_cache", key=b"own")])
         c.unpin(c.lookup([b"own"]))  # idle in the cache, pinned at the broker
@@ -388,8 +366,8 @@ def test_freeing_an_object_the_cache_holds_drops_it_from_the_cache(rig):
         assert c.stats().pinned_pages == 1
 
 
-def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(rig):
-    b, setup = rig
+def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket) as c:
         before = books(c)
@@ -410,10 +388,10 @@ def test_the_step_socket_follows_socket_mode_and_goes_with_the_broker(broker_fac
     assert not os.path.exists(b.socket + ".step")
 
 
-def test_threads_sharing_a_client_each_get_their_own_answers(rig):
+def test_threads_sharing_a_client_each_get_their_own_answers(step_rig):
     import threading
 
-    b, setup = rig
+    b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket, hold_s=0.05) as c:
         errors = []
@@ -469,8 +447,8 @@ def test_the_step_path_follows_the_client_across_a_broker_restart():
                 b.stop(signal.SIGKILL)
 
 
-def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(rig):
-    b, setup = rig
+def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(step_rig):
+    b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         pending = c.step_begin(["a0"], [b"k0", b"k1"])
@@ -483,8 +461,8 @@ def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(rig):
         assert c.stats().pinned_pages == 1  # k2, still the caller's
 
 
-def test_a_reply_larger_than_one_read_arrives_whole(rig):
-    b, setup = rig
+def test_a_reply_larger_than_one_read_arrives_whole(step_rig):
+    b, setup = step_rig
     keys = [b"big-%04d-" % i + b"x" * 100 for i in range(40)]
     setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in keys])
     with BrokerClient.connect(b.socket) as c:
