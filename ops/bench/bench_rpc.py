@@ -32,10 +32,12 @@ from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 from memory_broker.wire.session import SESSION_METADATA  # noqa: E402
 
 
-def start_broker(socket: str, state: str) -> subprocess.Popen:
+def start_broker(socket: str, state: str, page_size: str = "2MiB") -> subprocess.Popen:
+    """A broker on the host arena with the bare Echo service (8 GiB, ``page_size`` pages);
+    returns once it answers. Also used by bench_step.py (512 KiB pages: KV blocks)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host", "--enable-echo",
-         "--pool-size", "8GiB", "--page-size", "2MiB", "--slab-size", "256MiB", "--state-dir", state,
+         "--pool-size", "8GiB", "--page-size", page_size, "--slab-size", "256MiB", "--state-dir", state,
          "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
 from memory_broker.wire import step as step_wire  # noqa: E402
 from memory_broker.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
@@ -329,28 +330,6 @@ def grpc_echo(socket_path: str, n: int) -> list[float]:
         return out[200:]
 
 
-def start_broker(socket_path: str, state: str) -> subprocess.Popen:
-    """A broker with the bare Echo service, 512 KiB pages (KV blocks) and room for them all."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket_path, "--arena", "host",
-         "--enable-echo", "--pool-size", "8GiB", "--page-size", "512KiB", "--slab-size", "256MiB",
-         "--state-dir", state, "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if os.path.exists(socket_path):
-            try:
-                with grpc.insecure_channel(f"unix:{socket_path}") as ch:
-                    echo_pb2_grpc.EchoStub(ch).Echo(echo_pb2.EchoRequest(), timeout=1)
-                return proc
-            except grpc.RpcError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("broker did not start")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per path and workload")
@@ -362,7 +341,7 @@ def main() -> None:
     steps = min(a.steps, 200) if a.quick else a.steps
     d = tempfile.mkdtemp(prefix="mb-bench-", dir="/tmp")
     sock = os.path.join(d, "b.sock")
-    proc = start_broker(sock, os.path.join(d, "state"))
+    proc = start_broker(sock, os.path.join(d, "state"), page_size="512KiB")  # KV blocks
     try:
         run(d, sock, steps)
     finally:
