@@ -24,7 +24,7 @@ from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.adapters.warm_image import image_checksum, pages_checksum
-from memory_broker.broker.arena.base import ArenaView
+from memory_broker.wire.arena import ArenaView
 from memory_broker.broker.objects import Allocation, ObjectStore
 
 

@@ -21,7 +21,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
-from memory_broker.broker.arena import ArenaGeometry, make_arena
+from memory_broker.broker.arena import make_arena
+from memory_broker.wire.arena import ArenaGeometry
 from memory_broker.broker.errors import BrokerError
 from memory_broker.broker.eviction import make_policy
 from memory_broker.broker.objects import ObjectStore, StoreConfig, StoreStats
