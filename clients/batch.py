@@ -4,20 +4,20 @@
 the batch's sequences and sends the step path (``clients/step.py``'s ``StepPath.delta``) only
 the first hold and the last drop of each, so a change costs what changed, not the batch's
 size; ``begin``/``result`` overlap the round trip with the model's work, and a background
-batch's collector thread reads each reply as it arrives. It owns no session state beyond its
+batch's worker thread runs each change while the engine waits. It owns no session state beyond its
 counts and never talks gRPC itself (its fallbacks are ``BrokerClient``'s calls).
 """
 
 from __future__ import annotations
 
 import logging
-import select
+import queue
 import threading
-import time
+import weakref
 from typing import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
-from memory_broker.clients.step import StepPath
+from memory_broker.clients.session import STEP_WORKER
 from memory_broker.wire.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)
@@ -37,72 +37,56 @@ class BatchDelta:
 
 
 class PendingBatchStep:
-    """A change sent by ``StepBatch.begin``; ``result()`` returns its ``BatchDelta`` (once;
+    """A change begun by ``StepBatch.begin``; ``result()`` returns its ``BatchDelta`` (once;
     the batch's next change collects it first if the caller has not). With a background
-    batch, the thread that reads the reply (the batch's collector, as soon as it arrives)
-    also accounts it, and ``result()`` waits for that."""
+    batch, the batch's worker thread sends the change, reads the reply and accounts it, and
+    ``result()`` waits for that."""
 
-    __slots__ = ("_finish", "_delta", "_error", "_done", "_swap", "_wait_s")
+    __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s")
 
     def __init__(self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None,
                  wait_s: float = 0.0):  # fmt: skip
+        # Run by the caller of ``result()`` (None: the worker runs the change).
         self._finish = finish
         self._delta: BatchDelta | None = None
         self._error: BaseException | None = None
-        # Held until the reply is read and accounted by another thread (None: the caller
-        # reads it); ``wait_s`` bounds that wait (then the caller reads it itself).
+        # Held until the worker has run the change; ``wait_s`` bounds the wait for it.
         self._done = done
         self._wait_s = wait_s
-        self._swap = threading.Lock()
-
-    def _run(self) -> None:
-        with self._swap:  # one thread runs it, once
-            fn, self._finish = self._finish, None
-        if fn is not None:
-            try:
-                self._delta = fn()
-            except BaseException as e:
-                self._error = e
-
-    def _collected(self) -> None:
-        """The reply was read (by the collector, or by any caller of the step path): account
-        it now, unless ``begin`` has not finished setting this up (then ``result()`` does)."""
-        try:
-            self._run()
-        finally:
-            self._done.release()
 
     def result(self) -> BatchDelta:
         done = self._done
         if done is not None:
-            if done.acquire(timeout=self._wait_s):
-                done.release()
-        self._run()
+            if not done.acquire(timeout=self._wait_s):
+                raise BrokerError(
+                    Code.DEADLINE_EXCEEDED,
+                    f"the step batch's worker did not finish this change within {self._wait_s:.0f} s; "
+                    "the broker may be stuck: check `memory-broker status`",
+                )
+            done.release()
+        else:
+            fn, self._finish = self._finish, None
+            if fn is not None:
+                try:
+                    self._delta = fn()
+                except BaseException as e:
+                    self._error = e
         if self._error is not None:
             raise self._error
         return self._delta
 
 
-def _collector(st: StepPath, stop: threading.Event) -> None:
-    """A background batch's thread: wait on the step socket and read a begun change's reply
-    as soon as it arrives (the engine thread is waiting for its model meanwhile)."""
-    poller = select.poll()
-    fd = st.transport.fileno()
-    if fd < 0:
-        return
-    poller.register(fd, select.POLLIN)
-    while not stop.is_set():
-        try:
-            if not poller.poll(100):
-                continue
-            if st.transport.closed:
-                return
-            if not st.collect_ready():
-                # Another caller's reply, or one not begun by the batch: that caller reads it.
-                time.sleep(0.0002)
-        except Exception as e:  # the engine thread reads its replies itself from now on
-            log.warning("step batch collector stopped: %r", e)
+def _worker(jobs: "queue.SimpleQueue") -> None:
+    """A background batch's thread: run each begun change (send, read the reply, account
+    it) while the engine thread waits for its model. Ends at None (the batch released or
+    collected). Holds the queue only, not the batch."""
+    STEP_WORKER.active = True  # its calls never wait for its own changes (session._wait_sent)
+    while True:
+        job = jobs.get()
+        if job is None:
             return
+        job()
+        del job  # it holds the batch: not past the change
 
 
 class StepBatch:
@@ -128,12 +112,15 @@ class StepBatch:
         the client module imports this one)."""
         self.client = client
         self.epoch = client.epoch
-        # Background: a thread of this batch reads each begun change's reply as soon as it
-        # arrives and accounts it (cache, leases, objects), while the engine thread waits for
-        # its model; ``result()`` then finds it done. The work moves to that thread (it takes
-        # the GIL when the engine thread is not running Python); it is not removed.
+        # Background: ``begin`` only checks and counts the change and hands it to a thread of
+        # this batch, which sends it, reads the reply and accounts it (cache, leases,
+        # objects) while the engine thread waits for its model; ``result()`` then finds it
+        # done. The work moves to that thread (it takes the GIL when the engine thread is
+        # not running Python); it is not removed.
         self.background = background
-        self._stop: threading.Event | None = None
+        self._jobs: queue.SimpleQueue | None = None
+        # Clear while the worker's change is not answered (see ``_hand_over``).
+        self._gate = threading.Event()
         # Adapter id -> its LeasedAdapter, for every id the batch holds (what kernels read).
         self.adapters: dict[str, LeasedAdapter] = {}
         # Key -> BrokerObject, for every key the batch holds pinned.
@@ -155,13 +142,15 @@ class StepBatch:
 
     def begin(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
               drop_keys: Sequence[bytes] = (), *, _inline: bool = False) -> PendingBatchStep:  # fmt: skip
-        """Send one change now; ``result()`` reads the reply (after the model's work), or
-        the collector thread does as soon as it arrives (a background batch)."""
+        """Send one change now; ``result()`` reads the reply (after the model's work). A
+        background batch hands the change to its worker thread instead, which checks, sends
+        and accounts it while the caller goes on (a bad drop's ValueError then comes from
+        ``result()``, still having changed nothing)."""
         if self._pending is not None:
             p, self._pending = self._pending, None
             try:
                 p.result()
-            except BrokerError:
+            except Exception:
                 pass  # its caller gets it from its own result()
         client = self.client
         if self.released:
@@ -171,6 +160,26 @@ class StepBatch:
                 Code.FAILED_PRECONDITION,
                 "the session this batch held its pins in ended (the broker restarted); make a new step batch",
             )
+        if self.background and not _inline and (add or drop or add_keys or drop_keys):
+            pending = self._hand_over(add, drop, add_keys, drop_keys)
+        else:
+            rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
+            for lease in own:
+                lease.release()
+            st = client._step_path()
+            if st is None:
+                pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
+            else:
+                sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
+                pending = PendingBatchStep(lambda: self._finish(client._fast(sent.result), sent.sent, add, new_ids,
+                                                                add_keys, new_keys))  # fmt: skip
+        self._pending = pending
+        return pending
+
+    def _take_drops(self, add, drop, add_keys, drop_keys):
+        """Check the change's drops and count them out (ValueError: nothing changed); returns
+        what the step path must hear of: (adapters to release, objects to unpin, adapter ids
+        and keys the batch does not hold yet), and the gRPC leases to release."""
         acount, kcount = self._acount, self._kcount
         # Check every drop before changing anything.
         if drop:
@@ -178,6 +187,7 @@ class StepBatch:
         if drop_keys:
             self._check_drops(drop_keys, kcount, "key")
         rel: list[str] = []
+        own: list[AdapterLease] = []
         for a in drop:
             n = acount[a] - 1
             if n:
@@ -186,7 +196,7 @@ class StepBatch:
                 del acount[a]
                 del self.adapters[a]
                 if a in self._own:
-                    self._own.pop(a).release()
+                    own.append(self._own.pop(a))
                 else:
                     rel.append(a)
         unpin: list[int] = []
@@ -203,27 +213,60 @@ class StepBatch:
         new_ids = [a for a in dict.fromkeys(add) if a not in acount]
         # Each key once: the batch holds one pin per key, whatever its count.
         new_keys = [k for k in dict.fromkeys(add_keys) if k not in objects]
-        st = client._step_path()
-        if st is None:
-            pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
-        else:
-            if self.background and not _inline:
-                if self._stop is None:
-                    self._stop = threading.Event()
-                    threading.Thread(target=_collector, args=(st, self._stop), name="step-batch-collector",
-                                     daemon=True).start()  # fmt: skip
-                done = threading.Lock()
-                done.acquire()
-                pending = PendingBatchStep(None, done, client.timeout + 1.0)
-                sent = client._fast(st.delta, new_ids, rel, new_keys, unpin, pending._collected)
-                if not sent.sent:
-                    done.release()
-            else:
-                pending = PendingBatchStep(None)
-                sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
-            pending._finish = lambda: self._finish(sent, add, new_ids, add_keys, new_keys)
-        self._pending = pending
+        return rel, unpin, new_ids, new_keys, own
+
+    def _hand_over(self, add, drop, add_keys, drop_keys) -> PendingBatchStep:
+        """Queue the change for the batch's worker thread (started on first use): the
+        caller's part of a background change is this, nothing more. Until the worker has
+        the broker's reply, the client's other calls wait (``_unsent``), so the broker sees
+        the session's calls in the order they were made."""
+        client = self.client
+        jobs = self._jobs
+        if jobs is None:
+            jobs = self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_worker, args=(jobs,), name="step-batch-worker", daemon=True).start()
+            # A batch dropped without release() still ends its thread.
+            weakref.finalize(self, jobs.put, None)
+        done = threading.Lock()
+        done.acquire()
+        pending = PendingBatchStep(None, done, client.timeout + 1.0)
+        gate = self._gate
+        gate.clear()
+        client._unsent.append(gate)
+        jobs.put(lambda: self._run_change(pending, gate, add, drop, add_keys, drop_keys))
         return pending
+
+    def _run_change(self, pending: PendingBatchStep, gate: threading.Event, add, drop, add_keys, drop_keys) -> None:
+        """The worker's part of a background change: check and count it, send it, read the
+        reply, open the client's other calls (``gate``), account the reply."""
+        client = self.client
+        try:
+            try:
+                own = ()
+                rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
+                st = client._step_path(wait_sent=False)
+                if st is not None:
+                    sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
+                    got = client._fast(sent.result)
+            finally:
+                self._open(gate)
+            for lease in own:  # over gRPC: after the gate, or this thread would wait for itself
+                lease.release()
+            if st is None:
+                pending._delta = self._grpc(rel, unpin, add, new_ids, add_keys, new_keys)
+            else:
+                pending._delta = self._finish(got, sent.sent, add, new_ids, add_keys, new_keys)
+        except BaseException as e:
+            pending._error = e
+        finally:
+            pending._done.release()
+
+    def _open(self, gate: threading.Event) -> None:
+        try:
+            self.client._unsent.remove(gate)
+        except ValueError:
+            pass
+        gate.set()
 
     @staticmethod
     def _check_drops(items: Sequence, counts: dict, what: str) -> None:
@@ -234,9 +277,10 @@ class StepBatch:
             if counts.get(x, 0) < n:
                 raise ValueError(f"drop of {what} {x!r} x{n}: the batch holds it {counts.get(x, 0)} times")
 
-    def _finish(self, sent, add, new_ids, add_keys, new_keys) -> BatchDelta:
+    def _finish(self, got, sent: bool, add, new_ids, add_keys, new_keys) -> BatchDelta:
+        """Turn a change's reply (``PendingDelta.result()``) into leases and objects, and count it."""
         client = self.client
-        recs, objs, slabs = client._fast(sent.result)
+        recs, objs, slabs = got
         if slabs:
             client._ensure_slabs(slabs)
         if new_ids:
@@ -247,7 +291,7 @@ class StepBatch:
             else:
                 self._acquire_own(new_ids, objs)
         found = client._objects(objs) if objs else []
-        return self._account(add, add_keys, new_keys, found, 1 if sent.sent else 0)
+        return self._account(add, add_keys, new_keys, found, 1 if sent else 0)
 
     def _grpc(self, rel, unpin, add, new_ids, add_keys, new_keys) -> BatchDelta:
         client = self.client
@@ -302,11 +346,11 @@ class StepBatch:
             p, self._pending = self._pending, None
             try:
                 p.result()
-            except BrokerError:
+            except Exception:
                 pass
         self.released = True
-        if self._stop is not None:
-            self._stop.set()  # the collector ends
+        if self._jobs is not None:
+            self._jobs.put(None)  # the worker ends
         client = self.client
         own, self._own = self._own, {}
         rel = [a for a in self.adapters if a not in own]

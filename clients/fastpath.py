@@ -206,10 +206,14 @@ class StepCalls:
             return fd[: -len(".fds")] + ".step"
         return os.path.abspath(self.socket_path) + ".step"
 
-    def _step_path(self) -> StepPath | None:
-        """The step channel of the current session, connected on first use; None: use gRPC."""
+    def _step_path(self, wait_sent: bool = True) -> StepPath | None:
+        """The step channel of the current session, connected on first use; None: use gRPC.
+        First waits for the changes a background step batch queued (``wait_sent``; its own
+        worker does not)."""
         if not self.fast_path:
             return None
+        if wait_sent and self._unsent:
+            self._wait_sent()
         st = self._step
         if st is not None and self._step_epoch == self.epoch and not st.transport.closed:
             return st

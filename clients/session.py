@@ -43,6 +43,11 @@ CHANNEL_OPTIONS = (
 LOST = "its anonymous objects, pins, open transactions and adapter leases are gone"
 
 
+# Marks a step batch's worker thread (clients/batch.py): its calls never wait for the
+# changes it is running itself.
+STEP_WORKER = threading.local()
+
+
 class BrokerSession:
     """The session half of ``BrokerClient``: open, mapped, kept alive, ended. Use ``BrokerClient.connect``."""
 
@@ -84,6 +89,10 @@ class BrokerSession:
         self._stale_views: list = []
         # False once the arena backend said it cannot make pages read-only (logged once).
         self._page_access = True
+        # Changes a background step batch has queued whose reply is not in yet (one Event
+        # each, set when it is): the session's other calls wait for them, so the broker sees
+        # the calls in the order they were made (clients/batch.py).
+        self._unsent: list[threading.Event] = []
         self._requests: queue.Queue | None = None
         self._stream = None
         try:
@@ -226,6 +235,15 @@ class BrokerSession:
             + ("the client keeps reconnecting, retry" if self.reconnect_s > 0 and not self._end_reason else "connect again"),
         )
 
+    def _wait_sent(self) -> None:
+        """Wait (at most ``timeout`` each) for the changes a background step batch queued
+        before this call to be answered by the broker (not in a batch's worker thread: it
+        makes those calls itself)."""
+        if getattr(STEP_WORKER, "active", False):
+            return
+        for gate in list(self._unsent):
+            gate.wait(self.timeout)
+
     # ------------------------------------------------------------- mapping
 
     def _make_view(self, arena: pb.ArenaInfo | None = None, geometry: ArenaGeometry | None = None):
@@ -330,6 +348,8 @@ class BrokerSession:
         when the broker went away during the call."""
         if self.closed:
             raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
+        if self._unsent:
+            self._wait_sent()
         self._wait_live()
         epoch = self.epoch
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
 from memory_broker.clients.step_pending import PendingDelta, PendingStep, StepOutcome, _Plan
@@ -102,6 +102,10 @@ class StepPath(StepHoldings):
         ``carry``: (adapters, pins) of ``release``/``unpin`` were taken from this cache by
         one earlier step, so what this step takes again passes over without a count change."""
         with self.lock:
+            # A begun step's reply first: planned against the cache without it, this step
+            # would acquire again what that step is acquiring and count it once.
+            if self._pending is not None:
+                self._pending._collect()
             plan = self._plan(
                 list(adapter_ids) if acquire else None, list(keys) if lookup else None, max_adapters, prepare,
                 lease_ms, commit, abort, release, unpin, pin_keys, carry,
@@ -133,13 +137,11 @@ class StepPath(StepHoldings):
                 p._reply_done = True
             return p
 
-    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int],
-              then: "Callable[[], None] | None" = None) -> "PendingDelta":  # fmt: skip
+    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> "PendingDelta":
         """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
         ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
         At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
-        proportional to the change (no cap, no prepare, no carry: the batch counts itself).
-        ``then`` is called (lock held) by whichever thread reads the reply, right after."""
+        proportional to the change (no cap, no prepare, no carry: the batch counts itself)."""
         with self.lock:
             if self._pending is not None:
                 self._pending._collect()
@@ -189,7 +191,6 @@ class StepPath(StepHoldings):
             if caching:
                 ops.extend(self._flush_ops(now, force=False))
             p = PendingDelta(self, acquire, held, missing, acq, cached, look, own, bool(ops))
-            p.then = then
             if ops:
                 self.frames += 1
                 self.transport.send(w.encode_step(ops))
@@ -419,20 +420,11 @@ class StepPath(StepHoldings):
     def flush(self) -> int:
         """Release every idle holding now (one round trip if there are any); returns how many."""
         with self.lock:
+            if self._pending is not None:
+                self._pending._collect()
             ops = self._flush_ops(time.monotonic(), force=True)
             if not ops:
                 return 0
             n = sum(len(op.items) for op in ops)
             self.raise_error(self.send(ops))
             return n
-
-    def collect_ready(self) -> bool:
-        """Read the begun change's reply if one is out and of a background batch (the
-        collector thread calls this when the socket is readable). False: nothing of its to
-        read (another caller's reply, read by that caller)."""
-        with self.lock:
-            p = self._pending
-            if isinstance(p, PendingDelta) and p.then is not None:
-                p._collect()
-                return True
-            return False

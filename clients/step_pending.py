@@ -9,7 +9,6 @@ decides what a reply means.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from memory_broker.wire import step as w
 
@@ -102,7 +101,7 @@ class PendingDelta:
     """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
 
     __slots__ = ("_path", "acquire", "held", "missing", "acq", "cached", "look", "own", "sent", "_reply_done",
-                 "_out", "_error", "then")  # fmt: skip
+                 "_out", "_error")  # fmt: skip
 
     def __init__(self, path, acquire, held, missing, acq, cached, look, own, sent):
         self._path = path
@@ -113,8 +112,6 @@ class PendingDelta:
         self._reply_done = not sent
         self._out = None
         self._error: BaseException | None = None
-        # Called by the thread that reads the reply, once it is accounted (a background batch).
-        self.then: Callable[[], None] | None = None
 
     def _collect(self) -> None:
         path = self._path
@@ -124,9 +121,6 @@ class PendingDelta:
             self._out = path._delta_finish(self, path.transport.reply())
         except BaseException as e:
             self._error = e
-        then, self.then = self.then, None
-        if then is not None:
-            then()
 
     def result(self):
         """(adapter records in order, or None: one is not hot; object records; arena slabs)."""

@@ -57,11 +57,15 @@ def work(c, rng, adapters, steps=None, tick=lambda: None):
     open_txns = []
     leases = []
     counts = {}
+    # An engine's running batch (its changes run by a worker thread half the time), whose
+    # sequences (adapter, key) arrive and complete at random.
+    batch = c.step_batch(background=rng.random() < 0.5)
+    seqs = []
     n = 0
     while steps is None or n < steps:
         n += 1
         op = rng.choice(["alloc", "alloc_pin", "alloc_pin", "keyed", "prepare", "commit", "abort", "pin", "unpin",
-                         "lookup", "free", "free", "acquire", "release"])
+                         "lookup", "free", "free", "acquire", "release", "batch"])
         if len(mine) > 4:
             op = "free"
         elif len(leases) > 2:
@@ -111,6 +115,16 @@ def work(c, rng, adapters, steps=None, tick=lambda: None):
                 leases.append(c.acquire_adapters(rng.sample(adapters, rng.randint(1, len(adapters)))))
             elif op == "release" and leases:
                 leases.pop(rng.randrange(len(leases))).release()
+            elif op == "batch" and adapters:
+                done = rng.sample(seqs, rng.randint(0, min(2, len(seqs))))
+                for q in done:
+                    seqs.remove(q)
+                new = [(rng.choice(adapters), rng.choice(KEYS)) for _ in range(rng.randint(0, 2))]
+                d = batch.begin([a for a, _ in new], [a for a, _ in done], [k for _, k in new], [k for _, k in done])
+                d = d.result()  # refused: its drops took effect, its adds did not
+                seqs += new
+                for k, o in zip([k for _, k in new], d.objects):
+                    assert heads(o) == key_pattern(k), f"batch key {k!r}: object {o.object_id} holds other bytes"
             else:
                 op = "skip"
         except BrokerError as e:
@@ -122,6 +136,7 @@ def work(c, rng, adapters, steps=None, tick=lambda: None):
         tick()
     for o, data in mine.values():
         expect(o, data, "own pinned object at the end")
+    batch.release()
     return counts
 '''
 
@@ -322,7 +337,8 @@ def test_random_operations_from_several_processes_keep_the_books_straight(peft_d
         for counts in results:
             for k, v in counts.items():
                 total[k] = total.get(k, 0) + v
-        for kind in ("alloc", "alloc_pin", "keyed", "prepare", "commit", "pin", "unpin", "lookup", "free", "acquire", "release"):
+        for kind in ("alloc", "alloc_pin", "keyed", "prepare", "commit", "pin", "unpin", "lookup", "free", "acquire", "release",
+                     "batch"):
             assert total.get(kind, 0) > 0, total
     finally:
         b.stop()

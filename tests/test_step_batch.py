@@ -4,7 +4,9 @@ books follow every change, bad drops change nothing, and releasing gives everyth
 
 from __future__ import annotations
 
+import gc
 import random
+import threading
 import time
 from collections import Counter
 
@@ -55,6 +57,48 @@ def test_a_bad_drop_is_refused_and_changes_nothing(step_rig):
         assert c.stats().pinned_pages == 0
 
 
+def test_a_background_batchs_bad_drop_is_refused_by_result_and_changes_nothing(step_rig):
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        batch = c.step_batch(background=True)
+        batch.begin(["a0"], (), [b"k0"]).result()
+        n, pinned = frames(c), c.stats().pinned_pages
+        p = batch.begin(["a1"], ["a0", "a0"])  # the worker checks it
+        with pytest.raises(ValueError, match="the batch holds it"):
+            p.result()
+        assert frames(c) == n and c.stats().pinned_pages == pinned
+        assert set(batch.adapters) == {"a0"} and set(batch.objects) == {b"k0"}
+        d = batch.begin((), ["a0"], (), [b"k0"]).result()  # the worker goes on
+        assert d.adapters == [] and batch.adapters == {} and batch.objects == {}
+        batch.release()
+        assert c.stats().pinned_pages == 0
+
+
+def _workers() -> int:
+    return sum(t.name == "step-batch-worker" for t in threading.enumerate())
+
+
+def test_a_background_batchs_worker_ends_with_the_batch_released_or_dropped(step_rig):
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        before = _workers()
+        for drop in (False, True):
+            batch = c.step_batch(background=True)
+            batch.begin(["a0"], (), [b"k0"]).result()
+            assert _workers() == before + 1
+            if drop:
+                del batch  # never released: its pins go with the session, its thread now
+                gc.collect()
+            else:
+                batch.release()
+            deadline = time.monotonic() + 5
+            while _workers() > before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _workers() == before
+
+
 def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
@@ -72,7 +116,7 @@ def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig):
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["caller", "collector-thread"])
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "worker-thread"])
 def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(step_rig, background):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
@@ -91,7 +135,7 @@ def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(step_rig
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-collector-thread"])
+@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-worker-thread"])
 def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_rig, mode, monkeypatch):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
@@ -125,7 +169,7 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_r
         assert c.stats().pinned_pages == 0
 
 
-def test_a_collector_thread_reads_the_reply_while_the_caller_waits_and_calls_in_between_stay_in_order(step_rig):
+def test_a_worker_thread_runs_the_change_while_the_caller_waits_and_calls_in_between_stay_in_order(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
@@ -133,7 +177,7 @@ def test_a_collector_thread_reads_the_reply_while_the_caller_waits_and_calls_in_
         p = batch.begin(["a0"], (), [b"k0", b"k1"])
         deadline = time.monotonic() + 5
         while b"k1" not in batch.objects and time.monotonic() < deadline:
-            time.sleep(0.001)  # the model's work: the collector accounts the reply meanwhile
+            time.sleep(0.001)  # the model's work: the worker runs the change meanwhile
         assert set(batch.objects) == {b"k0", b"k1"} and set(batch.adapters) == {"a0"}
         # A step-path call of this client after begin: answered after the begun change.
         with c.lookup_pinned([b"k2"]) as objs:

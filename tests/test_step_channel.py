@@ -469,3 +469,28 @@ def test_a_reply_larger_than_one_read_arrives_whole(step_rig):
         # 40 objects x (40 B + a 109 B key) x repeated 12 times: ~70 KiB in one reply.
         got = c.lookup(keys * 12, pin=False)
         assert [o.key for o in got] == keys * 12
+
+
+def test_an_acquire_of_an_adapter_a_begun_step_is_acquiring_leaks_no_pin(step_rig):
+    # Step 2 is planned while step 1's acquire of a0 is in flight: step 2 must see step 1's
+    # reply first, or the cache holds a0 once and the broker twice (one pin never released).
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+        pending = c.step_begin(["a0"], [b"k0"])
+        both = c.step(["a0", "a1"], [b"k0", b"k1"])
+        first = pending.result()
+        assert first.adapters.ids == ["a0"] and both.adapters.ids == ["a0", "a1"]
+        first.release()
+        assert c.flush_holdings() == 0  # `both` still holds a0 and k0: nothing is idle
+        both.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
+        batch = c.step_batch()
+        p = batch.begin(["a0"], (), [b"k2"])
+        with c.lookup_pinned([b"k2"]) as objs:  # a lookup of what the begun change pins
+            assert [o.key for o in objs] == [b"k2"]
+        p.result()
+        batch.release()
+        c.flush_holdings()
+        assert c.stats().pinned_pages == 0
