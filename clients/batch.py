@@ -119,8 +119,6 @@ class StepBatch:
         # not running Python); it is not removed.
         self.background = background
         self._jobs: queue.SimpleQueue | None = None
-        # Clear while the worker's change is not answered (see ``_hand_over``).
-        self._gate = threading.Event()
         # Adapter id -> its LeasedAdapter, for every id the batch holds (what kernels read).
         self.adapters: dict[str, LeasedAdapter] = {}
         # Key -> BrokerObject, for every key the batch holds pinned.
@@ -230,13 +228,13 @@ class StepBatch:
         done = threading.Lock()
         done.acquire()
         pending = PendingBatchStep(None, done, client.timeout + 1.0)
-        gate = self._gate
-        gate.clear()
+        gate = threading.Lock()  # held until the change is answered
+        gate.acquire()
         client._unsent.append(gate)
         jobs.put(lambda: self._run_change(pending, gate, add, drop, add_keys, drop_keys))
         return pending
 
-    def _run_change(self, pending: PendingBatchStep, gate: threading.Event, add, drop, add_keys, drop_keys) -> None:
+    def _run_change(self, pending: PendingBatchStep, gate: threading.Lock, add, drop, add_keys, drop_keys) -> None:
         """The worker's part of a background change: check and count it, send it, read the
         reply, open the client's other calls (``gate``), account the reply."""
         client = self.client
@@ -261,12 +259,12 @@ class StepBatch:
         finally:
             pending._done.release()
 
-    def _open(self, gate: threading.Event) -> None:
+    def _open(self, gate: threading.Lock) -> None:
         try:
             self.client._unsent.remove(gate)
         except ValueError:
             pass
-        gate.set()
+        gate.release()
 
     @staticmethod
     def _check_drops(items: Sequence, counts: dict, what: str) -> None:

@@ -89,10 +89,10 @@ class BrokerSession:
         self._stale_views: list = []
         # False once the arena backend said it cannot make pages read-only (logged once).
         self._page_access = True
-        # Changes a background step batch has queued whose reply is not in yet (one Event
-        # each, set when it is): the session's other calls wait for them, so the broker sees
-        # the calls in the order they were made (clients/batch.py).
-        self._unsent: list[threading.Event] = []
+        # Changes a background step batch has queued whose reply is not in yet (one lock
+        # each, held until it is): the session's other calls wait for them, so the broker
+        # sees the calls in the order they were made (clients/batch.py).
+        self._unsent: list[threading.Lock] = []
         self._requests: queue.Queue | None = None
         self._stream = None
         try:
@@ -242,7 +242,8 @@ class BrokerSession:
         if getattr(STEP_WORKER, "active", False):
             return
         for gate in list(self._unsent):
-            gate.wait(self.timeout)
+            if gate.acquire(timeout=self.timeout):
+                gate.release()
 
     # ------------------------------------------------------------- mapping
 
