@@ -40,9 +40,10 @@ class PendingBatchStep:
     """A change begun by ``StepBatch.begin``; ``result()`` returns its ``BatchDelta`` (once;
     the batch's next change collects it first if the caller has not). With a background
     batch, the batch's worker thread sends the change, reads the reply and accounts it, and
-    ``result()`` waits for that."""
+    ``result()`` waits for that, or runs the change itself if the worker has not started it
+    (it had no GIL: the engine thread ran Python all along)."""
 
-    __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s")
+    __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s", "_steal")
 
     def __init__(self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None,
                  wait_s: float = 0.0):  # fmt: skip
@@ -53,10 +54,15 @@ class PendingBatchStep:
         # Held until the worker has run the change; ``wait_s`` bounds the wait for it.
         self._done = done
         self._wait_s = wait_s
+        # Runs the change in the calling thread unless the worker has taken it.
+        self._steal: "Callable[[], None] | None" = None
 
     def result(self) -> BatchDelta:
         done = self._done
         if done is not None:
+            steal, self._steal = self._steal, None
+            if steal is not None:
+                steal()
             if not done.acquire(timeout=self._wait_s):
                 raise BrokerError(
                     Code.DEADLINE_EXCEEDED,
@@ -231,13 +237,21 @@ class StepBatch:
         gate = threading.Lock()  # held until the change is answered
         gate.acquire()
         client._unsent.append(gate)
-        jobs.put(lambda: self._run_change(pending, gate, add, drop, add_keys, drop_keys))
+        taken = threading.Lock()
+
+        def run() -> None:  # by the worker, or by result() if the worker has not begun it
+            if taken.acquire(blocking=False):
+                self._run_change(pending, gate, add, drop, add_keys, drop_keys)
+
+        pending._steal = run
+        jobs.put(run)
         return pending
 
     def _run_change(self, pending: PendingBatchStep, gate: threading.Lock, add, drop, add_keys, drop_keys) -> None:
         """The worker's part of a background change: check and count it, send it, read the
         reply, open the client's other calls (``gate``), account the reply."""
         client = self.client
+        pending._steal = None
         try:
             try:
                 own = ()
