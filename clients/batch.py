@@ -107,8 +107,9 @@ class StepBatch:
 
     ``add_keys`` is looked up like ``lookup``: the longest present prefix (keys the batch
     holds count as present) is pinned; the keys after it are counted but hold nothing.
-    A drop takes effect when sent (``begin``), so drop only what the running step no longer
-    reads. A refused change (e.g. an unknown adapter) raises BrokerError: its drops took
+    A drop takes effect when sent (``begin``; a background batch's worker sends it soon
+    after), so drop only what the running step no longer reads. Between a background
+    batch's ``begin`` and ``result`` its ``adapters`` and ``objects`` are the worker's. A refused change (e.g. an unknown adapter) raises BrokerError: its drops took
     effect, its adds did not. Bad arguments (dropping what the batch does not hold) raise
     ValueError and change nothing.
     """
