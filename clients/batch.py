@@ -109,7 +109,8 @@ class StepBatch:
     holds count as present) is pinned; the keys after it are counted but hold nothing.
     A drop takes effect when sent (``begin``; a background batch's worker sends it soon
     after), so drop only what the running step no longer reads. Between a background
-    batch's ``begin`` and ``result`` its ``adapters`` and ``objects`` are the worker's. A refused change (e.g. an unknown adapter) raises BrokerError: its drops took
+    batch's ``begin`` and ``result`` its ``adapters`` and ``objects`` are the worker's.
+    A refused change (e.g. an unknown adapter) raises BrokerError: its drops took
     effect, its adds did not. Bad arguments (dropping what the batch does not hold) raise
     ValueError and change nothing.
     """
@@ -119,8 +120,8 @@ class StepBatch:
         the client module imports this one)."""
         self.client = client
         self.epoch = client.epoch
-        # Background: ``begin`` only checks and counts the change and hands it to a thread of
-        # this batch, which sends it, reads the reply and accounts it (cache, leases,
+        # Background: ``begin`` only queues the change for a thread of this batch, which
+        # checks and counts it, sends it, reads the reply and accounts it (cache, leases,
         # objects) while the engine thread waits for its model; ``result()`` then finds it
         # done. The work moves to that thread (it takes the GIL when the engine thread is
         # not running Python); it is not removed.
@@ -166,7 +167,8 @@ class StepBatch:
                 "the session this batch held its pins in ended (the broker restarted); make a new step batch",
             )
         if self.background and not _inline and (add or drop or add_keys or drop_keys):
-            pending = self._hand_over(add, drop, add_keys, drop_keys)
+            # Copies: the caller may reuse its lists before the worker reads them.
+            pending = self._hand_over(tuple(add), tuple(drop), tuple(add_keys), tuple(drop_keys))
         else:
             rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
             for lease in own:

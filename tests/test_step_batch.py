@@ -189,3 +189,19 @@ def test_a_worker_thread_runs_the_change_while_the_caller_waits_and_calls_in_bet
         batch.release()
         c.flush_holdings()
         assert c.stats().pinned_pages == 0
+
+
+def test_a_background_change_is_what_begin_was_given_though_the_caller_reuses_its_lists(step_rig):
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        batch = c.step_batch(background=True)
+        add, keys = ["a0"], [b"k0"]
+        p = batch.begin(add, (), keys)
+        add[0] = "nope"  # before the worker has (likely) read them
+        keys.append(b"k1")
+        d = p.result()
+        assert [a.adapter_id for a in d.adapters] == ["a0"] and [o.key for o in d.objects] == [b"k0"]
+        assert set(batch.objects) == {b"k0"}
+        batch.release()
+        assert c.stats().pinned_pages == 0
