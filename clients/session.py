@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence, Self
 import grpc
 
 from memory_broker.wire.arena import ArenaGeometry
+from memory_broker.wire.arena.host import HostArenaView
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 from memory_broker.clients.mappings import MappingBudget
 from memory_broker.wire import session as wire_session
@@ -271,6 +272,13 @@ class BrokerSession:
         finally:
             for fd in fds:
                 os.close(fd)
+        if isinstance(view, HostArenaView) and view.mapped_slabs > first:
+            # Host pages start read-only here and become writable where this process is given
+            # them to write (allocate, prepare: ``_object``). Granting write costs an mprotect
+            # and no more; taking it away also flushes the TLBs of every CPU the process runs
+            # on, which a lookup of another process's pages would otherwise pay each time.
+            pps = view.geometry.pages_per_slab
+            view.set_page_access(range(first * pps, view.mapped_slabs * pps), True)
 
     def _ensure_slabs(self, num_slabs: int) -> None:
         """Map slabs up to ``num_slabs`` (fetching their fds) if this process lacks them."""

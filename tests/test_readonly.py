@@ -230,6 +230,37 @@ with BrokerClient.connect(SOCKET) as c:
         b.stop()
 
 
+def test_a_client_maps_host_pages_readonly_until_it_is_given_them_to_write():
+    # Lookups of other processes' pages then change no page access (no mprotect, no TLB
+    # flush on the step path); allocate and prepare make their pages writable.
+    b = start_broker()
+    try:
+        from memory_broker.clients import BrokerClient, Spec
+
+        with BrokerClient.connect(b.socket) as owner, BrokerClient.connect(b.socket) as c:
+            (kv,) = owner.allocate([Spec(1, content_type="kv_cache", key=b"kv")])
+            mapped = c.view.mapped_slabs * c.geometry.pages_per_slab
+            assert c.view.readonly_pages() == frozenset(range(mapped))
+            (mine,) = c.allocate([Spec(2)])
+            t = c.prepare([Spec(1)])
+            writable = set(mine.pages) | set(t.objects[0].pages)
+            assert c.view.readonly_pages() == frozenset(range(mapped)) - writable
+            for p in writable:
+                host_buffer(c.view.page_address(p), 1)[0] = 7  # no fault
+            import memory_broker.wire.arena.host as host
+
+            calls, real = [], host._mprotect
+            host._mprotect = lambda *a: (calls.append(a), real(*a))[1]
+            try:
+                (found,) = c.lookup([b"kv"])
+            finally:
+                host._mprotect = real
+            assert found.pages == kv.pages and found.pages[0] in c.view.readonly_pages() and calls == []
+            t.abort()
+    finally:
+        b.stop()
+
+
 # ------------------------------------------------------------------- checksums
 
 
