@@ -256,7 +256,8 @@ def run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, l
         out.copy_(base)
         vb.lora_apply(vllm, x, out, w, meta)
         if not check(f"{label}: {method}", out, expected, dtype):
-            print(f"{label}: vLLM CHECK FAILED: the metadata or weights given to vLLM are wrong; its row is left out")
+            print(f"{label}: vLLM CHECK FAILED: its output is off the reference (see the metadata and weights "
+                  "ops/bench/vllm_lora_baseline.py gives it); its row is left out")  # fmt: skip
             return
         record(method, median_ms(lambda: vb.lora_apply(vllm, x, out, w, meta), args.reps, args.warmup))
         ms = median_ms(lambda: meta.prepare_tensors(slots), args.reps, args.warmup)
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16")
     ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     ap.add_argument("--vllm-ops", default=None,
-                    help="folder written by ops/gpu/extract_vllm_lora_ops.py (default ops/gpu/vllm_lora_ops, if present)")  # fmt: skip
+                    help="folder ops/gpu/extract_vllm_lora_ops.py wrote (default ops/gpu/vllm_lora_ops)")  # fmt: skip
     args = ap.parse_args(argv)
     try:
         dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",") if d.strip()]
