@@ -172,6 +172,14 @@ PROBE = textwrap.dedent(
         with contextlib.redirect_stdout(buf):
             rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", *argv])
         result[key] = {"rc": rc, "out": buf.getvalue()}
+    # The check before timing is not vacuous: vLLM given the wrong token -> slot map is caught.
+    real_make_metadata = vb.make_metadata
+    vb.make_metadata = lambda ops, slots, n, device: real_make_metadata(ops, slots.roll(1), n, device)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8",
+                         "--cases", "decode", "--vllm-ops", folder])
+    result["bench_wrong_metadata"] = {"rc": rc, "out": buf.getvalue()}
     print("RESULT " + json.dumps(result))
     """
 )
@@ -221,3 +229,13 @@ def test_the_benchmark_without_the_vllm_folder_says_so_once_and_runs(probe):
     assert len([ln for ln in lines if ln.startswith("vLLM rows: skipped: no extracted vLLM LoRA ops")]) == 1
     assert not any("vLLM Triton" in ln for ln in lines)
     assert "  decode float16: kernels best (" in bench["out"] and "no vLLM row" in bench["out"]
+
+
+def test_the_benchmark_leaves_out_a_vllm_row_whose_output_is_off_the_reference(probe):
+    bench = probe["bench_wrong_metadata"]
+    out = bench["out"]
+    assert bench["rc"] == 0, out  # vLLM's row is optional; the project's rows stand
+    assert "decode float16: vLLM Triton lora_shrink+lora_expand: max |out - fp32 reference|" in out
+    assert "MISMATCH" in out and "decode float16: vLLM CHECK FAILED" in out
+    assert not any("vLLM Triton" in ln and ln.startswith(f"{'decode':8} float16") for ln in out.splitlines()), out
+    assert "decode float16: kernels best (" in out and "no vLLM row" in out
