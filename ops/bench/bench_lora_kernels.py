@@ -1,23 +1,36 @@
 #!/usr/bin/env python3
-"""Batched multi-LoRA kernels (kernels/) against two baselines, on one CUDA device.
+"""Batched multi-LoRA kernels (kernels/) against three baselines, on one CUDA device.
 
 Two batches, each fused q/k/v (3 slices) over hidden 4096: decode (64 tokens of 64 distinct
-rank-16 adapters) and prefill (8192 tokens in runs of 8 adapters). Methods:
+rank-16 adapters) and prefill (8192 tokens in runs of 8 adapters), each in fp16 and bf16.
+Methods:
 
   kernels auto / token / segment   lora_apply over a paged arena (2 MiB pages, rows shuffled)
   torch per-adapter GEMMs          a loop over adapters: index_select, x @ Aᵀ, y @ Bᵀ, index_add_
   stacked slots, padded            the same kernels over contiguous [slots, max_rank, hidden]
                                    buffers with every rank set to --stacked-rank (the padded
                                    rows computed, as fixed-slot engines do)
+  vLLM Triton lora_shrink+expand   vLLM's own kernels (copied out of a vLLM install by
+                                   ops/gpu/extract_vllm_lora_ops.py, never committed), called
+                                   as vLLM's PunicaWrapperGPU.add_lora_linear calls them, over
+                                   vLLM's contiguous stacked [slots, 1, rank, hidden] weights
+                                   holding the same adapters (ops/bench/vllm_lora_baseline.py)
+
+Before a method is timed its output is checked against the fp32 reference (kernels/reference.py)
+on the same base, with the kernel tests' tolerance; a project kernel off the reference makes
+the exit status 1, a vLLM row off it is left out (said so, loudly). The last lines give, per
+case and dtype, the time of the project's best kernels row over vLLM's.
 
 Times are medians of CUDA-event timings of single calls, L2 flushed before each. Bandwidth is
 the batch's compulsory traffic (x, the adapters' rows once, y, out read and written) over the
 time, shown as a share of a large device-to-device copy measured in the same run. The plan
-(token sort and tiles) is built once per step and timed on its own row.
+(token sort and tiles; vLLM's LoRAKernelMeta) is built once per step and timed on its own row.
 
-    python ops/bench/bench_lora_kernels.py [--reps 50] [--stacked-rank 64]
+    python ops/bench/bench_lora_kernels.py [--reps 50] [--stacked-rank 64] [--dtypes float16,bfloat16]
+        [--cases decode,prefill] [--vllm-ops ops/gpu/vllm_lora_ops]
 
 Without a CUDA device it prints one line and exits 0: there is nothing honest to report.
+Without the extracted vLLM folder it prints one line and runs without vLLM's rows.
 """
 
 from __future__ import annotations
@@ -122,29 +135,56 @@ def stacked_tables(adapters, hidden: int, stacked_rank: int, dtype: torch.dtype)
     return arena, a_offsets, b_offsets, ranks, scalings
 
 
-def run_case(case: Case, args, copy_bw: float, rows: list[tuple[str, str, float, float, float]]) -> None:
-    from memory_broker.kernels import lora_ops
+# Relative to the output's magnitude, as tests/test_kernels.py: fp16 keeps ~3 decimal digits, bf16 ~2.
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+Row = tuple[str, str, str, float, float, float]  # case, dtype, method, us, GB/s, % copy
+
+
+def check(what: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Prints one line: the largest difference from the fp32 reference and whether it is
+    within the kernel tests' tolerance."""
+    err = (actual.float() - expected.float()).abs().max().item()
+    scale = max(1.0, expected.float().abs().max().item())
+    ok = err <= TOLERANCE[dtype] * scale and err == err
+    verdict = "ok" if ok else "MISMATCH"
+    print(f"{what}: max |out - fp32 reference| = {err:.3g} (tolerance {TOLERANCE[dtype] * scale:.3g}): {verdict}")
+    return ok
+
+
+def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dtype, vllm=None) -> bool:
+    """Times every method on one case in one dtype; returns False when a project kernel's output
+    is off the reference. ``vllm`` (ops/bench/vllm_lora_baseline.VllmLoraOps) adds vLLM's rows."""
+    from memory_broker.kernels import lora_ops, reference
     from memory_broker.kernels.batch_plan import plan_batch
     from memory_broker.kernels.testing import pack_adapters, random_adapter
 
-    dtype = torch.float16
+    dname = str(dtype).removeprefix("torch.")
     g = torch.Generator().manual_seed(args.seed)
     slice_sizes = (case.hidden,) * case.num_slices
     adapters = [random_adapter(case.rank, case.hidden, slice_sizes, g) for _ in range(case.num_adapters)]
+    elem = torch.tensor([], dtype=dtype).element_size()
     packed = pack_adapters(
-        adapters, dtype=dtype, generator=g, device=DEVICE, page_elems=PAGE_BYTES // 2, row_align=8, spare_pages=4
+        adapters, dtype=dtype, generator=g, device=DEVICE, page_elems=PAGE_BYTES // elem, row_align=8, spare_pages=4
     )
     slots = token_slots(case, g).to(DEVICE)
     x = torch.randn(case.num_tokens, case.hidden, generator=g).to(dtype).to(DEVICE)
     out = torch.randn(case.num_tokens, sum(slice_sizes), generator=g).to(dtype).to(DEVICE)
     y = torch.empty(case.num_slices, case.num_tokens, packed.a_offsets.shape[2], device=DEVICE)
     nbytes = compulsory_bytes(case, x.element_size())
+    p = packed
+    label = f"{case.name} {dname}"
 
     def record(method: str, ms: float) -> None:
         bw = nbytes / (ms / 1e3)
-        rows.append((case.name, method, ms * 1e3, bw / 1e9, 100 * bw / copy_bw))
+        rows.append((case.name, dname, method, ms * 1e3, bw / 1e9, 100 * bw / copy_bw))
 
-    p = packed
+    # The fp32 reference (kernels/reference.py) on the same base; every check compares to it.
+    base = out.clone()
+    expected = reference.lora_apply(x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots,
+                                    p.slice_offsets, p.slice_sizes)  # fmt: skip
+
+    ok = True
     for path in ("auto", "token", "segment"):
         plan = plan_batch(slots, case.num_adapters, path=path, active_slots=case.num_adapters)
 
@@ -152,11 +192,14 @@ def run_case(case: Case, args, copy_bw: float, rows: list[tuple[str, str, float,
             lora_ops.lora_apply(x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots,
                                 p.slice_offsets, p.slice_sizes, plan=plan, y=y, row_align=8)  # fmt: skip
 
-        label = f"kernels {path}" + (f" ({plan.path})" if path == "auto" else "")
-        record(label, median_ms(ours, args.reps, args.warmup))
+        method = f"kernels {path}" + (f" ({plan.path})" if path == "auto" else "")
+        out.copy_(base)
+        ours()
+        ok &= check(f"{label}: {method}", out, expected, dtype)
+        record(method, median_ms(ours, args.reps, args.warmup))
 
     ms = median_ms(lambda: plan_batch(slots, case.num_adapters, path="segment"), args.reps, args.warmup)
-    rows.append((case.name, "plan build, segment (once per step)", ms * 1e3, float("nan"), float("nan")))
+    rows.append((case.name, dname, "plan build, segment (once per step)", ms * 1e3, float("nan"), float("nan")))
 
     # Baseline 1: a GEMM pair per adapter on contiguous weights. Token indices per adapter
     # are computed once outside the timing (a favour to the baseline).
@@ -173,6 +216,9 @@ def run_case(case: Case, args, copy_bw: float, rows: list[tuple[str, str, float,
             for j, (bt, first) in enumerate(zip(bts, p.slice_offsets)):
                 out[:, first : first + bt.shape[1]].index_add_(0, idx, yi[:, j * r : (j + 1) * r] @ bt, alpha=scaling)
 
+    out.copy_(base)
+    torch_loop()
+    check(f"{label}: torch per-adapter GEMMs", out, expected, dtype)
     record("torch per-adapter GEMMs", median_ms(torch_loop, args.reps, args.warmup))
 
     # Baseline 2: fixed slots padded to a max rank, contiguous, padded rows computed.
@@ -184,49 +230,140 @@ def run_case(case: Case, args, copy_bw: float, rows: list[tuple[str, str, float,
         lora_ops.lora_apply(x, out, sa, sa_off, sb_off, s_ranks, s_scal, slots, p.slice_offsets, p.slice_sizes,
                             plan=s_plan, y=s_y, row_align=8)  # fmt: skip
 
-    label = f"stacked slots, padded to rank {args.stacked_rank} ({s_plan.path})"
-    record(label, median_ms(stacked, args.reps, args.warmup))
-
-    # One correctness check on the device: the kernels against the torch loop, same base.
-    base = out.clone()
-    lora_ops.lora_apply(x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets,
-                        p.slice_sizes, row_align=8)  # fmt: skip
-    ours_out = out.clone()
+    method = f"stacked slots, padded to rank {args.stacked_rank} ({s_plan.path})"
     out.copy_(base)
-    torch_loop()
-    err = (ours_out.float() - out.float()).abs().max().item()
-    print(f"{case.name}: max |kernels - torch loop| = {err:.3g} (max |out| = {out.float().abs().max().item():.3g})")
+    stacked()
+    ok &= check(f"{label}: {method}", out, expected, dtype)
+    record(method, median_ms(stacked, args.reps, args.warmup))
+
+    # Baseline 3: vLLM's own Triton kernels, called as its punica wrapper calls them, on the
+    # same adapters in vLLM's layout (contiguous stacked slots, scaling folded into B).
+    if vllm is not None:
+        run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, label, record, rows)
+    return ok
 
 
-def main() -> int:
+def run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, label, record, rows) -> None:
+    """vLLM's rows; a failure here (an exception, a wrong output) is printed, not raised: the
+    project's own rows stand without them."""
+    import vllm_lora_baseline as vb
+
+    method = "vLLM Triton lora_shrink+lora_expand"
+    try:
+        w = vb.stack_weights(adapters, dtype, DEVICE)
+        _KEEP.append(w)  # vLLM caches the weights' pointer tables by address: keep the addresses unique
+        meta = vb.make_metadata(vllm, slots, case.num_adapters, DEVICE)
+        out.copy_(base)
+        vb.lora_apply(vllm, x, out, w, meta)
+        if not check(f"{label}: {method}", out, expected, dtype):
+            print(f"{label}: vLLM CHECK FAILED: its output is off the reference (see the metadata and weights "
+                  "ops/bench/vllm_lora_baseline.py gives it); its row is left out")  # fmt: skip
+            return
+        record(method, median_ms(lambda: vb.lora_apply(vllm, x, out, w, meta), args.reps, args.warmup))
+        ms = median_ms(lambda: meta.prepare_tensors(slots), args.reps, args.warmup)
+        rows.append((case.name, str(dtype).removeprefix("torch."), "vLLM LoRAKernelMeta.prepare_tensors (once per step)",
+                     ms * 1e3, float("nan"), float("nan")))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - vLLM's failure must not hide the project's rows
+        print(f"{label}: vLLM FAILED: {type(e).__name__}: {e}")
+
+
+# Stacked vLLM weights stay alive for the whole run (see run_vllm).
+_KEEP: list[object] = []
+
+
+def ratios(rows: list[Row]) -> list[str]:
+    """One line per case and dtype: the project's best kernels row against vLLM's."""
+    lines = []
+    for key in dict.fromkeys((r[0], r[1]) for r in rows):
+        mine = [(r[3], r[2]) for r in rows if (r[0], r[1]) == key and r[2].startswith("kernels ")]
+        theirs = [r[3] for r in rows if (r[0], r[1]) == key and r[2].startswith("vLLM Triton")]
+        if not mine:
+            continue
+        us, method = min(mine)
+        if not theirs:
+            lines.append(f"{key[0]} {key[1]}: kernels best ({method}) {us:.1f} us; no vLLM row")
+            continue
+        lines.append(
+            f"{key[0]} {key[1]}: kernels best ({method}) {us:.1f} us / vLLM {theirs[0]:.1f} us = {us / theirs[0]:.2f} "
+            f"({'kernels faster' if us < theirs[0] else 'vLLM faster' if us > theirs[0] else 'equal'}, "
+            f"{theirs[0] / us:.2f}x)"
+        )
+    return lines
+
+
+def load_vllm(folder: str | None):
+    """vLLM's kernels from the extracted folder, or None with one line saying why not."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vllm_lora_baseline as vb
+
+    where = folder or str(vb.DEFAULT_DIR)
+    if not os.path.isfile(os.path.join(where, "MANIFEST.json")):
+        print(f"vLLM rows: skipped: no extracted vLLM LoRA ops in {where} (run ops/gpu/extract_vllm_lora_ops.py)")
+        return None
+    try:
+        ops = vb.load(where)
+    except Exception as e:  # noqa: BLE001 - the comparison is optional; the project's rows are not
+        print(f"vLLM rows: skipped: {where} does not import: {type(e).__name__}: {e}")
+        return None
+    print(f"vLLM rows: vLLM {ops.version} Triton LoRA ops from {ops.folder}")
+    return ops
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--stacked-rank", type=int, default=64, help="max rank the stacked-slot baseline pads to")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    ap.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16")
+    ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
+    ap.add_argument("--vllm-ops", default=None,
+                    help="folder ops/gpu/extract_vllm_lora_ops.py wrote (default ops/gpu/vllm_lora_ops)")  # fmt: skip
+    args = ap.parse_args(argv)
+    try:
+        dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",") if d.strip()]
+    except KeyError as e:
+        ap.error(f"--dtypes: unknown dtype {e} (use {', '.join(DTYPES)})")
+    by_name = {c.name: c for c in CASES}
+    unknown = [n for n in args.cases.split(",") if n not in by_name]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown} (use {', '.join(by_name)})")
+    cases = [by_name[n] for n in args.cases.split(",")]
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_lora_kernels: no CUDA device here; these timings need a GPU, so nothing was measured.")
         return 0
 
     copy_bw = copy_bandwidth(args.reps)
-    print(f"device: {torch.cuda.get_device_name()}; 1 GiB device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
-    rows: list[tuple[str, str, float, float, float]] = []
-    for case in CASES:
-        run_case(case, args, copy_bw, rows)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    print(f"device: {name}; 1 GiB device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    vllm = load_vllm(args.vllm_ops)
+    rows: list[Row] = []
+    ok = True
+    for case in cases:
+        for dtype in dtypes:
+            ok &= run_case(case, args, copy_bw, rows, dtype, vllm)
+    report(rows, cases)
+    if not ok:
+        print("bench_lora_kernels: a project kernel's output is off the reference (MISMATCH above)")
+    return 0 if ok else 1
 
+
+def report(rows: list[Row], cases: list[Case]) -> None:
     print()
-    print(f"{'case':8} {'method':48} {'median us':>10} {'GB/s':>8} {'% copy':>7}")
-    for name, method, us, gbs, share in rows:
+    print(f"{'case':8} {'dtype':9} {'method':52} {'median us':>10} {'GB/s':>8} {'% copy':>7}")
+    for name, dname, method, us, gbs, share in rows:
         bw = f"{gbs:8.0f} {share:6.1f}%" if gbs == gbs else f"{'-':>8} {'-':>7}"
-        print(f"{name:8} {method:48} {us:10.1f} {bw}")
+        print(f"{name:8} {dname:9} {method:52} {us:10.1f} {bw}")
     print()
-    for case in CASES:
+    for case in cases:
         print(
             f"{case.name}: {case.num_tokens} tokens, {case.num_adapters} adapters, rank {case.rank}, hidden "
             f"{case.hidden}, {case.num_slices} slices; compulsory traffic {compulsory_bytes(case, 2) / 1e6:.1f} MB"
         )
-    return 0
+    print()
+    print("kernels vs vLLM (time ratio, per case and dtype):")
+    for line in ratios(rows):
+        print(f"  {line}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@
 # default tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels*.py
 # tests/test_lora_batch.py tests/test_lora_e2e.py where present), GPU_BENCHES (default
 # ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py where present), BENCH_TIMEOUT
-# (seconds per benchmark, default 900).
+# (seconds per benchmark, default 900), VLLM_LORA_OPS (default ops/gpu/vllm_lora_ops: vLLM's
+# Triton LoRA kernels, copied where vLLM is installed by ops/gpu/extract_vllm_lora_ops.py and
+# carried along, git-ignored; bench_lora_kernels.py compares the project's kernels with them,
+# and without the folder runs without those rows, saying so).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -58,6 +61,7 @@ if [ -z "$tests" ]; then
         [ -e "$f" ] && tests="$tests $f"
     done
 fi
+vllm_ops=${VLLM_LORA_OPS:-ops/gpu/vllm_lora_ops}
 benches=${GPU_BENCHES:-}
 if [ -z "$benches" ]; then
     for f in ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py; do
@@ -146,6 +150,11 @@ for name in ("torch", "triton", "cuda-bindings", "grpcio", "protobuf", "numpy", 
     except Exception as e:
         print(f"{name}: not installed ({type(e).__name__})")
 PY
+    if [ -f "$vllm_ops/MANIFEST.json" ]; then
+        echo "vLLM LoRA ops: $("$PYTHON" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["vllm_version"], "from", m["source"])' "$vllm_ops/MANIFEST.json" 2>&1) ($vllm_ops)"
+    else
+        echo "vLLM LoRA ops: none at $vllm_ops (run ops/gpu/extract_vllm_lora_ops.py where vLLM is installed, and carry the folder)"
+    fi
     echo
     echo "## Preflight"
 } >>"$out"
@@ -191,7 +200,10 @@ if [ $preflight_rc -eq 0 ]; then
         {
             echo "## Benchmark: $b"
             echo
-            timeout "${BENCH_TIMEOUT:-900}" "$PYTHON" "$b" 2>&1
+            bench_args=()
+            # The folder's absence is the benchmark's to report (one line); it runs on without it.
+            [ "$(basename "$b")" = bench_lora_kernels.py ] && bench_args=(--vllm-ops "$vllm_ops")
+            timeout "${BENCH_TIMEOUT:-900}" "$PYTHON" "$b" ${bench_args[@]+"${bench_args[@]}"} 2>&1
             rc=$?
             if [ $rc -ne 0 ]; then
                 echo "(exit $rc)"
