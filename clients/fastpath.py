@@ -17,7 +17,7 @@ import threading
 from typing import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
-from memory_broker.clients.batch import StepBatch
+from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
 from memory_broker.wire import step as _w
 from memory_broker.wire.errors import BrokerError, Code
@@ -187,11 +187,12 @@ class StepCalls:
             sl.cached = (bool(ids) and out.acquire_hot and not prepare, True)
         return sl
 
-    def step_batch(self, background: bool = False) -> "StepBatch":
+    def step_batch(self, background: bool = False, poll_s: float = POLL_S) -> "StepBatch":
         """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
         completions (a change costs what changed, not the batch's size). ``background``: a
-        thread of the batch collects each ``begin``'s reply as it arrives (see StepBatch)."""
-        return StepBatch(self, background)
+        thread of the batch runs each ``begin``'s change while the caller goes on; it looks
+        for the next change every ``poll_s`` for a while after one (0: never; see StepBatch)."""
+        return StepBatch(self, background, poll_s)
 
     def flush_holdings(self) -> int:
         """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""

@@ -135,7 +135,7 @@ def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(step_rig
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-worker-thread"])
+@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-worker-thread", "cache-worker-thread-no-poll"])
 def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_rig, mode, monkeypatch):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
@@ -144,7 +144,7 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_r
     keys = [b"k%d" % i for i in range(6)] + [b"absent"]
     rng = random.Random(11)
     with BrokerClient.connect(b.socket, hold_s=30.0 if mode.startswith("cache") else 0.0) as c:
-        batch = c.step_batch(background=mode.endswith("thread"))
+        batch = c.step_batch(background="thread" in mode, poll_s=0.0 if mode.endswith("no-poll") else 0.0002)
         seqs: list[tuple[str, bytes]] = []
         for i in range(150):
             done = rng.sample(seqs, rng.randint(0, min(3, len(seqs))))
@@ -205,3 +205,51 @@ def test_a_background_change_is_what_begin_was_given_though_the_caller_reuses_it
         assert set(batch.objects) == {b"k0"}
         batch.release()
         assert c.stats().pinned_pages == 0
+
+
+@pytest.mark.parametrize("poll_s", [0.0, 0.0002])
+def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step_rig, poll_s):
+    from memory_broker.clients import batch as batch_mod
+
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        batch = c.step_batch(background=True, poll_s=poll_s)
+        for i in range(3):
+            batch.begin(["a0"], (), [b"k%d" % i]).result()
+            time.sleep(batch_mod.LINGER_S * 2)  # the worker stops looking and sleeps
+            # Between the worker's last look and its sleep, or well after: either way woken.
+            d = batch.begin((), ["a0"], (), [b"k%d" % i]).result()
+            assert d.adapters == [] and batch.objects == {}
+        batch.release()
+        assert c.stats().pinned_pages == 0
+        with pytest.raises(ValueError, match="poll_s"):
+            c.step_batch(background=True, poll_s=-1)
+
+
+@pytest.mark.parametrize("poll_s", [0.0, 0.0002])
+def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall(monkeypatch, poll_s):
+    # Puts land while the worker runs, looks, is about to sleep, and sleeps (a short linger
+    # makes every case frequent); none may be lost, run twice or out of order.
+    from memory_broker.clients import batch as batch_mod
+
+    monkeypatch.setattr(batch_mod, "LINGER_S", 0.002)
+    jobs = batch_mod._Jobs(poll_s)
+    t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
+    t.start()
+    ran: list[int] = []
+    rng = random.Random(3)
+    boxes = []
+    for i in range(400):
+        box = [lambda i=i: ran.append(i)]
+        boxes.append(box)
+        jobs.put(box)
+        time.sleep(rng.choice([0, 0, 0.0001, 0.0015, 0.0025, 0.004]))
+    stolen = [b.pop() for b in boxes[-50:] if b]  # what a result() would run itself
+    for job in stolen:
+        job()
+    jobs.stop()
+    t.join(10)
+    assert not t.is_alive()
+    assert sorted(ran) == list(range(400))
+    assert ran[: 400 - 50] == list(range(400 - 50))
