@@ -58,11 +58,16 @@ class PendingBatchStep:
         self._wait_s = wait_s
         # The queued change (a one-item list) while nobody has taken it.
         self._box: list | None = None
-        # result() has returned or raised once (the batch's next change need not ask again).
+        # result() has returned or raised (the batch's next change need not ask again).
         self.returned = False
 
     def result(self) -> BatchDelta:
-        self.returned = True
+        try:
+            return self._result()
+        finally:
+            self.returned = True
+
+    def _result(self) -> BatchDelta:
         done = self._done
         if done is not None:
             box = self._box
