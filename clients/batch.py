@@ -19,7 +19,6 @@ import weakref
 from typing import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
-from memory_broker.clients.session import STEP_WORKER
 from memory_broker.wire.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class PendingBatchStep:
     ``result()`` waits for that, or runs the change itself if the worker has not started it
     (it had no GIL: the engine thread ran Python all along)."""
 
-    __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s", "_box", "returned")
+    __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s", "_box")
 
     def __init__(self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None,
                  wait_s: float = 0.0):  # fmt: skip
@@ -58,16 +57,13 @@ class PendingBatchStep:
         self._wait_s = wait_s
         # The queued change (a one-item list) while nobody has taken it.
         self._box: list | None = None
-        # result() has returned or raised (the batch's next change need not ask again).
-        self.returned = False
+
+    @property
+    def settled(self) -> bool:
+        """Whether the change has run to its end (``result()`` will not wait or run it)."""
+        return self._finish is None and (self._done is None or not self._done.locked())
 
     def result(self) -> BatchDelta:
-        try:
-            return self._result()
-        finally:
-            self.returned = True
-
-    def _result(self) -> BatchDelta:
         done = self._done
         if done is not None:
             box = self._box
@@ -136,7 +132,6 @@ def _worker(jobs: _Jobs) -> None:
     """A background batch's thread: run each begun change (send, read the reply, account
     it) while the engine thread waits for its model. Ends at None (the batch released or
     collected). Holds the queue only, not the batch."""
-    STEP_WORKER.active = True  # its calls never wait for its own changes (session._wait_sent)
     items, wake, poll_s = jobs.items, jobs.wake, jobs.poll_s
     last = time.monotonic()
     while True:
@@ -228,7 +223,7 @@ class StepBatch:
         p = self._pending
         if p is not None:
             self._pending = None
-            if not p.returned:
+            if not p.settled:
                 try:
                     p.result()
                 except Exception:
@@ -270,28 +265,18 @@ class StepBatch:
             self._check_drops(drop_keys, kcount, "key")
         rel: list[str] = []
         own: list[AdapterLease] = []
-        for a in drop:
-            n = acount[a] - 1
-            if n:
-                acount[a] = n
+        for a in self._count_out(acount, drop):
+            del self.adapters[a]
+            if a in self._own:
+                own.append(self._own.pop(a))
             else:
-                del acount[a]
-                del self.adapters[a]
-                if a in self._own:
-                    own.append(self._own.pop(a))
-                else:
-                    rel.append(a)
+                rel.append(a)
         unpin: list[int] = []
         objects = self.objects
-        for k in drop_keys:
-            n = kcount[k] - 1
-            if n:
-                kcount[k] = n
-            else:
-                del kcount[k]
-                o = objects.pop(k, None)
-                if o is not None:
-                    unpin.append(o.object_id)
+        for k in self._count_out(kcount, drop_keys):
+            o = objects.pop(k, None)
+            if o is not None:
+                unpin.append(o.object_id)
         new_ids = [a for a in dict.fromkeys(add) if a not in acount]
         # Each key once: the batch holds one pin per key, whatever its count.
         new_keys = [k for k in dict.fromkeys(add_keys) if k not in objects]
@@ -334,7 +319,10 @@ class StepBatch:
                     sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
                     got = client._fast(sent.result)
             finally:
-                self._open(gate)
+                # The session's other calls may go now (this thread's own gRPC calls below
+                # would otherwise wait for this very gate).
+                client._unsent.remove(gate)
+                gate.release()
             for lease in own:  # over gRPC: after the gate, or this thread would wait for itself
                 lease.release()
             if st is None:
@@ -346,12 +334,18 @@ class StepBatch:
         finally:
             pending._done.release()
 
-    def _open(self, gate: threading.Lock) -> None:
-        try:
-            self.client._unsent.remove(gate)
-        except ValueError:
-            pass
-        gate.release()
+    @staticmethod
+    def _count_out(counts: dict, items: Sequence) -> list:
+        """Take one count off each of ``items`` (checked before); those whose last went."""
+        gone = []
+        for x in items:
+            n = counts[x] - 1
+            if n:
+                counts[x] = n
+            else:
+                del counts[x]
+                gone.append(x)
+        return gone
 
     @staticmethod
     def _check_drops(items: Sequence, counts: dict, what: str) -> None:
@@ -432,7 +426,7 @@ class StepBatch:
             try:
                 p.result()
             except Exception:
-                pass
+                pass  # its caller gets it from its own result()
         self.released = True
         if self._jobs is not None:
             self._jobs.stop()  # the worker ends

@@ -44,10 +44,6 @@ CHANNEL_OPTIONS = (
 LOST = "its anonymous objects, pins, open transactions and adapter leases are gone"
 
 
-# Marks a step batch's worker thread (clients/batch.py): its calls never wait for the
-# changes it is running itself.
-STEP_WORKER = threading.local()
-
 
 class BrokerSession:
     """The session half of ``BrokerClient``: open, mapped, kept alive, ended. Use ``BrokerClient.connect``."""
@@ -238,10 +234,7 @@ class BrokerSession:
 
     def _wait_sent(self) -> None:
         """Wait (at most ``timeout`` each) for the changes a background step batch queued
-        before this call to be answered by the broker (not in a batch's worker thread: it
-        makes those calls itself)."""
-        if getattr(STEP_WORKER, "active", False):
-            return
+        before this call to be answered by the broker."""
         for gate in list(self._unsent):
             if gate.acquire(timeout=self.timeout):
                 gate.release()

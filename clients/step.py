@@ -280,19 +280,13 @@ class StepPath(StepHoldings):
                     unpin = [o for o in unpin if o not in carried_o]
         # Releases first: what the step gives back makes room for what it takes.
         if release:
-            if self.caching:
-                direct_ids = self._drop_adapter_refs(release, now)
-                if direct_ids:
-                    ops.append(w.Op(w.OP_RELEASE, tuple(direct_ids)))
-            else:
-                ops.append(w.Op(w.OP_RELEASE, tuple(release)))
+            direct = self._drop_adapter_refs(release, now) if self.caching else release
+            if direct:
+                ops.append(w.Op(w.OP_RELEASE, tuple(direct)))
         if unpin:
-            if self.caching:
-                direct = self._drop_pin_refs(unpin, now)
-                if direct:
-                    ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
-            else:
-                ops.append(w.Op(w.OP_UNPIN, tuple(unpin)))
+            direct = self._drop_pin_refs(unpin, now) if self.caching else unpin
+            if direct:
+                ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
         if commit:
             ops.append(w.Op(w.OP_COMMIT, tuple(commit)))
         if abort:

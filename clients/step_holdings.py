@@ -36,6 +36,23 @@ class HeldPin:
     idle_since: float = 0.0
 
 
+
+def _drop_refs(held: dict, idle: dict, ids: Sequence, now: float) -> list:
+    """Drop one local reference on each of ``ids`` in ``held`` (a holding whose last goes
+    turns idle, kept at the broker); returns the ids held with no reference here, which the
+    caller gives back to the broker directly."""
+    direct = []
+    for i in ids:
+        h = held.get(i)
+        if h is None or h.refs <= 0:
+            direct.append(i)
+            continue
+        h.refs -= 1
+        if h.refs == 0:
+            h.idle_since = now
+            idle[i] = None
+    return direct
+
 class StepHoldings:
     """Mixed into ``StepPath``: the cache's records and counts (``adapters``, ``pins``, idle sets)."""
 
@@ -51,17 +68,7 @@ class StepHoldings:
     def _drop_adapter_refs(self, ids: Sequence[str], now: float) -> list[str]:
         """Drop local references; the ids this cache holds no reference on (acquired over
         gRPC, or prepared), to release at the broker now."""
-        direct = []
-        for aid in ids:
-            h = self.adapters.get(aid)
-            if h is None or h.refs <= 0:
-                direct.append(aid)
-                continue
-            h.refs -= 1
-            if h.refs == 0:
-                h.idle_since = now
-                self._idle_a[aid] = None
-        return direct
+        return _drop_refs(self.adapters, self._idle_a, ids, now)
 
     def _add_pin(self, rec: w.ObjectRecord, now: float) -> None:
         """Account one broker pin; the entry is idle until a reference is taken."""
@@ -83,17 +90,7 @@ class StepHoldings:
 
     def _drop_pin_refs(self, oids: Sequence[int], now: float) -> list[int]:
         """Drop local references; the ids this cache does not hold, to unpin at the broker."""
-        direct = []
-        for oid in oids:
-            h = self.pins.get(oid)
-            if h is None or h.refs <= 0:
-                direct.append(oid)
-                continue
-            h.refs -= 1
-            if h.refs == 0:
-                h.idle_since = now
-                self._idle_p[oid] = None
-        return direct
+        return _drop_refs(self.pins, self._idle_p, oids, now)
 
     def add_pins(self, recs: Sequence[w.ObjectRecord]) -> None:
         """Account pins a frame's PIN op took (one reference each)."""

@@ -236,7 +236,7 @@ def _zero_copy_refusal(manager) -> str | None:
         if get_tensor_model_parallel_world_size() > 1:
             return "tensor parallelism is not supported"
     except (AssertionError, RuntimeError):
-        pass
+        pass  # no model-parallel group set up (one process): nothing is split
     return None
 
 
