@@ -46,22 +46,22 @@ test: venv vllm-venv proto-check
 	@# engines in $(VLLM_VENV)'s python; here they must run, not skip.
 	MEMORY_BROKER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python MEMORY_BROKER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q
 
-# Regenerate proto/wire/v1/*_pb2*.py (the package memory_broker.wire.v1) from proto/broker/v1.
+# Regenerate proto/wire/v1/*_pb2*.py (the package memory_broker.proto.wire.v1) from proto/broker/v1.
 # Generated code is committed. The .proto files keep their buf layout (proto/broker/v1, package
 # broker.v1, so the gRPC service stays broker.v1.MemoryBroker); protoc sees them under
-# memory_broker/wire/v1 so the generated modules import each other through the project's import root.
-PROTO_STAGE = mkdir -p $$tmp/src/memory_broker/wire $$tmp/out && cp -r proto/broker/v1 $$tmp/src/memory_broker/wire/v1 && \
+# memory_broker/proto/wire/v1 so the generated modules import each other through the project's import root.
+PROTO_STAGE = mkdir -p $$tmp/src/memory_broker/proto/wire $$tmp/out && cp -r proto/broker/v1 $$tmp/src/memory_broker/proto/wire/v1 && \
 	(cd $$tmp/src && $(CURDIR)/$(PY) -m grpc_tools.protoc -I . --python_out=$$tmp/out --pyi_out=$$tmp/out \
-	--grpc_python_out=$$tmp/out memory_broker/wire/v1/*.proto)
+	--grpc_python_out=$$tmp/out memory_broker/proto/wire/v1/*.proto)
 
 proto: venv
-	@tmp=$$(mktemp -d) && $(PROTO_STAGE) && cp $$tmp/out/memory_broker/wire/v1/*.py* proto/wire/v1/ && rm -rf $$tmp && echo "regenerated proto/wire/v1"
+	@tmp=$$(mktemp -d) && $(PROTO_STAGE) && cp $$tmp/out/memory_broker/proto/wire/v1/*.py* proto/wire/v1/ && rm -rf $$tmp && echo "regenerated proto/wire/v1"
 
 # Fails when the committed generated code is stale.
 proto-check: venv
 	@tmp=$$(mktemp -d) && $(PROTO_STAGE) && \
-	if diff -r -x __init__.py -x __pycache__ $$tmp/out/memory_broker/wire/v1 proto/wire/v1 >/dev/null; then rm -rf $$tmp; echo "generated code is up to date"; \
-	else diff -r -x __init__.py -x __pycache__ $$tmp/out/memory_broker/wire/v1 proto/wire/v1 | head -20; rm -rf $$tmp; echo "generated code is stale: run 'make proto' and commit"; exit 1; fi
+	if diff -r -x __init__.py -x __pycache__ $$tmp/out/memory_broker/proto/wire/v1 proto/wire/v1 >/dev/null; then rm -rf $$tmp; echo "generated code is up to date"; \
+	else diff -r -x __init__.py -x __pycache__ $$tmp/out/memory_broker/proto/wire/v1 proto/wire/v1 | head -20; rm -rf $$tmp; echo "generated code is stale: run 'make proto' and commit"; exit 1; fi
 
 bench: venv
 	$(PY) ops/bench/bench_core.py

@@ -6,8 +6,8 @@ from typing import Any
 
 from memory_broker.clients.adapters import AdapterLease, AdapterTables, LeasedAdapter
 from memory_broker.clients.client import BrokerClient, BrokerObject, Transaction
-from memory_broker.wire.errors import BrokerError, Code
-from memory_broker.wire.spec import Spec
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.spec import Spec
 
 # Multi-LoRA in an engine (clients.lora) imports torch: loaded on first use, so a client
 # that only allocates pages never imports it.

@@ -18,8 +18,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from memory_broker.wire.errors import BrokerError, Code
-from memory_broker.wire.layout import AdapterLayout, offset_table, row_offsets
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.layout import AdapterLayout, offset_table, row_offsets
 
 
 class LeaseHolder(Protocol):

@@ -16,11 +16,11 @@ from typing import Iterator
 import grpc
 
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
-from memory_broker.wire import session as wire_session
-from memory_broker.wire.errors import BrokerError, Code
-from memory_broker.wire.session import session_metadata, version_mismatch
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc
+from memory_broker.proto.wire import session as wire_session
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.session import session_metadata, version_mismatch
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
 
 @contextlib.contextmanager

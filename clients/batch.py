@@ -19,7 +19,7 @@ import weakref
 from typing import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
-from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class PendingBatchStep:
     __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s", "_box")
 
     def __init__(self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None,
-                 wait_s: float = 0.0):  # fmt: skip
+                 wait_s: float = 0.0):
         # Run by the caller of ``result()`` (None: the worker runs the change).
         self._finish = finish
         self._delta: BatchDelta | None = None
@@ -210,12 +210,12 @@ class StepBatch:
     # ------------------------------------------------------------ changes
 
     def update(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
-               drop_keys: Sequence[bytes] = ()) -> BatchDelta:  # fmt: skip
+               drop_keys: Sequence[bytes] = ()) -> BatchDelta:
         """Apply one change in one round trip (none when the step cache has all of it)."""
         return self.begin(add, drop, add_keys, drop_keys, _inline=True).result()
 
     def begin(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
-              drop_keys: Sequence[bytes] = (), *, _inline: bool = False) -> PendingBatchStep:  # fmt: skip
+              drop_keys: Sequence[bytes] = (), *, _inline: bool = False) -> PendingBatchStep:
         """Send one change now; ``result()`` reads the reply (after the model's work). A
         background batch hands the change to its worker thread instead, which checks, sends
         and accounts it while the caller goes on (a bad drop's ValueError then comes from
@@ -249,7 +249,7 @@ class StepBatch:
             else:
                 sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
                 pending = PendingBatchStep(lambda: self._finish(client._fast(sent.result), sent.sent, add, new_ids,
-                                                                add_keys, new_keys))  # fmt: skip
+                                                                add_keys, new_keys))
         self._pending = pending
         return pending
 

@@ -22,12 +22,12 @@ from typing import Callable, Iterable, Iterator, Sequence
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.fastpath import PendingStepLease, StepCalls, StepLease
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST, BrokerSession
-from memory_broker.wire.errors import BrokerError, Code
-from memory_broker.wire.layout import AdapterLayout
-from memory_broker.wire.messages import TIER_NAMES, layout_from_proto, spec_to_proto
-from memory_broker.wire import step as _w
-from memory_broker.wire.spec import Spec
-from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.layout import AdapterLayout
+from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto, spec_to_proto
+from memory_broker.proto.wire import step as _w
+from memory_broker.proto.wire.spec import Spec
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 __all__ = ["BrokerClient", "BrokerObject", "Spec", "Transaction", "StepLease", "PendingStepLease", "CHANNEL_OPTIONS", "LOST"]
 
@@ -36,7 +36,7 @@ class BrokerObject:
     """An allocation as this process sees it: ids, pages, and tensors over its own mapping."""
 
     __slots__ = ("client", "object_id", "pages", "window_page", "key", "content_type", "state",
-                 "deduplicated", "owned", "session_pins", "total_pins", "session_id", "epoch")  # fmt: skip
+                 "deduplicated", "owned", "session_pins", "total_pins", "session_id", "epoch")
 
     def __init__(self, client: "BrokerClient", info: pb.ObjectInfo):
         self.client = client
@@ -87,7 +87,7 @@ class BrokerObject:
 
     def __repr__(self) -> str:
         return (f"BrokerObject(id={self.object_id}, pages={len(self.pages)}, window_page={self.window_page}, "
-                f"key={self.key!r}, deduplicated={self.deduplicated})")  # fmt: skip
+                f"key={self.key!r}, deduplicated={self.deduplicated})")
 
 
 class Transaction:
@@ -174,7 +174,7 @@ class BrokerClient(StepCalls, BrokerSession):
         return cls(
             socket_path, client_name or f"pid-{os.getpid()}", on_event, timeout, wait_s, reconnect_s,
             fast_path=fast_path, hold_s=hold_s,
-        )  # fmt: skip
+        )
 
     def _session_opened(self) -> None:
         # A new broker may lay adapters out differently (another dtype or page size).

@@ -19,9 +19,9 @@ from typing import Callable, Sequence
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
-from memory_broker.wire import step as _w
-from memory_broker.wire.errors import BrokerError, Code
-from memory_broker.wire.messages import layout_from_proto
+from memory_broker.proto.wire import step as _w
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.messages import layout_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class StepCalls:
         st = self._step_path()
         if st is None:
             return PendingStepLease(lambda: self.step(ids, keys, max_adapters=max_adapters, prepare=prepare,
-                                                      lease_s=lease_s, commit=commit, release=release))  # fmt: skip
+                                                      lease_s=lease_s, commit=commit, release=release))
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return PendingStepLease(lambda: same)
@@ -128,7 +128,7 @@ class StepCalls:
             send, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
             commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
             release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys), carry=carry,
-        )  # fmt: skip
+        )
 
     def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> "StepLease | None":
         """The steady state: a step asking for what ``release`` holds takes it over (the
@@ -136,7 +136,7 @@ class StepCalls:
         if (
             release is None or not st.caching or prepare or commit is not None
             or not release.same_as(ids, keys, max_adapters) or st.sweep_due()
-        ):  # fmt: skip
+        ):
             return None
         release.released = True
         sl = StepLease(self, release.adapters, release.objects, ids, keys, max_adapters)
@@ -302,7 +302,7 @@ class StepCalls:
                 layout = layout_from_proto(self.adapter_layout(aid))
                 self._layout_cache[aid] = layout
             la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
-                                          _w.TIER_NAMES.get(rec.found_in, "hot"))  # fmt: skip
+                                          _w.TIER_NAMES.get(rec.found_in, "hot"))
         if rec.found_in != _w.TIER_HOT:
             la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
         else:
@@ -345,7 +345,7 @@ class StepLease:
     def __init__(
         self, client, adapters, objects: list, adapter_ids: list[str] = (),
         keys: Sequence[bytes] = (), max_adapters: int = 0,
-    ):  # fmt: skip
+    ):
         self.client = client
         self.epoch = client.epoch
         # What the step asked for (a next step asking the same may take this one's holdings over).

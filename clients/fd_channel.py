@@ -1,6 +1,6 @@
 """The fd side channel, client side: fetches the arena's slab fds from a broker (blocking).
 
-This module speaks the protocol of ``memory_broker.wire.fd_channel`` and returns fds
+This module speaks the protocol of ``memory_broker.proto.wire.fd_channel`` and returns fds
 that the caller owns and must close; it maps nothing and knows nothing of sessions beyond
 the token. It must not import torch or gRPC.
 """
@@ -13,7 +13,7 @@ import resource
 import socket
 import time
 
-from memory_broker.wire import fd_channel as proto
+from memory_broker.proto.wire import fd_channel as proto
 
 # A failed fetch: ``code`` as sent by the server, "UNAVAILABLE" when the socket cannot be
 # reached or does not answer in time, "INTERNAL" when the reply breaks the protocol.

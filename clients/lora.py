@@ -335,7 +335,7 @@ class LoRALinear(nn.Module):
                 xk, flat, batch.arena, a_off, b_off, ranks, scalings, batch.token_slot,
                 [self.slice_offsets[j] for j in slices], [self.slice_sizes[j] for j in slices],
                 plan=batch.plan, row_align=batch.row_align, backend=batch.backend,
-            )  # fmt: skip
+            )
         return out
 
 
@@ -472,7 +472,7 @@ class LoraModel:
                     out = self.model(
                         input_ids=token[:, None], attention_mask=mask, position_ids=positions,
                         past_key_values=out.past_key_values, use_cache=True, **extra,
-                    )  # fmt: skip
+                    )
         return Generation(new, torch.stack(steps, dim=1) if output_logits else None)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 DEFAULT_LIMIT = 65530

@@ -19,16 +19,16 @@ from typing import Callable, Iterator, Sequence, Self
 
 import grpc
 
-from memory_broker.wire.arena import ArenaGeometry
-from memory_broker.wire.arena.host import HostArenaView
+from memory_broker.proto.wire.mapping import ArenaGeometry
+from memory_broker.proto.wire.mapping.host import HostArenaView
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 from memory_broker.clients.mappings import MappingBudget
-from memory_broker.wire import session as wire_session
-from memory_broker.wire.errors import BrokerError, Code
-from memory_broker.wire.session import session_metadata, version_mismatch
-from memory_broker.wire.status import code_of, error_from_rpc
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc
+from memory_broker.proto.wire import session as wire_session
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.session import session_metadata, version_mismatch
+from memory_broker.proto.wire.status import code_of, error_from_rpc
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class BrokerSession:
 
     def _make_view(self, arena: pb.ArenaInfo | None = None, geometry: ArenaGeometry | None = None):
         """An empty view of ``arena`` (default: the current session's)."""
-        from memory_broker.wire.arena import open_view
+        from memory_broker.proto.wire.mapping import open_view
 
         arena = arena if arena is not None else self.arena
         geometry = geometry if geometry is not None else self.geometry

@@ -1,7 +1,7 @@
 """The client's step path: one compact round trip per engine step, none when nothing changed.
 
 ``StepTransport`` (``step_transport.py``) is a blocking Unix socket to the broker's step
-channel (the frames of ``memory_broker.wire.step``, authenticated by the session token and this
+channel (the frames of ``memory_broker.proto.wire.step``, authenticated by the session token and this
 process's credentials). ``StepPath`` sits on it for one session: it sends batches of ops and, when asked to
 (``hold_s > 0``), keeps a cache of the adapters and pins this process holds, with local
 reference counts. A release to count 0 is not sent at once: the broker keeps that pin (so
@@ -23,8 +23,8 @@ from typing import Sequence
 from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
 from memory_broker.clients.step_pending import PendingDelta, PendingStep, StepOutcome, _Plan
 from memory_broker.clients.step_transport import StepTransport, StepUnavailable
-from memory_broker.wire import step as w
-from memory_broker.wire.errors import BrokerError
+from memory_broker.proto.wire import step as w
+from memory_broker.proto.wire.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class StepPath(StepHoldings):
             plan = self._plan(
                 list(adapter_ids) if acquire else None, list(keys) if lookup else None, max_adapters, prepare,
                 lease_ms, commit, abort, release, unpin, pin_keys, carry,
-            )  # fmt: skip
+            )
             reply = self.send(plan.ops) if plan.ops else None
             return self._finish(plan, reply)
 
@@ -125,7 +125,7 @@ class StepPath(StepHoldings):
                 list(adapter_ids) if acquire else None, list(keys) if lookup else None, kw.pop("max_adapters", 0),
                 kw.pop("prepare", False), kw.pop("lease_ms", 0), kw.pop("commit", ()), kw.pop("abort", ()),
                 kw.pop("release", ()), kw.pop("unpin", ()), kw.pop("pin_keys", True), kw.pop("carry", (False, False)),
-            )  # fmt: skip
+            )
             if kw:
                 raise TypeError(f"unknown arguments {sorted(kw)}")
             p = PendingStep(self, plan)
@@ -311,7 +311,7 @@ class StepPath(StepHoldings):
                 ops.append(
                     w.Op(w.OP_ACQUIRE, tuple(missing_ids) if caching else tuple(ids),
                          w.ACQUIRE_PREPARE if prepare else 0, 0 if caching else cap, lease_ms)
-                )  # fmt: skip
+                )
         cached_objs: list[w.ObjectRecord] = []
         tail_keys: list[bytes] = []
         if keys is not None:
@@ -342,7 +342,7 @@ class StepPath(StepHoldings):
         if self.caching:
             ops.extend(self._flush_ops(now, force=False))
         return _Plan(out, ops, now, caching, acq_index, look_index, admitted, missing_ids, cached_objs, ids, keys,
-                     pin_keys, held, own)  # fmt: skip
+                     pin_keys, held, own)
 
     def _finish(self, plan: "_Plan", reply: w.StepReply | None) -> StepOutcome:
         out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from memory_broker.wire import step as w
+from memory_broker.proto.wire import step as w
 
 
 @dataclass(slots=True)

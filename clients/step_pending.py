@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memory_broker.wire import step as w
+from memory_broker.proto.wire import step as w
 
 
 @dataclass(slots=True)
@@ -101,7 +101,7 @@ class PendingDelta:
     """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
 
     __slots__ = ("_path", "acquire", "held", "missing", "acq", "cached", "look", "own", "sent", "_reply_done",
-                 "_out", "_error")  # fmt: skip
+                 "_out", "_error")
 
     def __init__(self, path, acquire, held, missing, acq, cached, look, own, sent):
         self._path = path

@@ -1,7 +1,7 @@
 """The client's step socket: a blocking, authenticated Unix socket to the broker's step channel.
 
 ``StepTransport`` connects, says HELLO with the session token (the broker checks it and this
-process's credentials), and sends and receives whole frames of ``memory_broker.wire.step``; one
+process's credentials), and sends and receives whole frames of ``memory_broker.proto.wire.step``; one
 call at a time (its caller locks). It knows nothing of what the frames mean (``step.py``).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 
-from memory_broker.wire import step as w
+from memory_broker.proto.wire import step as w
 
 
 class StepUnavailable(Exception):

@@ -21,7 +21,7 @@ from .dispatch import choose_backend, lora_apply
 _KERNEL_NAMES = frozenset({"shrink", "expand", "RANK_BLOCK"})
 
 __all__ = ["BatchPlan", "SegmentTiles", "choose_backend", "choose_path", "lora_apply", "plan_batch",
-           *sorted(_KERNEL_NAMES)]  # fmt: skip
+           *sorted(_KERNEL_NAMES)]
 
 
 def __getattr__(name: str) -> Any:

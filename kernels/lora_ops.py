@@ -58,7 +58,7 @@ def _shrink_token_kernel(
     ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):  # fmt: skip
+):
     """Program (token t, slice j, row block rb): y[j, t, rows] = x[t] · A rows, no tl.dot."""
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -96,7 +96,7 @@ def _expand_token_kernel(
     ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     """Program (token t, slice j, column block nb): out[t, cols] += s · y[j, t, :r] · Bᵀ rows."""
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -144,7 +144,7 @@ def _shrink_segment_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):  # fmt: skip
+):
     """Program (tile, column block): y for up to BLOCK_M tokens of one slot, tl.dot over K.
 
     Columns are (slice, row) pairs, c = j * rank + i, so every slice of a low-rank adapter
@@ -177,7 +177,7 @@ def _shrink_segment_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         xt = tl.load(x_ptr + tok[:, None] * stride_xt + ks[None, :] * stride_xk,
-                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
         # [BLOCK_N, BLOCK_K]: each row contiguous in the arena, so load rows and transpose.
         wt = tl.load(arena_ptr + row_off[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PRECISION)
@@ -198,7 +198,7 @@ def _expand_segment_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-):  # fmt: skip
+):
     """Program (tile, slice j, column block): out tile += s · y tile · Bᵀ rows, tl.dot over rank.
 
     The dot runs in fp32 (tf32 on tensor cores for fp16/bf16 weights): the weights convert
@@ -230,7 +230,7 @@ def _expand_segment_kernel(
         rows = r0 + tl.arange(0, BLOCK_R)
         row_ok = rows < rank
         yt = tl.load(y_ptr + j * stride_yj + tok[:, None] * stride_yt + rows[None, :],
-                     mask=tok_ok[:, None] & row_ok[None, :], other=0.0)  # fmt: skip
+                     mask=tok_ok[:, None] & row_ok[None, :], other=0.0)
         row_off = tl.load(b_rows + rows, mask=row_ok, other=0)
         if ROW_ALIGN > 1:
             row_off = tl.multiple_of(row_off, ROW_ALIGN)
@@ -378,7 +378,7 @@ def shrink(
             a_offsets.stride(0), a_offsets.stride(1),
             y.stride(0), y.stride(1),
             ROW_ALIGN=row_align, BLOCK_R=RANK_BLOCK, BLOCK_K=TOKEN_SHRINK_BLOCK_K,
-        )  # fmt: skip
+        )
     else:
         seg = plan.segments
         block_n = segment_shrink_block_n(num_slices, max_rank)
@@ -393,7 +393,7 @@ def shrink(
             ROW_ALIGN=row_align, DOT_PRECISION=dot_precision(arena.dtype),
             BLOCK_M=seg.block_m, BLOCK_N=block_n, BLOCK_K=SEGMENT_SHRINK_BLOCK_K,
             num_warps=segment_shrink_warps(seg.block_m, block_n),
-        )  # fmt: skip
+        )
     return y
 
 
@@ -480,7 +480,7 @@ def _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets
             b_offsets.stride(0), b_offsets.stride(1),
             out.stride(0), out.stride(1),
             ROW_ALIGN=row_align, BLOCK_R=RANK_BLOCK, BLOCK_N=TOKEN_EXPAND_BLOCK_N,
-        )  # fmt: skip
+        )
     else:
         seg = plan.segments
         grid = (seg.num_tiles, num_slices, triton.cdiv(max(slice_sizes), SEGMENT_EXPAND_BLOCK_N))
@@ -494,7 +494,7 @@ def _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets
             ROW_ALIGN=row_align, DOT_PRECISION=dot_precision(arena.dtype),
             BLOCK_M=seg.block_m, BLOCK_N=SEGMENT_EXPAND_BLOCK_N, BLOCK_R=RANK_BLOCK,
             num_warps=segment_expand_warps(seg.block_m),
-        )  # fmt: skip
+        )
     return out
 
 
@@ -527,4 +527,4 @@ def lora_apply(
     return expand(
         y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets, slice_sizes,
         plan=plan, row_align=row_align,
-    )  # fmt: skip
+    )

@@ -19,8 +19,8 @@ import pytest
 from memory_broker.broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView
-from memory_broker.broker.objects import ObjectStore, StoreConfig
-from memory_broker.broker.pool import PagePool, WindowSpace
+from memory_broker.broker.store.objects import ObjectStore, StoreConfig
+from memory_broker.broker.store.pool import PagePool, WindowSpace
 
 LLAMA = dict(
     vocab_size=128,

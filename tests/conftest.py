@@ -83,7 +83,7 @@ def start_broker(*extra: str, socket: str | None = None, wait: bool = True) -> B
     args = [
         sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host",
         "--state-dir", os.path.join(d, "state"), *SMALL, *extra,
-    ]  # fmt: skip
+    ]
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     b = Broker(socket, proc, log_path, args)

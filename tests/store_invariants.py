@@ -8,8 +8,8 @@ code never imports it.
 
 from __future__ import annotations
 
-from memory_broker.broker.objects import ObjectState, ObjectStore
-from memory_broker.broker.pool import FREE
+from memory_broker.broker.store.objects import ObjectState, ObjectStore
+from memory_broker.broker.store.pool import FREE
 
 
 def check_invariants(store: ObjectStore) -> None:

@@ -22,8 +22,8 @@ from memory_broker.broker.adapters.entry import (
 )
 from memory_broker.broker.adapters.policy import POLICIES
 from memory_broker.broker.adapters.records import Tier
-from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig
-from memory_broker.broker.pool import PagePool, WindowSpace
+from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
+from memory_broker.broker.store.pool import PagePool, WindowSpace
 
 # ----------------------------------------------------------------- state machine
 
@@ -108,7 +108,7 @@ def test_state_is_derived_from_facts_through_a_whole_life():
     e = _entry_in(EntryState.COLD)
     seen = [e.state]
     for event in (EntryEvent.WARM_START, EntryEvent.WARM_DONE, EntryEvent.LOAD_START, EntryEvent.LOAD_DONE,
-                  EntryEvent.HOT_DROPPED, EntryEvent.WARM_DROPPED, EntryEvent.REMOVE):  # fmt: skip
+                  EntryEvent.HOT_DROPPED, EntryEvent.WARM_DROPPED, EntryEvent.REMOVE):
         _fire(e, event)
         seen.append(e.state)
     S = EntryState

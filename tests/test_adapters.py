@@ -44,9 +44,9 @@ from memory_broker.broker.adapters.dtypes import bf16_bits_to_f32, f32_to_bf16_b
 from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.broker.adapters.policy import GDSFPolicy, LFUPolicy, LRUPolicy
 from memory_broker.broker.arena.host import host_buffer
-from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.eviction import ContentType
-from memory_broker.broker.objects import Spec
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.broker.store.eviction import ContentType
+from memory_broker.broker.store.objects import Spec
 from store_invariants import check_invariants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import torch
 
-from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.clients import AdapterTables, BrokerClient
 from adapter_fixtures import edit_config, copy_adapter, peft_dirs  # noqa: F401 - fixture
 from conftest import ROOT, run_child, start_broker
@@ -178,7 +178,7 @@ def test_adapters_command_lists_registers_and_shows(peft_dirs):  # noqa: F811
             return subprocess.run(
                 [sys.executable, "-m", "memory_broker.broker.cli", "adapters", "--socket", b.socket, *args],
                 cwd=ROOT, capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
+            )
 
         r = cli("register", "r4", peft_dirs["r4"])
         assert r.returncode == 0 and "registered r4: rank 4" in r.stdout, r.stderr

@@ -24,9 +24,9 @@ import memory_broker.broker.arena as arena_pkg
 from memory_broker.broker.arena import make_arena
 from memory_broker.broker.arena.cuda import CudaArena
 from memory_broker.broker.arena.host import HostArena
-from memory_broker.wire.arena import ArenaGeometry, open_view
-from memory_broker.wire.arena import cuda as cu
-from memory_broker.wire.arena.cuda import (
+from memory_broker.proto.wire.mapping import ArenaGeometry, open_view
+from memory_broker.proto.wire.mapping import cuda as cu
+from memory_broker.proto.wire.mapping.cuda import (
     CudaArenaView,
     CudaError,
     CudaUnavailable,
@@ -103,7 +103,7 @@ class FakeDriver:
     # Calls that need no current context.
     NO_CONTEXT = {"cuInit", "cuGetErrorName", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetUuid",
                   "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent",
-                  "cuThreadExchangeStreamCaptureMode"}  # fmt: skip
+                  "cuThreadExchangeStreamCaptureMode"}
 
     def __init__(self, devices=None, init_error=None, init_raises=None, granularity=GRAN):
         self.devices = devices if devices is not None else [FakeDevice()]
@@ -174,7 +174,7 @@ class FakeDriver:
     def _access_name(self, flags):
         assert isinstance(flags, real.CUmemAccess_flags), f"access flags must be CUmemAccess_flags, got {flags!r}"
         return {real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ: "r",
-                real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: "rw"}[flags]  # fmt: skip
+                real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: "rw"}[flags]
 
     def _granules(self, va, size):
         return range(va, va + size, self.granularity)
@@ -228,7 +228,7 @@ class FakeDriver:
     def cuDeviceGetAttribute(self, attr, dev):
         assert isinstance(attr, real.CUdevice_attribute)
         name = {real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: "vmm",
-                real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: "posix"}[attr]  # fmt: skip
+                real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: "posix"}[attr]
         return (self._r(OK), getattr(self.devices[self._dev(dev)], name))
 
     def cuDevicePrimaryCtxRetain(self, dev):
@@ -846,7 +846,7 @@ def test_a_client_view_imports_fds_and_mirrors_window_placements(fake, fake_torc
         assert ("cuStreamSynchronize", 0x51) in fake.calls and "cuCtxSynchronize" not in names
         assert fake.sticky is None
         assert v.window_segments() == [(10, 1, 1, 1), (11, 1, 0, 0), (12, 1, 1, 3), (13, 2, 2, 0),
-                                       (15, 1, 0, 2), (16, 1, 2, 3)]  # fmt: skip
+                                       (15, 1, 0, 2), (16, 1, 2, 3)]
         # Unmapping a range that cuts segments on both sides.
         fake.calls.clear()
         v.unmap_window(12, 2)
@@ -890,7 +890,7 @@ def test_readonly_slabs_and_windows(fake):
         v.map_window(0, [0, 1, 4, 5])
         v.map_window(8, [6], readonly=True)
         acc = {(va - v.window_base) // g.page_size: m["access"] for va, m in fake.mappings.items()
-               if v.window_base <= va < v.window_base + g.window_pages * g.page_size}  # fmt: skip
+               if v.window_base <= va < v.window_base + g.window_pages * g.page_size}
         assert acc == {0: "r", 2: "rw", 8: "r"}
         assert fake.mappings[v.phys_base]["access"] == "r"
         assert fake.mappings[v.phys_base + g.slab_size]["access"] == "rw"
@@ -1094,7 +1094,7 @@ def test_cuda_array_interface_describes_bytes():
 
 
 def test_client_make_view_turns_cuda_errors_into_failed_precondition(monkeypatch):
-    from memory_broker.broker.errors import BrokerError, Code
+    from memory_broker.proto.wire.errors import BrokerError, Code
     from memory_broker.clients.client import BrokerClient
 
     drv = FakeDriver(init_raises=OSError("no libcuda"))
@@ -1237,7 +1237,7 @@ def test_close_with_a_live_tensor_unmaps_when_the_last_one_goes(fake, fake_torch
     t = v.tensor(v.page_address(5), g.page_size)
     w = v.tensor(v.window_address(0), g.page_size).view(torch.float16)
     mine = {va for va in fake.mappings if v.phys_base <= va < v.phys_base + g.max_pages * g.page_size
-            or v.window_base <= va < v.window_base + g.window_pages * g.page_size}  # fmt: skip
+            or v.window_base <= va < v.window_base + g.window_pages * g.page_size}
     fake.calls.clear()
     v.close()  # returns; the view is closed, its memory still mapped under the tensors
     assert fake.calls == [] and mine <= set(fake.mappings)
@@ -1294,7 +1294,7 @@ def test_unmapping_waits_only_for_the_streams_that_used_the_range(fake, fake_tor
         fake.calls.clear()
         v.unmap_window(4, 2)
         assert [c for c in fake.calls if c[0].endswith("Synchronize")] == [
-            ("cuStreamSynchronize", 0xB), ("cuStreamSynchronize", 0xC)]  # fmt: skip
+            ("cuStreamSynchronize", 0xB), ("cuStreamSynchronize", 0xC)]
         assert fake.sticky is None and not fake.pending
         # Every mapping call ran in relaxed capture mode, restored afterwards.
         modes = [m for _, m in fake.mode_changes]
@@ -1409,7 +1409,7 @@ def test_host_only_adapter_helpers_refuse_the_cuda_arena(fake):
     try:
         a.grow(1)
         with pytest.raises(ValueError, match="read_matrix reads and writes arena addresses on the host, but this "
-                                             "CudaArenaView's memory is on a GPU"):  # fmt: skip
+                                             "CudaArenaView's memory is on a GPU"):
             read_matrix(a.view, None, [0], 0, "q_proj", "A")
         with pytest.raises(ValueError, match="HostPageWriter .* on a GPU; use TensorPageWriter"):
             HostPageWriter(a.view)

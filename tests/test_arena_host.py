@@ -18,8 +18,8 @@ from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 from memory_broker.broker.server.options import ServeOptions
 from memory_broker.broker.server.options import format_size as options_format_size
-from memory_broker.wire.arena import check_sizes, format_size, host
-from memory_broker.wire.arena.view import page_runs
+from memory_broker.proto.wire.mapping import check_sizes, format_size, host
+from memory_broker.proto.wire.mapping.view import page_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -439,8 +439,8 @@ def test_the_client_side_of_the_arena_loads_no_daemon_module() -> None:
     code = textwrap.dedent(
         """
         import sys
-        from memory_broker.wire.arena import ArenaGeometry, open_view
-        import memory_broker.wire.arena.cuda
+        from memory_broker.proto.wire.mapping import ArenaGeometry, open_view
+        import memory_broker.proto.wire.mapping.cuda
         view = open_view("host", ArenaGeometry(page_size=65536, pages_per_slab=4, max_slabs=2, window_pages=8))
         view.close()
         loaded = sorted(m for m in sys.modules if m.startswith("memory_broker.broker") or m in ("torch", "grpc"))
@@ -515,8 +515,8 @@ def test_page_runs_split_at_gaps_slab_boundaries_and_changes_of_key() -> None:
 CHILD = textwrap.dedent(
     """
     import ctypes, os, socket, sys
-    from memory_broker.wire.arena import ArenaGeometry
-    from memory_broker.wire.arena.host import HostArenaView
+    from memory_broker.proto.wire.mapping import ArenaGeometry
+    from memory_broker.proto.wire.mapping.host import HostArenaView
 
     sock = socket.socket(fileno=int(sys.argv[1]))
     _, fds, _, _ = socket.recv_fds(sock, 16, 8)

@@ -19,7 +19,7 @@ def bench(script: str, *args: str) -> str:
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "ops", "bench", script), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r.stdout
 
@@ -27,7 +27,7 @@ def bench(script: str, *args: str) -> str:
 def test_bench_adapters_quick_run_prints_every_table():
     out = bench("bench_adapters.py", "--quick", "--runs", "3")
     for title in ("1. load bandwidth", "end to end through AdapterManager.acquire", "2. adapter slots",
-                  "3. Zipf", "4. registry"):  # fmt: skip
+                  "3. Zipf", "4. registry"):
         assert title in out, out
     assert "acquire cold->hot, first after register" in out and "cold->warm  cached, read image" in out
 
@@ -55,7 +55,7 @@ def test_bench_scale_quick_run_prints_every_operation_and_the_adapter_rows():
     for op in ("stats read", "contiguous place + release", "allocation crossing the high watermark", "allocation just before it (same batch, below)",
                "session end: longest single stall", "allocate + free under full turnover", "Echo RPC while a session owning N objects ends",
                "ListAdapters page (50) + total", "Echo RPC while conversions drain",
-               "largest / smallest median", "memory per object", "Belady"):  # fmt: skip
+               "largest / smallest median", "memory per object", "Belady"):
         assert op in out, out
 
 
@@ -68,6 +68,6 @@ def test_bench_step_quick_run_prints_every_path_and_both_targets():
     out = bench("bench_step.py", "--quick", "--steps", "60")
     for row in ("raw Unix-socket ping-pong", "step channel PING", "gRPC Echo", "gRPC, 4 calls (old path)",
                 "step channel, client.step()", "cache, client.step()", "cache, step_begin (pipelined)",
-                "cache, StepBatch.update() (blocking)", "cache, StepBatch begin+result (overlap)"):  # fmt: skip
+                "cache, StepBatch.update() (blocking)", "cache, StepBatch begin+result (overlap)"):
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 
-from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig
-from memory_broker.broker.pool import PagePool, WindowSpace
+from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
+from memory_broker.broker.store.pool import PagePool, WindowSpace
 from store_invariants import check_invariants
 
 
@@ -150,7 +150,7 @@ def test_lease_expiry_and_the_next_deadline_skip_transactions_that_ended_early()
     now = [100.0]
     pool = PagePool(512, 512, 512, lambda slabs: None)
     store = ObjectStore(pool, WindowSpace(2048), config=StoreConfig(high_watermark=1.0, low_watermark=1.0),
-                        clock=lambda: now[0])  # fmt: skip
+                        clock=lambda: now[0])
     sid = store.open_session()
     txns = [store.prepare(sid, [Spec(1)], lease_s=float(1 + i % 5)) for i in range(100)]
     # Transactions with the earliest deadlines end early: the next deadline is a live one.

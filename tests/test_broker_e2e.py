@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.clients import BrokerClient, Spec
 from conftest import ROOT, read_line, run_child, spawn_child, start_broker
 
@@ -35,7 +35,7 @@ class ByteCounter(grpc.UnaryUnaryClientInterceptor):
 def test_two_processes_share_a_keyed_object_without_copying(broker):
     counter = ByteCounter()
     with BrokerClient.connect(broker.socket, client_name="writer") as c:
-        c._stub = __import__("memory_broker.wire.v1.broker_pb2_grpc", fromlist=["x"]).MemoryBrokerStub(
+        c._stub = __import__("memory_broker.proto.wire.v1.broker_pb2_grpc", fromlist=["x"]).MemoryBrokerStub(
             grpc.intercept_channel(c._channel, counter)
         )
         obj = c.allocate([Spec(4, contiguous=True, content_type="kv_cache", key=b"chunk-0")])[0]
@@ -295,7 +295,7 @@ def test_a_second_broker_cannot_take_a_live_socket(broker):
     r = subprocess.run(
         [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", broker.socket, "--arena", "host"],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    )
     assert r.returncode == 1
     assert f"pid {broker.proc.pid}" in r.stderr
     with BrokerClient.connect(broker.socket) as c:  # the first still serves
@@ -334,11 +334,11 @@ def test_status_command_prints_the_pool_for_a_person_and_as_json(broker):
         human = subprocess.run(
             [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket],
             cwd=ROOT, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        )
         js = subprocess.run(
             [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket, "--json"],
             cwd=ROOT, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        )
     assert human.returncode == 0, human.stderr
     assert "3/64 pages used" in human.stdout and "pinned 3" in human.stdout and "kv_cache" in human.stdout
     data = json.loads(js.stdout)
@@ -350,7 +350,7 @@ def test_status_without_a_broker_says_so():
     r = subprocess.run(
         [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", "/tmp/no-such-broker.sock", "--timeout", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    )
     assert r.returncode == 1 and "no broker answered" in r.stderr
 
 
@@ -358,7 +358,7 @@ def test_bad_serve_flags_are_refused_naming_the_setting():
     r = subprocess.run(
         [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", "/tmp/x.sock", "--page-size", "3MiB"],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    )
     assert r.returncode == 2 and "page_size" in r.stderr
 
 

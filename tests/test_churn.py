@@ -158,8 +158,8 @@ def _settled_stats(socket: str, timeout: float = 15.0):
     no load or transaction is in flight (or the timeout passed)."""
     import grpc
 
-    from memory_broker.wire.v1 import broker_pb2 as pb
-    from memory_broker.wire.v1 import broker_pb2_grpc
+    from memory_broker.proto.wire.v1 import broker_pb2 as pb
+    from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(f"unix:{socket}") as ch:
@@ -268,7 +268,7 @@ def test_fifty_clients_killed_at_random_moments_leak_no_pages(peft_dirs, connect
             [sys.executable, "-c", f"WORKER = {WORKER!r}\n" + LAUNCHER, b.socket, "50", "5", "11", json.dumps(adapters),
              json.dumps(connect)],
             cwd=ROOT, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         out = json.loads(r.stdout.strip().splitlines()[-1])
         # Every client was killed by SIGKILL (none crashed or quit on its own) ...
@@ -306,14 +306,14 @@ def test_random_operations_from_several_processes_keep_the_books_straight(peft_d
                 [sys.executable, "-c", f"WORKER = {WORKER!r}\n" + child_code(b.socket, RANDOM_OPS.format(
                     seed=seed, steps=400, adapters=adapters, connect=connect))],
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
+            )
             for seed in range(4)
         ]
         # While they run, the pool's books must balance at every look.
         import grpc
 
-        from memory_broker.wire.v1 import broker_pb2 as pb
-        from memory_broker.wire.v1 import broker_pb2_grpc
+        from memory_broker.proto.wire.v1 import broker_pb2 as pb
+        from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
         looks = 0
         with grpc.insecure_channel(f"unix:{b.socket}") as ch:

@@ -68,7 +68,7 @@ def test_what_sighup_may_change_is_declared_on_the_settings():
         "high_watermark", "low_watermark", "default_lease_s", "allowed_uids", "log_level",
         "max_pins_per_session", "grace_s", "status_interval_s", "adapter_manager_uids", "max_sessions",
         "max_sessions_per_uid",
-    }  # fmt: skip
+    }
 
 
 # Per kind, a value written in a file and the same value as a flag's text.
@@ -76,7 +76,7 @@ SAMPLES = {
     "size": ("8MiB", "8MiB"), "duration": ("45s", "45s"), "int": (3, "3"), "float": (0.5, "0.5"),
     "choice": (None, None), "str": ("/tmp/x.sock", "/tmp/x.sock"), "text": (1, "1"),
     "uids": ([1000, 1001], ["1000", "1001"]), "paths": (["/a", "/b"], ["/a", "/b"]), "mode": ("0640", "0640"),
-}  # fmt: skip
+}
 
 
 def _as_yaml(key: str, value) -> str:
@@ -291,7 +291,7 @@ def test_every_section_of_the_schema_is_a_section_of_the_example():
 
 def test_only_serve_imports_the_schema_library():
     code = ("import sys; from memory_broker.broker.cli import build_parser; a = build_parser().parse_args(sys.argv[1:]);"
-            " print('pydantic' in sys.modules)")  # fmt: skip
+            " print('pydantic' in sys.modules)")
     for argv, loaded in ((["status"], "False"), (["adapters", "list"], "False"), (["serve"], "True")):
         r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.stdout.strip() == loaded, (argv, r.stdout, r.stderr)

@@ -14,9 +14,9 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.eviction import ContentType, PlainLRU, PriorityLRU
-from memory_broker.broker.objects import (
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.broker.store.eviction import ContentType, PlainLRU, PriorityLRU
+from memory_broker.broker.store.objects import (
     ObjectsEvicted,
     ObjectState,
     ObjectStore,
@@ -25,7 +25,7 @@ from memory_broker.broker.objects import (
     TransactionsExpired,
     TxnState,
 )
-from memory_broker.broker.pool import FREE, PagePool, WindowSpace
+from memory_broker.broker.store.pool import FREE, PagePool, WindowSpace
 from store_invariants import check_invariants
 
 MAX_PAGES = 24

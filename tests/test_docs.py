@@ -379,7 +379,7 @@ def static_problems(b: Block) -> list[str]:
             [sys.executable, "-c", "import sys; from memory_broker.broker.server.config import build_options;"
              " build_options(sys.argv[1], {})", os.path.join(ROOT, config)],
             capture_output=True, text=True, cwd=ROOT,
-        )  # fmt: skip
+        )
         if r.returncode != 0:
             out.append(f"{b.where}: the daemon refuses {config}: {r.stderr.strip().splitlines()[-1:]}")
     return out

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from memory_broker.broker.eviction import EVICTION_ORDER, ContentType, PlainLRU, PriorityLRU, make_policy
+from memory_broker.broker.store.eviction import EVICTION_ORDER, ContentType, PlainLRU, PriorityLRU, make_policy
 
 CT = ContentType
 

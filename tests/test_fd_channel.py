@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from memory_broker.broker.sessions.fd_channel import FdChannelServer, FdRequestRefused, PeerCred
+from memory_broker.broker.doors.fd_channel import FdChannelServer, FdRequestRefused, PeerCred
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

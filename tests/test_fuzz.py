@@ -13,9 +13,9 @@ import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
 
-from memory_broker.broker.service import POLICY
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc
+from memory_broker.broker.doors.service import POLICY
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 from memory_broker.clients import BrokerClient, Spec
 from adapter_fixtures import copy_adapter, peft_dirs  # noqa: F401 - fixture
 from conftest import short_tmpdir
@@ -30,7 +30,7 @@ BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLI
 U32, U64, I64 = (1 << 32) - 1, (1 << 64) - 1, (1 << 63) - 1
 UINT_TYPES = {FD.TYPE_UINT32: U32, FD.TYPE_FIXED32: U32, FD.TYPE_UINT64: U64, FD.TYPE_FIXED64: U64}
 INT_TYPES = {FD.TYPE_INT32: (1 << 31) - 1, FD.TYPE_SINT32: (1 << 31) - 1, FD.TYPE_SFIXED32: (1 << 31) - 1,
-             FD.TYPE_INT64: I64, FD.TYPE_SINT64: I64, FD.TYPE_SFIXED64: I64}  # fmt: skip
+             FD.TYPE_INT64: I64, FD.TYPE_SINT64: I64, FD.TYPE_SFIXED64: I64}
 
 
 class Gen:
@@ -57,7 +57,7 @@ class Gen:
         pool = [
             "", "\x00", "a\x00b", "r4", "missing", "x" * 300, "é🙂", "../../etc", "/", ".", "-", "a" * 5000,
             "r4\x00", " ", "%s%n", "\n", "*",
-        ]  # fmt: skip
+        ]
         if "path" in name:
             pool += self.world["paths"]
         if "adapter" in name or name == "prefix":
@@ -116,7 +116,7 @@ class Gen:
 def snapshot(stub, token: str) -> tuple:
     st = stub.GetStats(pb.GetStatsRequest(), timeout=BOUND_S)
     keep = ("used_pages", "free_pages", "prepared_pages", "pinned_pages", "objects", "keyed_objects",
-            "open_transactions", "window_free_pages", "sessions")  # fmt: skip
+            "open_transactions", "window_free_pages", "sessions")
     listing = stub.ListAdapters(pb.ListAdaptersRequest(limit=1000), metadata=(("x-broker-session", token),), timeout=BOUND_S)
     adapters = tuple((a.adapter_id, a.tier, a.pin_count, a.generation) for a in listing.adapters)
     return tuple(getattr(st, k) for k in keep) + (st.adapters.registered, adapters)
@@ -139,7 +139,7 @@ def fuzz_world(broker_factory, peft_dirs):  # noqa: F811
                   peft_dirs["r4"] + "/adapter_config.json", b.socket],
         "tokens": {"owner": owner.token, "other": other.token},
         "deadlines": [txn.deadline_unix_ms / 1000],
-    }  # fmt: skip
+    }
     ch = grpc.insecure_channel(f"unix:{b.socket}", options=[("grpc.max_send_message_length", 64 << 20)])
     yield b, broker_pb2_grpc.MemoryBrokerStub(ch), world
     ch.close()

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from memory_broker.wire.arena import ArenaGeometry
-from memory_broker.wire.arena.cuda import MappingInUse, cuda_available
-from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.proto.wire.mapping import ArenaGeometry
+from memory_broker.proto.wire.mapping.cuda import MappingInUse, cuda_available
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.clients import BrokerClient, Spec
 from conftest import read_line, run_child, spawn_child, start_broker
 
@@ -57,7 +57,7 @@ def _serving_line(b) -> dict:
 
 def test_arena_and_a_second_view_share_device_memory():
     from memory_broker.broker.arena.cuda import CudaArena
-    from memory_broker.wire.arena.cuda import CudaArenaView
+    from memory_broker.proto.wire.mapping.cuda import CudaArenaView
 
     g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=4, window_pages=64)
     a = CudaArena(g, "0")
@@ -107,7 +107,7 @@ def test_arena_and_a_second_view_share_device_memory():
 
 def test_close_waits_for_live_tensors_and_unmapping_syncs_only_the_stream_that_used_the_range():
     from memory_broker.broker.arena.cuda import CudaArena
-    from memory_broker.wire.arena.cuda import CudaArenaView
+    from memory_broker.proto.wire.mapping.cuda import CudaArenaView
 
     g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=2, window_pages=16)
     a = CudaArena(g, "0")
@@ -167,8 +167,8 @@ def test_mapping_during_another_streams_graph_capture_leaves_the_capture_intact(
 
 _READONLY_CHILD = """
 import os, sys, torch
-from memory_broker.wire.arena import ArenaGeometry
-from memory_broker.wire.arena.cuda import CudaArenaView
+from memory_broker.proto.wire.mapping import ArenaGeometry
+from memory_broker.proto.wire.mapping.cuda import CudaArenaView
 MiB = 1 << 20
 g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=1, window_pages=8)
 v = CudaArenaView(g, sys.argv[1])
@@ -204,7 +204,7 @@ def test_a_write_to_a_read_only_page_faults_in_the_client_process():
         fd = os.dup(a.slab_fd(0))
         try:
             r = subprocess.run([sys.executable, "-c", textwrap.dedent(_READONLY_CHILD), a.device_id, str(fd)],
-                               pass_fds=[fd], capture_output=True, text=True, timeout=120)  # fmt: skip
+                               pass_fds=[fd], capture_output=True, text=True, timeout=120)
         finally:
             os.close(fd)
         lines = r.stdout.splitlines()
@@ -374,7 +374,7 @@ def test_allocating_past_the_devices_free_memory_is_resource_exhausted_not_a_cra
     slab = 1 << 30
     pool = -(-(total * 3 // 2) // slab) * slab  # the arena's maximum is past the device's memory
     b = start_broker("--arena", "cuda", "--page-size", "2MiB", "--slab-size", "1GiB", "--pool-size", str(pool),
-                     "--window-factor", "1")  # fmt: skip
+                     "--window-factor", "1")
     try:
         with BrokerClient.connect(b.socket) as c:
             want = total // (2 * MiB) + 1

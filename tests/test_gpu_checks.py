@@ -34,7 +34,7 @@ def test_the_check_script_fails_without_a_gpu_instead_of_passing_by_skipping(tmp
     out = tmp_path / "results.txt"
     env = {**os.environ, "WHEELHOUSE": ""}  # nothing to install here
     r = subprocess.run(["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=110)  # fmt: skip
+                       capture_output=True, text=True, timeout=110)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "RESULT: FAIL: no GPU on this machine" in r.stdout
     text = out.read_text()
@@ -47,14 +47,14 @@ def test_the_check_script_refuses_a_missing_wheelhouse(tmp_path):
     out = tmp_path / "results.txt"
     env = {**os.environ, "WHEELHOUSE": str(tmp_path / "nowhere")}
     r = subprocess.run(["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert f"no wheelhouse at {tmp_path / 'nowhere'}" in out.read_text()
 
 
 def _facts(**kw):
     base = dict(gpus=["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-x)"], driver_cuda=13000, bindings="13.4.4",
-                arena=(True, "CUDA device 0 supports VMM with POSIX fds"), torch_cuda=True, torch_version="2.11.0")  # fmt: skip
+                arena=(True, "CUDA device 0 supports VMM with POSIX fds"), torch_cuda=True, torch_version="2.11.0")
     base.update(kw)
     return gpu_ready.Facts(**base)
 
@@ -75,7 +75,7 @@ def _junit(tmp_path, cases):
     body = []
     for cls, name, kind in cases:
         inner = {"pass": "", "skip": '<skipped message="needs a CUDA device (no CUDA driver)"/>',
-                 "fail": '<failure message="boom"/>'}[kind]  # fmt: skip
+                 "fail": '<failure message="boom"/>'}[kind]
         body.append(f'<testcase classname="{cls}" name="{name}">{inner}</testcase>')
     p = tmp_path / "junit.xml"
     p.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{"".join(body)}</testsuite></testsuites>')
@@ -84,7 +84,7 @@ def _junit(tmp_path, cases):
 
 def test_a_run_whose_gpu_tests_all_skipped_is_not_a_pass(tmp_path, capsys):
     skipped = _junit(tmp_path, [("tests.test_gpu_arena", "test_a", "skip"), ("tests.test_gpu_arena", "test_b", "skip"),
-                                ("tests.test_arena_cuda", "test_fake", "pass")])  # fmt: skip
+                                ("tests.test_arena_cuda", "test_fake", "pass")])
     assert gpu_ready.main(["verdict", skipped]) == 1
     out = capsys.readouterr().out
     assert "tests/test_gpu_arena.py: 0 passed, 0 failed, 2 skipped" in out
@@ -143,7 +143,7 @@ def _fake_wheel(folder, name, version, requires=()):
 
 def test_the_closure_check_names_what_neither_the_folder_nor_the_machine_has(tmp_path):
     _fake_wheel(tmp_path, "opentelemetry-sdk", "1.45.2",
-                ["opentelemetry-api==1.45.2", "typing-extensions>=4.5.0", "importlib-metadata>=6; python_version < '3.10'"])  # fmt: skip
+                ["opentelemetry-api==1.45.2", "typing-extensions>=4.5.0", "importlib-metadata>=6; python_version < '3.10'"])
     _fake_wheel(tmp_path, "opentelemetry-api", "1.45.2", ["typing-extensions>=4.5.0"])
     _fake_wheel(tmp_path, "structlog", "26.1.0", ["extra-thing; extra == 'dev'"])
     machine = {"typing-extensions": None, "numpy": "2.5.2"}

@@ -120,7 +120,7 @@ def test_segments_are_maximal_runs_of_one_slot(packed):
     batch = build(packed, ["b", None, "a", "a", "b", None, None], [2, 1, 3, 1, 2, 1, 2])
     assert batch.segments == (
         Segment(0, 2, 0), Segment(2, 3, -1), Segment(3, 7, 1), Segment(7, 9, 0), Segment(9, 12, -1),
-    )  # fmt: skip
+    )
 
 
 def test_the_plan_counts_the_batch_adapters_and_picks_the_path_from_tokens_per_adapter(packed):

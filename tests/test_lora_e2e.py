@@ -182,7 +182,7 @@ def peft_generated(base_and_adapters, served):
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=DEVICE),
             max_new_tokens=GEN_NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos,
             output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+        )
         return r.sequences[0, len(prompt) :].tolist(), torch.stack([s[0].float() for s in r.logits])
 
     out, base_tokens = [], []
@@ -202,7 +202,7 @@ def test_the_decode_loop_matches_peft_generate_token_for_token(base_and_adapters
     with BrokerClient.connect(broker.socket) as client:
         with client.acquire_adapters(sorted(set(GEN_ADAPTERS) - {None})) as lease:
             got = lora.generate(client, lease, gen_prompts(), GEN_ADAPTERS, GEN_NEW_TOKENS, eos_token_id=eos,
-                                output_logits=True)  # fmt: skip
+                                output_logits=True)
     atol = ATOL[dtype_name]
     full_matches = 0
     for i, (name, (ref_tokens, ref_logits)) in enumerate(zip(GEN_ADAPTERS, want)):
@@ -232,5 +232,5 @@ def test_the_decode_loop_matches_peft_generate_token_for_token(base_and_adapters
     assert full_matches >= len(GEN_ADAPTERS) - 1, f"{dtype_name}: only {full_matches} sequences match PEFT whole"
     # The adapters really steer the generation: PEFT's tokens differ from the base model's.
     steered = [i for i, (name, (ref_tokens, _)) in enumerate(zip(GEN_ADAPTERS, want))
-               if name is not None and ref_tokens != base_tokens[i]]  # fmt: skip
+               if name is not None and ref_tokens != base_tokens[i]]
     assert len(steered) >= 2, f"adapters change the greedy tokens of sequences {steered} only; the test shows little"

@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.eviction import ContentType, PlainLRU
-from memory_broker.broker.objects import (
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.broker.store.eviction import ContentType, PlainLRU
+from memory_broker.broker.store.objects import (
     ObjectsEvicted,
     ObjectState,
     ObjectStore,
@@ -21,7 +21,7 @@ from memory_broker.broker.objects import (
     TransactionsExpired,
     TxnState,
 )
-from memory_broker.broker.pool import PagePool, WindowSpace
+from memory_broker.broker.store.pool import PagePool, WindowSpace
 from store_invariants import check_invariants
 
 CT = ContentType

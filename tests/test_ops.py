@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.broker.server.config import SCHEMA, ConfigError, build_options, load_config
 from memory_broker.clients import BrokerClient, Spec
 from conftest import ROOT, short_tmpdir, start_broker, wait_serving
@@ -52,7 +52,7 @@ def test_systemd_analyze_verify_accepts_the_unit_without_any_warning(tmp_path):
 def test_unit_is_a_notify_service_with_watchdog_restart_user_and_runtime_dir():
     text = open(UNIT).read()
     for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "User=memory-broker",
-                 "RuntimeDirectory=memory-broker", "ExecReload=", "--socket /run/memory-broker/%i.sock"):  # fmt: skip
+                 "RuntimeDirectory=memory-broker", "ExecReload=", "--socket /run/memory-broker/%i.sock"):
         assert line in text, line
     # The socket permissions the unit promises are what the example config documents.
     assert "socket_mode" in open(os.path.join(ROOT, "ops", "broker.example.yaml")).read()
@@ -73,7 +73,7 @@ def test_daemon_speaks_the_notify_protocol_ready_status_watchdog_stopping():
         [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", sock_path, "--arena", "host",
          "--pool-size", "32MiB", "--slab-size", "2MiB", "--page-size", "512KiB", "--state-dir", os.path.join(d, "s")],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     got: list[tuple[float, str]] = []
 
     def collect(until: float) -> None:
@@ -192,7 +192,7 @@ def test_daemon_refuses_a_bad_config_file_at_start_naming_the_key(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--config", str(p), "--socket", str(tmp_path / "x.sock")],
         cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    )
     assert r.returncode == 2
     assert "memory_pool.eviction.low_watermark" in r.stderr
     assert not os.path.exists(tmp_path / "x.sock")
@@ -368,8 +368,8 @@ def test_socket_mode_and_group_are_applied(broker_factory):
 def test_tcp_listener_on_loopback_serves_the_same_broker(broker_factory):
     import grpc
 
-    from memory_broker.wire.v1 import broker_pb2 as pb
-    from memory_broker.wire.v1 import broker_pb2_grpc
+    from memory_broker.proto.wire.v1 import broker_pb2 as pb
+    from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
     port = free_port()
     b = broker_factory("--tcp-port", str(port))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memory_broker.broker.pool import FREE, PagePool, WindowSpace
+from memory_broker.broker.store.pool import FREE, PagePool, WindowSpace
 
 
 def make_pool(max_pages=16, pages_per_slab=4, capacity_pages=0, grow=None) -> PagePool:

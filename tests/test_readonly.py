@@ -27,7 +27,7 @@ from memory_broker.broker.adapters.records import AdapterCorrupted, Tier
 from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
-from memory_broker.broker.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 from store_invariants import check_invariants
 from conftest import ROOT, child_code, start_broker
 
@@ -247,7 +247,7 @@ def test_a_client_maps_host_pages_readonly_until_it_is_given_them_to_write():
             assert c.view.readonly_pages() == frozenset(range(mapped)) - writable
             for p in writable:
                 host_buffer(c.view.page_address(p), 1)[0] = 7  # no fault
-            import memory_broker.wire.arena.host as host
+            import memory_broker.proto.wire.mapping.host as host
 
             calls, real = [], host._mprotect
             host._mprotect = lambda *a: (calls.append(a), real(*a))[1]
@@ -281,7 +281,7 @@ def _matches_file(h: AdapterHarness, acquired) -> bool:
             a = read_matrix(view, acquired.layout, acquired.pages, w.layer, w.module, "A")
             bt = read_matrix(view, acquired.layout, acquired.pages, w.layer, w.module, "B")
             if not (np.array_equal(a, tensors[meta.weight_key(w.layer, w.module, "A")])
-                    and np.array_equal(bt, tensors[meta.weight_key(w.layer, w.module, "B")].T)):  # fmt: skip
+                    and np.array_equal(bt, tensors[meta.weight_key(w.layer, w.module, "B")].T)):
                 return False
     finally:
         view.close()

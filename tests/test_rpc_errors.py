@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 from memory_broker.clients import BrokerClient, Spec
 
 KV = pb.CONTENT_TYPE_KV_CACHE
@@ -16,7 +16,7 @@ S = grpc.StatusCode
 def snapshot(stub) -> dict:
     st = stub.GetStats(pb.GetStatsRequest())
     keep = ("used_pages", "free_pages", "prepared_pages", "pinned_pages", "evictable_pages", "objects",
-            "keyed_objects", "open_transactions", "evicted_objects", "window_free_pages")  # fmt: skip
+            "keyed_objects", "open_transactions", "evicted_objects", "window_free_pages")
     return {k: getattr(st, k) for k in keep}
 
 

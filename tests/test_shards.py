@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import pytest
 
-from memory_broker.broker.shards import SEGMENT, RecencyQueue, ShardedMap, ShardedSet
+from memory_broker.broker.store.shards import SEGMENT, RecencyQueue, ShardedMap, ShardedSet
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, read_line, spawn_child, start_broker, step_frames as frames
-from memory_broker.wire import step as w
+from memory_broker.proto.wire import step as w
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 
 
@@ -293,7 +293,7 @@ def test_malformed_frames_get_an_error_frame_and_change_nothing(step_rig):
             if kind == w.ERROR:
                 refused += 1
                 assert r.error.code in (Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION,
-                                        Code.PERMISSION_DENIED), r.error  # fmt: skip
+                                        Code.PERMISSION_DENIED), r.error
                 assert r.results == []  # nothing ran before the refusal
             else:
                 # A corruption that still parses as something harmless (e.g. an empty step).
@@ -372,7 +372,7 @@ def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(step_ri
     with BrokerClient.connect(b.socket) as c:
         before = books(c)
         for call_ in (lambda: c.unpin([-1]), lambda: c.acquire_adapters(["a0"], max_adapters=70000),
-                      lambda: c.step(["a0"], prepare=True, lease_s=1e9)):  # fmt: skip
+                      lambda: c.step(["a0"], prepare=True, lease_s=1e9)):
             with pytest.raises(BrokerError) as e:
                 call_()
             assert e.value.code == Code.INVALID_ARGUMENT

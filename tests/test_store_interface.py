@@ -10,10 +10,10 @@ import dataclasses
 
 import pytest
 
-from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig, StoreLimits, StoreStats
-from memory_broker.broker.pool import PagePool, WindowSpace
-from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig, StoreLimits, StoreStats
+from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from store_invariants import check_invariants
 
 

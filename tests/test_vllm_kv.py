@@ -30,7 +30,7 @@ if not os.path.exists(VLLM_PY):
     if os.environ.get("MEMORY_BROKER_REQUIRE_VLLM"):
         raise RuntimeError(f"the vLLM environment's python {VLLM_PY} is missing: run `make vllm-venv`")
     pytest.skip(f"no vLLM environment at {VLLM_PY} (`make vllm-venv` builds it; `make test` does)",
-                allow_module_level=True)  # fmt: skip
+                allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(3600)
 
@@ -64,7 +64,7 @@ class Engine:
             self.proc = subprocess.Popen(
                 [VLLM_PY, HARNESS, "--model", model, *args], cwd=ROOT, env=env, text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, start_new_session=True,
-            )  # fmt: skip
+            )
         self.ready: dict | None = None
 
     def _line(self, timeout: float) -> dict:
@@ -128,10 +128,10 @@ def env():
         [VLLM_PY, "-c", "import sys; from memory_broker.clients.vllm import tiny_model as t; "
          "t.build(sys.argv[1]); t.build_lora(sys.argv[2], 1); t.build_lora(sys.argv[3], 2)", model, l1, l2],
         check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+    )
     broker = start_broker("--pool-size", "512MiB", "--slab-size", "16MiB")
     state = {"tmp": tmp, "model": model, "loras": ["--lora", f"l1={l1}", "--lora", f"l2={l2}"],
-             "broker": broker, "engines": {}}  # fmt: skip
+             "broker": broker, "engines": {}}
 
     def engine(name: str, *args: str, lora: bool = True, connector: bool = True) -> Engine:
         e = state["engines"].get(name)

@@ -40,7 +40,7 @@ class LoraEngine(Engine):
         self.name = name
         self.log_path = os.path.join(tmp, f"{name}.log")
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
-                   VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # fmt: skip
+                   VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         env.pop("MEMORY_BROKER_SOCKET", None)
         if socket:
             env.update(MEMORY_BROKER_SOCKET=socket, MEMORY_BROKER_VLLM_LORA=mode)
@@ -48,7 +48,7 @@ class LoraEngine(Engine):
             self.proc = subprocess.Popen(
                 [VLLM_PY, HARNESS, "--model", model, *args], cwd=ROOT, env=env, text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, start_new_session=True,
-            )  # fmt: skip
+            )
         self.ready = None
 
     def op(self, **cmd) -> dict:
@@ -67,16 +67,16 @@ class Server:
             self.port = s.getsockname()[1]
         self.log_path = os.path.join(tmp, "server.log")
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", MEMORY_BROKER_SOCKET=socket,
-                   MEMORY_BROKER_VLLM_LORA=mode, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # fmt: skip
+                   MEMORY_BROKER_VLLM_LORA=mode, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
         args = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
                 "--enforce-eager", "--block-size", "32", "--max-model-len", "2048", "--enable-lora",
                 "--max-loras", "2", "--max-lora-rank", "8", "--host", "127.0.0.1", "--port", str(self.port),
-                "--seed", "0", "--max-num-seqs", "16"]  # fmt: skip
+                "--seed", "0", "--max-num-seqs", "16"]
         with open(self.log_path, "w") as logf:
             # Not the checkout: ``python -m`` puts the working directory first on sys.path, and a
             # memory_broker.egg-info left there by a wheel build would hide the plugin's entry point.
             self.proc = subprocess.Popen(args, cwd=tmp, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+                                         start_new_session=True)
 
     def wait_ready(self) -> "Server":
         deadline = time.monotonic() + START_TIMEOUT
@@ -93,9 +93,9 @@ class Server:
 
     def complete(self, model: str, prompt: list[int], max_tokens: int = 8) -> tuple[int, dict]:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                "ignore_eos": True, "return_token_ids": True}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                                     headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
                 return r.status, json.loads(r.read())
@@ -144,7 +144,7 @@ def env():
         [VLLM_PY, "-c", "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1]); "
          "[t.build_lora(p, i + 1, bf16_exact=True) for i, p in enumerate(sys.argv[2:])]", model, *dirs.values()],
         check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+    )
     broker = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32")
     files = [a for n in (*ADAPTERS, "l4") for a in ("--lora", f"{n}={dirs[n]}")]
     brokered = [a for n in (*ADAPTERS, "l4") for a in ("--broker-lora", n)]
@@ -152,7 +152,7 @@ def env():
     state["ref32"] = LoraEngine("ref32", tmp, model, *files, "--max-loras", "5")
     # l4f: l4's directory named by path; the zero-copy engine has the broker register it.
     state["zc32"] = LoraEngine("zc32", tmp, model, *brokered, "--lora", f"l4f={dirs['l4']}", "--max-loras", "3",
-                               socket=broker.socket)  # fmt: skip
+                               socket=broker.socket)
     state["stop"] += [state["ref32"], state["zc32"]]
     # The test's own session: registers the adapters and pins them (so their pages stay put)
     # to read their bytes before any engine has touched them.
@@ -302,7 +302,7 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
     brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
     ref = LoraEngine("ref16", env["tmp"], env["model"], "--dtype", "bfloat16", *files, "--max-loras", "4")
     zc = env["zc16"] = LoraEngine("zc16", env["tmp"], env["model"], "--dtype", "bfloat16", *brokered,
-                                  "--max-loras", "3", socket=broker.socket)  # fmt: skip
+                                  "--max-loras", "3", socket=broker.socket)
     env["stop"] += [ref, zc]
     want = env["want16"] = _tokens(ref.generate(PROMPTS, lora=MIXED))
     assert _tokens(zc.generate(PROMPTS, lora=MIXED)) == want
@@ -317,7 +317,7 @@ def test_engine_serves_on_from_a_restarted_broker(env):
     old = env["broker16"]
     old.stop(signal.SIGKILL)
     broker = env["broker16"] = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB",
-                                            "--adapter-dtype", "bfloat16", socket=old.socket)  # fmt: skip
+                                            "--adapter-dtype", "bfloat16", socket=old.socket)
     with BrokerClient.connect(broker.socket, client_name="test") as c:
         for n in ADAPTERS:
             c.register_adapter(n, env["dirs"][n])

@@ -35,7 +35,7 @@ if not os.path.exists(VLLM_PY):
     if os.environ.get("MEMORY_BROKER_REQUIRE_VLLM"):
         raise RuntimeError(f"the vLLM environment's python {VLLM_PY} is missing: run `make vllm-venv`")
     pytest.skip(f"no vLLM environment at {VLLM_PY} (`make vllm-venv` builds it; `make test` does)",
-                allow_module_level=True)  # fmt: skip
+                allow_module_level=True)
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -100,7 +100,7 @@ def test_a_wheel_gives_the_same_files(tmp_path, extracted, vllm_package):
 def test_a_vllm_import_without_a_shim_is_refused_and_changes_nothing(tmp_path, vllm_package):
     site = tmp_path / "site"
     shutil.copytree(vllm_package / "lora" / "ops" / "triton_ops", site / "vllm" / "lora" / "ops" / "triton_ops",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+                    ignore=shutil.ignore_patterns("__pycache__"))
     utils = site / "vllm" / "lora" / "ops" / "triton_ops" / "utils.py"
     utils.write_text(utils.read_text() + "\nfrom vllm.model_executor import something_new\n")
     out = tmp_path / "out"

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import short_tmpdir, start_broker
-from memory_broker.broker.errors import BrokerError
+from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.clients import BrokerClient
 from memory_broker.clients.vllm import identity, lora_patches, lora_plugin, tiny_model
 from memory_broker.clients.vllm.lora_source import BrokerAdapters
@@ -222,7 +222,7 @@ def test_adapters_are_acquired_again_after_a_broker_restart(adapters):
             epoch = src.client().epoch
             first.stop()
             second = start_broker("--pool-size", "64MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32",
-                                  socket=first.socket)  # fmt: skip
+                                  socket=first.socket)
             with BrokerClient.connect(second.socket, client_name="test") as c:
                 c.register_adapter("a1", dirs["a1"])
             deadline = time.monotonic() + 30

@@ -18,18 +18,18 @@ import pytest
 
 from conftest import ROOT
 from memory_broker.broker.adapters.layout import LoraModuleSpec, plan_layout
-from memory_broker.broker.eviction import ContentType
-from memory_broker.broker.sessions import fd_channel as server_fd
+from memory_broker.broker.store.eviction import ContentType
+from memory_broker.broker.doors import fd_channel as server_fd
 from memory_broker.clients import BrokerClient, BrokerError, Code
 from memory_broker.clients import fd_channel as client_fd
-from memory_broker.wire import fd_channel as wire_fd
-from memory_broker.wire import session as wire_session
-from memory_broker.wire.layout import row_offsets
-from memory_broker.wire.messages import layout_from_proto, layout_to_proto, spec_from_proto, spec_to_proto
-from memory_broker.wire.spec import CONTENT_TYPES, Spec
-from memory_broker.wire.status import STATUS, error_from_rpc
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc
+from memory_broker.proto.wire import fd_channel as wire_fd
+from memory_broker.proto.wire import session as wire_session
+from memory_broker.proto.wire.layout import row_offsets
+from memory_broker.proto.wire.messages import layout_from_proto, layout_to_proto, spec_from_proto, spec_to_proto
+from memory_broker.proto.wire.spec import CONTENT_TYPES, Spec
+from memory_broker.proto.wire.status import STATUS, error_from_rpc
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
 S = grpc.StatusCode
 VERSION = wire_session.PROTOCOL_VERSION
@@ -61,18 +61,18 @@ def test_importing_the_client_package_loads_no_daemon_module_and_no_sqlite():
 
 def test_the_wire_package_loads_neither_the_daemon_nor_the_client():
     mods = ("errors", "fd_channel", "layout", "messages", "session", "spec", "status", "v1.broker_pb2_grpc")
-    loaded = loaded_after("\n".join(f"import memory_broker.wire.{m}" for m in mods))
-    assert [m for m in loaded if m.startswith("memory_broker.") and not m.startswith("memory_broker.wire")] == []
+    loaded = loaded_after("\n".join(f"import memory_broker.proto.wire.{m}" for m in mods))
+    assert [m for m in loaded if m.startswith("memory_broker.") and not m.startswith("memory_broker.proto.wire")] == []
 
 
 def test_the_core_pieces_of_the_wire_need_no_grpc():
     # The daemon's core imports these: they must stay free of gRPC (and of protobuf).
     core = ("errors", "spec", "layout", "session", "fd_channel")
     r = subprocess.run(
-        [sys.executable, "-c", "import sys; " + "; ".join(f"import memory_broker.wire.{m}" for m in core) + "; "
+        [sys.executable, "-c", "import sys; " + "; ".join(f"import memory_broker.proto.wire.{m}" for m in core) + "; "
          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))"],
         capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    )
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
@@ -151,7 +151,7 @@ def test_no_two_packages_import_each_other():
 
 
 def test_no_module_of_the_client_imports_back_into_a_module_that_imports_it():
-    graph = {m: d for m, d in _module_graph().items() if m.startswith(("memory_broker.clients", "memory_broker.wire"))}
+    graph = {m: d for m, d in _module_graph().items() if m.startswith(("memory_broker.clients", "memory_broker.proto.wire"))}
     assert _cycle(graph) is None
 
 
@@ -225,7 +225,7 @@ class _OtherBroker(broker_pb2_grpc.MemoryBrokerServicer):
         context.add_callback(self.ended.set)
         self.hello = next(request_iterator).hello
         arena = pb.ArenaInfo(backend="host", page_size=1 << 20, pages_per_slab=2, max_slabs=4, window_pages=8,
-                             fd_socket_path="/nonexistent/fd.sock")  # fmt: skip
+                             fd_socket_path="/nonexistent/fd.sock")
         yield pb.SessionEvent(
             opened=pb.SessionOpened(session_id=7, token="t", arena=arena, protocol_version=self.version)
         )
@@ -299,7 +299,7 @@ def test_content_type_numbers_agree_with_the_proto_and_the_daemon():
 
 def test_the_daemon_and_the_client_use_the_one_spec():
     from memory_broker import clients
-    from memory_broker.broker import objects
+    from memory_broker.broker.store import objects
     from memory_broker.clients import client
 
     assert objects.Spec is Spec and client.Spec is Spec and clients.Spec is Spec
@@ -314,7 +314,7 @@ def test_the_layout_codec_round_trips_a_placement():
     back = layout_from_proto(msg)
     assert back.modules == layout.modules
     assert (back.page_size, back.dtype, back.elem_size, back.row_align, back.num_pages) == (
-        layout.page_size, layout.dtype, layout.elem_size, layout.row_align, layout.num_pages)  # fmt: skip
+        layout.page_size, layout.dtype, layout.elem_size, layout.row_align, layout.num_pages)
     want, got = row_offsets(layout, pages), row_offsets(back, pages)
     assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
 
@@ -354,7 +354,7 @@ def test_both_ends_of_the_fd_channel_share_one_definition():
 
 def test_a_malformed_fd_request_is_refused_as_invalid_argument():
     for line, words in [(b"{", "not a JSON line"), (b"[]", "JSON object"), (b'{"token": "t", "from_slab": true}', "integer"),
-                        (b'{"token": "t", "from_slab": -1}', ">= 0")]:  # fmt: skip
+                        (b'{"token": "t", "from_slab": -1}', ">= 0")]:
         with pytest.raises(wire_fd.FdChannelError) as e:
             wire_fd.parse_request(line)
         assert e.value.code == "INVALID_ARGUMENT" and words in e.value.message

@@ -24,7 +24,7 @@ _EXPORTS = {
     "records": ("AcquiredAdapter", "AcquireResult", "AdapterStatus", "PrefetchResult", "Tier"),
     "registry": ("AdapterPage", "AdapterRegistry"),
     "stats": ("AdapterStats",),
-}  # fmt: skip
+}
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 

@@ -17,7 +17,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from memory_broker.broker.errors import BrokerError, Code, invalid
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid
 
 # Longest path text accepted (PATH_MAX).
 MAX_PATH_BYTES = 4096
@@ -127,7 +127,7 @@ def _kind(st: os.stat_result) -> str:
     m = st.st_mode
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):  # fmt: skip
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
         if test(m):
             return name
     return "a regular file" if stat.S_ISREG(m) else "a special file"

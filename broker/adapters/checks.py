@@ -24,8 +24,8 @@ from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.adapters.warm_image import image_checksum, pages_checksum
-from memory_broker.wire.arena import ArenaView
-from memory_broker.broker.objects import Allocation, ObjectStore
+from memory_broker.proto.wire.mapping import ArenaView
+from memory_broker.broker.store.objects import Allocation, ObjectStore
 
 
 class ChecksumChecker:
@@ -145,7 +145,7 @@ class ChecksumChecker:
                 return AdapterCheck(
                     aid, Tier.WARM, True, False, want,
                     f"warm image hashes to {got}: dropped; the next acquire reloads it from its source",
-                )  # fmt: skip
+                )
         cache = self.images.cache
         if cache is not None and cache.has(aid):
             meta = self.registry.get(aid)
@@ -177,7 +177,7 @@ class ChecksumChecker:
             aid, Tier.HOT, True, False, want,
             f"hot copy (object {obj.object_id}, generation {gen}) hashes to {got}: dropped; the next acquire "
             "reloads it from its source",
-        )  # fmt: skip
+        )
 
     def _drop_corrupt_hot(self, e: AdapterEntry, obj: Allocation, want: str, got: str) -> None:
         """Report a corrupt hot copy and drop it with the warm image it came from, so no
@@ -189,7 +189,7 @@ class ChecksumChecker:
         self.log.warning(
             "adapter_corrupted", adapter=aid, tier="hot", object_id=obj.object_id, generation=e.generation,
             expected=want, found=got, pinned_by_sessions=pinned_by,
-        )  # fmt: skip
+        )
         detail = (
             f"adapter {aid!r} (object {obj.object_id}, generation {e.generation}) does not match its checksum; "
             "release it and acquire it again for a copy reloaded from its source"

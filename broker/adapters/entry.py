@@ -18,7 +18,7 @@ from enum import Enum
 from memory_broker.broker.adapters.layout import AdapterLayout
 from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.warm_image import WarmImage
-from memory_broker.broker.objects import Allocation
+from memory_broker.broker.store.objects import Allocation
 
 
 class EntryState(str, Enum):
@@ -80,7 +80,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(_s(S.HOT), EntryEvent.HOT_DROPPED, _s(S.COLD, S.WARMING, S.WARM)),
     Transition(_s(S.WARM, S.LOADING, S.HOT), EntryEvent.WARM_DROPPED, _s(S.COLD, S.LOADING, S.HOT)),
     Transition(_s(S.COLD, S.WARMING, S.LOADING), EntryEvent.REMOVE, _s(S.REMOVED)),
-)  # fmt: skip
+)
 _BY_EVENT = {t.event: t for t in TRANSITIONS}
 assert len(_BY_EVENT) == len(TRANSITIONS), "one transition per event"
 

@@ -263,7 +263,7 @@ class ImageCache:
                     short.append(f"cannot read {path}: {e.strerror}")
 
             helpers = [threading.Thread(target=read, args=(bounds[i], bounds[i + 1]), name="adapter-image-read")
-                       for i in range(1, parts)]  # fmt: skip
+                       for i in range(1, parts)]
             for t in helpers:
                 t.start()
             read(bounds[0], bounds[1])

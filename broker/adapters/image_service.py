@@ -24,7 +24,7 @@ from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_image import WarmImage, build_warm_image
-from memory_broker.broker.errors import BrokerError
+from memory_broker.proto.wire.errors import BrokerError
 
 
 class ImageService:
@@ -65,7 +65,7 @@ class ImageService:
                 self.cache = ImageCache(
                     os.path.join(state_dir, "images"), fsync=config.image_fsync,
                     max_bytes=config.image_budget, verify=config.verify_images,
-                )  # fmt: skip
+                )
             except OSError as err:
                 log.warning("adapter_image_cache_off", error=str(err))
         # Image writes in flight by adapter id.

@@ -3,7 +3,7 @@
 Rows are packed densely page after page in placement order (layer, then module, then A
 before B); a row never straddles a page and every row starts at a multiple of ``row_align``
 bytes. The layout types this produces, and the offset tables read from them, are shared with
-the client and live in ``memory_broker.wire.layout`` (re-exported here). This module knows
+the client and live in ``memory_broker.proto.wire.layout`` (re-exported here). This module knows
 nothing of files, tiers or the object store.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # The layout types and readers, defined once for both sides.
-from memory_broker.wire.layout import (
+from memory_broker.proto.wire.layout import (
     DEFAULT_ROW_ALIGN,
     DTYPE_SIZES,
     NO_ROW,
@@ -31,7 +31,7 @@ __all__ = [
     "DEFAULT_ROW_ALIGN", "DTYPE_SIZES", "NO_ROW", "AdapterLayout", "LoraModuleSpec", "MatrixPlacement",
     "ModulePlacement", "OffsetTable", "RowChunk", "elem_size", "offset_table", "pages_needed", "plan_layout",
     "row_offsets",
-]  # fmt: skip
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,9 @@ from memory_broker.broker.adapters.image_service import ImageService
 from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.adapters.warm_image import WarmImage
-from memory_broker.broker.errors import BrokerError, Code, exhausted, not_found, unavailable
-from memory_broker.broker.eviction import ContentType
-from memory_broker.broker.objects import Allocation, ObjectStore, Spec, TxnState
+from memory_broker.proto.wire.errors import BrokerError, Code, exhausted, not_found, unavailable
+from memory_broker.broker.store.eviction import ContentType
+from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec, TxnState
 
 
 def _consume(task: asyncio.Future) -> None:
@@ -186,7 +186,7 @@ class TierLoader:
             self.log.info(
                 "adapter_loaded", adapter=aid, tier="hot", generation=e.generation, object_id=obj.object_id,
                 pages=n, bytes=written, ms=round(dt * 1e3, 3),
-            )  # fmt: skip
+            )
             ok = True
             return obj
         except BaseException as err:
@@ -255,7 +255,7 @@ class TierLoader:
             self.log.info(
                 "adapter_loaded", adapter=aid, tier="warm", bytes=image.nbytes, int8=image.int8, ms=round(dt * 1e3, 3),
                 from_image=cached,
-            )  # fmt: skip
+            )
             ok = True
             return image
         finally:

@@ -41,8 +41,8 @@ from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters, AdapterStats, snapshot
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.arena.base import Arena
-from memory_broker.broker.errors import BrokerError, Code, invalid, precondition, unavailable
-from memory_broker.broker.objects import ObjectsEvicted, ObjectStore
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid, precondition, unavailable
+from memory_broker.broker.store.objects import ObjectsEvicted, ObjectStore
 
 
 class _NoLog:
@@ -98,7 +98,7 @@ class AdapterManager:
         self.hot = HotBudget(
             store, self.system_session, config, make_tier_policy(config.hot_policy), counters, log,
             self.entries.forget_if_idle,
-        )  # fmt: skip
+        )
         self.warm = WarmBudget(
             config, make_tier_policy(config.warm_policy), counters, self.entries.get, self.entries.forget_if_idle
         )
@@ -107,15 +107,15 @@ class AdapterManager:
         self.loader = TierLoader(
             store, self.system_session, self.entries, self.hot, self.warm, self.image_service, page_writer,
             self._executor, config, counters, log, load_lease_s,
-        )  # fmt: skip
+        )
         self.checker = ChecksumChecker(
             store, self.system_session, arena.view, self.entries, self.hot, self.warm, self.image_service,
             registry, self._plan, config, counters, log,
-        )  # fmt: skip
+        )
         self.pins = AdapterPins(
             store, self.system_session, self.entries, self.hot, self.warm, self.loader, self.checker, registry,
             config, counters,
-        )  # fmt: skip
+        )
         self._closed = False
 
     @property

@@ -15,7 +15,7 @@ import numpy as np
 from memory_broker.broker.adapters.dtypes import RAW
 from memory_broker.broker.adapters.layout import AdapterLayout
 from memory_broker.broker.adapters.warm_image import WarmImage, dequantize
-from memory_broker.wire.arena import ArenaView
+from memory_broker.proto.wire.mapping import ArenaView
 
 
 class HostPageWriter:

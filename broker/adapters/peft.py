@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from memory_broker.broker.adapters.access import Caller, Opened, open_for, read_bounded
 from memory_broker.broker.adapters.layout import LoraModuleSpec
-from memory_broker.broker.errors import BrokerError, Code, invalid
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -128,7 +128,7 @@ class AdapterMeta:
         return AdapterInfo(
             self.adapter_id, self.source, self.max_rank, self.lora_alpha, self.use_rslora, self.target_modules,
             len(self.layers), self.file_bytes, self.registered_at,
-        )  # fmt: skip
+        )
 
     def weight_key(self, layer: int, module: str, kind: str) -> str:
         path = self._paths()[module]
@@ -141,7 +141,7 @@ class AdapterMeta:
         return AdapterMeta(
             adapter_id, self.source, self.rank, self.lora_alpha, self.use_rslora, self.modules, self.weights,
             self.key_prefix, self.file_dtypes, self.file_bytes, self.file_mtime_ns, self.base_model, registered_at,
-        )  # fmt: skip
+        )
 
     def to_json(self) -> str:
         index = {m.name: i for i, m in enumerate(self.modules)}
@@ -177,7 +177,7 @@ class AdapterMeta:
             adapter_id, d["source"], int(d["r"]), float(d["alpha"]), bool(d["rslora"]), modules, weights,
             d["prefix"], tuple(d["dtypes"]), int(d["bytes"]), int(d["mtime_ns"]), d.get("base_model"),
             registered_at,
-        )  # fmt: skip
+        )
 
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:
@@ -253,7 +253,7 @@ def _read_config(path: str, caller: Caller | None = None, roots: tuple[str, ...]
     """The JSON object in a config file, read bounded and typed (see ``access.open_for``)."""
     try:
         with open_for(os.path.basename(path) if start is not None else path, caller, roots,
-                      max_bytes=max_bytes, start=start, what=path) as f:  # fmt: skip
+                      max_bytes=max_bytes, start=start, what=path) as f:
             text = read_bounded(f, max_bytes, path)
     except BrokerError as e:
         if e.code == Code.INVALID_ARGUMENT and "no such file" in e.message:
@@ -299,7 +299,7 @@ def _check_config(cfg: dict, path: str) -> None:
             bad = (not isinstance(v, int) or isinstance(v, bool) or v < 1) if key == "rank_pattern" else not _is_number(v)
             if bad:
                 raise invalid(f"{path}: {key}[{k!r}] is {v!r}; need a positive integer" if key == "rank_pattern"
-                              else f"{path}: {key}[{k!r}] is {v!r}; need a finite number")  # fmt: skip
+                              else f"{path}: {key}[{k!r}] is {v!r}; need a finite number")
     tm = cfg.get("target_modules")
     if tm is None:
         raise invalid(f"{path}: target_modules is missing; LoRA needs the modules it adapts")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from memory_broker.broker.adapters.layout import AdapterLayout
-from memory_broker.broker.errors import BrokerError
+from memory_broker.proto.wire.errors import BrokerError
 
 
 class Tier(str, Enum):

@@ -30,7 +30,7 @@ from memory_broker.broker.adapters.peft import (
     check_adapter_id,
     inspect_peft_dir,
 )
-from memory_broker.broker.errors import BrokerError, Code, invalid, not_found
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid, not_found
 
 DB_FILE = "adapters.sqlite3"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:/@+=-]{0,256}")
@@ -150,7 +150,7 @@ class AdapterRegistry:
         meta = inspect_peft_dir(
             source, max_rank=self.max_rank, require_uniform=self.require_uniform, caller=caller,
             roots=self.allowed_roots, max_config_bytes=self.max_config_bytes,
-        )  # fmt: skip
+        )
         if ident is not None:
             with self._lock:
                 self._inspected[ident] = meta
@@ -189,7 +189,7 @@ class AdapterRegistry:
             (m.adapter_id, m.source, m.max_rank, m.lora_alpha, int(m.use_rslora), ",".join(m.target_modules),
              len(m.layers), m.file_bytes, now, m.to_json())
             for m in out
-        ]  # fmt: skip
+        ]
         with self._lock:
             self._check_open()
             try:
@@ -329,7 +329,7 @@ class AdapterRegistry:
                 with open_for(CONFIG_FILE, caller, roots, start=d) as c, open_for(WEIGHTS_FILE, caller, roots, start=d) as w:
                     cs, ws = c.st, w.st
                     return (d.path, cs.st_dev, cs.st_ino, cs.st_size, cs.st_mtime_ns,
-                            ws.st_dev, ws.st_ino, ws.st_size, ws.st_mtime_ns)  # fmt: skip
+                            ws.st_dev, ws.st_ino, ws.st_size, ws.st_mtime_ns)
         except (BrokerError, OSError):
             return None
 

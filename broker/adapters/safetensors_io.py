@@ -16,7 +16,7 @@ import numpy as np
 from memory_broker.broker.adapters.access import open_for
 from memory_broker.broker.adapters.dtypes import FILE_RAW, FILE_SIZE
 from memory_broker.broker.adapters.peft import AdapterMeta
-from memory_broker.broker.errors import BrokerError, precondition
+from memory_broker.proto.wire.errors import BrokerError, precondition
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int]:

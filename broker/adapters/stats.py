@@ -201,11 +201,11 @@ def snapshot(m: AdapterManager) -> AdapterStats:
             budget_bytes=cfg.image_budget, evictions=cache.evictions if cache else 0,
             converted_ahead=c.converted_ahead, convert_skipped=c.convert_skipped,
             convert_failures=c.convert_failures, convert_queued=m.image_service.queued,
-        ),  # fmt: skip
+        ),
         policies=HotWarm(m.hot.policy.name, m.warm.policy.name),
         checksums=ChecksumStats(
             verifications=c.verifications, corruptions=c.corruptions,
             image_corruptions=cache.corrupt if cache else 0,
             retired_copies=m.checker.retired_copies, interval_s=cfg.verify_interval_s,
-        ),  # fmt: skip
+        ),
     )

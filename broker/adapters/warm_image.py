@@ -24,7 +24,7 @@ from memory_broker.broker.adapters.dtypes import FILE_NAME, RAW, convert, from_f
 from memory_broker.broker.adapters.layout import AdapterLayout, MatrixPlacement
 from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.safetensors_io import WeightsFile
-from memory_broker.wire.arena import ArenaView
+from memory_broker.proto.wire.mapping import ArenaView
 
 # int8 warm storage: q = round(x / s), s = absmax(row) / INT8_MAX, so |x - q s| <= s / 2.
 INT8_MAX = 127
@@ -46,7 +46,7 @@ def pages_checksum(view: ArenaView, layout: AdapterLayout, pages: Sequence[int])
     if len(pages) != layout.num_pages:
         raise ValueError(f"the layout spans {layout.num_pages} pages; {len(pages)} were given")
     h = hashlib.new(CHECKSUM_ALGO)
-    from memory_broker.wire.arena.host import HostArenaView
+    from memory_broker.proto.wire.mapping.host import HostArenaView
 
     host = isinstance(view, HostArenaView)
     for p, used in zip(pages, layout.page_used):

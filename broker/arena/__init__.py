@@ -4,14 +4,14 @@
 present) or ``cuda`` (CUDA VMM slabs, ``broker.arena.cuda``). ``auto`` chooses CUDA where
 cuda-python, a driver and a device with VMM and POSIX-fd handles are present, and host
 memory otherwise; either way it says why. The geometry and the views that map slabs are
-shared with clients in ``memory_broker.wire.arena`` (clients open theirs with its
+shared with clients in ``memory_broker.proto.wire.mapping`` (clients open theirs with its
 ``open_view``); the client must not import this package.
 """
 
 from __future__ import annotations
 
 from memory_broker.broker.arena.base import Arena
-from memory_broker.wire.arena import DEFAULT_DEVICE, ArenaGeometry, ArenaView
+from memory_broker.proto.wire.mapping import DEFAULT_DEVICE, ArenaGeometry, ArenaView
 
 BACKENDS = ("auto", "host", "cuda")
 

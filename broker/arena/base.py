@@ -3,7 +3,7 @@
 This module owns what every backend's owner side shares (``Arena``): the slab fds it hands
 out, growth with its bounds check and its all-or-nothing rollback, and closing. A backend
 keeps only how one slab is made and exported (``_create_slab``). Mapping is the view's
-(``memory_broker.wire.arena``, shared with clients); it knows nothing of objects, owners or
+(``memory_broker.proto.wire.mapping``, shared with clients); it knows nothing of objects, owners or
 eviction: the page pool above decides which page goes where.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import abc
 import os
 
-from memory_broker.wire.arena.geometry import ArenaGeometry, format_size
-from memory_broker.wire.arena.view import ArenaView
+from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, format_size
+from memory_broker.proto.wire.mapping.view import ArenaView
 
 
 class Arena(abc.ABC):

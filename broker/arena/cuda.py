@@ -3,7 +3,7 @@
 This module owns the broker's CUDA slabs (``CudaArena``: create, export as POSIX fds, map into
 its own view, preallocate from the device's free memory). Importing and mapping slabs, the
 device and the driver calls are the view's, shared with clients
-(``memory_broker.wire.arena.cuda``); growth's bookkeeping is the base ``Arena``'s. It knows
+(``memory_broker.proto.wire.mapping.cuda``); growth's bookkeeping is the base ``Arena``'s. It knows
 nothing of objects or owners: the page pool decides which page goes where.
 """
 
@@ -14,7 +14,7 @@ import math
 import os
 
 from memory_broker.broker.arena.base import Arena
-from memory_broker.wire.arena.cuda import (
+from memory_broker.proto.wire.mapping.cuda import (
     CudaArenaView,
     CudaDevice,
     CudaError,
@@ -26,7 +26,7 @@ from memory_broker.wire.arena.cuda import (
     parse_device_spec,
     resolve_device,
 )
-from memory_broker.wire.arena.geometry import ArenaGeometry, format_size
+from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, format_size
 
 
 class CudaArena(Arena):
@@ -75,7 +75,7 @@ class CudaArena(Arena):
         try:
             handle = check(f"cuMemCreate({g.slab_size} bytes)", drv.cuMemCreate(g.slab_size, prepared, 0), drv)
             fd = int(check(f"cuMemExportToShareableHandle(slab {idx}, POSIX_FILE_DESCRIPTOR)",
-                           drv.cuMemExportToShareableHandle(handle, view.fd_handle_type, 0), drv))  # fmt: skip
+                           drv.cuMemExportToShareableHandle(handle, view.fd_handle_type, 0), drv))
             fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
             view.attach_handle(idx, handle)  # the view owns the handle from here
             handle = None

@@ -2,7 +2,7 @@
 
 This module owns the broker's host slabs (``HostArena``: create, seal, map into its own view,
 hand out fds). Mapping slabs and pages is the view's, shared with clients
-(``memory_broker.wire.arena.host``); growth's bookkeeping is the base ``Arena``'s. It knows
+(``memory_broker.proto.wire.mapping.host``); growth's bookkeeping is the base ``Arena``'s. It knows
 nothing of objects, owners or which page is free, and must not import torch.
 """
 
@@ -13,8 +13,8 @@ import fcntl
 import os
 
 from memory_broker.broker.arena.base import Arena
-from memory_broker.wire.arena.geometry import ArenaGeometry
-from memory_broker.wire.arena.host import (
+from memory_broker.proto.wire.mapping.geometry import ArenaGeometry
+from memory_broker.proto.wire.mapping.host import (
     F_ADD_SEALS,
     F_SEAL_GROW,
     F_SEAL_SEAL,

@@ -16,8 +16,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
-from memory_broker.broker.eviction import ContentType
-from memory_broker.broker.store_stats import StoreStats
+from memory_broker.broker.store.eviction import ContentType
+from memory_broker.broker.store.stats import StoreStats
 
 if TYPE_CHECKING:
     from memory_broker.broker.adapters.stats import AdapterStats
@@ -28,7 +28,7 @@ PREFIX = "memory_broker"
 LATENCY_BUCKETS_S = (
     1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
     1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
-)  # fmt: skip
+)
 
 POOL_STATES = ("free", "used", "prepared", "pinned", "evictable")
 
@@ -47,7 +47,7 @@ class BrokerMetrics:
                  aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S)),
             View(instrument_name=f"{PREFIX}_rpc_latency_seconds",
                  aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S)),
-        ]  # fmt: skip
+        ]
         self.provider = MeterProvider(metric_readers=[reader], views=views, shutdown_on_exit=False)
         meter = self.provider.get_meter("memory-broker")
         self.backend = backend
@@ -118,7 +118,7 @@ class BrokerMetrics:
             callbacks=[lambda _o: [Observation(getattr(self.adapter_snapshot.images, k), {"result": r})
                                    for k, r in (("hits", "hit"), ("misses", "miss"), ("rejected", "rejected"))]
                        if self.adapter_snapshot is not None else []],
-            description="cold adapter loads by how the image cache served them")  # fmt: skip
+            description="cold adapter loads by how the image cache served them")
         meter.create_observable_counter(f"{PREFIX}_adapter_conversions_total",
                                         callbacks=[part("images", "converted_ahead")],
                                         description="adapters converted into images ahead of use")
@@ -133,7 +133,7 @@ class BrokerMetrics:
             f"{PREFIX}_adapter_hit_ratio",
             callbacks=[lambda _o: [Observation(self.adapter_snapshot.hit_rate)]
                        if self.adapter_snapshot is not None else []],
-            description="share of adapter acquires that found the adapter hot")  # fmt: skip
+            description="share of adapter acquires that found the adapter hot")
         self.allocation_latency = meter.create_histogram(
             f"{PREFIX}_allocation_latency_seconds", unit="s", description="time to serve an Allocate or Prepare in the core"
         )

@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any
 
-from memory_broker.wire.arena import format_size  # noqa: F401  (the one formatter; sizes shown in help and the example)
+from memory_broker.proto.wire.mapping import format_size  # noqa: F401  (the one formatter; sizes shown in help and the example)
 
 # Binary units only: a GPU page is 2 MiB, not 2 MB. The single letters (1G, 512K) are binary
 # too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to
@@ -24,7 +24,7 @@ _UNITS = {
     "m": 1 << 20, "mib": 1 << 20,
     "g": 1 << 30, "gib": 1 << 30,
     "t": 1 << 40, "tib": 1 << 40,
-}  # fmt: skip
+}
 _DECIMAL = {"kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB"}
 
 LOG_FORMATS = ("auto", "console", "json")
@@ -146,7 +146,7 @@ def _mode(v: Any, where: str) -> int:
 _READERS = {
     "size": _size, "duration": parse_duration, "int": _int, "float": _float, "bool": _bool,
     "str": _str, "text": _text, "uids": _uids, "paths": _paths, "mode": _mode,
-}  # fmt: skip
+}
 KINDS = frozenset({*_READERS, "choice"})
 
 

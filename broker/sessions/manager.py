@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from memory_broker.broker.adapters.access import Caller
-from memory_broker.broker.errors import BrokerError, Code, denied
-from memory_broker.broker.objects import ObjectStore
-from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred
+from memory_broker.proto.wire.errors import BrokerError, Code, denied
+from memory_broker.broker.store.objects import ObjectStore
+from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred
 from memory_broker.broker.sessions.liveness import PidWatcher
-from memory_broker.wire.session import SESSION_METADATA
+from memory_broker.proto.wire.session import SESSION_METADATA
 
 # Placed on a session's queue to end its stream.
 CLOSED = object()

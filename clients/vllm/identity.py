@@ -84,7 +84,7 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, vllm_version: str, d
             "head_size": getattr(spec, "head_size", None),
             "dtype": str(getattr(spec, "dtype", None)),
             "layers": list(g.layer_names),
-        })  # fmt: skip
+        })
     if len(groups) != 1:
         raise ValueError(
             f"the memory-broker KV connector handles models with one KV cache group; this one has "

@@ -36,7 +36,7 @@ from memory_broker.clients.vllm.kv_records import (  # noqa: E402,F401  (STAT_NA
     SaveRequest,
     _ReqState,
 )
-from memory_broker.wire.errors import BrokerError  # noqa: E402
+from memory_broker.proto.wire.errors import BrokerError  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,7 +96,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 # A broker that goes away between lookup and load must cost a recompute,
                 # never a failed request.
                 log.warning("MemoryBrokerConnector sets kv_load_failure_policy to 'recompute' (was %r)",
-                            cfg.kv_load_failure_policy)  # fmt: skip
+                            cfg.kv_load_failure_policy)
                 cfg.kv_load_failure_policy = "recompute"
             self._reqs: dict[str, _ReqState] = {}
             self._to_load: set[str] = set()
@@ -119,7 +119,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self._load_errors: set[int] = set()
             self._loaded: set[str] = set()
         log.info("MemoryBrokerConnector (%s, tp rank %d) on broker %s, block %d tokens",
-                 role_name, self.tp_rank, self.socket, self.block_size)  # fmt: skip
+                 role_name, self.tp_rank, self.socket, self.block_size)
 
     # ================================================================ scheduler side
 
@@ -129,7 +129,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             if not _keyable(request):
                 return None
             root = identity.chain_root(self._engine_fp, identity.lora_identity(request.lora_request),
-                                       getattr(request, "cache_salt", None))  # fmt: skip
+                                       getattr(request, "cache_salt", None))
             toks = list(request.prompt_token_ids)
             st = _ReqState(chain=identity.chain_hashes(root, toks, self.block_size), prompt_len=len(toks))
             self._reqs[request.request_id] = st
@@ -265,12 +265,12 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             dims = [d for d, s in enumerate(t.shape) if s == num_blocks]
             if not dims:
                 log.error("MemoryBrokerConnector: layer %s's KV tensor %s has no dimension of %d blocks; "
-                          "the connector stays off", name, tuple(t.shape), num_blocks)  # fmt: skip
+                          "the connector stays off", name, tuple(t.shape), num_blocks)
                 return
             nbytes = t.numel() // num_blocks * t.element_size()
             if layer_nbytes is not None and nbytes != layer_nbytes:
                 log.error("MemoryBrokerConnector: layers differ in KV bytes per block (%d, %d); the connector stays off",
-                          layer_nbytes, nbytes)  # fmt: skip
+                          layer_nbytes, nbytes)
                 return
             layer_nbytes = nbytes
             views[name] = t
@@ -281,7 +281,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         self._kv = views
         self._enabled = self._block_nbytes > 0
         log.info("MemoryBrokerConnector: %d layers, KV tensors %s, %d bytes per block",
-                 len(views), tuple(next(iter(views.values())).shape) if views else (), self._block_nbytes)  # fmt: skip
+                 len(views), tuple(next(iter(views.values())).shape) if views else (), self._block_nbytes)
 
     def _block_view(self, name: str, t: torch.Tensor, block_id: int) -> torch.Tensor:
         return t.select(self._block_dims[name], block_id)
@@ -308,7 +308,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                     self.stats.add("broker_errors")
                     self.broker.failed(c, e, "load")
                 log.warning("MemoryBrokerConnector: loading %d blocks of request %s failed (%s); vLLM recomputes them",
-                            len(lr.block_ids), lr.req_id, e)  # fmt: skip
+                            len(lr.block_ids), lr.req_id, e)
 
     def _load_one(self, c, lr: LoadRequest) -> None:
         rank = self.tp_rank
@@ -404,7 +404,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 store.write_bytes(phys, obj.pages, ps, li * self._layer_nbytes, src)
         except (RuntimeError, ValueError, OSError) as e:
             log.warning("MemoryBrokerConnector: writing layer %s failed (%s); this step's blocks are not stored",
-                        layer_name, e)  # fmt: skip
+                        layer_name, e)
             self._abort_saves()
 
     def _abort_saves(self) -> None:

@@ -31,7 +31,7 @@ STAT_NAMES = (
     "store_skipped_blocks",  # blocks not stored (broker away or full)
     "load_failed_blocks",   # blocks reported to vLLM for recompute
     "broker_errors",    # failed broker calls
-)  # fmt: skip
+)
 
 
 @dataclass

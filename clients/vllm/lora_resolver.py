@@ -14,8 +14,8 @@ import logging
 
 import grpc
 
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 from memory_broker.clients.vllm.identity import BROKER_SCHEME, broker_lora_int_id
 
 from vllm.lora.request import LoRARequest  # noqa: E402
@@ -56,4 +56,4 @@ class BrokerLoRAResolver(LoRAResolver):
             return None
         # The server renumbers lora_int_id; the worker goes by the broker:// path.
         return LoRARequest(lora_name, broker_lora_int_id(lora_name), BROKER_SCHEME + lora_name,
-                           base_model_name=base_model_name)  # fmt: skip
+                           base_model_name=base_model_name)

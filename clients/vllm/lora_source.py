@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.client import BrokerClient
 from memory_broker.kernels.reference import gather_rows
@@ -115,7 +115,7 @@ class BrokerAdapters:
                 held = self._held[adapter_id] = Held(lease, lease.adapters[0], set())
                 self.acquires += 1
                 log.info("memory-broker: acquired adapter %s (found %s, %d pages, generation %d)",
-                         adapter_id, held.adapter.found_in, len(held.adapter.pages), held.adapter.generation)  # fmt: skip
+                         adapter_id, held.adapter.found_in, len(held.adapter.pages), held.adapter.generation)
             held.int_ids.add(lora_int_id)
             self._by_int[lora_int_id] = adapter_id
             return held.adapter

@@ -144,7 +144,7 @@ class ZeroCopyStep:
             lora_apply(
                 xk, out, self.arena, a_off, b_off, ranks, scalings, token_slot,
                 [offsets[j] for j in slices], [sizes[j] for j in slices], row_align=self.row_align,
-            )  # fmt: skip
+            )
         return out
 
     def _apply_rounding_as_vllm(self, xk, out, token_slot, launches, offsets, sizes) -> torch.Tensor:
@@ -158,7 +158,7 @@ class ZeroCopyStep:
             y = reference.shrink(xk, self.arena, a_off, ranks, token_slot).to(out.dtype).float()
             delta = torch.zeros_like(out)
             reference.expand(y, self.arena, b_off, ranks, scalings, token_slot, delta,
-                             [offsets[j] for j in slices], [sizes[j] for j in slices])  # fmt: skip
+                             [offsets[j] for j in slices], [sizes[j] for j in slices])
             out[rows] += delta[rows]
         return out
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memory_broker.clients.client import BrokerClient, BrokerObject, Spec
-from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
@@ -84,7 +84,7 @@ class BrokerKV:
             self.connects += 1
             if self._down_since is not None:
                 log.warning("memory broker at %s is back after %.1f s: KV is stored and loaded again",
-                            self.socket, now - self._down_since)  # fmt: skip
+                            self.socket, now - self._down_since)
                 self._down_since = None
             return c
 
@@ -93,7 +93,7 @@ class BrokerKV:
         if self._down_since is None:
             self._down_since = time.monotonic()
             log.warning("memory broker at %s is unavailable (%s): vLLM recomputes KV until it is back; "
-                        "retrying every %.0f s", self.socket, why, self.retry_s)  # fmt: skip
+                        "retrying every %.0f s", self.socket, why, self.retry_s)
         else:
             log.debug("memory broker at %s still unavailable: %s", self.socket, why)
 

@@ -36,7 +36,7 @@ _CORPUS = [
 # Big enough that a 1k-token prefill costs real time on a CPU (the benchmark's model):
 # about 26M parameters, 512 KiB of float32 KV per 32-token block.
 SMALL = dict(LLAMA, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=4)  # fmt: skip
+             num_key_value_heads=4)
 
 
 def build(path: str, seed: int = 0, config: dict | None = None) -> str:
@@ -100,5 +100,5 @@ def build_lora(
             "target_modules": sorted(outs), "lora_dropout": 0.0, "bias": "none",
             "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
             "base_model_name_or_path": None, "modules_to_save": None,
-        }, f)  # fmt: skip
+        }, f)
     return path

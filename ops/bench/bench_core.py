@@ -16,9 +16,9 @@ import sys
 import time
 
 
-from memory_broker.broker.eviction import ContentType  # noqa: E402
-from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
-from memory_broker.broker.pool import PagePool, WindowSpace  # noqa: E402
+from memory_broker.broker.store.eviction import ContentType  # noqa: E402
+from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
+from memory_broker.broker.store.pool import PagePool, WindowSpace  # noqa: E402
 
 # The invariant checker is test support (tests/store_invariants.py), not product code.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))

@@ -153,7 +153,7 @@ def bench_copy(args, torch) -> list[str]:
             torch.cuda.synchronize()
             assert torch.equal(window[:4096].cpu(), src[:4096]) and torch.equal(phys[:4096].cpu(), src[:4096])
             for target, t in (("torch.empty (bare)", t_bare), ("arena physical view", t_phys),
-                              ("arena window, scattered pages", t_win)):  # fmt: skip
+                              ("arena window, scattered pages", t_win)):
                 ratio = t_bare / t
                 flag = "" if target.startswith("torch") else (" ok" if ratio >= 0.9 else " BELOW TARGET")
                 rows.append(f"| {kind} | {target} | {n / t / 1e9:.2f} | {ratio * 100:.1f}%{flag} |")

@@ -102,7 +102,7 @@ def hit_rate_table(quick: bool, requests: int = 0) -> None:
     ]
     names = list(POLICIES)
     print(f"Hit rate per policy and its share of Belady (default: {DEFAULT_POLICY}); "
-          f"lab {n // 5} requests, Zipf {n} requests over 1,000 adapters, shift every {shift}")  # fmt: skip
+          f"lab {n // 5} requests, Zipf {n} requests over 1,000 adapters, shift every {shift}")
     print("| trace | slots | Belady | " + " | ".join(names) + f" | {DEFAULT_POLICY} / Belady | target |")
     print("|---|---|---|" + "---|" * len(names) + "---|---|")
     t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def hit_rate_table(quick: bool, requests: int = 0) -> None:
             target = TARGETS[trace_name]
             cells = " | ".join(f"{rates[p]:.3f} ({rates[p] / best:.2f})" for p in names)
             print(f"| {trace_name} | {slots} | {best:.3f} | {cells} | {ratio:.3f} | "
-                  f"≥ {target}: {'MET' if ratio >= target else 'NOT MET'} |", flush=True)  # fmt: skip
+                  f"≥ {target}: {'MET' if ratio >= target else 'NOT MET'} |", flush=True)
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 

@@ -26,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import grpc  # noqa: E402
 
-from memory_broker.wire.v1 import broker_pb2 as pb  # noqa: E402
-from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
+from memory_broker.proto.wire.v1 import broker_pb2 as pb  # noqa: E402
+from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
-from memory_broker.wire.session import SESSION_METADATA  # noqa: E402
+from memory_broker.proto.wire.session import SESSION_METADATA  # noqa: E402
 
 
 def start_broker(socket: str, state: str, page_size: str = "2MiB") -> subprocess.Popen:
@@ -40,7 +40,7 @@ def start_broker(socket: str, state: str, page_size: str = "2MiB") -> subprocess
          "--pool-size", "8GiB", "--page-size", page_size, "--slab-size", "256MiB", "--state-dir", state,
          "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if os.path.exists(socket):
@@ -160,7 +160,7 @@ def run(socket: str, n: int) -> None:
     print(f"{'client lib: lookup 1 key':<40}{lib_lookup:>12.1f}{lib_lookup / e_lookup:>10.2f}")
     print("(x echo = the call's median / the median of the Echo calls alternated with it in the same loop)")
     print(f"\ntarget: every broker RPC within 1.3x of echo at the median: worst {worst:.2f}x -> "
-          f"{'MET' if worst <= 1.3 else 'NOT MET'}")  # fmt: skip
+          f"{'MET' if worst <= 1.3 else 'NOT MET'}")
 
     # Batched allocate of 1,000 pages: one RPC, two shapes.
     print(f"\n{'batched allocate of 1,000 pages':<40}{'median ms':>12}{'pages/s':>14}")
@@ -168,7 +168,7 @@ def run(socket: str, n: int) -> None:
         ("1,000 objects of 1 page", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1, content_type=kv)] * 1000)),
         ("1 object of 1,000 pages", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1000, content_type=kv)])),
         ("1 contiguous object of 1,000 pages", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1000, content_type=kv, contiguous=True)])),
-    ):  # fmt: skip
+    ):
         samples = []
         for _ in range(max(5, n // 20)):
             t0 = time.perf_counter_ns()

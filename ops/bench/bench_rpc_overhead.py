@@ -21,9 +21,9 @@ import time
 from memory_broker.broker.server.app import BrokerServer
 from memory_broker.broker.server.logs import configure
 from memory_broker.broker.server.options import ServeOptions
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.session import SESSION_METADATA
-from memory_broker.broker.objects import Spec
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.session import SESSION_METADATA
+from memory_broker.broker.store.objects import Spec
 
 
 class Context:
@@ -45,7 +45,7 @@ class Context:
 async def run(chunks: int, per_chunk: int) -> None:
     d = tempfile.mkdtemp(prefix="mb-ovh-", dir="/tmp")
     opts = ServeOptions(socket=os.path.join(d, "b.sock"), arena="host", pool_size=256 << 20,
-                        slab_size=64 << 20, state_dir=os.path.join(d, "state"))  # fmt: skip
+                        slab_size=64 << 20, state_dir=os.path.join(d, "state"))
 
     srv = BrokerServer(opts, configure("info", "json", open(os.devnull, "w")))
     await srv.start()
@@ -76,7 +76,7 @@ async def run(chunks: int, per_chunk: int) -> None:
                 pb.UnpinResponse()
 
         rows = {"core pin + unpin": [], "servicer Pin + Unpin (no transport)": [],
-                "their two response messages": []}  # fmt: skip
+                "their two response messages": []}
         for _ in range(chunks):
             t0 = time.perf_counter_ns()
             core(per_chunk)

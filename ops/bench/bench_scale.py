@@ -32,9 +32,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from memory_broker.broker.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
-from memory_broker.broker.pool import PagePool, WindowSpace  # noqa: E402
-from memory_broker.wire.session import SESSION_METADATA  # noqa: E402
+from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
+from memory_broker.broker.store.pool import PagePool, WindowSpace  # noqa: E402
+from memory_broker.proto.wire.session import SESSION_METADATA  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -190,7 +190,7 @@ def bench_teardown(sizes: list[int], table: list) -> None:
                 break
         assert not store.objects
         table.append({"operation": "session end: longest single stall", "size": f"{n:,} objects",
-                      "median_ms": max(stalls), "p99_ms": max(stalls), "total_ms": sum(stalls)})  # fmt: skip
+                      "median_ms": max(stalls), "p99_ms": max(stalls), "total_ms": sum(stalls)})
         del store
         gc.collect()
 
@@ -201,8 +201,8 @@ def bench_teardown(sizes: list[int], table: list) -> None:
 def start_broker(socket: str, state: str, pages: int) -> subprocess.Popen:
     import grpc
 
-    from memory_broker.wire.v1 import broker_pb2 as pb
-    from memory_broker.wire.v1 import broker_pb2_grpc
+    from memory_broker.proto.wire.v1 import broker_pb2 as pb
+    from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
     # The smallest page the broker allows (512 KiB): host slabs are sparse memfds and
     # nothing here touches a page, so a large pool costs address space, not memory.
@@ -212,7 +212,7 @@ def start_broker(socket: str, state: str, pages: int) -> subprocess.Popen:
          "--enable-echo", "--pool-size", f"{size_gib}GiB", "--page-size", "512KiB", "--slab-size", "4GiB",
          "--state-dir", state, "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -231,7 +231,7 @@ def start_broker(socket: str, state: str, pages: int) -> subprocess.Popen:
 
 ECHO_CHILD = """
 import json, sys, time, grpc
-from memory_broker.wire.v1 import echo_pb2, echo_pb2_grpc
+from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc
 echo = echo_pb2_grpc.EchoStub(grpc.insecure_channel("unix:" + sys.argv[1]))
 req = echo_pb2.EchoRequest(payload=b"x")
 echo.Echo(req)
@@ -263,8 +263,8 @@ def echo_result(p: subprocess.Popen) -> list[float]:
 def bench_daemon(n: int, seconds: float, table: list) -> None:
     import grpc
 
-    from memory_broker.wire.v1 import broker_pb2 as pb
-    from memory_broker.wire.v1 import broker_pb2_grpc
+    from memory_broker.proto.wire.v1 import broker_pb2 as pb
+    from memory_broker.proto.wire.v1 import broker_pb2_grpc
     from memory_broker.clients import BrokerClient
 
     d = tempfile.mkdtemp(prefix="mb-scale-", dir="/tmp")

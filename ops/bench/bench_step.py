@@ -52,8 +52,8 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
-from memory_broker.wire import step as step_wire  # noqa: E402
-from memory_broker.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
+from memory_broker.proto.wire import step as step_wire  # noqa: E402
+from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 from memory_broker.clients.batch import POLL_S  # noqa: E402
 
@@ -313,7 +313,7 @@ def raw_pingpong(d: str, n: int, idle: bool = False, one_cpu: bool = False) -> l
     mask = os.sched_getaffinity(0)
     cpu = min(mask)
     p = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path] + ([str(cpu)] if one_cpu else []),
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+                         stdout=subprocess.PIPE, text=True)
     if one_cpu:
         os.sched_setaffinity(0, {cpu})
     try:
@@ -370,7 +370,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="at most 200 steps (a smoke run)")
     ap.add_argument("--only", default="", help="run only the paths whose name contains this (a quick look)")
     ap.add_argument("--poll-s", type=float, default=None,
-                    help="the background batch's poll_s (default: the client's, POLL_S)")  # fmt: skip
+                    help="the background batch's poll_s (default: the client's, POLL_S)")
     a = ap.parse_args()
     if a.poll_s is not None:
         global POLL_S
@@ -427,13 +427,13 @@ def run(d: str, sock: str, steps: int) -> None:
     # scheduler puts a fresh echo process varies; the fastest is the strictest yardstick.
     raw_us = min(min(raw_chunks), statistics.median(raw_one))
     print(f"Engine step control plane, per step at the client ({steps} steps per row; "
-          f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')})")  # fmt: skip
+          f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')})")
     print(f"{'baseline':<44}{'median us':>10}{'p99 us':>10}{'x raw':>8}")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f}{'':>10}{1.0:>8.2f}")
     for name, xs in (("raw ping-pong, both processes on one CPU", raw_one), ("raw ping-pong, all echo processes", raw),
                      ("raw ping-pong, each after the model's wait", raw_idle),
                      ("step channel PING (broker, same socket kind)", ping),
-                     ("gRPC Echo (bare, same broker)", echo)):  # fmt: skip
+                     ("gRPC Echo (bare, same broker)", echo)):
         print(f"{name:<44}{statistics.median(xs):>10.1f}{pct(xs, 0.99):>10.1f}{statistics.median(xs) / raw_us:>8.2f}")
     print()
     print(f"{'path':<42}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}")

@@ -24,7 +24,7 @@ def _resolve(args: list[str]) -> list[dict]:
         r = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", report.name, *args],
             capture_output=True, text=True,
-        )  # fmt: skip
+        )
         if r.returncode != 0:
             sys.stderr.write(r.stderr)
             raise SystemExit(f"pip cannot resolve {' '.join(args)!r} (see above)")

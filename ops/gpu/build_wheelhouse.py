@@ -81,7 +81,7 @@ def target_environment(python_version: str) -> dict:
     major, minor = python_version.split(".")[:2]
     env.update(python_version=f"{major}.{minor}", python_full_version=f"{major}.{minor}.0",
                sys_platform="linux", platform_system="Linux", platform_machine="x86_64",
-               implementation_name="cpython", platform_python_implementation="CPython", os_name="posix")  # fmt: skip
+               implementation_name="cpython", platform_python_implementation="CPython", os_name="posix")
     return env
 
 
@@ -131,7 +131,7 @@ def main() -> int:
     pip = [sys.executable, "-m", "pip"]
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
     cmd = [*pip, "download", "--no-deps", "--only-binary=:all:", "--python-version", args.python_version,
-           "--implementation", "cp", *plat, "-d", args.out, *pins(reqs)]  # fmt: skip
+           "--implementation", "cp", *plat, "-d", args.out, *pins(reqs)]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     cmd = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", args.out, ROOT]

@@ -23,7 +23,7 @@ META_PTRS = {n: "*i32" for n in ("token_indices_sorted_by_lora_ids", "num_tokens
 
 
 def _compile(fn, pointers: dict[str, str], floats: set[str], constexprs: dict, num_warps: int, num_stages: int,
-             arch: int, dtype: str) -> int:  # fmt: skip
+             arch: int, dtype: str) -> int:
     """Compiles ``fn`` (pointer arguments 16-byte aligned, other ints i32) and returns its shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -40,9 +40,9 @@ def _compile(fn, pointers: dict[str, str], floats: set[str], constexprs: dict, n
             signature[name] = "fp32" if name in floats else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if signature[name].startswith("*")}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                       attrs=attrs)  # fmt: skip
+                       attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     return int(compiled.metadata.shared)
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                  "GROUP_SIZE_M": c.get("group_size_m", 8), "SLICE_NUM": s, "USE_GDC": False, "launch_pdl": False,
                  "STORE_PARTIALS": False, "PARTIAL_N": 0, "PARTIAL_K": 0},
                 c["num_warps"], c["num_stages"], args.arch, dtype,
-            )  # fmt: skip
+            )
             expand = _compile(
                 _lora_expand_kernel, {"input_ptr": "*fp32", "lora_ptr": "*u64", "out_ptr": "*DT",
                                       "slice_start_loc": "*u64", "output_hs_ptr": "*i64", **META_PTRS}, set(),
@@ -86,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
                  "EVEN_K": r % e["block_k"] == 0, "ADD_INPUTS": True, "CAST_TYPE": True, "SLICE_NUM": s,
                  "SAME_STRIDE": True, "USE_GDC": False, "launch_pdl": False},
                 e["num_warps"], e["num_stages"], args.arch, dtype,
-            )  # fmt: skip
+            )
             print(f"{case.name} {dtype}: shrink block {c['block_m']}x{c['block_n']}x{c['block_k']} split_k {c['split_k']} "
-                  f"shared {shrink}; expand block {e['block_m']}x{e['block_n']}x{e['block_k']} shared {expand}")  # fmt: skip
+                  f"shared {shrink}; expand block {e['block_m']}x{e['block_n']}x{e['block_k']} shared {expand}")
     print(f"compiled vLLM's lora_shrink / lora_expand for sm_{args.arch} with triton {triton.__version__} "
-          "(PDL off: vLLM uses it only with VLLM_LORA_ENABLE_DUAL_STREAM)")  # fmt: skip
+          "(PDL off: vLLM uses it only with VLLM_LORA_ENABLE_DUAL_STREAM)")
     return 0
 
 

@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--python", help="a python whose vllm to copy from "
-                     "(default: $MEMORY_BROKER_VLLM_PYTHON, else .venv-vllm/bin/python)")  # fmt: skip
+                     "(default: $MEMORY_BROKER_VLLM_PYTHON, else .venv-vllm/bin/python)")
     src.add_argument("--from-site", type=Path, help="a site-packages folder holding vllm/ (or the vllm folder itself)")
     src.add_argument("--wheel", type=Path, help="a vllm wheel file")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT.relative_to(REPO)})")

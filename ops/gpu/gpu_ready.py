@@ -49,7 +49,7 @@ def problems(f: Facts) -> list[str]:
     """Why the CUDA arena cannot run here, as sentences; empty when it can."""
     if not f.gpus:
         return ["no GPU on this machine (nvidia-smi lists none and there is no /dev/nvidia0): "
-                "the GPU checks cannot pass without one"]  # fmt: skip
+                "the GPU checks cannot pass without one"]
     out = []
     if f.bindings is None:
         out.append("cuda-python (cuda.bindings) is not importable: install cuda-bindings matching the driver")

@@ -117,8 +117,8 @@ fi
 stale=$("$PYTHON" - <<'PY' 2>&1
 import filecmp, importlib.util, os, sys
 bad = []
-# The arena's views (the CUDA arena's mapping code) live in proto/wire, as memory_broker.wire.
-for folder, name in (("broker", "broker"), ("clients", "clients"), ("kernels", "kernels"), ("proto/wire", "wire")):
+# The arena's views (the CUDA arena's mapping code) live in proto/wire/mapping (memory_broker.proto.wire.mapping).
+for folder, name in (("broker", "broker"), ("clients", "clients"), ("kernels", "kernels"), ("proto", "proto")):
     spec = importlib.util.find_spec(f"memory_broker.{name}")  # finds without importing torch
     if spec is None or not spec.submodule_search_locations:
         print(f"memory_broker.{name} is not installed"); sys.exit(0)
@@ -126,6 +126,8 @@ for folder, name in (("broker", "broker"), ("clients", "clients"), ("kernels", "
     if os.path.realpath(inst) == os.path.realpath(folder):
         continue  # an editable install of this checkout
     for dp, _, files in os.walk(folder):
+        if os.path.join("proto", "compat") in dp:
+            continue  # the deprecated alias memory_broker.wire installs elsewhere
         for f in files:
             if f.endswith(".py"):
                 rel = os.path.relpath(os.path.join(dp, f), folder)

@@ -191,11 +191,11 @@ class AdapterLayout:
             a = MatrixPlacement(
                 layer, name, "A", rank, int(m["in_features"]), int(m["a_stride"]),
                 tuple(RowChunk(*map(int, c)) for c in m["a"]),
-            )  # fmt: skip
+            )
             b = MatrixPlacement(
                 layer, name, "B", rank, int(m["out_features"]), int(m["b_stride"]),
                 tuple(RowChunk(*map(int, c)) for c in m["b"]),
-            )  # fmt: skip
+            )
             mods.append(
                 ModulePlacement(layer, name, rank, float(m["scaling"]), a.row_elems, b.row_elems, a, b)
             )

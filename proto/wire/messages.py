@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memory_broker.wire.layout import AdapterLayout, MatrixPlacement, ModulePlacement, RowChunk, elem_size
-from memory_broker.wire.spec import Spec
-from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.layout import AdapterLayout, MatrixPlacement, ModulePlacement, RowChunk, elem_size
+from memory_broker.proto.wire.spec import Spec
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 # Adapter tier name (the daemon's Tier values) -> proto enum, and back.
 TIERS: dict[str, int] = {"hot": pb.ADAPTER_TIER_HOT, "warm": pb.ADAPTER_TIER_WARM, "cold": pb.ADAPTER_TIER_COLD}
@@ -38,7 +38,7 @@ def _matrix_to_proto(m: MatrixPlacement) -> pb.MatrixLayout:
     return pb.MatrixLayout(
         rows=m.rows, row_elems=m.row_elems, row_stride=m.row_stride,
         chunks=[pb.RowChunk(page_index=c.page, offset=c.offset, rows=c.rows) for c in m.chunks],
-    )  # fmt: skip
+    )
 
 
 def layout_to_proto(
@@ -59,7 +59,7 @@ def layout_to_proto(
                 layer=m.layer, module=m.module, rank=m.rank, scaling=m.scaling,
                 in_features=m.in_features, out_features=m.out_features,
                 a=_matrix_to_proto(m.a), b=_matrix_to_proto(m.b),
-            )  # fmt: skip
+            )
             for m in layout.modules
         ],
         arena_slabs=arena_slabs,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 # Code -> the gRPC status a refusal is sent as (one for one: a Code is named after its status).
 STATUS: dict[Code, grpc.StatusCode] = {
@@ -29,7 +29,7 @@ _TRANSPORT_TEXT = (
     "failed to connect", "Socket closed", "Connection reset", "Connection refused", "Broken pipe",
     "No such file", "recvmsg", "sendmsg", "unix:", "ipv4:", "ipv6:", "GOAWAY", "Stream removed", "keepalive",
     "connections to all backends failing", "Transport closed",
-)  # fmt: skip
+)
 
 
 def code_of(name: str) -> Code:

@@ -1,6 +1,6 @@
 """The step channel's wire format: one definition of its frames, used by the daemon and the client.
 
-This module owns the byte layout of the fast path (``broker/sessions/step_channel.py`` serves
+This module owns the byte layout of the fast path (``broker/doors/step_channel.py`` serves
 it, ``clients/step.py`` speaks it): frame headers, operation and result records, limits and
 error codes. It is plain ``struct`` code with no I/O and no state; it must not import gRPC
 or anything of the daemon (it belongs with the shared wire types).
@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
-from memory_broker.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 # Frame header: body length, kind.
 HEADER = struct.Struct("<IB")
@@ -45,7 +45,7 @@ OP_LOOKUP = 7  # pin flag, keys
 OP_NAMES = {
     OP_RELEASE: "release", OP_UNPIN: "unpin", OP_PIN: "pin", OP_COMMIT: "commit", OP_ABORT: "abort",
     OP_ACQUIRE: "acquire", OP_LOOKUP: "lookup",
-}  # fmt: skip
+}
 ACQUIRE_PREPARE = 1
 
 # Error codes on the wire (index into this tuple).

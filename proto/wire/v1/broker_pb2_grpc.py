@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from memory_broker.wire.v1 import broker_pb2 as memory__broker_dot_wire_dot_v1_dot_broker__pb2
+from memory_broker.proto.wire.v1 import broker_pb2 as memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in memory_broker/wire/v1/broker_pb2_grpc.py depends on'
+        + ' but the generated code in memory_broker/proto/wire/v1/broker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,98 +36,98 @@ class MemoryBrokerStub:
         """
         self.Attach = channel.stream_stream(
                 '/broker.v1.MemoryBroker/Attach',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.SessionEvent.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.SessionEvent.FromString,
                 _registered_method=True)
         self.GetArena = channel.unary_unary(
                 '/broker.v1.MemoryBroker/GetArena',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
                 _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Allocate',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
                 _registered_method=True)
         self.Prepare = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Prepare',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Commit',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.CommitResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.CommitResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Abort',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AbortResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Free = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Free',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.FreeResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.FreeResponse.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Pin',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PinResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PinResponse.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Unpin',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/broker.v1.MemoryBroker/Lookup',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.LookupResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/broker.v1.MemoryBroker/GetStats',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.Stats.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.Stats.FromString,
                 _registered_method=True)
         self.RegisterAdapter = channel.unary_unary(
                 '/broker.v1.MemoryBroker/RegisterAdapter',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
                 _registered_method=True)
         self.UnregisterAdapter = channel.unary_unary(
                 '/broker.v1.MemoryBroker/UnregisterAdapter',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
                 _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/ListAdapters',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
         self.GetAdapterLayout = channel.unary_unary(
                 '/broker.v1.MemoryBroker/GetAdapterLayout',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
                 _registered_method=True)
         self.AcquireAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/AcquireAdapters',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
                 _registered_method=True)
         self.ReleaseAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/ReleaseAdapters',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
                 _registered_method=True)
         self.PrefetchAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/PrefetchAdapters',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
                 _registered_method=True)
         self.VerifyAdapters = channel.unary_unary(
                 '/broker.v1.MemoryBroker/VerifyAdapters',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
                 _registered_method=True)
 
 
@@ -263,98 +263,98 @@ def add_MemoryBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Attach': grpc.stream_stream_rpc_method_handler(
                     servicer.Attach,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AttachRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.SessionEvent.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AttachRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.SessionEvent.SerializeToString,
             ),
             'GetArena': grpc.unary_unary_rpc_method_handler(
                     servicer.GetArena,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetArenaRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ArenaInfo.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetArenaRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ArenaInfo.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AllocateRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AllocateResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AllocateRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AllocateResponse.SerializeToString,
             ),
             'Prepare': grpc.unary_unary_rpc_method_handler(
                     servicer.Prepare,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrepareRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrepareResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrepareRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrepareResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.CommitRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.CommitResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.CommitRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.CommitResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AbortRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AbortRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AbortResponse.SerializeToString,
             ),
             'Free': grpc.unary_unary_rpc_method_handler(
                     servicer.Free,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.FreeRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.FreeResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.FreeRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.FreeResponse.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PinRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PinResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PinRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PinResponse.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnpinRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnpinResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnpinRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnpinResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.LookupRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.LookupRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.LookupResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetStatsRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.Stats.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetStatsRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.Stats.SerializeToString,
             ),
             'RegisterAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterAdapter,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterResponse.SerializeToString,
             ),
             'UnregisterAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnregisterAdapter,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersResponse.SerializeToString,
             ),
             'GetAdapterLayout': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAdapterLayout,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AdapterLayout.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AdapterLayout.SerializeToString,
             ),
             'AcquireAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.AcquireAdapters,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.SerializeToString,
             ),
             'ReleaseAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseAdapters,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.SerializeToString,
             ),
             'PrefetchAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.PrefetchAdapters,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.SerializeToString,
             ),
             'VerifyAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.VerifyAdapters,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -382,8 +382,8 @@ class MemoryBroker:
             request_iterator,
             target,
             '/broker.v1.MemoryBroker/Attach',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.SessionEvent.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AttachRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -409,8 +409,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/GetArena',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetArenaRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ArenaInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -436,8 +436,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Allocate',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AllocateRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AllocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -463,8 +463,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Prepare',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrepareRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -490,8 +490,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Commit',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.CommitResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.CommitRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -517,8 +517,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Abort',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AbortResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AbortRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -544,8 +544,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Free',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.FreeResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.FreeRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.FreeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -571,8 +571,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Pin',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.PinResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PinRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -598,8 +598,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Unpin',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnpinRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -625,8 +625,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/Lookup',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.LookupResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.LookupRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -652,8 +652,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/GetStats',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.Stats.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetStatsRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.Stats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -679,8 +679,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/RegisterAdapter',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.RegisterAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -706,8 +706,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/UnregisterAdapter',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.UnregisterAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -733,8 +733,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/ListAdapters',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -760,8 +760,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/GetAdapterLayout',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.GetAdapterLayoutRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AdapterLayout.FromString,
             options,
             channel_credentials,
             insecure,
@@ -787,8 +787,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/AcquireAdapters',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.AcquireAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -814,8 +814,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/ReleaseAdapters',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.ReleaseAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -841,8 +841,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/PrefetchAdapters',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.PrefetchAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -868,8 +868,8 @@ class MemoryBroker:
             request,
             target,
             '/broker.v1.MemoryBroker/VerifyAdapters',
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from memory_broker.wire.v1 import echo_pb2 as memory__broker_dot_wire_dot_v1_dot_echo__pb2
+from memory_broker.proto.wire.v1 import echo_pb2 as memory__broker_dot_proto_dot_wire_dot_v1_dot_echo__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in memory_broker/wire/v1/echo_pb2_grpc.py depends on'
+        + ' but the generated code in memory_broker/proto/wire/v1/echo_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class EchoStub:
         """
         self.Echo = channel.unary_unary(
                 '/broker.v1.Echo/Echo',
-                request_serializer=memory__broker_dot_wire_dot_v1_dot_echo__pb2.EchoRequest.SerializeToString,
-                response_deserializer=memory__broker_dot_wire_dot_v1_dot_echo__pb2.EchoResponse.FromString,
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_echo__pb2.EchoRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_echo__pb2.EchoResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_EchoServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
-                    request_deserializer=memory__broker_dot_wire_dot_v1_dot_echo__pb2.EchoRequest.FromString,
-                    response_serializer=memory__broker_dot_wire_dot_v1_dot_echo__pb2.EchoResponse.SerializeToString,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_echo__pb2.EchoRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_echo__pb2.EchoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class Echo:
             request,
             target,
             '/broker.v1.Echo/Echo',
-            memory__broker_dot_wire_dot_v1_dot_echo__pb2.EchoRequest.SerializeToString,
-            memory__broker_dot_wire_dot_v1_dot_echo__pb2.EchoResponse.FromString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_echo__pb2.EchoRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_echo__pb2.EchoResponse.FromString,
             options,
             channel_credentials,
             insecure,

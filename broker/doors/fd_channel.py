@@ -1,7 +1,7 @@
 """The fd side channel, server side: hands the arena's slab fds to authorized local processes.
 
 This module owns the Unix socket that lends slab fds with ``SCM_RIGHTS``; the protocol
-(framing, limits, messages) is ``memory_broker.wire.fd_channel``, shared with the client. It
+(framing, limits, messages) is ``memory_broker.proto.wire.fd_channel``, shared with the client. It
 decides nothing about sessions (``authorize`` does) and never owns or closes the slab fds it
 sends (``slab_fds`` returns the broker's own; the kernel duplicates them into the receiver).
 It must not import gRPC.
@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-from memory_broker.wire.fd_channel import (
+from memory_broker.proto.wire.fd_channel import (
     MAX_FDS_PER_MESSAGE,
     MAX_REQUEST_BYTES,
     FdChannelError,
@@ -27,6 +27,7 @@ from memory_broker.wire.fd_channel import (
     parse_request,
     refusal_line,
 )
+from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred, peer_cred
 
 # How long a connection may take to send its request, and separately to take its reply.
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
@@ -50,30 +51,6 @@ def listen_unix(path: str) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-@dataclass(frozen=True, slots=True)
-class PeerCred:
-    """The connecting process as the kernel saw it at connect time (``SO_PEERCRED``)."""
-
-    # 0 when the peer is in a pid namespace this process cannot see.
-    pid: int
-    uid: int
-    gid: int
-
-
-class FdRequestRefused(FdChannelError):
-    """Raised by an authorize callback: code is one of "PERMISSION_DENIED", "NOT_FOUND",
-    "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"."""
-
-    def __repr__(self) -> str:
-        return f"FdRequestRefused({self.code}, {self.message!r})"
-
-
-def peer_cred(sock: socket.socket) -> PeerCred:
-    """The credentials of a connected Unix socket's peer."""
-    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return PeerCred(pid, uid, gid)
 
 
 class FdChannelServer:

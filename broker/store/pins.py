@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from memory_broker.broker.errors import denied, exhausted, precondition
-from memory_broker.broker.eviction import EvictionPolicy
-from memory_broker.broker.shards import ShardedMap
-from memory_broker.broker.store_records import Allocation, SessionState, StoreConfig
-from memory_broker.broker.store_stats import Counters, Tally
-from memory_broker.broker.transactions import TransactionBook
+from memory_broker.proto.wire.errors import denied, exhausted, precondition
+from memory_broker.broker.store.eviction import EvictionPolicy
+from memory_broker.broker.store.shards import ShardedMap
+from memory_broker.broker.store.records import Allocation, SessionState, StoreConfig
+from memory_broker.broker.store.stats import Counters, Tally
+from memory_broker.broker.store.transactions import TransactionBook
 
 
 class PinLedger:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Hashable, Sequence
 
-from memory_broker.wire.arena.geometry import ArenaGeometry
+from memory_broker.proto.wire.mapping.geometry import ArenaGeometry
 
 
 def page_runs(
@@ -34,7 +34,7 @@ def page_runs(
             end < len(pages) and pages[end] == pages[end - 1] + 1
             and (not per_slab or pages[end] // per_slab == slab)
             and (key is None or key(pages[end]) == k)
-        ):  # fmt: skip
+        ):
             end += 1
         out.append((start, first, end - start))
         start = end

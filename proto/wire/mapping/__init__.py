@@ -9,8 +9,8 @@ bindings until a view needs them.
 
 from __future__ import annotations
 
-from memory_broker.wire.arena.geometry import ArenaGeometry, check_geometry, check_sizes, format_size
-from memory_broker.wire.arena.view import ArenaView
+from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, check_geometry, check_sizes, format_size
+from memory_broker.proto.wire.mapping.view import ArenaView
 
 # The CUDA device a view maps when the broker names none ("" in ArenaInfo.device).
 DEFAULT_DEVICE = "0"
@@ -24,11 +24,11 @@ def open_view(backend: str, geometry: ArenaGeometry, device: str = "") -> ArenaV
     this process cannot map it.
     """
     if backend == "host":
-        from memory_broker.wire.arena.host import HostArenaView
+        from memory_broker.proto.wire.mapping.host import HostArenaView
 
         return HostArenaView(geometry)
     if backend == "cuda":
-        from memory_broker.wire.arena.cuda import CudaArenaView
+        from memory_broker.proto.wire.mapping.cuda import CudaArenaView
 
         return CudaArenaView(geometry, device or DEFAULT_DEVICE)
     raise ValueError(f"this client has no view for a {backend!r} arena")

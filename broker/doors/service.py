@@ -21,17 +21,17 @@ import grpc
 from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
-from memory_broker.broker.errors import BrokerError, Code
-from memory_broker.broker.objects import Allocation, ObjectStore, Spec
-from memory_broker.broker.service_messages import adapter_message, adapter_stats_message, event_message, stats_message
-from memory_broker.broker.service_policy import CALL, POLICY, Rule, is_tcp, merge_call  # noqa: F401  (POLICY, merge_call: imported from here)
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
+from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
+from memory_broker.broker.doors.policy import CALL, POLICY, Rule, is_tcp, merge_call  # noqa: F401  (POLICY, merge_call: imported from here)
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
-from memory_broker.wire import session as wire_session
-from memory_broker.wire.messages import TIERS, layout_to_proto, spec_from_proto
-from memory_broker.wire.session import SESSION_METADATA, token_from_metadata, version_mismatch
-from memory_broker.wire.status import STATUS
-from memory_broker.wire.v1 import broker_pb2 as pb
-from memory_broker.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+from memory_broker.proto.wire import session as wire_session
+from memory_broker.proto.wire.messages import TIERS, layout_to_proto, spec_from_proto
+from memory_broker.proto.wire.session import SESSION_METADATA, token_from_metadata, version_mismatch
+from memory_broker.proto.wire.status import STATUS
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
 
 def _unary(fn):

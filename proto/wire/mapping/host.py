@@ -17,8 +17,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memory_broker.wire.arena.geometry import ArenaGeometry, check_geometry
-from memory_broker.wire.arena.view import ArenaView, page_runs
+from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, check_geometry
+from memory_broker.proto.wire.mapping.view import ArenaView, page_runs
 
 PROT_NONE = 0x0
 PROT_READ = 0x1

@@ -12,12 +12,12 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Sequence
 
-from memory_broker.broker.errors import exhausted, not_found, precondition
-from memory_broker.broker.eviction import EvictionPolicy
-from memory_broker.broker.pool import PagePool, WindowSpace
-from memory_broker.broker.shards import ShardedMap
-from memory_broker.broker.store_records import CONTENT_BY_NUMBER, Allocation, ObjectState, Recent, SessionState, Spec
-from memory_broker.broker.store_stats import Tally
+from memory_broker.proto.wire.errors import exhausted, not_found, precondition
+from memory_broker.broker.store.eviction import EvictionPolicy
+from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.broker.store.shards import ShardedMap
+from memory_broker.broker.store.records import CONTENT_BY_NUMBER, Allocation, ObjectState, Recent, SessionState, Spec
+from memory_broker.broker.store.stats import Tally
 
 
 class ObjectTable:

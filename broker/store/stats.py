@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from memory_broker.broker.store_records import Allocation, ObjectState
+from memory_broker.broker.store.records import Allocation, ObjectState
 
 
 @dataclass(slots=True)

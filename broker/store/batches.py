@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from memory_broker.broker.errors import exhausted, invalid
-from memory_broker.broker.eviction import ContentType
-from memory_broker.broker.store_records import VALID_CONTENT, Spec
+from memory_broker.proto.wire.errors import exhausted, invalid
+from memory_broker.broker.store.eviction import ContentType
+from memory_broker.broker.store.records import VALID_CONTENT, Spec
 
 
 def check_batch(n: int, what: str, max_batch: int) -> None:

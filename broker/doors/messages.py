@@ -11,10 +11,10 @@ from __future__ import annotations
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.adapters.records import AdapterCorrupted
 from memory_broker.broker.adapters.stats import AdapterStats
-from memory_broker.broker.objects import ObjectsEvicted, TransactionsExpired
-from memory_broker.broker.store_stats import StoreStats
-from memory_broker.wire.messages import TIERS
-from memory_broker.wire.v1 import broker_pb2 as pb
+from memory_broker.broker.store.objects import ObjectsEvicted, TransactionsExpired
+from memory_broker.broker.store.stats import StoreStats
+from memory_broker.proto.wire.messages import TIERS
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
 class ArenaGrown:
@@ -36,7 +36,7 @@ class ShuttingDown:
 def stats_message(
     st: StoreStats, backend: str, page_size: int, num_slabs: int,
     adapters: pb.AdapterStats | None, by_owner: list[pb.OwnerStats],
-) -> pb.Stats:  # fmt: skip
+) -> pb.Stats:
     """GetStats' answer from one reading of the store (and the adapter figures, if enabled)."""
     return pb.Stats(
         backend=backend,
@@ -86,7 +86,7 @@ def adapter_stats_message(a: AdapterStats) -> pb.AdapterStats:
         image_count=im.count, image_bytes=im.bytes, image_budget_bytes=im.budget_bytes,
         image_hits=im.hits, image_misses=im.misses, converted_ahead=im.converted_ahead,
         convert_queued=im.convert_queued,
-    )  # fmt: skip
+    )
 
 
 def adapter_message(info: AdapterInfo, resident, image_state: str) -> pb.Adapter:

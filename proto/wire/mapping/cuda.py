@@ -78,8 +78,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from memory_broker.wire.arena import geometry as _geometry
-from memory_broker.wire.arena.cuda_driver import (
+from memory_broker.proto.wire.mapping import geometry as _geometry
+from memory_broker.proto.wire.mapping.cuda_driver import (
     CUDA_ERROR_DEINITIALIZED,
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_INITIALIZED,
@@ -95,10 +95,10 @@ from memory_broker.wire.arena.cuda_driver import (
     resolve_device,
 )
 # The torch-facing wrapper of a device range, under the name tests/test_arena_cuda.py uses.
-from memory_broker.wire.arena.cuda_mappings import CudaArrayInterface as _CudaArrayInterface  # noqa: F401
-from memory_broker.wire.arena.cuda_mappings import CudaTensors, Leases, Segment, WindowSegments
-from memory_broker.wire.arena.geometry import ArenaGeometry
-from memory_broker.wire.arena.view import ArenaView, page_runs
+from memory_broker.proto.wire.mapping.cuda_mappings import CudaArrayInterface as _CudaArrayInterface  # noqa: F401
+from memory_broker.proto.wire.mapping.cuda_mappings import CudaTensors, Leases, Segment, WindowSegments
+from memory_broker.proto.wire.mapping.geometry import ArenaGeometry
+from memory_broker.proto.wire.mapping.view import ArenaView, page_runs
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +192,11 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
             self._phys_base = int(self._check(
                 f"cuMemAddressReserve({self._phys_size} bytes, physical view)",
                 drv.cuMemAddressReserve(self._phys_size, 0, 0, 0),
-            ))  # fmt: skip
+            ))
             self._window_base = int(self._check(
                 f"cuMemAddressReserve({self._window_size} bytes, window)",
                 drv.cuMemAddressReserve(self._window_size, 0, 0, 0),
-            ))  # fmt: skip
+            ))
         except BaseException:
             if self._phys_base:
                 drv.cuMemAddressFree(self._phys_base, self._phys_size)
@@ -279,7 +279,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
                     start = window_page + off
                     seg = Segment(n, slab, slab_page, ro)
                     self._map(self._window_base + start * g.page_size, n * g.page_size, slab_page * g.page_size,
-                              self._handles[slab], ro, f"window pages {start}..{start + n} <- slab {slab} page {slab_page}")  # fmt: skip
+                              self._handles[slab], ro, f"window pages {start}..{start + n} <- slab {slab} page {slab_page}")
                     self._window.add(start, seg)
                     added.append(start)
                     self._protect_segment(start, seg)
@@ -393,7 +393,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         attempt("cuCtxSynchronize() before closing the arena view", drv.cuCtxSynchronize)
         for start, seg in self._window:
             attempt(f"cuMemUnmap(window pages {start}..{start + seg.count})", drv.cuMemUnmap,
-                    self._window_base + start * g.page_size, seg.count * g.page_size)  # fmt: skip
+                    self._window_base + start * g.page_size, seg.count * g.page_size)
         self._window.clear()
         for i in range(len(self._handles)):
             attempt(f"cuMemUnmap(slab {i})", drv.cuMemUnmap, self._phys_base + i * g.slab_size, g.slab_size)
@@ -404,7 +404,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         attempt("cuMemAddressFree(window)", drv.cuMemAddressFree, self._window_base, self._window_size)
         attempt("cuMemAddressFree(physical view)", drv.cuMemAddressFree, self._phys_base, self._phys_size)
         attempt(f"cuDevicePrimaryCtxRelease(device {self.device.ordinal})", drv.cuDevicePrimaryCtxRelease,
-                self.device.handle)  # fmt: skip
+                self.device.handle)
         if errors:
             raise errors[0]
 
@@ -445,7 +445,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         for start in hit:
             seg = self._window[start]
             self._check(f"cuMemUnmap(window pages {start}..{start + seg.count})",
-                        self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size))  # fmt: skip
+                        self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size))
             self._window.remove(start)
             if start < window_page:
                 keep.append((start, Segment(window_page - start, seg.slab, seg.slab_page, seg.readonly)))
@@ -454,7 +454,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
                 keep.append((end, Segment(seg_end - end, seg.slab, seg.slab_page + (end - start), seg.readonly)))
         for start, seg in keep:
             self._map(self._window_base + start * g.page_size, seg.count * g.page_size, seg.slab_page * g.page_size,
-                      self._handles[seg.slab], seg.readonly, f"window pages {start}..{start + seg.count} (kept)")  # fmt: skip
+                      self._handles[seg.slab], seg.readonly, f"window pages {start}..{start + seg.count} (kept)")
             self._window.add(start, seg)
             self._protect_segment(start, seg)
 

@@ -1,7 +1,7 @@
 """The step channel, server side: an engine's per-step changes in one compact round trip.
 
 This module owns a Unix socket served straight from the event loop that owns the core
-(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.wire.step``): each STEP
+(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.proto.wire.step``): each STEP
 frame's ops (release adapters, unpin, pin, commit/abort adapter acquires, acquire hot
 adapters, look up keys) run in order on the same ``ObjectStore`` and ``AdapterManager`` the
 gRPC service uses, as the session that presented its token, so gRPC sees every change and a
@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from memory_broker.broker.errors import BrokerError, Code, denied, invalid, unavailable
-from memory_broker.wire import step as w
-from memory_broker.broker.sessions.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
+from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid, unavailable
+from memory_broker.proto.wire import step as w
+from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
 
 # Connections served at once (each is one engine process; more is a client gone wrong).
 MAX_CONNECTIONS = 1024
@@ -34,7 +34,7 @@ _TIERS = {"hot": w.TIER_HOT, "warm": w.TIER_WARM, "cold": w.TIER_COLD}
 METHODS = {
     w.OP_RELEASE: "ReleaseAdapters", w.OP_UNPIN: "Unpin", w.OP_PIN: "Pin", w.OP_COMMIT: "Commit",
     w.OP_ABORT: "Abort", w.OP_ACQUIRE: "AcquireAdapters", w.OP_LOOKUP: "Lookup",
-}  # fmt: skip
+}
 
 
 @dataclass(slots=True, eq=False)
@@ -376,7 +376,7 @@ class StepChannelServer:
                  o.pins.get(sid, 0), o.pin_count, o.pages, o.key or b"")
                 for o in objs
             ],
-        )  # fmt: skip
+        )
 
     def _acquire(self, sid: int, op: w.Op) -> bytes:
         """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.

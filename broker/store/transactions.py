@@ -15,9 +15,9 @@ import itertools
 import time
 from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
-from memory_broker.broker.batches import check_specs
-from memory_broker.broker.errors import denied, invalid, not_found, precondition
-from memory_broker.broker.store_records import (
+from memory_broker.broker.store.batches import check_specs
+from memory_broker.proto.wire.errors import denied, invalid, not_found, precondition
+from memory_broker.broker.store.records import (
     Allocation,
     Recent,
     SessionState,
@@ -29,8 +29,8 @@ from memory_broker.broker.store_records import (
 )
 
 if TYPE_CHECKING:
-    from memory_broker.broker.object_table import ObjectTable
-    from memory_broker.broker.pins import PinLedger
+    from memory_broker.broker.store.object_table import ObjectTable
+    from memory_broker.broker.store.pins import PinLedger
 
 
 class TransactionBook:

@@ -20,15 +20,15 @@ import time
 from collections import Counter
 from typing import Callable, Sequence
 
-from memory_broker.broker.batches import check_batch, check_key, check_specs, check_unique
-from memory_broker.broker.errors import denied, not_found, precondition
-from memory_broker.broker.eviction import EvictionPolicy, PriorityLRU
-from memory_broker.broker.object_table import ObjectTable
-from memory_broker.broker.pins import PinLedger
-from memory_broker.broker.pool import PagePool, WindowSpace
-from memory_broker.broker.room import RoomMaker
-from memory_broker.broker.shards import ShardedMap
-from memory_broker.broker.store_records import (
+from memory_broker.broker.store.batches import check_batch, check_key, check_specs, check_unique
+from memory_broker.proto.wire.errors import denied, not_found, precondition
+from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
+from memory_broker.broker.store.object_table import ObjectTable
+from memory_broker.broker.store.pins import PinLedger
+from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.broker.store.room import RoomMaker
+from memory_broker.broker.store.shards import ShardedMap
+from memory_broker.broker.store.records import (
     Allocation,
     ObjectsEvicted,
     ObjectState,
@@ -40,14 +40,14 @@ from memory_broker.broker.store_records import (
     TransactionsExpired,
     TxnState,
 )
-from memory_broker.broker.store_stats import Counters, StoreStats, Tally, Usage
-from memory_broker.broker.transactions import TransactionBook, Transactions
+from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage
+from memory_broker.broker.store.transactions import TransactionBook, Transactions
 
 # The records callers use come from here too (one import for the store's API).
 __all__ = [
     "Allocation", "ObjectState", "ObjectStore", "ObjectsEvicted", "SessionState", "Spec", "StoreConfig",
     "StoreLimits", "StoreStats", "Transaction", "TransactionsExpired", "TxnState",
-]  # fmt: skip
+]
 
 Notify = Callable[[int, object], None]
 
@@ -100,14 +100,14 @@ class ObjectStore:
         self.room = RoomMaker(
             pool, self.policy, self.objects, self.counters, self.tally, self._drop, self._notify,
             self.config.high_watermark, self.config.low_watermark,
-        )  # fmt: skip
+        )
         self.ledger = PinLedger(
             self.policy, self.tally, self.counters, self.config, self.internal_sessions, self.txns, self._drop
         )
         self.transactions = Transactions(
             self.txns, self.table, self.ledger, self.sessions, self.config, pool.max_pages,
             self._reserve, self._publish, self._notify, clock,
-        )  # fmt: skip
+        )
         # Bounded work (DESIGN.md section 4): with a ``background`` host (see the property),
         # eviction down to the low watermark and the release of an ended session's holdings
         # run in batches of ``work_batch`` objects instead of all at once inside one call.

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Callable, Collection
 
-from memory_broker.broker.errors import exhausted
-from memory_broker.broker.eviction import EvictionPolicy
-from memory_broker.broker.pool import PagePool
-from memory_broker.broker.shards import ShardedMap
-from memory_broker.broker.store_records import Allocation, ObjectsEvicted, ObjectState, pages_at
-from memory_broker.broker.store_stats import Counters, Tally
+from memory_broker.proto.wire.errors import exhausted
+from memory_broker.broker.store.eviction import EvictionPolicy
+from memory_broker.broker.store.pool import PagePool
+from memory_broker.broker.store.shards import ShardedMap
+from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, pages_at
+from memory_broker.broker.store.stats import Counters, Tally
 
 Notify = Callable[[int, object], None]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Iterator, Protocol
 
-from memory_broker.broker.shards import RecencyQueue
+from memory_broker.broker.store.shards import RecencyQueue
 
 
 class ContentType(IntEnum):

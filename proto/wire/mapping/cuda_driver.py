@@ -4,7 +4,7 @@ This module owns the errors of the CUDA arena (``CudaError``, ``CudaUnavailable`
 ``MappingInUse``), the one checker of a driver call's result (``check``), ``cuInit`` and the
 device queries (``resolve_device``), and ``DeviceContext``: one device's retained primary
 context with the checked calls a view makes in it. The driver module is always passed in:
-loading it, and the view's mapping state, are ``memory_broker.wire.arena.cuda``'s. It must not
+loading it, and the view's mapping state, are ``memory_broker.proto.wire.mapping.cuda``'s. It must not
 import the daemon or the client library.
 """
 
@@ -193,10 +193,10 @@ def _device_info(drv, ordinal: int) -> CudaDevice:
         raw_name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
     uuid = check(f"cuDeviceGetUuid(device {ordinal})", drv.cuDeviceGetUuid(dev), drv)
     vmm = check(f"cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device {ordinal})",
-                drv.cuDeviceGetAttribute(_vmm_attribute(drv), dev), drv)  # fmt: skip
+                drv.cuDeviceGetAttribute(_vmm_attribute(drv), dev), drv)
     fd_attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
     posix = check(f"cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device {ordinal})",
-                  drv.cuDeviceGetAttribute(fd_attr, dev), drv)  # fmt: skip
+                  drv.cuDeviceGetAttribute(fd_attr, dev), drv)
     return CudaDevice(ordinal, dev, str(raw_name).strip(), format_uuid(uuid.bytes), bool(vmm), bool(posix))
 
 
@@ -284,7 +284,7 @@ class DeviceContext:
         then cannot invalidate a global-mode capture running in another thread."""
         drv = self._drv
         old = self._check("cuThreadExchangeStreamCaptureMode(RELAXED)", drv.cuThreadExchangeStreamCaptureMode(
-            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))  # fmt: skip
+            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
         try:
             yield
         finally:
@@ -318,7 +318,7 @@ class DeviceContext:
     def _set_access(self, va: int, size: int, readonly: bool, what: str) -> None:
         mode = "read" if readonly else "read-write"
         self._check(f"cuMemSetAccess({what}, {size} bytes, {mode})",
-                    self._drv.cuMemSetAccess(va, size, [self._access[readonly]], 1))  # fmt: skip
+                    self._drv.cuMemSetAccess(va, size, [self._access[readonly]], 1))
 
     def allocation_prop(self):
         """``CUmemAllocationProp`` of a slab on this device, exportable as a POSIX fd."""
