@@ -93,16 +93,32 @@ def _common(p: argparse.ArgumentParser, serve: bool = False) -> None:
     S = argparse.SUPPRESS
     g = p.add_argument_group("common options (before or after the command)")
     if not serve:  # serve declares --socket among its own settings
-        g.add_argument("--socket", default=S, metavar="PATH",
-                       help=f"the broker's gRPC Unix socket (default {DEFAULT_SOCKET}; $MEMORY_BROKER_SOCKET)")
-    g.add_argument("--json", action="store_true", default=S,
-                   help="serve: log JSON lines (--log-format json); others: machine-readable output")
+        g.add_argument(
+            "--socket",
+            default=S,
+            metavar="PATH",
+            help=f"the broker's gRPC Unix socket (default {DEFAULT_SOCKET}; $MEMORY_BROKER_SOCKET)",
+        )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        default=S,
+        help="serve: log JSON lines (--log-format json); others: machine-readable output",
+    )
     if not serve:
-        g.add_argument("--timeout", type=_positive_float, default=S, metavar="SECONDS",
-                       help="seconds each call to the broker may take, and --wait waits "
-                            "(default 5 for status, 60 for adapters)")
-        g.add_argument("--wait", action="store_true", default=S,
-                       help="if no broker answers yet, wait up to --timeout for one to come up (says so on stderr)")
+        g.add_argument(
+            "--timeout",
+            type=_positive_float,
+            default=S,
+            metavar="SECONDS",
+            help="seconds each call to the broker may take, and --wait waits (default 5 for status, 60 for adapters)",
+        )
+        g.add_argument(
+            "--wait",
+            action="store_true",
+            default=S,
+            help="if no broker answers yet, wait up to --timeout for one to come up (says so on stderr)",
+        )
 
 
 def _serve_parser(sub) -> None:
@@ -137,27 +153,41 @@ def _adapters_parser(sub) -> None:
     _common(p)
     _list_options(p)
     asub = p.add_subparsers(dest="action", metavar="{list,show,register,unregister,verify}")
-    ls = asub.add_parser("list", help="registered adapters, their tier and image state (the default)",
-                         description="Registered adapters, their tier, their page image state and the conversion backlog.")
+    ls = asub.add_parser(
+        "list",
+        help="registered adapters, their tier and image state (the default)",
+        description="Registered adapters, their tier, their page image state and the conversion backlog.",
+    )
     _list_options(ls)
     _common(ls)
     sh = asub.add_parser("show", help="one adapter with its layout", description="One adapter with its layout.")
     sh.add_argument("adapter_id", help="the adapter's id")
     _common(sh)
-    rg = asub.add_parser("register", help="register a PEFT directory",
-                         description="Register a PEFT directory (adapter_config.json + adapter_model.safetensors).")
+    rg = asub.add_parser(
+        "register",
+        help="register a PEFT directory",
+        description="Register a PEFT directory (adapter_config.json + adapter_model.safetensors).",
+    )
     rg.add_argument("adapter_id", help="the id engines will acquire it by")
     rg.add_argument("path", help="the PEFT directory (the broker must be able to read it)")
     _common(rg)
-    ur = asub.add_parser("unregister", help="forget adapters (refused while acquired)",
-                         description="Forget adapters; refused while any session has one acquired.")
+    ur = asub.add_parser(
+        "unregister",
+        help="forget adapters (refused while acquired)",
+        description="Forget adapters; refused while any session has one acquired.",
+    )
     ur.add_argument("adapter_ids", nargs="+", metavar="adapter_id", help="ids to forget")
     _common(ur)
-    vf = asub.add_parser("verify", help="check resident copies against their checksums (exit 1 if any is corrupt)",
-                         description="Check adapters' resident copies (hot pages, warm images, image files) against "
-                         "their checksums; a corrupt copy is dropped and reloaded from its source on the next "
-                         "acquire. Exits 1 if any was corrupt.")
-    vf.add_argument("adapter_ids", nargs="*", metavar="adapter_id", help="ids to check (default: every resident adapter)")
+    vf = asub.add_parser(
+        "verify",
+        help="check resident copies against their checksums (exit 1 if any is corrupt)",
+        description="Check adapters' resident copies (hot pages, warm images, image files) against "
+        "their checksums; a corrupt copy is dropped and reloaded from its source on the next "
+        "acquire. Exits 1 if any was corrupt.",
+    )
+    vf.add_argument(
+        "adapter_ids", nargs="*", metavar="adapter_id", help="ids to check (default: every resident adapter)"
+    )
     _common(vf)
 
 
@@ -180,8 +210,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from memory_broker.broker.server.lock import SocketPathLocked
         from memory_broker.broker.server.logs import configure
     except ImportError as e:
-        raise CliError(f"serve needs the daemon's dependencies ({e}); install them: "
-                       f"pip install 'memory-broker[daemon]'") from None
+        raise CliError(
+            f"serve needs the daemon's dependencies ({e}); install them: pip install 'memory-broker[daemon]'"
+        ) from None
     try:
         overrides = flag_overrides(a)
         config = getattr(a, "config", None)
@@ -221,8 +252,9 @@ def _rpc_error(e, a: argparse.Namespace) -> CliError:
             f"start one (`{PROG} serve --socket {a.socket}`) or add --wait to wait for it"
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return CliError(f"DEADLINE_EXCEEDED: the broker on {a.socket} did not answer within {a.timeout:g}s "
-                        f"(raise --timeout)")
+        return CliError(
+            f"DEADLINE_EXCEEDED: the broker on {a.socket} did not answer within {a.timeout:g}s (raise --timeout)"
+        )
     return CliError(f"{code.name}: {details}")
 
 
@@ -245,8 +277,12 @@ class _PatientStub:
             try:
                 return fut.result(timeout=min(self._notice_after, timeout))
             except grpc.FutureTimeoutError:
-                print(f"{PROG}: waiting for the broker on {self._socket} to answer {method} "
-                      f"(up to {timeout:g}s, --timeout) ...", file=sys.stderr, flush=True)
+                print(
+                    f"{PROG}: waiting for the broker on {self._socket} to answer {method} "
+                    f"(up to {timeout:g}s, --timeout) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return fut.result()
 
         return call
@@ -290,7 +326,9 @@ class _Broker:
                     if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         raise
             if not said:
-                print(f"{PROG}: waiting up to {a.timeout:g}s for a broker on {a.socket} ...", file=sys.stderr, flush=True)
+                print(
+                    f"{PROG}: waiting up to {a.timeout:g}s for a broker on {a.socket} ...", file=sys.stderr, flush=True
+                )
                 said = True
             if time.monotonic() >= deadline:
                 raise CliError(f"UNAVAILABLE: no broker came up on {a.socket} within {a.timeout:g}s (--timeout)")
@@ -340,27 +378,47 @@ def cmd_status(a: argparse.Namespace) -> int:
         return 0
     ps = st.page_size
     print(f"broker on {a.socket}")
-    print(f"  arena      {arena.backend}, page {format_size(ps)}, {st.num_slabs}/{arena.max_slabs} slabs "
-          f"of {arena.pages_per_slab} pages, placement {arena.placement}")
-    print(f"  pool       {st.used_pages}/{st.max_pages} pages used ({st.utilization:.1%}), "
-          f"{st.capacity_pages} backed, {st.free_pages} free")
+    print(
+        f"  arena      {arena.backend}, page {format_size(ps)}, {st.num_slabs}/{arena.max_slabs} slabs "
+        f"of {arena.pages_per_slab} pages, placement {arena.placement}"
+    )
+    print(
+        f"  pool       {st.used_pages}/{st.max_pages} pages used ({st.utilization:.1%}), "
+        f"{st.capacity_pages} backed, {st.free_pages} free"
+    )
     print(f"  pages      prepared {st.prepared_pages}, pinned {st.pinned_pages}, evictable {st.evictable_pages}")
-    print(f"  eviction   watermarks {st.low_watermark:.2f}/{st.high_watermark:.2f}, "
-          f"{'ACTIVE' if st.eviction_active else 'idle'}, {st.eviction_runs} runs, "
-          f"{st.evicted_objects} objects / {st.evicted_pages} pages evicted")
-    print(f"  objects    {st.objects} ({st.keyed_objects} keyed), {st.sessions} sessions, "
-          f"{st.open_transactions} open transactions")
-    print(f"  window     {st.window_free_pages} free pages in {st.window_free_extents} extents, "
-          f"largest {st.window_largest_free}, fragmentation {st.window_fragmentation:.2f}")
+    print(
+        f"  eviction   watermarks {st.low_watermark:.2f}/{st.high_watermark:.2f}, "
+        f"{'ACTIVE' if st.eviction_active else 'idle'}, {st.eviction_runs} runs, "
+        f"{st.evicted_objects} objects / {st.evicted_pages} pages evicted"
+    )
+    print(
+        f"  objects    {st.objects} ({st.keyed_objects} keyed), {st.sessions} sessions, "
+        f"{st.open_transactions} open transactions"
+    )
+    print(
+        f"  window     {st.window_free_pages} free pages in {st.window_free_extents} extents, "
+        f"largest {st.window_largest_free}, fragmentation {st.window_fragmentation:.2f}"
+    )
     for c in st.by_content:
-        print(f"  {pb.ContentType.Name(c.content_type).removeprefix('CONTENT_TYPE_').lower():<10} "
-              f"{c.objects} objects, {c.pages} pages")
+        print(
+            f"  {pb.ContentType.Name(c.content_type).removeprefix('CONTENT_TYPE_').lower():<10} "
+            f"{c.objects} objects, {c.pages} pages"
+        )
     for o in st.by_owner:
-        who = f"{o.client_name or '?'} (session {o.session_id}, pid {o.pid})" if o.session_id else "no owner (session ended)"
-        print(f"  owner      {who}: {pb.ContentType.Name(o.content_type).removeprefix('CONTENT_TYPE_').lower()} "
-              f"{o.objects} objects, {o.pages} pages")
-    print(f"  totals     {st.allocations_total} allocations, {st.deduplicated_total} deduplicated, "
-          f"{st.allocation_failures} failed")
+        who = (
+            f"{o.client_name or '?'} (session {o.session_id}, pid {o.pid})"
+            if o.session_id
+            else "no owner (session ended)"
+        )
+        print(
+            f"  owner      {who}: {pb.ContentType.Name(o.content_type).removeprefix('CONTENT_TYPE_').lower()} "
+            f"{o.objects} objects, {o.pages} pages"
+        )
+    print(
+        f"  totals     {st.allocations_total} allocations, {st.deduplicated_total} deduplicated, "
+        f"{st.allocation_failures} failed"
+    )
     if st.HasField("adapters") and st.adapters.convert_queued:
         print(f"  adapters   {_backlog(st.adapters.convert_queued)}")
     return 0
@@ -386,7 +444,13 @@ def cmd_adapters(a: argparse.Namespace) -> int:
 
     try:
         with _Broker(a) as b:
-            actions = {"register": _register, "unregister": _unregister, "show": _show, "list": _list, "verify": _verify}
+            actions = {
+                "register": _register,
+                "unregister": _unregister,
+                "show": _show,
+                "list": _list,
+                "verify": _verify,
+            }
             return actions[a.action](a, b)
     except grpc.RpcError as e:
         raise _rpc_error(e, a) from None
@@ -394,13 +458,18 @@ def cmd_adapters(a: argparse.Namespace) -> int:
 
 def _register(a: argparse.Namespace, b: _Broker) -> int:
     pb = b.pb
-    r = b.stub.RegisterAdapter(pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)),
-                               timeout=a.timeout, metadata=b.session).adapter
+    r = b.stub.RegisterAdapter(
+        pb.RegisterAdapterRequest(adapter_id=a.adapter_id, path=os.path.abspath(a.path)),
+        timeout=a.timeout,
+        metadata=b.session,
+    ).adapter
     if a.json:
         print(json.dumps(_as_dict(r), indent=2))
         return 0
-    print(f"registered {r.adapter_id}: rank {r.rank}, {len(r.target_modules)} module types over {r.num_layers} "
-          f"layers, {format_size(r.file_bytes)}")
+    print(
+        f"registered {r.adapter_id}: rank {r.rank}, {len(r.target_modules)} module types over {r.num_layers} "
+        f"layers, {format_size(r.file_bytes)}"
+    )
     state = _image_state(pb, r.image_state)
     if state in ("queued", "converting"):
         n = b.stub.GetStats(pb.GetStatsRequest(), timeout=a.timeout).adapters.convert_queued
@@ -409,15 +478,17 @@ def _register(a: argparse.Namespace, b: _Broker) -> int:
 
 
 def _unregister(a: argparse.Namespace, b: _Broker) -> int:
-    b.stub.UnregisterAdapter(b.pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout,
-                            metadata=b.session)
+    b.stub.UnregisterAdapter(
+        b.pb.UnregisterAdapterRequest(adapter_ids=a.adapter_ids), timeout=a.timeout, metadata=b.session
+    )
     print(json.dumps({"unregistered": a.adapter_ids}) if a.json else "unregistered " + ", ".join(a.adapter_ids))
     return 0
 
 
 def _verify(a: argparse.Namespace, b: _Broker) -> int:
-    r = b.stub.VerifyAdapters(b.pb.VerifyAdaptersRequest(adapter_ids=a.adapter_ids), timeout=a.timeout,
-                              metadata=b.session)
+    r = b.stub.VerifyAdapters(
+        b.pb.VerifyAdaptersRequest(adapter_ids=a.adapter_ids), timeout=a.timeout, metadata=b.session
+    )
     if a.json:
         print(json.dumps(_as_dict(r), indent=2))
     else:
@@ -428,18 +499,23 @@ def _verify(a: argparse.Namespace, b: _Broker) -> int:
 
 
 def _show(a: argparse.Namespace, b: _Broker) -> int:
-    lay = b.stub.GetAdapterLayout(b.pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout,
-                               metadata=b.session)
+    lay = b.stub.GetAdapterLayout(
+        b.pb.GetAdapterLayoutRequest(adapter_id=a.adapter_id), timeout=a.timeout, metadata=b.session
+    )
     if a.json:
         print(json.dumps(_as_dict(lay), indent=2))
         return 0
     state = f"hot, generation {lay.generation}, pages {list(lay.pages)}" if lay.generation else "not hot"
-    print(f"{lay.adapter_id}: {state}; {lay.num_pages} pages of {format_size(lay.page_size)}, "
-          f"{lay.dtype}, rows aligned to {lay.row_align} B")
+    print(
+        f"{lay.adapter_id}: {state}; {lay.num_pages} pages of {format_size(lay.page_size)}, "
+        f"{lay.dtype}, rows aligned to {lay.row_align} B"
+    )
     for m in lay.modules:
-        print(f"  layer {m.layer:<3} {m.module:<12} rank {m.rank:<4} scaling {m.scaling:<8.4g} "
-              f"A {m.a.rows}x{m.a.row_elems} in {len(m.a.chunks)} chunks, "
-              f"Bt {m.b.rows}x{m.b.row_elems} in {len(m.b.chunks)} chunks")
+        print(
+            f"  layer {m.layer:<3} {m.module:<12} rank {m.rank:<4} scaling {m.scaling:<8.4g} "
+            f"A {m.a.rows}x{m.a.row_elems} in {len(m.a.chunks)} chunks, "
+            f"Bt {m.b.rows}x{m.b.row_elems} in {len(m.b.chunks)} chunks"
+        )
     return 0
 
 
@@ -447,8 +523,9 @@ def _list(a: argparse.Namespace, b: _Broker) -> int:
     pb = b.pb
     rows, token = [], ""
     while True:
-        page = b.stub.ListAdapters(pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token),
-                                   timeout=a.timeout, metadata=b.session)
+        page = b.stub.ListAdapters(
+            pb.ListAdaptersRequest(prefix=a.prefix, limit=1000, page_token=token), timeout=a.timeout, metadata=b.session
+        )
         rows.extend(page.adapters)
         token = page.next_page_token
         if not token or (a.limit and len(rows) >= a.limit):
@@ -463,14 +540,18 @@ def _list(a: argparse.Namespace, b: _Broker) -> int:
         out = {"adapters": [_as_dict(r) for r in rows], "stats": _as_dict(st), "convert_backlog": st.convert_queued}
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{st.registered} registered: {st.hot} hot ({st.hot_pages} pages), {st.warm} warm "
-          f"({format_size(st.warm_bytes)}), {st.cold} cold; hit rate {st.hit_rate:.1%}")
+    print(
+        f"{st.registered} registered: {st.hot} hot ({st.hot_pages} pages), {st.warm} warm "
+        f"({format_size(st.warm_bytes)}), {st.cold} cold; hit rate {st.hit_rate:.1%}"
+    )
     print(f"{_backlog(st.convert_queued)}; {st.image_count} page images on disk ({format_size(st.image_bytes)})")
     if rows:
         print(f"{'adapter':<32}{'tier':<6}{'rank':>5}{'pins':>6}{'gen':>6}  {'image':<12}modules")
     for r in rows:
-        print(f"{r.adapter_id:<32}{_TIER[r.tier]:<6}{r.rank:>5}{r.pin_count:>6}{r.generation:>6}  "
-              f"{_image_state(pb, r.image_state):<12}{','.join(r.target_modules)}")
+        print(
+            f"{r.adapter_id:<32}{_TIER[r.tier]:<6}{r.rank:>5}{r.pin_count:>6}{r.generation:>6}  "
+            f"{_image_state(pb, r.image_state):<12}{','.join(r.target_modules)}"
+        )
     return 0
 
 
@@ -484,8 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the pool and the LoRA adapters (--json for scripts).",
         epilog="Every command's --help lists its options.",
     )
-    ap.add_argument("--version", action="version", version=f"{PROG} {_version()}",
-                    help="print the installed version and exit")
+    ap.add_argument(
+        "--version", action="version", version=f"{PROG} {_version()}", help="print the installed version and exit"
+    )
     _common(ap)
     sub = ap.add_subparsers(dest="command", required=True, metavar="{serve,status,adapters}")
     _serve_parser(sub)
@@ -498,8 +580,14 @@ def _fill_defaults(a: argparse.Namespace) -> None:
     """Defaults of the options that were left out (SUPPRESS keeps them out while parsing)."""
     if a.command == "serve":
         return  # absent serve flags stay absent: the config file may set them
-    for name, default in (("socket", DEFAULT_SOCKET), ("json", False), ("wait", False),
-                          ("timeout", _TIMEOUTS[a.command]), ("prefix", ""), ("limit", 0)):
+    for name, default in (
+        ("socket", DEFAULT_SOCKET),
+        ("json", False),
+        ("wait", False),
+        ("timeout", _TIMEOUTS[a.command]),
+        ("prefix", ""),
+        ("limit", 0),
+    ):
         if not hasattr(a, name):
             setattr(a, name, default)
     if a.command == "adapters" and getattr(a, "action", None) is None:
@@ -524,8 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001  (a bug: still one line, the traceback on request)
         if os.environ.get("MEMORY_BROKER_DEBUG"):
             raise
-        print(f"{PROG}: internal error: {type(e).__name__}: {e} (MEMORY_BROKER_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        print(
+            f"{PROG}: internal error: {type(e).__name__}: {e} (MEMORY_BROKER_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

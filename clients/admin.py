@@ -24,7 +24,9 @@ from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
 
 @contextlib.contextmanager
-def admin_session(channel: grpc.Channel, client_name: str = "memory-broker-cli", timeout: float = 10.0) -> Iterator[tuple]:
+def admin_session(
+    channel: grpc.Channel, client_name: str = "memory-broker-cli", timeout: float = 10.0
+) -> Iterator[tuple]:
     """Yield ``(("x-broker-session", token),)`` for calls on ``channel`` that need a session.
 
     Raises:

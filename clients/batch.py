@@ -46,8 +46,9 @@ class PendingBatchStep:
 
     __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s", "_box")
 
-    def __init__(self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None,
-                 wait_s: float = 0.0):
+    def __init__(
+        self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None, wait_s: float = 0.0
+    ):
         # Run by the caller of ``result()`` (None: the worker runs the change).
         self._finish = finish
         self._delta: BatchDelta | None = None
@@ -209,13 +210,25 @@ class StepBatch:
 
     # ------------------------------------------------------------ changes
 
-    def update(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
-               drop_keys: Sequence[bytes] = ()) -> BatchDelta:
+    def update(
+        self,
+        add: Sequence[str] = (),
+        drop: Sequence[str] = (),
+        add_keys: Sequence[bytes] = (),
+        drop_keys: Sequence[bytes] = (),
+    ) -> BatchDelta:
         """Apply one change in one round trip (none when the step cache has all of it)."""
         return self.begin(add, drop, add_keys, drop_keys, _inline=True).result()
 
-    def begin(self, add: Sequence[str] = (), drop: Sequence[str] = (), add_keys: Sequence[bytes] = (),
-              drop_keys: Sequence[bytes] = (), *, _inline: bool = False) -> PendingBatchStep:
+    def begin(
+        self,
+        add: Sequence[str] = (),
+        drop: Sequence[str] = (),
+        add_keys: Sequence[bytes] = (),
+        drop_keys: Sequence[bytes] = (),
+        *,
+        _inline: bool = False,
+    ) -> PendingBatchStep:
         """Send one change now; ``result()`` reads the reply (after the model's work). A
         background batch hands the change to its worker thread instead, which checks, sends
         and accounts it while the caller goes on (a bad drop's ValueError then comes from
@@ -248,8 +261,9 @@ class StepBatch:
                 pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
             else:
                 sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
-                pending = PendingBatchStep(lambda: self._finish(client._fast(sent.result), sent.sent, add, new_ids,
-                                                                add_keys, new_keys))
+                pending = PendingBatchStep(
+                    lambda: self._finish(client._fast(sent.result), sent.sent, add, new_ids, add_keys, new_keys)
+                )
         self._pending = pending
         return pending
 

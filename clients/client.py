@@ -29,14 +29,36 @@ from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.spec import Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
-__all__ = ["BrokerClient", "BrokerObject", "Spec", "Transaction", "StepLease", "PendingStepLease", "CHANNEL_OPTIONS", "LOST"]
+__all__ = [
+    "BrokerClient",
+    "BrokerObject",
+    "Spec",
+    "Transaction",
+    "StepLease",
+    "PendingStepLease",
+    "CHANNEL_OPTIONS",
+    "LOST",
+]
 
 
 class BrokerObject:
     """An allocation as this process sees it: ids, pages, and tensors over its own mapping."""
 
-    __slots__ = ("client", "object_id", "pages", "window_page", "key", "content_type", "state",
-                 "deduplicated", "owned", "session_pins", "total_pins", "session_id", "epoch")
+    __slots__ = (
+        "client",
+        "object_id",
+        "pages",
+        "window_page",
+        "key",
+        "content_type",
+        "state",
+        "deduplicated",
+        "owned",
+        "session_pins",
+        "total_pins",
+        "session_id",
+        "epoch",
+    )
 
     def __init__(self, client: "BrokerClient", info: pb.ObjectInfo):
         self.client = client
@@ -86,8 +108,10 @@ class BrokerObject:
         return [self.client._tensor(a, ps, dtype) for a in self.page_addresses()]
 
     def __repr__(self) -> str:
-        return (f"BrokerObject(id={self.object_id}, pages={len(self.pages)}, window_page={self.window_page}, "
-                f"key={self.key!r}, deduplicated={self.deduplicated})")
+        return (
+            f"BrokerObject(id={self.object_id}, pages={len(self.pages)}, window_page={self.window_page}, "
+            f"key={self.key!r}, deduplicated={self.deduplicated})"
+        )
 
 
 class Transaction:
@@ -172,8 +196,14 @@ class BrokerClient(StepCalls, BrokerSession):
                 default): every release is sent at once, as over gRPC.
         """
         return cls(
-            socket_path, client_name or f"pid-{os.getpid()}", on_event, timeout, wait_s, reconnect_s,
-            fast_path=fast_path, hold_s=hold_s,
+            socket_path,
+            client_name or f"pid-{os.getpid()}",
+            on_event,
+            timeout,
+            wait_s,
+            reconnect_s,
+            fast_path=fast_path,
+            hold_s=hold_s,
         )
 
     def _session_opened(self) -> None:
@@ -231,7 +261,9 @@ class BrokerClient(StepCalls, BrokerSession):
         """Allocate and commit a batch in one RPC. A key that already exists returns the
         existing object with ``deduplicated=True`` (do not write into it)."""
         self.mappings.check(sum(1 for s in specs if s.contiguous), "allocate")
-        resp = self._call(self._stub.Allocate, pb.AllocateRequest(objects=[spec_to_proto(s) for s in specs]), retry=True)
+        resp = self._call(
+            self._stub.Allocate, pb.AllocateRequest(objects=[spec_to_proto(s) for s in specs]), retry=True
+        )
         return [self._object(i, writer=True) for i in resp.objects]
 
     def allocate_one(self, num_pages: int, **kw) -> BrokerObject:
@@ -354,7 +386,9 @@ class BrokerClient(StepCalls, BrokerSession):
 
     def list_adapters(self, prefix: str = "", limit: int = 100, page_token: str = "") -> pb.ListAdaptersResponse:
         return self._call(
-            self._stub.ListAdapters, pb.ListAdaptersRequest(prefix=prefix, limit=limit, page_token=page_token), retry=True
+            self._stub.ListAdapters,
+            pb.ListAdaptersRequest(prefix=prefix, limit=limit, page_token=page_token),
+            retry=True,
         )
 
     def adapter_layout(self, adapter_id: str) -> pb.AdapterLayout:
@@ -378,7 +412,12 @@ class BrokerClient(StepCalls, BrokerSession):
         st = self._step_path()
         if st is not None:
             out = self._fast_or_none(
-                st.step, adapter_ids, max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000), lookup=False
+                st.step,
+                adapter_ids,
+                max_adapters=max_adapters,
+                prepare=prepare,
+                lease_ms=int(lease_s * 1000),
+                lookup=False,
             )
             if out is not None and out.acquire_hot:
                 return self._lease(out)
@@ -428,7 +467,9 @@ class BrokerClient(StepCalls, BrokerSession):
         """Have the broker check adapters' resident copies against their checksums (no ids:
         every resident adapter). A corrupt copy is dropped and reloaded from its source on
         the next acquire; ``response.corrupt`` counts them."""
-        return self._call(self._stub.VerifyAdapters, pb.VerifyAdaptersRequest(adapter_ids=list(adapter_ids)), retry=True)
+        return self._call(
+            self._stub.VerifyAdapters, pb.VerifyAdaptersRequest(adapter_ids=list(adapter_ids)), retry=True
+        )
 
     def arena_tensor(self, dtype=None):
         """The physical view as a 1-D tensor of ``dtype``: what the LoRA kernels index into."""

@@ -110,8 +110,17 @@ class StepCalls:
         keys = list(keys)
         st = self._step_path()
         if st is None:
-            return PendingStepLease(lambda: self.step(ids, keys, max_adapters=max_adapters, prepare=prepare,
-                                                      lease_s=lease_s, commit=commit, release=release))
+            return PendingStepLease(
+                lambda: self.step(
+                    ids,
+                    keys,
+                    max_adapters=max_adapters,
+                    prepare=prepare,
+                    lease_s=lease_s,
+                    commit=commit,
+                    release=release,
+                )
+            )
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return PendingStepLease(lambda: same)
@@ -125,17 +134,30 @@ class StepCalls:
         read later): what ``release`` gives back, ``commit``'s transaction, the acquire and lookup."""
         rel_ids, unpins, carry = self._giving_back(release, st)
         return self._fast(
-            send, ids, list(keys), max_adapters=max_adapters, prepare=prepare, lease_ms=int(lease_s * 1000),
+            send,
+            ids,
+            list(keys),
+            max_adapters=max_adapters,
+            prepare=prepare,
+            lease_ms=int(lease_s * 1000),
             commit=(commit.transaction_id,) if commit is not None and commit.transaction_id else (),
-            release=rel_ids, unpin=unpins, acquire=bool(ids), lookup=bool(keys), carry=carry,
+            release=rel_ids,
+            unpin=unpins,
+            acquire=bool(ids),
+            lookup=bool(keys),
+            carry=carry,
         )
 
     def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> "StepLease | None":
         """The steady state: a step asking for what ``release`` holds takes it over (the
         cache's references pass from one lease to the next; nothing to tell the broker)."""
         if (
-            release is None or not st.caching or prepare or commit is not None
-            or not release.same_as(ids, keys, max_adapters) or st.sweep_due()
+            release is None
+            or not st.caching
+            or prepare
+            or commit is not None
+            or not release.same_as(ids, keys, max_adapters)
+            or st.sweep_due()
         ):
             return None
         release.released = True
@@ -164,8 +186,16 @@ class StepCalls:
                 unpins = [o.object_id for o in release.objects]
         return rel_ids, unpins, carry
 
-    def _step_lease(self, out: StepOutcome, ids: list[str], max_adapters: int, prepare: bool, lease_s: float,
-                    keys: Sequence[bytes] = (), st: StepPath | None = None) -> "StepLease":
+    def _step_lease(
+        self,
+        out: StepOutcome,
+        ids: list[str],
+        max_adapters: int,
+        prepare: bool,
+        lease_s: float,
+        keys: Sequence[bytes] = (),
+        st: StepPath | None = None,
+    ) -> "StepLease":
         objs = self._objects(out.objects) if out.objects is not None else []
         if not ids:
             lease = None
@@ -301,8 +331,9 @@ class StepCalls:
             if layout is None:
                 layout = layout_from_proto(self.adapter_layout(aid))
                 self._layout_cache[aid] = layout
-            la = cache[k] = LeasedAdapter(aid, rec.generation, rec.object_id, tuple(rec.pages), layout,
-                                          _w.TIER_NAMES.get(rec.found_in, "hot"))
+            la = cache[k] = LeasedAdapter(
+                aid, rec.generation, rec.object_id, tuple(rec.pages), layout, _w.TIER_NAMES.get(rec.found_in, "hot")
+            )
         if rec.found_in != _w.TIER_HOT:
             la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
         else:
@@ -343,8 +374,13 @@ class StepLease:
     """What one ``BrokerClient.step`` holds: an adapter lease (or None) and pinned objects."""
 
     def __init__(
-        self, client, adapters, objects: list, adapter_ids: list[str] = (),
-        keys: Sequence[bytes] = (), max_adapters: int = 0,
+        self,
+        client,
+        adapters,
+        objects: list,
+        adapter_ids: list[str] = (),
+        keys: Sequence[bytes] = (),
+        max_adapters: int = 0,
     ):
         self.client = client
         self.epoch = client.epoch

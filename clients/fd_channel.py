@@ -116,4 +116,3 @@ def _receive(sock: socket.socket, path: str, from_slab: int, deadline: float, fd
             got_what = "no reply" if count is None else f"{len(fds)} of {count} fds"
             raise FdChannelError("INTERNAL", f"fd channel {path}: connection closed after {got_what}")
         buf += data
-

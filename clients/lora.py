@@ -196,9 +196,7 @@ class LoraBatch:
             start += n
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
         chosen = choose_backend(tables.device, backend)
-        return cls(
-            token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen
-        )
+        return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen)
 
     @property
     def num_tokens(self) -> int:
@@ -332,9 +330,19 @@ class LoRALinear(nn.Module):
         flat = out.view(-1, self.out_features)
         for slices, (a_off, b_off, ranks, scalings) in launches:
             lora_apply(
-                xk, flat, batch.arena, a_off, b_off, ranks, scalings, batch.token_slot,
-                [self.slice_offsets[j] for j in slices], [self.slice_sizes[j] for j in slices],
-                plan=batch.plan, row_align=batch.row_align, backend=batch.backend,
+                xk,
+                flat,
+                batch.arena,
+                a_off,
+                b_off,
+                ranks,
+                scalings,
+                batch.token_slot,
+                [self.slice_offsets[j] for j in slices],
+                [self.slice_sizes[j] for j in slices],
+                plan=batch.plan,
+                row_align=batch.row_align,
+                backend=batch.backend,
             )
         return out
 
@@ -470,8 +478,12 @@ class LoraModel:
                 positions = positions[:, -1:] + 1
                 with self.step(decode):
                     out = self.model(
-                        input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True, **extra,
+                        input_ids=token[:, None],
+                        attention_mask=mask,
+                        position_ids=positions,
+                        past_key_values=out.past_key_values,
+                        use_cache=True,
+                        **extra,
                     )
         return Generation(new, torch.stack(steps, dim=1) if output_logits else None)
 
@@ -518,9 +530,7 @@ def wrap_model(
             if layer is not None:
                 found.append((name, module, layer, short))
     if not found:
-        raise ValueError(
-            f"{type(model).__name__} has no nn.Linear named {sorted(targets)} inside a numbered layer"
-        )
+        raise ValueError(f"{type(model).__name__} has no nn.Linear named {sorted(targets)} inside a numbered layer")
     context = LoraContext()
     layers: dict[str, LoRALinear] = {}
     for name, module, layer, short in found:

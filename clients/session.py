@@ -44,7 +44,6 @@ CHANNEL_OPTIONS = (
 LOST = "its anonymous objects, pins, open transactions and adapter leases are gone"
 
 
-
 class BrokerSession:
     """The session half of ``BrokerClient``: open, mapped, kept alive, ended. Use ``BrokerClient.connect``."""
 
@@ -123,9 +122,13 @@ class BrokerSession:
             raise error_from_rpc(e, self.socket_path, self.timeout) from None
         except StopIteration:
             requests.put(None)
-            raise BrokerError(Code.UNAVAILABLE, f"the broker at {self.socket_path} ended the session as it opened; retry") from None
+            raise BrokerError(
+                Code.UNAVAILABLE, f"the broker at {self.socket_path} ended the session as it opened; retry"
+            ) from None
         opened = first.opened
-        mismatch = version_mismatch(opened.protocol_version, peer=f"the broker at {self.socket_path}", mine="this client")
+        mismatch = version_mismatch(
+            opened.protocol_version, peer=f"the broker at {self.socket_path}", mine="this client"
+        )
         if mismatch is not None:
             requests.put(pb.AttachRequest(detach=pb.Detach()))
             requests.put(None)
@@ -182,7 +185,9 @@ class BrokerSession:
         while not self.closed:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._end_reason = f"{reason}; no broker answered within {self.reconnect_s:g} s of reconnecting ({last})"
+                self._end_reason = (
+                    f"{reason}; no broker answered within {self.reconnect_s:g} s of reconnecting ({last})"
+                )
                 log.warning("broker session %d lost and not replaced: %s", old, self._end_reason)
                 return False
             try:
@@ -204,7 +209,9 @@ class BrokerSession:
                 return False
             self.reconnects += 1
             waited = time.monotonic() - t0
-            log.warning("broker session %d lost (%s); session %d opened after %.2f s", old, reason, self.session_id, waited)
+            log.warning(
+                "broker session %d lost (%s); session %d opened after %.2f s", old, reason, self.session_id, waited
+            )
             self._deliver(
                 pb.SessionEvent(
                     reconnected=pb.Reconnected(
@@ -229,7 +236,11 @@ class BrokerSession:
         raise BrokerError(
             Code.UNAVAILABLE,
             f"no session with the broker at {self.socket_path}: {why}; "
-            + ("the client keeps reconnecting, retry" if self.reconnect_s > 0 and not self._end_reason else "connect again"),
+            + (
+                "the client keeps reconnecting, retry"
+                if self.reconnect_s > 0 and not self._end_reason
+                else "connect again"
+            ),
         )
 
     def _wait_sent(self) -> None:

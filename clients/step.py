@@ -107,8 +107,17 @@ class StepPath(StepHoldings):
             if self._pending is not None:
                 self._pending._collect()
             plan = self._plan(
-                list(adapter_ids) if acquire else None, list(keys) if lookup else None, max_adapters, prepare,
-                lease_ms, commit, abort, release, unpin, pin_keys, carry,
+                list(adapter_ids) if acquire else None,
+                list(keys) if lookup else None,
+                max_adapters,
+                prepare,
+                lease_ms,
+                commit,
+                abort,
+                release,
+                unpin,
+                pin_keys,
+                carry,
             )
             reply = self.send(plan.ops) if plan.ops else None
             return self._finish(plan, reply)
@@ -122,9 +131,17 @@ class StepPath(StepHoldings):
             if self._pending is not None:
                 self._pending._collect()
             plan = self._plan(
-                list(adapter_ids) if acquire else None, list(keys) if lookup else None, kw.pop("max_adapters", 0),
-                kw.pop("prepare", False), kw.pop("lease_ms", 0), kw.pop("commit", ()), kw.pop("abort", ()),
-                kw.pop("release", ()), kw.pop("unpin", ()), kw.pop("pin_keys", True), kw.pop("carry", (False, False)),
+                list(adapter_ids) if acquire else None,
+                list(keys) if lookup else None,
+                kw.pop("max_adapters", 0),
+                kw.pop("prepare", False),
+                kw.pop("lease_ms", 0),
+                kw.pop("commit", ()),
+                kw.pop("abort", ()),
+                kw.pop("release", ()),
+                kw.pop("unpin", ()),
+                kw.pop("pin_keys", True),
+                kw.pop("carry", (False, False)),
             )
             if kw:
                 raise TypeError(f"unknown arguments {sorted(kw)}")
@@ -183,7 +200,7 @@ class StepPath(StepHoldings):
                     h.refs += 1
                     h.idle_since = 0.0
                     cached.append(h.record)
-                tail = keys[len(cached):]
+                tail = keys[len(cached) :]
             if tail:
                 look = len(ops)
                 ops.append(w.Op(w.OP_LOOKUP, tuple(tail), 1))
@@ -309,8 +326,13 @@ class StepPath(StepHoldings):
                 acq_index = len(ops)
                 # Cached: only the missing ones, each admitted already (no cap needed).
                 ops.append(
-                    w.Op(w.OP_ACQUIRE, tuple(missing_ids) if caching else tuple(ids),
-                         w.ACQUIRE_PREPARE if prepare else 0, 0 if caching else cap, lease_ms)
+                    w.Op(
+                        w.OP_ACQUIRE,
+                        tuple(missing_ids) if caching else tuple(ids),
+                        w.ACQUIRE_PREPARE if prepare else 0,
+                        0 if caching else cap,
+                        lease_ms,
+                    )
                 )
         cached_objs: list[w.ObjectRecord] = []
         tail_keys: list[bytes] = []
@@ -341,13 +363,32 @@ class StepPath(StepHoldings):
         own = len(ops)
         if self.caching:
             ops.extend(self._flush_ops(now, force=False))
-        return _Plan(out, ops, now, caching, acq_index, look_index, admitted, missing_ids, cached_objs, ids, keys,
-                     pin_keys, held, own)
+        return _Plan(
+            out,
+            ops,
+            now,
+            caching,
+            acq_index,
+            look_index,
+            admitted,
+            missing_ids,
+            cached_objs,
+            ids,
+            keys,
+            pin_keys,
+            held,
+            own,
+        )
 
     def _finish(self, plan: "_Plan", reply: w.StepReply | None) -> StepOutcome:
         out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
         admitted, missing_ids, cached_objs, ids, keys, pin_keys = (
-            plan.admitted, plan.missing_ids, plan.cached_objs, plan.ids, plan.keys, plan.pin_keys
+            plan.admitted,
+            plan.missing_ids,
+            plan.cached_objs,
+            plan.ids,
+            plan.keys,
+            plan.pin_keys,
         )
         if reply is not None:
             out.round_trips = 1

@@ -36,7 +36,6 @@ class HeldPin:
     idle_since: float = 0.0
 
 
-
 def _drop_refs(held: dict, idle: dict, ids: Sequence, now: float) -> list:
     """Drop one local reference on each of ``ids`` in ``held`` (a holding whose last goes
     turns idle, kept at the broker); returns the ids held with no reference here, which the
@@ -53,9 +52,9 @@ def _drop_refs(held: dict, idle: dict, ids: Sequence, now: float) -> list:
             idle[i] = None
     return direct
 
+
 class StepHoldings:
     """Mixed into ``StepPath``: the cache's records and counts (``adapters``, ``pins``, idle sets)."""
-
 
     def _lease_record(self, aid: str) -> w.AcquiredRecord:
         h = self.adapters[aid]

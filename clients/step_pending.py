@@ -100,8 +100,20 @@ class PendingStep:
 class PendingDelta:
     """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
 
-    __slots__ = ("_path", "acquire", "held", "missing", "acq", "cached", "look", "own", "sent", "_reply_done",
-                 "_out", "_error")
+    __slots__ = (
+        "_path",
+        "acquire",
+        "held",
+        "missing",
+        "acq",
+        "cached",
+        "look",
+        "own",
+        "sent",
+        "_reply_done",
+        "_out",
+        "_error",
+    )
 
     def __init__(self, path, acquire, held, missing, acq, cached, look, own, sent):
         self._path = path

@@ -20,8 +20,15 @@ from .dispatch import choose_backend, lora_apply
 # Names served by the Triton module itself (imported on first use).
 _KERNEL_NAMES = frozenset({"shrink", "expand", "RANK_BLOCK"})
 
-__all__ = ["BatchPlan", "SegmentTiles", "choose_backend", "choose_path", "lora_apply", "plan_batch",
-           *sorted(_KERNEL_NAMES)]
+__all__ = [
+    "BatchPlan",
+    "SegmentTiles",
+    "choose_backend",
+    "choose_path",
+    "lora_apply",
+    "plan_batch",
+    *sorted(_KERNEL_NAMES),
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,23 @@ import torch
 # Integer arguments a real launch passes divisible by 16 (hidden sizes, strides, slice
 # offsets), which Triton specialises on; the compiled code then assumes that alignment.
 _DIVISIBLE_INTS = frozenset(
-    {"K", "OFF0", "OFF1", "OFF2", "N0", "N1", "N2", "stride_xt", "stride_yj", "stride_yt", "stride_ot",
-     "stride_as", "stride_aj", "stride_bs", "stride_bj"}
+    {
+        "K",
+        "OFF0",
+        "OFF1",
+        "OFF2",
+        "N0",
+        "N1",
+        "N2",
+        "stride_xt",
+        "stride_yj",
+        "stride_yt",
+        "stride_ot",
+        "stride_as",
+        "stride_aj",
+        "stride_bs",
+        "stride_bj",
+    }
 )
 _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Per-block shared memory a kernel may opt into (CUDA programming guide, compute capabilities):
@@ -78,8 +93,14 @@ def _compile(fn, pointer_types: dict[str, str], constexprs: dict, num_warps: int
         fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return CompiledVariant(kernel=fn.__name__, dtype=dtype, constexprs=dict(constexprs), ptx=compiled.asm["ptx"],
-                           shared=int(compiled.metadata.shared), num_warps=num_warps)
+    return CompiledVariant(
+        kernel=fn.__name__,
+        dtype=dtype,
+        constexprs=dict(constexprs),
+        ptx=compiled.asm["ptx"],
+        shared=int(compiled.metadata.shared),
+        num_warps=num_warps,
+    )
 
 
 def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> list[CompiledVariant]:
@@ -94,39 +115,77 @@ def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.flo
     from .batch_plan import BLOCK_M_CHOICES
 
     shrink_ptrs = {"x_ptr": "*DT", "arena_ptr": "*DT", "a_off_ptr": "*i64", "ranks_ptr": "*i32", "y_ptr": "*fp32"}
-    expand_ptrs = {"y_ptr": "*fp32", "arena_ptr": "*DT", "b_off_ptr": "*i64", "ranks_ptr": "*i32",
-                   "scalings_ptr": "*fp32", "out_ptr": "*DT"}
+    expand_ptrs = {
+        "y_ptr": "*fp32",
+        "arena_ptr": "*DT",
+        "b_off_ptr": "*i64",
+        "ranks_ptr": "*i32",
+        "scalings_ptr": "*fp32",
+        "out_ptr": "*DT",
+    }
     tiles = {"order_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"}
     out = []
     for torch_dtype in dtypes:
         dt = _TRITON_DTYPES[torch_dtype]
         precision = L.dot_precision(torch_dtype)
         for align in (1, 8):
-            out.append(_compile(
-                L._shrink_token_kernel, {**shrink_ptrs, "token_slot_ptr": "*i32"},
-                {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K, "stride_xk": 1},
-                4, arch, dt,
-            ))
-            out.append(_compile(
-                L._expand_token_kernel, {**expand_ptrs, "token_slot_ptr": "*i32"},
-                {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N, "stride_on": 1},
-                4, arch, dt,
-            ))
+            out.append(
+                _compile(
+                    L._shrink_token_kernel,
+                    {**shrink_ptrs, "token_slot_ptr": "*i32"},
+                    {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K, "stride_xk": 1},
+                    4,
+                    arch,
+                    dt,
+                )
+            )
+            out.append(
+                _compile(
+                    L._expand_token_kernel,
+                    {**expand_ptrs, "token_slot_ptr": "*i32"},
+                    {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N, "stride_on": 1},
+                    4,
+                    arch,
+                    dt,
+                )
+            )
             for block_m in BLOCK_M_CHOICES:
                 for num_slices, max_rank in ((3, 16), (3, 128)):
                     block_n = L.segment_shrink_block_n(num_slices, max_rank)
-                    out.append(_compile(
-                        L._shrink_segment_kernel, {**shrink_ptrs, **tiles},
-                        {"ROW_ALIGN": align, "DOT_PRECISION": precision, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                         "BLOCK_K": L.SEGMENT_SHRINK_BLOCK_K, "stride_xk": 1},
-                        L.segment_shrink_warps(block_m, block_n), arch, dt,
-                    ))
-                out.append(_compile(
-                    L._expand_segment_kernel, {**expand_ptrs, **tiles},
-                    {"ROW_ALIGN": align, "DOT_PRECISION": precision, "BLOCK_M": block_m,
-                     "BLOCK_N": L.SEGMENT_EXPAND_BLOCK_N, "BLOCK_R": L.RANK_BLOCK, "stride_on": 1},
-                    L.segment_expand_warps(block_m), arch, dt,
-                ))
+                    out.append(
+                        _compile(
+                            L._shrink_segment_kernel,
+                            {**shrink_ptrs, **tiles},
+                            {
+                                "ROW_ALIGN": align,
+                                "DOT_PRECISION": precision,
+                                "BLOCK_M": block_m,
+                                "BLOCK_N": block_n,
+                                "BLOCK_K": L.SEGMENT_SHRINK_BLOCK_K,
+                                "stride_xk": 1,
+                            },
+                            L.segment_shrink_warps(block_m, block_n),
+                            arch,
+                            dt,
+                        )
+                    )
+                out.append(
+                    _compile(
+                        L._expand_segment_kernel,
+                        {**expand_ptrs, **tiles},
+                        {
+                            "ROW_ALIGN": align,
+                            "DOT_PRECISION": precision,
+                            "BLOCK_M": block_m,
+                            "BLOCK_N": L.SEGMENT_EXPAND_BLOCK_N,
+                            "BLOCK_R": L.RANK_BLOCK,
+                            "stride_on": 1,
+                        },
+                        L.segment_expand_warps(block_m),
+                        arch,
+                        dt,
+                    )
+                )
     return out
 
 
@@ -138,8 +197,10 @@ def main() -> int:
     too_big = [v for v in variants if not v.fits(args.arch)]
     for v in variants:
         forms = " ".join(sorted(v.global_access_forms()))
-        print(f"{v.kernel:24} {v.dtype} {v.constexprs.get('ROW_ALIGN')} {v.constexprs.get('BLOCK_M', '-'):>3} "
-              f"warps {v.num_warps} shared {v.shared}: {forms}")
+        print(
+            f"{v.kernel:24} {v.dtype} {v.constexprs.get('ROW_ALIGN')} {v.constexprs.get('BLOCK_M', '-'):>3} "
+            f"warps {v.num_warps} shared {v.shared}: {forms}"
+        )
     import triton
 
     print(f"compiled {len(variants)} kernel variants for sm_{args.arch} with triton {triton.__version__}")

@@ -143,8 +143,19 @@ def lora_apply(
         from . import lora_ops
 
         return lora_ops.lora_apply(
-            x, out, arena, a_offsets, b_offsets, ranks, scalings, token_slot, slice_offsets, slice_sizes,
-            plan=plan, path=path, row_align=row_align,
+            x,
+            out,
+            arena,
+            a_offsets,
+            b_offsets,
+            ranks,
+            scalings,
+            token_slot,
+            slice_offsets,
+            slice_sizes,
+            plan=plan,
+            path=path,
+            row_align=row_align,
         )
     _check_torch_args(x, out, arena, a_offsets, b_offsets, ranks, scalings, token_slot, slice_offsets, slice_sizes)
     return reference.lora_apply(

@@ -50,11 +50,19 @@ def _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2):
 
 @triton.jit
 def _shrink_token_kernel(
-    x_ptr, arena_ptr, a_off_ptr, ranks_ptr, token_slot_ptr, y_ptr,
+    x_ptr,
+    arena_ptr,
+    a_off_ptr,
+    ranks_ptr,
+    token_slot_ptr,
+    y_ptr,
     K,
-    stride_xt, stride_xk,
-    stride_as, stride_aj,
-    stride_yj, stride_yt,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_aj,
+    stride_yj,
+    stride_yt,
     ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -88,11 +96,25 @@ def _shrink_token_kernel(
 
 @triton.jit
 def _expand_token_kernel(
-    y_ptr, arena_ptr, b_off_ptr, ranks_ptr, scalings_ptr, token_slot_ptr, out_ptr,
-    OFF0, OFF1, OFF2, N0, N1, N2,
-    stride_yj, stride_yt,
-    stride_bs, stride_bj,
-    stride_ot, stride_on,
+    y_ptr,
+    arena_ptr,
+    b_off_ptr,
+    ranks_ptr,
+    scalings_ptr,
+    token_slot_ptr,
+    out_ptr,
+    OFF0,
+    OFF1,
+    OFF2,
+    N0,
+    N1,
+    N2,
+    stride_yj,
+    stride_yt,
+    stride_bs,
+    stride_bj,
+    stride_ot,
+    stride_on,
     ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,12 +155,24 @@ def _expand_token_kernel(
 
 @triton.jit
 def _shrink_segment_kernel(
-    x_ptr, arena_ptr, a_off_ptr, ranks_ptr, y_ptr,
-    order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
-    K, NUM_SLICES, NUM_COL_BLOCKS,
-    stride_xt, stride_xk,
-    stride_as, stride_aj,
-    stride_yj, stride_yt,
+    x_ptr,
+    arena_ptr,
+    a_off_ptr,
+    ranks_ptr,
+    y_ptr,
+    order_ptr,
+    tile_slot_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    K,
+    NUM_SLICES,
+    NUM_COL_BLOCKS,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_aj,
+    stride_yj,
+    stride_yt,
     ROW_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -176,8 +210,9 @@ def _shrink_segment_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        xt = tl.load(x_ptr + tok[:, None] * stride_xt + ks[None, :] * stride_xk,
-                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(
+            x_ptr + tok[:, None] * stride_xt + ks[None, :] * stride_xk, mask=tok_ok[:, None] & k_ok[None, :], other=0.0
+        )
         # [BLOCK_N, BLOCK_K]: each row contiguous in the arena, so load rows and transpose.
         wt = tl.load(arena_ptr + row_off[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PRECISION)
@@ -187,12 +222,28 @@ def _shrink_segment_kernel(
 
 @triton.jit
 def _expand_segment_kernel(
-    y_ptr, arena_ptr, b_off_ptr, ranks_ptr, scalings_ptr, out_ptr,
-    order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
-    OFF0, OFF1, OFF2, N0, N1, N2,
-    stride_yj, stride_yt,
-    stride_bs, stride_bj,
-    stride_ot, stride_on,
+    y_ptr,
+    arena_ptr,
+    b_off_ptr,
+    ranks_ptr,
+    scalings_ptr,
+    out_ptr,
+    order_ptr,
+    tile_slot_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    OFF0,
+    OFF1,
+    OFF2,
+    N0,
+    N1,
+    N2,
+    stride_yj,
+    stride_yt,
+    stride_bs,
+    stride_bj,
+    stride_ot,
+    stride_on,
     ROW_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -229,8 +280,11 @@ def _expand_segment_kernel(
     for r0 in range(0, rank, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_ok = rows < rank
-        yt = tl.load(y_ptr + j * stride_yj + tok[:, None] * stride_yt + rows[None, :],
-                     mask=tok_ok[:, None] & row_ok[None, :], other=0.0)
+        yt = tl.load(
+            y_ptr + j * stride_yj + tok[:, None] * stride_yt + rows[None, :],
+            mask=tok_ok[:, None] & row_ok[None, :],
+            other=0.0,
+        )
         row_off = tl.load(b_rows + rows, mask=row_ok, other=0)
         if ROW_ALIGN > 1:
             row_off = tl.multiple_of(row_off, ROW_ALIGN)
@@ -372,26 +426,51 @@ def shrink(
     if plan.path == "token":
         grid = (num_tokens, num_slices, triton.cdiv(max_rank, RANK_BLOCK))
         _shrink_token_kernel[grid](
-            x, arena, a_offsets, ranks, token_slot, y,
+            x,
+            arena,
+            a_offsets,
+            ranks,
+            token_slot,
+            y,
             in_features,
-            x.stride(0), x.stride(1),
-            a_offsets.stride(0), a_offsets.stride(1),
-            y.stride(0), y.stride(1),
-            ROW_ALIGN=row_align, BLOCK_R=RANK_BLOCK, BLOCK_K=TOKEN_SHRINK_BLOCK_K,
+            x.stride(0),
+            x.stride(1),
+            a_offsets.stride(0),
+            a_offsets.stride(1),
+            y.stride(0),
+            y.stride(1),
+            ROW_ALIGN=row_align,
+            BLOCK_R=RANK_BLOCK,
+            BLOCK_K=TOKEN_SHRINK_BLOCK_K,
         )
     else:
         seg = plan.segments
         block_n = segment_shrink_block_n(num_slices, max_rank)
         col_blocks = triton.cdiv(num_slices * max_rank, block_n)
         _shrink_segment_kernel[(seg.num_tiles * col_blocks,)](
-            x, arena, a_offsets, ranks, y,
-            seg.order, seg.tile_slot, seg.tile_start, seg.tile_end,
-            in_features, num_slices, col_blocks,
-            x.stride(0), x.stride(1),
-            a_offsets.stride(0), a_offsets.stride(1),
-            y.stride(0), y.stride(1),
-            ROW_ALIGN=row_align, DOT_PRECISION=dot_precision(arena.dtype),
-            BLOCK_M=seg.block_m, BLOCK_N=block_n, BLOCK_K=SEGMENT_SHRINK_BLOCK_K,
+            x,
+            arena,
+            a_offsets,
+            ranks,
+            y,
+            seg.order,
+            seg.tile_slot,
+            seg.tile_start,
+            seg.tile_end,
+            in_features,
+            num_slices,
+            col_blocks,
+            x.stride(0),
+            x.stride(1),
+            a_offsets.stride(0),
+            a_offsets.stride(1),
+            y.stride(0),
+            y.stride(1),
+            ROW_ALIGN=row_align,
+            DOT_PRECISION=dot_precision(arena.dtype),
+            BLOCK_M=seg.block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=SEGMENT_SHRINK_BLOCK_K,
             num_warps=segment_shrink_warps(seg.block_m, block_n),
         )
     return y
@@ -474,25 +553,52 @@ def _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets
     if plan.path == "token":
         grid = (num_tokens, num_slices, triton.cdiv(max(slice_sizes), TOKEN_EXPAND_BLOCK_N))
         _expand_token_kernel[grid](
-            y, arena, b_offsets, ranks, scalings, token_slot, out,
-            *offs, *sizes,
-            y.stride(0), y.stride(1),
-            b_offsets.stride(0), b_offsets.stride(1),
-            out.stride(0), out.stride(1),
-            ROW_ALIGN=row_align, BLOCK_R=RANK_BLOCK, BLOCK_N=TOKEN_EXPAND_BLOCK_N,
+            y,
+            arena,
+            b_offsets,
+            ranks,
+            scalings,
+            token_slot,
+            out,
+            *offs,
+            *sizes,
+            y.stride(0),
+            y.stride(1),
+            b_offsets.stride(0),
+            b_offsets.stride(1),
+            out.stride(0),
+            out.stride(1),
+            ROW_ALIGN=row_align,
+            BLOCK_R=RANK_BLOCK,
+            BLOCK_N=TOKEN_EXPAND_BLOCK_N,
         )
     else:
         seg = plan.segments
         grid = (seg.num_tiles, num_slices, triton.cdiv(max(slice_sizes), SEGMENT_EXPAND_BLOCK_N))
         _expand_segment_kernel[grid](
-            y, arena, b_offsets, ranks, scalings, out,
-            seg.order, seg.tile_slot, seg.tile_start, seg.tile_end,
-            *offs, *sizes,
-            y.stride(0), y.stride(1),
-            b_offsets.stride(0), b_offsets.stride(1),
-            out.stride(0), out.stride(1),
-            ROW_ALIGN=row_align, DOT_PRECISION=dot_precision(arena.dtype),
-            BLOCK_M=seg.block_m, BLOCK_N=SEGMENT_EXPAND_BLOCK_N, BLOCK_R=RANK_BLOCK,
+            y,
+            arena,
+            b_offsets,
+            ranks,
+            scalings,
+            out,
+            seg.order,
+            seg.tile_slot,
+            seg.tile_start,
+            seg.tile_end,
+            *offs,
+            *sizes,
+            y.stride(0),
+            y.stride(1),
+            b_offsets.stride(0),
+            b_offsets.stride(1),
+            out.stride(0),
+            out.stride(1),
+            ROW_ALIGN=row_align,
+            DOT_PRECISION=dot_precision(arena.dtype),
+            BLOCK_M=seg.block_m,
+            BLOCK_N=SEGMENT_EXPAND_BLOCK_N,
+            BLOCK_R=RANK_BLOCK,
             num_warps=segment_expand_warps(seg.block_m),
         )
     return out
@@ -525,6 +631,15 @@ def lora_apply(
     plan = _plan_for(plan, token_slot, a_offsets.shape[0], path)
     y = shrink(x, arena, a_offsets, ranks, token_slot, y=y, plan=plan, row_align=row_align)
     return expand(
-        y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets, slice_sizes,
-        plan=plan, row_align=row_align,
+        y,
+        arena,
+        b_offsets,
+        ranks,
+        scalings,
+        token_slot,
+        out,
+        slice_offsets,
+        slice_sizes,
+        plan=plan,
+        row_align=row_align,
     )

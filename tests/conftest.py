@@ -81,8 +81,18 @@ def start_broker(*extra: str, socket: str | None = None, wait: bool = True) -> B
     socket = socket or os.path.join(d, "b.sock")
     log_path = os.path.join(d, "broker.log")
     args = [
-        sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host",
-        "--state-dir", os.path.join(d, "state"), *SMALL, *extra,
+        sys.executable,
+        "-m",
+        "memory_broker.broker.cli",
+        "serve",
+        "--socket",
+        socket,
+        "--arena",
+        "host",
+        "--state-dir",
+        os.path.join(d, "state"),
+        *SMALL,
+        *extra,
     ]
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)

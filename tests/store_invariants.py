@@ -73,7 +73,9 @@ def check_invariants(store: ObjectStore) -> None:
     assert by_content == store.tally.by_content, "running per-content figures drifted"
     assert by_owner == store.tally.by_owner, "running per-owner figures drifted"
     assert (prepared, pinned, pinned_objs) == (
-        store.tally.prepared_pages, store.tally.pinned_pages, store.tally.pinned_objects
+        store.tally.prepared_pages,
+        store.tally.pinned_pages,
+        store.tally.pinned_objects,
     ), "running prepared/pinned figures drifted"
     placed = sorted((o.window_page, o.num_pages) for o in store.objects.values() if o.window_page >= 0)
     ranges = sorted(placed + store.window.extents())
@@ -82,4 +84,3 @@ def check_invariants(store: ObjectStore) -> None:
         assert start == pos, f"window ranges overlap or leave a hole at {pos}"
         pos = start + length
     assert pos == store.window.window_pages
-

@@ -107,8 +107,15 @@ def test_illegal_transitions_named_in_the_issue_raise():
 def test_state_is_derived_from_facts_through_a_whole_life():
     e = _entry_in(EntryState.COLD)
     seen = [e.state]
-    for event in (EntryEvent.WARM_START, EntryEvent.WARM_DONE, EntryEvent.LOAD_START, EntryEvent.LOAD_DONE,
-                  EntryEvent.HOT_DROPPED, EntryEvent.WARM_DROPPED, EntryEvent.REMOVE):
+    for event in (
+        EntryEvent.WARM_START,
+        EntryEvent.WARM_DONE,
+        EntryEvent.LOAD_START,
+        EntryEvent.LOAD_DONE,
+        EntryEvent.HOT_DROPPED,
+        EntryEvent.WARM_DROPPED,
+        EntryEvent.REMOVE,
+    ):
         _fire(e, event)
         seen.append(e.state)
     S = EntryState
@@ -234,7 +241,9 @@ def test_every_tier_policy_forgets_what_it_knew(name):
 
 
 def test_the_store_interface_the_wing_uses():
-    store = ObjectStore(PagePool(64, 16, 64, grow=lambda n: None), WindowSpace(128), config=StoreConfig(max_lease_s=60.0))
+    store = ObjectStore(
+        PagePool(64, 16, 64, grow=lambda n: None), WindowSpace(128), config=StoreConfig(max_lease_s=60.0)
+    )
     s = store.open_session()
     [(obj, _)] = store.allocate(s, [Spec(2)])
     assert store.has_session(s) and not store.has_session(s + 100)
@@ -247,4 +256,3 @@ def test_the_store_interface_the_wing_uses():
     with pytest.raises(ValueError, match="at most max_lease_s"):
         store.reconfigure(default_lease_s=120.0, max_pins_per_session=9)
     assert (store.limits.default_lease_s, store.limits.max_pins_per_session) == (10.0, 5)
-

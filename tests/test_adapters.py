@@ -186,7 +186,11 @@ INVALID = {
         "convert it to safetensors",
         "adapter_model.safetensors",
     ),
-    "unreadable json": (lambda p: _write(p, "adapter_config.json", "{not json"), "not valid JSON", "adapter_config.json"),
+    "unreadable json": (
+        lambda p: _write(p, "adapter_config.json", "{not json"),
+        "not valid JSON",
+        "adapter_config.json",
+    ),
     "not a safetensors file": (
         lambda p: _write(p, "adapter_model.safetensors", "garbage"),
         "not a readable safetensors file",
@@ -559,7 +563,11 @@ def test_another_process_reads_the_adapters_through_its_own_mapping(peft_dirs, s
                     "pages": list(a.pages),
                     "file": h.registry.get(a.adapter_id).weights_path,
                     "weights": [
-                        [w.layer, w.module, *(h.registry.get(a.adapter_id).weight_key(w.layer, w.module, k) for k in "AB")]
+                        [
+                            w.layer,
+                            w.module,
+                            *(h.registry.get(a.adapter_id).weight_key(w.layer, w.module, k) for k in "AB"),
+                        ]
                         for w in h.registry.get(a.adapter_id).weights
                     ],
                 }
@@ -1381,7 +1389,10 @@ def test_unregister_deletes_the_image(peft_dirs, state_dir):
 
 def test_image_cache_off_writes_nothing(peft_dirs, state_dir):
     async def main():
-        for config in (AdapterConfig(dtype="float32", image_cache=False), AdapterConfig(dtype="float32", warm_int8=True)):
+        for config in (
+            AdapterConfig(dtype="float32", image_cache=False),
+            AdapterConfig(dtype="float32", warm_int8=True),
+        ):
             h = AdapterHarness(state_dir, config=config)
             if "r8" not in h.registry:
                 h.registry.register("r8", peft_dirs["r8"])
@@ -1389,7 +1400,9 @@ def test_image_cache_off_writes_nothing(peft_dirs, state_dir):
             await h.manager.acquire(s, ["r8"])
             assert h.manager.images is None and not h.manager.stats().as_dict()["images"]["enabled"]
             await h.close()
-            assert not os.path.exists(os.path.join(state_dir, "images")) or not os.listdir(os.path.join(state_dir, "images"))
+            assert not os.path.exists(os.path.join(state_dir, "images")) or not os.listdir(
+                os.path.join(state_dir, "images")
+            )
 
     run(main())
 
@@ -1601,7 +1614,9 @@ def test_start_prunes_orphan_images_and_converts_the_registered_ones_without_one
         await h.manager.wait_conversions()
         assert sorted(_images(state_dir)) == sorted(os.path.basename(_image_path(h, n)) for n in ("r4", "r8"))
         st = h.manager.stats().as_dict()["images"]
-        assert st["converted_ahead"] == 2 and st["bytes"] == sum(4096 + h.manager.layout(n).used_bytes for n in ("r4", "r8"))
+        assert st["converted_ahead"] == 2 and st["bytes"] == sum(
+            4096 + h.manager.layout(n).used_bytes for n in ("r4", "r8")
+        )
         # A second start finds every image in place: nothing to convert.
         await h.manager.start()
         await h.manager.wait_conversions()

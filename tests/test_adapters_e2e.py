@@ -83,7 +83,12 @@ def test_adapters_are_shared_across_processes_and_bytes_match_the_files(peft_dir
             import torch
 
             for (layer, module, kind), t in want.items():
-                assert torch.equal(torch.tensor(got["rows"][f"{layer}.{module}.{kind}"]), t.float()), (name, layer, module, kind)
+                assert torch.equal(torch.tensor(got["rows"][f"{layer}.{module}.{kind}"]), t.float()), (
+                    name,
+                    layer,
+                    module,
+                    kind,
+                )
         assert st.loads_hot == 3 and st.found_hot == 3 and st.found_cold == 3
     finally:
         b.stop()
@@ -174,10 +179,14 @@ def test_offset_tables_are_built_once_per_generation(peft_dirs):  # noqa: F811
 def test_adapters_command_lists_registers_and_shows(peft_dirs):  # noqa: F811
     b = adapter_broker()
     try:
+
         def cli(*args):
             return subprocess.run(
                 [sys.executable, "-m", "memory_broker.broker.cli", "adapters", "--socket", b.socket, *args],
-                cwd=ROOT, capture_output=True, text=True, timeout=60,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
             )
 
         r = cli("register", "r4", peft_dirs["r4"])
@@ -236,7 +245,9 @@ def test_registered_adapters_are_converted_ahead_and_a_restart_prunes_orphans(pe
             if len(got) == n and not [f for f in os.listdir(images) if f.endswith(".tmp")]:
                 return got
             time.sleep(0.05)
-        raise AssertionError(f"expected {n} images in {images}, found {os.listdir(images) if os.path.isdir(images) else []}")
+        raise AssertionError(
+            f"expected {n} images in {images}, found {os.listdir(images) if os.path.isdir(images) else []}"
+        )
 
     b = adapter_broker(state)
     with BrokerClient.connect(b.socket) as c:

@@ -101,9 +101,19 @@ class FakeDriver:
     CUstreamCaptureStatus = real.CUstreamCaptureStatus
     CUstream = real.CUstream
     # Calls that need no current context.
-    NO_CONTEXT = {"cuInit", "cuGetErrorName", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetUuid",
-                  "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent",
-                  "cuThreadExchangeStreamCaptureMode"}
+    NO_CONTEXT = {
+        "cuInit",
+        "cuGetErrorName",
+        "cuDeviceGetCount",
+        "cuDeviceGet",
+        "cuDeviceGetName",
+        "cuDeviceGetUuid",
+        "cuDeviceGetAttribute",
+        "cuDevicePrimaryCtxRetain",
+        "cuDevicePrimaryCtxRelease",
+        "cuCtxSetCurrent",
+        "cuThreadExchangeStreamCaptureMode",
+    }
 
     def __init__(self, devices=None, init_error=None, init_raises=None, granularity=GRAN):
         self.devices = devices if devices is not None else [FakeDevice()]
@@ -168,13 +178,17 @@ class FakeDriver:
             del self.allocs[aid]
 
     def _handle(self, h):
-        assert isinstance(h, real.CUmemGenericAllocationHandle), f"a handle must be CUmemGenericAllocationHandle, got {h!r}"
+        assert isinstance(h, real.CUmemGenericAllocationHandle), (
+            f"a handle must be CUmemGenericAllocationHandle, got {h!r}"
+        )
         return int(h)
 
     def _access_name(self, flags):
         assert isinstance(flags, real.CUmemAccess_flags), f"access flags must be CUmemAccess_flags, got {flags!r}"
-        return {real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ: "r",
-                real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: "rw"}[flags]
+        return {
+            real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ: "r",
+            real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: "rw",
+        }[flags]
 
     def _granules(self, va, size):
         return range(va, va + size, self.granularity)
@@ -227,8 +241,10 @@ class FakeDriver:
 
     def cuDeviceGetAttribute(self, attr, dev):
         assert isinstance(attr, real.CUdevice_attribute)
-        name = {real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: "vmm",
-                real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: "posix"}[attr]
+        name = {
+            real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: "vmm",
+            real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: "posix",
+        }[attr]
         return (self._r(OK), getattr(self.devices[self._dev(dev)], name))
 
     def cuDevicePrimaryCtxRetain(self, dev):
@@ -275,7 +291,10 @@ class FakeDriver:
         s = self._stream(stream)
         err = self._log("cuStreamIsCapturing", s)
         st = real.CUstreamCaptureStatus
-        return (self._r(err or OK), st.CU_STREAM_CAPTURE_STATUS_ACTIVE if s in self.capturing else st.CU_STREAM_CAPTURE_STATUS_NONE)
+        return (
+            self._r(err or OK),
+            st.CU_STREAM_CAPTURE_STATUS_ACTIVE if s in self.capturing else st.CU_STREAM_CAPTURE_STATUS_NONE,
+        )
 
     def cuStreamSynchronize(self, stream):
         s = self._stream(stream)
@@ -373,7 +392,11 @@ class FakeDriver:
             aid = self.fd_inodes.get(os.fstat(fd).st_ino)
         except OSError:
             aid = None
-        if aid is None or aid not in self.allocs or htype != real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
+        if (
+            aid is None
+            or aid not in self.allocs
+            or htype != real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        ):
             return (self._r(R.CUDA_ERROR_INVALID_VALUE), none)
         h = self._id()
         self.handles[h] = aid
@@ -419,7 +442,13 @@ class FakeDriver:
         if err:
             return (self._r(err),)
         g = self.granularity
-        if va % g or size % g or size <= 0 or count != 1 or descs[0].location.type != real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE:
+        if (
+            va % g
+            or size % g
+            or size <= 0
+            or count != 1
+            or descs[0].location.type != real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        ):
             return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
         covering = {m: d for m, d in self.mappings.items() if m < va + size and va < m + d["size"]}
         if sum(min(va + size, m + d["size"]) - max(va, m) for m, d in covering.items()) != size:
@@ -662,7 +691,9 @@ def test_auto_falls_back_to_host_with_the_reason(monkeypatch):
     finally:
         a.close()
     monkeypatch.setattr(
-        arena_pkg, "_probe", lambda device: (False, "CUDA device 0 (X, GPU-y) does not support virtual memory management")
+        arena_pkg,
+        "_probe",
+        lambda device: (False, "CUDA device 0 (X, GPU-y) does not support virtual memory management"),
     )
     a, why = make_arena("auto", geom(page=512 << 10), name="t")
     a.close()
@@ -845,8 +876,14 @@ def test_a_client_view_imports_fds_and_mirrors_window_placements(fake, fake_torc
         assert names.index("cuStreamSynchronize") < names.index("cuMemUnmap")
         assert ("cuStreamSynchronize", 0x51) in fake.calls and "cuCtxSynchronize" not in names
         assert fake.sticky is None
-        assert v.window_segments() == [(10, 1, 1, 1), (11, 1, 0, 0), (12, 1, 1, 3), (13, 2, 2, 0),
-                                       (15, 1, 0, 2), (16, 1, 2, 3)]
+        assert v.window_segments() == [
+            (10, 1, 1, 1),
+            (11, 1, 0, 0),
+            (12, 1, 1, 3),
+            (13, 2, 2, 0),
+            (15, 1, 0, 2),
+            (16, 1, 2, 3),
+        ]
         # Unmapping a range that cuts segments on both sides.
         fake.calls.clear()
         v.unmap_window(12, 2)
@@ -889,8 +926,11 @@ def test_readonly_slabs_and_windows(fake):
         v.attach_slab(1, a.slab_fd(1))
         v.map_window(0, [0, 1, 4, 5])
         v.map_window(8, [6], readonly=True)
-        acc = {(va - v.window_base) // g.page_size: m["access"] for va, m in fake.mappings.items()
-               if v.window_base <= va < v.window_base + g.window_pages * g.page_size}
+        acc = {
+            (va - v.window_base) // g.page_size: m["access"]
+            for va, m in fake.mappings.items()
+            if v.window_base <= va < v.window_base + g.window_pages * g.page_size
+        }
         assert acc == {0: "r", 2: "rw", 8: "r"}
         assert fake.mappings[v.phys_base]["access"] == "r"
         assert fake.mappings[v.phys_base + g.slab_size]["access"] == "rw"
@@ -909,7 +949,9 @@ def test_bad_requests_change_nothing(fake):
             v.attach_slab(1, a.slab_fd(0))
         v.attach_slab(0, a.slab_fd(0))
         n = len(fake.calls)
-        with pytest.raises(ValueError, match="physical page 4 \\(index 1\\) is outside the 4 pages of the 1 mapped slabs"):
+        with pytest.raises(
+            ValueError, match="physical page 4 \\(index 1\\) is outside the 4 pages of the 1 mapped slabs"
+        ):
             v.map_window(0, [3, 4])
         with pytest.raises(ValueError, match="outside the window of 32 pages"):
             v.map_window(31, [0, 1])
@@ -1211,7 +1253,9 @@ def test_a_live_tensor_keeps_its_window_mapping(fake, fake_torch):
         before = dict(fake.mappings)
         fake.calls.clear()
         for attempt in (lambda: v.map_window(5, [6]), lambda: v.unmap_window(6, 1)):
-            with pytest.raises(cu.MappingInUse, match=r"window pages \d+..\d+: 1 tensor\(s\) over this view .*\(window pages 4..7\)"):
+            with pytest.raises(
+                cu.MappingInUse, match=r"window pages \d+..\d+: 1 tensor\(s\) over this view .*\(window pages 4..7\)"
+            ):
                 attempt()
         assert fake.mappings == before and "cuMemUnmap" not in fake.names()  # nothing was changed
         assert v.live_tensors() == [(v.window_address(4), 3 * ps)]
@@ -1236,8 +1280,12 @@ def test_close_with_a_live_tensor_unmaps_when_the_last_one_goes(fake, fake_torch
     v.map_window(0, [5])
     t = v.tensor(v.page_address(5), g.page_size)
     w = v.tensor(v.window_address(0), g.page_size).view(torch.float16)
-    mine = {va for va in fake.mappings if v.phys_base <= va < v.phys_base + g.max_pages * g.page_size
-            or v.window_base <= va < v.window_base + g.window_pages * g.page_size}
+    mine = {
+        va
+        for va in fake.mappings
+        if v.phys_base <= va < v.phys_base + g.max_pages * g.page_size
+        or v.window_base <= va < v.window_base + g.window_pages * g.page_size
+    }
     fake.calls.clear()
     v.close()  # returns; the view is closed, its memory still mapped under the tensors
     assert fake.calls == [] and mine <= set(fake.mappings)
@@ -1294,7 +1342,9 @@ def test_unmapping_waits_only_for_the_streams_that_used_the_range(fake, fake_tor
         fake.calls.clear()
         v.unmap_window(4, 2)
         assert [c for c in fake.calls if c[0].endswith("Synchronize")] == [
-            ("cuStreamSynchronize", 0xB), ("cuStreamSynchronize", 0xC)]
+            ("cuStreamSynchronize", 0xB),
+            ("cuStreamSynchronize", 0xC),
+        ]
         assert fake.sticky is None and not fake.pending
         # Every mapping call ran in relaxed capture mode, restored afterwards.
         modes = [m for _, m in fake.mode_changes]
@@ -1331,7 +1381,9 @@ def test_a_stream_under_graph_capture_is_not_synchronized_and_nothing_changes(fa
         del t
         fake.capturing.add(0xD)
         before = dict(fake.mappings)
-        with pytest.raises(cu.MappingInUse, match=r"stream 0xd, which used window pages 1..2, is capturing a CUDA graph"):
+        with pytest.raises(
+            cu.MappingInUse, match=r"stream 0xd, which used window pages 1..2, is capturing a CUDA graph"
+        ):
             v.map_window(1, [3])
         assert fake.mappings == before and fake.capturing == {0xD}  # the capture goes on
         assert "cuCtxSynchronize" not in fake.names() and "cuStreamSynchronize" not in fake.names()
@@ -1408,8 +1460,11 @@ def test_host_only_adapter_helpers_refuse_the_cuda_arena(fake):
     a = CudaArena(geom(), "0")
     try:
         a.grow(1)
-        with pytest.raises(ValueError, match="read_matrix reads and writes arena addresses on the host, but this "
-                                             "CudaArenaView's memory is on a GPU"):
+        with pytest.raises(
+            ValueError,
+            match="read_matrix reads and writes arena addresses on the host, but this "
+            "CudaArenaView's memory is on a GPU",
+        ):
             read_matrix(a.view, None, [0], 0, "q_proj", "A")
         with pytest.raises(ValueError, match="HostPageWriter .* on a GPU; use TensorPageWriter"):
             HostPageWriter(a.view)

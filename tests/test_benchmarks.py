@@ -18,7 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def bench(script: str, *args: str) -> str:
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "ops", "bench", script), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r.stdout
@@ -26,8 +29,13 @@ def bench(script: str, *args: str) -> str:
 
 def test_bench_adapters_quick_run_prints_every_table():
     out = bench("bench_adapters.py", "--quick", "--runs", "3")
-    for title in ("1. load bandwidth", "end to end through AdapterManager.acquire", "2. adapter slots",
-                  "3. Zipf", "4. registry"):
+    for title in (
+        "1. load bandwidth",
+        "end to end through AdapterManager.acquire",
+        "2. adapter slots",
+        "3. Zipf",
+        "4. registry",
+    ):
         assert title in out, out
     assert "acquire cold->hot, first after register" in out and "cold->warm  cached, read image" in out
 
@@ -52,10 +60,20 @@ def test_bench_policy_quick_run_prints_every_trace_next_to_belady():
 
 def test_bench_scale_quick_run_prints_every_operation_and_the_adapter_rows():
     out = bench("bench_scale.py", "--quick")
-    for op in ("stats read", "contiguous place + release", "allocation crossing the high watermark", "allocation just before it (same batch, below)",
-               "session end: longest single stall", "allocate + free under full turnover", "Echo RPC while a session owning N objects ends",
-               "ListAdapters page (50) + total", "Echo RPC while conversions drain",
-               "largest / smallest median", "memory per object", "Belady"):
+    for op in (
+        "stats read",
+        "contiguous place + release",
+        "allocation crossing the high watermark",
+        "allocation just before it (same batch, below)",
+        "session end: longest single stall",
+        "allocate + free under full turnover",
+        "Echo RPC while a session owning N objects ends",
+        "ListAdapters page (50) + total",
+        "Echo RPC while conversions drain",
+        "largest / smallest median",
+        "memory per object",
+        "Belady",
+    ):
         assert op in out, out
 
 
@@ -66,8 +84,16 @@ def test_bench_rpc_overhead_small_run_prints_the_fixed_cost():
 
 def test_bench_step_quick_run_prints_every_path_and_both_targets():
     out = bench("bench_step.py", "--quick", "--steps", "60")
-    for row in ("raw Unix-socket ping-pong", "step channel PING", "gRPC Echo", "gRPC, 4 calls (old path)",
-                "step channel, client.step()", "cache, client.step()", "cache, step_begin (pipelined)",
-                "cache, StepBatch.update() (blocking)", "cache, StepBatch begin+result (overlap)"):
+    for row in (
+        "raw Unix-socket ping-pong",
+        "step channel PING",
+        "gRPC Echo",
+        "gRPC, 4 calls (old path)",
+        "step channel, client.step()",
+        "cache, client.step()",
+        "cache, step_begin (pipelined)",
+        "cache, StepBatch.update() (blocking)",
+        "cache, StepBatch begin+result (overlap)",
+    ):
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out

@@ -126,9 +126,18 @@ def test_random_operations_interleaved_with_background_work_keep_every_invariant
         op = rng.random()
         try:
             if op < 0.5:
-                store.allocate(sid, [Spec(rng.randint(1, 4), contiguous=rng.random() < 0.3,
-                                          key=(b"%d" % rng.randint(0, 300)) if rng.random() < 0.3 else None,
-                                          pin=rng.random() < 0.2) for _ in range(rng.randint(1, 20))])
+                store.allocate(
+                    sid,
+                    [
+                        Spec(
+                            rng.randint(1, 4),
+                            contiguous=rng.random() < 0.3,
+                            key=(b"%d" % rng.randint(0, 300)) if rng.random() < 0.3 else None,
+                            pin=rng.random() < 0.2,
+                        )
+                        for _ in range(rng.randint(1, 20))
+                    ],
+                )
             elif op < 0.6:
                 held = list(store.sessions[sid].pins)
                 if held:
@@ -149,8 +158,9 @@ def test_random_operations_interleaved_with_background_work_keep_every_invariant
 def test_lease_expiry_and_the_next_deadline_skip_transactions_that_ended_early():
     now = [100.0]
     pool = PagePool(512, 512, 512, lambda slabs: None)
-    store = ObjectStore(pool, WindowSpace(2048), config=StoreConfig(high_watermark=1.0, low_watermark=1.0),
-                        clock=lambda: now[0])
+    store = ObjectStore(
+        pool, WindowSpace(2048), config=StoreConfig(high_watermark=1.0, low_watermark=1.0), clock=lambda: now[0]
+    )
     sid = store.open_session()
     txns = [store.prepare(sid, [Spec(1)], lease_s=float(1 + i % 5)) for i in range(100)]
     # Transactions with the earliest deadlines end early: the next deadline is a live one.

@@ -294,7 +294,10 @@ def test_arena_grows_on_demand_and_clients_map_new_slabs(broker):
 def test_a_second_broker_cannot_take_a_live_socket(broker):
     r = subprocess.run(
         [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", broker.socket, "--arena", "host"],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert r.returncode == 1
     assert f"pid {broker.proc.pid}" in r.stderr
@@ -333,11 +336,17 @@ def test_status_command_prints_the_pool_for_a_person_and_as_json(broker):
         c.allocate([Spec(3, content_type="kv_cache", pin=True)])
         human = subprocess.run(
             [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket],
-            cwd=ROOT, capture_output=True, text=True, timeout=30,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         js = subprocess.run(
             [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket, "--json"],
-            cwd=ROOT, capture_output=True, text=True, timeout=30,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     assert human.returncode == 0, human.stderr
     assert "3/64 pages used" in human.stdout and "pinned 3" in human.stdout and "kv_cache" in human.stdout
@@ -348,8 +357,20 @@ def test_status_command_prints_the_pool_for_a_person_and_as_json(broker):
 
 def test_status_without_a_broker_says_so():
     r = subprocess.run(
-        [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", "/tmp/no-such-broker.sock", "--timeout", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "memory_broker.broker.cli",
+            "status",
+            "--socket",
+            "/tmp/no-such-broker.sock",
+            "--timeout",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert r.returncode == 1 and "no broker answered" in r.stderr
 
@@ -357,7 +378,10 @@ def test_status_without_a_broker_says_so():
 def test_bad_serve_flags_are_refused_naming_the_setting():
     r = subprocess.run(
         [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", "/tmp/x.sock", "--page-size", "3MiB"],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert r.returncode == 2 and "page_size" in r.stderr
 

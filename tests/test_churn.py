@@ -20,7 +20,7 @@ from conftest import ROOT, start_broker
 # The operations both tests draw from. ``work(c, rng, adapters, steps, tick)`` runs ``steps``
 # random operations (forever when None), calling ``tick()`` after each; it returns how many
 # times each kind ran, and raises AssertionError when bytes a process wrote changed under it.
-WORKER = r'''
+WORKER = r"""
 import ctypes, os, random, struct
 from memory_broker.clients import BrokerClient, BrokerError, Spec
 
@@ -138,7 +138,7 @@ def work(c, rng, adapters, steps=None, tick=lambda: None):
         expect(o, data, "own pinned object at the end")
     batch.release()
     return counts
-'''
+"""
 
 
 def _stats_consistent(st) -> None:
@@ -182,7 +182,7 @@ def _register(c: BrokerClient, dirs: dict) -> list[str]:
 
 # Forks every client from one process that imported the library once: 50 Python start-ups
 # would take most of a minute on two cores. gRPC is not started in the parent before it forks.
-LAUNCHER = r'''
+LAUNCHER = r"""
 import json, os, random, select, signal, sys, time
 sys.setswitchinterval(0.001)
 from memory_broker.clients import BrokerClient
@@ -247,7 +247,7 @@ while started < N or live:
             killed += 1
     time.sleep(0.005)
 print(json.dumps({"started": started, "killed": killed, "ops_seen": ops_seen, "signals": signals}))
-'''
+"""
 
 
 # How the clients reach the broker: gRPC only, the step channel (the default), and the step
@@ -265,9 +265,21 @@ def test_fifty_clients_killed_at_random_moments_leak_no_pages(peft_dirs, connect
             adapters = _register(c, peft_dirs)
         t0 = time.monotonic()
         r = subprocess.run(
-            [sys.executable, "-c", f"WORKER = {WORKER!r}\n" + LAUNCHER, b.socket, "50", "5", "11", json.dumps(adapters),
-             json.dumps(connect)],
-            cwd=ROOT, capture_output=True, text=True, timeout=180,
+            [
+                sys.executable,
+                "-c",
+                f"WORKER = {WORKER!r}\n" + LAUNCHER,
+                b.socket,
+                "50",
+                "5",
+                "11",
+                json.dumps(adapters),
+                json.dumps(connect),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
         assert r.returncode == 0, r.stdout + r.stderr
         out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -303,9 +315,16 @@ def test_random_operations_from_several_processes_keep_the_books_straight(peft_d
             adapters = _register(c, peft_dirs)
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", f"WORKER = {WORKER!r}\n" + child_code(b.socket, RANDOM_OPS.format(
-                    seed=seed, steps=400, adapters=adapters, connect=connect))],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    "-c",
+                    f"WORKER = {WORKER!r}\n"
+                    + child_code(b.socket, RANDOM_OPS.format(seed=seed, steps=400, adapters=adapters, connect=connect)),
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             for seed in range(4)
         ]
@@ -337,8 +356,20 @@ def test_random_operations_from_several_processes_keep_the_books_straight(peft_d
         for counts in results:
             for k, v in counts.items():
                 total[k] = total.get(k, 0) + v
-        for kind in ("alloc", "alloc_pin", "keyed", "prepare", "commit", "pin", "unpin", "lookup", "free", "acquire", "release",
-                     "batch"):
+        for kind in (
+            "alloc",
+            "alloc_pin",
+            "keyed",
+            "prepare",
+            "commit",
+            "pin",
+            "unpin",
+            "lookup",
+            "free",
+            "acquire",
+            "release",
+            "batch",
+        ):
             assert total.get(kind, 0) > 0, total
     finally:
         b.stop()

@@ -38,8 +38,17 @@ def write_adapter(path: str, rank: int = 4, hidden: int = 64, layers: int = 2) -
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
-                   "bias": "none", "base_model_name_or_path": "tiny-llama"}, f)
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+                "base_model_name_or_path": "tiny-llama",
+            },
+            f,
+        )
     rng = np.random.default_rng(rank)
     tensors = {}
     for layer in range(layers):
@@ -159,8 +168,16 @@ def test_client_options_given_to_serve_are_refused_in_one_line(capsys):
 
 @pytest.mark.parametrize(
     "text,n",
-    [("2MiB", 2 << 20), ("512KiB", 512 << 10), ("1GiB", 1 << 30), ("1G", 1 << 30), ("1.5KiB", 1536),
-     ("4096", 4096), (" 3 mib ", 3 << 20), ("1TiB", 1 << 40)],
+    [
+        ("2MiB", 2 << 20),
+        ("512KiB", 512 << 10),
+        ("1GiB", 1 << 30),
+        ("1G", 1 << 30),
+        ("1.5KiB", 1536),
+        ("4096", 4096),
+        (" 3 mib ", 3 << 20),
+        ("1TiB", 1 << 40),
+    ],
 )
 def test_sizes_are_binary(text, n):
     assert parse_size(text) == n
@@ -193,8 +210,16 @@ def test_a_bad_size_flag_is_named_once(capsys):
 def test_a_missing_socket_directory_is_named_with_what_to_do(capsys):
     d = short_tmpdir()
     missing = os.path.join(d, "not-there")
-    rc, _, err = cli(capsys, "serve", "--socket", os.path.join(missing, "b.sock"), "--arena", "host",
-                     "--state-dir", os.path.join(d, "state"))
+    rc, _, err = cli(
+        capsys,
+        "serve",
+        "--socket",
+        os.path.join(missing, "b.sock"),
+        "--arena",
+        "host",
+        "--state-dir",
+        os.path.join(d, "state"),
+    )
     assert rc == 2
     assert_one_line_error(rc, err, "memory-broker: socket: the directory")
     assert f"{missing} does not exist" in err and f"mkdir -p {missing}" in err
@@ -252,8 +277,15 @@ def test_broker_refusals_are_one_line_with_the_status_name(capsys, broker_with_a
 
 def test_register_says_the_adapter_waits_for_conversion_and_where_to_watch_it(capsys, broker_with_adapter):
     sock = broker_with_adapter.socket
-    rc, out, err = cli(capsys, "adapters", "register", "a2", write_adapter(os.path.join(short_tmpdir(), "a2"), rank=8),
-                       "--socket", sock)
+    rc, out, err = cli(
+        capsys,
+        "adapters",
+        "register",
+        "a2",
+        write_adapter(os.path.join(short_tmpdir(), "a2"), rank=8),
+        "--socket",
+        sock,
+    )
     try:
         assert rc == 0, err
         lines = out.splitlines()
@@ -267,12 +299,20 @@ def test_register_says_the_adapter_waits_for_conversion_and_where_to_watch_it(ca
 
 
 def test_the_installed_command_lists_adapters_with_common_options_after_the_action(broker_with_adapter):
-    r = subprocess.run([EXE, "adapters", "list", "--socket", broker_with_adapter.socket, "--json"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [EXE, "adapters", "list", "--socket", broker_with_adapter.socket, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert [a["adapter_id"] for a in json.loads(r.stdout)["adapters"]] == ["a1"]
-    r = subprocess.run([EXE, "adapters", "show", "ghost", "--socket", broker_with_adapter.socket],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [EXE, "adapters", "show", "ghost", "--socket", broker_with_adapter.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.startswith("memory-broker: NOT_FOUND: ") and len(r.stderr.strip().splitlines()) == 1
 
@@ -280,8 +320,12 @@ def test_the_installed_command_lists_adapters_with_common_options_after_the_acti
 def test_wait_says_it_waits_for_a_broker_then_answers():
     d = short_tmpdir()
     sock = os.path.join(d, "late.sock")
-    waiter = subprocess.Popen([EXE, "status", "--wait", "--timeout", "60", "--socket", sock],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiter = subprocess.Popen(
+        [EXE, "status", "--wait", "--timeout", "60", "--socket", sock],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = waiter.stderr.readline()  # printed before the broker exists
         assert first.startswith(f"memory-broker: waiting up to 60s for a broker on {sock}"), first
@@ -324,7 +368,10 @@ def test_a_call_that_takes_long_says_it_is_waiting_and_a_quick_one_says_nothing(
     assert capsys.readouterr() == ("", "")
     assert _PatientStub(Stub(0.5), "S", notice_after=0.2).RegisterAdapter(None, timeout=60) == "answer"
     out, err = capsys.readouterr()
-    assert out == "" and err == "memory-broker: waiting for the broker on S to answer RegisterAdapter (up to 60s, --timeout) ...\n"
+    assert (
+        out == ""
+        and err == "memory-broker: waiting for the broker on S to answer RegisterAdapter (up to 60s, --timeout) ...\n"
+    )
 
 
 def test_wait_gives_up_after_the_timeout_in_one_line(capsys):
@@ -347,11 +394,29 @@ def test_the_listing_shows_queued_and_converting_adapters_and_the_backlog_count(
 
     class Stub:
         def ListAdapters(self, req, timeout, metadata=None):
-            return pb.ListAdaptersResponse(adapters=[
-                pb.Adapter(adapter_id="x", tier=pb.ADAPTER_TIER_COLD, rank=8, image_state=S.Value("ADAPTER_IMAGE_STATE_CONVERTING")),
-                pb.Adapter(adapter_id="y", tier=pb.ADAPTER_TIER_COLD, rank=8, image_state=S.Value("ADAPTER_IMAGE_STATE_QUEUED")),
-                pb.Adapter(adapter_id="z", tier=pb.ADAPTER_TIER_HOT, rank=8, image_state=S.Value("ADAPTER_IMAGE_STATE_READY")),
-            ], total=3)
+            return pb.ListAdaptersResponse(
+                adapters=[
+                    pb.Adapter(
+                        adapter_id="x",
+                        tier=pb.ADAPTER_TIER_COLD,
+                        rank=8,
+                        image_state=S.Value("ADAPTER_IMAGE_STATE_CONVERTING"),
+                    ),
+                    pb.Adapter(
+                        adapter_id="y",
+                        tier=pb.ADAPTER_TIER_COLD,
+                        rank=8,
+                        image_state=S.Value("ADAPTER_IMAGE_STATE_QUEUED"),
+                    ),
+                    pb.Adapter(
+                        adapter_id="z",
+                        tier=pb.ADAPTER_TIER_HOT,
+                        rank=8,
+                        image_state=S.Value("ADAPTER_IMAGE_STATE_READY"),
+                    ),
+                ],
+                total=3,
+            )
 
         def GetStats(self, req, timeout):
             return pb.Stats(adapters=pb.AdapterStats(registered=3, hot=1, cold=2, convert_queued=2, image_count=1))
@@ -362,7 +427,9 @@ def test_the_listing_shows_queued_and_converting_adapters_and_the_backlog_count(
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("conversion backlog: 2 adapters waiting for a page image")
     assert [line.split() for line in out[3:]] == [
-        ["x", "cold", "8", "0", "0", "converting"], ["y", "cold", "8", "0", "0", "queued"], ["z", "hot", "8", "0", "0", "ready"]
+        ["x", "cold", "8", "0", "0", "converting"],
+        ["y", "cold", "8", "0", "0", "queued"],
+        ["z", "hot", "8", "0", "0", "ready"],
     ]
 
 
@@ -412,8 +479,15 @@ def test_the_manager_reports_each_adapters_image_state_while_conversions_wait(tm
 def test_a_broker_that_does_not_convert_ahead_lists_no_image(capsys):
     b = start_broker("--no-adapter-convert-ahead")
     try:
-        rc, out, err = cli(capsys, "adapters", "register", "n1", write_adapter(os.path.join(short_tmpdir(), "n1")),
-                           "--socket", b.socket)
+        rc, out, err = cli(
+            capsys,
+            "adapters",
+            "register",
+            "n1",
+            write_adapter(os.path.join(short_tmpdir(), "n1")),
+            "--socket",
+            b.socket,
+        )
         assert rc == 0, err
         assert out.startswith("registered n1: rank 4") and "page image" not in out
         rc, out, _ = cli(capsys, "adapters", "--socket", b.socket)
@@ -478,9 +552,26 @@ def _serve_on_a_terminal(*extra: str) -> str:
     sock = os.path.join(d, "b.sock")
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [EXE, "serve", "--socket", sock, "--arena", "host", "--state-dir", os.path.join(d, "s"),
-         "--page-size", "512KiB", "--slab-size", "2MiB", "--pool-size", "32MiB", *extra],
-        stdout=slave, stderr=slave, cwd=ROOT,
+        [
+            EXE,
+            "serve",
+            "--socket",
+            sock,
+            "--arena",
+            "host",
+            "--state-dir",
+            os.path.join(d, "s"),
+            "--page-size",
+            "512KiB",
+            "--slab-size",
+            "2MiB",
+            "--pool-size",
+            "32MiB",
+            *extra,
+        ],
+        stdout=slave,
+        stderr=slave,
+        cwd=ROOT,
     )
     os.close(slave)
     out = b""

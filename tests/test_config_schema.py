@@ -65,17 +65,32 @@ def test_a_setting_is_named_by_its_yaml_key_and_flag():
 
 def test_what_sighup_may_change_is_declared_on_the_settings():
     assert RELOADABLE == {
-        "high_watermark", "low_watermark", "default_lease_s", "allowed_uids", "log_level",
-        "max_pins_per_session", "grace_s", "status_interval_s", "adapter_manager_uids", "max_sessions",
+        "high_watermark",
+        "low_watermark",
+        "default_lease_s",
+        "allowed_uids",
+        "log_level",
+        "max_pins_per_session",
+        "grace_s",
+        "status_interval_s",
+        "adapter_manager_uids",
+        "max_sessions",
         "max_sessions_per_uid",
     }
 
 
 # Per kind, a value written in a file and the same value as a flag's text.
 SAMPLES = {
-    "size": ("8MiB", "8MiB"), "duration": ("45s", "45s"), "int": (3, "3"), "float": (0.5, "0.5"),
-    "choice": (None, None), "str": ("/tmp/x.sock", "/tmp/x.sock"), "text": (1, "1"),
-    "uids": ([1000, 1001], ["1000", "1001"]), "paths": (["/a", "/b"], ["/a", "/b"]), "mode": ("0640", "0640"),
+    "size": ("8MiB", "8MiB"),
+    "duration": ("45s", "45s"),
+    "int": (3, "3"),
+    "float": (0.5, "0.5"),
+    "choice": (None, None),
+    "str": ("/tmp/x.sock", "/tmp/x.sock"),
+    "text": (1, "1"),
+    "uids": ([1000, 1001], ["1000", "1001"]),
+    "paths": (["/a", "/b"], ["/a", "/b"]),
+    "mode": ("0640", "0640"),
 }
 
 
@@ -114,7 +129,9 @@ def test_a_switch_flag_sets_what_its_yaml_key_sets(tmp_path, name):
 
 
 def test_the_policy_shorthand_sets_both_tiers_and_a_tier_flag_wins():
-    over = flag_overrides(build_parser().parse_args(["serve", "--adapter-policy", "lru", "--adapter-warm-policy", "gdsf"]))
+    over = flag_overrides(
+        build_parser().parse_args(["serve", "--adapter-policy", "lru", "--adapter-warm-policy", "gdsf"])
+    )
     assert over["adapter_hot_policy"] == "lru" and over["adapter_warm_policy"] == "gdsf"
 
 
@@ -126,7 +143,10 @@ def test_the_policy_shorthand_sets_both_tiers_and_a_tier_flag_wins():
     [
         ("listeners:\n  metrics_port: 70000\n", "listeners.metrics_port (metrics_port: 70000; must be 0..65535)"),
         ("security:\n  max_sessions: -1\n", "security.max_sessions (max_sessions: -1; must be >= 0 (0 = no limit))"),
-        ("listeners:\n  idle_timeout: 0.5s\n", "listeners.idle_timeout (idle_timeout_s: 0.5; must be 1..86400 seconds)"),
+        (
+            "listeners:\n  idle_timeout: 0.5s\n",
+            "listeners.idle_timeout (idle_timeout_s: 0.5; must be 1..86400 seconds)",
+        ),
         ("memory_pool:\n  window_factor: 65\n", "memory_pool.window_factor (window_factor: 65; must be 1..64)"),
         ("adapters:\n  hot_tier_adapters: -2\n", "adapters.hot_tier_adapters (hot_tier_adapters: -2; must be >= 0)"),
         ("adapters:\n  hot_policy: mru\n", "adapters.hot_policy: 'mru' is not one of adaptive, lru, lfu, gdsf"),
@@ -147,8 +167,10 @@ def test_a_bad_flag_value_names_the_setting_and_the_bound():
     # A default that no longer fits what was given: named with the key and flag that change it.
     with pytest.raises(ConfigError) as e:
         build_options(None, flag_overrides(build_parser().parse_args(["serve", "--slab-size", "48MiB"])))
-    assert str(e.value) == ("pool_size: 1073741824 bytes must be a positive multiple of slab_size (50331648); "
-                            "pool_size is at its default: set memory_pool.pool_size (--pool-size)")
+    assert str(e.value) == (
+        "pool_size: 1073741824 bytes must be a positive multiple of slab_size (50331648); "
+        "pool_size is at its default: set memory_pool.pool_size (--pool-size)"
+    )
     with pytest.raises(ValueError, match=r"^--idle-timeout: cannot read 'soon' as a duration"):
         flag_overrides(build_parser().parse_args(["serve", "--idle-timeout", "soon"]))
 
@@ -194,7 +216,8 @@ def test_the_daemon_logs_an_old_spelling_as_a_warning(tmp_path):
     try:
         said = [e for e in b.log_events() if e.get("event") == "deprecated_setting"]
         assert [e["detail"] for e in said] == [
-            "adapters.hot_tier_budget is deprecated; write adapters.hot_tier_adapters (--hot-tier-adapters)"]
+            "adapters.hot_tier_budget is deprecated; write adapters.hot_tier_adapters (--hot-tier-adapters)"
+        ]
         assert said[0]["level"] == "warning"
         # A reload reads the old spelling again (a new value is applied) without saying it again.
         p.write_text("adapters:\n  hot_tier_budget: 3\nshutdown:\n  grace: 7s\n")
@@ -273,9 +296,11 @@ def test_the_example_check_fails_for_a_setting_without_an_example_line():
     extra = dict(SCHEMA, **{"adapters.new_knob": SETTINGS["warm_int8"]})
     assert check_example(text, extra) == ["adapters.new_knob: in the schema, not in the example"]
     assert "memory_pool.slab_size: in the schema, not in the example" in check_example(
-        re.sub(r"^  slab_size: .*\n", "", text, flags=re.M))
+        re.sub(r"^  slab_size: .*\n", "", text, flags=re.M)
+    )
     assert "memory_pool.pool_size: shows 2GiB, the default is 1GiB" in check_example(
-        text.replace("pool_size: 1GiB", "pool_size: 2GiB"))
+        text.replace("pool_size: 1GiB", "pool_size: 2GiB")
+    )
     wrong = text.replace("# [reload] Most pins", "# Most pins")
     assert check_example(wrong) == ["memory_pool.pinning.max_pins_per_session: [reload] missing in its comment"]
 
@@ -290,8 +315,10 @@ def test_every_section_of_the_schema_is_a_section_of_the_example():
 
 
 def test_only_serve_imports_the_schema_library():
-    code = ("import sys; from memory_broker.broker.cli import build_parser; a = build_parser().parse_args(sys.argv[1:]);"
-            " print('pydantic' in sys.modules)")
+    code = (
+        "import sys; from memory_broker.broker.cli import build_parser; a = build_parser().parse_args(sys.argv[1:]);"
+        " print('pydantic' in sys.modules)"
+    )
     for argv, loaded in ((["status"], "False"), (["adapters", "list"], "False"), (["serve"], "True")):
         r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.stdout.strip() == loaded, (argv, r.stdout, r.stderr)

@@ -173,7 +173,6 @@ def problems(blocks: list[Block]) -> list[str]:
     return out
 
 
-
 def all_blocks() -> list[Block]:
     return [b for doc in DOCS for b in parse(doc)]
 
@@ -303,7 +302,11 @@ class Session:
                 return self._capture(b, printed, quiet=True)
             except (ValueError, KeyError, IndexError):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    self.fail(b, "the background block printed nothing to take", subprocess.CompletedProcess([], 1, printed, ""))
+                    self.fail(
+                        b,
+                        "the background block printed nothing to take",
+                        subprocess.CompletedProcess([], 1, printed, ""),
+                    )
                 time.sleep(0.05)
 
     def _capture(self, b: Block, stdout: str, quiet: bool = False) -> None:
@@ -376,9 +379,16 @@ def static_problems(b: Block) -> list[str]:
         if not os.path.exists(os.path.join(ROOT, config)):
             continue
         r = subprocess.run(
-            [sys.executable, "-c", "import sys; from memory_broker.broker.server.config import build_options;"
-             " build_options(sys.argv[1], {})", os.path.join(ROOT, config)],
-            capture_output=True, text=True, cwd=ROOT,
+            [
+                sys.executable,
+                "-c",
+                "import sys; from memory_broker.broker.server.config import build_options;"
+                " build_options(sys.argv[1], {})",
+                os.path.join(ROOT, config),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
         )
         if r.returncode != 0:
             out.append(f"{b.where}: the daemon refuses {config}: {r.stderr.strip().splitlines()[-1:]}")
@@ -431,7 +441,7 @@ def test_static_checks_catch_a_missing_file_and_a_unit_that_runs_something_else(
     b = Block("x.md", 1, "sh", "sudo install -m 0644 ops/systemd/nope.service /etc/systemd/system/\n", "S")
     assert static_problems(b) == ["x.md:1: names ops/systemd/nope.service, which does not exist"]
     b.body = (
-        "sudo ln -s \"$PWD/.venv/bin/memory-broker\" /usr/bin/mb\n"
+        'sudo ln -s "$PWD/.venv/bin/memory-broker" /usr/bin/mb\n'
         "sudo install -m 0644 ops/systemd/memory-broker@.service /etc/systemd/system/\n"
     )
     assert "runs /usr/local/bin/memory-broker, which the block does not provide" in " ".join(static_problems(b))

@@ -29,8 +29,14 @@ BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLI
 
 U32, U64, I64 = (1 << 32) - 1, (1 << 64) - 1, (1 << 63) - 1
 UINT_TYPES = {FD.TYPE_UINT32: U32, FD.TYPE_FIXED32: U32, FD.TYPE_UINT64: U64, FD.TYPE_FIXED64: U64}
-INT_TYPES = {FD.TYPE_INT32: (1 << 31) - 1, FD.TYPE_SINT32: (1 << 31) - 1, FD.TYPE_SFIXED32: (1 << 31) - 1,
-             FD.TYPE_INT64: I64, FD.TYPE_SINT64: I64, FD.TYPE_SFIXED64: I64}
+INT_TYPES = {
+    FD.TYPE_INT32: (1 << 31) - 1,
+    FD.TYPE_SINT32: (1 << 31) - 1,
+    FD.TYPE_SFIXED32: (1 << 31) - 1,
+    FD.TYPE_INT64: I64,
+    FD.TYPE_SINT64: I64,
+    FD.TYPE_SFIXED64: I64,
+}
 
 
 class Gen:
@@ -55,8 +61,23 @@ class Gen:
     def text(self, name: str) -> str:
         rng = self.rng
         pool = [
-            "", "\x00", "a\x00b", "r4", "missing", "x" * 300, "é🙂", "../../etc", "/", ".", "-", "a" * 5000,
-            "r4\x00", " ", "%s%n", "\n", "*",
+            "",
+            "\x00",
+            "a\x00b",
+            "r4",
+            "missing",
+            "x" * 300,
+            "é🙂",
+            "../../etc",
+            "/",
+            ".",
+            "-",
+            "a" * 5000,
+            "r4\x00",
+            " ",
+            "%s%n",
+            "\n",
+            "*",
         ]
         if "path" in name:
             pool += self.world["paths"]
@@ -115,9 +136,20 @@ class Gen:
 
 def snapshot(stub, token: str) -> tuple:
     st = stub.GetStats(pb.GetStatsRequest(), timeout=BOUND_S)
-    keep = ("used_pages", "free_pages", "prepared_pages", "pinned_pages", "objects", "keyed_objects",
-            "open_transactions", "window_free_pages", "sessions")
-    listing = stub.ListAdapters(pb.ListAdaptersRequest(limit=1000), metadata=(("x-broker-session", token),), timeout=BOUND_S)
+    keep = (
+        "used_pages",
+        "free_pages",
+        "prepared_pages",
+        "pinned_pages",
+        "objects",
+        "keyed_objects",
+        "open_transactions",
+        "window_free_pages",
+        "sessions",
+    )
+    listing = stub.ListAdapters(
+        pb.ListAdaptersRequest(limit=1000), metadata=(("x-broker-session", token),), timeout=BOUND_S
+    )
     adapters = tuple((a.adapter_id, a.tier, a.pin_count, a.generation) for a in listing.adapters)
     return tuple(getattr(st, k) for k in keep) + (st.adapters.registered, adapters)
 
@@ -135,8 +167,17 @@ def fuzz_world(broker_factory, peft_dirs):  # noqa: F811
     os.symlink("/dev/zero", os.path.join(evil, "adapter_config.json"))
     world = {
         "ids": [o.object_id for o in kept] + [o.object_id for o in txn.objects] + [txn.transaction_id],
-        "paths": [peft_dirs["r8"], peft_dirs["r4"], evil, "/dev/zero", "/proc/self/mem", "/etc", "/nonexistent",
-                  peft_dirs["r4"] + "/adapter_config.json", b.socket],
+        "paths": [
+            peft_dirs["r8"],
+            peft_dirs["r4"],
+            evil,
+            "/dev/zero",
+            "/proc/self/mem",
+            "/etc",
+            "/nonexistent",
+            peft_dirs["r4"] + "/adapter_config.json",
+            b.socket,
+        ],
         "tokens": {"owner": owner.token, "other": other.token},
         "deadlines": [txn.deadline_unix_ms / 1000],
     }
@@ -205,7 +246,9 @@ def test_fuzz_every_rpc_gets_a_deliberate_status_in_bounded_time_and_refusals_ch
                 deadline = resp.deadline_unix_ms / 1000
                 if deadline < time.time() + 300:
                     # It would expire during the run, changing the pool on its own: end it now.
-                    stub.Abort(pb.AbortRequest(transaction_ids=[resp.transaction_id]), metadata=metadata, timeout=BOUND_S)
+                    stub.Abort(
+                        pb.AbortRequest(transaction_ids=[resp.transaction_id]), metadata=metadata, timeout=BOUND_S
+                    )
                 else:
                     deadlines.append(deadline)
             del world["ids"][:-64]
@@ -229,5 +272,7 @@ def test_fuzz_every_rpc_gets_a_deliberate_status_in_bounded_time_and_refusals_ch
     assert total == REQUESTS >= 2000
     assert set(counts) == {m.name for m in unary}, counts
     assert unchecked <= refused // 20, (unchecked, refused)
-    print(f"fuzz: {total} requests ({refused} refused, {unchecked} of them beside a lease expiry) in {elapsed:.1f} s, "
-          f"slowest {slowest * 1e3:.0f} ms; {counts}")
+    print(
+        f"fuzz: {total} requests ({refused} refused, {unchecked} of them beside a lease expiry) in {elapsed:.1f} s, "
+        f"slowest {slowest * 1e3:.0f} ms; {counts}"
+    )

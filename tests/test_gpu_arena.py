@@ -32,9 +32,7 @@ _ok, CUDA_REASON = cuda_available("0")
 cuda_usable = _ok and _torch_cuda
 
 _why = CUDA_REASON if not _ok else "this torch has no CUDA device"
-pytestmark = pytest.mark.skipif(
-    not cuda_usable, reason=f"needs a CUDA device with VMM and POSIX-fd handles ({_why})"
-)
+pytestmark = pytest.mark.skipif(not cuda_usable, reason=f"needs a CUDA device with VMM and POSIX-fd handles ({_why})")
 
 MiB = 1 << 20
 # 2 MiB pages (the usual granularity), 4 pages per 8 MiB slab, 8 slabs at most (64 MiB).
@@ -203,8 +201,13 @@ def test_a_write_to_a_read_only_page_faults_in_the_client_process():
         torch.cuda.synchronize()
         fd = os.dup(a.slab_fd(0))
         try:
-            r = subprocess.run([sys.executable, "-c", textwrap.dedent(_READONLY_CHILD), a.device_id, str(fd)],
-                               pass_fds=[fd], capture_output=True, text=True, timeout=120)
+            r = subprocess.run(
+                [sys.executable, "-c", textwrap.dedent(_READONLY_CHILD), a.device_id, str(fd)],
+                pass_fds=[fd],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         finally:
             os.close(fd)
         lines = r.stdout.splitlines()
@@ -373,8 +376,18 @@ def test_allocating_past_the_devices_free_memory_is_resource_exhausted_not_a_cra
     free, total = torch.cuda.mem_get_info()
     slab = 1 << 30
     pool = -(-(total * 3 // 2) // slab) * slab  # the arena's maximum is past the device's memory
-    b = start_broker("--arena", "cuda", "--page-size", "2MiB", "--slab-size", "1GiB", "--pool-size", str(pool),
-                     "--window-factor", "1")
+    b = start_broker(
+        "--arena",
+        "cuda",
+        "--page-size",
+        "2MiB",
+        "--slab-size",
+        "1GiB",
+        "--pool-size",
+        str(pool),
+        "--window-factor",
+        "1",
+    )
     try:
         with BrokerClient.connect(b.socket) as c:
             want = total // (2 * MiB) + 1

@@ -33,8 +33,14 @@ def test_the_check_script_fails_without_a_gpu_instead_of_passing_by_skipping(tmp
         pytest.skip("this machine has a GPU: the dry run is for machines without one")
     out = tmp_path / "results.txt"
     env = {**os.environ, "WHEELHOUSE": ""}  # nothing to install here
-    r = subprocess.run(["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=110)
+    r = subprocess.run(
+        ["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "RESULT: FAIL: no GPU on this machine" in r.stdout
     text = out.read_text()
@@ -46,15 +52,27 @@ def test_the_check_script_fails_without_a_gpu_instead_of_passing_by_skipping(tmp
 def test_the_check_script_refuses_a_missing_wheelhouse(tmp_path):
     out = tmp_path / "results.txt"
     env = {**os.environ, "WHEELHOUSE": str(tmp_path / "nowhere")}
-    r = subprocess.run(["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert f"no wheelhouse at {tmp_path / 'nowhere'}" in out.read_text()
 
 
 def _facts(**kw):
-    base = dict(gpus=["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-x)"], driver_cuda=13000, bindings="13.4.4",
-                arena=(True, "CUDA device 0 supports VMM with POSIX fds"), torch_cuda=True, torch_version="2.11.0")
+    base = dict(
+        gpus=["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-x)"],
+        driver_cuda=13000,
+        bindings="13.4.4",
+        arena=(True, "CUDA device 0 supports VMM with POSIX fds"),
+        torch_cuda=True,
+        torch_version="2.11.0",
+    )
     base.update(kw)
     return gpu_ready.Facts(**base)
 
@@ -74,8 +92,11 @@ def test_preflight_passes_only_with_a_usable_gpu_and_names_each_reason():
 def _junit(tmp_path, cases):
     body = []
     for cls, name, kind in cases:
-        inner = {"pass": "", "skip": '<skipped message="needs a CUDA device (no CUDA driver)"/>',
-                 "fail": '<failure message="boom"/>'}[kind]
+        inner = {
+            "pass": "",
+            "skip": '<skipped message="needs a CUDA device (no CUDA driver)"/>',
+            "fail": '<failure message="boom"/>',
+        }[kind]
         body.append(f'<testcase classname="{cls}" name="{name}">{inner}</testcase>')
     p = tmp_path / "junit.xml"
     p.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{"".join(body)}</testsuite></testsuites>')
@@ -83,12 +104,21 @@ def _junit(tmp_path, cases):
 
 
 def test_a_run_whose_gpu_tests_all_skipped_is_not_a_pass(tmp_path, capsys):
-    skipped = _junit(tmp_path, [("tests.test_gpu_arena", "test_a", "skip"), ("tests.test_gpu_arena", "test_b", "skip"),
-                                ("tests.test_arena_cuda", "test_fake", "pass")])
+    skipped = _junit(
+        tmp_path,
+        [
+            ("tests.test_gpu_arena", "test_a", "skip"),
+            ("tests.test_gpu_arena", "test_b", "skip"),
+            ("tests.test_arena_cuda", "test_fake", "pass"),
+        ],
+    )
     assert gpu_ready.main(["verdict", skipped]) == 1
     out = capsys.readouterr().out
     assert "tests/test_gpu_arena.py: 0 passed, 0 failed, 2 skipped" in out
-    assert "NOT A PASS: tests/test_gpu_arena.py ran no test: the CUDA arena did not run (test_a: needs a CUDA device" in out
+    assert (
+        "NOT A PASS: tests/test_gpu_arena.py ran no test: the CUDA arena did not run (test_a: needs a CUDA device"
+        in out
+    )
 
 
 def test_verdicts_on_partial_skips_failures_and_a_full_pass(tmp_path):
@@ -111,7 +141,9 @@ wheelhouse = _load("build_wheelhouse")
 
 def _generated_minimums() -> tuple[tuple[int, ...], tuple[int, ...]]:
     pb2 = open(os.path.join(ROOT, "proto", "wire", "v1", "broker_pb2.py")).read()
-    m = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
+    m = re.search(
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2
+    )
     grpc_py = open(os.path.join(ROOT, "proto", "wire", "v1", "broker_pb2_grpc.py")).read()
     g = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_py)
     return tuple(int(x) for x in m.groups()), tuple(int(x) for x in g.group(1).split("."))
@@ -137,13 +169,19 @@ def _fake_wheel(folder, name, version, requires=()):
     path = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
     meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr(f"{name.replace('-', '_')}-{version}.dist-info/METADATA", f"Name: {name}\nVersion: {version}\n{meta}")
+        z.writestr(
+            f"{name.replace('-', '_')}-{version}.dist-info/METADATA", f"Name: {name}\nVersion: {version}\n{meta}"
+        )
     return path
 
 
 def test_the_closure_check_names_what_neither_the_folder_nor_the_machine_has(tmp_path):
-    _fake_wheel(tmp_path, "opentelemetry-sdk", "1.45.2",
-                ["opentelemetry-api==1.45.2", "typing-extensions>=4.5.0", "importlib-metadata>=6; python_version < '3.10'"])
+    _fake_wheel(
+        tmp_path,
+        "opentelemetry-sdk",
+        "1.45.2",
+        ["opentelemetry-api==1.45.2", "typing-extensions>=4.5.0", "importlib-metadata>=6; python_version < '3.10'"],
+    )
     _fake_wheel(tmp_path, "opentelemetry-api", "1.45.2", ["typing-extensions>=4.5.0"])
     _fake_wheel(tmp_path, "structlog", "26.1.0", ["extra-thing; extra == 'dev'"])
     machine = {"typing-extensions": None, "numpy": "2.5.2"}

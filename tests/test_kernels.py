@@ -194,8 +194,9 @@ def test_reference_matches_dense_math(shape: Shape, rng: Rng):
     p = b.packed
     out = random_out(b)
     expected = dense_lora(b, out)
-    reference.lora_apply(b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot,
-                         p.slice_offsets, p.slice_sizes)
+    reference.lora_apply(
+        b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot, p.slice_offsets, p.slice_sizes
+    )
     assert_close(out, expected, torch.float16, rng, "reference vs dense")
 
 
@@ -224,10 +225,21 @@ def test_expand_adds_to_adapter_tokens_and_leaves_base_tokens(shape: Shape, path
     y = reference.shrink(b.x, p.arena, p.a_offsets, p.ranks, b.token_slot, y=poisoned_y(b))
     base = random_out(b)
     out = base.clone()
-    lora_ops.expand(y, p.arena, p.b_offsets, p.ranks, p.scalings, b.token_slot, out, p.slice_offsets,
-                    p.slice_sizes, plan=b.plan(path))
-    expected = reference.expand(y, p.arena, p.b_offsets, p.ranks, p.scalings, b.token_slot, base.clone(),
-                                p.slice_offsets, p.slice_sizes)
+    lora_ops.expand(
+        y,
+        p.arena,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        out,
+        p.slice_offsets,
+        p.slice_sizes,
+        plan=b.plan(path),
+    )
+    expected = reference.expand(
+        y, p.arena, p.b_offsets, p.ranks, p.scalings, b.token_slot, base.clone(), p.slice_offsets, p.slice_sizes
+    )
     assert_close(out, expected, dtype, rng, f"expand {path}")
     assert_untouched(out, base, untouched_tokens(b), rng, f"expand {path}")
 
@@ -240,13 +252,33 @@ def test_lora_apply_matches_reference(shape: Shape, path: str, dtype: torch.dtyp
     p = b.packed
     base = random_out(b)
     out = base.clone()
-    lora_ops.lora_apply(b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot,
-                        p.slice_offsets, p.slice_sizes, path=path)
-    expected = reference.lora_apply(b.x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings,
-                                    b.token_slot, p.slice_offsets, p.slice_sizes)
+    lora_ops.lora_apply(
+        b.x,
+        out,
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        p.slice_offsets,
+        p.slice_sizes,
+        path=path,
+    )
+    expected = reference.lora_apply(
+        b.x,
+        base.clone(),
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        p.slice_offsets,
+        p.slice_sizes,
+    )
     assert_close(out, expected, dtype, rng, f"lora_apply {path}")
     assert_untouched(out, base, untouched_tokens(b), rng, f"lora_apply {path}")
-
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -259,15 +291,27 @@ def test_bf16_outputs_are_rounded_to_nearest_not_truncated(path: str, rng: Rng):
     y = reference.shrink(b.x, p.arena, p.a_offsets, p.ranks, b.token_slot)
     base = random_out(b)
     out = base.clone()
-    lora_ops.expand(y, p.arena, p.b_offsets, p.ranks, p.scalings, b.token_slot, out, p.slice_offsets,
-                    p.slice_sizes, plan=b.plan(path))
-    expected = reference.expand(y, p.arena, p.b_offsets, p.ranks, p.scalings, b.token_slot, base.clone(),
-                                p.slice_offsets, p.slice_sizes)
+    lora_ops.expand(
+        y,
+        p.arena,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        out,
+        p.slice_offsets,
+        p.slice_sizes,
+        plan=b.plan(path),
+    )
+    expected = reference.expand(
+        y, p.arena, p.b_offsets, p.ranks, p.scalings, b.token_slot, base.clone(), p.slice_offsets, p.slice_sizes
+    )
     rows = ~untouched_tokens(b)
     missed = (out[rows] != expected[rows]).float().mean().item()
     # A GPU's segment path multiplies in tf32 (2^-11 relative), which moves more entries.
     bound = 0.3 if CUDA and path == "segment" else 0.05
     assert missed < bound, rng.note(f"expand {path}: {missed:.0%} of bf16 outputs are not the nearest value")
+
 
 def random_shape(g: torch.Generator) -> Shape:
     def draw(lo: int, hi: int) -> int:
@@ -300,10 +344,32 @@ def test_random_batches_match_reference(path: str, rng: Rng):
         base = random_out(b)
         out = base.clone()
         y = poisoned_y(b)
-        lora_ops.lora_apply(b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot,
-                            p.slice_offsets, p.slice_sizes, plan=b.plan(path), y=y)
-        expected = reference.lora_apply(b.x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings,
-                                        b.token_slot, p.slice_offsets, p.slice_sizes)
+        lora_ops.lora_apply(
+            b.x,
+            out,
+            p.arena,
+            p.a_offsets,
+            p.b_offsets,
+            p.ranks,
+            p.scalings,
+            b.token_slot,
+            p.slice_offsets,
+            p.slice_sizes,
+            plan=b.plan(path),
+            y=y,
+        )
+        expected = reference.lora_apply(
+            b.x,
+            base.clone(),
+            p.arena,
+            p.a_offsets,
+            p.b_offsets,
+            p.ranks,
+            p.scalings,
+            b.token_slot,
+            p.slice_offsets,
+            p.slice_sizes,
+        )
         assert_close(out, expected, torch.float16, rng, f"{path} on {shape}")
         assert_untouched(out, base, untouched_tokens(b), rng, f"{path} on {shape}")
         assert bool(torch.isnan(y[~written_rows(b)]).all()), rng.note(f"{path} on {shape}: stray y writes")
@@ -317,10 +383,31 @@ def test_rank_zero_slot_and_unused_slots_change_nothing(path: str, rng: Rng):
     p = b.packed
     base = random_out(b)
     out = base.clone()
-    lora_ops.lora_apply(b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot,
-                        p.slice_offsets, p.slice_sizes, path=path)
-    expected = reference.lora_apply(b.x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings,
-                                    b.token_slot, p.slice_offsets, p.slice_sizes)
+    lora_ops.lora_apply(
+        b.x,
+        out,
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        p.slice_offsets,
+        p.slice_sizes,
+        path=path,
+    )
+    expected = reference.lora_apply(
+        b.x,
+        base.clone(),
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        p.slice_offsets,
+        p.slice_sizes,
+    )
     assert_close(out, expected, torch.float16, rng, f"rank 0 {path}")
     assert_untouched(out, base, untouched_tokens(b), rng, f"rank 0 {path}")
 
@@ -335,10 +422,31 @@ def test_strided_out_outside_the_slices_is_untouched(path: str, rng: Rng):
     before = wide.clone()
     out = wide[:, 5:]
     offsets = (3, 3 + 72 + 11)
-    lora_ops.lora_apply(b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot,
-                        offsets, p.slice_sizes, path=path)
-    expected = reference.lora_apply(b.x, before[:, 5:].clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks,
-                                    p.scalings, b.token_slot, offsets, p.slice_sizes)
+    lora_ops.lora_apply(
+        b.x,
+        out,
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        offsets,
+        p.slice_sizes,
+        path=path,
+    )
+    expected = reference.lora_apply(
+        b.x,
+        before[:, 5:].clone(),
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        offsets,
+        p.slice_sizes,
+    )
     assert_close(out, expected, torch.float16, rng, f"strided {path}")
     in_slices = torch.zeros(wide.shape[1], dtype=torch.bool, device=DEVICE)
     for first, width in zip(offsets, p.slice_sizes):
@@ -372,10 +480,23 @@ def test_row_aligned_layout_with_alignment_hint(path: str, rng: Rng):
     x = torch.randn(40, 96, generator=g).half().to(DEVICE)
     base = torch.randn(40, 112, generator=g).half().to(DEVICE)
     out = base.clone()
-    lora_ops.lora_apply(x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets,
-                        p.slice_sizes, path=path, row_align=8)
-    expected = reference.lora_apply(x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots,
-                                    p.slice_offsets, p.slice_sizes)
+    lora_ops.lora_apply(
+        x,
+        out,
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        slots,
+        p.slice_offsets,
+        p.slice_sizes,
+        path=path,
+        row_align=8,
+    )
+    expected = reference.lora_apply(
+        x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets, p.slice_sizes
+    )
     assert_close(out, expected, torch.float16, rng, f"aligned {path}")
 
 
@@ -385,10 +506,31 @@ def test_fp32_arena_matches_reference(path: str, rng: Rng):
     p = b.packed
     base = random_out(b)
     out = base.clone()
-    lora_ops.lora_apply(b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot,
-                        p.slice_offsets, p.slice_sizes, path=path)
-    expected = reference.lora_apply(b.x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings,
-                                    b.token_slot, p.slice_offsets, p.slice_sizes)
+    lora_ops.lora_apply(
+        b.x,
+        out,
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        p.slice_offsets,
+        p.slice_sizes,
+        path=path,
+    )
+    expected = reference.lora_apply(
+        b.x,
+        base.clone(),
+        p.arena,
+        p.a_offsets,
+        p.b_offsets,
+        p.ranks,
+        p.scalings,
+        b.token_slot,
+        p.slice_offsets,
+        p.slice_sizes,
+    )
     assert_close(out, expected, torch.float32, rng, f"fp32 {path}")
 
 
@@ -401,8 +543,20 @@ def test_all_base_and_empty_batches_do_nothing(path: str, rng: Rng):
         base = torch.randn(n, 40, generator=rng.generator).half().to(DEVICE)
         out = base.clone()
         y = torch.full((1, n, 8), float("nan"), device=DEVICE)
-        lora_ops.lora_apply(x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets,
-                            p.slice_sizes, path=path, y=y)
+        lora_ops.lora_apply(
+            x,
+            out,
+            p.arena,
+            p.a_offsets,
+            p.b_offsets,
+            p.ranks,
+            p.scalings,
+            slots,
+            p.slice_offsets,
+            p.slice_sizes,
+            path=path,
+            y=y,
+        )
         assert torch.equal(bits(out), bits(base)), rng.note(f"{n} base-only tokens changed out")
         assert bool(torch.isnan(y).all()), rng.note("shrink wrote y for base-only tokens")
 

@@ -18,7 +18,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 def _has_nvidia_backend() -> bool:
     # Looks at files only: importing triton here, before tests/test_kernels.py sets
     # TRITON_INTERPRET, would leave triton's own helpers compiled-only for the interpreter.
@@ -49,16 +48,19 @@ print(json.dumps([
 @pytest.fixture(scope="module")
 def variants() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-c", _PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540
-    )
+    r = subprocess.run([sys.executable, "-c", _PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, f"compiling the kernels for sm_90 failed:\n{r.stderr[-4000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_every_kernel_variant_compiles_for_hopper(variants: list[dict]):
     kernels = {v["kernel"] for v in variants}
-    assert kernels == {"_shrink_token_kernel", "_expand_token_kernel", "_shrink_segment_kernel", "_expand_segment_kernel"}
+    assert kernels == {
+        "_shrink_token_kernel",
+        "_expand_token_kernel",
+        "_shrink_segment_kernel",
+        "_expand_segment_kernel",
+    }
     assert {v["dtype"] for v in variants} == {"fp16", "bf16", "fp32"}
 
 

@@ -64,8 +64,9 @@ def packed(dtype: torch.dtype, seed: int = 3):
 def test_the_torch_path_matches_dense_math_rounded_once(dtype, fresh_log):
     p, token_slot, x, base = packed(dtype)
     out = base.clone()
-    dispatch.lora_apply(x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, token_slot,
-                        p.slice_offsets, p.slice_sizes)
+    dispatch.lora_apply(
+        x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, token_slot, p.slice_offsets, p.slice_sizes
+    )
     # Dense fp32 math from the arena's own (rounded) rows, rounded once to out's dtype.
     want = base.float().clone()
     for t, slot in enumerate(token_slot.tolist()):

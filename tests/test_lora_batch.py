@@ -101,7 +101,9 @@ def tokens(n: int, seed: int = 2) -> torch.Tensor:
 
 def build(packed: Packed, seq_adapters, seq_lens, tables=None, **kw) -> LoraBatch:
     ids = list(dict.fromkeys(a for a in seq_adapters if a is not None))
-    return LoraBatch.build(packed.arena, seq_adapters, seq_lens, packed.lease(*ids), tables or AdapterTables(DEVICE), **kw)
+    return LoraBatch.build(
+        packed.arena, seq_adapters, seq_lens, packed.lease(*ids), tables or AdapterTables(DEVICE), **kw
+    )
 
 
 # ----------------------------------------------------------------------- batch metadata
@@ -119,7 +121,11 @@ def test_tokens_carry_their_sequence_slot_and_slots_follow_first_use(packed):
 def test_segments_are_maximal_runs_of_one_slot(packed):
     batch = build(packed, ["b", None, "a", "a", "b", None, None], [2, 1, 3, 1, 2, 1, 2])
     assert batch.segments == (
-        Segment(0, 2, 0), Segment(2, 3, -1), Segment(3, 7, 1), Segment(7, 9, 0), Segment(9, 12, -1),
+        Segment(0, 2, 0),
+        Segment(2, 3, -1),
+        Segment(3, 7, 1),
+        Segment(7, 9, 0),
+        Segment(9, 12, -1),
     )
 
 
@@ -201,9 +207,7 @@ def test_lora_linear_matches_the_reference_and_leaves_base_tokens_bit_identical(
     with torch.no_grad(), layer.context.step(batch):
         got = layer(x)
         base = layer.base_layer(x)
-    want = reference.lora_apply(
-        x, base.clone(), packed.arena, *batch.tables(0, ["q_proj"]), batch.token_slot, [0], [Q]
-    )
+    want = reference.lora_apply(x, base.clone(), packed.arena, *batch.tables(0, ["q_proj"]), batch.token_slot, [0], [Q])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     base_only = batch.token_slot == -1
     assert torch.equal(got[base_only], base[base_only])

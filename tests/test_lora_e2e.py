@@ -180,8 +180,12 @@ def peft_generated(base_and_adapters, served):
         r = model.generate(
             input_ids=torch.tensor([prompt], device=DEVICE),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=DEVICE),
-            max_new_tokens=GEN_NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos,
-            output_logits=True, return_dict_in_generate=True,
+            max_new_tokens=GEN_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
         return r.sequences[0, len(prompt) :].tolist(), torch.stack([s[0].float() for s in r.logits])
 
@@ -201,8 +205,9 @@ def test_the_decode_loop_matches_peft_generate_token_for_token(base_and_adapters
     lora = wrap_model(model)
     with BrokerClient.connect(broker.socket) as client:
         with client.acquire_adapters(sorted(set(GEN_ADAPTERS) - {None})) as lease:
-            got = lora.generate(client, lease, gen_prompts(), GEN_ADAPTERS, GEN_NEW_TOKENS, eos_token_id=eos,
-                                output_logits=True)
+            got = lora.generate(
+                client, lease, gen_prompts(), GEN_ADAPTERS, GEN_NEW_TOKENS, eos_token_id=eos, output_logits=True
+            )
     atol = ATOL[dtype_name]
     full_matches = 0
     for i, (name, (ref_tokens, ref_logits)) in enumerate(zip(GEN_ADAPTERS, want)):
@@ -231,6 +236,9 @@ def test_the_decode_loop_matches_peft_generate_token_for_token(base_and_adapters
     # Near-ties are rare: most sequences must match whole, or the test shows nothing.
     assert full_matches >= len(GEN_ADAPTERS) - 1, f"{dtype_name}: only {full_matches} sequences match PEFT whole"
     # The adapters really steer the generation: PEFT's tokens differ from the base model's.
-    steered = [i for i, (name, (ref_tokens, _)) in enumerate(zip(GEN_ADAPTERS, want))
-               if name is not None and ref_tokens != base_tokens[i]]
+    steered = [
+        i
+        for i, (name, (ref_tokens, _)) in enumerate(zip(GEN_ADAPTERS, want))
+        if name is not None and ref_tokens != base_tokens[i]
+    ]
     assert len(steered) >= 2, f"adapters change the greedy tokens of sequences {steered} only; the test shows little"

@@ -107,9 +107,7 @@ def snapshot(store: ObjectStore) -> dict:
             for oid, o in store.objects.items()
         },
         "keys": {k: o.object_id for k, o in store.keys.items()},
-        "sessions": {
-            sid: (set(s.owned), dict(s.pins), s.pin_total, set(s.txns)) for sid, s in store.sessions.items()
-        },
+        "sessions": {sid: (set(s.owned), dict(s.pins), s.pin_total, set(s.txns)) for sid, s in store.sessions.items()},
         "pin_contention": store.counters.pin_contention,
         "open_txns": sorted(store.open_txns),
         "evictable": [o.object_id for o in store.policy],

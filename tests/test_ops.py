@@ -51,8 +51,15 @@ def test_systemd_analyze_verify_accepts_the_unit_without_any_warning(tmp_path):
 
 def test_unit_is_a_notify_service_with_watchdog_restart_user_and_runtime_dir():
     text = open(UNIT).read()
-    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "User=memory-broker",
-                 "RuntimeDirectory=memory-broker", "ExecReload=", "--socket /run/memory-broker/%i.sock"):
+    for line in (
+        "Type=notify",
+        "WatchdogSec=",
+        "Restart=on-failure",
+        "User=memory-broker",
+        "RuntimeDirectory=memory-broker",
+        "ExecReload=",
+        "--socket /run/memory-broker/%i.sock",
+    ):
         assert line in text, line
     # The socket permissions the unit promises are what the example config documents.
     assert "socket_mode" in open(os.path.join(ROOT, "ops", "broker.example.yaml")).read()
@@ -70,9 +77,28 @@ def test_daemon_speaks_the_notify_protocol_ready_status_watchdog_stopping():
     env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="600000")
     sock_path = os.path.join(d, "b.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", sock_path, "--arena", "host",
-         "--pool-size", "32MiB", "--slab-size", "2MiB", "--page-size", "512KiB", "--state-dir", os.path.join(d, "s")],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "memory_broker.broker.cli",
+            "serve",
+            "--socket",
+            sock_path,
+            "--arena",
+            "host",
+            "--pool-size",
+            "32MiB",
+            "--slab-size",
+            "2MiB",
+            "--page-size",
+            "512KiB",
+            "--state-dir",
+            os.path.join(d, "s"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     got: list[tuple[float, str]] = []
 
@@ -147,7 +173,10 @@ def test_example_config_documents_every_key_and_loads():
         ("wibble: {}\n", "known keys at the top level: adapters, arena"),
         ("logging:\n  format: fancy\n", "logging.format: 'fancy' is not one of auto, console, json"),
         ("memory_pool:\n  pool_size: 4GB\n", "memory_pool.pool_size: '4GB': decimal units"),
-        ("listeners:\n  socket: /nonexistent-dir/b.sock\n", "listeners.socket (socket: the directory /nonexistent-dir does not exist"),
+        (
+            "listeners:\n  socket: /nonexistent-dir/b.sock\n",
+            "listeners.socket (socket: the directory /nonexistent-dir does not exist",
+        ),
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, words):
@@ -190,8 +219,20 @@ def test_daemon_refuses_a_bad_config_file_at_start_naming_the_key(tmp_path):
     p = tmp_path / "broker.yaml"
     p.write_text("memory_pool:\n  eviction:\n    low_watermark: 0.95\n")
     r = subprocess.run(
-        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--config", str(p), "--socket", str(tmp_path / "x.sock")],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "memory_broker.broker.cli",
+            "serve",
+            "--config",
+            str(p),
+            "--socket",
+            str(tmp_path / "x.sock"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert r.returncode == 2
     assert "memory_pool.eviction.low_watermark" in r.stderr

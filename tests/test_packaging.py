@@ -49,7 +49,9 @@ def test_no_code_or_doc_imports_a_bare_top_level_name():
                 if f.endswith((".py", ".sh", ".md")) and os.path.relpath(path, ROOT) not in NOT_OURS:
                     with open(path) as fh:
                         text = fh.read()
-                    offenders += [f"{os.path.relpath(path, ROOT)}: {m.group(0).strip()}" for m in BARE_IMPORT.finditer(text)]
+                    offenders += [
+                        f"{os.path.relpath(path, ROOT)}: {m.group(0).strip()}" for m in BARE_IMPORT.finditer(text)
+                    ]
     with open(os.path.join(ROOT, "README.md")) as fh:
         offenders += [f"README.md: {m.group(0).strip()}" for m in BARE_IMPORT.finditer(fh.read())]
     assert not offenders, "import through memory_broker only:\n" + "\n".join(offenders)
@@ -72,7 +74,9 @@ def test_installed_project_exposes_no_bare_top_level_names():
 def test_hugging_face_kernels_and_this_project_coexist_in_either_order():
     r = subprocess.run(
         ["bash", os.path.join(ROOT, "ops", "dev", "check_coexistence.sh"), sys.executable],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("both importable") == 2 and "coexistence: OK" in r.stdout

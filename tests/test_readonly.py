@@ -31,6 +31,7 @@ from memory_broker.proto.wire.errors import BrokerError, Code
 from store_invariants import check_invariants
 from conftest import ROOT, child_code, start_broker
 
+
 @pytest.fixture
 def state_dir(tmp_path) -> str:
     return str(tmp_path / "state")
@@ -280,8 +281,10 @@ def _matches_file(h: AdapterHarness, acquired) -> bool:
         for w in meta.weights:
             a = read_matrix(view, acquired.layout, acquired.pages, w.layer, w.module, "A")
             bt = read_matrix(view, acquired.layout, acquired.pages, w.layer, w.module, "B")
-            if not (np.array_equal(a, tensors[meta.weight_key(w.layer, w.module, "A")])
-                    and np.array_equal(bt, tensors[meta.weight_key(w.layer, w.module, "B")].T)):
+            if not (
+                np.array_equal(a, tensors[meta.weight_key(w.layer, w.module, "A")])
+                and np.array_equal(bt, tensors[meta.weight_key(w.layer, w.module, "B")].T)
+            ):
                 return False
     finally:
         view.close()
@@ -302,7 +305,9 @@ def test_verify_finds_a_corrupt_hot_copy_and_the_next_acquire_reloads_it(peft_di
         assert h.manager.stats().as_dict()["checksums"]["corruptions"] == 1
         # The session that holds it is told which copy went bad.
         told = [ev for sid, ev in h.events if sid == holder and isinstance(ev, AdapterCorrupted)]
-        assert [(ev.adapter_id, ev.object_id, ev.generation) for ev in told] == [("r8", first.object_id, first.generation)]
+        assert [(ev.adapter_id, ev.object_id, ev.generation) for ev in told] == [
+            ("r8", first.object_id, first.generation)
+        ]
         # The holder still pins the corrupt copy; a new acquire never gets it.
         other = h.store.open_session()
         again = (await h.manager.acquire(other, ["r8"], with_layout=True)).adapters[0]
@@ -453,7 +458,9 @@ def test_verify_rpc_cli_and_metrics_report_a_corrupt_image(peft_dirs):
         assert r.returncode == 1 and "NOT_FOUND" in r.stderr
         for _ in range(100):
             text = scrape(port)
-            if "memory_broker_adapter_corruptions_total" in text and metric(text, "memory_broker_adapter_corruptions_total"):
+            if "memory_broker_adapter_corruptions_total" in text and metric(
+                text, "memory_broker_adapter_corruptions_total"
+            ):
                 break
             time.sleep(0.1)
         assert metric(text, "memory_broker_adapter_corruptions_total") == 1

@@ -101,7 +101,9 @@ def test_nul_byte_in_the_path_is_invalid_argument(rig, peft_dirs):  # noqa: F811
     _, c, stub = rig
     before = adapter_snapshot(stub, c)
     with pytest.raises(grpc.RpcError) as e:
-        stub.RegisterAdapter(pb.RegisterAdapterRequest(adapter_id="x", path=peft_dirs["r4"] + "\x00/etc"), metadata=md(c))
+        stub.RegisterAdapter(
+            pb.RegisterAdapterRequest(adapter_id="x", path=peft_dirs["r4"] + "\x00/etc"), metadata=md(c)
+        )
     assert e.value.code() == S.INVALID_ARGUMENT and "NUL" in e.value.details()
     assert adapter_snapshot(stub, c) == before
 
@@ -304,7 +306,9 @@ def test_a_session_that_never_used_the_fd_channel_cannot_manage_adapters(rig, pe
 def test_a_uid_outside_manager_uids_may_list_and_acquire_but_not_manage(broker_factory, peft_dirs):  # noqa: F811
     state = os.path.join(short_tmpdir(), "state")
     # First a broker that lets this uid register, to have an adapter in the registry.
-    b1 = broker_factory("--state-dir", state, "--pool-size", "64MiB", "--slab-size", "4MiB", "--adapter-dtype", "float32")
+    b1 = broker_factory(
+        "--state-dir", state, "--pool-size", "64MiB", "--slab-size", "4MiB", "--adapter-dtype", "float32"
+    )
     with BrokerClient.connect(b1.socket) as c:
         c.register_adapter("r4", peft_dirs["r4"])
     b1.stop()
@@ -449,7 +453,7 @@ def test_idle_connections_are_closed(broker_factory):
 
         def closed_after_ready() -> bool:
             seen = list(states)  # the callbacks arrive on another thread
-            return ready in seen and idle in seen[seen.index(ready):]
+            return ready in seen and idle in seen[seen.index(ready) :]
 
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not closed_after_ready():

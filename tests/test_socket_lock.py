@@ -45,9 +45,7 @@ def sock():
 @pytest.fixture
 def holder(sock):
     """A process holding the lock on ``sock`` until killed."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", HOLDER.format(root=ROOT, sock=sock)], stdout=subprocess.PIPE, text=True
-    )
+    p = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=ROOT, sock=sock)], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"
     yield p
     p.kill()
@@ -75,9 +73,7 @@ def test_acquire_writes_our_pid_to_the_lock_file(sock):
 def test_lock_held_by_another_process_is_refused_naming_its_pid(sock, holder):
     with pytest.raises(SocketPathLocked) as e:
         SocketLock(sock).acquire()
-    assert str(e.value) == (
-        f"another broker (pid {holder.pid}) owns {sock}; stop it or choose another --socket"
-    )
+    assert str(e.value) == (f"another broker (pid {holder.pid}) owns {sock}; stop it or choose another --socket")
 
 
 def test_lock_held_by_another_process_is_refused_in_a_third_process(sock, holder):

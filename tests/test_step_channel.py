@@ -20,7 +20,6 @@ from memory_broker.proto.wire import step as w
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 
 
-
 def books(c: BrokerClient) -> tuple:
     st = c.stats()
     return (st.sessions, st.objects, st.pinned_pages, st.open_transactions, st.used_pages, st.adapters.hot)
@@ -292,8 +291,12 @@ def test_malformed_frames_get_an_error_frame_and_change_nothing(step_rig):
             kind, r = call(s, struct.pack("<IB", len(body), w.STEP) + body)
             if kind == w.ERROR:
                 refused += 1
-                assert r.error.code in (Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION,
-                                        Code.PERMISSION_DENIED), r.error
+                assert r.error.code in (
+                    Code.INVALID_ARGUMENT,
+                    Code.NOT_FOUND,
+                    Code.FAILED_PRECONDITION,
+                    Code.PERMISSION_DENIED,
+                ), r.error
                 assert r.results == []  # nothing ran before the refusal
             else:
                 # A corruption that still parses as something harmless (e.g. an empty step).
@@ -371,8 +374,11 @@ def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(step_ri
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket) as c:
         before = books(c)
-        for call_ in (lambda: c.unpin([-1]), lambda: c.acquire_adapters(["a0"], max_adapters=70000),
-                      lambda: c.step(["a0"], prepare=True, lease_s=1e9)):
+        for call_ in (
+            lambda: c.unpin([-1]),
+            lambda: c.acquire_adapters(["a0"], max_adapters=70000),
+            lambda: c.step(["a0"], prepare=True, lease_s=1e9),
+        ):
             with pytest.raises(BrokerError) as e:
                 call_()
             assert e.value.code == Code.INVALID_ARGUMENT

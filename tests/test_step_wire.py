@@ -35,8 +35,12 @@ def test_every_op_round_trips():
 def test_every_result_and_the_error_round_trip():
     obj = w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 0)
     acq = w.AcquireOutcome(True, 11, 1234.5, (w.AcquiredRecord(2, 6, w.TIER_WARM, (1, 2, 3)),))
-    results = [bytes((w.OP_RELEASE,)), w.encode_acquire(acq), w.encode_acquire(w.AcquireOutcome(False)),
-               w.encode_objects(w.OP_LOOKUP, [obj])]
+    results = [
+        bytes((w.OP_RELEASE,)),
+        w.encode_acquire(acq),
+        w.encode_acquire(w.AcquireOutcome(False)),
+        w.encode_objects(w.OP_LOOKUP, [obj]),
+    ]
     frame = w.encode_step_reply(4, results, BrokerError(Code.NOT_FOUND, "no object 3"), 4)
     n, kind = w.HEADER.unpack_from(frame)
     r = w.decode_step_reply(kind, frame[5:])

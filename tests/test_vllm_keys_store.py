@@ -198,8 +198,13 @@ def test_status_shows_kv_objects_by_owner(broker):
                 break
             time.sleep(0.1)
         assert by[0].objects == 1 and by[0].client_name == ""
-        r = subprocess.run([sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", broker.socket],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         assert "owner      vllm-kv:engine-1 (session" in r.stdout and "kv_cache 2 objects, 2 pages" in r.stdout
         assert "owner      no owner (session ended): kv_cache 1 objects, 1 pages" in r.stdout

@@ -29,8 +29,9 @@ START_TIMEOUT = float(os.environ.get("MEMORY_BROKER_VLLM_START_TIMEOUT", "900"))
 if not os.path.exists(VLLM_PY):
     if os.environ.get("MEMORY_BROKER_REQUIRE_VLLM"):
         raise RuntimeError(f"the vLLM environment's python {VLLM_PY} is missing: run `make vllm-venv`")
-    pytest.skip(f"no vLLM environment at {VLLM_PY} (`make vllm-venv` builds it; `make test` does)",
-                allow_module_level=True)
+    pytest.skip(
+        f"no vLLM environment at {VLLM_PY} (`make vllm-venv` builds it; `make test` does)", allow_module_level=True
+    )
 
 pytestmark = pytest.mark.timeout(3600)
 
@@ -62,8 +63,14 @@ class Engine:
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
         with open(self.log_path, "w") as logf:
             self.proc = subprocess.Popen(
-                [VLLM_PY, HARNESS, "--model", model, *args], cwd=ROOT, env=env, text=True,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, start_new_session=True,
+                [VLLM_PY, HARNESS, "--model", model, *args],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                start_new_session=True,
             )
         self.ready: dict | None = None
 
@@ -78,7 +85,9 @@ class Engine:
                 return json.loads(line)
             if self.proc.poll() is not None:
                 break
-        raise AssertionError(f"engine {self.name} gave no answer (exit {self.proc.poll()}); log tail:\n{self.log()[-4000:]}")
+        raise AssertionError(
+            f"engine {self.name} gave no answer (exit {self.proc.poll()}); log tail:\n{self.log()[-4000:]}"
+        )
 
     def wait_ready(self) -> "Engine":
         if self.ready is None:
@@ -125,13 +134,27 @@ def env():
     tmp = short_tmpdir()
     model, l1, l2 = (os.path.join(tmp, n) for n in ("model", "lora1", "lora2"))
     subprocess.run(
-        [VLLM_PY, "-c", "import sys; from memory_broker.clients.vllm import tiny_model as t; "
-         "t.build(sys.argv[1]); t.build_lora(sys.argv[2], 1); t.build_lora(sys.argv[3], 2)", model, l1, l2],
-        check=True, capture_output=True, timeout=600,
+        [
+            VLLM_PY,
+            "-c",
+            "import sys; from memory_broker.clients.vllm import tiny_model as t; "
+            "t.build(sys.argv[1]); t.build_lora(sys.argv[2], 1); t.build_lora(sys.argv[3], 2)",
+            model,
+            l1,
+            l2,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
     broker = start_broker("--pool-size", "512MiB", "--slab-size", "16MiB")
-    state = {"tmp": tmp, "model": model, "loras": ["--lora", f"l1={l1}", "--lora", f"l2={l2}"],
-             "broker": broker, "engines": {}}
+    state = {
+        "tmp": tmp,
+        "model": model,
+        "loras": ["--lora", f"l1={l1}", "--lora", f"l2={l2}"],
+        "broker": broker,
+        "engines": {},
+    }
 
     def engine(name: str, *args: str, lora: bool = True, connector: bool = True) -> Engine:
         e = state["engines"].get(name)

@@ -39,15 +39,26 @@ class LoraEngine(Engine):
     def __init__(self, name: str, tmp: str, model: str, *args: str, socket: str = "", mode: str = "zero-copy"):
         self.name = name
         self.log_path = os.path.join(tmp, f"{name}.log")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
-                   VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            PYTHONUNBUFFERED="1",
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        )
         env.pop("MEMORY_BROKER_SOCKET", None)
         if socket:
             env.update(MEMORY_BROKER_SOCKET=socket, MEMORY_BROKER_VLLM_LORA=mode)
         with open(self.log_path, "w") as logf:
             self.proc = subprocess.Popen(
-                [VLLM_PY, HARNESS, "--model", model, *args], cwd=ROOT, env=env, text=True,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, start_new_session=True,
+                [VLLM_PY, HARNESS, "--model", model, *args],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                start_new_session=True,
             )
         self.ready = None
 
@@ -66,17 +77,47 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log_path = os.path.join(tmp, "server.log")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", MEMORY_BROKER_SOCKET=socket,
-                   MEMORY_BROKER_VLLM_LORA=mode, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
-        args = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-                "--enforce-eager", "--block-size", "32", "--max-model-len", "2048", "--enable-lora",
-                "--max-loras", "2", "--max-lora-rank", "8", "--host", "127.0.0.1", "--port", str(self.port),
-                "--seed", "0", "--max-num-seqs", "16"]
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            MEMORY_BROKER_SOCKET=socket,
+            MEMORY_BROKER_VLLM_LORA=mode,
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+        )
+        args = [
+            VLLM_PY,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "2048",
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "8",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--seed",
+            "0",
+            "--max-num-seqs",
+            "16",
+        ]
         with open(self.log_path, "w") as logf:
             # Not the checkout: ``python -m`` puts the working directory first on sys.path, and a
             # memory_broker.egg-info left there by a wheel build would hide the plugin's entry point.
-            self.proc = subprocess.Popen(args, cwd=tmp, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                args, cwd=tmp, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait_ready(self) -> "Server":
         deadline = time.monotonic() + START_TIMEOUT
@@ -92,10 +133,19 @@ class Server:
         raise AssertionError(f"the OpenAI server did not start (exit {self.proc.poll()}):\n{self.log()[-4000:]}")
 
     def complete(self, model: str, prompt: list[int], max_tokens: int = 8) -> tuple[int, dict]:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
                 return r.status, json.loads(r.read())
@@ -141,9 +191,17 @@ def env():
     model = os.path.join(tmp, "model")
     dirs = {n: os.path.join(tmp, n) for n in (*ADAPTERS, "l4")}
     subprocess.run(
-        [VLLM_PY, "-c", "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1]); "
-         "[t.build_lora(p, i + 1, bf16_exact=True) for i, p in enumerate(sys.argv[2:])]", model, *dirs.values()],
-        check=True, capture_output=True, timeout=600,
+        [
+            VLLM_PY,
+            "-c",
+            "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1]); "
+            "[t.build_lora(p, i + 1, bf16_exact=True) for i, p in enumerate(sys.argv[2:])]",
+            model,
+            *dirs.values(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
     broker = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32")
     files = [a for n in (*ADAPTERS, "l4") for a in ("--lora", f"{n}={dirs[n]}")]
@@ -151,8 +209,9 @@ def env():
     state = {"tmp": tmp, "model": model, "dirs": dirs, "broker": broker, "stop": []}
     state["ref32"] = LoraEngine("ref32", tmp, model, *files, "--max-loras", "5")
     # l4f: l4's directory named by path; the zero-copy engine has the broker register it.
-    state["zc32"] = LoraEngine("zc32", tmp, model, *brokered, "--lora", f"l4f={dirs['l4']}", "--max-loras", "3",
-                               socket=broker.socket)
+    state["zc32"] = LoraEngine(
+        "zc32", tmp, model, *brokered, "--lora", f"l4f={dirs['l4']}", "--max-loras", "3", socket=broker.socket
+    )
     state["stop"] += [state["ref32"], state["zc32"]]
     # The test's own session: registers the adapters and pins them (so their pages stay put)
     # to read their bytes before any engine has touched them.
@@ -294,15 +353,18 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
     for name in ("server", "ref32"):
         if env.get(name) is not None:
             env[name].stop()
-    broker = env["broker16"] = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "bfloat16")
+    broker = env["broker16"] = start_broker(
+        "--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "bfloat16"
+    )
     with BrokerClient.connect(broker.socket, client_name="test") as c:
         for n in ADAPTERS:
             c.register_adapter(n, env["dirs"][n])
     files = [a for n in ADAPTERS for a in ("--lora", f"{n}={env['dirs'][n]}")]
     brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
     ref = LoraEngine("ref16", env["tmp"], env["model"], "--dtype", "bfloat16", *files, "--max-loras", "4")
-    zc = env["zc16"] = LoraEngine("zc16", env["tmp"], env["model"], "--dtype", "bfloat16", *brokered,
-                                  "--max-loras", "3", socket=broker.socket)
+    zc = env["zc16"] = LoraEngine(
+        "zc16", env["tmp"], env["model"], "--dtype", "bfloat16", *brokered, "--max-loras", "3", socket=broker.socket
+    )
     env["stop"] += [ref, zc]
     want = env["want16"] = _tokens(ref.generate(PROMPTS, lora=MIXED))
     assert _tokens(zc.generate(PROMPTS, lora=MIXED)) == want
@@ -316,8 +378,9 @@ def test_engine_serves_on_from_a_restarted_broker(env):
     registered anew): the engine's next steps acquire its adapters on the new broker's pages."""
     old = env["broker16"]
     old.stop(signal.SIGKILL)
-    broker = env["broker16"] = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB",
-                                            "--adapter-dtype", "bfloat16", socket=old.socket)
+    broker = env["broker16"] = start_broker(
+        "--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "bfloat16", socket=old.socket
+    )
     with BrokerClient.connect(broker.socket, client_name="test") as c:
         for n in ADAPTERS:
             c.register_adapter(n, env["dirs"][n])
@@ -338,5 +401,7 @@ def test_engine_killed_with_sigkill_has_its_leases_released_within_a_second(env)
     zc.kill()
     t0 = time.monotonic()
     while _pins(socket) != {n: 0 for n in ADAPTERS}:
-        assert time.monotonic() - t0 < 1.0, f"leases still held {time.monotonic() - t0:.2f} s after SIGKILL: {_pins(socket)}"
+        assert time.monotonic() - t0 < 1.0, (
+            f"leases still held {time.monotonic() - t0:.2f} s after SIGKILL: {_pins(socket)}"
+        )
         time.sleep(0.02)

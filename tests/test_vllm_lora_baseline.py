@@ -34,8 +34,9 @@ OPS = "vllm/lora/ops/triton_ops"
 if not os.path.exists(VLLM_PY):
     if os.environ.get("MEMORY_BROKER_REQUIRE_VLLM"):
         raise RuntimeError(f"the vLLM environment's python {VLLM_PY} is missing: run `make vllm-venv`")
-    pytest.skip(f"no vLLM environment at {VLLM_PY} (`make vllm-venv` builds it; `make test` does)",
-                allow_module_level=True)
+    pytest.skip(
+        f"no vLLM environment at {VLLM_PY} (`make vllm-venv` builds it; `make test` does)", allow_module_level=True
+    )
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -99,8 +100,11 @@ def test_a_wheel_gives_the_same_files(tmp_path, extracted, vllm_package):
 
 def test_a_vllm_import_without_a_shim_is_refused_and_changes_nothing(tmp_path, vllm_package):
     site = tmp_path / "site"
-    shutil.copytree(vllm_package / "lora" / "ops" / "triton_ops", site / "vllm" / "lora" / "ops" / "triton_ops",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        vllm_package / "lora" / "ops" / "triton_ops",
+        site / "vllm" / "lora" / "ops" / "triton_ops",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     utils = site / "vllm" / "lora" / "ops" / "triton_ops" / "utils.py"
     utils.write_text(utils.read_text() + "\nfrom vllm.model_executor import something_new\n")
     out = tmp_path / "out"
@@ -109,7 +113,9 @@ def test_a_vllm_import_without_a_shim_is_refused_and_changes_nothing(tmp_path, v
     assert "utils.py: 'from vllm.model_executor import something_new' has no shim" in r.stderr
     assert not out.exists()
     # An env variable the envs shim does not define is refused the same way.
-    utils.write_text(utils.read_text().replace("\nfrom vllm.model_executor import something_new\n", "\nX = envs.VLLM_NEW\n"))
+    utils.write_text(
+        utils.read_text().replace("\nfrom vllm.model_executor import something_new\n", "\nX = envs.VLLM_NEW\n")
+    )
     r = run(EXTRACTOR, "--from-site", str(site), "--out", str(out))
     assert r.returncode == 1 and "envs.VLLM_NEW" in r.stderr
     # A folder that is not an earlier extraction is never replaced.

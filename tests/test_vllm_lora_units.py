@@ -221,8 +221,9 @@ def test_adapters_are_acquired_again_after_a_broker_restart(adapters):
             src.acquire("a1", 4)
             epoch = src.client().epoch
             first.stop()
-            second = start_broker("--pool-size", "64MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32",
-                                  socket=first.socket)
+            second = start_broker(
+                "--pool-size", "64MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32", socket=first.socket
+            )
             with BrokerClient.connect(second.socket, client_name="test") as c:
                 c.register_adapter("a1", dirs["a1"])
             deadline = time.monotonic() + 30

@@ -69,9 +69,15 @@ def test_the_core_pieces_of_the_wire_need_no_grpc():
     # The daemon's core imports these: they must stay free of gRPC (and of protobuf).
     core = ("errors", "spec", "layout", "session", "fd_channel")
     r = subprocess.run(
-        [sys.executable, "-c", "import sys; " + "; ".join(f"import memory_broker.proto.wire.{m}" for m in core) + "; "
-         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import sys; " + "; ".join(f"import memory_broker.proto.wire.{m}" for m in core) + "; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
@@ -151,7 +157,9 @@ def test_no_two_packages_import_each_other():
 
 
 def test_no_module_of_the_client_imports_back_into_a_module_that_imports_it():
-    graph = {m: d for m, d in _module_graph().items() if m.startswith(("memory_broker.clients", "memory_broker.proto.wire"))}
+    graph = {
+        m: d for m, d in _module_graph().items() if m.startswith(("memory_broker.clients", "memory_broker.proto.wire"))
+    }
     assert _cycle(graph) is None
 
 
@@ -224,8 +232,14 @@ class _OtherBroker(broker_pb2_grpc.MemoryBrokerServicer):
     def Attach(self, request_iterator, context):
         context.add_callback(self.ended.set)
         self.hello = next(request_iterator).hello
-        arena = pb.ArenaInfo(backend="host", page_size=1 << 20, pages_per_slab=2, max_slabs=4, window_pages=8,
-                             fd_socket_path="/nonexistent/fd.sock")
+        arena = pb.ArenaInfo(
+            backend="host",
+            page_size=1 << 20,
+            pages_per_slab=2,
+            max_slabs=4,
+            window_pages=8,
+            fd_socket_path="/nonexistent/fd.sock",
+        )
         yield pb.SessionEvent(
             opened=pb.SessionOpened(session_id=7, token="t", arena=arena, protocol_version=self.version)
         )
@@ -314,7 +328,12 @@ def test_the_layout_codec_round_trips_a_placement():
     back = layout_from_proto(msg)
     assert back.modules == layout.modules
     assert (back.page_size, back.dtype, back.elem_size, back.row_align, back.num_pages) == (
-        layout.page_size, layout.dtype, layout.elem_size, layout.row_align, layout.num_pages)
+        layout.page_size,
+        layout.dtype,
+        layout.elem_size,
+        layout.row_align,
+        layout.num_pages,
+    )
     want, got = row_offsets(layout, pages), row_offsets(back, pages)
     assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
 
@@ -353,8 +372,12 @@ def test_both_ends_of_the_fd_channel_share_one_definition():
 
 
 def test_a_malformed_fd_request_is_refused_as_invalid_argument():
-    for line, words in [(b"{", "not a JSON line"), (b"[]", "JSON object"), (b'{"token": "t", "from_slab": true}', "integer"),
-                        (b'{"token": "t", "from_slab": -1}', ">= 0")]:
+    for line, words in [
+        (b"{", "not a JSON line"),
+        (b"[]", "JSON object"),
+        (b'{"token": "t", "from_slab": true}', "integer"),
+        (b'{"token": "t", "from_slab": -1}', ">= 0"),
+    ]:
         with pytest.raises(wire_fd.FdChannelError) as e:
             wire_fd.parse_request(line)
         assert e.value.code == "INVALID_ARGUMENT" and words in e.value.message

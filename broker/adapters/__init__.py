@@ -16,8 +16,18 @@ from typing import Any
 # importing one light module of this package (``policy``, ``layout``) does not load the
 # manager, the registry and sqlite3 with it.
 _EXPORTS = {
-    "layout": ("AdapterLayout", "LoraModuleSpec", "MatrixPlacement", "ModulePlacement", "OffsetTable", "RowChunk",
-               "offset_table", "pages_needed", "plan_layout", "row_offsets"),
+    "layout": (
+        "AdapterLayout",
+        "LoraModuleSpec",
+        "MatrixPlacement",
+        "ModulePlacement",
+        "OffsetTable",
+        "RowChunk",
+        "offset_table",
+        "pages_needed",
+        "plan_layout",
+        "row_offsets",
+    ),
     "config": ("AdapterConfig",),
     "manager": ("AdapterManager",),
     "peft": ("AdapterInfo", "AdapterMeta", "inspect_peft_dir"),

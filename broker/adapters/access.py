@@ -83,7 +83,9 @@ def check_path_text(path: object, what: str = "path") -> str:
     if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
         raise invalid(f"{what} is longer than {MAX_PATH_BYTES} bytes")
     if not path.startswith("/"):
-        raise invalid(f"{what} {path!r} is relative; give an absolute path (the broker's working directory is not yours)")
+        raise invalid(
+            f"{what} {path!r} is relative; give an absolute path (the broker's working directory is not yours)"
+        )
     return path
 
 
@@ -125,9 +127,14 @@ class Opened:
 
 def _kind(st: os.stat_result) -> str:
     m = st.st_mode
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
         if test(m):
             return name
     return "a regular file" if stat.S_ISREG(m) else "a special file"
@@ -150,7 +157,9 @@ def _walk(path: str, caller: Caller | None, start: Opened | None = None) -> tupl
             comp = pending.pop(0)
             st = os.fstat(cur)
             if caller is not None and not may(st, caller, _X):
-                raise denied(f"{cur_path}: uid {caller.uid} may not search this directory (mode {st.st_mode & 0o777:o})")
+                raise denied(
+                    f"{cur_path}: uid {caller.uid} may not search this directory (mode {st.st_mode & 0o777:o})"
+                )
             if comp == "..":
                 nxt = os.open("..", base_flags | os.O_DIRECTORY, dir_fd=cur)
                 os.close(cur)

@@ -136,14 +136,20 @@ class ChecksumChecker:
                 got = await loop.run_in_executor(self._checker(), image_checksum, warm)
                 self.counters.verifications += 1
                 if e.warm is not warm:
-                    return AdapterCheck(aid, Tier.WARM, False, True, want, "its warm image changed while it was checked")
+                    return AdapterCheck(
+                        aid, Tier.WARM, False, True, want, "its warm image changed while it was checked"
+                    )
                 if got == want:
                     return AdapterCheck(aid, Tier.WARM, True, True, want, "warm image matches")
                 self.counters.corruptions += 1
                 self.log.warning("adapter_corrupted", adapter=aid, tier="warm", expected=want, found=got)
                 self.warm.drop(e)
                 return AdapterCheck(
-                    aid, Tier.WARM, True, False, want,
+                    aid,
+                    Tier.WARM,
+                    True,
+                    False,
+                    want,
                     f"warm image hashes to {got}: dropped; the next acquire reloads it from its source",
                 )
         cache = self.images.cache
@@ -157,7 +163,9 @@ class ChecksumChecker:
                 self.counters.corruptions += 1
                 self.log.warning("adapter_corrupted", adapter=aid, tier="cold", copy="image file", reason=detail)
             return AdapterCheck(aid, Tier.COLD, checked, ok, want, detail)
-        return AdapterCheck(aid, Tier.COLD, False, True, "", "cold: nothing resident to check; its files are read on the next acquire")
+        return AdapterCheck(
+            aid, Tier.COLD, False, True, "", "cold: nothing resident to check; its files are read on the next acquire"
+        )
 
     async def _check_hot(self, e: AdapterEntry, obj: Allocation) -> AdapterCheck:
         aid, gen, want = e.adapter_id, e.generation, e.hot_checksum
@@ -174,7 +182,11 @@ class ChecksumChecker:
             return AdapterCheck(aid, Tier.HOT, True, True, want, f"hot copy (generation {gen}) matches")
         self._drop_corrupt_hot(e, obj, want, got)
         return AdapterCheck(
-            aid, Tier.HOT, True, False, want,
+            aid,
+            Tier.HOT,
+            True,
+            False,
+            want,
             f"hot copy (object {obj.object_id}, generation {gen}) hashes to {got}: dropped; the next acquire "
             "reloads it from its source",
         )
@@ -187,8 +199,14 @@ class ChecksumChecker:
         self.counters.corruptions += 1
         pinned_by = sorted(s for s in obj.pins if s != self.system_session)
         self.log.warning(
-            "adapter_corrupted", adapter=aid, tier="hot", object_id=obj.object_id, generation=e.generation,
-            expected=want, found=got, pinned_by_sessions=pinned_by,
+            "adapter_corrupted",
+            adapter=aid,
+            tier="hot",
+            object_id=obj.object_id,
+            generation=e.generation,
+            expected=want,
+            found=got,
+            pinned_by_sessions=pinned_by,
         )
         detail = (
             f"adapter {aid!r} (object {obj.object_id}, generation {e.generation}) does not match its checksum; "

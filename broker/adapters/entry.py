@@ -73,7 +73,9 @@ S = EntryState
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(_s(S.COLD, S.LOADING, S.HOT), EntryEvent.WARM_START, _s(S.WARMING, S.LOADING, S.HOT)),
     Transition(_s(S.WARMING, S.LOADING, S.HOT), EntryEvent.WARM_DONE, _s(S.WARM, S.LOADING, S.HOT)),
-    Transition(_s(S.WARMING, S.LOADING, S.HOT, S.REMOVED), EntryEvent.WARM_FAILED, _s(S.COLD, S.LOADING, S.HOT, S.REMOVED)),
+    Transition(
+        _s(S.WARMING, S.LOADING, S.HOT, S.REMOVED), EntryEvent.WARM_FAILED, _s(S.COLD, S.LOADING, S.HOT, S.REMOVED)
+    ),
     Transition(_s(S.COLD, S.WARMING, S.WARM), EntryEvent.LOAD_START, _s(S.LOADING)),
     Transition(_s(S.LOADING), EntryEvent.LOAD_DONE, _s(S.HOT)),
     Transition(_s(S.LOADING, S.REMOVED), EntryEvent.LOAD_FAILED, _s(S.COLD, S.WARMING, S.WARM, S.REMOVED)),

@@ -262,8 +262,10 @@ class ImageCache:
                 except OSError as e:
                     short.append(f"cannot read {path}: {e.strerror}")
 
-            helpers = [threading.Thread(target=read, args=(bounds[i], bounds[i + 1]), name="adapter-image-read")
-                       for i in range(1, parts)]
+            helpers = [
+                threading.Thread(target=read, args=(bounds[i], bounds[i + 1]), name="adapter-image-read")
+                for i in range(1, parts)
+            ]
             for t in helpers:
                 t.start()
             read(bounds[0], bounds[1])

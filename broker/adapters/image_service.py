@@ -63,8 +63,10 @@ class ImageService:
         if config.image_cache and state_dir and not config.warm_int8:
             try:
                 self.cache = ImageCache(
-                    os.path.join(state_dir, "images"), fsync=config.image_fsync,
-                    max_bytes=config.image_budget, verify=config.verify_images,
+                    os.path.join(state_dir, "images"),
+                    fsync=config.image_fsync,
+                    max_bytes=config.image_budget,
+                    verify=config.verify_images,
                 )
             except OSError as err:
                 log.warning("adapter_image_cache_off", error=str(err))

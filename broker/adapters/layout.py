@@ -28,8 +28,19 @@ from memory_broker.proto.wire.layout import (
 )
 
 __all__ = [
-    "DEFAULT_ROW_ALIGN", "DTYPE_SIZES", "NO_ROW", "AdapterLayout", "LoraModuleSpec", "MatrixPlacement",
-    "ModulePlacement", "OffsetTable", "RowChunk", "elem_size", "offset_table", "pages_needed", "plan_layout",
+    "DEFAULT_ROW_ALIGN",
+    "DTYPE_SIZES",
+    "NO_ROW",
+    "AdapterLayout",
+    "LoraModuleSpec",
+    "MatrixPlacement",
+    "ModulePlacement",
+    "OffsetTable",
+    "RowChunk",
+    "elem_size",
+    "offset_table",
+    "pages_needed",
+    "plan_layout",
     "row_offsets",
 ]
 
@@ -46,7 +57,6 @@ class LoraModuleSpec:
     out_features: int
     # alpha / rank, or alpha / sqrt(rank) with rsLoRA.
     scaling: float
-
 
 
 def _round_up(n: int, k: int) -> int:

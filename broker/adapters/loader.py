@@ -184,8 +184,14 @@ class TierLoader:
                 e.holds += e.waiters
                 e.waiters = 0
             self.log.info(
-                "adapter_loaded", adapter=aid, tier="hot", generation=e.generation, object_id=obj.object_id,
-                pages=n, bytes=written, ms=round(dt * 1e3, 3),
+                "adapter_loaded",
+                adapter=aid,
+                tier="hot",
+                generation=e.generation,
+                object_id=obj.object_id,
+                pages=n,
+                bytes=written,
+                ms=round(dt * 1e3, 3),
             )
             ok = True
             return obj
@@ -231,7 +237,9 @@ class TierLoader:
                     await asyncio.shield(asyncio.wrap_future(conv))
                 except Exception:  # noqa: BLE001
                     pass
-            image, cached, rejected = await loop.run_in_executor(self._executor, self.images.cold_to_warm, e.meta, e.layout)
+            image, cached, rejected = await loop.run_in_executor(
+                self._executor, self.images.cold_to_warm, e.meta, e.layout
+            )
             dt = time.perf_counter() - t0
             c = self.counters
             if rejected:
@@ -253,7 +261,12 @@ class TierLoader:
                     c.image_misses += 1
                     self.images.write(e.meta, image)
             self.log.info(
-                "adapter_loaded", adapter=aid, tier="warm", bytes=image.nbytes, int8=image.int8, ms=round(dt * 1e3, 3),
+                "adapter_loaded",
+                adapter=aid,
+                tier="warm",
+                bytes=image.nbytes,
+                int8=image.int8,
+                ms=round(dt * 1e3, 3),
                 from_image=cached,
             )
             ok = True

@@ -96,7 +96,12 @@ class AdapterManager:
         self.counters = counters = AdapterCounters()
         self.entries = EntryTable(self._new_entry)
         self.hot = HotBudget(
-            store, self.system_session, config, make_tier_policy(config.hot_policy), counters, log,
+            store,
+            self.system_session,
+            config,
+            make_tier_policy(config.hot_policy),
+            counters,
+            log,
             self.entries.forget_if_idle,
         )
         self.warm = WarmBudget(
@@ -105,16 +110,44 @@ class AdapterManager:
         self.image_service = ImageService(registry, config, counters, log, self._executor, self.entries.get, self._plan)
         load_lease_s = min(config.load_lease_s, store.limits.max_lease_s)
         self.loader = TierLoader(
-            store, self.system_session, self.entries, self.hot, self.warm, self.image_service, page_writer,
-            self._executor, config, counters, log, load_lease_s,
+            store,
+            self.system_session,
+            self.entries,
+            self.hot,
+            self.warm,
+            self.image_service,
+            page_writer,
+            self._executor,
+            config,
+            counters,
+            log,
+            load_lease_s,
         )
         self.checker = ChecksumChecker(
-            store, self.system_session, arena.view, self.entries, self.hot, self.warm, self.image_service,
-            registry, self._plan, config, counters, log,
+            store,
+            self.system_session,
+            arena.view,
+            self.entries,
+            self.hot,
+            self.warm,
+            self.image_service,
+            registry,
+            self._plan,
+            config,
+            counters,
+            log,
         )
         self.pins = AdapterPins(
-            store, self.system_session, self.entries, self.hot, self.warm, self.loader, self.checker, registry,
-            config, counters,
+            store,
+            self.system_session,
+            self.entries,
+            self.hot,
+            self.warm,
+            self.loader,
+            self.checker,
+            registry,
+            config,
+            counters,
         )
         self._closed = False
 

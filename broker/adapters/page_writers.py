@@ -88,7 +88,9 @@ def _require_host_memory(view: ArenaView, what: str, instead: str) -> None:
         )
 
 
-def read_matrix(view: ArenaView, layout: AdapterLayout, pages: Sequence[int], layer: int, module: str, kind: str) -> np.ndarray:
+def read_matrix(
+    view: ArenaView, layout: AdapterLayout, pages: Sequence[int], layer: int, module: str, kind: str
+) -> np.ndarray:
     """A copy of one stored matrix (A, or Bᵀ) from an arena mapping, as raw ``layout.dtype``
     elements [rank, row_elems]. For checks and tools; any process's host-memory view works
     (a CUDA view is refused with ValueError: copy its pages to the host with ``view.tensor``)."""

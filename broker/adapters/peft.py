@@ -126,8 +126,15 @@ class AdapterMeta:
     def info(self) -> AdapterInfo:
         """This adapter as a listing shows it (the one record the service sends)."""
         return AdapterInfo(
-            self.adapter_id, self.source, self.max_rank, self.lora_alpha, self.use_rslora, self.target_modules,
-            len(self.layers), self.file_bytes, self.registered_at,
+            self.adapter_id,
+            self.source,
+            self.max_rank,
+            self.lora_alpha,
+            self.use_rslora,
+            self.target_modules,
+            len(self.layers),
+            self.file_bytes,
+            self.registered_at,
         )
 
     def weight_key(self, layer: int, module: str, kind: str) -> str:
@@ -139,8 +146,19 @@ class AdapterMeta:
 
     def with_id(self, adapter_id: str, registered_at: float) -> AdapterMeta:
         return AdapterMeta(
-            adapter_id, self.source, self.rank, self.lora_alpha, self.use_rslora, self.modules, self.weights,
-            self.key_prefix, self.file_dtypes, self.file_bytes, self.file_mtime_ns, self.base_model, registered_at,
+            adapter_id,
+            self.source,
+            self.rank,
+            self.lora_alpha,
+            self.use_rslora,
+            self.modules,
+            self.weights,
+            self.key_prefix,
+            self.file_dtypes,
+            self.file_bytes,
+            self.file_mtime_ns,
+            self.base_model,
+            registered_at,
         )
 
     def to_json(self) -> str:
@@ -174,10 +192,21 @@ class AdapterMeta:
             for layer, mi, r, s in d["weights"]
         )
         return cls(
-            adapter_id, d["source"], int(d["r"]), float(d["alpha"]), bool(d["rslora"]), modules, weights,
-            d["prefix"], tuple(d["dtypes"]), int(d["bytes"]), int(d["mtime_ns"]), d.get("base_model"),
+            adapter_id,
+            d["source"],
+            int(d["r"]),
+            float(d["alpha"]),
+            bool(d["rslora"]),
+            modules,
+            weights,
+            d["prefix"],
+            tuple(d["dtypes"]),
+            int(d["bytes"]),
+            int(d["mtime_ns"]),
+            d.get("base_model"),
             registered_at,
         )
+
 
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:
@@ -248,12 +277,23 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _read_config(path: str, caller: Caller | None = None, roots: tuple[str, ...] = (),
-                 start: Opened | None = None, max_bytes: int = MAX_CONFIG_BYTES) -> dict:
+def _read_config(
+    path: str,
+    caller: Caller | None = None,
+    roots: tuple[str, ...] = (),
+    start: Opened | None = None,
+    max_bytes: int = MAX_CONFIG_BYTES,
+) -> dict:
     """The JSON object in a config file, read bounded and typed (see ``access.open_for``)."""
     try:
-        with open_for(os.path.basename(path) if start is not None else path, caller, roots,
-                      max_bytes=max_bytes, start=start, what=path) as f:
+        with open_for(
+            os.path.basename(path) if start is not None else path,
+            caller,
+            roots,
+            max_bytes=max_bytes,
+            start=start,
+            what=path,
+        ) as f:
             text = read_bounded(f, max_bytes, path)
     except BrokerError as e:
         if e.code == Code.INVALID_ARGUMENT and "no such file" in e.message:
@@ -296,10 +336,15 @@ def _check_config(cfg: dict, path: str) -> None:
         if not isinstance(pat, dict):
             raise invalid(f"{path}: {key} must be an object mapping module patterns to numbers")
         for k, v in pat.items():
-            bad = (not isinstance(v, int) or isinstance(v, bool) or v < 1) if key == "rank_pattern" else not _is_number(v)
+            bad = (
+                (not isinstance(v, int) or isinstance(v, bool) or v < 1) if key == "rank_pattern" else not _is_number(v)
+            )
             if bad:
-                raise invalid(f"{path}: {key}[{k!r}] is {v!r}; need a positive integer" if key == "rank_pattern"
-                              else f"{path}: {key}[{k!r}] is {v!r}; need a finite number")
+                raise invalid(
+                    f"{path}: {key}[{k!r}] is {v!r}; need a positive integer"
+                    if key == "rank_pattern"
+                    else f"{path}: {key}[{k!r}] is {v!r}; need a finite number"
+                )
     tm = cfg.get("target_modules")
     if tm is None:
         raise invalid(f"{path}: target_modules is missing; LoRA needs the modules it adapts")
@@ -407,7 +452,9 @@ def inspect_peft_dir(
         if "lora_magnitude_vector" in name:
             raise invalid(f"{wpath}: tensor {key} is a DoRA magnitude vector; DoRA adapters are not supported")
         if "lora_embedding_" in name:
-            raise invalid(f"{wpath}: tensor {key} is an embedding LoRA; only LoRA on linear layers inside decoder layers is supported")
+            raise invalid(
+                f"{wpath}: tensor {key} is an embedding LoRA; only LoRA on linear layers inside decoder layers is supported"
+            )
         if _LORA_BIAS.fullmatch(name):
             raise invalid(f"{wpath}: tensor {key} is a LoRA bias; biases are not supported (the kernels add none)")
         m = _LORA_WEIGHT.fullmatch(name)
@@ -438,7 +485,9 @@ def inspect_peft_dir(
 
     prefixes = {p for p, _, _ in found}
     if len(prefixes) > 1:
-        raise invalid(f"{wpath}: tensors sit under more than one layer stack ({', '.join(sorted(prefixes))}); only one is supported")
+        raise invalid(
+            f"{wpath}: tensors sit under more than one layer stack ({', '.join(sorted(prefixes))}); only one is supported"
+        )
     key_prefix = _PEFT_KEY_PREFIX + prefixes.pop()
     shapes: dict[str, ModuleShape] = {}
     specs: list[LoraModuleSpec] = []
@@ -467,7 +516,9 @@ def inspect_peft_dir(
         if seen is None:
             shapes[name] = ModuleShape(name, path, in_f, out_f)
         elif seen.path != path:
-            raise invalid(f"{wpath}: module name {name} appears at two paths ({seen.path}, {path}); names must be unique within a layer")
+            raise invalid(
+                f"{wpath}: module name {name} appears at two paths ({seen.path}, {path}); names must be unique within a layer"
+            )
         elif (seen.in_features, seen.out_features) != (in_f, out_f):
             raise invalid(
                 f"{wpath}: {name} is {seen.in_features}->{seen.out_features} in one layer but {in_f}->{out_f} in "

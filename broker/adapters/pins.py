@@ -79,7 +79,12 @@ class AdapterPins:
             raise denied(f"session {session} is not open")
 
     async def acquire(
-        self, session: int, adapter_ids: Sequence[str], max_adapters: int | None, with_layout: bool, lease_s: float | None
+        self,
+        session: int,
+        adapter_ids: Sequence[str],
+        max_adapters: int | None,
+        with_layout: bool,
+        lease_s: float | None,
     ) -> AcquireResult:
         """Load (if needed) and pin adapters for ``session``; with ``lease_s`` (not None) the
         pins are a store transaction under that lease (0: the store's default)."""
@@ -116,7 +121,9 @@ class AdapterPins:
                 for aid in admitted:
                     if self.hot.current(held_now[aid]) is None:
                         # Found corrupt (and dropped) between its load and this pin.
-                        raise unavailable(f"adapter {aid!r} was found corrupt as it loaded and is being reloaded; acquire again")
+                        raise unavailable(
+                            f"adapter {aid!r} was found corrupt as it loaded and is being reloaded; acquire again"
+                        )
             objs = [held_now[aid].obj for aid in admitted]
             oids = [o.object_id for o in objs]
             self.check_session(session)
@@ -140,11 +147,11 @@ class AdapterPins:
             self.hot.policy.access(aid)
             self.warm.policy.access(aid)
             out.append(
-                AcquiredAdapter(aid, e.generation, obj.object_id, tuple(obj.pages), e.layout if with_layout else None, found[aid])
+                AcquiredAdapter(
+                    aid, e.generation, obj.object_id, tuple(obj.pages), e.layout if with_layout else None, found[aid]
+                )
             )
-        return AcquireResult(
-            tuple(out), tuple(deferred), txn.txn_id if txn else 0, txn.deadline_unix if txn else 0.0
-        )
+        return AcquireResult(tuple(out), tuple(deferred), txn.txn_id if txn else 0, txn.deadline_unix if txn else 0.0)
 
     def _classify(self, e: AdapterEntry) -> Tier:
         """Count one lookup of an admitted adapter; returns where it was found."""
@@ -191,7 +198,9 @@ class AdapterPins:
             held = (obj.pins.get(session, 0) if obj is not None else 0) + sum(o.pins[session] for o in olds)
             if held < count:
                 if held == 0 and any(s != self.system_session for s in obj.pins):
-                    raise denied(f"adapter {aid!r} is acquired only by other sessions; session {session} holds no pin on it")
+                    raise denied(
+                        f"adapter {aid!r} is acquired only by other sessions; session {session} holds no pin on it"
+                    )
                 raise precondition(f"adapter {aid!r}: asked to release {count}, session {session} holds {held} pin(s)")
             left = count
             for o in olds:

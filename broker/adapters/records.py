@@ -20,7 +20,6 @@ class Tier(str, Enum):
     COLD = "cold"
 
 
-
 @dataclass(frozen=True, slots=True)
 class AcquiredAdapter:
     """One adapter pinned for the calling session."""

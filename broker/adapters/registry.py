@@ -148,8 +148,12 @@ class AdapterRegistry:
             if hit is not None:
                 return hit
         meta = inspect_peft_dir(
-            source, max_rank=self.max_rank, require_uniform=self.require_uniform, caller=caller,
-            roots=self.allowed_roots, max_config_bytes=self.max_config_bytes,
+            source,
+            max_rank=self.max_rank,
+            require_uniform=self.require_uniform,
+            caller=caller,
+            roots=self.allowed_roots,
+            max_config_bytes=self.max_config_bytes,
         )
         if ident is not None:
             with self._lock:
@@ -186,8 +190,18 @@ class AdapterRegistry:
         if len(set(ids)) != len(ids):
             raise invalid("the batch lists an adapter id twice")
         rows = [
-            (m.adapter_id, m.source, m.max_rank, m.lora_alpha, int(m.use_rslora), ",".join(m.target_modules),
-             len(m.layers), m.file_bytes, now, m.to_json())
+            (
+                m.adapter_id,
+                m.source,
+                m.max_rank,
+                m.lora_alpha,
+                int(m.use_rslora),
+                ",".join(m.target_modules),
+                len(m.layers),
+                m.file_bytes,
+                now,
+                m.to_json(),
+            )
             for m in out
         ]
         with self._lock:
@@ -199,9 +213,7 @@ class AdapterRegistry:
                 self._total += len(rows)
             except sqlite3.IntegrityError:
                 self._db.execute("ROLLBACK")
-                taken = [
-                    i for i in ids if self._db.execute("SELECT 1 FROM adapters WHERE id = ?", (i,)).fetchone()
-                ]
+                taken = [i for i in ids if self._db.execute("SELECT 1 FROM adapters WHERE id = ?", (i,)).fetchone()]
                 raise self._taken(taken[0] if taken else ids[0]) from None
             except BaseException:
                 if self._db.in_transaction:
@@ -326,17 +338,30 @@ class AdapterRegistry:
             return None
         try:
             with open_for(os.path.abspath(source), caller, roots, directory=True) as d:
-                with open_for(CONFIG_FILE, caller, roots, start=d) as c, open_for(WEIGHTS_FILE, caller, roots, start=d) as w:
+                with (
+                    open_for(CONFIG_FILE, caller, roots, start=d) as c,
+                    open_for(WEIGHTS_FILE, caller, roots, start=d) as w,
+                ):
                     cs, ws = c.st, w.st
-                    return (d.path, cs.st_dev, cs.st_ino, cs.st_size, cs.st_mtime_ns,
-                            ws.st_dev, ws.st_ino, ws.st_size, ws.st_mtime_ns)
+                    return (
+                        d.path,
+                        cs.st_dev,
+                        cs.st_ino,
+                        cs.st_size,
+                        cs.st_mtime_ns,
+                        ws.st_dev,
+                        ws.st_ino,
+                        ws.st_size,
+                        ws.st_mtime_ns,
+                    )
         except (BrokerError, OSError):
             return None
 
     @staticmethod
     def _taken(adapter_id: str) -> BrokerError:
         return BrokerError(
-            Code.ALREADY_EXISTS, f"adapter id {adapter_id!r} is already registered; unregister it first or pick another id"
+            Code.ALREADY_EXISTS,
+            f"adapter id {adapter_id!r} is already registered; unregister it first or pick another id",
         )
 
     def _check_open(self) -> None:

@@ -64,9 +64,15 @@ class WeightsFile:
             try:
                 (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
                 header = json.loads(os.pread(self._fd, n, 8))
-                entries = [(k, v["dtype"], tuple(v["shape"]), v["data_offsets"]) for k, v in header.items() if k != "__metadata__"]
+                entries = [
+                    (k, v["dtype"], tuple(v["shape"]), v["data_offsets"])
+                    for k, v in header.items()
+                    if k != "__metadata__"
+                ]
             except (struct.error, ValueError, KeyError, TypeError) as e:
-                raise precondition(f"adapter {meta.adapter_id!r}: {path} is no longer a safetensors file ({e})") from None
+                raise precondition(
+                    f"adapter {meta.adapter_id!r}: {path} is no longer a safetensors file ({e})"
+                ) from None
             base = 8 + n
             # key -> (safetensors dtype, shape, byte offset in the file)
             self.tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
@@ -99,7 +105,9 @@ class WeightsFile:
         while done < len(buf):
             got = os.preadv(self._fd, [buf[done:]], offset + done)
             if got <= 0:
-                raise precondition(f"adapter {self.meta.adapter_id!r}: {self.meta.weights_path} was truncated while loading")
+                raise precondition(
+                    f"adapter {self.meta.adapter_id!r}: {self.meta.weights_path} was truncated while loading"
+                )
             done += got
 
     def array(self, dtype: str, shape: tuple[int, ...], offset: int, scratch: np.ndarray) -> np.ndarray:

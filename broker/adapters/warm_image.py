@@ -198,7 +198,9 @@ def build_warm_image(
             if errors:
                 raise errors[0]
         ident = wf.identity
-    return WarmImage(layout, packed=img, source_bytes=meta.file_bytes, source_identity=ident, checksum=packed_checksum(img))
+    return WarmImage(
+        layout, packed=img, source_bytes=meta.file_bytes, source_identity=ident, checksum=packed_checksum(img)
+    )
 
 
 def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes: int) -> WarmImage:
@@ -213,7 +215,9 @@ def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes
         absmax = np.abs(rows).max(axis=1)
         s = np.where(absmax > 0, absmax / INT8_MAX, 1.0).astype(np.float32)
         n = mp.rows * mp.row_elems
-        q[qpos : qpos + n].reshape(mp.rows, mp.row_elems)[...] = np.clip(np.rint(rows / s[:, None]), -INT8_MAX, INT8_MAX)
+        q[qpos : qpos + n].reshape(mp.rows, mp.row_elems)[...] = np.clip(
+            np.rint(rows / s[:, None]), -INT8_MAX, INT8_MAX
+        )
         scales[spos : spos + mp.rows] = s
         qpos += n
         spos += mp.rows

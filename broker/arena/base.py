@@ -112,4 +112,5 @@ class Arena(abc.ABC):
         if self._closed:
             raise RuntimeError("this arena is closed")
 
+
 __all__ = ["Arena", "ArenaGeometry", "ArenaView"]

@@ -74,8 +74,13 @@ class CudaArena(Arena):
         fd = -1
         try:
             handle = check(f"cuMemCreate({g.slab_size} bytes)", drv.cuMemCreate(g.slab_size, prepared, 0), drv)
-            fd = int(check(f"cuMemExportToShareableHandle(slab {idx}, POSIX_FILE_DESCRIPTOR)",
-                           drv.cuMemExportToShareableHandle(handle, view.fd_handle_type, 0), drv))
+            fd = int(
+                check(
+                    f"cuMemExportToShareableHandle(slab {idx}, POSIX_FILE_DESCRIPTOR)",
+                    drv.cuMemExportToShareableHandle(handle, view.fd_handle_type, 0),
+                    drv,
+                )
+            )
             fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
             view.attach_handle(idx, handle)  # the view owns the handle from here
             handle = None

@@ -34,8 +34,12 @@ class ShuttingDown:
 
 
 def stats_message(
-    st: StoreStats, backend: str, page_size: int, num_slabs: int,
-    adapters: pb.AdapterStats | None, by_owner: list[pb.OwnerStats],
+    st: StoreStats,
+    backend: str,
+    page_size: int,
+    num_slabs: int,
+    adapters: pb.AdapterStats | None,
+    by_owner: list[pb.OwnerStats],
 ) -> pb.Stats:
     """GetStats' answer from one reading of the store (and the adapter figures, if enabled)."""
     return pb.Stats(
@@ -76,15 +80,31 @@ def stats_message(
 def adapter_stats_message(a: AdapterStats) -> pb.AdapterStats:
     res, hits, loads, loaded, im = a.resident, a.hits, a.loads, a.bytes_loaded, a.images
     return pb.AdapterStats(
-        registered=a.registered, hot=res.hot, warm=res.warm, cold=res.cold,
-        hot_pages=a.hot_pages, warm_bytes=a.warm_bytes,
-        found_hot=hits.hot, found_warm=hits.warm, found_cold=hits.cold,
-        loads_hot=loads.hot, loads_warm=loads.warm,
-        bytes_loaded_hot=loaded.hot, bytes_loaded_warm=loaded.warm,
-        hit_rate=a.hit_rate, deferred=a.deferred, shared_loads=a.shared_loads,
-        load_failures=a.load_failures, evictions=a.evictions, demotions=a.demotions,
-        image_count=im.count, image_bytes=im.bytes, image_budget_bytes=im.budget_bytes,
-        image_hits=im.hits, image_misses=im.misses, converted_ahead=im.converted_ahead,
+        registered=a.registered,
+        hot=res.hot,
+        warm=res.warm,
+        cold=res.cold,
+        hot_pages=a.hot_pages,
+        warm_bytes=a.warm_bytes,
+        found_hot=hits.hot,
+        found_warm=hits.warm,
+        found_cold=hits.cold,
+        loads_hot=loads.hot,
+        loads_warm=loads.warm,
+        bytes_loaded_hot=loaded.hot,
+        bytes_loaded_warm=loaded.warm,
+        hit_rate=a.hit_rate,
+        deferred=a.deferred,
+        shared_loads=a.shared_loads,
+        load_failures=a.load_failures,
+        evictions=a.evictions,
+        demotions=a.demotions,
+        image_count=im.count,
+        image_bytes=im.bytes,
+        image_budget_bytes=im.budget_bytes,
+        image_hits=im.hits,
+        image_misses=im.misses,
+        converted_ahead=im.converted_ahead,
         convert_queued=im.convert_queued,
     )
 

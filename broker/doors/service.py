@@ -273,7 +273,11 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     def Prepare(self, request, context, session):
         sid = session.session_id
         t = self._timed_alloc(
-            self.store.prepare, sid, self._specs(request.objects), list(request.pin_object_ids), request.lease_ms / 1000.0
+            self.store.prepare,
+            sid,
+            self._specs(request.objects),
+            list(request.pin_object_ids),
+            request.lease_ms / 1000.0,
         )
         return pb.PrepareResponse(
             transaction_id=t.txn_id,
@@ -288,9 +292,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         txns = self.store.commit(sid, list(request.transaction_ids))
         return pb.CommitResponse(
             transactions=[
-                pb.CommittedTransaction(
-                    transaction_id=t.txn_id, objects=[self._info(o, sid, d) for o, d in t.result]
-                )
+                pb.CommittedTransaction(transaction_id=t.txn_id, objects=[self._info(o, sid, d) for o, d in t.result])
                 for t in txns
             ]
         )
@@ -329,7 +331,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         adapters = adapter_stats_message(self.adapters.stats()) if self.adapters is not None else None
         by_owner = [self._owner_stats(sid, ct, n, p) for (sid, ct), (n, p) in self.store.objects_by_owner().items()]
         return stats_message(
-            self.store.stats(), self.arena.backend, self.arena.geometry.page_size, self.arena.num_slabs, adapters, by_owner
+            self.store.stats(),
+            self.arena.backend,
+            self.arena.geometry.page_size,
+            self.arena.num_slabs,
+            adapters,
+            by_owner,
         )
 
     def _owner_stats(self, sid: int, ct: int, n: int, p: int) -> pb.OwnerStats:
@@ -347,7 +354,9 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         return self.adapters
 
     def _adapter_msg(self, info: AdapterInfo) -> pb.Adapter:
-        return adapter_message(info, self.adapters.resident(info.adapter_id), self.adapters.image_state(info.adapter_id))
+        return adapter_message(
+            info, self.adapters.resident(info.adapter_id), self.adapters.image_state(info.adapter_id)
+        )
 
     def _layout_msg(self, adapter_id: str, layout, generation: int, object_id: int, pages) -> pb.AdapterLayout:
         return layout_to_proto(adapter_id, layout, generation, object_id, pages, self.arena.num_slabs)
@@ -438,7 +447,11 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         return pb.VerifyAdaptersResponse(
             checks=[
                 pb.AdapterCheck(
-                    adapter_id=c.adapter_id, tier=TIERS[c.tier], checked=c.checked, ok=c.ok, checksum=c.checksum,
+                    adapter_id=c.adapter_id,
+                    tier=TIERS[c.tier],
+                    checked=c.checked,
+                    ok=c.ok,
+                    checksum=c.checksum,
                     detail=c.detail,
                 )
                 for c in checks

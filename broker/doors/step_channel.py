@@ -32,8 +32,13 @@ _TIERS = {"hot": w.TIER_HOT, "warm": w.TIER_WARM, "cold": w.TIER_COLD}
 # Each op is recorded in the RPC latency metric under the gRPC method it stands for, so
 # dashboards and alerts count fast-path work as they count RPCs; refused frames as "Step".
 METHODS = {
-    w.OP_RELEASE: "ReleaseAdapters", w.OP_UNPIN: "Unpin", w.OP_PIN: "Pin", w.OP_COMMIT: "Commit",
-    w.OP_ABORT: "Abort", w.OP_ACQUIRE: "AcquireAdapters", w.OP_LOOKUP: "Lookup",
+    w.OP_RELEASE: "ReleaseAdapters",
+    w.OP_UNPIN: "Unpin",
+    w.OP_PIN: "Pin",
+    w.OP_COMMIT: "Commit",
+    w.OP_ABORT: "Abort",
+    w.OP_ACQUIRE: "AcquireAdapters",
+    w.OP_LOOKUP: "Lookup",
 }
 
 
@@ -133,8 +138,13 @@ class StepChannelServer:
             self._drop(c)
         k = self.counters
         self._log(
-            "step_channel_closed", connections=k.connections, frames=k.frames, ops=k.ops, refused=k.refused,
-            not_hot=k.not_hot, op_ms={w.OP_NAMES[o]: round(t * 1e3, 3) for o, t in k.op_seconds.items()},
+            "step_channel_closed",
+            connections=k.connections,
+            frames=k.frames,
+            ops=k.ops,
+            refused=k.refused,
+            not_hot=k.not_hot,
+            op_ms={w.OP_NAMES[o]: round(t * 1e3, 3) for o, t in k.op_seconds.items()},
         )
 
     @property
@@ -372,8 +382,18 @@ class StepChannelServer:
         return w.encode_object_rows(
             kind,
             [
-                (o.object_id, o.window_page, int(o.state), int(o.content_type), o.owner == sid, False,
-                 o.pins.get(sid, 0), o.pin_count, o.pages, o.key or b"")
+                (
+                    o.object_id,
+                    o.window_page,
+                    int(o.state),
+                    int(o.content_type),
+                    o.owner == sid,
+                    False,
+                    o.pins.get(sid, 0),
+                    o.pin_count,
+                    o.pages,
+                    o.key or b"",
+                )
                 for o in objs
             ],
         )
@@ -416,6 +436,8 @@ class StepChannelServer:
                 True,
                 r.txn_id,
                 r.deadline_unix,
-                tuple(w.AcquiredRecord(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters),
+                tuple(
+                    w.AcquiredRecord(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters
+                ),
             )
         )

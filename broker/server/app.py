@@ -82,6 +82,8 @@ def make_private_dir(path: str) -> None:
     st = os.stat(path)
     if st.st_uid == os.getuid() and st.st_mode & 0o077:
         os.chmod(path, 0o700)
+
+
 # How often open transactions are checked for expired leases.
 EXPIRY_TICK_S = 0.1
 
@@ -148,9 +150,7 @@ class BrokerServer:
             max_slabs=max_slabs,
             window_pages=pages_per_slab * max_slabs * opts.window_factor,
         )
-        self.arena, why = make_arena(
-            opts.arena, self.geometry, name=f"memory-broker-{os.getpid()}", device=opts.device
-        )
+        self.arena, why = make_arena(opts.arena, self.geometry, name=f"memory-broker-{os.getpid()}", device=opts.device)
         if opts.preallocate:
             self.arena.grow(-(-opts.preallocate // opts.slab_size))
         pool = PagePool(self.geometry.max_pages, pages_per_slab, self.arena.capacity_pages, grow=self._grow)

@@ -55,7 +55,9 @@ def _unknown_key(key: str, where: str) -> ConfigError:
     """Refuse ``key``, suggesting the closest known key or section at the same depth."""
     parent = key.rsplit(".", 1)[0] if "." in key else ""
     siblings = sorted(
-        k for k in (*SCHEMA, *SECTIONS) if k.count(".") == key.count(".") and (k.rsplit(".", 1)[0] if "." in k else "") == parent
+        k
+        for k in (*SCHEMA, *SECTIONS)
+        if k.count(".") == key.count(".") and (k.rsplit(".", 1)[0] if "." in k else "") == parent
     )
     leaves = [k.rsplit(".", 1)[-1] for k in siblings]
     # A misspelled old spelling is pointed at the current key, not at the old one.

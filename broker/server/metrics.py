@@ -26,8 +26,26 @@ PREFIX = "memory_broker"
 
 # 1 us .. 2.5 s, roughly x2.5 per step.
 LATENCY_BUCKETS_S = (
-    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
-    1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
+    1e-6,
+    2.5e-6,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
 )
 
 POOL_STATES = ("free", "used", "prepared", "pinned", "evictable")
@@ -43,10 +61,14 @@ class BrokerMetrics:
         self.registry = CollectorRegistry()
         reader = PrometheusMetricReader(disable_target_info=True, registry=self.registry)
         views = [
-            View(instrument_name=f"{PREFIX}_allocation_latency_seconds",
-                 aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S)),
-            View(instrument_name=f"{PREFIX}_rpc_latency_seconds",
-                 aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S)),
+            View(
+                instrument_name=f"{PREFIX}_allocation_latency_seconds",
+                aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
+            ),
+            View(
+                instrument_name=f"{PREFIX}_rpc_latency_seconds",
+                aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
+            ),
         ]
         self.provider = MeterProvider(metric_readers=[reader], views=views, shutdown_on_exit=False)
         meter = self.provider.get_meter("memory-broker")
@@ -62,18 +84,33 @@ class BrokerMetrics:
         def counter(name: str, desc: str, fn: Callable[[StoreStats], list[Observation]]):
             meter.create_observable_counter(f"{PREFIX}_{name}", callbacks=[self._cb(fn)], description=desc)
 
-        s = lambda field: (lambda st: [Observation(getattr(st, field))])  # noqa: E731
+        s = lambda field: lambda st: [Observation(getattr(st, field))]  # noqa: E731
         gauge("pool_utilization", "used pages / most pages the arena may hold", s("utilization"))
-        gauge("pool_pages", "pages by state", lambda st: [
-            Observation(getattr(st, f"{k}_pages"), {"state": k}) for k in POOL_STATES])
+        gauge(
+            "pool_pages",
+            "pages by state",
+            lambda st: [Observation(getattr(st, f"{k}_pages"), {"state": k}) for k in POOL_STATES],
+        )
         gauge("pool_max_pages", "most pages the arena may hold", s("max_pages"))
         gauge("pool_capacity_pages", "pages backed by slabs now", s("capacity_pages"))
-        gauge("eviction_active", "1 between crossing the high watermark and reaching the low one",
-              lambda st: [Observation(int(st.eviction_active))])
-        gauge("window_fragmentation_ratio", "1 - largest free window extent / free window pages",
-              s("window_fragmentation"))
-        gauge("objects", "allocations by content type", lambda st: [
-            Observation(u.objects, {"content_type": ContentType(ct).name.lower()}) for ct, u in st.by_content.items()])
+        gauge(
+            "eviction_active",
+            "1 between crossing the high watermark and reaching the low one",
+            lambda st: [Observation(int(st.eviction_active))],
+        )
+        gauge(
+            "window_fragmentation_ratio",
+            "1 - largest free window extent / free window pages",
+            s("window_fragmentation"),
+        )
+        gauge(
+            "objects",
+            "allocations by content type",
+            lambda st: [
+                Observation(u.objects, {"content_type": ContentType(ct).name.lower()})
+                for ct, u in st.by_content.items()
+            ],
+        )
         gauge("sessions_active", "open sessions", s("sessions"))
         gauge("transactions_open", "prepared transactions not yet committed or aborted", s("open_transactions"))
         counter("evicted_pages_total", "pages evicted", s("evicted_pages"))
@@ -82,8 +119,8 @@ class BrokerMetrics:
         counter("allocations_total", "objects allocated", s("allocations_total"))
         counter("allocation_failures_total", "allocation batches refused for lack of room", s("allocation_failures"))
         counter("deduplicated_total", "commits that found their key present", s("deduplicated_total"))
-        counter("pin_contention_total", "pins taken on objects another session already pinned",
-                s("pin_contention"))
+        counter("pin_contention_total", "pins taken on objects another session already pinned", s("pin_contention"))
+
         # Adapter figures (present once the adapter manager reports them).
         def per_tier(key: str):
             def observe(_o):
@@ -102,40 +139,74 @@ class BrokerMetrics:
 
             return observe
 
-        meter.create_observable_counter(f"{PREFIX}_adapter_hits_total", callbacks=[per_tier("hits")],
-                                        description="adapter acquires served from a tier")
-        meter.create_observable_counter(f"{PREFIX}_adapter_loads_total", callbacks=[per_tier("loads")],
-                                        description="adapter loads into a tier")
-        meter.create_observable_gauge(f"{PREFIX}_adapters_resident", callbacks=[per_tier("resident")],
-                                      description="adapters resident per tier")
-        meter.create_observable_gauge(f"{PREFIX}_adapter_image_bytes", unit="By", callbacks=[part("images", "bytes")],
-                                      description="disk taken by converted adapter images")
-        meter.create_observable_gauge(f"{PREFIX}_adapter_image_budget_bytes", unit="By",
-                                      callbacks=[part("images", "budget_bytes")],
-                                      description="disk the converted adapter images may take (0: no limit)")
+        meter.create_observable_counter(
+            f"{PREFIX}_adapter_hits_total",
+            callbacks=[per_tier("hits")],
+            description="adapter acquires served from a tier",
+        )
+        meter.create_observable_counter(
+            f"{PREFIX}_adapter_loads_total", callbacks=[per_tier("loads")], description="adapter loads into a tier"
+        )
+        meter.create_observable_gauge(
+            f"{PREFIX}_adapters_resident", callbacks=[per_tier("resident")], description="adapters resident per tier"
+        )
+        meter.create_observable_gauge(
+            f"{PREFIX}_adapter_image_bytes",
+            unit="By",
+            callbacks=[part("images", "bytes")],
+            description="disk taken by converted adapter images",
+        )
+        meter.create_observable_gauge(
+            f"{PREFIX}_adapter_image_budget_bytes",
+            unit="By",
+            callbacks=[part("images", "budget_bytes")],
+            description="disk the converted adapter images may take (0: no limit)",
+        )
         meter.create_observable_counter(
             f"{PREFIX}_adapter_image_reads_total",
-            callbacks=[lambda _o: [Observation(getattr(self.adapter_snapshot.images, k), {"result": r})
-                                   for k, r in (("hits", "hit"), ("misses", "miss"), ("rejected", "rejected"))]
-                       if self.adapter_snapshot is not None else []],
-            description="cold adapter loads by how the image cache served them")
-        meter.create_observable_counter(f"{PREFIX}_adapter_conversions_total",
-                                        callbacks=[part("images", "converted_ahead")],
-                                        description="adapters converted into images ahead of use")
-        meter.create_observable_gauge(f"{PREFIX}_adapter_convert_queue", callbacks=[part("images", "convert_queued")],
-                                      description="adapters waiting for conversion ahead of use")
-        meter.create_observable_counter(f"{PREFIX}_adapter_verifications_total",
-                                        callbacks=[part("checksums", "verifications")],
-                                        description="adapter copies checked against their checksums")
-        meter.create_observable_counter(f"{PREFIX}_adapter_corruptions_total", callbacks=[part("checksums", "corruptions")],
-                                        description="adapter copies found not to match their checksums (dropped, reloaded)")
+            callbacks=[
+                lambda _o: (
+                    [
+                        Observation(getattr(self.adapter_snapshot.images, k), {"result": r})
+                        for k, r in (("hits", "hit"), ("misses", "miss"), ("rejected", "rejected"))
+                    ]
+                    if self.adapter_snapshot is not None
+                    else []
+                )
+            ],
+            description="cold adapter loads by how the image cache served them",
+        )
+        meter.create_observable_counter(
+            f"{PREFIX}_adapter_conversions_total",
+            callbacks=[part("images", "converted_ahead")],
+            description="adapters converted into images ahead of use",
+        )
+        meter.create_observable_gauge(
+            f"{PREFIX}_adapter_convert_queue",
+            callbacks=[part("images", "convert_queued")],
+            description="adapters waiting for conversion ahead of use",
+        )
+        meter.create_observable_counter(
+            f"{PREFIX}_adapter_verifications_total",
+            callbacks=[part("checksums", "verifications")],
+            description="adapter copies checked against their checksums",
+        )
+        meter.create_observable_counter(
+            f"{PREFIX}_adapter_corruptions_total",
+            callbacks=[part("checksums", "corruptions")],
+            description="adapter copies found not to match their checksums (dropped, reloaded)",
+        )
         meter.create_observable_gauge(
             f"{PREFIX}_adapter_hit_ratio",
-            callbacks=[lambda _o: [Observation(self.adapter_snapshot.hit_rate)]
-                       if self.adapter_snapshot is not None else []],
-            description="share of adapter acquires that found the adapter hot")
+            callbacks=[
+                lambda _o: [Observation(self.adapter_snapshot.hit_rate)] if self.adapter_snapshot is not None else []
+            ],
+            description="share of adapter acquires that found the adapter hot",
+        )
         self.allocation_latency = meter.create_histogram(
-            f"{PREFIX}_allocation_latency_seconds", unit="s", description="time to serve an Allocate or Prepare in the core"
+            f"{PREFIX}_allocation_latency_seconds",
+            unit="s",
+            description="time to serve an Allocate or Prepare in the core",
         )
         self.rpc_latency = meter.create_histogram(
             f"{PREFIX}_rpc_latency_seconds", unit="s", description="time to handle an RPC, by method and status"

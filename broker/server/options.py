@@ -63,8 +63,17 @@ def setting(
     """
     if kind not in KINDS:
         raise ValueError(f"unknown setting kind {kind!r}; one of {', '.join(sorted(KINDS))}")
-    extra = {"kind": kind, "yaml": yaml, "flag": flag, "metavar": metavar, "reload": reload,
-             "aliases": list(aliases), "shown": shown, "note": note, "unit": unit}
+    extra = {
+        "kind": kind,
+        "yaml": yaml,
+        "flag": flag,
+        "metavar": metavar,
+        "reload": reload,
+        "aliases": list(aliases),
+        "shown": shown,
+        "note": note,
+        "unit": unit,
+    }
     if factory is not None:
         return Field(default_factory=factory, description=help, json_schema_extra=extra, **bounds)
     return Field(default, description=help, json_schema_extra=extra, **bounds)
@@ -77,110 +86,325 @@ class ServeOptions(BaseModel):
 
     model_config = ConfigDict(strict=True, validate_assignment=True, extra="forbid")
 
-    socket: str = setting(DEFAULT_SOCKET, kind="str", yaml="listeners.socket", metavar="PATH",
-                          help="gRPC Unix socket; the fd channel is PATH.fds, PATH.lock guards it")
-    tcp_port: int = setting(0, kind="int", yaml="listeners.tcp_port", metavar="N", shown="none", ge=0, le=65535,
-                            help="also serve gRPC on 127.0.0.1:N (GetArena, GetStats and health only)")
-    arena: Literal["auto", "host", "cuda"] = setting("auto", kind="choice", yaml="arena.backend",
-                                                     help="arena backend (auto: CUDA where usable, else host)")
-    device: str = setting("0", kind="text", yaml="arena.device",
-                          help="CUDA device index or UUID (GPU-...; stable across CUDA_VISIBLE_DEVICES)")
-    pool_size: int = setting(1 << 30, kind="size", yaml="memory_pool.pool_size", metavar="SIZE",
-                             help="most memory the arena may hold")
-    preallocate: int = setting(0, kind="size", yaml="memory_pool.preallocate", metavar="SIZE",
-                               shown="0: grow on demand", help="memory to create at start")
-    page_size: int = setting(2 << 20, kind="size", yaml="memory_pool.page_size", metavar="SIZE",
-                             help="page size, a power of two 512KiB..4MiB")
-    slab_size: int = setting(64 << 20, kind="size", yaml="memory_pool.slab_size", metavar="SIZE",
-                             help="slab (growth unit) size, a multiple of the page size")
-    window_factor: int = setting(4, kind="int", yaml="memory_pool.window_factor", metavar="N", ge=1, le=64,
-                                 help="virtual window / pool size")
+    socket: str = setting(
+        DEFAULT_SOCKET,
+        kind="str",
+        yaml="listeners.socket",
+        metavar="PATH",
+        help="gRPC Unix socket; the fd channel is PATH.fds, PATH.lock guards it",
+    )
+    tcp_port: int = setting(
+        0,
+        kind="int",
+        yaml="listeners.tcp_port",
+        metavar="N",
+        shown="none",
+        ge=0,
+        le=65535,
+        help="also serve gRPC on 127.0.0.1:N (GetArena, GetStats and health only)",
+    )
+    arena: Literal["auto", "host", "cuda"] = setting(
+        "auto", kind="choice", yaml="arena.backend", help="arena backend (auto: CUDA where usable, else host)"
+    )
+    device: str = setting(
+        "0",
+        kind="text",
+        yaml="arena.device",
+        help="CUDA device index or UUID (GPU-...; stable across CUDA_VISIBLE_DEVICES)",
+    )
+    pool_size: int = setting(
+        1 << 30, kind="size", yaml="memory_pool.pool_size", metavar="SIZE", help="most memory the arena may hold"
+    )
+    preallocate: int = setting(
+        0,
+        kind="size",
+        yaml="memory_pool.preallocate",
+        metavar="SIZE",
+        shown="0: grow on demand",
+        help="memory to create at start",
+    )
+    page_size: int = setting(
+        2 << 20,
+        kind="size",
+        yaml="memory_pool.page_size",
+        metavar="SIZE",
+        help="page size, a power of two 512KiB..4MiB",
+    )
+    slab_size: int = setting(
+        64 << 20,
+        kind="size",
+        yaml="memory_pool.slab_size",
+        metavar="SIZE",
+        help="slab (growth unit) size, a multiple of the page size",
+    )
+    window_factor: int = setting(
+        4, kind="int", yaml="memory_pool.window_factor", metavar="N", ge=1, le=64, help="virtual window / pool size"
+    )
     placement: Literal["best_fit", "first_fit"] = setting(
-        "best_fit", kind="choice", yaml="memory_pool.allocation_strategy",
-        help="placement of contiguous ranges in the window")
+        "best_fit",
+        kind="choice",
+        yaml="memory_pool.allocation_strategy",
+        help="placement of contiguous ranges in the window",
+    )
     eviction_policy: Literal["lru_size_aware", "lru"] = setting(
-        "lru_size_aware", kind="choice", yaml="memory_pool.eviction.policy",
-        help="victim order when above the high watermark")
-    high_watermark: float = setting(0.90, kind="float", yaml="memory_pool.eviction.high_watermark", metavar="F",
-                                    reload=True, gt=0.0, le=1.0, help="pool utilization that starts eviction")
-    low_watermark: float = setting(0.80, kind="float", yaml="memory_pool.eviction.low_watermark", metavar="F",
-                                   reload=True, gt=0.0, le=1.0,
-                                   help="utilization eviction brings the pool down to")
-    default_lease_s: float = setting(30.0, kind="duration", yaml="memory_pool.transactions.default_lease",
-                                     flag="--lease", metavar="S", reload=True, gt=0.0, le=600.0,
-                                     help="default transaction lease (30s, 2m, or seconds)")
-    state_dir: str = setting(kind="str", yaml="state_dir", metavar="DIR",
-                             factory=lambda: os.environ.get("MEMORY_BROKER_STATE_DIR", "/tmp/memory-broker-state"),
-                             help="persistent state: the adapter registry and images; created if missing")
-    allowed_uids: tuple[int, ...] = setting((), kind="uids", yaml="security.allowed_uids", flag="--allow-uid",
-                                            metavar="UID", reload=True, shown="own uid",
-                                            help="uid allowed on the fd channel (repeat)")
+        "lru_size_aware",
+        kind="choice",
+        yaml="memory_pool.eviction.policy",
+        help="victim order when above the high watermark",
+    )
+    high_watermark: float = setting(
+        0.90,
+        kind="float",
+        yaml="memory_pool.eviction.high_watermark",
+        metavar="F",
+        reload=True,
+        gt=0.0,
+        le=1.0,
+        help="pool utilization that starts eviction",
+    )
+    low_watermark: float = setting(
+        0.80,
+        kind="float",
+        yaml="memory_pool.eviction.low_watermark",
+        metavar="F",
+        reload=True,
+        gt=0.0,
+        le=1.0,
+        help="utilization eviction brings the pool down to",
+    )
+    default_lease_s: float = setting(
+        30.0,
+        kind="duration",
+        yaml="memory_pool.transactions.default_lease",
+        flag="--lease",
+        metavar="S",
+        reload=True,
+        gt=0.0,
+        le=600.0,
+        help="default transaction lease (30s, 2m, or seconds)",
+    )
+    state_dir: str = setting(
+        kind="str",
+        yaml="state_dir",
+        metavar="DIR",
+        factory=lambda: os.environ.get("MEMORY_BROKER_STATE_DIR", "/tmp/memory-broker-state"),
+        help="persistent state: the adapter registry and images; created if missing",
+    )
+    allowed_uids: tuple[int, ...] = setting(
+        (),
+        kind="uids",
+        yaml="security.allowed_uids",
+        flag="--allow-uid",
+        metavar="UID",
+        reload=True,
+        shown="own uid",
+        help="uid allowed on the fd channel (repeat)",
+    )
     enable_echo: bool = setting(False, kind="bool", yaml=None, help="serve the bare Echo service (benchmarks)")
-    grace_s: float = setting(10.0, kind="duration", yaml="shutdown.grace", flag="--grace", metavar="S",
-                             reload=True, ge=0.0, help="time SIGTERM waits for in-flight calls")
+    grace_s: float = setting(
+        10.0,
+        kind="duration",
+        yaml="shutdown.grace",
+        flag="--grace",
+        metavar="S",
+        reload=True,
+        ge=0.0,
+        help="time SIGTERM waits for in-flight calls",
+    )
     log_level: Literal[LOG_LEVELS] = setting(  # type: ignore[valid-type]
-        "info", kind="choice", yaml="logging.level", reload=True, help="least severe event logged")
+        "info", kind="choice", yaml="logging.level", reload=True, help="least severe event logged"
+    )
     log_format: Literal[LOG_FORMATS] = setting(  # type: ignore[valid-type]
-        "auto", kind="choice", yaml="logging.format",
-        help="auto: human-readable on a terminal, JSON lines otherwise; console; json (--json)")
-    max_pins_per_session: int = setting(0, kind="int", yaml="memory_pool.pinning.max_pins_per_session",
-                                        metavar="N", reload=True, ge=0, note="0 = no limit", shown="0: no limit",
-                                        help="most pins one session may hold")
-    socket_mode: int | None = setting(None, kind="mode", yaml="listeners.socket_mode", metavar="MODE",
-                                      shown="umask", help="permissions of both sockets, e.g. 0660")
-    socket_group: str | None = setting(None, kind="str", yaml="listeners.socket_group", metavar="GROUP",
-                                       shown="the broker's", help="group of both sockets (the engines' group)")
+        "auto",
+        kind="choice",
+        yaml="logging.format",
+        help="auto: human-readable on a terminal, JSON lines otherwise; console; json (--json)",
+    )
+    max_pins_per_session: int = setting(
+        0,
+        kind="int",
+        yaml="memory_pool.pinning.max_pins_per_session",
+        metavar="N",
+        reload=True,
+        ge=0,
+        note="0 = no limit",
+        shown="0: no limit",
+        help="most pins one session may hold",
+    )
+    socket_mode: int | None = setting(
+        None,
+        kind="mode",
+        yaml="listeners.socket_mode",
+        metavar="MODE",
+        shown="umask",
+        help="permissions of both sockets, e.g. 0660",
+    )
+    socket_group: str | None = setting(
+        None,
+        kind="str",
+        yaml="listeners.socket_group",
+        metavar="GROUP",
+        shown="the broker's",
+        help="group of both sockets (the engines' group)",
+    )
     # LoRA adapters (the adapters section; AdapterConfig's fields are the YAML leaf names).
     adapter_dtype: Literal["bfloat16", "float16", "float32"] = setting(
-        "bfloat16", kind="choice", yaml="adapters.dtype", help="storage of hot adapter rows (what the kernels read)")
-    adapter_max_rank: int = setting(256, kind="int", yaml="adapters.max_rank", metavar="R", ge=1, le=4096,
-                                    help="largest LoRA rank accepted at registration")
-    hot_tier_pages: int = setting(0, kind="int", yaml="adapters.hot_tier_pages", metavar="N", ge=0,
-                                  shown="0: pool-bound", help="most arena pages adapters may take")
-    hot_tier_adapters: int = setting(0, kind="int", yaml="adapters.hot_tier_adapters", metavar="N", ge=0,
-                                     aliases=("adapters.hot_tier_budget",), shown="0: pool-bound",
-                                     help="most adapters in arena pages")
-    warm_tier_bytes: int = setting(4 << 30, kind="size", yaml="adapters.warm_tier_bytes", metavar="SIZE", ge=0,
-                                   help="host memory for warm adapters (0: no warm tier)")
-    warm_int8: bool = setting(False, kind="bool", yaml="adapters.warm_int8",
-                              help="keep warm adapters as int8 rows with per-row scales")
-    adapter_image_cache: bool = setting(True, kind="bool", yaml="adapters.image_cache",
-                                        flag="--no-adapter-image-cache",
-                                        help="do not keep converted adapter images on disk")
-    adapter_image_budget: int = setting(64 << 30, kind="size", yaml="adapters.image_budget", metavar="SIZE", ge=0,
-                                        help="disk the converted images may take (0: no limit)")
-    adapter_convert_ahead: bool = setting(True, kind="bool", yaml="adapters.convert_ahead",
-                                          flag="--no-adapter-convert-ahead",
-                                          help="convert adapters into images only when first loaded, "
-                                               "not after registration")
+        "bfloat16", kind="choice", yaml="adapters.dtype", help="storage of hot adapter rows (what the kernels read)"
+    )
+    adapter_max_rank: int = setting(
+        256,
+        kind="int",
+        yaml="adapters.max_rank",
+        metavar="R",
+        ge=1,
+        le=4096,
+        help="largest LoRA rank accepted at registration",
+    )
+    hot_tier_pages: int = setting(
+        0,
+        kind="int",
+        yaml="adapters.hot_tier_pages",
+        metavar="N",
+        ge=0,
+        shown="0: pool-bound",
+        help="most arena pages adapters may take",
+    )
+    hot_tier_adapters: int = setting(
+        0,
+        kind="int",
+        yaml="adapters.hot_tier_adapters",
+        metavar="N",
+        ge=0,
+        aliases=("adapters.hot_tier_budget",),
+        shown="0: pool-bound",
+        help="most adapters in arena pages",
+    )
+    warm_tier_bytes: int = setting(
+        4 << 30,
+        kind="size",
+        yaml="adapters.warm_tier_bytes",
+        metavar="SIZE",
+        ge=0,
+        help="host memory for warm adapters (0: no warm tier)",
+    )
+    warm_int8: bool = setting(
+        False, kind="bool", yaml="adapters.warm_int8", help="keep warm adapters as int8 rows with per-row scales"
+    )
+    adapter_image_cache: bool = setting(
+        True,
+        kind="bool",
+        yaml="adapters.image_cache",
+        flag="--no-adapter-image-cache",
+        help="do not keep converted adapter images on disk",
+    )
+    adapter_image_budget: int = setting(
+        64 << 30,
+        kind="size",
+        yaml="adapters.image_budget",
+        metavar="SIZE",
+        ge=0,
+        help="disk the converted images may take (0: no limit)",
+    )
+    adapter_convert_ahead: bool = setting(
+        True,
+        kind="bool",
+        yaml="adapters.convert_ahead",
+        flag="--no-adapter-convert-ahead",
+        help="convert adapters into images only when first loaded, not after registration",
+    )
     adapter_hot_policy: Literal[tuple(POLICIES)] = setting(  # type: ignore[valid-type]
-        DEFAULT_POLICY, kind="choice", yaml="adapters.hot_policy", help="victim order of the hot tier")
+        DEFAULT_POLICY, kind="choice", yaml="adapters.hot_policy", help="victim order of the hot tier"
+    )
     adapter_warm_policy: Literal[tuple(POLICIES)] = setting(  # type: ignore[valid-type]
-        DEFAULT_POLICY, kind="choice", yaml="adapters.warm_policy", help="victim order of the warm tier")
+        DEFAULT_POLICY, kind="choice", yaml="adapters.warm_policy", help="victim order of the warm tier"
+    )
     # Security (README "Security").
     adapter_allowed_roots: tuple[str, ...] = setting(
-        (), kind="paths", yaml="adapters.allowed_roots", flag="--adapter-allowed-root", metavar="DIR",
-        shown="any path the caller may read", help="directory registered adapters must resolve inside (repeat)")
+        (),
+        kind="paths",
+        yaml="adapters.allowed_roots",
+        flag="--adapter-allowed-root",
+        metavar="DIR",
+        shown="any path the caller may read",
+        help="directory registered adapters must resolve inside (repeat)",
+    )
     adapter_manager_uids: tuple[int, ...] = setting(
-        (), kind="uids", yaml="adapters.manager_uids", flag="--adapter-manager-uid", metavar="UID", reload=True,
-        shown="own and allowed uids", help="uid whose sessions may register, unregister and prefetch adapters (repeat)")
-    max_sessions: int = setting(4096, kind="int", yaml="security.max_sessions", metavar="N", reload=True, ge=0,
-                                note="0 = no limit", help="open sessions in all (0: no limit)")
-    max_sessions_per_uid: int = setting(1024, kind="int", yaml="security.max_sessions_per_uid", metavar="N",
-                                        reload=True, ge=0, note="0 = no limit",
-                                        help="open sessions owned by one uid (0: no limit)")
-    idle_timeout_s: float = setting(300.0, kind="duration", yaml="listeners.idle_timeout", flag="--idle-timeout",
-                                    metavar="T", ge=1.0, le=86400.0, unit="seconds",
-                                    help="close a gRPC connection with no call open for this long")
-    metrics_port: int = setting(0, kind="int", yaml="listeners.metrics_port", metavar="N", ge=0, le=65535,
-                                shown="0: off", help="serve Prometheus metrics on this port")
-    metrics_address: str = setting("127.0.0.1", kind="str", yaml="listeners.metrics_address", metavar="ADDR",
-                                   help="address of the metrics endpoint")
-    status_interval_s: float = setting(1.0, kind="duration", yaml="status_interval", flag="--status-interval",
-                                       metavar="T", reload=True, ge=0.05, le=3600.0, unit="seconds",
-                                       help="how often STATUS lines and metric snapshots are refreshed")
-    instance: str = setting("", kind="str", yaml=None, shown="none",
-                            help="name of this broker (systemd instance: GPU index or UUID); in logs")
+        (),
+        kind="uids",
+        yaml="adapters.manager_uids",
+        flag="--adapter-manager-uid",
+        metavar="UID",
+        reload=True,
+        shown="own and allowed uids",
+        help="uid whose sessions may register, unregister and prefetch adapters (repeat)",
+    )
+    max_sessions: int = setting(
+        4096,
+        kind="int",
+        yaml="security.max_sessions",
+        metavar="N",
+        reload=True,
+        ge=0,
+        note="0 = no limit",
+        help="open sessions in all (0: no limit)",
+    )
+    max_sessions_per_uid: int = setting(
+        1024,
+        kind="int",
+        yaml="security.max_sessions_per_uid",
+        metavar="N",
+        reload=True,
+        ge=0,
+        note="0 = no limit",
+        help="open sessions owned by one uid (0: no limit)",
+    )
+    idle_timeout_s: float = setting(
+        300.0,
+        kind="duration",
+        yaml="listeners.idle_timeout",
+        flag="--idle-timeout",
+        metavar="T",
+        ge=1.0,
+        le=86400.0,
+        unit="seconds",
+        help="close a gRPC connection with no call open for this long",
+    )
+    metrics_port: int = setting(
+        0,
+        kind="int",
+        yaml="listeners.metrics_port",
+        metavar="N",
+        ge=0,
+        le=65535,
+        shown="0: off",
+        help="serve Prometheus metrics on this port",
+    )
+    metrics_address: str = setting(
+        "127.0.0.1",
+        kind="str",
+        yaml="listeners.metrics_address",
+        metavar="ADDR",
+        help="address of the metrics endpoint",
+    )
+    status_interval_s: float = setting(
+        1.0,
+        kind="duration",
+        yaml="status_interval",
+        flag="--status-interval",
+        metavar="T",
+        reload=True,
+        ge=0.05,
+        le=3600.0,
+        unit="seconds",
+        help="how often STATUS lines and metric snapshots are refreshed",
+    )
+    instance: str = setting(
+        "",
+        kind="str",
+        yaml=None,
+        shown="none",
+        help="name of this broker (systemd instance: GPU index or UUID); in logs",
+    )
     # The YAML file the options came from (SIGHUP rereads it): not a setting.
     config_path: str | None = None
 
@@ -213,11 +437,17 @@ class ServeOptions(BaseModel):
         """The socket's directory must exist and take new files (the socket, .fds, .lock)."""
         d = os.path.dirname(os.path.abspath(self.socket))
         if not os.path.isdir(d):
-            raise SettingError("socket", f"the directory {d} does not exist; create it (mkdir -p {d}) "
-                               f"or choose a socket path in an existing directory")
+            raise SettingError(
+                "socket",
+                f"the directory {d} does not exist; create it (mkdir -p {d}) "
+                f"or choose a socket path in an existing directory",
+            )
         if not os.access(d, os.W_OK | os.X_OK):
-            raise SettingError("socket", f"cannot create files in {d} (permission denied for uid {os.getuid()}); "
-                               f"run as a user who may, or choose a socket path in a writable directory")
+            raise SettingError(
+                "socket",
+                f"cannot create files in {d} (permission denied for uid {os.getuid()}); "
+                f"run as a user who may, or choose a socket path in a writable directory",
+            )
 
     def validate(self) -> None:  # type: ignore[override]  (pydantic's deprecated classmethod)
         """Raise SettingError naming the first bad setting. Types and single-setting bounds were
@@ -229,11 +459,17 @@ class ServeOptions(BaseModel):
             name, _, detail = str(e).partition(": ")
             raise SettingError(name, detail) from None
         if self.preallocate < 0 or self.preallocate > self.pool_size:
-            raise SettingError("preallocate", f"{self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})")
+            raise SettingError(
+                "preallocate", f"{self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})"
+            )
         if not self.low_watermark <= self.high_watermark:
-            raise SettingError("low_watermark", f"{self.low_watermark}; must be in (0, high_watermark={self.high_watermark}]")
+            raise SettingError(
+                "low_watermark", f"{self.low_watermark}; must be in (0, high_watermark={self.high_watermark}]"
+            )
         if len(self.fd_socket.encode()) > 107:
-            raise SettingError("socket", f"{self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)")
+            raise SettingError(
+                "socket", f"{self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)"
+            )
         self._check_socket_dir()
         for root in self.adapter_allowed_roots:
             if not root.startswith("/") or "\x00" in root:
@@ -293,8 +529,11 @@ class Setting:
         b = {type(x).__name__: getattr(x, type(x).__name__.lower()) for x in self.bounds}
         lo, hi = b.get("Ge", b.get("Gt")), b.get("Le", b.get("Lt"))
         if lo is not None and hi is not None:
-            text = f"{lo:g}..{hi:g}" if "Ge" in b and "Le" in b else (
-                f"in {'[' if 'Ge' in b else '('}{lo:g}, {hi:g}{']' if 'Le' in b else ')'}")
+            text = (
+                f"{lo:g}..{hi:g}"
+                if "Ge" in b and "Le" in b
+                else (f"in {'[' if 'Ge' in b else '('}{lo:g}, {hi:g}{']' if 'Le' in b else ')'}")
+            )
         elif lo is not None:
             text = f"{'>=' if 'Ge' in b else '>'} {lo:g}"
         else:
@@ -313,8 +552,21 @@ def _settings() -> dict[str, Setting]:
             flag = "--" + name.replace("_", "-")
         choices = tuple(getattr(f.annotation, "__args__", ())) if x["kind"] == "choice" else ()
         bounds = tuple(m for m in f.metadata if type(m).__name__ in ("Gt", "Ge", "Lt", "Le"))  # annotated_types
-        out[name] = Setting(name, x["kind"], x["yaml"], flag, f.description or "", x["metavar"], x["reload"],
-                            tuple(x["aliases"]), choices, x["shown"], x["note"], x["unit"], bounds)
+        out[name] = Setting(
+            name,
+            x["kind"],
+            x["yaml"],
+            flag,
+            f.description or "",
+            x["metavar"],
+            x["reload"],
+            tuple(x["aliases"]),
+            choices,
+            x["shown"],
+            x["note"],
+            x["unit"],
+            bounds,
+        )
     return out
 
 
@@ -324,8 +576,11 @@ SETTINGS: dict[str, Setting] = _settings()
 # Flags that set several settings at once: --adapter-policy sets both tiers' policies (a
 # tier's own flag, given too, wins for that tier).
 SHORTHANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "--adapter-policy": ("adapter_policy", ("adapter_hot_policy", "adapter_warm_policy"),
-                         f"victim order of both adapter tiers (default {DEFAULT_POLICY})"),
+    "--adapter-policy": (
+        "adapter_policy",
+        ("adapter_hot_policy", "adapter_warm_policy"),
+        f"victim order of both adapter tiers (default {DEFAULT_POLICY})",
+    ),
 }
 
 

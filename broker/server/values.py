@@ -19,11 +19,16 @@ from memory_broker.proto.wire.mapping import format_size  # noqa: F401  (the one
 # too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to
 # some readers and powers of two to others, and a pool size is no place to guess.
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10,
-    "m": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tib": 1 << 40,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
 }
 _DECIMAL = {"kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB"}
 
@@ -140,12 +145,20 @@ def _mode(v: Any, where: str) -> int:
             return v
     if isinstance(v, str) and re.fullmatch(r"0?[0-7]{3}", v):
         return int(v, 8)
-    raise ConfigError(f"{where}: expected a file mode like \"0660\", got {v!r}")
+    raise ConfigError(f'{where}: expected a file mode like "0660", got {v!r}')
 
 
 _READERS = {
-    "size": _size, "duration": parse_duration, "int": _int, "float": _float, "bool": _bool,
-    "str": _str, "text": _text, "uids": _uids, "paths": _paths, "mode": _mode,
+    "size": _size,
+    "duration": parse_duration,
+    "int": _int,
+    "float": _float,
+    "bool": _bool,
+    "str": _str,
+    "text": _text,
+    "uids": _uids,
+    "paths": _paths,
+    "mode": _mode,
 }
 KINDS = frozenset({*_READERS, "choice"})
 

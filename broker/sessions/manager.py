@@ -87,9 +87,7 @@ class SessionManager:
     def from_token(self, token: str | None) -> Session:
         """The open session behind a token, or PERMISSION_DENIED."""
         if not token:
-            raise denied(
-                f"this call needs a session: open Attach and send its token as metadata {SESSION_METADATA!r}"
-            )
+            raise denied(f"this call needs a session: open Attach and send its token as metadata {SESSION_METADATA!r}")
         s = self._by_token.get(token)
         if s is None:
             raise denied("unknown or ended session token; open a new session with Attach")

@@ -45,8 +45,18 @@ from memory_broker.broker.store.transactions import TransactionBook, Transaction
 
 # The records callers use come from here too (one import for the store's API).
 __all__ = [
-    "Allocation", "ObjectState", "ObjectStore", "ObjectsEvicted", "SessionState", "Spec", "StoreConfig",
-    "StoreLimits", "StoreStats", "Transaction", "TransactionsExpired", "TxnState",
+    "Allocation",
+    "ObjectState",
+    "ObjectStore",
+    "ObjectsEvicted",
+    "SessionState",
+    "Spec",
+    "StoreConfig",
+    "StoreLimits",
+    "StoreStats",
+    "Transaction",
+    "TransactionsExpired",
+    "TxnState",
 ]
 
 Notify = Callable[[int, object], None]
@@ -98,15 +108,30 @@ class ObjectStore:
         self.keys: ShardedMap = self.table.keys
         self._drop = self.table.drop
         self.room = RoomMaker(
-            pool, self.policy, self.objects, self.counters, self.tally, self._drop, self._notify,
-            self.config.high_watermark, self.config.low_watermark,
+            pool,
+            self.policy,
+            self.objects,
+            self.counters,
+            self.tally,
+            self._drop,
+            self._notify,
+            self.config.high_watermark,
+            self.config.low_watermark,
         )
         self.ledger = PinLedger(
             self.policy, self.tally, self.counters, self.config, self.internal_sessions, self.txns, self._drop
         )
         self.transactions = Transactions(
-            self.txns, self.table, self.ledger, self.sessions, self.config, pool.max_pages,
-            self._reserve, self._publish, self._notify, clock,
+            self.txns,
+            self.table,
+            self.ledger,
+            self.sessions,
+            self.config,
+            pool.max_pages,
+            self._reserve,
+            self._publish,
+            self._notify,
+            clock,
         )
         # Bounded work (DESIGN.md section 4): with a ``background`` host (see the property),
         # eviction down to the low watermark and the release of an ended session's holdings
@@ -156,7 +181,9 @@ class ObjectStore:
         lease = self.config.default_lease_s if default_lease_s is None else default_lease_s
         pins = self.config.max_pins_per_session if max_pins_per_session is None else max_pins_per_session
         if not 0 < lease <= self.config.max_lease_s:
-            raise ValueError(f"default_lease_s {lease:g} must be positive and at most max_lease_s {self.config.max_lease_s:g}")
+            raise ValueError(
+                f"default_lease_s {lease:g} must be positive and at most max_lease_s {self.config.max_lease_s:g}"
+            )
         if pins < 0:
             raise ValueError(f"max_pins_per_session must be 0 (no limit) or more; got {pins}")
         self.config.default_lease_s, self.config.max_pins_per_session = lease, pins
@@ -319,9 +346,7 @@ class ObjectStore:
             if obj.owner != session:
                 raise denied(f"object {oid} is not owned by session {session}; only its owner may free it")
             if obj.state == ObjectState.PREPARED:
-                raise precondition(
-                    f"object {oid} belongs to open transaction {obj.txn_id}; commit or abort it first"
-                )
+                raise precondition(f"object {oid} belongs to open transaction {obj.txn_id}; commit or abort it first")
             objs.append(obj)
         freed = deferred = 0
         for obj in objs:

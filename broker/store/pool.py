@@ -114,9 +114,7 @@ class PagePool:
         """
         needed = slabs * self.pages_per_slab
         if self.capacity_pages + needed > self.max_pages:
-            raise MemoryError(
-                f"arena would need {self.capacity_pages + needed} pages; its maximum is {self.max_pages}"
-            )
+            raise MemoryError(f"arena would need {self.capacity_pages + needed} pages; its maximum is {self.max_pages}")
         self._grow(slabs)
         old = self.capacity_pages
         self.capacity_pages = old + needed

@@ -15,6 +15,7 @@ from enum import IntEnum
 
 from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.shards import ShardedSet
+
 # One allocation request, shared with the client (a positional Spec means the same on both sides).
 from memory_broker.proto.wire.spec import Spec  # noqa: F401  (re-exported: the store's records include it)
 
@@ -131,7 +132,6 @@ class StoreConfig:
             raise ValueError("default_lease_s must be positive and at most max_lease_s")
 
 
-
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
     """The limits a caller of the store checks against (read-only; ``reconfigure`` replaces it)."""
@@ -186,4 +186,3 @@ class Recent:
 def pages_at(fraction: float, max_pages: int) -> int:
     """Pages at a watermark; the epsilon keeps 0.57 * 100 at 57, not 56.99... -> 56."""
     return int(fraction * max_pages + 1e-9)
-

@@ -200,9 +200,7 @@ class Transactions:
         late = [t for t in txns if t.state == TxnState.OPEN and t.deadline <= now]
         if late:
             self.expire(now)
-            raise precondition(
-                f"transaction {late[0].txn_id} expired before commit (its lease ended); prepare again"
-            )
+            raise precondition(f"transaction {late[0].txn_id} expired before commit (its lease ended); prepare again")
         for t in txns:
             if t.state in (TxnState.ABORTED, TxnState.EXPIRED):
                 raise precondition(

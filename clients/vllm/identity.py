@@ -77,14 +77,16 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, vllm_version: str, d
     groups = []
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
-        groups.append({
-            "type": type(spec).__name__,
-            "block_size": getattr(spec, "block_size", None),
-            "num_kv_heads": getattr(spec, "num_kv_heads", None),
-            "head_size": getattr(spec, "head_size", None),
-            "dtype": str(getattr(spec, "dtype", None)),
-            "layers": list(g.layer_names),
-        })
+        groups.append(
+            {
+                "type": type(spec).__name__,
+                "block_size": getattr(spec, "block_size", None),
+                "num_kv_heads": getattr(spec, "num_kv_heads", None),
+                "head_size": getattr(spec, "head_size", None),
+                "dtype": str(getattr(spec, "dtype", None)),
+                "layers": list(g.layer_names),
+            }
+        )
     if len(groups) != 1:
         raise ValueError(
             f"the memory-broker KV connector handles models with one KV cache group; this one has "

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
 
+
 def _keyable(request: Any) -> bool:
     """Requests whose KV is a function of token ids (no images, no prompt embeddings)."""
     if getattr(request, "prompt_embeds", None) is not None:
@@ -95,8 +96,10 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             if cfg.kv_load_failure_policy != "recompute":
                 # A broker that goes away between lookup and load must cost a recompute,
                 # never a failed request.
-                log.warning("MemoryBrokerConnector sets kv_load_failure_policy to 'recompute' (was %r)",
-                            cfg.kv_load_failure_policy)
+                log.warning(
+                    "MemoryBrokerConnector sets kv_load_failure_policy to 'recompute' (was %r)",
+                    cfg.kv_load_failure_policy,
+                )
                 cfg.kv_load_failure_policy = "recompute"
             self._reqs: dict[str, _ReqState] = {}
             self._to_load: set[str] = set()
@@ -118,8 +121,13 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self._step_saves: list[tuple[int, bytes]] | None = None
             self._load_errors: set[int] = set()
             self._loaded: set[str] = set()
-        log.info("MemoryBrokerConnector (%s, tp rank %d) on broker %s, block %d tokens",
-                 role_name, self.tp_rank, self.socket, self.block_size)
+        log.info(
+            "MemoryBrokerConnector (%s, tp rank %d) on broker %s, block %d tokens",
+            role_name,
+            self.tp_rank,
+            self.socket,
+            self.block_size,
+        )
 
     # ================================================================ scheduler side
 
@@ -128,8 +136,9 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         if st is None:
             if not _keyable(request):
                 return None
-            root = identity.chain_root(self._engine_fp, identity.lora_identity(request.lora_request),
-                                       getattr(request, "cache_salt", None))
+            root = identity.chain_root(
+                self._engine_fp, identity.lora_identity(request.lora_request), getattr(request, "cache_salt", None)
+            )
             toks = list(request.prompt_token_ids)
             st = _ReqState(chain=identity.chain_hashes(root, toks, self.block_size), prompt_len=len(toks))
             self._reqs[request.request_id] = st
@@ -264,13 +273,21 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 t = t.unflatten(0, (num_blocks, -1))  # kernel blocks smaller than vLLM's blocks
             dims = [d for d, s in enumerate(t.shape) if s == num_blocks]
             if not dims:
-                log.error("MemoryBrokerConnector: layer %s's KV tensor %s has no dimension of %d blocks; "
-                          "the connector stays off", name, tuple(t.shape), num_blocks)
+                log.error(
+                    "MemoryBrokerConnector: layer %s's KV tensor %s has no dimension of %d blocks; "
+                    "the connector stays off",
+                    name,
+                    tuple(t.shape),
+                    num_blocks,
+                )
                 return
             nbytes = t.numel() // num_blocks * t.element_size()
             if layer_nbytes is not None and nbytes != layer_nbytes:
-                log.error("MemoryBrokerConnector: layers differ in KV bytes per block (%d, %d); the connector stays off",
-                          layer_nbytes, nbytes)
+                log.error(
+                    "MemoryBrokerConnector: layers differ in KV bytes per block (%d, %d); the connector stays off",
+                    layer_nbytes,
+                    nbytes,
+                )
                 return
             layer_nbytes = nbytes
             views[name] = t
@@ -280,8 +297,12 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         self._block_nbytes = self._layer_nbytes * len(self._layers)
         self._kv = views
         self._enabled = self._block_nbytes > 0
-        log.info("MemoryBrokerConnector: %d layers, KV tensors %s, %d bytes per block",
-                 len(views), tuple(next(iter(views.values())).shape) if views else (), self._block_nbytes)
+        log.info(
+            "MemoryBrokerConnector: %d layers, KV tensors %s, %d bytes per block",
+            len(views),
+            tuple(next(iter(views.values())).shape) if views else (),
+            self._block_nbytes,
+        )
 
     def _block_view(self, name: str, t: torch.Tensor, block_id: int) -> torch.Tensor:
         return t.select(self._block_dims[name], block_id)
@@ -307,8 +328,12 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 if isinstance(e, BrokerError):
                     self.stats.add("broker_errors")
                     self.broker.failed(c, e, "load")
-                log.warning("MemoryBrokerConnector: loading %d blocks of request %s failed (%s); vLLM recomputes them",
-                            len(lr.block_ids), lr.req_id, e)
+                log.warning(
+                    "MemoryBrokerConnector: loading %d blocks of request %s failed (%s); vLLM recomputes them",
+                    len(lr.block_ids),
+                    lr.req_id,
+                    e,
+                )
 
     def _load_one(self, c, lr: LoadRequest) -> None:
         rank = self.tp_rank
@@ -341,7 +366,9 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         phys = c.physical_view()
         for pages, bid in zip(block_pages, lr.block_ids):
             if len(pages) * ps < self._block_nbytes:
-                raise ValueError(f"an object of {len(pages)} pages is smaller than a block's {self._block_nbytes} bytes")
+                raise ValueError(
+                    f"an object of {len(pages)} pages is smaller than a block's {self._block_nbytes} bytes"
+                )
             for name, li in self._layers.items():
                 dst = self._block_view(name, self._kv[name], bid)
                 if dst.is_contiguous():
@@ -403,8 +430,9 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 src = src.contiguous().view(-1).view(torch.uint8)
                 store.write_bytes(phys, obj.pages, ps, li * self._layer_nbytes, src)
         except (RuntimeError, ValueError, OSError) as e:
-            log.warning("MemoryBrokerConnector: writing layer %s failed (%s); this step's blocks are not stored",
-                        layer_name, e)
+            log.warning(
+                "MemoryBrokerConnector: writing layer %s failed (%s); this step's blocks are not stored", layer_name, e
+            )
             self._abort_saves()
 
     def _abort_saves(self) -> None:

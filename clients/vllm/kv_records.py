@@ -23,14 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 # Counters reported through vLLM's connector stats (summed over workers and the scheduler).
 STAT_NAMES = (
-    "lookups",          # requests looked up in the broker
-    "hit_tokens",       # tokens the broker held for them (what vLLM will not compute)
-    "loaded_blocks",    # blocks copied from the broker into vLLM's cache
-    "stored_blocks",    # blocks committed by this engine
+    "lookups",  # requests looked up in the broker
+    "hit_tokens",  # tokens the broker held for them (what vLLM will not compute)
+    "loaded_blocks",  # blocks copied from the broker into vLLM's cache
+    "stored_blocks",  # blocks committed by this engine
     "deduplicated_blocks",  # blocks another engine committed first (pages given back)
     "store_skipped_blocks",  # blocks not stored (broker away or full)
-    "load_failed_blocks",   # blocks reported to vLLM for recompute
-    "broker_errors",    # failed broker calls
+    "load_failed_blocks",  # blocks reported to vLLM for recompute
+    "broker_errors",  # failed broker calls
 )
 
 

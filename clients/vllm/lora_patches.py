@@ -175,8 +175,12 @@ def _load_from_broker(worker_manager, st: State, aid: str, lora_request, zero_co
     try:
         names = _leaf_names(manager)
         layout = leased.layout
-        missing = [f"{layer}.{mod}" for layer in layout.layers for mod in layout.module_names
-                   if layout.get(layer, mod) is not None and (layer, mod) not in names]
+        missing = [
+            f"{layer}.{mod}"
+            for layer in layout.layers
+            for mod in layout.module_names
+            if layout.get(layer, mod) is not None and (layer, mod) not in names
+        ]
         if missing:
             raise ValueError(
                 f"adapter {aid!r} adapts modules this engine has no LoRA layer for: {missing[:8]}; "

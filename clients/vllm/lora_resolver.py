@@ -34,7 +34,9 @@ def registered(socket: str, adapter_id: str, timeout: float = 10.0) -> bool:
     try:
         with admin_session(channel, client_name="vllm-lora-resolver", timeout=timeout) as md:
             stub = broker_pb2_grpc.MemoryBrokerStub(channel)
-            page = stub.ListAdapters(pb.ListAdaptersRequest(prefix=adapter_id, limit=1000), metadata=md, timeout=timeout)
+            page = stub.ListAdapters(
+                pb.ListAdaptersRequest(prefix=adapter_id, limit=1000), metadata=md, timeout=timeout
+            )
             return any(a.adapter_id == adapter_id for a in page.adapters)
     finally:
         channel.close()
@@ -55,5 +57,6 @@ class BrokerLoRAResolver(LoRAResolver):
         if not found:
             return None
         # The server renumbers lora_int_id; the worker goes by the broker:// path.
-        return LoRARequest(lora_name, broker_lora_int_id(lora_name), BROKER_SCHEME + lora_name,
-                           base_model_name=base_model_name)
+        return LoRARequest(
+            lora_name, broker_lora_int_id(lora_name), BROKER_SCHEME + lora_name, base_model_name=base_model_name
+        )

@@ -114,8 +114,13 @@ class BrokerAdapters:
                     raise RuntimeError(f"the broker deferred adapter {adapter_id!r} ({lease.deferred})")
                 held = self._held[adapter_id] = Held(lease, lease.adapters[0], set())
                 self.acquires += 1
-                log.info("memory-broker: acquired adapter %s (found %s, %d pages, generation %d)",
-                         adapter_id, held.adapter.found_in, len(held.adapter.pages), held.adapter.generation)
+                log.info(
+                    "memory-broker: acquired adapter %s (found %s, %d pages, generation %d)",
+                    adapter_id,
+                    held.adapter.found_in,
+                    len(held.adapter.pages),
+                    held.adapter.generation,
+                )
             held.int_ids.add(lora_int_id)
             self._by_int[lora_int_id] = adapter_id
             return held.adapter

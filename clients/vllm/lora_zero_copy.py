@@ -87,7 +87,9 @@ class ZeroCopyStep:
         if present and bool((token_slot >= 0).any()):
             kinds = {a.layout.dtype for a in present}
             if len(kinds) > 1:
-                raise ValueError(f"the step's adapters are stored in different dtypes {sorted(kinds)}; one launch reads one")
+                raise ValueError(
+                    f"the step's adapters are stored in different dtypes {sorted(kinds)}; one launch reads one"
+                )
             arena = arena_of(kinds.pop())
             reach = max((max(a.pages) + 1) * a.layout.page_size for a in present)
             if reach > arena.numel() * arena.element_size():
@@ -104,12 +106,16 @@ class ZeroCopyStep:
         hit = self._launches.get(key)
         if hit is None:
             try:
-                hit = [(tuple(range(len(address.modules))), self.tables.tables(self.slots, address.layer, address.modules))]
+                hit = [
+                    (tuple(range(len(address.modules))), self.tables.tables(self.slots, address.layer, address.modules))
+                ]
             except ValueError:
                 if len(address.modules) == 1:
                     raise
                 # Slices adapted with different ranks/scalings, or only some of them: one launch each.
-                hit = [((j,), self.tables.tables(self.slots, address.layer, [m])) for j, m in enumerate(address.modules)]
+                hit = [
+                    ((j,), self.tables.tables(self.slots, address.layer, [m])) for j, m in enumerate(address.modules)
+                ]
             hit = [h for h in hit if h[1][0].shape[2] > 0]
             self._launches[key] = hit
         return hit
@@ -142,8 +148,17 @@ class ZeroCopyStep:
             return self._apply_rounding_as_vllm(xk, out, token_slot, launches, offsets, sizes)
         for slices, (a_off, b_off, ranks, scalings) in launches:
             lora_apply(
-                xk, out, self.arena, a_off, b_off, ranks, scalings, token_slot,
-                [offsets[j] for j in slices], [sizes[j] for j in slices], row_align=self.row_align,
+                xk,
+                out,
+                self.arena,
+                a_off,
+                b_off,
+                ranks,
+                scalings,
+                token_slot,
+                [offsets[j] for j in slices],
+                [sizes[j] for j in slices],
+                row_align=self.row_align,
             )
         return out
 
@@ -157,8 +172,17 @@ class ZeroCopyStep:
         for slices, (a_off, b_off, ranks, scalings) in launches:
             y = reference.shrink(xk, self.arena, a_off, ranks, token_slot).to(out.dtype).float()
             delta = torch.zeros_like(out)
-            reference.expand(y, self.arena, b_off, ranks, scalings, token_slot, delta,
-                             [offsets[j] for j in slices], [sizes[j] for j in slices])
+            reference.expand(
+                y,
+                self.arena,
+                b_off,
+                ranks,
+                scalings,
+                token_slot,
+                delta,
+                [offsets[j] for j in slices],
+                [sizes[j] for j in slices],
+            )
             out[rows] += delta[rows]
         return out
 

@@ -72,8 +72,13 @@ class BrokerKV:
                 # A short wait for a broker that is not there (vLLM recomputes meanwhile) and
                 # no client-side reconnect: this store retries every retry_s itself and tells
                 # sessions apart by incarnation.
-                c = BrokerClient.connect(self.socket, client_name=self.client_name, timeout=self.timeout_s,
-                                         wait_s=min(1.0, self.timeout_s), reconnect_s=0.0)
+                c = BrokerClient.connect(
+                    self.socket,
+                    client_name=self.client_name,
+                    timeout=self.timeout_s,
+                    wait_s=min(1.0, self.timeout_s),
+                    reconnect_s=0.0,
+                )
             except (BrokerError, OSError, ValueError) as e:
                 self._next_try = time.monotonic() + self.retry_s
                 self._outage(f"cannot connect: {e}")
@@ -83,8 +88,11 @@ class BrokerKV:
             self._holds[self.incarnation] = 0
             self.connects += 1
             if self._down_since is not None:
-                log.warning("memory broker at %s is back after %.1f s: KV is stored and loaded again",
-                            self.socket, now - self._down_since)
+                log.warning(
+                    "memory broker at %s is back after %.1f s: KV is stored and loaded again",
+                    self.socket,
+                    now - self._down_since,
+                )
                 self._down_since = None
             return c
 
@@ -92,8 +100,12 @@ class BrokerKV:
         self.errors += 1
         if self._down_since is None:
             self._down_since = time.monotonic()
-            log.warning("memory broker at %s is unavailable (%s): vLLM recomputes KV until it is back; "
-                        "retrying every %.0f s", self.socket, why, self.retry_s)
+            log.warning(
+                "memory broker at %s is unavailable (%s): vLLM recomputes KV until it is back; retrying every %.0f s",
+                self.socket,
+                why,
+                self.retry_s,
+            )
         else:
             log.debug("memory broker at %s still unavailable: %s", self.socket, why)
 
@@ -115,7 +127,12 @@ class BrokerKV:
     def failed(self, client: BrokerClient | None, e: BaseException, what: str) -> None:
         """Record an error from a call made with ``client``; drop the session if it is broken."""
         with self._lock:
-            if isinstance(e, BrokerError) and e.code not in _BROKEN and client is not None and not client.session_ended.is_set():
+            if (
+                isinstance(e, BrokerError)
+                and e.code not in _BROKEN
+                and client is not None
+                and not client.session_ended.is_set()
+            ):
                 self.errors += 1
                 log.debug("memory broker refused %s: %s", what, e)
                 return

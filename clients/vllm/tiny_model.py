@@ -35,8 +35,9 @@ _CORPUS = [
 
 # Big enough that a 1k-token prefill costs real time on a CPU (the benchmark's model):
 # about 26M parameters, 512 KiB of float32 KV per 32-token block.
-SMALL = dict(LLAMA, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=4)
+SMALL = dict(
+    LLAMA, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+)
 
 
 def build(path: str, seed: int = 0, config: dict | None = None) -> str:
@@ -95,10 +96,21 @@ def build_lora(
         tensors = {k: v.to(torch.bfloat16).to(torch.float32) for k, v in tensors.items()}
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-            "target_modules": sorted(outs), "lora_dropout": 0.0, "bias": "none",
-            "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
-            "base_model_name_or_path": None, "modules_to_save": None,
-        }, f)
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": alpha,
+                "target_modules": sorted(outs),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "use_rslora": False,
+                "use_dora": False,
+                "fan_in_fan_out": False,
+                "base_model_name_or_path": None,
+                "modules_to_save": None,
+            },
+            f,
+        )
     return path

@@ -52,8 +52,12 @@ def write_peft_dir(path: str, rank: int, hidden: int, kv: int, layers: int, seed
     """A PEFT-shaped LoRA directory (config + safetensors) with random weights."""
     os.makedirs(path, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    mods = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, kv),
-            "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (hidden, hidden)}
+    mods = {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (hidden, kv),
+        "self_attn.v_proj": (hidden, kv),
+        "self_attn.o_proj": (hidden, hidden),
+    }
     tensors = {}
     for layer in range(layers):
         for p, (i, o) in mods.items():
@@ -61,8 +65,15 @@ def write_peft_dir(path: str, rank: int, hidden: int, kv: int, layers: int, seed
             tensors[f"{k}.lora_A.weight"] = (torch.randn(rank, i, generator=g) * 0.02).to(dtype)
             tensors[f"{k}.lora_B.weight"] = (torch.randn(o, rank, generator=g) * 0.02).to(dtype)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "use_dora": False,
-           "use_rslora": False, "target_modules": [p.rsplit(".", 1)[1] for p in mods]}
+    cfg = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "bias": "none",
+        "use_dora": False,
+        "use_rslora": False,
+        "target_modules": [p.rsplit(".", 1)[1] for p in mods],
+    }
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(cfg, f)
     return path
@@ -79,7 +90,9 @@ class Rig:
         pool = PagePool(self.geometry.max_pages, pages_per_slab, self.arena.capacity_pages, grow=self.arena.grow)
         self.manager: AdapterManager | None = None
         self.store = ObjectStore(
-            pool, WindowSpace(self.geometry.window_pages), config=StoreConfig(high_watermark=1.0, low_watermark=1.0),
+            pool,
+            WindowSpace(self.geometry.window_pages),
+            config=StoreConfig(high_watermark=1.0, low_watermark=1.0),
             notify=lambda sid, ev: self.manager.handle_store_event(sid, ev) if self.manager else None,
         )
         self.registry = AdapterRegistry(state_dir)
@@ -176,20 +189,47 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
     gbps = lambda nbytes, xs: nbytes / statistics.median(xs) / 1e9  # noqa: E731
     vs = lambda base, xs: f"{statistics.median(base) / statistics.median(xs):.2f}"  # noqa: E731
     rows = [
-        ["cold->warm  first, convert, 1 thread", f"{med_ms(cold1):.2f}", f"{gbps(weight_bytes, cold1):.2f}", vs(st_load, cold1)],
-        ["cold->warm  first, convert, 2 threads", f"{med_ms(cold2):.2f}", f"{gbps(weight_bytes, cold2):.2f}", vs(st_load, cold2)],
-        ["cold->warm  cached, read image, 1 thread", f"{med_ms(cached):.2f}", f"{gbps(weight_bytes, cached):.2f}", vs(st_load, cached)],
-        ["cold->warm  cached, read image, 2 threads", f"{med_ms(cached2):.2f}", f"{gbps(weight_bytes, cached2):.2f}", vs(st_load, cached2)],
+        [
+            "cold->warm  first, convert, 1 thread",
+            f"{med_ms(cold1):.2f}",
+            f"{gbps(weight_bytes, cold1):.2f}",
+            vs(st_load, cold1),
+        ],
+        [
+            "cold->warm  first, convert, 2 threads",
+            f"{med_ms(cold2):.2f}",
+            f"{gbps(weight_bytes, cold2):.2f}",
+            vs(st_load, cold2),
+        ],
+        [
+            "cold->warm  cached, read image, 1 thread",
+            f"{med_ms(cached):.2f}",
+            f"{gbps(weight_bytes, cached):.2f}",
+            vs(st_load, cached),
+        ],
+        [
+            "cold->warm  cached, read image, 2 threads",
+            f"{med_ms(cached2):.2f}",
+            f"{gbps(weight_bytes, cached2):.2f}",
+            vs(st_load, cached2),
+        ],
         ["  image write (once, after the first)", f"{med_ms(stores):.2f}", f"{gbps(used, stores):.2f}", ""],
         ["  bare safetensors load_file", f"{med_ms(st_load):.2f}", f"{gbps(weight_bytes, st_load):.2f}", "1.00"],
-        ["  load_file + numpy Bᵀ (same rows)", f"{med_ms(st_t):.2f}", f"{gbps(weight_bytes, st_t):.2f}", vs(st_load, st_t)],
+        [
+            "  load_file + numpy Bᵀ (same rows)",
+            f"{med_ms(st_t):.2f}",
+            f"{gbps(weight_bytes, st_t):.2f}",
+            vs(st_load, st_t),
+        ],
         ["warm->hot   HostPageWriter.write", f"{med_ms(hot):.2f}", f"{gbps(used, hot):.2f}", vs(memcpy, hot)],
         ["  bare memmove, same bytes", f"{med_ms(memcpy):.2f}", f"{gbps(used, memcpy):.2f}", "1.00"],
     ]
     table(
         f"1. load bandwidth: rank 16, hidden 4096, {layers} layers, q/k/v/o, bf16: {weight_bytes / MiB:.1f} MiB of weights "
         f"({file_bytes / MiB:.1f} MiB file) in {n} pages of 2 MiB; median of {runs} interleaved runs",
-        ["path", "ms", "GB/s", "vs bare"], rows, [42, 10, 10, 10],
+        ["path", "ms", "GB/s", "vs bare"],
+        rows,
+        [42, 10, 10, 10],
     )
     print("   (vs bare = bandwidth / the bare baseline's, same run, target >= 0.80. GB/s of cold->warm rows count")
     print("    weight bytes. 'first, convert' = build_warm_image: the first-ever cold->warm load of an adapter, from")
@@ -205,8 +245,12 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
     async def end_to_end() -> list[list]:
         out = []
         for int8 in (False, True):
-            rig = Rig(os.path.join(root, f"state-e2e-{int8}"), page, 2 * n + 16,
-                      AdapterConfig(dtype="bfloat16", warm_int8=int8))
+            rig = Rig(
+                os.path.join(root, f"state-e2e-{int8}"),
+                page,
+                2 * n + 16,
+                AdapterConfig(dtype="bfloat16", warm_int8=int8),
+            )
             rig.registry.register("big", src)
             s = rig.store.open_session()
             to_hot, from_warm = [], []
@@ -227,14 +271,27 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
                 rig.manager.release(s, ["big"])
                 rig.manager.demote("big")
             warm = rig.manager.stats().as_dict()["warm_bytes"]
-            out.append([f"acquire cold->hot{' (int8 warm)' if int8 else ''}", f"{med_ms(to_hot):.2f}",
-                        f"{weight_bytes / statistics.median(to_hot) / 1e9:.2f}", ""])
-            out.append([f"acquire warm->hot{' (int8 warm)' if int8 else ''}", f"{med_ms(from_warm):.2f}",
-                        f"{used / statistics.median(from_warm) / 1e9:.2f}", f"{warm / MiB:.1f}"])
+            out.append(
+                [
+                    f"acquire cold->hot{' (int8 warm)' if int8 else ''}",
+                    f"{med_ms(to_hot):.2f}",
+                    f"{weight_bytes / statistics.median(to_hot) / 1e9:.2f}",
+                    "",
+                ]
+            )
+            out.append(
+                [
+                    f"acquire warm->hot{' (int8 warm)' if int8 else ''}",
+                    f"{med_ms(from_warm):.2f}",
+                    f"{used / statistics.median(from_warm) / 1e9:.2f}",
+                    f"{warm / MiB:.1f}",
+                ]
+            )
             await rig.close()
         # Cold again after each acquire (no warm tier): every acquire after the first reads the image.
-        rig = Rig(os.path.join(root, "state-e2e-cached"), page, 2 * n + 16,
-                  AdapterConfig(dtype="bfloat16", warm_tier_bytes=0))
+        rig = Rig(
+            os.path.join(root, "state-e2e-cached"), page, 2 * n + 16, AdapterConfig(dtype="bfloat16", warm_tier_bytes=0)
+        )
         rig.registry.register("big", src)
         s = rig.store.open_session()
         await rig.manager.acquire(s, ["big"])
@@ -249,8 +306,15 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
             rig.manager.release(s, ["big"])
             rig.manager.demote("big")
         assert rig.manager.stats().as_dict()["images"]["hits"] == runs
-        out.insert(1, ["acquire cold->hot (cached image)", f"{med_ms(cached):.2f}",
-                       f"{weight_bytes / statistics.median(cached) / 1e9:.2f}", ""])
+        out.insert(
+            1,
+            [
+                "acquire cold->hot (cached image)",
+                f"{med_ms(cached):.2f}",
+                f"{weight_bytes / statistics.median(cached) / 1e9:.2f}",
+                "",
+            ],
+        )
         # The first acquire after RegisterAdapter: the manager converted the adapter ahead of
         # use (in its background thread, timed apart), so even this acquire reads an image.
         first, convert = [], []
@@ -268,15 +332,33 @@ def bench_bandwidth(root: str, runs: int, quick: bool) -> None:
             rig.manager.demote("big")
         im = rig.manager.stats().as_dict()["images"]
         assert im["converted_ahead"] == runs and im["misses"] == misses, im
-        out.insert(2, ["acquire cold->hot, first after register", f"{med_ms(first):.2f}",
-                       f"{weight_bytes / statistics.median(first) / 1e9:.2f}", ""])
-        out.insert(3, ["  register + convert ahead (background)", f"{med_ms(convert):.2f}",
-                       f"{weight_bytes / statistics.median(convert) / 1e9:.2f}", ""])
+        out.insert(
+            2,
+            [
+                "acquire cold->hot, first after register",
+                f"{med_ms(first):.2f}",
+                f"{weight_bytes / statistics.median(first) / 1e9:.2f}",
+                "",
+            ],
+        )
+        out.insert(
+            3,
+            [
+                "  register + convert ahead (background)",
+                f"{med_ms(convert):.2f}",
+                f"{weight_bytes / statistics.median(convert) / 1e9:.2f}",
+                "",
+            ],
+        )
         await rig.close()
         return out
 
-    table("   end to end through AdapterManager.acquire (executor + event loop)",
-          ["path", "ms", "GB/s", "warm MiB"], asyncio.run(end_to_end()), [42, 10, 10, 10])
+    table(
+        "   end to end through AdapterManager.acquire (executor + event loop)",
+        ["path", "ms", "GB/s", "warm MiB"],
+        asyncio.run(end_to_end()),
+        [42, 10, 10, 10],
+    )
     print("   ('acquire cold->hot' registers behind the manager's back, so the acquire converts the file itself;")
     print("    'first after register' registers through the manager, which converts the adapter into its image")
     print("    in a background thread (convert_ahead, on by default), so the first acquire reads the image.")
@@ -321,10 +403,13 @@ def bench_slots(root: str, src: str, requests: int) -> None:
     table(
         f"2. adapter slots (lab seed): 16 adapters, 4 hot slots, {requests} requests, 80% to the hottest 20% (3)",
         ["remaining 20% drawn", "policy", "hot hit", "hot loads", "warm loads", "LRU > 0.75"],
-        rows, [26, 8, 10, 11, 11, 12],
+        rows,
+        [26, 8, 10, 11, 11, 12],
     )
     print("   (the lab's target reads the 80/20 split as 80% to the hot 3 plus 20% uniform over all 16;")
-    print("    with the 20% over the other 13 only, LRU with 4 slots tops out near 0.71, as a plain LRU simulation gives)")
+    print(
+        "    with the 20% over the other 13 only, LRU with 4 slots tops out near 0.71, as a plain LRU simulation gives)"
+    )
 
 
 def bench_zipf(root: str, srcs: dict[int, str], adapters: int, requests: int, s: float) -> None:
@@ -345,8 +430,13 @@ def bench_zipf(root: str, srcs: dict[int, str], adapters: int, requests: int, s:
     warm_bytes = int(sum(image.values()) / 3 * adapters * 0.20)
     rows = []
     for policy in POLICIES:
-        cfg = AdapterConfig(dtype="bfloat16", hot_tier_pages=hot_pages, warm_tier_bytes=warm_bytes,
-                            hot_policy=policy, warm_policy=policy)
+        cfg = AdapterConfig(
+            dtype="bfloat16",
+            hot_tier_pages=hot_pages,
+            warm_tier_bytes=warm_bytes,
+            hot_policy=policy,
+            warm_policy=policy,
+        )
         rig = Rig(os.path.join(root, f"state-zipf-{policy}"), page, hot_pages + 64, cfg, pages_per_slab=64)
         rig.registry.add_many([(aid, metas[ranks[i % 3]]) for i, aid in enumerate(ids)])
 
@@ -359,13 +449,23 @@ def bench_zipf(root: str, srcs: dict[int, str], adapters: int, requests: int, s:
         st = asyncio.run(go())
         dt = time.perf_counter() - t0
         served_warm = st["hits"]["warm"] / max(1, st["misses"]["hot"])
-        rows.append([policy, f"{st['hit_rate']:.3f}", f"{served_warm:.3f}", st["loads"]["warm"], st["loads"]["hot"],
-                     f"{st['bytes_loaded']['hot'] / MiB:.0f}", f"{dt:.1f}"])
+        rows.append(
+            [
+                policy,
+                f"{st['hit_rate']:.3f}",
+                f"{served_warm:.3f}",
+                st["loads"]["warm"],
+                st["loads"]["hot"],
+                f"{st['bytes_loaded']['hot'] / MiB:.0f}",
+                f"{dt:.1f}",
+            ]
+        )
     table(
         f"3. Zipf(s={s}) over {adapters} adapters (ranks 4/8/16 mixed: {sizes[4]}/{sizes[8]}/{sizes[16]} pages of 64 KiB), "
         f"{requests} requests; hot budget {hot_pages} pages (~5% of adapters), warm budget {warm_bytes / MiB:.0f} MiB (~20%)",
         ["policy", "hot hit", "warm|miss", "cold loads", "hot loads", "MiB to hot", "seconds"],
-        rows, [10, 10, 11, 12, 11, 12, 10],
+        rows,
+        [10, 10, 11, 12, 11, 12, 10],
     )
     print("   (warm|miss = share of hot misses served from the warm tier; cold loads = file reads)")
 
@@ -397,9 +497,12 @@ def bench_registry(root: str, src: str, count: int) -> None:
     table(
         f"4. registry: {count} adapters (one validated PEFT directory under {count} ids), SQLite WAL",
         ["operation", "seconds"],
-        [[f"register {count}", f"{t_reg:.2f}"], [f"list all {n} (pages of 1000)", f"{t_list:.3f}"],
-         [f"list prefix ({len(prefixed.adapters)} found)", f"{t_prefix:.4f}"],
-         [f"reopen + count ({total})", f"{t_open:.3f}"]],
+        [
+            [f"register {count}", f"{t_reg:.2f}"],
+            [f"list all {n} (pages of 1000)", f"{t_list:.3f}"],
+            [f"list prefix ({len(prefixed.adapters)} found)", f"{t_prefix:.4f}"],
+            [f"reopen + count ({total})", f"{t_open:.3f}"],
+        ],
         [40, 10],
     )
 
@@ -409,12 +512,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=15, help="timed runs per bandwidth figure")
     ap.add_argument("--quick", action="store_true", help="smaller adapter and traces (a smoke run)")
     a = ap.parse_args()
-    print(f"adapter tiers benchmark (python {sys.version.split()[0]}, numpy {np.__version__}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs)")
+    print(
+        f"adapter tiers benchmark (python {sys.version.split()[0]}, numpy {np.__version__}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs)"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-adapters-") as root:
         bench_bandwidth(root, a.runs, a.quick)
-        small = {r: write_peft_dir(os.path.join(root, f"small-r{r}"), rank=r, hidden=1024, kv=256, layers=4, seed=r)
-                 for r in (4, 8, 16)}
+        small = {
+            r: write_peft_dir(os.path.join(root, f"small-r{r}"), rank=r, hidden=1024, kv=256, layers=4, seed=r)
+            for r in (4, 8, 16)
+        }
         bench_slots(root, small[8], 1000 if a.quick else 5000)
         bench_zipf(root, small, 1000, 3000 if a.quick else 20000, 1.0)
         bench_registry(root, small[8], 1000 if a.quick else 10_000)

@@ -57,7 +57,9 @@ def bench_mapping(args, torch) -> list[str]:
     from memory_broker.broker.arena.cuda import CudaArena, CudaArenaView
 
     ps, slab = args.page_size, args.slab_size
-    g = ArenaGeometry(page_size=ps, pages_per_slab=slab // ps, max_slabs=args.slabs, window_pages=4 * args.slabs * (slab // ps))
+    g = ArenaGeometry(
+        page_size=ps, pages_per_slab=slab // ps, max_slabs=args.slabs, window_pages=4 * args.slabs * (slab // ps)
+    )
     arena = CudaArena(g, "0", name="bench")
     view = CudaArenaView(g, arena.device_id)
     grow_s, attach_s = [], []
@@ -152,8 +154,11 @@ def bench_copy(args, torch) -> list[str]:
             t_win = _time_copy(torch, window, src, args.reps)
             torch.cuda.synchronize()
             assert torch.equal(window[:4096].cpu(), src[:4096]) and torch.equal(phys[:4096].cpu(), src[:4096])
-            for target, t in (("torch.empty (bare)", t_bare), ("arena physical view", t_phys),
-                              ("arena window, scattered pages", t_win)):
+            for target, t in (
+                ("torch.empty (bare)", t_bare),
+                ("arena physical view", t_phys),
+                ("arena window, scattered pages", t_win),
+            ):
                 ratio = t_bare / t
                 flag = "" if target.startswith("torch") else (" ok" if ratio >= 0.9 else " BELOW TARGET")
                 rows.append(f"| {kind} | {target} | {n / t / 1e9:.2f} | {ratio * 100:.1f}%{flag} |")

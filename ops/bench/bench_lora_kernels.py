@@ -181,16 +181,30 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
 
     # The fp32 reference (kernels/reference.py) on the same base; every check compares to it.
     base = out.clone()
-    expected = reference.lora_apply(x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots,
-                                    p.slice_offsets, p.slice_sizes)
+    expected = reference.lora_apply(
+        x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets, p.slice_sizes
+    )
 
     ok = True
     for path in ("auto", "token", "segment"):
         plan = plan_batch(slots, case.num_adapters, path=path, active_slots=case.num_adapters)
 
         def ours(plan=plan):
-            lora_ops.lora_apply(x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots,
-                                p.slice_offsets, p.slice_sizes, plan=plan, y=y, row_align=8)
+            lora_ops.lora_apply(
+                x,
+                out,
+                p.arena,
+                p.a_offsets,
+                p.b_offsets,
+                p.ranks,
+                p.scalings,
+                slots,
+                p.slice_offsets,
+                p.slice_sizes,
+                plan=plan,
+                y=y,
+                row_align=8,
+            )
 
         method = f"kernels {path}" + (f" ({plan.path})" if path == "auto" else "")
         out.copy_(base)
@@ -227,8 +241,21 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     s_plan = plan_batch(slots, case.num_adapters, active_slots=case.num_adapters)
 
     def stacked():
-        lora_ops.lora_apply(x, out, sa, sa_off, sb_off, s_ranks, s_scal, slots, p.slice_offsets, p.slice_sizes,
-                            plan=s_plan, y=s_y, row_align=8)
+        lora_ops.lora_apply(
+            x,
+            out,
+            sa,
+            sa_off,
+            sb_off,
+            s_ranks,
+            s_scal,
+            slots,
+            p.slice_offsets,
+            p.slice_sizes,
+            plan=s_plan,
+            y=s_y,
+            row_align=8,
+        )
 
     method = f"stacked slots, padded to rank {args.stacked_rank} ({s_plan.path})"
     out.copy_(base)
@@ -256,13 +283,23 @@ def run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, l
         out.copy_(base)
         vb.lora_apply(vllm, x, out, w, meta)
         if not check(f"{label}: {method}", out, expected, dtype):
-            print(f"{label}: vLLM CHECK FAILED: its output is off the reference (see the metadata and weights "
-                  "ops/bench/vllm_lora_baseline.py gives it); its row is left out")
+            print(
+                f"{label}: vLLM CHECK FAILED: its output is off the reference (see the metadata and weights "
+                "ops/bench/vllm_lora_baseline.py gives it); its row is left out"
+            )
             return
         record(method, median_ms(lambda: vb.lora_apply(vllm, x, out, w, meta), args.reps, args.warmup))
         ms = median_ms(lambda: meta.prepare_tensors(slots), args.reps, args.warmup)
-        rows.append((case.name, str(dtype).removeprefix("torch."), "vLLM LoRAKernelMeta.prepare_tensors (once per step)",
-                     ms * 1e3, float("nan"), float("nan")))
+        rows.append(
+            (
+                case.name,
+                str(dtype).removeprefix("torch."),
+                "vLLM LoRAKernelMeta.prepare_tensors (once per step)",
+                ms * 1e3,
+                float("nan"),
+                float("nan"),
+            )
+        )
     except Exception as e:  # noqa: BLE001 - vLLM's failure must not hide the project's rows
         print(f"{label}: vLLM FAILED: {type(e).__name__}: {e}")
 
@@ -317,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16")
     ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
-    ap.add_argument("--vllm-ops", default=None,
-                    help="folder ops/gpu/extract_vllm_lora_ops.py wrote (default ops/gpu/vllm_lora_ops)")
+    ap.add_argument(
+        "--vllm-ops", default=None, help="folder ops/gpu/extract_vllm_lora_ops.py wrote (default ops/gpu/vllm_lora_ops)"
+    )
     args = ap.parse_args(argv)
     try:
         dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",") if d.strip()]

@@ -101,8 +101,10 @@ def hit_rate_table(quick: bool, requests: int = 0) -> None:
         ("shift", zipf_trace(n, shift_every=shift), [50, 100, 200] if not quick else [50]),
     ]
     names = list(POLICIES)
-    print(f"Hit rate per policy and its share of Belady (default: {DEFAULT_POLICY}); "
-          f"lab {n // 5} requests, Zipf {n} requests over 1,000 adapters, shift every {shift}")
+    print(
+        f"Hit rate per policy and its share of Belady (default: {DEFAULT_POLICY}); "
+        f"lab {n // 5} requests, Zipf {n} requests over 1,000 adapters, shift every {shift}"
+    )
     print("| trace | slots | Belady | " + " | ".join(names) + f" | {DEFAULT_POLICY} / Belady | target |")
     print("|---|---|---|" + "---|" * len(names) + "---|---|")
     t0 = time.perf_counter()
@@ -113,8 +115,11 @@ def hit_rate_table(quick: bool, requests: int = 0) -> None:
             ratio = rates[DEFAULT_POLICY] / best
             target = TARGETS[trace_name]
             cells = " | ".join(f"{rates[p]:.3f} ({rates[p] / best:.2f})" for p in names)
-            print(f"| {trace_name} | {slots} | {best:.3f} | {cells} | {ratio:.3f} | "
-                  f"≥ {target}: {'MET' if ratio >= target else 'NOT MET'} |", flush=True)
+            print(
+                f"| {trace_name} | {slots} | {best:.3f} | {cells} | {ratio:.3f} | "
+                f"≥ {target}: {'MET' if ratio >= target else 'NOT MET'} |",
+                flush=True,
+            )
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 

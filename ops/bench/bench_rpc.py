@@ -36,10 +36,30 @@ def start_broker(socket: str, state: str, page_size: str = "2MiB") -> subprocess
     """A broker on the host arena with the bare Echo service (8 GiB, ``page_size`` pages);
     returns once it answers. Also used by bench_step.py (512 KiB pages: KV blocks)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host", "--enable-echo",
-         "--pool-size", "8GiB", "--page-size", page_size, "--slab-size", "256MiB", "--state-dir", state,
-         "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "memory_broker.broker.cli",
+            "serve",
+            "--socket",
+            socket,
+            "--arena",
+            "host",
+            "--enable-echo",
+            "--pool-size",
+            "8GiB",
+            "--page-size",
+            page_size,
+            "--slab-size",
+            "256MiB",
+            "--state-dir",
+            state,
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -71,7 +91,7 @@ def main() -> None:
 
 def run(socket: str, n: int) -> None:
     client = BrokerClient.connect(socket, client_name="bench")
-    md = (((SESSION_METADATA, client.token),))
+    md = ((SESSION_METADATA, client.token),)
     ch = grpc.insecure_channel(f"unix:{socket}")
     stub = broker_pb2_grpc.MemoryBrokerStub(ch)
     echo = echo_pb2_grpc.EchoStub(ch)
@@ -159,15 +179,20 @@ def run(socket: str, n: int) -> None:
     print(f"{'client lib: allocate + free (2 RPCs)':<40}{lib_alloc:>12.1f}{lib_alloc / (2 * e_alloc):>10.2f}")
     print(f"{'client lib: lookup 1 key':<40}{lib_lookup:>12.1f}{lib_lookup / e_lookup:>10.2f}")
     print("(x echo = the call's median / the median of the Echo calls alternated with it in the same loop)")
-    print(f"\ntarget: every broker RPC within 1.3x of echo at the median: worst {worst:.2f}x -> "
-          f"{'MET' if worst <= 1.3 else 'NOT MET'}")
+    print(
+        f"\ntarget: every broker RPC within 1.3x of echo at the median: worst {worst:.2f}x -> "
+        f"{'MET' if worst <= 1.3 else 'NOT MET'}"
+    )
 
     # Batched allocate of 1,000 pages: one RPC, two shapes.
     print(f"\n{'batched allocate of 1,000 pages':<40}{'median ms':>12}{'pages/s':>14}")
     for name, req in (
         ("1,000 objects of 1 page", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1, content_type=kv)] * 1000)),
         ("1 object of 1,000 pages", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1000, content_type=kv)])),
-        ("1 contiguous object of 1,000 pages", pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1000, content_type=kv, contiguous=True)])),
+        (
+            "1 contiguous object of 1,000 pages",
+            pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1000, content_type=kv, contiguous=True)]),
+        ),
     ):
         samples = []
         for _ in range(max(5, n // 20)):

@@ -44,14 +44,19 @@ class Context:
 
 async def run(chunks: int, per_chunk: int) -> None:
     d = tempfile.mkdtemp(prefix="mb-ovh-", dir="/tmp")
-    opts = ServeOptions(socket=os.path.join(d, "b.sock"), arena="host", pool_size=256 << 20,
-                        slab_size=64 << 20, state_dir=os.path.join(d, "state"))
+    opts = ServeOptions(
+        socket=os.path.join(d, "b.sock"),
+        arena="host",
+        pool_size=256 << 20,
+        slab_size=64 << 20,
+        state_dir=os.path.join(d, "state"),
+    )
 
     srv = BrokerServer(opts, configure("info", "json", open(os.devnull, "w")))
     await srv.start()
     try:
         s = srv.sessions.open("bench", os.getpid())
-        (obj, _), = srv.store.allocate(s.session_id, [Spec(1, key=b"k")])
+        ((obj, _),) = srv.store.allocate(s.session_id, [Spec(1, key=b"k")])
         ctx = Context(s.token)
         svc = srv.service
         pin = pb.PinRequest(object_ids=[obj.object_id])
@@ -75,8 +80,7 @@ async def run(chunks: int, per_chunk: int) -> None:
                 pb.PinResponse(objects=[info(obj, sid)])
                 pb.UnpinResponse()
 
-        rows = {"core pin + unpin": [], "servicer Pin + Unpin (no transport)": [],
-                "their two response messages": []}
+        rows = {"core pin + unpin": [], "servicer Pin + Unpin (no transport)": [], "their two response messages": []}
         for _ in range(chunks):
             t0 = time.perf_counter_ns()
             core(per_chunk)

@@ -189,8 +189,15 @@ def bench_teardown(sizes: list[int], table: list) -> None:
             if not more:
                 break
         assert not store.objects
-        table.append({"operation": "session end: longest single stall", "size": f"{n:,} objects",
-                      "median_ms": max(stalls), "p99_ms": max(stalls), "total_ms": sum(stalls)})
+        table.append(
+            {
+                "operation": "session end: longest single stall",
+                "size": f"{n:,} objects",
+                "median_ms": max(stalls),
+                "p99_ms": max(stalls),
+                "total_ms": sum(stalls),
+            }
+        )
         del store
         gc.collect()
 
@@ -208,10 +215,30 @@ def start_broker(socket: str, state: str, pages: int) -> subprocess.Popen:
     # nothing here touches a page, so a large pool costs address space, not memory.
     size_gib = 4 * (-(-pages * 512 // (4 << 20)) + 1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host",
-         "--enable-echo", "--pool-size", f"{size_gib}GiB", "--page-size", "512KiB", "--slab-size", "4GiB",
-         "--state-dir", state, "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "memory_broker.broker.cli",
+            "serve",
+            "--socket",
+            socket,
+            "--arena",
+            "host",
+            "--enable-echo",
+            "--pool-size",
+            f"{size_gib}GiB",
+            "--page-size",
+            "512KiB",
+            "--slab-size",
+            "4GiB",
+            "--state-dir",
+            state,
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -282,7 +309,11 @@ def bench_daemon(n: int, seconds: float, table: list) -> None:
         left = n
         while left:
             k = min(left, 65536)
-            stub.Allocate(pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1, content_type=pb.CONTENT_TYPE_TEMP_BUFFER)] * k), metadata=md, timeout=600)
+            stub.Allocate(
+                pb.AllocateRequest(objects=[pb.ObjectSpec(num_pages=1, content_type=pb.CONTENT_TYPE_TEMP_BUFFER)] * k),
+                metadata=md,
+                timeout=600,
+            )
             left -= k
         st = stub.GetStats(pb.GetStatsRequest(), metadata=md)
         assert st.objects >= n, st.objects

@@ -51,8 +51,14 @@ def registry_rows(root: str, src: str, sizes: list[int], out: list, memory: list
             total = reg.count("")
             samples.append((time.perf_counter_ns() - t0) / 1e6)
         assert len(page.adapters) == 50 and total == n
-        out.append({"operation": "ListAdapters page (50) + total", "size": f"{n:,} adapters",
-                    "median_ms": statistics.median(samples), "p99_ms": pct(samples, 0.99)})
+        out.append(
+            {
+                "operation": "ListAdapters page (50) + total",
+                "size": f"{n:,} adapters",
+                "median_ms": statistics.median(samples),
+                "p99_ms": pct(samples, 0.99),
+            }
+        )
         disk = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if os.path.isfile(os.path.join(d, f)))
         memory.append((n, (rss_bytes() - r0) / n, disk / n))
         reg.close()
@@ -68,10 +74,27 @@ def backlog_rows(root: str, src: str, k: int, seconds: float, out: list) -> None
     import subprocess
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memory_broker.broker.cli", "serve", "--socket", socket, "--arena", "host",
-         "--enable-echo", "--pool-size", "1GiB", "--slab-size", "256MiB", "--state-dir", os.path.join(d, "state"),
-         "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "memory_broker.broker.cli",
+            "serve",
+            "--socket",
+            socket,
+            "--arena",
+            "host",
+            "--enable-echo",
+            "--pool-size",
+            "1GiB",
+            "--slab-size",
+            "256MiB",
+            "--state-dir",
+            os.path.join(d, "state"),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 60
@@ -80,8 +103,15 @@ def backlog_rows(root: str, src: str, k: int, seconds: float, out: list) -> None
         time.sleep(0.5)
         with BrokerClient.connect(socket, client_name="registrar") as c:
             base = echo_result(echo_child(socket, min(seconds, 5.0)))
-            out.append({"operation": "Echo RPC, no conversion backlog", "size": f"{k:,} adapters",
-                        "median_ms": statistics.median(base), "p99_ms": pct(base, 0.99), "max_ms": max(base)})
+            out.append(
+                {
+                    "operation": "Echo RPC, no conversion backlog",
+                    "size": f"{k:,} adapters",
+                    "median_ms": statistics.median(base),
+                    "p99_ms": pct(base, 0.99),
+                    "max_ms": max(base),
+                }
+            )
             t0 = time.monotonic()
             for i in range(k):
                 c.register_adapter(f"bulk-{i:06d}", src)
@@ -89,10 +119,19 @@ def backlog_rows(root: str, src: str, k: int, seconds: float, out: list) -> None
             queued = c.stats().adapters.convert_queued
             during = echo_result(echo_child(socket, seconds))
             left = c.stats().adapters.convert_queued
-            out.append({"operation": "Echo RPC while conversions drain", "size": f"{k:,} adapters",
-                        "median_ms": statistics.median(during), "p99_ms": pct(during, 0.99), "max_ms": max(during)})
-            print(f"(registered {k:,} adapters in {reg_s:.1f} s; conversion backlog {queued:,} after registering, "
-                  f"{left:,} after {seconds:g} s more)")
+            out.append(
+                {
+                    "operation": "Echo RPC while conversions drain",
+                    "size": f"{k:,} adapters",
+                    "median_ms": statistics.median(during),
+                    "p99_ms": pct(during, 0.99),
+                    "max_ms": max(during),
+                }
+            )
+            print(
+                f"(registered {k:,} adapters in {reg_s:.1f} s; conversion backlog {queued:,} after registering, "
+                f"{left:,} after {seconds:g} s more)"
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

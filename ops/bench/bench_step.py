@@ -312,8 +312,9 @@ def raw_pingpong(d: str, n: int, idle: bool = False, one_cpu: bool = False) -> l
         os.unlink(path)
     mask = os.sched_getaffinity(0)
     cpu = min(mask)
-    p = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path] + ([str(cpu)] if one_cpu else []),
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", ECHO_SERVER, path] + ([str(cpu)] if one_cpu else []), stdout=subprocess.PIPE, text=True
+    )
     if one_cpu:
         os.sched_setaffinity(0, {cpu})
     try:
@@ -369,8 +370,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per path and workload")
     ap.add_argument("--quick", action="store_true", help="at most 200 steps (a smoke run)")
     ap.add_argument("--only", default="", help="run only the paths whose name contains this (a quick look)")
-    ap.add_argument("--poll-s", type=float, default=None,
-                    help="the background batch's poll_s (default: the client's, POLL_S)")
+    ap.add_argument(
+        "--poll-s", type=float, default=None, help="the background batch's poll_s (default: the client's, POLL_S)"
+    )
     a = ap.parse_args()
     if a.poll_s is not None:
         global POLL_S
@@ -398,7 +400,9 @@ def run(d: str, sock: str, steps: int) -> None:
         raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
     # The KV blocks stay allocated (owned by the setup session) while the paths run.
     for first in range(0, KEYS, 1000):
-        setup.allocate([Spec(1, content_type="kv_cache", key=b"kv-%d" % i) for i in range(first, min(KEYS, first + 1000))])
+        setup.allocate(
+            [Spec(1, content_type="kv_cache", key=b"kv-%d" % i) for i in range(first, min(KEYS, first + 1000))]
+        )
     warm = max(50, steps // 10)
     workloads = {"steady": steady(steps + warm), "trace": trace(steps + warm)}
 
@@ -426,27 +430,36 @@ def run(d: str, sock: str, steps: int) -> None:
     # VM a round trip between two CPUs costs 2-4x one on the same CPU, and where the
     # scheduler puts a fresh echo process varies; the fastest is the strictest yardstick.
     raw_us = min(min(raw_chunks), statistics.median(raw_one))
-    print(f"Engine step control plane, per step at the client ({steps} steps per row; "
-          f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')})")
+    print(
+        f"Engine step control plane, per step at the client ({steps} steps per row; "
+        f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')})"
+    )
     print(f"{'baseline':<44}{'median us':>10}{'p99 us':>10}{'x raw':>8}")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f}{'':>10}{1.0:>8.2f}")
-    for name, xs in (("raw ping-pong, both processes on one CPU", raw_one), ("raw ping-pong, all echo processes", raw),
-                     ("raw ping-pong, each after the model's wait", raw_idle),
-                     ("step channel PING (broker, same socket kind)", ping),
-                     ("gRPC Echo (bare, same broker)", echo)):
+    for name, xs in (
+        ("raw ping-pong, both processes on one CPU", raw_one),
+        ("raw ping-pong, all echo processes", raw),
+        ("raw ping-pong, each after the model's wait", raw_idle),
+        ("step channel PING (broker, same socket kind)", ping),
+        ("gRPC Echo (bare, same broker)", echo),
+    ):
         print(f"{name:<44}{statistics.median(xs):>10.1f}{pct(xs, 0.99):>10.1f}{statistics.median(xs) / raw_us:>8.2f}")
     print()
     print(f"{'path':<42}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}")
     for (name, wl), (xs, rts) in results.items():
         med, p99 = statistics.median(xs), pct(xs, 0.99)
         print(f"{name:<42}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}")
-    print("(x raw = per-step median or p99 / the fastest raw ping-pong median of this run: on one CPU, or of "
-          f"the echo processes left to the scheduler ({', '.join(f'{x:.1f}' for x in raw_chunks)} us); "
-          "RT/step = frames sent)")
+    print(
+        "(x raw = per-step median or p99 / the fastest raw ping-pong median of this run: on one CPU, or of "
+        f"the echo processes left to the scheduler ({', '.join(f'{x:.1f}' for x in raw_chunks)} us); "
+        "RT/step = frames sent)"
+    )
     for wl, (xs, ps) in cpu.items():
-        print(f"{wl}: CPU per step: the engine thread's in begin + result, median {statistics.median(xs):.1f} us "
-              f"(p99 {pct(xs, 0.99):.1f}); the client process's, every thread, median {statistics.median(ps):.1f} us "
-              f"(p99 {pct(ps, 0.99):.1f})")
+        print(
+            f"{wl}: CPU per step: the engine thread's in begin + result, median {statistics.median(xs):.1f} us "
+            f"(p99 {pct(xs, 0.99):.1f}); the client process's, every thread, median {statistics.median(ps):.1f} us "
+            f"(p99 {pct(ps, 0.99):.1f})"
+        )
     cached = [n for n, _, _ in PATHS if n.startswith("cache")]
     if not cached:
         setup.close()
@@ -464,8 +477,10 @@ def run(d: str, sock: str, steps: int) -> None:
         best = min(names, key=lambda n: statistics.median(results[(n, "trace")][0]))
         tr = results[(best, "trace")][0]
         ok2 = statistics.median(tr) <= 2 * raw_us and pct(tr, 0.99) <= 10 * raw_us
-        print(f"target trace, {label} ({best}): median <= 2x raw, p99 <= 10x: "
-              f"{statistics.median(tr) / raw_us:.2f}x, {pct(tr, 0.99) / raw_us:.2f}x -> {'MET' if ok2 else 'NOT MET'}")
+        print(
+            f"target trace, {label} ({best}): median <= 2x raw, p99 <= 10x: "
+            f"{statistics.median(tr) / raw_us:.2f}x, {pct(tr, 0.99) / raw_us:.2f}x -> {'MET' if ok2 else 'NOT MET'}"
+        )
     setup.close()
 
 

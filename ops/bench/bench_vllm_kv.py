@@ -52,11 +52,21 @@ def engine_main(a: argparse.Namespace) -> None:
         )
     elif a.mode == "file":
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": a.storage},
         )
-    llm = LLM(model=a.model, dtype="float32", enforce_eager=True, block_size=32, max_model_len=2048,
-              max_num_seqs=8, seed=0, disable_hybrid_kv_cache_manager=True, **kw)
+    llm = LLM(
+        model=a.model,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=2048,
+        max_num_seqs=8,
+        seed=0,
+        disable_hybrid_kv_cache_manager=True,
+        **kw,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=1)
     # Warm-up on a prompt outside the workload.
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 40)], sp, use_tqdm=False)
@@ -69,8 +79,14 @@ def engine_main(a: argparse.Namespace) -> None:
         for p in cmd["prompts"]:
             t = time.perf_counter()
             o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
-            out.append({"ttft_s": time.perf_counter() - t, "prompt": len(p), "cached": o.num_cached_tokens or 0,
-                        "token": o.outputs[0].token_ids[0]})
+            out.append(
+                {
+                    "ttft_s": time.perf_counter() - t,
+                    "prompt": len(p),
+                    "cached": o.num_cached_tokens or 0,
+                    "token": o.outputs[0].token_ids[0],
+                }
+            )
         answers.write(json.dumps({"results": out}) + "\n")
 
 
@@ -81,9 +97,15 @@ class Engine:
     def __init__(self, args: list[str], log_path: str):
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONUNBUFFERED="1")
         with open(log_path, "w") as logf:
-            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", *args], env=env,
-                                         text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--engine", *args],
+                env=env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                start_new_session=True,
+            )
         self.log_path = log_path
 
     def line(self, timeout: float = 1800) -> dict:
@@ -113,9 +135,28 @@ class Engine:
 def start_broker(python: str, tmp: str) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(tmp, "b.sock")
     logf = open(os.path.join(tmp, "broker.log"), "w")
-    proc = subprocess.Popen([python, "-m", "memory_broker.broker.cli", "serve", "--socket", sock, "--arena", "host",
-                             "--state-dir", os.path.join(tmp, "state"), "--pool-size", "2GiB", "--page-size", "512KiB",
-                             "--slab-size", "64MiB"], stdout=logf, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "memory_broker.broker.cli",
+            "serve",
+            "--socket",
+            sock,
+            "--arena",
+            "host",
+            "--state-dir",
+            os.path.join(tmp, "state"),
+            "--pool-size",
+            "2GiB",
+            "--page-size",
+            "512KiB",
+            "--slab-size",
+            "64MiB",
+        ],
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -204,8 +245,10 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['ttft_mean_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
-                     f"{r['ttft_engine2_first_ms']:.0f} | {r['prefill_computed']} | {r['prompt_tokens']} |")
+        lines.append(
+            f"| {r['mode']} | {r['ttft_mean_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
+            f"{r['ttft_engine2_first_ms']:.0f} | {r['prefill_computed']} | {r['prompt_tokens']} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -53,12 +53,24 @@ def engine_main(a: argparse.Namespace) -> None:
         loras = {n: broker_lora_request(n) for n in names}
     else:
         loras = {n: LoRARequest(n, i + 1, os.path.join(a.lora_dir, n)) for i, n in enumerate(names)}
-    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, block_size=32, max_model_len=2048, max_num_seqs=32,
-              seed=0, enable_prefix_caching=False, enable_lora=True, max_loras=a.max_loras, max_lora_rank=8)
+    llm = LLM(
+        model=a.model,
+        dtype=a.dtype,
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=2048,
+        max_num_seqs=32,
+        seed=0,
+        enable_prefix_caching=False,
+        enable_lora=True,
+        max_loras=a.max_loras,
+        max_lora_rank=8,
+    )
     # Warm-up with every adapter (loads them; the broker path acquires them).
     warm = SamplingParams(temperature=0.0, max_tokens=2)
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 40)] * len(names), warm,
-                 lora_request=list(loras.values()), use_tqdm=False)
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=[5] * 40)] * len(names), warm, lora_request=list(loras.values()), use_tqdm=False
+    )
     answers.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -90,12 +102,24 @@ def engine_main(a: argparse.Namespace) -> None:
 
 class Engine(_KVEngine):
     def __init__(self, args: list[str], log_path: str, extra_env: dict):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONUNBUFFERED="1",
-                   VLLM_ALLOW_INSECURE_SERIALIZATION="1", **extra_env)
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="2",
+            PYTHONUNBUFFERED="1",
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+            **extra_env,
+        )
         with open(log_path, "w") as logf:
-            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", *args], env=env,
-                                         text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--engine", *args],
+                env=env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                start_new_session=True,
+            )
         self.log_path = log_path
 
     def ask(self, **cmd) -> dict:
@@ -108,10 +132,28 @@ def start_broker(python: str, tmp: str, adapter_dtype: str) -> tuple[subprocess.
     sock = os.path.join(tmp, "b.sock")
     logf = open(os.path.join(tmp, "broker.log"), "w")
     # Adapters stored in the engine's dtype: the kernels read x in the adapters' dtype.
-    proc = subprocess.Popen([python, "-m", "memory_broker.broker.cli", "serve", "--socket", sock, "--arena", "host",
-                             "--state-dir", os.path.join(tmp, "state"), "--pool-size", "512MiB",
-                             "--slab-size", "64MiB", "--adapter-dtype", adapter_dtype],
-                            stdout=logf, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "memory_broker.broker.cli",
+            "serve",
+            "--socket",
+            sock,
+            "--arena",
+            "host",
+            "--state-dir",
+            os.path.join(tmp, "state"),
+            "--pool-size",
+            "512MiB",
+            "--slab-size",
+            "64MiB",
+            "--adapter-dtype",
+            adapter_dtype,
+        ],
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -122,8 +164,20 @@ def start_broker(python: str, tmp: str, adapter_dtype: str) -> tuple[subprocess.
 
 
 def run_mode(mode: str, a, model: str, tmp: str, names: list[str], sock: str, work) -> dict:
-    args = ["--model", model, "--mode", mode, "--lora-dir", tmp, "--lora-names", ",".join(names),
-            "--max-loras", str(a.max_loras), "--dtype", a.dtype]
+    args = [
+        "--model",
+        model,
+        "--mode",
+        mode,
+        "--lora-dir",
+        tmp,
+        "--lora-names",
+        ",".join(names),
+        "--max-loras",
+        str(a.max_loras),
+        "--dtype",
+        a.dtype,
+    ]
     extra = {"MEMORY_BROKER_SOCKET": sock} if mode == "broker" else {}
     e = Engine(args, os.path.join(tmp, f"{mode}.log"), extra)
     try:
@@ -187,11 +241,19 @@ def main() -> None:
     broker, sock = start_broker(a.broker_python, tmp, a.dtype)
     rows = []
     try:
-        reg = subprocess.run([a.broker_python, "-c", "import sys; from memory_broker.clients import BrokerClient\n"
-                              "with BrokerClient.connect(sys.argv[1]) as c:\n"
-                              "    [c.register_adapter(n, p) for n, p in zip(sys.argv[2::2], sys.argv[3::2])]",
-                              sock, *[x for n in names for x in (n, os.path.join(tmp, n))]],
-                             capture_output=True, text=True)
+        reg = subprocess.run(
+            [
+                a.broker_python,
+                "-c",
+                "import sys; from memory_broker.clients import BrokerClient\n"
+                "with BrokerClient.connect(sys.argv[1]) as c:\n"
+                "    [c.register_adapter(n, p) for n, p in zip(sys.argv[2::2], sys.argv[3::2])]",
+                sock,
+                *[x for n in names for x in (n, os.path.join(tmp, n))],
+            ],
+            capture_output=True,
+            text=True,
+        )
         if reg.returncode:
             raise RuntimeError(f"registering the adapters failed: {reg.stderr}")
         for mode in a.modes.split(","):
@@ -203,11 +265,20 @@ def main() -> None:
         broker.wait(30)
     same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
     # Per request, where each mode's greedy tokens first leave the first mode's (None: never).
-    diverge = {r["mode"]: [next((i for i, (x, y) in enumerate(zip(t, t0)) if x != y), None)
-                           for t, t0 in zip(r["tokens"], rows[0]["tokens"])] for r in rows[1:]}
+    diverge = {
+        r["mode"]: [
+            next((i for i, (x, y) in enumerate(zip(t, t0)) if x != y), None)
+            for t, t0 in zip(r["tokens"], rows[0]["tokens"])
+        ]
+        for r in rows[1:]
+    }
     agree = "; ".join(
         f"{m}: {sum(d is None for d in ds)} of {len(ds)} requests identical"
-        + (f", the others first differ at output token {sorted(d for d in ds if d is not None)}" if not all(d is None for d in ds) else "")
+        + (
+            f", the others first differ at output token {sorted(d for d in ds if d is not None)}"
+            if not all(d is None for d in ds)
+            else ""
+        )
         for m, ds in diverge.items()
     )
     lines = [
@@ -225,8 +296,10 @@ def main() -> None:
     ]
     for r in rows:
         m = r["memory"]
-        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['ttft_mean_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
-                     f"{m['slot_buffer_bytes']} | {m['adapter_cache_bytes']} | {m['zero_copy_extra_bytes']} |")
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['ttft_mean_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
+            f"{m['slot_buffer_bytes']} | {m['adapter_cache_bytes']} | {m['zero_copy_extra_bytes']} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -23,7 +23,8 @@ def _resolve(args: list[str]) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as report:
         r = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", report.name, *args],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         if r.returncode != 0:
             sys.stderr.write(r.stderr)

@@ -62,7 +62,9 @@ def pins(reqs: list[Requirement]) -> list[str]:
         try:
             v = md.version(r.name)
         except md.PackageNotFoundError:
-            raise SystemExit(f"{r.name} is not installed in {sys.prefix}: install it here first (it is what gets tested)")
+            raise SystemExit(
+                f"{r.name} is not installed in {sys.prefix}: install it here first (it is what gets tested)"
+            )
         if r.specifier and not r.specifier.contains(v, prereleases=True):
             raise SystemExit(f"{r.name} {v} here is outside {r} (ops/gpu/wheelhouse.in): fix one of them")
         out.append(f"{r.name}=={v}")
@@ -73,15 +75,24 @@ def wheel_requirements(path: str) -> list[Requirement]:
     with zipfile.ZipFile(path) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
-    return [Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines() if line.startswith("Requires-Dist:")]
+    return [
+        Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines() if line.startswith("Requires-Dist:")
+    ]
 
 
 def target_environment(python_version: str) -> dict:
     env = default_environment()
     major, minor = python_version.split(".")[:2]
-    env.update(python_version=f"{major}.{minor}", python_full_version=f"{major}.{minor}.0",
-               sys_platform="linux", platform_system="Linux", platform_machine="x86_64",
-               implementation_name="cpython", platform_python_implementation="CPython", os_name="posix")
+    env.update(
+        python_version=f"{major}.{minor}",
+        python_full_version=f"{major}.{minor}.0",
+        sys_platform="linux",
+        platform_system="Linux",
+        platform_machine="x86_64",
+        implementation_name="cpython",
+        platform_python_implementation="CPython",
+        os_name="posix",
+    )
     return env
 
 
@@ -130,8 +141,20 @@ def main() -> int:
 
     pip = [sys.executable, "-m", "pip"]
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
-    cmd = [*pip, "download", "--no-deps", "--only-binary=:all:", "--python-version", args.python_version,
-           "--implementation", "cp", *plat, "-d", args.out, *pins(reqs)]
+    cmd = [
+        *pip,
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        args.python_version,
+        "--implementation",
+        "cp",
+        *plat,
+        "-d",
+        args.out,
+        *pins(reqs),
+    ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     cmd = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", args.out, ROOT]

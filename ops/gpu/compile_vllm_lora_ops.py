@@ -19,11 +19,21 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-META_PTRS = {n: "*i32" for n in ("token_indices_sorted_by_lora_ids", "num_tokens_per_lora", "lora_token_start_loc", "lora_ids")}
+META_PTRS = {
+    n: "*i32" for n in ("token_indices_sorted_by_lora_ids", "num_tokens_per_lora", "lora_token_start_loc", "lora_ids")
+}
 
 
-def _compile(fn, pointers: dict[str, str], floats: set[str], constexprs: dict, num_warps: int, num_stages: int,
-             arch: int, dtype: str) -> int:
+def _compile(
+    fn,
+    pointers: dict[str, str],
+    floats: set[str],
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int,
+    arch: int,
+    dtype: str,
+) -> int:
     """Compiles ``fn`` (pointer arguments 16-byte aligned, other ints i32) and returns its shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -39,10 +49,12 @@ def _compile(fn, pointers: dict[str, str], floats: set[str], constexprs: dict, n
         else:
             signature[name] = "fp32" if name in floats else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if signature[name].startswith("*")}
-    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                       attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    source = ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
     return int(compiled.metadata.shared)
 
 
@@ -55,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         print("compile_vllm_lora_ops: run with TRITON_INTERPRET unset", file=sys.stderr)
         return 1
     if not (args.ops / "MANIFEST.json").is_file():
-        print(f"compile_vllm_lora_ops: no extraction in {args.ops} (run ops/gpu/extract_vllm_lora_ops.py)", file=sys.stderr)
+        print(
+            f"compile_vllm_lora_ops: no extraction in {args.ops} (run ops/gpu/extract_vllm_lora_ops.py)",
+            file=sys.stderr,
+        )
         return 1
     sys.path.insert(0, str(args.ops))
     sys.path.insert(0, str(REPO / "ops" / "bench"))
@@ -69,28 +84,69 @@ def main(argv: list[str] | None = None) -> int:
         # As _lora_shrink / _lora_expand compute them: max_loras is lora_ids' length (slots + 1).
         loras, m, k, r, s = case.num_adapters + 1, case.num_tokens, case.hidden, case.rank, case.num_slices
         c = get_lora_op_configs("shrink", max_loras=loras, batch=m, hidden_size=k, rank=r, num_slices=s)
-        e = get_lora_op_configs("expand", max_loras=loras, batch=m, hidden_size=k, rank=r, num_slices=s, add_inputs=True)
+        e = get_lora_op_configs(
+            "expand", max_loras=loras, batch=m, hidden_size=k, rank=r, num_slices=s, add_inputs=True
+        )
         for dtype in ("fp16", "bf16"):
             shrink = _compile(
-                _lora_shrink_kernel, {"input_ptr": "*DT", "lora_ptr": "*u64", "out_ptr": "*fp32", **META_PTRS}, {"scaling"},
-                {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"],
-                 "EVEN_K": k % (c["block_k"] * c["split_k"]) == 0, "SPLIT_K": c["split_k"],
-                 "GROUP_SIZE_M": c.get("group_size_m", 8), "SLICE_NUM": s, "USE_GDC": False, "launch_pdl": False,
-                 "STORE_PARTIALS": False, "PARTIAL_N": 0, "PARTIAL_K": 0},
-                c["num_warps"], c["num_stages"], args.arch, dtype,
+                _lora_shrink_kernel,
+                {"input_ptr": "*DT", "lora_ptr": "*u64", "out_ptr": "*fp32", **META_PTRS},
+                {"scaling"},
+                {
+                    "BLOCK_M": c["block_m"],
+                    "BLOCK_N": c["block_n"],
+                    "BLOCK_K": c["block_k"],
+                    "EVEN_K": k % (c["block_k"] * c["split_k"]) == 0,
+                    "SPLIT_K": c["split_k"],
+                    "GROUP_SIZE_M": c.get("group_size_m", 8),
+                    "SLICE_NUM": s,
+                    "USE_GDC": False,
+                    "launch_pdl": False,
+                    "STORE_PARTIALS": False,
+                    "PARTIAL_N": 0,
+                    "PARTIAL_K": 0,
+                },
+                c["num_warps"],
+                c["num_stages"],
+                args.arch,
+                dtype,
             )
             expand = _compile(
-                _lora_expand_kernel, {"input_ptr": "*fp32", "lora_ptr": "*u64", "out_ptr": "*DT",
-                                      "slice_start_loc": "*u64", "output_hs_ptr": "*i64", **META_PTRS}, set(),
-                {"BLOCK_M": e["block_m"], "BLOCK_N": e["block_n"], "BLOCK_K": e["block_k"],
-                 "EVEN_K": r % e["block_k"] == 0, "ADD_INPUTS": True, "CAST_TYPE": True, "SLICE_NUM": s,
-                 "SAME_STRIDE": True, "USE_GDC": False, "launch_pdl": False},
-                e["num_warps"], e["num_stages"], args.arch, dtype,
+                _lora_expand_kernel,
+                {
+                    "input_ptr": "*fp32",
+                    "lora_ptr": "*u64",
+                    "out_ptr": "*DT",
+                    "slice_start_loc": "*u64",
+                    "output_hs_ptr": "*i64",
+                    **META_PTRS,
+                },
+                set(),
+                {
+                    "BLOCK_M": e["block_m"],
+                    "BLOCK_N": e["block_n"],
+                    "BLOCK_K": e["block_k"],
+                    "EVEN_K": r % e["block_k"] == 0,
+                    "ADD_INPUTS": True,
+                    "CAST_TYPE": True,
+                    "SLICE_NUM": s,
+                    "SAME_STRIDE": True,
+                    "USE_GDC": False,
+                    "launch_pdl": False,
+                },
+                e["num_warps"],
+                e["num_stages"],
+                args.arch,
+                dtype,
             )
-            print(f"{case.name} {dtype}: shrink block {c['block_m']}x{c['block_n']}x{c['block_k']} split_k {c['split_k']} "
-                  f"shared {shrink}; expand block {e['block_m']}x{e['block_n']}x{e['block_k']} shared {expand}")
-    print(f"compiled vLLM's lora_shrink / lora_expand for sm_{args.arch} with triton {triton.__version__} "
-          "(PDL off: vLLM uses it only with VLLM_LORA_ENABLE_DUAL_STREAM)")
+            print(
+                f"{case.name} {dtype}: shrink block {c['block_m']}x{c['block_n']}x{c['block_k']} split_k {c['split_k']} "
+                f"shared {shrink}; expand block {e['block_m']}x{e['block_n']}x{e['block_k']} shared {expand}"
+            )
+    print(
+        f"compiled vLLM's lora_shrink / lora_expand for sm_{args.arch} with triton {triton.__version__} "
+        "(PDL off: vLLM uses it only with VLLM_LORA_ENABLE_DUAL_STREAM)"
+    )
     return 0
 
 

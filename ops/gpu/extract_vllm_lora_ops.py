@@ -50,7 +50,7 @@ SHIMS: dict[str, str] = {
         what="Stands for vllm/envs.py: the four variables the LoRA ops read, parsed as vLLM parses "
         "them (same names, same defaults), read at each access as vLLM's module __getattr__ does."
     )
-    + '''
+    + """
 import os
 
 _VARIABLES = {
@@ -68,12 +68,12 @@ def __getattr__(name: str):
     if name in _VARIABLES:
         return _VARIABLES[name]()
     raise AttributeError(f"the vllm.envs shim has no {name!r} (only {sorted(_VARIABLES)})")
-''',
+""",
     "vllm/logger.py": SHIM_HEADER.format(
         what="Stands for vllm/logger.py's init_logger: a stdlib logger with vLLM's info_once / "
         "warning_once (each message printed once)."
     )
-    + '''
+    + """
 import logging
 from types import MethodType
 
@@ -96,7 +96,7 @@ def init_logger(name: str) -> logging.Logger:
     logger.warning_once = MethodType(_once(logging.WARNING), logger)
     logger.debug_once = MethodType(_once(logging.DEBUG), logger)
     return logger
-''',
+""",
     "vllm/triton_utils/__init__.py": SHIM_HEADER.format(
         what="Stands for vllm/triton_utils: vLLM re-exports the installed triton and triton.language."
     )
@@ -244,8 +244,11 @@ def check_imports(name: str, text: str) -> None:
             for alias in node.names:
                 if alias.name == "vllm" or alias.name.startswith("vllm."):
                     raise ExtractError(f"{name}: 'import {alias.name}' has no shim")
-        elif isinstance(node, ast.ImportFrom) and node.module and (node.level == 0) and (
-            node.module == "vllm" or node.module.startswith("vllm.")
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (node.level == 0)
+            and (node.module == "vllm" or node.module.startswith("vllm."))
         ):
             if node.module in copied_modules:
                 continue
@@ -299,7 +302,9 @@ def sha256(data: bytes) -> str:
 
 def vllm_dir_of(python: str) -> Path:
     """Where ``python`` finds the vllm package, without importing it (vLLM's import is slow)."""
-    code = "import importlib.util as u; s = u.find_spec('vllm'); print(list(s.submodule_search_locations)[0] if s else '')"
+    code = (
+        "import importlib.util as u; s = u.find_spec('vllm'); print(list(s.submodule_search_locations)[0] if s else '')"
+    )
     try:
         r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
     except OSError as e:
@@ -354,11 +359,15 @@ def extract(files: dict[str, bytes], version: str, source: str, out: Path) -> di
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--python", help="a python whose vllm to copy from "
-                     "(default: $MEMORY_BROKER_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    src.add_argument(
+        "--python",
+        help="a python whose vllm to copy from (default: $MEMORY_BROKER_VLLM_PYTHON, else .venv-vllm/bin/python)",
+    )
     src.add_argument("--from-site", type=Path, help="a site-packages folder holding vllm/ (or the vllm folder itself)")
     src.add_argument("--wheel", type=Path, help="a vllm wheel file")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT.relative_to(REPO)})")
+    ap.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT.relative_to(REPO)})"
+    )
     args = ap.parse_args(argv)
     try:
         if args.wheel:

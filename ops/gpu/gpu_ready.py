@@ -48,8 +48,10 @@ def _cuda_version(v: int) -> str:
 def problems(f: Facts) -> list[str]:
     """Why the CUDA arena cannot run here, as sentences; empty when it can."""
     if not f.gpus:
-        return ["no GPU on this machine (nvidia-smi lists none and there is no /dev/nvidia0): "
-                "the GPU checks cannot pass without one"]
+        return [
+            "no GPU on this machine (nvidia-smi lists none and there is no /dev/nvidia0): "
+            "the GPU checks cannot pass without one"
+        ]
     out = []
     if f.bindings is None:
         out.append("cuda-python (cuda.bindings) is not importable: install cuda-bindings matching the driver")
@@ -165,7 +167,9 @@ def verdict_problems(counts: dict[str, Tally], must_run: tuple[str, ...] = MUST_
     for path in must_run:
         t = counts.get(path)
         if t is None or t.passed == 0:
-            out.append(f"{path} ran no test: the CUDA arena did not run" + (f" ({t.skips[0]})" if t and t.skips else ""))
+            out.append(
+                f"{path} ran no test: the CUDA arena did not run" + (f" ({t.skips[0]})" if t and t.skips else "")
+            )
         elif t.skipped:
             out.append(f"{path} skipped {t.skipped} test(s) on a GPU run: {t.skips[0]}")
     return out

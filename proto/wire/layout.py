@@ -33,7 +33,6 @@ def elem_size(dtype: str) -> int:
         raise ValueError(f"unknown adapter dtype {dtype!r}; choose one of {', '.join(DTYPE_SIZES)}") from None
 
 
-
 @dataclass(frozen=True, slots=True)
 class RowChunk:
     """Consecutive rows of one matrix inside one page."""
@@ -189,16 +188,24 @@ class AdapterLayout:
         for m in d["modules"]:
             layer, name, rank = int(m["layer"]), str(m["module"]), int(m["rank"])
             a = MatrixPlacement(
-                layer, name, "A", rank, int(m["in_features"]), int(m["a_stride"]),
+                layer,
+                name,
+                "A",
+                rank,
+                int(m["in_features"]),
+                int(m["a_stride"]),
                 tuple(RowChunk(*map(int, c)) for c in m["a"]),
             )
             b = MatrixPlacement(
-                layer, name, "B", rank, int(m["out_features"]), int(m["b_stride"]),
+                layer,
+                name,
+                "B",
+                rank,
+                int(m["out_features"]),
+                int(m["b_stride"]),
                 tuple(RowChunk(*map(int, c)) for c in m["b"]),
             )
-            mods.append(
-                ModulePlacement(layer, name, rank, float(m["scaling"]), a.row_elems, b.row_elems, a, b)
-            )
+            mods.append(ModulePlacement(layer, name, rank, float(m["scaling"]), a.row_elems, b.row_elems, a, b))
         dtype = str(d["dtype"])
         return cls(
             page_size=int(d["page_size"]),

@@ -36,7 +36,9 @@ def spec_from_proto(msg: pb.ObjectSpec) -> Spec:
 
 def _matrix_to_proto(m: MatrixPlacement) -> pb.MatrixLayout:
     return pb.MatrixLayout(
-        rows=m.rows, row_elems=m.row_elems, row_stride=m.row_stride,
+        rows=m.rows,
+        row_elems=m.row_elems,
+        row_stride=m.row_stride,
         chunks=[pb.RowChunk(page_index=c.page, offset=c.offset, rows=c.rows) for c in m.chunks],
     )
 
@@ -56,9 +58,14 @@ def layout_to_proto(
         num_pages=layout.num_pages,
         modules=[
             pb.ModuleLayout(
-                layer=m.layer, module=m.module, rank=m.rank, scaling=m.scaling,
-                in_features=m.in_features, out_features=m.out_features,
-                a=_matrix_to_proto(m.a), b=_matrix_to_proto(m.b),
+                layer=m.layer,
+                module=m.module,
+                rank=m.rank,
+                scaling=m.scaling,
+                in_features=m.in_features,
+                out_features=m.out_features,
+                a=_matrix_to_proto(m.a),
+                b=_matrix_to_proto(m.b),
             )
             for m in layout.modules
         ],
@@ -66,7 +73,9 @@ def layout_to_proto(
     )
 
 
-def _matrix_from_proto(layer: int, module: str, kind: str, rank: int, width: int, msg: pb.MatrixLayout) -> MatrixPlacement:
+def _matrix_from_proto(
+    layer: int, module: str, kind: str, rank: int, width: int, msg: pb.MatrixLayout
+) -> MatrixPlacement:
     chunks = tuple(RowChunk(c.page_index, c.offset, c.rows) for c in msg.chunks)
     return MatrixPlacement(layer, module, kind, rank, width, msg.row_stride, chunks)
 

@@ -26,9 +26,22 @@ STATUS: dict[Code, grpc.StatusCode] = {
 
 # Words of gRPC's own transport failures (the broker's UNAVAILABLE refusals say what to do).
 _TRANSPORT_TEXT = (
-    "failed to connect", "Socket closed", "Connection reset", "Connection refused", "Broken pipe",
-    "No such file", "recvmsg", "sendmsg", "unix:", "ipv4:", "ipv6:", "GOAWAY", "Stream removed", "keepalive",
-    "connections to all backends failing", "Transport closed",
+    "failed to connect",
+    "Socket closed",
+    "Connection reset",
+    "Connection refused",
+    "Broken pipe",
+    "No such file",
+    "recvmsg",
+    "sendmsg",
+    "unix:",
+    "ipv4:",
+    "ipv6:",
+    "GOAWAY",
+    "Stream removed",
+    "keepalive",
+    "connections to all backends failing",
+    "Transport closed",
 )
 
 

@@ -43,8 +43,13 @@ OP_ABORT = 5  # adapter acquire transaction ids
 OP_ACQUIRE = 6  # flags, max_adapters, lease_ms, adapter ids
 OP_LOOKUP = 7  # pin flag, keys
 OP_NAMES = {
-    OP_RELEASE: "release", OP_UNPIN: "unpin", OP_PIN: "pin", OP_COMMIT: "commit", OP_ABORT: "abort",
-    OP_ACQUIRE: "acquire", OP_LOOKUP: "lookup",
+    OP_RELEASE: "release",
+    OP_UNPIN: "unpin",
+    OP_PIN: "pin",
+    OP_COMMIT: "commit",
+    OP_ABORT: "abort",
+    OP_ACQUIRE: "acquire",
+    OP_LOOKUP: "lookup",
 }
 ACQUIRE_PREPARE = 1
 
@@ -281,7 +286,9 @@ def encode_objects(kind: int, objs: Sequence[ObjectRecord]) -> bytes:
         flags = (OBJ_OWNED if o.owned else 0) | (OBJ_DEDUP if o.deduplicated else 0)
         pages = o.pages
         parts.append(
-            _OBJ_HEAD.pack(o.object_id, o.window_page, o.state, o.content_type, flags, o.session_pins, o.total_pins, len(pages))
+            _OBJ_HEAD.pack(
+                o.object_id, o.window_page, o.state, o.content_type, flags, o.session_pins, o.total_pins, len(pages)
+            )
         )
         parts.append(struct.pack("<%dI" % len(pages), *pages))
         parts.append(_U16.pack(len(o.key)) + o.key)
@@ -293,7 +300,9 @@ def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
     parts = [_OBJS_HEAD.pack(kind, len(rows))]
     head, u16 = _OBJ_HEAD.pack, _U16.pack
     for oid, wp, state, ct, owned, dedup, sp, tp, pages, key in rows:
-        parts.append(head(oid, wp, state, ct, (OBJ_OWNED if owned else 0) | (OBJ_DEDUP if dedup else 0), sp, tp, len(pages)))
+        parts.append(
+            head(oid, wp, state, ct, (OBJ_OWNED if owned else 0) | (OBJ_DEDUP if dedup else 0), sp, tp, len(pages))
+        )
         parts.append(struct.pack("<%dI" % len(pages), *pages))
         parts.append(u16(len(key)) + key)
     return b"".join(parts)
@@ -309,7 +318,9 @@ def encode_acquire(out: AcquireOutcome) -> bytes:
     return b"".join(parts)
 
 
-def encode_step_reply(arena_slabs: int, results: Sequence[bytes], error: BrokerError | None = None, index: int = 0) -> bytes:
+def encode_step_reply(
+    arena_slabs: int, results: Sequence[bytes], error: BrokerError | None = None, index: int = 0
+) -> bytes:
     """A STEP reply frame from already-encoded result records."""
     body = _STEP_REPLY_HEAD.pack(arena_slabs, len(results)) + b"".join(results)
     if error is None:
@@ -379,7 +390,21 @@ def decode_step_reply(kind: int, body: bytes) -> StepReply:
                         raise WireError(f"frame ends inside a key: {klen} bytes announced, {end - pos} left")
                     key = bytes(body[pos : pos + klen])
                     pos += klen
-                    objs.append(ObjectRecord(oid, wp, state, ct, bool(flags & OBJ_OWNED), bool(flags & OBJ_DEDUP), sp, tp, pages, key, slabs))
+                    objs.append(
+                        ObjectRecord(
+                            oid,
+                            wp,
+                            state,
+                            ct,
+                            bool(flags & OBJ_OWNED),
+                            bool(flags & OBJ_DEDUP),
+                            sp,
+                            tp,
+                            pages,
+                            key,
+                            slabs,
+                        )
+                    )
                 append(objs)
             elif k in OP_NAMES:
                 pos += 1

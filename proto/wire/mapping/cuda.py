@@ -94,6 +94,7 @@ from memory_broker.proto.wire.mapping.cuda_driver import (
     parse_device_spec,
     resolve_device,
 )
+
 # The torch-facing wrapper of a device range, under the name tests/test_arena_cuda.py uses.
 from memory_broker.proto.wire.mapping.cuda_mappings import CudaArrayInterface as _CudaArrayInterface  # noqa: F401
 from memory_broker.proto.wire.mapping.cuda_mappings import CudaTensors, Leases, Segment, WindowSegments
@@ -189,14 +190,18 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
             check_geometry(geometry, int(self.granularity), d.describe())
             self._phys_size = geometry.max_pages * geometry.page_size
             self._window_size = geometry.window_pages * geometry.page_size
-            self._phys_base = int(self._check(
-                f"cuMemAddressReserve({self._phys_size} bytes, physical view)",
-                drv.cuMemAddressReserve(self._phys_size, 0, 0, 0),
-            ))
-            self._window_base = int(self._check(
-                f"cuMemAddressReserve({self._window_size} bytes, window)",
-                drv.cuMemAddressReserve(self._window_size, 0, 0, 0),
-            ))
+            self._phys_base = int(
+                self._check(
+                    f"cuMemAddressReserve({self._phys_size} bytes, physical view)",
+                    drv.cuMemAddressReserve(self._phys_size, 0, 0, 0),
+                )
+            )
+            self._window_base = int(
+                self._check(
+                    f"cuMemAddressReserve({self._window_size} bytes, window)",
+                    drv.cuMemAddressReserve(self._window_size, 0, 0, 0),
+                )
+            )
         except BaseException:
             if self._phys_base:
                 drv.cuMemAddressFree(self._phys_base, self._phys_size)
@@ -278,8 +283,14 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
                     ro = readonly or self._slab_readonly[slab]
                     start = window_page + off
                     seg = Segment(n, slab, slab_page, ro)
-                    self._map(self._window_base + start * g.page_size, n * g.page_size, slab_page * g.page_size,
-                              self._handles[slab], ro, f"window pages {start}..{start + n} <- slab {slab} page {slab_page}")
+                    self._map(
+                        self._window_base + start * g.page_size,
+                        n * g.page_size,
+                        slab_page * g.page_size,
+                        self._handles[slab],
+                        ro,
+                        f"window pages {start}..{start + n} <- slab {slab} page {slab_page}",
+                    )
                     self._window.add(start, seg)
                     added.append(start)
                     self._protect_segment(start, seg)
@@ -392,8 +403,12 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         attempt("cuCtxSetCurrent(primary context)", drv.cuCtxSetCurrent, self._ctx)
         attempt("cuCtxSynchronize() before closing the arena view", drv.cuCtxSynchronize)
         for start, seg in self._window:
-            attempt(f"cuMemUnmap(window pages {start}..{start + seg.count})", drv.cuMemUnmap,
-                    self._window_base + start * g.page_size, seg.count * g.page_size)
+            attempt(
+                f"cuMemUnmap(window pages {start}..{start + seg.count})",
+                drv.cuMemUnmap,
+                self._window_base + start * g.page_size,
+                seg.count * g.page_size,
+            )
         self._window.clear()
         for i in range(len(self._handles)):
             attempt(f"cuMemUnmap(slab {i})", drv.cuMemUnmap, self._phys_base + i * g.slab_size, g.slab_size)
@@ -403,8 +418,11 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         self._slab_readonly.clear()
         attempt("cuMemAddressFree(window)", drv.cuMemAddressFree, self._window_base, self._window_size)
         attempt("cuMemAddressFree(physical view)", drv.cuMemAddressFree, self._phys_base, self._phys_size)
-        attempt(f"cuDevicePrimaryCtxRelease(device {self.device.ordinal})", drv.cuDevicePrimaryCtxRelease,
-                self.device.handle)
+        attempt(
+            f"cuDevicePrimaryCtxRelease(device {self.device.ordinal})",
+            drv.cuDevicePrimaryCtxRelease,
+            self.device.handle,
+        )
         if errors:
             raise errors[0]
 
@@ -444,8 +462,10 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         keep: list[tuple[int, Segment]] = []
         for start in hit:
             seg = self._window[start]
-            self._check(f"cuMemUnmap(window pages {start}..{start + seg.count})",
-                        self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size))
+            self._check(
+                f"cuMemUnmap(window pages {start}..{start + seg.count})",
+                self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size),
+            )
             self._window.remove(start)
             if start < window_page:
                 keep.append((start, Segment(window_page - start, seg.slab, seg.slab_page, seg.readonly)))
@@ -453,8 +473,14 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
             if seg_end > end:
                 keep.append((end, Segment(seg_end - end, seg.slab, seg.slab_page + (end - start), seg.readonly)))
         for start, seg in keep:
-            self._map(self._window_base + start * g.page_size, seg.count * g.page_size, seg.slab_page * g.page_size,
-                      self._handles[seg.slab], seg.readonly, f"window pages {start}..{start + seg.count} (kept)")
+            self._map(
+                self._window_base + start * g.page_size,
+                seg.count * g.page_size,
+                seg.slab_page * g.page_size,
+                self._handles[seg.slab],
+                seg.readonly,
+                f"window pages {start}..{start + seg.count} (kept)",
+            )
             self._window.add(start, seg)
             self._protect_segment(start, seg)
 

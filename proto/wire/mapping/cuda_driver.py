@@ -25,7 +25,9 @@ CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
 CU_STREAM_CAPTURE_STATUS_NONE = 0
 
-_UUID_RE = re.compile(r"^(?:GPU-|MIG-)?([0-9a-fA-F]{8})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{12})$")
+_UUID_RE = re.compile(
+    r"^(?:GPU-|MIG-)?([0-9a-fA-F]{8})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{12})$"
+)
 
 
 class CudaError(RuntimeError):
@@ -192,11 +194,17 @@ def _device_info(drv, ordinal: int) -> CudaDevice:
     if isinstance(raw_name, bytes):
         raw_name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
     uuid = check(f"cuDeviceGetUuid(device {ordinal})", drv.cuDeviceGetUuid(dev), drv)
-    vmm = check(f"cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device {ordinal})",
-                drv.cuDeviceGetAttribute(_vmm_attribute(drv), dev), drv)
+    vmm = check(
+        f"cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device {ordinal})",
+        drv.cuDeviceGetAttribute(_vmm_attribute(drv), dev),
+        drv,
+    )
     fd_attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
-    posix = check(f"cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device {ordinal})",
-                  drv.cuDeviceGetAttribute(fd_attr, dev), drv)
+    posix = check(
+        f"cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device {ordinal})",
+        drv.cuDeviceGetAttribute(fd_attr, dev),
+        drv,
+    )
     return CudaDevice(ordinal, dev, str(raw_name).strip(), format_uuid(uuid.bytes), bool(vmm), bool(posix))
 
 
@@ -283,8 +291,10 @@ class DeviceContext:
         """This thread in ``CU_STREAM_CAPTURE_MODE_RELAXED`` for the block: its driver calls
         then cannot invalidate a global-mode capture running in another thread."""
         drv = self._drv
-        old = self._check("cuThreadExchangeStreamCaptureMode(RELAXED)", drv.cuThreadExchangeStreamCaptureMode(
-            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        old = self._check(
+            "cuThreadExchangeStreamCaptureMode(RELAXED)",
+            drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+        )
         try:
             yield
         finally:
@@ -317,8 +327,10 @@ class DeviceContext:
 
     def _set_access(self, va: int, size: int, readonly: bool, what: str) -> None:
         mode = "read" if readonly else "read-write"
-        self._check(f"cuMemSetAccess({what}, {size} bytes, {mode})",
-                    self._drv.cuMemSetAccess(va, size, [self._access[readonly]], 1))
+        self._check(
+            f"cuMemSetAccess({what}, {size} bytes, {mode})",
+            self._drv.cuMemSetAccess(va, size, [self._access[readonly]], 1),
+        )
 
     def allocation_prop(self):
         """``CUmemAllocationProp`` of a slab on this device, exportable as a POSIX fd."""

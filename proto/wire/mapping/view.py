@@ -31,7 +31,8 @@ def page_runs(
         k = key(first) if key is not None else None
         end = start + 1
         while (
-            end < len(pages) and pages[end] == pages[end - 1] + 1
+            end < len(pages)
+            and pages[end] == pages[end - 1] + 1
             and (not per_slab or pages[end] // per_slab == slab)
             and (key is None or key(pages[end]) == k)
         ):

@@ -37,6 +37,7 @@ class AdapterImageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADAPTER_IMAGE_STATE_QUEUED: _ClassVar[AdapterImageState]
     ADAPTER_IMAGE_STATE_CONVERTING: _ClassVar[AdapterImageState]
     ADAPTER_IMAGE_STATE_READY: _ClassVar[AdapterImageState]
+
 CONTENT_TYPE_UNSPECIFIED: ContentType
 CONTENT_TYPE_KV_CACHE: ContentType
 CONTENT_TYPE_LORA_WEIGHT: ContentType
@@ -69,10 +70,29 @@ class ObjectSpec(_message.Message):
     content_type: ContentType
     key: bytes
     pin: bool
-    def __init__(self, num_pages: _Optional[int] = ..., contiguous: _Optional[bool] = ..., content_type: _Optional[_Union[ContentType, str]] = ..., key: _Optional[bytes] = ..., pin: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        num_pages: _Optional[int] = ...,
+        contiguous: _Optional[bool] = ...,
+        content_type: _Optional[_Union[ContentType, str]] = ...,
+        key: _Optional[bytes] = ...,
+        pin: _Optional[bool] = ...,
+    ) -> None: ...
 
 class ObjectInfo(_message.Message):
-    __slots__ = ("object_id", "content_type", "state", "key", "pages", "window_page", "session_pins", "total_pins", "deduplicated", "owned", "arena_slabs")
+    __slots__ = (
+        "object_id",
+        "content_type",
+        "state",
+        "key",
+        "pages",
+        "window_page",
+        "session_pins",
+        "total_pins",
+        "deduplicated",
+        "owned",
+        "arena_slabs",
+    )
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -95,14 +115,37 @@ class ObjectInfo(_message.Message):
     deduplicated: bool
     owned: bool
     arena_slabs: int
-    def __init__(self, object_id: _Optional[int] = ..., content_type: _Optional[_Union[ContentType, str]] = ..., state: _Optional[_Union[ObjectState, str]] = ..., key: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., window_page: _Optional[int] = ..., session_pins: _Optional[int] = ..., total_pins: _Optional[int] = ..., deduplicated: _Optional[bool] = ..., owned: _Optional[bool] = ..., arena_slabs: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        object_id: _Optional[int] = ...,
+        content_type: _Optional[_Union[ContentType, str]] = ...,
+        state: _Optional[_Union[ObjectState, str]] = ...,
+        key: _Optional[bytes] = ...,
+        pages: _Optional[_Iterable[int]] = ...,
+        window_page: _Optional[int] = ...,
+        session_pins: _Optional[int] = ...,
+        total_pins: _Optional[int] = ...,
+        deduplicated: _Optional[bool] = ...,
+        owned: _Optional[bool] = ...,
+        arena_slabs: _Optional[int] = ...,
+    ) -> None: ...
 
 class GetArenaRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ArenaInfo(_message.Message):
-    __slots__ = ("backend", "page_size", "pages_per_slab", "max_slabs", "num_slabs", "window_pages", "fd_socket_path", "placement", "device")
+    __slots__ = (
+        "backend",
+        "page_size",
+        "pages_per_slab",
+        "max_slabs",
+        "num_slabs",
+        "window_pages",
+        "fd_socket_path",
+        "placement",
+        "device",
+    )
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SLAB_FIELD_NUMBER: _ClassVar[int]
@@ -121,7 +164,18 @@ class ArenaInfo(_message.Message):
     fd_socket_path: str
     placement: str
     device: str
-    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., pages_per_slab: _Optional[int] = ..., max_slabs: _Optional[int] = ..., num_slabs: _Optional[int] = ..., window_pages: _Optional[int] = ..., fd_socket_path: _Optional[str] = ..., placement: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        backend: _Optional[str] = ...,
+        page_size: _Optional[int] = ...,
+        pages_per_slab: _Optional[int] = ...,
+        max_slabs: _Optional[int] = ...,
+        num_slabs: _Optional[int] = ...,
+        window_pages: _Optional[int] = ...,
+        fd_socket_path: _Optional[str] = ...,
+        placement: _Optional[str] = ...,
+        device: _Optional[str] = ...,
+    ) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("hello", "detach")
@@ -129,7 +183,9 @@ class AttachRequest(_message.Message):
     DETACH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     detach: Detach
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ...) -> None: ...
+    def __init__(
+        self, hello: _Optional[_Union[Hello, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ...
+    ) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("client_name", "pid", "protocol_version")
@@ -139,14 +195,24 @@ class Hello(_message.Message):
     client_name: str
     pid: int
     protocol_version: int
-    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...
+    ) -> None: ...
 
 class Detach(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired", "reconnected", "adapter_corrupted")
+    __slots__ = (
+        "opened",
+        "evicted",
+        "arena_grown",
+        "shutting_down",
+        "transactions_expired",
+        "reconnected",
+        "adapter_corrupted",
+    )
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     ARENA_GROWN_FIELD_NUMBER: _ClassVar[int]
@@ -161,7 +227,16 @@ class SessionEvent(_message.Message):
     transactions_expired: TransactionsExpired
     reconnected: Reconnected
     adapter_corrupted: AdapterCorrupted
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ..., adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...) -> None: ...
+    def __init__(
+        self,
+        opened: _Optional[_Union[SessionOpened, _Mapping]] = ...,
+        evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ...,
+        arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ...,
+        shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ...,
+        transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ...,
+        reconnected: _Optional[_Union[Reconnected, _Mapping]] = ...,
+        adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...,
+    ) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "token", "arena", "protocol_version")
@@ -173,7 +248,13 @@ class SessionOpened(_message.Message):
     token: str
     arena: ArenaInfo
     protocol_version: int
-    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        session_id: _Optional[int] = ...,
+        token: _Optional[str] = ...,
+        arena: _Optional[_Union[ArenaInfo, _Mapping]] = ...,
+        protocol_version: _Optional[int] = ...,
+    ) -> None: ...
 
 class ObjectsEvicted(_message.Message):
     __slots__ = ("object_ids", "keys")
@@ -181,7 +262,9 @@ class ObjectsEvicted(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, object_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(
+        self, object_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ...
+    ) -> None: ...
 
 class ArenaGrown(_message.Message):
     __slots__ = ("num_slabs",)
@@ -211,7 +294,13 @@ class AdapterCorrupted(_message.Message):
     object_id: int
     generation: int
     detail: str
-    def __init__(self, adapter_id: _Optional[str] = ..., object_id: _Optional[int] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        adapter_id: _Optional[str] = ...,
+        object_id: _Optional[int] = ...,
+        generation: _Optional[int] = ...,
+        detail: _Optional[str] = ...,
+    ) -> None: ...
 
 class Reconnected(_message.Message):
     __slots__ = ("old_session_id", "new_session_id", "reason", "waited_s", "lost")
@@ -225,7 +314,14 @@ class Reconnected(_message.Message):
     reason: str
     waited_s: float
     lost: str
-    def __init__(self, old_session_id: _Optional[int] = ..., new_session_id: _Optional[int] = ..., reason: _Optional[str] = ..., waited_s: _Optional[float] = ..., lost: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        old_session_id: _Optional[int] = ...,
+        new_session_id: _Optional[int] = ...,
+        reason: _Optional[str] = ...,
+        waited_s: _Optional[float] = ...,
+        lost: _Optional[str] = ...,
+    ) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("objects",)
@@ -247,7 +343,12 @@ class PrepareRequest(_message.Message):
     objects: _containers.RepeatedCompositeFieldContainer[ObjectSpec]
     pin_object_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_ms: int
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectSpec, _Mapping]]] = ..., pin_object_ids: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        objects: _Optional[_Iterable[_Union[ObjectSpec, _Mapping]]] = ...,
+        pin_object_ids: _Optional[_Iterable[int]] = ...,
+        lease_ms: _Optional[int] = ...,
+    ) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("transaction_id", "deadline_unix_ms", "objects", "pinned")
@@ -259,7 +360,13 @@ class PrepareResponse(_message.Message):
     deadline_unix_ms: int
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
     pinned: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, transaction_id: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., pinned: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        transaction_id: _Optional[int] = ...,
+        deadline_unix_ms: _Optional[int] = ...,
+        objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...,
+        pinned: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...,
+    ) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("transaction_ids",)
@@ -273,7 +380,9 @@ class CommittedTransaction(_message.Message):
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     transaction_id: int
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, transaction_id: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self, transaction_id: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...
+    ) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("transactions",)
@@ -355,10 +464,30 @@ class ContentStats(_message.Message):
     content_type: ContentType
     objects: int
     pages: int
-    def __init__(self, content_type: _Optional[_Union[ContentType, str]] = ..., objects: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        content_type: _Optional[_Union[ContentType, str]] = ...,
+        objects: _Optional[int] = ...,
+        pages: _Optional[int] = ...,
+    ) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("adapter_id", "path", "rank", "lora_alpha", "use_rslora", "target_modules", "num_layers", "file_bytes", "registered_at", "tier", "generation", "pin_count", "num_pages", "image_state")
+    __slots__ = (
+        "adapter_id",
+        "path",
+        "rank",
+        "lora_alpha",
+        "use_rslora",
+        "target_modules",
+        "num_layers",
+        "file_bytes",
+        "registered_at",
+        "tier",
+        "generation",
+        "pin_count",
+        "num_pages",
+        "image_state",
+    )
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -387,7 +516,23 @@ class Adapter(_message.Message):
     pin_count: int
     num_pages: int
     image_state: AdapterImageState
-    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., registered_at: _Optional[float] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., generation: _Optional[int] = ..., pin_count: _Optional[int] = ..., num_pages: _Optional[int] = ..., image_state: _Optional[_Union[AdapterImageState, str]] = ...) -> None: ...
+    def __init__(
+        self,
+        adapter_id: _Optional[str] = ...,
+        path: _Optional[str] = ...,
+        rank: _Optional[int] = ...,
+        lora_alpha: _Optional[float] = ...,
+        use_rslora: _Optional[bool] = ...,
+        target_modules: _Optional[_Iterable[str]] = ...,
+        num_layers: _Optional[int] = ...,
+        file_bytes: _Optional[int] = ...,
+        registered_at: _Optional[float] = ...,
+        tier: _Optional[_Union[AdapterTier, str]] = ...,
+        generation: _Optional[int] = ...,
+        pin_count: _Optional[int] = ...,
+        num_pages: _Optional[int] = ...,
+        image_state: _Optional[_Union[AdapterImageState, str]] = ...,
+    ) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
     __slots__ = ("adapter_id", "path")
@@ -421,7 +566,9 @@ class ListAdaptersRequest(_message.Message):
     prefix: str
     limit: int
     page_token: str
-    def __init__(self, prefix: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self, prefix: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...
+    ) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
     __slots__ = ("adapters", "next_page_token", "total")
@@ -431,7 +578,12 @@ class ListAdaptersResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     next_page_token: str
     total: int
-    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...,
+        next_page_token: _Optional[str] = ...,
+        total: _Optional[int] = ...,
+    ) -> None: ...
 
 class RowChunk(_message.Message):
     __slots__ = ("page_index", "offset", "rows")
@@ -441,7 +593,9 @@ class RowChunk(_message.Message):
     page_index: int
     offset: int
     rows: int
-    def __init__(self, page_index: _Optional[int] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, page_index: _Optional[int] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ...
+    ) -> None: ...
 
 class MatrixLayout(_message.Message):
     __slots__ = ("rows", "row_elems", "row_stride", "chunks")
@@ -453,7 +607,13 @@ class MatrixLayout(_message.Message):
     row_elems: int
     row_stride: int
     chunks: _containers.RepeatedCompositeFieldContainer[RowChunk]
-    def __init__(self, rows: _Optional[int] = ..., row_elems: _Optional[int] = ..., row_stride: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[RowChunk, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        rows: _Optional[int] = ...,
+        row_elems: _Optional[int] = ...,
+        row_stride: _Optional[int] = ...,
+        chunks: _Optional[_Iterable[_Union[RowChunk, _Mapping]]] = ...,
+    ) -> None: ...
 
 class ModuleLayout(_message.Message):
     __slots__ = ("layer", "module", "rank", "scaling", "in_features", "out_features", "a", "b")
@@ -473,10 +633,31 @@ class ModuleLayout(_message.Message):
     out_features: int
     a: MatrixLayout
     b: MatrixLayout
-    def __init__(self, layer: _Optional[int] = ..., module: _Optional[str] = ..., rank: _Optional[int] = ..., scaling: _Optional[float] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ..., a: _Optional[_Union[MatrixLayout, _Mapping]] = ..., b: _Optional[_Union[MatrixLayout, _Mapping]] = ...) -> None: ...
+    def __init__(
+        self,
+        layer: _Optional[int] = ...,
+        module: _Optional[str] = ...,
+        rank: _Optional[int] = ...,
+        scaling: _Optional[float] = ...,
+        in_features: _Optional[int] = ...,
+        out_features: _Optional[int] = ...,
+        a: _Optional[_Union[MatrixLayout, _Mapping]] = ...,
+        b: _Optional[_Union[MatrixLayout, _Mapping]] = ...,
+    ) -> None: ...
 
 class AdapterLayout(_message.Message):
-    __slots__ = ("adapter_id", "generation", "object_id", "pages", "page_size", "dtype", "row_align", "modules", "arena_slabs", "num_pages")
+    __slots__ = (
+        "adapter_id",
+        "generation",
+        "object_id",
+        "pages",
+        "page_size",
+        "dtype",
+        "row_align",
+        "modules",
+        "arena_slabs",
+        "num_pages",
+    )
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -497,7 +678,19 @@ class AdapterLayout(_message.Message):
     modules: _containers.RepeatedCompositeFieldContainer[ModuleLayout]
     arena_slabs: int
     num_pages: int
-    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., row_align: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ..., arena_slabs: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        adapter_id: _Optional[str] = ...,
+        generation: _Optional[int] = ...,
+        object_id: _Optional[int] = ...,
+        pages: _Optional[_Iterable[int]] = ...,
+        page_size: _Optional[int] = ...,
+        dtype: _Optional[str] = ...,
+        row_align: _Optional[int] = ...,
+        modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ...,
+        arena_slabs: _Optional[int] = ...,
+        num_pages: _Optional[int] = ...,
+    ) -> None: ...
 
 class GetAdapterLayoutRequest(_message.Message):
     __slots__ = ("adapter_id",)
@@ -517,7 +710,14 @@ class AcquireAdaptersRequest(_message.Message):
     with_layout: bool
     prepare: bool
     lease_ms: int
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., with_layout: _Optional[bool] = ..., prepare: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        adapter_ids: _Optional[_Iterable[str]] = ...,
+        max_adapters: _Optional[int] = ...,
+        with_layout: _Optional[bool] = ...,
+        prepare: _Optional[bool] = ...,
+        lease_ms: _Optional[int] = ...,
+    ) -> None: ...
 
 class AcquiredAdapter(_message.Message):
     __slots__ = ("adapter_id", "generation", "object_id", "pages", "layout", "found_in", "arena_slabs")
@@ -535,7 +735,16 @@ class AcquiredAdapter(_message.Message):
     layout: AdapterLayout
     found_in: AdapterTier
     arena_slabs: int
-    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[AdapterLayout, _Mapping]] = ..., found_in: _Optional[_Union[AdapterTier, str]] = ..., arena_slabs: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        adapter_id: _Optional[str] = ...,
+        generation: _Optional[int] = ...,
+        object_id: _Optional[int] = ...,
+        pages: _Optional[_Iterable[int]] = ...,
+        layout: _Optional[_Union[AdapterLayout, _Mapping]] = ...,
+        found_in: _Optional[_Union[AdapterTier, str]] = ...,
+        arena_slabs: _Optional[int] = ...,
+    ) -> None: ...
 
 class AcquireAdaptersResponse(_message.Message):
     __slots__ = ("adapters", "deferred", "transaction_id", "deadline_unix_ms")
@@ -547,7 +756,13 @@ class AcquireAdaptersResponse(_message.Message):
     deferred: _containers.RepeatedScalarFieldContainer[str]
     transaction_id: int
     deadline_unix_ms: int
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AcquiredAdapter, _Mapping]]] = ..., deferred: _Optional[_Iterable[str]] = ..., transaction_id: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        adapters: _Optional[_Iterable[_Union[AcquiredAdapter, _Mapping]]] = ...,
+        deferred: _Optional[_Iterable[str]] = ...,
+        transaction_id: _Optional[int] = ...,
+        deadline_unix_ms: _Optional[int] = ...,
+    ) -> None: ...
 
 class ReleaseAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids",)
@@ -565,7 +780,9 @@ class PrefetchAdaptersRequest(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
     tier: AdapterTier
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[AdapterTier, str]] = ...) -> None: ...
+    def __init__(
+        self, adapter_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[AdapterTier, str]] = ...
+    ) -> None: ...
 
 class PrefetchAdaptersResponse(_message.Message):
     __slots__ = ("loaded", "failed")
@@ -576,6 +793,7 @@ class PrefetchAdaptersResponse(_message.Message):
         key: str
         value: AdapterTier
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[AdapterTier, str]] = ...) -> None: ...
+
     class FailedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -583,14 +801,44 @@ class PrefetchAdaptersResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
     LOADED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.ScalarMap[str, AdapterTier]
     failed: _containers.ScalarMap[str, str]
-    def __init__(self, loaded: _Optional[_Mapping[str, AdapterTier]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(
+        self, loaded: _Optional[_Mapping[str, AdapterTier]] = ..., failed: _Optional[_Mapping[str, str]] = ...
+    ) -> None: ...
 
 class AdapterStats(_message.Message):
-    __slots__ = ("registered", "hot", "warm", "cold", "hot_pages", "warm_bytes", "found_hot", "found_warm", "found_cold", "loads_hot", "loads_warm", "bytes_loaded_hot", "bytes_loaded_warm", "hit_rate", "deferred", "shared_loads", "load_failures", "evictions", "demotions", "image_count", "image_bytes", "image_budget_bytes", "image_hits", "image_misses", "converted_ahead", "convert_queued")
+    __slots__ = (
+        "registered",
+        "hot",
+        "warm",
+        "cold",
+        "hot_pages",
+        "warm_bytes",
+        "found_hot",
+        "found_warm",
+        "found_cold",
+        "loads_hot",
+        "loads_warm",
+        "bytes_loaded_hot",
+        "bytes_loaded_warm",
+        "hit_rate",
+        "deferred",
+        "shared_loads",
+        "load_failures",
+        "evictions",
+        "demotions",
+        "image_count",
+        "image_bytes",
+        "image_budget_bytes",
+        "image_hits",
+        "image_misses",
+        "converted_ahead",
+        "convert_queued",
+    )
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     HOT_FIELD_NUMBER: _ClassVar[int]
     WARM_FIELD_NUMBER: _ClassVar[int]
@@ -643,10 +891,70 @@ class AdapterStats(_message.Message):
     image_misses: int
     converted_ahead: int
     convert_queued: int
-    def __init__(self, registered: _Optional[int] = ..., hot: _Optional[int] = ..., warm: _Optional[int] = ..., cold: _Optional[int] = ..., hot_pages: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., found_hot: _Optional[int] = ..., found_warm: _Optional[int] = ..., found_cold: _Optional[int] = ..., loads_hot: _Optional[int] = ..., loads_warm: _Optional[int] = ..., bytes_loaded_hot: _Optional[int] = ..., bytes_loaded_warm: _Optional[int] = ..., hit_rate: _Optional[float] = ..., deferred: _Optional[int] = ..., shared_loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., image_count: _Optional[int] = ..., image_bytes: _Optional[int] = ..., image_budget_bytes: _Optional[int] = ..., image_hits: _Optional[int] = ..., image_misses: _Optional[int] = ..., converted_ahead: _Optional[int] = ..., convert_queued: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        registered: _Optional[int] = ...,
+        hot: _Optional[int] = ...,
+        warm: _Optional[int] = ...,
+        cold: _Optional[int] = ...,
+        hot_pages: _Optional[int] = ...,
+        warm_bytes: _Optional[int] = ...,
+        found_hot: _Optional[int] = ...,
+        found_warm: _Optional[int] = ...,
+        found_cold: _Optional[int] = ...,
+        loads_hot: _Optional[int] = ...,
+        loads_warm: _Optional[int] = ...,
+        bytes_loaded_hot: _Optional[int] = ...,
+        bytes_loaded_warm: _Optional[int] = ...,
+        hit_rate: _Optional[float] = ...,
+        deferred: _Optional[int] = ...,
+        shared_loads: _Optional[int] = ...,
+        load_failures: _Optional[int] = ...,
+        evictions: _Optional[int] = ...,
+        demotions: _Optional[int] = ...,
+        image_count: _Optional[int] = ...,
+        image_bytes: _Optional[int] = ...,
+        image_budget_bytes: _Optional[int] = ...,
+        image_hits: _Optional[int] = ...,
+        image_misses: _Optional[int] = ...,
+        converted_ahead: _Optional[int] = ...,
+        convert_queued: _Optional[int] = ...,
+    ) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("backend", "page_size", "max_pages", "capacity_pages", "num_slabs", "free_pages", "used_pages", "prepared_pages", "pinned_pages", "evictable_pages", "utilization", "high_watermark", "low_watermark", "eviction_active", "eviction_runs", "evicted_objects", "evicted_pages", "objects", "keyed_objects", "sessions", "open_transactions", "by_content", "window_free_pages", "window_free_extents", "window_largest_free", "window_fragmentation", "allocations_total", "deduplicated_total", "allocation_failures", "adapters", "by_owner")
+    __slots__ = (
+        "backend",
+        "page_size",
+        "max_pages",
+        "capacity_pages",
+        "num_slabs",
+        "free_pages",
+        "used_pages",
+        "prepared_pages",
+        "pinned_pages",
+        "evictable_pages",
+        "utilization",
+        "high_watermark",
+        "low_watermark",
+        "eviction_active",
+        "eviction_runs",
+        "evicted_objects",
+        "evicted_pages",
+        "objects",
+        "keyed_objects",
+        "sessions",
+        "open_transactions",
+        "by_content",
+        "window_free_pages",
+        "window_free_extents",
+        "window_largest_free",
+        "window_fragmentation",
+        "allocations_total",
+        "deduplicated_total",
+        "allocation_failures",
+        "adapters",
+        "by_owner",
+    )
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -709,7 +1017,40 @@ class Stats(_message.Message):
     allocation_failures: int
     adapters: AdapterStats
     by_owner: _containers.RepeatedCompositeFieldContainer[OwnerStats]
-    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., max_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., num_slabs: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., prepared_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., utilization: _Optional[float] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., eviction_active: _Optional[bool] = ..., eviction_runs: _Optional[int] = ..., evicted_objects: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., objects: _Optional[int] = ..., keyed_objects: _Optional[int] = ..., sessions: _Optional[int] = ..., open_transactions: _Optional[int] = ..., by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ..., window_free_pages: _Optional[int] = ..., window_free_extents: _Optional[int] = ..., window_largest_free: _Optional[int] = ..., window_fragmentation: _Optional[float] = ..., allocations_total: _Optional[int] = ..., deduplicated_total: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., adapters: _Optional[_Union[AdapterStats, _Mapping]] = ..., by_owner: _Optional[_Iterable[_Union[OwnerStats, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        backend: _Optional[str] = ...,
+        page_size: _Optional[int] = ...,
+        max_pages: _Optional[int] = ...,
+        capacity_pages: _Optional[int] = ...,
+        num_slabs: _Optional[int] = ...,
+        free_pages: _Optional[int] = ...,
+        used_pages: _Optional[int] = ...,
+        prepared_pages: _Optional[int] = ...,
+        pinned_pages: _Optional[int] = ...,
+        evictable_pages: _Optional[int] = ...,
+        utilization: _Optional[float] = ...,
+        high_watermark: _Optional[float] = ...,
+        low_watermark: _Optional[float] = ...,
+        eviction_active: _Optional[bool] = ...,
+        eviction_runs: _Optional[int] = ...,
+        evicted_objects: _Optional[int] = ...,
+        evicted_pages: _Optional[int] = ...,
+        objects: _Optional[int] = ...,
+        keyed_objects: _Optional[int] = ...,
+        sessions: _Optional[int] = ...,
+        open_transactions: _Optional[int] = ...,
+        by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ...,
+        window_free_pages: _Optional[int] = ...,
+        window_free_extents: _Optional[int] = ...,
+        window_largest_free: _Optional[int] = ...,
+        window_fragmentation: _Optional[float] = ...,
+        allocations_total: _Optional[int] = ...,
+        deduplicated_total: _Optional[int] = ...,
+        allocation_failures: _Optional[int] = ...,
+        adapters: _Optional[_Union[AdapterStats, _Mapping]] = ...,
+        by_owner: _Optional[_Iterable[_Union[OwnerStats, _Mapping]]] = ...,
+    ) -> None: ...
 
 class OwnerStats(_message.Message):
     __slots__ = ("session_id", "client_name", "pid", "content_type", "objects", "pages")
@@ -725,7 +1066,15 @@ class OwnerStats(_message.Message):
     content_type: ContentType
     objects: int
     pages: int
-    def __init__(self, session_id: _Optional[int] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., content_type: _Optional[_Union[ContentType, str]] = ..., objects: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        session_id: _Optional[int] = ...,
+        client_name: _Optional[str] = ...,
+        pid: _Optional[int] = ...,
+        content_type: _Optional[_Union[ContentType, str]] = ...,
+        objects: _Optional[int] = ...,
+        pages: _Optional[int] = ...,
+    ) -> None: ...
 
 class VerifyAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids",)
@@ -747,7 +1096,15 @@ class AdapterCheck(_message.Message):
     ok: bool
     checksum: str
     detail: str
-    def __init__(self, adapter_id: _Optional[str] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., checked: _Optional[bool] = ..., ok: _Optional[bool] = ..., checksum: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        adapter_id: _Optional[str] = ...,
+        tier: _Optional[_Union[AdapterTier, str]] = ...,
+        checked: _Optional[bool] = ...,
+        ok: _Optional[bool] = ...,
+        checksum: _Optional[str] = ...,
+        detail: _Optional[str] = ...,
+    ) -> None: ...
 
 class VerifyAdaptersResponse(_message.Message):
     __slots__ = ("checks", "corrupt")
@@ -755,4 +1112,6 @@ class VerifyAdaptersResponse(_message.Message):
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     checks: _containers.RepeatedCompositeFieldContainer[AdapterCheck]
     corrupt: int
-    def __init__(self, checks: _Optional[_Iterable[_Union[AdapterCheck, _Mapping]]] = ..., corrupt: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, checks: _Optional[_Iterable[_Union[AdapterCheck, _Mapping]]] = ..., corrupt: _Optional[int] = ...
+    ) -> None: ...
