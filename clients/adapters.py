@@ -13,8 +13,9 @@ client (which only needs to commit, abort and release for a lease: ``LeaseHolder
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class AdapterLease:
         if self.adapters and not self.client.closed:
             self.client.release_adapters(self.ids)
 
-    def __enter__(self) -> "AdapterLease":
+    def __enter__(self) -> AdapterLease:
         return self
 
     def __exit__(self, *exc) -> None:

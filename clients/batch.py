@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire.errors import BrokerError, Code
@@ -47,7 +47,7 @@ class PendingBatchStep:
     __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s", "_box")
 
     def __init__(
-        self, finish: "Callable[[], BatchDelta] | None", done: "threading.Lock | None" = None, wait_s: float = 0.0
+        self, finish: Callable[[], BatchDelta] | None, done: threading.Lock | None = None, wait_s: float = 0.0
     ):
         # Run by the caller of ``result()`` (None: the worker runs the change).
         self._finish = finish
@@ -461,7 +461,7 @@ class StepBatch:
         if rel or unpin:
             client._fast(st.step, release=rel, unpin=unpin, acquire=False, lookup=False)
 
-    def __enter__(self) -> "StepBatch":
+    def __enter__(self) -> StepBatch:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,15 +17,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.fastpath import PendingStepLease, StepCalls, StepLease
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST, BrokerSession
+from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout
 from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto, spec_to_proto
-from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.spec import Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
@@ -60,7 +60,7 @@ class BrokerObject:
         "epoch",
     )
 
-    def __init__(self, client: "BrokerClient", info: pb.ObjectInfo):
+    def __init__(self, client: BrokerClient, info: pb.ObjectInfo):
         self.client = client
         self.object_id: int = info.object_id
         self.pages: list[int] = list(info.pages)
@@ -117,7 +117,7 @@ class BrokerObject:
 class Transaction:
     """A prepared batch: write into ``objects``, then commit (or abort)."""
 
-    def __init__(self, client: "BrokerClient", resp: pb.PrepareResponse):
+    def __init__(self, client: BrokerClient, resp: pb.PrepareResponse):
         self.client = client
         self.transaction_id: int = resp.transaction_id
         self.deadline_unix_ms: int = resp.deadline_unix_ms
@@ -135,7 +135,7 @@ class Transaction:
     def abort(self) -> int:
         return self.client.abort([self])
 
-    def __enter__(self) -> "Transaction":
+    def __enter__(self) -> Transaction:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -172,7 +172,7 @@ class BrokerClient(StepCalls, BrokerSession):
         reconnect_s: float = 300.0,
         fast_path: bool = True,
         hold_s: float = 0.0,
-    ) -> "BrokerClient":
+    ) -> BrokerClient:
         """Open a session and map the arena.
 
         Args:

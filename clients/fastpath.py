@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.batch import POLL_S, StepBatch
@@ -60,9 +60,9 @@ class StepCalls:
         max_adapters: int = 0,
         prepare: bool = False,
         lease_s: float = 0.0,
-        commit: "AdapterLease | None" = None,
-        release: "StepLease | None" = None,
-    ) -> "StepLease":
+        commit: AdapterLease | None = None,
+        release: StepLease | None = None,
+    ) -> StepLease:
         """An engine step's changes in one round trip (none when ``hold_s`` keeps them all).
 
         Releases what ``release`` holds (a previous step), commits ``commit`` (a prepared
@@ -98,9 +98,9 @@ class StepCalls:
         max_adapters: int = 0,
         prepare: bool = False,
         lease_s: float = 0.0,
-        commit: "AdapterLease | None" = None,
-        release: "StepLease | None" = None,
-    ) -> "PendingStepLease":
+        commit: AdapterLease | None = None,
+        release: StepLease | None = None,
+    ) -> PendingStepLease:
         """``step`` in two halves: the frame goes out now, ``result()`` collects the reply.
 
         Call it as soon as the next step's batch is known and collect it after the current
@@ -148,7 +148,7 @@ class StepCalls:
             carry=carry,
         )
 
-    def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> "StepLease | None":
+    def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> StepLease | None:
         """The steady state: a step asking for what ``release`` holds takes it over (the
         cache's references pass from one lease to the next; nothing to tell the broker)."""
         if (
@@ -165,7 +165,7 @@ class StepCalls:
         sl.cache, sl.cached = release.cache, release.cached
         return sl
 
-    def _giving_back(self, release: "StepLease | None", st: StepPath) -> tuple[list[str], list[int], tuple[bool, bool]]:
+    def _giving_back(self, release: StepLease | None, st: StepPath) -> tuple[list[str], list[int], tuple[bool, bool]]:
         """What a step gives back of a previous step's lease: (adapter ids, object ids,
         whether each part holds references of ``st``'s cache, which can pass over)."""
         rel_ids: list[str] = []
@@ -195,7 +195,7 @@ class StepCalls:
         lease_s: float,
         keys: Sequence[bytes] = (),
         st: StepPath | None = None,
-    ) -> "StepLease":
+    ) -> StepLease:
         objs = self._objects(out.objects) if out.objects is not None else []
         if not ids:
             lease = None
@@ -217,7 +217,7 @@ class StepCalls:
             sl.cached = (bool(ids) and out.acquire_hot and not prepare, True)
         return sl
 
-    def step_batch(self, background: bool = False, poll_s: float = POLL_S) -> "StepBatch":
+    def step_batch(self, background: bool = False, poll_s: float = POLL_S) -> StepBatch:
         """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
         completions (a change costs what changed, not the batch's size). ``background``: a
         thread of the batch runs each ``begin``'s change while the caller goes on; it looks
@@ -360,11 +360,11 @@ class StepCalls:
 class PendingStepLease:
     """A step sent by ``BrokerClient.step_begin``; ``result()`` returns its StepLease (once)."""
 
-    def __init__(self, finish: Callable[[], "StepLease"]):
+    def __init__(self, finish: Callable[[], StepLease]):
         self._finish = finish
         self._lease: StepLease | None = None
 
-    def result(self) -> "StepLease":
+    def result(self) -> StepLease:
         if self._lease is None:
             self._lease = self._finish()
         return self._lease
@@ -420,7 +420,7 @@ class StepLease:
         if self.objects and self.epoch == self.client.epoch and not self.client.closed:
             self.client.unpin(self.objects)
 
-    def __enter__(self) -> "StepLease":
+    def __enter__(self) -> StepLease:
         return self
 
     def __exit__(self, *exc) -> None:

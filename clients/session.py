@@ -15,16 +15,17 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Iterator, Sequence, Self
+from collections.abc import Callable, Iterator, Sequence
+from typing import Self
 
 import grpc
 
-from memory_broker.proto.wire.mapping import ArenaGeometry
-from memory_broker.proto.wire.mapping.host import HostArenaView
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
 from memory_broker.clients.mappings import MappingBudget
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.mapping import ArenaGeometry
+from memory_broker.proto.wire.mapping.host import HostArenaView
 from memory_broker.proto.wire.session import session_metadata, version_mismatch
 from memory_broker.proto.wire.status import code_of, error_from_rpc
 from memory_broker.proto.wire.v1 import broker_pb2 as pb

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
 from memory_broker.clients.step_pending import PendingDelta, PendingStep, StepOutcome, _Plan
@@ -122,7 +122,7 @@ class StepPath(StepHoldings):
             reply = self.send(plan.ops) if plan.ops else None
             return self._finish(plan, reply)
 
-    def begin(self, adapter_ids: Sequence[str] = (), keys: Sequence[bytes] = (), **kw) -> "PendingStep":
+    def begin(self, adapter_ids: Sequence[str] = (), keys: Sequence[bytes] = (), **kw) -> PendingStep:
         """``step`` without waiting: the frame is sent now and its reply read by
         ``PendingStep.result()`` (or before the next frame), so the round trip overlaps
         whatever the caller does in between (the model's work for the current step)."""
@@ -154,7 +154,7 @@ class StepPath(StepHoldings):
                 p._reply_done = True
             return p
 
-    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> "PendingDelta":
+    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> PendingDelta:
         """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
         ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
         At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
@@ -214,7 +214,7 @@ class StepPath(StepHoldings):
                 self._pending = p
             return p
 
-    def _delta_finish(self, p: "PendingDelta", reply: w.StepReply | None):
+    def _delta_finish(self, p: PendingDelta, reply: w.StepReply | None):
         """Account a change's reply in the cache: (adapter records in ``acquire`` order, or
         None when one is not hot; object records of the found prefix). Raises its error."""
         caching = self.hold_s > 0
@@ -263,7 +263,7 @@ class StepPath(StepHoldings):
             raise reply.error
         return recs, (p.cached + new if p.cached else new), (reply.arena_slabs if reply is not None else 0)
 
-    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> "_Plan":
+    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> _Plan:
         out = StepOutcome()
         ops: list[w.Op] = []
         caching = self.caching and not prepare
@@ -380,7 +380,7 @@ class StepPath(StepHoldings):
             own,
         )
 
-    def _finish(self, plan: "_Plan", reply: w.StepReply | None) -> StepOutcome:
+    def _finish(self, plan: _Plan, reply: w.StepReply | None) -> StepOutcome:
         out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
         admitted, missing_ids, cached_objs, ids, keys, pin_keys = (
             plan.admitted,

@@ -10,8 +10,8 @@ holding turns into when it is due. It sends nothing itself: the ops it returns r
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from memory_broker.proto.wire import step as w
 

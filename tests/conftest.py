@@ -102,7 +102,7 @@ def start_broker(*extra: str, socket: str | None = None, wait: bool = True) -> B
             wait_serving(socket, proc)
         except Exception:
             b.stop(signal.SIGKILL)
-            raise RuntimeError(f"broker failed to start; log:\n{b.log()}")
+            raise RuntimeError(f"broker failed to start; log:\n{b.log()}") from None
     return b
 
 
@@ -119,6 +119,7 @@ def step_rig():
     the step-path tests' broker."""
     sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
     from bench_step import write_adapter
+
     from memory_broker.clients import BrokerClient, Spec
 
     b = start_broker()

@@ -29,6 +29,7 @@ from adapter_fixtures import (  # noqa: F401  (peft_dirs is a fixture)
 )
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
+from store_invariants import check_invariants
 
 from memory_broker.broker.adapters import (
     AdapterConfig,
@@ -44,10 +45,9 @@ from memory_broker.broker.adapters.dtypes import bf16_bits_to_f32, f32_to_bf16_b
 from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.broker.adapters.policy import GDSFPolicy, LFUPolicy, LRUPolicy
 from memory_broker.broker.arena.host import host_buffer
-from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.objects import Spec
-from store_invariants import check_invariants
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMP = ContentType.TEMP_BUFFER

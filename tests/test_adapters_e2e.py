@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import torch
-
-from memory_broker.proto.wire.errors import BrokerError, Code
-from memory_broker.clients import AdapterTables, BrokerClient
-from adapter_fixtures import edit_config, copy_adapter, peft_dirs  # noqa: F401 - fixture
+from adapter_fixtures import copy_adapter, edit_config, peft_dirs  # noqa: F401 - fixture
 from conftest import ROOT, run_child, start_broker
+
+from memory_broker.clients import AdapterTables, BrokerClient
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 
 def adapter_broker(state_dir: str | None = None, *extra: str):
@@ -26,7 +24,7 @@ def adapter_broker(state_dir: str | None = None, *extra: str):
     return start_broker(*args, *extra)
 
 
-def expected_rows(path: str) -> dict[tuple[int, str, str], "torch.Tensor"]:  # noqa: F821
+def expected_rows(path: str) -> dict[tuple[int, str, str], torch.Tensor]:  # noqa: F821
     """From the safetensors file: (layer, module, "A"|"B") -> rows as the layout stores them."""
     from safetensors.torch import load_file
 
@@ -79,7 +77,7 @@ def test_adapters_are_shared_across_processes_and_bytes_match_the_files(peft_dir
             assert (got["object_id"], got["generation"]) == mine[name]
             assert got["found_in"] == "hot"
             want = expected_rows(peft_dirs[name])
-            assert set(got["rows"]) == {f"{l}.{m}.{k}" for (l, m, k) in want}
+            assert set(got["rows"]) == {f"{layer}.{m}.{k}" for (layer, m, k) in want}
             import torch
 
             for (layer, module, kind), t in want.items():

@@ -895,7 +895,7 @@ def test_a_client_view_imports_fds_and_mirrors_window_placements(fake, fake_torc
         assert fake.calls == []
         # The fake's mappings are exactly the segments (plus the 3 slabs of each view).
         assert len(fake.mappings) == 3 + 3 + 5
-        for start, n, slab, sp in v.window_segments():
+        for start, n, _slab, sp in v.window_segments():
             m = fake.mappings[v.window_base + start * ps]
             assert m["size"] == n * ps and m["offset"] == sp * ps and m["access"] == "rw"
     finally:
@@ -1136,8 +1136,8 @@ def test_cuda_array_interface_describes_bytes():
 
 
 def test_client_make_view_turns_cuda_errors_into_failed_precondition(monkeypatch):
-    from memory_broker.proto.wire.errors import BrokerError, Code
     from memory_broker.clients.client import BrokerClient
+    from memory_broker.proto.wire.errors import BrokerError, Code
 
     drv = FakeDriver(init_raises=OSError("no libcuda"))
     monkeypatch.setattr(cu, "_load_driver", lambda: drv)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import random
 
+from store_invariants import check_invariants
+
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
 from memory_broker.broker.store.pool import PagePool, WindowSpace
-from store_invariants import check_invariants
 
 
 class Host:
@@ -121,7 +122,7 @@ def test_random_operations_interleaved_with_background_work_keep_every_invariant
     store = make_store(600, high_watermark=0.8, low_watermark=0.5)
     host = Host(store, batch=7)
     sessions = [store.open_session() for _ in range(4)]
-    for step in range(600):
+    for _ in range(600):
         sid = rng.choice(sessions)
         op = rng.random()
         try:

@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import ROOT, read_line, run_child, spawn_child
 
-from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.clients import BrokerClient, Spec
-from conftest import ROOT, read_line, run_child, spawn_child, start_broker
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 
 class ByteCounter(grpc.UnaryUnaryClientInterceptor):

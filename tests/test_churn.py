@@ -6,16 +6,15 @@ to two objects at once (each process checks the bytes it wrote are still its own
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
-
-from memory_broker.clients import BrokerClient
 from adapter_fixtures import peft_dirs  # noqa: F401  (a fixture)
 from conftest import ROOT, start_broker
+
+from memory_broker.clients import BrokerClient
 
 # The operations both tests draw from. ``work(c, rng, adapters, steps, tick)`` runs ``steps``
 # random operations (forever when None), calling ``tick()`` after each; it returns how many

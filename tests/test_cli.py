@@ -21,11 +21,11 @@ import time
 from importlib.metadata import version
 
 import pytest
+from conftest import ROOT, short_tmpdir, start_broker
 
 from memory_broker.broker.cli import _fill_defaults, _list, build_parser, main
 from memory_broker.broker.server.logs import configure
 from memory_broker.broker.server.options import parse_size
-from conftest import ROOT, short_tmpdir, start_broker
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXE = shutil.which("memory-broker", path=os.path.dirname(sys.executable))
@@ -434,8 +434,9 @@ def test_the_listing_shows_queued_and_converting_adapters_and_the_backlog_count(
 
 
 def test_the_manager_reports_each_adapters_image_state_while_conversions_wait(tmp_path):
-    from memory_broker.broker.adapters import AdapterConfig
     from adapter_fixtures import AdapterHarness
+
+    from memory_broker.broker.adapters import AdapterConfig
 
     srcs = [write_adapter(str(tmp_path / f"src{i}"), rank=4 + i) for i in range(3)]
 

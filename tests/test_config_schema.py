@@ -14,6 +14,7 @@ import time
 
 import pytest
 import yaml
+from conftest import ROOT, start_broker
 
 from memory_broker.broker.cli import build_parser, flag_overrides
 from memory_broker.broker.server import config as config_mod
@@ -29,7 +30,6 @@ from memory_broker.broker.server.config import (
 )
 from memory_broker.broker.server.options import SETTINGS, SHORTHANDS, ServeOptions, SettingError
 from memory_broker.broker.server.values import read
-from conftest import ROOT, start_broker
 
 EXAMPLE = os.path.join(ROOT, "ops", "broker.example.yaml")
 

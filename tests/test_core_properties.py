@@ -13,8 +13,8 @@ import dataclasses
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from store_invariants import check_invariants
 
-from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.broker.store.eviction import ContentType, PlainLRU, PriorityLRU
 from memory_broker.broker.store.objects import (
     ObjectsEvicted,
@@ -26,7 +26,7 @@ from memory_broker.broker.store.objects import (
     TxnState,
 )
 from memory_broker.broker.store.pool import FREE, PagePool, WindowSpace
-from store_invariants import check_invariants
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 MAX_PAGES = 24
 PAGES_PER_SLAB = 4

@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-
 from conftest import ROOT, short_tmpdir, start_broker, wait_serving
 
 DOCS = ("README.md", os.path.join("ops", "grpcurl.md"))
@@ -317,7 +316,7 @@ class Session:
                     value = value[int(part)] if isinstance(value, list) else value[part]
             except (ValueError, KeyError, IndexError, TypeError):
                 if quiet:
-                    raise ValueError(path)
+                    raise ValueError(path) from None
                 pytest.fail(f"{b.where}: no {path} in the block's output for {name}:\n{stdout[-2000:]}", pytrace=False)
             self.env[name] = str(value)
 

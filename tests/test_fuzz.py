@@ -11,14 +11,14 @@ import time
 
 import grpc
 import pytest
+from adapter_fixtures import copy_adapter, peft_dirs  # noqa: F401 - fixture
+from conftest import short_tmpdir
 from google.protobuf.descriptor import FieldDescriptor as FD
 
 from memory_broker.broker.doors.service import POLICY
+from memory_broker.clients import BrokerClient, Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc
-from memory_broker.clients import BrokerClient, Spec
-from adapter_fixtures import copy_adapter, peft_dirs  # noqa: F401 - fixture
-from conftest import short_tmpdir
 
 SEED = int(os.environ.get("FUZZ_SEED", "1107"))
 REQUESTS = int(os.environ.get("FUZZ_REQUESTS", "2400"))

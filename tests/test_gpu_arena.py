@@ -14,12 +14,12 @@ import textwrap
 import time
 
 import pytest
+from conftest import read_line, run_child, spawn_child, start_broker
 
+from memory_broker.clients import BrokerClient, Spec
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping import ArenaGeometry
 from memory_broker.proto.wire.mapping.cuda import MappingInUse, cuda_available
-from memory_broker.proto.wire.errors import BrokerError, Code
-from memory_broker.clients import BrokerClient, Spec
-from conftest import read_line, run_child, spawn_child, start_broker
 
 try:
     import torch

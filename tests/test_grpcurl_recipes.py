@@ -10,8 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from conftest import ROOT, start_broker
 
 DOC = os.path.join(ROOT, "ops", "grpcurl.md")

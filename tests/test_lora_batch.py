@@ -282,7 +282,7 @@ def test_fused_slices_an_adapter_only_partly_adapts_fall_back_to_one_launch_per_
         got = fused(x)
         base = qkv(x)
     want = base.clone()
-    for j, (module, first, width) in enumerate((("q_proj", 0, Q), ("k_proj", Q, KV), ("v_proj", Q + KV, KV))):
+    for module, first, width in (("q_proj", 0, Q), ("k_proj", Q, KV), ("v_proj", Q + KV, KV)):
         reference.lora_apply(x, want, packed.arena, *batch.tables(0, [module]), batch.token_slot, [first], [width])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from adapter_fixtures import ADAPTERS, LLAMA
+from conftest import start_broker
 
 from memory_broker.broker.arena.cuda import cuda_available
 from memory_broker.clients import BrokerClient, wrap_model
-from adapter_fixtures import ADAPTERS, LLAMA
-from conftest import start_broker
 
 CUDA = torch.cuda.is_available()
 if CUDA:

@@ -9,8 +9,8 @@ import dataclasses
 import math
 
 import pytest
+from store_invariants import check_invariants
 
-from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.broker.store.eviction import ContentType, PlainLRU
 from memory_broker.broker.store.objects import (
     ObjectsEvicted,
@@ -22,7 +22,7 @@ from memory_broker.broker.store.objects import (
     TxnState,
 )
 from memory_broker.broker.store.pool import PagePool, WindowSpace
-from store_invariants import check_invariants
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 CT = ContentType
 TEMP, ACT, GRAD, LORA, KV = CT.TEMP_BUFFER, CT.ACTIVATION, CT.GRADIENT, CT.LORA_WEIGHT, CT.KV_CACHE
@@ -55,7 +55,7 @@ class Grow:
 
 
 # Every Harness made by the running test; their stores are checked when it ends.
-_harnesses: list["Harness"] = []
+_harnesses: list[Harness] = []
 
 
 class Harness:

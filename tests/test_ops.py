@@ -16,11 +16,11 @@ import urllib.request
 
 import pytest
 import yaml
+from conftest import ROOT, short_tmpdir, start_broker
 
-from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.broker.server.config import SCHEMA, ConfigError, build_options, load_config
 from memory_broker.clients import BrokerClient, Spec
-from conftest import ROOT, short_tmpdir, start_broker, wait_serving
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 UNIT = os.path.join(ROOT, "ops", "systemd", "memory-broker@.service")
 
@@ -106,7 +106,7 @@ def test_daemon_speaks_the_notify_protocol_ready_status_watchdog_stopping():
         while time.monotonic() < until:
             try:
                 got.append((time.monotonic(), sock.recv(4096).decode()))
-            except socket.timeout:
+            except TimeoutError:
                 pass
 
     try:
@@ -294,7 +294,7 @@ def metric(text: str, name: str, **labels) -> float:
         got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
         if all(got.get(k) == str(v) for k, v in labels.items()):
             return float(m.group(3))
-    raise AssertionError(f"no sample {name}{labels} in:\n" + "\n".join(l for l in text.splitlines() if name in l))
+    raise AssertionError(f"no sample {name}{labels} in:\n" + "\n".join(ln for ln in text.splitlines() if name in ln))
 
 
 def test_prometheus_endpoint_serves_metrics_that_move_with_the_pool(broker_factory):
@@ -413,7 +413,7 @@ def test_tcp_listener_on_loopback_serves_the_same_broker(broker_factory):
     from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
     port = free_port()
-    b = broker_factory("--tcp-port", str(port))
+    broker_factory("--tcp-port", str(port))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         st = broker_pb2_grpc.MemoryBrokerStub(ch).GetStats(pb.GetStatsRequest(), timeout=5)
     assert st.max_pages == 64

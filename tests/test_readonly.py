@@ -20,16 +20,16 @@ import time
 
 import numpy as np
 import pytest
-
 from adapter_fixtures import AdapterHarness, peft_dirs, run  # noqa: F401  (peft_dirs is a fixture)
+from conftest import ROOT, child_code, start_broker
+from store_invariants import check_invariants
+
 from memory_broker.broker.adapters import AdapterConfig
-from memory_broker.broker.adapters.records import AdapterCorrupted, Tier
 from memory_broker.broker.adapters.page_writers import read_matrix
+from memory_broker.broker.adapters.records import AdapterCorrupted, Tier
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 from memory_broker.proto.wire.errors import BrokerError, Code
-from store_invariants import check_invariants
-from conftest import ROOT, child_code, start_broker
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import threading
 import time
 
 import pytest
+from conftest import short_tmpdir, start_broker
 
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
-from conftest import short_tmpdir, start_broker
 
 # Pieces of gRPC's transport text that must never reach a caller.
 TRANSPORT_WORDS = ("failed to connect to all addresses", "debug_error_string", "ipv4:", "Socket closed", "UNKNOWN:")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from memory_broker.clients import BrokerClient, Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc
-from memory_broker.clients import BrokerClient, Spec
 
 KV = pb.CONTENT_TYPE_KV_CACHE
 S = grpc.StatusCode

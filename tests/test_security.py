@@ -10,23 +10,22 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
+from adapter_fixtures import AdapterHarness, copy_adapter, peft_dirs  # noqa: F401 - fixture
+from conftest import ROOT, short_tmpdir
 
 from memory_broker.broker.adapters.access import Caller, open_for
 from memory_broker.broker.adapters.registry import AdapterRegistry
-from memory_broker.proto.wire.errors import BrokerError, Code
-from memory_broker.broker.doors.service import POLICY
 from memory_broker.broker.doors.fd_channel import FdChannelServer
-from memory_broker.proto.wire.v1 import broker_pb2 as pb
-from memory_broker.proto.wire.v1 import broker_pb2_grpc
+from memory_broker.broker.doors.service import POLICY
 from memory_broker.clients import BrokerClient, Spec
 from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
-from adapter_fixtures import AdapterHarness, copy_adapter, peft_dirs  # noqa: F401 - fixture
-from conftest import ROOT, short_tmpdir
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
 S = grpc.StatusCode
 NOBODY = Caller(65534, frozenset({65534}))

@@ -11,8 +11,8 @@ import time
 from collections import Counter
 
 import pytest
-
 from conftest import step_frames as frames
+
 from memory_broker.clients import BrokerClient, BrokerError, Code
 
 
@@ -146,7 +146,7 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_r
     with BrokerClient.connect(b.socket, hold_s=30.0 if mode.startswith("cache") else 0.0) as c:
         batch = c.step_batch(background="thread" in mode, poll_s=0.0 if mode.endswith("no-poll") else 0.0002)
         seqs: list[tuple[str, bytes]] = []
-        for i in range(150):
+        for _ in range(150):
             done = rng.sample(seqs, rng.randint(0, min(3, len(seqs))))
             for s in done:
                 seqs.remove(s)

@@ -14,10 +14,11 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT, read_line, spawn_child, start_broker
+from conftest import step_frames as frames
 
-from conftest import ROOT, read_line, spawn_child, start_broker, step_frames as frames
-from memory_broker.proto.wire import step as w
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
+from memory_broker.proto.wire import step as w
 
 
 def books(c: BrokerClient) -> tuple:
@@ -335,7 +336,7 @@ def test_random_steps_keep_the_counts_straight_and_give_everything_back(step_rig
     with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
         prev = None
         pending = None
-        for i in range(120):
+        for _ in range(120):
             ids = rng.sample(["a0", "a1", "a2", "a3"], rng.randint(0, 3))
             ks = rng.sample(keys, rng.randint(0, 4)) if rng.random() < 0.7 else rng.choices(keys, k=3)
             if rng.random() < 0.4:

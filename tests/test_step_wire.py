@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire import step as w
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 OPS = [
     w.Op(w.OP_RELEASE, ("a", "b", "é")),

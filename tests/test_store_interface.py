@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from store_invariants import check_invariants
 
-from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig, StoreLimits, StoreStats
 from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
-from store_invariants import check_invariants
 
 
 class Clock:

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import short_tmpdir, start_broker
 
 from memory_broker.clients import BrokerClient
 from memory_broker.clients.vllm import check_vllm_version, identity, store
-from conftest import short_tmpdir, start_broker
 
 
 def _config(dtype="float32", block_size=32, groups=1, tp=1, model="/m"):

@@ -17,8 +17,8 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import ROOT, short_tmpdir, start_broker
+
 from memory_broker.clients import BrokerClient
 
 VLLM_PY = os.environ.get("MEMORY_BROKER_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -89,7 +89,7 @@ class Engine:
             f"engine {self.name} gave no answer (exit {self.proc.poll()}); log tail:\n{self.log()[-4000:]}"
         )
 
-    def wait_ready(self) -> "Engine":
+    def wait_ready(self) -> Engine:
         if self.ready is None:
             self.ready = self._line(START_TIMEOUT)
         return self

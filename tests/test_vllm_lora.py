@@ -20,10 +20,10 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, short_tmpdir, start_broker
-from memory_broker.clients import BrokerClient
 from test_vllm_kv import HARNESS, START_TIMEOUT, VLLM_PY, Engine, _toks
+
+from memory_broker.clients import BrokerClient
 
 pytestmark = pytest.mark.timeout(3600)
 
@@ -119,7 +119,7 @@ class Server:
                 args, cwd=tmp, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
             )
 
-    def wait_ready(self) -> "Server":
+    def wait_ready(self) -> Server:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -23,7 +23,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 VLLM_PY = os.environ.get("MEMORY_BROKER_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")

@@ -5,19 +5,19 @@ step against the weights in the PEFT files (a real broker, no engine)."""
 from __future__ import annotations
 
 import logging
-import time
 import os
+import time
 
 import pytest
 import torch
+from conftest import short_tmpdir, start_broker
 from safetensors.torch import load_file
 
-from conftest import short_tmpdir, start_broker
-from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.clients import BrokerClient
 from memory_broker.clients.vllm import identity, lora_patches, lora_plugin, tiny_model
 from memory_broker.clients.vllm.lora_source import BrokerAdapters
 from memory_broker.clients.vllm.lora_zero_copy import LayerAddress, StepHolder, ZeroCopyStep
+from memory_broker.proto.wire.errors import BrokerError
 
 HIDDEN = tiny_model.LLAMA["hidden_size"]
 KV = HIDDEN // tiny_model.LLAMA["num_attention_heads"] * tiny_model.LLAMA["num_key_value_heads"]

@@ -15,11 +15,11 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-
 from conftest import ROOT
+
 from memory_broker.broker.adapters.layout import LoraModuleSpec, plan_layout
-from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.doors import fd_channel as server_fd
+from memory_broker.broker.store.eviction import ContentType
 from memory_broker.clients import BrokerClient, BrokerError, Code
 from memory_broker.clients import fd_channel as client_fd
 from memory_broker.proto.wire import fd_channel as wire_fd

@@ -24,8 +24,8 @@ from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.adapters.warm_image import image_checksum, pages_checksum
-from memory_broker.proto.wire.mapping import ArenaView
 from memory_broker.broker.store.objects import Allocation, ObjectStore
+from memory_broker.proto.wire.mapping import ArenaView
 
 
 class ChecksumChecker:

@@ -15,8 +15,8 @@ from memory_broker.broker.adapters.config import SETTING_NAMES, AdapterConfig
 from memory_broker.broker.adapters.entry import AdapterEntry
 from memory_broker.broker.adapters.policy import TierPolicy
 from memory_broker.broker.adapters.stats import AdapterCounters
-from memory_broker.proto.wire.errors import exhausted
 from memory_broker.broker.store.objects import Allocation, ObjectStore
+from memory_broker.proto.wire.errors import exhausted
 
 
 class HotBudget:

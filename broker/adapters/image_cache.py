@@ -22,7 +22,6 @@ from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.safetensors_io import file_identity
 from memory_broker.broker.adapters.warm_image import WarmImage, packed_checksum
 
-
 IMAGE_MAGIC = b"BRKLORA\x01"
 # The payload starts here; the header (magic, u32 length, JSON) is zero-padded up to it.
 IMAGE_HEADER_BYTES = 4096

@@ -21,9 +21,9 @@ from memory_broker.broker.adapters.image_service import ImageService
 from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.adapters.warm_image import WarmImage
-from memory_broker.proto.wire.errors import BrokerError, Code, exhausted, not_found, unavailable
 from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec, TxnState
+from memory_broker.proto.wire.errors import BrokerError, Code, exhausted, not_found, unavailable
 
 
 def _consume(task: asyncio.Future) -> None:

@@ -27,8 +27,8 @@ from memory_broker.broker.adapters.image_service import ImageService
 from memory_broker.broker.adapters.layout import AdapterLayout, plan_layout
 from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.page_writers import HostPageWriter, TensorPageWriter
-from memory_broker.broker.adapters.pins import AdapterPins
 from memory_broker.broker.adapters.peft import AdapterMeta, check_adapter_id
+from memory_broker.broker.adapters.pins import AdapterPins
 from memory_broker.broker.adapters.policy import make_tier_policy
 from memory_broker.broker.adapters.records import (
     AcquireResult,
@@ -41,8 +41,8 @@ from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters, AdapterStats, snapshot
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.arena.base import Arena
-from memory_broker.proto.wire.errors import BrokerError, Code, invalid, precondition, unavailable
 from memory_broker.broker.store.objects import ObjectsEvicted, ObjectStore
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid, precondition, unavailable
 
 
 class _NoLog:

@@ -23,8 +23,8 @@ from memory_broker.broker.adapters.records import AcquiredAdapter, AcquireResult
 from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
-from memory_broker.proto.wire.errors import BrokerError, denied, invalid, not_found, precondition, unavailable
 from memory_broker.broker.store.objects import ObjectStore
+from memory_broker.proto.wire.errors import BrokerError, denied, invalid, not_found, precondition, unavailable
 
 
 class AdapterPins:

@@ -59,7 +59,7 @@ def pages_checksum(view: ArenaView, layout: AdapterLayout, pages: Sequence[int])
     return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
 
 
-def image_checksum(image: "WarmImage") -> str:
+def image_checksum(image: WarmImage) -> str:
     """The checksum of the page bytes ``image`` stands for (an int8 image: once dequantized)."""
     return packed_checksum(image.packed if image.packed is not None else dequantize(image))
 

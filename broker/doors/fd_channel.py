@@ -14,10 +14,9 @@ import asyncio
 import contextlib
 import os
 import socket
-import struct
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
+from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred, peer_cred
 from memory_broker.proto.wire.fd_channel import (
     MAX_FDS_PER_MESSAGE,
     MAX_REQUEST_BYTES,
@@ -27,7 +26,6 @@ from memory_broker.proto.wire.fd_channel import (
     parse_request,
     refusal_line,
 )
-from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred, peer_cred
 
 # How long a connection may take to send its request, and separately to take its reply.
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
@@ -200,12 +198,12 @@ class FdChannelServer:
             raise
         except Exception as e:
             self._log("fd_channel_authorize_failed", pid=peer.pid, error=f"{type(e).__name__}: {e}")
-            raise FdRequestRefused("INTERNAL", f"broker failed to check the request: {type(e).__name__}: {e}")
+            raise FdRequestRefused("INTERNAL", f"broker failed to check the request: {type(e).__name__}: {e}") from e
         try:
             fds = list(self._slab_fds(from_slab))
         except Exception as e:
             self._log("fd_channel_slab_fds_failed", from_slab=from_slab, error=f"{type(e).__name__}: {e}")
-            raise FdRequestRefused("INTERNAL", f"broker failed to list slab fds from {from_slab}: {e}")
+            raise FdRequestRefused("INTERNAL", f"broker failed to list slab fds from {from_slab}: {e}") from e
         return fds, from_slab
 
     async def _read_request(self, conn: socket.socket) -> tuple[bytes, str | None]:

@@ -14,19 +14,19 @@ import asyncio
 import inspect
 import os
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
-from memory_broker.proto.wire.errors import BrokerError, Code
-from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
 from memory_broker.broker.doors.policy import CALL, POLICY, Rule, is_tcp, merge_call  # noqa: F401  (POLICY, merge_call: imported from here)
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
+from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.proto.wire import session as wire_session
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.messages import TIERS, layout_to_proto, spec_from_proto
 from memory_broker.proto.wire.session import SESSION_METADATA, token_from_metadata, version_mismatch
 from memory_broker.proto.wire.status import STATUS
@@ -43,7 +43,7 @@ def _unary(fn):
     # The fixed cost of every call matters (issue 13: a few microseconds): nothing here
     # builds a log line that the level filters out, and the logger is only touched to log.
 
-    async def handler(self: "MemoryBrokerService", request, context):
+    async def handler(self: MemoryBrokerService, request, context):
         t0 = time.perf_counter()
         code = "OK"
         call = CALL.set((method, None))

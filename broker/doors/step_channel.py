@@ -16,12 +16,12 @@ import contextlib
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid, unavailable
-from memory_broker.proto.wire import step as w
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
+from memory_broker.proto.wire import step as w
+from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid, unavailable
 
 # Connections served at once (each is one engine process; more is a client gone wrong).
 MAX_CONNECTIONS = 1024

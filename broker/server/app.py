@@ -22,22 +22,22 @@ from grpc_reflection.v1alpha import reflection
 
 from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
 from memory_broker.broker.arena import make_arena
-from memory_broker.proto.wire.mapping import ArenaGeometry
-from memory_broker.proto.wire.errors import BrokerError
-from memory_broker.broker.store.eviction import make_policy
-from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
-from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.broker.doors.fd_channel import FdChannelServer
+from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
+from memory_broker.broker.doors.service import EchoService, MemoryBrokerService
+from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.broker.server.config import ConfigError, build_options, deprecation_notes, reload_changes
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
 from memory_broker.broker.server.options import ServeOptions, adapter_config, format_size
-from memory_broker.broker.doors.service import EchoService, MemoryBrokerService
-from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
-from memory_broker.broker.doors.fd_channel import FdChannelServer
-from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import SessionManager
+from memory_broker.broker.store.eviction import make_policy
+from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
+from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.proto.wire.errors import BrokerError
+from memory_broker.proto.wire.mapping import ArenaGeometry
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 

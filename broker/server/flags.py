@@ -43,7 +43,7 @@ def flag_overrides(a: argparse.Namespace) -> dict:
     from memory_broker.broker.server.values import read
 
     out = {}
-    for flag, (dest, names, _) in SHORTHANDS.items():
+    for dest, names, _ in SHORTHANDS.values():
         if hasattr(a, dest):
             out.update(dict.fromkeys(names, getattr(a, dest)))
     for s in SETTINGS.values():

@@ -14,8 +14,8 @@ from typing import TextIO
 
 import structlog
 
-from memory_broker.broker.server.values import LOG_FORMATS
 from memory_broker.broker.doors.policy import merge_call
+from memory_broker.broker.server.values import LOG_FORMATS
 
 # The format the last ``configure`` chose ("auto" resolved), kept when a reload changes only
 # the level.

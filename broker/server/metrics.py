@@ -9,8 +9,9 @@ milliseconds and would put every allocation in the first bucket.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider

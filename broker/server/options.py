@@ -24,7 +24,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
-from memory_broker.proto.wire.mapping import check_sizes
 from memory_broker.broker.server.values import (  # noqa: F401  (parse_size, format_size: their old home)
     DEFAULT_SOCKET,
     KINDS,
@@ -35,6 +34,7 @@ from memory_broker.broker.server.values import (  # noqa: F401  (parse_size, for
     parse_size,
     show,
 )
+from memory_broker.proto.wire.mapping import check_sizes
 
 _AUTO = "auto"
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from memory_broker.broker.adapters.access import Caller
-from memory_broker.proto.wire.errors import BrokerError, Code, denied
-from memory_broker.broker.store.objects import ObjectStore
-from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred
 from memory_broker.broker.sessions.liveness import PidWatcher
+from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred
+from memory_broker.broker.store.objects import ObjectStore
+from memory_broker.proto.wire.errors import BrokerError, Code, denied
 from memory_broker.proto.wire.session import SESSION_METADATA
 
 # Placed on a session's queue to end its stream.

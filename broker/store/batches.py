@@ -8,11 +8,11 @@ store's objects, sessions or pages.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from memory_broker.proto.wire.errors import exhausted, invalid
 from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.records import VALID_CONTENT, Spec
+from memory_broker.proto.wire.errors import exhausted, invalid
 
 
 def check_batch(n: int, what: str, max_batch: int) -> None:

@@ -9,8 +9,9 @@ size-aware step that takes one object covering the remaining need instead of man
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from enum import IntEnum
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from memory_broker.broker.store.shards import RecencyQueue
 

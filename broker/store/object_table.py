@@ -10,14 +10,14 @@ range, key, owner's set, running figures). It never decides whether there is roo
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from memory_broker.proto.wire.errors import exhausted, not_found, precondition
 from memory_broker.broker.store.eviction import EvictionPolicy
 from memory_broker.broker.store.pool import PagePool, WindowSpace
-from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.records import CONTENT_BY_NUMBER, Allocation, ObjectState, Recent, SessionState, Spec
+from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Tally
+from memory_broker.proto.wire.errors import exhausted, not_found, precondition
 
 
 class ObjectTable:

@@ -18,16 +18,13 @@ import dataclasses
 import itertools
 import time
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from memory_broker.broker.store.batches import check_batch, check_key, check_specs, check_unique
-from memory_broker.proto.wire.errors import denied, not_found, precondition
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
 from memory_broker.broker.store.object_table import ObjectTable
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.pool import PagePool, WindowSpace
-from memory_broker.broker.store.room import RoomMaker
-from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.records import (
     Allocation,
     ObjectsEvicted,
@@ -40,8 +37,11 @@ from memory_broker.broker.store.records import (
     TransactionsExpired,
     TxnState,
 )
+from memory_broker.broker.store.room import RoomMaker
+from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage
 from memory_broker.broker.store.transactions import TransactionBook, Transactions
+from memory_broker.proto.wire.errors import denied, not_found, precondition
 
 # The records callers use come from here too (one import for the store's API).
 __all__ = [

@@ -9,14 +9,14 @@ and frees nothing itself: the last pin of a freed object goes to the store's ``d
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from memory_broker.proto.wire.errors import denied, exhausted, precondition
 from memory_broker.broker.store.eviction import EvictionPolicy
-from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.records import Allocation, SessionState, StoreConfig
+from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Counters, Tally
 from memory_broker.broker.store.transactions import TransactionBook
+from memory_broker.proto.wire.errors import denied, exhausted, precondition
 
 
 class PinLedger:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from array import array
-from typing import Callable
+from collections.abc import Callable
 
 # Page-table value of a free page (object ids start at 1).
 FREE = 0

@@ -9,14 +9,14 @@ does, and calls ``make_room`` before it takes pages.
 
 from __future__ import annotations
 
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
-from memory_broker.proto.wire.errors import exhausted
 from memory_broker.broker.store.eviction import EvictionPolicy
 from memory_broker.broker.store.pool import PagePool
-from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, pages_at
+from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Counters, Tally
+from memory_broker.proto.wire.errors import exhausted
 
 Notify = Callable[[int, object], None]
 

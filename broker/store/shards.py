@@ -12,7 +12,8 @@ at most 4,096 entries. They hold no knowledge of objects, pins or sessions.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 BITS = 8
 MASK = (1 << BITS) - 1

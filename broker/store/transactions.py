@@ -13,10 +13,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 from memory_broker.broker.store.batches import check_specs
-from memory_broker.proto.wire.errors import denied, invalid, not_found, precondition
 from memory_broker.broker.store.records import (
     Allocation,
     Recent,
@@ -27,6 +27,7 @@ from memory_broker.broker.store.records import (
     TransactionsExpired,
     TxnState,
 )
+from memory_broker.proto.wire.errors import denied, invalid, not_found, precondition
 
 if TYPE_CHECKING:
     from memory_broker.broker.store.object_table import ObjectTable

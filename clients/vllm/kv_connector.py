@@ -66,7 +66,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     ``retry_s`` (between reconnect attempts, default 2).
     """
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         extra = dict(cfg.kv_connector_extra_config or {})
@@ -131,7 +131,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler side
 
-    def _state(self, request: "Request") -> _ReqState | None:
+    def _state(self, request: Request) -> _ReqState | None:
         st = self._reqs.get(request.request_id)
         if st is None:
             if not _keyable(request):
@@ -150,7 +150,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self.broker.release(st.incarnation, objs)
         st.pinned = []
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         if st is None:
             return 0, False
@@ -191,7 +191,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self._unpin(st)
         return ext, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         st = self._reqs.get(request.request_id)
         if st is None:
             return
@@ -204,7 +204,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         self._to_load.add(request.request_id)
         self.stats.add("hit_tokens", num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = BrokerKVMetadata()
         mgr = self._kv_cache_manager
         sched = scheduler_output.num_scheduled_tokens
@@ -245,7 +245,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self._to_load.discard(req_id)
         return meta
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+    def update_connector_output(self, connector_output: KVConnectorOutput):
         wm = connector_output.kv_connector_worker_meta
         if not isinstance(wm, BrokerKVWorkerMetadata) or self.tp_size != 1:
             return  # with several ranks the pins go when the request finishes
@@ -254,7 +254,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             if st is not None:
                 self._unpin(st)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._to_load.discard(request.request_id)
@@ -307,7 +307,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     def _block_view(self, name: str, t: torch.Tensor, block_id: int) -> torch.Tensor:
         return t.select(self._block_dims[name], block_id)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, BrokerKVMetadata) or not meta.loads or not self._enabled:
             if isinstance(meta, BrokerKVMetadata):

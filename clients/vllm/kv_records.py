@@ -20,7 +20,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
-
 # Counters reported through vLLM's connector stats (summed over workers and the scheduler).
 STAT_NAMES = (
     "lookups",  # requests looked up in the broker
@@ -48,7 +47,7 @@ class BrokerKVStats(KVConnectorStats):
     def reset(self):
         self.data = {k: 0 for k in STAT_NAMES}
 
-    def aggregate(self, other: KVConnectorStats) -> "BrokerKVStats":
+    def aggregate(self, other: KVConnectorStats) -> BrokerKVStats:
         for k, v in (other.data or {}).items():
             self.data[k] = self.data.get(k, 0) + v
         return self
@@ -90,7 +89,7 @@ class BrokerKVWorkerMetadata(KVConnectorWorkerMetadata):
     # Requests whose loads finished this step (their pins may go).
     loaded: set[str] = field(default_factory=set)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "BrokerKVWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> BrokerKVWorkerMetadata:
         if isinstance(other, BrokerKVWorkerMetadata):
             self.loaded |= other.loaded
         return self

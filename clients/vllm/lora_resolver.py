@@ -13,13 +13,12 @@ import asyncio
 import logging
 
 import grpc
-
-from memory_broker.proto.wire.v1 import broker_pb2 as pb
-from memory_broker.proto.wire.v1 import broker_pb2_grpc
-from memory_broker.clients.vllm.identity import BROKER_SCHEME, broker_lora_int_id
-
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.lora.resolver import LoRAResolver  # noqa: E402
+
+from memory_broker.clients.vllm.identity import BROKER_SCHEME, broker_lora_int_id
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
 log = logging.getLogger("vllm.memory_broker.lora")
 

@@ -30,15 +30,14 @@ import sys
 import tempfile
 import time
 
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from memory_broker.broker.adapters import AdapterConfig, AdapterManager, AdapterRegistry, plan_layout  # noqa: E402
-from memory_broker.broker.adapters.policy import POLICIES  # noqa: E402
 from memory_broker.broker.adapters.image_cache import ImageCache  # noqa: E402
 from memory_broker.broker.adapters.page_writers import HostPageWriter  # noqa: E402
+from memory_broker.broker.adapters.policy import POLICIES  # noqa: E402
 from memory_broker.broker.adapters.warm_image import build_warm_image  # noqa: E402
 from memory_broker.broker.arena.base import ArenaGeometry  # noqa: E402
 from memory_broker.broker.arena.host import HostArena  # noqa: E402
@@ -392,7 +391,7 @@ def bench_slots(root: str, src: str, requests: int) -> None:
             meta = rig.registry.inspect(src)
             rig.registry.add_many([(aid, meta) for aid in ids])
 
-            async def go(rig=rig):
+            async def go(rig=rig, trace=trace):
                 st = await replay(rig, trace)
                 await rig.close()
                 return st

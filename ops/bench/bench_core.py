@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 
-
 from memory_broker.broker.store.eviction import ContentType  # noqa: E402
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
 from memory_broker.broker.store.pool import PagePool, WindowSpace  # noqa: E402

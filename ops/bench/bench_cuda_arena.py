@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 
-
 MiB = 1 << 20
 
 

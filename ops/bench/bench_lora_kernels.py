@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # A name rather than a literal so a CPU dry run of the logic (not of the timings) can swap it.
 DEVICE = "cuda"
 PAGE_BYTES = 2 << 20

@@ -26,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import grpc  # noqa: E402
 
-from memory_broker.proto.wire.v1 import broker_pb2 as pb  # noqa: E402
-from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 from memory_broker.proto.wire.session import SESSION_METADATA  # noqa: E402
+from memory_broker.proto.wire.v1 import broker_pb2 as pb  # noqa: E402
+from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
 
 
 def start_broker(socket: str, state: str, page_size: str = "2MiB") -> subprocess.Popen:

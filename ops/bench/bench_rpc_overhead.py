@@ -21,9 +21,9 @@ import time
 from memory_broker.broker.server.app import BrokerServer
 from memory_broker.broker.server.logs import configure
 from memory_broker.broker.server.options import ServeOptions
-from memory_broker.proto.wire.v1 import broker_pb2 as pb
-from memory_broker.proto.wire.session import SESSION_METADATA
 from memory_broker.broker.store.objects import Spec
+from memory_broker.proto.wire.session import SESSION_METADATA
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
 class Context:

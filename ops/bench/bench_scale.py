@@ -88,7 +88,7 @@ def bench_stats_and_memory(sizes: list[int], table: list, memory: list) -> None:
         fill(store, sid, n, content_type=3)
         memory.append((n, (rss_bytes() - r0) / n))
 
-        def read():
+        def read(store=store):
             store.stats()
             store.objects_by_owner()
 
@@ -290,9 +290,9 @@ def echo_result(p: subprocess.Popen) -> list[float]:
 def bench_daemon(n: int, seconds: float, table: list) -> None:
     import grpc
 
+    from memory_broker.clients import BrokerClient
     from memory_broker.proto.wire.v1 import broker_pb2 as pb
     from memory_broker.proto.wire.v1 import broker_pb2_grpc
-    from memory_broker.clients import BrokerClient
 
     d = tempfile.mkdtemp(prefix="mb-scale-", dir="/tmp")
     socket = os.path.join(d, "b.sock")

@@ -50,12 +50,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
-from memory_broker.proto.wire import step as step_wire  # noqa: E402
-from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
+
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 from memory_broker.clients.batch import POLL_S  # noqa: E402
+from memory_broker.proto.wire import step as step_wire  # noqa: E402
+from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
 
 ADAPTERS = 200
 # KV blocks (one 512 KiB page each): enough that no arrival's key was seen before.

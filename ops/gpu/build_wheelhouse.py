@@ -61,10 +61,10 @@ def pins(reqs: list[Requirement]) -> list[str]:
     for r in reqs:
         try:
             v = md.version(r.name)
-        except md.PackageNotFoundError:
+        except md.PackageNotFoundError as e:
             raise SystemExit(
                 f"{r.name} is not installed in {sys.prefix}: install it here first (it is what gets tested)"
-            )
+            ) from e
         if r.specifier and not r.specifier.contains(v, prereleases=True):
             raise SystemExit(f"{r.name} {v} here is outside {r} (ops/gpu/wheelhouse.in): fix one of them")
         out.append(f"{r.name}=={v}")

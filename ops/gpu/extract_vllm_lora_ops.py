@@ -344,7 +344,7 @@ def extract(files: dict[str, bytes], version: str, source: str, out: Path) -> di
             "what": "vLLM's Triton LoRA ops, copied unmodified, with shims; never commit this folder",
             "vllm_version": version,
             "source": source,
-            "extracted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "extracted_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "copied": {f"{OPS_DIR}/{f}": sha256(data) for f, data in sorted(files.items())},
             "shims": {rel: sha256(text.encode()) for rel, text in sorted(SHIMS.items())},
         }

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 # Element types an adapter can be stored in, with their sizes in bytes.
 DTYPE_SIZES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Default alignment of every row's first byte (16 bytes lets a GPU vectorise the gathers).

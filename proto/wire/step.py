@@ -16,8 +16,8 @@ length) and the message. A frame that cannot be parsed runs no op at all.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from memory_broker.proto.wire.errors import BrokerError, Code
 

@@ -183,8 +183,9 @@ class CudaDevice:
 def _vmm_attribute(drv):
     attrs = drv.CUdevice_attribute
     # VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED is the older (deprecated) name of the same attribute.
-    return getattr(attrs, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", None) or getattr(
-        attrs, "CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED"
+    return (
+        getattr(attrs, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", None)
+        or attrs.CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED
     )
 
 

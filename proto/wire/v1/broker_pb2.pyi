@@ -1,9 +1,11 @@
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -72,11 +74,11 @@ class ObjectSpec(_message.Message):
     pin: bool
     def __init__(
         self,
-        num_pages: _Optional[int] = ...,
-        contiguous: _Optional[bool] = ...,
-        content_type: _Optional[_Union[ContentType, str]] = ...,
-        key: _Optional[bytes] = ...,
-        pin: _Optional[bool] = ...,
+        num_pages: int | None = ...,
+        contiguous: bool | None = ...,
+        content_type: ContentType | str | None = ...,
+        key: bytes | None = ...,
+        pin: bool | None = ...,
     ) -> None: ...
 
 class ObjectInfo(_message.Message):
@@ -117,17 +119,17 @@ class ObjectInfo(_message.Message):
     arena_slabs: int
     def __init__(
         self,
-        object_id: _Optional[int] = ...,
-        content_type: _Optional[_Union[ContentType, str]] = ...,
-        state: _Optional[_Union[ObjectState, str]] = ...,
-        key: _Optional[bytes] = ...,
-        pages: _Optional[_Iterable[int]] = ...,
-        window_page: _Optional[int] = ...,
-        session_pins: _Optional[int] = ...,
-        total_pins: _Optional[int] = ...,
-        deduplicated: _Optional[bool] = ...,
-        owned: _Optional[bool] = ...,
-        arena_slabs: _Optional[int] = ...,
+        object_id: int | None = ...,
+        content_type: ContentType | str | None = ...,
+        state: ObjectState | str | None = ...,
+        key: bytes | None = ...,
+        pages: _Iterable[int] | None = ...,
+        window_page: int | None = ...,
+        session_pins: int | None = ...,
+        total_pins: int | None = ...,
+        deduplicated: bool | None = ...,
+        owned: bool | None = ...,
+        arena_slabs: int | None = ...,
     ) -> None: ...
 
 class GetArenaRequest(_message.Message):
@@ -166,15 +168,15 @@ class ArenaInfo(_message.Message):
     device: str
     def __init__(
         self,
-        backend: _Optional[str] = ...,
-        page_size: _Optional[int] = ...,
-        pages_per_slab: _Optional[int] = ...,
-        max_slabs: _Optional[int] = ...,
-        num_slabs: _Optional[int] = ...,
-        window_pages: _Optional[int] = ...,
-        fd_socket_path: _Optional[str] = ...,
-        placement: _Optional[str] = ...,
-        device: _Optional[str] = ...,
+        backend: str | None = ...,
+        page_size: int | None = ...,
+        pages_per_slab: int | None = ...,
+        max_slabs: int | None = ...,
+        num_slabs: int | None = ...,
+        window_pages: int | None = ...,
+        fd_socket_path: str | None = ...,
+        placement: str | None = ...,
+        device: str | None = ...,
     ) -> None: ...
 
 class AttachRequest(_message.Message):
@@ -183,9 +185,7 @@ class AttachRequest(_message.Message):
     DETACH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     detach: Detach
-    def __init__(
-        self, hello: _Optional[_Union[Hello, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ...
-    ) -> None: ...
+    def __init__(self, hello: Hello | _Mapping | None = ..., detach: Detach | _Mapping | None = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("client_name", "pid", "protocol_version")
@@ -196,7 +196,7 @@ class Hello(_message.Message):
     pid: int
     protocol_version: int
     def __init__(
-        self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...
+        self, client_name: str | None = ..., pid: int | None = ..., protocol_version: int | None = ...
     ) -> None: ...
 
 class Detach(_message.Message):
@@ -229,13 +229,13 @@ class SessionEvent(_message.Message):
     adapter_corrupted: AdapterCorrupted
     def __init__(
         self,
-        opened: _Optional[_Union[SessionOpened, _Mapping]] = ...,
-        evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ...,
-        arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ...,
-        shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ...,
-        transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ...,
-        reconnected: _Optional[_Union[Reconnected, _Mapping]] = ...,
-        adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...,
+        opened: SessionOpened | _Mapping | None = ...,
+        evicted: ObjectsEvicted | _Mapping | None = ...,
+        arena_grown: ArenaGrown | _Mapping | None = ...,
+        shutting_down: ShuttingDown | _Mapping | None = ...,
+        transactions_expired: TransactionsExpired | _Mapping | None = ...,
+        reconnected: Reconnected | _Mapping | None = ...,
+        adapter_corrupted: AdapterCorrupted | _Mapping | None = ...,
     ) -> None: ...
 
 class SessionOpened(_message.Message):
@@ -250,10 +250,10 @@ class SessionOpened(_message.Message):
     protocol_version: int
     def __init__(
         self,
-        session_id: _Optional[int] = ...,
-        token: _Optional[str] = ...,
-        arena: _Optional[_Union[ArenaInfo, _Mapping]] = ...,
-        protocol_version: _Optional[int] = ...,
+        session_id: int | None = ...,
+        token: str | None = ...,
+        arena: ArenaInfo | _Mapping | None = ...,
+        protocol_version: int | None = ...,
     ) -> None: ...
 
 class ObjectsEvicted(_message.Message):
@@ -262,27 +262,25 @@ class ObjectsEvicted(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(
-        self, object_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ...
-    ) -> None: ...
+    def __init__(self, object_ids: _Iterable[int] | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
 
 class ArenaGrown(_message.Message):
     __slots__ = ("num_slabs",)
     NUM_SLABS_FIELD_NUMBER: _ClassVar[int]
     num_slabs: int
-    def __init__(self, num_slabs: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_slabs: int | None = ...) -> None: ...
 
 class ShuttingDown(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, reason: str | None = ...) -> None: ...
 
 class TransactionsExpired(_message.Message):
     __slots__ = ("transaction_ids",)
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, transaction_ids: _Iterable[int] | None = ...) -> None: ...
 
 class AdapterCorrupted(_message.Message):
     __slots__ = ("adapter_id", "object_id", "generation", "detail")
@@ -296,10 +294,10 @@ class AdapterCorrupted(_message.Message):
     detail: str
     def __init__(
         self,
-        adapter_id: _Optional[str] = ...,
-        object_id: _Optional[int] = ...,
-        generation: _Optional[int] = ...,
-        detail: _Optional[str] = ...,
+        adapter_id: str | None = ...,
+        object_id: int | None = ...,
+        generation: int | None = ...,
+        detail: str | None = ...,
     ) -> None: ...
 
 class Reconnected(_message.Message):
@@ -316,24 +314,24 @@ class Reconnected(_message.Message):
     lost: str
     def __init__(
         self,
-        old_session_id: _Optional[int] = ...,
-        new_session_id: _Optional[int] = ...,
-        reason: _Optional[str] = ...,
-        waited_s: _Optional[float] = ...,
-        lost: _Optional[str] = ...,
+        old_session_id: int | None = ...,
+        new_session_id: int | None = ...,
+        reason: str | None = ...,
+        waited_s: float | None = ...,
+        lost: str | None = ...,
     ) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectSpec]
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, objects: _Iterable[ObjectSpec | _Mapping] | None = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(self, objects: _Iterable[ObjectInfo | _Mapping] | None = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
     __slots__ = ("objects", "pin_object_ids", "lease_ms")
@@ -345,9 +343,9 @@ class PrepareRequest(_message.Message):
     lease_ms: int
     def __init__(
         self,
-        objects: _Optional[_Iterable[_Union[ObjectSpec, _Mapping]]] = ...,
-        pin_object_ids: _Optional[_Iterable[int]] = ...,
-        lease_ms: _Optional[int] = ...,
+        objects: _Iterable[ObjectSpec | _Mapping] | None = ...,
+        pin_object_ids: _Iterable[int] | None = ...,
+        lease_ms: int | None = ...,
     ) -> None: ...
 
 class PrepareResponse(_message.Message):
@@ -362,17 +360,17 @@ class PrepareResponse(_message.Message):
     pinned: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
     def __init__(
         self,
-        transaction_id: _Optional[int] = ...,
-        deadline_unix_ms: _Optional[int] = ...,
-        objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...,
-        pinned: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...,
+        transaction_id: int | None = ...,
+        deadline_unix_ms: int | None = ...,
+        objects: _Iterable[ObjectInfo | _Mapping] | None = ...,
+        pinned: _Iterable[ObjectInfo | _Mapping] | None = ...,
     ) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("transaction_ids",)
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, transaction_ids: _Iterable[int] | None = ...) -> None: ...
 
 class CommittedTransaction(_message.Message):
     __slots__ = ("transaction_id", "objects")
@@ -381,32 +379,32 @@ class CommittedTransaction(_message.Message):
     transaction_id: int
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
     def __init__(
-        self, transaction_id: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...
+        self, transaction_id: int | None = ..., objects: _Iterable[ObjectInfo | _Mapping] | None = ...
     ) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("transactions",)
     TRANSACTIONS_FIELD_NUMBER: _ClassVar[int]
     transactions: _containers.RepeatedCompositeFieldContainer[CommittedTransaction]
-    def __init__(self, transactions: _Optional[_Iterable[_Union[CommittedTransaction, _Mapping]]] = ...) -> None: ...
+    def __init__(self, transactions: _Iterable[CommittedTransaction | _Mapping] | None = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("transaction_ids",)
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, transaction_ids: _Iterable[int] | None = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("freed_pages",)
     FREED_PAGES_FIELD_NUMBER: _ClassVar[int]
     freed_pages: int
-    def __init__(self, freed_pages: _Optional[int] = ...) -> None: ...
+    def __init__(self, freed_pages: int | None = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("object_ids",)
     OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, object_ids: _Iterable[int] | None = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("freed_pages", "deferred_pages")
@@ -414,25 +412,25 @@ class FreeResponse(_message.Message):
     DEFERRED_PAGES_FIELD_NUMBER: _ClassVar[int]
     freed_pages: int
     deferred_pages: int
-    def __init__(self, freed_pages: _Optional[int] = ..., deferred_pages: _Optional[int] = ...) -> None: ...
+    def __init__(self, freed_pages: int | None = ..., deferred_pages: int | None = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("object_ids",)
     OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, object_ids: _Iterable[int] | None = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(self, objects: _Iterable[ObjectInfo | _Mapping] | None = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
     __slots__ = ("object_ids",)
     OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, object_ids: _Iterable[int] | None = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ()
@@ -444,13 +442,13 @@ class LookupRequest(_message.Message):
     PIN_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pin: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ...) -> None: ...
+    def __init__(self, keys: _Iterable[bytes] | None = ..., pin: bool | None = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(self, objects: _Iterable[ObjectInfo | _Mapping] | None = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -466,9 +464,9 @@ class ContentStats(_message.Message):
     pages: int
     def __init__(
         self,
-        content_type: _Optional[_Union[ContentType, str]] = ...,
-        objects: _Optional[int] = ...,
-        pages: _Optional[int] = ...,
+        content_type: ContentType | str | None = ...,
+        objects: int | None = ...,
+        pages: int | None = ...,
     ) -> None: ...
 
 class Adapter(_message.Message):
@@ -518,20 +516,20 @@ class Adapter(_message.Message):
     image_state: AdapterImageState
     def __init__(
         self,
-        adapter_id: _Optional[str] = ...,
-        path: _Optional[str] = ...,
-        rank: _Optional[int] = ...,
-        lora_alpha: _Optional[float] = ...,
-        use_rslora: _Optional[bool] = ...,
-        target_modules: _Optional[_Iterable[str]] = ...,
-        num_layers: _Optional[int] = ...,
-        file_bytes: _Optional[int] = ...,
-        registered_at: _Optional[float] = ...,
-        tier: _Optional[_Union[AdapterTier, str]] = ...,
-        generation: _Optional[int] = ...,
-        pin_count: _Optional[int] = ...,
-        num_pages: _Optional[int] = ...,
-        image_state: _Optional[_Union[AdapterImageState, str]] = ...,
+        adapter_id: str | None = ...,
+        path: str | None = ...,
+        rank: int | None = ...,
+        lora_alpha: float | None = ...,
+        use_rslora: bool | None = ...,
+        target_modules: _Iterable[str] | None = ...,
+        num_layers: int | None = ...,
+        file_bytes: int | None = ...,
+        registered_at: float | None = ...,
+        tier: AdapterTier | str | None = ...,
+        generation: int | None = ...,
+        pin_count: int | None = ...,
+        num_pages: int | None = ...,
+        image_state: AdapterImageState | str | None = ...,
     ) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
@@ -540,19 +538,19 @@ class RegisterAdapterRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     path: str
-    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    def __init__(self, adapter_id: str | None = ..., path: str | None = ...) -> None: ...
 
 class RegisterAdapterResponse(_message.Message):
     __slots__ = ("adapter",)
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     adapter: Adapter
-    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+    def __init__(self, adapter: Adapter | _Mapping | None = ...) -> None: ...
 
 class UnregisterAdapterRequest(_message.Message):
     __slots__ = ("adapter_ids",)
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, adapter_ids: _Iterable[str] | None = ...) -> None: ...
 
 class UnregisterAdapterResponse(_message.Message):
     __slots__ = ()
@@ -566,9 +564,7 @@ class ListAdaptersRequest(_message.Message):
     prefix: str
     limit: int
     page_token: str
-    def __init__(
-        self, prefix: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...
-    ) -> None: ...
+    def __init__(self, prefix: str | None = ..., limit: int | None = ..., page_token: str | None = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
     __slots__ = ("adapters", "next_page_token", "total")
@@ -580,9 +576,9 @@ class ListAdaptersResponse(_message.Message):
     total: int
     def __init__(
         self,
-        adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...,
-        next_page_token: _Optional[str] = ...,
-        total: _Optional[int] = ...,
+        adapters: _Iterable[Adapter | _Mapping] | None = ...,
+        next_page_token: str | None = ...,
+        total: int | None = ...,
     ) -> None: ...
 
 class RowChunk(_message.Message):
@@ -593,9 +589,7 @@ class RowChunk(_message.Message):
     page_index: int
     offset: int
     rows: int
-    def __init__(
-        self, page_index: _Optional[int] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, page_index: int | None = ..., offset: int | None = ..., rows: int | None = ...) -> None: ...
 
 class MatrixLayout(_message.Message):
     __slots__ = ("rows", "row_elems", "row_stride", "chunks")
@@ -609,10 +603,10 @@ class MatrixLayout(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[RowChunk]
     def __init__(
         self,
-        rows: _Optional[int] = ...,
-        row_elems: _Optional[int] = ...,
-        row_stride: _Optional[int] = ...,
-        chunks: _Optional[_Iterable[_Union[RowChunk, _Mapping]]] = ...,
+        rows: int | None = ...,
+        row_elems: int | None = ...,
+        row_stride: int | None = ...,
+        chunks: _Iterable[RowChunk | _Mapping] | None = ...,
     ) -> None: ...
 
 class ModuleLayout(_message.Message):
@@ -635,14 +629,14 @@ class ModuleLayout(_message.Message):
     b: MatrixLayout
     def __init__(
         self,
-        layer: _Optional[int] = ...,
-        module: _Optional[str] = ...,
-        rank: _Optional[int] = ...,
-        scaling: _Optional[float] = ...,
-        in_features: _Optional[int] = ...,
-        out_features: _Optional[int] = ...,
-        a: _Optional[_Union[MatrixLayout, _Mapping]] = ...,
-        b: _Optional[_Union[MatrixLayout, _Mapping]] = ...,
+        layer: int | None = ...,
+        module: str | None = ...,
+        rank: int | None = ...,
+        scaling: float | None = ...,
+        in_features: int | None = ...,
+        out_features: int | None = ...,
+        a: MatrixLayout | _Mapping | None = ...,
+        b: MatrixLayout | _Mapping | None = ...,
     ) -> None: ...
 
 class AdapterLayout(_message.Message):
@@ -680,23 +674,23 @@ class AdapterLayout(_message.Message):
     num_pages: int
     def __init__(
         self,
-        adapter_id: _Optional[str] = ...,
-        generation: _Optional[int] = ...,
-        object_id: _Optional[int] = ...,
-        pages: _Optional[_Iterable[int]] = ...,
-        page_size: _Optional[int] = ...,
-        dtype: _Optional[str] = ...,
-        row_align: _Optional[int] = ...,
-        modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ...,
-        arena_slabs: _Optional[int] = ...,
-        num_pages: _Optional[int] = ...,
+        adapter_id: str | None = ...,
+        generation: int | None = ...,
+        object_id: int | None = ...,
+        pages: _Iterable[int] | None = ...,
+        page_size: int | None = ...,
+        dtype: str | None = ...,
+        row_align: int | None = ...,
+        modules: _Iterable[ModuleLayout | _Mapping] | None = ...,
+        arena_slabs: int | None = ...,
+        num_pages: int | None = ...,
     ) -> None: ...
 
 class GetAdapterLayoutRequest(_message.Message):
     __slots__ = ("adapter_id",)
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
-    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, adapter_id: str | None = ...) -> None: ...
 
 class AcquireAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms")
@@ -712,11 +706,11 @@ class AcquireAdaptersRequest(_message.Message):
     lease_ms: int
     def __init__(
         self,
-        adapter_ids: _Optional[_Iterable[str]] = ...,
-        max_adapters: _Optional[int] = ...,
-        with_layout: _Optional[bool] = ...,
-        prepare: _Optional[bool] = ...,
-        lease_ms: _Optional[int] = ...,
+        adapter_ids: _Iterable[str] | None = ...,
+        max_adapters: int | None = ...,
+        with_layout: bool | None = ...,
+        prepare: bool | None = ...,
+        lease_ms: int | None = ...,
     ) -> None: ...
 
 class AcquiredAdapter(_message.Message):
@@ -737,13 +731,13 @@ class AcquiredAdapter(_message.Message):
     arena_slabs: int
     def __init__(
         self,
-        adapter_id: _Optional[str] = ...,
-        generation: _Optional[int] = ...,
-        object_id: _Optional[int] = ...,
-        pages: _Optional[_Iterable[int]] = ...,
-        layout: _Optional[_Union[AdapterLayout, _Mapping]] = ...,
-        found_in: _Optional[_Union[AdapterTier, str]] = ...,
-        arena_slabs: _Optional[int] = ...,
+        adapter_id: str | None = ...,
+        generation: int | None = ...,
+        object_id: int | None = ...,
+        pages: _Iterable[int] | None = ...,
+        layout: AdapterLayout | _Mapping | None = ...,
+        found_in: AdapterTier | str | None = ...,
+        arena_slabs: int | None = ...,
     ) -> None: ...
 
 class AcquireAdaptersResponse(_message.Message):
@@ -758,17 +752,17 @@ class AcquireAdaptersResponse(_message.Message):
     deadline_unix_ms: int
     def __init__(
         self,
-        adapters: _Optional[_Iterable[_Union[AcquiredAdapter, _Mapping]]] = ...,
-        deferred: _Optional[_Iterable[str]] = ...,
-        transaction_id: _Optional[int] = ...,
-        deadline_unix_ms: _Optional[int] = ...,
+        adapters: _Iterable[AcquiredAdapter | _Mapping] | None = ...,
+        deferred: _Iterable[str] | None = ...,
+        transaction_id: int | None = ...,
+        deadline_unix_ms: int | None = ...,
     ) -> None: ...
 
 class ReleaseAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids",)
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, adapter_ids: _Iterable[str] | None = ...) -> None: ...
 
 class ReleaseAdaptersResponse(_message.Message):
     __slots__ = ()
@@ -780,9 +774,7 @@ class PrefetchAdaptersRequest(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
     tier: AdapterTier
-    def __init__(
-        self, adapter_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[AdapterTier, str]] = ...
-    ) -> None: ...
+    def __init__(self, adapter_ids: _Iterable[str] | None = ..., tier: AdapterTier | str | None = ...) -> None: ...
 
 class PrefetchAdaptersResponse(_message.Message):
     __slots__ = ("loaded", "failed")
@@ -792,7 +784,7 @@ class PrefetchAdaptersResponse(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: AdapterTier
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[AdapterTier, str]] = ...) -> None: ...
+        def __init__(self, key: str | None = ..., value: AdapterTier | str | None = ...) -> None: ...
 
     class FailedEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -800,14 +792,14 @@ class PrefetchAdaptersResponse(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
 
     LOADED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.ScalarMap[str, AdapterTier]
     failed: _containers.ScalarMap[str, str]
     def __init__(
-        self, loaded: _Optional[_Mapping[str, AdapterTier]] = ..., failed: _Optional[_Mapping[str, str]] = ...
+        self, loaded: _Mapping[str, AdapterTier] | None = ..., failed: _Mapping[str, str] | None = ...
     ) -> None: ...
 
 class AdapterStats(_message.Message):
@@ -893,32 +885,32 @@ class AdapterStats(_message.Message):
     convert_queued: int
     def __init__(
         self,
-        registered: _Optional[int] = ...,
-        hot: _Optional[int] = ...,
-        warm: _Optional[int] = ...,
-        cold: _Optional[int] = ...,
-        hot_pages: _Optional[int] = ...,
-        warm_bytes: _Optional[int] = ...,
-        found_hot: _Optional[int] = ...,
-        found_warm: _Optional[int] = ...,
-        found_cold: _Optional[int] = ...,
-        loads_hot: _Optional[int] = ...,
-        loads_warm: _Optional[int] = ...,
-        bytes_loaded_hot: _Optional[int] = ...,
-        bytes_loaded_warm: _Optional[int] = ...,
-        hit_rate: _Optional[float] = ...,
-        deferred: _Optional[int] = ...,
-        shared_loads: _Optional[int] = ...,
-        load_failures: _Optional[int] = ...,
-        evictions: _Optional[int] = ...,
-        demotions: _Optional[int] = ...,
-        image_count: _Optional[int] = ...,
-        image_bytes: _Optional[int] = ...,
-        image_budget_bytes: _Optional[int] = ...,
-        image_hits: _Optional[int] = ...,
-        image_misses: _Optional[int] = ...,
-        converted_ahead: _Optional[int] = ...,
-        convert_queued: _Optional[int] = ...,
+        registered: int | None = ...,
+        hot: int | None = ...,
+        warm: int | None = ...,
+        cold: int | None = ...,
+        hot_pages: int | None = ...,
+        warm_bytes: int | None = ...,
+        found_hot: int | None = ...,
+        found_warm: int | None = ...,
+        found_cold: int | None = ...,
+        loads_hot: int | None = ...,
+        loads_warm: int | None = ...,
+        bytes_loaded_hot: int | None = ...,
+        bytes_loaded_warm: int | None = ...,
+        hit_rate: float | None = ...,
+        deferred: int | None = ...,
+        shared_loads: int | None = ...,
+        load_failures: int | None = ...,
+        evictions: int | None = ...,
+        demotions: int | None = ...,
+        image_count: int | None = ...,
+        image_bytes: int | None = ...,
+        image_budget_bytes: int | None = ...,
+        image_hits: int | None = ...,
+        image_misses: int | None = ...,
+        converted_ahead: int | None = ...,
+        convert_queued: int | None = ...,
     ) -> None: ...
 
 class Stats(_message.Message):
@@ -1019,37 +1011,37 @@ class Stats(_message.Message):
     by_owner: _containers.RepeatedCompositeFieldContainer[OwnerStats]
     def __init__(
         self,
-        backend: _Optional[str] = ...,
-        page_size: _Optional[int] = ...,
-        max_pages: _Optional[int] = ...,
-        capacity_pages: _Optional[int] = ...,
-        num_slabs: _Optional[int] = ...,
-        free_pages: _Optional[int] = ...,
-        used_pages: _Optional[int] = ...,
-        prepared_pages: _Optional[int] = ...,
-        pinned_pages: _Optional[int] = ...,
-        evictable_pages: _Optional[int] = ...,
-        utilization: _Optional[float] = ...,
-        high_watermark: _Optional[float] = ...,
-        low_watermark: _Optional[float] = ...,
-        eviction_active: _Optional[bool] = ...,
-        eviction_runs: _Optional[int] = ...,
-        evicted_objects: _Optional[int] = ...,
-        evicted_pages: _Optional[int] = ...,
-        objects: _Optional[int] = ...,
-        keyed_objects: _Optional[int] = ...,
-        sessions: _Optional[int] = ...,
-        open_transactions: _Optional[int] = ...,
-        by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ...,
-        window_free_pages: _Optional[int] = ...,
-        window_free_extents: _Optional[int] = ...,
-        window_largest_free: _Optional[int] = ...,
-        window_fragmentation: _Optional[float] = ...,
-        allocations_total: _Optional[int] = ...,
-        deduplicated_total: _Optional[int] = ...,
-        allocation_failures: _Optional[int] = ...,
-        adapters: _Optional[_Union[AdapterStats, _Mapping]] = ...,
-        by_owner: _Optional[_Iterable[_Union[OwnerStats, _Mapping]]] = ...,
+        backend: str | None = ...,
+        page_size: int | None = ...,
+        max_pages: int | None = ...,
+        capacity_pages: int | None = ...,
+        num_slabs: int | None = ...,
+        free_pages: int | None = ...,
+        used_pages: int | None = ...,
+        prepared_pages: int | None = ...,
+        pinned_pages: int | None = ...,
+        evictable_pages: int | None = ...,
+        utilization: float | None = ...,
+        high_watermark: float | None = ...,
+        low_watermark: float | None = ...,
+        eviction_active: bool | None = ...,
+        eviction_runs: int | None = ...,
+        evicted_objects: int | None = ...,
+        evicted_pages: int | None = ...,
+        objects: int | None = ...,
+        keyed_objects: int | None = ...,
+        sessions: int | None = ...,
+        open_transactions: int | None = ...,
+        by_content: _Iterable[ContentStats | _Mapping] | None = ...,
+        window_free_pages: int | None = ...,
+        window_free_extents: int | None = ...,
+        window_largest_free: int | None = ...,
+        window_fragmentation: float | None = ...,
+        allocations_total: int | None = ...,
+        deduplicated_total: int | None = ...,
+        allocation_failures: int | None = ...,
+        adapters: AdapterStats | _Mapping | None = ...,
+        by_owner: _Iterable[OwnerStats | _Mapping] | None = ...,
     ) -> None: ...
 
 class OwnerStats(_message.Message):
@@ -1068,19 +1060,19 @@ class OwnerStats(_message.Message):
     pages: int
     def __init__(
         self,
-        session_id: _Optional[int] = ...,
-        client_name: _Optional[str] = ...,
-        pid: _Optional[int] = ...,
-        content_type: _Optional[_Union[ContentType, str]] = ...,
-        objects: _Optional[int] = ...,
-        pages: _Optional[int] = ...,
+        session_id: int | None = ...,
+        client_name: str | None = ...,
+        pid: int | None = ...,
+        content_type: ContentType | str | None = ...,
+        objects: int | None = ...,
+        pages: int | None = ...,
     ) -> None: ...
 
 class VerifyAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids",)
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, adapter_ids: _Iterable[str] | None = ...) -> None: ...
 
 class AdapterCheck(_message.Message):
     __slots__ = ("adapter_id", "tier", "checked", "ok", "checksum", "detail")
@@ -1098,12 +1090,12 @@ class AdapterCheck(_message.Message):
     detail: str
     def __init__(
         self,
-        adapter_id: _Optional[str] = ...,
-        tier: _Optional[_Union[AdapterTier, str]] = ...,
-        checked: _Optional[bool] = ...,
-        ok: _Optional[bool] = ...,
-        checksum: _Optional[str] = ...,
-        detail: _Optional[str] = ...,
+        adapter_id: str | None = ...,
+        tier: AdapterTier | str | None = ...,
+        checked: bool | None = ...,
+        ok: bool | None = ...,
+        checksum: str | None = ...,
+        detail: str | None = ...,
     ) -> None: ...
 
 class VerifyAdaptersResponse(_message.Message):
@@ -1112,6 +1104,4 @@ class VerifyAdaptersResponse(_message.Message):
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     checks: _containers.RepeatedCompositeFieldContainer[AdapterCheck]
     corrupt: int
-    def __init__(
-        self, checks: _Optional[_Iterable[_Union[AdapterCheck, _Mapping]]] = ..., corrupt: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, checks: _Iterable[AdapterCheck | _Mapping] | None = ..., corrupt: int | None = ...) -> None: ...
