@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -39,7 +37,6 @@ class AdapterImageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADAPTER_IMAGE_STATE_QUEUED: _ClassVar[AdapterImageState]
     ADAPTER_IMAGE_STATE_CONVERTING: _ClassVar[AdapterImageState]
     ADAPTER_IMAGE_STATE_READY: _ClassVar[AdapterImageState]
-
 CONTENT_TYPE_UNSPECIFIED: ContentType
 CONTENT_TYPE_KV_CACHE: ContentType
 CONTENT_TYPE_LORA_WEIGHT: ContentType
@@ -72,29 +69,10 @@ class ObjectSpec(_message.Message):
     content_type: ContentType
     key: bytes
     pin: bool
-    def __init__(
-        self,
-        num_pages: int | None = ...,
-        contiguous: bool | None = ...,
-        content_type: ContentType | str | None = ...,
-        key: bytes | None = ...,
-        pin: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, num_pages: _Optional[int] = ..., contiguous: _Optional[bool] = ..., content_type: _Optional[_Union[ContentType, str]] = ..., key: _Optional[bytes] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class ObjectInfo(_message.Message):
-    __slots__ = (
-        "object_id",
-        "content_type",
-        "state",
-        "key",
-        "pages",
-        "window_page",
-        "session_pins",
-        "total_pins",
-        "deduplicated",
-        "owned",
-        "arena_slabs",
-    )
+    __slots__ = ("object_id", "content_type", "state", "key", "pages", "window_page", "session_pins", "total_pins", "deduplicated", "owned", "arena_slabs")
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -117,37 +95,14 @@ class ObjectInfo(_message.Message):
     deduplicated: bool
     owned: bool
     arena_slabs: int
-    def __init__(
-        self,
-        object_id: int | None = ...,
-        content_type: ContentType | str | None = ...,
-        state: ObjectState | str | None = ...,
-        key: bytes | None = ...,
-        pages: _Iterable[int] | None = ...,
-        window_page: int | None = ...,
-        session_pins: int | None = ...,
-        total_pins: int | None = ...,
-        deduplicated: bool | None = ...,
-        owned: bool | None = ...,
-        arena_slabs: int | None = ...,
-    ) -> None: ...
+    def __init__(self, object_id: _Optional[int] = ..., content_type: _Optional[_Union[ContentType, str]] = ..., state: _Optional[_Union[ObjectState, str]] = ..., key: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., window_page: _Optional[int] = ..., session_pins: _Optional[int] = ..., total_pins: _Optional[int] = ..., deduplicated: _Optional[bool] = ..., owned: _Optional[bool] = ..., arena_slabs: _Optional[int] = ...) -> None: ...
 
 class GetArenaRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ArenaInfo(_message.Message):
-    __slots__ = (
-        "backend",
-        "page_size",
-        "pages_per_slab",
-        "max_slabs",
-        "num_slabs",
-        "window_pages",
-        "fd_socket_path",
-        "placement",
-        "device",
-    )
+    __slots__ = ("backend", "page_size", "pages_per_slab", "max_slabs", "num_slabs", "window_pages", "fd_socket_path", "placement", "device")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SLAB_FIELD_NUMBER: _ClassVar[int]
@@ -166,18 +121,7 @@ class ArenaInfo(_message.Message):
     fd_socket_path: str
     placement: str
     device: str
-    def __init__(
-        self,
-        backend: str | None = ...,
-        page_size: int | None = ...,
-        pages_per_slab: int | None = ...,
-        max_slabs: int | None = ...,
-        num_slabs: int | None = ...,
-        window_pages: int | None = ...,
-        fd_socket_path: str | None = ...,
-        placement: str | None = ...,
-        device: str | None = ...,
-    ) -> None: ...
+    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., pages_per_slab: _Optional[int] = ..., max_slabs: _Optional[int] = ..., num_slabs: _Optional[int] = ..., window_pages: _Optional[int] = ..., fd_socket_path: _Optional[str] = ..., placement: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("hello", "detach")
@@ -185,7 +129,7 @@ class AttachRequest(_message.Message):
     DETACH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     detach: Detach
-    def __init__(self, hello: Hello | _Mapping | None = ..., detach: Detach | _Mapping | None = ...) -> None: ...
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("client_name", "pid", "protocol_version")
@@ -195,24 +139,14 @@ class Hello(_message.Message):
     client_name: str
     pid: int
     protocol_version: int
-    def __init__(
-        self, client_name: str | None = ..., pid: int | None = ..., protocol_version: int | None = ...
-    ) -> None: ...
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Detach(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = (
-        "opened",
-        "evicted",
-        "arena_grown",
-        "shutting_down",
-        "transactions_expired",
-        "reconnected",
-        "adapter_corrupted",
-    )
+    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired", "reconnected", "adapter_corrupted")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     ARENA_GROWN_FIELD_NUMBER: _ClassVar[int]
@@ -227,16 +161,7 @@ class SessionEvent(_message.Message):
     transactions_expired: TransactionsExpired
     reconnected: Reconnected
     adapter_corrupted: AdapterCorrupted
-    def __init__(
-        self,
-        opened: SessionOpened | _Mapping | None = ...,
-        evicted: ObjectsEvicted | _Mapping | None = ...,
-        arena_grown: ArenaGrown | _Mapping | None = ...,
-        shutting_down: ShuttingDown | _Mapping | None = ...,
-        transactions_expired: TransactionsExpired | _Mapping | None = ...,
-        reconnected: Reconnected | _Mapping | None = ...,
-        adapter_corrupted: AdapterCorrupted | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ..., adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "token", "arena", "protocol_version")
@@ -248,13 +173,7 @@ class SessionOpened(_message.Message):
     token: str
     arena: ArenaInfo
     protocol_version: int
-    def __init__(
-        self,
-        session_id: int | None = ...,
-        token: str | None = ...,
-        arena: ArenaInfo | _Mapping | None = ...,
-        protocol_version: int | None = ...,
-    ) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class ObjectsEvicted(_message.Message):
     __slots__ = ("object_ids", "keys")
@@ -262,25 +181,25 @@ class ObjectsEvicted(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, object_ids: _Iterable[int] | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, object_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ArenaGrown(_message.Message):
     __slots__ = ("num_slabs",)
     NUM_SLABS_FIELD_NUMBER: _ClassVar[int]
     num_slabs: int
-    def __init__(self, num_slabs: int | None = ...) -> None: ...
+    def __init__(self, num_slabs: _Optional[int] = ...) -> None: ...
 
 class ShuttingDown(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: str | None = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class TransactionsExpired(_message.Message):
     __slots__ = ("transaction_ids",)
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transaction_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AdapterCorrupted(_message.Message):
     __slots__ = ("adapter_id", "object_id", "generation", "detail")
@@ -292,13 +211,7 @@ class AdapterCorrupted(_message.Message):
     object_id: int
     generation: int
     detail: str
-    def __init__(
-        self,
-        adapter_id: str | None = ...,
-        object_id: int | None = ...,
-        generation: int | None = ...,
-        detail: str | None = ...,
-    ) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., object_id: _Optional[int] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Reconnected(_message.Message):
     __slots__ = ("old_session_id", "new_session_id", "reason", "waited_s", "lost")
@@ -312,26 +225,19 @@ class Reconnected(_message.Message):
     reason: str
     waited_s: float
     lost: str
-    def __init__(
-        self,
-        old_session_id: int | None = ...,
-        new_session_id: int | None = ...,
-        reason: str | None = ...,
-        waited_s: float | None = ...,
-        lost: str | None = ...,
-    ) -> None: ...
+    def __init__(self, old_session_id: _Optional[int] = ..., new_session_id: _Optional[int] = ..., reason: _Optional[str] = ..., waited_s: _Optional[float] = ..., lost: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectSpec]
-    def __init__(self, objects: _Iterable[ObjectSpec | _Mapping] | None = ...) -> None: ...
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectSpec, _Mapping]]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Iterable[ObjectInfo | _Mapping] | None = ...) -> None: ...
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
     __slots__ = ("objects", "pin_object_ids", "lease_ms")
@@ -341,12 +247,7 @@ class PrepareRequest(_message.Message):
     objects: _containers.RepeatedCompositeFieldContainer[ObjectSpec]
     pin_object_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_ms: int
-    def __init__(
-        self,
-        objects: _Iterable[ObjectSpec | _Mapping] | None = ...,
-        pin_object_ids: _Iterable[int] | None = ...,
-        lease_ms: int | None = ...,
-    ) -> None: ...
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectSpec, _Mapping]]] = ..., pin_object_ids: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("transaction_id", "deadline_unix_ms", "objects", "pinned")
@@ -358,19 +259,13 @@ class PrepareResponse(_message.Message):
     deadline_unix_ms: int
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
     pinned: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(
-        self,
-        transaction_id: int | None = ...,
-        deadline_unix_ms: int | None = ...,
-        objects: _Iterable[ObjectInfo | _Mapping] | None = ...,
-        pinned: _Iterable[ObjectInfo | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, transaction_id: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., pinned: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("transaction_ids",)
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transaction_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommittedTransaction(_message.Message):
     __slots__ = ("transaction_id", "objects")
@@ -378,33 +273,31 @@ class CommittedTransaction(_message.Message):
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     transaction_id: int
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(
-        self, transaction_id: int | None = ..., objects: _Iterable[ObjectInfo | _Mapping] | None = ...
-    ) -> None: ...
+    def __init__(self, transaction_id: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("transactions",)
     TRANSACTIONS_FIELD_NUMBER: _ClassVar[int]
     transactions: _containers.RepeatedCompositeFieldContainer[CommittedTransaction]
-    def __init__(self, transactions: _Iterable[CommittedTransaction | _Mapping] | None = ...) -> None: ...
+    def __init__(self, transactions: _Optional[_Iterable[_Union[CommittedTransaction, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("transaction_ids",)
     TRANSACTION_IDS_FIELD_NUMBER: _ClassVar[int]
     transaction_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transaction_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, transaction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("freed_pages",)
     FREED_PAGES_FIELD_NUMBER: _ClassVar[int]
     freed_pages: int
-    def __init__(self, freed_pages: int | None = ...) -> None: ...
+    def __init__(self, freed_pages: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("object_ids",)
     OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, object_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("freed_pages", "deferred_pages")
@@ -412,25 +305,25 @@ class FreeResponse(_message.Message):
     DEFERRED_PAGES_FIELD_NUMBER: _ClassVar[int]
     freed_pages: int
     deferred_pages: int
-    def __init__(self, freed_pages: int | None = ..., deferred_pages: int | None = ...) -> None: ...
+    def __init__(self, freed_pages: _Optional[int] = ..., deferred_pages: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("object_ids",)
     OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, object_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Iterable[ObjectInfo | _Mapping] | None = ...) -> None: ...
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
     __slots__ = ("object_ids",)
     OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
     object_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, object_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ()
@@ -442,13 +335,13 @@ class LookupRequest(_message.Message):
     PIN_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pin: bool
-    def __init__(self, keys: _Iterable[bytes] | None = ..., pin: bool | None = ...) -> None: ...
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("objects",)
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Iterable[ObjectInfo | _Mapping] | None = ...) -> None: ...
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -462,30 +355,10 @@ class ContentStats(_message.Message):
     content_type: ContentType
     objects: int
     pages: int
-    def __init__(
-        self,
-        content_type: ContentType | str | None = ...,
-        objects: int | None = ...,
-        pages: int | None = ...,
-    ) -> None: ...
+    def __init__(self, content_type: _Optional[_Union[ContentType, str]] = ..., objects: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = (
-        "adapter_id",
-        "path",
-        "rank",
-        "lora_alpha",
-        "use_rslora",
-        "target_modules",
-        "num_layers",
-        "file_bytes",
-        "registered_at",
-        "tier",
-        "generation",
-        "pin_count",
-        "num_pages",
-        "image_state",
-    )
+    __slots__ = ("adapter_id", "path", "rank", "lora_alpha", "use_rslora", "target_modules", "num_layers", "file_bytes", "registered_at", "tier", "generation", "pin_count", "num_pages", "image_state")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -514,23 +387,7 @@ class Adapter(_message.Message):
     pin_count: int
     num_pages: int
     image_state: AdapterImageState
-    def __init__(
-        self,
-        adapter_id: str | None = ...,
-        path: str | None = ...,
-        rank: int | None = ...,
-        lora_alpha: float | None = ...,
-        use_rslora: bool | None = ...,
-        target_modules: _Iterable[str] | None = ...,
-        num_layers: int | None = ...,
-        file_bytes: int | None = ...,
-        registered_at: float | None = ...,
-        tier: AdapterTier | str | None = ...,
-        generation: int | None = ...,
-        pin_count: int | None = ...,
-        num_pages: int | None = ...,
-        image_state: AdapterImageState | str | None = ...,
-    ) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., registered_at: _Optional[float] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., generation: _Optional[int] = ..., pin_count: _Optional[int] = ..., num_pages: _Optional[int] = ..., image_state: _Optional[_Union[AdapterImageState, str]] = ...) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
     __slots__ = ("adapter_id", "path")
@@ -538,19 +395,19 @@ class RegisterAdapterRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     path: str
-    def __init__(self, adapter_id: str | None = ..., path: str | None = ...) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class RegisterAdapterResponse(_message.Message):
     __slots__ = ("adapter",)
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     adapter: Adapter
-    def __init__(self, adapter: Adapter | _Mapping | None = ...) -> None: ...
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
 
 class UnregisterAdapterRequest(_message.Message):
     __slots__ = ("adapter_ids",)
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnregisterAdapterResponse(_message.Message):
     __slots__ = ()
@@ -564,7 +421,7 @@ class ListAdaptersRequest(_message.Message):
     prefix: str
     limit: int
     page_token: str
-    def __init__(self, prefix: str | None = ..., limit: int | None = ..., page_token: str | None = ...) -> None: ...
+    def __init__(self, prefix: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
     __slots__ = ("adapters", "next_page_token", "total")
@@ -574,12 +431,7 @@ class ListAdaptersResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     next_page_token: str
     total: int
-    def __init__(
-        self,
-        adapters: _Iterable[Adapter | _Mapping] | None = ...,
-        next_page_token: str | None = ...,
-        total: int | None = ...,
-    ) -> None: ...
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
 
 class RowChunk(_message.Message):
     __slots__ = ("page_index", "offset", "rows")
@@ -589,7 +441,7 @@ class RowChunk(_message.Message):
     page_index: int
     offset: int
     rows: int
-    def __init__(self, page_index: int | None = ..., offset: int | None = ..., rows: int | None = ...) -> None: ...
+    def __init__(self, page_index: _Optional[int] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class MatrixLayout(_message.Message):
     __slots__ = ("rows", "row_elems", "row_stride", "chunks")
@@ -601,13 +453,7 @@ class MatrixLayout(_message.Message):
     row_elems: int
     row_stride: int
     chunks: _containers.RepeatedCompositeFieldContainer[RowChunk]
-    def __init__(
-        self,
-        rows: int | None = ...,
-        row_elems: int | None = ...,
-        row_stride: int | None = ...,
-        chunks: _Iterable[RowChunk | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, rows: _Optional[int] = ..., row_elems: _Optional[int] = ..., row_stride: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[RowChunk, _Mapping]]] = ...) -> None: ...
 
 class ModuleLayout(_message.Message):
     __slots__ = ("layer", "module", "rank", "scaling", "in_features", "out_features", "a", "b")
@@ -627,31 +473,10 @@ class ModuleLayout(_message.Message):
     out_features: int
     a: MatrixLayout
     b: MatrixLayout
-    def __init__(
-        self,
-        layer: int | None = ...,
-        module: str | None = ...,
-        rank: int | None = ...,
-        scaling: float | None = ...,
-        in_features: int | None = ...,
-        out_features: int | None = ...,
-        a: MatrixLayout | _Mapping | None = ...,
-        b: MatrixLayout | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, layer: _Optional[int] = ..., module: _Optional[str] = ..., rank: _Optional[int] = ..., scaling: _Optional[float] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ..., a: _Optional[_Union[MatrixLayout, _Mapping]] = ..., b: _Optional[_Union[MatrixLayout, _Mapping]] = ...) -> None: ...
 
 class AdapterLayout(_message.Message):
-    __slots__ = (
-        "adapter_id",
-        "generation",
-        "object_id",
-        "pages",
-        "page_size",
-        "dtype",
-        "row_align",
-        "modules",
-        "arena_slabs",
-        "num_pages",
-    )
+    __slots__ = ("adapter_id", "generation", "object_id", "pages", "page_size", "dtype", "row_align", "modules", "arena_slabs", "num_pages")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -672,25 +497,13 @@ class AdapterLayout(_message.Message):
     modules: _containers.RepeatedCompositeFieldContainer[ModuleLayout]
     arena_slabs: int
     num_pages: int
-    def __init__(
-        self,
-        adapter_id: str | None = ...,
-        generation: int | None = ...,
-        object_id: int | None = ...,
-        pages: _Iterable[int] | None = ...,
-        page_size: int | None = ...,
-        dtype: str | None = ...,
-        row_align: int | None = ...,
-        modules: _Iterable[ModuleLayout | _Mapping] | None = ...,
-        arena_slabs: int | None = ...,
-        num_pages: int | None = ...,
-    ) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., row_align: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ..., arena_slabs: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class GetAdapterLayoutRequest(_message.Message):
     __slots__ = ("adapter_id",)
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
-    def __init__(self, adapter_id: str | None = ...) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
 
 class AcquireAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms")
@@ -704,14 +517,7 @@ class AcquireAdaptersRequest(_message.Message):
     with_layout: bool
     prepare: bool
     lease_ms: int
-    def __init__(
-        self,
-        adapter_ids: _Iterable[str] | None = ...,
-        max_adapters: int | None = ...,
-        with_layout: bool | None = ...,
-        prepare: bool | None = ...,
-        lease_ms: int | None = ...,
-    ) -> None: ...
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., with_layout: _Optional[bool] = ..., prepare: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class AcquiredAdapter(_message.Message):
     __slots__ = ("adapter_id", "generation", "object_id", "pages", "layout", "found_in", "arena_slabs")
@@ -729,16 +535,7 @@ class AcquiredAdapter(_message.Message):
     layout: AdapterLayout
     found_in: AdapterTier
     arena_slabs: int
-    def __init__(
-        self,
-        adapter_id: str | None = ...,
-        generation: int | None = ...,
-        object_id: int | None = ...,
-        pages: _Iterable[int] | None = ...,
-        layout: AdapterLayout | _Mapping | None = ...,
-        found_in: AdapterTier | str | None = ...,
-        arena_slabs: int | None = ...,
-    ) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[AdapterLayout, _Mapping]] = ..., found_in: _Optional[_Union[AdapterTier, str]] = ..., arena_slabs: _Optional[int] = ...) -> None: ...
 
 class AcquireAdaptersResponse(_message.Message):
     __slots__ = ("adapters", "deferred", "transaction_id", "deadline_unix_ms")
@@ -750,19 +547,13 @@ class AcquireAdaptersResponse(_message.Message):
     deferred: _containers.RepeatedScalarFieldContainer[str]
     transaction_id: int
     deadline_unix_ms: int
-    def __init__(
-        self,
-        adapters: _Iterable[AcquiredAdapter | _Mapping] | None = ...,
-        deferred: _Iterable[str] | None = ...,
-        transaction_id: int | None = ...,
-        deadline_unix_ms: int | None = ...,
-    ) -> None: ...
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AcquiredAdapter, _Mapping]]] = ..., deferred: _Optional[_Iterable[str]] = ..., transaction_id: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids",)
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseAdaptersResponse(_message.Message):
     __slots__ = ()
@@ -774,7 +565,7 @@ class PrefetchAdaptersRequest(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
     tier: AdapterTier
-    def __init__(self, adapter_ids: _Iterable[str] | None = ..., tier: AdapterTier | str | None = ...) -> None: ...
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[AdapterTier, str]] = ...) -> None: ...
 
 class PrefetchAdaptersResponse(_message.Message):
     __slots__ = ("loaded", "failed")
@@ -784,53 +575,22 @@ class PrefetchAdaptersResponse(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: AdapterTier
-        def __init__(self, key: str | None = ..., value: AdapterTier | str | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[AdapterTier, str]] = ...) -> None: ...
     class FailedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LOADED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.ScalarMap[str, AdapterTier]
     failed: _containers.ScalarMap[str, str]
-    def __init__(
-        self, loaded: _Mapping[str, AdapterTier] | None = ..., failed: _Mapping[str, str] | None = ...
-    ) -> None: ...
+    def __init__(self, loaded: _Optional[_Mapping[str, AdapterTier]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AdapterStats(_message.Message):
-    __slots__ = (
-        "registered",
-        "hot",
-        "warm",
-        "cold",
-        "hot_pages",
-        "warm_bytes",
-        "found_hot",
-        "found_warm",
-        "found_cold",
-        "loads_hot",
-        "loads_warm",
-        "bytes_loaded_hot",
-        "bytes_loaded_warm",
-        "hit_rate",
-        "deferred",
-        "shared_loads",
-        "load_failures",
-        "evictions",
-        "demotions",
-        "image_count",
-        "image_bytes",
-        "image_budget_bytes",
-        "image_hits",
-        "image_misses",
-        "converted_ahead",
-        "convert_queued",
-    )
+    __slots__ = ("registered", "hot", "warm", "cold", "hot_pages", "warm_bytes", "found_hot", "found_warm", "found_cold", "loads_hot", "loads_warm", "bytes_loaded_hot", "bytes_loaded_warm", "hit_rate", "deferred", "shared_loads", "load_failures", "evictions", "demotions", "image_count", "image_bytes", "image_budget_bytes", "image_hits", "image_misses", "converted_ahead", "convert_queued")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     HOT_FIELD_NUMBER: _ClassVar[int]
     WARM_FIELD_NUMBER: _ClassVar[int]
@@ -883,70 +643,10 @@ class AdapterStats(_message.Message):
     image_misses: int
     converted_ahead: int
     convert_queued: int
-    def __init__(
-        self,
-        registered: int | None = ...,
-        hot: int | None = ...,
-        warm: int | None = ...,
-        cold: int | None = ...,
-        hot_pages: int | None = ...,
-        warm_bytes: int | None = ...,
-        found_hot: int | None = ...,
-        found_warm: int | None = ...,
-        found_cold: int | None = ...,
-        loads_hot: int | None = ...,
-        loads_warm: int | None = ...,
-        bytes_loaded_hot: int | None = ...,
-        bytes_loaded_warm: int | None = ...,
-        hit_rate: float | None = ...,
-        deferred: int | None = ...,
-        shared_loads: int | None = ...,
-        load_failures: int | None = ...,
-        evictions: int | None = ...,
-        demotions: int | None = ...,
-        image_count: int | None = ...,
-        image_bytes: int | None = ...,
-        image_budget_bytes: int | None = ...,
-        image_hits: int | None = ...,
-        image_misses: int | None = ...,
-        converted_ahead: int | None = ...,
-        convert_queued: int | None = ...,
-    ) -> None: ...
+    def __init__(self, registered: _Optional[int] = ..., hot: _Optional[int] = ..., warm: _Optional[int] = ..., cold: _Optional[int] = ..., hot_pages: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., found_hot: _Optional[int] = ..., found_warm: _Optional[int] = ..., found_cold: _Optional[int] = ..., loads_hot: _Optional[int] = ..., loads_warm: _Optional[int] = ..., bytes_loaded_hot: _Optional[int] = ..., bytes_loaded_warm: _Optional[int] = ..., hit_rate: _Optional[float] = ..., deferred: _Optional[int] = ..., shared_loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., image_count: _Optional[int] = ..., image_bytes: _Optional[int] = ..., image_budget_bytes: _Optional[int] = ..., image_hits: _Optional[int] = ..., image_misses: _Optional[int] = ..., converted_ahead: _Optional[int] = ..., convert_queued: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = (
-        "backend",
-        "page_size",
-        "max_pages",
-        "capacity_pages",
-        "num_slabs",
-        "free_pages",
-        "used_pages",
-        "prepared_pages",
-        "pinned_pages",
-        "evictable_pages",
-        "utilization",
-        "high_watermark",
-        "low_watermark",
-        "eviction_active",
-        "eviction_runs",
-        "evicted_objects",
-        "evicted_pages",
-        "objects",
-        "keyed_objects",
-        "sessions",
-        "open_transactions",
-        "by_content",
-        "window_free_pages",
-        "window_free_extents",
-        "window_largest_free",
-        "window_fragmentation",
-        "allocations_total",
-        "deduplicated_total",
-        "allocation_failures",
-        "adapters",
-        "by_owner",
-    )
+    __slots__ = ("backend", "page_size", "max_pages", "capacity_pages", "num_slabs", "free_pages", "used_pages", "prepared_pages", "pinned_pages", "evictable_pages", "utilization", "high_watermark", "low_watermark", "eviction_active", "eviction_runs", "evicted_objects", "evicted_pages", "objects", "keyed_objects", "sessions", "open_transactions", "by_content", "window_free_pages", "window_free_extents", "window_largest_free", "window_fragmentation", "allocations_total", "deduplicated_total", "allocation_failures", "adapters", "by_owner")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -1009,40 +709,7 @@ class Stats(_message.Message):
     allocation_failures: int
     adapters: AdapterStats
     by_owner: _containers.RepeatedCompositeFieldContainer[OwnerStats]
-    def __init__(
-        self,
-        backend: str | None = ...,
-        page_size: int | None = ...,
-        max_pages: int | None = ...,
-        capacity_pages: int | None = ...,
-        num_slabs: int | None = ...,
-        free_pages: int | None = ...,
-        used_pages: int | None = ...,
-        prepared_pages: int | None = ...,
-        pinned_pages: int | None = ...,
-        evictable_pages: int | None = ...,
-        utilization: float | None = ...,
-        high_watermark: float | None = ...,
-        low_watermark: float | None = ...,
-        eviction_active: bool | None = ...,
-        eviction_runs: int | None = ...,
-        evicted_objects: int | None = ...,
-        evicted_pages: int | None = ...,
-        objects: int | None = ...,
-        keyed_objects: int | None = ...,
-        sessions: int | None = ...,
-        open_transactions: int | None = ...,
-        by_content: _Iterable[ContentStats | _Mapping] | None = ...,
-        window_free_pages: int | None = ...,
-        window_free_extents: int | None = ...,
-        window_largest_free: int | None = ...,
-        window_fragmentation: float | None = ...,
-        allocations_total: int | None = ...,
-        deduplicated_total: int | None = ...,
-        allocation_failures: int | None = ...,
-        adapters: AdapterStats | _Mapping | None = ...,
-        by_owner: _Iterable[OwnerStats | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., max_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., num_slabs: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., prepared_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., utilization: _Optional[float] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., eviction_active: _Optional[bool] = ..., eviction_runs: _Optional[int] = ..., evicted_objects: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., objects: _Optional[int] = ..., keyed_objects: _Optional[int] = ..., sessions: _Optional[int] = ..., open_transactions: _Optional[int] = ..., by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ..., window_free_pages: _Optional[int] = ..., window_free_extents: _Optional[int] = ..., window_largest_free: _Optional[int] = ..., window_fragmentation: _Optional[float] = ..., allocations_total: _Optional[int] = ..., deduplicated_total: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., adapters: _Optional[_Union[AdapterStats, _Mapping]] = ..., by_owner: _Optional[_Iterable[_Union[OwnerStats, _Mapping]]] = ...) -> None: ...
 
 class OwnerStats(_message.Message):
     __slots__ = ("session_id", "client_name", "pid", "content_type", "objects", "pages")
@@ -1058,21 +725,13 @@ class OwnerStats(_message.Message):
     content_type: ContentType
     objects: int
     pages: int
-    def __init__(
-        self,
-        session_id: int | None = ...,
-        client_name: str | None = ...,
-        pid: int | None = ...,
-        content_type: ContentType | str | None = ...,
-        objects: int | None = ...,
-        pages: int | None = ...,
-    ) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., content_type: _Optional[_Union[ContentType, str]] = ..., objects: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class VerifyAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids",)
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterCheck(_message.Message):
     __slots__ = ("adapter_id", "tier", "checked", "ok", "checksum", "detail")
@@ -1088,15 +747,7 @@ class AdapterCheck(_message.Message):
     ok: bool
     checksum: str
     detail: str
-    def __init__(
-        self,
-        adapter_id: str | None = ...,
-        tier: AdapterTier | str | None = ...,
-        checked: bool | None = ...,
-        ok: bool | None = ...,
-        checksum: str | None = ...,
-        detail: str | None = ...,
-    ) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., checked: _Optional[bool] = ..., ok: _Optional[bool] = ..., checksum: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class VerifyAdaptersResponse(_message.Message):
     __slots__ = ("checks", "corrupt")
@@ -1104,4 +755,4 @@ class VerifyAdaptersResponse(_message.Message):
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     checks: _containers.RepeatedCompositeFieldContainer[AdapterCheck]
     corrupt: int
-    def __init__(self, checks: _Iterable[AdapterCheck | _Mapping] | None = ..., corrupt: int | None = ...) -> None: ...
+    def __init__(self, checks: _Optional[_Iterable[_Union[AdapterCheck, _Mapping]]] = ..., corrupt: _Optional[int] = ...) -> None: ...

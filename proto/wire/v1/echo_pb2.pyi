@@ -1,7 +1,6 @@
-from typing import ClassVar as _ClassVar
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -9,10 +8,10 @@ class EchoRequest(_message.Message):
     __slots__ = ("payload",)
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
-    def __init__(self, payload: bytes | None = ...) -> None: ...
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class EchoResponse(_message.Message):
     __slots__ = ("payload",)
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
-    def __init__(self, payload: bytes | None = ...) -> None: ...
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
