@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -22,7 +21,7 @@ from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
-from memory_broker.broker.doors.policy import CALL, POLICY, Rule, is_tcp, merge_call  # noqa: F401  (POLICY, merge_call: imported from here)
+from memory_broker.broker.doors.policy import CALL, POLICY, DoorPolicy, Rule, is_tcp
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.proto.wire import session as wire_session
@@ -49,9 +48,6 @@ def _unary(fn):
         call = CALL.set((method, None))
         self.inflight += 1
         try:
-            if self.draining:
-                code = "UNAVAILABLE"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is shutting down; retry on its successor")
             session = self._authorize(rule, method, request, context)
             if session is not None:
                 CALL.set((method, session.session_id))
@@ -106,12 +102,28 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         self.metrics = metrics
         # AdapterManager (broker.adapters), or None when adapters are off.
         self.adapters = adapters
-        # Set on SIGTERM: new calls are refused with UNAVAILABLE.
-        self.draining = False
+        # Who may call what: the same policy object the step channel enforces.
+        self.doors = DoorPolicy(store)
         # Calls being handled now (the drain waits for them).
         self.inflight = 0
-        # Uids whose sessions may register, unregister and prefetch adapters (None: any).
-        self.manager_uids: frozenset[int] | None = frozenset({os.getuid()})
+
+    @property
+    def draining(self) -> bool:
+        """Set on SIGTERM: new calls are refused with UNAVAILABLE (at both doors)."""
+        return self.doors.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.doors.draining = value
+
+    @property
+    def manager_uids(self) -> frozenset[int] | None:
+        """Uids whose sessions may register, unregister and prefetch adapters (None: any)."""
+        return self.doors.manager_uids
+
+    @manager_uids.setter
+    def manager_uids(self, value: frozenset[int] | None) -> None:
+        self.doors.manager_uids = value
 
     # ------------------------------------------------------------- helpers
 
@@ -119,7 +131,9 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         return self.sessions.from_token(token_from_metadata(context.invocation_metadata()))
 
     def _authorize(self, rule: Rule, method: str, request, context) -> Session | None:
-        """Enforce one ``POLICY`` rule; the caller's session (None where none is needed)."""
+        """The gRPC door: refuse while draining and on the TCP listener where the rule says
+        so, find the session the token names, then the shared ``DoorPolicy``."""
+        self.doors.check_open()
         if not rule.tcp and is_tcp(context):
             raise BrokerError(
                 Code.PERMISSION_DENIED,
@@ -129,38 +143,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         if not rule.session:
             return None
         s = self._session(context)
-        if rule.manage:
-            self._check_manager(s, method)
-        for field in rule.visible:
-            self._check_visible(s.session_id, getattr(request, field))
+        self.doors.authorize(method, s, lambda field: getattr(request, field))
         return s
-
-    def _check_manager(self, s: Session, method: str) -> None:
-        if s.caller is None:
-            raise BrokerError(
-                Code.PERMISSION_DENIED,
-                f"{method} needs to know the caller's uid, and session {s.session_id} has not presented its token "
-                "on the fd channel yet (BrokerClient.connect does it); connect with the client library",
-            )
-        if self.manager_uids is not None and s.caller.uid not in self.manager_uids:
-            raise BrokerError(
-                Code.PERMISSION_DENIED,
-                f"uid {s.caller.uid} may not manage adapters (adapters.manager_uids: {sorted(self.manager_uids)}); "
-                "it may list and acquire them",
-            )
-
-    def _check_visible(self, sid: int, ids) -> None:
-        """NOT_FOUND for an anonymous object of another session (as for an unknown id)."""
-        store = self.store
-        if len(ids) > store.limits.max_batch:
-            return  # the core refuses the batch as a whole
-        for oid in ids:
-            obj = store.get(oid)
-            if obj is None or obj.key is not None or obj.owner == sid or store.is_internal(obj.owner):
-                continue
-            if obj.pins.get(sid):
-                continue
-            raise BrokerError(Code.NOT_FOUND, f"no object {oid}")
 
     def _timed_alloc(self, fn, *args):
         if self.metrics is None:
@@ -467,4 +451,4 @@ class EchoService(echo_pb2_grpc.EchoServicer):
         return echo_pb2.EchoResponse(payload=request.payload)
 
 
-__all__ = ["MemoryBrokerService", "EchoService", "SESSION_METADATA", "POLICY", "Rule", "merge_call"]
+__all__ = ["MemoryBrokerService", "EchoService", "SESSION_METADATA", "POLICY", "Rule"]

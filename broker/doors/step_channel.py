@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
+from memory_broker.broker.doors.policy import NO_FIELDS, DoorPolicy
 from memory_broker.proto.wire import step as w
-from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid, unavailable
+from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
 
 # Connections served at once (each is one engine process; more is a client gone wrong).
 MAX_CONNECTIONS = 1024
@@ -40,6 +41,15 @@ METHODS = {
     w.OP_ACQUIRE: "AcquireAdapters",
     w.OP_LOOKUP: "Lookup",
 }
+
+
+def op_ids(op: w.Op):
+    """The ids an op names, by the request field of the RPC it stands for (``POLICY``'s
+    ``visible`` fields): a PIN's items are ``PinRequest.object_ids``."""
+    if op.kind == w.OP_PIN:
+        items = op.items
+        return lambda field: items
+    return NO_FIELDS
 
 
 @dataclass(slots=True, eq=False)
@@ -81,8 +91,7 @@ class StepChannelServer:
         sessions,
         adapters,
         allowed_uids: frozenset[int] | None,
-        check_visible: Callable[[int, list[int]], None],
-        is_draining: Callable[[], bool] = lambda: False,
+        policy: DoorPolicy,
         num_slabs: Callable[[], int] = lambda: 0,
         record: Callable[[float, str, str], None] | None = None,
         log: Callable[..., None] | None = None,
@@ -95,8 +104,8 @@ class StepChannelServer:
             store, sessions, adapters: the core (``adapters`` may be None: acquire answers
                 "not hot" and gRPC says why).
             allowed_uids: uids that may connect; None allows any.
-            check_visible: the gRPC Pin rule (NOT_FOUND for another session's anonymous object).
-            is_draining: True once the broker is shutting down (steps are refused UNAVAILABLE).
+            policy: the access policy the gRPC door enforces too; each op is authorized as
+                the RPC it stands for (``METHODS``).
             num_slabs: the arena's slab count now (a client maps new slabs before using pages).
             record: ``record(seconds, method, code)`` per op, and per refused frame as
                 method "Step" (the RPC latency metric).
@@ -107,8 +116,7 @@ class StepChannelServer:
         self.sessions = sessions
         self.adapters = adapters
         self.allowed_uids = allowed_uids
-        self._check_visible = check_visible
-        self._is_draining = is_draining
+        self.policy = policy
         self._num_slabs = num_slabs
         self._record = record
         self._log = log or (lambda event, **kw: None)
@@ -319,10 +327,9 @@ class StepChannelServer:
             ops = w.decode_step(body)
         except w.WireError as e:
             raise invalid(f"malformed step frame: {e}") from None
-        if s.closed:
-            raise denied(f"session {s.session_id} has ended; open a new session with Attach")
-        if self._is_draining():
-            raise unavailable("the broker is shutting down; retry on its successor")
+        policy = self.policy
+        # The frame as a whole: a draining broker or an ended session refuses it before any op.
+        policy.check_session(s, "a step")
         sid = s.session_id
         results: list[bytes] = []
         self.counters.ops += len(ops)
@@ -331,6 +338,7 @@ class StepChannelServer:
         for i, op in enumerate(ops):
             t0 = time.perf_counter()
             try:
+                policy.authorize(METHODS[op.kind], s, op_ids(op))
                 results.append(self._op(sid, op))
             except BrokerError as e:
                 self.counters.refused += 1
@@ -357,9 +365,7 @@ class StepChannelServer:
             self._manager().release(sid, list(items))
             return bytes((k,))
         if k == w.OP_PIN:
-            ids = list(items)
-            self._check_visible(sid, ids)
-            return self._objects(w.OP_PIN, sid, store.pin(sid, ids))
+            return self._objects(w.OP_PIN, sid, store.pin(sid, list(items)))
         if k == w.OP_COMMIT:
             m = self._manager()
             for t in items:

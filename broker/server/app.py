@@ -273,8 +273,7 @@ class BrokerServer:
             sessions=self.sessions,
             adapters=self.adapters,
             allowed_uids=self.opts.effective_uids(),
-            check_visible=self.service._check_visible,
-            is_draining=lambda: self.service.draining,
+            policy=self.service.doors,
             num_slabs=lambda: self.arena.num_slabs,
             record=(lambda s, method, code: metrics.rpc_latency.record(s, {"method": method, "code": code}))
             if metrics is not None

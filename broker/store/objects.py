@@ -172,6 +172,22 @@ class ObjectStore:
     def is_internal(self, session_id: int) -> bool:
         return session_id in self.internal_sessions
 
+    def check_visible(self, session_id: int, ids: Sequence[int]) -> None:
+        """NOT_FOUND for an id this session may not name, as for an unknown id (so ids
+        cannot be probed): another session's anonymous object that it does not pin. Keyed
+        committed objects are anyone's, and broker-owned ones (adapter pages) too. A batch
+        over the limit is left to the call itself, which refuses it whole."""
+        if len(ids) > self.limits.max_batch:
+            return
+        objects = self.objects
+        for oid in ids:
+            obj = objects.get(oid)
+            if obj is None or obj.key is not None or obj.owner == session_id or obj.owner in self.internal_sessions:
+                continue
+            if obj.pins.get(session_id):
+                continue
+            raise not_found(f"no object {oid}")
+
     def reconfigure(self, *, default_lease_s: float | None = None, max_pins_per_session: int | None = None) -> None:
         """Change limits of a running store (SIGHUP reload); bad values change nothing.
 
