@@ -501,3 +501,76 @@ def test_an_acquire_of_an_adapter_a_begun_step_is_acquiring_leaks_no_pin(step_ri
         batch.release()
         c.flush_holdings()
         assert c.stats().pinned_pages == 0
+
+
+# ------------------------------------------------------------------ before HELLO
+
+ATTACKER = (
+    "import os, socket, struct, sys, time\n"
+    "os.setgid(65534); os.setuid(65534)\n"
+    "path, n = sys.argv[1], int(sys.argv[2])\n"
+    "frame = struct.pack('<IB', 4 << 20, 2) + b'x' * (256 << 10)\n"
+    "conns = []\n"
+    "for _ in range(n):\n"
+    "    s = socket.socket(socket.AF_UNIX); s.setblocking(False)\n"
+    "    try:\n"
+    "        s.connect(path); s.send(frame)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "    conns.append(s)\n"
+    "print('sent', flush=True)\n"
+    "time.sleep(float(sys.argv[3]))\n"
+    "def is_closed(s):\n"
+    "    s.setblocking(True); s.settimeout(0.5)\n"
+    "    try:\n"
+    "        while s.recv(1 << 16):\n"
+    "            pass\n"
+    "        return True\n"
+    "    except TimeoutError:\n"
+    "        return False\n"
+    "    except OSError:\n"
+    "        return True\n"
+    "print('closed', sum(map(is_closed, conns)), flush=True)\n"
+)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the attacker runs as another uid (65534), which needs root to become")
+def test_connections_without_hello_hold_no_memory_and_go_at_the_deadline(broker_factory):
+    from memory_broker.broker.doors.step_channel import HELLO_DEADLINE_S
+
+    b = broker_factory("--socket-mode", "0666")
+    os.chmod(os.path.dirname(b.socket), 0o755)
+    step_sock = b.socket + ".step"
+    with BrokerClient.connect(b.socket) as c:
+        c.pin(c.allocate([Spec(1)]))  # warm: the step path is up before the attack
+        idle = _rss(b.proc.pid)
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", ATTACKER, step_sock, "1000", str(HELLO_DEADLINE_S + 1.5)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert attacker.stdout.readline().strip() == "sent"
+            # Another uid's engine (this process, root) is served over the step channel meanwhile.
+            n = frames(c)
+            (obj,) = c.allocate([Spec(1, key=b"during-the-attack")])
+            c.pin([obj])
+            c.unpin([obj])
+            assert frames(c) >= n + 2
+            with BrokerClient.connect(b.socket) as late:  # a new step client connects and HELLOs
+                late.pin([obj])
+                assert frames(late) >= 1
+            grown = _rss(b.proc.pid) - idle
+            assert grown < 64 << 20, f"the broker grew {grown >> 20} MiB under the attack"
+            out, _ = attacker.communicate(timeout=60)
+        finally:
+            attacker.kill()
+        # Every attacking connection was refused at once (oversized frame before HELLO, or
+        # over the per-uid cap) or closed at the deadline: none is left open.
+        assert out.strip().splitlines()[-1] == "closed 1000", out
+        assert _rss(b.proc.pid) - idle < 64 << 20

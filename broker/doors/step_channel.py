@@ -12,6 +12,7 @@ not all hot answers "not hot" and the client asks over gRPC. It must not import 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -26,6 +27,12 @@ from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
 
 # Connections served at once (each is one engine process; more is a client gone wrong).
 MAX_CONNECTIONS = 1024
+# Connections that have not yet sent an accepted HELLO: at most this many at once, in all and
+# from one uid, each for at most HELLO_DEADLINE_S and holding at most one HELLO frame's bytes.
+# Another uid's engine always finds a slot while one uid floods the socket.
+MAX_UNAUTHENTICATED = 128
+MAX_UNAUTHENTICATED_PER_UID = 16
+HELLO_DEADLINE_S = 2.0
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
@@ -64,6 +71,8 @@ class _Conn:
     outbuf: bytearray = field(default_factory=bytearray)
     # Close once outbuf is sent (after refusing a frame that cannot be skipped).
     closing: bool = False
+    # Closes the connection if HELLO has not been accepted in time (cancelled by HELLO).
+    deadline: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +133,8 @@ class StepChannelServer:
         self.counters = StepCounters()
         self._sock: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
+        # Connections without an accepted HELLO, by uid.
+        self._unauthenticated: dict[int, int] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -178,27 +189,61 @@ class StepChannelServer:
             except OSError:
                 sock.close()
                 continue
-            if len(self._conns) >= self.max_connections:
-                self._log("step_channel_refused", pid=peer.pid, uid=peer.uid, reason="connection limit")
+            over = self._over_limit(peer)
+            if over:
+                self._log("step_channel_refused", pid=peer.pid, uid=peer.uid, reason=over)
                 sock.close()
                 continue
             c = _Conn(sock, peer)
             self._conns[sock.fileno()] = c
+            self._unauthenticated[peer.uid] = self._unauthenticated.get(peer.uid, 0) + 1
+            c.deadline = self._loop.call_later(HELLO_DEADLINE_S, self._hello_late, c)
             self.counters.connections += 1
             self._loop.add_reader(sock.fileno(), self._readable, c)
+
+    def _over_limit(self, peer: PeerCred) -> str:
+        """Why a new connection is refused at accept ("" if it is not)."""
+        if len(self._conns) >= self.max_connections:
+            return "connection limit"
+        waiting = self._unauthenticated
+        if sum(waiting.values()) >= MAX_UNAUTHENTICATED:
+            return f"{MAX_UNAUTHENTICATED} connections are waiting to send HELLO"
+        if waiting.get(peer.uid, 0) >= MAX_UNAUTHENTICATED_PER_UID:
+            return f"uid {peer.uid} has {MAX_UNAUTHENTICATED_PER_UID} connections waiting to send HELLO"
+        return ""
+
+    def _hello_late(self, c: _Conn) -> None:
+        if c.session is None and self._conns.get(c.sock.fileno()) is c:
+            self._log("step_channel_refused", pid=c.peer.pid, uid=c.peer.uid, reason="no HELLO in time")
+            self._drop(c)
+
+    def _stop_waiting(self, c: _Conn) -> None:
+        """``c`` no longer counts as waiting for HELLO: accepted, or dropped."""
+        if c.deadline is not None:
+            c.deadline.cancel()
+            c.deadline = None
+            uid = c.peer.uid
+            left = self._unauthenticated[uid] - 1
+            if left:
+                self._unauthenticated[uid] = left
+            else:
+                del self._unauthenticated[uid]
 
     def _drop(self, c: _Conn) -> None:
         fd = c.sock.fileno()
         if self._conns.pop(fd, None) is None:
             return
+        self._stop_waiting(c)
         self._loop.remove_reader(fd)
         if c.outbuf:
             self._loop.remove_writer(fd)
         c.sock.close()
 
     def _readable(self, c: _Conn) -> None:
+        # Before HELLO, read no more than one HELLO frame can be.
+        want = RECV_BYTES if c.session is not None else 5 + w.MAX_HELLO_BYTES - len(c.inbuf)
         try:
-            data = c.sock.recv(RECV_BYTES)
+            data = c.sock.recv(want)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -217,9 +262,11 @@ class StepChannelServer:
         buf += data
         while len(buf) >= 5 and not c.closing:
             n, kind = w.HEADER.unpack_from(buf)
-            if n > w.MAX_FRAME_BYTES:
+            limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
+            if n > limit:
                 self._frame(c, kind, n, None)
-                self._reply(c, w.error_frame(invalid(f"frame of {n} bytes; at most {w.MAX_FRAME_BYTES}")))
+                what = "" if c.session is not None else " before HELLO (send HELLO with the session token first)"
+                self._reply(c, w.error_frame(invalid(f"frame of {n} bytes{what}; at most {limit}")))
                 c.closing = True
                 break
             if len(buf) < 5 + n:
@@ -317,6 +364,7 @@ class StepChannelServer:
         except FdRequestRefused as r:
             raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
         c.session = self.sessions.from_token(token)
+        self._stop_waiting(c)
         return w.encode_step_reply(self._num_slabs(), ())
 
     def _step(self, c: _Conn, body) -> bytes:

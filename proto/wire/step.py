@@ -26,6 +26,10 @@ HEADER = struct.Struct("<IB")
 # Larger frames are not a client of ours: refused and the connection closed (its stream
 # cannot be resynchronized).
 MAX_FRAME_BYTES = 4 << 20
+# The largest frame a connection may send before its HELLO is accepted: a HELLO carries only
+# the session token (43 characters from secrets.token_urlsafe(32)). A larger frame before
+# HELLO is refused at its header, so an unauthenticated connection never holds more.
+MAX_HELLO_BYTES = 1024
 # Ops in one STEP frame (one per kind is the usual step; a few more for batching).
 MAX_OPS = 64
 
