@@ -11,54 +11,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from memory_broker.broker.store.eviction import EvictionPolicy
-from memory_broker.broker.store.pool import PagePool
+from memory_broker.broker.store.context import StoreContext
 from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, pages_at
-from memory_broker.broker.store.shards import ShardedMap
-from memory_broker.broker.store.stats import Counters, Tally
 from memory_broker.proto.wire.errors import exhausted
-
-Notify = Callable[[int, object], None]
 
 
 class RoomMaker:
     """Free pages within capacity for the store, by eviction and growth.
 
     Args:
-        pool: free pages and the arena's growth.
-        policy: orders eviction candidates (the store keeps it current).
-        objects: the store's objects by id (read only here).
-        counters: the store's counters (eviction runs, evicted objects and pages).
-        tally: the store's running figures (read for error messages).
-        drop: ``drop(obj, why)``: the store forgets an object and returns its pages.
-        notify: ``notify(session_id, event)`` for ObjectsEvicted.
-        high_watermark, low_watermark: fractions of ``pool.max_pages``.
+        ctx: the store's shared record: the pool (free pages and the arena's growth), the
+            policy (eviction candidates, kept current by the store), the table (objects by id,
+            read only here, and ``drop`` for victims), the counters (eviction runs, evicted
+            objects and pages), the tally (read for error messages), ``notify`` (for
+            ObjectsEvicted) and the config's watermarks (fractions of ``pool.max_pages``),
+            taken at start; ``set_watermarks`` changes them.
     """
 
-    def __init__(
-        self,
-        pool: PagePool,
-        policy: EvictionPolicy,
-        objects: ShardedMap,
-        counters: Counters,
-        tally: Tally,
-        drop: Callable[[Allocation, str], None],
-        notify: Notify,
-        high_watermark: float,
-        low_watermark: float,
-    ):
-        self.pool = pool
-        self.policy = policy
-        self._objects = objects
-        self._counters = counters
-        self._tally = tally
-        self._drop = drop
-        self._notify = notify
+    def __init__(self, ctx: StoreContext):
+        self.pool = ctx.pool
+        self.policy = ctx.policy
+        self._objects = ctx.table.objects
+        self._counters = ctx.counters
+        self._tally = ctx.tally
+        self._drop = ctx.table.drop
+        self._notify = ctx.notify
         # Hysteresis state: set when usage crosses the high watermark, cleared at the low.
         self.eviction_active = False
         # Set by a host that drains eviction off the request path (see ObjectStore.background).
         self.background: Callable[[], None] | None = None
-        self.set_watermarks(high_watermark, low_watermark)
+        self.set_watermarks(ctx.config.high_watermark, ctx.config.low_watermark)
 
     def set_watermarks(self, high: float, low: float) -> None:
         """Change the eviction watermarks (also of a running store: SIGHUP reload)."""
