@@ -2,12 +2,13 @@
 
 ``ObjectStore`` is the broker's core state machine (DESIGN.md section 3), a facade over parts
 with one job each: the ``ObjectTable`` (objects by id and key, their pages), the
-``PinLedger`` (who pins what), the ``RoomMaker`` (evict or grow), the ``Allocator`` (reserve
-pages and publish objects, for Allocate and commit alike), the ``Transactions`` over the
-``TransactionBook`` (open and finished transactions) and the ``Tally`` (running figures);
-what they share is one ``StoreContext``. The store validates each request, decides who may
-free or unpin what and what a session's end releases, and drives the parts. It never touches memory, sockets or gRPC: the arena maps, the service
-translates, and events leave through the ``notify`` callback.
+``PinLedger`` (who pins what), the ``RoomMaker`` (evict or grow) and beside it the
+``Allocator`` (reserve pages, publish objects: for Allocate and commit alike), the
+``Transactions`` over the ``TransactionBook`` (open and finished transactions) and the
+``Tally`` (running figures); what they share is one ``StoreContext``. The store validates each
+request, decides who may free or unpin what and what a session's end releases, and drives the
+parts. It never touches memory, sockets or gRPC: the arena maps, the service translates, and
+events leave through the ``notify`` callback.
 
 Every public method validates its whole batch before changing anything and raises
 ``BrokerError`` on refusal.
@@ -21,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from memory_broker.broker.store.allocator import Allocator
 from memory_broker.broker.store.batches import check_batch, check_key, check_specs, check_unique
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
@@ -40,7 +40,7 @@ from memory_broker.broker.store.records import (
     TransactionsExpired,
     TxnState,
 )
-from memory_broker.broker.store.room import RoomMaker
+from memory_broker.broker.store.room import Allocator, RoomMaker
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage
 from memory_broker.broker.store.transactions import Transactions
