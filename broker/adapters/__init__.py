@@ -3,7 +3,8 @@
 Where to start: ``manager`` (the facade the service calls) composes ``entry`` (each adapter's
 state machine), ``hot_budget`` and ``warm_budget`` (the tiers' book-keeping), ``loader`` (loads
 up the tiers), ``image_service`` (the converted-image cache and conversion ahead of use) and
-``checks`` (checksum checks); ``stats`` and ``records`` are what it returns. Below them:
+``checks`` (checksum checks), each given the ``context`` record of what they share; ``stats``
+and ``records`` are what it returns. Below them:
 ``peft`` validates PEFT directories, ``registry`` persists them in SQLite, ``layout`` places
 rows in pages, ``safetensors_io``, ``dtypes``, ``warm_image``, ``image_cache`` and
 ``page_writers`` do the blocking copies, ``policy`` orders victims. Nothing here imports gRPC.

@@ -10,21 +10,16 @@ the next acquire reloads the adapter from its source. It takes no pins and start
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable
+from memory_broker.broker.adapters.context import AdapterContext
+from memory_broker.broker.adapters.entry import AdapterEntry
 from memory_broker.broker.adapters.hot_budget import HotBudget
 from memory_broker.broker.adapters.image_service import ImageService
-from memory_broker.broker.adapters.layout import AdapterLayout
-from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.records import AdapterCheck, AdapterCorrupted, Tier
-from memory_broker.broker.adapters.registry import AdapterRegistry
-from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.adapters.warm_image import image_checksum, pages_checksum
-from memory_broker.broker.store.objects import Allocation, ObjectStore
+from memory_broker.broker.store.objects import Allocation
 from memory_broker.proto.wire.mapping import ArenaView
 
 
@@ -32,41 +27,26 @@ class ChecksumChecker:
     """Checks copies against their checksums and drops the corrupt ones.
 
     Args:
-        store: frees a corrupt hot object, says which retired ones are still live, routes events.
-        system_session: the manager's own session.
+        ctx: the wing's shared record; its store frees a corrupt hot object, says which
+            retired ones are still live and routes events; ``plan`` gives the layout for the
+            image file of an adapter with no entry; checks are counted in its counters.
         view: the broker's arena view (hot pages are read through it).
-        entries, hot, warm, images, registry: the wing's other parts.
-        plan: an adapter's layout (for the image file of an adapter with no entry).
-        config, counters, log: settings, where checks are counted, a structlog-style logger.
+        hot, warm, images: the wing's other parts.
     """
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        system_session: int,
-        view: ArenaView,
-        entries: EntryTable,
-        hot: HotBudget,
-        warm: WarmBudget,
-        images: ImageService,
-        registry: AdapterRegistry,
-        plan: Callable[[AdapterMeta], AdapterLayout],
-        config: AdapterConfig,
-        counters: AdapterCounters,
-        log,
-    ):
-        self.store = store
-        self.system_session = system_session
+    def __init__(self, ctx: AdapterContext, view: ArenaView, hot: HotBudget, warm: WarmBudget, images: ImageService):
+        self.store = ctx.store
+        self.system_session = ctx.system_session
         self.view = view
-        self.entries = entries
+        self.entries = ctx.entries
         self.hot = hot
         self.warm = warm
         self.images = images
-        self.registry = registry
-        self._plan = plan
-        self.config = config
-        self.counters = counters
-        self.log = log
+        self.registry = ctx.registry
+        self._plan = ctx.plan
+        self.config = ctx.config
+        self.counters = ctx.counters
+        self.log = ctx.log
         # Hot objects found corrupt that sessions still pin (by adapter id): their pins are
         # released through ``release`` and their pages return with the last one.
         self.retired: dict[str, list[Allocation]] = {}

@@ -9,13 +9,13 @@ and pins belong to the other parts of the wing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
-from memory_broker.broker.adapters.config import SETTING_NAMES, AdapterConfig
+from memory_broker.broker.adapters.config import SETTING_NAMES
+from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.entry import AdapterEntry
-from memory_broker.broker.adapters.policy import TierPolicy
-from memory_broker.broker.adapters.stats import AdapterCounters
-from memory_broker.broker.store.objects import Allocation, ObjectStore
+from memory_broker.broker.adapters.policy import TierPolicy, make_tier_policy
+from memory_broker.broker.store.objects import Allocation
 from memory_broker.proto.wire.errors import exhausted
 
 
@@ -23,32 +23,21 @@ class HotBudget:
     """Hot adapters and their budget.
 
     Args:
-        store: frees demoted objects (``free`` as ``system_session``) and says which are live.
-        system_session: the manager's own session, which owns every hot object.
-        config: the budgets.
-        policy: the hot tier's victim order.
-        counters: where demotions and evictions are counted.
-        log: a structlog-style logger.
-        on_drop: called with an entry whose hot object was just dropped (it may now be idle).
+        ctx: the wing's shared record. Its store frees demoted objects (``free`` as the
+            system session, which owns every hot object) and says which are live; its config
+            has the budgets and the hot tier's policy; demotions and evictions are counted in
+            its counters; an entry whose hot object was just dropped goes to
+            ``entries.forget_if_idle``.
     """
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        system_session: int,
-        config: AdapterConfig,
-        policy: TierPolicy,
-        counters: AdapterCounters,
-        log,
-        on_drop: Callable[[AdapterEntry], None],
-    ):
-        self.store = store
-        self.system_session = system_session
-        self.config = config
-        self.policy = policy
-        self.counters = counters
-        self.log = log
-        self._on_drop = on_drop
+    def __init__(self, ctx: AdapterContext):
+        self.store = ctx.store
+        self.system_session = ctx.system_session
+        self.config = ctx.config
+        self.policy: TierPolicy = make_tier_policy(ctx.config.hot_policy)
+        self.counters = ctx.counters
+        self.log = ctx.log
+        self._on_drop = ctx.entries.forget_if_idle
         self._hot: dict[str, AdapterEntry] = {}
         self._by_object: dict[int, AdapterEntry] = {}
         self.pages = 0

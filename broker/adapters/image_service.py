@@ -13,16 +13,13 @@ import asyncio
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.adapters.entry import AdapterEntry
+from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.image_cache import ImageCache
 from memory_broker.broker.adapters.layout import AdapterLayout
 from memory_broker.broker.adapters.peft import AdapterMeta
-from memory_broker.broker.adapters.registry import AdapterRegistry
-from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_image import WarmImage, build_warm_image
 from memory_broker.proto.wire.errors import BrokerError
 
@@ -31,32 +28,20 @@ class ImageService:
     """The image cache and the work around it.
 
     Args:
-        registry: registered adapters (what to convert, what is orphaned).
-        config: ``image_cache``, ``image_budget``, ``convert_ahead``, ``convert_duty`` ...
-        counters: where image hits, writes and conversions are counted.
-        log: a structlog-style logger.
-        executor: runs image writes and the start-up census (the loaders' executor).
-        entry_of: the entry of an adapter id, None when it has none.
-        plan: an adapter's layout (raises BrokerError when it cannot be placed).
+        ctx: the wing's shared record: its registry (what to convert, what is orphaned), its
+            config (``image_cache``, ``image_budget``, ``convert_ahead``, ``convert_duty`` ...),
+            its counters (image hits, writes and conversions), its logger, its executor (image
+            writes and the start-up census), its entry table and ``plan`` (an adapter's layout).
     """
 
-    def __init__(
-        self,
-        registry: AdapterRegistry,
-        config: AdapterConfig,
-        counters: AdapterCounters,
-        log,
-        executor: Executor,
-        entry_of: Callable[[str], AdapterEntry | None],
-        plan: Callable[[AdapterMeta], AdapterLayout],
-    ):
-        self.registry = registry
-        self.config = config
-        self.counters = counters
-        self.log = log
-        self._executor = executor
-        self._entry_of = entry_of
-        self._plan = plan
+    def __init__(self, ctx: AdapterContext):
+        self.registry = registry = ctx.registry
+        self.config = config = ctx.config
+        self.counters = ctx.counters
+        self.log = log = ctx.log
+        self._executor = ctx.executor
+        self._entry_of = ctx.entries.get
+        self._plan = ctx.plan
         # The cache (None: off, no state dir, or int8 warm storage).
         self.cache: ImageCache | None = None
         state_dir = getattr(registry, "state_dir", None)

@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from concurrent.futures import Executor
 
-from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable
+from memory_broker.broker.adapters.context import AdapterContext
+from memory_broker.broker.adapters.entry import AdapterEntry
 from memory_broker.broker.adapters.hot_budget import HotBudget
 from memory_broker.broker.adapters.image_service import ImageService
-from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.adapters.warm_image import WarmImage
 from memory_broker.broker.store.eviction import ContentType
-from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec, TxnState
+from memory_broker.broker.store.objects import Allocation, Spec, TxnState
 from memory_broker.proto.wire.errors import BrokerError, Code, exhausted, not_found, unavailable
 
 
@@ -37,42 +35,29 @@ class TierLoader:
     """Shared loads of adapters into the warm and hot tiers.
 
     Args:
-        store: reserves (prepare), commits, pins and frees the hot objects.
-        system_session: the manager's own session, which owns the hot objects.
-        entries, hot, warm, images: the wing's other parts.
+        ctx: the wing's shared record; its store reserves (prepare), commits, pins and frees
+            the hot objects, owned by its system session; its executor runs file reads and
+            page writes; loads are counted in its counters.
+        hot, warm, images: the wing's other parts.
         writer: copies warm images into pages (``write(image, pages) -> bytes``).
-        executor: runs file reads and page writes.
-        config, counters, log: settings, where loads are counted, a structlog-style logger.
-        load_lease_s: lease of the prepared object while a load writes it.
+
+    A prepared object's lease while a load writes it is the config's ``load_lease_s``, at
+    most the store's ``max_lease_s``.
     """
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        system_session: int,
-        entries: EntryTable,
-        hot: HotBudget,
-        warm: WarmBudget,
-        images: ImageService,
-        writer,
-        executor: Executor,
-        config: AdapterConfig,
-        counters: AdapterCounters,
-        log,
-        load_lease_s: float,
-    ):
-        self.store = store
-        self.system_session = system_session
-        self.entries = entries
+    def __init__(self, ctx: AdapterContext, hot: HotBudget, warm: WarmBudget, images: ImageService, writer):
+        self.store = store = ctx.store
+        self.system_session = ctx.system_session
+        self.entries = ctx.entries
         self.hot = hot
         self.warm = warm
         self.images = images
         self.writer = writer
-        self._executor = executor
-        self.config = config
-        self.counters = counters
-        self.log = log
-        self._load_lease_s = load_lease_s
+        self._executor = ctx.executor
+        self.config = config = ctx.config
+        self.counters = ctx.counters
+        self.log = ctx.log
+        self._load_lease_s = min(config.load_lease_s, store.limits.max_lease_s)
         self._generations = itertools.count(1)
         # Set when the manager shuts down: loads in flight abort when they next look.
         self.closed = False

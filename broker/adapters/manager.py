@@ -5,8 +5,9 @@ content type LORA_WEIGHT in the arena, owned by the manager's own system session
 host image of those pages, optionally int8) or *cold* (its files). It holds no tier state
 itself: it composes the entry table and its state machine (``entry``), the hot and warm
 budgets, the loader, the image service and the checksum checker, and answers for admission
-(ids, sessions, caps, two-phase acquires) and for the pins acquiring sessions hold. The
-store decides placement, pins and eviction; the registry knows what exists. Readers
+(ids, sessions, caps, two-phase acquires) and for the pins acquiring sessions hold. What
+the parts share (store, system session, registry, config, counters, log, executor, entry
+table) is one ``AdapterContext`` built here and handed to each. The store decides placement, pins and eviction; the registry knows what exists. Readers
 (``describe``, ``resident``, ``stats``) change nothing.
 
 All methods run on the broker's event loop; file reads and page writes run in the executor.
@@ -20,16 +21,15 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 from memory_broker.broker.adapters.checks import ChecksumChecker
 from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable
+from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.hot_budget import HotBudget
 from memory_broker.broker.adapters.image_cache import ImageCache
 from memory_broker.broker.adapters.image_service import ImageService
-from memory_broker.broker.adapters.layout import AdapterLayout, plan_layout
+from memory_broker.broker.adapters.layout import AdapterLayout
 from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.page_writers import HostPageWriter, TensorPageWriter
 from memory_broker.broker.adapters.peft import AdapterMeta, check_adapter_id
 from memory_broker.broker.adapters.pins import AdapterPins
-from memory_broker.broker.adapters.policy import make_tier_policy
 from memory_broker.broker.adapters.records import (
     AcquireResult,
     AdapterCheck,
@@ -38,7 +38,7 @@ from memory_broker.broker.adapters.records import (
     Tier,
 )
 from memory_broker.broker.adapters.registry import AdapterRegistry
-from memory_broker.broker.adapters.stats import AdapterCounters, AdapterStats, snapshot
+from memory_broker.broker.adapters.stats import AdapterStats, CacheFigures, HotWarm, TierFigures, snapshot
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.store.objects import ObjectsEvicted, ObjectStore
@@ -77,78 +77,29 @@ class AdapterManager:
         log=None,
         page_writer=None,
     ):
-        self.config = config = config or AdapterConfig()
+        config = config or AdapterConfig()
         config.validate()
-        self.store = store
-        self.arena = arena
-        self.registry = registry
-        self.page_size = arena.geometry.page_size
-        if self.page_size % config.row_align:
-            raise ValueError(f"row_align {config.row_align} does not divide the page size {self.page_size}")
+        page_size = arena.geometry.page_size
+        if page_size % config.row_align:
+            raise ValueError(f"row_align {config.row_align} does not divide the page size {page_size}")
         if page_writer is None:
             # The host arena is written through plain memory copies; any other backend
             # through its view's tensors (host-to-device copies).
             page_writer = HostPageWriter(arena.view) if arena.backend == "host" else TensorPageWriter(arena.view)
         self._own_executor = executor is None
-        self._executor = executor or ThreadPoolExecutor(config.load_workers, thread_name_prefix="adapter-load")
-        self.log = log = log or _NoLog()
-        self.system_session = store.open_session()
-        self.counters = counters = AdapterCounters()
-        self.entries = EntryTable(self._new_entry)
-        self.hot = HotBudget(
-            store,
-            self.system_session,
-            config,
-            make_tier_policy(config.hot_policy),
-            counters,
-            log,
-            self.entries.forget_if_idle,
+        executor = executor or ThreadPoolExecutor(config.load_workers, thread_name_prefix="adapter-load")
+        self.ctx = ctx = AdapterContext(
+            store, store.open_session(), registry, config, page_size, executor, log or _NoLog()
         )
-        self.warm = WarmBudget(
-            config, make_tier_policy(config.warm_policy), counters, self.entries.get, self.entries.forget_if_idle
-        )
-        self.image_service = ImageService(registry, config, counters, log, self._executor, self.entries.get, self._plan)
-        load_lease_s = min(config.load_lease_s, store.limits.max_lease_s)
-        self.loader = TierLoader(
-            store,
-            self.system_session,
-            self.entries,
-            self.hot,
-            self.warm,
-            self.image_service,
-            page_writer,
-            self._executor,
-            config,
-            counters,
-            log,
-            load_lease_s,
-        )
-        self.checker = ChecksumChecker(
-            store,
-            self.system_session,
-            arena.view,
-            self.entries,
-            self.hot,
-            self.warm,
-            self.image_service,
-            registry,
-            self._plan,
-            config,
-            counters,
-            log,
-        )
-        self.pins = AdapterPins(
-            store,
-            self.system_session,
-            self.entries,
-            self.hot,
-            self.warm,
-            self.loader,
-            self.checker,
-            registry,
-            config,
-            counters,
-        )
+        self.store, self.arena, self.registry, self.config, self.log = store, arena, registry, config, ctx.log
+        # What the service, the server and tests read.
+        self.system_session, self.counters, self.entries = ctx.system_session, ctx.counters, ctx.entries
+        self.hot = HotBudget(ctx)
+        self.warm = WarmBudget(ctx)
+        self.image_service = ImageService(ctx)
+        self.loader = TierLoader(ctx, self.hot, self.warm, self.image_service, page_writer)
+        self.checker = ChecksumChecker(ctx, arena.view, self.hot, self.warm, self.image_service)
+        self.pins = AdapterPins(ctx, self.hot, self.warm, self.loader, self.checker)
         self._closed = False
 
     @property
@@ -178,7 +129,7 @@ class AdapterManager:
         if adapter_id in self.registry:
             raise BrokerError(Code.ALREADY_EXISTS, f"adapter id {adapter_id!r} is already registered")
         loop = asyncio.get_running_loop()
-        meta = await loop.run_in_executor(self._executor, self.registry.inspect, source, caller)
+        meta = await loop.run_in_executor(self.ctx.executor, self.registry.inspect, source, caller)
         meta = self.registry.add(adapter_id, meta)
         self.schedule_conversions([adapter_id])
         return meta
@@ -213,29 +164,10 @@ class AdapterManager:
         ids = list(dict.fromkeys(self.pins.check_ids(adapter_ids)))
         metas = [self.registry.get(aid) for aid in ids]
         for aid in ids:
-            self._check_unregistrable(aid)
+            self.pins.check_unregistrable(aid)
         for aid in ids:
             self._forget_adapter(aid)
         return metas
-
-    def _check_unregistrable(self, adapter_id: str) -> None:
-        self.checker.prune_retired()
-        if self.checker.retired.get(adapter_id):
-            raise precondition(
-                f"adapter {adapter_id!r}: sessions still pin a copy of it that was found corrupt; "
-                "they must release it before it can be unregistered"
-            )
-        e = self.entries.get(adapter_id)
-        if e is None:
-            return
-        obj = self.hot.current(e)
-        if e.waiters or e.holds or e.stale_holds:
-            raise precondition(f"adapter {adapter_id!r} is being acquired right now; release it, then unregister")
-        if obj is not None and obj.pin_count:
-            raise precondition(
-                f"adapter {adapter_id!r} is acquired: {obj.pin_count} pin(s) by {len(obj.pins)} session(s); "
-                "they must release it before it can be unregistered"
-            )
 
     def _forget_adapter(self, adapter_id: str) -> None:
         e = self.entries.get(adapter_id)
@@ -390,7 +322,7 @@ class AdapterManager:
         e = self.entries.get(adapter_id)
         if e is None:
             meta = self.registry.get(adapter_id)
-            return AdapterStatus(adapter_id, Tier.COLD, 0, 0, (), 0, self._plan(meta).num_pages, 0, False)
+            return AdapterStatus(adapter_id, Tier.COLD, 0, 0, (), 0, self.ctx.plan(meta).num_pages, 0, False)
         obj = self.hot.peek(e)
         tier = Tier.HOT if obj is not None else Tier.WARM if e.warm is not None else Tier.COLD
         return AdapterStatus(
@@ -418,11 +350,11 @@ class AdapterManager:
     def layout(self, adapter_id: str) -> AdapterLayout:
         """An adapter's placement within its pages (the same for every generation)."""
         e = self.entries.get(adapter_id)
-        return e.layout if e is not None else self._plan(self.registry.get(adapter_id))
+        return e.layout if e is not None else self.ctx.plan(self.registry.get(adapter_id))
 
     def stats(self) -> AdapterStats:
         """Tier sizes, hits and misses per tier, loads per tier, hit rates; changes nothing."""
-        return snapshot(self)
+        return snapshot(self.counters, self.config, self._figures())
 
     # ---------------------------------------------------------------- checksums
 
@@ -474,19 +406,33 @@ class AdapterManager:
         self.warm.drop_all(self.entries.values())
         self.entries.clear()
         if self._own_executor:
-            self._executor.shutdown(wait=False)
+            self.ctx.executor.shutdown(wait=False)
 
     # ---------------------------------------------------------------- internals
 
-    def _new_entry(self, aid: str) -> AdapterEntry:
-        meta = self.registry.get(aid)
-        return AdapterEntry(meta, self._plan(meta))
-
-    def _plan(self, meta: AdapterMeta) -> AdapterLayout:
-        try:
-            return plan_layout(meta.weights, self.page_size, self.config.dtype, self.config.row_align)
-        except ValueError as err:
-            raise invalid(f"adapter {meta.adapter_id!r} cannot be placed in pages: {err}") from None
+    def _figures(self) -> TierFigures:
+        """What the tiers hold now. Reads only: an adapter evicted without notice counts as not
+        hot here, and is demoted the next time a writer looks at it."""
+        entries, hot, sys = self.entries.values(), self.hot.live(), self.system_session
+        warm = [e.adapter_id for e in entries if e.warm is not None]
+        hot_pages = sum(e.obj.num_pages for e in hot)
+        cache = self.image_service.cache
+        return TierFigures(
+            registered=len(self.registry),
+            hot_adapters=len(hot),
+            warm_adapters=len(warm),
+            resident_adapters=len({*(e.adapter_id for e in hot), *warm}),
+            hot_pages=hot_pages,
+            hot_bytes=hot_pages * self.ctx.page_size,
+            hot_used_bytes=sum(e.layout.used_bytes for e in hot),
+            hot_pinned_adapters=sum(1 for e in hot if any(s != sys for s in e.obj.pins)),
+            loading_pages=self.hot.loading_pages,
+            warm_bytes=self.warm.bytes,
+            policies=HotWarm(self.hot.policy.name, self.warm.policy.name),
+            cache=CacheFigures(cache.count, cache.used_bytes, cache.evictions, cache.corrupt) if cache else None,
+            convert_queued=self.image_service.queued,
+            retired_copies=self.checker.retired_copies,
+        )
 
     def _check_open(self) -> None:
         if self._closed:

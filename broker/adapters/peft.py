@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from memory_broker.broker.adapters.access import Caller, Opened, open_for, read_bounded
 from memory_broker.broker.adapters.layout import LoraModuleSpec
@@ -367,38 +368,20 @@ def _split_module(name: str) -> tuple[str, int, str] | None:
     return None
 
 
-def inspect_peft_dir(
-    source: str,
-    *,
-    max_rank: int = DEFAULT_MAX_RANK,
-    require_uniform: bool = False,
-    caller: Caller | None = None,
-    roots: tuple[str, ...] = (),
-    max_config_bytes: int = MAX_CONFIG_BYTES,
-) -> AdapterMeta:
-    """Validate a PEFT LoRA directory and describe it (reads the config and the safetensors
-    header only).
+class _PeftFiles(NamedTuple):
+    """What ``_read_dir`` found: the resolved directory, the config (its path and its checked
+    contents), the weights file's path, its header (tensor name -> (shape, dtype)) and stat."""
 
-    Files are opened as ``access.open_for`` does: regular files only, the config at most
-    ``max_config_bytes``, each path checked against ``caller``'s rights (None: the broker's
-    own read) and, when ``roots`` is given, resolved inside one of them.
+    source: str
+    cfg_path: str
+    cfg: dict
+    wpath: str
+    header: dict[str, tuple[tuple[int, ...], str]]
+    st: os.stat_result
 
-    Args:
-        source: the directory.
-        max_rank: largest rank accepted for any module.
-        require_uniform: refuse adapters whose modules differ in rank or scaling (for
-            engines that fuse modules into one kernel launch).
-        caller: whose rights bound the reads (the RPC's session peer).
-        roots: real paths the adapter's files must resolve inside.
-        max_config_bytes: largest ``adapter_config.json`` read.
 
-    Returns:
-        The adapter's metadata with an empty id; ``source`` is the resolved directory.
-
-    Raises:
-        BrokerError: INVALID_ARGUMENT with the file and the problem; PERMISSION_DENIED
-            when the caller could not read it or it lies outside the roots.
-    """
+def _read_dir(source: str, caller: Caller | None, roots: tuple[str, ...], max_config_bytes: int) -> _PeftFiles:
+    """Open the directory, read and check its config, read its weights file's header."""
     from safetensors import safe_open
 
     if "\x00" in source:
@@ -439,13 +422,17 @@ def inspect_peft_dir(
     if not header:
         raise invalid(f"{wpath}: holds no tensors")
 
-    r_default = int(cfg["r"])
-    alpha_default = float(cfg["lora_alpha"])
-    rslora = bool(cfg.get("use_rslora", False))
-    rank_pattern = cfg.get("rank_pattern") or {}
-    alpha_pattern = cfg.get("alpha_pattern") or {}
+    return _PeftFiles(source, cfg_path, cfg, wpath, header, st)
+
+
+_Found = dict[tuple[str, int, str], dict[str, tuple[int, ...]]]
+
+
+def _lora_matrices(header: dict, cfg: dict, wpath: str) -> tuple[_Found, set[str]]:
+    """Every tensor checked as a LoRA A/B weight of a targeted module in a numbered layer:
+    {(prefix, layer, path): {"A": shape, "B": shape}}, and the file dtypes seen."""
     # (prefix, layer, path) -> {"A": shape, "B": shape}
-    found: dict[tuple[str, int, str], dict[str, tuple[int, ...]]] = {}
+    found: _Found = {}
     dtypes: set[str] = set()
     for key, (shape, dtype) in header.items():
         name = key[len(_PEFT_KEY_PREFIX) :] if key.startswith(_PEFT_KEY_PREFIX) else key
@@ -483,12 +470,19 @@ def inspect_peft_dir(
         dtypes.add(dtype)
         found.setdefault((prefix, layer, path), {})[ab] = shape
 
-    prefixes = {p for p, _, _ in found}
-    if len(prefixes) > 1:
-        raise invalid(
-            f"{wpath}: tensors sit under more than one layer stack ({', '.join(sorted(prefixes))}); only one is supported"
-        )
-    key_prefix = _PEFT_KEY_PREFIX + prefixes.pop()
+    return found, dtypes
+
+
+def _module_specs(
+    found: _Found, cfg: dict, cfg_path: str, wpath: str, max_rank: int
+) -> tuple[dict[str, ModuleShape], list[LoraModuleSpec]]:
+    """The module shapes by name and one spec per (layer, module) in placement order (layer,
+    then module path), checked against the config's ranks and against each other."""
+    r_default = int(cfg["r"])
+    alpha_default = float(cfg["lora_alpha"])
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
     shapes: dict[str, ModuleShape] = {}
     specs: list[LoraModuleSpec] = []
     for (prefix, layer, path), mats in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -526,7 +520,54 @@ def inspect_peft_dir(
             )
         scaling = float(alpha) / (math.sqrt(rank) if rslora else rank)
         specs.append(LoraModuleSpec(layer, name, rank, in_f, out_f, scaling))
-    # Placement order: layer, then module path (as sorted above).
+    return shapes, specs
+
+
+def inspect_peft_dir(
+    source: str,
+    *,
+    max_rank: int = DEFAULT_MAX_RANK,
+    require_uniform: bool = False,
+    caller: Caller | None = None,
+    roots: tuple[str, ...] = (),
+    max_config_bytes: int = MAX_CONFIG_BYTES,
+) -> AdapterMeta:
+    """Validate a PEFT LoRA directory and describe it (reads the config and the safetensors
+    header only).
+
+    Files are opened as ``access.open_for`` does: regular files only, the config at most
+    ``max_config_bytes``, each path checked against ``caller``'s rights (None: the broker's
+    own read) and, when ``roots`` is given, resolved inside one of them.
+
+    Args:
+        source: the directory.
+        max_rank: largest rank accepted for any module.
+        require_uniform: refuse adapters whose modules differ in rank or scaling (for
+            engines that fuse modules into one kernel launch).
+        caller: whose rights bound the reads (the RPC's session peer).
+        roots: real paths the adapter's files must resolve inside.
+        max_config_bytes: largest ``adapter_config.json`` read.
+
+    Returns:
+        The adapter's metadata with an empty id; ``source`` is the resolved directory.
+
+    Raises:
+        BrokerError: INVALID_ARGUMENT with the file and the problem; PERMISSION_DENIED
+            when the caller could not read it or it lies outside the roots.
+    """
+    source, cfg_path, cfg, wpath, header, st = _read_dir(source, caller, roots, max_config_bytes)
+    found, dtypes = _lora_matrices(header, cfg, wpath)
+    prefixes = {p for p, _, _ in found}
+    if len(prefixes) > 1:
+        raise invalid(
+            f"{wpath}: tensors sit under more than one layer stack ({', '.join(sorted(prefixes))}); only one is supported"
+        )
+    key_prefix = _PEFT_KEY_PREFIX + prefixes.pop()
+    shapes, specs = _module_specs(found, cfg, cfg_path, wpath, max_rank)
+    r_default = int(cfg["r"])
+    alpha_default = float(cfg["lora_alpha"])
+    rslora = bool(cfg.get("use_rslora", False))
+    # Placement order: layer, then module path (as ``_module_specs`` sorts them).
     meta = AdapterMeta(
         adapter_id="",
         source=source,

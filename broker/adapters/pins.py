@@ -14,16 +14,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from memory_broker.broker.adapters.checks import ChecksumChecker
-from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable
+from memory_broker.broker.adapters.context import AdapterContext
+from memory_broker.broker.adapters.entry import AdapterEntry
 from memory_broker.broker.adapters.hot_budget import HotBudget
 from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.peft import check_adapter_id
 from memory_broker.broker.adapters.records import AcquiredAdapter, AcquireResult, Tier
-from memory_broker.broker.adapters.registry import AdapterRegistry
-from memory_broker.broker.adapters.stats import AdapterCounters
 from memory_broker.broker.adapters.warm_budget import WarmBudget
-from memory_broker.broker.store.objects import ObjectStore
 from memory_broker.proto.wire.errors import BrokerError, denied, invalid, not_found, precondition, unavailable
 
 
@@ -31,35 +28,25 @@ class AdapterPins:
     """Acquires and releases of adapters by client sessions.
 
     Args:
-        store: pins (or prepares a pin transaction) for the acquiring session.
-        system_session: the manager's own session (never a client).
-        entries, hot, warm, loader, checker, registry: the wing's other parts.
-        config, counters: settings (``remember_txns``) and where acquires are counted.
+        ctx: the wing's shared record; its store pins (or prepares a pin transaction) for the
+            acquiring session; its system session is never a client; its config has
+            ``remember_txns``; acquires are counted in its counters.
+        hot, warm, loader, checker: the wing's other parts.
     """
 
     def __init__(
-        self,
-        store: ObjectStore,
-        system_session: int,
-        entries: EntryTable,
-        hot: HotBudget,
-        warm: WarmBudget,
-        loader: TierLoader,
-        checker: ChecksumChecker,
-        registry: AdapterRegistry,
-        config: AdapterConfig,
-        counters: AdapterCounters,
+        self, ctx: AdapterContext, hot: HotBudget, warm: WarmBudget, loader: TierLoader, checker: ChecksumChecker
     ):
-        self.store = store
-        self.system_session = system_session
-        self.entries = entries
+        self.store = ctx.store
+        self.system_session = ctx.system_session
+        self.entries = ctx.entries
         self.hot = hot
         self.warm = warm
         self.loader = loader
         self.checker = checker
-        self.registry = registry
-        self.config = config
-        self.counters = counters
+        self.registry = ctx.registry
+        self.config = ctx.config
+        self.counters = ctx.counters
         # Two-phase acquires: transaction id -> session.
         self._txns: OrderedDict[int, int] = OrderedDict()
 
@@ -180,6 +167,27 @@ class AdapterPins:
             raise not_found(f"no adapter acquire transaction {txn_id} (unknown, or finished too long ago to remember)")
         if owner != session:
             raise denied(f"adapter acquire transaction {txn_id} belongs to another session")
+
+    def check_unregistrable(self, adapter_id: str) -> None:
+        """Refuse (FAILED_PRECONDITION) while any session holds the adapter, is acquiring it,
+        or still pins a copy of it that was found corrupt."""
+        self.checker.prune_retired()
+        if self.checker.retired.get(adapter_id):
+            raise precondition(
+                f"adapter {adapter_id!r}: sessions still pin a copy of it that was found corrupt; "
+                "they must release it before it can be unregistered"
+            )
+        e = self.entries.get(adapter_id)
+        if e is None:
+            return
+        obj = self.hot.current(e)
+        if e.waiters or e.holds or e.stale_holds:
+            raise precondition(f"adapter {adapter_id!r} is being acquired right now; release it, then unregister")
+        if obj is not None and obj.pin_count:
+            raise precondition(
+                f"adapter {adapter_id!r} is acquired: {obj.pin_count} pin(s) by {len(obj.pins)} session(s); "
+                "they must release it before it can be unregistered"
+            )
 
     def release(self, session: int, adapter_ids: Sequence[str]) -> None:
         """Drop one of the session's pins per listed id; nothing when any id is refused."""

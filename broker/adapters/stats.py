@@ -1,17 +1,17 @@
 """The adapter wing's figures: running counters, and the typed record ``stats()`` returns.
 
 ``AdapterCounters`` is bumped by the manager's parts as things happen; ``AdapterStats`` is
-a snapshot built from the counters and the tiers' sizes, read by the service (GetStats),
-the metrics and tests. Records only: building one changes nothing.
+a snapshot built from the counters, the settings and ``TierFigures`` (what the tiers hold,
+read by the manager from its parts), read by the service (GetStats), the metrics and tests.
+Records only: building one changes nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from memory_broker.broker.adapters.manager import AdapterManager
+from memory_broker.broker.adapters.config import AdapterConfig
 
 T = TypeVar("T")
 
@@ -151,30 +151,56 @@ class AdapterStats:
         return asdict(self)
 
 
-def snapshot(m: AdapterManager) -> AdapterStats:
-    """The figures of ``m`` now. Reads only: an adapter evicted without notice counts as not
-    hot here, and is demoted the next time a writer looks at it."""
-    c = m.counters
-    registered = len(m.registry)
-    entries = m.entries.values()
-    hot = m.hot.live()
-    sys = m.system_session
-    warm = sum(1 for e in entries if e.warm is not None)
-    resident = len({*(e.adapter_id for e in hot), *(e.adapter_id for e in entries if e.warm is not None)})
-    hot_pages = sum(e.obj.num_pages for e in hot)
+@dataclass(frozen=True, slots=True)
+class CacheFigures:
+    """The converted-image cache now: images on disk, their bytes, images pushed out for room,
+    image files found corrupt."""
+
+    count: int
+    bytes: int
+    evictions: int
+    corrupt: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """What the tiers hold at one instant, read from the wing's parts for ``snapshot``."""
+
+    registered: int
+    hot_adapters: int
+    warm_adapters: int
+    # Adapters hot or warm (or both).
+    resident_adapters: int
+    hot_pages: int
+    hot_bytes: int
+    hot_used_bytes: int
+    # Hot adapters some client session pins.
+    hot_pinned_adapters: int
+    loading_pages: int
+    warm_bytes: int
+    policies: HotWarm[str]
+    # None: the image cache is off.
+    cache: CacheFigures | None
+    # Adapters waiting for conversion ahead of use (the one converting included).
+    convert_queued: int
+    # Hot copies found corrupt that sessions still pin.
+    retired_copies: int
+
+
+def snapshot(c: AdapterCounters, cfg: AdapterConfig, t: TierFigures) -> AdapterStats:
+    """The wing's figures from its counters, its settings and what its tiers hold now."""
     lookups = c.hot_hits + c.hot_misses
     warm_lookups = c.warm_hits + c.warm_misses
-    cache = m.image_service.cache
-    cfg = m.config
+    cache = t.cache
     return AdapterStats(
-        registered=registered,
-        resident=ByTier(len(hot), warm, max(0, registered - resident)),
-        hot_pages=hot_pages,
-        hot_bytes=hot_pages * m.page_size,
-        hot_used_bytes=sum(e.layout.used_bytes for e in hot),
-        hot_pinned_adapters=sum(1 for e in hot if any(s != sys for s in e.obj.pins)),
-        loading_pages=m.hot.loading_pages,
-        warm_bytes=m.warm.bytes,
+        registered=t.registered,
+        resident=ByTier(t.hot_adapters, t.warm_adapters, max(0, t.registered - t.resident_adapters)),
+        hot_pages=t.hot_pages,
+        hot_bytes=t.hot_bytes,
+        hot_used_bytes=t.hot_used_bytes,
+        hot_pinned_adapters=t.hot_pinned_adapters,
+        loading_pages=t.loading_pages,
+        warm_bytes=t.warm_bytes,
         hot_tier_pages=cfg.hot_tier_pages,
         hot_tier_adapters=cfg.hot_tier_adapters,
         warm_tier_bytes=cfg.warm_tier_bytes,
@@ -202,20 +228,20 @@ def snapshot(m: AdapterManager) -> AdapterStats:
             writes=c.image_writes,
             write_failures=c.image_write_failures,
             count=cache.count if cache else 0,
-            bytes=cache.used_bytes if cache else 0,
+            bytes=cache.bytes if cache else 0,
             budget_bytes=cfg.image_budget,
             evictions=cache.evictions if cache else 0,
             converted_ahead=c.converted_ahead,
             convert_skipped=c.convert_skipped,
             convert_failures=c.convert_failures,
-            convert_queued=m.image_service.queued,
+            convert_queued=t.convert_queued,
         ),
-        policies=HotWarm(m.hot.policy.name, m.warm.policy.name),
+        policies=t.policies,
         checksums=ChecksumStats(
             verifications=c.verifications,
             corruptions=c.corruptions,
             image_corruptions=cache.corrupt if cache else 0,
-            retired_copies=m.checker.retired_copies,
+            retired_copies=t.retired_copies,
             interval_s=cfg.verify_interval_s,
         ),
     )

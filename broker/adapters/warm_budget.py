@@ -7,12 +7,11 @@ is exceeded. It only forgets images; reading, building and writing them is done 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from memory_broker.broker.adapters.config import AdapterConfig
+from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.entry import AdapterEntry
-from memory_broker.broker.adapters.policy import TierPolicy
-from memory_broker.broker.adapters.stats import AdapterCounters
+from memory_broker.broker.adapters.policy import TierPolicy, make_tier_policy
 from memory_broker.broker.adapters.warm_image import WarmImage
 
 
@@ -20,26 +19,18 @@ class WarmBudget:
     """Warm images and their budget.
 
     Args:
-        config: ``warm_tier_bytes``.
-        policy: the warm tier's victim order.
-        counters: where dropped images are counted.
-        entries: looks an entry up by adapter id (None when there is none).
-        on_drop: called with an entry whose warm image was just dropped (it may now be idle).
+        ctx: the wing's shared record: its config has ``warm_tier_bytes`` and the warm tier's
+            policy; dropped images are counted in its counters; entries are looked up in its
+            entry table, and an entry whose warm image was just dropped goes to
+            ``entries.forget_if_idle``.
     """
 
-    def __init__(
-        self,
-        config: AdapterConfig,
-        policy: TierPolicy,
-        counters: AdapterCounters,
-        entries: Callable[[str], AdapterEntry | None],
-        on_drop: Callable[[AdapterEntry], None],
-    ):
-        self.config = config
-        self.policy = policy
-        self.counters = counters
-        self._entries = entries
-        self._on_drop = on_drop
+    def __init__(self, ctx: AdapterContext):
+        self.config = ctx.config
+        self.policy: TierPolicy = make_tier_policy(ctx.config.warm_policy)
+        self.counters = ctx.counters
+        self._entries = ctx.entries.get
+        self._on_drop = ctx.entries.forget_if_idle
         self.bytes = 0
 
     def add(self, e: AdapterEntry, image: WarmImage) -> None:

@@ -140,67 +140,74 @@ def build_warm_image(
             out.source_identity = wf.identity
             out.checksum = image_checksum(out)
             return out
-        img = (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, dtype=np.uint8)
-        offs = layout.image_offsets()
-        raw, es = RAW[layout.dtype], layout.elem_size
-        want = FILE_NAME[layout.dtype]
-        # Rows stored as in the file (A, same dtype, no padding) are read straight into the
-        # image, one read per chunk; the rest (Bᵀ, conversions) are read into a small scratch
-        # buffer that stays in cache and laid out from there by numpy.
-        moves: list[tuple[int, int, int]] = []
-        arrays: list[tuple[MatrixPlacement, tuple]] = []
-        for mp, _m, ent in mats:
-            dt, _shape, off = ent
-            row_bytes = mp.row_elems * es
-            if mp.kind == "A" and dt == want and mp.row_stride == row_bytes:
-                r = 0
-                for c in mp.chunks:
-                    moves.append((offs[c.page] + c.offset, off + r * row_bytes, c.rows * row_bytes))
-                    r += c.rows
-            else:
-                arrays.append((mp, ent))
-
-        def copy_moves(part):
-            mv = memoryview(img)
-            for d, sr, n in part:
-                wf.read_into(mv[d : d + n], sr)
-
-        def copy_arrays(part):
-            scratch = wf.scratch_for([ent for _mp, ent in part])
-            for mp, (dt, shape, off) in part:
-                rows = convert(wf.array(dt, shape, off, scratch), dt, layout.dtype)
-                rows = rows if mp.kind == "A" else rows.T
-                i = 0
-                for c in mp.chunks:
-                    dst = rows_view(img, offs[c.page] + c.offset, c.rows, mp, raw, es)
-                    np.copyto(dst, rows[i : i + c.rows], casting="no")
-                    i += c.rows
-
-        if threads <= 1 or not arrays or not moves:
-            copy_moves(moves)
-            copy_arrays(arrays)
-        else:
-            # Two streams: the plain reads beside the transposes (both release the GIL).
-            errors: list[BaseException] = []
-
-            def run_arrays(part=arrays):
-                try:
-                    copy_arrays(part)
-                except BaseException as e:  # re-raised below, in the caller's thread
-                    errors.append(e)
-
-            helper = threading.Thread(target=run_arrays, name="adapter-copy")
-            helper.start()
-            try:
-                copy_moves(moves)
-            finally:
-                helper.join()
-            if errors:
-                raise errors[0]
+        img = _build_packed(wf, layout, mats, threads)
         ident = wf.identity
     return WarmImage(
         layout, packed=img, source_bytes=meta.file_bytes, source_identity=ident, checksum=packed_checksum(img)
     )
+
+
+def _build_packed(wf: WeightsFile, layout: AdapterLayout, mats: list, threads: int) -> np.ndarray:
+    """The packed page image of ``mats`` ((placement, module, file entry) in layout order):
+    the pages' used bytes back to back, in ``layout.dtype``."""
+    img = (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, dtype=np.uint8)
+    offs = layout.image_offsets()
+    raw, es = RAW[layout.dtype], layout.elem_size
+    want = FILE_NAME[layout.dtype]
+    # Rows stored as in the file (A, same dtype, no padding) are read straight into the
+    # image, one read per chunk; the rest (Bᵀ, conversions) are read into a small scratch
+    # buffer that stays in cache and laid out from there by numpy.
+    moves: list[tuple[int, int, int]] = []
+    arrays: list[tuple[MatrixPlacement, tuple]] = []
+    for mp, _m, ent in mats:
+        dt, _shape, off = ent
+        row_bytes = mp.row_elems * es
+        if mp.kind == "A" and dt == want and mp.row_stride == row_bytes:
+            r = 0
+            for c in mp.chunks:
+                moves.append((offs[c.page] + c.offset, off + r * row_bytes, c.rows * row_bytes))
+                r += c.rows
+        else:
+            arrays.append((mp, ent))
+
+    def copy_moves(part):
+        mv = memoryview(img)
+        for d, sr, n in part:
+            wf.read_into(mv[d : d + n], sr)
+
+    def copy_arrays(part):
+        scratch = wf.scratch_for([ent for _mp, ent in part])
+        for mp, (dt, shape, off) in part:
+            rows = convert(wf.array(dt, shape, off, scratch), dt, layout.dtype)
+            rows = rows if mp.kind == "A" else rows.T
+            i = 0
+            for c in mp.chunks:
+                dst = rows_view(img, offs[c.page] + c.offset, c.rows, mp, raw, es)
+                np.copyto(dst, rows[i : i + c.rows], casting="no")
+                i += c.rows
+
+    if threads <= 1 or not arrays or not moves:
+        copy_moves(moves)
+        copy_arrays(arrays)
+    else:
+        # Two streams: the plain reads beside the transposes (both release the GIL).
+        errors: list[BaseException] = []
+
+        def run_arrays(part=arrays):
+            try:
+                copy_arrays(part)
+            except BaseException as e:  # re-raised below, in the caller's thread
+                errors.append(e)
+
+        helper = threading.Thread(target=run_arrays, name="adapter-copy")
+        helper.start()
+        try:
+            copy_moves(moves)
+        finally:
+            helper.join()
+        if errors:
+            raise errors[0]
+    return img
 
 
 def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes: int) -> WarmImage:

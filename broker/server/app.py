@@ -142,6 +142,23 @@ class BrokerServer:
             if os.path.exists(path):
                 os.unlink(path)
         make_private_dir(opts.state_dir)
+        why = self._build_core(loop)
+        await self._open_doors(loop)
+        self._tasks.append(asyncio.ensure_future(self._expire_leases()))
+        self._tasks.append(asyncio.ensure_future(self._status_loop()))
+        try:
+            # Prune images of unregistered adapters; queue conversions ahead of use.
+            await self.adapters.start()
+        except (OSError, BrokerError) as err:
+            self.log.warning("adapter_images_census_failed", error=str(err))
+        if self.notifier.watchdog_interval_s:
+            self._tasks.append(asyncio.ensure_future(self._watchdog_loop()))
+        self._log_serving(why)
+
+    def _build_core(self, loop: asyncio.AbstractEventLoop) -> str:
+        """The arena, the pool, the store, the adapter wing and the sessions; returns why the
+        arena backend was chosen."""
+        opts = self.opts
         pages_per_slab = opts.slab_size // opts.page_size
         max_slabs = opts.pool_size // opts.slab_size
         self.geometry = ArenaGeometry(
@@ -190,6 +207,12 @@ class BrokerServer:
             max_sessions=opts.max_sessions,
             max_sessions_per_uid=opts.max_sessions_per_uid,
         )
+        return why
+
+    async def _open_doors(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The metrics endpoint, the service, the fd and step channels and the gRPC server
+        (serving and healthy when this returns)."""
+        opts = self.opts
         if opts.metrics_port:
             self.metrics = BrokerMetrics(self.arena.backend)
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_address)
@@ -229,15 +252,9 @@ class BrokerServer:
         self._set_socket_permissions()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks.append(asyncio.ensure_future(self._expire_leases()))
-        self._tasks.append(asyncio.ensure_future(self._status_loop()))
-        try:
-            # Prune images of unregistered adapters; queue conversions ahead of use.
-            await self.adapters.start()
-        except (OSError, BrokerError) as err:
-            self.log.warning("adapter_images_census_failed", error=str(err))
-        if self.notifier.watchdog_interval_s:
-            self._tasks.append(asyncio.ensure_future(self._watchdog_loop()))
+
+    def _log_serving(self, why: str) -> None:
+        opts = self.opts
         self.log.info(
             "serving",
             instance=opts.instance or None,

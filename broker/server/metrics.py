@@ -79,6 +79,20 @@ class BrokerMetrics:
         self.adapter_snapshot: AdapterStats | None = None
         self._http = None
 
+        self._add_store_instruments(meter)
+        self._add_adapter_instruments(meter)
+        self.allocation_latency = meter.create_histogram(
+            f"{PREFIX}_allocation_latency_seconds",
+            unit="s",
+            description="time to serve an Allocate or Prepare in the core",
+        )
+        self.rpc_latency = meter.create_histogram(
+            f"{PREFIX}_rpc_latency_seconds", unit="s", description="time to handle an RPC, by method and status"
+        )
+
+    def _add_store_instruments(self, meter) -> None:
+        """Gauges and counters read from the store's snapshot."""
+
         def gauge(name: str, desc: str, fn: Callable[[StoreStats], list[Observation]]):
             meter.create_observable_gauge(f"{PREFIX}_{name}", callbacks=[self._cb(fn)], description=desc)
 
@@ -122,24 +136,9 @@ class BrokerMetrics:
         counter("deduplicated_total", "commits that found their key present", s("deduplicated_total"))
         counter("pin_contention_total", "pins taken on objects another session already pinned", s("pin_contention"))
 
-        # Adapter figures (present once the adapter manager reports them).
-        def per_tier(key: str):
-            def observe(_o):
-                a = self.adapter_snapshot
-                if a is None:
-                    return []
-                rec = getattr(a, key)
-                return [Observation(getattr(rec, f.name), {"tier": f.name}) for f in fields(rec)]
-
-            return observe
-
-        def part(section: str, key: str):
-            def observe(_o):
-                a = self.adapter_snapshot
-                return [Observation(getattr(getattr(a, section), key))] if a is not None else []
-
-            return observe
-
+    def _add_adapter_instruments(self, meter) -> None:
+        """Adapter figures (present once the adapter manager reports them)."""
+        per_tier, part = self._per_tier, self._part
         meter.create_observable_counter(
             f"{PREFIX}_adapter_hits_total",
             callbacks=[per_tier("hits")],
@@ -204,14 +203,27 @@ class BrokerMetrics:
             ],
             description="share of adapter acquires that found the adapter hot",
         )
-        self.allocation_latency = meter.create_histogram(
-            f"{PREFIX}_allocation_latency_seconds",
-            unit="s",
-            description="time to serve an Allocate or Prepare in the core",
-        )
-        self.rpc_latency = meter.create_histogram(
-            f"{PREFIX}_rpc_latency_seconds", unit="s", description="time to handle an RPC, by method and status"
-        )
+
+    def _per_tier(self, key: str):
+        """A callback: one observation per tier of the adapter figures' record ``key``."""
+
+        def observe(_o):
+            a = self.adapter_snapshot
+            if a is None:
+                return []
+            rec = getattr(a, key)
+            return [Observation(getattr(rec, f.name), {"tier": f.name}) for f in fields(rec)]
+
+        return observe
+
+    def _part(self, section: str, key: str):
+        """A callback: the adapter figure ``section.key``."""
+
+        def observe(_o):
+            a = self.adapter_snapshot
+            return [Observation(getattr(getattr(a, section), key))] if a is not None else []
+
+        return observe
 
     def _cb(self, fn):
         def callback(options: CallbackOptions):

@@ -433,22 +433,6 @@ class ServeOptions(BaseModel):
             return frozenset(self.adapter_manager_uids)
         return self.effective_uids() | {os.getuid()}
 
-    def _check_socket_dir(self) -> None:
-        """The socket's directory must exist and take new files (the socket, .fds, .lock)."""
-        d = os.path.dirname(os.path.abspath(self.socket))
-        if not os.path.isdir(d):
-            raise SettingError(
-                "socket",
-                f"the directory {d} does not exist; create it (mkdir -p {d}) "
-                f"or choose a socket path in an existing directory",
-            )
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise SettingError(
-                "socket",
-                f"cannot create files in {d} (permission denied for uid {os.getuid()}); "
-                f"run as a user who may, or choose a socket path in a writable directory",
-            )
-
     def validate(self) -> None:  # type: ignore[override]  (pydantic's deprecated classmethod)
         """Raise SettingError naming the first bad setting. Types and single-setting bounds were
         checked on construction; these are the checks that span settings or ask the machine.
@@ -470,7 +454,7 @@ class ServeOptions(BaseModel):
             raise SettingError(
                 "socket", f"{self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)"
             )
-        self._check_socket_dir()
+        _check_socket_dir(self.socket)
         for root in self.adapter_allowed_roots:
             if not root.startswith("/") or "\x00" in root:
                 raise SettingError("adapter_allowed_roots", f"{root!r} is not an absolute path")
@@ -481,6 +465,23 @@ class ServeOptions(BaseModel):
                 grp.getgrnam(self.socket_group)
             except KeyError:
                 raise SettingError("socket_group", f"no group named {self.socket_group!r} on this machine") from None
+
+
+def _check_socket_dir(socket: str) -> None:
+    """The socket's directory must exist and take new files (the socket, .fds, .lock)."""
+    d = os.path.dirname(os.path.abspath(socket))
+    if not os.path.isdir(d):
+        raise SettingError(
+            "socket",
+            f"the directory {d} does not exist; create it (mkdir -p {d}) "
+            f"or choose a socket path in an existing directory",
+        )
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise SettingError(
+            "socket",
+            f"cannot create files in {d} (permission denied for uid {os.getuid()}); "
+            f"run as a user who may, or choose a socket path in a writable directory",
+        )
 
 
 class SettingError(ConfigError):

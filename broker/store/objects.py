@@ -2,11 +2,13 @@
 
 ``ObjectStore`` is the broker's core state machine (DESIGN.md section 3), a facade over parts
 with one job each: the ``ObjectTable`` (objects by id and key, their pages), the
-``PinLedger`` (who pins what), the ``RoomMaker`` (evict or grow), the ``TransactionBook``
-(open and finished transactions) and the ``Tally`` (running figures). The store validates
-each request, decides who may free or unpin what and what a session's end releases, and
-drives the parts. It never touches memory, sockets or gRPC: the arena maps, the service
-translates, and events leave through the ``notify`` callback.
+``PinLedger`` (who pins what), the ``RoomMaker`` (evict or grow) and beside it the
+``Allocator`` (reserve pages, publish objects: for Allocate and commit alike), the
+``Transactions`` over the ``TransactionBook`` (open and finished transactions) and the
+``Tally`` (running figures); what they share is one ``StoreContext``. The store validates each
+request, decides who may free or unpin what and what a session's end releases, and drives the
+parts. It never touches memory, sockets or gRPC: the arena maps, the service translates, and
+events leave through the ``notify`` callback.
 
 Every public method validates its whole batch before changing anything and raises
 ``BrokerError`` on refusal.
@@ -21,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from memory_broker.broker.store.batches import check_batch, check_key, check_specs, check_unique
+from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
 from memory_broker.broker.store.object_table import ObjectTable
 from memory_broker.broker.store.pins import PinLedger
@@ -37,10 +40,11 @@ from memory_broker.broker.store.records import (
     TransactionsExpired,
     TxnState,
 )
-from memory_broker.broker.store.room import RoomMaker
+from memory_broker.broker.store.room import Allocator, RoomMaker
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage
-from memory_broker.broker.store.transactions import TransactionBook, Transactions
+from memory_broker.broker.store.transactions import Transactions
+from memory_broker.broker.store.txn_book import TransactionBook
 from memory_broker.proto.wire.errors import denied, not_found, precondition
 
 # The records callers use come from here too (one import for the store's API).
@@ -58,8 +62,6 @@ __all__ = [
     "TransactionsExpired",
     "TxnState",
 ]
-
-Notify = Callable[[int, object], None]
 
 
 class ObjectStore:
@@ -86,53 +88,43 @@ class ObjectStore:
         self.pool = pool
         self.window = window
         self.policy: EvictionPolicy = policy if policy is not None else PriorityLRU()
-        self.config = config or StoreConfig()
-        self.config.validate()
-        self._limits = StoreLimits.of(self.config)
-        self._notify = notify or (lambda session, event: None)
+        self.config = config = config or StoreConfig()
+        config.validate()
+        self._limits = StoreLimits.of(config)
+        self._notify = notify = notify or (lambda session, event: None)
         self.sessions: dict[int, SessionState] = {}
         # Sessions ended whose pins and objects are still being released.
         self._ending: dict[int, SessionState] = {}
         # Sessions the broker opened for itself (the adapter manager's): no pin limit, and
         # not counted as client sessions in stats.
         self.internal_sessions: set[int] = set()
-        self.txns = TransactionBook(self.config.remember)
+        self.txns = TransactionBook(config.remember)
         self._session_ids = itertools.count(1)
         self.counters = Counters()
         # Running figures for stats(), so reading them is O(1) at any size (kept by the
         # table as objects come and go, the owner changes and the pin zero crossings).
         self.tally = Tally()
-        self.table = ObjectTable(pool, window, self.policy, self.tally, self.config.remember, self._owner_state)
+        self.table = ObjectTable(pool, window, self.policy, self.tally, config.remember, self._owner_state)
         # The table's maps, by id and by key (read by the service, the adapter wing and tests).
         self.objects: ShardedMap = self.table.objects
         self.keys: ShardedMap = self.table.keys
-        self._drop = self.table.drop
-        self.room = RoomMaker(
+        ctx = StoreContext(
             pool,
             self.policy,
-            self.objects,
+            config,
             self.counters,
             self.tally,
-            self._drop,
-            self._notify,
-            self.config.high_watermark,
-            self.config.low_watermark,
-        )
-        self.ledger = PinLedger(
-            self.policy, self.tally, self.counters, self.config, self.internal_sessions, self.txns, self._drop
-        )
-        self.transactions = Transactions(
-            self.txns,
             self.table,
-            self.ledger,
             self.sessions,
-            self.config,
-            pool.max_pages,
-            self._reserve,
-            self._publish,
-            self._notify,
+            self.internal_sessions,
+            self.txns,
+            notify,
             clock,
         )
+        self.room = RoomMaker(ctx)
+        self.ledger = PinLedger(ctx)
+        self.allocator = Allocator(ctx, self.room, self.ledger)
+        self.transactions = Transactions(ctx, self.ledger, self.allocator)
         # Bounded work (DESIGN.md section 4): with a ``background`` host (see the property),
         # eviction down to the low watermark and the release of an ended session's holdings
         # run in batches of ``work_batch`` objects instead of all at once inside one call.
@@ -288,31 +280,7 @@ class ObjectStore:
         total, has_keys = check_specs(specs, self.pool.max_pages, self.config.max_key_bytes)
         if self.config.max_pins_per_session:
             self.ledger.check_limit(s, sum(1 for sp in specs if sp.pin))
-        if not has_keys:
-            # The common case: nothing to deduplicate.
-            new = self._reserve(s, specs, (), total)
-            publish = self._publish
-            return [publish(s, obj, sp.pin) for obj, sp in zip(new, specs)]
-        # Keys already committed need no pages: they resolve to the existing object,
-        # which must not be evicted to make room for the rest of the batch.
-        existing = [self.keys.get(sp.key) if sp.key is not None else None for sp in specs]
-        fresh = [sp for sp, e in zip(specs, existing) if e is None]
-        new = self._reserve(
-            s, fresh, {e.object_id for e in existing if e is not None}, sum(sp.num_pages for sp in fresh)
-        )
-        it = iter(new)
-        out: list[tuple[Allocation, bool]] = []
-        for sp, e in zip(specs, existing):
-            if e is None:
-                out.append(self._publish(s, next(it), sp.pin))
-                continue
-            self.counters.deduplicated_total += 1
-            if sp.pin:
-                self.ledger.pin(s, e)
-            else:
-                self.policy.touch(e)
-            out.append((e, True))
-        return out
+        return self.allocator.allocate(s, specs, total, has_keys)
 
     def prepare(
         self,
@@ -479,46 +447,3 @@ class ObjectStore:
         if s is None:
             raise denied(f"session {session} is not open")
         return s
-
-    def _reserve(self, s: SessionState, specs: Sequence[Spec], exclude, total: int) -> list[Allocation]:
-        """Place and take ``total`` pages for specs as PREPARED objects owned by ``s``."""
-        if not specs:
-            return []
-        table = self.table
-        try:
-            # Window placement first: it can be undone without a trace.
-            window_pages = table.place(specs)
-            try:
-                self.room.make_room(total, exclude)
-            except Exception:
-                table.unplace(window_pages, specs)
-                raise
-        except Exception:
-            self.counters.allocation_failures += 1
-            raise
-        out = table.create(s, specs, window_pages)
-        self.counters.allocations_total += len(out)
-        return out
-
-    def _publish(self, s: SessionState, obj: Allocation, pin: bool) -> tuple[Allocation, bool]:
-        """Commit one prepared object; a key already present resolves to that object."""
-        if obj.key is not None:
-            existing = self.keys.get(obj.key)
-            if existing is not None:
-                s.owned.discard(obj.object_id)
-                self._drop(obj, "deduplicated")
-                self.counters.deduplicated_total += 1
-                if pin:
-                    self.ledger.pin(s, existing)
-                else:
-                    self.policy.touch(existing)
-                return existing, True
-            self.keys[obj.key] = obj
-        self.tally.prepared_pages -= obj.num_pages
-        obj.state = ObjectState.COMMITTED
-        obj.txn_id = 0
-        if pin:
-            self.ledger.pin(s, obj)
-        else:
-            self.policy.add(obj)
-        return obj, False

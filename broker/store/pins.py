@@ -9,13 +9,9 @@ and frees nothing itself: the last pin of a freed object goes to the store's ``d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from memory_broker.broker.store.eviction import EvictionPolicy
-from memory_broker.broker.store.records import Allocation, SessionState, StoreConfig
+from memory_broker.broker.store.context import StoreContext
+from memory_broker.broker.store.records import Allocation, SessionState
 from memory_broker.broker.store.shards import ShardedMap
-from memory_broker.broker.store.stats import Counters, Tally
-from memory_broker.broker.store.transactions import TransactionBook
 from memory_broker.proto.wire.errors import denied, exhausted, precondition
 
 
@@ -23,32 +19,22 @@ class PinLedger:
     """Who pins what, and how many.
 
     Args:
-        policy: the eviction candidates (an object with pins is never one).
-        tally: the store's running figures (pinned pages and objects).
-        counters: the store's counters (pin contention).
-        config: read for ``max_pins_per_session`` at each check (it may be reconfigured).
-        internal_sessions: sessions the limit does not apply to.
-        txns: open transactions, whose promised pins count against the limit.
-        drop: ``drop(obj, why)``: the store forgets an object (a freed one at its last pin).
+        ctx: the store's shared record: the policy (eviction candidates; an object with pins
+            is never one), the tally (pinned pages and objects), the counters (pin
+            contention), the config (``max_pins_per_session``, read at each check: it may be
+            reconfigured), the internal sessions (the limit does not apply to them), the open
+            transactions (their promised pins count against the limit) and the table
+            (``drop`` forgets a freed object at its last pin).
     """
 
-    def __init__(
-        self,
-        policy: EvictionPolicy,
-        tally: Tally,
-        counters: Counters,
-        config: StoreConfig,
-        internal_sessions: set[int],
-        txns: TransactionBook,
-        drop: Callable[[Allocation, str], None],
-    ):
-        self._policy = policy
-        self._tally = tally
-        self._counters = counters
-        self._config = config
-        self._internal = internal_sessions
-        self._txns = txns
-        self._drop = drop
+    def __init__(self, ctx: StoreContext):
+        self._policy = ctx.policy
+        self._tally = ctx.tally
+        self._counters = ctx.counters
+        self._config = ctx.config
+        self._internal = ctx.internal_sessions
+        self._txns = ctx.txns
+        self._drop = ctx.table.drop
 
     def check_limit(self, s: SessionState, adding: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) if ``adding`` pins would take ``s`` over its limit."""

@@ -1,64 +1,53 @@
-"""Making room for an allocation: evict unpinned objects or grow the arena, and the watermark
-hysteresis that decides how far eviction goes (DESIGN.md section 4).
+"""Making room for an allocation and taking it: evict unpinned objects or grow the arena, with
+the watermark hysteresis that decides how far eviction goes (DESIGN.md section 4); then the
+two allocation steps a one-step Allocate and a prepare/commit transaction share.
 
 ``RoomMaker`` owns the watermarks and the "eviction active" state; it asks the policy for
-victims, has the store drop them (``drop``) and tells their owners (``notify``), and asks the
-pool to grow. It never creates objects, changes pins or keys, or reads sessions: the store
-does, and calls ``make_room`` before it takes pages.
+victims, has the table drop them and tells their owners (``notify``), and asks the pool to
+grow. It never creates objects, changes pins or keys, or reads sessions.
+
+``Allocator`` takes the room: ``reserve`` (make room, take pages for PREPARED objects) and
+``publish`` (commit one object, or resolve it to the committed object that already has its
+key); ``allocate`` runs both for a one-step batch. The store uses it for Allocate and
+``Transactions`` for prepare and commit; it checks nothing about sessions, batches or specs
+(the store does, first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
-from memory_broker.broker.store.eviction import EvictionPolicy
-from memory_broker.broker.store.pool import PagePool
-from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, pages_at
-from memory_broker.broker.store.shards import ShardedMap
-from memory_broker.broker.store.stats import Counters, Tally
+from memory_broker.broker.store.context import StoreContext
+from memory_broker.broker.store.pins import PinLedger
+from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, SessionState, Spec, pages_at
 from memory_broker.proto.wire.errors import exhausted
-
-Notify = Callable[[int, object], None]
 
 
 class RoomMaker:
     """Free pages within capacity for the store, by eviction and growth.
 
     Args:
-        pool: free pages and the arena's growth.
-        policy: orders eviction candidates (the store keeps it current).
-        objects: the store's objects by id (read only here).
-        counters: the store's counters (eviction runs, evicted objects and pages).
-        tally: the store's running figures (read for error messages).
-        drop: ``drop(obj, why)``: the store forgets an object and returns its pages.
-        notify: ``notify(session_id, event)`` for ObjectsEvicted.
-        high_watermark, low_watermark: fractions of ``pool.max_pages``.
+        ctx: the store's shared record: the pool (free pages and the arena's growth), the
+            policy (eviction candidates, kept current by the store), the table (objects by id,
+            read only here, and ``drop`` for victims), the counters (eviction runs, evicted
+            objects and pages), the tally (read for error messages), ``notify`` (for
+            ObjectsEvicted) and the config's watermarks (fractions of ``pool.max_pages``),
+            taken at start; ``set_watermarks`` changes them.
     """
 
-    def __init__(
-        self,
-        pool: PagePool,
-        policy: EvictionPolicy,
-        objects: ShardedMap,
-        counters: Counters,
-        tally: Tally,
-        drop: Callable[[Allocation, str], None],
-        notify: Notify,
-        high_watermark: float,
-        low_watermark: float,
-    ):
-        self.pool = pool
-        self.policy = policy
-        self._objects = objects
-        self._counters = counters
-        self._tally = tally
-        self._drop = drop
-        self._notify = notify
+    def __init__(self, ctx: StoreContext):
+        self.pool = ctx.pool
+        self.policy = ctx.policy
+        self._objects = ctx.table.objects
+        self._counters = ctx.counters
+        self._tally = ctx.tally
+        self._drop = ctx.table.drop
+        self._notify = ctx.notify
         # Hysteresis state: set when usage crosses the high watermark, cleared at the low.
         self.eviction_active = False
         # Set by a host that drains eviction off the request path (see ObjectStore.background).
         self.background: Callable[[], None] | None = None
-        self.set_watermarks(high_watermark, low_watermark)
+        self.set_watermarks(ctx.config.high_watermark, ctx.config.low_watermark)
 
     def set_watermarks(self, high: float, low: float) -> None:
         """Change the eviction watermarks (also of a running store: SIGHUP reload)."""
@@ -186,3 +175,100 @@ class RoomMaker:
     @staticmethod
     def is_evictable(obj: Allocation) -> bool:
         return obj.state == ObjectState.COMMITTED and obj.pin_count == 0 and not obj.freed
+
+
+class Allocator:
+    """Reserve and publish objects.
+
+    Args:
+        ctx: the store's shared record (the table, policy, counters and running figures).
+        room: makes room before pages are taken.
+        ledger: pins objects published with ``pin``.
+    """
+
+    def __init__(self, ctx: StoreContext, room: RoomMaker, ledger: PinLedger):
+        self._table = ctx.table
+        self._keys = ctx.table.keys
+        self._policy = ctx.policy
+        self._counters = ctx.counters
+        self._tally = ctx.tally
+        self._room = room
+        self._ledger = ledger
+
+    def allocate(
+        self, s: SessionState, specs: Sequence[Spec], total: int, has_keys: bool
+    ) -> list[tuple[Allocation, bool]]:
+        """Reserve and publish a checked batch of ``total`` pages in one step; (object,
+        deduplicated) per spec: a key already committed resolves to the existing object."""
+        if not has_keys:
+            # The common case: nothing to deduplicate.
+            new = self.reserve(s, specs, (), total)
+            publish = self.publish
+            return [publish(s, obj, sp.pin) for obj, sp in zip(new, specs)]
+        # Keys already committed need no pages: they resolve to the existing object,
+        # which must not be evicted to make room for the rest of the batch.
+        keys = self._keys
+        existing = [keys.get(sp.key) if sp.key is not None else None for sp in specs]
+        fresh = [sp for sp, e in zip(specs, existing) if e is None]
+        new = self.reserve(
+            s, fresh, {e.object_id for e in existing if e is not None}, sum(sp.num_pages for sp in fresh)
+        )
+        it = iter(new)
+        out: list[tuple[Allocation, bool]] = []
+        for sp, e in zip(specs, existing):
+            if e is None:
+                out.append(self.publish(s, next(it), sp.pin))
+                continue
+            self._counters.deduplicated_total += 1
+            self.use(s, e, sp.pin)
+            out.append((e, True))
+        return out
+
+    def reserve(self, s: SessionState, specs: Sequence[Spec], exclude: Collection[int], total: int) -> list[Allocation]:
+        """Place and take ``total`` pages for specs as PREPARED objects owned by ``s``;
+        ``exclude``: ids of objects the request uses, which must not be evicted for it."""
+        if not specs:
+            return []
+        table = self._table
+        try:
+            # Window placement first: it can be undone without a trace.
+            window_pages = table.place(specs)
+            try:
+                self._room.make_room(total, exclude)
+            except Exception:
+                table.unplace(window_pages, specs)
+                raise
+        except Exception:
+            self._counters.allocation_failures += 1
+            raise
+        out = table.create(s, specs, window_pages)
+        self._counters.allocations_total += len(out)
+        return out
+
+    def publish(self, s: SessionState, obj: Allocation, pin: bool) -> tuple[Allocation, bool]:
+        """Commit one prepared object; a key already present resolves to that object.
+        Returns (the object, deduplicated)."""
+        if obj.key is not None:
+            existing = self._keys.get(obj.key)
+            if existing is not None:
+                s.owned.discard(obj.object_id)
+                self._table.drop(obj, "deduplicated")
+                self._counters.deduplicated_total += 1
+                self.use(s, existing, pin)
+                return existing, True
+            self._keys[obj.key] = obj
+        self._tally.prepared_pages -= obj.num_pages
+        obj.state = ObjectState.COMMITTED
+        obj.txn_id = 0
+        if pin:
+            self._ledger.pin(s, obj)
+        else:
+            self._policy.add(obj)
+        return obj, False
+
+    def use(self, s: SessionState, obj: Allocation, pin: bool) -> None:
+        """A committed object found again for ``s``: pin it, or mark it used."""
+        if pin:
+            self._ledger.pin(s, obj)
+        else:
+            self._policy.touch(obj)

@@ -1,170 +1,50 @@
-"""Prepare/commit transactions: the book of their records (ids, open ones with their lease
-deadlines, recently finished ones so a retried commit or abort finds its answer) and the
-two-phase operations on them (prepare, commit, abort, lease expiry).
+"""Prepare/commit transactions: the two-phase operations (prepare, commit, abort, lease
+expiry) on the records of the ``TransactionBook`` (``txn_book``).
 
-``TransactionBook`` only records and looks up. ``Transactions`` drives a transaction through
-its states using the store's allocation steps (``reserve``, ``publish``), the object table
-and the pin ledger; it never checks sessions or batch sizes (the store does, first) and
-never makes room itself.
+``Transactions`` drives a transaction through its states using the ``Allocator``'s steps
+(``reserve``, ``publish``), the object table and the pin ledger; it never checks sessions or
+batch sizes (the store does, first) and never makes room itself.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from memory_broker.broker.store.batches import check_specs
-from memory_broker.broker.store.records import (
-    Allocation,
-    Recent,
-    SessionState,
-    Spec,
-    StoreConfig,
-    Transaction,
-    TransactionsExpired,
-    TxnState,
-)
-from memory_broker.proto.wire.errors import denied, invalid, not_found, precondition
-
-if TYPE_CHECKING:
-    from memory_broker.broker.store.object_table import ObjectTable
-    from memory_broker.broker.store.pins import PinLedger
-
-
-class TransactionBook:
-    """Open and recently finished transactions.
-
-    Args:
-        remember: how many finished transactions are kept for idempotent commit/abort.
-    """
-
-    def __init__(self, remember: int):
-        self.open: dict[int, Transaction] = {}
-        # (deadline, txn id) of open transactions, so expiry and the next deadline cost
-        # O(log n) instead of a walk of every open transaction; entries of transactions that
-        # ended early are skipped when they surface.
-        self._deadlines: list[tuple[float, int]] = []
-        self._finished: Recent = Recent(remember)
-        self._ids = itertools.count(1)
-
-    def begin(
-        self,
-        session: int,
-        objects: list[Allocation],
-        pin_on_commit: list[bool],
-        pinned: list[int],
-        deadline: float,
-        deadline_unix: float,
-    ) -> Transaction:
-        """Open a transaction holding ``objects`` (marked with its id) until ``deadline``."""
-        txn_id = next(self._ids)
-        for obj in objects:
-            obj.txn_id = txn_id
-        txn = Transaction(
-            txn_id=txn_id,
-            session=session,
-            deadline=deadline,
-            deadline_unix=deadline_unix,
-            objects=objects,
-            pin_on_commit=pin_on_commit,
-            pinned=pinned,
-        )
-        self.open[txn_id] = txn
-        heapq.heappush(self._deadlines, (deadline, txn_id))
-        return txn
-
-    def finish(self, t: Transaction) -> None:
-        """Close a transaction (its state already set) and remember it."""
-        self.open.pop(t.txn_id, None)
-        self._finished[t.txn_id] = t
-
-    def owned(self, session: int, txn_id: int) -> Transaction:
-        """The session's transaction, open or recently finished.
-
-        Raises:
-            BrokerError: NOT_FOUND if unknown or forgotten, PERMISSION_DENIED if another
-                session's.
-        """
-        t = self.open.get(txn_id) or self._finished.get(txn_id)
-        if t is None:
-            raise not_found(f"no transaction {txn_id} (unknown, or finished too long ago to remember)")
-        if t.session != session:
-            raise denied(f"transaction {txn_id} belongs to another session")
-        return t
-
-    def due(self, now: float) -> list[Transaction]:
-        """Open transactions whose lease has ended by ``now``, by id (still open: the caller
-        ends them)."""
-        heap, open_txns = self._deadlines, self.open
-        late = []
-        while heap and heap[0][0] <= now:
-            _, tid = heapq.heappop(heap)
-            t = open_txns.get(tid)
-            if t is not None and t.deadline <= now:
-                late.append(t)
-        late.sort(key=lambda t: t.txn_id)
-        return late
-
-    def next_deadline(self) -> float | None:
-        heap, open_txns = self._deadlines, self.open
-        while heap and heap[0][1] not in open_txns:
-            heapq.heappop(heap)  # finished before its lease ended
-        return heap[0][0] if heap else None
-
-    def promised_pins(self, txn_ids: set[int]) -> int:
-        """Pins these open transactions will take at commit (ObjectSpec.pin)."""
-        return sum(sum(self.open[t].pin_on_commit) for t in txn_ids)
-
-
-Reserve = Callable[[SessionState, Sequence[Spec], Collection[int], int], list[Allocation]]
-Publish = Callable[[SessionState, Allocation, bool], tuple[Allocation, bool]]
+from memory_broker.broker.store.context import StoreContext
+from memory_broker.broker.store.pins import PinLedger
+from memory_broker.broker.store.records import SessionState, Spec, Transaction, TransactionsExpired, TxnState
+from memory_broker.broker.store.room import Allocator
+from memory_broker.proto.wire.errors import invalid, precondition
 
 
 class Transactions:
     """Prepare under a lease, then commit or abort; expiry when the lease ends.
 
     The store checks the session and the batch size and hands the rest here; allocation
-    itself stays the store's (``reserve`` takes pages for PREPARED objects, ``publish``
+    itself is the ``Allocator``'s (``reserve`` takes pages for PREPARED objects, ``publish``
     commits one), so that a one-step Allocate and a commit publish the same way.
 
     Args:
-        book: the transaction records.
-        table: the store's objects (drops prepared objects on rollback).
+        ctx: the store's shared record: the transaction book (``txns``), the object table
+            (drops prepared objects on rollback), the open sessions, the config (leases, key
+            size; read at each call: it may be reconfigured), the pool (``max_pages`` bounds
+            a batch), ``notify`` (for TransactionsExpired) and the clock.
         ledger: pins (prepare-time pins, and their release on rollback).
-        sessions: the store's open sessions by id.
-        config: leases, key size (read at each call: it may be reconfigured).
-        max_pages: most pages the arena may hold (a batch's bound).
-        reserve, publish: the store's allocation steps.
-        notify: ``notify(session_id, event)`` for TransactionsExpired.
-        clock: monotonic seconds.
+        allocator: the allocation steps.
     """
 
-    def __init__(
-        self,
-        book: TransactionBook,
-        table: ObjectTable,
-        ledger: PinLedger,
-        sessions: dict[int, SessionState],
-        config: StoreConfig,
-        max_pages: int,
-        reserve: Reserve,
-        publish: Publish,
-        notify: Callable[[int, object], None],
-        clock: Callable[[], float],
-    ):
-        self.book = book
-        self._table = table
+    def __init__(self, ctx: StoreContext, ledger: PinLedger, allocator: Allocator):
+        self.book = ctx.txns
+        self._table = ctx.table
         self._ledger = ledger
-        self._sessions = sessions
-        self._config = config
-        self._max_pages = max_pages
-        self._reserve = reserve
-        self._publish = publish
-        self._notify = notify
-        self._clock = clock
+        self._sessions = ctx.sessions
+        self._config = ctx.config
+        self._max_pages = ctx.pool.max_pages
+        self._allocator = allocator
+        self._notify = ctx.notify
+        self._clock = ctx.clock
 
     def prepare(
         self, s: SessionState, specs: Sequence[Spec], pin_ids: Sequence[int], lease_s: float | None
@@ -179,7 +59,7 @@ class Transactions:
         session = s.session_id
         to_pin = [self._table.pinnable(session, oid) for oid in pin_ids]
         self._ledger.check_limit(s, len(to_pin) + sum(1 for sp in specs if sp.pin))
-        new = self._reserve(s, specs, {o.object_id for o in to_pin}, total)
+        new = self._allocator.reserve(s, specs, {o.object_id for o in to_pin}, total)
         for obj in to_pin:
             self._ledger.pin(s, obj)
         txn = self.book.begin(
@@ -210,7 +90,7 @@ class Transactions:
         for t in txns:
             if t.state != TxnState.OPEN:
                 continue
-            t.result = [self._publish(s, obj, pin) for obj, pin in zip(t.objects, t.pin_on_commit)]
+            t.result = [self._allocator.publish(s, obj, pin) for obj, pin in zip(t.objects, t.pin_on_commit)]
             t.state = TxnState.COMMITTED
             self._finish(t)
         return txns
