@@ -75,6 +75,37 @@ class _Conn:
     deadline: asyncio.TimerHandle | None = None
 
 
+class _Waiting:
+    """Connections without an accepted HELLO: how many by uid, and each one's deadline."""
+
+    def __init__(self):
+        self.by_uid: dict[int, int] = {}
+
+    def over_limit(self, peer: PeerCred) -> str:
+        """Why one more such connection from ``peer`` is refused ("" if it is not)."""
+        if sum(self.by_uid.values()) >= MAX_UNAUTHENTICATED:
+            return f"{MAX_UNAUTHENTICATED} connections are waiting to send HELLO"
+        if self.by_uid.get(peer.uid, 0) >= MAX_UNAUTHENTICATED_PER_UID:
+            return f"uid {peer.uid} has {MAX_UNAUTHENTICATED_PER_UID} connections waiting to send HELLO"
+        return ""
+
+    def start(self, c: _Conn, loop, late: Callable[[_Conn], None]) -> None:
+        self.by_uid[c.peer.uid] = self.by_uid.get(c.peer.uid, 0) + 1
+        c.deadline = loop.call_later(HELLO_DEADLINE_S, late, c)
+
+    def stop(self, c: _Conn) -> None:
+        """``c`` no longer waits: its HELLO was accepted, or it is dropped. Idempotent."""
+        if c.deadline is None:
+            return
+        c.deadline.cancel()
+        c.deadline = None
+        left = self.by_uid[c.peer.uid] - 1
+        if left:
+            self.by_uid[c.peer.uid] = left
+        else:
+            del self.by_uid[c.peer.uid]
+
+
 @dataclass(slots=True)
 class StepCounters:
     """What the channel did since start (for tests and the status line)."""
@@ -133,8 +164,7 @@ class StepChannelServer:
         self.counters = StepCounters()
         self._sock: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
-        # Connections without an accepted HELLO, by uid.
-        self._unauthenticated: dict[int, int] = {}
+        self._waiting = _Waiting()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -189,51 +219,27 @@ class StepChannelServer:
             except OSError:
                 sock.close()
                 continue
-            over = self._over_limit(peer)
+            over = "connection limit" if len(self._conns) >= self.max_connections else self._waiting.over_limit(peer)
             if over:
                 self._log("step_channel_refused", pid=peer.pid, uid=peer.uid, reason=over)
                 sock.close()
                 continue
             c = _Conn(sock, peer)
             self._conns[sock.fileno()] = c
-            self._unauthenticated[peer.uid] = self._unauthenticated.get(peer.uid, 0) + 1
-            c.deadline = self._loop.call_later(HELLO_DEADLINE_S, self._hello_late, c)
+            self._waiting.start(c, self._loop, self._hello_late)
             self.counters.connections += 1
             self._loop.add_reader(sock.fileno(), self._readable, c)
-
-    def _over_limit(self, peer: PeerCred) -> str:
-        """Why a new connection is refused at accept ("" if it is not)."""
-        if len(self._conns) >= self.max_connections:
-            return "connection limit"
-        waiting = self._unauthenticated
-        if sum(waiting.values()) >= MAX_UNAUTHENTICATED:
-            return f"{MAX_UNAUTHENTICATED} connections are waiting to send HELLO"
-        if waiting.get(peer.uid, 0) >= MAX_UNAUTHENTICATED_PER_UID:
-            return f"uid {peer.uid} has {MAX_UNAUTHENTICATED_PER_UID} connections waiting to send HELLO"
-        return ""
 
     def _hello_late(self, c: _Conn) -> None:
         if c.session is None and self._conns.get(c.sock.fileno()) is c:
             self._log("step_channel_refused", pid=c.peer.pid, uid=c.peer.uid, reason="no HELLO in time")
             self._drop(c)
 
-    def _stop_waiting(self, c: _Conn) -> None:
-        """``c`` no longer counts as waiting for HELLO: accepted, or dropped."""
-        if c.deadline is not None:
-            c.deadline.cancel()
-            c.deadline = None
-            uid = c.peer.uid
-            left = self._unauthenticated[uid] - 1
-            if left:
-                self._unauthenticated[uid] = left
-            else:
-                del self._unauthenticated[uid]
-
     def _drop(self, c: _Conn) -> None:
         fd = c.sock.fileno()
         if self._conns.pop(fd, None) is None:
             return
-        self._stop_waiting(c)
+        self._waiting.stop(c)
         self._loop.remove_reader(fd)
         if c.outbuf:
             self._loop.remove_writer(fd)
@@ -364,7 +370,7 @@ class StepChannelServer:
         except FdRequestRefused as r:
             raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
         c.session = self.sessions.from_token(token)
-        self._stop_waiting(c)
+        self._waiting.stop(c)
         return w.encode_step_reply(self._num_slabs(), ())
 
     def _step(self, c: _Conn, body) -> bytes:
