@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
-from memory_broker.broker.store.batches import check_specs
+from memory_broker.broker.store.object_table import check_specs
 from memory_broker.broker.store.records import (
     Allocation,
     Recent,
