@@ -260,7 +260,9 @@ class BrokerClient(StepCalls, BrokerSession):
     def allocate(self, specs: Sequence[Spec]) -> list[BrokerObject]:
         """Allocate and commit a batch in one RPC. A key that already exists returns the
         existing object with ``deduplicated=True`` (do not write into it)."""
-        self.mappings.check(sum(1 for s in specs if s.contiguous), "allocate")
+        contiguous = sum(1 for s in specs if s.contiguous)
+        if contiguous:  # only contiguous objects take memory mappings
+            self.mappings.check(contiguous, "allocate")
         resp = self._call(
             self._stub.Allocate, pb.AllocateRequest(objects=[spec_to_proto(s) for s in specs]), retry=True
         )
@@ -274,7 +276,9 @@ class BrokerClient(StepCalls, BrokerSession):
     ) -> Transaction:
         """Reserve a batch under a lease; use as a context manager to commit on success."""
         pin_ids = self._ids(pin)
-        self.mappings.check(sum(1 for s in specs if s.contiguous), "prepare")
+        contiguous = sum(1 for s in specs if s.contiguous)
+        if contiguous:  # only contiguous objects take memory mappings
+            self.mappings.check(contiguous, "prepare")
         resp = self._call(
             self._stub.Prepare,
             pb.PrepareRequest(

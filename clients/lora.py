@@ -61,6 +61,123 @@ def admitted_sequences(seq_adapters: Sequence[str | None], lease: AdapterLease) 
     return [i for i, a in enumerate(seq_adapters) if a is None or a in held]
 
 
+def _check_sequences(seq_adapters: Sequence[str | None], seq_lens: Sequence[int], lease: AdapterLease) -> None:
+    """``LoraBatch.build``'s checks of the sequences against each other and the lease."""
+    if len(seq_adapters) != len(seq_lens):
+        raise ValueError(f"{len(seq_adapters)} sequence adapters but {len(seq_lens)} sequence lengths")
+    short = [i for i, n in enumerate(seq_lens) if n < 1]
+    if short:
+        raise ValueError(f"sequences {short} have lengths {[seq_lens[i] for i in short]}; each needs >= 1 token")
+    if lease.released:
+        raise RuntimeError("the lease was released: its adapters' pages may already hold something else")
+    deferred = set(lease.deferred)
+    late = [i for i, a in enumerate(seq_adapters) if a is not None and a in deferred]
+    if late:
+        ids = sorted({seq_adapters[i] for i in late})
+        raise ValueError(
+            f"sequences {late} use adapters {ids} that the lease deferred (over its cap of "
+            f"{len(lease.adapters)} adapters); leave them out of this step (admitted_sequences) "
+            "and acquire them for a later one"
+        )
+
+
+def _assign_slots(seq_adapters: Sequence[str | None], lease: AdapterLease) -> tuple[list[LeasedAdapter], list[int]]:
+    """A slot per distinct adapter in order of first use: (the leased adapter per slot, the slot
+    per sequence, -1 for the base model alone)."""
+    held = {a.adapter_id: a for a in lease.adapters}
+    slot_of: dict[str, int] = {}
+    slots: list[LeasedAdapter] = []
+    seq_slots: list[int] = []
+    for i, aid in enumerate(seq_adapters):
+        if aid is None:
+            seq_slots.append(-1)
+            continue
+        if aid not in slot_of:
+            if aid not in held:
+                raise RuntimeError(
+                    f"sequence {i} uses adapter {aid!r}, which the lease does not hold "
+                    f"(it holds {sorted(held)}); acquire it first"
+                )
+            slot_of[aid] = len(slots)
+            slots.append(held[aid])
+        seq_slots.append(slot_of[aid])
+    return slots, seq_slots
+
+
+def _arena_view(
+    source: BrokerClient | torch.Tensor, slots: Sequence[LeasedAdapter], tables: AdapterTables
+) -> tuple[torch.Tensor | None, int]:
+    """The arena as a 1-D tensor of the slots' dtype (None with no slots), checked to reach
+    their pages, and the row alignment they share."""
+    arena, row_align = None, 1
+    if slots:
+        kinds = {a.layout.dtype for a in slots}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"the batch's adapters are stored in different dtypes {sorted(kinds)}; one launch reads one"
+            )
+        dtype = TORCH_DTYPES[kinds.pop()]
+        if isinstance(source, torch.Tensor):
+            arena = source if source.dtype == dtype else source.view(dtype)
+        else:
+            arena = source.arena_tensor(dtype)
+        if arena.device != tables.device:
+            raise ValueError(f"the offset tables live on {tables.device} but the arena on {arena.device}")
+        reach = max((max(a.pages) + 1) * a.layout.page_size for a in slots)
+        covered = arena.numel() * arena.element_size()
+        if reach > covered:
+            raise ValueError(
+                f"the adapters' pages reach byte {reach} but the arena view covers {covered}; "
+                "build the batch after acquiring (the lease maps new slabs)"
+            )
+        row_align = math.gcd(*(a.layout.row_align_elems for a in slots))
+    return arena, row_align
+
+
+def _segments(seq_slots: Sequence[int], seq_lens: Sequence[int]) -> list[Segment]:
+    """Maximal runs of one slot in token order."""
+    segments: list[Segment] = []
+    start = 0
+    for slot, n in zip(seq_slots, seq_lens):
+        if segments and segments[-1].slot == slot:
+            segments[-1] = Segment(segments[-1].start, start + n, slot)
+        else:
+            segments.append(Segment(start, start + n, slot))
+        start += n
+    return segments
+
+
+def _prompt_rows(
+    prompts: Sequence[Sequence[int] | torch.Tensor], seq_adapters: Sequence[str | None], max_new_tokens: int
+) -> list[list[int]]:
+    """``generate``'s checks: each prompt as a list of token ids."""
+    if len(prompts) != len(seq_adapters):
+        raise ValueError(f"{len(prompts)} prompts but {len(seq_adapters)} sequence adapters")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    rows = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+    empty = [i for i, p in enumerate(rows) if not p]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty; each needs at least one token")
+    return rows
+
+
+def _left_padded(rows: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompts left-padded to one length on ``device``: token ids, attention mask, and
+    position ids."""
+    num_seqs = len(rows)
+    width = max(len(p) for p in rows)
+    ids = torch.full((num_seqs, width), pad, dtype=torch.long)
+    mask = torch.zeros((num_seqs, width), dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    # Positions count real tokens only, as HF's generate derives them from the mask.
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
     """One step's LoRA metadata, shared by every LoRALinear of the model for that step.
@@ -127,73 +244,12 @@ class LoraBatch:
                 cannot run on the arena's device.
             RuntimeError: an adapter the lease does not hold (never acquired), or a released lease.
         """
-        if len(seq_adapters) != len(seq_lens):
-            raise ValueError(f"{len(seq_adapters)} sequence adapters but {len(seq_lens)} sequence lengths")
-        short = [i for i, n in enumerate(seq_lens) if n < 1]
-        if short:
-            raise ValueError(f"sequences {short} have lengths {[seq_lens[i] for i in short]}; each needs >= 1 token")
-        if lease.released:
-            raise RuntimeError("the lease was released: its adapters' pages may already hold something else")
-        deferred = set(lease.deferred)
-        late = [i for i, a in enumerate(seq_adapters) if a is not None and a in deferred]
-        if late:
-            ids = sorted({seq_adapters[i] for i in late})
-            raise ValueError(
-                f"sequences {late} use adapters {ids} that the lease deferred (over its cap of "
-                f"{len(lease.adapters)} adapters); leave them out of this step (admitted_sequences) "
-                "and acquire them for a later one"
-            )
-        held = {a.adapter_id: a for a in lease.adapters}
-        slot_of: dict[str, int] = {}
-        slots: list[LeasedAdapter] = []
-        seq_slots: list[int] = []
-        for i, aid in enumerate(seq_adapters):
-            if aid is None:
-                seq_slots.append(-1)
-                continue
-            if aid not in slot_of:
-                if aid not in held:
-                    raise RuntimeError(
-                        f"sequence {i} uses adapter {aid!r}, which the lease does not hold "
-                        f"(it holds {sorted(held)}); acquire it first"
-                    )
-                slot_of[aid] = len(slots)
-                slots.append(held[aid])
-            seq_slots.append(slot_of[aid])
-
-        arena, row_align = None, 1
-        if slots:
-            kinds = {a.layout.dtype for a in slots}
-            if len(kinds) > 1:
-                raise ValueError(
-                    f"the batch's adapters are stored in different dtypes {sorted(kinds)}; one launch reads one"
-                )
-            dtype = TORCH_DTYPES[kinds.pop()]
-            if isinstance(source, torch.Tensor):
-                arena = source if source.dtype == dtype else source.view(dtype)
-            else:
-                arena = source.arena_tensor(dtype)
-            if arena.device != tables.device:
-                raise ValueError(f"the offset tables live on {tables.device} but the arena on {arena.device}")
-            reach = max((max(a.pages) + 1) * a.layout.page_size for a in slots)
-            covered = arena.numel() * arena.element_size()
-            if reach > covered:
-                raise ValueError(
-                    f"the adapters' pages reach byte {reach} but the arena view covers {covered}; "
-                    "build the batch after acquiring (the lease maps new slabs)"
-                )
-            row_align = math.gcd(*(a.layout.row_align_elems for a in slots))
-
+        _check_sequences(seq_adapters, seq_lens, lease)
+        slots, seq_slots = _assign_slots(seq_adapters, lease)
+        arena, row_align = _arena_view(source, slots, tables)
         slot_per_seq = torch.tensor(seq_slots, dtype=torch.int32)
         token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(tables.device)
-        segments: list[Segment] = []
-        start = 0
-        for slot, n in zip(seq_slots, seq_lens):
-            if segments and segments[-1].slot == slot:
-                segments[-1] = Segment(segments[-1].start, start + n, slot)
-            else:
-                segments.append(Segment(start, start + n, slot))
-            start += n
+        segments = _segments(seq_slots, seq_lens)
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
         chosen = choose_backend(tables.device, backend)
         return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen)
@@ -426,35 +482,40 @@ class LoraModel:
             ValueError: mismatched lengths, an empty prompt, a negative max_new_tokens, or
                 what ``LoraBatch.build`` refuses (e.g. a sequence of a deferred adapter).
         """
-        if len(prompts) != len(seq_adapters):
-            raise ValueError(f"{len(prompts)} prompts but {len(seq_adapters)} sequence adapters")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        rows = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
-        empty = [i for i, p in enumerate(rows) if not p]
-        if empty:
-            raise ValueError(f"prompts {empty} are empty; each needs at least one token")
+        rows = _prompt_rows(prompts, seq_adapters, max_new_tokens)
         num_seqs = len(rows)
         if max_new_tokens == 0 or num_seqs == 0:
             return Generation([[] for _ in rows], None)
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in rows)
-        ids = torch.full((num_seqs, width), pad, dtype=torch.long)
-        mask = torch.zeros((num_seqs, width), dtype=torch.long)
-        for i, p in enumerate(rows):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        # Positions count real tokens only, as HF's generate derives them from the mask.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        prefill = self.batch(source, seq_adapters, [width] * num_seqs, lease, path=path)
+        ids, mask, positions = _left_padded(rows, pad, device)
+        prefill = self.batch(source, seq_adapters, [ids.shape[1]] * num_seqs, lease, path=path)
         decode = self.batch(source, seq_adapters, [1] * num_seqs, lease, path=path)
         extra = {}
         if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
             extra["logits_to_keep"] = 1  # the last position's logits only
+        return self._greedy(
+            prefill, decode, ids, mask, positions, max_new_tokens, eos_token_id, pad, output_logits, extra
+        )
 
-        new: list[list[int]] = [[] for _ in rows]
+    def _greedy(
+        self,
+        prefill: LoraBatch,
+        decode: LoraBatch,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        pad: int,
+        output_logits: bool,
+        extra: dict,
+    ) -> Generation:
+        """``generate``'s loop: the prefill under ``prefill``, then one token per sequence per
+        step under ``decode`` through the model's KV cache."""
+        num_seqs = ids.shape[0]
+        device = ids.device
+        new: list[list[int]] = [[] for _ in range(num_seqs)]
         steps: list[torch.Tensor] = []
         done = torch.zeros(num_seqs, dtype=torch.bool, device=device)
         with torch.inference_mode():

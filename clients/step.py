@@ -273,15 +273,48 @@ class StepPath(StepHoldings):
             distinct = list(dict.fromkeys(ids))
             n = cap or len(distinct)
             admitted, out.deferred = distinct[:n], distinct[n:]
-        # What the previous step gives back and this one takes again keeps its reference
-        # (the usual step: most of the batch stays).
+        carried_a, release = self._carried_adapters(caching, carry[0], release, admitted)
+        carried_o, unpin = self._carried_pins(carry[1], unpin, keys, pin_keys)
+        self._give_back_ops(ops, release, unpin, commit, abort, now)
+        acq_index, held, missing_ids = self._acquire_op(ops, ids, admitted, carried_a, caching, prepare, cap, lease_ms)
+        look_index, cached_objs = self._lookup_op(ops, keys, pin_keys, carried_o)
+        # Idle holdings past their time ride at the end of this frame (the caller's ops run
+        # first whatever becomes of them), or get a frame of their own when there is none.
+        own = len(ops)
+        if self.caching:
+            ops.extend(self._flush_ops(now, force=False))
+        return _Plan(
+            out,
+            ops,
+            now,
+            caching,
+            acq_index,
+            look_index,
+            admitted,
+            missing_ids,
+            cached_objs,
+            ids,
+            keys,
+            pin_keys,
+            held,
+            own,
+        )
+
+    def _carried_adapters(self, caching: bool, carry: bool, release, admitted: list[str]) -> tuple[set, list]:
+        """What the previous step gives back and this one takes again keeps its reference
+        (the usual step: most of the batch stays): those adapters, and what is still released."""
         carried_a: set = set()
-        carried_o: dict[int, int] = {}
-        if caching and carry[0] and release and admitted:
+        if caching and carry and release and admitted:
             carried_a = set(release).intersection(admitted)
             if carried_a:
                 release = [a for a in release if a not in carried_a]
-        if self.caching and carry[1] and unpin and keys and pin_keys:
+        return carried_a, release
+
+    def _carried_pins(self, carry: bool, unpin, keys, pin_keys: bool) -> tuple[dict[int, int], list]:
+        """The objects the previous step unpins and this one looks up again by key, which keep
+        their reference: those objects, and what is still unpinned."""
+        carried_o: dict[int, int] = {}
+        if self.caching and carry and unpin and keys and pin_keys:
             give = set(unpin)
             if len(give) == len(unpin):  # each object once (the usual case; else no carry)
                 by_key = self._by_key
@@ -295,7 +328,12 @@ class StepPath(StepHoldings):
                         carried_o[oid] = 1
                 if carried_o:
                     unpin = [o for o in unpin if o not in carried_o]
-        # Releases first: what the step gives back makes room for what it takes.
+        return carried_o, unpin
+
+    def _give_back_ops(self, ops: list[w.Op], release, unpin, commit, abort, now: float) -> None:
+        """The ops that give back (appended to ``ops``): releases and unpins the cache does not
+        keep, commits, aborts. They come first: what the step gives back makes room for what
+        it takes."""
         if release:
             direct = self._drop_adapter_refs(release, now) if self.caching else release
             if direct:
@@ -308,7 +346,13 @@ class StepPath(StepHoldings):
             ops.append(w.Op(w.OP_COMMIT, tuple(commit)))
         if abort:
             ops.append(w.Op(w.OP_ABORT, tuple(abort)))
-        acq_index = look_index = -1
+
+    def _acquire_op(
+        self, ops: list[w.Op], ids, admitted: list[str], carried_a: set, caching: bool, prepare, cap, lease_ms
+    ) -> tuple[int, dict[str, w.AcquiredRecord], list[str]]:
+        """The acquire op, if the step needs one (appended to ``ops``): its index (-1: none),
+        the cached adapters it took references on, and the ones it asks the broker for."""
+        acq_index = -1
         held: dict[str, w.AcquiredRecord] = {}
         missing_ids: list[str] = []
         if ids is not None:
@@ -334,6 +378,12 @@ class StepPath(StepHoldings):
                         lease_ms,
                     )
                 )
+        return acq_index, held, missing_ids
+
+    def _lookup_op(self, ops: list[w.Op], keys, pin_keys: bool, carried_o: dict[int, int]) -> tuple[int, list]:
+        """The lookup op for the keys the cache does not hold (appended to ``ops``): its index
+        (-1: none), and the cached records of the leading keys it does hold."""
+        look_index = -1
         cached_objs: list[w.ObjectRecord] = []
         tail_keys: list[bytes] = []
         if keys is not None:
@@ -358,27 +408,7 @@ class StepPath(StepHoldings):
             if tail_keys:
                 look_index = len(ops)
                 ops.append(w.Op(w.OP_LOOKUP, tuple(tail_keys), 1 if pin_keys else 0))
-        # Idle holdings past their time ride at the end of this frame (the caller's ops run
-        # first whatever becomes of them), or get a frame of their own when there is none.
-        own = len(ops)
-        if self.caching:
-            ops.extend(self._flush_ops(now, force=False))
-        return _Plan(
-            out,
-            ops,
-            now,
-            caching,
-            acq_index,
-            look_index,
-            admitted,
-            missing_ids,
-            cached_objs,
-            ids,
-            keys,
-            pin_keys,
-            held,
-            own,
-        )
+        return look_index, cached_objs
 
     def _finish(self, plan: _Plan, reply: w.StepReply | None) -> StepOutcome:
         out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index

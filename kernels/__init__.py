@@ -1,4 +1,4 @@
-"""Batched multi-LoRA kernels over the arena's pages (DESIGN.md section 6), with a torch
+"""Batched multi-LoRA kernels over the arena's pages (ARCHITECTURE.md, the kernels), with a torch
 reference and a fake-arena builder for tests and benchmarks.
 
 ``lora_ops`` holds the Triton shrink/expand kernels, ``batch_plan`` the per-step metadata

@@ -103,6 +103,84 @@ def _compile(fn, pointer_types: dict[str, str], constexprs: dict, num_warps: int
     )
 
 
+# Pointer arguments of each kernel family (DT: the dtype being compiled).
+_SHRINK_PTRS = {"x_ptr": "*DT", "arena_ptr": "*DT", "a_off_ptr": "*i64", "ranks_ptr": "*i32", "y_ptr": "*fp32"}
+_EXPAND_PTRS = {
+    "y_ptr": "*fp32",
+    "arena_ptr": "*DT",
+    "b_off_ptr": "*i64",
+    "ranks_ptr": "*i32",
+    "scalings_ptr": "*fp32",
+    "out_ptr": "*DT",
+}
+_TILES = {"order_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"}
+
+
+def _token_variants(L, align: int, arch: int, dt: str) -> list[CompiledVariant]:
+    """The per-token shrink and expand kernels at one row alignment."""
+    return [
+        _compile(
+            L._shrink_token_kernel,
+            {**_SHRINK_PTRS, "token_slot_ptr": "*i32"},
+            {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K, "stride_xk": 1},
+            4,
+            arch,
+            dt,
+        ),
+        _compile(
+            L._expand_token_kernel,
+            {**_EXPAND_PTRS, "token_slot_ptr": "*i32"},
+            {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N, "stride_on": 1},
+            4,
+            arch,
+            dt,
+        ),
+    ]
+
+
+def _segment_variants(L, align: int, block_m: int, precision, arch: int, dt: str) -> list[CompiledVariant]:
+    """The segment shrink kernels (one per slice count and rank bound) and the segment expand
+    kernel at one row alignment and segment block height."""
+    out = []
+    for num_slices, max_rank in ((3, 16), (3, 128)):
+        block_n = L.segment_shrink_block_n(num_slices, max_rank)
+        out.append(
+            _compile(
+                L._shrink_segment_kernel,
+                {**_SHRINK_PTRS, **_TILES},
+                {
+                    "ROW_ALIGN": align,
+                    "DOT_PRECISION": precision,
+                    "BLOCK_M": block_m,
+                    "BLOCK_N": block_n,
+                    "BLOCK_K": L.SEGMENT_SHRINK_BLOCK_K,
+                    "stride_xk": 1,
+                },
+                L.segment_shrink_warps(block_m, block_n),
+                arch,
+                dt,
+            )
+        )
+    out.append(
+        _compile(
+            L._expand_segment_kernel,
+            {**_EXPAND_PTRS, **_TILES},
+            {
+                "ROW_ALIGN": align,
+                "DOT_PRECISION": precision,
+                "BLOCK_M": block_m,
+                "BLOCK_N": L.SEGMENT_EXPAND_BLOCK_N,
+                "BLOCK_R": L.RANK_BLOCK,
+                "stride_on": 1,
+            },
+            L.segment_expand_warps(block_m),
+            arch,
+            dt,
+        )
+    )
+    return out
+
+
 def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> list[CompiledVariant]:
     """Compiles each kernel for each dtype, row alignment (1, 8) and segment block shape used.
 
@@ -114,78 +192,14 @@ def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.flo
     from . import lora_ops as L
     from .batch_plan import BLOCK_M_CHOICES
 
-    shrink_ptrs = {"x_ptr": "*DT", "arena_ptr": "*DT", "a_off_ptr": "*i64", "ranks_ptr": "*i32", "y_ptr": "*fp32"}
-    expand_ptrs = {
-        "y_ptr": "*fp32",
-        "arena_ptr": "*DT",
-        "b_off_ptr": "*i64",
-        "ranks_ptr": "*i32",
-        "scalings_ptr": "*fp32",
-        "out_ptr": "*DT",
-    }
-    tiles = {"order_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"}
     out = []
     for torch_dtype in dtypes:
         dt = _TRITON_DTYPES[torch_dtype]
         precision = L.dot_precision(torch_dtype)
         for align in (1, 8):
-            out.append(
-                _compile(
-                    L._shrink_token_kernel,
-                    {**shrink_ptrs, "token_slot_ptr": "*i32"},
-                    {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K, "stride_xk": 1},
-                    4,
-                    arch,
-                    dt,
-                )
-            )
-            out.append(
-                _compile(
-                    L._expand_token_kernel,
-                    {**expand_ptrs, "token_slot_ptr": "*i32"},
-                    {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N, "stride_on": 1},
-                    4,
-                    arch,
-                    dt,
-                )
-            )
+            out += _token_variants(L, align, arch, dt)
             for block_m in BLOCK_M_CHOICES:
-                for num_slices, max_rank in ((3, 16), (3, 128)):
-                    block_n = L.segment_shrink_block_n(num_slices, max_rank)
-                    out.append(
-                        _compile(
-                            L._shrink_segment_kernel,
-                            {**shrink_ptrs, **tiles},
-                            {
-                                "ROW_ALIGN": align,
-                                "DOT_PRECISION": precision,
-                                "BLOCK_M": block_m,
-                                "BLOCK_N": block_n,
-                                "BLOCK_K": L.SEGMENT_SHRINK_BLOCK_K,
-                                "stride_xk": 1,
-                            },
-                            L.segment_shrink_warps(block_m, block_n),
-                            arch,
-                            dt,
-                        )
-                    )
-                out.append(
-                    _compile(
-                        L._expand_segment_kernel,
-                        {**expand_ptrs, **tiles},
-                        {
-                            "ROW_ALIGN": align,
-                            "DOT_PRECISION": precision,
-                            "BLOCK_M": block_m,
-                            "BLOCK_N": L.SEGMENT_EXPAND_BLOCK_N,
-                            "BLOCK_R": L.RANK_BLOCK,
-                            "stride_on": 1,
-                        },
-                        L.segment_expand_warps(block_m),
-                        arch,
-                        dt,
-                    )
-                )
+                out += _segment_variants(L, align, block_m, precision, arch, dt)
     return out
 
 

@@ -404,18 +404,8 @@ def shrink(
     """
     _check_common(arena, a_offsets, ranks, token_slot, "a_offsets")
     num_slots, num_slices, max_rank = a_offsets.shape
-    if x.dim() != 2 or x.shape[0] != token_slot.shape[0]:
-        raise ValueError(f"x must be [T={token_slot.shape[0]}, K], got shape {tuple(x.shape)}")
-    if x.dtype != arena.dtype:
-        raise ValueError(f"x dtype {x.dtype} differs from the arena's {arena.dtype}")
-    num_tokens, in_features = x.shape
-    if y is None:
-        y = torch.empty((num_slices, num_tokens, max_rank), dtype=torch.float32, device=x.device)
-    elif y.shape != (num_slices, num_tokens, max_rank) or y.dtype != torch.float32 or y.stride(2) != 1:
-        raise ValueError(
-            f"y must be float32 [{num_slices}, {num_tokens}, {max_rank}] with a contiguous last dimension, "
-            f"got {y.dtype} shape {tuple(y.shape)}"
-        )
+    num_tokens = token_slot.shape[0]
+    y = _shrink_output(x, arena, y, num_tokens, num_slices, max_rank)
     plan = _plan_for(plan, token_slot, num_slots, path)
     if num_tokens == 0 or num_slots == 0 or max_rank == 0:
         return y
@@ -424,56 +414,87 @@ def shrink(
         # (A copy of the whole arena: the interpreter is for tests and debugging.)
         x, arena = x.float(), arena.float()
     if plan.path == "token":
-        grid = (num_tokens, num_slices, triton.cdiv(max_rank, RANK_BLOCK))
-        _shrink_token_kernel[grid](
-            x,
-            arena,
-            a_offsets,
-            ranks,
-            token_slot,
-            y,
-            in_features,
-            x.stride(0),
-            x.stride(1),
-            a_offsets.stride(0),
-            a_offsets.stride(1),
-            y.stride(0),
-            y.stride(1),
-            ROW_ALIGN=row_align,
-            BLOCK_R=RANK_BLOCK,
-            BLOCK_K=TOKEN_SHRINK_BLOCK_K,
-        )
+        _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align)
     else:
-        seg = plan.segments
-        block_n = segment_shrink_block_n(num_slices, max_rank)
-        col_blocks = triton.cdiv(num_slices * max_rank, block_n)
-        _shrink_segment_kernel[(seg.num_tiles * col_blocks,)](
-            x,
-            arena,
-            a_offsets,
-            ranks,
-            y,
-            seg.order,
-            seg.tile_slot,
-            seg.tile_start,
-            seg.tile_end,
-            in_features,
-            num_slices,
-            col_blocks,
-            x.stride(0),
-            x.stride(1),
-            a_offsets.stride(0),
-            a_offsets.stride(1),
-            y.stride(0),
-            y.stride(1),
-            ROW_ALIGN=row_align,
-            DOT_PRECISION=dot_precision(arena.dtype),
-            BLOCK_M=seg.block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=SEGMENT_SHRINK_BLOCK_K,
-            num_warps=segment_shrink_warps(seg.block_m, block_n),
+        _launch_shrink_segment(x, arena, a_offsets, ranks, y, plan.segments, row_align)
+    return y
+
+
+def _shrink_output(
+    x: torch.Tensor, arena: torch.Tensor, y: torch.Tensor | None, num_tokens: int, num_slices: int, max_rank: int
+) -> torch.Tensor:
+    """``shrink``'s checks of x, and its output: ``y`` checked, or a new one."""
+    if x.dim() != 2 or x.shape[0] != num_tokens:
+        raise ValueError(f"x must be [T={num_tokens}, K], got shape {tuple(x.shape)}")
+    if x.dtype != arena.dtype:
+        raise ValueError(f"x dtype {x.dtype} differs from the arena's {arena.dtype}")
+    if y is None:
+        return torch.empty((num_slices, num_tokens, max_rank), dtype=torch.float32, device=x.device)
+    if y.shape != (num_slices, num_tokens, max_rank) or y.dtype != torch.float32 or y.stride(2) != 1:
+        raise ValueError(
+            f"y must be float32 [{num_slices}, {num_tokens}, {max_rank}] with a contiguous last dimension, "
+            f"got {y.dtype} shape {tuple(y.shape)}"
         )
     return y
+
+
+def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: int) -> None:
+    """``shrink`` on the per-token path: one program per (token, slice, rank block)."""
+    num_tokens, in_features = x.shape
+    num_slices, max_rank = a_offsets.shape[1:]
+    grid = (num_tokens, num_slices, triton.cdiv(max_rank, RANK_BLOCK))
+    _shrink_token_kernel[grid](
+        x,
+        arena,
+        a_offsets,
+        ranks,
+        token_slot,
+        y,
+        in_features,
+        x.stride(0),
+        x.stride(1),
+        a_offsets.stride(0),
+        a_offsets.stride(1),
+        y.stride(0),
+        y.stride(1),
+        ROW_ALIGN=row_align,
+        BLOCK_R=RANK_BLOCK,
+        BLOCK_K=TOKEN_SHRINK_BLOCK_K,
+    )
+
+
+def _launch_shrink_segment(x, arena, a_offsets, ranks, y, seg, row_align: int) -> None:
+    """``shrink`` on the segment path: one program per (tile of one slot's tokens, column block)."""
+    in_features = x.shape[1]
+    num_slices, max_rank = a_offsets.shape[1:]
+    block_n = segment_shrink_block_n(num_slices, max_rank)
+    col_blocks = triton.cdiv(num_slices * max_rank, block_n)
+    _shrink_segment_kernel[(seg.num_tiles * col_blocks,)](
+        x,
+        arena,
+        a_offsets,
+        ranks,
+        y,
+        seg.order,
+        seg.tile_slot,
+        seg.tile_start,
+        seg.tile_end,
+        in_features,
+        num_slices,
+        col_blocks,
+        x.stride(0),
+        x.stride(1),
+        a_offsets.stride(0),
+        a_offsets.stride(1),
+        y.stride(0),
+        y.stride(1),
+        ROW_ALIGN=row_align,
+        DOT_PRECISION=dot_precision(arena.dtype),
+        BLOCK_M=seg.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=SEGMENT_SHRINK_BLOCK_K,
+        num_warps=segment_shrink_warps(seg.block_m, block_n),
+    )
 
 
 def expand(

@@ -1,7 +1,7 @@
 """Fake paged arenas for the kernel tests and benchmarks: random LoRA matrices packed row by
 row into shuffled pages, with the offset tables the kernels take.
 
-It stands in for the broker's adapter layout (DESIGN.md section 5: a row never straddles a
+It stands in for the broker's adapter layout (ARCHITECTURE.md, the adapter layout: a row never straddles a
 page, rows of one matrix land anywhere) without a broker; production code must not use it.
 """
 
@@ -63,6 +63,51 @@ def random_adapter(
     return LoraWeights(a=a, b=b, scaling=scaling)
 
 
+def _check_adapters(
+    adapters: Sequence[LoraWeights], page_elems: int, max_rank: int | None
+) -> tuple[tuple[int, ...], int]:
+    """``pack_adapters``'s checks: the adapters' common slice widths, and the tables' rank
+    (``max_rank``, or the largest rank by default)."""
+    if not adapters:
+        raise ValueError("need at least one adapter")
+    in_features = adapters[0].a[0].shape[1]
+    slice_sizes = tuple(bj.shape[0] for bj in adapters[0].b)
+    num_slices = len(slice_sizes)
+    for slot, ad in enumerate(adapters):
+        if len(ad.a) != num_slices or tuple(bj.shape[0] for bj in ad.b) != slice_sizes:
+            raise ValueError(f"adapter {slot} has slices {[bj.shape[0] for bj in ad.b]}, expected {list(slice_sizes)}")
+        if any(aj.shape[1] != in_features for aj in ad.a):
+            raise ValueError(f"adapter {slot} has in_features {ad.a[0].shape[1]}, expected {in_features}")
+    longest = max(in_features, *slice_sizes)
+    if longest > page_elems:
+        raise ValueError(f"a row of {longest} elements does not fit a page of {page_elems}")
+    largest_rank = max(ad.rank for ad in adapters)
+    max_rank = max(largest_rank, 1) if max_rank is None else max_rank
+    if max_rank < largest_rank:
+        raise ValueError(f"max_rank {max_rank} is below the largest rank {largest_rank}")
+    return slice_sizes, max_rank
+
+
+def _place_rows(
+    lengths: Sequence[int], shuffled: Sequence[int], generator: torch.Generator, page_elems: int, row_align: int
+) -> tuple[list[tuple[int, int]], int]:
+    """First fit of rows (of ``lengths``, taken in ``shuffled`` order) with random gaps of up
+    to three alignment units: (logical page, offset in page) per row in shuffled order, and
+    the pages used."""
+    placed: list[tuple[int, int]] = []  # (logical page, offset in page) per row, in shuffled order
+    page, cursor = 0, 0
+    for k in shuffled:
+        n = lengths[k]
+        gap = int(torch.randint(0, 4, (), generator=generator)) * row_align
+        start = -(-(cursor + gap) // row_align) * row_align
+        if start + n > page_elems:
+            page, start = page + 1, 0
+        placed.append((page, start))
+        cursor = start + n
+    used_pages = page + 1
+    return placed, used_pages
+
+
 def pack_adapters(
     adapters: Sequence[LoraWeights],
     *,
@@ -97,23 +142,8 @@ def pack_adapters(
     Raises:
         ValueError: mismatched slices, a row longer than a page, or max_rank too small.
     """
-    if not adapters:
-        raise ValueError("need at least one adapter")
-    in_features = adapters[0].a[0].shape[1]
-    slice_sizes = tuple(bj.shape[0] for bj in adapters[0].b)
+    slice_sizes, max_rank = _check_adapters(adapters, page_elems, max_rank)
     num_slices = len(slice_sizes)
-    for slot, ad in enumerate(adapters):
-        if len(ad.a) != num_slices or tuple(bj.shape[0] for bj in ad.b) != slice_sizes:
-            raise ValueError(f"adapter {slot} has slices {[bj.shape[0] for bj in ad.b]}, expected {list(slice_sizes)}")
-        if any(aj.shape[1] != in_features for aj in ad.a):
-            raise ValueError(f"adapter {slot} has in_features {ad.a[0].shape[1]}, expected {in_features}")
-    longest = max(in_features, *slice_sizes)
-    if longest > page_elems:
-        raise ValueError(f"a row of {longest} elements does not fit a page of {page_elems}")
-    largest_rank = max(ad.rank for ad in adapters)
-    max_rank = max(largest_rank, 1) if max_rank is None else max_rank
-    if max_rank < largest_rank:
-        raise ValueError(f"max_rank {max_rank} is below the largest rank {largest_rank}")
 
     # (table, slot, slice, row, values): table 0 is A, 1 is Bᵀ.
     rows: list[tuple[int, int, int, int, torch.Tensor]] = []
@@ -124,17 +154,7 @@ def pack_adapters(
                 rows.append((1, slot, j, i, ad.b[j][:, i]))
     shuffled = torch.randperm(len(rows), generator=generator).tolist()
 
-    placed: list[tuple[int, int]] = []  # (logical page, offset in page) per row, in shuffled order
-    page, cursor = 0, 0
-    for k in shuffled:
-        n = rows[k][4].shape[0]
-        gap = int(torch.randint(0, 4, (), generator=generator)) * row_align
-        start = -(-(cursor + gap) // row_align) * row_align
-        if start + n > page_elems:
-            page, start = page + 1, 0
-        placed.append((page, start))
-        cursor = start + n
-    used_pages = page + 1
+    placed, used_pages = _place_rows([r[4].shape[0] for r in rows], shuffled, generator, page_elems, row_align)
 
     spare = max(1, used_pages // 4 if spare_pages is None else spare_pages)
     total_pages = used_pages + spare

@@ -157,12 +157,3 @@ def merge_call(logger, method_name, event: dict) -> dict:
         if call[1] is not None:
             event.setdefault("session", call[1])
     return event
-
-
-def is_tcp(context) -> bool:
-    """Whether the call came over the TCP listener (the Unix socket's peers are "unix:...")."""
-    try:
-        peer = context.peer() or ""
-    except Exception:
-        return False
-    return peer.startswith(("ipv4:", "ipv6:"))

@@ -21,16 +21,25 @@ from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
-from memory_broker.broker.doors.policy import CALL, POLICY, DoorPolicy, Rule, is_tcp
+from memory_broker.broker.doors.policy import CALL, POLICY, DoorPolicy, Rule
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.messages import TIERS, layout_to_proto, spec_from_proto
-from memory_broker.proto.wire.session import SESSION_METADATA, token_from_metadata, version_mismatch
+from memory_broker.proto.wire.session import SESSION_METADATA, version_mismatch
 from memory_broker.proto.wire.status import STATUS
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+
+
+def is_tcp(context) -> bool:
+    """Whether the call came over the TCP listener (the Unix socket's peers are "unix:...")."""
+    try:
+        peer = context.peer() or ""
+    except Exception:
+        return False
+    return peer.startswith(("ipv4:", "ipv6:"))
 
 
 def _unary(fn):
@@ -128,7 +137,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     # ------------------------------------------------------------- helpers
 
     def _session(self, context) -> Session:
-        return self.sessions.from_token(token_from_metadata(context.invocation_metadata()))
+        return self.sessions.from_metadata(context.invocation_metadata())
 
     def _authorize(self, rule: Rule, method: str, request, context) -> Session | None:
         """The gRPC door: refuse while draining and on the TCP listener where the rule says
@@ -155,6 +164,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         finally:
             self.metrics.allocation_latency.record(time.perf_counter() - t0)
 
+    def _slabs(self) -> int:
+        """The slabs behind the pages the store hands out (the arena's, as its page pool
+        counts them): a client maps this many before it touches the pages it is told of."""
+        pool = self.store.pool
+        return pool.capacity_pages // pool.pages_per_slab
+
     def _info(self, obj: Allocation, sid: int, dedup: bool = False) -> pb.ObjectInfo:
         return pb.ObjectInfo(
             object_id=obj.object_id,
@@ -167,7 +182,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             total_pins=obj.pin_count,
             deduplicated=dedup,
             owned=obj.owner == sid,
-            arena_slabs=self.arena.num_slabs,
+            arena_slabs=self._slabs(),
         )
 
     @staticmethod
@@ -343,7 +358,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
 
     def _layout_msg(self, adapter_id: str, layout, generation: int, object_id: int, pages) -> pb.AdapterLayout:
-        return layout_to_proto(adapter_id, layout, generation, object_id, pages, self.arena.num_slabs)
+        return layout_to_proto(adapter_id, layout, generation, object_id, pages, self._slabs())
 
     @_unary
     async def RegisterAdapter(self, request, context, session):
@@ -386,7 +401,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             r = await m.prepare_acquire(sid, ids, cap, request.with_layout, (request.lease_ms / 1000.0) or None)
         else:
             r = await m.acquire(sid, ids, cap, request.with_layout)
-        slabs = self.arena.num_slabs
+        slabs = self._slabs()
         return pb.AcquireAdaptersResponse(
             adapters=[
                 pb.AcquiredAdapter(

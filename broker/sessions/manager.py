@@ -84,6 +84,14 @@ class SessionManager:
         self._log("session_opened", session=sid, client=s.client_name, pid=claimed_pid)
         return s
 
+    def from_metadata(self, metadata) -> Session:
+        """The open session whose token a call carries among its ``(key, value)`` metadata
+        pairs (the first ``SESSION_METADATA`` pair), or PERMISSION_DENIED."""
+        for k, v in metadata or ():
+            if k == SESSION_METADATA:
+                return self.from_token(v)
+        return self.from_token(None)
+
     def from_token(self, token: str | None) -> Session:
         """The open session behind a token, or PERMISSION_DENIED."""
         if not token:

@@ -4,20 +4,34 @@ pages and window range come from and go back to.
 ``ObjectTable`` places contiguous objects in the window, creates PREPARED objects on pages
 the pool hands out, answers "may this session see object N", and drops objects (pages, window
 range, key, owner's set, running figures). It never decides whether there is room (the
-``RoomMaker`` does, before ``create``), never changes pins, and never checks a request.
+``RoomMaker`` does, before ``create``) and never changes pins.
+
+Before the store changes anything, the ``check_*`` functions below validate one request's
+batch: its length, duplicate ids, key sizes, and each ``Spec`` (pages, content type, key).
+They are pure functions of the request and the limits: they raise ``BrokerError``
+(INVALID_ARGUMENT or RESOURCE_EXHAUSTED) with the numbers that explain the refusal, and never
+read or change the store's objects, sessions or pages.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from memory_broker.broker.store.eviction import EvictionPolicy
+from memory_broker.broker.store.eviction import ContentType, EvictionPolicy
 from memory_broker.broker.store.pool import PagePool, WindowSpace
-from memory_broker.broker.store.records import CONTENT_BY_NUMBER, Allocation, ObjectState, Recent, SessionState, Spec
+from memory_broker.broker.store.records import (
+    CONTENT_BY_NUMBER,
+    VALID_CONTENT,
+    Allocation,
+    ObjectState,
+    Recent,
+    SessionState,
+    Spec,
+)
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Tally
-from memory_broker.proto.wire.errors import exhausted, not_found, precondition
+from memory_broker.proto.wire.errors import exhausted, invalid, not_found, precondition
 
 
 class ObjectTable:
@@ -172,3 +186,50 @@ class ObjectTable:
             self._window.release(obj.window_page, obj.num_pages)
         self._pool.give_back(obj.pages)
         self._gone[oid] = why
+
+
+# ----------------------------------------------------------------- a request's batch
+
+
+def check_batch(n: int, what: str, max_batch: int) -> None:
+    if n > max_batch:
+        raise invalid(f"{what} has {n} items; at most {max_batch} per call")
+
+
+def check_unique(ids: Iterable[int], what: str) -> None:
+    seen = set()
+    for i in ids:
+        if i in seen:
+            raise invalid(f"{what} lists {i} twice")
+        seen.add(i)
+
+
+def check_key(key: bytes | None, where: str, max_key_bytes: int) -> None:
+    if not key:
+        raise invalid(f"{where} is empty; keys must be 1..{max_key_bytes} bytes")
+    if len(key) > max_key_bytes:
+        raise invalid(f"{where} is {len(key)} bytes; keys are at most {max_key_bytes}")
+
+
+def check_specs(specs: Sequence[Spec], max_pages: int, max_key_bytes: int) -> tuple[int, bool]:
+    """Validate a batch of specs; returns (total pages, whether any spec has a key)."""
+    total = 0
+    keys: set[bytes] = set()
+    for i, sp in enumerate(specs):
+        n = sp.num_pages
+        if n.__class__ is not int or not 1 <= n <= max_pages:
+            raise invalid(f"objects[{i}].num_pages is {n}; must be 1..{max_pages} (the arena's size)")
+        if sp.content_type not in VALID_CONTENT:
+            raise invalid(
+                f"objects[{i}].content_type is {sp.content_type}; give one of "
+                + ", ".join(f"{c.name}={c.value}" for c in ContentType)
+            )
+        if sp.key is not None:
+            check_key(sp.key, f"objects[{i}].key", max_key_bytes)
+            if sp.key in keys:
+                raise invalid(f"objects[{i}].key appears twice in one batch")
+            keys.add(sp.key)
+        total += n
+    if total > max_pages:
+        raise exhausted(f"batch needs {total} pages; the arena holds at most {max_pages}")
+    return total, bool(keys)

@@ -22,10 +22,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from memory_broker.broker.store.batches import check_batch, check_key, check_specs, check_unique
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
-from memory_broker.broker.store.object_table import ObjectTable
+from memory_broker.broker.store.object_table import ObjectTable, check_batch, check_key, check_specs, check_unique
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.broker.store.records import (

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from memory_broker.broker.store.batches import check_specs
 from memory_broker.broker.store.context import StoreContext
+from memory_broker.broker.store.object_table import check_specs
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.records import SessionState, Spec, Transaction, TransactionsExpired, TxnState
 from memory_broker.broker.store.room import Allocator

@@ -1,4 +1,4 @@
-"""The error model both sides share (DESIGN.md section 8): ``Code`` and ``BrokerError``, free of gRPC.
+"""The error model both sides share (see ARCHITECTURE.md): ``Code`` and ``BrokerError``, free of gRPC.
 
 The daemon's core raises ``BrokerError`` with a code named after the gRPC status it becomes;
 the client raises the same type for the statuses it receives, so callers catch one class on

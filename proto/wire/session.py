@@ -23,14 +23,6 @@ def session_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((SESSION_METADATA, token),)
 
 
-def token_from_metadata(metadata) -> str | None:
-    """The session token among a call's ``(key, value)`` metadata pairs, or None."""
-    for k, v in metadata or ():
-        if k == SESSION_METADATA:
-            return v
-    return None
-
-
 def version_mismatch(peer_version: int, *, peer: str, mine: str, ours: int = 0) -> str | None:
     """Why a peer speaking ``peer_version`` cannot be served, or None when it can.
 

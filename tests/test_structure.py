@@ -1,0 +1,494 @@
+"""Structure: the package graph has no cycle, every module is importable by its folder path,
+one Allocate runs through a bounded number of modules, no function or class grows past a
+reader's span, and ``make test`` fails on a ruff finding.
+
+ARCHITECTURE.md describes the layers these tests hold in place; its section "Exceptions to
+the size rules" names every function or class allowed past the size limits, and why.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+from conftest import ROOT, SMALL
+
+# Each top-level product folder and its import name (pyproject's package-dir).
+FOLDERS = {
+    "broker": "memory_broker.broker",
+    "clients": "memory_broker.clients",
+    "kernels": "memory_broker.kernels",
+    "proto": "memory_broker.proto",
+}
+# The one folder whose import name is not its path: the deprecated alias of the wire
+# package's old name, kept for one release (pyproject.toml, ARCHITECTURE.md).
+ALIAS_FOLDERS = {os.path.join("proto", "compat", "wire"): "memory_broker.wire"}
+
+# The most product modules whose code may run during one BrokerClient.allocate (client and
+# broker together). README, "Where things are", lists them in order.
+ALLOCATE_MODULE_BUDGET = 15
+
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 400
+# Functions and classes allowed past the limits: "path: qualified name" -> reason. Must
+# match ARCHITECTURE.md's "Exceptions to the size rules", row for row.
+SIZE_EXCEPTIONS: dict[str, str] = {
+    "clients/step.py: StepPath": (
+        "issue 28 composes the step path (the holdings cache a part, not a base class); split with it, not before"
+    ),
+    "clients/vllm/kv_connector.py: MemoryBrokerConnector": (
+        "issue 29 splits the connector into its scheduler and worker halves; split with it, not before"
+    ),
+}
+
+
+# ---------------------------------------------------------------- the product's modules
+
+
+def _module_name(path: str) -> str:
+    """The import name of the product module at ``path`` (relative to the checkout)."""
+    folder, base = os.path.split(path)
+    package = ALIAS_FOLDERS.get(folder)
+    if package is None:
+        top, _, rest = folder.partition(os.sep)
+        package = FOLDERS[top] + ("." + rest.replace(os.sep, ".") if rest else "")
+    return package if base == "__init__.py" else f"{package}.{base[:-3]}"
+
+
+def _package_of(path: str) -> str:
+    """The package a module belongs to: the folder it lives in, by its import name."""
+    return _module_name(os.path.join(os.path.dirname(path), "__init__.py"))
+
+
+def product_files() -> list[str]:
+    """Every product .py file, relative to the checkout, generated code included."""
+    out = []
+    for top in FOLDERS:
+        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            out += [os.path.relpath(os.path.join(d, f), ROOT) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def _generated(path: str) -> bool:
+    return re.search(r"_pb2(_grpc)?\.py$", path) is not None
+
+
+# ---------------------------------------------------------------- the package graph
+
+
+def _imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[str]:
+    """Every module an AST imports, at any depth: under ``if TYPE_CHECKING:`` and inside
+    functions too. ``from pkg import name`` yields ``pkg.name`` (resolved to ``pkg`` later
+    where ``name`` is not a module); relative imports are resolved against ``module``."""
+    here = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = here.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            out += [base] + [f"{base}.{a.name}" for a in node.names]
+    return out
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Product module -> the product modules it imports (by import name)."""
+    files = {_module_name(p): p for p in product_files()}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        with open(os.path.join(ROOT, path)) as f:
+            tree = ast.parse(f.read(), path)
+        deps = set()
+        for imported in _imported_modules(tree, name, path.endswith("__init__.py")):
+            # The longest prefix that is one of ours: ``pkg.name`` is the module where there
+            # is one, else ``pkg``.
+            while imported and imported not in files:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def package_graph(modules: dict[str, set[str]]) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """The package graph (a package being the folder a module lives in), and for each package
+    edge the module edges behind it."""
+    files = {_module_name(p): p for p in product_files()}
+    package = {m: _package_of(p) for m, p in files.items()}
+    graph: dict[str, set[str]] = {p: set() for p in package.values()}
+    why: dict[tuple[str, str], list[str]] = {}
+    for m, deps in modules.items():
+        for d in sorted(deps):
+            a, b = package[m], package[d]
+            if a != b:
+                graph[a].add(b)
+                why.setdefault((a, b), []).append(f"{m} -> {d}")
+    return graph, why
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m) :] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def describe_cycle(cycle: list[str], why: dict[tuple[str, str], list[str]]) -> str:
+    lines = [" -> ".join(cycle)]
+    for a, b in zip(cycle, cycle[1:]):
+        lines.append(f"  {a} -> {b}, by:")
+        lines += [f"    {e}" for e in why[(a, b)]]
+    return "\n".join(lines)
+
+
+def test_the_package_graph_has_no_cycle():
+    modules = module_graph()
+    graph, why = package_graph(modules)
+    # The graph is the real one: the layers it must show are there.
+    assert "memory_broker.broker.store" in graph["memory_broker.broker.doors"]
+    assert "memory_broker.proto.wire" in graph["memory_broker.clients"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "the package graph has a cycle:\n" + describe_cycle(cycle, why)
+
+
+def test_the_wire_imports_neither_side_and_the_client_not_the_daemon():
+    graph, why = package_graph(module_graph())
+    bad = []
+    for (a, b), edges in sorted(why.items()):
+        wire_up = a.startswith("memory_broker.proto") and b.startswith(
+            ("memory_broker.broker", "memory_broker.clients")
+        )
+        client_down = a.startswith("memory_broker.clients") and b.startswith("memory_broker.broker")
+        if wire_up or client_down:
+            bad += edges
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_a_planted_cycle_is_found_and_named_by_its_module_edges():
+    # The check can fail: a type-only import back from the store into the doors closes a loop.
+    modules = module_graph()
+    planted = {m: set(d) for m, d in modules.items()}
+    planted["memory_broker.broker.store.objects"].add("memory_broker.broker.doors.service")
+    graph, why = package_graph(planted)
+    cycle = find_cycle(graph)
+    assert cycle is not None
+    text = describe_cycle(cycle, why)
+    assert "memory_broker.broker.store.objects -> memory_broker.broker.doors.service" in text
+    # And the reader sees imports under TYPE_CHECKING and inside functions.
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from memory_broker.broker.doors import service\n"
+        "def f():\n    import memory_broker.clients.client\n"
+        "from . import records\n"
+    )
+    found = _imported_modules(tree, "memory_broker.broker.store.objects", False)
+    assert "memory_broker.broker.doors.service" in found
+    assert "memory_broker.clients.client" in found
+    assert "memory_broker.broker.store.records" in found
+
+
+# ---------------------------------------------------------------- import names
+
+# Imports every product module by its folder path in a fresh interpreter; prints a JSON
+# report. A module whose import needs vLLM, where vLLM is not installed, is checked with
+# importlib.util.find_spec only (its name resolves to its file), and reported as such.
+IMPORT_ALL = """
+import importlib, importlib.util, json, os, sys, traceback
+names = json.loads(sys.argv[1])
+vllm = importlib.util.find_spec("vllm") is not None
+report = {"imported": [], "spec_only": [], "wrong_file": {}, "failed": {}}
+for name, path in names.items():
+    spec = importlib.util.find_spec(name)
+    origin = os.path.realpath(spec.origin) if spec and spec.origin else None
+    if origin != os.path.realpath(path):
+        report["wrong_file"][name] = origin
+        continue
+    try:
+        importlib.import_module(name)
+        report["imported"].append(name)
+    except ImportError as e:
+        # vLLM itself missing, or the integration's version check saying so.
+        if not vllm and ((e.name or "").split(".")[0] == "vllm" or "needs vLLM" in str(e)):
+            report["spec_only"].append(name)
+        else:
+            report["failed"][name] = traceback.format_exc()
+    except Exception:
+        report["failed"][name] = traceback.format_exc()
+print(json.dumps(report))
+"""
+
+
+def test_every_product_module_is_importable_by_its_folder_path():
+    names = {_module_name(p): os.path.join(ROOT, p) for p in product_files()}
+    assert "memory_broker.proto.wire.v1.broker_pb2" in names  # generated code included
+    assert names["memory_broker.wire"] == os.path.join(ROOT, "proto", "compat", "wire", "__init__.py")
+    r = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, json.dumps(names)], cwd="/", capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["wrong_file"] == {}, f"names that resolve to another file: {report['wrong_file']}"
+    assert report["failed"] == {}, "\n".join(f"{n}:\n{tb}" for n, tb in report["failed"].items())
+    assert sorted(report["imported"] + report["spec_only"]) == sorted(names)
+    # Only the vLLM integration may be spared the import.
+    assert all(n.startswith("memory_broker.clients.vllm.") for n in report["spec_only"]), report["spec_only"]
+
+
+def test_the_old_wire_name_is_the_new_package():
+    code = (
+        "import memory_broker.wire.session as old, memory_broker.proto.wire.session as new; "
+        "print(old is new and old.__name__)"
+    )
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd="/", capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "memory_broker.proto.wire.session", r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- one Allocate's path
+
+# A live broker (the daemon's own `serve`, on the main thread's event loop, as the command
+# runs it) and a client in another thread of the same interpreter. After the client has
+# connected, one allocate of one page is recorded with sys.setprofile: on the client, the
+# calling thread; on the broker, the asyncio task that serves the Allocate call (found by the
+# handler's frame). Other tasks and timers that run meanwhile (lease expiry, the status line)
+# and deferred work the call schedules are not its path. The arena is preallocated so the
+# call does not grow it: growing maps a slab in every client, another path.
+ALLOCATE_TRACE = """
+import asyncio, json, os, signal, sys, tempfile, threading, time
+root, args = sys.argv[1], json.loads(sys.argv[2])
+prefixes = tuple(os.path.join(root, d) + os.sep for d in ("broker", "clients", "kernels", "proto"))
+recording = False
+events = []  # (kind, task id, file, qualified name), in the order they ran
+
+def profile(frame, event, arg):
+    if recording and event == "call" and frame.f_code.co_filename.startswith(prefixes):
+        if threading.current_thread() is threading.main_thread():
+            try:
+                task = id(asyncio.current_task())
+            except RuntimeError:
+                task = None
+            events.append(("broker", task, frame.f_code.co_filename, frame.f_code.co_qualname))
+        else:
+            events.append(("client", None, frame.f_code.co_filename, frame.f_code.co_qualname))
+
+d = tempfile.mkdtemp(prefix="mb-", dir="/tmp")
+sock = os.path.join(d, "b.sock")
+
+def client():
+    global recording
+    try:
+        from memory_broker.clients import BrokerClient, Spec
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = BrokerClient.connect(sock, client_name="trace", timeout=5)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        specs = [Spec(1)]
+        time.sleep(0.2)
+        sys.setprofile(profile)
+        recording = True
+        objs = c.allocate(specs)
+        sys.setprofile(None)
+        time.sleep(0.2)
+        recording = False
+        assert len(objs) == 1 and len(objs[0].pages) == 1
+        print("TRACE " + json.dumps(events), flush=True)
+        c.close()
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=client, daemon=True).start()
+sys.setprofile(profile)
+from memory_broker.broker import cli
+cli.main(["serve", "--socket", sock, "--arena", "host", "--state-dir", os.path.join(d, "state"), *args])
+"""
+
+
+def allocate_path() -> list[str]:
+    """The product modules whose code runs during one BrokerClient.allocate, in the order
+    they first run, as paths relative to the checkout."""
+    args = [*SMALL, "--preallocate", "2MiB", "--log-level", "warning"]
+    r = subprocess.run(
+        [sys.executable, "-c", ALLOCATE_TRACE, ROOT, json.dumps(args)],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [x for x in r.stdout.splitlines() if x.startswith("TRACE ")]
+    assert lines, f"no trace (exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    events = json.loads(lines[0][len("TRACE ") :])
+    tasks = {t for kind, t, _, q in events if kind == "broker" and q == "MemoryBrokerService.Allocate"}
+    assert len(tasks) == 1, f"the Allocate handler ran in {len(tasks)} tasks"
+    out: list[str] = []
+    for kind, task, path, _ in events:
+        rel = os.path.relpath(path, ROOT)
+        if (kind == "client" or task in tasks) and rel not in out:
+            out.append(rel)
+    return out
+
+
+def test_one_allocate_runs_through_at_most_15_product_modules():
+    path = allocate_path()
+    listing = "\n".join(f"  {i}. {m}" for i, m in enumerate(path, 1))
+    # The trace sees both ends: the client's call and the store.
+    assert path[0] == os.path.join("clients", "client.py"), listing
+    assert os.path.join("broker", "store", "objects.py") in path, listing
+    assert len(path) <= ALLOCATE_MODULE_BUDGET, (
+        f"one allocate runs through {len(path)} product modules (at most {ALLOCATE_MODULE_BUDGET}):\n{listing}"
+    )
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def _is_jit_kernel(node: ast.AST) -> bool:
+    for dec in getattr(node, "decorator_list", ()):
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if ast.unparse(target) in ("triton.jit", "jit", "triton.autotune"):
+            return True
+    return False
+
+
+def oversized() -> dict[str, int]:
+    """Every function over MAX_FUNCTION_LINES and class over MAX_CLASS_LINES in product code
+    (generated code and @triton.jit kernels aside): "path: qualified name" -> lines."""
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = prefix + child.name
+                lines = child.end_lineno - child.lineno + 1
+                limit = MAX_CLASS_LINES if isinstance(child, ast.ClassDef) else MAX_FUNCTION_LINES
+                if lines > limit and not _is_jit_kernel(child):
+                    out[f"{path}: {name}"] = lines
+                visit(child, path, name + ".")
+            else:
+                visit(child, path, prefix)
+
+    for path in product_files():
+        if _generated(path):
+            continue
+        with open(os.path.join(ROOT, path)) as f:
+            visit(ast.parse(f.read(), path), path.replace(os.sep, "/"), "")
+    return out
+
+
+def documented_exceptions() -> dict[str, str]:
+    """ARCHITECTURE.md's "Exceptions to the size rules" table: where -> reason."""
+    with open(os.path.join(ROOT, "ARCHITECTURE.md")) as f:
+        text = f.read()
+    m = re.search(r"^#+ Exceptions to the size rules\s*$(.*?)(?=^#+ |\Z)", text, re.M | re.S)
+    assert m, 'ARCHITECTURE.md has no section "Exceptions to the size rules"'
+    rows = {}
+    for line in m.group(1).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.strip().startswith("|") or len(cells) < 3 or cells[0] == "where" or set(cells[0]) <= set("-: "):
+            continue
+        rows[cells[0].strip("`")] = cells[2]
+    return rows
+
+
+def test_no_function_over_80_lines_and_no_class_over_400_lines_but_the_named_exceptions():
+    found = oversized()
+    listing = "\n".join(f"  {k}: {v} lines" for k, v in sorted(found.items()))
+    assert set(found) == set(SIZE_EXCEPTIONS), (
+        f"over the size limits (functions {MAX_FUNCTION_LINES}, classes {MAX_CLASS_LINES} lines):\n{listing}\n"
+        f"not over them any more: {sorted(set(SIZE_EXCEPTIONS) - set(found))}"
+    )
+
+
+def test_the_size_exceptions_are_the_ones_architecture_md_names():
+    assert documented_exceptions() == {k: v for k, v in SIZE_EXCEPTIONS.items()}
+
+
+def test_the_size_check_sees_a_long_function_and_spares_a_kernel():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    tree = ast.parse(f"def long():\n{body}\n\n@triton.jit\ndef kernel():\n{body}\n")
+    long_fn, kernel = tree.body
+    assert long_fn.end_lineno - long_fn.lineno + 1 > MAX_FUNCTION_LINES
+    assert not _is_jit_kernel(long_fn) and _is_jit_kernel(kernel)
+
+
+# ---------------------------------------------------------------- lint in make test
+
+
+def _make_targets() -> dict[str, tuple[list[str], list[str]]]:
+    """Makefile target -> (prerequisites, recipe lines)."""
+    targets: dict[str, tuple[list[str], list[str]]] = {}
+    current = None
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        for line in f:
+            m = re.match(r"^([A-Za-z][\w.-]*)\s*:(?!=)\s*(.*)$", line)
+            if m:
+                current = m.group(1)
+                targets[current] = (m.group(2).split(), [])
+            elif line.startswith("\t") and current:
+                targets[current][1].append(line.strip())
+            elif line.strip() and not line.startswith("#"):
+                current = None
+    return targets
+
+
+def _ruff() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "ruff")
+    return here if os.path.exists(here) else shutil.which("ruff")
+
+
+def test_make_test_runs_the_linter():
+    targets = _make_targets()
+    assert "lint" in targets["test"][0], targets["test"]
+    recipe = " ".join(targets["lint"][1])
+    assert "ruff check ." in recipe and "ruff format --check ." in recipe, recipe
+
+
+def test_ruff_with_the_projects_config_fails_on_an_unused_import():
+    ruff = _ruff()
+    assert ruff, "ruff is not installed (pip install -e '.[dev]')"
+    with tempfile.TemporaryDirectory() as d:
+        shutil.copy(os.path.join(ROOT, "pyproject.toml"), d)
+        clean = os.path.join(d, "clean.py")
+        with open(clean, "w") as f:
+            f.write(textwrap.dedent('"""A module."""\n\nimport os\n\nprint(os.sep)\n'))
+        ok = subprocess.run([ruff, "check", "--no-cache", "clean.py"], cwd=d, capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        with open(os.path.join(d, "planted.py"), "w") as f:
+            f.write('"""A module."""\n\nimport os\n')
+        bad = subprocess.run([ruff, "check", "--no-cache", "planted.py"], cwd=d, capture_output=True, text=True)
+        assert bad.returncode != 0 and "F401" in bad.stdout, bad.stdout + bad.stderr
