@@ -20,12 +20,13 @@ from typing import Self
 
 import grpc
 
-from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
+from memory_broker.clients.fd_channel import FdChannelError, fetch_fds, fetch_slab_fds
 from memory_broker.clients.mappings import MappingBudget
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping import ArenaGeometry
 from memory_broker.proto.wire.mapping.host import HostArenaView
+from memory_broker.proto.wire.mapping.view import page_runs
 from memory_broker.proto.wire.session import session_metadata, version_mismatch
 from memory_broker.proto.wire.status import code_of, error_from_rpc
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
@@ -40,6 +41,10 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 500),
 )
+
+# Pages of a CUDA arena asked for in one fd channel request (their fds come 200 at a time and
+# are imported and closed as they come, so this bounds the request's time, not fds).
+FETCH_PAGES = 4096
 
 # What a caller loses with its session (said in errors and in the reconnected event).
 LOST = "its anonymous objects, pins, open transactions and adapter leases are gone"
@@ -265,8 +270,19 @@ class BrokerSession:
             raise BrokerError(Code.FAILED_PRECONDITION, f"cannot map the broker's {arena.backend} arena: {e}") from None
 
     def _attach_slabs(self, view, fd_socket_path: str, token: str, num_slabs: int) -> None:
-        """Fetch and map slabs ``view.mapped_slabs..num_slabs`` (caller holds the map lock or owns ``view``)."""
+        """Map slabs ``view.mapped_slabs..num_slabs`` (caller holds the map lock or owns ``view``).
+
+        A host view fetches and maps the slabs' memfds now. A CUDA view (one fd per page) only
+        learns that the slabs exist: its pages are imported when this process is first given
+        them (``_import_pages``); the fd channel is still asked (for no fds) the first time,
+        so the broker checks this process's uid there and starts watching its pid.
+        """
         first = view.mapped_slabs
+        if view.fd_unit == "page":
+            if first == 0 and not view.attached_pages:
+                self._fetch(fd_socket_path, token, 0, 0, lambda fds: None)
+            view.extend(num_slabs)
+            return
         try:
             fds = fetch_slab_fds(fd_socket_path, token, first, timeout=self.timeout)
         except FdChannelError as e:
@@ -285,6 +301,12 @@ class BrokerSession:
             pps = view.geometry.pages_per_slab
             view.set_page_access(range(first * pps, view.mapped_slabs * pps), True)
 
+    def _fetch(self, path: str, token: str, first: int, count: int, consume) -> None:
+        try:
+            fetch_fds(path, token, first, count, consume, timeout=self.timeout)
+        except FdChannelError as e:
+            raise BrokerError(code_of(e.code), f"fd channel {path}: {e}") from None
+
     def _ensure_slabs(self, num_slabs: int) -> None:
         """Map slabs up to ``num_slabs`` (fetching their fds) if this process lacks them."""
         if self.view.mapped_slabs >= num_slabs:
@@ -294,9 +316,52 @@ class BrokerSession:
                 return
             self._attach_slabs(self.view, self.arena.fd_socket_path, self.token, num_slabs)
 
+    def _import_pages(self, pages: Sequence[int], readonly: bool) -> None:
+        """On a CUDA arena, import and map the pages of ``pages`` this process lacks, with the
+        access asked for from the start (nothing on a host arena: its slabs are mapped whole).
+
+        Fds come ``MAX_FDS_PER_MESSAGE`` at a time and each is closed once imported, so this
+        process never holds more than one message's fds, whatever the arena's size.
+        """
+        view = self.view
+        if view.fd_unit != "page" or not pages:
+            return
+        try:
+            if not view.missing_pages(pages):
+                return
+        except ValueError as e:
+            raise BrokerError(Code.INTERNAL, f"the broker named pages this client cannot map: {e}") from None
+        with self._map_lock:
+            for _, first, n in page_runs(view.missing_pages(pages)):
+                for start in range(first, first + n, FETCH_PAGES):
+                    count = min(FETCH_PAGES, first + n - start)
+                    done = [start]
+
+                    def consume(fds: list[int], done=done) -> None:
+                        at = done[0]
+                        done[0] += len(fds)
+                        view.attach_pages(at, fds, readonly=readonly)
+
+                    self._fetch(self.arena.fd_socket_path, self.token, start, count, consume)
+
+    def map_arena(self, readonly: bool = True) -> int:
+        """Import and map every page of the arena that this process lacks (a CUDA arena maps
+        pages lazily, as they are given; this maps them ahead, e.g. to keep first-time costs
+        off later calls). Returns how many pages were mapped; nothing on a host arena."""
+        view = self.view
+        if view.fd_unit != "page":
+            return 0
+        before = view.attached_pages
+        self._import_pages(range(view.mapped_slabs * self.geometry.pages_per_slab), readonly)
+        return view.attached_pages - before
+
     def _set_access(self, pages: Sequence[int], readonly: bool) -> None:
-        """Keep this mapping's page access in step with what the pages hold now."""
-        if not self._page_access or not pages:
+        """Keep this mapping's page access in step with what the pages hold now (importing
+        pages this process lacks with that access from the start)."""
+        if not pages:
+            return
+        self._import_pages(pages, readonly)
+        if not self._page_access:
             return
         with self._map_lock:
             try:
@@ -309,9 +374,9 @@ class BrokerSession:
         return self.view.tensor(address, nbytes, dtype)
 
     def physical_view(self, dtype=None):
-        """The whole physical view mapped so far, as one tensor (page p at p * page_size)."""
-        n = self.view.mapped_slabs * self.geometry.slab_size
-        return self._tensor(self.view.phys_base, n, dtype)
+        """The whole physical view mapped so far, as one tensor (page p at p * page_size). On a
+        CUDA arena it spans pages not imported yet: index only pages this process was given."""
+        return self.view.physical_tensor(dtype)
 
     # ------------------------------------------------------------- events
 

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import grp
 import os
+import resource
 import signal
 import time
 
@@ -22,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
 from memory_broker.broker.arena import make_arena
-from memory_broker.broker.doors.fd_channel import FdChannelServer
+from memory_broker.broker.doors.fd_channel import FD_BUDGET, FdChannelServer
 from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
 from memory_broker.broker.doors.service import EchoService, MemoryBrokerService
 from memory_broker.broker.doors.step_channel import StepChannelServer
@@ -137,6 +138,8 @@ class BrokerServer:
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         opts = self.opts
+        soft, hard = raise_fd_limit()
+        self.fd_limit = f"{soft} (hard {hard})"
         for path in (opts.socket, opts.fd_socket, step_socket_path(opts.socket)):
             # Stale sockets of a dead broker: the lock says no live broker owns them.
             if os.path.exists(path):
@@ -203,7 +206,8 @@ class BrokerServer:
             opts.fd_socket,
             allowed_uids=opts.effective_uids(),
             authorize=self.sessions.authorize_fd_request,
-            slab_fds=lambda first: [self.arena.slab_fd(i) for i in range(first, self.arena.num_slabs)],
+            export_fds=self.arena.export_fds,
+            units=self.arena.fd_units,
             log=self._log_event,
         )
         await self.fd_server.start()
@@ -252,6 +256,9 @@ class BrokerServer:
             page_size=format_size(opts.page_size),
             slab_size=format_size(opts.slab_size),
             slabs=self.arena.num_slabs,
+            fd_unit=self.arena.fd_unit,
+            fd_limit=self.fd_limit,
+            fd_budget=FD_BUDGET,
             allowed_uids=sorted(opts.effective_uids()),
             adapters_registered=len(self.registry),
             pid=os.getpid(),
@@ -489,6 +496,22 @@ class BrokerServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; returns (soft, hard) now.
+
+    The broker holds few fds of its own (exports are made on demand and closed once sent, at
+    most ``FD_BUDGET`` at once), but every client connection and adapter file costs one too.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft, hard
 
 
 async def serve(opts: ServeOptions, log, overrides: dict | None = None) -> None:
