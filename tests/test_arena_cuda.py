@@ -1701,6 +1701,15 @@ def test_an_allocations_driver_calls_are_counted(fake):
         a.close()
 
 
+def wait_no_fds(fake, timeout=2.0) -> bool:
+    """Whether every fd of the fake's exports is closed (within ``timeout``: the broker closes
+    its copies right after each sendmsg, on its loop thread, which may run after the client's)."""
+    deadline = time.monotonic() + timeout
+    while fake.open_fds() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return fake.open_fds() == 0
+
+
 class _Loop:
     """An event loop in a thread, with a heartbeat that records its longest stall."""
 
@@ -1774,7 +1783,7 @@ def test_a_whole_arena_imports_through_the_fd_channel_within_an_fd_limit(fake, t
         got += fetch_fds(path, "t", 1200, None, consume, timeout=60)
         assert got == n and v.attached_pages == n and v.missing_pages(range(n)) == []
         assert fake.count("cuMemImportFromShareableHandle") == n
-        assert fake.peak_fds <= fake.fd_limit and fake.open_fds() == 0
+        assert fake.peak_fds <= fake.fd_limit and wait_no_fds(fake)
         # 1,200 exports of 0.5 ms ran off the loop: its heartbeat never waited a batch (100 ms).
         assert lp.worst < 0.05, lp.worst
         with pytest.raises(Exception, match="INVALID_ARGUMENT|do not exist|the arena has 2400"):
@@ -1784,4 +1793,54 @@ def test_a_whole_arena_imports_through_the_fd_channel_within_an_fd_limit(fake, t
         lp.stop()
         v.close()
         a.close()
+    assert not fake.allocs
+
+
+def test_a_client_of_a_cuda_broker_maps_pages_lazily_and_closes_their_fds(fake):
+    """A real broker (in this process, on the fake driver) and a real client: connecting
+    imports no page; an allocation imports exactly its pages (writable), a lookup of another
+    session's object imports its pages read-only from the start; no exported fd stays open."""
+    import structlog
+    from conftest import short_tmpdir
+
+    from memory_broker.broker.server.app import BrokerServer
+    from memory_broker.broker.server.config import build_options
+    from memory_broker.clients.client import BrokerClient
+
+    fake.devices[0].memory = 256 * MiB
+    d = short_tmpdir()
+    sock = os.path.join(d, "b.sock")
+    over = {"socket": sock, "state_dir": os.path.join(d, "state"), "arena": "cuda", "page_size": 2 * MiB}
+    over.update(slab_size=8 * MiB, pool_size=64 * MiB, preallocate=32 * MiB)
+    opts = build_options(None, over)
+    lp = _Loop()
+    srv = BrokerServer(opts, structlog.get_logger("test"))
+    lp.call(srv.start())
+    c = w = None
+    try:
+        assert srv.arena.backend == "cuda" and srv.arena.fd_units() == 16
+        c = BrokerClient.connect(sock, client_name="reader", timeout=10)
+        assert c.view.fd_unit == "page" and c.view.mapped_slabs == 4 and c.view.attached_pages == 0
+        assert fake.count("cuMemImportFromShareableHandle") == 0
+        w = BrokerClient.connect(sock, client_name="writer", timeout=10)
+        obj = w.allocate_one(3, contiguous=True, key=b"k1")
+        assert w.view.attached_pages == 3 and not (set(obj.pages) & w.view.readonly_pages())
+        assert fake.count("cuMemImportFromShareableHandle") == 3
+        (seen,) = c.lookup([b"k1"])
+        assert list(seen.pages) == list(obj.pages) and c.view.attached_pages == 3
+        assert set(seen.pages) <= c.view.readonly_pages()  # shared: read-only from the start
+        assert [c[3] for c in fake.calls if c[0] == "cuMemSetAccess"][-2:] == ["r", "r"]  # physical, window
+        assert fake.count("cuMemImportFromShareableHandle") == 6
+        c.lookup([b"k1"])  # again: nothing new to import
+        assert fake.count("cuMemImportFromShareableHandle") == 6
+        assert c.map_arena() == 13 and c.view.attached_pages == 16
+        # The client closed each fd as it imported it; the broker closes its copies right
+        # after each sendmsg (on its loop thread, which may run a moment after the client's).
+        assert wait_no_fds(fake)
+    finally:
+        for cl in (c, w):
+            if cl is not None:
+                cl.close()
+        lp.call(srv.stop("test"))
+        lp.stop()
     assert not fake.allocs
