@@ -26,6 +26,7 @@ from torch import nn
 
 from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
+from memory_broker.kernels.devices import same_device
 from memory_broker.kernels.dispatch import Backend, BackendChoice, choose_backend, lora_apply
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class LoraBatch:
                 arena = source if source.dtype == dtype else source.view(dtype)
             else:
                 arena = source.arena_tensor(dtype)
-            if arena.device != tables.device:
+            if not same_device(arena.device, tables.device):
                 raise ValueError(f"the offset tables live on {tables.device} but the arena on {arena.device}")
             reach = max((max(a.pages) + 1) * a.layout.page_size for a in slots)
             covered = arena.numel() * arena.element_size()
@@ -184,8 +185,10 @@ class LoraBatch:
                 )
             row_align = math.gcd(*(a.layout.row_align_elems for a in slots))
 
+        # The kernels run where the arena is (its own device, index and all); the tables agree.
+        device = arena.device if arena is not None else tables.device
         slot_per_seq = torch.tensor(seq_slots, dtype=torch.int32)
-        token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(tables.device)
+        token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(device)
         segments: list[Segment] = []
         start = 0
         for slot, n in zip(seq_slots, seq_lens):
@@ -195,7 +198,7 @@ class LoraBatch:
                 segments.append(Segment(start, start + n, slot))
             start += n
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
-        chosen = choose_backend(tables.device, backend)
+        chosen = choose_backend(device, backend)
         return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen)
 
     @property
