@@ -185,10 +185,8 @@ class LoraBatch:
                 )
             row_align = math.gcd(*(a.layout.row_align_elems for a in slots))
 
-        # The kernels run where the arena is (its own device, index and all); the tables agree.
-        device = arena.device if arena is not None else tables.device
-        slot_per_seq = torch.tensor(seq_slots, dtype=torch.int32)
-        token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(device)
+        slot_per_seq, on = torch.tensor(seq_slots, dtype=torch.int32), tables.device if arena is None else arena.device
+        token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(on)  # the arena's device
         segments: list[Segment] = []
         start = 0
         for slot, n in zip(seq_slots, seq_lens):
@@ -198,7 +196,7 @@ class LoraBatch:
                 segments.append(Segment(start, start + n, slot))
             start += n
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
-        chosen = choose_backend(device, backend)
+        chosen = choose_backend(token_slot.device, backend)
         return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen)
 
     @property

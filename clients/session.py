@@ -20,15 +20,13 @@ from typing import Self
 
 import grpc
 
-from memory_broker.clients.fd_channel import FdChannelError, fetch_fds, fetch_slab_fds
+from memory_broker.clients import arena_fds
 from memory_broker.clients.mappings import MappingBudget
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping import ArenaGeometry
-from memory_broker.proto.wire.mapping.host import HostArenaView
-from memory_broker.proto.wire.mapping.view import page_runs
 from memory_broker.proto.wire.session import session_metadata, version_mismatch
-from memory_broker.proto.wire.status import code_of, error_from_rpc
+from memory_broker.proto.wire.status import error_from_rpc
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
@@ -41,10 +39,6 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 500),
 )
-
-# Pages of a CUDA arena asked for in one fd channel request (their fds come 200 at a time and
-# are imported and closed as they come, so this bounds the request's time, not fds).
-FETCH_PAGES = 4096
 
 # What a caller loses with its session (said in errors and in the reconnected event).
 LOST = "its anonymous objects, pins, open transactions and adapter leases are gone"
@@ -270,42 +264,9 @@ class BrokerSession:
             raise BrokerError(Code.FAILED_PRECONDITION, f"cannot map the broker's {arena.backend} arena: {e}") from None
 
     def _attach_slabs(self, view, fd_socket_path: str, token: str, num_slabs: int) -> None:
-        """Map slabs ``view.mapped_slabs..num_slabs`` (caller holds the map lock or owns ``view``).
-
-        A host view fetches and maps the slabs' memfds now. A CUDA view (one fd per page) only
-        learns that the slabs exist: its pages are imported when this process is first given
-        them (``_import_pages``); the fd channel is still asked (for no fds) the first time,
-        so the broker checks this process's uid there and starts watching its pid.
-        """
-        first = view.mapped_slabs
-        if view.fd_unit == "page":
-            if first == 0 and not view.attached_pages:
-                self._fetch(fd_socket_path, token, 0, 0, lambda fds: None)
-            view.extend(num_slabs)
-            return
-        try:
-            fds = fetch_slab_fds(fd_socket_path, token, first, timeout=self.timeout)
-        except FdChannelError as e:
-            raise BrokerError(code_of(e.code), f"fd channel {fd_socket_path}: {e}") from None
-        try:
-            for i, fd in enumerate(fds):
-                view.attach_slab(first + i, fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if isinstance(view, HostArenaView) and view.mapped_slabs > first:
-            # Host pages start read-only here and become writable where this process is given
-            # them to write (allocate, prepare: ``_object``). Granting write costs an mprotect
-            # and no more; taking it away also flushes the TLBs of every CPU the process runs
-            # on, which a lookup of another process's pages would otherwise pay each time.
-            pps = view.geometry.pages_per_slab
-            view.set_page_access(range(first * pps, view.mapped_slabs * pps), True)
-
-    def _fetch(self, path: str, token: str, first: int, count: int, consume) -> None:
-        try:
-            fetch_fds(path, token, first, count, consume, timeout=self.timeout)
-        except FdChannelError as e:
-            raise BrokerError(code_of(e.code), f"fd channel {path}: {e}") from None
+        """Map slabs ``view.mapped_slabs..num_slabs`` (``arena_fds.attach_slabs``; caller holds
+        the map lock or owns ``view``)."""
+        arena_fds.attach_slabs(view, fd_socket_path, token, num_slabs, self.timeout)
 
     def _ensure_slabs(self, num_slabs: int) -> None:
         """Map slabs up to ``num_slabs`` (fetching their fds) if this process lacks them."""
@@ -318,31 +279,11 @@ class BrokerSession:
 
     def _import_pages(self, pages: Sequence[int], readonly: bool) -> None:
         """On a CUDA arena, import and map the pages of ``pages`` this process lacks, with the
-        access asked for from the start (nothing on a host arena: its slabs are mapped whole).
-
-        Fds come ``MAX_FDS_PER_MESSAGE`` at a time and each is closed once imported, so this
-        process never holds more than one message's fds, whatever the arena's size.
-        """
-        view = self.view
-        if view.fd_unit != "page" or not pages:
+        access asked for from the start (nothing on a host arena: its slabs map whole)."""
+        if not arena_fds.missing_pages(self.view, pages):
             return
-        try:
-            if not view.missing_pages(pages):
-                return
-        except ValueError as e:
-            raise BrokerError(Code.INTERNAL, f"the broker named pages this client cannot map: {e}") from None
         with self._map_lock:
-            for _, first, n in page_runs(view.missing_pages(pages)):
-                for start in range(first, first + n, FETCH_PAGES):
-                    count = min(FETCH_PAGES, first + n - start)
-                    done = [start]
-
-                    def consume(fds: list[int], done=done) -> None:
-                        at = done[0]
-                        done[0] += len(fds)
-                        view.attach_pages(at, fds, readonly=readonly)
-
-                    self._fetch(self.arena.fd_socket_path, self.token, start, count, consume)
+            arena_fds.import_pages(self.view, self.arena.fd_socket_path, self.token, pages, readonly, self.timeout)
 
     def map_arena(self, readonly: bool = True) -> int:
         """Import and map every page of the arena that this process lacks (a CUDA arena maps

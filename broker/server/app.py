@@ -128,6 +128,7 @@ class BrokerServer:
         loop = asyncio.get_running_loop()
         self.lock = SocketLock(opts.socket)
         self.lock.acquire()
+        self.fd_limit = "{} (hard {})".format(*raise_fd_limit())
         try:
             await self._start(loop)
         except BaseException:
@@ -138,8 +139,6 @@ class BrokerServer:
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         opts = self.opts
-        soft, hard = raise_fd_limit()
-        self.fd_limit = f"{soft} (hard {hard})"
         for path in (opts.socket, opts.fd_socket, step_socket_path(opts.socket)):
             # Stale sockets of a dead broker: the lock says no live broker owns them.
             if os.path.exists(path):
@@ -256,9 +255,7 @@ class BrokerServer:
             page_size=format_size(opts.page_size),
             slab_size=format_size(opts.slab_size),
             slabs=self.arena.num_slabs,
-            fd_unit=self.arena.fd_unit,
-            fd_limit=self.fd_limit,
-            fd_budget=FD_BUDGET,
+            fds=f"one per {self.arena.fd_unit}, made on demand, at most {FD_BUDGET} open; RLIMIT_NOFILE {self.fd_limit}",
             allowed_uids=sorted(opts.effective_uids()),
             adapters_registered=len(self.registry),
             pid=os.getpid(),
