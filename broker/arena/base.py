@@ -12,6 +12,7 @@ eviction: the page pool above decides which page goes where.
 from __future__ import annotations
 
 import abc
+import threading
 from typing import Any
 
 from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, format_size
@@ -35,6 +36,9 @@ class Arena(abc.ABC):
         # Per slab, what the backend keeps of it (the host's memfd; nothing on CUDA).
         self._slabs: list[Any] = []
         self._closed = False
+        # Held by ``export_fds`` (the fd channel's export threads) and ``close``, so an export
+        # never reads what a close is releasing.
+        self._lock = threading.Lock()
 
     @property
     def num_slabs(self) -> int:
@@ -94,9 +98,10 @@ class Arena(abc.ABC):
 
     def close(self) -> None:
         """Unmap the broker's view and close what it keeps of each slab. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self.view.close()
         finally:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import math
 import os
-import threading
 from typing import Any
 
 from memory_broker.broker.arena.base import Arena
@@ -57,8 +56,6 @@ class CudaArena(Arena):
     def __init__(self, geometry: ArenaGeometry, device: str | int | None = "0", name: str = "memory-broker") -> None:
         super().__init__(geometry, CudaArenaView(geometry, device), name)
         self._drv = self.view.driver
-        # Exports (export threads) against close and a failed grow's release (the loop).
-        self._lock = threading.Lock()
 
     @property
     def device(self) -> CudaDevice:
@@ -137,10 +134,6 @@ class CudaArena(Arena):
                     raise MemoryError(f"{e} exporting pages {first}..{first + count - 1} ({len(out)} made)") from e
                 raise
         return out
-
-    def close(self) -> None:
-        with self._lock:
-            super().close()
 
     def preallocate_fraction(self, fraction: float) -> int:
         """Grow by as many slabs (of page allocations) as fit in ``fraction`` of the device's free

@@ -70,16 +70,17 @@ class HostArena(Arena):
 
     def export_fds(self, first: int, count: int) -> list[int]:
         """Close-on-exec duplicates of slabs ``first..first+count-1``'s memfds (the caller's)."""
-        self._check_open()
-        self._check_units(first, count)
         out: list[int] = []
-        try:
-            for i in range(first, first + count):
-                out.append(os.dup(self._slabs[i]))
-        except BaseException:
-            for fd in out:
-                os.close(fd)
-            raise
+        with self._lock:
+            self._check_open()
+            self._check_units(first, count)
+            try:
+                for i in range(first, first + count):
+                    out.append(os.dup(self._slabs[i]))
+            except BaseException:
+                for fd in out:
+                    os.close(fd)
+                raise
         return out
 
 
