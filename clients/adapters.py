@@ -129,13 +129,14 @@ class AdapterTables:
     """Kernel offset tables on the device, built once per (adapter, generation).
 
     Args:
-        device: where the tables live ("cpu" or "cuda:N").
+        device: where the tables live ("cpu", "cuda:N", or "cuda": the current CUDA device,
+            whose index is filled in so it compares equal to the arena tensor's device).
     """
 
     def __init__(self, device="cpu"):
-        import torch
+        from memory_broker.kernels.devices import device_key
 
-        self.device = torch.device(device)
+        self.device = device_key(device)
         self._tables: dict[tuple, tuple] = {}
         # How many times tables were built (a test can see the cache work).
         self.builds = 0

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
+from memory_broker.clients.fd_channel import FdChannelError, fetch_fds
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.session import session_metadata, version_mismatch
@@ -51,9 +51,10 @@ def admin_session(
         mismatch = version_mismatch(opened.protocol_version, peer="the broker", mine="this tool")
         if mismatch is not None:
             raise BrokerError(Code.FAILED_PRECONDITION, mismatch)
-        # No slabs wanted: from the current end, so nothing is sent but the handshake.
-        for fd in fetch_slab_fds(opened.arena.fd_socket_path, opened.token, opened.arena.num_slabs, timeout=timeout):
-            os.close(fd)
+        # No fds wanted (none asked for: count 0), only the handshake.
+        fetch_fds(
+            opened.arena.fd_socket_path, opened.token, 0, 0, lambda fds: [os.close(fd) for fd in fds], timeout=timeout
+        )
         yield session_metadata(opened.token)
     finally:
         requests.put(pb.AttachRequest(detach=pb.Detach()))

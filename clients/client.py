@@ -223,6 +223,8 @@ class BrokerClient(StepCalls, BrokerSession):
             self._set_access(obj.pages, True)
         elif writer:
             self._set_access(obj.pages, False)
+        else:
+            self._import_pages(obj.pages, True)
         if obj.window_page >= 0:
             # Mirror the broker's window placement; skip if this exact mapping is in place.
             pages = tuple(obj.pages)

@@ -1,4 +1,4 @@
-"""The fd side channel, client side: fetches the arena's slab fds from a broker (blocking).
+"""The fd side channel, client side: fetches the arena's fds from a broker (blocking).
 
 This module speaks the protocol of ``memory_broker.proto.wire.fd_channel`` and returns fds
 that the caller owns and must close; it maps nothing and knows nothing of sessions beyond
@@ -12,6 +12,7 @@ import os
 import resource
 import socket
 import time
+from collections.abc import Callable
 
 from memory_broker.proto.wire import fd_channel as proto
 
@@ -21,98 +22,140 @@ FdChannelError = proto.FdChannelError
 
 
 def fetch_slab_fds(path: str, token: str, from_slab: int, *, timeout: float = 5.0) -> list[int]:
-    """The fds of slabs ``from_slab..end``, in slab order, close-on-exec, owned by the caller.
+    """The fds of units ``from_slab..end`` (slabs on a host arena), in order, close-on-exec,
+    owned by the caller. For a few fds only: a CUDA arena's pages go through ``fetch_fds``
+    with a ``consume`` that imports and closes each chunk.
+
+    Raises:
+        FdChannelError: as ``fetch_fds``. No fds are left open.
+    """
+    fds: list[int] = []
+    try:
+        fetch_fds(path, token, from_slab, None, fds.extend, timeout=timeout)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def fetch_fds(
+    path: str,
+    token: str,
+    first: int,
+    count: int | None,
+    consume: Callable[[list[int]], None],
+    *,
+    timeout: float = 5.0,
+) -> int:
+    """Fetch the fds of units ``first..first+count-1`` (``count`` None: to the arena's end) and
+    hand each chunk (at most ``MAX_FDS_PER_MESSAGE``, in unit order) to ``consume`` as it
+    arrives; returns how many fds came.
+
+    ``consume`` owns the fds it is given (it must close them, also when it raises); this
+    process so holds at most one chunk of fds at a time, whatever the count.
 
     Args:
         path: the broker's fd socket.
         token: the session token from Attach.
-        from_slab: the first slab wanted.
+        first, count: the units wanted (slabs on a host arena, pages on a CUDA arena).
+        consume: called with each chunk's fds.
         timeout: seconds for the whole exchange.
 
     Raises:
         FdChannelError: refused by the broker (its code and message), unreachable or too slow
-            (UNAVAILABLE), or a broken reply (INTERNAL). No fds are left open.
+            (UNAVAILABLE), or a broken reply (INTERNAL). Fds not yet consumed are closed.
+        Whatever ``consume`` raises (the rest of the reply is dropped, its fds closed).
     """
     deadline = time.monotonic() + timeout
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     except OSError as e:
         raise FdChannelError("UNAVAILABLE", f"cannot create a socket: {e}") from None
-    fds: list[int] = []
     try:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
         except (OSError, TimeoutError) as e:
             raise FdChannelError("UNAVAILABLE", f"cannot reach the broker's fd channel at {path}: {e}") from None
-        request = proto.request_line(token, from_slab)
         try:
-            sock.sendall(request)
+            sock.sendall(proto.request_line(token, first, count))
         except (BrokenPipeError, ConnectionResetError):
             # The broker may have refused and closed before reading; its reply is still queued.
             pass
-        _receive(sock, path, from_slab, deadline, fds)
-        return fds
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
+        return _receive(sock, path, first, deadline, consume)
     finally:
         sock.close()
 
 
-def _receive(sock: socket.socket, path: str, from_slab: int, deadline: float, fds: list[int]) -> None:
-    """Read the reply into ``fds`` (appended as they arrive, so the caller can close them)."""
+def _receive(sock: socket.socket, path: str, first: int, deadline: float, consume: Callable[[list[int]], None]) -> int:
+    """Read the reply, handing each chunk's fds to ``consume``; returns the fds received."""
     where = f"fd channel {path}"
     buf = bytearray()
     count: int | None = None
-    chunks_total = 0
-    next_chunk = 0
-    while True:
-        # Consume every complete line in the buffer before reading more.
-        while b"\n" in buf:
-            i = buf.index(b"\n")
-            line, buf = bytes(buf[:i]), buf[i + 1 :]
-            msg = proto.parse_reply_line(line, where)
-            if count is None:
-                count = proto.header_count(msg, where, from_slab)
-            else:
-                chunks_total += proto.chunk_count(msg, where, next_chunk)
-                next_chunk += 1
-            if count is not None and chunks_total >= count:
-                # Each chunk's fds arrive with its line, so the tally is complete here.
-                if chunks_total != count or len(fds) != count:
-                    raise FdChannelError(
-                        "INTERNAL",
-                        f"fd channel {path}: header announced {count} fds, chunks announced "
-                        f"{chunks_total}, received {len(fds)}",
-                    )
-                return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise FdChannelError("UNAVAILABLE", f"fd channel {path}: no complete reply in time ({len(fds)} fds so far)")
-        sock.settimeout(remaining)
-        try:
-            data, ancdata, flags, _ = sock.recvmsg(proto.RECV_BYTES, proto.FDS_ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC)
-        except TimeoutError:
-            raise FdChannelError(
-                "UNAVAILABLE", f"fd channel {path}: no complete reply in time ({len(fds)} fds so far)"
-            ) from None
-        except ConnectionResetError:
-            data, ancdata, flags = b"", [], 0
-        for level, kind, cdata in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
-                fds.extend(got)
-        if flags & socket.MSG_CTRUNC:
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            raise FdChannelError(
-                "INTERNAL",
-                f"fd channel {path}: the kernel dropped fds from a message (MSG_CTRUNC) after {len(fds)} "
-                f"received; this process may be at its open-file limit (RLIMIT_NOFILE soft limit {soft})",
-            )
-        if not data:
-            got_what = "no reply" if count is None else f"{len(fds)} of {count} fds"
-            raise FdChannelError("INTERNAL", f"fd channel {path}: connection closed after {got_what}")
-        buf += data
+    announced = received = next_chunk = 0
+    pending: list[int] = []  # fds received whose chunk line is not read yet
+    try:
+        while True:
+            # Consume every complete line in the buffer before reading more.
+            while b"\n" in buf:
+                i = buf.index(b"\n")
+                line, buf = bytes(buf[:i]), buf[i + 1 :]
+                msg = proto.parse_reply_line(line, where)
+                if count is None:
+                    count = proto.header_count(msg, where, first)
+                else:
+                    n = proto.chunk_count(msg, where, next_chunk)
+                    next_chunk += 1
+                    announced += n
+                    if len(pending) < n:
+                        raise FdChannelError(
+                            "INTERNAL", f"{where}: chunk {next_chunk - 1} announced {n} fds, {len(pending)} came"
+                        )
+                    chunk, pending = pending[:n], pending[n:]
+                    received += n
+                    consume(chunk)
+                if count is not None and announced >= count:
+                    # Each chunk's fds arrive with its line, so the tally is complete here.
+                    if announced != count or pending:
+                        raise FdChannelError(
+                            "INTERNAL",
+                            f"{where}: header announced {count} fds, chunks announced {announced}, "
+                            f"received {received + len(pending)}",
+                        )
+                    return received
+            data = _recv_into(sock, where, deadline, pending, received)
+            if not data:
+                got_what = "no reply" if count is None else f"{received + len(pending)} of {count} fds"
+                raise FdChannelError("INTERNAL", f"{where}: connection closed after {got_what}")
+            buf += data
+    finally:
+        for fd in pending:
+            os.close(fd)
+
+
+def _recv_into(sock: socket.socket, where: str, deadline: float, fds: list[int], received: int) -> bytes:
+    """One ``recvmsg``: its bytes, its fds appended to ``fds`` (close-on-exec)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise FdChannelError("UNAVAILABLE", f"{where}: no complete reply in time ({received} fds so far)")
+    sock.settimeout(remaining)
+    try:
+        data, ancdata, flags, _ = sock.recvmsg(proto.RECV_BYTES, proto.FDS_ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC)
+    except TimeoutError:
+        raise FdChannelError("UNAVAILABLE", f"{where}: no complete reply in time ({received} fds so far)") from None
+    except ConnectionResetError:
+        data, ancdata, flags = b"", [], 0
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
+            fds.extend(got)
+    if flags & socket.MSG_CTRUNC:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise FdChannelError(
+            "INTERNAL",
+            f"{where}: the kernel dropped fds from a message (MSG_CTRUNC) after {received + len(fds)} "
+            f"received; this process may be at its open-file limit (RLIMIT_NOFILE soft limit {soft})",
+        )
+    return data

@@ -26,6 +26,7 @@ from torch import nn
 
 from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
+from memory_broker.kernels.devices import same_device
 from memory_broker.kernels.dispatch import Backend, BackendChoice, choose_backend, lora_apply
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def _arena_view(
             arena = source if source.dtype == dtype else source.view(dtype)
         else:
             arena = source.arena_tensor(dtype)
-        if arena.device != tables.device:
+        if not same_device(arena.device, tables.device):
             raise ValueError(f"the offset tables live on {tables.device} but the arena on {arena.device}")
         reach = max((max(a.pages) + 1) * a.layout.page_size for a in slots)
         covered = arena.numel() * arena.element_size()
@@ -248,10 +249,11 @@ class LoraBatch:
         slots, seq_slots = _assign_slots(seq_adapters, lease)
         arena, row_align = _arena_view(source, slots, tables)
         slot_per_seq = torch.tensor(seq_slots, dtype=torch.int32)
-        token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(tables.device)
+        on = tables.device if arena is None else arena.device  # the arena's own device
+        token_slot = torch.repeat_interleave(slot_per_seq, torch.tensor(list(seq_lens))).to(on)
         segments = _segments(seq_slots, seq_lens)
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
-        chosen = choose_backend(tables.device, backend)
+        chosen = choose_backend(token_slot.device, backend)
         return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen)
 
     @property

@@ -20,14 +20,13 @@ from typing import Self
 
 import grpc
 
-from memory_broker.clients.fd_channel import FdChannelError, fetch_slab_fds
+from memory_broker.clients import arena_fds
 from memory_broker.clients.mappings import MappingBudget
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping import ArenaGeometry
-from memory_broker.proto.wire.mapping.host import HostArenaView
 from memory_broker.proto.wire.session import session_metadata, version_mismatch
-from memory_broker.proto.wire.status import code_of, error_from_rpc
+from memory_broker.proto.wire.status import error_from_rpc
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
@@ -265,25 +264,9 @@ class BrokerSession:
             raise BrokerError(Code.FAILED_PRECONDITION, f"cannot map the broker's {arena.backend} arena: {e}") from None
 
     def _attach_slabs(self, view, fd_socket_path: str, token: str, num_slabs: int) -> None:
-        """Fetch and map slabs ``view.mapped_slabs..num_slabs`` (caller holds the map lock or owns ``view``)."""
-        first = view.mapped_slabs
-        try:
-            fds = fetch_slab_fds(fd_socket_path, token, first, timeout=self.timeout)
-        except FdChannelError as e:
-            raise BrokerError(code_of(e.code), f"fd channel {fd_socket_path}: {e}") from None
-        try:
-            for i, fd in enumerate(fds):
-                view.attach_slab(first + i, fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if isinstance(view, HostArenaView) and view.mapped_slabs > first:
-            # Host pages start read-only here and become writable where this process is given
-            # them to write (allocate, prepare: ``_object``). Granting write costs an mprotect
-            # and no more; taking it away also flushes the TLBs of every CPU the process runs
-            # on, which a lookup of another process's pages would otherwise pay each time.
-            pps = view.geometry.pages_per_slab
-            view.set_page_access(range(first * pps, view.mapped_slabs * pps), True)
+        """Map slabs ``view.mapped_slabs..num_slabs`` (``arena_fds.attach_slabs``; caller holds
+        the map lock or owns ``view``)."""
+        arena_fds.attach_slabs(view, fd_socket_path, token, num_slabs, self.timeout)
 
     def _ensure_slabs(self, num_slabs: int) -> None:
         """Map slabs up to ``num_slabs`` (fetching their fds) if this process lacks them."""
@@ -294,9 +277,32 @@ class BrokerSession:
                 return
             self._attach_slabs(self.view, self.arena.fd_socket_path, self.token, num_slabs)
 
+    def _import_pages(self, pages: Sequence[int], readonly: bool) -> None:
+        """On a CUDA arena, import and map the pages of ``pages`` this process lacks, with the
+        access asked for from the start (nothing on a host arena: its slabs map whole)."""
+        if not arena_fds.missing_pages(self.view, pages):
+            return
+        with self._map_lock:
+            arena_fds.import_pages(self.view, self.arena.fd_socket_path, self.token, pages, readonly, self.timeout)
+
+    def map_arena(self, readonly: bool = True) -> int:
+        """Import and map every page of the arena that this process lacks (a CUDA arena maps
+        pages lazily, as they are given; this maps them ahead, e.g. to keep first-time costs
+        off later calls). Returns how many pages were mapped; nothing on a host arena."""
+        view = self.view
+        if view.fd_unit != "page":
+            return 0
+        before = view.attached_pages
+        self._import_pages(range(view.mapped_slabs * self.geometry.pages_per_slab), readonly)
+        return view.attached_pages - before
+
     def _set_access(self, pages: Sequence[int], readonly: bool) -> None:
-        """Keep this mapping's page access in step with what the pages hold now."""
-        if not self._page_access or not pages:
+        """Keep this mapping's page access in step with what the pages hold now (importing
+        pages this process lacks with that access from the start)."""
+        if not pages:
+            return
+        self._import_pages(pages, readonly)
+        if not self._page_access:
             return
         with self._map_lock:
             try:
@@ -309,9 +315,9 @@ class BrokerSession:
         return self.view.tensor(address, nbytes, dtype)
 
     def physical_view(self, dtype=None):
-        """The whole physical view mapped so far, as one tensor (page p at p * page_size)."""
-        n = self.view.mapped_slabs * self.geometry.slab_size
-        return self._tensor(self.view.phys_base, n, dtype)
+        """The whole physical view mapped so far, as one tensor (page p at p * page_size). On a
+        CUDA arena it spans pages not imported yet: index only pages this process was given."""
+        return self.view.physical_tensor(dtype)
 
     # ------------------------------------------------------------- events
 

@@ -17,6 +17,7 @@ import torch
 
 from . import reference
 from .batch_plan import BatchPlan, PathChoice
+from .devices import same_device
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def _check_torch_args(x, out, arena, a_offsets, b_offsets, ranks, scalings, toke
         if first < 0 or width < 0 or first + width > out.shape[1]:
             raise ValueError(f"slice {j} spans columns [{first}, {first + width}) outside out's {out.shape[1]} columns")
     for t in (x, out, a_offsets, b_offsets, ranks, scalings, token_slot):
-        if t.device != arena.device:
+        if not same_device(t.device, arena.device):
             raise ValueError(f"all tensors must be on the arena's device {arena.device}, found one on {t.device}")
     if num_slots and num_tokens:
         high = int(token_slot.max())

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .batch_plan import BatchPlan, PathChoice, plan_batch
+from .devices import same_device
 
 try:
     from triton.runtime.interpreter import InterpretedFunction
@@ -351,7 +352,7 @@ def _check_common(
     if token_slot.dtype != torch.int32 or token_slot.dim() != 1:
         raise ValueError(f"token_slot must be int32 [T], got {token_slot.dtype} shape {tuple(token_slot.shape)}")
     for t in (offsets, ranks, token_slot):
-        if t.device != arena.device:
+        if not same_device(t.device, arena.device):
             raise ValueError(f"all tensors must be on the arena's device {arena.device}, found one on {t.device}")
 
 
@@ -536,7 +537,11 @@ def expand(
     _check_common(arena, b_offsets, ranks, token_slot, "b_offsets")
     num_slots, num_slices, max_rank = b_offsets.shape
     num_tokens = token_slot.shape[0]
-    if scalings.dtype != torch.float32 or scalings.shape != (num_slots,) or scalings.device != arena.device:
+    if (
+        scalings.dtype != torch.float32
+        or scalings.shape != (num_slots,)
+        or not same_device(scalings.device, arena.device)
+    ):
         raise ValueError(
             f"scalings must be float32 [{num_slots}] on {arena.device}, got {scalings.dtype} {tuple(scalings.shape)}"
         )

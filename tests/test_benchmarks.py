@@ -97,3 +97,12 @@ def test_bench_step_quick_run_prints_every_path_and_both_targets():
     ):
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out
+
+
+def test_bench_cuda_arena_small_run_prints_every_table_beside_the_host_arena():
+    out = bench("bench_cuda_arena.py", "--scales", "64,128", "--reps", "10", "--latency-pages", "64")
+    assert "### Attach: connect() to a first allocation, and mapping every page" in out
+    assert "### Allocate + free" in out and "| host | warm | 16 contiguous |" in out
+    assert "| host | 128 |" in out and "open fds of this process (broker and client) at the end:" in out
+    # Without a GPU the CUDA columns say why; with one they are measured beside the host's.
+    assert "CUDA: not measured (" in out or ("| cuda | warm | 16 contiguous |" in out and "### Copy of" in out)

@@ -183,8 +183,16 @@ def test_malformed_json_is_invalid_argument(serve):
 
 def test_missing_token_is_invalid_argument(serve):
     srv = serve(2)
-    reply = raw_request(srv.path, b'{"from_slab": 0}\n')
+    reply = raw_request(srv.path, b'{"first": 0}\n')
     assert reply["code"] == "INVALID_ARGUMENT" and "token" in reply["message"]
+
+
+def test_a_version_1_request_is_told_to_upgrade(serve):
+    # Protocol version 1 asked for slabs from_slab..end; version 2 names first and count.
+    srv = serve(2)
+    reply = raw_request(srv.path, b'{"token": "t", "from_slab": 0}\n')
+    assert reply["ok"] is False and reply["code"] == "INVALID_ARGUMENT"
+    assert "protocol version 1" in reply["message"] and "same memory-broker release" in reply["message"]
 
 
 def test_negative_from_slab_is_invalid_argument(serve):

@@ -63,8 +63,8 @@ def test_arena_and_a_second_view_share_device_memory():
     try:
         a.grow(2)
         v = CudaArenaView(g, a.device_id)
-        for i in range(2):
-            v.attach_slab(i, a.slab_fd(i))
+        v.extend(2)
+        v.attach_pages(0, a.export_fds(0, 8))  # one allocation per page, each fd closed once imported
         ps = g.page_size
         mine = a.view.tensor(a.view.phys_base, 2 * g.slab_size)
         assert mine.is_cuda and mine.data_ptr() == a.view.phys_base
@@ -88,7 +88,7 @@ def test_arena_and_a_second_view_share_device_memory():
             v.map_window(6, [0])
         assert torch.equal(w[ps : 2 * ps], mine[ps : 2 * ps])
         del w
-        # Replacing part of a window mapping keeps the rest.
+        # Replacing one window page keeps the others (each page is its own mapping).
         v.map_window(6, [0])
         w2 = v.tensor(v.window_address(5), 3 * ps)
         assert torch.equal(w2[ps : 2 * ps], mine[0:ps]) and torch.equal(w2[2 * ps :], mine[3 * ps : 4 * ps])
@@ -124,15 +124,16 @@ def test_close_waits_for_live_tensors_and_unmapping_syncs_only_the_stream_that_u
         # A second view closed under a live tensor: the tensor keeps working; the view's
         # memory is unmapped when the tensor goes.
         v2 = CudaArenaView(g, a.device_id)
-        v2.attach_slab(0, a.slab_fd(0))
+        v2.extend(1)
+        v2.attach_pages(0, a.export_fds(0, 4))
         held = v2.tensor(v2.page_address(3), g.page_size)
         v2.close()
-        assert v2.mapped_slabs == 1
+        assert v2.attached_pages == 4
         held.fill_(9)
         torch.cuda.synchronize()
         assert int(v.tensor(v.window_address(0), 1)[0]) == 9
         del held
-        assert v2.mapped_slabs == 0  # the deferred teardown ran
+        assert v2.attached_pages == 0  # the deferred teardown ran
     finally:
         a.close()
 
@@ -157,7 +158,7 @@ def test_mapping_during_another_streams_graph_capture_leaves_the_capture_intact(
         graph.replay()
         torch.cuda.synchronize()
         assert float(x[0]) == 3.0
-        assert v.window_segments()[-1] == (4, 2, 0, 2)
+        assert v.window_pages()[-2:] == [(4, 2, False), (5, 3, False)]
         del graph, x
     finally:
         a.close()
@@ -170,7 +171,8 @@ from memory_broker.proto.wire.mapping.cuda import CudaArenaView
 MiB = 1 << 20
 g = ArenaGeometry(page_size=2 * MiB, pages_per_slab=4, max_slabs=1, window_pages=8)
 v = CudaArenaView(g, sys.argv[1])
-v.attach_slab(0, int(sys.argv[2]))
+v.extend(1)
+v.attach_pages(0, [int(fd) for fd in sys.argv[2].split(",")])  # closes each once imported
 v.set_page_access([1], True)
 v.map_window(0, [1, 2])
 ps = g.page_size
@@ -199,17 +201,18 @@ def test_a_write_to_a_read_only_page_faults_in_the_client_process():
         mine = a.view.tensor(a.view.phys_base, g.slab_size)
         mine.fill_(0x11)
         torch.cuda.synchronize()
-        fd = os.dup(a.slab_fd(0))
+        fds = a.export_fds(0, 4)
         try:
             r = subprocess.run(
-                [sys.executable, "-c", textwrap.dedent(_READONLY_CHILD), a.device_id, str(fd)],
-                pass_fds=[fd],
+                [sys.executable, "-c", textwrap.dedent(_READONLY_CHILD), a.device_id, ",".join(map(str, fds))],
+                pass_fds=fds,
                 capture_output=True,
                 text=True,
                 timeout=120,
             )
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         lines = r.stdout.splitlines()
         assert lines[:2] == ["read 17 17", "wrote-rw"], r.stdout + r.stderr
         assert "wrote-ro" not in lines, "a write to a read-only page went through"

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -192,3 +193,54 @@ def test_the_closure_check_names_what_neither_the_folder_nor_the_machine_has(tmp
         "memory_broker-0.1.0-py3-none-any.whl needs numpy>=3; the GPU machine has numpy 2.5.2",
         "memory_broker-0.1.0-py3-none-any.whl needs grpcio>=1.85.1: neither in the folder nor on the GPU machine",
     ]
+
+
+def test_the_check_script_keeps_what_it_measured_when_steps_run_out_of_time(tmp_path):
+    """Every step runs under its own time limit inside the run's budget, and results are
+    appended as they are measured: a test run and a benchmark cut off mid-way leave their
+    lines in the results file, each step says it timed out, and the run fails, in seconds.
+    (PYTHON is a stand-in that passes the preflight, prints a test line or a table, then
+    hangs; on a GPU machine the same limits keep the whole run under 8 minutes.)"""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'case "$*" in\n'
+        '  *"gpu_ready.py preflight"*) echo "READY: a stand-in GPU"; exit 0 ;;\n'
+        '  *"gpu_ready.py verdict"*) echo "NOT A PASS: no junit from a stand-in"; exit 1 ;;\n'
+        "  *--collect-only*) exit 0 ;;\n"
+        '  *"-m pytest"*) echo "tests/test_gpu_x.py::test_one PASSED [ 50%]"; exec sleep 300 ;;\n'
+        '  *bench_fake*) echo "### A table measured before the cut"; echo "| row | 1.0 |"; exec sleep 300 ;;\n'
+        '  "-") cat >/dev/null; exit 0 ;;\n'
+        "  *) exit 0 ;;\n"
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    out = tmp_path / "results.txt"
+    env = {
+        **os.environ,
+        "WHEELHOUSE": "",
+        "PYTHON": str(fake),
+        "GPU_TESTS": "tests/test_gpu_x.py",
+        "GPU_BENCHES": "ops/bench/bench_fake.py",
+        "TEST_TIMEOUT": "3",
+        "BENCH_TIMEOUT": "3",
+        "TOTAL_BUDGET": "60",
+    }
+    t0 = time.monotonic()
+    r = subprocess.run(
+        ["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    took = time.monotonic() - t0
+    text = out.read_text()
+    assert r.returncode == 1 and took < 40, (took, r.stdout, r.stderr)
+    assert "tests/test_gpu_x.py::test_one PASSED" in text
+    assert "TIMED OUT: the GPU tests after 3 s" in text
+    assert "### A table measured before the cut" in text and "| row | 1.0 |" in text
+    assert "TIMED OUT: ops/bench/bench_fake.py" in text
+    assert text.index("test_one PASSED") < text.index("TIMED OUT: the GPU tests") < text.index("### A table")
+    assert text.rstrip().splitlines()[-1].startswith("RESULT: FAIL:") and "RESULT: PASS" not in text

@@ -409,3 +409,33 @@ def test_generate_refuses_bad_arguments_before_running_anything(packed):
         lora.generate(packed.arena, lease, [[1]], ["a"], -1)
     # Nothing to generate: no forward at all (TinyDecoder would fail on token ids).
     assert lora.generate(packed.arena, lease, [[1, 2], [3]], ["a", None], 0).tokens == [[], []]
+
+
+# ----------------------------------------------------------------------- devices
+
+
+def test_cuda_without_an_index_is_the_current_device(monkeypatch):
+    """The 17 GPU failures "the offset tables live on cuda but the arena on cuda:0": tables
+    made for ``cuda`` and an arena tensor on ``cuda:0`` are one device, and compare so."""
+    from memory_broker.clients.adapters import AdapterTables
+    from memory_broker.kernels.devices import device_key, same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert device_key("cuda") == torch.device("cuda", 1) and device_key(torch.device("cuda")) == torch.device("cuda:1")
+    assert device_key("cuda:0") == torch.device("cuda:0") and device_key("cpu") == torch.device("cpu")
+    assert same_device("cuda", torch.device("cuda:1")) and same_device(torch.device("cuda"), "cuda:1")
+    assert not same_device("cuda", "cuda:0") and not same_device("cuda", "cpu") and not same_device("cpu", "cuda:1")
+    assert AdapterTables("cuda").device == torch.device("cuda:1")
+
+    def no_cuda():
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    assert device_key("cuda") == torch.device("cuda") and not same_device("cuda", "cpu")
+
+
+def test_the_batch_runs_on_the_arena_tensors_device(packed):
+    # token_slot and the backend follow the arena's own device, not the name the tables gave.
+    batch = build(packed, ["a", None], [2, 1])
+    assert batch.token_slot.device == packed.arena.device
+    assert batch.backend == ("triton" if packed.arena.device.type == "cuda" else "torch")

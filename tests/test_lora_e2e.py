@@ -91,7 +91,9 @@ def served(request, base_and_adapters):
     with torch.no_grad():
         expected = {None: fresh_base(base_dir, dtype)(ids).logits.float()}
         for name in NAMES:
-            peft_model = PeftModel.from_pretrained(fresh_base(base_dir, dtype), dirs[name]).eval()
+            # PEFT may load the adapter's weights on the CPU under a base on the GPU (seen on
+            # an H200: "mat1 is on cuda:0, different from other tensors on cpu"): move it all.
+            peft_model = PeftModel.from_pretrained(fresh_base(base_dir, dtype), dirs[name]).to(DEVICE).eval()
             expected[name] = peft_model(ids).logits.float()
     b = start_broker(*ARENA, "--adapter-dtype", dtype_name)
     try:
@@ -173,7 +175,7 @@ def peft_generated(base_and_adapters, served):
     base_dir, dirs = base_and_adapters
     models = {None: fresh_base(base_dir, DTYPES[dtype_name])}
     for name in set(GEN_ADAPTERS) - {None}:
-        models[name] = PeftModel.from_pretrained(fresh_base(base_dir, DTYPES[dtype_name]), dirs[name]).eval()
+        models[name] = PeftModel.from_pretrained(fresh_base(base_dir, DTYPES[dtype_name]), dirs[name]).to(DEVICE).eval()
     eos = GEN_EOS
 
     def greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:

@@ -362,7 +362,8 @@ def test_both_ends_of_the_fd_channel_share_one_definition():
     assert client_fd.FdChannelError is wire_fd.FdChannelError
     assert issubclass(server_fd.FdRequestRefused, wire_fd.FdChannelError)
     # What the client sends, the server reads; what the server refuses, the client raises.
-    assert wire_fd.parse_request(wire_fd.request_line("tok", 3).rstrip(b"\n")) == ("tok", 3)
+    assert wire_fd.parse_request(wire_fd.request_line("tok", 3).rstrip(b"\n")) == ("tok", 3, None)
+    assert wire_fd.parse_request(wire_fd.request_line("tok", 3, 200).rstrip(b"\n")) == ("tok", 3, 200)
     refusal = wire_fd.parse_reply_line(wire_fd.refusal_line("NOT_FOUND", "no such session").rstrip(b"\n"), "fd")
     with pytest.raises(wire_fd.FdChannelError) as e:
         wire_fd.header_count(refusal, "fd", 0)
@@ -375,8 +376,10 @@ def test_a_malformed_fd_request_is_refused_as_invalid_argument():
     for line, words in [
         (b"{", "not a JSON line"),
         (b"[]", "JSON object"),
-        (b'{"token": "t", "from_slab": true}', "integer"),
-        (b'{"token": "t", "from_slab": -1}', ">= 0"),
+        (b'{"token": "t", "first": true}', "integer"),
+        (b'{"token": "t", "first": -1}', ">= 0"),
+        (b'{"token": "t", "first": 0, "count": -2}', ">= 0 or null"),
+        (b'{"token": "t", "from_slab": 0}', "protocol version 1"),
     ]:
         with pytest.raises(wire_fd.FdChannelError) as e:
             wire_fd.parse_request(line)

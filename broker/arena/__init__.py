@@ -1,9 +1,10 @@
 """The broker's physical memory: one owner interface (``base``), one backend per kind of memory.
 
 ``make_arena`` picks the backend: ``host`` (memfd slabs, the default where no GPU is
-present) or ``cuda`` (CUDA VMM slabs, ``broker.arena.cuda``). ``auto`` chooses CUDA where
+present) or ``cuda`` (one CUDA VMM allocation per page, created a slab at a time,
+``broker.arena.cuda``). ``auto`` chooses CUDA where
 cuda-python, a driver and a device with VMM and POSIX-fd handles are present, and host
-memory otherwise; either way it says why. The geometry and the views that map slabs are
+memory otherwise; either way it says why. The geometry and the views that map the arena are
 shared with clients in ``memory_broker.proto.wire.mapping`` (clients open theirs with its
 ``open_view``); the client must not import this package.
 """

@@ -1,8 +1,10 @@
 """The broker's arena: physical memory in slabs that it creates, maps and exports as fds.
 
-This module owns what every backend's owner side shares (``Arena``): the slab fds it hands
-out, growth with its bounds check and its all-or-nothing rollback, and closing. A backend
-keeps only how one slab is made and exported (``_create_slab``). Mapping is the view's
+This module owns what every backend's owner side shares (``Arena``): growth by slabs with its
+bounds check and its all-or-nothing rollback, the fd channel's units (``fd_units``) and
+closing. A backend keeps how one slab is made (``_create_slab``), what it keeps of it, and how
+fds are made for the fd channel (``export_fds``: a slab's memfd on the host, one fd per page
+on CUDA, where only whole allocations map). Mapping is the view's
 (``memory_broker.proto.wire.mapping``, shared with clients); it knows nothing of objects, owners or
 eviction: the page pool above decides which page goes where.
 """
@@ -10,7 +12,8 @@ eviction: the page pool above decides which page goes where.
 from __future__ import annotations
 
 import abc
-import os
+import threading
+from typing import Any
 
 from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, format_size
 from memory_broker.proto.wire.mapping.view import ArenaView
@@ -21,6 +24,8 @@ class Arena(abc.ABC):
 
     # Short name shown in logs and status: "host" or "cuda".
     backend: str
+    # What one fd of the fd channel stands for: "slab" (host) or "page" (CUDA).
+    fd_unit: str
 
     def __init__(self, geometry: ArenaGeometry, view: ArenaView, name: str) -> None:
         self.geometry = geometry
@@ -28,19 +33,26 @@ class Arena(abc.ABC):
         self.name = name
         # The broker's own mappings.
         self.view = view
-        # The broker's slab fds, close-on-exec; shared with clients over SCM_RIGHTS.
-        self._fds: list[int] = []
+        # Per slab, what the backend keeps of it (the host's memfd; nothing on CUDA).
+        self._slabs: list[Any] = []
         self._closed = False
+        # Held by ``export_fds`` (the fd channel's export threads) and ``close``, so an export
+        # never reads what a close is releasing.
+        self._lock = threading.Lock()
 
     @property
     def num_slabs(self) -> int:
         """Slabs created so far."""
-        return len(self._fds)
+        return len(self._slabs)
 
     @property
     def capacity_pages(self) -> int:
         """Pages backed by physical memory now (grows up to ``geometry.max_pages``)."""
         return self.num_slabs * self.geometry.pages_per_slab
+
+    def fd_units(self) -> int:
+        """How many fds the fd channel can send now: slabs, or pages on CUDA."""
+        return self.num_slabs if self.fd_unit == "slab" else self.capacity_pages
 
     def grow(self, slabs: int) -> None:
         """Create ``slabs`` more slabs and map them into the broker's view.
@@ -55,12 +67,12 @@ class Arena(abc.ABC):
         g = self.geometry
         if slabs < 0:
             raise ValueError(f"cannot grow by {slabs} slabs")
-        have = len(self._fds)
+        have = len(self._slabs)
         if have + slabs > g.max_slabs:
             raise MemoryError(
                 f"arena at {have} of {g.max_slabs} slabs ({format_size(have * g.slab_size)}); cannot grow by {slabs}"
             )
-        created: list[int] = []
+        created: list[Any] = []
         try:
             prepared = self._prepare_growth()
             for idx in range(have, have + slabs):
@@ -69,29 +81,33 @@ class Arena(abc.ABC):
             try:
                 self.view.detach_from(have)
             finally:
-                for fd in created:
-                    os.close(fd)
+                for rec in created:
+                    self._discard_slab(rec)
             raise
-        self._fds.extend(created)
+        self._slabs.extend(created)
 
-    def slab_fd(self, slab_index: int) -> int:
-        """The broker-held fd of a slab; callers duplicate it (SCM_RIGHTS does) and never close it."""
-        self._check_open()
-        if not 0 <= slab_index < len(self._fds):
-            raise ValueError(f"slab {slab_index} does not exist; the arena has {len(self._fds)} slabs")
-        return self._fds[slab_index]
+    @abc.abstractmethod
+    def export_fds(self, first: int, count: int) -> list[int]:
+        """New close-on-exec fds for fd units ``first..first+count-1`` (slabs or pages), owned
+        by the caller, who closes them once sent. Called from the fd channel's export threads.
+
+        Raises:
+            ValueError: a unit does not exist.
+            OSError, MemoryError: an fd could not be made (none of this call's is left open).
+        """
 
     def close(self) -> None:
-        """Unmap the broker's view and close every slab fd. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Unmap the broker's view and close what it keeps of each slab. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self.view.close()
         finally:
-            for fd in self._fds:
-                os.close(fd)
-            self._fds.clear()
+            for rec in self._slabs:
+                self._discard_slab(rec)
+            self._slabs.clear()
 
     # ------------------------------------------------------------- per backend
 
@@ -100,13 +116,22 @@ class Arena(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def _create_slab(self, idx: int, have: int, slabs: int, prepared: object) -> int:
-        """Create slab ``idx``, map it into ``self.view`` and return its exported fd.
+    def _create_slab(self, idx: int, have: int, slabs: int, prepared: object) -> Any:
+        """Create slab ``idx``, map it into ``self.view`` and return what the arena keeps of it.
 
         ``have`` and ``slabs`` are the grow's start and size, for the message. On failure it
         raises MemoryError (naming the failed call) and leaves nothing of slab ``idx`` behind;
         ``grow`` undoes the slabs before it.
         """
+
+    def _discard_slab(self, record: Any) -> None:
+        """Close what ``_create_slab`` returned (after the view unmapped it); nothing here."""
+        return None
+
+    def _check_units(self, first: int, count: int) -> None:
+        have = self.fd_units()
+        if first < 0 or count < 0 or first + count > have:
+            raise ValueError(f"{self.fd_unit}s {first}..{first + count - 1} do not exist; the arena has {have}")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,10 +1,19 @@
-"""The CUDA arena's owner side: the broker creates VMM slabs (``cuMemCreate``) and exports them as fds.
+"""The CUDA arena's owner side: the broker creates one VMM allocation per page and exports
+page fds on demand.
 
-This module owns the broker's CUDA slabs (``CudaArena``: create, export as POSIX fds, map into
-its own view, preallocate from the device's free memory). Importing and mapping slabs, the
-device and the driver calls are the view's, shared with clients
-(``memory_broker.proto.wire.mapping.cuda``); growth's bookkeeping is the base ``Arena``'s. It knows
-nothing of objects or owners: the page pool decides which page goes where.
+This module owns the broker's CUDA pages (``CudaArena``): create them a slab at a time
+(``pages_per_slab`` calls to ``cuMemCreate``, one per page: only whole allocations map on a
+GPU), map them into its own view with one ``cuMemSetAccess`` per slab, export a page's fd
+only when a client asks for it (``export_fds``, from the fd channel's export threads), and
+preallocate from the device's free memory. Importing and mapping pages, the device and the
+driver calls are the view's, shared with clients (``memory_broker.proto.wire.mapping.cuda``);
+growth's bookkeeping is the base ``Arena``'s.
+
+Measured on an H200 by the GPU probes (FIELD-NOTES "CUDA VMM on a real GPU"), per 2 MiB page:
+``cuMemCreate`` 7-22 us, map + first access 31 us, export 31-77 us. A whole H200 (~70,000
+pages) so takes about 2-4 s to create and map at start; exporting it all would take ~4.5 s,
+which is why fds are made on demand, off the event loop, and closed once sent (the broker
+holds no fd per page). This module has not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+from typing import Any
 
 from memory_broker.broker.arena.base import Arena
 from memory_broker.proto.wire.mapping.cuda import (
@@ -30,7 +40,8 @@ from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, format_size
 
 
 class CudaArena(Arena):
-    """The broker's CUDA arena: creates exportable VMM slabs and maps them into its own view.
+    """The broker's CUDA arena: creates one exportable VMM allocation per page, a slab at a
+    time, and maps them into its own view.
 
     Args:
         geometry: sizes (page size a multiple of the device's granularity, usually 2 MiB).
@@ -39,6 +50,7 @@ class CudaArena(Arena):
     """
 
     backend = "cuda"
+    fd_unit = "page"
     view: CudaArenaView
 
     def __init__(self, geometry: ArenaGeometry, device: str | int | None = "0", name: str = "memory-broker") -> None:
@@ -66,38 +78,66 @@ class CudaArena(Arena):
         self.view.make_current()
         return self.view.allocation_prop()
 
-    def _create_slab(self, idx: int, have: int, slabs: int, prepared: object) -> int:
-        """``cuMemCreate`` + export as a close-on-exec fd + map into the broker's view;
-        MemoryError naming the failed call (and nothing left behind) otherwise."""
+    def _create_slab(self, idx: int, have: int, slabs: int, prepared: object) -> Any:
+        """``cuMemCreate`` each page of slab ``idx`` and map them into the broker's view (one
+        access call for the slab); MemoryError naming the failed call (and nothing of the
+        slab left behind) otherwise."""
         drv, view, g = self._drv, self.view, self.geometry
-        handle = None
-        fd = -1
+        handles: list[Any] = []
         try:
-            handle = check(f"cuMemCreate({g.slab_size} bytes)", drv.cuMemCreate(g.slab_size, prepared, 0), drv)
-            fd = int(
-                check(
-                    f"cuMemExportToShareableHandle(slab {idx}, POSIX_FILE_DESCRIPTOR)",
-                    drv.cuMemExportToShareableHandle(handle, view.fd_handle_type, 0),
-                    drv,
+            for i in range(g.pages_per_slab):
+                page = idx * g.pages_per_slab + i
+                handles.append(
+                    check(
+                        f"cuMemCreate({g.page_size} bytes, page {page})", drv.cuMemCreate(g.page_size, prepared, 0), drv
+                    )
                 )
-            )
-            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
-            view.attach_handle(idx, handle)  # the view owns the handle from here
-            handle = None
-        except BaseException as e:
-            if fd >= 0:
-                os.close(fd)
-            if isinstance(e, (CudaError, OSError)):
-                raise MemoryError(self._growth_message(have, slabs, idx, e)) from e
-            raise
+            view.attach_handles(idx * g.pages_per_slab, handles)  # the view owns them from here
+            handles = []
+        except (CudaError, OSError) as e:
+            raise MemoryError(self._growth_message(have, slabs, idx, e)) from e
         finally:
-            if handle is not None:
-                drv.cuMemRelease(handle)
-        return fd
+            for h in handles:
+                drv.cuMemRelease(h)
+        return None
+
+    def export_fds(self, first: int, count: int) -> list[int]:
+        """New close-on-exec fds for pages ``first..first+count-1``
+        (``cuMemExportToShareableHandle``, 31-77 us per page measured), owned by the caller.
+
+        Raises:
+            ValueError: a page does not exist.
+            MemoryError: an export failed (none of this call's fds is left open); the message
+                names the call (an fd limit shows as the driver's error here).
+        """
+        out: list[int] = []
+        with self._lock:
+            self._check_open()
+            self._check_units(first, count)
+            view, drv = self.view, self._drv
+            view.make_current()
+            try:
+                for p in range(first, first + count):
+                    fd = int(
+                        check(
+                            f"cuMemExportToShareableHandle(page {p}, POSIX_FILE_DESCRIPTOR)",
+                            drv.cuMemExportToShareableHandle(view.page_handle(p), view.fd_handle_type, 0),
+                            drv,
+                        )
+                    )
+                    out.append(fd)
+                    fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
+            except BaseException as e:
+                for fd in out:
+                    os.close(fd)
+                if isinstance(e, CudaError):
+                    raise MemoryError(f"{e} exporting pages {first}..{first + count - 1} ({len(out)} made)") from e
+                raise
+        return out
 
     def preallocate_fraction(self, fraction: float) -> int:
-        """Grow by as many slabs as fit in ``fraction`` of the device's free memory (capped at
-        the arena's maximum); returns how many were created.
+        """Grow by as many slabs (of page allocations) as fit in ``fraction`` of the device's free
+        memory (capped at the arena's maximum); returns how many were created.
 
         Raises:
             ValueError: ``fraction`` outside (0, 1].

@@ -28,6 +28,7 @@ class HostArena(Arena):
     """The broker's host arena: creates sealed memfd slabs and maps them into its own view."""
 
     backend = "host"
+    fd_unit = "slab"
 
     def __init__(self, geometry: ArenaGeometry, name: str = "memory-broker") -> None:
         super().__init__(geometry, HostArenaView(geometry), name)
@@ -56,6 +57,31 @@ class HostArena(Arena):
                 raise MemoryError(f"{call} failed growing the arena from {have} to {have + slabs} slabs: {err}") from e
             raise
         return fd
+
+    def _discard_slab(self, record: int) -> None:
+        os.close(record)
+
+    def slab_fd(self, slab_index: int) -> int:
+        """The broker-held fd of a slab; callers duplicate it (SCM_RIGHTS does) and never close it."""
+        self._check_open()
+        if not 0 <= slab_index < len(self._slabs):
+            raise ValueError(f"slab {slab_index} does not exist; the arena has {len(self._slabs)} slabs")
+        return self._slabs[slab_index]
+
+    def export_fds(self, first: int, count: int) -> list[int]:
+        """Close-on-exec duplicates of slabs ``first..first+count-1``'s memfds (the caller's)."""
+        out: list[int] = []
+        with self._lock:
+            self._check_open()
+            self._check_units(first, count)
+            try:
+                for i in range(first, first + count):
+                    out.append(os.dup(self._slabs[i]))
+            except BaseException:
+                for fd in out:
+                    os.close(fd)
+                raise
+        return out
 
 
 __all__ = ["HostArena", "HostArenaView", "host_buffer"]

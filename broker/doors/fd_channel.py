@@ -1,10 +1,17 @@
-"""The fd side channel, server side: hands the arena's slab fds to authorized local processes.
+"""The fd side channel, server side: hands the arena's fds to authorized local processes.
 
-This module owns the Unix socket that lends slab fds with ``SCM_RIGHTS``; the protocol
-(framing, limits, messages) is ``memory_broker.proto.wire.fd_channel``, shared with the client. It
-decides nothing about sessions (``authorize`` does) and never owns or closes the slab fds it
-sends (``slab_fds`` returns the broker's own; the kernel duplicates them into the receiver).
-It must not import gRPC.
+This module owns the Unix socket that lends the arena's fds with ``SCM_RIGHTS`` (one per slab
+on a host arena, one per page on a CUDA arena); the protocol (framing, limits, messages) is
+``memory_broker.proto.wire.fd_channel``, shared with the client. It decides nothing about
+sessions (``authorize`` does).
+
+**Fds on demand, within a budget.** The fds it sends are made for the request
+(``export_fds``: a ``dup`` of a slab's memfd, or ``cuMemExportToShareableHandle`` of a page,
+31-77 us per page as measured by the GPU probes) in a small executor, never on the event
+loop, ``MAX_FDS_PER_MESSAGE`` at a time, and closed as soon as their message is sent. At most
+``EXPORT_BATCHES`` batches are held at once, whatever the number of connections, so the
+broker holds at most ``FD_BUDGET`` exported fds: a whole GPU (~70,000 pages of 2 MiB on an
+H200) never needs one fd per page open in the broker. It must not import gRPC.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred, peer_cred
 from memory_broker.proto.wire.fd_channel import (
@@ -35,6 +44,12 @@ LISTEN_BACKLOG = 64
 # than this at once is a client gone wrong or an attempt to wear the broker down).
 MAX_CONNECTIONS = 256
 MAX_CONNECTIONS_PER_UID = 32
+# Batches of exported fds held at once (being made or sent), over all connections; the
+# broker's fd budget for the channel is this many messages' worth.
+EXPORT_BATCHES = 4
+FD_BUDGET = EXPORT_BATCHES * MAX_FDS_PER_MESSAGE
+# Threads that make fds (driver exports block for tens of microseconds per page).
+EXPORT_THREADS = 2
 
 
 def listen_unix(path: str) -> socket.socket:
@@ -60,7 +75,9 @@ class FdChannelServer:
         *,
         allowed_uids: frozenset[int] | None,
         authorize: Callable[[str, PeerCred], None],
-        slab_fds: Callable[[int], list[int]],
+        export_fds: Callable[[int, int], list[int]] | None = None,
+        units: Callable[[], int] | None = None,
+        slab_fds: Callable[[int], list[int]] | None = None,
         log: Callable[..., None] | None = None,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
@@ -72,7 +89,11 @@ class FdChannelServer:
             allowed_uids: uids that may connect; None allows any.
             authorize: checks a token for a peer; raises FdRequestRefused to refuse. Called
                 on the event loop, so it may touch loop-owned state.
-            slab_fds: the broker's fds for slabs ``k..end``; borrowed, never closed here.
+            export_fds: ``export_fds(first, n)``: new fds for units ``first..first+n-1``, owned
+                by the caller (closed here once sent); called in the export executor.
+            units: how many units (slabs or pages) the arena has now.
+            slab_fds: instead of the two above: the broker's own fds for slabs ``k..end``
+                (borrowed; they are duplicated for sending).
             log: ``log(event, **fields)``.
             request_timeout_s: time a client has to send its request, and to take its reply.
             max_connections, max_connections_per_uid: connections served at once; one
@@ -81,7 +102,14 @@ class FdChannelServer:
         self.path = path
         self.allowed_uids = allowed_uids
         self._authorize = authorize
-        self._slab_fds = slab_fds
+        if slab_fds is not None:
+            export_fds, units = _from_slab_fds(slab_fds)
+        if export_fds is None or units is None:
+            raise TypeError("FdChannelServer needs export_fds and units (or slab_fds)")
+        self._export_fds = export_fds
+        self._units = units
+        self._executor: ThreadPoolExecutor | None = None
+        self._export_slots: asyncio.Semaphore | None = None
         self._log = log or (lambda event, **kw: None)
         self._timeout = request_timeout_s
         self._sock: socket.socket | None = None
@@ -97,6 +125,8 @@ class FdChannelServer:
         if self._sock is not None:
             raise RuntimeError(f"fd channel {self.path} already started")
         self._sock = listen_unix(self.path)
+        self._executor = ThreadPoolExecutor(EXPORT_THREADS, thread_name_prefix="fd-export")
+        self._export_slots = asyncio.Semaphore(EXPORT_BATCHES)
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     async def close(self) -> None:
@@ -116,6 +146,11 @@ class FdChannelServer:
             t.cancel()
         # Each task closes its own connection, also when cancelled.
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._executor is not None:
+            # Exports under way finish in their thread (their fds are closed by their task's
+            # cleanup, or here by the executor's callers); new ones are not started.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -152,15 +187,16 @@ class FdChannelServer:
                 over = self._over_limit(peer)
                 if over is not None:
                     raise FdRequestRefused("RESOURCE_EXHAUSTED", over)
-                fds, from_slab = await self._decide(conn, peer)
+                first, count = await self._decide(conn, peer)
             except FdChannelError as r:  # FdRequestRefused, or a malformed request
                 self._log("fd_request_refused", pid=peer.pid, uid=peer.uid, code=r.code, message=r.message)
                 async with asyncio.timeout(self._timeout):
                     await asyncio.get_running_loop().sock_sendall(conn, refusal_line(r.code, r.message))
                 return
-            async with asyncio.timeout(self._timeout):
-                await self._send_fds(conn, from_slab, fds)
-            self._log("fd_request_served", pid=peer.pid, uid=peer.uid, from_slab=from_slab, count=len(fds))
+            t0 = time.perf_counter()
+            await self._send_fds(conn, first, count)
+            ms = round((time.perf_counter() - t0) * 1e3, 3)
+            self._log("fd_request_served", pid=peer.pid, uid=peer.uid, first=first, count=count, ms=ms)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -180,8 +216,8 @@ class FdChannelServer:
                     self._per_uid.pop(peer.uid, None)
             conn.close()
 
-    async def _decide(self, conn: socket.socket, peer: PeerCred) -> tuple[list[int], int]:
-        """The fds to send for this connection's request, or FdRequestRefused."""
+    async def _decide(self, conn: socket.socket, peer: PeerCred) -> tuple[int, int]:
+        """The units ``(first, count)`` to send for this connection's request, or FdRequestRefused."""
         # Read before judging, so a refused client reads our reply instead of a reset.
         line, unread = await self._read_request(conn)
         if self.allowed_uids is not None and peer.uid not in self.allowed_uids:
@@ -191,7 +227,7 @@ class FdChannelServer:
             )
         if unread is not None:
             raise FdRequestRefused("INVALID_ARGUMENT", unread)
-        token, from_slab = parse_request(line)
+        token, first, count = parse_request(line)
         try:
             self._authorize(token, peer)
         except FdChannelError:
@@ -199,12 +235,16 @@ class FdChannelServer:
         except Exception as e:
             self._log("fd_channel_authorize_failed", pid=peer.pid, error=f"{type(e).__name__}: {e}")
             raise FdRequestRefused("INTERNAL", f"broker failed to check the request: {type(e).__name__}: {e}") from e
-        try:
-            fds = list(self._slab_fds(from_slab))
-        except Exception as e:
-            self._log("fd_channel_slab_fds_failed", from_slab=from_slab, error=f"{type(e).__name__}: {e}")
-            raise FdRequestRefused("INTERNAL", f"broker failed to list slab fds from {from_slab}: {e}") from e
-        return fds, from_slab
+        have = self._units()
+        if count is None:  # to the end (none past it)
+            return first, max(0, have - first)
+        if first + count > have:
+            raise FdRequestRefused(
+                "INVALID_ARGUMENT",
+                f"units {first}..{first + count - 1} asked for, but the arena has {have} (0..{have - 1}); "
+                "nothing was sent",
+            )
+        return first, count
 
     async def _read_request(self, conn: socket.socket) -> tuple[bytes, str | None]:
         """The request line, or what went wrong reading it (as a refusal message)."""
@@ -226,12 +266,69 @@ class FdChannelServer:
             return b"", f"request over {MAX_REQUEST_BYTES} bytes"
         return line, None
 
-    async def _send_fds(self, conn: socket.socket, from_slab: int, fds: list[int]) -> None:
+    async def _send_fds(self, conn: socket.socket, first: int, count: int) -> None:
+        """The header, then the fds in chunks: each made in the executor (within the budget),
+        sent, and closed here; every chunk must be taken within the request timeout."""
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(conn, header_line(from_slab, len(fds)))
-        for i, start in enumerate(range(0, len(fds), MAX_FDS_PER_MESSAGE)):
-            chunk = fds[start : start + MAX_FDS_PER_MESSAGE]
-            await _sendmsg_fds(loop, conn, chunk_line(i, len(chunk)), chunk)
+        assert self._executor is not None and self._export_slots is not None
+        async with asyncio.timeout(self._timeout):
+            await loop.sock_sendall(conn, header_line(first, count))
+        for i, start in enumerate(range(first, first + count, MAX_FDS_PER_MESSAGE)):
+            n = min(MAX_FDS_PER_MESSAGE, first + count - start)
+            async with self._export_slots:
+                try:
+                    fds = await self._export(start, n)
+                except Exception as e:
+                    self._log("fd_channel_export_failed", first=start, count=n, error=f"{type(e).__name__}: {e}")
+                    code = "RESOURCE_EXHAUSTED" if isinstance(e, (OSError, MemoryError)) else "INTERNAL"
+                    async with asyncio.timeout(self._timeout):
+                        await loop.sock_sendall(
+                            conn, refusal_line(code, f"broker failed to export units {start}..{start + n - 1}: {e}")
+                        )
+                    return
+                try:
+                    if len(fds) != n:
+                        raise RuntimeError(f"export_fds({start}, {n}) made {len(fds)} fds")
+                    async with asyncio.timeout(self._timeout):
+                        await _sendmsg_fds(loop, conn, chunk_line(i, n), fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+
+    async def _export(self, first: int, n: int) -> list[int]:
+        """``export_fds(first, n)`` in the executor; fds made for a task cancelled meanwhile
+        are closed when they come."""
+        assert self._executor is not None
+        cf = self._executor.submit(self._export_fds, first, n)
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            cf.add_done_callback(_close_result)
+            raise
+
+
+def _close_result(cf) -> None:
+    if not cf.cancelled() and cf.exception() is None:
+        for fd in cf.result():
+            os.close(fd)
+
+
+def _from_slab_fds(slab_fds: Callable[[int], list[int]]) -> tuple[Callable[[int, int], list[int]], Callable[[], int]]:
+    """``export_fds`` and ``units`` over a function listing the broker's own slab fds (each
+    sent as a close-on-exec duplicate, so the caller's stay open)."""
+
+    def export(first: int, n: int) -> list[int]:
+        out: list[int] = []
+        try:
+            for fd in list(slab_fds(first))[:n]:
+                out.append(os.dup(fd))
+        except BaseException:
+            for fd in out:
+                os.close(fd)
+            raise
+        return out
+
+    return export, lambda: len(list(slab_fds(0)))
 
 
 async def _sendmsg_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, payload: bytes, fds: list[int]) -> None:

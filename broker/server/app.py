@@ -12,6 +12,7 @@ import asyncio
 import gc
 import grp
 import os
+import resource
 import signal
 import time
 
@@ -22,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
 from memory_broker.broker.arena import make_arena
-from memory_broker.broker.doors.fd_channel import FdChannelServer
+from memory_broker.broker.doors.fd_channel import FD_BUDGET, FdChannelServer
 from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
 from memory_broker.broker.doors.service import EchoService, MemoryBrokerService
 from memory_broker.broker.doors.step_channel import StepChannelServer
@@ -127,6 +128,7 @@ class BrokerServer:
         loop = asyncio.get_running_loop()
         self.lock = SocketLock(opts.socket)
         self.lock.acquire()
+        self.fd_limit = "{} (hard {})".format(*raise_fd_limit())
         try:
             await self._start(loop)
         except BaseException:
@@ -226,7 +228,8 @@ class BrokerServer:
             opts.fd_socket,
             allowed_uids=opts.effective_uids(),
             authorize=self.sessions.authorize_fd_request,
-            slab_fds=lambda first: [self.arena.slab_fd(i) for i in range(first, self.arena.num_slabs)],
+            export_fds=self.arena.export_fds,
+            units=self.arena.fd_units,
             log=self._log_event,
         )
         await self.fd_server.start()
@@ -269,6 +272,7 @@ class BrokerServer:
             page_size=format_size(opts.page_size),
             slab_size=format_size(opts.slab_size),
             slabs=self.arena.num_slabs,
+            fds=f"one per {self.arena.fd_unit}, made on demand, at most {FD_BUDGET} open; RLIMIT_NOFILE {self.fd_limit}",
             allowed_uids=sorted(opts.effective_uids()),
             adapters_registered=len(self.registry),
             pid=os.getpid(),
@@ -505,6 +509,22 @@ class BrokerServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; returns (soft, hard) now.
+
+    The broker holds few fds of its own (exports are made on demand and closed once sent, at
+    most ``FD_BUDGET`` at once), but every client connection and adapter file costs one too.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft, hard
 
 
 async def serve(opts: ServeOptions, log, overrides: dict | None = None) -> None:

@@ -10,6 +10,13 @@
 # not), one line per test, the per-file tally, the verdict, and the benchmark tables; the full
 # pytest output goes beside it as RESULTS_FILE.log.
 #
+# Time: the whole run is bounded by TOTAL_BUDGET seconds (default 440, under 8 minutes on an
+# H100/H200); every step runs under `timeout` with its own limit (INSTALL_TIMEOUT 60,
+# PREFLIGHT_TIMEOUT 45, COLLECT_TIMEOUT 60, TEST_TIMEOUT 240, BENCH_TIMEOUT 90 per benchmark),
+# cut to what is left of the budget. Results are appended to RESULTS_FILE as they are measured
+# (one line per test as it finishes, each benchmark's tables as they print, unbuffered), so a
+# run that is cut off keeps everything it measured; a step that times out says so.
+#
 # Exit status 0 only when the CUDA arena actually ran: the preflight found a GPU the arena can
 # use, no test failed, and every test in tests/test_gpu_arena.py ran and passed (a run where
 # the GPU tests skip is a failure, with the skip reason). Without a GPU it fails at once with
@@ -28,12 +35,22 @@
 # default tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels*.py
 # tests/test_lora_batch.py tests/test_lora_e2e.py where present), GPU_BENCHES (default
 # ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py where present), BENCH_TIMEOUT
-# (seconds per benchmark, default 900), VLLM_LORA_OPS (default ops/gpu/vllm_lora_ops: vLLM's
+# (seconds per benchmark, default 90), VLLM_LORA_OPS (default ops/gpu/vllm_lora_ops: vLLM's
 # Triton LoRA kernels, copied where vLLM is installed by ops/gpu/extract_vllm_lora_ops.py and
 # carried along, git-ignored; bench_lora_kernels.py compares the project's kernels with them,
 # and without the folder runs without those rows, saying so).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+
+budget_end=$((SECONDS + ${TOTAL_BUDGET:-440}))
+limit() {  # limit DEFAULT: seconds a step may take, DEFAULT cut to what the budget has left (at least 5)
+    local left=$((budget_end - SECONDS))
+    [ "$left" -lt 5 ] && left=5
+    if [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi
+}
+timed_out() {  # timed_out RC STEP: a line saying a step ran out of time (timeout exits 124, or 137 when killed)
+    if [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; then echo "TIMED OUT: $2 (cut by its time limit; what it measured is above)"; fi
+}
 
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
@@ -44,7 +61,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     device=$(nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 fi
 if [ -z "$device" ]; then
-    device=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>/dev/null)
+    device=$(timeout 60 "$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>/dev/null)
 fi
 [ -n "$device" ] || device="no-gpu"
 slug=$(printf '%s' "${device%%,*}" | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9' '-' | sed 's/^-*//; s/-*$//')
@@ -93,7 +110,7 @@ if [ -n "$wheelhouse" ]; then
     [ -f "$wheelhouse/requirements.txt" ] || fail "no wheelhouse at $wheelhouse (build it with ops/gpu/build_wheelhouse.py where a registry is reachable, and carry it), or set WHEELHOUSE= to use what is installed"
     [ -f "$wheelhouse/MANIFEST.txt" ] && tail -n 1 "$wheelhouse/MANIFEST.txt" >>"$out"
     pip_install=("$PYTHON" -m pip install --no-index --find-links "$wheelhouse" --no-cache-dir --disable-pip-version-check)
-    if ! "${pip_install[@]}" -r "$wheelhouse/requirements.txt" >>"$log" 2>&1; then
+    if ! timeout "$(limit "${INSTALL_TIMEOUT:-60}")" "${pip_install[@]}" -r "$wheelhouse/requirements.txt" >>"$log" 2>&1; then
         tail -n 15 "$log" >>"$out"
         fail "pip could not install $wheelhouse/requirements.txt offline (see $log)"
     fi
@@ -101,10 +118,10 @@ if [ -n "$wheelhouse" ]; then
         wheel)
             whl=$(ls "$wheelhouse"/memory_broker-*.whl 2>/dev/null | head -n 1)
             [ -n "$whl" ] || fail "the project's wheel is missing from $wheelhouse"
-            "${pip_install[@]}" --no-deps --force-reinstall "$whl" >>"$log" 2>&1 || fail "pip could not install $whl (see $log)"
+            timeout "$(limit "${INSTALL_TIMEOUT:-60}")" "${pip_install[@]}" --no-deps --force-reinstall "$whl" >>"$log" 2>&1 || fail "pip could not install $whl (see $log)"
             ;;
         editable)
-            "${pip_install[@]}" --no-deps --no-build-isolation -e . >>"$log" 2>&1 || fail "pip could not install this checkout editable (see $log)"
+            timeout "$(limit "${INSTALL_TIMEOUT:-60}")" "${pip_install[@]}" --no-deps --no-build-isolation -e . >>"$log" 2>&1 || fail "pip could not install this checkout editable (see $log)"
             ;;
         none) ;;
         *) fail "INSTALL_PROJECT=$install_project: use wheel, editable or none" ;;
@@ -114,7 +131,7 @@ if [ -n "$wheelhouse" ]; then
 fi
 
 # The tests must exercise this checkout, not an older wheel.
-stale=$("$PYTHON" - <<'PY' 2>&1
+stale=$(timeout 60 "$PYTHON" - <<'PY' 2>&1
 import filecmp, importlib.util, os, sys
 bad = []
 # The arena's views (the CUDA arena's mapping code) live in proto/wire/mapping (memory_broker.proto.wire.mapping).
@@ -142,7 +159,7 @@ PY
 [ -z "$stale" ] || fail "$stale"
 
 {
-    "$PYTHON" - <<'PY' 2>&1
+    timeout 60 "$PYTHON" - <<'PY' 2>&1
 import platform
 print(f"python: {platform.python_version()}")
 for name in ("torch", "triton", "cuda-bindings", "grpcio", "protobuf", "numpy", "transformers", "peft", "memory-broker"):
@@ -153,7 +170,7 @@ for name in ("torch", "triton", "cuda-bindings", "grpcio", "protobuf", "numpy", 
         print(f"{name}: not installed ({type(e).__name__})")
 PY
     if [ -f "$vllm_ops/MANIFEST.json" ]; then
-        echo "vLLM LoRA ops: $("$PYTHON" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["vllm_version"], "from", m["source"])' "$vllm_ops/MANIFEST.json" 2>&1) ($vllm_ops)"
+        echo "vLLM LoRA ops: $(timeout 30 "$PYTHON" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["vllm_version"], "from", m["source"])' "$vllm_ops/MANIFEST.json" 2>&1) ($vllm_ops)"
     else
         echo "vLLM LoRA ops: none at $vllm_ops (run ops/gpu/extract_vllm_lora_ops.py where vLLM is installed, and carry the folder)"
     fi
@@ -162,8 +179,9 @@ PY
 } >>"$out"
 
 # ---- can the CUDA arena run here?
-"$PYTHON" ops/gpu/gpu_ready.py preflight >>"$out" 2>&1
+timeout "$(limit "${PREFLIGHT_TIMEOUT:-45}")" "$PYTHON" ops/gpu/gpu_ready.py preflight >>"$out" 2>&1
 preflight_rc=$?
+timed_out $preflight_rc "the preflight" >>"$out"
 echo >>"$out"
 if [ $preflight_rc -ne 0 ] && grep -q '^NOT READY: no GPU on this machine' "$out"; then
     fail "$(grep -m1 '^NOT READY: ' "$out" | sed 's/^NOT READY: //')"
@@ -172,24 +190,37 @@ fi
 # ---- import audit: a test module that cannot import fails here, by name, not as a skip
 echo "## Tests:$tests" >>"$out"
 # shellcheck disable=SC2086
-if ! "$PYTHON" -m pytest -q --collect-only -p no:cacheprovider $tests >"$log.collect" 2>&1; then
+if ! timeout "$(limit "${COLLECT_TIMEOUT:-60}")" "$PYTHON" -m pytest -q --collect-only -p no:cacheprovider $tests >"$log.collect" 2>&1; then
     grep -E '^(ERROR|E +)' "$log.collect" | head -n 20 >>"$out"
     fail "the GPU tests do not import (see $log.collect)"
 fi
 
+# Each test's line is appended to RESULTS_FILE as it finishes (-v, followed with tail --pid,
+# which also ends if a test's child process keeps the output open), so a cut-off run keeps
+# them. The benchmarks keep BENCH_RESERVE seconds (default 180) of the budget.
+test_limit=$(limit "${TEST_TIMEOUT:-240}")
+avail=$((budget_end - SECONDS - ${BENCH_RESERVE:-180}))
+[ "$avail" -lt 30 ] && avail=30
+[ "$avail" -lt "$test_limit" ] && test_limit=$avail
+tlog="$log.tests"
+: >"$tlog"
 # shellcheck disable=SC2086
-"$PYTHON" -m pytest -rA -p no:cacheprovider --junitxml="$junit" $tests >>"$log" 2>&1
+timeout -k 10 "$test_limit" "$PYTHON" -u -m pytest -v -rA -p no:cacheprovider --junitxml="$junit" $tests >"$tlog" 2>&1 &
+tpid=$!
+tail -n +1 -f --pid="$tpid" "$tlog" | grep --line-buffered -E ' (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)( |$)' >>"$out"
+wait "$tpid"
 test_rc=$?
+cat "$tlog" >>"$log"
 {
-    grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$log" || echo "(no per-test lines; see $log)"
+    timed_out "$test_rc" "the GPU tests after $test_limit s"
     echo
-    echo "pytest: $(tail -n 1 "$log") (exit $test_rc)"
+    echo "pytest: $(tail -n 1 "$tlog") (exit $test_rc)"
     echo
     echo "## Verdict"
 } >>"$out"
 verdict_rc=1
 if [ -s "$junit" ]; then
-    "$PYTHON" ops/gpu/gpu_ready.py verdict "$junit" >>"$out" 2>&1
+    timeout 60 "$PYTHON" ops/gpu/gpu_ready.py verdict "$junit" >>"$out" 2>&1
     verdict_rc=$?
 else
     echo "NOT A PASS: pytest wrote no $junit" >>"$out"
@@ -205,9 +236,10 @@ if [ $preflight_rc -eq 0 ]; then
             bench_args=()
             # The folder's absence is the benchmark's to report (one line); it runs on without it.
             [ "$(basename "$b")" = bench_lora_kernels.py ] && bench_args=(--vllm-ops "$vllm_ops")
-            timeout "${BENCH_TIMEOUT:-900}" "$PYTHON" "$b" ${bench_args[@]+"${bench_args[@]}"} 2>&1
+            timeout -k 5 "$(limit "${BENCH_TIMEOUT:-90}")" "$PYTHON" -u "$b" ${bench_args[@]+"${bench_args[@]}"} 2>&1
             rc=$?
             if [ $rc -ne 0 ]; then
+                timed_out $rc "$b"
                 echo "(exit $rc)"
                 bench_rc=1
             fi

@@ -15,7 +15,9 @@ SESSION_METADATA = "x-broker-session"
 # Raised whenever a message's meaning changes in a way the other side would misread (a field
 # reused, a unit changed, a layout rule changed); adding an optional field does not need it.
 # 0 on the wire means "not stated": a daemon older than the exchange, or a hand-made client.
-PROTOCOL_VERSION = 1
+# 2: the fd channel sends one fd per page on a CUDA arena (per slab on a host arena) and asks
+# for units by first and count (version 1: slabs from_slab..end).
+PROTOCOL_VERSION = 2
 
 
 def session_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -1,9 +1,9 @@
-"""The arena as every process sees it: its geometry, and views that map a broker's slabs.
+"""The arena as every process sees it: its geometry, and views that map a broker's memory.
 
 This package owns what a client process does with a broker's arena (``open_view``: import
-the slab fds it is sent and map them, host or CUDA) and the sizes both sides agree on
-(``ArenaGeometry``, ``check_sizes``, ``format_size``). Creating and exporting slabs is the
-daemon's (``memory_broker.broker.arena``); nothing here imports the daemon, torch or the CUDA
+the fds it is sent and map them: memfd slabs on the host, one allocation per page on CUDA,
+imported lazily) and the sizes both sides agree on (``ArenaGeometry``, ``check_sizes``,
+``format_size``). Creating and exporting them is the daemon's (``memory_broker.broker.arena``); nothing here imports the daemon, torch or the CUDA
 bindings until a view needs them.
 """
 
@@ -17,7 +17,7 @@ DEFAULT_DEVICE = "0"
 
 
 def open_view(backend: str, geometry: ArenaGeometry, device: str = "") -> ArenaView:
-    """A client's (empty) view of a broker's arena, to attach the slabs it is sent.
+    """A client's (empty) view of a broker's arena, to attach the slabs or pages it is sent.
 
     ``device`` is the broker's ``ArenaInfo.device`` (a GPU UUID, or an index; "" means
     device 0). Raises ValueError or RuntimeError (``CudaUnavailable``, ``CudaError``) when

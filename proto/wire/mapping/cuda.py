@@ -1,87 +1,82 @@
-"""A process's view of a CUDA arena: VMM slabs (``cuMemCreate``) imported from POSIX fds.
+"""A process's view of a CUDA arena: one VMM allocation per page, imported from POSIX fds.
 
-This module owns what every process (client or broker) does with a CUDA arena's slab fds,
+This module owns what every process (client or broker) does with a CUDA arena's pages,
 through the driver API of ``cuda-python`` (``cuda.bindings.driver``, loaded here): address
-reservations, imported slab handles, mappings, page access and the tensors over them
-(``CudaArenaView``). Creating and exporting slabs is the broker's
+reservations, one allocation handle per page, mappings, page access and the tensors over them
+(``CudaArenaView``). Creating and exporting pages is the broker's
 (``memory_broker.broker.arena.cuda``); checked driver calls and devices are
 ``cuda_driver``'s. It knows nothing of objects or owners and must not import the daemon.
 
-The call sequence follows NVIDIA's memMapIPCDrv sample (see FIELD-NOTES "CUDA VMM from
-Python"):
+**The design follows what the driver does on a real GPU** (FIELD-NOTES "CUDA VMM on a real
+GPU", measured on an H200 by the probes in ``shared/gpu-probes``; this module itself has not
+yet run on a GPU, only against the strict fake driver of ``tests/test_arena_cuda.py``):
 
-* broker: ``cuMemCreate`` (pinned device memory, ``requestedHandleTypes`` POSIX fd) ->
-  ``cuMemExportToShareableHandle`` -> an fd that the fd channel sends with SCM_RIGHTS;
-* every process: ``cuMemAddressReserve`` for the physical view and for the window;
-  ``cuMemImportFromShareableHandle(fd)`` -> ``cuMemMap`` at ``phys_base + i * slab_size`` ->
-  ``cuMemSetAccess`` (new mappings have no access, and the importer must grant it itself).
+* **Only whole allocations map**: ``cuMemMap`` of part of an allocation (any offset, or less
+  than its size) is ``CUDA_ERROR_NOT_SUPPORTED``. So every arena page is its own
+  ``cuMemCreate`` allocation (the page size a multiple of the device's granularity, 2 MiB on
+  an H100/H200), and a slab is only the unit in which the broker creates pages. Each page maps
+  whole: once at ``phys_base + p * page_size`` (the physical view) and once per window page
+  that places it (the window gives a contiguous object one address range).
+* **Access is set over whole mappings**: ``cuMemSetAccess`` over part of a mapping is
+  ``CUDA_ERROR_INVALID_VALUE``, but one call may span many adjacent whole mappings (512 were
+  measured). The view grants access with one call per contiguous run of pages of one access,
+  never per page when a run will do.
+* **Granting access the first time is the costly call**: 32-39 us per page even in 512-page
+  calls (measured); setting it again is cheap; read-only back to read-write costs ~30 us per
+  page. So pages are mapped read-only from the start where the caller knows they will be
+  (``attach_pages(..., readonly=True)``: shared pages, adapters), not mapped writable and
+  switched.
+* **File descriptors within limits**: a GPU's free memory is ~39,000 pages (H100) or ~70,000
+  (H200), more than ``RLIMIT_NOFILE`` (20,000 on the machine measured). ``attach_pages``
+  takes ownership of the fds it is given and closes each as soon as it is imported (the
+  imported handle keeps the memory), and the client imports pages lazily, when it is first
+  given them (``missing_pages``), so connecting maps nothing. Measured per page: export
+  31-77 us (broker), import 16 us, map 1.5-2.3 us, first access 32-39 us, unmap + release
+  28-34 us; a client mapping a whole H200 eagerly would take 6-7 s.
 
-Design choices:
+Per page the view keeps its allocation handle (the imported one, or in the broker the
+created one) until ``close``: mapping the page into the window later needs it, and keeping it
+costs no memory lifetime (the physical mapping pins the allocation anyway).
 
-* **Handle retention.** A view keeps each slab's allocation handle (the imported one, or in
-  the broker the created one) until ``close``, instead of releasing it right after the
-  physical-view mapping. The window maps page-sized sub-ranges of a slab later
-  (``cuMemMap(va, size, offset, handle, 0)`` with a non-zero offset), which needs a handle;
-  keeping it costs nothing in memory lifetime (the physical-view mapping pins the allocation
-  until ``close`` anyway) and saves an import per window mapping. The fd a slab arrived on
-  is the caller's and may be closed as soon as ``attach_slab`` returns.
-* **Unmap only whole mappings.** ``cuMemUnmap`` cannot unmap part of a mapping, so the view
-  records every window mapping (a run of consecutive physical pages of one slab) as a
-  segment. Unmapping or re-mapping part of a segment unmaps the whole segment and maps its
-  remainders again, from the same handle and offsets.
+Other rules:
+
 * **Lifetimes.** Every tensor from ``tensor`` holds a lease (the ``__cuda_array_interface__``
   object torch keeps until the tensor's storage dies; slices and ``.view(dtype)`` share it).
   While a lease is alive nothing it covers is unmapped: replacing or unmapping window pages
   that a live tensor covers raises ``MappingInUse`` and changes nothing (after one
   ``gc.collect()`` for tensors held only by cycles); ``close`` closes the view at once but
-  unmaps its memory only when the last lease goes. A use of memory the view cannot see (a raw address handed to another library)
-  is the caller's to finish before the pages are freed.
+  unmaps its memory only when the last lease goes.
 * **Synchronization, scoped.** ``cuMemUnmap`` does not wait for the GPU, and a kernel still
   reading an unmapped range faults with a sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``. The view
-  keeps, per window mapping, the streams that used it: the stream each tensor over it was
-  made on (torch's current stream) and any stream named with ``record_stream``. Unmapping window pages synchronizes exactly those streams of
-  the mappings it removes (``cuStreamSynchronize``), and nothing when no tensor ever covered
-  them; it never synchronizes the whole device (``cuCtxSynchronize`` stalls every stream and
-  fails during another thread's graph capture), so the client's allocation path and event
-  thread stay clear of other streams. Only ``close`` (teardown) synchronizes the context.
-  Mapping calls switch the calling thread to ``CU_STREAM_CAPTURE_MODE_RELAXED`` for their
-  duration, so they do not invalidate a graph another thread is capturing.
-* **CUDA graphs.** (1) A graph that captured kernels over arena tensors must keep those
-  tensors (or one tensor over the same range) alive for as long as it may be replayed: the
-  lease is what stops the range being unmapped under a replay. (2) Capture on the stream the
-  tensor was made on, or name the capture stream with ``record_stream``. (3) Do not free or
-  replace objects whose window pages a stream is capturing over: the unmap refuses with
-  ``MappingInUse`` (it cannot synchronize a capturing stream) rather than break the capture.
-  (4) Mapping new slabs and window pages during a capture is allowed (relaxed mode above).
-* **Read-only pages.** ``set_page_access`` makes physical pages read-only (or writable again)
-  in this process: ``cuMemSetAccess`` on their ranges in the physical view and in every window
-  mapping that covers them, now and when they are mapped into the window later. A kernel
-  writing them faults (sticky, like any illegal address), so a client cannot overwrite shared
-  adapter pages.
-* **Host-only helpers.** The addresses are device addresses: code that dereferences arena
-  addresses on the host (``ctypes``/``numpy`` over ``page_address``) must refuse a view whose
-  ``host_addressable`` is False, as this one's is.
-* **Primary context.** Views retain the device's primary context (the one the CUDA runtime
-  and torch use) and make it current in the calling thread on every entry point, because
-  the current context is per thread (the client maps new slabs from its event thread).
-* **Devices** are chosen by index or by UUID (``GPU-...`` as nvidia-smi prints it); an
-  index is the process's own (``CUDA_VISIBLE_DEVICES`` renumbers), so long-lived state
-  should name the UUID (``CudaArena.device_id``).
+  keeps, per window page, the streams that used it (the stream each tensor over it was made
+  on, and any named with ``record_stream``); unmapping window pages synchronizes exactly
+  those streams, never the whole device. Only ``close`` synchronizes the context. Mapping
+  calls run in ``CU_STREAM_CAPTURE_MODE_RELAXED`` so they do not invalidate a graph another
+  thread is capturing.
+* **CUDA graphs.** A graph that captured kernels over arena tensors must keep those tensors
+  alive while it may be replayed; capture on the tensor's stream or name it with
+  ``record_stream``; freeing objects whose window pages a stream is capturing over is refused
+  with ``MappingInUse``.
+* **Host-only helpers** must refuse this view (``host_addressable`` is False).
+* **Primary context.** Views retain the device's primary context and make it current in the
+  calling thread on every entry point (the current context is per thread).
+* **Devices** are chosen by index or by UUID (``GPU-...``); long-lived state should name the
+  UUID (``CudaArena.device_id``).
 
-Not thread-safe, like the host views: callers serialize attach/map/unmap/close (a lease may
+Not thread-safe, like the host views: callers serialize import/map/unmap/close (a lease may
 die in any thread; that only drops it from a weak set).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from memory_broker.proto.wire.mapping import geometry as _geometry
 from memory_broker.proto.wire.mapping.cuda_driver import (
     CUDA_ERROR_DEINITIALIZED,
-    CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_INITIALIZED,
     CudaDevice,
     CudaError,
@@ -97,7 +92,7 @@ from memory_broker.proto.wire.mapping.cuda_driver import (
 
 # The torch-facing wrapper of a device range, under the name tests/test_arena_cuda.py uses.
 from memory_broker.proto.wire.mapping.cuda_mappings import CudaArrayInterface as _CudaArrayInterface  # noqa: F401
-from memory_broker.proto.wire.mapping.cuda_mappings import CudaTensors, Leases, Segment, WindowSegments
+from memory_broker.proto.wire.mapping.cuda_mappings import CudaTensors, Leases, WindowPage, WindowPages
 from memory_broker.proto.wire.mapping.geometry import ArenaGeometry
 from memory_broker.proto.wire.mapping.view import ArenaView, page_runs
 
@@ -152,7 +147,9 @@ def check_geometry(geometry: ArenaGeometry, granularity: int, where: str = "this
 
 
 class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
-    """One process's physical view and window over CUDA VMM slabs, at addresses it reserved.
+    """One process's physical view and window over a CUDA arena's page allocations, at
+    addresses it reserved. Pages are attached one by one, in any order (``attach_pages`` in a
+    client, ``attach_handles`` in the broker).
 
     Its addresses are device addresses: ``host_addressable`` is False, and host-only helpers
     (which dereference arena addresses with ctypes or numpy) refuse it.
@@ -168,6 +165,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
     """
 
     host_addressable = False
+    fd_unit = "page"
 
     def __init__(self, geometry: ArenaGeometry, device: str | int | None = "0") -> None:
         try:
@@ -190,127 +188,219 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
             check_geometry(geometry, int(self.granularity), d.describe())
             self._phys_size = geometry.max_pages * geometry.page_size
             self._window_size = geometry.window_pages * geometry.page_size
-            self._phys_base = int(
-                self._check(
-                    f"cuMemAddressReserve({self._phys_size} bytes, physical view)",
-                    drv.cuMemAddressReserve(self._phys_size, 0, 0, 0),
-                )
-            )
-            self._window_base = int(
-                self._check(
-                    f"cuMemAddressReserve({self._window_size} bytes, window)",
-                    drv.cuMemAddressReserve(self._window_size, 0, 0, 0),
-                )
-            )
+            self._phys_base = self._reserve(self._phys_size, "physical view")
+            self._window_base = self._reserve(self._window_size, "window")
         except BaseException:
             if self._phys_base:
                 drv.cuMemAddressFree(self._phys_base, self._phys_size)
             drv.cuDevicePrimaryCtxRelease(d.handle)
             raise
-        # Per attached slab: its allocation handle (owned by this view) and read-only flag.
-        self._handles: list[Any] = []
-        self._slab_readonly: list[bool] = []
-        # Window mappings and the streams that used them.
-        self._window = WindowSegments()
-        # Live tensors' leases.
-        self._leases = Leases()
-        # Physical pages made read-only with set_page_access.
+        # Per attached page: its allocation handle (owned by this view).
+        self._handles: dict[int, Any] = {}
+        # Attached pages mapped read-only in the physical view now.
         self._page_readonly: set[int] = set()
+        # Slabs the broker has, as far as this view knows (its pages may be attached).
+        self._known_slabs = 0
+        self._window = WindowPages()
+        self._leases = Leases()
         self._closed = False
 
-    # ------------------------------------------------------------- properties
+    def _reserve(self, size: int, what: str) -> int:
+        drv = self._drv
+        return int(self._check(f"cuMemAddressReserve({size} bytes, {what})", drv.cuMemAddressReserve(size, 0, 0, 0)))
+
+    # ------------------------------------------------------------- pages
 
     @property
     def mapped_slabs(self) -> int:
+        """Slabs the arena has as far as this view knows: their pages may be attached (and
+        are, lazily, as ``missing_pages`` says)."""
+        return self._known_slabs
+
+    @property
+    def attached_pages(self) -> int:
+        """Pages imported (or, in the broker, created) and mapped in the physical view."""
         return len(self._handles)
 
-    # ------------------------------------------------------------- mapping
+    def extend(self, num_slabs: int) -> None:
+        """The arena has (at least) ``num_slabs`` slabs now: their pages may be attached."""
+        self._check_open()
+        if num_slabs > self.geometry.max_slabs:
+            raise ValueError(f"{num_slabs} slabs is past the arena's maximum of {self.geometry.max_slabs} slabs")
+        self._known_slabs = max(self._known_slabs, num_slabs)
 
-    def attach_slab(self, slab_index: int, fd: int, *, readonly: bool = False) -> None:
-        """Import the slab behind ``fd`` and map it at its place in the physical view.
+    def missing_pages(self, pages: Sequence[int]) -> list[int]:
+        """The pages of ``pages`` not attached here yet, sorted and distinct.
+
+        Raises:
+            ValueError: a page is outside the slabs this view knows of.
+        """
+        n = self._known_slabs * self.geometry.pages_per_slab
+        want = sorted(set(int(p) for p in pages))
+        bad = [p for p in want if not 0 <= p < n]
+        if bad:
+            raise ValueError(
+                f"page(s) {', '.join(map(str, bad[:5]))} are outside the {n} pages of the arena's {self._known_slabs} slabs"
+            )
+        return [p for p in want if p not in self._handles]
+
+    def page_handle(self, page: int):
+        """The allocation handle of an attached page (the broker exports it)."""
+        h = self._handles.get(page)
+        if h is None:
+            raise ValueError(f"page {page} is not attached in this view")
+        return h
+
+    def attach_pages(self, first_page: int, fds: Sequence[int], *, readonly: bool = False) -> None:
+        """Import the allocations behind ``fds`` as pages ``first_page, first_page+1, ...`` and
+        map each whole into the physical view, with one ``cuMemSetAccess`` over the run.
+
+        Takes ownership of ``fds``: each is closed as soon as it is imported (the imported
+        handle keeps the memory), and every one is closed whatever happens.
 
         Args:
-            slab_index: must be ``mapped_slabs`` (slabs attach in order).
-            fd: a POSIX fd exported by ``cuMemExportToShareableHandle``; the caller keeps it
-                and may close it once this returns (the view keeps the imported handle).
-            readonly: grant read access only (and to its window pages too).
+            first_page: the first page; all must be in known slabs and not attached yet.
+            fds: POSIX fds exported by ``cuMemExportToShareableHandle``, one per page.
+            readonly: grant read access only from the start (pages shared with others: a first
+                grant costs the same either way, a later switch costs ~30 us per page).
 
         Raises:
-            ValueError: out-of-order index, or the arena is full.
-            CudaError: import, map or access failed (nothing is left mapped or imported).
+            ValueError: a page outside the known slabs or attached already (nothing changed).
+            CudaError: import, map or access failed (nothing of this call is left).
         """
-        self._check_attach_index(slab_index)
+        fds = list(fds)
+        handles: list[Any] = []
+        try:
+            self._check_open()
+            self._check_new_pages(first_page, len(fds))
+            if not fds:
+                return
+            self.make_current()
+            with self._relaxed_capture():
+                while fds:
+                    fd = fds.pop(0)
+                    try:
+                        handles.append(
+                            self._check(
+                                f"cuMemImportFromShareableHandle(fd {fd}, page {first_page + len(handles)})",
+                                self._drv.cuMemImportFromShareableHandle(fd, self.fd_handle_type),
+                            )
+                        )
+                    finally:
+                        os.close(fd)
+                self._attach_run(first_page, handles, readonly)
+                handles = []
+        finally:
+            for fd in fds:
+                os.close(fd)
+            for h in handles:
+                self._drv.cuMemRelease(h)
+
+    def attach_handles(self, first_page: int, handles: Sequence[Any], *, readonly: bool = False) -> None:
+        """Map allocation handles (the broker's own, from ``cuMemCreate``) as pages
+        ``first_page, ...``; on success the view owns them (released at close), on failure
+        the caller still does. Extends the known slabs to cover them."""
+        self._check_open()
+        g = self.geometry
+        end = first_page + len(handles)
+        if end > g.max_pages:
+            raise ValueError(f"pages {first_page}..{end - 1} are past the arena's maximum of {g.max_pages} pages")
+        self._known_slabs = max(self._known_slabs, -(-end // g.pages_per_slab))
+        self._check_new_pages(first_page, len(handles))
         self.make_current()
         with self._relaxed_capture():
-            handle = self._check(
-                f"cuMemImportFromShareableHandle(fd {fd}, slab {slab_index})",
-                self._drv.cuMemImportFromShareableHandle(fd, self.fd_handle_type),
+            self._attach_run(first_page, list(handles), readonly)
+
+    def _check_new_pages(self, first_page: int, count: int) -> None:
+        n = self._known_slabs * self.geometry.pages_per_slab
+        if first_page < 0 or first_page + count > n:
+            raise ValueError(
+                f"pages {first_page}..{first_page + count - 1} are outside the {n} pages of the arena's "
+                f"{self._known_slabs} slabs known here"
             )
-            try:
-                self.attach_handle(slab_index, handle, readonly=readonly)
-            except BaseException:
-                self._drv.cuMemRelease(handle)
-                raise
+        again = [p for p in range(first_page, first_page + count) if p in self._handles]
+        if again:
+            raise ValueError(f"page(s) {', '.join(map(str, again[:5]))} are attached already")
+
+    def _attach_run(self, first_page: int, handles: list[Any], readonly: bool) -> None:
+        ps = self.geometry.page_size
+        what = f"pages {first_page}..{first_page + len(handles) - 1}"
+        self._map_run(self._phys_base + first_page * ps, handles, ps, readonly, what)
+        for i, h in enumerate(handles):
+            self._handles[first_page + i] = h
+        if readonly:
+            self._page_readonly.update(range(first_page, first_page + len(handles)))
+
+    def _page_problem(self, page: int) -> str | None:
+        why = super()._page_problem(page)
+        if why is None and page not in self._handles:
+            why = "not attached in this view yet (attach_pages first)"
+        return why
+
+    def detach_from(self, first_slab: int) -> None:
+        """Unmap and release the pages of slabs ``first_slab..`` (a failed grow; they have no
+        window pages)."""
+        g = self.geometry
+        first = first_slab * g.pages_per_slab
+        for p in sorted((p for p in self._handles if p >= first), reverse=True):
+            self._drv.cuMemUnmap(self._phys_base + p * g.page_size, g.page_size)
+            self._drv.cuMemRelease(self._handles.pop(p))
+            self._page_readonly.discard(p)
+        self._known_slabs = min(self._known_slabs, first_slab)
+
+    # ------------------------------------------------------------- the window
 
     def map_window(self, window_page: int, phys_pages: Sequence[int], *, readonly: bool = False) -> None:
-        """Map ``phys_pages`` back to back at window pages ``window_page, window_page+1, ...``.
+        """Map ``phys_pages`` (attached pages) back to back at window pages ``window_page, ...``.
 
-        Runs of consecutive pages within one slab become one ``cuMemMap`` (at the run's offset
-        into the slab's allocation) and one ``cuMemSetAccess``. Window pages mapped before are
-        replaced, after synchronizing the streams that used them (see the module notes). Pages
-        of a read-only slab, and pages made read-only with ``set_page_access``, map read-only.
+        One ``cuMemMap`` per page (each is its own allocation) and one ``cuMemSetAccess`` per
+        contiguous run of one access. Pages that are read-only here (``set_page_access`` or
+        ``attach_pages(readonly=True)``) map read-only, and every page does with ``readonly``.
+        Window pages mapped before are replaced, after synchronizing the streams that used them.
 
         Raises:
-            ValueError: the window range or a page is out of bounds (nothing is changed).
+            ValueError: the window range or a page is out of bounds or not attached (nothing
+                is changed).
             MappingInUse: a live tensor covers a mapping this would replace, or a stream that
                 used one is capturing a graph (nothing is changed).
             CudaError: a driver call failed; the range is left unmapped (reserved).
         """
         self._check_open()
-        pages = list(phys_pages)
-        g = self.geometry
+        pages = [int(p) for p in phys_pages]
         self._check_window_range(window_page, len(pages))
         self._check_window_pages(pages)
         if not pages:
             return
+        ps = self.geometry.page_size
         self.make_current()
         with self._relaxed_capture():
             self._clear_window(window_page, len(pages))
+            ro = [readonly or p in self._page_readonly for p in pages]
             added: list[int] = []
             try:
-                for off, first, n in page_runs(pages, g.pages_per_slab):
-                    slab, slab_page = divmod(first, g.pages_per_slab)
-                    ro = readonly or self._slab_readonly[slab]
-                    start = window_page + off
-                    seg = Segment(n, slab, slab_page, ro)
-                    self._map(
-                        self._window_base + start * g.page_size,
-                        n * g.page_size,
-                        slab_page * g.page_size,
-                        self._handles[slab],
-                        ro,
-                        f"window pages {start}..{start + n} <- slab {slab} page {slab_page}",
-                    )
-                    self._window.add(start, seg)
-                    added.append(start)
-                    self._protect_segment(start, seg)
+                for off, _, n in page_runs(range(len(pages)), key=ro.__getitem__):
+                    w = window_page + off
+                    run = pages[off : off + n]
+                    what = f"window pages {w}..{w + n - 1} <- pages {run[0]}.."
+                    self._map_run(self._window_base + w * ps, [self._handles[p] for p in run], ps, ro[off], what)
+                    for i, p in enumerate(run):
+                        self._window.add(w + i, WindowPage(p, readonly, ro[off]))
+                        added.append(w + i)
             except BaseException:
                 # Nothing mapped by this call was handed out yet: undo it without a synchronize.
-                for start in added:
-                    seg = self._window.remove(start)
-                    self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size)
+                for w in added:
+                    self._window.remove(w)
+                    self._drv.cuMemUnmap(self._window_base + w * ps, ps)
                 raise
 
     def unmap_window(self, window_page: int, count: int) -> None:
-        """Return window pages to reserved, inaccessible address space.
-
-        Synchronizes first the streams that used the mappings it removes (none when no
-        tensor ever covered them): ``cuMemUnmap`` does not wait for the GPU.
+        """Return window pages to reserved, inaccessible address space (one ``cuMemUnmap`` per
+        mapped page), after synchronizing the streams that used them.
 
         Raises:
             ValueError: the range is outside the window.
-            MappingInUse: a live tensor covers a mapping in the range, or a stream that used
-                one is capturing a graph (nothing is changed).
+            MappingInUse: a live tensor covers a page in the range, or a stream that used one
+                is capturing a graph (nothing is changed).
             CudaError: a driver call failed.
         """
         self._check_open()
@@ -320,64 +410,79 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
             with self._relaxed_capture():
                 self._clear_window(window_page, count)
 
-    def set_page_access(self, pages: Sequence[int], readonly: bool) -> None:
-        """Make physical ``pages`` read-only (or writable again) in this process.
+    def window_pages(self) -> list[tuple[int, int, bool]]:
+        """The window's mappings as ``(window_page, physical page, read-only)``, in order."""
+        return [(w, wp.phys, wp.readonly) for w, wp in self._window]
 
-        Applies ``cuMemSetAccess`` to the pages' ranges in the physical view and in every
-        window mapping that covers them, and remembers the pages so later window mappings of
-        them are read-only too. A page of a slab attached read-only, or in a window mapped
-        read-only, stays read-only when ``readonly`` is False.
+    def _clear_window(self, window_page: int, count: int) -> None:
+        """Unmap whatever is mapped in ``[window_page, window_page + count)``."""
+        hit = self._window.mapped_in(window_page, count)
+        if not hit:
+            return
+        ps = self.geometry.page_size
+        live = self._leases.live(self._window_base + hit[0] * ps, self._window_base + (hit[-1] + 1) * ps)
+        if live:
+            raise MappingInUse(
+                f"cannot unmap window pages {window_page}..{window_page + count}: {self._describe_leases(live)} "
+                "still alive over them; drop them first (a tensor over a freed object must not outlive it); "
+                "nothing was changed"
+            )
+        streams = self._window.streams(hit)
+        if streams:
+            self._sync_streams(streams, f"unmapping window pages {window_page}..{window_page + count}")
+        for w in hit:
+            self._check(f"cuMemUnmap(window page {w})", self._drv.cuMemUnmap(self._window_base + w * ps, ps))
+            self._window.remove(w)
+
+    # ------------------------------------------------------------- access
+
+    def set_page_access(self, pages: Sequence[int], readonly: bool) -> None:
+        """Make attached ``pages`` read-only (or writable again) in this process: in the
+        physical view and in every window page mapping them (now, and when mapped later).
+
+        Only pages whose access changes are touched, one ``cuMemSetAccess`` per contiguous
+        run of them (each page is a whole mapping; a run spans adjacent ones). Window pages
+        mapped with ``map_window(readonly=True)`` stay read-only.
 
         Raises:
-            ValueError: a page is not in a mapped slab (nothing is changed).
+            ValueError: a page is not attached here (nothing is changed).
             CudaError: a driver call failed.
         """
         self._check_open()
         want = self._access_pages(pages)
-        g = self.geometry
-        if not want:
+        change = [p for p in want if (p in self._page_readonly) != readonly]
+        if not change:
             return
+        ps = self.geometry.page_size
         self.make_current()
-        ps, pps = g.page_size, g.pages_per_slab
         with self._relaxed_capture():
-            for _, first, n in page_runs(want, pps):
-                if readonly or not self._slab_readonly[first // pps]:
-                    try:
-                        self._set_access(self._phys_base + first * ps, n * ps, readonly, f"pages {first}..{first + n}")
-                    except CudaError as e:
-                        if e.code != CUDA_ERROR_INVALID_VALUE or n == pps:
-                            raise
-                        # Not yet seen on a GPU: whether the driver takes access flags for
-                        # part of a mapping (the physical view maps each slab whole).
-                        raise CudaError(f"{e.call} (part of slab {first // pps}'s mapping)", e.code, e.name) from None
-            if readonly:
-                self._page_readonly.update(want)
-            else:
-                self._page_readonly.difference_update(want)
-            chosen = set(want)
-            for start, seg in self._window:
-                if seg.readonly:
-                    continue
-                base = seg.slab * pps + seg.slab_page
-                hit = [start + i for i in range(seg.count) if base + i in chosen]
-                for _, w, n in page_runs(hit):
-                    self._set_access(self._window_base + w * ps, n * ps, readonly, f"window pages {w}..{w + n}")
+            for _, first, n in page_runs(change):
+                self._set_access(self._phys_base + first * ps, n * ps, readonly, f"pages {first}..{first + n - 1}")
+                if readonly:
+                    self._page_readonly.update(range(first, first + n))
+                else:
+                    self._page_readonly.difference_update(range(first, first + n))
+            ws = [w for w in self._window.windows_of(change) if not self._window.get(w).forced_ro]
+            for _, w, n in page_runs(ws):
+                self._set_access(self._window_base + w * ps, n * ps, readonly, f"window pages {w}..{w + n - 1}")
+                for i in range(n):
+                    self._window.get(w + i).readonly = readonly
 
-    def window_segments(self) -> list[tuple[int, int, int, int]]:
-        """The window's mappings as ``(window_page, count, slab, slab_page)``, in order (diagnostics)."""
-        return [(s, seg.count, seg.slab, seg.slab_page) for s, seg in self._window]
+    def readonly_pages(self) -> frozenset[int]:
+        """Attached pages that are read-only in the physical view (for checks and tests)."""
+        return frozenset(self._page_readonly)
+
+    # ------------------------------------------------------------- closing
 
     def close(self) -> None:
-        """Synchronize, unmap the window and the slabs, release the handles and both
+        """Synchronize, unmap the window and the pages, release the handles and both
         reservations, and release the primary context. Idempotent.
 
         The view is closed at once (every later call is refused), but its memory is unmapped
         only when nothing references it: while tensors from ``tensor`` live, the teardown
-        waits and runs when the last of them is dropped (in the thread that drops it;
-        errors then are logged). Without live tensors it runs now, best effort: every step
-        is tried; the first error (other than a driver already torn down at exit) is
-        raised at the end. This teardown is the one place that synchronizes the whole
-        context.
+        waits and runs when the last of them is dropped (errors then are logged). Without live
+        tensors it runs now, best effort: every step is tried; the first error (other than a
+        driver already torn down at exit) is raised at the end.
         """
         if self._closed:
             return
@@ -390,7 +495,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         self._teardown()
 
     def _teardown(self) -> None:
-        drv, g = self._drv, self.geometry
+        drv, ps = self._drv, self.geometry.page_size
         errors: list[CudaError] = []
 
         def attempt(call: str, fn, *args) -> None:
@@ -402,20 +507,15 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
 
         attempt("cuCtxSetCurrent(primary context)", drv.cuCtxSetCurrent, self._ctx)
         attempt("cuCtxSynchronize() before closing the arena view", drv.cuCtxSynchronize)
-        for start, seg in self._window:
-            attempt(
-                f"cuMemUnmap(window pages {start}..{start + seg.count})",
-                drv.cuMemUnmap,
-                self._window_base + start * g.page_size,
-                seg.count * g.page_size,
-            )
+        for w, _ in self._window:
+            attempt(f"cuMemUnmap(window page {w})", drv.cuMemUnmap, self._window_base + w * ps, ps)
         self._window.clear()
-        for i in range(len(self._handles)):
-            attempt(f"cuMemUnmap(slab {i})", drv.cuMemUnmap, self._phys_base + i * g.slab_size, g.slab_size)
-        for i, h in enumerate(self._handles):
-            attempt(f"cuMemRelease(slab {i})", drv.cuMemRelease, h)
+        for p in sorted(self._handles):
+            attempt(f"cuMemUnmap(page {p})", drv.cuMemUnmap, self._phys_base + p * ps, ps)
+        for p, h in sorted(self._handles.items()):
+            attempt(f"cuMemRelease(page {p})", drv.cuMemRelease, h)
         self._handles.clear()
-        self._slab_readonly.clear()
+        self._page_readonly.clear()
         attempt("cuMemAddressFree(window)", drv.cuMemAddressFree, self._window_base, self._window_size)
         attempt("cuMemAddressFree(physical view)", drv.cuMemAddressFree, self._phys_base, self._phys_size)
         attempt(
@@ -425,84 +525,6 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         )
         if errors:
             raise errors[0]
-
-    # ------------------------------------------------------------- internals
-
-    def _protect_segment(self, start: int, seg: Segment) -> None:
-        """Make the pages of a (read-write) window mapping that ``set_page_access`` made
-        read-only read-only here too."""
-        if seg.readonly or not self._page_readonly:
-            return
-        g = self.geometry
-        base = seg.slab * g.pages_per_slab + seg.slab_page
-        hit = [start + i for i in range(seg.count) if base + i in self._page_readonly]
-        for _, w, n in page_runs(hit):
-            self._set_access(self._window_base + w * g.page_size, n * g.page_size, True, f"window pages {w}..{w + n}")
-
-    def _clear_window(self, window_page: int, count: int) -> None:
-        """Unmap whatever is mapped in ``[window_page, window_page + count)``, keeping (by
-        mapping them again) the parts of cut segments that lie outside it."""
-        hit = self._window.overlapping(window_page, count)
-        if not hit:
-            return
-        g = self.geometry
-        ps = g.page_size
-        lo, hi = hit[0], hit[-1] + self._window[hit[-1]].count
-        live = self._leases.live(self._window_base + lo * ps, self._window_base + hi * ps)
-        if live:
-            raise MappingInUse(
-                f"cannot unmap window pages {window_page}..{window_page + count}: {self._describe_leases(live)} "
-                f"still alive over the mappings there (window pages {lo}..{hi}); drop them first (a tensor over a "
-                "freed object must not outlive it); nothing was changed"
-            )
-        streams = self._window.streams(hit)
-        if streams:
-            self._sync_streams(streams, f"unmapping window pages {window_page}..{window_page + count}")
-        end = window_page + count
-        keep: list[tuple[int, Segment]] = []
-        for start in hit:
-            seg = self._window[start]
-            self._check(
-                f"cuMemUnmap(window pages {start}..{start + seg.count})",
-                self._drv.cuMemUnmap(self._window_base + start * g.page_size, seg.count * g.page_size),
-            )
-            self._window.remove(start)
-            if start < window_page:
-                keep.append((start, Segment(window_page - start, seg.slab, seg.slab_page, seg.readonly)))
-            seg_end = start + seg.count
-            if seg_end > end:
-                keep.append((end, Segment(seg_end - end, seg.slab, seg.slab_page + (end - start), seg.readonly)))
-        for start, seg in keep:
-            self._map(
-                self._window_base + start * g.page_size,
-                seg.count * g.page_size,
-                seg.slab_page * g.page_size,
-                self._handles[seg.slab],
-                seg.readonly,
-                f"window pages {start}..{start + seg.count} (kept)",
-            )
-            self._window.add(start, seg)
-            self._protect_segment(start, seg)
-
-    # ------------------------------------------------------------- for the broker's arena (owner side)
-
-    def attach_handle(self, slab_index: int, handle, *, readonly: bool = False) -> None:
-        """Map an allocation handle as slab ``slab_index``; on success the view owns it
-        (released at close), on failure the caller still does."""
-        self._check_attach_index(slab_index)
-        self.make_current()
-        g = self.geometry
-        self._map(self._phys_base + slab_index * g.slab_size, g.slab_size, 0, handle, readonly, f"slab {slab_index}")
-        self._handles.append(handle)
-        self._slab_readonly.append(readonly)
-
-    def detach_from(self, first_slab: int) -> None:
-        """Unmap and release slabs ``first_slab..`` (for a failed grow; they have no window pages)."""
-        g = self.geometry
-        for slab in range(len(self._handles) - 1, first_slab - 1, -1):
-            self._drv.cuMemUnmap(self._phys_base + slab * g.slab_size, g.slab_size)
-            self._drv.cuMemRelease(self._handles.pop())
-            self._slab_readonly.pop()
 
 
 __all__ = [

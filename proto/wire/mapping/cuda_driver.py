@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,7 +247,7 @@ class DeviceContext:
     _drv: Any
     device: CudaDevice
     _ctx: Any
-    # The handle type slabs are exported and imported as (POSIX file descriptors).
+    # The handle type pages are exported and imported as (POSIX file descriptors).
     fd_handle_type: Any
     _access: dict[bool, Any]
 
@@ -275,7 +276,7 @@ class DeviceContext:
 
     @property
     def driver(self) -> Any:
-        """The driver module this view calls; the broker's arena creates its slabs with it."""
+        """The driver module this view calls; the broker's arena creates its pages with it."""
         return self._drv
 
     def _check(self, call: str, result) -> Any:
@@ -283,7 +284,7 @@ class DeviceContext:
 
     def make_current(self) -> None:
         """Make the device's primary context current in this thread (the broker's arena calls it
-        before creating slabs)."""
+        before creating and exporting pages)."""
         # The current context is per thread; set it on every entry point (cheap).
         self._check("cuCtxSetCurrent(primary context)", self._drv.cuCtxSetCurrent(self._ctx))
 
@@ -334,7 +335,7 @@ class DeviceContext:
         )
 
     def allocation_prop(self):
-        """``CUmemAllocationProp`` of a slab on this device, exportable as a POSIX fd."""
+        """``CUmemAllocationProp`` of a page on this device, exportable as a POSIX fd."""
         drv = self._drv
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -354,14 +355,22 @@ class DeviceContext:
         desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         return desc
 
-    def _map(self, va: int, size: int, offset: int, handle, readonly: bool, what: str) -> None:
-        """cuMemMap + cuMemSetAccess of one range; unmaps it again if access fails."""
+    def _map_run(self, va: int, handles: Sequence[Any], page_size: int, readonly: bool, what: str) -> None:
+        """Map each allocation in ``handles`` whole (offset 0, its full size: the only
+        ``cuMemMap`` the driver takes) back to back from ``va``, then grant access with one
+        ``cuMemSetAccess`` over the run (one call may span many adjacent whole mappings).
+        Unmaps what it mapped if a call fails."""
         drv = self._drv
-        self._check(f"cuMemMap({what}, {size} bytes at offset {offset})", drv.cuMemMap(va, size, offset, handle, 0))
+        done = 0
         try:
-            self._set_access(va, size, readonly, what)
+            for i, h in enumerate(handles):
+                at = va + i * page_size
+                self._check(f"cuMemMap({what}: page {i}, {page_size} bytes)", drv.cuMemMap(at, page_size, 0, h, 0))
+                done += 1
+            self._set_access(va, len(handles) * page_size, readonly, what)
         except BaseException:
-            drv.cuMemUnmap(va, size)
+            for i in range(done):
+                drv.cuMemUnmap(va + i * page_size, page_size)
             raise
 
 

@@ -1,14 +1,14 @@
-"""What a CUDA arena view remembers about its mappings: window segments and who uses them.
+"""What a CUDA arena view remembers about its mappings: window pages and who uses them.
 
-This module owns the bookkeeping behind ``CudaArenaView``: the window's mappings as segments
-(``cuMemUnmap`` only takes whole mappings) with the streams that used each, and the tensors
+This module owns the bookkeeping behind ``CudaArenaView``: the window's mappings, one per
+page (only whole allocations map, and each page is its own allocation), with the streams that
+used each, and the tensors
 over the view with the leases they hold on its ranges (``CudaTensors``). It makes no driver
 call and must not import the daemon or the client library.
 """
 
 from __future__ import annotations
 
-import bisect
 import gc
 import logging
 import threading
@@ -22,66 +22,75 @@ _LEASE_LOCK = threading.Lock()
 
 
 @dataclass(slots=True)
-class Segment:
-    """One window mapping: ``count`` pages from page ``slab_page`` of slab ``slab``."""
+class WindowPage:
+    """One window page's mapping: a whole page allocation (physical page ``phys``)."""
 
-    count: int
-    slab: int
-    slab_page: int
+    phys: int
+    # Mapped read-only by ``map_window(readonly=True)``: stays read-only whatever the page's state.
+    forced_ro: bool
+    # The access it has now.
     readonly: bool
 
 
-class WindowSegments:
-    """The window's mappings by first window page, in order, and the streams that used each.
+class WindowPages:
+    """The window's mappings, one per window page (only whole allocations map on a GPU), the
+    window pages each physical page is mapped at, and the streams that used each.
 
     The physical view is not here: only ``close`` unmaps it, after synchronizing the context.
     """
 
     def __init__(self) -> None:
-        self._segments: dict[int, Segment] = {}
-        self._starts: list[int] = []
-        # Streams (raw handles) that used each mapping, by its first page.
+        self._pages: dict[int, WindowPage] = {}
+        self._of_phys: dict[int, set[int]] = {}
+        # Streams (raw handles) that used each window page.
         self._streams: dict[int, set[int]] = {}
 
-    def __iter__(self) -> Iterator[tuple[int, Segment]]:
-        return ((s, self._segments[s]) for s in list(self._starts))
+    def __iter__(self) -> Iterator[tuple[int, WindowPage]]:
+        return iter(sorted(self._pages.items()))
 
-    def __getitem__(self, start: int) -> Segment:
-        return self._segments[start]
+    def __len__(self) -> int:
+        return len(self._pages)
 
-    def overlapping(self, window_page: int, count: int) -> list[int]:
-        """Starts of the segments that share a page with ``[window_page, window_page + count)``."""
+    def get(self, window_page: int) -> WindowPage | None:
+        return self._pages.get(window_page)
+
+    def mapped_in(self, window_page: int, count: int) -> list[int]:
+        """The mapped window pages in ``[window_page, window_page + count)``, in order."""
         end = window_page + count
-        i = bisect.bisect_right(self._starts, window_page) - 1
-        if i < 0 or self._starts[i] + self._segments[self._starts[i]].count <= window_page:
-            i += 1
-        out = []
-        while i < len(self._starts) and self._starts[i] < end:
-            out.append(self._starts[i])
-            i += 1
-        return out
+        if count <= len(self._pages):
+            return [w for w in range(window_page, end) if w in self._pages]
+        return sorted(w for w in self._pages if window_page <= w < end)
 
-    def add(self, start: int, seg: Segment) -> None:
-        bisect.insort(self._starts, start)
-        self._segments[start] = seg
+    def add(self, window_page: int, page: WindowPage) -> None:
+        self._pages[window_page] = page
+        self._of_phys.setdefault(page.phys, set()).add(window_page)
 
-    def remove(self, start: int) -> Segment:
-        del self._starts[bisect.bisect_left(self._starts, start)]
-        self._streams.pop(start, None)
-        return self._segments.pop(start)
+    def remove(self, window_page: int) -> WindowPage:
+        page = self._pages.pop(window_page)
+        self._streams.pop(window_page, None)
+        ws = self._of_phys.get(page.phys)
+        if ws is not None:
+            ws.discard(window_page)
+            if not ws:
+                del self._of_phys[page.phys]
+        return page
+
+    def windows_of(self, phys_pages: Iterable[int]) -> list[int]:
+        """Every window page that maps one of ``phys_pages``, in order."""
+        return sorted(w for p in phys_pages for w in self._of_phys.get(p, ()))
 
     def note_streams(self, first: int, last: int, streams: set[int]) -> None:
         """Remember that ``streams`` use window pages ``first..last`` (inclusive)."""
-        for start in self.overlapping(first, last - first + 1):
-            self._streams.setdefault(start, set()).update(streams)
+        for w in self.mapped_in(first, last - first + 1):
+            self._streams.setdefault(w, set()).update(streams)
 
-    def streams(self, starts: Iterable[int]) -> set[int]:
-        """Every stream that used one of the segments starting at ``starts``."""
-        return set().union(*(self._streams.get(start, ()) for start in starts))
+    def streams(self, window_pages: Iterable[int]) -> set[int]:
+        """Every stream that used one of ``window_pages``."""
+        return set().union(*(self._streams.get(w, ()) for w in window_pages))
 
     def clear(self) -> None:
-        self._segments.clear()
-        self._starts.clear()
+        self._pages.clear()
+        self._of_phys.clear()
         self._streams.clear()
 
 
@@ -185,12 +194,21 @@ class CudaTensors:
 
     geometry: Any
     device: Any
-    _window: WindowSegments
+    _window: WindowPages
     _leases: Leases
     _phys_base: int
     _window_base: int
     _window_size: int
+    _handles: dict[int, Any]
     mapped_slabs: int
+
+    def physical_tensor(self, dtype=None):
+        """The physical view of every page the arena has (as far as this view knows), as one
+        tensor: page p at p * page_size. Pages are imported lazily, so it may span pages not
+        mapped here yet: index only pages of objects this process was given (they are
+        imported before they are handed out); touching another faults the context."""
+        n = self.mapped_slabs * self.geometry.slab_size
+        return self._make_tensor(self._phys_base, n, dtype, holes_ok=True)
 
     def tensor(self, address: int, nbytes: int, dtype=None):
         """A zero-copy CUDA tensor over ``nbytes`` at ``address`` (uint8 unless ``dtype``).
@@ -206,8 +224,11 @@ class CudaTensors:
             ValueError: the range is not all mapped in this view.
             RuntimeError: torch made a copy instead of a view.
         """
+        return self._make_tensor(address, nbytes, dtype)
+
+    def _make_tensor(self, address: int, nbytes: int, dtype, holes_ok: bool = False):
         self._check_open()
-        self._check_mapped(address, nbytes)
+        self._check_mapped(address, nbytes, holes_ok)
         import torch
 
         dev = torch.device("cuda", self.device.ordinal)
@@ -262,24 +283,30 @@ class CudaTensors:
         g = self.geometry
         return describe_leases(live, self._phys_base, self._window_base, self._window_size, g.page_size)
 
-    def _check_mapped(self, address: int, nbytes: int) -> None:
-        """Refuse a range this view has not mapped (a kernel touching it would fault the context)."""
+    def _check_mapped(self, address: int, nbytes: int, holes_ok: bool = False) -> None:
+        """Refuse a range this view has not mapped (a kernel touching it would fault the
+        context); ``holes_ok``: a physical range may include pages not imported yet."""
         g = self.geometry
         if nbytes < 0:
             raise ValueError(f"negative size {nbytes}")
         end = address + nbytes
+        ps = g.page_size
         phys_end = self._phys_base + self.mapped_slabs * g.slab_size
         if self._phys_base <= address and end <= phys_end:
+            if not holes_ok and nbytes:
+                for p in range((address - self._phys_base) // ps, (end - 1 - self._phys_base) // ps + 1):
+                    if p not in self._handles:
+                        raise ValueError(
+                            f"physical page {p} (address {self._phys_base + p * ps:#x}) is not mapped in this view"
+                        )
             return
-        wb, ps = self._window_base, g.page_size
+        wb = self._window_base
         if wb <= address and end <= wb + self._window_size:
-            page = (address - wb) // ps
-            last = (end - 1 - wb) // ps if nbytes else page
-            while page <= last:
-                hit = self._window.overlapping(page, 1)
-                if not hit:
-                    raise ValueError(f"window page {page} (address {wb + page * ps:#x}) is not mapped in this view")
-                page = hit[0] + self._window[hit[0]].count
+            first = (address - wb) // ps
+            last = (end - 1 - wb) // ps if nbytes else first
+            for w in range(first, last + 1):
+                if self._window.get(w) is None:
+                    raise ValueError(f"window page {w} (address {wb + w * ps:#x}) is not mapped in this view")
             return
         raise ValueError(
             f"{nbytes} bytes at {address:#x} are outside this view's mapped memory (physical view "
@@ -287,4 +314,4 @@ class CudaTensors:
         )
 
 
-__all__ = ["CudaArrayInterface", "CudaTensors", "Lease", "Leases", "Segment", "WindowSegments", "describe_leases"]
+__all__ = ["CudaArrayInterface", "CudaTensors", "Lease", "Leases", "WindowPage", "WindowPages", "describe_leases"]

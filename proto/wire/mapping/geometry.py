@@ -31,7 +31,8 @@ class ArenaGeometry:
 
     # Bytes in one page, the unit of allocation.
     page_size: int
-    # Pages in one slab (a slab is the unit of growth and of fd export).
+    # Pages in one slab: the unit of growth (and of fd export on the host arena; a CUDA arena
+    # exports one fd per page, each page its own allocation).
     pages_per_slab: int
     # Most slabs the arena may ever hold; the physical view reserves this much VA.
     max_slabs: int

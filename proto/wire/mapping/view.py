@@ -54,6 +54,9 @@ class ArenaView(abc.ABC):
     geometry: ArenaGeometry
     # Whether code on the host may dereference this view's addresses (False for device memory).
     host_addressable: bool = True
+    # What one fd of the fd channel stands for in this view: a slab (host: ``attach_slab``,
+    # slabs in order) or a page (CUDA: ``attach_pages``, imported lazily, any order).
+    fd_unit: str = "slab"
     _phys_base: int
     _window_base: int
     _closed: bool
@@ -74,14 +77,6 @@ class ArenaView(abc.ABC):
     @abc.abstractmethod
     def mapped_slabs(self) -> int:
         """How many slabs (0..n-1) this view has mapped into the physical view."""
-
-    @abc.abstractmethod
-    def attach_slab(self, slab_index: int, fd: int) -> None:
-        """Map the slab behind ``fd`` at its place in the physical view.
-
-        Slabs are attached in order (``slab_index == mapped_slabs``). The caller keeps
-        ownership of ``fd`` and may close it afterwards.
-        """
 
     @abc.abstractmethod
     def map_window(self, window_page: int, phys_pages: Sequence[int]) -> None:
@@ -110,6 +105,10 @@ class ArenaView(abc.ABC):
     def tensor(self, address: int, nbytes: int, dtype=None):
         """A zero-copy torch tensor over ``nbytes`` at ``address`` in this view (uint8 unless
         ``dtype`` is given). It does not keep the mapping alive."""
+
+    def physical_tensor(self, dtype=None):
+        """The whole physical view mapped so far, as one tensor (page p at p * page_size)."""
+        return self.tensor(self.phys_base, self.mapped_slabs * self.geometry.slab_size, dtype)
 
     def page_address(self, page: int) -> int:
         return self.phys_base + page * self.geometry.page_size
@@ -148,15 +147,20 @@ class ArenaView(abc.ABC):
                 f"window pages {window_page}..{window_page + count} (count {count}) are outside the window of {n} pages"
             )
 
-    def _check_window_pages(self, pages: Sequence[int]) -> None:
-        """Every page of a window mapping lies in a mapped slab (the first one that does not is named)."""
+    def _page_problem(self, page: int) -> str | None:
+        """Why physical ``page`` cannot be used in this view now, or None (a backend whose
+        pages are imported one by one says more)."""
         mapped_pages = self.mapped_slabs * self.geometry.pages_per_slab
+        if not 0 <= page < mapped_pages:
+            return f"outside the {mapped_pages} pages of the {self.mapped_slabs} mapped slabs"
+        return None
+
+    def _check_window_pages(self, pages: Sequence[int]) -> None:
+        """Every page of a window mapping is usable here (the first one that is not is named)."""
         for i, p in enumerate(pages):
-            if not 0 <= p < mapped_pages:
-                raise ValueError(
-                    f"physical page {p} (index {i}) is outside the {mapped_pages} pages of the "
-                    f"{self.mapped_slabs} mapped slabs"
-                )
+            why = self._page_problem(p)
+            if why is not None:
+                raise ValueError(f"physical page {p} (index {i}) is {why}")
 
     def _access_pages(self, pages: Sequence[int]) -> list[int]:
         """``pages`` for ``set_page_access``: sorted, distinct, all in mapped slabs.
@@ -165,13 +169,9 @@ class ArenaView(abc.ABC):
             ValueError: naming (up to five of) the pages outside the mapped slabs.
         """
         want = sorted(set(int(p) for p in pages))
-        mapped_pages = self.mapped_slabs * self.geometry.pages_per_slab
-        bad = [p for p in want if not 0 <= p < mapped_pages]
+        bad = [(p, why) for p in want if (why := self._page_problem(p)) is not None]
         if bad:
-            raise ValueError(
-                f"page(s) {', '.join(map(str, bad[:5]))} are outside the {mapped_pages} pages of the "
-                f"{self.mapped_slabs} mapped slabs"
-            )
+            raise ValueError(f"page(s) {', '.join(str(p) for p, _ in bad[:5])} are {bad[0][1]}")
         return want
 
 
