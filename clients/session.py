@@ -280,7 +280,7 @@ class BrokerSession:
     def _import_pages(self, pages: Sequence[int], readonly: bool) -> None:
         """On a CUDA arena, import and map the pages of ``pages`` this process lacks, with the
         access asked for from the start (nothing on a host arena: its slabs map whole)."""
-        if not arena_fds.missing_pages(self.view, pages):
+        if self.view.fd_unit != "page" or not arena_fds.missing_pages(self.view, pages):
             return
         with self._map_lock:
             arena_fds.import_pages(self.view, self.arena.fd_socket_path, self.token, pages, readonly, self.timeout)

@@ -1,5 +1,6 @@
 """One access policy for both front doors: every op the step channel serves is refused exactly
-as the gRPC call it stands for is, because both doors call the same ``DoorPolicy``."""
+as the gRPC call it stands for is, because both doors call the same
+``SessionManager.authorize`` with the rule of the RPC (``POLICY``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from dataclasses import dataclass
 import pytest
 from conftest import step_frames as frames
 
-from memory_broker.broker.doors.policy import POLICY, DoorPolicy
-from memory_broker.broker.doors.step_channel import METHODS
+from memory_broker.broker.doors.policy import POLICY
+from memory_broker.broker.doors.step_channel import METHODS, RULES
+from memory_broker.broker.sessions.manager import SessionManager
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 from memory_broker.proto.wire import step as w
 
@@ -88,12 +90,23 @@ class _Store:
             raise BrokerError(Code.NOT_FOUND, "no object 666")
 
 
+def _policy(store=None, manager_uids=None) -> SessionManager:
+    p = SessionManager(store or _Store(), None)
+    if manager_uids is not None:
+        p.manager_uids = manager_uids
+    return p
+
+
+def test_the_step_channel_authorizes_each_op_with_its_rpcs_rule():
+    assert set(RULES) == set(METHODS) and all(RULES[op] is POLICY[m] for op, m in METHODS.items())
+
+
 def test_a_draining_broker_refuses_every_method_unavailable():
-    p = DoorPolicy(_Store())
+    p = _policy()
     p.draining = True
-    for method in POLICY:
+    for method, rule in POLICY.items():
         with pytest.raises(BrokerError) as e:
-            p.authorize(method, _Session(1, caller=_Caller(0)))
+            p.authorize(method, rule, _Session(1, caller=_Caller(0)))
         assert e.value.code == Code.UNAVAILABLE, method
     with pytest.raises(BrokerError) as e:
         p.check_session(_Session(1), "a step")
@@ -101,38 +114,38 @@ def test_a_draining_broker_refuses_every_method_unavailable():
 
 
 def test_session_methods_refuse_no_session_and_an_ended_one():
-    p = DoorPolicy(_Store())
+    p = _policy()
     for method, rule in POLICY.items():
         if not rule.session:
-            p.authorize(method, None)  # sessionless calls need none
+            p.authorize(method, rule, None)  # sessionless calls need none
             continue
         for s in (None, _Session(3, closed=True)):
             with pytest.raises(BrokerError) as e:
-                p.authorize(method, s)
+                p.authorize(method, rule, s)
             assert e.value.code == Code.PERMISSION_DENIED, method
 
 
 def test_managing_adapters_needs_a_proven_uid_in_manager_uids():
-    p = DoorPolicy(_Store(), manager_uids=frozenset({7}))
+    p = _policy(manager_uids=frozenset({7}))
     manage = [m for m, r in POLICY.items() if r.manage]
     assert manage
     for m in manage:
         for s in (_Session(1), _Session(1, caller=_Caller(8))):
             with pytest.raises(BrokerError) as e:
-                p.authorize(m, s)
+                p.authorize(m, POLICY[m], s)
             assert e.value.code == Code.PERMISSION_DENIED and m in e.value.message or "manager_uids" in e.value.message
-        p.authorize(m, _Session(1, caller=_Caller(7)))
+        p.authorize(m, POLICY[m], _Session(1, caller=_Caller(7)))
 
 
 def test_visible_fields_are_asked_of_the_store_and_its_refusal_passes_through():
     store = _Store()
-    p = DoorPolicy(store)
+    p = _policy(store)
     fields = {"object_ids": [1, 666], "pin_object_ids": [666]}
     for method, rule in POLICY.items():
         if not rule.visible:
             continue
         with pytest.raises(BrokerError) as e:
-            p.authorize(method, _Session(5), lambda f: fields[f])
+            p.authorize(method, rule, _Session(5), lambda f: fields[f])
         assert e.value.code == Code.NOT_FOUND
     assert store.asked and all(sid == 5 for sid, _ in store.asked)
     # The step channel names its PIN items as PinRequest.object_ids.

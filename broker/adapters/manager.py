@@ -1,4 +1,4 @@
-"""Adapters across tiers: the facade the service and server call (DESIGN.md section 5).
+"""Adapters across tiers: the facade the service and server call (ARCHITECTURE.md, "Facades, parts and contexts").
 
 ``AdapterManager`` keeps every registered adapter in one of three tiers: *hot* (an object of
 content type LORA_WEIGHT in the arena, owned by the manager's own system session), *warm* (a

@@ -1,23 +1,19 @@
-"""Who may call what, through either front door (the ``POLICY`` table and ``DoorPolicy``).
+"""Who may call what, through either front door: the ``POLICY`` table.
 
 This module owns the access rules as data, one ``Rule`` per RPC: whether it needs a session,
 which request fields name objects the session must see, whether it changes state, needs an
-adapter-manager uid, or is served on the TCP listener. ``DoorPolicy.authorize`` enforces them,
-transport-neutral: the gRPC servicer calls it for every call and the step channel for every
-op of a frame (each op under the RPC it stands for), so a rule added here holds at both doors.
-What is the transport's own stays there: the gRPC door reads the token from the metadata and
-refuses the TCP listener's calls; the step channel binds its session once, at HELLO.
+adapter-manager uid, or is served on the TCP listener. ``SessionManager.authorize`` (in
+``broker.sessions.manager``) enforces a rule, transport-neutral: the gRPC servicer calls it for
+every call and the step channel for every op of a frame (each op under the RPC it stands for),
+so a rule added here holds at both doors. What is the transport's own stays there: the gRPC
+door reads the token from the metadata and refuses the TCP listener's calls; the step channel
+binds its session once, at HELLO.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol
-
-from memory_broker.proto.wire.errors import BrokerError, Code, denied, unavailable
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,85 +59,6 @@ POLICY: dict[str, Rule] = {
     # Any session: it only drops copies that fail their checksum (reloaded on next acquire).
     "VerifyAdapters": Rule(session=True, writes=True),
 }
-
-
-class _Caller(Protocol):
-    uid: int
-
-
-class _Session(Protocol):
-    """What the policy reads of a session (``broker.sessions.manager.Session``)."""
-
-    session_id: int
-    closed: bool
-    # The peer proven on the fd or step channel; None until then.
-    caller: _Caller | None
-
-
-class _Store(Protocol):
-    def check_visible(self, session_id: int, ids: Sequence[int]) -> None: ...
-
-
-NO_FIELDS: Callable[[str], Sequence[int]] = lambda field: ()  # noqa: E731 (a constant)
-
-
-class DoorPolicy:
-    """The access policy of both front doors: one ``authorize`` per call or step op.
-
-    It holds the facts the rules read that are not the store's: whether the broker is
-    draining, and which uids may manage adapters. It never changes the core."""
-
-    def __init__(self, store: _Store, manager_uids: frozenset[int] | None = None):
-        self.store = store
-        # Set on SIGTERM: every call and step is refused UNAVAILABLE from then on.
-        self.draining = False
-        # Uids whose sessions may register, unregister and prefetch adapters (None: any).
-        self.manager_uids: frozenset[int] | None = frozenset({os.getuid()}) if manager_uids is None else manager_uids
-
-    def check_open(self) -> None:
-        """UNAVAILABLE once the broker is draining."""
-        if self.draining:
-            raise unavailable("the broker is shutting down; retry on its successor")
-
-    def check_session(self, session: _Session | None, what: str) -> None:
-        """What every session-bearing call needs: an open broker, and a session that has not
-        ended (the step channel checks a whole frame with this, then each op)."""
-        self.check_open()
-        if session is None:
-            raise denied(f"{what} needs a session: Attach first and present its token")
-        if session.closed:
-            raise denied(f"session {session.session_id} has ended; open a new session with Attach")
-
-    def authorize(self, method: str, session: _Session | None, ids: Callable[[str], Sequence[int]] = NO_FIELDS) -> None:
-        """Enforce ``POLICY[method]`` for ``session`` (None: the call presented none).
-
-        ``ids(field)`` gives the object ids the request names in one of the rule's
-        ``visible`` fields. Raises BrokerError: UNAVAILABLE while draining, PERMISSION_DENIED
-        without a session, for an ended one or a uid that may not manage adapters, NOT_FOUND
-        for an id the session may not see."""
-        rule = POLICY[method]
-        if not rule.session:
-            self.check_open()
-            return
-        self.check_session(session, method)
-        if rule.manage:
-            self._check_manager(session, method)
-        for field in rule.visible:
-            self.store.check_visible(session.session_id, ids(field))
-
-    def _check_manager(self, s: _Session, method: str) -> None:
-        if s.caller is None:
-            raise BrokerError(
-                Code.PERMISSION_DENIED,
-                f"{method} needs to know the caller's uid, and session {s.session_id} has not presented its token "
-                "on the fd channel yet (BrokerClient.connect does it); connect with the client library",
-            )
-        if self.manager_uids is not None and s.caller.uid not in self.manager_uids:
-            raise BrokerError(
-                Code.PERMISSION_DENIED,
-                f"uid {s.caller.uid} may not manage adapters (adapters.manager_uids: {sorted(self.manager_uids)}); "
-                "it may list and acquire them",
-            )
 
 
 # The call being served, for its log lines: (rpc name, session id or None). One ContextVar

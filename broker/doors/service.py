@@ -21,7 +21,7 @@ from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
-from memory_broker.broker.doors.policy import CALL, POLICY, DoorPolicy, Rule
+from memory_broker.broker.doors.policy import CALL, POLICY, Rule
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.proto.wire import session as wire_session
@@ -112,27 +112,26 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         # AdapterManager (broker.adapters), or None when adapters are off.
         self.adapters = adapters
         # Who may call what: the same policy object the step channel enforces.
-        self.doors = DoorPolicy(store)
         # Calls being handled now (the drain waits for them).
         self.inflight = 0
 
     @property
     def draining(self) -> bool:
         """Set on SIGTERM: new calls are refused with UNAVAILABLE (at both doors)."""
-        return self.doors.draining
+        return self.sessions.draining
 
     @draining.setter
     def draining(self, value: bool) -> None:
-        self.doors.draining = value
+        self.sessions.draining = value
 
     @property
     def manager_uids(self) -> frozenset[int] | None:
         """Uids whose sessions may register, unregister and prefetch adapters (None: any)."""
-        return self.doors.manager_uids
+        return self.sessions.manager_uids
 
     @manager_uids.setter
     def manager_uids(self, value: frozenset[int] | None) -> None:
-        self.doors.manager_uids = value
+        self.sessions.manager_uids = value
 
     # ------------------------------------------------------------- helpers
 
@@ -141,8 +140,9 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     def _authorize(self, rule: Rule, method: str, request, context) -> Session | None:
         """The gRPC door: refuse while draining and on the TCP listener where the rule says
-        so, find the session the token names, then the shared ``DoorPolicy``."""
-        self.doors.check_open()
+        so, find the session the token names, then the policy both doors share
+        (``SessionManager.authorize``)."""
+        self.sessions.check_open()
         if not rule.tcp and is_tcp(context):
             raise BrokerError(
                 Code.PERMISSION_DENIED,
@@ -152,7 +152,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         if not rule.session:
             return None
         s = self._session(context)
-        self.doors.authorize(method, s, lambda field: getattr(request, field))
+        self.sessions.authorize(method, rule, s, lambda field: getattr(request, field))
         return s
 
     def _timed_alloc(self, fn, *args):

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
-from memory_broker.broker.doors.policy import NO_FIELDS, DoorPolicy
+from memory_broker.broker.doors.policy import POLICY
+from memory_broker.broker.sessions.manager import NO_FIELDS
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
 
@@ -48,6 +49,9 @@ METHODS = {
     w.OP_ACQUIRE: "AcquireAdapters",
     w.OP_LOOKUP: "Lookup",
 }
+
+# The rule of the RPC each op stands for: the step channel authorizes ops as gRPC calls.
+RULES = {op: POLICY[method] for op, method in METHODS.items()}
 
 
 def op_ids(op: w.Op):
@@ -131,7 +135,6 @@ class StepChannelServer:
         sessions,
         adapters,
         allowed_uids: frozenset[int] | None,
-        policy: DoorPolicy,
         num_slabs: Callable[[], int] = lambda: 0,
         record: Callable[[float, str, str], None] | None = None,
         log: Callable[..., None] | None = None,
@@ -144,8 +147,6 @@ class StepChannelServer:
             store, sessions, adapters: the core (``adapters`` may be None: acquire answers
                 "not hot" and gRPC says why).
             allowed_uids: uids that may connect; None allows any.
-            policy: the access policy the gRPC door enforces too; each op is authorized as
-                the RPC it stands for (``METHODS``).
             num_slabs: the arena's slab count now (a client maps new slabs before using pages).
             record: ``record(seconds, method, code)`` per op, and per refused frame as
                 method "Step" (the RPC latency metric).
@@ -156,7 +157,6 @@ class StepChannelServer:
         self.sessions = sessions
         self.adapters = adapters
         self.allowed_uids = allowed_uids
-        self.policy = policy
         self._num_slabs = num_slabs
         self._record = record
         self._log = log or (lambda event, **kw: None)
@@ -381,9 +381,9 @@ class StepChannelServer:
             ops = w.decode_step(body)
         except w.WireError as e:
             raise invalid(f"malformed step frame: {e}") from None
-        policy = self.policy
+        sessions = self.sessions
         # The frame as a whole: a draining broker or an ended session refuses it before any op.
-        policy.check_session(s, "a step")
+        sessions.check_session(s, "a step")
         sid = s.session_id
         results: list[bytes] = []
         self.counters.ops += len(ops)
@@ -392,7 +392,7 @@ class StepChannelServer:
         for i, op in enumerate(ops):
             t0 = time.perf_counter()
             try:
-                policy.authorize(METHODS[op.kind], s, op_ids(op))
+                sessions.authorize(METHODS[op.kind], RULES[op.kind], s, op_ids(op))
                 results.append(self._op(sid, op))
             except BrokerError as e:
                 self.counters.refused += 1

@@ -294,7 +294,6 @@ class BrokerServer:
             sessions=self.sessions,
             adapters=self.adapters,
             allowed_uids=self.opts.effective_uids(),
-            policy=self.service.doors,
             num_slabs=lambda: self.arena.num_slabs,
             record=(lambda s, method, code: metrics.rpc_latency.record(s, {"method": method, "code": code}))
             if metrics is not None

@@ -10,20 +10,32 @@ releases what it held. Sessions are bounded in all and per uid. No allocation st
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from memory_broker.broker.adapters.access import Caller
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred
 from memory_broker.broker.store.objects import ObjectStore
-from memory_broker.proto.wire.errors import BrokerError, Code, denied
+from memory_broker.proto.wire.errors import BrokerError, Code, denied, unavailable
 from memory_broker.proto.wire.session import SESSION_METADATA
 
 # Placed on a session's queue to end its stream.
 CLOSED = object()
+# ``ids`` for a call that names no objects in a rule's ``visible`` fields.
+NO_FIELDS: Callable[[str], Sequence[int]] = lambda field: ()  # noqa: E731 (a constant)
+
+
+class Rule(Protocol):
+    """What ``authorize`` reads of a door's rule (``broker.doors.policy.Rule``)."""
+
+    session: bool
+    manage: bool
+    visible: tuple[str, ...]
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +80,62 @@ class SessionManager:
         self._log = log or (lambda event, **kw: None)
         self.by_id: dict[int, Session] = {}
         self._by_token: dict[str, Session] = {}
+        # Set on SIGTERM: every call and step is refused UNAVAILABLE from then on.
+        self.draining = False
+        # Uids whose sessions may register, unregister and prefetch adapters (None: any).
+        self.manager_uids: frozenset[int] | None = frozenset({os.getuid()})
+
+    # ------------------------------------------------------------ what a session may call
+    # One policy for both front doors: the gRPC servicer asks for every call, the step channel
+    # for every op of a frame (as the RPC the op stands for), each with the door's rule.
+
+    def check_open(self) -> None:
+        """UNAVAILABLE once the broker is draining."""
+        if self.draining:
+            raise unavailable("the broker is shutting down; retry on its successor")
+
+    def check_session(self, session: Session | None, what: str) -> None:
+        """What every session-bearing call needs: an open broker, and a session that has not
+        ended (the step channel checks a whole frame with this, then each op)."""
+        self.check_open()
+        if session is None:
+            raise denied(f"{what} needs a session: Attach first and present its token")
+        if session.closed:
+            raise denied(f"session {session.session_id} has ended; open a new session with Attach")
+
+    def authorize(
+        self, method: str, rule: Rule, session: Session | None, ids: Callable[[str], Sequence[int]] = NO_FIELDS
+    ) -> None:
+        """Enforce a door's ``rule`` for ``method`` and ``session`` (None: the call has none).
+
+        ``ids(field)`` gives the object ids the request names in one of the rule's
+        ``visible`` fields. Raises BrokerError: UNAVAILABLE while draining, PERMISSION_DENIED
+        without a session, for an ended one or a uid that may not manage adapters, NOT_FOUND
+        for an id the session may not see (a store query, ``ObjectStore.check_visible``)."""
+        if not rule.session:
+            self.check_open()
+            return
+        self.check_session(session, method)
+        if rule.manage:
+            self._check_manager(session, method)
+        for field_name in rule.visible:
+            self.store.check_visible(session.session_id, ids(field_name))
+
+    def _check_manager(self, s: Session, method: str) -> None:
+        if s.caller is None:
+            raise BrokerError(
+                Code.PERMISSION_DENIED,
+                f"{method} needs to know the caller's uid, and session {s.session_id} has not presented its token "
+                "on the fd channel yet (BrokerClient.connect does it); connect with the client library",
+            )
+        if self.manager_uids is not None and s.caller.uid not in self.manager_uids:
+            raise BrokerError(
+                Code.PERMISSION_DENIED,
+                f"uid {s.caller.uid} may not manage adapters (adapters.manager_uids: {sorted(self.manager_uids)}); "
+                "it may list and acquire them",
+            )
+
+    # ------------------------------------------------------------ sessions
 
     def open(self, client_name: str, claimed_pid: int) -> Session:
         """Raises BrokerError(RESOURCE_EXHAUSTED) at the session limit."""

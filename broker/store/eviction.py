@@ -2,7 +2,7 @@
 
 The policy only orders candidates: the object store tells it when an object becomes
 evictable (committed, no pins), stops being evictable, or is used, and asks it for victims.
-It never frees anything itself. ``PriorityLRU`` is the baseline (DESIGN.md section 4):
+It never frees anything itself. ``PriorityLRU`` is the baseline (ARCHITECTURE.md, "Invariants"):
 content priority first (TEMP_BUFFER before KV_CACHE), then least recently used, with a
 size-aware step that takes one object covering the remaining need instead of many small ones.
 """

@@ -1,6 +1,6 @@
 """Allocations and their lifecycle: owners, keys, per-session pins and transactions.
 
-``ObjectStore`` is the broker's core state machine (DESIGN.md section 3), a facade over parts
+``ObjectStore`` is the broker's core state machine (ARCHITECTURE.md, "Invariants"), a facade over parts
 with one job each: the ``ObjectTable`` (objects by id and key, their pages), the
 ``PinLedger`` (who pins what), the ``RoomMaker`` (evict or grow) and beside it the
 ``Allocator`` (reserve pages, publish objects: for Allocate and commit alike), the
@@ -124,7 +124,7 @@ class ObjectStore:
         self.ledger = PinLedger(ctx)
         self.allocator = Allocator(ctx, self.room, self.ledger)
         self.transactions = Transactions(ctx, self.ledger, self.allocator)
-        # Bounded work (DESIGN.md section 4): with a ``background`` host (see the property),
+        # Bounded work (ARCHITECTURE.md, "Threads and the event loop"): with a ``background`` host (see the property),
         # eviction down to the low watermark and the release of an ended session's holdings
         # run in batches of ``work_batch`` objects instead of all at once inside one call.
         self.work_batch = 128
@@ -204,7 +204,7 @@ class ObjectStore:
     @property
     def background(self) -> Callable[[], None] | None:
         """Set by a host: a callback that arranges for ``work()`` to be called soon, off the
-        request path (bounded work, DESIGN.md section 4)."""
+        request path (bounded work, ARCHITECTURE.md, "Threads and the event loop")."""
         return self.room.background
 
     @background.setter

@@ -1,5 +1,5 @@
 """Making room for an allocation and taking it: evict unpinned objects or grow the arena, with
-the watermark hysteresis that decides how far eviction goes (DESIGN.md section 4); then the
+the watermark hysteresis that decides how far eviction goes (ARCHITECTURE.md, "Invariants"); then the
 two allocation steps a one-step Allocate and a prepare/commit transaction share.
 
 ``RoomMaker`` owns the watermarks and the "eviction active" state; it asks the policy for

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Page sizes a broker accepts: a power of two from 512 KiB to 4 MiB (DESIGN.md section 2).
+# Page sizes a broker accepts: a power of two from 512 KiB to 4 MiB (ARCHITECTURE.md, "The arena").
 MIN_PAGE_SIZE = 512 << 10
 MAX_PAGE_SIZE = 4 << 20
 
