@@ -142,7 +142,7 @@ class MemoryBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetArena(self, request, context):
-        """Geometry of the arena and where to fetch its slab fds.
+        """Geometry of the arena and where to fetch its fds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
