@@ -11,13 +11,18 @@ import statistics
 import threading
 import time
 
+import grpc
 import pytest
 from adapter_fixtures import AdapterHarness, copy_adapter, edit_config, peft_dirs, run  # noqa: F401 - fixture
 from conftest import short_tmpdir
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from memory_broker.broker.adapters import inspect_peft_dir
 from memory_broker.clients import BrokerClient
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
+from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
 # Catastrophic backtracking for Python's re: every character of a module name after "model"
 # doubles the time (5 s for "model.layers.0.self_attn.q_proj" on this machine).
@@ -130,3 +135,113 @@ def test_absurd_numbers_and_types_in_a_config_are_invalid_argument(peft_dirs, te
         inspect_peft_dir(d)
     assert e.value.code == Code.INVALID_ARGUMENT and words in e.value.message, e.value.message
     assert len(e.value.message) < 2000
+
+
+# A config value of any JSON shape, biased towards the keys' real types and their edges.
+_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**20), 10**20),
+    st.sampled_from([0, 1, -1, 4, 8, 2**31, 2**63, 10**300, 10**4000, -(10**4000)]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["q_proj", "v_proj", "all-linear", ".*", "(", REDOS, r".*\.q_proj", "none", "LORA", "x" * 5000]),
+    st.text(max_size=12),
+)
+_VALUE = st.recursive(
+    _LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["q_proj", "v_proj", "(", ""]) | st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_KEYS = (
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "layers_to_transform",
+    "exclude_modules",
+    "bias",
+    "peft_type",
+    "use_dora",
+    "base_model_name_or_path",
+)
+_IDS = ("f0", "f1", "held", "x" * 300, "", "a\x00b")
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["register", "unregister", "list", "acquire"]), st.lists(st.sampled_from(_IDS), max_size=3)
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_broker(peft_dirs):  # noqa: F811
+    from conftest import start_broker
+
+    b = start_broker()
+    holder = BrokerClient.connect(b.socket, client_name="holder")
+    holder.register_adapter("held", peft_dirs["r4"])
+    holder.acquire_adapters(["held"])  # pinned: its unregister is FAILED_PRECONDITION
+    caller = BrokerClient.connect(b.socket, client_name="fuzz")
+    channel = grpc.insecure_channel(f"unix:{b.socket}")
+    try:
+        yield b, caller, broker_pb2_grpc.MemoryBrokerStub(channel)
+    finally:
+        channel.close()
+        caller.close()
+        holder.close()
+        b.stop()
+
+
+def _rpc(stub, op: str, ids: list[str], path: str, meta: tuple):
+    if op == "register":
+        req = pb.RegisterAdapterRequest(adapter_id=(ids or ["f0"])[0], path=path)
+        return stub.RegisterAdapter(req, metadata=meta, timeout=10)
+    if op == "unregister":
+        return stub.UnregisterAdapter(pb.UnregisterAdapterRequest(adapter_ids=ids), metadata=meta, timeout=10)
+    if op == "list":
+        req = pb.ListAdaptersRequest(prefix=(ids or [""])[0], limit=len(ids) * 40)
+        return stub.ListAdapters(req, metadata=meta, timeout=10)
+    req = pb.AcquireAdaptersRequest(adapter_ids=ids, max_adapters=len(ids))
+    return stub.AcquireAdapters(req, metadata=meta, timeout=10)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(changes=st.dictionaries(st.sampled_from(_KEYS), _VALUE, max_size=4), huge=st.booleans(), ops=_OPS)
+def test_fuzz_configs_and_registry_states_never_answer_internal(fuzz_broker, peft_dirs, changes, huge, ops):  # noqa: F811
+    b, caller, stub = fuzz_broker
+    d = os.path.join(os.path.dirname(b.socket), "fuzz-adapter")
+    if not os.path.exists(d):
+        copy_adapter(peft_dirs["r4"], d)
+    with open(os.path.join(peft_dirs["r4"], "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    text = json.dumps(cfg)
+    if huge:  # an integer of more digits than Python converts
+        text = text[:-1] + ', "lora_alpha": ' + "7" * 5000 + "}"
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        f.write(text)
+    meta = (("x-broker-session", caller.token),)
+    # Every example starts from one registry state (the held adapter only); its ops make others.
+    for aid in ("f0", "f1"):
+        try:
+            stub.ReleaseAdapters(pb.ReleaseAdaptersRequest(adapter_ids=[aid]), metadata=meta, timeout=10)
+        except grpc.RpcError as e:  # not registered, or not held
+            assert e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION), e.details()
+        try:
+            _rpc(stub, "unregister", [aid], d, meta)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.NOT_FOUND, e.details()
+    for op, ids in ops:
+        try:
+            _rpc(stub, op, ids, d, meta)
+        except grpc.RpcError as e:
+            assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (op, ids, e.details())
+    # What holds on every path: the held adapter is still registered and held.
+    listed = stub.ListAdapters(pb.ListAdaptersRequest(prefix="held", limit=10), metadata=meta, timeout=10)
+    assert [a.adapter_id for a in listed.adapters] == ["held"]
