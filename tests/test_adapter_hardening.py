@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import struct
 import threading
 import time
 
@@ -245,3 +246,67 @@ def test_fuzz_configs_and_registry_states_never_answer_internal(fuzz_broker, pef
     # What holds on every path: the held adapter is still registered and held.
     listed = stub.ListAdapters(pb.ListAdaptersRequest(prefix="held", limit=10), metadata=meta, timeout=10)
     assert [a.adapter_id for a in listed.adapters] == ["held"]
+
+
+# ------------------------------------------------------- 3. size bound at registration
+
+
+def sparse_adapter(d: str, layers: int = 128, rank: int = 8, width: int = 1 << 19) -> str:
+    """A PEFT directory whose weights declare ``layers`` x (A [rank, width], B [width, rank])
+    F32, written sparse (a header, then ``truncate``): 4 GiB declared, nothing on disk."""
+    os.makedirs(d)
+    header, off = {}, 0
+    for layer in range(layers):
+        for kind, shape in (("A", [rank, width]), ("B", [width, rank])):
+            n = rank * width * 4
+            key = f"base_model.model.model.layers.{layer}.self_attn.q_proj.lora_{kind}.weight"
+            header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [off, off + n]}
+            off += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + off)
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj"], "bias": "none"}, f)
+    return d
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_4gib_sparse_adapter_is_refused_at_registration_before_any_conversion(broker_factory, peft_dirs):  # noqa: F811
+    b = broker_factory("--pool-size", "256MiB")
+    d = sparse_adapter(os.path.join(os.path.dirname(b.socket), "huge"))
+    assert os.stat(os.path.join(d, "adapter_model.safetensors")).st_blocks * 512 < 1 << 20  # sparse
+    images = os.path.join(os.path.dirname(b.socket), "state", "images")
+    with BrokerClient.connect(b.socket) as c:
+        c.register_adapter("small", peft_dirs["r4"])  # under the limit: registered, converted
+        before = rss_bytes(b.proc.pid)
+        with pytest.raises(BrokerError) as e:
+            c.register_adapter("huge", d)
+        assert e.value.code == Code.RESOURCE_EXHAUSTED, e.value
+        msg = e.value.message
+        for words in ("256 tensors", "4294967296 bytes in the file", "2147483648 bytes in pages", "268435456 bytes"):
+            assert words in msg, msg
+        assert "adapters.max_bytes" in msg and "--adapter-max-bytes" in msg
+        assert [a.adapter_id for a in c.list_adapters().adapters] == ["small"]
+        c.stats()  # a round trip after the refusal: any conversion would have been queued by now
+        assert abs(rss_bytes(b.proc.pid) - before) < 32 << 20
+        assert not any("huge" in name for name in os.listdir(images))
+
+
+def test_the_adapter_size_limit_defaults_to_what_the_hot_tier_can_hold():
+    from memory_broker.broker.server.options import SETTINGS, ServeOptions
+
+    assert ServeOptions(pool_size=1 << 30).adapter_size_limit() == 1 << 30
+    assert ServeOptions(pool_size=1 << 30, hot_tier_pages=16).adapter_size_limit() == 32 << 20
+    assert ServeOptions(pool_size=1 << 30, hot_tier_pages=4096).adapter_size_limit() == 1 << 30
+    assert ServeOptions(adapter_max_bytes=5 << 20, hot_tier_pages=1).adapter_size_limit() == 5 << 20
+    s = SETTINGS["adapter_max_bytes"]
+    assert (s.yaml, s.flag) == ("adapters.max_bytes", "--adapter-max-bytes")

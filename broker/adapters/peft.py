@@ -21,7 +21,7 @@ from typing import NamedTuple
 from memory_broker.broker.adapters import patterns
 from memory_broker.broker.adapters.access import Caller, Opened, open_for, read_bounded
 from memory_broker.broker.adapters.layout import LoraModuleSpec
-from memory_broker.proto.wire.errors import BrokerError, Code, invalid
+from memory_broker.proto.wire.errors import BrokerError, Code, exhausted, invalid
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -31,6 +31,25 @@ SCHEMA_VERSION = 1
 # Adapter ids: what a person types and a path or metric label can carry. Every allowed
 # character sorts below 0x7f, which the prefix listing relies on.
 ADAPTER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+=-]{0,255}")
+# Bytes per element of the safetensors dtypes (an unknown one counts 8; any but FILE_DTYPES is
+# refused later anyway).
+_DTYPE_BYTES: Mapping[str, int] = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 # Safetensors element types an adapter file may use (converted to the broker's dtype on load).
 FILE_DTYPES: Mapping[str, str] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_MAX_RANK = 256
@@ -545,6 +564,28 @@ def _module_specs(
     return shapes, specs
 
 
+def check_declared_size(header: Mapping, wpath: str, max_bytes: int, stored_elem_size: int) -> int:
+    """The bytes a weights file's tensors declare (shapes x element size, from the header: no
+    data read), each element counted at the larger of its file size and ``stored_elem_size``
+    (what a conversion writes). Raises RESOURCE_EXHAUSTED, with the numbers, above ``max_bytes``
+    (0: no limit)."""
+    elements = declared = counted = 0
+    for shape, dtype in header.values():
+        n = math.prod(shape)
+        size = _DTYPE_BYTES.get(dtype, 8)
+        elements += n
+        declared += n * size
+        counted += n * max(size, stored_elem_size)
+    if max_bytes and counted > max_bytes:
+        raise exhausted(
+            f"{wpath}: its {len(header)} tensors declare {elements} elements, {declared} bytes in the file and "
+            f"{elements * stored_elem_size} bytes in pages, above the per-adapter limit of {max_bytes} bytes "
+            "(adapters.max_bytes, --adapter-max-bytes; by default the pool or the hot tier's pages, whichever is "
+            "smaller); register a smaller adapter or raise the limit"
+        )
+    return counted
+
+
 def inspect_peft_dir(
     source: str,
     *,
@@ -553,6 +594,8 @@ def inspect_peft_dir(
     caller: Caller | None = None,
     roots: tuple[str, ...] = (),
     max_config_bytes: int = MAX_CONFIG_BYTES,
+    max_bytes: int = 0,
+    stored_elem_size: int = 2,
 ) -> AdapterMeta:
     """Validate a PEFT LoRA directory and describe it (reads the config and the safetensors
     header only).
@@ -569,15 +612,20 @@ def inspect_peft_dir(
         caller: whose rights bound the reads (the RPC's session peer).
         roots: real paths the adapter's files must resolve inside.
         max_config_bytes: largest ``adapter_config.json`` read.
+        max_bytes: most bytes the file's tensors may declare, counted in the larger of their
+            own element size and ``stored_elem_size`` (the pages' dtype); 0: no limit.
 
     Returns:
         The adapter's metadata with an empty id; ``source`` is the resolved directory.
 
     Raises:
         BrokerError: INVALID_ARGUMENT with the file and the problem; PERMISSION_DENIED
-            when the caller could not read it or it lies outside the roots.
+            when the caller could not read it or it lies outside the roots; RESOURCE_EXHAUSTED
+            when its tensors declare more than ``max_bytes`` (checked on the header, before
+            any tensor is looked at or read).
     """
     source, cfg_path, cfg, wpath, header, st = _read_dir(source, caller, roots, max_config_bytes)
+    check_declared_size(header, wpath, max_bytes, stored_elem_size)
     found, dtypes = _lora_matrices(header, cfg, wpath, cfg_path)
     prefixes = {p for p, _, _ in found}
     if len(prefixes) > 1:

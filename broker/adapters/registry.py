@@ -62,6 +62,9 @@ class AdapterRegistry:
         allowed_roots: directories registered adapters must lie in (after resolving
             symlinks); empty allows any path the caller may read.
         max_config_bytes: largest ``adapter_config.json`` read.
+        max_adapter_bytes: most bytes an adapter's tensors may declare (counted at the larger
+            of their file element size and ``stored_elem_size``, the pages' element size);
+            0: no limit. Checked on the safetensors header, before anything is read or converted.
     """
 
     def __init__(
@@ -73,6 +76,8 @@ class AdapterRegistry:
         synchronous: str = "NORMAL",
         allowed_roots: Iterable[str] = (),
         max_config_bytes: int = MAX_CONFIG_BYTES,
+        max_adapter_bytes: int = 0,
+        stored_elem_size: int = 2,
     ):
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
@@ -86,6 +91,10 @@ class AdapterRegistry:
         # Real paths adapter files must resolve inside (empty: anywhere the caller may read).
         self.allowed_roots = normalize_roots(tuple(allowed_roots))
         self.max_config_bytes = max_config_bytes
+        if max_adapter_bytes < 0 or stored_elem_size < 1:
+            raise ValueError("max_adapter_bytes must be >= 0 (0: no limit) and stored_elem_size positive")
+        self.max_adapter_bytes = max_adapter_bytes
+        self.stored_elem_size = stored_elem_size
         self._lock = threading.Lock()
         # Owner-only: the database names every adapter path. SQLite gives its -wal and -shm
         # files the database file's mode, so creating it 0600 first covers all three.
@@ -154,6 +163,8 @@ class AdapterRegistry:
             caller=caller,
             roots=self.allowed_roots,
             max_config_bytes=self.max_config_bytes,
+            max_bytes=self.max_adapter_bytes,
+            stored_elem_size=self.stored_elem_size,
         )
         if ident is not None:
             with self._lock:

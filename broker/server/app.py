@@ -21,6 +21,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
+from memory_broker.broker.adapters.layout import DTYPE_SIZES
 from memory_broker.broker.arena import make_arena
 from memory_broker.broker.doors.fd_channel import FdChannelServer
 from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
@@ -188,7 +189,11 @@ class BrokerServer:
         self._store_work_scheduled = False
         self.store.background = lambda: self._schedule_store_work(loop)
         self.registry = AdapterRegistry(
-            opts.state_dir, max_rank=opts.adapter_max_rank, allowed_roots=opts.adapter_allowed_roots
+            opts.state_dir,
+            max_rank=opts.adapter_max_rank,
+            allowed_roots=opts.adapter_allowed_roots,
+            max_adapter_bytes=opts.adapter_size_limit(),
+            stored_elem_size=DTYPE_SIZES[opts.adapter_dtype],
         )
         self.adapters = AdapterManager(
             self.store,

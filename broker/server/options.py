@@ -260,6 +260,15 @@ class ServeOptions(BaseModel):
         le=4096,
         help="largest LoRA rank accepted at registration",
     )
+    adapter_max_bytes: int = setting(
+        0,
+        kind="size",
+        yaml="adapters.max_bytes",
+        metavar="SIZE",
+        ge=0,
+        shown="0: the pool size, or the hot tier's pages if less",
+        help="most bytes one adapter's tensors may declare (larger ones are refused at registration)",
+    )
     hot_tier_pages: int = setting(
         0,
         kind="int",
@@ -426,6 +435,15 @@ class ServeOptions(BaseModel):
 
     def effective_uids(self) -> frozenset[int]:
         return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid()})
+
+    def adapter_size_limit(self) -> int:
+        """Most bytes one adapter's tensors may declare: as configured, else what the hot tier
+        can hold (the pool, or ``hot_tier_pages`` pages if less): a larger adapter could never
+        be loaded, and converting it would only take memory and disk."""
+        if self.adapter_max_bytes:
+            return self.adapter_max_bytes
+        hot = self.hot_tier_pages * self.page_size if self.hot_tier_pages else self.pool_size
+        return min(hot, self.pool_size)
 
     def manager_uids(self) -> frozenset[int]:
         """Uids allowed to manage adapters: as configured, else the broker's and the allowed ones."""
