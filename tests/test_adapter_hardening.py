@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import struct
+import subprocess
 import threading
 import time
 
@@ -302,11 +303,76 @@ def test_a_4gib_sparse_adapter_is_refused_at_registration_before_any_conversion(
 
 
 def test_the_adapter_size_limit_defaults_to_what_the_hot_tier_can_hold():
-    from memory_broker.broker.server.options import SETTINGS, ServeOptions
+    from memory_broker.broker.server.options import SETTINGS, ServeOptions, adapter_size_limit
 
-    assert ServeOptions(pool_size=1 << 30).adapter_size_limit() == 1 << 30
-    assert ServeOptions(pool_size=1 << 30, hot_tier_pages=16).adapter_size_limit() == 32 << 20
-    assert ServeOptions(pool_size=1 << 30, hot_tier_pages=4096).adapter_size_limit() == 1 << 30
-    assert ServeOptions(adapter_max_bytes=5 << 20, hot_tier_pages=1).adapter_size_limit() == 5 << 20
+    assert adapter_size_limit(ServeOptions(pool_size=1 << 30)) == 1 << 30
+    assert adapter_size_limit(ServeOptions(pool_size=1 << 30, hot_tier_pages=16)) == 32 << 20
+    assert adapter_size_limit(ServeOptions(pool_size=1 << 30, hot_tier_pages=4096)) == 1 << 30
+    assert adapter_size_limit(ServeOptions(adapter_max_bytes=5 << 20, hot_tier_pages=1)) == 5 << 20
     s = SETTINGS["adapter_max_bytes"]
     assert (s.yaml, s.flag) == ("adapters.max_bytes", "--adapter-max-bytes")
+
+
+# ------------------------------------------------------------------ 5. a full disk
+
+
+@pytest.fixture
+def small_disk():
+    """A 600 KiB tmpfs (needs root and mount; skipped with the reason otherwise)."""
+    d = short_tmpdir()
+    mnt = os.path.join(d, "disk")
+    os.mkdir(mnt)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", mnt], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def test_a_full_disk_answers_resource_exhausted_with_the_path_and_free_bytes(broker_factory, peft_dirs, small_disk):  # noqa: F811
+    state = os.path.join(small_disk, "state")
+    b = broker_factory("--state-dir", state)
+    codes: dict[str, int] = {}
+    full: list[BrokerError] = []
+    registered: list[str] = []
+
+    def register(aid: str) -> None:
+        try:
+            c.register_adapter(aid, peft_dirs["r4"])
+            registered.append(aid)
+            codes["OK"] = codes.get("OK", 0) + 1
+        except BrokerError as e:
+            codes[e.code.value] = codes.get(e.code.value, 0) + 1
+            if e.code == Code.RESOURCE_EXHAUSTED:
+                full.append(e)
+
+    with BrokerClient.connect(b.socket) as c:
+        for i in range(20):
+            register(f"a{i:03d}")
+        # Conversions ahead of use kept off the registry's reserve: no image was written.
+        assert os.listdir(os.path.join(state, "images")) == [] and codes == {"OK": 20}
+        # Something else fills the disk.
+        fd = os.open(os.path.join(small_disk, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, b"x" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        for i in range(20, 400):
+            register(f"a{i:03d}")
+            if len(full) >= 20:
+                break
+        assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, codes
+        msg = full[0].message
+        assert state in msg and "bytes free" in msg and "adapters.sqlite3" in msg, msg
+        assert {a.adapter_id for a in c.list_adapters(limit=1000).adapters} == set(registered)
+        # Unregistering still works on the full disk (the registry's reserve), never half done.
+        for aid in registered[:10]:
+            c.unregister_adapters([aid])
+        assert {a.adapter_id for a in c.list_adapters(limit=1000).adapters} == set(registered[10:])
+        os.unlink(os.path.join(small_disk, "filler"))
+        c.register_adapter("after", peft_dirs["r4"])  # room again

@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from memory_broker.broker.adapters.access import disk_free
 from memory_broker.broker.adapters.layout import AdapterLayout
 from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.safetensors_io import file_identity
@@ -52,13 +53,22 @@ class ImageCache:
     counts the ``.img`` files it finds at start (oldest modification first) and deletes
     leftover ``.tmp`` files of writes a crash cut short.
 
+    Free-space floor: with ``min_free`` > 0 no image is written that would leave less than
+    that free on the filesystem (the adapter registry in the same state directory keeps room
+    for its writes; images are a cache, the registry is not).
+
     Blocking; meant for executor threads. Thread-safe (each call opens its own file; the
     byte accounting is under a lock).
     """
 
-    def __init__(self, directory: str, fsync: bool = False, max_bytes: int = 0, verify: bool = True):
-        if max_bytes < 0:
-            raise ValueError(f"image cache budget {max_bytes} must be >= 0 (0: no limit)")
+    def __init__(self, directory: str, fsync: bool = False, max_bytes: int = 0, verify: bool = True, min_free: int = 0):
+        if max_bytes < 0 or min_free < 0:
+            raise ValueError(f"image cache budget {max_bytes} and floor {min_free} must be >= 0 (0: no limit)")
+        # Free bytes the filesystem keeps after any image write: the registry's reserve (an
+        # image is not written when it would leave less).
+        self.min_free = min_free
+        # Images not written because of that floor.
+        self.floor_skips = 0
         self.directory = directory
         self.fsync = fsync
         # Hash every payload read back and compare it with the header's checksum.
@@ -107,8 +117,17 @@ class ImageCache:
         return IMAGE_HEADER_BYTES + layout.used_bytes
 
     def fits(self, layout: AdapterLayout) -> bool:
-        """Whether an image of ``layout`` fits in the free part of the budget now."""
-        return not self.max_bytes or self._used + self.image_size(layout) <= self.max_bytes
+        """Whether an image of ``layout`` fits in the free part of the budget now, and above
+        the free-space floor."""
+        need = self.image_size(layout)
+        return (not self.max_bytes or self._used + need <= self.max_bytes) and self.above_floor(need)
+
+    def above_floor(self, need: int) -> bool:
+        """Whether writing ``need`` bytes leaves at least ``min_free`` bytes free on the disk."""
+        if not self.min_free:
+            return True
+        free = disk_free(self.directory)
+        return free < 0 or free - need >= self.min_free
 
     def paths(self) -> list[str]:
         """The image files, least recently used first."""
@@ -311,6 +330,9 @@ class ImageCache:
         head[12 : 12 + len(text)] = text
         path = self.path(meta.adapter_id)
         had = path in self._sizes
+        if not self.above_floor(self.image_size(layout) - self._sizes.get(path, 0)):
+            self.floor_skips += 1
+            return 0
         ok, victims = self._reserve(path, self.image_size(layout), evict)
         if not ok:
             return 0

@@ -52,6 +52,7 @@ class ImageService:
                     fsync=config.image_fsync,
                     max_bytes=config.image_budget,
                     verify=config.verify_images,
+                    min_free=config.image_min_free,
                 )
             except OSError as err:
                 log.warning("adapter_image_cache_off", error=str(err))

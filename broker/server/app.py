@@ -31,7 +31,7 @@ from memory_broker.broker.server.config import ConfigError, build_options, depre
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
-from memory_broker.broker.server.options import ServeOptions, adapter_config, format_size
+from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit, format_size
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import SessionManager
 from memory_broker.broker.store.eviction import make_policy
@@ -188,13 +188,7 @@ class BrokerServer:
         # batches between other callbacks of this loop, never as one long stall.
         self._store_work_scheduled = False
         self.store.background = lambda: self._schedule_store_work(loop)
-        self.registry = AdapterRegistry(
-            opts.state_dir,
-            max_rank=opts.adapter_max_rank,
-            allowed_roots=opts.adapter_allowed_roots,
-            max_adapter_bytes=opts.adapter_size_limit(),
-            stored_elem_size=DTYPE_SIZES[opts.adapter_dtype],
-        )
+        self.registry = open_registry(opts)
         self.adapters = AdapterManager(
             self.store,
             self.arena,
@@ -518,3 +512,14 @@ async def serve(opts: ServeOptions, log, overrides: dict | None = None) -> None:
     await server.start()
     server.install_signal_handlers()
     await server.wait()
+
+
+def open_registry(opts: ServeOptions) -> AdapterRegistry:
+    """The adapter registry in the state directory, with the options' limits."""
+    return AdapterRegistry(
+        opts.state_dir,
+        max_rank=opts.adapter_max_rank,
+        allowed_roots=opts.adapter_allowed_roots,
+        max_adapter_bytes=adapter_size_limit(opts),
+        stored_elem_size=DTYPE_SIZES[opts.adapter_dtype],
+    )

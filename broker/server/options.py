@@ -436,15 +436,6 @@ class ServeOptions(BaseModel):
     def effective_uids(self) -> frozenset[int]:
         return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid()})
 
-    def adapter_size_limit(self) -> int:
-        """Most bytes one adapter's tensors may declare: as configured, else what the hot tier
-        can hold (the pool, or ``hot_tier_pages`` pages if less): a larger adapter could never
-        be loaded, and converting it would only take memory and disk."""
-        if self.adapter_max_bytes:
-            return self.adapter_max_bytes
-        hot = self.hot_tier_pages * self.page_size if self.hot_tier_pages else self.pool_size
-        return min(hot, self.pool_size)
-
     def manager_uids(self) -> frozenset[int]:
         """Uids allowed to manage adapters: as configured, else the broker's and the allowed ones."""
         if self.adapter_manager_uids:
@@ -616,6 +607,16 @@ def _explain(e: ValidationError) -> SettingError:
     if s and err["type"] == "literal_error":
         return SettingError(name, f"{v!r}; must be one of {', '.join(s.choices)}")
     return SettingError(name, f"{err['msg'].lower()}, got {v!r}")
+
+
+def adapter_size_limit(opts: ServeOptions) -> int:
+    """Most bytes one adapter's tensors may declare: ``adapter_max_bytes``, else what the hot
+    tier can hold (the pool, or ``hot_tier_pages`` pages if less): a larger adapter could never
+    be loaded, and converting it would only take memory and disk."""
+    if opts.adapter_max_bytes:
+        return opts.adapter_max_bytes
+    hot = opts.hot_tier_pages * opts.page_size if opts.hot_tier_pages else opts.pool_size
+    return min(hot, opts.pool_size)
 
 
 def adapter_config(opts: ServeOptions) -> Any:
