@@ -376,3 +376,29 @@ def test_a_full_disk_answers_resource_exhausted_with_the_path_and_free_bytes(bro
         assert {a.adapter_id for a in c.list_adapters(limit=1000).adapters} == set(registered[10:])
         os.unlink(os.path.join(small_disk, "filler"))
         c.register_adapter("after", peft_dirs["r4"])  # room again
+
+
+def rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon")
+
+
+def test_conversion_ahead_of_use_streams_into_the_image_file(broker_factory):
+    # 12 layers x (A [8, 2^19], B [2^19, 8]) F32: 384 MiB declared, a 192 MiB bfloat16 image.
+    b = broker_factory("--pool-size", "512MiB", "--page-size", "2MiB")
+    d = sparse_adapter(os.path.join(os.path.dirname(b.socket), "big"), layers=12)
+    images = os.path.join(os.path.dirname(b.socket), "state", "images")
+    with BrokerClient.connect(b.socket) as c:
+        c.stats()
+        base = peak = rss_anon(b.proc.pid)
+        c.register_adapter("big", d)
+        while not any(n.startswith("big-") and n.endswith(".img") for n in os.listdir(images)):
+            peak = max(peak, rss_anon(b.proc.pid))
+            assert b.proc.poll() is None
+        size = max(os.path.getsize(os.path.join(images, n)) for n in os.listdir(images))
+        assert size > 192 << 20
+    # The copies take a matrix at a time (16 MiB here), never the whole 192 MiB image.
+    assert peak - base < 64 << 20, (base >> 20, peak >> 20)
