@@ -98,6 +98,9 @@ def test_patterns_keep_peft_semantics_and_unmatchable_ones_are_refused(peft_dirs
         (dict(target_modules=r"(q)\1"), "backreferences"),
         (dict(target_modules="x" * 5000), "at most 4096"),
         (dict(rank_pattern={"a{1000}{1000}": 4}), "repetition"),
+        # Python reads {,2} as {0,2}, RE2 as text: refused, never read differently from PEFT.
+        (dict(target_modules=r".*\.q_proj{,2}"), "write {0,n}"),
+        (dict(rank_pattern={"q{,2}": 4}), "rank_pattern key 'q{,2}' uses {,n}"),
         (dict(rank_pattern={f"k{i}": 4 for i in range(2000)}), "at most 1024"),
     ]:
         with pytest.raises(BrokerError) as e:

@@ -19,6 +19,7 @@ Pure functions of their arguments; no file, store or registry access.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 
 from memory_broker.proto.wire.errors import invalid, precondition
@@ -31,6 +32,8 @@ MAX_NAME_CHARS = 1024
 RE2_MAX_MEM = 8 << 20
 # Most keys of one rank_pattern / alpha_pattern (each is matched against every module).
 MAX_PATTERN_KEYS = 1024
+# An unescaped "{,n}" (searched in linear time: no nested repetition).
+_OPEN_LOWER_BOUND = re.compile(r"(?<!\\)\{,\d")
 
 
 @functools.lru_cache(maxsize=512)
@@ -43,8 +46,9 @@ def _compile(pattern: str):
     return re2.compile(pattern, opts)
 
 
-def compile_pattern(pattern: str, where: str, what: str):
-    """``pattern`` compiled for linear-time matching.
+def compile_pattern(pattern: str, where: str, what: str, show: bool = True):
+    """``pattern`` compiled for linear-time matching (``what`` names it in refusals, followed by
+    the pattern itself when ``show``).
 
     Raises:
         BrokerError(INVALID_ARGUMENT): too long, not a valid expression, or one RE2 cannot
@@ -52,6 +56,10 @@ def compile_pattern(pattern: str, where: str, what: str):
     """
     if len(pattern) > MAX_PATTERN_CHARS:
         raise invalid(f"{where}: {what} is {len(pattern)} characters long; at most {MAX_PATTERN_CHARS} are accepted")
+    shown = f" {_short(pattern)}" if show else ""
+    if _OPEN_LOWER_BOUND.search(pattern):
+        # Python reads {,n} as {0,n}, RE2 as the literal text: refused rather than read otherwise.
+        raise invalid(f"{where}: {what}{shown} uses {{,n}}; write {{0,n}}")
     try:
         return _compile(pattern)
     except ImportError:
@@ -62,7 +70,7 @@ def compile_pattern(pattern: str, where: str, what: str):
     except Exception as e:  # re2.error, with RE2's reason in bytes
         why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
         raise invalid(
-            f"{where}: {what} {_short(pattern)} is not a regular expression the broker can match ({why}); "
+            f"{where}: {what}{shown} is not a regular expression the broker can match ({why}); "
             "patterns are matched in linear time (RE2 syntax): no lookaround, backreferences or "
             "possessive quantifiers, and repetition counts up to 1000"
         ) from None
@@ -100,7 +108,7 @@ def pattern_value(patterns: Mapping, module_name: str, default, where: str, what
     """PEFT's ``get_pattern_key``: (the value of the first key matching the end of the module's
     name, that key), or (``default``, None)."""
     for key, value in patterns.items():
-        if compile_pattern(rf"(.*\.)?({key})$", where, f"{what} key {_short(key)}").match(module_name):
+        if compile_pattern(rf"(.*\.)?({key})$", where, f"{what} key {_short(key)}", show=False).match(module_name):
             return value, key
     return default, None
 
@@ -116,7 +124,7 @@ def check_patterns(cfg: Mapping, where: str) -> None:
         if len(table) > MAX_PATTERN_KEYS:
             raise invalid(f"{where}: {key} has {len(table)} keys; at most {MAX_PATTERN_KEYS} are accepted")
         for k in table:
-            compile_pattern(rf"(.*\.)?({k})$", where, f"{key} key {_short(k)}")
+            compile_pattern(rf"(.*\.)?({k})$", where, f"{key} key {_short(k)}", show=False)
 
 
 def _short(text: str, limit: int = 120) -> str:
