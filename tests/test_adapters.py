@@ -1230,6 +1230,7 @@ def _no_file_reads(monkeypatch) -> None:
         raise AssertionError("the safetensors file was read: the image cache was not used")
 
     monkeypatch.setattr(manager_mod, "build_warm_image", boom)
+    monkeypatch.setattr(manager_mod, "build_packed_into", boom)
     monkeypatch.setattr(tiers_mod, "WeightsFile", boom)
 
 
@@ -1507,14 +1508,14 @@ def test_an_acquire_during_the_conversion_waits_for_it_and_reads_the_image(peft_
 
     builds = []
     release = threading.Event()
-    real = manager_mod.build_warm_image
+    real = manager_mod.build_packed_into  # what conversion ahead of use builds with
 
     def slow(*a, **k):
         builds.append(threading.current_thread().name)
         release.wait(10)
         return real(*a, **k)
 
-    monkeypatch.setattr(manager_mod, "build_warm_image", slow)
+    monkeypatch.setattr(manager_mod, "build_packed_into", slow)
 
     async def main():
         h = AdapterHarness(state_dir)

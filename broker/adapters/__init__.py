@@ -5,7 +5,8 @@ state machine), ``hot_budget`` and ``warm_budget`` (the tiers' book-keeping), ``
 up the tiers), ``image_service`` (the converted-image cache and conversion ahead of use) and
 ``checks`` (checksum checks), each given the ``context`` record of what they share; ``stats``
 and ``records`` are what it returns. Below them:
-``peft`` validates PEFT directories, ``registry`` persists them in SQLite, ``layout`` places
+``peft`` validates PEFT directories (``patterns`` matches their module patterns in linear
+time), ``registry`` persists them in SQLite, ``layout`` places
 rows in pages, ``safetensors_io``, ``dtypes``, ``warm_image``, ``image_cache`` and
 ``page_writers`` do the blocking copies, ``policy`` orders victims. Nothing here imports gRPC.
 """

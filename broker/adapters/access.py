@@ -6,7 +6,8 @@ directory) is opened here by walking it one component at a time from ``/`` with
 against the mode bits and ownership of every directory searched and of the file read
 (so nothing can be swapped in between check and use), and only as a regular file of
 bounded size, inside ``allowed_roots`` when they are configured. Every refusal is a
-``BrokerError`` INVALID_ARGUMENT or PERMISSION_DENIED that says why.
+``BrokerError`` INVALID_ARGUMENT or PERMISSION_DENIED that says why. ``disk_free`` tells the
+writers of the state directory how much room is left (refusals of a full disk name it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ MAX_PATH_BYTES = 4096
 MAX_SYMLINKS = 40
 
 _R, _X = 4, 1
+
+
+def disk_free(path: str) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem (-1: unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
 
 
 def denied(message: str) -> BrokerError:

@@ -80,6 +80,9 @@ class _AdapterSettings:
     # Disk the images may take together; 0 = no limit. A load's image pushes out the least
     # recently used ones; a conversion ahead of use only takes room that is free.
     image_budget: int = 0
+    # Free disk an image write must leave on the state directory's filesystem (the registry's
+    # reserve): images are a cache and never take the room the registry needs.
+    image_min_free: int = 64 << 20
     # Convert adapters into images ahead of use, in one background thread: each adapter
     # registered through the manager, and (``start``) every registered adapter without an
     # image, so a first acquire reads an image instead of converting the safetensors.
@@ -124,6 +127,8 @@ class AdapterConfig(_AdapterSettings):
             raise ValueError(f"adapter dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
         if self.row_align <= 0 or self.row_align % DTYPE_SIZES[self.dtype]:
             raise ValueError(f"row_align {self.row_align} must be a positive multiple of the {self.dtype} element size")
+        if self.image_min_free < 0:
+            raise ValueError(f"image_min_free {self.image_min_free} must be >= 0 (0: no floor)")
         for name in ("hot_tier_pages", "hot_tier_adapters", "warm_tier_bytes", "image_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import struct
@@ -17,6 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from memory_broker.broker.adapters.access import disk_free
 from memory_broker.broker.adapters.layout import AdapterLayout
 from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.safetensors_io import file_identity
@@ -52,13 +54,22 @@ class ImageCache:
     counts the ``.img`` files it finds at start (oldest modification first) and deletes
     leftover ``.tmp`` files of writes a crash cut short.
 
+    Free-space floor: with ``min_free`` > 0 no image is written that would leave less than
+    that free on the filesystem (the adapter registry in the same state directory keeps room
+    for its writes; images are a cache, the registry is not).
+
     Blocking; meant for executor threads. Thread-safe (each call opens its own file; the
     byte accounting is under a lock).
     """
 
-    def __init__(self, directory: str, fsync: bool = False, max_bytes: int = 0, verify: bool = True):
-        if max_bytes < 0:
-            raise ValueError(f"image cache budget {max_bytes} must be >= 0 (0: no limit)")
+    def __init__(self, directory: str, fsync: bool = False, max_bytes: int = 0, verify: bool = True, min_free: int = 0):
+        if max_bytes < 0 or min_free < 0:
+            raise ValueError(f"image cache budget {max_bytes} and floor {min_free} must be >= 0 (0: no limit)")
+        # Free bytes the filesystem keeps after any image write: the registry's reserve (an
+        # image is not written when it would leave less).
+        self.min_free = min_free
+        # Images not written because of that floor.
+        self.floor_skips = 0
         self.directory = directory
         self.fsync = fsync
         # Hash every payload read back and compare it with the header's checksum.
@@ -107,8 +118,17 @@ class ImageCache:
         return IMAGE_HEADER_BYTES + layout.used_bytes
 
     def fits(self, layout: AdapterLayout) -> bool:
-        """Whether an image of ``layout`` fits in the free part of the budget now."""
-        return not self.max_bytes or self._used + self.image_size(layout) <= self.max_bytes
+        """Whether an image of ``layout`` fits in the free part of the budget now, and above
+        the free-space floor."""
+        need = self.image_size(layout)
+        return (not self.max_bytes or self._used + need <= self.max_bytes) and self.above_floor(need)
+
+    def above_floor(self, need: int) -> bool:
+        """Whether writing ``need`` bytes leaves at least ``min_free`` bytes free on the disk."""
+        if not self.min_free:
+            return True
+        free = disk_free(self.directory)
+        return free < 0 or free - need >= self.min_free
 
     def paths(self) -> list[str]:
         """The image files, least recently used first."""
@@ -300,17 +320,14 @@ class ImageCache:
         if image.packed is None or image.source_identity is None:
             return 0
         layout = image.layout
-        header = self._header(meta, layout, image.source_identity)
-        header["checksum"] = image.checksum or packed_checksum(image.packed)
-        text = json.dumps(header).encode()
-        if 12 + len(text) > IMAGE_HEADER_BYTES:
+        head = self._head(meta, layout, image.source_identity, image.checksum or packed_checksum(image.packed))
+        if head is None:
             return 0  # an id or path too long for the header: such adapters are not cached
-        head = bytearray(IMAGE_HEADER_BYTES)
-        head[:8] = IMAGE_MAGIC
-        struct.pack_into("<I", head, 8, len(text))
-        head[12 : 12 + len(text)] = text
         path = self.path(meta.adapter_id)
         had = path in self._sizes
+        if not self.above_floor(self.image_size(layout) - self._sizes.get(path, 0)):
+            self.floor_skips += 1
+            return 0
         ok, victims = self._reserve(path, self.image_size(layout), evict)
         if not ok:
             return 0
@@ -346,6 +363,62 @@ class ImageCache:
             raise
         return self.image_size(layout)
 
+    def _head(self, meta: AdapterMeta, layout: AdapterLayout, identity: tuple, checksum: str) -> bytearray | None:
+        """An image file's header block (None: the id or path is too long for it)."""
+        header = self._header(meta, layout, identity)
+        header["checksum"] = checksum
+        text = json.dumps(header).encode()
+        if 12 + len(text) > IMAGE_HEADER_BYTES:
+            return None
+        head = bytearray(IMAGE_HEADER_BYTES)
+        head[:8] = IMAGE_MAGIC
+        struct.pack_into("<I", head, 8, len(text))
+        head[12 : 12 + len(text)] = text
+        return head
+
+    def store_built(self, meta: AdapterMeta, layout: AdapterLayout, build) -> int:
+        """Build the adapter's image straight into its file (conversion ahead of use):
+        ``build(buf)`` lays the payload out into ``buf``, a zeroed uint8 mapping of the new
+        file, and returns the weights file's identity. The image exists only as the file's
+        pages (which the kernel writes back and may drop), never as an anonymous copy of the
+        whole image. The file's blocks are allocated first, so a full disk is an OSError here
+        rather than a fault while writing. Takes only free room in the budget, above the
+        floor; atomic like ``store``. Returns bytes written (0: no room)."""
+        path = self.path(meta.adapter_id)
+        size = self.image_size(layout)
+        if not self.above_floor(size - self._sizes.get(path, 0)):
+            self.floor_skips += 1
+            return 0
+        had = path in self._sizes
+        if not self._reserve(path, size, evict=False)[0]:
+            return 0
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                head = _fill_mapped(
+                    fd, size, lambda payload: self._head(meta, layout, build(payload), packed_checksum(payload))
+                )
+                if head is not None and self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if head is None:
+                raise _NotCached
+            os.replace(tmp, path)
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if not had or not os.path.exists(path):
+                self._forget(path)
+            if isinstance(e, _NotCached):
+                return 0
+            raise
+        return size
+
     def remove(self, adapter_id: str) -> bool:
         """Delete the adapter's image; False when there was none."""
         return self.remove_path(self.path(adapter_id))
@@ -358,3 +431,25 @@ class ImageCache:
             return True
         except FileNotFoundError:
             return False
+
+
+class _NotCached(Exception):
+    """An image whose header cannot hold its id or path: not cached."""
+
+
+def _fill_mapped(fd: int, size: int, fill) -> bytearray | None:
+    """Map ``size`` bytes of ``fd``, let ``fill(payload)`` write the payload (past the header)
+    and return the header block, write that header, and unmap."""
+    mm = mmap.mmap(fd, size)
+    try:
+        payload = np.frombuffer(mm, dtype=np.uint8, offset=IMAGE_HEADER_BYTES)
+        head = fill(payload)
+        del payload
+        if head is not None:
+            mm[:IMAGE_HEADER_BYTES] = head
+        return head
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view still alive (an exception's traceback): closed when collected
+            pass

@@ -20,7 +20,7 @@ from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.image_cache import ImageCache
 from memory_broker.broker.adapters.layout import AdapterLayout
 from memory_broker.broker.adapters.peft import AdapterMeta
-from memory_broker.broker.adapters.warm_image import WarmImage, build_warm_image
+from memory_broker.broker.adapters.warm_image import WarmImage, build_packed_into, build_warm_image
 from memory_broker.proto.wire.errors import BrokerError
 
 
@@ -52,6 +52,7 @@ class ImageService:
                     fsync=config.image_fsync,
                     max_bytes=config.image_budget,
                     verify=config.verify_images,
+                    min_free=config.image_min_free,
                 )
             except OSError as err:
                 log.warning("adapter_image_cache_off", error=str(err))
@@ -205,8 +206,8 @@ class ImageService:
         if images.has(meta.adapter_id) and images.valid(meta, layout):
             return 0, 0.0
         t0 = time.perf_counter()
-        image = build_warm_image(meta, layout, threads=1)
-        written = images.store(meta, image, evict=False)
+        # Straight into the image file: no copy of the whole image in anonymous memory.
+        written = images.store_built(meta, layout, lambda buf: build_packed_into(meta, layout, buf))
         return written, round((time.perf_counter() - t0) * 1e3, 3)
 
     # ------------------------------------------------------------ reads and writes

@@ -154,7 +154,8 @@ class AdapterManager:
 
         Raises:
             BrokerError: NOT_FOUND; FAILED_PRECONDITION while any session holds it (or an
-                acquire of it is in progress).
+                acquire of it is in progress); RESOURCE_EXHAUSTED when the registry's disk is
+                full (nothing is forgotten then).
         """
         return self.unregister_many([adapter_id])[0]
 
@@ -165,6 +166,8 @@ class AdapterManager:
         metas = [self.registry.get(aid) for aid in ids]
         for aid in ids:
             self.pins.check_unregistrable(aid)
+        # The registry first, in one transaction: a refusal there (a full disk) forgets nothing.
+        self.registry.unregister_many(ids)
         for aid in ids:
             self._forget_adapter(aid)
         return metas
@@ -179,7 +182,6 @@ class AdapterManager:
             if self.entries.get(adapter_id) is e:
                 self.entries.pop(adapter_id)
             e.remove()
-        self.registry.unregister(adapter_id)
         self.image_service.remove(adapter_id)
         self.hot.policy.forget(adapter_id)
         self.warm.policy.forget(adapter_id)

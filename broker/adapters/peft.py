@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from memory_broker.broker.adapters import patterns
 from memory_broker.broker.adapters.access import Caller, Opened, open_for, read_bounded
 from memory_broker.broker.adapters.layout import LoraModuleSpec
-from memory_broker.proto.wire.errors import BrokerError, Code, invalid
+from memory_broker.proto.wire.errors import BrokerError, Code, exhausted, invalid
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -30,11 +31,36 @@ SCHEMA_VERSION = 1
 # Adapter ids: what a person types and a path or metric label can carry. Every allowed
 # character sorts below 0x7f, which the prefix listing relies on.
 ADAPTER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+=-]{0,255}")
+# Bytes per element of the safetensors dtypes (an unknown one counts 8; any but FILE_DTYPES is
+# refused later anyway).
+_DTYPE_BYTES: Mapping[str, int] = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 # Safetensors element types an adapter file may use (converted to the broker's dtype on load).
 FILE_DTYPES: Mapping[str, str] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_MAX_RANK = 256
 # Largest adapter_config.json read (real ones are a few KiB).
 MAX_CONFIG_BYTES = 1 << 20
+# Bounds on a config's numbers, far beyond any real adapter: ranks (and layer indices), and the
+# magnitude of alphas (a scaling must stay a finite float in every storage dtype).
+MAX_CONFIG_RANK = 1 << 20
+MAX_CONFIG_NUMBER = 1e12
+# Most tensors in one weights file (a 128-layer model with 16 adapted modules has 4,096).
+MAX_TENSORS = 1 << 16
 # PEFT prefixes every saved key with this (the PeftModel wrapper's attribute path).
 _PEFT_KEY_PREFIX = "base_model.model."
 _LORA_WEIGHT = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
@@ -238,25 +264,9 @@ def check_adapter_id(adapter_id: object, what: str = "adapter_id") -> str:
 # --------------------------------------------------------------------- validation
 
 
-def _pattern_value(patterns: Mapping, module_name: str, default, where: str, what: str):
-    """PEFT's ``get_pattern_key``: the first pattern matching the end of the module's name."""
-    for key, value in patterns.items():
-        try:
-            if re.match(rf"(.*\.)?({key})$", module_name):
-                return value, key
-        except re.error as e:
-            raise invalid(f"{where}: {what} key {key!r} is not a valid regular expression ({e})") from None
-    return default, None
-
-
-def _targets(cfg: Mapping, name: str, layer: int) -> bool:
+def _targets(cfg: Mapping, name: str, layer: int, where: str) -> bool:
     """PEFT's ``check_target_module_exists`` for a module that has LoRA tensors."""
-    tm = cfg.get("target_modules")
-    if isinstance(tm, str):
-        found = tm == "all-linear" or re.fullmatch(tm, name) is not None
-    else:
-        found = name in tm or any(name.endswith(f".{t}") for t in tm)
-    if not found:
+    if not patterns.targets(cfg["target_modules"], name, where):
         return False
     layers = cfg.get("layers_to_transform")
     if layers is not None and layers != []:
@@ -265,17 +275,27 @@ def _targets(cfg: Mapping, name: str, layer: int) -> bool:
     return True
 
 
-def _excluded(cfg: Mapping, name: str) -> bool:
-    ex = cfg.get("exclude_modules")
-    if not ex:
+def _number(v: object, *, rank: bool = False) -> bool:
+    """A finite number within bounds (``rank``: an integer 1..MAX_CONFIG_RANK). Never raises,
+    whatever JSON gave (an integer of thousands of digits does not fit a float)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
-    if isinstance(ex, str):
-        return re.fullmatch(ex, name) is not None
-    return name in ex or any(name.endswith(f".{e}") for e in ex)
+    if rank:
+        return isinstance(v, int) and 1 <= v <= MAX_CONFIG_RANK
+    return (isinstance(v, int) or math.isfinite(v)) and abs(v) <= MAX_CONFIG_NUMBER
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _layer_index(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_CONFIG_RANK
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """``repr`` of a config value, cut to ``limit`` characters (a value may be huge)."""
+    try:
+        r = repr(v)
+    except ValueError:  # an integer too long to print
+        return f"an integer of {v.bit_length()} bits"  # type: ignore[union-attr]
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def _read_config(
@@ -310,6 +330,8 @@ def _read_config(
         raise invalid(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise invalid(f"{path}: JSON nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise invalid(f"{path}: holds a number too long to read ({str(e).split(':')[0]})") from None
     if not isinstance(cfg, dict):
         raise invalid(f"{path}: must hold a JSON object, not {type(cfg).__name__}")
     return cfg
@@ -318,44 +340,55 @@ def _read_config(
 def _check_config(cfg: dict, path: str) -> None:
     peft_type = cfg.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise invalid(f"{path}: peft_type is {peft_type!r}; only LORA adapters are supported")
+        raise invalid(f"{path}: peft_type is {_short(peft_type)}; only LORA adapters are supported")
     for flag, why in _REFUSED_FLAGS.items():
         if cfg.get(flag):
-            raise invalid(f"{path}: {flag} is {cfg[flag]!r}: {why}")
+            raise invalid(f"{path}: {flag} is {_short(cfg[flag])}: {why}")
     bias = cfg.get("bias", "none")
     if bias != "none":
-        raise invalid(f"{path}: bias is {bias!r}: biases are not supported (the kernels add none); need bias 'none'")
-    r = cfg.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise invalid(f"{path}: r is {r!r}; need a positive integer rank")
-    if not _is_number(cfg.get("lora_alpha")):
-        raise invalid(f"{path}: lora_alpha is {cfg.get('lora_alpha')!r}; need a finite number")
+        raise invalid(
+            f"{path}: bias is {_short(bias)}: biases are not supported (the kernels add none); need bias 'none'"
+        )
+    _check_numbers(cfg, path)
+    tm = cfg.get("target_modules")
+    if tm is None:
+        raise invalid(f"{path}: target_modules is missing; LoRA needs the modules it adapts")
+    if not isinstance(tm, str) and (not isinstance(tm, list) or not tm or not all(isinstance(t, str) for t in tm)):
+        raise invalid(f"{path}: target_modules must be a non-empty list of module names or a regular expression")
+    ex = cfg.get("exclude_modules")
+    if ex and not isinstance(ex, str) and (not isinstance(ex, list) or not all(isinstance(t, str) for t in ex)):
+        raise invalid(f"{path}: exclude_modules must be a list of module names or a regular expression")
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and not all(_layer_index(x) for x in (layers if isinstance(layers, list) else [layers])):
+        raise invalid(f"{path}: layers_to_transform is {_short(layers)}; need a layer index or a list of layer indices")
+    patterns.check_patterns(cfg, path)
+
+
+def _check_numbers(cfg: dict, path: str) -> None:
+    """r, lora_alpha, use_rslora and the pattern tables' values: typed and within bounds."""
+    if not _number(cfg.get("r"), rank=True):
+        raise invalid(f"{path}: r is {_short(cfg.get('r'))}; need a positive integer rank (at most {MAX_CONFIG_RANK})")
+    if not _number(cfg.get("lora_alpha")):
+        raise invalid(
+            f"{path}: lora_alpha is {_short(cfg.get('lora_alpha'))}; need a finite number "
+            f"(magnitude at most {MAX_CONFIG_NUMBER:g})"
+        )
     if not isinstance(cfg.get("use_rslora", False), bool):
-        raise invalid(f"{path}: use_rslora is {cfg.get('use_rslora')!r}; need true or false")
+        raise invalid(f"{path}: use_rslora is {_short(cfg.get('use_rslora'))}; need true or false")
     for key in ("rank_pattern", "alpha_pattern"):
         pat = cfg.get(key) or {}
         if not isinstance(pat, dict):
             raise invalid(f"{path}: {key} must be an object mapping module patterns to numbers")
         for k, v in pat.items():
-            bad = (
-                (not isinstance(v, int) or isinstance(v, bool) or v < 1) if key == "rank_pattern" else not _is_number(v)
-            )
-            if bad:
+            if key == "rank_pattern" and not _number(v, rank=True):
                 raise invalid(
-                    f"{path}: {key}[{k!r}] is {v!r}; need a positive integer"
-                    if key == "rank_pattern"
-                    else f"{path}: {key}[{k!r}] is {v!r}; need a finite number"
+                    f"{path}: {key}[{_short(k)}] is {_short(v)}; need a positive integer (at most {MAX_CONFIG_RANK})"
                 )
-    tm = cfg.get("target_modules")
-    if tm is None:
-        raise invalid(f"{path}: target_modules is missing; LoRA needs the modules it adapts")
-    if isinstance(tm, str):
-        try:
-            re.compile(tm)
-        except re.error as e:
-            raise invalid(f"{path}: target_modules {tm!r} is not a valid regular expression ({e})") from None
-    elif not isinstance(tm, list) or not tm or not all(isinstance(t, str) for t in tm):
-        raise invalid(f"{path}: target_modules must be a non-empty list of module names or a regular expression")
+            if key == "alpha_pattern" and not _number(v):
+                raise invalid(
+                    f"{path}: {key}[{_short(k)}] is {_short(v)}; need a finite number "
+                    f"(magnitude at most {MAX_CONFIG_NUMBER:g})"
+                )
 
 
 def _split_module(name: str) -> tuple[str, int, str] | None:
@@ -416,7 +449,12 @@ def _read_dir(source: str, caller: Caller | None, roots: tuple[str, ...], max_co
             st = w.st
             try:
                 with safe_open(w.proc_path, framework="numpy") as f:
-                    header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+                    keys = f.keys()
+                    if len(keys) > MAX_TENSORS:
+                        raise invalid(f"{wpath}: holds {len(keys)} tensors; at most {MAX_TENSORS} are accepted")
+                    header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in keys}
+            except BrokerError:
+                raise
             except Exception as e:  # the library raises its own error types for a bad header
                 raise invalid(f"{wpath}: not a readable safetensors file ({e})") from None
     if not header:
@@ -428,13 +466,14 @@ def _read_dir(source: str, caller: Caller | None, roots: tuple[str, ...], max_co
 _Found = dict[tuple[str, int, str], dict[str, tuple[int, ...]]]
 
 
-def _lora_matrices(header: dict, cfg: dict, wpath: str) -> tuple[_Found, set[str]]:
+def _lora_matrices(header: dict, cfg: dict, wpath: str, cfg_where: str) -> tuple[_Found, set[str]]:
     """Every tensor checked as a LoRA A/B weight of a targeted module in a numbered layer:
     {(prefix, layer, path): {"A": shape, "B": shape}}, and the file dtypes seen."""
     # (prefix, layer, path) -> {"A": shape, "B": shape}
     found: _Found = {}
     dtypes: set[str] = set()
     for key, (shape, dtype) in header.items():
+        patterns.check_name(key, wpath)
         name = key[len(_PEFT_KEY_PREFIX) :] if key.startswith(_PEFT_KEY_PREFIX) else key
         if "lora_magnitude_vector" in name:
             raise invalid(f"{wpath}: tensor {key} is a DoRA magnitude vector; DoRA adapters are not supported")
@@ -461,7 +500,9 @@ def _lora_matrices(header: dict, cfg: dict, wpath: str) -> tuple[_Found, set[str
             raise invalid(f"{wpath}: tensor {key} has dtype {dtype}; supported: {', '.join(FILE_DTYPES)}")
         if len(shape) != 2 or min(shape) < 1:
             raise invalid(f"{wpath}: tensor {key} has shape {list(shape)}; a LoRA matrix is 2-D and non-empty")
-        if _excluded(cfg, module_name) or not _targets(cfg, module_name, layer):
+        if patterns.excluded(cfg.get("exclude_modules"), module_name, cfg_where) or not _targets(
+            cfg, module_name, layer, cfg_where
+        ):
             raise invalid(
                 f"{wpath}: tensor {key} adapts {module_name}, which target_modules "
                 f"{cfg.get('target_modules')!r} (layers_to_transform {cfg.get('layers_to_transform')!r}, "
@@ -500,11 +541,11 @@ def _module_specs(
         rank = ra
         if rank > max_rank:
             raise invalid(f"{wpath}: {where} has rank {rank}, above the broker's max_rank of {max_rank}")
-        expect, pkey = _pattern_value(rank_pattern, where, r_default, cfg_path, "rank_pattern")
+        expect, pkey = patterns.pattern_value(rank_pattern, where, r_default, cfg_path, "rank_pattern")
         if rank != expect:
             src = f"rank_pattern[{pkey!r}]" if pkey is not None else "r"
             raise invalid(f"{wpath}: {where} has rank {rank} in its tensors but {CONFIG_FILE} says {expect} ({src})")
-        alpha, _ = _pattern_value(alpha_pattern, where, alpha_default, cfg_path, "alpha_pattern")
+        alpha, _ = patterns.pattern_value(alpha_pattern, where, alpha_default, cfg_path, "alpha_pattern")
         name = path.rsplit(".", 1)[-1]
         seen = shapes.get(name)
         if seen is None:
@@ -523,6 +564,28 @@ def _module_specs(
     return shapes, specs
 
 
+def check_declared_size(header: Mapping, wpath: str, max_bytes: int, stored_elem_size: int) -> int:
+    """The bytes a weights file's tensors declare (shapes x element size, from the header: no
+    data read), each element counted at the larger of its file size and ``stored_elem_size``
+    (what a conversion writes). Raises RESOURCE_EXHAUSTED, with the numbers, above ``max_bytes``
+    (0: no limit)."""
+    elements = declared = counted = 0
+    for shape, dtype in header.values():
+        n = math.prod(shape)
+        size = _DTYPE_BYTES.get(dtype, 8)
+        elements += n
+        declared += n * size
+        counted += n * max(size, stored_elem_size)
+    if max_bytes and counted > max_bytes:
+        raise exhausted(
+            f"{wpath}: its {len(header)} tensors declare {elements} elements, {declared} bytes in the file and "
+            f"{elements * stored_elem_size} bytes in pages, above the per-adapter limit of {max_bytes} bytes "
+            "(adapters.max_bytes, --adapter-max-bytes; by default the pool or the hot tier's pages, whichever is "
+            "smaller); register a smaller adapter or raise the limit"
+        )
+    return counted
+
+
 def inspect_peft_dir(
     source: str,
     *,
@@ -531,6 +594,8 @@ def inspect_peft_dir(
     caller: Caller | None = None,
     roots: tuple[str, ...] = (),
     max_config_bytes: int = MAX_CONFIG_BYTES,
+    max_bytes: int = 0,
+    stored_elem_size: int = 2,
 ) -> AdapterMeta:
     """Validate a PEFT LoRA directory and describe it (reads the config and the safetensors
     header only).
@@ -547,16 +612,21 @@ def inspect_peft_dir(
         caller: whose rights bound the reads (the RPC's session peer).
         roots: real paths the adapter's files must resolve inside.
         max_config_bytes: largest ``adapter_config.json`` read.
+        max_bytes: most bytes the file's tensors may declare, counted in the larger of their
+            own element size and ``stored_elem_size`` (the pages' dtype); 0: no limit.
 
     Returns:
         The adapter's metadata with an empty id; ``source`` is the resolved directory.
 
     Raises:
         BrokerError: INVALID_ARGUMENT with the file and the problem; PERMISSION_DENIED
-            when the caller could not read it or it lies outside the roots.
+            when the caller could not read it or it lies outside the roots; RESOURCE_EXHAUSTED
+            when its tensors declare more than ``max_bytes`` (checked on the header, before
+            any tensor is looked at or read).
     """
     source, cfg_path, cfg, wpath, header, st = _read_dir(source, caller, roots, max_config_bytes)
-    found, dtypes = _lora_matrices(header, cfg, wpath)
+    check_declared_size(header, wpath, max_bytes, stored_elem_size)
+    found, dtypes = _lora_matrices(header, cfg, wpath, cfg_path)
     prefixes = {p for p, _, _ in found}
     if len(prefixes) > 1:
         raise invalid(

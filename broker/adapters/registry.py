@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from memory_broker.broker.adapters.access import Caller, normalize_roots, open_for
+from memory_broker.broker.adapters.access import Caller, disk_free, normalize_roots, open_for
 from memory_broker.broker.adapters.peft import (
     CONFIG_FILE,
     DEFAULT_MAX_RANK,
@@ -30,11 +30,84 @@ from memory_broker.broker.adapters.peft import (
     check_adapter_id,
     inspect_peft_dir,
 )
-from memory_broker.proto.wire.errors import BrokerError, Code, invalid, not_found
+from memory_broker.proto.wire.errors import BrokerError, Code, exhausted, invalid, not_found
 
 DB_FILE = "adapters.sqlite3"
+
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:/@+=-]{0,256}")
 MAX_LIST_PAGE = 10_000
+# Room the registry holds in its state directory for the writes a full disk would refuse (see
+# ``StateDisk``): a file of this many bytes, given up when the disk fills.
+RESERVE_FILE = "adapters.reserve"
+RESERVE_BYTES = 256 << 10
+
+
+class StateDisk:
+    """The registry's room on the state directory's filesystem.
+
+    The registry keeps a reserve file (``RESERVE_FILE``, ``RESERVE_BYTES``) there. When a
+    write finds the disk full, ``make_room`` checkpoints the WAL into the database (truncating
+    the WAL, which holds every page written since the last checkpoint) and, for an
+    unregistration, deletes the reserve first, so that a full disk can always record an
+    unregistration (which frees room) but never a registration that would eat the reserve;
+    ``keep_reserve`` takes the reserve back once there is room. The image cache leaves
+    ``image_min_free`` bytes free for the same reason.
+    """
+
+    def __init__(self, state_dir: str, db_path: str):
+        self.state_dir, self.db_path = state_dir, db_path
+        self.reserve = os.path.join(state_dir, RESERVE_FILE)
+        self._held = False
+
+    def keep_reserve(self) -> None:
+        """Hold the reserve file, if the disk has room for it (best effort, cheap when held)."""
+        if self._held:
+            return
+        try:
+            fd = os.open(self.reserve, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                self._held = True
+            finally:
+                os.close(fd)
+        except OSError:
+            self._release()
+
+    def _release(self) -> bool:
+        self._held = False
+        try:
+            os.unlink(self.reserve)
+            return True
+        except OSError:
+            return False
+
+    def make_room(self, db: sqlite3.Connection, spend_reserve: bool) -> bool:
+        """Checkpoint the WAL (truncating it), giving up the reserve first when
+        ``spend_reserve``; whether anything was freed."""
+        freed = spend_reserve and self._release()
+        try:
+            busy, wal_pages, _done = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            freed = freed or (not busy and wal_pages > 0)
+        except sqlite3.Error:
+            pass
+        return freed
+
+    def full(self, err: BaseException) -> bool:
+        """Whether ``err`` says the disk is full (SQLite's SQLITE_FULL, or an I/O error while
+        less than 1 MiB is free)."""
+        if not isinstance(err, sqlite3.OperationalError):
+            return False
+        code = getattr(err, "sqlite_errorcode", None)
+        if code == sqlite3.SQLITE_FULL:
+            return True
+        return code is not None and code & 0xFF == sqlite3.SQLITE_IOERR and 0 <= disk_free(self.state_dir) < 1 << 20
+
+    def refusal(self, what: str) -> BrokerError:
+        return exhausted(
+            f"{self.db_path}: the disk is full ({disk_free(self.state_dir)} bytes free in {self.state_dir}), so "
+            f"the adapter registry cannot record this {what}; free space on that filesystem (unregistering "
+            "adapters frees some; so does a lower adapters.image_budget), then retry"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +135,9 @@ class AdapterRegistry:
         allowed_roots: directories registered adapters must lie in (after resolving
             symlinks); empty allows any path the caller may read.
         max_config_bytes: largest ``adapter_config.json`` read.
+        max_adapter_bytes: most bytes an adapter's tensors may declare (counted at the larger
+            of their file element size and ``stored_elem_size``, the pages' element size);
+            0: no limit. Checked on the safetensors header, before anything is read or converted.
     """
 
     def __init__(
@@ -73,6 +149,8 @@ class AdapterRegistry:
         synchronous: str = "NORMAL",
         allowed_roots: Iterable[str] = (),
         max_config_bytes: int = MAX_CONFIG_BYTES,
+        max_adapter_bytes: int = 0,
+        stored_elem_size: int = 2,
     ):
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
@@ -86,6 +164,10 @@ class AdapterRegistry:
         # Real paths adapter files must resolve inside (empty: anywhere the caller may read).
         self.allowed_roots = normalize_roots(tuple(allowed_roots))
         self.max_config_bytes = max_config_bytes
+        if max_adapter_bytes < 0 or stored_elem_size < 1:
+            raise ValueError("max_adapter_bytes must be >= 0 (0: no limit) and stored_elem_size positive")
+        self.max_adapter_bytes = max_adapter_bytes
+        self.stored_elem_size = stored_elem_size
         self._lock = threading.Lock()
         # Owner-only: the database names every adapter path. SQLite gives its -wal and -shm
         # files the database file's mode, so creating it 0600 first covers all three.
@@ -103,6 +185,9 @@ class AdapterRegistry:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
+        # A checkpoint leaves the WAL file at most this long (it is reused, not regrown).
+        self._db.execute(f"PRAGMA journal_size_limit={RESERVE_BYTES * 4}")
+        self.disk = StateDisk(state_dir, self.path)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -129,6 +214,7 @@ class AdapterRegistry:
         # Inspections by file identity, so one directory registered under many ids is read once.
         self._inspected: OrderedDict[tuple, AdapterMeta] = OrderedDict()
         self._closed = False
+        self.disk.keep_reserve()
         # Registered adapters, counted once here and kept by add_many/unregister, so that
         # count() (every ListAdapters page and the adapter stats read it) never scans the
         # table. This process is the registry's only writer (the broker holds its state dir).
@@ -154,6 +240,8 @@ class AdapterRegistry:
             caller=caller,
             roots=self.allowed_roots,
             max_config_bytes=self.max_config_bytes,
+            max_bytes=self.max_adapter_bytes,
+            stored_elem_size=self.stored_elem_size,
         )
         if ident is not None:
             with self._lock:
@@ -204,35 +292,50 @@ class AdapterRegistry:
             )
             for m in out
         ]
+
+        def insert() -> None:
+            self._db.executemany("INSERT INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
         with self._lock:
             self._check_open()
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.executemany("INSERT INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-                self._db.execute("COMMIT")
-                self._total += len(rows)
+                self._transaction(insert, "register", spend_reserve=False)
             except sqlite3.IntegrityError:
-                self._db.execute("ROLLBACK")
                 taken = [i for i in ids if self._db.execute("SELECT 1 FROM adapters WHERE id = ?", (i,)).fetchone()]
                 raise self._taken(taken[0] if taken else ids[0]) from None
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+            self._total += len(rows)
         return out
 
     def unregister(self, adapter_id: str) -> AdapterMeta:
         """Forget an adapter (the manager checks that no session holds it first).
 
         Raises:
-            BrokerError(NOT_FOUND)
+            BrokerError(NOT_FOUND); RESOURCE_EXHAUSTED when the disk is full.
         """
-        meta = self.get(adapter_id)
+        return self.unregister_many([adapter_id])[0]
+
+    def unregister_many(self, adapter_ids: Iterable[str]) -> list[AdapterMeta]:
+        """Forget several adapters in one transaction: all or none.
+
+        Raises:
+            BrokerError(NOT_FOUND) for an id not registered (nothing is forgotten);
+            RESOURCE_EXHAUSTED when the disk is full.
+        """
+        metas = [self.get(aid) for aid in dict.fromkeys(adapter_ids)]
+        deleted = []
+
+        def delete() -> None:
+            deleted[:] = [
+                self._db.execute("DELETE FROM adapters WHERE id = ?", (m.adapter_id,)).rowcount for m in metas
+            ]
+
         with self._lock:
             self._check_open()
-            self._total -= self._db.execute("DELETE FROM adapters WHERE id = ?", (adapter_id,)).rowcount
-            self._cache.pop(adapter_id, None)
-        return meta
+            self._transaction(delete, "unregister", spend_reserve=True)
+            self._total -= sum(deleted)
+            for m in metas:
+                self._cache.pop(m.adapter_id, None)
+        return metas
 
     # ------------------------------------------------------------------ reading
 
@@ -363,6 +466,30 @@ class AdapterRegistry:
             Code.ALREADY_EXISTS,
             f"adapter id {adapter_id!r} is already registered; unregister it first or pick another id",
         )
+
+    def _transaction(self, body, what: str, spend_reserve: bool) -> None:
+        """Run ``body`` in one write transaction (under the lock): all of it or nothing. On a
+        full disk the registry checkpoints its WAL into the database (which frees the WAL's
+        room), gives up its reserve when ``spend_reserve`` (unregistrations: they free room),
+        and tries once more; then the disk being full is RESOURCE_EXHAUSTED naming the
+        database and the free bytes."""
+        for attempt in (0, 1):
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                body()
+                self._db.execute("COMMIT")
+                break
+            except BaseException as e:
+                try:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # SQLite rolled it back itself
+                if not self.disk.full(e):
+                    raise
+                if attempt or not self.disk.make_room(self._db, spend_reserve):
+                    raise self.disk.refusal(what) from None
+        self.disk.keep_reserve()
 
     def _check_open(self) -> None:
         if self._closed:

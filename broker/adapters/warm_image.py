@@ -127,14 +127,8 @@ def build_warm_image(
     Raises:
         BrokerError(FAILED_PRECONDITION): the file is gone or no longer matches the registration.
     """
-    paths = {m.name: m.path for m in meta.modules}
     with WeightsFile(meta) as wf:
-        # (placement, its module, the file entry), in layout order.
-        mats = []
-        for m in layout.modules:
-            key = f"{meta.key_prefix}{m.layer}.{paths[m.module]}.lora_"
-            mats.append((m.a, m, wf.entry(key + "A.weight", "A", m.rank, m.in_features)))
-            mats.append((m.b, m, wf.entry(key + "B.weight", "B", m.rank, m.out_features)))
+        mats = _matrices(meta, layout, wf)
         if int8:
             out = _build_int8(wf, layout, mats, meta.file_bytes)
             out.source_identity = wf.identity
@@ -147,10 +141,39 @@ def build_warm_image(
     )
 
 
-def _build_packed(wf: WeightsFile, layout: AdapterLayout, mats: list, threads: int) -> np.ndarray:
+def build_packed_into(meta: AdapterMeta, layout: AdapterLayout, out: np.ndarray) -> tuple[int, int, int]:
+    """Lay an adapter's file out for its pages straight into ``out`` (``layout.used_bytes`` of
+    zeroed uint8, e.g. the mapping of the image file being written, so that no copy of the
+    whole image is made in anonymous memory); returns the weights file's identity. Blocking.
+
+    Raises:
+        BrokerError(FAILED_PRECONDITION): the file is gone or no longer matches the registration.
+    """
+    if out.dtype != np.uint8 or out.shape != (layout.used_bytes,):
+        raise ValueError(f"need a uint8 buffer of {layout.used_bytes} bytes, not {out.dtype} {out.shape}")
+    with WeightsFile(meta) as wf:
+        _build_packed(wf, layout, _matrices(meta, layout, wf), 1, out)
+        return wf.identity
+
+
+def _matrices(meta: AdapterMeta, layout: AdapterLayout, wf: WeightsFile) -> list:
+    """(placement, its module, the file entry) of every matrix, in layout order."""
+    paths = {m.name: m.path for m in meta.modules}
+    mats = []
+    for m in layout.modules:
+        key = f"{meta.key_prefix}{m.layer}.{paths[m.module]}.lora_"
+        mats.append((m.a, m, wf.entry(key + "A.weight", "A", m.rank, m.in_features)))
+        mats.append((m.b, m, wf.entry(key + "B.weight", "B", m.rank, m.out_features)))
+    return mats
+
+
+def _build_packed(
+    wf: WeightsFile, layout: AdapterLayout, mats: list, threads: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """The packed page image of ``mats`` ((placement, module, file entry) in layout order):
-    the pages' used bytes back to back, in ``layout.dtype``."""
-    img = (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, dtype=np.uint8)
+    the pages' used bytes back to back, in ``layout.dtype`` (written into ``out``, zeroed, when
+    given)."""
+    img = out if out is not None else (np.zeros if layout.has_padding else np.empty)(layout.used_bytes, np.uint8)
     offs = layout.image_offsets()
     raw, es = RAW[layout.dtype], layout.elem_size
     want = FILE_NAME[layout.dtype]

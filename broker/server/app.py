@@ -22,6 +22,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from memory_broker.broker.adapters import AdapterManager, AdapterRegistry
+from memory_broker.broker.adapters.layout import DTYPE_SIZES
 from memory_broker.broker.arena import make_arena
 from memory_broker.broker.doors.fd_channel import FD_BUDGET, FdChannelServer
 from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
@@ -31,7 +32,7 @@ from memory_broker.broker.server.config import ConfigError, build_options, depre
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
-from memory_broker.broker.server.options import ServeOptions, adapter_config, format_size
+from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit, format_size
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import SessionManager
 from memory_broker.broker.store.eviction import make_policy
@@ -189,9 +190,7 @@ class BrokerServer:
         # batches between other callbacks of this loop, never as one long stall.
         self._store_work_scheduled = False
         self.store.background = lambda: self._schedule_store_work(loop)
-        self.registry = AdapterRegistry(
-            opts.state_dir, max_rank=opts.adapter_max_rank, allowed_roots=opts.adapter_allowed_roots
-        )
+        self.registry = open_registry(opts)
         self.adapters = AdapterManager(
             self.store,
             self.arena,
@@ -532,3 +531,14 @@ async def serve(opts: ServeOptions, log, overrides: dict | None = None) -> None:
     await server.start()
     server.install_signal_handlers()
     await server.wait()
+
+
+def open_registry(opts: ServeOptions) -> AdapterRegistry:
+    """The adapter registry in the state directory, with the options' limits."""
+    return AdapterRegistry(
+        opts.state_dir,
+        max_rank=opts.adapter_max_rank,
+        allowed_roots=opts.adapter_allowed_roots,
+        max_adapter_bytes=adapter_size_limit(opts),
+        stored_elem_size=DTYPE_SIZES[opts.adapter_dtype],
+    )

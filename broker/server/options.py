@@ -260,6 +260,15 @@ class ServeOptions(BaseModel):
         le=4096,
         help="largest LoRA rank accepted at registration",
     )
+    adapter_max_bytes: int = setting(
+        0,
+        kind="size",
+        yaml="adapters.max_bytes",
+        metavar="SIZE",
+        ge=0,
+        shown="0: the pool size, or the hot tier's pages if less",
+        help="most bytes one adapter's tensors may declare (larger ones are refused at registration)",
+    )
     hot_tier_pages: int = setting(
         0,
         kind="int",
@@ -598,6 +607,16 @@ def _explain(e: ValidationError) -> SettingError:
     if s and err["type"] == "literal_error":
         return SettingError(name, f"{v!r}; must be one of {', '.join(s.choices)}")
     return SettingError(name, f"{err['msg'].lower()}, got {v!r}")
+
+
+def adapter_size_limit(opts: ServeOptions) -> int:
+    """Most bytes one adapter's tensors may declare: ``adapter_max_bytes``, else what the hot
+    tier can hold (the pool, or ``hot_tier_pages`` pages if less): a larger adapter could never
+    be loaded, and converting it would only take memory and disk."""
+    if opts.adapter_max_bytes:
+        return opts.adapter_max_bytes
+    hot = opts.hot_tier_pages * opts.page_size if opts.hot_tier_pages else opts.pool_size
+    return min(hot, opts.pool_size)
 
 
 def adapter_config(opts: ServeOptions) -> Any:
