@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from memory_broker.broker.server.flags import add_serve_options, flag_overrides  # noqa: F401  (tests use it here)
+from memory_broker.broker.server.flags import add_serve_options, flag_overrides
 from memory_broker.broker.server.values import DEFAULT_SOCKET, format_size
 
 PROG = "memory-broker"

@@ -43,6 +43,7 @@ from memory_broker.proto.wire.mapping.cuda import (
     format_uuid,
     parse_device_spec,
 )
+from memory_broker.proto.wire.mapping.cuda_mappings import CudaArrayInterface
 from memory_broker.proto.wire.mapping.view import page_runs
 
 MiB = 1 << 20
@@ -1215,7 +1216,7 @@ def test_tensor_refuses_unmapped_ranges_before_touching_torch(fake):
 
 
 def test_cuda_array_interface_describes_bytes():
-    obj = cu._CudaArrayInterface(0x7F0000200000, 4096)
+    obj = CudaArrayInterface(0x7F0000200000, 4096)
     assert obj.__cuda_array_interface__ == {
         "shape": (4096,),
         "typestr": "|u1",

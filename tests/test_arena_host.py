@@ -17,7 +17,7 @@ import pytest
 from memory_broker.broker.arena.base import ArenaGeometry
 from memory_broker.broker.arena.host import HostArena, HostArenaView, host_buffer
 from memory_broker.broker.server.options import ServeOptions
-from memory_broker.broker.server.options import format_size as options_format_size
+from memory_broker.broker.server.values import format_size as options_format_size
 from memory_broker.proto.wire.mapping import check_sizes, format_size, host
 from memory_broker.proto.wire.mapping.view import page_runs
 

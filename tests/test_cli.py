@@ -25,7 +25,7 @@ from conftest import ROOT, short_tmpdir, start_broker
 
 from memory_broker.broker.cli import _fill_defaults, _list, build_parser, main
 from memory_broker.broker.server.logs import configure
-from memory_broker.broker.server.options import parse_size
+from memory_broker.broker.server.values import parse_size
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXE = shutil.which("memory-broker", path=os.path.dirname(sys.executable))

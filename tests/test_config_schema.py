@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import ROOT, start_broker
 
-from memory_broker.broker.cli import build_parser, flag_overrides
+from memory_broker.broker.cli import build_parser
 from memory_broker.broker.server import config as config_mod
 from memory_broker.broker.server.config import (
     ALIASES,
@@ -28,6 +28,7 @@ from memory_broker.broker.server.config import (
     deprecation_notes,
     load_config,
 )
+from memory_broker.broker.server.flags import flag_overrides
 from memory_broker.broker.server.options import SETTINGS, SHORTHANDS, ServeOptions, SettingError
 from memory_broker.broker.server.values import read
 

@@ -188,7 +188,8 @@ def test_bad_config_is_refused_with_a_message_naming_the_key(tmp_path, doc, word
 
 
 def test_log_format_comes_from_the_file_and_a_flag_overrides_it(tmp_path):
-    from memory_broker.broker.cli import build_parser, flag_overrides
+    from memory_broker.broker.cli import build_parser
+    from memory_broker.broker.server.flags import flag_overrides
 
     p = tmp_path / "broker.yaml"
     p.write_text("logging:\n  format: console\n")
@@ -200,7 +201,8 @@ def test_log_format_comes_from_the_file_and_a_flag_overrides_it(tmp_path):
 
 
 def test_adapter_image_settings_come_from_the_file_and_the_flags(tmp_path):
-    from memory_broker.broker.cli import build_parser, flag_overrides
+    from memory_broker.broker.cli import build_parser
+    from memory_broker.broker.server.flags import flag_overrides
 
     p = tmp_path / "broker.yaml"
     p.write_text("adapters:\n  image_budget: 2GiB\n  convert_ahead: false\n")

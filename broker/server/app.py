@@ -32,14 +32,14 @@ from memory_broker.broker.server.config import ConfigError, build_options, depre
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
-from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit, format_size
+from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import SessionManager
 from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.proto.wire.errors import BrokerError
-from memory_broker.proto.wire.mapping import ArenaGeometry
+from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 

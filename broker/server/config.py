@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from memory_broker.broker.server.options import SETTINGS, ServeOptions, Setting, SettingError
-from memory_broker.broker.server.values import ConfigError, parse_duration, read  # noqa: F401  (parse_duration: its old home)
+from memory_broker.broker.server.values import ConfigError, read
 
 # pool_size given as a count of pages: a key of the file only, turned into pool_size on reading.
 TOTAL_PAGES = "memory_pool.total_pages"

@@ -24,14 +24,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES
-from memory_broker.broker.server.values import (  # noqa: F401  (parse_size, format_size: their old home)
+from memory_broker.broker.server.values import (
     DEFAULT_SOCKET,
     KINDS,
     LOG_FORMATS,
     LOG_LEVELS,
     ConfigError,
-    format_size,
-    parse_size,
     show,
 )
 from memory_broker.proto.wire.mapping import check_sizes

@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any
 
-from memory_broker.proto.wire.mapping import format_size  # noqa: F401  (the one formatter; sizes shown in help and the example)
+from memory_broker.proto.wire.mapping import format_size
 
 # Binary units only: a GPU page is 2 MiB, not 2 MB. The single letters (1G, 512K) are binary
 # too, as in most memory flags; kB/MB/GB/TB are refused because they mean powers of ten to

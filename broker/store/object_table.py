@@ -27,11 +27,11 @@ from memory_broker.broker.store.records import (
     ObjectState,
     Recent,
     SessionState,
-    Spec,
 )
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Tally
 from memory_broker.proto.wire.errors import exhausted, invalid, not_found, precondition
+from memory_broker.proto.wire.spec import Spec
 
 
 class ObjectTable:

@@ -32,7 +32,6 @@ from memory_broker.broker.store.records import (
     ObjectsEvicted,
     ObjectState,
     SessionState,
-    Spec,
     StoreConfig,
     StoreLimits,
     Transaction,
@@ -45,6 +44,7 @@ from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage
 from memory_broker.broker.store.transactions import Transactions
 from memory_broker.broker.store.txn_book import TransactionBook
 from memory_broker.proto.wire.errors import denied, not_found, precondition
+from memory_broker.proto.wire.spec import Spec
 
 # The records callers use come from here too (one import for the store's API).
 __all__ = [

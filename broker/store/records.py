@@ -17,7 +17,6 @@ from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.shards import ShardedSet
 
 # One allocation request, shared with the client (a positional Spec means the same on both sides).
-from memory_broker.proto.wire.spec import Spec  # noqa: F401  (re-exported: the store's records include it)
 
 VALID_CONTENT = frozenset(int(c) for c in ContentType)
 # int -> ContentType without the enum constructor's cost on the hot path.

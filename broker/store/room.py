@@ -19,8 +19,9 @@ from collections.abc import Callable, Collection, Sequence
 
 from memory_broker.broker.store.context import StoreContext
 from memory_broker.broker.store.pins import PinLedger
-from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, SessionState, Spec, pages_at
+from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, SessionState, pages_at
 from memory_broker.proto.wire.errors import exhausted
+from memory_broker.proto.wire.spec import Spec
 
 
 class RoomMaker:

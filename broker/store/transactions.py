@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from memory_broker.broker.store.context import StoreContext
 from memory_broker.broker.store.object_table import check_specs
 from memory_broker.broker.store.pins import PinLedger
-from memory_broker.broker.store.records import SessionState, Spec, Transaction, TransactionsExpired, TxnState
+from memory_broker.broker.store.records import SessionState, Transaction, TransactionsExpired, TxnState
 from memory_broker.broker.store.room import Allocator
 from memory_broker.proto.wire.errors import invalid, precondition
+from memory_broker.proto.wire.spec import Spec
 
 
 class Transactions:

@@ -269,7 +269,7 @@ def bench_copy(args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memory_broker.broker.server.options import parse_size
+    from memory_broker.broker.server.values import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--page-size", type=lambda s: parse_size(s, "page size"), default=2 * MiB)

@@ -91,7 +91,6 @@ from memory_broker.proto.wire.mapping.cuda_driver import (
 )
 
 # The torch-facing wrapper of a device range, under the name tests/test_arena_cuda.py uses.
-from memory_broker.proto.wire.mapping.cuda_mappings import CudaArrayInterface as _CudaArrayInterface  # noqa: F401
 from memory_broker.proto.wire.mapping.cuda_mappings import CudaTensors, Leases, WindowPage, WindowPages
 from memory_broker.proto.wire.mapping.geometry import ArenaGeometry
 from memory_broker.proto.wire.mapping.view import ArenaView, page_runs
