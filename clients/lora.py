@@ -28,6 +28,7 @@ from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
 from memory_broker.kernels.devices import same_device
 from memory_broker.kernels.dispatch import Backend, BackendChoice, choose_backend, lora_apply
+from memory_broker.kernels.records import LoraStep, LoraTables
 
 if TYPE_CHECKING:
     from memory_broker.clients.adapters import AdapterLease
@@ -39,7 +40,7 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # One launch's tables: a_offsets, b_offsets [S, J, R] int64, ranks [S] int32, scalings [S] fp32.
-Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Tables = LoraTables
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +188,10 @@ class LoraBatch:
     may be evicted and reused.
     """
 
-    # int32 [T] on the arena's device: each token's slot, -1 for base-only; sequences in order.
-    token_slot: torch.Tensor
+    # The step's token metadata (the kernels' record): token_slot, int32 [T] on the arena's
+    # device, each token's slot (-1 for base-only, sequences in order), and the kernels' plan
+    # for this step (path, segment tiles), built once for all layers.
+    step: LoraStep
     # Per sequence, its slot (-1: base only).
     seq_slots: tuple[int, ...]
     # Maximal runs of one slot in token order (adjacent sequences of one adapter share a run).
@@ -197,8 +200,6 @@ class LoraBatch:
     slots: tuple[LeasedAdapter, ...]
     # The arena's physical view as a 1-D tensor of the adapters' dtype; None with no slots.
     arena: torch.Tensor | None
-    # The kernels' plan for this step (path, segment tiles), built once for all layers.
-    plan: BatchPlan
     # Every row offset is a multiple of this many elements (the kernels' row_align).
     row_align: int
     # Builds offset tables and caches them per (adapters, generations, layer, modules).
@@ -254,7 +255,16 @@ class LoraBatch:
         segments = _segments(seq_slots, seq_lens)
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
         chosen = choose_backend(token_slot.device, backend)
-        return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen)
+        step = LoraStep(token_slot, plan)
+        return cls(step, tuple(seq_slots), tuple(segments), tuple(slots), arena, row_align, tables, chosen)
+
+    @property
+    def token_slot(self) -> torch.Tensor:
+        return self.step.token_slot
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.step.plan
 
     @property
     def num_tokens(self) -> int:
@@ -265,7 +275,7 @@ class LoraBatch:
         return len(self.slots)
 
     def tables(self, layer: int, modules: Sequence[str]) -> Tables:
-        """(a_offsets, b_offsets, ranks, scalings) for one launch over ``modules`` fused slices.
+        """The tables (a ``LoraTables``) for one launch over ``modules`` fused slices.
 
         A slot whose adapter adapts none of the slices has rank 0 (its tokens are untouched).
 
@@ -293,7 +303,7 @@ class LoraBatch:
                 # scalings: the kernels take one rank and scaling per slot and launch.
                 hit = [((j,), self.tables(layer, [m])) for j, m in enumerate(modules)]
             # A rank dimension of 0: no slot adapts these slices (shapes are host-side, no sync).
-            hit = [h for h in hit if h[1][0].shape[2] > 0]
+            hit = [h for h in hit if h[1].max_rank > 0]
             self._launches[key] = hit
         return hit
 
@@ -386,19 +396,15 @@ class LoRALinear(nn.Module):
             )
         xk = tokens.to(batch.arena.dtype)
         flat = out.view(-1, self.out_features)
-        for slices, (a_off, b_off, ranks, scalings) in launches:
+        for slices, tables in launches:
             lora_apply(
                 xk,
                 flat,
                 batch.arena,
-                a_off,
-                b_off,
-                ranks,
-                scalings,
-                batch.token_slot,
+                tables,
+                batch.step,
                 [self.slice_offsets[j] for j in slices],
                 [self.slice_sizes[j] for j in slices],
-                plan=batch.plan,
                 row_align=batch.row_align,
                 backend=batch.backend,
             )

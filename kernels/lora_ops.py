@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .batch_plan import BatchPlan, PathChoice, plan_batch
 from .devices import same_device
+from .records import LoraStep, LoraTables
 
 try:
     from triton.runtime.interpreter import InterpretedFunction
@@ -47,6 +48,20 @@ def _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2):
     first = tl.where(j == 0, OFF0, tl.where(j == 1, OFF1, OFF2))
     width = tl.where(j == 0, N0, tl.where(j == 1, N1, N2))
     return first, width
+
+
+@triton.jit
+def _expand_opening(slot, j, nb, ranks_ptr, scalings_ptr, OFF0, OFF1, OFF2, N0, N1, N2, BLOCK_N: tl.constexpr):
+    """Both expand kernels' opening for a program of (slot, slice j, column block nb): the
+    slice's first column and width, the slot's rank and scaling, and whether the program has
+    nothing to do (a base-only slot, a column block past the slice, or rank 0: returning
+    then keeps out bit-identical, where x + 0.0 would turn -0.0 into 0.0)."""
+    first, width = _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2)
+    live = slot >= 0
+    rank = tl.load(ranks_ptr + slot, mask=live, other=0)
+    scaling = tl.load(scalings_ptr + slot, mask=live, other=0.0)
+    idle = (slot < 0) | (nb * BLOCK_N >= width) | (rank == 0)
+    return first, width, rank, scaling, idle
 
 
 @triton.jit
@@ -125,16 +140,11 @@ def _expand_token_kernel(
     j = tl.program_id(1)
     nb = tl.program_id(2)
     slot = tl.load(token_slot_ptr + t)
-    if slot < 0:
+    first, width, rank, scaling, idle = _expand_opening(
+        slot, j, nb, ranks_ptr, scalings_ptr, OFF0, OFF1, OFF2, N0, N1, N2, BLOCK_N
+    )
+    if idle:
         return
-    first, width = _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2)
-    if nb * BLOCK_N >= width:
-        return
-    rank = tl.load(ranks_ptr + slot)
-    if rank == 0:
-        # Nothing to add; returning keeps out bit-identical (x + 0.0 would turn -0.0 into 0.0).
-        return
-    scaling = tl.load(scalings_ptr + slot)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
     y_row = y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt
@@ -260,15 +270,11 @@ def _expand_segment_kernel(
     j = tl.program_id(1)
     nb = tl.program_id(2)
     slot = tl.load(tile_slot_ptr + tile)
-    if slot < 0:
+    first, width, rank, scaling, idle = _expand_opening(
+        slot, j, nb, ranks_ptr, scalings_ptr, OFF0, OFF1, OFF2, N0, N1, N2, BLOCK_N
+    )
+    if idle:
         return
-    first, width = _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2)
-    if nb * BLOCK_N >= width:
-        return
-    rank = tl.load(ranks_ptr + slot)
-    if rank == 0:
-        return
-    scaling = tl.load(scalings_ptr + slot)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
     pos = start + tl.arange(0, BLOCK_M)
@@ -634,27 +640,30 @@ def lora_apply(
     x: torch.Tensor,
     out: torch.Tensor,
     arena: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scalings: torch.Tensor,
-    token_slot: torch.Tensor,
+    tables: LoraTables,
+    step: LoraStep,
     slice_offsets: Sequence[int],
     slice_sizes: Sequence[int],
     *,
-    plan: BatchPlan | None = None,
     path: PathChoice = "auto",
     y: torch.Tensor | None = None,
     row_align: int = 1,
 ) -> torch.Tensor:
     """out += LoRA(x) for every token's adapter: ``shrink`` then ``expand`` with one plan.
 
+    Args:
+        x, out, arena, slice_offsets, slice_sizes, y, row_align: as for ``shrink``/``expand``.
+        tables: the launch's offset tables, ranks and scalings.
+        step: each token's slot, and the step's plan (built here from ``path`` when it has none).
+
     Returns:
         out, updated in place.
     """
+    a_offsets, b_offsets, ranks, scalings = tables
     if a_offsets.shape != b_offsets.shape:
         raise ValueError(f"a_offsets {tuple(a_offsets.shape)} and b_offsets {tuple(b_offsets.shape)} differ in shape")
-    plan = _plan_for(plan, token_slot, a_offsets.shape[0], path)
+    token_slot = step.token_slot
+    plan = _plan_for(step.plan, token_slot, a_offsets.shape[0], path)
     y = shrink(x, arena, a_offsets, ranks, token_slot, y=y, plan=plan, row_align=row_align)
     return expand(
         y,

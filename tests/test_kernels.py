@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 
 from memory_broker.kernels import lora_ops, reference  # noqa: E402
 from memory_broker.kernels.batch_plan import build_segment_tiles, choose_path, plan_batch  # noqa: E402
+from memory_broker.kernels.records import LoraStep  # noqa: E402
 from memory_broker.kernels.testing import LoraWeights, PackedArena, pack_adapters, random_adapter  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -194,9 +195,7 @@ def test_reference_matches_dense_math(shape: Shape, rng: Rng):
     p = b.packed
     out = random_out(b)
     expected = dense_lora(b, out)
-    reference.lora_apply(
-        b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot, p.slice_offsets, p.slice_sizes
-    )
+    reference.lora_apply(b.x, out, p.arena, p.tables, LoraStep(b.token_slot), p.slice_offsets, p.slice_sizes)
     assert_close(out, expected, torch.float16, rng, "reference vs dense")
 
 
@@ -256,11 +255,8 @@ def test_lora_apply_matches_reference(shape: Shape, path: str, dtype: torch.dtyp
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
@@ -269,11 +265,8 @@ def test_lora_apply_matches_reference(shape: Shape, path: str, dtype: torch.dtyp
         b.x,
         base.clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
     )
@@ -348,25 +341,18 @@ def test_random_batches_match_reference(path: str, rng: Rng):
             b.x,
             out,
             p.arena,
-            p.a_offsets,
-            p.b_offsets,
-            p.ranks,
-            p.scalings,
-            b.token_slot,
+            p.tables,
+            LoraStep(b.token_slot, b.plan(path)),
             p.slice_offsets,
             p.slice_sizes,
-            plan=b.plan(path),
             y=y,
         )
         expected = reference.lora_apply(
             b.x,
             base.clone(),
             p.arena,
-            p.a_offsets,
-            p.b_offsets,
-            p.ranks,
-            p.scalings,
-            b.token_slot,
+            p.tables,
+            LoraStep(b.token_slot),
             p.slice_offsets,
             p.slice_sizes,
         )
@@ -387,11 +373,8 @@ def test_rank_zero_slot_and_unused_slots_change_nothing(path: str, rng: Rng):
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
@@ -400,11 +383,8 @@ def test_rank_zero_slot_and_unused_slots_change_nothing(path: str, rng: Rng):
         b.x,
         base.clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
     )
@@ -426,11 +406,8 @@ def test_strided_out_outside_the_slices_is_untouched(path: str, rng: Rng):
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         offsets,
         p.slice_sizes,
         path=path,
@@ -439,11 +416,8 @@ def test_strided_out_outside_the_slices_is_untouched(path: str, rng: Rng):
         b.x,
         before[:, 5:].clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         offsets,
         p.slice_sizes,
     )
@@ -484,19 +458,14 @@ def test_row_aligned_layout_with_alignment_hint(path: str, rng: Rng):
         x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        slots,
+        p.tables,
+        LoraStep(slots),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
         row_align=8,
     )
-    expected = reference.lora_apply(
-        x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets, p.slice_sizes
-    )
+    expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets, p.slice_sizes)
     assert_close(out, expected, torch.float16, rng, f"aligned {path}")
 
 
@@ -510,11 +479,8 @@ def test_fp32_arena_matches_reference(path: str, rng: Rng):
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
@@ -523,11 +489,8 @@ def test_fp32_arena_matches_reference(path: str, rng: Rng):
         b.x,
         base.clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
     )
@@ -547,11 +510,8 @@ def test_all_base_and_empty_batches_do_nothing(path: str, rng: Rng):
             x,
             out,
             p.arena,
-            p.a_offsets,
-            p.b_offsets,
-            p.ranks,
-            p.scalings,
-            slots,
+            p.tables,
+            LoraStep(slots),
             p.slice_offsets,
             p.slice_sizes,
             path=path,

@@ -132,7 +132,7 @@ PROBE = textwrap.dedent(
     sys.path.insert(0, os.path.join(root, "ops", "bench"))
     import torch
     import vllm_lora_baseline as vb
-    from memory_broker.kernels import reference
+    from memory_broker.kernels import LoraStep, reference
     from memory_broker.kernels.testing import pack_adapters, random_adapter
 
     result = {}
@@ -154,8 +154,8 @@ PROBE = textwrap.dedent(
     x = torch.randn(5, 32, generator=g).half()
     base = torch.randn(5, 64, generator=g).half()
     p = packed
-    expected = reference.lora_apply(x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings,
-                                    slots, p.slice_offsets, p.slice_sizes)
+    expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets,
+                                    p.slice_sizes)
     w = vb.stack_weights(adapters, torch.float16, "cpu")
     meta = vb.make_metadata(ops, slots, 3, "cpu")
     out = base.clone()

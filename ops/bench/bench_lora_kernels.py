@@ -156,6 +156,7 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     is off the reference. ``vllm`` (ops/bench/vllm_lora_baseline.VllmLoraOps) adds vLLM's rows."""
     from memory_broker.kernels import lora_ops, reference
     from memory_broker.kernels.batch_plan import plan_batch
+    from memory_broker.kernels.records import LoraStep, LoraTables
     from memory_broker.kernels.testing import pack_adapters, random_adapter
 
     dname = str(dtype).removeprefix("torch.")
@@ -180,9 +181,7 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
 
     # The fp32 reference (kernels/reference.py) on the same base; every check compares to it.
     base = out.clone()
-    expected = reference.lora_apply(
-        x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets, p.slice_sizes
-    )
+    expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets, p.slice_sizes)
 
     ok = True
     for path in ("auto", "token", "segment"):
@@ -190,19 +189,7 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
 
         def ours(plan=plan):
             lora_ops.lora_apply(
-                x,
-                out,
-                p.arena,
-                p.a_offsets,
-                p.b_offsets,
-                p.ranks,
-                p.scalings,
-                slots,
-                p.slice_offsets,
-                p.slice_sizes,
-                plan=plan,
-                y=y,
-                row_align=8,
+                x, out, p.arena, p.tables, LoraStep(slots, plan), p.slice_offsets, p.slice_sizes, y=y, row_align=8
             )
 
         method = f"kernels {path}" + (f" ({plan.path})" if path == "auto" else "")
@@ -238,22 +225,11 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     sa, sa_off, sb_off, s_ranks, s_scal = stacked_tables(adapters, case.hidden, args.stacked_rank, dtype)
     s_y = torch.empty(case.num_slices, case.num_tokens, args.stacked_rank, device=DEVICE)
     s_plan = plan_batch(slots, case.num_adapters, active_slots=case.num_adapters)
+    s_tables = LoraTables(sa_off, sb_off, s_ranks, s_scal)
 
     def stacked():
         lora_ops.lora_apply(
-            x,
-            out,
-            sa,
-            sa_off,
-            sb_off,
-            s_ranks,
-            s_scal,
-            slots,
-            p.slice_offsets,
-            p.slice_sizes,
-            plan=s_plan,
-            y=s_y,
-            row_align=8,
+            x, out, sa, s_tables, LoraStep(slots, s_plan), p.slice_offsets, p.slice_sizes, y=s_y, row_align=8
         )
 
     method = f"stacked slots, padded to rank {args.stacked_rank} ({s_plan.path})"
