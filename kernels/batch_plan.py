@@ -3,7 +3,8 @@ segment path the tokens grouped by adapter slot into fixed-size tiles.
 
 Everything here is torch on the batch's own device with no host synchronisation, so a plan
 can be built once per engine step (the slot of every token is the same in every layer) and
-captured in a CUDA graph. It knows nothing about weights, offsets or Triton.
+captured in a CUDA graph. It knows nothing about weights or offsets; on a GPU ``plan_batch``
+hands the segment plan to ``plan_kernel`` (one Triton launch, imported on first use).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import torch
 
 Path = Literal["token", "segment"]
 PathChoice = Literal["auto", "token", "segment"]
+# Who builds a segment plan: "triton" (one launch, ``plan_kernel``), "torch" (this module's
+# torch ops, no Triton needed), "auto" (Triton for tokens on a GPU, torch elsewhere).
+PlanBuilder = Literal["auto", "triton", "torch"]
 
 # The segment path multiplies tiles of tokens of one adapter with tl.dot, whose smallest M
 # is 16; below 16 tokens per adapter most of every tile is padding and the per-token GEMV
@@ -136,6 +140,7 @@ def plan_batch(
     path: PathChoice = "auto",
     active_slots: int | None = None,
     block_m: int = DEFAULT_BLOCK_M,
+    builder: PlanBuilder = "auto",
 ) -> BatchPlan:
     """Builds the plan for one batch; build it once per step and pass it to every layer.
 
@@ -145,9 +150,10 @@ def plan_batch(
         path: "auto" (``choose_path``), or "token" / "segment" to force one.
         active_slots: distinct adapters in the batch, if known; sharpens "auto".
         block_m: tokens per segment tile.
+        builder: who builds a segment plan (``PlanBuilder``); both build the same plan.
 
     Raises:
-        ValueError: an unknown path, or a bad block_m.
+        ValueError: an unknown path or builder, or a bad block_m.
     """
     num_tokens = token_slot.shape[0]
     if path == "auto":
@@ -158,5 +164,14 @@ def plan_batch(
         raise ValueError(f"path must be 'auto', 'token' or 'segment', got {path!r}")
     segments = None
     if chosen == "segment" and num_tokens > 0 and num_slots > 0:
-        segments = build_segment_tiles(token_slot, num_slots, block_m)
+        if builder == "auto":
+            builder = "triton" if token_slot.device.type == "cuda" else "torch"
+        if builder == "triton":
+            from . import plan_kernel
+
+            segments = plan_kernel.build_segment_tiles(token_slot, num_slots, block_m)
+        elif builder == "torch":
+            segments = build_segment_tiles(token_slot, num_slots, block_m)
+        else:
+            raise ValueError(f"builder must be 'auto', 'triton' or 'torch', got {builder!r}")
     return BatchPlan(path=chosen, num_tokens=num_tokens, num_slots=num_slots, segments=segments)

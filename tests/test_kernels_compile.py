@@ -60,8 +60,18 @@ def test_every_kernel_variant_compiles_for_hopper(variants: list[dict]):
         "_expand_token_kernel",
         "_shrink_segment_kernel",
         "_expand_segment_kernel",
+        "_segment_plan_kernel",
     }
-    assert {v["dtype"] for v in variants} == {"fp16", "bf16", "fp32"}
+    lora = [v for v in variants if v["kernel"] != "_segment_plan_kernel"]
+    assert {v["dtype"] for v in lora} == {"fp16", "bf16", "fp32"}
+
+
+def test_the_one_launch_plan_compiles_for_every_tile_height_within_shared_memory(variants: list[dict]):
+    from memory_broker.kernels.batch_plan import BLOCK_M_CHOICES
+
+    plans = [v for v in variants if v["kernel"] == "_segment_plan_kernel"]
+    assert {v["block_m"] for v in plans} == set(BLOCK_M_CHOICES)
+    assert all(v["fits"] for v in plans), [(v["block_m"], v["shared"]) for v in plans if not v["fits"]]
 
 
 @pytest.mark.parametrize("kernel", ["_shrink_token_kernel", "_expand_token_kernel"])
