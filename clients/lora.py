@@ -274,6 +274,11 @@ class LoraBatch:
     def num_slots(self) -> int:
         return len(self.slots)
 
+    @property
+    def active(self) -> bool:
+        """Whether the layers launch the kernels: some token has an adapter."""
+        return bool(self.slots)
+
     def tables(self, layer: int, modules: Sequence[str]) -> Tables:
         """The tables (a ``LoraTables``) for one launch over ``modules`` fused slices.
 
@@ -308,6 +313,112 @@ class LoraBatch:
         return hit
 
 
+class StaticLoraBatch:
+    """A decode batch that a CUDA graph can capture: sized once, refreshed each step by copies.
+
+    Its token map (``step``: ``num_tokens`` tokens, one per sequence, the rest base-only) and
+    every launch's tables (``max_slots`` slots, rank dimension ``max_rank``) are allocated
+    once, on a layer's first use (run one step before capturing); ``update`` assigns the
+    step's sequences to slots on the host and ``copy_``s the token map and the slots' tables
+    (built once per adapter generation by ``AdapterTables``) into those tensors. A graph
+    captured over the model's forward then replays with the new map and adapters. Its path is
+    the token path (decode: no plan); every launch is one fused launch over its modules.
+
+    Args:
+        num_tokens: the graph's token count (pad shorter steps' inputs to it).
+        max_slots: distinct adapters per step, at most.
+        max_rank: the tables' rank dimension; every adapter's rank must fit it.
+        arena: the arena as a 1-D tensor of the adapters' dtype; every step's adapters must be
+            in this very tensor (the graph reads its address).
+        tables: the table cache, on the arena's device.
+        row_align: the alignment every adapter's rows promise (the kernels' hint, fixed in the graph).
+        backend: as for ``LoraBatch.build``; only "triton" can be captured.
+    """
+
+    def __init__(
+        self,
+        num_tokens: int,
+        max_slots: int,
+        max_rank: int,
+        arena: torch.Tensor,
+        tables: AdapterTables,
+        *,
+        row_align: int = 1,
+        backend: BackendChoice = "auto",
+    ):
+        if not same_device(arena.device, tables.device):
+            raise ValueError(f"the offset tables live on {tables.device} but the arena on {arena.device}")
+        plan = BatchPlan(path="token", num_tokens=num_tokens, num_slots=max_slots)
+        self.step = LoraStep.empty(num_tokens, arena.device, plan)
+        self.max_slots, self.max_rank, self.row_align = max_slots, max_rank, row_align
+        self.arena = arena
+        self.table_cache = tables
+        self.backend = choose_backend(arena.device, backend)
+        # The step's adapters, by slot.
+        self.slots: tuple[LeasedAdapter, ...] = ()
+        self._launches: dict[tuple[int, tuple[str, ...]], list[tuple[tuple[int, ...], LoraTables]]] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
+
+    @property
+    def token_slot(self) -> torch.Tensor:
+        return self.step.token_slot
+
+    @property
+    def active(self) -> bool:
+        # Always: a graph captured without the kernels could not serve a later step with adapters.
+        return True
+
+    def update(
+        self, source: BrokerClient | torch.Tensor, seq_adapters: Sequence[str | None], lease: AdapterLease
+    ) -> StaticLoraBatch:
+        """Loads the next decode step (one token per sequence) into the same tensors.
+
+        Raises:
+            ValueError: more sequences than tokens, more adapters than slots, an adapter whose
+                rank exceeds max_rank or that adapts only some of a launch's modules, an arena
+                view other than the one given, or rows less aligned than row_align; and what
+                ``LoraBatch.build`` refuses.
+            RuntimeError: an adapter the lease does not hold, or a released lease.
+        """
+        _check_sequences(seq_adapters, [1] * len(seq_adapters), lease)
+        if len(seq_adapters) > self.num_tokens:
+            raise ValueError(f"{len(seq_adapters)} sequences do not fit a static batch of {self.num_tokens} tokens")
+        slots, seq_slots = _assign_slots(seq_adapters, lease)
+        if len(slots) > self.max_slots:
+            raise ValueError(f"the step uses {len(slots)} adapters; the static batch has {self.max_slots} slots")
+        arena, row_align = _arena_view(source, slots, self.table_cache)
+        if arena is not None and (arena.data_ptr() != self.arena.data_ptr() or arena.dtype != self.arena.dtype):
+            raise ValueError("the step's arena view is not the static batch's (another address or dtype): capture anew")
+        if row_align % self.row_align:
+            raise ValueError(f"the adapters' rows are aligned to {row_align} elements, not {self.row_align}")
+        self.slots = tuple(slots)
+        for key, hit in self._launches.items():
+            self._load(key, hit[0][1])
+        self.step.load_(torch.tensor(seq_slots, dtype=torch.int32))
+        return self
+
+    def launches(self, layer: int, modules: Sequence[str]) -> list[tuple[tuple[int, ...], LoraTables]]:
+        """One fused launch over ``modules`` on this batch's tables for them (allocated and
+        loaded on first use: run a step before capturing)."""
+        key = (layer, tuple(modules))
+        hit = self._launches.get(key)
+        if hit is None:
+            tables = LoraTables.empty(self.max_slots, len(modules), self.max_rank, self.arena.device)
+            self._load(key, tables)
+            hit = self._launches[key] = [(tuple(range(len(modules))), tables)]
+        return hit
+
+    def _load(self, key: tuple[int, tuple[str, ...]], into: LoraTables) -> None:
+        layer, modules = key
+        try:
+            into.load_(self.table_cache.tables(self.slots, layer, modules, max_rank=self.max_rank))
+        except ValueError as e:
+            raise ValueError(f"a static batch cannot serve layer {layer} {'+'.join(modules)} this step: {e}") from e
+
+
 class LoraContext:
     """The step in force for a set of LoRALinear layers (one per wrapped model)."""
 
@@ -315,10 +426,10 @@ class LoraContext:
 
     def __init__(self) -> None:
         # The active step's batch; None runs the base model alone.
-        self.batch: LoraBatch | None = None
+        self.batch: LoraBatch | StaticLoraBatch | None = None
 
     @contextlib.contextmanager
-    def step(self, batch: LoraBatch | None) -> Iterator[LoraBatch | None]:
+    def step(self, batch: LoraBatch | StaticLoraBatch | None) -> Iterator[LoraBatch | StaticLoraBatch | None]:
         """Make ``batch`` the step in force inside the block (None: base model only)."""
         previous, self.batch = self.batch, batch
         try:
@@ -383,7 +494,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
         batch = self.context.batch
-        if batch is None or not batch.slots:
+        if batch is None or not batch.active:
             return out
         launches = batch.launches(self.layer, self.module_names)
         if not launches:
@@ -443,7 +554,13 @@ class LoraModel:
         """``LoraBatch.build`` with this model's table cache."""
         return LoraBatch.build(source, seq_adapters, seq_lens, lease, self.tables, **kw)
 
-    def step(self, batch: LoraBatch | None):
+    def static_batch(
+        self, num_tokens: int, max_slots: int, max_rank: int, arena: torch.Tensor, **kw
+    ) -> StaticLoraBatch:
+        """A ``StaticLoraBatch`` (a decode step a CUDA graph can capture) with this model's table cache."""
+        return StaticLoraBatch(num_tokens, max_slots, max_rank, arena, self.tables, **kw)
+
+    def step(self, batch: LoraBatch | StaticLoraBatch | None):
         """``with lora.step(batch): model(...)`` runs the model with each token's adapter."""
         return self.context.step(batch)
 
