@@ -80,6 +80,9 @@ class BatchPlan:
     num_slots: int
     # The tiles, for the segment path only.
     segments: SegmentTiles | None = None
+    # Token path: how many parts of the hidden dimension the shrink splits over (more programs
+    # for a small batch, partial sums added atomically); 1 splits nothing.
+    split_k: int = 1
 
 
 def build_segment_tiles(token_slot: torch.Tensor, num_slots: int, block_m: int = DEFAULT_BLOCK_M) -> SegmentTiles:
@@ -141,6 +144,7 @@ def plan_batch(
     active_slots: int | None = None,
     block_m: int = DEFAULT_BLOCK_M,
     builder: PlanBuilder = "auto",
+    split_k: int = 1,
 ) -> BatchPlan:
     """Builds the plan for one batch; build it once per step and pass it to every layer.
 
@@ -151,10 +155,15 @@ def plan_batch(
         active_slots: distinct adapters in the batch, if known; sharpens "auto".
         block_m: tokens per segment tile.
         builder: who builds a segment plan (``PlanBuilder``); both build the same plan.
+        split_k: token path: split the shrink over this many parts of the hidden dimension
+            (capped at one part per 256 columns); 1 (the default) splits nothing. Which is
+            faster is for a GPU's numbers to say (bench_lora_kernels.py has a row for it).
 
     Raises:
-        ValueError: an unknown path or builder, or a bad block_m.
+        ValueError: an unknown path or builder, a bad block_m, or split_k below 1.
     """
+    if split_k < 1:
+        raise ValueError(f"split_k must be at least 1, got {split_k}")
     num_tokens = token_slot.shape[0]
     if path == "auto":
         chosen = choose_path(num_tokens, num_slots, active_slots)
@@ -174,4 +183,4 @@ def plan_batch(
             segments = build_segment_tiles(token_slot, num_slots, block_m)
         else:
             raise ValueError(f"builder must be 'auto', 'triton' or 'torch', got {builder!r}")
-    return BatchPlan(path=chosen, num_tokens=num_tokens, num_slots=num_slots, segments=segments)
+    return BatchPlan(path=chosen, num_tokens=num_tokens, num_slots=num_slots, segments=segments, split_k=split_k)

@@ -38,6 +38,7 @@ _DIVISIBLE_INTS = frozenset(
         "stride_aj",
         "stride_bs",
         "stride_bj",
+        "K_PER_SPLIT",
     }
 )
 _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -117,16 +118,36 @@ _TILES = {"order_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32"
 
 
 def _token_variants(L, align: int, arch: int, dt: str) -> list[CompiledVariant]:
-    """The per-token shrink and expand kernels at one row alignment."""
-    return [
+    """The per-token shrink (whole K, and split over K with atomic adds) and expand kernels at
+    one row alignment, and the zeroing a split shrink runs first."""
+    shrink = [
         _compile(
             L._shrink_token_kernel,
             {**_SHRINK_PTRS, "token_slot_ptr": "*i32"},
-            {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K, "stride_xk": 1},
+            {
+                "ROW_ALIGN": align,
+                "BLOCK_R": L.RANK_BLOCK,
+                "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K,
+                "SPLIT_K": split_k,
+                "stride_xk": 1,
+            },
             4,
             arch,
             dt,
-        ),
+        )
+        for split_k in (1, 8)
+    ]
+    zero = _compile(
+        L._zero_rank_rows_kernel,
+        {"token_slot_ptr": "*i32", "ranks_ptr": "*i32", "y_ptr": "*fp32"},
+        {"BLOCK_R": L.RANK_BLOCK},
+        4,
+        arch,
+        dt,
+    )
+    return [
+        *shrink,
+        zero,
         _compile(
             L._expand_token_kernel,
             {**_EXPAND_PTRS, "token_slot_ptr": "*i32"},

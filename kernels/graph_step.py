@@ -33,6 +33,7 @@ class StaticStep:
         path: the kernels' path, fixed for the graph: "token" for decode (no plan at all),
             "segment" for long runs per adapter (plan rebuilt on the device each step).
         block_m: tokens per segment tile.
+        split_k: token path: the shrink's split over the hidden dimension (``plan_batch``).
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class StaticStep:
         *,
         path: Path = "token",
         block_m: int = DEFAULT_BLOCK_M,
+        split_k: int = 1,
     ):
         if path not in ("token", "segment"):
             raise ValueError(f"a static step's path must be 'token' or 'segment', got {path!r}")
@@ -54,7 +56,7 @@ class StaticStep:
             self._planner = SegmentPlanner(block_m, self.device)
             plan = self._planner.plan(token_slot, max_slots)
         else:
-            plan = BatchPlan(path="token", num_tokens=num_tokens, num_slots=max_slots)
+            plan = BatchPlan(path="token", num_tokens=num_tokens, num_slots=max_slots, split_k=split_k)
         self.step = LoraStep(token_slot, plan)
         self._tables: dict[Hashable, LoraTables] = {}
         self._y: dict[tuple[int, int], torch.Tensor] = {}

@@ -79,14 +79,22 @@ def _shrink_token_kernel(
     stride_aj,
     stride_yj,
     stride_yt,
+    K_PER_SPLIT,
     ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Program (token t, slice j, row block rb): y[j, t, rows] = x[t] · A rows, no tl.dot."""
+    """Program (token t, slice j, row block rb, K split): y[j, t, rows] = x[t] · A rows, no tl.dot.
+
+    With SPLIT_K > 1 each program covers K_PER_SPLIT columns of K and adds its partial sums
+    into y atomically (the launcher zeroes those rows first): more programs for small batches.
+    """
     t = tl.program_id(0)
     j = tl.program_id(1)
-    rb = tl.program_id(2)
+    rb = tl.program_id(2) // SPLIT_K
+    k_lo = (tl.program_id(2) % SPLIT_K) * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
     slot = tl.load(token_slot_ptr + t)
     if slot < 0:
         return
@@ -101,13 +109,33 @@ def _shrink_token_kernel(
         row_off = tl.multiple_of(row_off, ROW_ALIGN)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < k_hi
         xv = tl.load(x_row + ks * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(arena_ptr + row_off[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    tl.store(y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt + rows, acc, mask=row_ok)
+    y_ptrs = y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt + rows
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc, mask=row_ok)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=row_ok, sem="relaxed")
+
+
+@triton.jit
+def _zero_rank_rows_kernel(token_slot_ptr, ranks_ptr, y_ptr, stride_yj, stride_yt, BLOCK_R: tl.constexpr):
+    """Program (token t, slice j, row block rb): y[j, t, rows below the rank] = 0, the rows a
+    split-K shrink adds into; nothing else (base-only tokens' rows and rows past the rank stay)."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    rb = tl.program_id(2)
+    slot = tl.load(token_slot_ptr + t)
+    if slot < 0:
+        return
+    rank = tl.load(ranks_ptr + slot)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    tl.store(y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt + rows, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
 
 
 @triton.jit
@@ -421,7 +449,7 @@ def shrink(
         # (A copy of the whole arena: the interpreter is for tests and debugging.)
         x, arena = x.float(), arena.float()
     if plan.path == "token":
-        _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align)
+        _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align, plan.split_k)
     else:
         _launch_shrink_segment(x, arena, a_offsets, ranks, y, plan.segments, row_align)
     return y
@@ -445,12 +473,18 @@ def _shrink_output(
     return y
 
 
-def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: int) -> None:
-    """``shrink`` on the per-token path: one program per (token, slice, rank block)."""
+def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: int, split_k: int = 1) -> None:
+    """``shrink`` on the per-token path: one program per (token, slice, rank block, K split)."""
     num_tokens, in_features = x.shape
     num_slices, max_rank = a_offsets.shape[1:]
-    grid = (num_tokens, num_slices, triton.cdiv(max_rank, RANK_BLOCK))
-    _shrink_token_kernel[grid](
+    rank_blocks = triton.cdiv(max_rank, RANK_BLOCK)
+    split_k = max(1, min(split_k, triton.cdiv(in_features, TOKEN_SHRINK_BLOCK_K)))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), TOKEN_SHRINK_BLOCK_K) * TOKEN_SHRINK_BLOCK_K
+    if split_k > 1:
+        _zero_rank_rows_kernel[(num_tokens, num_slices, rank_blocks)](
+            token_slot, ranks, y, y.stride(0), y.stride(1), BLOCK_R=RANK_BLOCK
+        )
+    _shrink_token_kernel[(num_tokens, num_slices, rank_blocks * split_k)](
         x,
         arena,
         a_offsets,
@@ -464,9 +498,11 @@ def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: i
         a_offsets.stride(1),
         y.stride(0),
         y.stride(1),
+        k_per_split,
         ROW_ALIGN=row_align,
         BLOCK_R=RANK_BLOCK,
         BLOCK_K=TOKEN_SHRINK_BLOCK_K,
+        SPLIT_K=split_k,
     )
 
 

@@ -134,4 +134,5 @@ def test_bench_lora_kernels_logic_runs_on_cpu_with_every_row():
         assert f"prefill  float16   {method}" in out, out
     assert "decode float16: model step launch 3: max |out - fp32 reference|" in out, out
     assert "model step 2x2: kernels eager, plan + 4 pairs (token)" in out, out
+    assert "decode float16: kernels token split-K 8: max |out - fp32 reference|" in out, out
     assert "model step 2x2: kernels captured: skipped, CUDA graphs need a GPU" in out, out

@@ -566,3 +566,31 @@ def test_mismatched_inputs_are_refused_with_their_shapes():
     scal = torch.ones(2, device=DEVICE)
     with pytest.raises(ValueError, match=r"columns \[4, 12\)"):
         lora_ops.expand(y, arena, offsets[:, :2], ranks, scal, slots, out, (0, 4), (4, 8))
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_token_shrink_matches_reference_and_writes_only_rank_rows(split_k: int, rng: Rng):
+    # K = 600 is three 256-column blocks: split_k 8 is capped at 3, 2 leaves a ragged last part.
+    shape = Shape("split-k", (0, 5, 16, 40), 600, (72, 40), 24, "decode", max_rank=48)
+    b = make_batch(shape, torch.float16, rng)
+    p = b.packed
+    plan = plan_batch(b.token_slot, len(b.adapters), path="token", split_k=split_k)
+    y = poisoned_y(b)
+    base = random_out(b)
+    out = lora_ops.lora_apply(
+        b.x, base.clone(), p.arena, p.tables, LoraStep(b.token_slot, plan), p.slice_offsets, p.slice_sizes, y=y
+    )
+    written = written_rows(b)
+    want_y = reference.shrink(b.x, p.arena, p.a_offsets, p.ranks, b.token_slot)
+    assert_close(y[written], want_y[written], torch.float16, rng, f"split-K {split_k} shrink")
+    assert bool(torch.isnan(y[~written]).all()), rng.note(f"split-K {split_k} wrote past a rank or a base token")
+    want = reference.lora_apply(
+        b.x, base.clone(), p.arena, p.tables, LoraStep(b.token_slot), p.slice_offsets, p.slice_sizes
+    )
+    assert_close(out, want, torch.float16, rng, f"split-K {split_k} lora_apply")
+    assert_untouched(out, base, untouched_tokens(b), rng, f"split-K {split_k}")
+
+
+def test_split_k_below_one_is_refused():
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        plan_batch(torch.zeros(4, dtype=torch.int32), 1, split_k=0)

@@ -30,7 +30,7 @@ from memory_broker.kernels.records import LoraStep, LoraTables  # noqa: E402
 from memory_broker.kernels.testing import PackedArena, pack_adapters, random_adapter  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-HIDDEN = 64
+HIDDEN = 320  # two 256-column blocks: a split-K shrink has two parts
 SLICES = (32, 16)
 # (layer, module) launches of the "model"; each packs the pool's adapters in its own arena.
 LAUNCHES = [(0, "qk"), (1, "qk")]
@@ -92,8 +92,8 @@ def expected(m: Model, base: torch.Tensor, pool_ids: list[int], token_slot: torc
     return want
 
 
-def static_step(path: str, num_tokens: int, max_slots: int) -> StaticStep:
-    step = StaticStep(num_tokens, max_slots, DEVICE, path=path, block_m=16)
+def static_step(path: str, num_tokens: int, max_slots: int, split_k: int = 1) -> StaticStep:
+    step = StaticStep(num_tokens, max_slots, DEVICE, path=path, block_m=16, split_k=split_k)
     for key in LAUNCHES:
         step.add_launch(key, len(SLICES), 16)
     return step
@@ -106,11 +106,11 @@ def load(step: StaticStep, m: Model, pool_ids: list[int], token_slot: torch.Tens
     step.load_tokens(token_slot)
 
 
-@pytest.mark.parametrize("path", ["token", "segment"])
-def test_a_static_step_follows_changing_maps_and_adapters_in_the_same_buffers(path: str):
+@pytest.mark.parametrize("path,split_k", [("token", 1), ("token", 2), ("segment", 1)])
+def test_a_static_step_follows_changing_maps_and_adapters_in_the_same_buffers(path: str, split_k: int):
     g = torch.Generator().manual_seed(23)
     m = make_model(40, g)
-    step = static_step(path, 40, max_slots=4)
+    step = static_step(path, 40, max_slots=4, split_k=split_k)
     ptrs = [t.data_ptr() for t in step.buffers()]
     for pool_ids, token_slot in draws(g, 40, 4, steps=4):
         load(step, m, pool_ids, token_slot)

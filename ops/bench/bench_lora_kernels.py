@@ -5,7 +5,9 @@ Two batches, each fused q/k/v (3 slices) over hidden 4096: decode (64 tokens of 
 rank-16 adapters) and prefill (8192 tokens in runs of 8 adapters), each in fp16 and bf16.
 Methods:
 
-  kernels auto / token / segment   lora_apply over a paged arena (2 MiB pages, rows shuffled)
+  kernels auto / token / segment   lora_apply over a paged arena (2 MiB pages, rows shuffled);
+                                   "token split-K N" splits the shrink over N parts of the
+                                   hidden dimension (--split-k, default 8)
   torch per-adapter GEMMs          a loop over adapters: index_select, x @ Aᵀ, y @ Bᵀ, index_add_
   stacked slots, padded            the same kernels over contiguous [slots, max_rank, hidden]
                                    buffers with every rank set to --stacked-rank (the padded
@@ -192,8 +194,8 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets, p.slice_sizes)
 
     ok = True
-    for path in ("auto", "token", "segment"):
-        plan = plan_batch(slots, case.num_adapters, path=path, active_slots=case.num_adapters)
+    for path, split_k in (("auto", 1), ("token", 1), ("token", args.split_k), ("segment", 1)):
+        plan = plan_batch(slots, case.num_adapters, path=path, active_slots=case.num_adapters, split_k=split_k)
 
         def ours(plan=plan):
             lora_ops.lora_apply(
@@ -201,6 +203,7 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
             )
 
         method = f"kernels {path}" + (f" ({plan.path})" if path == "auto" else "")
+        method += f" split-K {split_k}" if split_k > 1 else ""
         out.copy_(base)
         ours()
         ok &= check(f"{label}: {method}", out, expected, dtype)
@@ -499,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--stacked-rank", type=int, default=64, help="max rank the stacked-slot baseline pads to")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split-k", type=int, default=8, help="the token path's split-K row: parts of the hidden dim")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers of the whole decode step's rows")
     ap.add_argument("--modules", type=int, default=4, help="LoRA launches per layer in the whole decode step")
     ap.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16")
