@@ -3,7 +3,8 @@ reference and a fake-arena builder for tests and benchmarks.
 
 ``records`` holds the two records a launch takes (a batch's tables, a step's token slots and
 plan), ``lora_ops`` the Triton shrink/expand kernels, ``batch_plan`` the per-step metadata
-and path choice, ``reference`` the torch reference, ``dispatch`` the choice between them
+and path choice, ``plan_kernel`` the segment plan in one Triton launch, ``graph_step`` a
+step a CUDA graph can capture (buffers allocated once), ``reference`` the torch reference, ``dispatch`` the choice between them
 (``lora_apply`` here: Triton for an arena on a GPU, the torch path on a CPU), ``testing`` the
 fake paged arena, and ``compile_check`` compiles the kernels for a GPU target where no GPU is
 present. Triton is imported only when a Triton kernel is first used, so the torch path,
