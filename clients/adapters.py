@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout, offset_table, row_offsets
+
+if TYPE_CHECKING:
+    from memory_broker.kernels.records import LoraTables
 
 
 class LeaseHolder(Protocol):
@@ -137,19 +140,21 @@ class AdapterTables:
         from memory_broker.kernels.devices import device_key
 
         self.device = device_key(device)
-        self._tables: dict[tuple, tuple] = {}
+        self._tables: dict[tuple, LoraTables] = {}
         # How many times tables were built (a test can see the cache work).
         self.builds = 0
 
     def tables(
         self, slots: Sequence[LeasedAdapter | None], layer: int, modules: Sequence[str], max_rank: int | None = None
     ):
-        """(a_offsets, b_offsets, ranks, scalings) device tensors for one launch.
+        """The ``LoraTables`` record (a_offsets, b_offsets, ranks, scalings) on the device for one launch.
 
         ``slots[s]`` is the adapter in kernel slot s (None: empty). Cached by the slots'
         (adapter, generation) and the launch's layer and modules.
         """
         import torch
+
+        from memory_broker.kernels.records import LoraTables
 
         key = (tuple((a.adapter_id, a.generation) if a else None for a in slots), layer, tuple(modules), max_rank)
         hit = self._tables.get(key)
@@ -157,7 +162,7 @@ class AdapterTables:
             return hit
         t = offset_table([(a.layout, a.pages) if a else None for a in slots], layer, modules, max_rank)
         self.builds += 1
-        out = (
+        out = LoraTables(
             torch.from_numpy(t.a_offsets).to(self.device),
             torch.from_numpy(t.b_offsets).to(self.device),
             torch.from_numpy(t.ranks).to(self.device),

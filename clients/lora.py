@@ -28,6 +28,7 @@ from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
 from memory_broker.kernels.devices import same_device
 from memory_broker.kernels.dispatch import Backend, BackendChoice, choose_backend, lora_apply
+from memory_broker.kernels.records import LoraStep, LoraTables
 
 if TYPE_CHECKING:
     from memory_broker.clients.adapters import AdapterLease
@@ -39,7 +40,7 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # One launch's tables: a_offsets, b_offsets [S, J, R] int64, ranks [S] int32, scalings [S] fp32.
-Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Tables = LoraTables
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +188,10 @@ class LoraBatch:
     may be evicted and reused.
     """
 
-    # int32 [T] on the arena's device: each token's slot, -1 for base-only; sequences in order.
-    token_slot: torch.Tensor
+    # The step's token metadata (the kernels' record): token_slot, int32 [T] on the arena's
+    # device, each token's slot (-1 for base-only, sequences in order), and the kernels' plan
+    # for this step (path, segment tiles), built once for all layers.
+    step: LoraStep
     # Per sequence, its slot (-1: base only).
     seq_slots: tuple[int, ...]
     # Maximal runs of one slot in token order (adjacent sequences of one adapter share a run).
@@ -197,8 +200,6 @@ class LoraBatch:
     slots: tuple[LeasedAdapter, ...]
     # The arena's physical view as a 1-D tensor of the adapters' dtype; None with no slots.
     arena: torch.Tensor | None
-    # The kernels' plan for this step (path, segment tiles), built once for all layers.
-    plan: BatchPlan
     # Every row offset is a multiple of this many elements (the kernels' row_align).
     row_align: int
     # Builds offset tables and caches them per (adapters, generations, layer, modules).
@@ -254,7 +255,16 @@ class LoraBatch:
         segments = _segments(seq_slots, seq_lens)
         plan = plan_batch(token_slot, len(slots), path=path, active_slots=len(slots), block_m=block_m)
         chosen = choose_backend(token_slot.device, backend)
-        return cls(token_slot, tuple(seq_slots), tuple(segments), tuple(slots), arena, plan, row_align, tables, chosen)
+        step = LoraStep(token_slot, plan)
+        return cls(step, tuple(seq_slots), tuple(segments), tuple(slots), arena, row_align, tables, chosen)
+
+    @property
+    def token_slot(self) -> torch.Tensor:
+        return self.step.token_slot
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.step.plan
 
     @property
     def num_tokens(self) -> int:
@@ -264,8 +274,13 @@ class LoraBatch:
     def num_slots(self) -> int:
         return len(self.slots)
 
+    @property
+    def active(self) -> bool:
+        """Whether the layers launch the kernels: some token has an adapter."""
+        return bool(self.slots)
+
     def tables(self, layer: int, modules: Sequence[str]) -> Tables:
-        """(a_offsets, b_offsets, ranks, scalings) for one launch over ``modules`` fused slices.
+        """The tables (a ``LoraTables``) for one launch over ``modules`` fused slices.
 
         A slot whose adapter adapts none of the slices has rank 0 (its tokens are untouched).
 
@@ -293,9 +308,115 @@ class LoraBatch:
                 # scalings: the kernels take one rank and scaling per slot and launch.
                 hit = [((j,), self.tables(layer, [m])) for j, m in enumerate(modules)]
             # A rank dimension of 0: no slot adapts these slices (shapes are host-side, no sync).
-            hit = [h for h in hit if h[1][0].shape[2] > 0]
+            hit = [h for h in hit if h[1].max_rank > 0]
             self._launches[key] = hit
         return hit
+
+
+class StaticLoraBatch:
+    """A decode batch that a CUDA graph can capture: sized once, refreshed each step by copies.
+
+    Its token map (``step``: ``num_tokens`` tokens, one per sequence, the rest base-only) and
+    every launch's tables (``max_slots`` slots, rank dimension ``max_rank``) are allocated
+    once, on a layer's first use (run one step before capturing); ``update`` assigns the
+    step's sequences to slots on the host and ``copy_``s the token map and the slots' tables
+    (built once per adapter generation by ``AdapterTables``) into those tensors. A graph
+    captured over the model's forward then replays with the new map and adapters. Its path is
+    the token path (decode: no plan); every launch is one fused launch over its modules.
+
+    Args:
+        num_tokens: the graph's token count (pad shorter steps' inputs to it).
+        max_slots: distinct adapters per step, at most.
+        max_rank: the tables' rank dimension; every adapter's rank must fit it.
+        arena: the arena as a 1-D tensor of the adapters' dtype; every step's adapters must be
+            in this very tensor (the graph reads its address).
+        tables: the table cache, on the arena's device.
+        row_align: the alignment every adapter's rows promise (the kernels' hint, fixed in the graph).
+        backend: as for ``LoraBatch.build``; only "triton" can be captured.
+    """
+
+    def __init__(
+        self,
+        num_tokens: int,
+        max_slots: int,
+        max_rank: int,
+        arena: torch.Tensor,
+        tables: AdapterTables,
+        *,
+        row_align: int = 1,
+        backend: BackendChoice = "auto",
+    ):
+        if not same_device(arena.device, tables.device):
+            raise ValueError(f"the offset tables live on {tables.device} but the arena on {arena.device}")
+        plan = BatchPlan(path="token", num_tokens=num_tokens, num_slots=max_slots)
+        self.step = LoraStep.empty(num_tokens, arena.device, plan)
+        self.max_slots, self.max_rank, self.row_align = max_slots, max_rank, row_align
+        self.arena = arena
+        self.table_cache = tables
+        self.backend = choose_backend(arena.device, backend)
+        # The step's adapters, by slot.
+        self.slots: tuple[LeasedAdapter, ...] = ()
+        self._launches: dict[tuple[int, tuple[str, ...]], list[tuple[tuple[int, ...], LoraTables]]] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
+
+    @property
+    def token_slot(self) -> torch.Tensor:
+        return self.step.token_slot
+
+    @property
+    def active(self) -> bool:
+        # Always: a graph captured without the kernels could not serve a later step with adapters.
+        return True
+
+    def update(
+        self, source: BrokerClient | torch.Tensor, seq_adapters: Sequence[str | None], lease: AdapterLease
+    ) -> StaticLoraBatch:
+        """Loads the next decode step (one token per sequence) into the same tensors.
+
+        Raises:
+            ValueError: more sequences than tokens, more adapters than slots, an adapter whose
+                rank exceeds max_rank or that adapts only some of a launch's modules, an arena
+                view other than the one given, or rows less aligned than row_align; and what
+                ``LoraBatch.build`` refuses.
+            RuntimeError: an adapter the lease does not hold, or a released lease.
+        """
+        _check_sequences(seq_adapters, [1] * len(seq_adapters), lease)
+        if len(seq_adapters) > self.num_tokens:
+            raise ValueError(f"{len(seq_adapters)} sequences do not fit a static batch of {self.num_tokens} tokens")
+        slots, seq_slots = _assign_slots(seq_adapters, lease)
+        if len(slots) > self.max_slots:
+            raise ValueError(f"the step uses {len(slots)} adapters; the static batch has {self.max_slots} slots")
+        arena, row_align = _arena_view(source, slots, self.table_cache)
+        if arena is not None and (arena.data_ptr() != self.arena.data_ptr() or arena.dtype != self.arena.dtype):
+            raise ValueError("the step's arena view is not the static batch's (another address or dtype): capture anew")
+        if row_align % self.row_align:
+            raise ValueError(f"the adapters' rows are aligned to {row_align} elements, not {self.row_align}")
+        self.slots = tuple(slots)
+        for key, hit in self._launches.items():
+            self._load(key, hit[0][1])
+        self.step.load_(torch.tensor(seq_slots, dtype=torch.int32))
+        return self
+
+    def launches(self, layer: int, modules: Sequence[str]) -> list[tuple[tuple[int, ...], LoraTables]]:
+        """One fused launch over ``modules`` on this batch's tables for them (allocated and
+        loaded on first use: run a step before capturing)."""
+        key = (layer, tuple(modules))
+        hit = self._launches.get(key)
+        if hit is None:
+            tables = LoraTables.empty(self.max_slots, len(modules), self.max_rank, self.arena.device)
+            self._load(key, tables)
+            hit = self._launches[key] = [(tuple(range(len(modules))), tables)]
+        return hit
+
+    def _load(self, key: tuple[int, tuple[str, ...]], into: LoraTables) -> None:
+        layer, modules = key
+        try:
+            into.load_(self.table_cache.tables(self.slots, layer, modules, max_rank=self.max_rank))
+        except ValueError as e:
+            raise ValueError(f"a static batch cannot serve layer {layer} {'+'.join(modules)} this step: {e}") from e
 
 
 class LoraContext:
@@ -305,10 +426,10 @@ class LoraContext:
 
     def __init__(self) -> None:
         # The active step's batch; None runs the base model alone.
-        self.batch: LoraBatch | None = None
+        self.batch: LoraBatch | StaticLoraBatch | None = None
 
     @contextlib.contextmanager
-    def step(self, batch: LoraBatch | None) -> Iterator[LoraBatch | None]:
+    def step(self, batch: LoraBatch | StaticLoraBatch | None) -> Iterator[LoraBatch | StaticLoraBatch | None]:
         """Make ``batch`` the step in force inside the block (None: base model only)."""
         previous, self.batch = self.batch, batch
         try:
@@ -373,7 +494,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
         batch = self.context.batch
-        if batch is None or not batch.slots:
+        if batch is None or not batch.active:
             return out
         launches = batch.launches(self.layer, self.module_names)
         if not launches:
@@ -386,19 +507,15 @@ class LoRALinear(nn.Module):
             )
         xk = tokens.to(batch.arena.dtype)
         flat = out.view(-1, self.out_features)
-        for slices, (a_off, b_off, ranks, scalings) in launches:
+        for slices, tables in launches:
             lora_apply(
                 xk,
                 flat,
                 batch.arena,
-                a_off,
-                b_off,
-                ranks,
-                scalings,
-                batch.token_slot,
+                tables,
+                batch.step,
                 [self.slice_offsets[j] for j in slices],
                 [self.slice_sizes[j] for j in slices],
-                plan=batch.plan,
                 row_align=batch.row_align,
                 backend=batch.backend,
             )
@@ -437,7 +554,13 @@ class LoraModel:
         """``LoraBatch.build`` with this model's table cache."""
         return LoraBatch.build(source, seq_adapters, seq_lens, lease, self.tables, **kw)
 
-    def step(self, batch: LoraBatch | None):
+    def static_batch(
+        self, num_tokens: int, max_slots: int, max_rank: int, arena: torch.Tensor, **kw
+    ) -> StaticLoraBatch:
+        """A ``StaticLoraBatch`` (a decode step a CUDA graph can capture) with this model's table cache."""
+        return StaticLoraBatch(num_tokens, max_slots, max_rank, arena, self.tables, **kw)
+
+    def step(self, batch: LoraBatch | StaticLoraBatch | None):
         """``with lora.step(batch): model(...)`` runs the model with each token's adapter."""
         return self.context.step(batch)
 

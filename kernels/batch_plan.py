@@ -3,7 +3,8 @@ segment path the tokens grouped by adapter slot into fixed-size tiles.
 
 Everything here is torch on the batch's own device with no host synchronisation, so a plan
 can be built once per engine step (the slot of every token is the same in every layer) and
-captured in a CUDA graph. It knows nothing about weights, offsets or Triton.
+captured in a CUDA graph. It knows nothing about weights or offsets; on a GPU ``plan_batch``
+hands the segment plan to ``plan_kernel`` (one Triton launch, imported on first use).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import torch
 
 Path = Literal["token", "segment"]
 PathChoice = Literal["auto", "token", "segment"]
+# Who builds a segment plan: "triton" (one launch, ``plan_kernel``), "torch" (this module's
+# torch ops, no Triton needed), "auto" (Triton for tokens on a GPU, torch elsewhere).
+PlanBuilder = Literal["auto", "triton", "torch"]
 
 # The segment path multiplies tiles of tokens of one adapter with tl.dot, whose smallest M
 # is 16; below 16 tokens per adapter most of every tile is padding and the per-token GEMV
@@ -76,6 +80,9 @@ class BatchPlan:
     num_slots: int
     # The tiles, for the segment path only.
     segments: SegmentTiles | None = None
+    # Token path: how many parts of the hidden dimension the shrink splits over (more programs
+    # for a small batch, partial sums added atomically); 1 splits nothing.
+    split_k: int = 1
 
 
 def build_segment_tiles(token_slot: torch.Tensor, num_slots: int, block_m: int = DEFAULT_BLOCK_M) -> SegmentTiles:
@@ -136,6 +143,8 @@ def plan_batch(
     path: PathChoice = "auto",
     active_slots: int | None = None,
     block_m: int = DEFAULT_BLOCK_M,
+    builder: PlanBuilder = "auto",
+    split_k: int = 1,
 ) -> BatchPlan:
     """Builds the plan for one batch; build it once per step and pass it to every layer.
 
@@ -145,10 +154,16 @@ def plan_batch(
         path: "auto" (``choose_path``), or "token" / "segment" to force one.
         active_slots: distinct adapters in the batch, if known; sharpens "auto".
         block_m: tokens per segment tile.
+        builder: who builds a segment plan (``PlanBuilder``); both build the same plan.
+        split_k: token path: split the shrink over this many parts of the hidden dimension
+            (capped at one part per 256 columns); 1 (the default) splits nothing. Which is
+            faster is for a GPU's numbers to say (bench_lora_kernels.py has a row for it).
 
     Raises:
-        ValueError: an unknown path, or a bad block_m.
+        ValueError: an unknown path or builder, a bad block_m, or split_k below 1.
     """
+    if split_k < 1:
+        raise ValueError(f"split_k must be at least 1, got {split_k}")
     num_tokens = token_slot.shape[0]
     if path == "auto":
         chosen = choose_path(num_tokens, num_slots, active_slots)
@@ -158,5 +173,14 @@ def plan_batch(
         raise ValueError(f"path must be 'auto', 'token' or 'segment', got {path!r}")
     segments = None
     if chosen == "segment" and num_tokens > 0 and num_slots > 0:
-        segments = build_segment_tiles(token_slot, num_slots, block_m)
-    return BatchPlan(path=chosen, num_tokens=num_tokens, num_slots=num_slots, segments=segments)
+        if builder == "auto":
+            builder = "triton" if token_slot.device.type == "cuda" else "torch"
+        if builder == "triton":
+            from . import plan_kernel
+
+            segments = plan_kernel.build_segment_tiles(token_slot, num_slots, block_m)
+        elif builder == "torch":
+            segments = build_segment_tiles(token_slot, num_slots, block_m)
+        else:
+            raise ValueError(f"builder must be 'auto', 'triton' or 'torch', got {builder!r}")
+    return BatchPlan(path=chosen, num_tokens=num_tokens, num_slots=num_slots, segments=segments, split_k=split_k)

@@ -38,6 +38,7 @@ _DIVISIBLE_INTS = frozenset(
         "stride_aj",
         "stride_bs",
         "stride_bj",
+        "K_PER_SPLIT",
     }
 )
 _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -117,16 +118,36 @@ _TILES = {"order_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32"
 
 
 def _token_variants(L, align: int, arch: int, dt: str) -> list[CompiledVariant]:
-    """The per-token shrink and expand kernels at one row alignment."""
-    return [
+    """The per-token shrink (whole K, and split over K with atomic adds) and expand kernels at
+    one row alignment, and the zeroing a split shrink runs first."""
+    shrink = [
         _compile(
             L._shrink_token_kernel,
             {**_SHRINK_PTRS, "token_slot_ptr": "*i32"},
-            {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K, "stride_xk": 1},
+            {
+                "ROW_ALIGN": align,
+                "BLOCK_R": L.RANK_BLOCK,
+                "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K,
+                "SPLIT_K": split_k,
+                "stride_xk": 1,
+            },
             4,
             arch,
             dt,
-        ),
+        )
+        for split_k in (1, 8)
+    ]
+    zero = _compile(
+        L._zero_rank_rows_kernel,
+        {"token_slot_ptr": "*i32", "ranks_ptr": "*i32", "y_ptr": "*fp32"},
+        {"BLOCK_R": L.RANK_BLOCK},
+        4,
+        arch,
+        dt,
+    )
+    return [
+        *shrink,
+        zero,
         _compile(
             L._expand_token_kernel,
             {**_EXPAND_PTRS, "token_slot_ptr": "*i32"},
@@ -181,8 +202,24 @@ def _segment_variants(L, align: int, block_m: int, precision, arch: int, dt: str
     return out
 
 
+def _plan_variants(arch: int) -> list[CompiledVariant]:
+    """The one-launch segment plan at every tile height, for few, some and the most slots."""
+    from . import plan_kernel as P
+    from .batch_plan import BLOCK_M_CHOICES
+
+    ptrs = {n: "*i32" for n in ("token_slot_ptr", "order_ptr", "tile_slot_ptr", "tile_start_ptr", "tile_end_ptr")}
+    out = []
+    for num_slots in (8, 64, P.MAX_PLAN_SLOTS):
+        keys, block_t = P._launch_shape(num_slots)
+        for block_m in BLOCK_M_CHOICES:
+            constexprs = {"BLOCK_M": block_m, "BLOCK_T": block_t, "KEYS": keys}
+            out.append(_compile(P._segment_plan_kernel, ptrs, constexprs, 4, arch, "i32"))
+    return out
+
+
 def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> list[CompiledVariant]:
-    """Compiles each kernel for each dtype, row alignment (1, 8) and segment block shape used.
+    """Compiles each kernel for each dtype, row alignment (1, 8) and segment block shape used,
+    and the one-launch segment plan (``plan_kernel``, dtype "i32") at each tile height.
 
     Raises:
         RuntimeError: TRITON_INTERPRET is set (the kernels are then interpreter objects).
@@ -200,7 +237,7 @@ def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.flo
             out += _token_variants(L, align, arch, dt)
             for block_m in BLOCK_M_CHOICES:
                 out += _segment_variants(L, align, block_m, precision, arch, dt)
-    return out
+    return out + _plan_variants(arch)
 
 
 def main() -> int:

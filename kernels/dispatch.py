@@ -16,8 +16,9 @@ from typing import Literal
 import torch
 
 from . import reference
-from .batch_plan import BatchPlan, PathChoice
+from .batch_plan import PathChoice
 from .devices import same_device
+from .records import LoraStep, LoraTables
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,11 @@ def choose_backend(device: torch.device | str, backend: BackendChoice = "auto") 
     return chosen
 
 
-def _check_torch_args(x, out, arena, a_offsets, b_offsets, ranks, scalings, token_slot, slice_offsets, slice_sizes):
+def _check_torch_args(x, out, arena, tables: LoraTables, step: LoraStep, slice_offsets, slice_sizes):
     # The Triton launchers check their own arguments; the torch path gets the same refusals
     # for what would otherwise fail deep inside an index or silently compute something else.
+    a_offsets, b_offsets, ranks, scalings = tables
+    token_slot = step.token_slot
     if arena.dim() != 1:
         raise ValueError(f"arena must be a 1-D tensor, got shape {tuple(arena.shape)}")
     if arena.dtype not in DTYPES:
@@ -115,22 +118,18 @@ def lora_apply(
     x: torch.Tensor,
     out: torch.Tensor,
     arena: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scalings: torch.Tensor,
-    token_slot: torch.Tensor,
+    tables: LoraTables,
+    step: LoraStep,
     slice_offsets: Sequence[int],
     slice_sizes: Sequence[int],
     *,
-    plan: BatchPlan | None = None,
     path: PathChoice = "auto",
     row_align: int = 1,
     backend: BackendChoice = "auto",
 ) -> torch.Tensor:
     """out += LoRA(x) for every token's adapter, on the backend ``choose_backend`` picks.
 
-    The contract is ``lora_ops.lora_apply``'s (see there for the arguments); ``plan``,
+    The contract is ``lora_ops.lora_apply``'s (see there for the arguments); the step's plan,
     ``path`` and ``row_align`` only steer the Triton kernels. Both backends accumulate in fp32
     and round once to out's dtype; base-only tokens and rank-0 slots are left bit-identical.
 
@@ -144,21 +143,7 @@ def lora_apply(
         from . import lora_ops
 
         return lora_ops.lora_apply(
-            x,
-            out,
-            arena,
-            a_offsets,
-            b_offsets,
-            ranks,
-            scalings,
-            token_slot,
-            slice_offsets,
-            slice_sizes,
-            plan=plan,
-            path=path,
-            row_align=row_align,
+            x, out, arena, tables, step, slice_offsets, slice_sizes, path=path, row_align=row_align
         )
-    _check_torch_args(x, out, arena, a_offsets, b_offsets, ranks, scalings, token_slot, slice_offsets, slice_sizes)
-    return reference.lora_apply(
-        x, out, arena, a_offsets, b_offsets, ranks, scalings, token_slot, slice_offsets, slice_sizes
-    )
+    _check_torch_args(x, out, arena, tables, step, slice_offsets, slice_sizes)
+    return reference.lora_apply(x, out, arena, tables, step, slice_offsets, slice_sizes)

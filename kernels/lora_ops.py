@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .batch_plan import BatchPlan, PathChoice, plan_batch
 from .devices import same_device
+from .records import LoraStep, LoraTables
 
 try:
     from triton.runtime.interpreter import InterpretedFunction
@@ -50,6 +51,20 @@ def _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2):
 
 
 @triton.jit
+def _expand_opening(slot, j, nb, ranks_ptr, scalings_ptr, OFF0, OFF1, OFF2, N0, N1, N2, BLOCK_N: tl.constexpr):
+    """Both expand kernels' opening for a program of (slot, slice j, column block nb): the
+    slice's first column and width, the slot's rank and scaling, and whether the program has
+    nothing to do (a base-only slot, a column block past the slice, or rank 0: returning
+    then keeps out bit-identical, where x + 0.0 would turn -0.0 into 0.0)."""
+    first, width = _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2)
+    live = slot >= 0
+    rank = tl.load(ranks_ptr + slot, mask=live, other=0)
+    scaling = tl.load(scalings_ptr + slot, mask=live, other=0.0)
+    idle = (slot < 0) | (nb * BLOCK_N >= width) | (rank == 0)
+    return first, width, rank, scaling, idle
+
+
+@triton.jit
 def _shrink_token_kernel(
     x_ptr,
     arena_ptr,
@@ -64,14 +79,22 @@ def _shrink_token_kernel(
     stride_aj,
     stride_yj,
     stride_yt,
+    K_PER_SPLIT,
     ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Program (token t, slice j, row block rb): y[j, t, rows] = x[t] · A rows, no tl.dot."""
+    """Program (token t, slice j, row block rb, K split): y[j, t, rows] = x[t] · A rows, no tl.dot.
+
+    With SPLIT_K > 1 each program covers K_PER_SPLIT columns of K and adds its partial sums
+    into y atomically (the launcher zeroes those rows first): more programs for small batches.
+    """
     t = tl.program_id(0)
     j = tl.program_id(1)
-    rb = tl.program_id(2)
+    rb = tl.program_id(2) // SPLIT_K
+    k_lo = (tl.program_id(2) % SPLIT_K) * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
     slot = tl.load(token_slot_ptr + t)
     if slot < 0:
         return
@@ -86,13 +109,33 @@ def _shrink_token_kernel(
         row_off = tl.multiple_of(row_off, ROW_ALIGN)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < k_hi
         xv = tl.load(x_row + ks * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(arena_ptr + row_off[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    tl.store(y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt + rows, acc, mask=row_ok)
+    y_ptrs = y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt + rows
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc, mask=row_ok)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=row_ok, sem="relaxed")
+
+
+@triton.jit
+def _zero_rank_rows_kernel(token_slot_ptr, ranks_ptr, y_ptr, stride_yj, stride_yt, BLOCK_R: tl.constexpr):
+    """Program (token t, slice j, row block rb): y[j, t, rows below the rank] = 0, the rows a
+    split-K shrink adds into; nothing else (base-only tokens' rows and rows past the rank stay)."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    rb = tl.program_id(2)
+    slot = tl.load(token_slot_ptr + t)
+    if slot < 0:
+        return
+    rank = tl.load(ranks_ptr + slot)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    tl.store(y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt + rows, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
 
 
 @triton.jit
@@ -125,16 +168,11 @@ def _expand_token_kernel(
     j = tl.program_id(1)
     nb = tl.program_id(2)
     slot = tl.load(token_slot_ptr + t)
-    if slot < 0:
+    first, width, rank, scaling, idle = _expand_opening(
+        slot, j, nb, ranks_ptr, scalings_ptr, OFF0, OFF1, OFF2, N0, N1, N2, BLOCK_N
+    )
+    if idle:
         return
-    first, width = _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2)
-    if nb * BLOCK_N >= width:
-        return
-    rank = tl.load(ranks_ptr + slot)
-    if rank == 0:
-        # Nothing to add; returning keeps out bit-identical (x + 0.0 would turn -0.0 into 0.0).
-        return
-    scaling = tl.load(scalings_ptr + slot)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
     y_row = y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt
@@ -260,15 +298,11 @@ def _expand_segment_kernel(
     j = tl.program_id(1)
     nb = tl.program_id(2)
     slot = tl.load(tile_slot_ptr + tile)
-    if slot < 0:
+    first, width, rank, scaling, idle = _expand_opening(
+        slot, j, nb, ranks_ptr, scalings_ptr, OFF0, OFF1, OFF2, N0, N1, N2, BLOCK_N
+    )
+    if idle:
         return
-    first, width = _slice_columns(j, OFF0, OFF1, OFF2, N0, N1, N2)
-    if nb * BLOCK_N >= width:
-        return
-    rank = tl.load(ranks_ptr + slot)
-    if rank == 0:
-        return
-    scaling = tl.load(scalings_ptr + slot)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
     pos = start + tl.arange(0, BLOCK_M)
@@ -415,7 +449,7 @@ def shrink(
         # (A copy of the whole arena: the interpreter is for tests and debugging.)
         x, arena = x.float(), arena.float()
     if plan.path == "token":
-        _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align)
+        _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align, plan.split_k)
     else:
         _launch_shrink_segment(x, arena, a_offsets, ranks, y, plan.segments, row_align)
     return y
@@ -439,12 +473,18 @@ def _shrink_output(
     return y
 
 
-def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: int) -> None:
-    """``shrink`` on the per-token path: one program per (token, slice, rank block)."""
+def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: int, split_k: int = 1) -> None:
+    """``shrink`` on the per-token path: one program per (token, slice, rank block, K split)."""
     num_tokens, in_features = x.shape
     num_slices, max_rank = a_offsets.shape[1:]
-    grid = (num_tokens, num_slices, triton.cdiv(max_rank, RANK_BLOCK))
-    _shrink_token_kernel[grid](
+    rank_blocks = triton.cdiv(max_rank, RANK_BLOCK)
+    split_k = max(1, min(split_k, triton.cdiv(in_features, TOKEN_SHRINK_BLOCK_K)))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), TOKEN_SHRINK_BLOCK_K) * TOKEN_SHRINK_BLOCK_K
+    if split_k > 1:
+        _zero_rank_rows_kernel[(num_tokens, num_slices, rank_blocks)](
+            token_slot, ranks, y, y.stride(0), y.stride(1), BLOCK_R=RANK_BLOCK
+        )
+    _shrink_token_kernel[(num_tokens, num_slices, rank_blocks * split_k)](
         x,
         arena,
         a_offsets,
@@ -458,9 +498,11 @@ def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: i
         a_offsets.stride(1),
         y.stride(0),
         y.stride(1),
+        k_per_split,
         ROW_ALIGN=row_align,
         BLOCK_R=RANK_BLOCK,
         BLOCK_K=TOKEN_SHRINK_BLOCK_K,
+        SPLIT_K=split_k,
     )
 
 
@@ -634,27 +676,30 @@ def lora_apply(
     x: torch.Tensor,
     out: torch.Tensor,
     arena: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scalings: torch.Tensor,
-    token_slot: torch.Tensor,
+    tables: LoraTables,
+    step: LoraStep,
     slice_offsets: Sequence[int],
     slice_sizes: Sequence[int],
     *,
-    plan: BatchPlan | None = None,
     path: PathChoice = "auto",
     y: torch.Tensor | None = None,
     row_align: int = 1,
 ) -> torch.Tensor:
     """out += LoRA(x) for every token's adapter: ``shrink`` then ``expand`` with one plan.
 
+    Args:
+        x, out, arena, slice_offsets, slice_sizes, y, row_align: as for ``shrink``/``expand``.
+        tables: the launch's offset tables, ranks and scalings.
+        step: each token's slot, and the step's plan (built here from ``path`` when it has none).
+
     Returns:
         out, updated in place.
     """
+    a_offsets, b_offsets, ranks, scalings = tables
     if a_offsets.shape != b_offsets.shape:
         raise ValueError(f"a_offsets {tuple(a_offsets.shape)} and b_offsets {tuple(b_offsets.shape)} differ in shape")
-    plan = _plan_for(plan, token_slot, a_offsets.shape[0], path)
+    token_slot = step.token_slot
+    plan = _plan_for(step.plan, token_slot, a_offsets.shape[0], path)
     y = shrink(x, arena, a_offsets, ranks, token_slot, y=y, plan=plan, row_align=row_align)
     return expand(
         y,

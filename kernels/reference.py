@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .records import LoraStep, LoraTables
+
 
 def gather_rows(arena: torch.Tensor, row_offsets: torch.Tensor, width: int) -> torch.Tensor:
     """The rows starting at ``row_offsets`` (int64 [r]), each ``width`` long, as fp32 [r, width]."""
@@ -79,14 +81,12 @@ def lora_apply(
     x: torch.Tensor,
     out: torch.Tensor,
     arena: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scalings: torch.Tensor,
-    token_slot: torch.Tensor,
+    tables: LoraTables,
+    step: LoraStep,
     slice_offsets: Sequence[int],
     slice_sizes: Sequence[int],
 ) -> torch.Tensor:
-    """``shrink`` then ``expand``; out updated in place and returned."""
-    y = shrink(x, arena, a_offsets, ranks, token_slot)
-    return expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets, slice_sizes)
+    """``shrink`` then ``expand`` over ``tables`` for ``step``'s tokens; out updated in place and returned."""
+    a_offsets, b_offsets, ranks, scalings = tables
+    y = shrink(x, arena, a_offsets, ranks, step.token_slot)
+    return expand(y, arena, b_offsets, ranks, scalings, step.token_slot, out, slice_offsets, slice_sizes)

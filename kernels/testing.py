@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .records import LoraTables
+
 
 @dataclass(frozen=True, slots=True)
 class LoraWeights:
@@ -50,6 +52,11 @@ class PackedArena:
     slice_sizes: tuple[int, ...]
     # Elements per page.
     page_elems: int
+
+    @property
+    def tables(self) -> LoraTables:
+        """The four tables as the record the kernels take."""
+        return LoraTables(self.a_offsets, self.b_offsets, self.ranks, self.scalings)
 
 
 def random_adapter(

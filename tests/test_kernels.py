@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 
 from memory_broker.kernels import lora_ops, reference  # noqa: E402
 from memory_broker.kernels.batch_plan import build_segment_tiles, choose_path, plan_batch  # noqa: E402
+from memory_broker.kernels.records import LoraStep  # noqa: E402
 from memory_broker.kernels.testing import LoraWeights, PackedArena, pack_adapters, random_adapter  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -194,9 +195,7 @@ def test_reference_matches_dense_math(shape: Shape, rng: Rng):
     p = b.packed
     out = random_out(b)
     expected = dense_lora(b, out)
-    reference.lora_apply(
-        b.x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, b.token_slot, p.slice_offsets, p.slice_sizes
-    )
+    reference.lora_apply(b.x, out, p.arena, p.tables, LoraStep(b.token_slot), p.slice_offsets, p.slice_sizes)
     assert_close(out, expected, torch.float16, rng, "reference vs dense")
 
 
@@ -256,11 +255,8 @@ def test_lora_apply_matches_reference(shape: Shape, path: str, dtype: torch.dtyp
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
@@ -269,11 +265,8 @@ def test_lora_apply_matches_reference(shape: Shape, path: str, dtype: torch.dtyp
         b.x,
         base.clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
     )
@@ -348,25 +341,18 @@ def test_random_batches_match_reference(path: str, rng: Rng):
             b.x,
             out,
             p.arena,
-            p.a_offsets,
-            p.b_offsets,
-            p.ranks,
-            p.scalings,
-            b.token_slot,
+            p.tables,
+            LoraStep(b.token_slot, b.plan(path)),
             p.slice_offsets,
             p.slice_sizes,
-            plan=b.plan(path),
             y=y,
         )
         expected = reference.lora_apply(
             b.x,
             base.clone(),
             p.arena,
-            p.a_offsets,
-            p.b_offsets,
-            p.ranks,
-            p.scalings,
-            b.token_slot,
+            p.tables,
+            LoraStep(b.token_slot),
             p.slice_offsets,
             p.slice_sizes,
         )
@@ -387,11 +373,8 @@ def test_rank_zero_slot_and_unused_slots_change_nothing(path: str, rng: Rng):
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
@@ -400,11 +383,8 @@ def test_rank_zero_slot_and_unused_slots_change_nothing(path: str, rng: Rng):
         b.x,
         base.clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
     )
@@ -426,11 +406,8 @@ def test_strided_out_outside_the_slices_is_untouched(path: str, rng: Rng):
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         offsets,
         p.slice_sizes,
         path=path,
@@ -439,11 +416,8 @@ def test_strided_out_outside_the_slices_is_untouched(path: str, rng: Rng):
         b.x,
         before[:, 5:].clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         offsets,
         p.slice_sizes,
     )
@@ -484,19 +458,14 @@ def test_row_aligned_layout_with_alignment_hint(path: str, rng: Rng):
         x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        slots,
+        p.tables,
+        LoraStep(slots),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
         row_align=8,
     )
-    expected = reference.lora_apply(
-        x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets, p.slice_sizes
-    )
+    expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets, p.slice_sizes)
     assert_close(out, expected, torch.float16, rng, f"aligned {path}")
 
 
@@ -510,11 +479,8 @@ def test_fp32_arena_matches_reference(path: str, rng: Rng):
         b.x,
         out,
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
         path=path,
@@ -523,11 +489,8 @@ def test_fp32_arena_matches_reference(path: str, rng: Rng):
         b.x,
         base.clone(),
         p.arena,
-        p.a_offsets,
-        p.b_offsets,
-        p.ranks,
-        p.scalings,
-        b.token_slot,
+        p.tables,
+        LoraStep(b.token_slot),
         p.slice_offsets,
         p.slice_sizes,
     )
@@ -547,11 +510,8 @@ def test_all_base_and_empty_batches_do_nothing(path: str, rng: Rng):
             x,
             out,
             p.arena,
-            p.a_offsets,
-            p.b_offsets,
-            p.ranks,
-            p.scalings,
-            slots,
+            p.tables,
+            LoraStep(slots),
             p.slice_offsets,
             p.slice_sizes,
             path=path,
@@ -606,3 +566,31 @@ def test_mismatched_inputs_are_refused_with_their_shapes():
     scal = torch.ones(2, device=DEVICE)
     with pytest.raises(ValueError, match=r"columns \[4, 12\)"):
         lora_ops.expand(y, arena, offsets[:, :2], ranks, scal, slots, out, (0, 4), (4, 8))
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_token_shrink_matches_reference_and_writes_only_rank_rows(split_k: int, rng: Rng):
+    # K = 600 is three 256-column blocks: split_k 8 is capped at 3, 2 leaves a ragged last part.
+    shape = Shape("split-k", (0, 5, 16, 40), 600, (72, 40), 24, "decode", max_rank=48)
+    b = make_batch(shape, torch.float16, rng)
+    p = b.packed
+    plan = plan_batch(b.token_slot, len(b.adapters), path="token", split_k=split_k)
+    y = poisoned_y(b)
+    base = random_out(b)
+    out = lora_ops.lora_apply(
+        b.x, base.clone(), p.arena, p.tables, LoraStep(b.token_slot, plan), p.slice_offsets, p.slice_sizes, y=y
+    )
+    written = written_rows(b)
+    want_y = reference.shrink(b.x, p.arena, p.a_offsets, p.ranks, b.token_slot)
+    assert_close(y[written], want_y[written], torch.float16, rng, f"split-K {split_k} shrink")
+    assert bool(torch.isnan(y[~written]).all()), rng.note(f"split-K {split_k} wrote past a rank or a base token")
+    want = reference.lora_apply(
+        b.x, base.clone(), p.arena, p.tables, LoraStep(b.token_slot), p.slice_offsets, p.slice_sizes
+    )
+    assert_close(out, want, torch.float16, rng, f"split-K {split_k} lora_apply")
+    assert_untouched(out, base, untouched_tokens(b), rng, f"split-K {split_k}")
+
+
+def test_split_k_below_one_is_refused():
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        plan_batch(torch.zeros(4, dtype=torch.int32), 1, split_k=0)

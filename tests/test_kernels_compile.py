@@ -39,6 +39,7 @@ from memory_broker.kernels.compile_check import compile_all
 print(json.dumps([
     {"kernel": v.kernel, "dtype": v.dtype, "row_align": v.constexprs.get("ROW_ALIGN"),
      "forms": sorted(v.global_access_forms()), "block_m": v.constexprs.get("BLOCK_M"),
+     "split_k": v.constexprs.get("SPLIT_K", 1),
      "shared": v.shared, "fits": v.fits(90)}
     for v in compile_all(90)
 ]))
@@ -60,13 +61,29 @@ def test_every_kernel_variant_compiles_for_hopper(variants: list[dict]):
         "_expand_token_kernel",
         "_shrink_segment_kernel",
         "_expand_segment_kernel",
+        "_segment_plan_kernel",
+        "_zero_rank_rows_kernel",
     }
-    assert {v["dtype"] for v in variants} == {"fp16", "bf16", "fp32"}
+    assert {v["split_k"] for v in variants if v["kernel"] == "_shrink_token_kernel"} == {1, 8}
+    lora = [v for v in variants if v["kernel"] != "_segment_plan_kernel"]
+    assert {v["dtype"] for v in lora} == {"fp16", "bf16", "fp32"}
+
+
+def test_the_one_launch_plan_compiles_for_every_tile_height_within_shared_memory(variants: list[dict]):
+    from memory_broker.kernels.batch_plan import BLOCK_M_CHOICES
+
+    plans = [v for v in variants if v["kernel"] == "_segment_plan_kernel"]
+    assert {v["block_m"] for v in plans} == set(BLOCK_M_CHOICES)
+    assert all(v["fits"] for v in plans), [(v["block_m"], v["shared"]) for v in plans if not v["fits"]]
 
 
 @pytest.mark.parametrize("kernel", ["_shrink_token_kernel", "_expand_token_kernel"])
 def test_row_align_8_turns_token_path_gathers_into_16_byte_loads(variants: list[dict], kernel: str):
-    forms = {v["row_align"]: set(v["forms"]) for v in variants if v["kernel"] == kernel and v["dtype"] == "fp16"}
+    forms = {
+        v["row_align"]: set(v["forms"])
+        for v in variants
+        if v["kernel"] == kernel and v["dtype"] == "fp16" and v["split_k"] == 1
+    }
     assert "ld.global.v4.b32" in forms[8], f"{kernel} with row_align=8: {sorted(forms[8])}"
     # Without the promise the gathers are 2-byte loads: the reason row_align exists.
     assert "ld.global.b16" in forms[1], f"{kernel} with row_align=1: {sorted(forms[1])}"

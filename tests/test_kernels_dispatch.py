@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from memory_broker.kernels import dispatch, reference
+from memory_broker.kernels import LoraStep, dispatch, reference
 from memory_broker.kernels.testing import pack_adapters, random_adapter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,9 +64,7 @@ def packed(dtype: torch.dtype, seed: int = 3):
 def test_the_torch_path_matches_dense_math_rounded_once(dtype, fresh_log):
     p, token_slot, x, base = packed(dtype)
     out = base.clone()
-    dispatch.lora_apply(
-        x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, token_slot, p.slice_offsets, p.slice_sizes
-    )
+    dispatch.lora_apply(x, out, p.arena, p.tables, LoraStep(token_slot), p.slice_offsets, p.slice_sizes)
     # Dense fp32 math from the arena's own (rounded) rows, rounded once to out's dtype.
     want = base.float().clone()
     for t, slot in enumerate(token_slot.tolist()):
@@ -92,21 +90,21 @@ def test_the_torch_path_matches_dense_math_rounded_once(dtype, fresh_log):
 
 def test_the_torch_path_refuses_mismatched_input_and_changes_nothing(fresh_log):
     p, token_slot, x, base = packed(torch.bfloat16)
-    args = (p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings)
+    args = (p.arena, p.tables)
     out = base.clone()
     with pytest.raises(ValueError, match="arena's dtype"):
-        dispatch.lora_apply(x.float(), out, *args, token_slot, p.slice_offsets, p.slice_sizes)
+        dispatch.lora_apply(x.float(), out, *args, LoraStep(token_slot), p.slice_offsets, p.slice_sizes)
     with pytest.raises(ValueError, match="slot 7 but the tables have 2"):
-        dispatch.lora_apply(x, out, *args, torch.full_like(token_slot, 7), p.slice_offsets, p.slice_sizes)
+        dispatch.lora_apply(x, out, *args, LoraStep(torch.full_like(token_slot, 7)), p.slice_offsets, p.slice_sizes)
     with pytest.raises(ValueError, match="outside out's 64 columns"):
-        dispatch.lora_apply(x, out, *args, token_slot, p.slice_offsets, [48, 17])
+        dispatch.lora_apply(x, out, *args, LoraStep(token_slot), p.slice_offsets, [48, 17])
     assert torch.equal(out, base)
 
 
 _CHILD = r"""
 import json, sys
 import torch
-from memory_broker.kernels import dispatch
+from memory_broker.kernels import LoraStep, dispatch
 from memory_broker.kernels.testing import pack_adapters, random_adapter
 from memory_broker.clients.lora import LoRALinear, LoraContext
 
@@ -115,14 +113,14 @@ p = pack_adapters([random_adapter(8, 32, [24], g)], dtype=torch.bfloat16, genera
 slots = torch.tensor([0, 0, -1, 0], dtype=torch.int32)
 x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
 out = torch.zeros(4, 24, dtype=torch.bfloat16)
-dispatch.lora_apply(x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets,
+dispatch.lora_apply(x, out, p.arena, p.tables, LoraStep(slots), p.slice_offsets,
                     p.slice_sizes)
 report = {"backend": dispatch.choose_backend(p.arena.device), "delta": float(out.float().abs().sum()),
           "triton_loaded": "triton" in sys.modules}
 for what, call in (
     ("choose", lambda: dispatch.choose_backend("cpu", "triton")),
     ("kernels", lambda: __import__("memory_broker.kernels.lora_ops", fromlist=["x"]).lora_apply(
-        x, out, p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets, p.slice_sizes)),
+        x, out, p.arena, p.tables, LoraStep(slots), p.slice_offsets, p.slice_sizes)),
 ):
     try:
         call()

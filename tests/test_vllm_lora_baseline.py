@@ -132,7 +132,7 @@ PROBE = textwrap.dedent(
     sys.path.insert(0, os.path.join(root, "ops", "bench"))
     import torch
     import vllm_lora_baseline as vb
-    from memory_broker.kernels import reference
+    from memory_broker.kernels import LoraStep, reference
     from memory_broker.kernels.testing import pack_adapters, random_adapter
 
     result = {}
@@ -154,8 +154,8 @@ PROBE = textwrap.dedent(
     x = torch.randn(5, 32, generator=g).half()
     base = torch.randn(5, 64, generator=g).half()
     p = packed
-    expected = reference.lora_apply(x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings,
-                                    slots, p.slice_offsets, p.slice_sizes)
+    expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets,
+                                    p.slice_sizes)
     w = vb.stack_weights(adapters, torch.float16, "cpu")
     meta = vb.make_metadata(ops, slots, 3, "cpu")
     out = base.clone()
@@ -175,14 +175,14 @@ PROBE = textwrap.dedent(
     for key, argv in (("bench", ["--vllm-ops", folder]), ("bench_without_vllm", ["--vllm-ops", folder + ".absent"])):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", *argv])
+            rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", "--layers", "1", "--modules", "2", *argv])
         result[key] = {"rc": rc, "out": buf.getvalue()}
     # The check before timing is not vacuous: vLLM given the wrong token -> slot map is caught.
     real_make_metadata = vb.make_metadata
     vb.make_metadata = lambda ops, slots, n, device: real_make_metadata(ops, slots.roll(1), n, device)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8",
+        rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", "--layers", "1", "--modules", "2",
                          "--cases", "decode", "--vllm-ops", folder])
     result["bench_wrong_metadata"] = {"rc": rc, "out": buf.getvalue()}
     print("RESULT " + json.dumps(result))
@@ -225,6 +225,9 @@ def test_the_benchmark_adds_vllms_rows_and_the_ratio_per_case_and_dtype(probe):
         table = [ln for ln in out.splitlines() if ln.startswith(f"{case:8} float16") and "vLLM Triton" in ln]
         assert len(table) == 1, out
         assert f"  {case} float16: kernels best (" in out and "/ vLLM 500.0 us = 1.00" in out
+    # The whole decode step, driven the same way for both (CUDA graphs only on a GPU).
+    assert "decode   float16   model step 1x2: vLLM eager, prepare_tensors + 2 pairs" in out, out
+    assert "decode   float16   model step 1x2: kernels eager, plan + 2 pairs (token)" in out, out
 
 
 def test_the_benchmark_without_the_vllm_folder_says_so_once_and_runs(probe):

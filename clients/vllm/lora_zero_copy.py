@@ -20,6 +20,7 @@ import torch
 from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels import reference
 from memory_broker.kernels.dispatch import choose_backend, lora_apply
+from memory_broker.kernels.records import LoraStep
 
 # "vllm": round where vLLM's own LoRA path rounds (the rank-r intermediate and the delta to the
 # output's dtype, then add), so tokens equal vLLM's file-loaded LoRA in bfloat16/float16 too.
@@ -116,7 +117,7 @@ class ZeroCopyStep:
                 hit = [
                     ((j,), self.tables.tables(self.slots, address.layer, [m])) for j, m in enumerate(address.modules)
                 ]
-            hit = [h for h in hit if h[1][0].shape[2] > 0]
+            hit = [h for h in hit if h[1].max_rank > 0]
             self._launches[key] = hit
         return hit
 
@@ -146,16 +147,14 @@ class ZeroCopyStep:
         offsets, sizes = address.slice_offsets, address.slice_sizes
         if self.rounding == "vllm" and out.dtype != torch.float32 and choose_backend(self.arena.device) == "torch":
             return self._apply_rounding_as_vllm(xk, out, token_slot, launches, offsets, sizes)
-        for slices, (a_off, b_off, ranks, scalings) in launches:
+        step = LoraStep(token_slot)
+        for slices, tables in launches:
             lora_apply(
                 xk,
                 out,
                 self.arena,
-                a_off,
-                b_off,
-                ranks,
-                scalings,
-                token_slot,
+                tables,
+                step,
                 [offsets[j] for j in slices],
                 [sizes[j] for j in slices],
                 row_align=self.row_align,
@@ -169,7 +168,7 @@ class ZeroCopyStep:
         rows = torch.nonzero(token_slot >= 0).flatten()
         if rows.numel() == 0:
             return out
-        for slices, (a_off, b_off, ranks, scalings) in launches:
+        for slices, (a_off, b_off, ranks, scalings) in launches:  # a LoraTables unpacks in this order
             y = reference.shrink(xk, self.arena, a_off, ranks, token_slot).to(out.dtype).float()
             delta = torch.zeros_like(out)
             reference.expand(

@@ -5,7 +5,9 @@ Two batches, each fused q/k/v (3 slices) over hidden 4096: decode (64 tokens of 
 rank-16 adapters) and prefill (8192 tokens in runs of 8 adapters), each in fp16 and bf16.
 Methods:
 
-  kernels auto / token / segment   lora_apply over a paged arena (2 MiB pages, rows shuffled)
+  kernels auto / token / segment   lora_apply over a paged arena (2 MiB pages, rows shuffled);
+                                   "token split-K N" splits the shrink over N parts of the
+                                   hidden dimension (--split-k, default 8)
   torch per-adapter GEMMs          a loop over adapters: index_select, x @ Aᵀ, y @ Bᵀ, index_add_
   stacked slots, padded            the same kernels over contiguous [slots, max_rank, hidden]
                                    buffers with every rank set to --stacked-rank (the padded
@@ -21,13 +23,20 @@ on the same base, with the kernel tests' tolerance; a project kernel off the ref
 the exit status 1, a vLLM row off it is left out (said so, loudly). The last lines give, per
 case and dtype, the time of the project's best kernels row over vLLM's.
 
+The decode case also runs a whole decode step, --layers x --modules launches (32 x 4 by
+default) each over its own copy of the adapters: the plan and every shrink/expand pair eagerly,
+and the same step captured once in a CUDA graph (kernels/graph_step.StaticStep) and replayed;
+vLLM's ops are driven the same way (prepare_tensors, then the pairs) beside them. The segment
+plan's rows give its device time and its host wall time (calls issued back to back, no sync)
+for the torch-op builder and the one-launch kernel (kernels/plan_kernel.py).
+
 Times are medians of CUDA-event timings of single calls, L2 flushed before each. Bandwidth is
 the batch's compulsory traffic (x, the adapters' rows once, y, out read and written) over the
 time, shown as a share of a large device-to-device copy measured in the same run. The plan
 (token sort and tiles; vLLM's LoRAKernelMeta) is built once per step and timed on its own row.
 
     python ops/bench/bench_lora_kernels.py [--reps 50] [--stacked-rank 64] [--dtypes float16,bfloat16]
-        [--cases decode,prefill] [--vllm-ops ops/gpu/vllm_lora_ops]
+        [--cases decode,prefill] [--layers 32] [--modules 4] [--vllm-ops ops/gpu/vllm_lora_ops]
 
 Without a CUDA device it prints one line and exits 0: there is nothing honest to report.
 Without the extracted vLLM folder it prints one line and runs without vLLM's rows.
@@ -39,6 +48,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -156,6 +166,7 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     is off the reference. ``vllm`` (ops/bench/vllm_lora_baseline.VllmLoraOps) adds vLLM's rows."""
     from memory_broker.kernels import lora_ops, reference
     from memory_broker.kernels.batch_plan import plan_batch
+    from memory_broker.kernels.records import LoraStep, LoraTables
     from memory_broker.kernels.testing import pack_adapters, random_adapter
 
     dname = str(dtype).removeprefix("torch.")
@@ -180,39 +191,27 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
 
     # The fp32 reference (kernels/reference.py) on the same base; every check compares to it.
     base = out.clone()
-    expected = reference.lora_apply(
-        x, base.clone(), p.arena, p.a_offsets, p.b_offsets, p.ranks, p.scalings, slots, p.slice_offsets, p.slice_sizes
-    )
+    expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets, p.slice_sizes)
 
     ok = True
-    for path in ("auto", "token", "segment"):
-        plan = plan_batch(slots, case.num_adapters, path=path, active_slots=case.num_adapters)
+    for path, split_k in (("auto", 1), ("token", 1), ("token", args.split_k), ("segment", 1)):
+        plan = plan_batch(slots, case.num_adapters, path=path, active_slots=case.num_adapters, split_k=split_k)
 
         def ours(plan=plan):
             lora_ops.lora_apply(
-                x,
-                out,
-                p.arena,
-                p.a_offsets,
-                p.b_offsets,
-                p.ranks,
-                p.scalings,
-                slots,
-                p.slice_offsets,
-                p.slice_sizes,
-                plan=plan,
-                y=y,
-                row_align=8,
+                x, out, p.arena, p.tables, LoraStep(slots, plan), p.slice_offsets, p.slice_sizes, y=y, row_align=8
             )
 
         method = f"kernels {path}" + (f" ({plan.path})" if path == "auto" else "")
+        method += f" split-K {split_k}" if split_k > 1 else ""
         out.copy_(base)
         ours()
         ok &= check(f"{label}: {method}", out, expected, dtype)
         record(method, median_ms(ours, args.reps, args.warmup))
 
-    ms = median_ms(lambda: plan_batch(slots, case.num_adapters, path="segment"), args.reps, args.warmup)
-    rows.append((case.name, dname, "plan build, segment (once per step)", ms * 1e3, float("nan"), float("nan")))
+    plan_rows(case, dname, slots, args, rows)
+    if case.layout == "decode" and args.layers * args.modules > 0:
+        ok &= model_step_rows(case, args, dtype, p, slots, x, (expected, base), rows, label)
 
     # Baseline 1: a GEMM pair per adapter on contiguous weights. Token indices per adapter
     # are computed once outside the timing (a favour to the baseline).
@@ -238,22 +237,11 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     sa, sa_off, sb_off, s_ranks, s_scal = stacked_tables(adapters, case.hidden, args.stacked_rank, dtype)
     s_y = torch.empty(case.num_slices, case.num_tokens, args.stacked_rank, device=DEVICE)
     s_plan = plan_batch(slots, case.num_adapters, active_slots=case.num_adapters)
+    s_tables = LoraTables(sa_off, sb_off, s_ranks, s_scal)
 
     def stacked():
         lora_ops.lora_apply(
-            x,
-            out,
-            sa,
-            sa_off,
-            sb_off,
-            s_ranks,
-            s_scal,
-            slots,
-            p.slice_offsets,
-            p.slice_sizes,
-            plan=s_plan,
-            y=s_y,
-            row_align=8,
+            x, out, sa, s_tables, LoraStep(slots, s_plan), p.slice_offsets, p.slice_sizes, y=s_y, row_align=8
         )
 
     method = f"stacked slots, padded to rank {args.stacked_rank} ({s_plan.path})"
@@ -267,6 +255,167 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     if vllm is not None:
         run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, label, record, rows)
     return ok
+
+
+def host_us(fn: Callable[[], object], reps: int) -> float:
+    """Host wall time per call of ``fn`` issued back to back without waiting for the device
+    (what a step's CPU thread spends), in microseconds; the device is drained afterwards."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    spent = time.perf_counter() - start
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return spent / reps * 1e6
+
+
+def plan_rows(case: Case, dname: str, slots: torch.Tensor, args, rows: list) -> None:
+    """The segment plan's host wall time and device time per step, built by torch ops and by
+    the one-launch kernel (into a SegmentPlanner's buffers, as a step reuses them)."""
+    from memory_broker.kernels.batch_plan import plan_batch
+    from memory_broker.kernels.plan_kernel import SegmentPlanner
+
+    planner = SegmentPlanner(64, DEVICE)
+    builders = {
+        "torch ops": lambda: plan_batch(slots, case.num_adapters, path="segment", builder="torch"),
+        "one launch": lambda: planner.plan(slots, case.num_adapters),
+    }
+    nan = float("nan")
+    for name, fn in builders.items():
+        rows.append(
+            (
+                case.name,
+                dname,
+                f"plan build, segment, {name}: device",
+                median_ms(fn, args.reps, args.warmup) * 1e3,
+                nan,
+                nan,
+            )
+        )
+        rows.append((case.name, dname, f"plan build, segment, {name}: host wall", host_us(fn, args.reps), nan, nan))
+
+
+def replicas(p, n: int) -> tuple[torch.Tensor, list]:
+    """One arena holding ``n`` copies of a packed arena and each copy's tables: the adapters of
+    ``n`` distinct launches (layers x modules), as many bytes as n real launches read."""
+    from memory_broker.kernels.records import LoraTables
+
+    size = p.arena.numel()
+    arena = p.arena.repeat(n)
+    tables = [LoraTables(p.a_offsets + k * size, p.b_offsets + k * size, p.ranks, p.scalings) for k in range(n)]
+    return arena, tables
+
+
+def captured(fn: Callable[[], object]):
+    """A CUDA graph of ``fn`` (run once first on a side stream, so Triton compiles outside)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def model_step_rows(case: Case, args, dtype: torch.dtype, p, slots, x, expected, rows: list, label: str) -> bool:
+    # expected: (the reference output of one launch, the base output it was added to).
+    """A whole decode step, --layers x --modules launches each over its own adapters' copy: the
+    plan plus every launch, eager and (on a GPU) as a replayed CUDA graph of a StaticStep."""
+    from memory_broker.kernels import lora_ops
+    from memory_broker.kernels.batch_plan import plan_batch
+    from memory_broker.kernels.graph_step import StaticStep
+    from memory_broker.kernels.records import LoraStep
+
+    n = args.layers * args.modules
+    arena, tables = replicas(p, n)
+    base = expected[1]
+    outs = [base.clone() for _ in range(n)]
+    y = torch.empty(case.num_slices, case.num_tokens, p.a_offsets.shape[2], device=DEVICE)
+
+    def eager():
+        plan = plan_batch(slots, case.num_adapters, active_slots=case.num_adapters)
+        step = LoraStep(slots, plan)
+        for t, o in zip(tables, outs):
+            lora_ops.lora_apply(x, o, arena, t, step, p.slice_offsets, p.slice_sizes, y=y, row_align=8)
+        return plan.path
+
+    path = eager()
+    ok = all(check(f"{label}: model step launch {k}", outs[k], expected[0], dtype) for k in (0, n - 1))
+    what = f"model step {args.layers}x{args.modules}: kernels"
+    record_row(rows, case, dtype, f"{what} eager, plan + {n} pairs ({path})", median_ms(eager, args.reps, args.warmup))
+    if DEVICE != "cuda":
+        print(f"{label}: {what} captured: skipped, CUDA graphs need a GPU")
+        return ok
+    static = StaticStep(case.num_tokens, case.num_adapters, DEVICE, path=path)
+    for k, t in enumerate(tables):
+        static.add_launch(k, case.num_slices, p.a_offsets.shape[2])
+        static.load_tables(k, t)
+    static.load_tokens(slots)
+
+    def replayed_step():
+        static.replan()
+        for k, o in enumerate(outs):
+            static.apply(k, x, o, arena, p.slice_offsets, p.slice_sizes, row_align=8)
+
+    graph = captured(replayed_step)
+    for o in outs:
+        o.copy_(base)
+    graph.replay()
+    ok &= check(f"{label}: {what} captured", outs[n - 1], expected[0], dtype)
+    record_row(rows, case, dtype, f"{what} CUDA graph replay ({path})", median_ms(graph.replay, args.reps, args.warmup))
+    return ok
+
+
+def vllm_model_step_rows(case: Case, args, dtype, vllm, w, slots, x, expected, rows, label) -> None:
+    """vLLM's ops driven as ``model_step_rows`` drives the kernels: prepare_tensors once, then
+    --layers x --modules shrink/expand pairs over distinct weight copies; eager and captured."""
+    import vllm_lora_baseline as vb
+
+    n = args.layers * args.modules
+    ws = [
+        vb.VllmLoraWeights(tuple(a.clone() for a in w.a), tuple(b.clone() for b in w.b), w.output_slices)
+        for _ in range(n)
+    ]
+    _KEEP.append(ws)
+    meta = vb.make_metadata(vllm, slots, case.num_adapters, DEVICE)
+    outs = [expected[1].clone() for _ in range(n)]
+
+    def eager():
+        meta.prepare_tensors(slots)
+        for wk, o in zip(ws, outs):
+            vb.lora_apply(vllm, x, o, wk, meta)
+
+    eager()
+    if not check(f"{label}: vLLM model step", outs[n - 1], expected[0], dtype):
+        print(f"{label}: vLLM model step CHECK FAILED: its rows are left out")
+        return
+    what = f"model step {args.layers}x{args.modules}: vLLM"
+    record_row(
+        rows, case, dtype, f"{what} eager, prepare_tensors + {n} pairs", median_ms(eager, args.reps, args.warmup)
+    )
+    if DEVICE != "cuda":
+        return
+
+    def pairs():
+        for wk, o in zip(ws, outs):
+            vb.lora_apply(vllm, x, o, wk, meta)
+
+    # As vLLM runs it: the metadata is prepared outside the graph, which holds the kernels.
+    try:
+        graph = captured(pairs)
+    except Exception as e:  # noqa: BLE001 - the row is optional
+        print(f"{label}: {what} captured: skipped: {type(e).__name__}: {e}")
+        return
+    method = f"{what} CUDA graph replay of the pairs (prepare_tensors outside)"
+    record_row(rows, case, dtype, method, median_ms(graph.replay, args.reps, args.warmup))
+
+
+def record_row(rows: list, case: Case, dtype: torch.dtype, method: str, ms: float) -> None:
+    """A row without a bandwidth (a whole step, or a plan)."""
+    rows.append((case.name, str(dtype).removeprefix("torch."), method, ms * 1e3, float("nan"), float("nan")))
 
 
 def run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, label, record, rows) -> None:
@@ -299,6 +448,8 @@ def run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, l
                 float("nan"),
             )
         )
+        if case.layout == "decode" and args.layers * args.modules > 0:
+            vllm_model_step_rows(case, args, dtype, vllm, w, slots, x, (expected, base), rows, label)
     except Exception as e:  # noqa: BLE001 - vLLM's failure must not hide the project's rows
         print(f"{label}: vLLM FAILED: {type(e).__name__}: {e}")
 
@@ -351,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--stacked-rank", type=int, default=64, help="max rank the stacked-slot baseline pads to")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split-k", type=int, default=8, help="the token path's split-K row: parts of the hidden dim")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers of the whole decode step's rows")
+    ap.add_argument("--modules", type=int, default=4, help="LoRA launches per layer in the whole decode step")
     ap.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16")
     ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     ap.add_argument(

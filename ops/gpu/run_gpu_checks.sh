@@ -32,8 +32,10 @@
 # this checkout's sources (a stale wheel fails the run).
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), GPU_TESTS (test files,
-# default tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels*.py
-# tests/test_lora_batch.py tests/test_lora_e2e.py where present), GPU_BENCHES (default
+# default tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py
+# tests/test_kernels_compile.py tests/test_kernels_plan.py tests/test_kernels_graph.py and
+# tests/test_lora_static.py (CUDA-graph capture and replay) tests/test_lora_batch.py
+# tests/test_lora_e2e.py where present), GPU_BENCHES (default
 # ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py where present), BENCH_TIMEOUT
 # (seconds per benchmark, default 90), VLLM_LORA_OPS (default ops/gpu/vllm_lora_ops: vLLM's
 # Triton LoRA kernels, copied where vLLM is installed by ops/gpu/extract_vllm_lora_ops.py and
@@ -74,7 +76,8 @@ junit="$out.junit.xml"
 tests=${GPU_TESTS:-}
 if [ -z "$tests" ]; then
     for f in tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py tests/test_kernels_compile.py \
-        tests/test_lora_batch.py tests/test_lora_e2e.py; do
+        tests/test_kernels_plan.py tests/test_kernels_graph.py tests/test_lora_batch.py tests/test_lora_static.py \
+        tests/test_lora_e2e.py; do
         [ -e "$f" ] && tests="$tests $f"
     done
 fi
