@@ -68,6 +68,31 @@ def fetch_fds(
         Whatever ``consume`` raises (the rest of the reply is dropped, its fds closed).
     """
     deadline = time.monotonic() + timeout
+    pause = 0.01
+    got = [0]
+
+    def counted(fds: list[int]) -> None:
+        got[0] += len(fds)
+        consume(fds)
+
+    while True:
+        try:
+            return _fetch_once(path, token, first, count, counted, deadline)
+        except FdChannelError as e:
+            # The channel's connection caps are busy, not wrong: wait and ask again while
+            # time is left (nothing was handed to ``consume`` yet, so nothing repeats).
+            busy = e.code == "RESOURCE_EXHAUSTED" and e.message.endswith(proto.BUSY) and not got[0]
+            if not busy or time.monotonic() + pause >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
+
+def _fetch_once(
+    path: str, token: str, first: int, count: int | None, consume: Callable[[list[int]], None], deadline: float
+) -> int:
+    """One connection's request and reply (``fetch_fds`` without its retries)."""
+    timeout = max(deadline - time.monotonic(), 0.001)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     except OSError as e:

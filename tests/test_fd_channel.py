@@ -181,6 +181,16 @@ def test_malformed_json_is_invalid_argument(serve):
     assert reply["ok"] is False and reply["code"] == "INVALID_ARGUMENT"
 
 
+def test_a_deeply_nested_request_is_refused_not_dropped(serve):
+    # 60,000 nested brackets (within the request byte limit): Python's JSON parser recurses
+    # out; the broker must answer INVALID_ARGUMENT, not close the connection silently.
+    srv = serve(2)
+    reply = raw_request(srv.path, b"[" * 60_000 + b"\n")
+    assert reply["ok"] is False and reply["code"] == "INVALID_ARGUMENT" and "nests too deeply" in reply["message"]
+    reply = raw_request(srv.path, b'{"first": 0}\n')  # and it still serves the next connection
+    assert reply["code"] == "INVALID_ARGUMENT" and "token" in reply["message"]
+
+
 def test_missing_token_is_invalid_argument(serve):
     srv = serve(2)
     reply = raw_request(srv.path, b'{"first": 0}\n')

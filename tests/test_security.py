@@ -487,3 +487,35 @@ def test_fd_channel_bounds_connections_per_uid():
 
     err = asyncio.run(main())
     assert err is not None and err.code == "RESOURCE_EXHAUSTED" and "uid" in err.message
+
+
+def test_a_fetch_refused_only_for_busy_connections_is_retried_within_its_timeout():
+    async def main():
+        path = os.path.join(short_tmpdir(), "fds.sock")
+        slab = os.memfd_create("slab", os.MFD_CLOEXEC)
+        srv = FdChannelServer(
+            path, allowed_uids=None, authorize=lambda t, p: None, slab_fds=lambda k: [slab], max_connections_per_uid=2
+        )
+        await srv.start()
+        loop = asyncio.get_running_loop()
+        held = []
+        try:
+            for _ in range(2):  # the uid's cap, held by connections that never send a request
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(path)
+                held.append(s)
+            await asyncio.sleep(0.2)
+            fetch = loop.run_in_executor(None, lambda: fetch_slab_fds(path, "t", 0, timeout=5))
+            await asyncio.sleep(0.5)  # refused as busy meanwhile, then a slot frees
+            held.pop().close()
+            fds = await fetch
+            for fd in fds:
+                os.close(fd)
+            return len(fds)
+        finally:
+            for s in held:
+                s.close()
+            await srv.close()
+            os.close(slab)
+
+    assert asyncio.run(main()) == 1

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from memory_broker.broker.sessions.peer import FdRequestRefused, PeerCred, peer_cred
 from memory_broker.proto.wire.fd_channel import (
+    BUSY,
     MAX_FDS_PER_MESSAGE,
     MAX_REQUEST_BYTES,
     FdChannelError,
@@ -170,11 +171,11 @@ class FdChannelServer:
 
     def _over_limit(self, peer: PeerCred) -> str | None:
         if len(self._conns) > self.max_connections:
-            return f"the fd channel is serving {len(self._conns) - 1} connections, its limit; retry shortly"
+            return f"the fd channel is serving {len(self._conns) - 1} connections, its limit; {BUSY}"
         if self._per_uid.get(peer.uid, 0) > self.max_connections_per_uid:
             return (
                 f"uid {peer.uid} has {self._per_uid[peer.uid] - 1} fd channel connections open, the limit "
-                f"({self.max_connections_per_uid}); retry shortly"
+                f"({self.max_connections_per_uid}); {BUSY}"
             )
         return None
 

@@ -43,6 +43,9 @@ UNIT_OF_BACKEND = {"host": "slab", "cuda": "page"}
 FDS_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * 4)
 # A request is a token and a number; anything longer is not a client of ours.
 MAX_REQUEST_BYTES = 64 * 1024
+# Ends the message of a refusal that is only about how busy the channel is (its connection
+# caps): the client library retries those within its timeout instead of failing.
+BUSY = "retry shortly"
 # How much a receiver reads at once (reply lines are a few dozen bytes).
 RECV_BYTES = 64 * 1024
 
@@ -93,6 +96,9 @@ def parse_request(line: bytes) -> tuple[str, int, int | None]:
         req = json.loads(line)
     except (UnicodeDecodeError, ValueError) as e:
         raise FdChannelError("INVALID_ARGUMENT", f"request is not a JSON line: {e}") from None
+    except RecursionError:
+        # A line of thousands of nested brackets: Python's parser gives up before its end.
+        raise FdChannelError("INVALID_ARGUMENT", "request nests too deeply to be the JSON object asked for") from None
     if not isinstance(req, dict):
         raise FdChannelError("INVALID_ARGUMENT", f"request must be a JSON object, got {type(req).__name__}")
     if "from_slab" in req and "first" not in req:
