@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import ROOT
+from test_structure import find_cycle
 
 from memory_broker.broker.adapters.layout import LoraModuleSpec, plan_layout
 from memory_broker.broker.doors import fd_channel as server_fd
@@ -118,33 +119,6 @@ def _module_graph() -> dict[str, set[str]]:
     return {m: {i for i in deps if i in known and i != m} for m, deps in resolved.items()}
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle in ``graph`` as a path, or None."""
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def dfs(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
-                return stack[stack.index(m) :] + [m]
-            if m not in state:
-                found = dfs(m)
-                if found:
-                    return found
-        stack.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state:
-            found = dfs(n)
-            if found:
-                return found
-    return None
-
-
 def test_no_two_packages_import_each_other():
     graph = _module_graph()
     packages: dict[str, set[str]] = {}
@@ -153,14 +127,14 @@ def test_no_two_packages_import_each_other():
     packages = {p: deps - {p} for p, deps in packages.items()}
     assert packages["wire"] == set(), packages
     assert "broker" not in packages["clients"], packages
-    assert _cycle(packages) is None, packages
+    assert find_cycle(packages) is None, packages
 
 
 def test_no_module_of_the_client_imports_back_into_a_module_that_imports_it():
     graph = {
         m: d for m, d in _module_graph().items() if m.startswith(("memory_broker.clients", "memory_broker.proto.wire"))
     }
-    assert _cycle(graph) is None
+    assert find_cycle(graph) is None
 
 
 def test_the_session_metadata_key_is_spelled_once_in_product_code():
