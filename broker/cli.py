@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from memory_broker.broker.cli_host import add_run_dir, cmd_gpus, cmd_status_all, gpus_parser, register_all
 from memory_broker.broker.server.flags import add_serve_options, flag_overrides
 from memory_broker.broker.server.values import DEFAULT_SOCKET, format_size
 
@@ -141,6 +142,10 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
 def _status_parser(sub) -> None:
     p = sub.add_parser("status", help="print the pool's state", description="Print the pool's state.")
     _common(p)
+    p.add_argument(
+        "--all", action="store_true", help="every broker of this host (per-GPU layout under --run-dir), one table"
+    )
+    add_run_dir(p)
 
 
 def _adapters_parser(sub) -> None:
@@ -170,6 +175,12 @@ def _adapters_parser(sub) -> None:
     )
     rg.add_argument("adapter_id", help="the id engines will acquire it by")
     rg.add_argument("path", help="the PEFT directory (the broker must be able to read it)")
+    rg.add_argument(
+        "--all",
+        action="store_true",
+        help="on every broker of this host (per-GPU layout under --run-dir), each reported",
+    )
+    add_run_dir(rg)
     _common(rg)
     ur = asub.add_parser(
         "unregister",
@@ -366,6 +377,9 @@ def _as_dict(m) -> dict:
 def cmd_status(a: argparse.Namespace) -> int:
     import grpc
 
+    if a.all:
+        return cmd_status_all(a)
+
     try:
         with _Broker(a) as b:
             arena = b.stub.GetArena(b.pb.GetArenaRequest(), timeout=a.timeout)
@@ -442,6 +456,8 @@ def _backlog(n: int) -> str:
 def cmd_adapters(a: argparse.Namespace) -> int:
     import grpc
 
+    if a.action == "register" and a.all:
+        return register_all(a, lambda one: cmd_adapters(one), CliError)
     try:
         with _Broker(a) as b:
             actions = {
@@ -569,16 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"{PROG} {_version()}", help="print the installed version and exit"
     )
     _common(ap)
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{serve,status,adapters}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{serve,status,adapters,gpus}")
     _serve_parser(sub)
     _status_parser(sub)
     _adapters_parser(sub)
+    gpus_parser(sub)
     return ap
 
 
 def _fill_defaults(a: argparse.Namespace) -> None:
     """Defaults of the options that were left out (SUPPRESS keeps them out while parsing)."""
-    if a.command == "serve":
+    if a.command in ("serve", "gpus"):
         return  # absent serve flags stay absent: the config file may set them
     for name, default in (
         ("socket", DEFAULT_SOCKET),
@@ -598,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     _fill_defaults(a)
     try:
-        return {"serve": cmd_serve, "status": cmd_status, "adapters": cmd_adapters}[a.command](a)
+        return {"serve": cmd_serve, "status": cmd_status, "adapters": cmd_adapters, "gpus": cmd_gpus}[a.command](a)
     except CliError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return e.code

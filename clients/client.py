@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.clients.discovery import check_device, find_socket
 from memory_broker.clients.fastpath import PendingStepLease, StepCalls, StepLease
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST, BrokerSession
 from memory_broker.proto.wire import step as _w
@@ -163,7 +164,7 @@ class BrokerClient(StepCalls, BrokerSession):
     @classmethod
     def connect(
         cls,
-        socket_path: str,
+        socket_path: str | None = None,
         *,
         client_name: str | None = None,
         on_event: Callable[[pb.SessionEvent], None] | None = None,
@@ -176,7 +177,11 @@ class BrokerClient(StepCalls, BrokerSession):
         """Open a session and map the arena.
 
         Args:
-            socket_path: the broker's gRPC Unix socket.
+            socket_path: the broker's gRPC Unix socket, or a directory of per-GPU brokers
+                (``<gpu-uuid>/broker.sock``). None: ``$MEMORY_BROKER_SOCKET``, else the broker of
+                this process's GPU under ``/run/memory-broker`` (found by UUID: torch's current
+                device or ``CUDA_VISIBLE_DEVICES``), else ``/tmp/memory-broker.sock``
+                (``clients/discovery.py``).
             client_name: shown in the broker's logs.
             on_event: called from a background thread with each SessionEvent (evictions,
                 expired transactions, arena growth, shutdown, and ``reconnected``, which the
@@ -195,7 +200,8 @@ class BrokerClient(StepCalls, BrokerSession):
                 again costs no round trip; releases are sent with a later call. 0 (the
                 default): every release is sent at once, as over gRPC.
         """
-        return cls(
+        socket_path, gpu_uuid = find_socket(socket_path)
+        client = cls(
             socket_path,
             client_name or f"pid-{os.getpid()}",
             on_event,
@@ -205,6 +211,12 @@ class BrokerClient(StepCalls, BrokerSession):
             fast_path=fast_path,
             hold_s=hold_s,
         )
+        try:
+            check_device(client.arena.device, gpu_uuid, socket_path)
+        except BrokerError:
+            client.close()
+            raise
+        return client
 
     def _session_opened(self) -> None:
         # A new broker may lay adapters out differently (another dtype or page size).

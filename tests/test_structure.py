@@ -40,6 +40,10 @@ MAX_CLASS_LINES = 400
 # Functions and classes allowed past the limits: "path: qualified name" -> reason. Must
 # match ARCHITECTURE.md's "Exceptions to the size rules", row for row.
 SIZE_EXCEPTIONS: dict[str, str] = {
+    "broker/server/options.py: ServeOptions": (
+        "a declaration, not logic: one field per setting (the schema every flag, YAML key and message comes from), "
+        "and it grows by one field per setting; splitting it by section would scatter the one schema"
+    ),
     "clients/step.py: StepPath": (
         "issue 28 composes the step path (the holdings cache a part, not a base class); split with it, not before"
     ),

@@ -29,6 +29,7 @@ from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
 from memory_broker.broker.doors.service import EchoService, MemoryBrokerService
 from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.broker.server.config import ConfigError, build_options, deprecation_notes, reload_changes
+from memory_broker.broker.server.gpu_layout import link_instance, serving_gpu
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
@@ -146,6 +147,7 @@ class BrokerServer:
                 os.unlink(path)
         make_private_dir(opts.state_dir)
         why = self._build_core(loop)
+        self.gpu, self.gpu_uuid = serving_gpu(self.opts, getattr(self.arena, "device_id", ""))
         await self._open_doors(loop)
         self._tasks.append(asyncio.ensure_future(self._expire_leases()))
         self._tasks.append(asyncio.ensure_future(self._status_loop()))
@@ -156,7 +158,7 @@ class BrokerServer:
             self.log.warning("adapter_images_census_failed", error=str(err))
         if self.notifier.watchdog_interval_s:
             self._tasks.append(asyncio.ensure_future(self._watchdog_loop()))
-        self._log_serving(why)
+        log_serving(self, why, link_instance(opts, self.gpu))
 
     def _build_core(self, loop: asyncio.AbstractEventLoop) -> str:
         """The arena, the pool, the store, the adapter wing and the sessions; returns why the
@@ -215,7 +217,7 @@ class BrokerServer:
         (serving and healthy when this returns)."""
         opts = self.opts
         if opts.metrics_port:
-            self.metrics = BrokerMetrics(self.arena.backend)
+            self.metrics = BrokerMetrics(self.arena.backend, self.gpu_uuid)
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_address)
         self.service = MemoryBrokerService(
             self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
@@ -255,28 +257,6 @@ class BrokerServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
-    def _log_serving(self, why: str) -> None:
-        opts = self.opts
-        self.log.info(
-            "serving",
-            instance=opts.instance or None,
-            socket=opts.socket,
-            metrics=f"{opts.metrics_address}:{self.metrics_port}" if self.metrics else None,
-            config=opts.config_path,
-            fd_socket=opts.fd_socket,
-            tcp_port=opts.tcp_port or None,
-            arena=self.arena.backend,
-            arena_reason=why,
-            pool=format_size(opts.pool_size),
-            page_size=format_size(opts.page_size),
-            slab_size=format_size(opts.slab_size),
-            slabs=self.arena.num_slabs,
-            fds=f"one per {self.arena.fd_unit}, made on demand, at most {FD_BUDGET} open; RLIMIT_NOFILE {self.fd_limit}",
-            allowed_uids=sorted(opts.effective_uids()),
-            adapters_registered=len(self.registry),
-            pid=os.getpid(),
-        )
-
     def _start_step_channel(self, loop: asyncio.AbstractEventLoop) -> None:
         """The engines' per-step fast path (issue 16), beside the fd channel; clients find it
         at the gRPC socket's path plus ".step" and fall back to gRPC where it is absent."""
@@ -312,7 +292,7 @@ class BrokerServer:
             window_pages=g.window_pages,
             fd_socket_path=os.path.abspath(self.opts.fd_socket),
             placement=self.opts.placement,
-            device=getattr(self.arena, "device_id", ""),
+            device=self.gpu_uuid,
         )
 
     def _set_socket_permissions(self) -> None:
@@ -507,6 +487,32 @@ class BrokerServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def log_serving(self: BrokerServer, why: str, links: list[str]) -> None:
+    """The ``serving`` line: everything an operator checks first, once the broker serves."""
+    opts = self.opts
+    self.log.info(
+        "serving",
+        instance=opts.instance or None,
+        gpu_uuid=self.gpu_uuid or None,
+        socket=opts.socket,
+        metrics=f"{opts.metrics_address}:{self.metrics_port}" if self.metrics else None,
+        config=opts.config_path,
+        fd_socket=opts.fd_socket,
+        links=links or None,
+        tcp_port=opts.tcp_port or None,
+        arena=self.arena.backend,
+        arena_reason=why,
+        pool=format_size(opts.pool_size),
+        page_size=format_size(opts.page_size),
+        slab_size=format_size(opts.slab_size),
+        slabs=self.arena.num_slabs,
+        fds=f"one per {self.arena.fd_unit}, made on demand, at most {FD_BUDGET} open; RLIMIT_NOFILE {self.fd_limit}",
+        allowed_uids=sorted(opts.effective_uids()),
+        adapters_registered=len(self.registry),
+        pid=os.getpid(),
+    )
 
 
 def raise_fd_limit() -> tuple[int, int]:

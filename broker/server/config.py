@@ -10,10 +10,12 @@ spelling is read and said once. Flags override the file. This module does not pa
 from __future__ import annotations
 
 import difflib
+import os
 from typing import Any
 
 import yaml
 
+from memory_broker.broker.server.gpu_layout import apply_gpu_layout
 from memory_broker.broker.server.options import SETTINGS, ServeOptions, Setting, SettingError
 from memory_broker.broker.server.values import ConfigError, read
 
@@ -126,15 +128,29 @@ def load_config(path: str) -> dict[str, Any]:
     return values
 
 
+def instance_config(config_path: str | None, instance: str | None) -> str | None:
+    """``INSTANCE.yaml`` beside the config file, where it exists: one broker's own settings
+    (``/etc/memory-broker/GPU-....yaml``), read over the shared file."""
+    if not config_path or not instance or "/" in instance or instance.startswith("."):
+        return None
+    own = os.path.join(os.path.dirname(os.path.abspath(config_path)), f"{instance}.yaml")
+    return own if os.path.isfile(own) and os.path.abspath(own) != os.path.abspath(config_path) else None
+
+
 def build_options(config_path: str | None, overrides: dict[str, Any]) -> ServeOptions:
-    """Defaults, then the file, then flags (``overrides``: only flags given). Validated; a bad
+    """Defaults, then the file, then the instance's own file (``instance_config``), then flags
+    (``overrides``: only flags given), then the per-GPU layout (``gpu_layout``). Validated; a bad
     value is named with where it came from: its key in the file (``memory_pool.page_size
     (page_size: ...)``), its flag (``page_size: ... (given as --page-size)``), or the key and
     flag that would change a default."""
     values: dict[str, Any] = load_config(config_path) if config_path else {}
+    own = instance_config(config_path, overrides.get("instance"))
+    if own:
+        values.update(load_config(own))
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         opts = ServeOptions(**values)
+        apply_gpu_layout(opts)
         opts.validate()
     except SettingError as e:
         # Say where the bad value came from, and so where to change it.

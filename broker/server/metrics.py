@@ -55,12 +55,16 @@ POOL_STATES = ("free", "used", "prepared", "pinned", "evictable")
 class BrokerMetrics:
     """The broker's instruments. ``snapshot`` is replaced wholesale by the loop."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, gpu_uuid: str = ""):
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import CollectorRegistry
 
+        # What the endpoint serves: every sample of ``inner`` with the broker's gpu_uuid label
+        # added (one dashboard over every broker of a host tells them apart by it).
         self.registry = CollectorRegistry()
-        reader = PrometheusMetricReader(disable_target_info=True, registry=self.registry)
+        inner = CollectorRegistry()
+        self.registry.register(_Labelled(inner, {"gpu_uuid": gpu_uuid} if gpu_uuid else {}))
+        reader = PrometheusMetricReader(disable_target_info=True, registry=inner)
         views = [
             View(
                 instrument_name=f"{PREFIX}_allocation_latency_seconds",
@@ -245,3 +249,16 @@ class BrokerMetrics:
             self._http.server_close()
             self._http = None
         self.provider.shutdown()
+
+
+class _Labelled:
+    """A collector that hands out another registry's metrics with constant labels added."""
+
+    def __init__(self, inner, labels: dict[str, str]):
+        self.inner = inner
+        self.labels = labels
+
+    def collect(self):
+        for family in self.inner.collect():
+            family.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield family

@@ -91,6 +91,15 @@ class ServeOptions(BaseModel):
         metavar="PATH",
         help="gRPC Unix socket; the fd channel is PATH.fds, PATH.lock guards it",
     )
+    run_dir: str | None = setting(
+        None,
+        kind="str",
+        yaml="listeners.run_dir",
+        metavar="DIR",
+        shown="none: use --socket",
+        help="per-GPU layout: sockets in DIR/<gpu-uuid>/ (broker.sock, .fds, .step), DIR/<instance>.sock "
+        "links to them; replaces --socket",
+    )
     tcp_port: int = setting(
         0,
         kind="int",
@@ -187,6 +196,14 @@ class ServeOptions(BaseModel):
         metavar="DIR",
         factory=lambda: os.environ.get("MEMORY_BROKER_STATE_DIR", "/tmp/memory-broker-state"),
         help="persistent state: the adapter registry and images; created if missing",
+    )
+    state_root: str | None = setting(
+        None,
+        kind="str",
+        yaml="state_root",
+        metavar="DIR",
+        shown="none: use --state-dir",
+        help="per-GPU layout: the state directory is DIR/<gpu-uuid>; replaces --state-dir",
     )
     allowed_uids: tuple[int, ...] = setting(
         (),
@@ -385,6 +402,12 @@ class ServeOptions(BaseModel):
         le=65535,
         shown="0: off",
         help="serve Prometheus metrics on this port",
+    )
+    metrics_port_per_gpu: bool = setting(
+        False,
+        kind="bool",
+        yaml="listeners.metrics_port_per_gpu",
+        help="serve metrics on metrics_port + the GPU's index (one port per broker of a host)",
     )
     metrics_address: str = setting(
         "127.0.0.1",
