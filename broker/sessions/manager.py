@@ -294,7 +294,11 @@ class SessionManager:
         at its ``max_sessions_per_uid``, cannot prove a session."""
         s = self._by_token.get(token)
         if s is None:
-            raise FdRequestRefused("PERMISSION_DENIED", "unknown or ended session token")
+            raise FdRequestRefused(
+                "PERMISSION_DENIED",
+                "unknown or ended session token (a session is closed if not proven here within "
+                f"{self.unproven_deadline_s:g} s of Attach, or when {self.max_unproven} newer ones wait): connect again",
+            )
         if self.allowed_uids is not None and peer.uid not in self.allowed_uids:
             raise FdRequestRefused(
                 "PERMISSION_DENIED",
