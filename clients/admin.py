@@ -1,9 +1,9 @@
 """A session without an arena mapping, for tools that manage the broker (the ``adapters`` CLI).
 
-``admin_session`` opens the Attach stream on a gRPC channel and presents the token on the
-fd channel, asking for no slabs, so the broker learns this process's uid (adapter
-management is allowed by uid) and ties the session to this process; it yields the call
-metadata and ends the session on exit. Engines use ``BrokerClient`` instead.
+``admin_session`` opens the Attach stream on a gRPC channel and proves the session on the
+fd channel (asking for no slabs), so the broker learns this process's uid (adapter
+management is allowed by uid), ties the session to this process and hands over its proof
+key; it yields the call metadata (token and key) and ends the session on exit. Engines use ``BrokerClient`` instead.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from memory_broker.clients.fd_channel import FdChannelError, fetch_fds
+from memory_broker.clients.fd_channel import FdChannelError, prove_session
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.session import session_metadata, version_mismatch
@@ -27,7 +27,7 @@ from memory_broker.proto.wire.v1 import broker_pb2_grpc
 def admin_session(
     channel: grpc.Channel, client_name: str = "memory-broker-cli", timeout: float = 10.0
 ) -> Iterator[tuple]:
-    """Yield ``(("x-broker-session", token),)`` for calls on ``channel`` that need a session.
+    """Yield the metadata (``session_metadata(token, key)``) for calls on ``channel`` that need a session.
 
     Raises:
         grpc.RpcError: the broker refused or could not be reached.
@@ -51,11 +51,9 @@ def admin_session(
         mismatch = version_mismatch(opened.protocol_version, peer="the broker", mine="this tool")
         if mismatch is not None:
             raise BrokerError(Code.FAILED_PRECONDITION, mismatch)
-        # No fds wanted (none asked for: count 0), only the handshake.
-        fetch_fds(
-            opened.arena.fd_socket_path, opened.token, 0, 0, lambda fds: [os.close(fd) for fd in fds], timeout=timeout
-        )
-        yield session_metadata(opened.token)
+        # No fds wanted, only the proof and its key.
+        key = prove_session(opened.arena.fd_socket_path, opened.token, timeout=timeout)
+        yield session_metadata(opened.token, key)
     finally:
         requests.put(pb.AttachRequest(detach=pb.Detach()))
         requests.put(None)

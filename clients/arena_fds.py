@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from memory_broker.clients.fd_channel import FdChannelError, fetch_fds, fetch_slab_fds
+from memory_broker.clients.fd_channel import FdChannelError, fetch_fds, fetch_slab_fds, prove_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping.host import HostArenaView
 from memory_broker.proto.wire.mapping.view import page_runs
@@ -32,18 +32,24 @@ def fetch(path: str, token: str, first: int, count: int | None, consume: Callabl
         raise BrokerError(code_of(e.code), f"fd channel {path}: {e}") from None
 
 
+def prove(path: str, token: str, timeout: float) -> str:
+    """``prove_session``: this process takes the session and its proof key (refusals as
+    BrokerError, the fd channel's code)."""
+    try:
+        return prove_session(path, token, timeout=timeout)
+    except FdChannelError as e:
+        raise BrokerError(code_of(e.code), f"fd channel {path}: {e}") from None
+
+
 def attach_slabs(view, path: str, token: str, num_slabs: int, timeout: float) -> None:
     """Map slabs ``view.mapped_slabs..num_slabs`` (the caller holds the map lock or owns ``view``).
 
     A host view fetches and maps the slabs' memfds now. A CUDA view (one fd per page) only
     learns that the slabs exist: its pages are imported when the process is first given them
-    (``import_pages``); the fd channel is still asked (for no fds) the first time, so the
-    broker checks this process's uid there and starts watching its pid.
+    (``import_pages``). The session is proven first (``prove``), by the session.
     """
     first = view.mapped_slabs
     if view.fd_unit == "page":
-        if first == 0 and not view.attached_pages:
-            fetch(path, token, 0, 0, lambda fds: None, timeout)
         view.extend(num_slabs)
         return
     try:

@@ -1,8 +1,8 @@
 """The fd side channel, client side: fetches the arena's fds from a broker (blocking).
 
 This module speaks the protocol of ``memory_broker.proto.wire.fd_channel`` and returns fds
-that the caller owns and must close; it maps nothing and knows nothing of sessions beyond
-the token. It must not import torch or gRPC.
+that the caller owns and must close, and the session's proof key (``prove_session``); it maps
+nothing and knows nothing of sessions beyond the token. It must not import torch or gRPC.
 """
 
 from __future__ import annotations
@@ -39,6 +39,33 @@ def fetch_slab_fds(path: str, token: str, from_slab: int, *, timeout: float = 5.
     return fds
 
 
+def prove_session(path: str, token: str, *, timeout: float = 5.0) -> str:
+    """Present the session's token on the fd channel as this process, asking for no fds, and
+    return the session's proof key from the reply: every session-bearing call carries it
+    (``session_metadata(token, key)``). The first process to do this owns the session; the
+    broker refuses the token from any other process.
+
+    Raises:
+        FdChannelError: as ``fetch_fds``; INTERNAL when the reply carries no key (a broker of
+            an older protocol version).
+    """
+    header: dict = {}
+    fetch_fds(path, token, 0, 0, _close_all, timeout=timeout, on_header=header.update)
+    key = header.get("key")
+    if not isinstance(key, str) or not key:
+        raise FdChannelError(
+            "INTERNAL",
+            f"fd channel {path}: the broker sent no session key (it speaks an older protocol); "
+            "run a client and a broker from the same memory-broker release",
+        )
+    return key
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def fetch_fds(
     path: str,
     token: str,
@@ -47,6 +74,7 @@ def fetch_fds(
     consume: Callable[[list[int]], None],
     *,
     timeout: float = 5.0,
+    on_header: Callable[[dict], None] | None = None,
 ) -> int:
     """Fetch the fds of units ``first..first+count-1`` (``count`` None: to the arena's end) and
     hand each chunk (at most ``MAX_FDS_PER_MESSAGE``, in unit order) to ``consume`` as it
@@ -61,6 +89,7 @@ def fetch_fds(
         first, count: the units wanted (slabs on a host arena, pages on a CUDA arena).
         consume: called with each chunk's fds.
         timeout: seconds for the whole exchange.
+        on_header: called with the reply's header (it carries the session's proof key).
 
     Raises:
         FdChannelError: refused by the broker (its code and message), unreachable or too slow
@@ -77,7 +106,7 @@ def fetch_fds(
 
     while True:
         try:
-            return _fetch_once(path, token, first, count, counted, deadline)
+            return _fetch_once(path, token, first, count, counted, deadline, on_header)
         except FdChannelError as e:
             # The channel's connection caps are busy, not wrong: wait and ask again while
             # time is left (nothing was handed to ``consume`` yet, so nothing repeats).
@@ -89,7 +118,13 @@ def fetch_fds(
 
 
 def _fetch_once(
-    path: str, token: str, first: int, count: int | None, consume: Callable[[list[int]], None], deadline: float
+    path: str,
+    token: str,
+    first: int,
+    count: int | None,
+    consume: Callable[[list[int]], None],
+    deadline: float,
+    on_header: Callable[[dict], None] | None,
 ) -> int:
     """One connection's request and reply (``fetch_fds`` without its retries)."""
     timeout = max(deadline - time.monotonic(), 0.001)
@@ -108,12 +143,19 @@ def _fetch_once(
         except (BrokenPipeError, ConnectionResetError):
             # The broker may have refused and closed before reading; its reply is still queued.
             pass
-        return _receive(sock, path, first, deadline, consume)
+        return _receive(sock, path, first, deadline, consume, on_header)
     finally:
         sock.close()
 
 
-def _receive(sock: socket.socket, path: str, first: int, deadline: float, consume: Callable[[list[int]], None]) -> int:
+def _receive(
+    sock: socket.socket,
+    path: str,
+    first: int,
+    deadline: float,
+    consume: Callable[[list[int]], None],
+    on_header: Callable[[dict], None] | None = None,
+) -> int:
     """Read the reply, handing each chunk's fds to ``consume``; returns the fds received."""
     where = f"fd channel {path}"
     buf = bytearray()
@@ -129,6 +171,8 @@ def _receive(sock: socket.socket, path: str, first: int, deadline: float, consum
                 msg = proto.parse_reply_line(line, where)
                 if count is None:
                     count = proto.header_count(msg, where, first)
+                    if on_header is not None:
+                        on_header(msg)
                 else:
                     n = proto.chunk_count(msg, where, next_chunk)
                     next_chunk += 1

@@ -1,9 +1,10 @@
 """A session with a broker as this process holds it: the Attach stream, the mapped arena, reconnects.
 
 ``BrokerSession`` opens the stream (stating this client's protocol version and checking the
-broker's), fetches slab fds over the fd channel and maps the physical view and the virtual
-window; it delivers the broker's events, replaces a session lost to a broker restart, and
-sends every call with the session's metadata. It knows no RPC but Attach: the calls on
+broker's), proves the session on the fd channel (taking its proof key), fetches slab fds there
+and maps the physical view and the virtual window; it delivers the broker's events, replaces a
+session lost to a broker restart (proving the new one), and sends every call with the
+session's metadata: its token and its key. It knows no RPC but Attach: the calls on
 objects, transactions and adapters are ``BrokerClient``'s (``clients.client``).
 """
 
@@ -145,8 +146,10 @@ class BrokerSession:
         view = None
         try:
             view = self._make_view(arena, geometry)
-            # Always shake hands on the fd channel, even with no slabs yet: the broker checks
-            # this process's uid there and starts watching its pid.
+            # Prove the session first, even with no slabs yet: the broker checks this
+            # process's uid there, starts watching its pid, and hands over the key every
+            # call needs (the session can do nothing before, and is closed if it never does).
+            key = arena_fds.prove(arena.fd_socket_path, opened.token, self.timeout)
             self._attach_slabs(view, arena.fd_socket_path, opened.token, arena.num_slabs)
         except BaseException:
             requests.put(pb.AttachRequest(detach=pb.Detach()))
@@ -164,7 +167,7 @@ class BrokerSession:
             self.session_id = opened.session_id
             self.epoch += 1
             self.token: str = opened.token
-            self._metadata = session_metadata(self.token)
+            self._metadata = session_metadata(self.token, key)
             self._requests = requests
             self._stream = stream
             self._mapped_windows = {}
@@ -386,6 +389,12 @@ class BrokerSession:
                         raise error_from_rpc(e, self.socket_path, self.timeout) from None
                 time.sleep(0.02)
         raise err
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The current session's call metadata (its token and proof key), for a raw
+        ``broker_pb2_grpc`` stub in this process (the broker refuses it from any other)."""
+        return self._metadata
 
     def _session_opened(self) -> None:
         """Called once a new session is published (the first, and each reconnect)."""

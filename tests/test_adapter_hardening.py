@@ -231,7 +231,7 @@ def test_fuzz_configs_and_registry_states_never_answer_internal(fuzz_broker, pef
         text = text[:-1] + ', "lora_alpha": ' + "7" * 5000 + "}"
     with open(os.path.join(d, "adapter_config.json"), "w") as f:
         f.write(text)
-    meta = (("x-broker-session", caller.token),)
+    meta = caller.metadata
     # Every example starts from one registry state (the held adapter only); its ops make others.
     for aid in ("f0", "f1"):
         try:

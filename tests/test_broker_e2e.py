@@ -272,12 +272,12 @@ def test_fd_channel_refuses_a_wrong_token(broker):
         assert e.value.code == "PERMISSION_DENIED"
 
 
-def test_fd_channel_refuses_a_uid_outside_the_allowed_set(broker_factory):
+def test_allow_uid_adds_a_uid_and_keeps_the_brokers_own(broker_factory):
+    # Issue 26: --allow-uid used to replace the broker's own uid, refusing its own client.
+    # Refusing a uid outside the set: tests/test_session_proof.py (a client run as another uid).
     b = broker_factory("--allow-uid", str(os.getuid() + 4242))
-    with pytest.raises(BrokerError) as e:
-        BrokerClient.connect(b.socket)
-    assert e.value.code == Code.PERMISSION_DENIED
-    assert str(os.getuid()) in e.value.message
+    with BrokerClient.connect(b.socket) as c:
+        c.free(c.allocate([Spec(1)]))
 
 
 def test_arena_grows_on_demand_and_clients_map_new_slabs(broker):

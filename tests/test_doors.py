@@ -71,6 +71,10 @@ def test_a_pin_the_owner_may_make_is_served_at_both_doors(step_rig):
 @dataclass
 class _Caller:
     uid: int
+    pid: int = 1234
+
+
+KEY = "k" * 32
 
 
 @dataclass
@@ -78,6 +82,7 @@ class _Session:
     session_id: int
     closed: bool = False
     caller: _Caller | None = None
+    key: str = KEY
 
 
 class _Store:
@@ -132,9 +137,37 @@ def test_managing_adapters_needs_a_proven_uid_in_manager_uids():
     for m in manage:
         for s in (_Session(1), _Session(1, caller=_Caller(8))):
             with pytest.raises(BrokerError) as e:
-                p.authorize(m, POLICY[m], s)
+                p.authorize(m, POLICY[m], s, key=KEY)
             assert e.value.code == Code.PERMISSION_DENIED and m in e.value.message or "manager_uids" in e.value.message
-        p.authorize(m, POLICY[m], _Session(1, caller=_Caller(7)))
+        p.authorize(m, POLICY[m], _Session(1, caller=_Caller(7)), key=KEY)
+
+
+def test_every_session_method_needs_a_proven_session_and_its_key():
+    p = _policy()
+    for method, rule in POLICY.items():
+        if not rule.session:
+            continue
+        for s, key, words in (
+            (_Session(1), KEY, "not proven"),  # no process presented the token on the fd channel
+            (_Session(1, caller=_Caller(0)), None, "key"),  # a token alone
+            (_Session(1, caller=_Caller(0)), "x" * 32, "key"),  # a wrong key
+            (_Session(1, caller=_Caller(0)), "é" * 32, "key"),  # not even ASCII
+        ):
+            with pytest.raises(BrokerError) as e:
+                p.authorize(method, rule, s, key=key)
+            assert e.value.code == Code.PERMISSION_DENIED and words in e.value.message, (method, e.value.message)
+        if not rule.manage and not rule.visible:
+            p.authorize(method, rule, _Session(1, caller=_Caller(0)), key=KEY)
+
+
+def test_an_owner_uid_no_longer_allowed_is_refused_on_every_session_method():
+    p = _policy()
+    p.allowed_uids = frozenset({5})
+    for method, rule in POLICY.items():
+        if rule.session:
+            with pytest.raises(BrokerError) as e:
+                p.authorize(method, rule, _Session(1, caller=_Caller(6)), key=KEY)
+            assert e.value.code == Code.PERMISSION_DENIED and "allowed_uids" in e.value.message, method
 
 
 def test_visible_fields_are_asked_of_the_store_and_its_refusal_passes_through():
@@ -145,7 +178,7 @@ def test_visible_fields_are_asked_of_the_store_and_its_refusal_passes_through():
         if not rule.visible:
             continue
         with pytest.raises(BrokerError) as e:
-            p.authorize(method, rule, _Session(5), lambda f: fields[f])
+            p.authorize(method, rule, _Session(5, caller=_Caller(0)), lambda f: fields[f], key=KEY)
         assert e.value.code == Code.NOT_FOUND
     assert store.asked and all(sid == 5 for sid, _ in store.asked)
     # The step channel names its PIN items as PinRequest.object_ids.

@@ -1,5 +1,5 @@
 """Seeded fuzzing of every RPC against one live broker: malformed and out-of-range fields,
-missing, forged and foreign session tokens. Every answer must be a deliberate status (never
+missing, forged and foreign session tokens, and a token without its proof key. Every answer must be a deliberate status (never
 INTERNAL or UNKNOWN), come within a bound, and a refused call must leave the pool and the
 adapter registry exactly as they were."""
 
@@ -17,6 +17,7 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 
 from memory_broker.broker.doors.service import POLICY
 from memory_broker.clients import BrokerClient, Spec
+from memory_broker.proto.wire.session import SESSION_METADATA
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
@@ -134,7 +135,7 @@ class Gen:
         return msg
 
 
-def snapshot(stub, token: str) -> tuple:
+def snapshot(stub, metadata: tuple) -> tuple:
     st = stub.GetStats(pb.GetStatsRequest(), timeout=BOUND_S)
     keep = (
         "used_pages",
@@ -147,9 +148,7 @@ def snapshot(stub, token: str) -> tuple:
         "window_free_pages",
         "sessions",
     )
-    listing = stub.ListAdapters(
-        pb.ListAdaptersRequest(limit=1000), metadata=(("x-broker-session", token),), timeout=BOUND_S
-    )
+    listing = stub.ListAdapters(pb.ListAdaptersRequest(limit=1000), metadata=metadata, timeout=BOUND_S)
     adapters = tuple((a.adapter_id, a.tier, a.pin_count, a.generation) for a in listing.adapters)
     return tuple(getattr(st, k) for k in keep) + (st.adapters.registered, adapters)
 
@@ -178,7 +177,7 @@ def fuzz_world(broker_factory, peft_dirs):  # noqa: F811
             peft_dirs["r4"] + "/adapter_config.json",
             b.socket,
         ],
-        "tokens": {"owner": owner.token, "other": other.token},
+        "metadata": {"owner": owner.metadata, "other": other.metadata},
         "deadlines": [txn.deadline_unix_ms / 1000],
     }
     ch = grpc.insecure_channel(f"unix:{b.socket}", options=[("grpc.max_send_message_length", 64 << 20)])
@@ -194,8 +193,10 @@ def test_fuzz_every_rpc_gets_a_deliberate_status_in_bounded_time_and_refusals_ch
     gen = Gen(rng, world)
     unary = [m for m in SERVICE.methods if not m.client_streaming and not m.server_streaming]
     assert {m.name for m in unary} | {"Attach"} == set(POLICY)
-    owner_token, other_token = world["tokens"]["owner"], world["tokens"]["other"]
-    tokens = [None, "", "f" * 32, "not a token", "a" * 8000, other_token] + [owner_token] * 4
+    owner, other = world["metadata"]["owner"], world["metadata"]["other"]
+    token_only = ((SESSION_METADATA, dict(owner)[SESSION_METADATA]),)  # the owner's token, no key
+    tokens = [(), *(((SESSION_METADATA, t),) for t in ("", "f" * 32, "not a token", "a" * 8000)), other, token_only]
+    tokens += [owner] * 4
     counts: dict[str, dict[str, int]] = {}
     slowest = 0.0
     history: list[str] = []
@@ -207,9 +208,8 @@ def test_fuzz_every_rpc_gets_a_deliberate_status_in_bounded_time_and_refusals_ch
     for i in range(REQUESTS):
         m = unary[i % len(unary)] if i < 2 * len(unary) else rng.choice(unary)
         req = gen.fill(getattr(pb, m.input_type.name)())
-        token = rng.choice(tokens)
-        metadata = () if token is None else (("x-broker-session", token),)
-        before = snapshot(stub, world["tokens"]["owner"])
+        metadata = rng.choice(tokens)
+        before = snapshot(stub, owner)
         u0 = time.time()
         t0 = time.monotonic()
         try:
@@ -222,14 +222,14 @@ def test_fuzz_every_rpc_gets_a_deliberate_status_in_bounded_time_and_refusals_ch
         slowest = max(slowest, took)
         counts.setdefault(m.name, {}).setdefault(code.name, 0)
         counts[m.name][code.name] += 1
-        where = f"request {i} (seed {SEED}): {m.name}({str(req)[:300]!r}) token={token[:40] if token else token!r}"
+        where = f"request {i} (seed {SEED}): {m.name}({str(req)[:300]!r}) metadata={str(metadata)[:80]}"
         history.append(f"{m.name} -> {code.name}")
         where += f"; before it: {history[-4:-1]}"
         assert code not in BAD, f"{where} -> {code.name}: {detail}"
         assert took < BOUND_S, f"{where} took {took:.2f} s"
         if code != grpc.StatusCode.OK:
             assert detail, f"{where} -> {code.name} with no message"
-            after = snapshot(stub, world["tokens"]["owner"])
+            after = snapshot(stub, owner)
             refused += 1
             if any(u0 - 0.5 <= d <= time.time() + 0.5 for d in deadlines):
                 unchecked += 1

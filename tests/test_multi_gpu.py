@@ -105,6 +105,7 @@ def child(run_dir: str, visible: str, table: str) -> dict:
 def test_processes_with_different_devices_each_reach_their_own_broker(two_gpus, table):
     run_dir, (ba, bb) = two_gpus
     assert set(gpu_sockets(run_dir)) == {A, B}
+    assert all(os.stat(os.path.join(run_dir, u)).st_mode & 0o777 == 0o755 for u in (A, B))  # engines may enter
     # Broker A was started by index (instance "0"): the old per-instance path links to it.
     assert os.path.realpath(os.path.join(run_dir, "0.sock")) == os.path.realpath(ba.socket)
     assert os.path.realpath(os.path.join(run_dir, "0.sock.fds")) == os.path.realpath(ba.socket + ".fds")

@@ -59,7 +59,8 @@ def test_unit_is_a_notify_service_with_watchdog_restart_user_and_runtime_dir():
         "RuntimeDirectory=memory-broker",
         "ExecReload=",
         "--instance %i --device %i --run-dir /run/memory-broker --state-root /var/lib/memory-broker",
-        "RuntimeDirectoryPreserve=yes",  # instances share /run/memory-broker: one stopping keeps the others'
+        "RuntimeDirectoryPreserve=yes",
+        "RuntimeDirectoryMode=0755",  # engines of another group must reach the sockets inside  # instances share /run/memory-broker: one stopping keeps the others'
     ):
         assert line in text, line
     # The socket permissions the unit promises are what the example config documents.

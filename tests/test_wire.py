@@ -137,7 +137,8 @@ def test_no_module_of_the_client_imports_back_into_a_module_that_imports_it():
     assert find_cycle(graph) is None
 
 
-def test_the_session_metadata_key_is_spelled_once_in_product_code():
+@pytest.mark.parametrize("spelling", ["x-broker-session", "x-broker-key"])
+def test_the_session_metadata_keys_are_spelled_once_in_product_code(spelling):
     found = []
     for folder in PACKAGES.values():
         for d, _, files in os.walk(os.path.join(ROOT, folder)):
@@ -145,7 +146,7 @@ def test_the_session_metadata_key_is_spelled_once_in_product_code():
                 if f.endswith(".py"):
                     path = os.path.join(d, f)
                     for node in ast.walk(ast.parse(open(path).read(), path)):
-                        if isinstance(node, ast.Constant) and node.value == "x-broker-session":
+                        if isinstance(node, ast.Constant) and node.value == spelling:
                             found.append(os.path.relpath(path, ROOT))
     assert found == ["proto/wire/session.py"]
 

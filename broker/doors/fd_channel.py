@@ -75,7 +75,7 @@ class FdChannelServer:
         path: str,
         *,
         allowed_uids: frozenset[int] | None,
-        authorize: Callable[[str, PeerCred], None],
+        authorize: Callable[[str, PeerCred], str | None],
         export_fds: Callable[[int, int], list[int]] | None = None,
         units: Callable[[], int] | None = None,
         slab_fds: Callable[[int], list[int]] | None = None,
@@ -88,8 +88,9 @@ class FdChannelServer:
         Args:
             path: the socket path; it must not exist (the caller clears stale ones under its lock).
             allowed_uids: uids that may connect; None allows any.
-            authorize: checks a token for a peer; raises FdRequestRefused to refuse. Called
-                on the event loop, so it may touch loop-owned state.
+            authorize: checks a token for a peer and returns the session's proof key (sent in
+                the reply header, to this peer only; None: none); raises FdRequestRefused to
+                refuse. Called on the event loop, so it may touch loop-owned state.
             export_fds: ``export_fds(first, n)``: new fds for units ``first..first+n-1``, owned
                 by the caller (closed here once sent); called in the export executor.
             units: how many units (slabs or pages) the arena has now.
@@ -188,14 +189,14 @@ class FdChannelServer:
                 over = self._over_limit(peer)
                 if over is not None:
                     raise FdRequestRefused("RESOURCE_EXHAUSTED", over)
-                first, count = await self._decide(conn, peer)
+                first, count, key = await self._decide(conn, peer)
             except FdChannelError as r:  # FdRequestRefused, or a malformed request
                 self._log("fd_request_refused", pid=peer.pid, uid=peer.uid, code=r.code, message=r.message)
                 async with asyncio.timeout(self._timeout):
                     await asyncio.get_running_loop().sock_sendall(conn, refusal_line(r.code, r.message))
                 return
             t0 = time.perf_counter()
-            await self._send_fds(conn, first, count)
+            await self._send_fds(conn, first, count, key)
             ms = round((time.perf_counter() - t0) * 1e3, 3)
             self._log("fd_request_served", pid=peer.pid, uid=peer.uid, first=first, count=count, ms=ms)
         except asyncio.CancelledError:
@@ -217,8 +218,9 @@ class FdChannelServer:
                     self._per_uid.pop(peer.uid, None)
             conn.close()
 
-    async def _decide(self, conn: socket.socket, peer: PeerCred) -> tuple[int, int]:
-        """The units ``(first, count)`` to send for this connection's request, or FdRequestRefused."""
+    async def _decide(self, conn: socket.socket, peer: PeerCred) -> tuple[int, int, str | None]:
+        """The units ``(first, count)`` to send for this connection's request and the session's
+        proof key for the header, or FdRequestRefused."""
         # Read before judging, so a refused client reads our reply instead of a reset.
         line, unread = await self._read_request(conn)
         if self.allowed_uids is not None and peer.uid not in self.allowed_uids:
@@ -230,7 +232,7 @@ class FdChannelServer:
             raise FdRequestRefused("INVALID_ARGUMENT", unread)
         token, first, count = parse_request(line)
         try:
-            self._authorize(token, peer)
+            key = self._authorize(token, peer)
         except FdChannelError:
             raise
         except Exception as e:
@@ -238,14 +240,14 @@ class FdChannelServer:
             raise FdRequestRefused("INTERNAL", f"broker failed to check the request: {type(e).__name__}: {e}") from e
         have = self._units()
         if count is None:  # to the end (none past it)
-            return first, max(0, have - first)
+            return first, max(0, have - first), key
         if first + count > have:
             raise FdRequestRefused(
                 "INVALID_ARGUMENT",
                 f"units {first}..{first + count - 1} asked for, but the arena has {have} (0..{have - 1}); "
                 "nothing was sent",
             )
-        return first, count
+        return first, count, key
 
     async def _read_request(self, conn: socket.socket) -> tuple[bytes, str | None]:
         """The request line, or what went wrong reading it (as a refusal message)."""
@@ -267,13 +269,13 @@ class FdChannelServer:
             return b"", f"request over {MAX_REQUEST_BYTES} bytes"
         return line, None
 
-    async def _send_fds(self, conn: socket.socket, first: int, count: int) -> None:
+    async def _send_fds(self, conn: socket.socket, first: int, count: int, key: str | None) -> None:
         """The header, then the fds in chunks: each made in the executor (within the budget),
         sent, and closed here; every chunk must be taken within the request timeout."""
         loop = asyncio.get_running_loop()
         assert self._executor is not None and self._export_slots is not None
         async with asyncio.timeout(self._timeout):
-            await loop.sock_sendall(conn, header_line(first, count))
+            await loop.sock_sendall(conn, header_line(first, count, key))
         for i, start in enumerate(range(first, first + count, MAX_FDS_PER_MESSAGE)):
             n = min(MAX_FDS_PER_MESSAGE, first + count - start)
             async with self._export_slots:

@@ -135,13 +135,10 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     # ------------------------------------------------------------- helpers
 
-    def _session(self, context) -> Session:
-        return self.sessions.from_metadata(context.invocation_metadata())
-
     def _authorize(self, rule: Rule, method: str, request, context) -> Session | None:
         """The gRPC door: refuse while draining and on the TCP listener where the rule says
-        so, find the session the token names, then the policy both doors share
-        (``SessionManager.authorize``)."""
+        so, find the session the token names and the proof key the call carries, then the
+        policy both doors share (``SessionManager.authorize``)."""
         self.sessions.check_open()
         if not rule.tcp and is_tcp(context):
             raise BrokerError(
@@ -151,8 +148,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             )
         if not rule.session:
             return None
-        s = self._session(context)
-        self.sessions.authorize(method, rule, s, lambda field: getattr(request, field))
+        s, key = self.sessions.from_metadata(context.invocation_metadata())
+        self.sessions.authorize(method, rule, s, lambda field: getattr(request, field), key=key)
         return s
 
     def _timed_alloc(self, fn, *args):

@@ -69,6 +69,9 @@ class _Conn:
     peer: PeerCred
     # The session bound by HELLO; None until then.
     session: object | None = None
+    # The session's proof key, as HELLO's proof (the peer's credentials) returned it: the
+    # connection is the owner process's, so its ops carry the key as gRPC calls do.
+    key: str | None = None
     # Bytes received and not yet a whole frame.
     inbuf: bytearray = field(default_factory=bytearray)
     # Reply bytes the socket did not take yet (reading pauses until they are sent).
@@ -366,7 +369,7 @@ class StepChannelServer:
         except UnicodeDecodeError:
             raise invalid("the session token is not UTF-8") from None
         try:
-            self.sessions.authorize_fd_request(token, c.peer)
+            c.key = self.sessions.authorize_fd_request(token, c.peer)
         except FdRequestRefused as r:
             raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
         c.session = self.sessions.from_token(token)
@@ -392,7 +395,7 @@ class StepChannelServer:
         for i, op in enumerate(ops):
             t0 = time.perf_counter()
             try:
-                sessions.authorize(METHODS[op.kind], RULES[op.kind], s, op_ids(op))
+                sessions.authorize(METHODS[op.kind], RULES[op.kind], s, op_ids(op), key=c.key)
                 results.append(self._op(sid, op))
             except BrokerError as e:
                 self.counters.refused += 1

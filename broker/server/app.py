@@ -33,9 +33,9 @@ from memory_broker.broker.server.gpu_layout import link_instance, serving_gpu
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
-from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit
+from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit, socket_mode
 from memory_broker.broker.sessions.liveness import PidWatcher
-from memory_broker.broker.sessions.manager import SessionManager
+from memory_broker.broker.sessions.manager import MAX_UNPROVEN, SessionManager
 from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import PagePool, WindowSpace
@@ -209,6 +209,7 @@ class BrokerServer:
             log=self._log_event,
             max_sessions=opts.max_sessions,
             max_sessions_per_uid=opts.max_sessions_per_uid,
+            allowed_uids=opts.effective_uids(),
         )
         return why
 
@@ -238,8 +239,11 @@ class BrokerServer:
 
         self.server = grpc.aio.server(
             options=server_options(opts),
-            # Attach streams count: room for every session plus calls in flight.
-            maximum_concurrent_rpcs=(opts.max_sessions + MAX_CALLS_IN_FLIGHT) if opts.max_sessions else None,
+            # Attach streams count: room for every session (and those waiting to be proven)
+            # plus calls in flight.
+            maximum_concurrent_rpcs=(opts.max_sessions + MAX_UNPROVEN + MAX_CALLS_IN_FLIGHT)
+            if opts.max_sessions
+            else None,
         )
         broker_pb2_grpc.add_MemoryBrokerServicer_to_server(self.service, self.server)
         self.health = HealthServicer()
@@ -253,7 +257,7 @@ class BrokerServer:
         if opts.tcp_port:
             self.server.add_insecure_port(f"127.0.0.1:{opts.tcp_port}")
         await self.server.start()
-        self._set_socket_permissions()
+        set_socket_permissions(self.opts)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
@@ -295,16 +299,13 @@ class BrokerServer:
             device=self.gpu_uuid,
         )
 
-    def _set_socket_permissions(self) -> None:
-        opts = self.opts
-        gid = grp.getgrnam(opts.socket_group).gr_gid if opts.socket_group else -1
-        for path in (opts.socket, opts.fd_socket, step_socket_path(opts.socket)):
-            if not os.path.exists(path):
-                continue
-            if gid != -1:
-                os.chown(path, -1, gid)
-            if opts.socket_mode is not None:
-                os.chmod(path, opts.socket_mode)
+    def _set_uids(self, opts: ServeOptions) -> None:
+        """Who may prove a session (at every door) and who may manage adapters."""
+        allowed = opts.effective_uids()
+        self.sessions.allowed_uids = self.fd_server.allowed_uids = allowed
+        if self.step_server is not None:
+            self.step_server.allowed_uids = allowed
+        self.service.manager_uids = opts.manager_uids()
 
     def _schedule_store_work(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._store_work_scheduled:
@@ -378,10 +379,8 @@ class BrokerServer:
                 default_lease_s=new.default_lease_s if "default_lease_s" in apply else None,
                 max_pins_per_session=new.max_pins_per_session if "max_pins_per_session" in apply else None,
             )
-        if "allowed_uids" in apply:
-            self.fd_server.allowed_uids = new.effective_uids()
         if "allowed_uids" in apply or "adapter_manager_uids" in apply:
-            self.service.manager_uids = new.manager_uids()
+            self._set_uids(new)
         if "max_sessions" in apply:
             self.sessions.max_sessions = new.max_sessions
         if "max_sessions_per_uid" in apply:
@@ -513,6 +512,19 @@ def log_serving(self: BrokerServer, why: str, links: list[str]) -> None:
         adapters_registered=len(self.registry),
         pid=os.getpid(),
     )
+
+
+def set_socket_permissions(opts: ServeOptions) -> None:
+    """Give the sockets that exist their group and mode (``socket_mode``: 0660 with a group)."""
+    gid = grp.getgrnam(opts.socket_group).gr_gid if opts.socket_group else -1
+    mode = socket_mode(opts)
+    for path in (opts.socket, opts.fd_socket, step_socket_path(opts.socket)):
+        if not os.path.exists(path):
+            continue
+        if gid != -1:
+            os.chown(path, -1, gid)
+        if mode is not None:
+            os.chmod(path, mode)
 
 
 def raise_fd_limit() -> tuple[int, int]:

@@ -51,6 +51,10 @@ def apply_gpu_layout(opts: ServeOptions) -> Gpu | None:
         if len(os.path.abspath(socket + ".step").encode()) > 107:
             raise SettingError("run_dir", f"{opts.run_dir!r} is too long: {socket}.step would pass 107 bytes")
         os.makedirs(d, exist_ok=True)
+        if os.stat(d).st_uid == os.getuid():
+            # Searchable by all (the umask under systemd is 0007): the sockets' own modes decide
+            # who connects, as in the run directory itself.
+            os.chmod(d, 0o755)
         opts.socket = socket
     if opts.state_root:
         opts.state_dir = os.path.join(opts.state_root, gpu.uuid)

@@ -212,8 +212,8 @@ class ServeOptions(BaseModel):
         flag="--allow-uid",
         metavar="UID",
         reload=True,
-        shown="own uid",
-        help="uid allowed on the fd channel (repeat)",
+        shown="own and manager uids only",
+        help="uid whose processes may prove a session and call through it, besides the broker's own (repeat)",
     )
     enable_echo: bool = setting(False, kind="bool", yaml=None, help="serve the bare Echo service (benchmarks)")
     grace_s: float = setting(
@@ -251,8 +251,8 @@ class ServeOptions(BaseModel):
         kind="mode",
         yaml="listeners.socket_mode",
         metavar="MODE",
-        shown="umask",
-        help="permissions of both sockets, e.g. 0660",
+        shown="0660 with --socket-group, else the umask",
+        help="permissions of the sockets, e.g. 0660",
     )
     socket_group: str | None = setting(
         None,
@@ -359,7 +359,7 @@ class ServeOptions(BaseModel):
         flag="--adapter-manager-uid",
         metavar="UID",
         reload=True,
-        shown="own and allowed uids",
+        shown="own uid and 0",
         help="uid whose sessions may register, unregister and prefetch adapters (repeat)",
     )
     max_sessions: int = setting(
@@ -455,13 +455,16 @@ class ServeOptions(BaseModel):
         return self.socket + ".fds"
 
     def effective_uids(self) -> frozenset[int]:
-        return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid()})
+        """Uids whose processes may prove a session: the configured ones and, always, the
+        broker's own and those that manage adapters (the operator's tools run as them)."""
+        return frozenset(self.allowed_uids) | {os.getuid()} | self.manager_uids()
 
     def manager_uids(self) -> frozenset[int]:
-        """Uids allowed to manage adapters: as configured, else the broker's and the allowed ones."""
+        """Uids allowed to manage adapters: as configured, else the broker's own and root's
+        (an engine's uid may list and acquire adapters, not register them)."""
         if self.adapter_manager_uids:
             return frozenset(self.adapter_manager_uids)
-        return self.effective_uids() | {os.getuid()}
+        return frozenset({os.getuid(), 0})
 
     def validate(self) -> None:  # type: ignore[override]  (pydantic's deprecated classmethod)
         """Raise SettingError naming the first bad setting. Types and single-setting bounds were
@@ -628,6 +631,14 @@ def _explain(e: ValidationError) -> SettingError:
     if s and err["type"] == "literal_error":
         return SettingError(name, f"{v!r}; must be one of {', '.join(s.choices)}")
     return SettingError(name, f"{err['msg'].lower()}, got {v!r}")
+
+
+def socket_mode(opts: ServeOptions) -> int | None:
+    """The sockets' mode: as configured; else 0660 when a socket group is set (the engines'
+    group can connect, others cannot); else None (the umask decides)."""
+    if opts.socket_mode is not None:
+        return opts.socket_mode
+    return 0o660 if opts.socket_group is not None else None
 
 
 def adapter_size_limit(opts: ServeOptions) -> int:

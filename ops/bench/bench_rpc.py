@@ -27,7 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 import grpc  # noqa: E402
 
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
-from memory_broker.proto.wire.session import SESSION_METADATA  # noqa: E402
 from memory_broker.proto.wire.v1 import broker_pb2 as pb  # noqa: E402
 from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
 
@@ -91,7 +90,7 @@ def main() -> None:
 
 def run(socket: str, n: int) -> None:
     client = BrokerClient.connect(socket, client_name="bench")
-    md = ((SESSION_METADATA, client.token),)
+    md = client.metadata
     ch = grpc.insecure_channel(f"unix:{socket}")
     stub = broker_pb2_grpc.MemoryBrokerStub(ch)
     echo = echo_pb2_grpc.EchoStub(ch)

@@ -21,16 +21,17 @@ import time
 from memory_broker.broker.server.app import BrokerServer
 from memory_broker.broker.server.logs import configure
 from memory_broker.broker.server.options import ServeOptions
+from memory_broker.broker.sessions.peer import PeerCred
 from memory_broker.broker.store.objects import Spec
-from memory_broker.proto.wire.session import SESSION_METADATA
+from memory_broker.proto.wire.session import session_metadata
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
 class Context:
     """What a handler reads from grpc's context on the success path."""
 
-    def __init__(self, token: str):
-        self._md = ((SESSION_METADATA, token),)
+    def __init__(self, token: str, key: str):
+        self._md = session_metadata(token, key)
 
     def invocation_metadata(self):
         return self._md
@@ -57,7 +58,9 @@ async def run(chunks: int, per_chunk: int) -> None:
     try:
         s = srv.sessions.open("bench", os.getpid())
         ((obj, _),) = srv.store.allocate(s.session_id, [Spec(1, key=b"k")])
-        ctx = Context(s.token)
+        # Proven as the fd channel proves it: this process owns the session and has its key.
+        key = srv.sessions.authorize_fd_request(s.token, PeerCred(os.getpid(), os.getuid(), os.getgid()))
+        ctx = Context(s.token, key)
         svc = srv.service
         pin = pb.PinRequest(object_ids=[obj.object_id])
         unpin = pb.UnpinRequest(object_ids=[obj.object_id])

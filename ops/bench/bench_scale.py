@@ -34,7 +34,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
 from memory_broker.broker.store.pool import PagePool, WindowSpace  # noqa: E402
-from memory_broker.proto.wire.session import SESSION_METADATA  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -305,7 +304,7 @@ def bench_daemon(n: int, seconds: float, table: list) -> None:
         holder = BrokerClient.connect(socket, client_name="scale-holder")
         ch = grpc.insecure_channel(f"unix:{socket}")
         stub = broker_pb2_grpc.MemoryBrokerStub(ch)
-        md = ((SESSION_METADATA, holder.token),)
+        md = holder.metadata
         left = n
         while left:
             k = min(left, 65536)

@@ -8,8 +8,9 @@ share one set of limits. Sockets, sessions and fds themselves are the ends' busi
 What one fd stands for depends on the arena (``ArenaInfo.backend``): a **slab** on a host
 arena (a memfd that maps in any page-aligned part), a **page** on a CUDA arena (one
 ``cuMemCreate`` allocation per page, exported on demand: only whole allocations map on a
-GPU). Both are numbered from 0 and called *units* here. This is protocol version 2
-(``session.PROTOCOL_VERSION``); version 1 asked for slabs ``from_slab..end`` and is refused.
+GPU). Both are numbered from 0 and called *units* here. The channel's framing is that of
+protocol version 2 (version 1 asked for slabs ``from_slab..end`` and is refused); version 3
+(``session.PROTOCOL_VERSION``) adds the session's proof key to the reply header.
 
 Protocol, one request per connection:
 
@@ -21,10 +22,14 @@ Protocol, one request per connection:
   null); ``authorize(token, peer)`` accepts it; the units exist. Then it sends fds for units
   ``k..k+n-1``, made on demand off its event loop, at most ``MAX_FDS_PER_MESSAGE`` at a time,
   closing its own copies once sent.
-* Reply: a JSON line ``{"ok": true, "first": k, "count": n}\n``, then the fds in chunks of
+* Reply: a JSON line ``{"ok": true, "first": k, "count": n, "key": "<proof key>"}\n``, then the fds in chunks of
   at most ``MAX_FDS_PER_MESSAGE``, each chunk one ``sendmsg`` whose payload is ``{"chunk": i,
   "count": m}\n`` so the receiver can check it got them all. A refusal is ``{"ok": false,
-  "code": "...", "message": "..."}\n``. Either way the server then closes.
+  "code": "...", "message": "..."}\n``. Either way the server then closes. ``key`` is the
+  session's proof key, sent only to the process that owns the session (the first to present
+  its token here); every session-bearing gRPC call carries it (``session.KEY_METADATA``), so
+  a token read by another process acts for nothing. Asking for no units (``count`` 0) is how
+  a process proves itself and takes the key.
 * The receiver owns every fd it receives and should import and close each chunk's fds before
   reading the next (a whole GPU is ~70,000 pages, more than a process may hold open).
 """
@@ -73,8 +78,12 @@ def request_line(token: str, first: int, count: int | None = None) -> bytes:
     return encode({"token": token, "first": first, "count": count})
 
 
-def header_line(first: int, count: int) -> bytes:
-    return encode({"ok": True, "first": first, "count": count})
+def header_line(first: int, count: int, key: str | None = None) -> bytes:
+    """A reply header; ``key``: the session's proof key, for its owner process."""
+    msg: dict = {"ok": True, "first": first, "count": count}
+    if key is not None:
+        msg["key"] = key
+    return encode(msg)
 
 
 def chunk_line(index: int, count: int) -> bytes:
