@@ -9,6 +9,7 @@ grace period, everything released, the socket lock dropped.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import grp
 import os
@@ -26,7 +27,7 @@ from memory_broker.broker.adapters.layout import DTYPE_SIZES
 from memory_broker.broker.arena import make_arena
 from memory_broker.broker.doors.fd_channel import FD_BUDGET, FdChannelServer
 from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
-from memory_broker.broker.doors.service import EchoService, MemoryBrokerService
+from memory_broker.broker.doors.service import EchoService, MemoryBrokerService, RequestGate, add_to_server
 from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.broker.server.config import ConfigError, build_options, deprecation_notes, reload_changes
 from memory_broker.broker.server.lock import SocketLock
@@ -41,7 +42,7 @@ from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
-from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryBroker"].full_name
 # Unary calls served at once beyond one Attach stream per session (more wait: RESOURCE_EXHAUSTED).
@@ -66,7 +67,8 @@ def server_options(opts: ServeOptions) -> list[tuple[str, int]]:
     call, so a live session's connection is never idle). There is no maximum connection
     age: ending a connection would end the session streamed over it."""
     return [
-        ("grpc.max_receive_message_length", 64 << 20),
+        # Larger requests are refused by gRPC at their header, before it reads them.
+        ("grpc.max_receive_message_length", opts.max_request_size),
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.max_connection_idle_ms", int(opts.idle_timeout_s * 1000)),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -159,8 +161,7 @@ class BrokerServer:
         self._log_serving(why)
 
     def _build_core(self, loop: asyncio.AbstractEventLoop) -> str:
-        """The arena, the pool, the store, the adapter wing and the sessions; returns why the
-        arena backend was chosen."""
+        """The arena, pool, store, adapter wing and sessions; returns why this arena backend."""
         opts = self.opts
         pages_per_slab = opts.slab_size // opts.page_size
         max_slabs = opts.pool_size // opts.slab_size
@@ -211,8 +212,7 @@ class BrokerServer:
         return why
 
     async def _open_doors(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The metrics endpoint, the service, the fd and step channels and the gRPC server
-        (serving and healthy when this returns)."""
+        """Metrics, the service, the fd and step channels and the gRPC server (serving, healthy)."""
         opts = self.opts
         if opts.metrics_port:
             self.metrics = BrokerMetrics(self.arena.backend)
@@ -239,7 +239,9 @@ class BrokerServer:
             # Attach streams count: room for every session plus calls in flight.
             maximum_concurrent_rpcs=(opts.max_sessions + MAX_CALLS_IN_FLIGHT) if opts.max_sessions else None,
         )
-        broker_pb2_grpc.add_MemoryBrokerServicer_to_server(self.service, self.server)
+        trim = MemoryReturner(loop, lambda: self.gate.large)
+        self.gate = RequestGate(opts.request_bytes_in_flight, opts.large_requests, trim.soon)
+        add_to_server(self.service, self.server, self.gate)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
@@ -402,6 +404,8 @@ class BrokerServer:
             self.fd_server.allowed_uids = new.effective_uids()
         if "allowed_uids" in apply or "adapter_manager_uids" in apply:
             self.service.manager_uids = new.manager_uids()
+        if {"request_bytes_in_flight", "large_requests"} & apply.keys():
+            self.gate.max_bytes, self.gate.max_large = new.request_bytes_in_flight, new.large_requests
         if "max_sessions" in apply:
             self.sessions.max_sessions = new.max_sessions
         if "max_sessions_per_uid" in apply:
@@ -507,6 +511,47 @@ class BrokerServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+# Quiet time after the last large request before freed memory is handed back to the system.
+TRIM_AFTER_S = 0.25
+TRIM_AGAIN_S = 1.5
+
+
+class MemoryReturner:
+    """After large requests: hand the memory they freed back to the system once the burst is
+    over (``TRIM_AFTER_S`` without another, none in flight), in a thread off the loop, and
+    once more ``TRIM_AGAIN_S`` later (gRPC frees the last buffers of refused calls late)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, in_flight):
+        self.loop = loop
+        self.in_flight = in_flight
+        self.pending = False
+        self.at = 0.0
+
+    def soon(self) -> None:
+        self.at = time.monotonic() + TRIM_AFTER_S
+        if not self.pending:
+            self.pending = True
+            self.loop.call_later(TRIM_AFTER_S, self._trim)
+
+    def _trim(self) -> None:
+        wait = self.at - time.monotonic()
+        if wait > 0 or self.in_flight():
+            self.loop.call_later(max(wait, TRIM_AFTER_S / 4), self._trim)
+            return
+        self.pending = False
+        self.loop.run_in_executor(None, malloc_trim)
+        self.loop.call_later(TRIM_AGAIN_S, lambda: self.pending or self.loop.run_in_executor(None, malloc_trim))
+
+
+def malloc_trim() -> None:
+    """glibc keeps memory freed by many small blocks (gRPC's buffers of a large request) in
+    its arenas; ``malloc_trim`` returns it to the system. Elsewhere nothing is done."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def raise_fd_limit() -> tuple[int, int]:
