@@ -248,6 +248,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         # Who may call what: the same policy object the step channel enforces.
         # Calls being handled now (the drain waits for them).
         self.inflight = 0
+        # KeyDigests (broker/store/digests.py), or None when memory_pool.integrity.kv_digest is off.
+        self.digests = None
 
     @property
     def draining(self) -> bool:
@@ -586,6 +588,25 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
                     ok=c.ok,
                     checksum=c.checksum,
                     detail=c.detail,
+                )
+                for c in checks
+            ],
+            corrupt=sum(1 for c in checks if not c.ok),
+        )
+
+    @_unary
+    async def VerifyObjects(self, request, context, session):
+        if self.digests is None:
+            raise BrokerError(
+                Code.FAILED_PRECONDITION,
+                "object digests are off on this broker; start it with --kv-digest "
+                "(memory_pool.integrity.kv_digest: true) to have committed keyed objects digested",
+            )
+        checks = await self.digests.verify(list(request.keys))
+        return pb.VerifyObjectsResponse(
+            checks=[
+                pb.ObjectCheck(
+                    key=c.key, object_id=c.object_id, checked=c.checked, ok=c.ok, digest=c.digest, detail=c.detail
                 )
                 for c in checks
             ],

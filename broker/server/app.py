@@ -36,6 +36,7 @@ from memory_broker.broker.server.notify import Notifier
 from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import SessionManager
+from memory_broker.broker.store.digests import KeyDigests
 from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import PagePool, WindowSpace
@@ -199,6 +200,7 @@ class BrokerServer:
             adapter_config(opts),
             log=self.log,
         )
+        self.digests = make_digests(opts, self.store, self.arena, self.log, self._tasks)
         # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
         self.store.mark_internal(self.adapters.system_session)
         self.watcher = PidWatcher(loop)
@@ -220,6 +222,7 @@ class BrokerServer:
         self.service = MemoryBrokerService(
             self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
         )
+        self.service.digests = self.digests
         self.service.manager_uids = opts.manager_uids()
         self.service.debug_rpcs = opts.log_level == "debug"
 
@@ -304,18 +307,7 @@ class BrokerServer:
         self.step_server.start()
 
     def arena_info(self) -> pb.ArenaInfo:
-        g = self.geometry
-        return pb.ArenaInfo(
-            backend=self.arena.backend,
-            page_size=g.page_size,
-            pages_per_slab=g.pages_per_slab,
-            max_slabs=g.max_slabs,
-            num_slabs=self.arena.num_slabs,
-            window_pages=g.window_pages,
-            fd_socket_path=os.path.abspath(self.opts.fd_socket),
-            placement=self.opts.placement,
-            device=getattr(self.arena, "device_id", ""),
-        )
+        return arena_message(self.arena, self.geometry, self.opts)
 
     def _set_socket_permissions(self) -> None:
         opts = self.opts
@@ -552,6 +544,32 @@ def malloc_trim() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def arena_message(arena, g: ArenaGeometry, opts: ServeOptions) -> pb.ArenaInfo:
+    return pb.ArenaInfo(
+        backend=arena.backend,
+        page_size=g.page_size,
+        pages_per_slab=g.pages_per_slab,
+        max_slabs=g.max_slabs,
+        num_slabs=arena.num_slabs,
+        window_pages=g.window_pages,
+        fd_socket_path=os.path.abspath(opts.fd_socket),
+        placement=opts.placement,
+        device=getattr(arena, "device_id", ""),
+    )
+
+
+def make_digests(opts: ServeOptions, store: ObjectStore, arena, log, tasks: list) -> KeyDigests | None:
+    """With ``memory_pool.integrity.kv_digest``, the digests of committed keyed objects (their
+    background checks' task joins ``tasks``); else None."""
+    if not opts.kv_digest:
+        return None
+    digests = KeyDigests(store, arena.view, opts.page_size, log, opts.kv_verify_interval_s)
+    task = digests.start()
+    if task is not None:
+        tasks.append(task)
+    return digests
 
 
 def raise_fd_limit() -> tuple[int, int]:

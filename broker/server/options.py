@@ -77,10 +77,25 @@ def setting(
     return Field(default, description=help, json_schema_extra=extra, **bounds)
 
 
-class ServeOptions(BaseModel):
-    """Every setting of a running broker, with its default. Types and bounds are checked on
-    construction and on assignment; ``validate`` adds the checks that span settings or look at
-    the machine (the socket's directory, the group)."""
+class _Explained(BaseModel):
+    """A model whose validation errors are SettingErrors naming the setting (``_explain``)."""
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise _explain(e) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise _explain(e) from None
+
+
+class ServeOptions(_Explained):
+    """Every setting of a running broker, with its default: types and bounds are checked on construction and
+    assignment; ``validate`` adds the checks that span settings or look at the machine (socket dir, group)."""
 
     model_config = ConfigDict(strict=True, validate_assignment=True, extra="forbid")
 
@@ -376,6 +391,22 @@ class ServeOptions(BaseModel):
         unit="seconds",
         help="close a gRPC connection with no call open for this long",
     )
+    kv_digest: bool = setting(
+        False,
+        kind="bool",
+        yaml="memory_pool.integrity.kv_digest",
+        help="digest keyed objects at commit (VerifyObjects)",
+    )
+    kv_verify_interval_s: float = setting(
+        0.0,
+        kind="duration",
+        yaml="memory_pool.integrity.kv_verify_interval",
+        flag="--kv-verify-interval",
+        ge=0.0,
+        le=86400.0,
+        unit="seconds",
+        help="with --kv-digest, check one digested object this often in the background (0: off)",
+    )
     max_request_size: int = setting(
         4 << 20,
         kind="size",
@@ -443,18 +474,6 @@ class ServeOptions(BaseModel):
     )
     # The YAML file the options came from (SIGHUP rereads it): not a setting.
     config_path: str | None = None
-
-    def __init__(self, **values: Any) -> None:
-        try:
-            super().__init__(**values)
-        except ValidationError as e:
-            raise _explain(e) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            raise _explain(e) from None
 
     @property
     def fd_socket(self) -> str:
