@@ -154,3 +154,30 @@ def test_a_digest_taken_for_an_object_freed_meanwhile_is_dropped():
         return obj.digest
 
     assert asyncio.run(run()) == ""
+
+
+def test_withdraw_unkeys_a_pinned_object_keeps_every_figure_true_and_frees_with_the_last_pin():
+    from store_invariants import check_invariants
+    from test_store_interface import make_store
+
+    store, _ = make_store()
+    owner, reader = store.open_session(), store.open_session()
+    t = store.prepare(owner, [Spec(2, key=b"k")], [], 5.0)
+    store.commit(owner, [t.txn_id])
+    obj = store.keys.get(b"k")
+    store.pin(owner, [obj.object_id])
+    store.lookup(reader, [b"k"], pin=True)
+    used = store.stats().used_pages
+    assert store.withdraw(obj)
+    check_invariants(store)
+    assert store.lookup(reader, [b"k"], pin=False) == [] and b"k" not in store.keys
+    assert store.stats().used_pages == used  # the reader's pin holds the pages
+    assert not store.withdraw(obj)  # once
+    store.unpin(reader, [obj.object_id])
+    check_invariants(store)
+    assert store.stats().used_pages == used - 2 and obj.object_id not in store.objects
+    # The key is free to be written again.
+    t2 = store.prepare(owner, [Spec(1, key=b"k")], [], 5.0)
+    ((again, dedup),) = store.commit(owner, [t2.txn_id])[0].result
+    assert not dedup and again is not obj
+    check_invariants(store)
