@@ -181,3 +181,25 @@ def test_withdraw_unkeys_a_pinned_object_keeps_every_figure_true_and_frees_with_
     ((again, dedup),) = store.commit(owner, [t2.txn_id])[0].result
     assert not dedup and again is not obj
     check_invariants(store)
+
+
+def test_a_digest_that_cannot_be_started_never_fails_the_commit():
+    from test_store_interface import make_store
+
+    store, _ = make_store()
+    warned: list[str] = []
+
+    class Log:
+        def warning(self, event, **k):
+            warned.append(event)
+
+    d = KeyDigests(store, None, 4096, Log())
+
+    def broken(obj):
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    d._digest = broken  # type: ignore[method-assign]
+    s = store.open_session()
+    t = store.prepare(s, [Spec(1, key=b"k")], [], 5.0)
+    ((obj, dedup),) = store.commit(s, [t.txn_id])[0].result
+    assert store.keys.get(b"k") is obj and not obj.digest and warned == ["object_digest_failed"]

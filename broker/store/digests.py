@@ -108,9 +108,12 @@ class KeyDigests:
 
     def committed(self, objs: list[Allocation]) -> None:
         """On the event loop, from ``ObjectStore.commit``: digest each newly visible keyed object."""
-        for obj in objs:
-            if not obj.digest:
-                self._digest(obj).add_done_callback(lambda f, o=obj: self._taken(o, f))
+        try:
+            for obj in objs:
+                if not obj.digest:
+                    self._digest(obj).add_done_callback(lambda f, o=obj: self._taken(o, f))
+        except Exception as err:  # noqa: BLE001  (the commit is done: it must not fail for this)
+            self.log.warning("object_digest_failed", error=repr(err))
 
     def _taken(self, obj: Allocation, fut: asyncio.Future) -> None:
         if fut.cancelled():
