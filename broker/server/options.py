@@ -402,6 +402,7 @@ class ServeOptions(_Explained):
         kind="duration",
         yaml="memory_pool.integrity.kv_verify_interval",
         flag="--kv-verify-interval",
+        metavar="T",
         ge=0.0,
         le=86400.0,
         unit="seconds",
@@ -489,14 +490,14 @@ class ServeOptions(_Explained):
         return self.effective_uids() | {os.getuid()}
 
     def validate(self) -> None:  # type: ignore[override]  (pydantic's deprecated classmethod)
-        """Raise SettingError naming the first bad setting. Types and single-setting bounds were
-        checked on construction; these are the checks that span settings or ask the machine.
-        The arena geometry (page, slab, pool) is checked by the one check the arenas use."""
+        """Raise SettingError naming the first bad setting (``_check_options``)."""
         _check_options(self)
 
 
 def _check_options(opts: ServeOptions) -> None:
-    """ServeOptions.validate's checks (the class declares the settings; this checks them)."""
+    """ServeOptions.validate's checks. Types and single-setting bounds were checked on
+    construction; these are the checks that span settings or ask the machine. The arena
+    geometry (page, slab, pool) is checked by the one check the arenas use."""
     try:
         check_sizes(opts.page_size, opts.slab_size, opts.pool_size)
     except ValueError as e:
