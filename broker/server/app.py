@@ -508,18 +508,27 @@ class BrokerServer:
 # Quiet time after the last large request before freed memory is handed back to the system.
 TRIM_AFTER_S = 0.25
 TRIM_AGAIN_S = 1.5
+# How often the anonymous RSS is looked at, and the growth since the last trim that starts one.
+WATCH_S = 1.0
+TRIM_GROWTH = 8 << 20
 
 
 class MemoryReturner:
-    """After large requests: hand the memory they freed back to the system once the burst is
-    over (``TRIM_AFTER_S`` without another, none in flight), in a thread off the loop, and
-    once more ``TRIM_AGAIN_S`` later (gRPC frees the last buffers of refused calls late)."""
+    """Hands memory freed by bursts back to the system (glibc keeps it otherwise).
+
+    After large requests: once the burst is over (``TRIM_AFTER_S`` without another, none in
+    flight), a ``malloc_trim`` in a thread off the loop, and once more ``TRIM_AGAIN_S`` later
+    (gRPC frees the last buffers of refused calls late). Requests gRPC refuses at their
+    header never reach the broker, so every ``WATCH_S`` it also looks at its anonymous RSS:
+    grown by ``TRIM_GROWTH`` since the last trim, it trims (live memory is trimmed once)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, in_flight):
         self.loop = loop
         self.in_flight = in_flight
         self.pending = False
         self.at = 0.0
+        self.base = anon_rss()
+        loop.call_later(WATCH_S, self._watch)
 
     def soon(self) -> None:
         self.at = time.monotonic() + TRIM_AFTER_S
@@ -527,14 +536,35 @@ class MemoryReturner:
             self.pending = True
             self.loop.call_later(TRIM_AFTER_S, self._trim)
 
+    def _watch(self) -> None:
+        if anon_rss() > self.base + TRIM_GROWTH:
+            self.soon()
+        self.loop.call_later(WATCH_S, self._watch)
+
+    def _trimmed(self, _fut) -> None:
+        self.base = anon_rss()
+
     def _trim(self) -> None:
         wait = self.at - time.monotonic()
         if wait > 0 or self.in_flight():
             self.loop.call_later(max(wait, TRIM_AFTER_S / 4), self._trim)
             return
         self.pending = False
-        self.loop.run_in_executor(None, malloc_trim)
-        self.loop.call_later(TRIM_AGAIN_S, lambda: self.pending or self.loop.run_in_executor(None, malloc_trim))
+        self.loop.run_in_executor(None, malloc_trim).add_done_callback(self._trimmed)
+        self.loop.call_later(
+            TRIM_AGAIN_S,
+            lambda: self.pending or self.loop.run_in_executor(None, malloc_trim).add_done_callback(self._trimmed),
+        )
+
+
+def anon_rss() -> int:
+    """This process's resident memory that is not shared (the arena's pages are), in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            _, resident, shared = f.read().split()[:3]
+        return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def malloc_trim() -> None:
