@@ -489,6 +489,12 @@ class BrokerClient(StepCalls, BrokerSession):
             self._stub.VerifyAdapters, pb.VerifyAdaptersRequest(adapter_ids=list(adapter_ids)), retry=True
         )
 
+    def verify_objects(self, keys: Sequence[bytes]) -> pb.VerifyObjectsResponse:
+        """Have the broker check committed keyed objects against the digest taken when their
+        transaction committed (a broker started with ``--kv-digest``). A corrupt object is
+        withdrawn: its key stops resolving; ``response.corrupt`` counts them."""
+        return self._call(self._stub.VerifyObjects, pb.VerifyObjectsRequest(keys=list(keys)), retry=True)
+
     def arena_tensor(self, dtype=None):
         """The physical view as a 1-D tensor of ``dtype``: what the LoRA kernels index into."""
         return self.physical_view(dtype)

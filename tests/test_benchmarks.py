@@ -136,3 +136,10 @@ def test_bench_lora_kernels_logic_runs_on_cpu_with_every_row():
     assert "model step 2x2: kernels eager, plan + 4 pairs (token)" in out, out
     assert "decode float16: kernels token split-K 8: max |out - fp32 reference|" in out, out
     assert "model step 2x2: kernels captured: skipped, CUDA graphs need a GPU" in out, out
+
+
+def test_bench_request_flood_small_run_prints_memory_latency_and_answers():
+    out = bench("bench_request_flood.py", "--senders", "2", "--per-sender", "1", "--size-mib", "5", "--settle", "0.2")
+    assert "| broker RSS (MiB) | idle | peak in burst | just after | after settle |" in out
+    assert "| during the burst |" in out
+    assert "senders' answers: RESOURCE_EXHAUSTED" in out and "larger than max" in out

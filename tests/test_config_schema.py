@@ -77,6 +77,8 @@ def test_what_sighup_may_change_is_declared_on_the_settings():
         "adapter_manager_uids",
         "max_sessions",
         "max_sessions_per_uid",
+        "request_bytes_in_flight",
+        "large_requests",
     }
 
 

@@ -298,3 +298,49 @@ def test_close_drops_live_connections(serve):
         srv.call(srv.server.close())
         silent.settimeout(5)
         assert silent.recv(4096) == b""
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_unfinished_requests_hold_a_bounded_amount_of_the_brokers_memory_and_time():
+    # Issue 26, item 2's check on this socket: before its request line is complete, a
+    # connection holds at most 64 KiB (+ one 4 KiB read) for at most 5 s, and one uid at most
+    # 32 connections (more are refused at once). 300 connections each one byte short of the
+    # limit: the broker's RSS stays within 16 MiB of idle, and every one is answered.
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import start_broker
+
+    b = start_broker()
+    socks: list[socket.socket] = []
+    try:
+        path = b.socket + ".fds"
+        idle = _rss(b.proc.pid)
+        for _ in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.setblocking(False)
+            try:
+                s.send(b"x" * (64 * 1024 - 1))
+            except BlockingIOError:
+                pass
+            socks.append(s)
+        time.sleep(0.5)
+        held = _rss(b.proc.pid)
+        replies = []
+        deadline = time.monotonic() + 10
+        for s in socks:
+            s.setblocking(True)
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            replies.append(json.loads(s.recv(4096).split(b"\n", 1)[0]))
+    finally:
+        for s in socks:
+            s.close()
+        b.stop()
+    assert held - idle < 16 << 20, (idle >> 20, held >> 20)
+    busy = [r for r in replies if r["code"] == "RESOURCE_EXHAUSTED"]
+    timed_out = [r for r in replies if r["code"] == "INVALID_ARGUMENT" and "within 5 s" in r["message"]]
+    assert len(busy) >= 300 - 33 and "retry shortly" in busy[0]["message"]
+    assert len(busy) + len(timed_out) == 300

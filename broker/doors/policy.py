@@ -58,6 +58,7 @@ POLICY: dict[str, Rule] = {
     "ReleaseAdapters": Rule(session=True, writes=True, owns="pins"),
     # Any session: it only drops copies that fail their checksum (reloaded on next acquire).
     "VerifyAdapters": Rule(session=True, writes=True),
+    "VerifyObjects": Rule(session=True, writes=True),
 }
 
 

@@ -67,6 +67,9 @@ def _unary(fn):
         except BrokerError as e:
             code = e.code.value
             self.log.info("rpc_refused", code=code, message=e.message)
+            # The abort's exception keeps this one as its context, in a cycle no young
+            # collection frees: its frames (which hold the request) go now.
+            e.__traceback__ = None
             await context.abort(STATUS[e.code], e.message)
         except Exception as e:
             if isinstance(e, asyncio.CancelledError) or type(e).__name__ == "AbortError":
@@ -74,8 +77,10 @@ def _unary(fn):
             # A bug: say so instead of dropping the connection.
             code = "INTERNAL"
             self.log.error("rpc_internal_error", error=repr(e), exc_info=True)
+            e.__traceback__ = None
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {e!r}")
         finally:
+            request = None  # noqa: F841  (this frame may outlive the call: see above)
             self.inflight -= 1
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:
@@ -86,6 +91,135 @@ def _unary(fn):
 
     handler.__name__ = method
     return handler
+
+
+# A request of at least this many bytes counts against ``listeners.large_requests``.
+LARGE_REQUEST = 1 << 20
+
+
+class Refused:
+    """What the gate's deserializer hands the handler in place of a request it did not parse."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class RequestGate:
+    """The bytes of unary requests being handled, bounded (issue 26, item 8).
+
+    gRPC refuses a request over ``listeners.max_request_size`` at its header, unread. One
+    under it reaches the gate's deserializer as raw bytes; if its size would take the bytes
+    being handled over ``listeners.request_bytes_in_flight``, or it is large
+    (``LARGE_REQUEST``) and ``listeners.large_requests`` are already being handled, it is
+    answered RESOURCE_EXHAUSTED without being parsed, which is where a burst of large
+    requests spent its memory and the event loop's time. The count is released when the
+    handler returns. Everything runs on the event loop: no lock.
+    """
+
+    def __init__(self, max_bytes: int, max_large: int, on_large: Callable[[], None] | None = None):
+        self.max_bytes = max_bytes
+        self.max_large = max_large
+        # Called each time a large request is done or refused (the server hands the memory
+        # a burst of them freed back to the system once the burst is over).
+        self.on_large = on_large
+        self.bytes = 0
+        self.large = 0
+        self.refused = 0
+
+    def _admit(self, n: int) -> str | None:
+        large = n >= LARGE_REQUEST
+        if self.bytes + n > self.max_bytes:
+            why = (
+                f"{self.bytes} bytes of requests are being handled and this one is {n} bytes: over "
+                f"listeners.request_bytes_in_flight ({self.max_bytes} bytes)"
+            )
+        elif large and self.large >= self.max_large:
+            why = (
+                f"{self.large} requests of {LARGE_REQUEST >> 20} MiB or more are being handled and this one is "
+                f"{n} bytes: over listeners.large_requests ({self.max_large})"
+            )
+        else:
+            self.bytes += n
+            self.large += large
+            return None
+        self.refused += 1
+        if large and self.on_large is not None:
+            self.on_large()
+        return f"the broker is busy: {why}; retry shortly, or send smaller batches"
+
+    def release(self, n: int) -> None:
+        self.bytes -= n
+        if n >= LARGE_REQUEST:
+            self.large -= 1
+            if self.on_large is not None:
+                self.on_large()
+
+    def deserializer(self, parse: Callable[[bytes], object]) -> Callable[[bytes], object]:
+        def deserialize(raw: bytes):
+            n = len(raw)
+            why = self._admit(n)
+            if why is not None:
+                return Refused(why)
+            try:
+                return Admitted(parse(raw), n)
+            except BaseException:
+                self.release(n)
+                raise
+
+        return deserialize
+
+    def handler(self, behavior):
+        async def handle(held, context):
+            if type(held) is Refused:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, held.message)
+            try:
+                return await behavior(held.request, context)
+            finally:
+                # A refusal leaves gRPC's frames of this call in a reference cycle (the
+                # AbortError's traceback), and full collections are off (app.quiet_gc):
+                # what they hold must not keep the request alive.
+                held.request = None
+                self.release(held.n)
+
+        return handle
+
+
+class Admitted:
+    """A request the gate let in, and its size; emptied when its handler returns."""
+
+    __slots__ = ("request", "n")
+
+    def __init__(self, request: object, n: int):
+        self.request = request
+        self.n = n
+
+
+class _Handlers:
+    """Stands in for a server to collect the handlers the generated code registers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_to_server(service: MemoryBrokerService, server, gate: RequestGate) -> None:
+    """Register the servicer as the generated code would, its unary requests through ``gate``."""
+    got = _Handlers()
+    broker_pb2_grpc.add_MemoryBrokerServicer_to_server(service, got)
+    handlers = {
+        name: h
+        if h.request_streaming or h.response_streaming
+        else h._replace(
+            unary_unary=gate.handler(h.unary_unary), request_deserializer=gate.deserializer(h.request_deserializer)
+        )
+        for name, h in got.handlers.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(got.service, handlers),))
+    server.add_registered_method_handlers(got.service, handlers)
 
 
 class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
@@ -114,6 +248,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         # Who may call what: the same policy object the step channel enforces.
         # Calls being handled now (the drain waits for them).
         self.inflight = 0
+        # KeyDigests (broker/store/digests.py), or None when memory_pool.integrity.kv_digest is off.
+        self.digests = None
 
     @property
     def draining(self) -> bool:
@@ -455,6 +591,25 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             corrupt=sum(1 for c in checks if not c.ok),
         )
 
+    @_unary
+    async def VerifyObjects(self, request, context, session):
+        if self.digests is None:
+            raise BrokerError(
+                Code.FAILED_PRECONDITION,
+                "object digests are off on this broker; start it with --kv-digest "
+                "(memory_pool.integrity.kv_digest: true) to have committed keyed objects digested",
+            )
+        checks = await self.digests.verify(list(request.keys))
+        return pb.VerifyObjectsResponse(
+            checks=[
+                pb.ObjectCheck(
+                    key=c.key, object_id=c.object_id, checked=c.checked, ok=c.ok, digest=c.digest, detail=c.detail
+                )
+                for c in checks
+            ],
+            corrupt=sum(1 for c in checks if not c.ok),
+        )
+
 
 class EchoService(echo_pb2_grpc.EchoServicer):
     """The floor for RPC benchmarks: same server, same socket, no work."""
@@ -463,4 +618,4 @@ class EchoService(echo_pb2_grpc.EchoServicer):
         return echo_pb2.EchoResponse(payload=request.payload)
 
 
-__all__ = ["MemoryBrokerService", "EchoService", "SESSION_METADATA", "POLICY", "Rule"]
+__all__ = ["MemoryBrokerService", "EchoService", "RequestGate", "add_to_server", "SESSION_METADATA", "POLICY", "Rule"]

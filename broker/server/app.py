@@ -9,6 +9,7 @@ grace period, everything released, the socket lock dropped.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import grp
 import os
@@ -26,7 +27,7 @@ from memory_broker.broker.adapters.layout import DTYPE_SIZES
 from memory_broker.broker.arena import make_arena
 from memory_broker.broker.doors.fd_channel import FD_BUDGET, FdChannelServer
 from memory_broker.broker.doors.messages import ArenaGrown, ShuttingDown
-from memory_broker.broker.doors.service import EchoService, MemoryBrokerService
+from memory_broker.broker.doors.service import EchoService, MemoryBrokerService, RequestGate, add_to_server
 from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.broker.server.config import ConfigError, build_options, deprecation_notes, reload_changes
 from memory_broker.broker.server.gpu_layout import link_instance, serving_gpu
@@ -36,13 +37,14 @@ from memory_broker.broker.server.notify import Notifier
 from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit, socket_mode
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import MAX_UNPROVEN, SessionManager
+from memory_broker.broker.store.digests import KeyDigests
 from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
-from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
+from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryBroker"].full_name
 # Unary calls served at once beyond one Attach stream per session (more wait: RESOURCE_EXHAUSTED).
@@ -67,7 +69,8 @@ def server_options(opts: ServeOptions) -> list[tuple[str, int]]:
     call, so a live session's connection is never idle). There is no maximum connection
     age: ending a connection would end the session streamed over it."""
     return [
-        ("grpc.max_receive_message_length", 64 << 20),
+        # Larger requests are refused by gRPC at their header, before it reads them.
+        ("grpc.max_receive_message_length", opts.max_request_size),
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.max_connection_idle_ms", int(opts.idle_timeout_s * 1000)),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -161,8 +164,7 @@ class BrokerServer:
         log_serving(self, why, link_instance(opts, self.gpu))
 
     def _build_core(self, loop: asyncio.AbstractEventLoop) -> str:
-        """The arena, the pool, the store, the adapter wing and the sessions; returns why the
-        arena backend was chosen."""
+        """The arena, pool, store, adapter wing and sessions; returns why this arena backend."""
         opts = self.opts
         pages_per_slab = opts.slab_size // opts.page_size
         max_slabs = opts.pool_size // opts.slab_size
@@ -200,6 +202,7 @@ class BrokerServer:
             adapter_config(opts),
             log=self.log,
         )
+        self.digests = make_digests(opts, self.store, self.arena, self.log, self._tasks)
         # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
         self.store.mark_internal(self.adapters.system_session)
         self.watcher = PidWatcher(loop)
@@ -214,8 +217,7 @@ class BrokerServer:
         return why
 
     async def _open_doors(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The metrics endpoint, the service, the fd and step channels and the gRPC server
-        (serving and healthy when this returns)."""
+        """Metrics, the service, the fd and step channels and the gRPC server (serving, healthy)."""
         opts = self.opts
         if opts.metrics_port:
             self.metrics = BrokerMetrics(self.arena.backend, self.gpu_uuid)
@@ -223,6 +225,7 @@ class BrokerServer:
         self.service = MemoryBrokerService(
             self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
         )
+        self.service.digests = self.digests
         self.service.manager_uids = opts.manager_uids()
         self.service.debug_rpcs = opts.log_level == "debug"
 
@@ -245,7 +248,9 @@ class BrokerServer:
             if opts.max_sessions
             else None,
         )
-        broker_pb2_grpc.add_MemoryBrokerServicer_to_server(self.service, self.server)
+        trim = MemoryReturner(loop, lambda: self.gate.large)
+        self.gate = RequestGate(opts.request_bytes_in_flight, opts.large_requests, trim.soon)
+        add_to_server(self.service, self.server, self.gate)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
@@ -286,18 +291,7 @@ class BrokerServer:
         self.step_server.start()
 
     def arena_info(self) -> pb.ArenaInfo:
-        g = self.geometry
-        return pb.ArenaInfo(
-            backend=self.arena.backend,
-            page_size=g.page_size,
-            pages_per_slab=g.pages_per_slab,
-            max_slabs=g.max_slabs,
-            num_slabs=self.arena.num_slabs,
-            window_pages=g.window_pages,
-            fd_socket_path=os.path.abspath(self.opts.fd_socket),
-            placement=self.opts.placement,
-            device=self.gpu_uuid,
-        )
+        return arena_message(self.arena, self.geometry, self.opts, self.gpu_uuid)
 
     def _set_uids(self, opts: ServeOptions) -> None:
         """Who may prove a session (at every door) and who may manage adapters."""
@@ -381,6 +375,8 @@ class BrokerServer:
             )
         if "allowed_uids" in apply or "adapter_manager_uids" in apply:
             self._set_uids(new)
+        if {"request_bytes_in_flight", "large_requests"} & apply.keys():
+            self.gate.max_bytes, self.gate.max_large = new.request_bytes_in_flight, new.large_requests
         if "max_sessions" in apply:
             self.sessions.max_sessions = new.max_sessions
         if "max_sessions_per_uid" in apply:
@@ -525,6 +521,103 @@ def set_socket_permissions(opts: ServeOptions) -> None:
             os.chown(path, -1, gid)
         if mode is not None:
             os.chmod(path, mode)
+
+
+# Quiet time after the last large request before freed memory is handed back to the system.
+TRIM_AFTER_S = 0.25
+TRIM_AGAIN_S = 1.5
+# How often the anonymous RSS is looked at, and the growth since the last trim that starts one.
+WATCH_S = 1.0
+TRIM_GROWTH = 8 << 20
+
+
+class MemoryReturner:
+    """Hands memory freed by bursts back to the system (glibc keeps it otherwise).
+
+    After large requests: once the burst is over (``TRIM_AFTER_S`` without another, none in
+    flight), a ``malloc_trim`` in a thread off the loop, and once more ``TRIM_AGAIN_S`` later
+    (gRPC frees the last buffers of refused calls late). Requests gRPC refuses at their
+    header never reach the broker, so every ``WATCH_S`` it also looks at its anonymous RSS:
+    grown by ``TRIM_GROWTH`` since the last trim, it trims (live memory is trimmed once)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, in_flight):
+        self.loop = loop
+        self.in_flight = in_flight
+        self.pending = False
+        self.at = 0.0
+        self.base = anon_rss()
+        loop.call_later(WATCH_S, self._watch)
+
+    def soon(self) -> None:
+        self.at = time.monotonic() + TRIM_AFTER_S
+        if not self.pending:
+            self.pending = True
+            self.loop.call_later(TRIM_AFTER_S, self._trim)
+
+    def _watch(self) -> None:
+        if anon_rss() > self.base + TRIM_GROWTH:
+            self.soon()
+        self.loop.call_later(WATCH_S, self._watch)
+
+    def _trimmed(self, _fut) -> None:
+        self.base = anon_rss()
+
+    def _trim(self) -> None:
+        wait = self.at - time.monotonic()
+        if wait > 0 or self.in_flight():
+            self.loop.call_later(max(wait, TRIM_AFTER_S / 4), self._trim)
+            return
+        self.pending = False
+        self.loop.run_in_executor(None, malloc_trim).add_done_callback(self._trimmed)
+        self.loop.call_later(
+            TRIM_AGAIN_S,
+            lambda: self.pending or self.loop.run_in_executor(None, malloc_trim).add_done_callback(self._trimmed),
+        )
+
+
+def anon_rss() -> int:
+    """This process's resident memory that is not shared (the arena's pages are), in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            _, resident, shared = f.read().split()[:3]
+        return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def malloc_trim() -> None:
+    """glibc keeps memory freed by many small blocks (gRPC's buffers of a large request) in
+    its arenas; ``malloc_trim`` returns it to the system. Elsewhere nothing is done."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def arena_message(arena, g: ArenaGeometry, opts: ServeOptions, gpu_uuid: str) -> pb.ArenaInfo:
+    return pb.ArenaInfo(
+        backend=arena.backend,
+        page_size=g.page_size,
+        pages_per_slab=g.pages_per_slab,
+        max_slabs=g.max_slabs,
+        num_slabs=arena.num_slabs,
+        window_pages=g.window_pages,
+        fd_socket_path=os.path.abspath(opts.fd_socket),
+        placement=opts.placement,
+        device=gpu_uuid,
+    )
+
+
+def make_digests(opts: ServeOptions, store: ObjectStore, arena, log, tasks: list) -> KeyDigests | None:
+    """With ``memory_pool.integrity.kv_digest``, the digests of committed keyed objects (their
+    background checks' task joins ``tasks``); else None."""
+    if not opts.kv_digest:
+        return None
+    digests = KeyDigests(store, arena.view, opts.page_size, log, opts.kv_verify_interval_s)
+    task = digests.start()
+    if task is not None:
+        tasks.append(task)
+    return digests
 
 
 def raise_fd_limit() -> tuple[int, int]:

@@ -77,10 +77,25 @@ def setting(
     return Field(default, description=help, json_schema_extra=extra, **bounds)
 
 
-class ServeOptions(BaseModel):
-    """Every setting of a running broker, with its default. Types and bounds are checked on
-    construction and on assignment; ``validate`` adds the checks that span settings or look at
-    the machine (the socket's directory, the group)."""
+class _Explained(BaseModel):
+    """A model whose validation errors are SettingErrors naming the setting (``_explain``)."""
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise _explain(e) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise _explain(e) from None
+
+
+class ServeOptions(_Explained):
+    """Every setting of a running broker, with its default: types and bounds are checked on construction and
+    assignment; ``validate`` adds the checks that span settings or look at the machine (socket dir, group)."""
 
     model_config = ConfigDict(strict=True, validate_assignment=True, extra="forbid")
 
@@ -393,6 +408,52 @@ class ServeOptions(BaseModel):
         unit="seconds",
         help="close a gRPC connection with no call open for this long",
     )
+    kv_digest: bool = setting(
+        False,
+        kind="bool",
+        yaml="memory_pool.integrity.kv_digest",
+        help="digest keyed objects at commit (VerifyObjects)",
+    )
+    kv_verify_interval_s: float = setting(
+        0.0,
+        kind="duration",
+        yaml="memory_pool.integrity.kv_verify_interval",
+        flag="--kv-verify-interval",
+        metavar="T",
+        ge=0.0,
+        le=86400.0,
+        unit="seconds",
+        help="with --kv-digest, check one digested object this often in the background (0: off)",
+    )
+    max_request_size: int = setting(
+        4 << 20,
+        kind="size",
+        yaml="listeners.max_request_size",
+        metavar="SIZE",
+        ge=64 << 10,
+        le=1 << 30,
+        help="largest gRPC request (gRPC's own default); a larger one is refused at its header, unread",
+    )
+    request_bytes_in_flight: int = setting(
+        64 << 20,
+        kind="size",
+        yaml="listeners.request_bytes_in_flight",
+        metavar="SIZE",
+        reload=True,
+        ge=64 << 10,
+        le=16 << 30,
+        help="bytes of gRPC requests being handled at once; more are RESOURCE_EXHAUSTED unparsed",
+    )
+    large_requests: int = setting(
+        4,
+        kind="int",
+        yaml="listeners.large_requests",
+        metavar="N",
+        reload=True,
+        ge=1,
+        le=4096,
+        help="gRPC requests of 1 MiB or more handled at once; more are RESOURCE_EXHAUSTED unparsed",
+    )
     metrics_port: int = setting(
         0,
         kind="int",
@@ -438,18 +499,6 @@ class ServeOptions(BaseModel):
     # The YAML file the options came from (SIGHUP rereads it): not a setting.
     config_path: str | None = None
 
-    def __init__(self, **values: Any) -> None:
-        try:
-            super().__init__(**values)
-        except ValidationError as e:
-            raise _explain(e) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            raise _explain(e) from None
-
     @property
     def fd_socket(self) -> str:
         return self.socket + ".fds"
@@ -467,37 +516,48 @@ class ServeOptions(BaseModel):
         return frozenset({os.getuid(), 0})
 
     def validate(self) -> None:  # type: ignore[override]  (pydantic's deprecated classmethod)
-        """Raise SettingError naming the first bad setting. Types and single-setting bounds were
-        checked on construction; these are the checks that span settings or ask the machine.
-        The arena geometry (page, slab, pool) is checked by the one check the arenas use."""
-        try:
-            check_sizes(self.page_size, self.slab_size, self.pool_size)
-        except ValueError as e:
-            name, _, detail = str(e).partition(": ")
-            raise SettingError(name, detail) from None
-        if self.preallocate < 0 or self.preallocate > self.pool_size:
-            raise SettingError(
-                "preallocate", f"{self.preallocate} bytes must be between 0 and pool_size ({self.pool_size})"
-            )
-        if not self.low_watermark <= self.high_watermark:
-            raise SettingError(
-                "low_watermark", f"{self.low_watermark}; must be in (0, high_watermark={self.high_watermark}]"
-            )
-        if len(self.fd_socket.encode()) > 107:
-            raise SettingError(
-                "socket", f"{self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)"
-            )
-        _check_socket_dir(self.socket)
-        for root in self.adapter_allowed_roots:
-            if not root.startswith("/") or "\x00" in root:
-                raise SettingError("adapter_allowed_roots", f"{root!r} is not an absolute path")
-        if self.socket_group is not None:
-            import grp
+        """Raise SettingError naming the first bad setting (``_check_options``)."""
+        _check_options(self)
 
-            try:
-                grp.getgrnam(self.socket_group)
-            except KeyError:
-                raise SettingError("socket_group", f"no group named {self.socket_group!r} on this machine") from None
+
+def _check_options(opts: ServeOptions) -> None:
+    """ServeOptions.validate's checks. Types and single-setting bounds were checked on
+    construction; these are the checks that span settings or ask the machine. The arena
+    geometry (page, slab, pool) is checked by the one check the arenas use."""
+    try:
+        check_sizes(opts.page_size, opts.slab_size, opts.pool_size)
+    except ValueError as e:
+        name, _, detail = str(e).partition(": ")
+        raise SettingError(name, detail) from None
+    if opts.preallocate < 0 or opts.preallocate > opts.pool_size:
+        raise SettingError(
+            "preallocate", f"{opts.preallocate} bytes must be between 0 and pool_size ({opts.pool_size})"
+        )
+    if not opts.low_watermark <= opts.high_watermark:
+        raise SettingError(
+            "low_watermark", f"{opts.low_watermark}; must be in (0, high_watermark={opts.high_watermark}]"
+        )
+    if len(opts.fd_socket.encode()) > 107:
+        raise SettingError(
+            "socket", f"{opts.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)"
+        )
+    if opts.request_bytes_in_flight < opts.max_request_size:
+        raise SettingError(
+            "request_bytes_in_flight",
+            f"{opts.request_bytes_in_flight} bytes is less than max_request_size ({opts.max_request_size}):"
+            " the largest request could never be served",
+        )
+    _check_socket_dir(opts.socket)
+    for root in opts.adapter_allowed_roots:
+        if not root.startswith("/") or "\x00" in root:
+            raise SettingError("adapter_allowed_roots", f"{root!r} is not an absolute path")
+    if opts.socket_group is not None:
+        import grp
+
+        try:
+            grp.getgrnam(opts.socket_group)
+        except KeyError:
+            raise SettingError("socket_group", f"no group named {opts.socket_group!r} on this machine") from None
 
 
 def _check_socket_dir(socket: str) -> None:

@@ -128,6 +128,8 @@ class ObjectStore:
         # eviction down to the low watermark and the release of an ended session's holdings
         # run in batches of ``work_batch`` objects instead of all at once inside one call.
         self.work_batch = 128
+        # Called with the keyed objects each commit makes visible (digests.KeyDigests), or None.
+        self.on_commit: Callable[[list[Allocation]], None] | None = None
 
     # ------------------------------------------------ the narrow interface
 
@@ -298,7 +300,22 @@ class ObjectStore:
         that returns the same result."""
         s = self._session(session)
         check_batch(len(txn_ids), "transaction_ids", self.config.max_batch)
-        return self.transactions.commit(s, txn_ids)
+        txns = self.transactions.commit(s, txn_ids)
+        if self.on_commit is not None:
+            self.on_commit([o for t in txns for o, dedup in t.result if o.key is not None and not dedup])
+        return txns
+
+    def withdraw(self, obj: Allocation) -> bool:
+        """Take a corrupt committed object out of service: its key stops resolving, its pages return with its last pin."""
+        if self.objects.get(obj.object_id) is not obj or obj.freed or obj.state != ObjectState.COMMITTED:
+            return False
+        owner = self.sessions.get(obj.owner)
+        if owner is not None:
+            self.ledger.drop_own(owner, obj)
+            owner.owned.discard(obj.object_id)
+        self.tally.set_owner(obj, 0)
+        self.table.free_one(obj)
+        return True
 
     def abort(self, session: int, txn_ids: Sequence[int]) -> int:
         """Roll prepared batches back; returns pages freed. Aborting an aborted or expired

@@ -60,6 +60,9 @@ class Allocation:
     pin_count: int = 0
     # Freed by its owner while other sessions pinned it: pages return with the last pin.
     freed: bool = False
+    # Digest of its bytes taken after its transaction committed ("blake2b:<hex>"), "" if none
+    # (memory_pool.kv_digest; broker/store/digests.py).
+    digest: str = ""
 
 
 @dataclass(slots=True, eq=False)

@@ -76,6 +76,10 @@ class ShardedMap:
     def keys(self) -> Iterator:
         return iter(self)
 
+    def shard_values(self, i: int) -> Iterator:
+        """The values of shard ``i % 256`` alone (a bounded look, for sampling)."""
+        return iter(self._shards[i & MASK].values())
+
     def values(self) -> Iterator:
         for d in self._shards:
             yield from d.values()

@@ -50,6 +50,10 @@ def code_of(name: str) -> Code:
     return Code[name] if name in Code.__members__ else Code.INTERNAL
 
 
+# How gRPC begins its refusal of a message over the receiver's max_receive_message_length.
+_TOO_LARGE = ("SERVER: Received message larger than max", "Received message larger than max")
+
+
 def error_from_rpc(e: grpc.RpcError, socket_path: str = "", timeout: float = 0.0) -> BrokerError:
     """A gRPC failure as a BrokerError naming the status and what to do, without transport text.
 
@@ -73,6 +77,13 @@ def error_from_rpc(e: grpc.RpcError, socket_path: str = "", timeout: float = 0.0
         )
     if code == grpc.StatusCode.CANCELLED:
         return BrokerError(Code.UNAVAILABLE, f"the call to {where} was cancelled (the connection closed); retry")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(_TOO_LARGE):
+        # gRPC's own refusal, at the request's header: say which setting and what to do.
+        return BrokerError(
+            Code.RESOURCE_EXHAUSTED,
+            f"the request is larger than {where} accepts ({details.removeprefix('SERVER: ')}, in bytes): "
+            "send smaller batches, or raise its listeners.max_request_size",
+        )
     name = code.name if code is not None else "INTERNAL"
     if name not in Code.__members__:
         return BrokerError(Code.INTERNAL, f"{where} failed the call with {name}; see the broker's log")

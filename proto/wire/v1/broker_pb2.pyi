@@ -756,3 +756,33 @@ class VerifyAdaptersResponse(_message.Message):
     checks: _containers.RepeatedCompositeFieldContainer[AdapterCheck]
     corrupt: int
     def __init__(self, checks: _Optional[_Iterable[_Union[AdapterCheck, _Mapping]]] = ..., corrupt: _Optional[int] = ...) -> None: ...
+
+class VerifyObjectsRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ObjectCheck(_message.Message):
+    __slots__ = ("key", "object_id", "checked", "ok", "digest", "detail")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    object_id: int
+    checked: bool
+    ok: bool
+    digest: str
+    detail: str
+    def __init__(self, key: _Optional[bytes] = ..., object_id: _Optional[int] = ..., checked: _Optional[bool] = ..., ok: _Optional[bool] = ..., digest: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class VerifyObjectsResponse(_message.Message):
+    __slots__ = ("checks", "corrupt")
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    checks: _containers.RepeatedCompositeFieldContainer[ObjectCheck]
+    corrupt: int
+    def __init__(self, checks: _Optional[_Iterable[_Union[ObjectCheck, _Mapping]]] = ..., corrupt: _Optional[int] = ...) -> None: ...

@@ -129,6 +129,11 @@ class MemoryBrokerStub:
                 request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
                 response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
                 _registered_method=True)
+        self.VerifyObjects = channel.unary_unary(
+                '/broker.v1.MemoryBroker/VerifyObjects',
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryBrokerServicer:
@@ -258,6 +263,15 @@ class MemoryBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyObjects(self, request, context):
+        """Checks committed keyed objects against the digest taken when their transaction committed
+        (memory_pool.kv_digest; FAILED_PRECONDITION when it is off). A corrupt object is withdrawn:
+        its key stops resolving at once, its pages return with its last pin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -355,6 +369,11 @@ def add_MemoryBrokerServicer_to_server(servicer, server):
                     servicer.VerifyAdapters,
                     request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.FromString,
                     response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.SerializeToString,
+            ),
+            'VerifyObjects': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyObjects,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -870,6 +889,33 @@ class MemoryBroker:
             '/broker.v1.MemoryBroker/VerifyAdapters',
             memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersRequest.SerializeToString,
             memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyObjects(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/VerifyObjects',
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsResponse.FromString,
             options,
             channel_credentials,
             insecure,
