@@ -24,19 +24,32 @@ FdChannelError = proto.FdChannelError
 def fetch_slab_fds(path: str, token: str, from_slab: int, *, timeout: float = 5.0) -> list[int]:
     """The fds of units ``from_slab..end`` (slabs on a host arena), in order, close-on-exec,
     owned by the caller. For a few fds only: a CUDA arena's pages go through ``fetch_fds``
-    with a ``consume`` that imports and closes each chunk.
+    with a ``consume`` that imports and closes each chunk. (With tenant pools the fds may
+    start past ``from_slab``: ``fetch_slab_range`` says where.)
+
+    Raises:
+        FdChannelError: as ``fetch_fds``. No fds are left open.
+    """
+    return fetch_slab_range(path, token, from_slab, timeout=timeout)[1]
+
+
+def fetch_slab_range(path: str, token: str, from_slab: int, *, timeout: float = 5.0) -> tuple[int, list[int]]:
+    """``(first, fds)``: the fds of the slabs ``first..first+len(fds)-1`` this session may map
+    among ``from_slab..end`` (all of them, ``first == from_slab``, without tenant pools; with
+    them, its own pool's: the slabs before ``first`` and after the last are not its).
 
     Raises:
         FdChannelError: as ``fetch_fds``. No fds are left open.
     """
     fds: list[int] = []
+    served: list[int] = []
     try:
-        fetch_fds(path, token, from_slab, None, fds.extend, timeout=timeout)
+        fetch_fds(path, token, from_slab, None, fds.extend, timeout=timeout, served=served)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
-    return fds
+    return (served[0] if served else from_slab), fds
 
 
 def fetch_fds(
@@ -47,6 +60,7 @@ def fetch_fds(
     consume: Callable[[list[int]], None],
     *,
     timeout: float = 5.0,
+    served: list[int] | None = None,
 ) -> int:
     """Fetch the fds of units ``first..first+count-1`` (``count`` None: to the arena's end) and
     hand each chunk (at most ``MAX_FDS_PER_MESSAGE``, in unit order) to ``consume`` as it
@@ -61,6 +75,8 @@ def fetch_fds(
         first, count: the units wanted (slabs on a host arena, pages on a CUDA arena).
         consume: called with each chunk's fds.
         timeout: seconds for the whole exchange.
+        served: when given, the reply's first unit is appended (past ``first`` only for a
+            to-the-end request of a tenant pool's session).
 
     Raises:
         FdChannelError: refused by the broker (its code and message), unreachable or too slow
@@ -77,7 +93,7 @@ def fetch_fds(
 
     while True:
         try:
-            return _fetch_once(path, token, first, count, counted, deadline)
+            return _fetch_once(path, token, first, count, counted, deadline, served)
         except FdChannelError as e:
             # The channel's connection caps are busy, not wrong: wait and ask again while
             # time is left (nothing was handed to ``consume`` yet, so nothing repeats).
@@ -89,7 +105,13 @@ def fetch_fds(
 
 
 def _fetch_once(
-    path: str, token: str, first: int, count: int | None, consume: Callable[[list[int]], None], deadline: float
+    path: str,
+    token: str,
+    first: int,
+    count: int | None,
+    consume: Callable[[list[int]], None],
+    deadline: float,
+    served: list[int] | None = None,
 ) -> int:
     """One connection's request and reply (``fetch_fds`` without its retries)."""
     timeout = max(deadline - time.monotonic(), 0.001)
@@ -108,12 +130,20 @@ def _fetch_once(
         except (BrokenPipeError, ConnectionResetError):
             # The broker may have refused and closed before reading; its reply is still queued.
             pass
-        return _receive(sock, path, first, deadline, consume)
+        return _receive(sock, path, first, deadline, consume, count is None, served)
     finally:
         sock.close()
 
 
-def _receive(sock: socket.socket, path: str, first: int, deadline: float, consume: Callable[[list[int]], None]) -> int:
+def _receive(
+    sock: socket.socket,
+    path: str,
+    first: int,
+    deadline: float,
+    consume: Callable[[list[int]], None],
+    to_end: bool = False,
+    served: list[int] | None = None,
+) -> int:
     """Read the reply, handing each chunk's fds to ``consume``; returns the fds received."""
     where = f"fd channel {path}"
     buf = bytearray()
@@ -128,7 +158,9 @@ def _receive(sock: socket.socket, path: str, first: int, deadline: float, consum
                 line, buf = bytes(buf[:i]), buf[i + 1 :]
                 msg = proto.parse_reply_line(line, where)
                 if count is None:
-                    count = proto.header_count(msg, where, first)
+                    count = proto.header_count(msg, where, first, to_end)
+                    if served is not None:
+                        served.append(msg["first"])
                 else:
                     n = proto.chunk_count(msg, where, next_chunk)
                     next_chunk += 1

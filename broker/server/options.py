@@ -18,6 +18,7 @@ exceptions); the YAML key is ``<section>.<name>``, where the ``adapters`` sectio
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -197,6 +198,15 @@ class ServeOptions(BaseModel):
         reload=True,
         shown="own uid",
         help="uid allowed on the fd channel (repeat)",
+    )
+    tenants: tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...] = setting(
+        (),
+        kind="tenants",
+        yaml="security.tenants",
+        flag="--tenant",
+        metavar="NAME:uids=U,..:gids=G,..:bytes=SIZE",
+        shown="none: one shared pool",
+        help="a tenant pool of whole slabs for the sessions of these uids/gids (repeat)",
     )
     enable_echo: bool = setting(False, kind="bool", yaml=None, help="serve the bare Echo service (benchmarks)")
     grace_s: float = setting(
@@ -461,17 +471,56 @@ class ServeOptions(BaseModel):
             raise SettingError(
                 "socket", f"{self.socket!r} is too long for a Unix socket path (with '.fds', at most 107 bytes)"
             )
+        _check_tenants(self)
         _check_socket_dir(self.socket)
         for root in self.adapter_allowed_roots:
             if not root.startswith("/") or "\x00" in root:
                 raise SettingError("adapter_allowed_roots", f"{root!r} is not an absolute path")
-        if self.socket_group is not None:
-            import grp
+        _check_group(self.socket_group)
 
-            try:
-                grp.getgrnam(self.socket_group)
-            except KeyError:
-                raise SettingError("socket_group", f"no group named {self.socket_group!r} on this machine") from None
+
+def _check_group(group: str | None) -> None:
+    if group is not None:
+        import grp
+
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            raise SettingError("socket_group", f"no group named {group!r} on this machine") from None
+
+
+def _check_tenants(opts: ServeOptions) -> None:
+    """Each tenant pool is whole slabs, and together they leave the shared pool a slab."""
+    for name, _, _, size in opts.tenants:
+        if size <= 0 or size % opts.slab_size:
+            raise SettingError(
+                "tenants",
+                f"tenants[{name}].bytes = {show('size', size)} must be a positive multiple of "
+                f"slab_size ({show('size', opts.slab_size)}): a tenant pool is whole slabs",
+            )
+    total = sum(t[3] for t in opts.tenants)
+    if opts.tenants and total + opts.slab_size > opts.pool_size:
+        raise SettingError(
+            "tenants",
+            f"the tenant pools add up to {show('size', total)}; pool_size ({show('size', opts.pool_size)}) "
+            "must exceed that by a slab at least (the shared pool: adapters and sessions of no tenant)",
+        )
+    if opts.tenants and opts.preallocate + total > opts.pool_size:
+        raise SettingError(
+            "preallocate",
+            f"{show('size', opts.preallocate)} plus the tenant pools ({show('size', total)}) is "
+            f"over pool_size ({show('size', opts.pool_size)}); preallocate is the shared pool's part",
+        )
+
+
+def tenant_of(tenants, uid: int, gids: Iterable[int]) -> int:
+    """The pool of a process: 1 + the index of the first tenant listing its uid or one of its
+    gids, or 0 (the shared pool)."""
+    gids = set(gids)
+    for i, (_, uids, tgids, _) in enumerate(tenants, 1):
+        if uid in uids or gids.intersection(tgids):
+            return i
+    return 0
 
 
 def _check_socket_dir(socket: str) -> None:

@@ -60,6 +60,8 @@ class Allocation:
     pin_count: int = 0
     # Freed by its owner while other sessions pinned it: pages return with the last pin.
     freed: bool = False
+    # The pool its pages come from: 0 the shared pool, 1.. a tenant's (ARCHITECTURE.md, "Pools").
+    pool: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +93,13 @@ class SessionState:
     txns: set[int] = field(default_factory=set)
     # Sum of ``pins`` (checked against max_pins_per_session).
     pin_total: int = 0
+    # Its pool: 0 the shared pool, 1.. a tenant's; UNASSIGNED until the broker knows the
+    # session's process (with tenant pools only: such a session can do nothing yet).
+    pool: int = 0
+
+
+# ``SessionState.pool`` of a session not yet placed in a pool.
+UNASSIGNED = -1
 
 
 @dataclass(frozen=True, slots=True)
