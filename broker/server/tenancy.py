@@ -90,10 +90,10 @@ def fd_scope(server) -> Callable[[str, int, int | None, int], tuple[int, int]] |
         return obj is not None and obj.state == ObjectState.COMMITTED and obj.owner in store.internal_sessions
 
     def scope(token: str, first: int, count: int | None, have: int) -> tuple[int, int]:
-        s = store.sessions.get(server.sessions.from_token(token).session_id)
-        if s is None or s.pool < 0:
-            raise FdRequestRefused("PERMISSION_DENIED", "the session is in no pool; open a new session")
         try:
+            s = store.sessions.get(server.sessions.from_token(token).session_id)
+            if s is None or s.pool < 0:
+                raise FdRequestRefused("PERMISSION_DENIED", "the session is in no pool; open a new session")
             return store.tenancy.scope(s.pool, first, count, have, unit_pages, broker_page)
         except BrokerError as e:
             raise FdRequestRefused(e.code.value, e.message) from None
