@@ -209,6 +209,8 @@ def test_tenant_settings_are_read_from_yaml_and_flags_and_checked():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TENANT_A, TENANT_B = 1001, 1002
+# teamB is matched by a supplementary group of its processes (read from /proc/PID/status).
+TEAM_B_GROUP = 3000
 
 CHILD = """
 import json, os, sys
@@ -216,8 +218,8 @@ import torch
 from memory_broker.clients import BrokerClient, Spec, BrokerError
 from memory_broker.clients.fd_channel import FdChannelError, fetch_fds, fetch_slab_range
 # Everything is imported (this machine's Python may be unreadable to other uids): now become
-# the tenant's process, with its uid and gid and no other group.
-os.setgroups([]); os.setgid({uid}); os.setuid({uid})
+# the tenant's process, with its uid, its gid and the supplementary groups given.
+os.setgroups({groups}); os.setgid({uid}); os.setuid({uid})
 SOCKET = {socket!r}
 def out(**kw):
     print(json.dumps(kw), flush=True)
@@ -230,9 +232,10 @@ def code(fn):
 """
 
 
-def run_as(uid: int, socket: str, body: str) -> dict:
-    """``body`` in a fresh process of ``uid`` (and gid ``uid``); its printed JSON lines, merged."""
-    code = CHILD.format(uid=uid, socket=socket) + textwrap.dedent(body)
+def run_as(uid: int, socket: str, body: str, groups: tuple[int, ...] = ()) -> dict:
+    """``body`` in a fresh process of ``uid`` (gid ``uid``, supplementary ``groups``); its
+    printed JSON lines, merged."""
+    code = CHILD.format(uid=uid, socket=socket, groups=list(groups)) + textwrap.dedent(body)
     r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"child of uid {uid} failed:\n{r.stdout}\n{r.stderr}"
     got: dict = {}
@@ -253,7 +256,7 @@ def test_two_tenants_end_to_end_with_real_processes_of_their_uids(broker_factory
         "--tenant",
         f"teamA:uids={TENANT_A}:bytes=4MiB",
         "--tenant",
-        f"teamB:uids={TENANT_B}:bytes=4MiB",
+        f"teamB:gids={TEAM_B_GROUP}:bytes=4MiB",
         "--preallocate",
         "2MiB",  # the shared pool's first slab, slab 4
         "--socket-mode",
@@ -302,6 +305,7 @@ def test_two_tenants_end_to_end_with_real_processes_of_their_uids(broker_factory
             lambda: fetch_fds({fds!r}, c.token, 0, 1, lambda fds: [os.close(f) for f in fds])))
         c.close()
         """,
+        groups=(TEAM_B_GROUP,),
     )
     assert bb["lookup"] == [] and bb["pages"] == list(range(8, 16)) and bb["to_end"] == 2
     assert bb["a_slabs"][0] == "PERMISSION_DENIED"
