@@ -16,7 +16,9 @@ import subprocess
 import sys
 import textwrap
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
 from store_invariants import check_invariants
 
 from memory_broker.broker.store.eviction import ContentType
@@ -326,3 +328,46 @@ def test_two_tenants_end_to_end_with_real_processes_of_their_uids(broker_factory
     assert shared["lookup"] == [] and min(shared["pages"]) >= 16 and shared["to_end"] == 4
     assert shared["a_slabs"][0] == "PERMISSION_DENIED"
     assert b.stop(signal.SIGTERM) == 0
+
+
+# ----------------------------------------------------------------- random operations
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["allocate", "free", "pin", "unpin", "lookup", "end"]),
+        st.integers(0, 2),  # which session (pool 1, 2 or the shared pool)
+        st.integers(1, 5),  # pages
+        st.sampled_from([None, b"x", b"y"]),  # key
+        st.booleans(),  # pin / contiguous
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_random_operations_keep_every_pool_to_itself(seq):
+    store = pooled_store()
+    sids = list(sessions(store))
+    for op, who, n, key, flag in seq:
+        sid = sids[who]
+        pool = store.sessions[sid].pool
+        others = {oid for oid, o in store.objects.items() if o.pool != pool}
+        try:
+            if op == "allocate":
+                for obj, _ in store.allocate(sid, [Spec(n, content_type=KV, key=key, pin=flag, contiguous=flag)]):
+                    assert obj.pool == pool
+            elif op in ("free", "pin", "unpin"):
+                mine = [oid for oid in store.sessions[sid].owned if not store.objects[oid].freed][:1]
+                getattr(store, op)(sid, mine or sorted(others)[:1])
+            elif op == "lookup":
+                assert all(o.pool == pool for o in store.lookup(sid, [key or b"x"], flag))
+            else:
+                store.end_session(sid)
+                sids[who] = store.open_session()
+                store.assign_pool(sids[who], pool)
+        except BrokerError as e:
+            assert e.code != Code.INTERNAL, e
+        # Nothing one pool's session did removed another pool's object.
+        assert others <= set(store.objects)
+        check_invariants(store)
