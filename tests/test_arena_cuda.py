@@ -1885,6 +1885,9 @@ def test_a_tenant_pool_session_gets_its_own_pages_and_adapters_only_where_they_c
         c = BrokerClient.connect(sock, client_name="tenant", timeout=10)
         obj = c.allocate_one(3, contiguous=True, key=b"k1")
         assert set(obj.pages) <= set(range(8)) and srv.store.stats().used_pages == 3
+        # Replies name every slab of the arena (a client maps up to there before it touches
+        # a page), not only the shared pool's.
+        assert srv.service._slabs() == srv.arena.num_slabs == 2
         c.register_adapter("a0", write_adapter(os.path.join(d, "adapters", "a0"), 0))
         if backend == "host":
             with pytest.raises(BrokerError) as e:
@@ -1906,6 +1909,7 @@ def test_a_tenant_pool_session_gets_its_own_pages_and_adapters_only_where_they_c
 
         adapter_page, other_page = lp.call(shared_objects())
         assert adapter_page >= 8 and other_page >= 8
+        assert srv.service._slabs() == srv.arena.num_slabs == 3  # the shared pool grew
 
         def fetch(first, count):
             return fetch_fds(c.arena.fd_socket_path, c.token, first, count, lambda fds: [os.close(f) for f in fds])

@@ -318,7 +318,7 @@ def test_two_tenants_end_to_end_with_real_processes_of_their_uids(broker_factory
         f"""
         c = BrokerClient.connect(SOCKET, client_name="root")
         out(lookup=[o.object_id for o in c.lookup([b"secret"])])
-        o = c.allocate_one(2, contiguous=True)
+        o = c.allocate_one(6, contiguous=True)  # more than slab 4: the shared pool grows
         o.tensor()[:] = 3
         out(pages=sorted(o.pages), to_end=fetch_slab_range({fds!r}, c.token, 0)[0])
         out(a_slabs=code(lambda: fetch_fds({fds!r}, c.token, 0, 1, lambda fds: [os.close(f) for f in fds])))
