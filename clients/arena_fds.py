@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from memory_broker.clients.fd_channel import FdChannelError, fetch_fds, fetch_slab_fds, prove_session
+from memory_broker.clients.fd_channel import FdChannelError, fetch_fds, fetch_slab_range, prove_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping.host import HostArenaView
 from memory_broker.proto.wire.mapping.view import page_runs
@@ -53,22 +53,28 @@ def attach_slabs(view, path: str, token: str, num_slabs: int, timeout: float) ->
         view.extend(num_slabs)
         return
     try:
-        fds = fetch_slab_fds(path, token, first, timeout=timeout)
+        start, fds = fetch_slab_range(path, token, first, timeout=timeout)
     except FdChannelError as e:
         raise BrokerError(code_of(e.code), f"fd channel {path}: {e}") from None
     try:
+        # With tenant pools the broker sends this session's pool only: the slabs before
+        # ``start`` and after the last sent (up to ``num_slabs``) are others', left unmapped.
+        for i in range(first, start):
+            view.attach_hole(i)
         for i, fd in enumerate(fds):
-            view.attach_slab(first + i, fd)
+            view.attach_slab(start + i, fd)
+        for i in range(start + len(fds), num_slabs):
+            view.attach_hole(i)
     finally:
         for fd in fds:
             os.close(fd)
-    if isinstance(view, HostArenaView) and view.mapped_slabs > first:
+    if isinstance(view, HostArenaView) and fds:
         # Host pages start read-only here and become writable where this process is given
         # them to write (allocate, prepare). Granting write costs an mprotect and no more;
         # taking it away also flushes the TLBs of every CPU the process runs on, which a
         # lookup of another process's pages would otherwise pay each time.
         pps = view.geometry.pages_per_slab
-        view.set_page_access(range(first * pps, view.mapped_slabs * pps), True)
+        view.set_page_access(range(start * pps, (start + len(fds)) * pps), True)
 
 
 def missing_pages(view, pages: Sequence[int]) -> list[int]:

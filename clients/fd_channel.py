@@ -24,19 +24,32 @@ FdChannelError = proto.FdChannelError
 def fetch_slab_fds(path: str, token: str, from_slab: int, *, timeout: float = 5.0) -> list[int]:
     """The fds of units ``from_slab..end`` (slabs on a host arena), in order, close-on-exec,
     owned by the caller. For a few fds only: a CUDA arena's pages go through ``fetch_fds``
-    with a ``consume`` that imports and closes each chunk.
+    with a ``consume`` that imports and closes each chunk. (With tenant pools the fds may
+    start past ``from_slab``: ``fetch_slab_range`` says where.)
+
+    Raises:
+        FdChannelError: as ``fetch_fds``. No fds are left open.
+    """
+    return fetch_slab_range(path, token, from_slab, timeout=timeout)[1]
+
+
+def fetch_slab_range(path: str, token: str, from_slab: int, *, timeout: float = 5.0) -> tuple[int, list[int]]:
+    """``(first, fds)``: the fds of the slabs ``first..first+len(fds)-1`` this session may map
+    among ``from_slab..end`` (all of them, ``first == from_slab``, without tenant pools; with
+    them, its own pool's: the slabs before ``first`` and after the last are not its).
 
     Raises:
         FdChannelError: as ``fetch_fds``. No fds are left open.
     """
     fds: list[int] = []
+    served: list[int] = []
     try:
-        fetch_fds(path, token, from_slab, None, fds.extend, timeout=timeout)
+        fetch_fds(path, token, from_slab, None, fds.extend, timeout=timeout, served=served)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
-    return fds
+    return (served[0] if served else from_slab), fds
 
 
 def prove_session(path: str, token: str, *, timeout: float = 5.0) -> str:
@@ -75,6 +88,7 @@ def fetch_fds(
     *,
     timeout: float = 5.0,
     on_header: Callable[[dict], None] | None = None,
+    served: list[int] | None = None,
 ) -> int:
     """Fetch the fds of units ``first..first+count-1`` (``count`` None: to the arena's end) and
     hand each chunk (at most ``MAX_FDS_PER_MESSAGE``, in unit order) to ``consume`` as it
@@ -90,6 +104,8 @@ def fetch_fds(
         consume: called with each chunk's fds.
         timeout: seconds for the whole exchange.
         on_header: called with the reply's header (it carries the session's proof key).
+        served: when given, the reply's first unit is appended (past ``first`` only for a
+            to-the-end request of a tenant pool's session).
 
     Raises:
         FdChannelError: refused by the broker (its code and message), unreachable or too slow
@@ -106,7 +122,7 @@ def fetch_fds(
 
     while True:
         try:
-            return _fetch_once(path, token, first, count, counted, deadline, on_header)
+            return _fetch_once(path, token, first, count, counted, deadline, on_header, served)
         except FdChannelError as e:
             # The channel's connection caps are busy, not wrong: wait and ask again while
             # time is left (nothing was handed to ``consume`` yet, so nothing repeats).
@@ -125,6 +141,7 @@ def _fetch_once(
     consume: Callable[[list[int]], None],
     deadline: float,
     on_header: Callable[[dict], None] | None,
+    served: list[int] | None = None,
 ) -> int:
     """One connection's request and reply (``fetch_fds`` without its retries)."""
     timeout = max(deadline - time.monotonic(), 0.001)
@@ -143,7 +160,7 @@ def _fetch_once(
         except (BrokenPipeError, ConnectionResetError):
             # The broker may have refused and closed before reading; its reply is still queued.
             pass
-        return _receive(sock, path, first, deadline, consume, on_header)
+        return _receive(sock, path, first, deadline, consume, on_header, count is None, served)
     finally:
         sock.close()
 
@@ -155,6 +172,8 @@ def _receive(
     deadline: float,
     consume: Callable[[list[int]], None],
     on_header: Callable[[dict], None] | None = None,
+    to_end: bool = False,
+    served: list[int] | None = None,
 ) -> int:
     """Read the reply, handing each chunk's fds to ``consume``; returns the fds received."""
     where = f"fd channel {path}"
@@ -170,9 +189,11 @@ def _receive(
                 line, buf = bytes(buf[:i]), buf[i + 1 :]
                 msg = proto.parse_reply_line(line, where)
                 if count is None:
-                    count = proto.header_count(msg, where, first)
+                    count = proto.header_count(msg, where, first, to_end)
                     if on_header is not None:
                         on_header(msg)
+                    if served is not None:
+                        served.append(msg["first"])
                 else:
                     n = proto.chunk_count(msg, where, next_chunk)
                     next_chunk += 1

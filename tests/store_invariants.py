@@ -8,16 +8,19 @@ code never imports it.
 
 from __future__ import annotations
 
+from memory_broker.broker.store.object_table import map_key
 from memory_broker.broker.store.objects import ObjectState, ObjectStore
 from memory_broker.broker.store.pool import FREE
 
 
 def check_invariants(store: ObjectStore) -> None:
-    """Assert the pool's invariants (tests call this after every step)."""
-    pool = store.pool
-    free = pool.free_page_list()
-    assert len(free) == len(set(free)), "a page is on the free list twice"
-    assert pool.used_pages + len(free) == pool.capacity_pages, "free + used != capacity"
+    """Assert the pool's invariants (tests call this after every step); with tenant pools,
+    every pool's, and no object has a page outside its own pool."""
+    for pool in store.pools:
+        free = pool.free_page_list()
+        assert len(free) == len(set(free)), "a page is on the free list twice"
+        assert pool.used_pages + len(free) == pool.capacity_pages, "free + used != capacity"
+        assert all(pool.base <= p < pool.base + pool.capacity_pages for p in free), "a free page of another pool"
     seen: dict[int, int] = {}
     every = {**store._ending, **store.sessions}
     assert not set(store._ending) & set(store.sessions), "a session is both open and ending"
@@ -25,9 +28,11 @@ def check_invariants(store: ObjectStore) -> None:
     evictable_ids = set()
     for oid, obj in store.objects.items():
         assert obj.object_id == oid
+        pool = store.pools[obj.pool]
         for p in obj.pages:
             assert p not in seen, f"page {p} belongs to objects {seen[p]} and {oid}"
             seen[p] = oid
+            assert pool.base <= p < pool.base + pool.capacity_pages, f"page {p} of object {oid} is not in its pool"
             assert pool.owner[p] == oid, f"page table says page {p} is {pool.owner[p]}, not {oid}"
         assert obj.pin_count == sum(obj.pins.values()) and obj.pin_count >= 0
         assert all(c > 0 for c in obj.pins.values()), "a zero or negative pin count is stored"
@@ -41,16 +46,19 @@ def check_invariants(store: ObjectStore) -> None:
             evictable_pages += obj.num_pages
             evictable_ids.add(oid)
         if obj.key is not None and obj.state == ObjectState.COMMITTED and not obj.freed:
-            assert store.keys.get(obj.key) is obj, "committed keyed object missing from the key index"
+            assert store.keys.get(map_key(obj.pool, obj.key)) is obj, (
+                "committed keyed object missing from the key index"
+            )
         if obj.owner:
             assert oid in every[obj.owner].owned
-    for p in free:
-        assert p not in seen and pool.owner[p] == FREE, f"free page {p} is owned"
-    assert len(seen) == pool.used_pages, "pages in objects != used pages"
+    for pool in store.pools:
+        for p in pool.free_page_list():
+            assert p not in seen and pool.owner[p] == FREE, f"free page {p} is owned"
+    assert len(seen) == sum(pool.used_pages for pool in store.pools), "pages in objects != used pages"
     assert store.policy.evictable_pages == evictable_pages, "evictable page count drifted"
     assert {o.object_id for o in store.policy} == evictable_ids, "eviction candidates drifted"
     for k, obj in store.keys.items():
-        assert obj.key == k and store.objects.get(obj.object_id) is obj
+        assert map_key(obj.pool, obj.key) == k and store.objects.get(obj.object_id) is obj
     for sid, s in every.items():
         assert s.pin_total == sum(s.pins.values()), "session pin total drifted"
         for oid in s.owned:

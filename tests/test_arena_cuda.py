@@ -1847,3 +1847,84 @@ def test_a_client_of_a_cuda_broker_maps_pages_lazily_and_closes_their_fds(fake):
         lp.call(srv.stop("test"))
         lp.stop()
     assert not fake.allocs
+
+
+@pytest.mark.parametrize("backend", ["cuda", "host"])
+def test_a_tenant_pool_session_gets_its_own_pages_and_adapters_only_where_they_can_be_mapped(fake, backend):
+    """Tenant pools (security.tenants) with a real broker in this process (its uid is tenant
+    teamA's): the client's objects are in teamA's slabs, and on the CUDA arena (strict fake
+    driver) it may be sent the fds of broker-owned pages of the shared pool (adapters, one by
+    one) but of no other page there (``map_arena``, or a page by number). On the host arena (one fd per slab) adapters are
+    refused to a tenant's session with what to do instead."""
+    import sys
+
+    import structlog
+    from conftest import ROOT, short_tmpdir
+
+    from memory_broker.broker.server.app import BrokerServer
+    from memory_broker.broker.server.config import build_options
+    from memory_broker.clients.client import BrokerClient
+    from memory_broker.clients.fd_channel import FdChannelError, fetch_fds
+    from memory_broker.proto.wire.errors import BrokerError, Code
+
+    sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
+    from bench_step import write_adapter
+
+    fake.devices[0].memory = 256 * MiB
+    d = short_tmpdir()
+    sock = os.path.join(d, "b.sock")
+    over = {"socket": sock, "state_dir": os.path.join(d, "state"), "arena": backend, "page_size": 2 * MiB}
+    over.update(slab_size=8 * MiB, pool_size=64 * MiB, tenants=(("teamA", (os.getuid(),), (), 16 * MiB),))
+    opts = build_options(None, over)
+    lp = _Loop()
+    srv = BrokerServer(opts, structlog.get_logger("test"))
+    lp.call(srv.start())
+    c = None
+    try:
+        assert srv.arena.backend == backend and srv.arena.num_slabs == 2  # teamA's, made at start
+        c = BrokerClient.connect(sock, client_name="tenant", timeout=10)
+        obj = c.allocate_one(3, contiguous=True, key=b"k1")
+        assert set(obj.pages) <= set(range(8)) and srv.store.stats().used_pages == 3
+        # Replies name every slab of the arena (a client maps up to there before it touches
+        # a page), not only the shared pool's.
+        assert srv.service._slabs() == srv.arena.num_slabs == 2
+        c.register_adapter("a0", write_adapter(os.path.join(d, "adapters", "a0"), 0))
+        if backend == "host":
+            with pytest.raises(BrokerError) as e:
+                c.acquire_adapters(["a0"])
+            assert e.value.code == Code.FAILED_PRECONDITION and "security.tenants" in e.value.message
+            return
+
+        # A broker-owned object (as an adapter's pages are) and another session's object,
+        # both in the shared pool (made on the broker's loop, which owns the store).
+        async def shared_objects():
+            from memory_broker.broker.store.objects import Spec
+
+            store = srv.store
+            ((mine, _),) = store.allocate(srv.adapters.system_session, [Spec(1, content_type=2, key=b"lora")])
+            other = store.open_session()
+            store.assign_pool(other, 0)
+            ((theirs, _),) = store.allocate(other, [Spec(1)])
+            return mine.pages[0], theirs.pages[0]
+
+        adapter_page, other_page = lp.call(shared_objects())
+        assert adapter_page >= 8 and other_page >= 8
+        assert srv.service._slabs() == srv.arena.num_slabs == 3  # the shared pool grew
+
+        def fetch(first, count):
+            return fetch_fds(c.arena.fd_socket_path, c.token, first, count, lambda fds: [os.close(f) for f in fds])
+
+        assert fetch(adapter_page, 1) == 1 and fetch(obj.pages[0], 1) == 1
+        for page in (other_page, 11):  # another session's page; a free page of the shared pool
+            with pytest.raises(FdChannelError) as e:
+                fetch(page, 1)
+            assert e.value.code == "PERMISSION_DENIED" and "security.tenants" in e.value.message
+        with pytest.raises(BrokerError) as e:
+            c.map_arena()
+        assert e.value.code == Code.PERMISSION_DENIED and "the pool of tenant 'teamA'" in e.value.message
+    finally:
+        if c is not None:
+            c.close()
+        lp.call(srv.stop("test"))
+        lp.stop()
+    assert not fake.allocs

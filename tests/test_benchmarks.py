@@ -45,10 +45,11 @@ def test_bench_rpc_small_run_prints_the_target_line():
     assert "target: every broker RPC within 1.3x of echo" in out and "GetStats" in out
 
 
-@pytest.mark.parametrize("args", [("--chunks", "5")])
+@pytest.mark.parametrize("args", [("--chunks", "5"), ("--chunks", "5", "--tenant")])
 def test_bench_core_small_run_prints_the_steady_state_target(args):
     out = bench("bench_core.py", *args)
     assert "allocate+free, 1 page" in out and "target:" in out
+    assert ("a tenant pool's session" in out) == ("--tenant" in args)
 
 
 def test_bench_policy_quick_run_prints_every_trace_next_to_belady():

@@ -94,6 +94,13 @@ SAMPLES = {
     "uids": ([1000, 1001], ["1000", "1001"]),
     "paths": (["/a", "/b"], ["/a", "/b"]),
     "mode": ("0640", "0640"),
+    "tenants": (
+        [
+            {"name": "teamA", "uids": [1001, 1002], "bytes": "64MiB"},
+            {"name": "teamB", "gids": [2000], "bytes": "32MiB"},
+        ],
+        ["teamA:uids=1001,1002:bytes=64MiB", "teamB:gids=2000:bytes=32MiB"],
+    ),
 }
 
 

@@ -64,6 +64,14 @@ class AdapterPins:
     def check_session(self, session: int) -> None:
         if not self.store.has_session(session) or session == self.system_session:
             raise denied(f"session {session} is not open")
+        tenancy = self.store.tenancy
+        if tenancy is not None and not tenancy.adapters_for_tenants and self.store.sessions[session].pool > 0:
+            raise precondition(
+                f"session {session} is in {tenancy.name(self.store.sessions[session].pool)}, and adapters live in "
+                "the shared pool, whose slabs also hold other sessions' objects: on a host arena a tenant's "
+                "session is never sent them (security.tenants). Serve LoRA to tenants from a CUDA arena (adapter "
+                "pages one by one, read-only) or from a broker without tenant pools"
+            )
 
     async def acquire(
         self,

@@ -83,6 +83,7 @@ class FdChannelServer:
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
         max_connections_per_uid: int = MAX_CONNECTIONS_PER_UID,
+        scope: Callable[[str, int, int | None, int], tuple[int, int]] | None = None,
     ):
         """
         Args:
@@ -100,10 +101,14 @@ class FdChannelServer:
             request_timeout_s: time a client has to send its request, and to take its reply.
             max_connections, max_connections_per_uid: connections served at once; one
                 over either is answered RESOURCE_EXHAUSTED and closed.
+            scope: ``scope(token, first, count, units)``: the units an authorized request
+                may be sent (tenant pools: ``count`` None answered with the session's part,
+                an explicit range outside it refused with FdRequestRefused); None: all.
         """
         self.path = path
         self.allowed_uids = allowed_uids
         self._authorize = authorize
+        self._scope = scope
         if slab_fds is not None:
             export_fds, units = _from_slab_fds(slab_fds)
         if export_fds is None or units is None:
@@ -239,14 +244,16 @@ class FdChannelServer:
             self._log("fd_channel_authorize_failed", pid=peer.pid, error=f"{type(e).__name__}: {e}")
             raise FdRequestRefused("INTERNAL", f"broker failed to check the request: {type(e).__name__}: {e}") from e
         have = self._units()
-        if count is None:  # to the end (none past it)
-            return first, max(0, have - first), key
-        if first + count > have:
+        if count is not None and first + count > have:
             raise FdRequestRefused(
                 "INVALID_ARGUMENT",
                 f"units {first}..{first + count - 1} asked for, but the arena has {have} (0..{have - 1}); "
                 "nothing was sent",
             )
+        if self._scope is not None:
+            return (*self._scope(token, first, count, have), key)
+        if count is None:  # to the end (none past it)
+            return first, max(0, have - first), key
         return first, count, key
 
     async def _read_request(self, conn: socket.socket) -> tuple[bytes, str | None]:

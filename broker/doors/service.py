@@ -299,9 +299,10 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     def _slabs(self) -> int:
         """The slabs behind the pages the store hands out (the arena's, as its page pool
-        counts them): a client maps this many before it touches the pages it is told of."""
+        counts them; the shared pool is the last, after any tenant pools' slabs): a client
+        maps this many before it touches the pages it is told of."""
         pool = self.store.pool
-        return pool.capacity_pages // pool.pages_per_slab
+        return (pool.base + pool.capacity_pages) // pool.pages_per_slab
 
     def _info(self, obj: Allocation, sid: int, dedup: bool = False) -> pb.ObjectInfo:
         return pb.ObjectInfo(

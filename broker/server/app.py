@@ -35,12 +35,13 @@ from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
 from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit, socket_mode
+from memory_broker.broker.server.tenancy import fd_authorize, fd_scope, make_pools
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import MAX_UNPROVEN, SessionManager
 from memory_broker.broker.store.digests import KeyDigests
 from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
-from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.broker.store.pool import WindowSpace
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
@@ -175,9 +176,7 @@ class BrokerServer:
             window_pages=pages_per_slab * max_slabs * opts.window_factor,
         )
         self.arena, why = make_arena(opts.arena, self.geometry, name=f"memory-broker-{os.getpid()}", device=opts.device)
-        if opts.preallocate:
-            self.arena.grow(-(-opts.preallocate // opts.slab_size))
-        pool = PagePool(self.geometry.max_pages, pages_per_slab, self.arena.capacity_pages, grow=self._grow)
+        pool, tenants = make_pools(opts, self.arena, grow=self._grow)
         self.store = ObjectStore(
             pool,
             WindowSpace(self.geometry.window_pages, opts.placement),
@@ -189,6 +188,7 @@ class BrokerServer:
                 max_pins_per_session=opts.max_pins_per_session,
             ),
             notify=self._route_event,
+            tenants=tenants,
         )
         # Eviction to the low watermark and the release of a large ended session run in
         # batches between other callbacks of this loop, never as one long stall.
@@ -232,7 +232,8 @@ class BrokerServer:
         self.fd_server = FdChannelServer(
             opts.fd_socket,
             allowed_uids=opts.effective_uids(),
-            authorize=self.sessions.authorize_fd_request,
+            authorize=fd_authorize(self),
+            scope=fd_scope(self),
             export_fds=self.arena.export_fds,
             units=self.arena.fd_units,
             log=self._log_event,

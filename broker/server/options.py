@@ -18,6 +18,7 @@ exceptions); the YAML key is ``<section>.<name>``, where the ``adapters`` sectio
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -229,6 +230,15 @@ class ServeOptions(_Explained):
         reload=True,
         shown="own and manager uids only",
         help="uid whose processes may prove a session and call through it, besides the broker's own (repeat)",
+    )
+    tenants: tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...] = setting(
+        (),
+        kind="tenants",
+        yaml="security.tenants",
+        flag="--tenant",
+        metavar="NAME:uids=U,..:gids=G,..:bytes=SIZE",
+        shown="none: one shared pool",
+        help="a tenant pool of whole slabs for the sessions of these uids/gids (repeat)",
     )
     enable_echo: bool = setting(False, kind="bool", yaml=None, help="serve the bare Echo service (benchmarks)")
     grace_s: float = setting(
@@ -547,6 +557,7 @@ def _check_options(opts: ServeOptions) -> None:
             f"{opts.request_bytes_in_flight} bytes is less than max_request_size ({opts.max_request_size}):"
             " the largest request could never be served",
         )
+    _check_tenants(opts)
     _check_socket_dir(opts.socket)
     for root in opts.adapter_allowed_roots:
         if not root.startswith("/") or "\x00" in root:
@@ -558,6 +569,40 @@ def _check_options(opts: ServeOptions) -> None:
             grp.getgrnam(opts.socket_group)
         except KeyError:
             raise SettingError("socket_group", f"no group named {opts.socket_group!r} on this machine") from None
+
+
+def _check_tenants(opts: ServeOptions) -> None:
+    """Each tenant pool is whole slabs, and together they leave the shared pool a slab."""
+    for name, _, _, size in opts.tenants:
+        if size <= 0 or size % opts.slab_size:
+            raise SettingError(
+                "tenants",
+                f"tenants[{name}].bytes = {show('size', size)} must be a positive multiple of "
+                f"slab_size ({show('size', opts.slab_size)}): a tenant pool is whole slabs",
+            )
+    total = sum(t[3] for t in opts.tenants)
+    if opts.tenants and total + opts.slab_size > opts.pool_size:
+        raise SettingError(
+            "tenants",
+            f"the tenant pools add up to {show('size', total)}; pool_size ({show('size', opts.pool_size)}) "
+            "must exceed that by a slab at least (the shared pool: adapters and sessions of no tenant)",
+        )
+    if opts.tenants and opts.preallocate + total > opts.pool_size:
+        raise SettingError(
+            "preallocate",
+            f"{show('size', opts.preallocate)} plus the tenant pools ({show('size', total)}) is "
+            f"over pool_size ({show('size', opts.pool_size)}); preallocate is the shared pool's part",
+        )
+
+
+def tenant_of(tenants, uid: int, gids: Iterable[int]) -> int:
+    """The pool of a process: 1 + the index of the first tenant listing its uid or one of its
+    gids, or 0 (the shared pool)."""
+    gids = set(gids)
+    for i, (_, uids, tgids, _) in enumerate(tenants, 1):
+        if uid in uids or gids.intersection(tgids):
+            return i
+    return 0
 
 
 def _check_socket_dir(socket: str) -> None:

@@ -138,6 +138,57 @@ def _paths(v: Any, where: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+# A tenant pool as the schema holds it: (name, uids, gids, bytes).
+Tenant = tuple[str, tuple[int, ...], tuple[int, ...], int]
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_TENANT_KEYS = ("name", "uids", "gids", "bytes")
+
+
+def _tenant_fields(v: Any, where: str) -> dict:
+    """One tenant's fields from a YAML mapping or a flag's ``NAME:uids=1,2:gids=3:bytes=8GiB``."""
+    if isinstance(v, dict):
+        return v
+    if not isinstance(v, str):
+        raise ConfigError(f"{where}: expected a tenant like {{name: teamA, uids: [1001], bytes: 8GiB}}, got {v!r}")
+    name, *parts = v.split(":")
+    out: dict[str, Any] = {"name": name}
+    for part in parts:
+        key, eq, text = part.partition("=")
+        if not eq or key not in _TENANT_KEYS[1:]:
+            raise ConfigError(f"{where}: {part!r} in {v!r}; write NAME:uids=1001,1002:gids=2000:bytes=8GiB")
+        try:
+            out[key] = text if key == "bytes" else [int(x) for x in text.split(",") if x]
+        except ValueError:
+            raise ConfigError(f"{where}: {key}={text!r} in {v!r} is not a list of numbers like 1001,1002") from None
+    return out
+
+
+def _tenants(v: Any, where: str) -> tuple[Tenant, ...]:
+    """Tenant pools: a YAML list of mappings, or a repeated flag's texts."""
+    if not isinstance(v, list):
+        raise ConfigError(f"{where}: expected a list of tenants (name, uids, gids, bytes), got {v!r}")
+    out: list[Tenant] = []
+    for i, item in enumerate(v):
+        f = _tenant_fields(item, f"{where}[{i}]")
+        name = f.get("name")
+        at = f"{where}[{name if isinstance(name, str) and name else i}]"
+        if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
+            raise ConfigError(f"{at}.name: expected 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+        if name in (t[0] for t in out):
+            raise ConfigError(f"{at}.name: tenant {name!r} is named twice")
+        if set(f) - set(_TENANT_KEYS):
+            raise ConfigError(f"{at}: unknown keys {sorted(set(f) - set(_TENANT_KEYS))}; a tenant has {_TENANT_KEYS}")
+        uids = _uids(f.get("uids", []), f"{at}.uids")
+        gids = _uids(f.get("gids", []), f"{at}.gids")
+        if not uids and not gids:
+            raise ConfigError(f"{at}: give uids or gids (or both): the processes whose sessions use this pool")
+        if "bytes" not in f:
+            raise ConfigError(f"{at}.bytes: missing; the pool's size, whole slabs (e.g. 8GiB)")
+        size = _size(f["bytes"], f"{at}.bytes")
+        out.append((name, uids, gids, size))
+    return tuple(out)
+
+
 def _mode(v: Any, where: str) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         # YAML reads 0660 as octal-looking decimal 660 only if quoted oddly; accept ints < 0o1000.
@@ -159,6 +210,7 @@ _READERS = {
     "uids": _uids,
     "paths": _paths,
     "mode": _mode,
+    "tenants": _tenants,
 }
 KINDS = frozenset({*_READERS, "choice"})
 
@@ -187,6 +239,14 @@ def show(kind: str, v: Any) -> str:
         return f'"{v:04o}"'
     if kind in ("uids", "paths"):
         return "[" + ", ".join(str(x) for x in v) + "]"
+    if kind == "tenants":
+        return (
+            "["
+            + ", ".join(
+                f"{{name: {n}, uids: {list(u)}, gids: {list(g)}, bytes: {show('size', b)}}}" for n, u, g, b in v
+            )
+            + "]"
+        )
     if kind == "float":
         return f"{v:.2f}" if v < 1 else f"{v:g}"
     return str(v)

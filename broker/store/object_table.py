@@ -56,6 +56,10 @@ class ObjectTable:
         owner_state: Callable[[int], SessionState | None],
     ):
         self._pool = pool
+        # Every pool's pages, by ``Allocation.pool`` (the store sets tenant pools'), and the
+        # broker's own sessions, whose objects (adapters) every pool may see.
+        self.pools: list[PagePool] = [pool]
+        self.internal: set[int] = set()
         self._window = window
         self._policy = policy
         self._tally = tally
@@ -98,7 +102,8 @@ class ObjectTable:
         """PREPARED objects owned by ``s`` on pages taken now (the room was made first)."""
         next_id = self._ids.__next__
         ids = [next_id() for _ in specs]
-        page_lists = self._pool.take(ids, [sp.num_pages for sp in specs])
+        pool = s.pool
+        page_lists = self.pools[pool].take(ids, [sp.num_pages for sp in specs])
         wit = iter(window_pages)
         out = []
         objects = self.objects
@@ -114,6 +119,7 @@ class ObjectTable:
                 next(wit) if sp.contiguous else -1,
                 ObjectState.PREPARED,
                 sp.num_pages,
+                pool=pool,
             )
             objects[oid] = obj
             account(obj, 1)
@@ -124,11 +130,35 @@ class ObjectTable:
     def visible(self, session: int, oid: int) -> Allocation:
         """The object if ``session`` may see it (not freed; PREPARED only to its owner)."""
         obj = self.objects.get(oid)
+        if obj is not None and len(self.pools) > 1 and self.foreign(session, obj):
+            raise not_found(f"no object {oid}")
         if obj is None or obj.freed or (obj.state == ObjectState.PREPARED and obj.owner != session):
             if obj is not None and obj.freed:
                 raise not_found(f"object {oid} was freed (its pages return when its last pin goes)")
             raise not_found(self.gone_message(oid) if obj is None else f"no object {oid}")
         return obj
+
+    def check_visible(self, session: int, ids: Sequence[int]) -> None:
+        """NOT_FOUND for an id this session may not name, as for an unknown id (so ids
+        cannot be probed): another session's anonymous object that it does not pin, or any
+        object of another pool. Keyed committed objects of its pool are anyone's there, and
+        broker-owned ones (adapter pages) everyone's."""
+        objects, pooled, internal = self.objects, len(self.pools) > 1, self.internal
+        for oid in ids:
+            obj = objects.get(oid)
+            if obj is not None and pooled and self.foreign(session, obj):
+                raise not_found(f"no object {oid}")  # another pool's object, keyed or not
+            if obj is None or obj.key is not None or obj.owner == session or obj.owner in internal:
+                continue
+            if obj.pins.get(session):
+                continue
+            raise not_found(f"no object {oid}")
+
+    def foreign(self, session: int, obj: Allocation) -> bool:
+        """True when ``obj`` is in another pool than ``session``'s and not the broker's own:
+        it does not exist for the session (tenant pools only)."""
+        s = self._owner_state(session)
+        return obj.pool != (s.pool if s is not None else 0) and obj.owner not in self.internal
 
     def pinnable(self, session: int, oid: int) -> Allocation:
         """The object if ``session`` may pin it now (visible and committed)."""
@@ -149,8 +179,8 @@ class ObjectTable:
 
     def free_one(self, obj: Allocation) -> bool:
         """Free an object now, or when its last pin goes. True if freed now."""
-        if obj.key is not None and self.keys.get(obj.key) is obj:
-            del self.keys[obj.key]
+        if obj.key is not None and self.keys.get(key := map_key(obj.pool, obj.key)) is obj:
+            del self.keys[key]
         if obj.pin_count:
             obj.freed = True
             return False
@@ -176,16 +206,22 @@ class ObjectTable:
         oid = obj.object_id
         del self.objects[oid]
         self._tally.account(obj, -1)
-        if obj.key is not None and self.keys.get(obj.key) is obj:
-            del self.keys[obj.key]
+        if obj.key is not None and self.keys.get(key := map_key(obj.pool, obj.key)) is obj:
+            del self.keys[key]
         if obj.owner:
             s = self._owner_state(obj.owner)
             if s is not None:
                 s.owned.discard(oid)
         if obj.window_page >= 0:
             self._window.release(obj.window_page, obj.num_pages)
-        self._pool.give_back(obj.pages)
+        self.pools[obj.pool].give_back(obj.pages)
         self._gone[oid] = why
+
+
+def map_key(pool: int, key: bytes) -> bytes | tuple[int, bytes]:
+    """The table's key for ``key`` in ``pool``: the key itself in the shared pool, and
+    ``(pool, key)`` in a tenant's, so one tenant's keys never meet another's."""
+    return (pool, key) if pool else key
 
 
 # ----------------------------------------------------------------- a request's batch

@@ -24,10 +24,19 @@ from collections.abc import Callable, Sequence
 
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
-from memory_broker.broker.store.object_table import ObjectTable, check_batch, check_key, check_specs, check_unique
+from memory_broker.broker.store.object_table import (
+    ObjectTable,
+    check_batch,
+    check_key,
+    check_specs,
+    check_unique,
+    map_key,
+)
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.broker.store.pools import PooledPolicy, PoolMap, TenantPool, pool_rooms, pool_totals
 from memory_broker.broker.store.records import (
+    UNASSIGNED,
     Allocation,
     ObjectsEvicted,
     ObjectState,
@@ -73,6 +82,8 @@ class ObjectStore:
         config: watermarks, leases, limits.
         notify: ``notify(session_id, event)`` for ObjectsEvicted / TransactionsExpired.
         clock: monotonic seconds (tests pass a fake).
+        tenants: tenant pools (``pools.TenantPool``): ``pool`` is then the shared pool, and
+            each session is placed in one (``assign_pool``) before it may do anything.
     """
 
     def __init__(
@@ -83,10 +94,16 @@ class ObjectStore:
         config: StoreConfig | None = None,
         notify: Notify | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tenants: Sequence[TenantPool] = (),
     ):
         self.pool = pool
         self.window = window
         self.policy: EvictionPolicy = policy if policy is not None else PriorityLRU()
+        if tenants:
+            self.policy = PooledPolicy([self.policy, *(type(self.policy)() for _ in tenants)])
+        # Every pool (the shared one first) and which fd units each pool's sessions may get.
+        self.pools: list[PagePool] = [pool, *(t.pool for t in tenants)]
+        self.tenancy = PoolMap(self.pools, ["", *(t.name for t in tenants)]) if tenants else None
         self.config = config = config or StoreConfig()
         config.validate()
         self._limits = StoreLimits.of(config)
@@ -107,6 +124,7 @@ class ObjectStore:
         # The table's maps, by id and by key (read by the service, the adapter wing and tests).
         self.objects: ShardedMap = self.table.objects
         self.keys: ShardedMap = self.table.keys
+        self.table.pools, self.table.internal = self.pools, self.internal_sessions
         ctx = StoreContext(
             pool,
             self.policy,
@@ -120,9 +138,11 @@ class ObjectStore:
             notify,
             clock,
         )
-        self.room = RoomMaker(ctx)
+        self.rooms = pool_rooms(ctx, tenants)
+        self.room: RoomMaker = self.rooms[0]
         self.ledger = PinLedger(ctx)
         self.allocator = Allocator(ctx, self.room, self.ledger)
+        self.allocator.rooms = self.rooms
         self.transactions = Transactions(ctx, self.ledger, self.allocator)
         # Bounded work (ARCHITECTURE.md, "Threads and the event loop"): with a ``background`` host (see the property),
         # eviction down to the low watermark and the release of an ended session's holdings
@@ -159,27 +179,25 @@ class ObjectStore:
         self._notify(session_id, event)
 
     def mark_internal(self, session_id: int) -> None:
-        """A session the broker opened for itself: no pin limit, not counted in stats."""
+        """A session the broker opened for itself: no pin limit, not counted in stats; its
+        objects are in the shared pool and every pool's sessions may see them."""
         self.internal_sessions.add(session_id)
+        self.sessions[session_id].pool = 0
+
+    def assign_pool(self, session_id: int, pool: int) -> None:
+        """Place a session not yet placed in a pool (tenant pools: once its process is known)."""
+        s = self.sessions.get(session_id)
+        if s is not None and s.pool == UNASSIGNED:
+            s.pool = pool
 
     def is_internal(self, session_id: int) -> bool:
         return session_id in self.internal_sessions
 
     def check_visible(self, session_id: int, ids: Sequence[int]) -> None:
-        """NOT_FOUND for an id this session may not name, as for an unknown id (so ids
-        cannot be probed): another session's anonymous object that it does not pin. Keyed
-        committed objects are anyone's, and broker-owned ones (adapter pages) too. A batch
-        over the limit is left to the call itself, which refuses it whole."""
-        if len(ids) > self.limits.max_batch:
-            return
-        objects = self.objects
-        for oid in ids:
-            obj = objects.get(oid)
-            if obj is None or obj.key is not None or obj.owner == session_id or obj.owner in self.internal_sessions:
-                continue
-            if obj.pins.get(session_id):
-                continue
-            raise not_found(f"no object {oid}")
+        """NOT_FOUND for an id this session may not name (``ObjectTable.check_visible``); a
+        batch over the limit is left to the call itself, which refuses it whole."""
+        if len(ids) <= self.limits.max_batch:
+            self.table.check_visible(session_id, ids)
 
     def reconfigure(self, *, default_lease_s: float | None = None, max_pins_per_session: int | None = None) -> None:
         """Change limits of a running store (SIGHUP reload); bad values change nothing.
@@ -200,7 +218,8 @@ class ObjectStore:
 
     def set_watermarks(self, high: float, low: float) -> None:
         """Change the eviction watermarks of a running store (SIGHUP reload)."""
-        self.room.set_watermarks(high, low)
+        for room in self.rooms:
+            room.set_watermarks(high, low)
         self.config.high_watermark, self.config.low_watermark = high, low
 
     @property
@@ -211,12 +230,13 @@ class ObjectStore:
 
     @background.setter
     def background(self, callback: Callable[[], None] | None) -> None:
-        self.room.background = callback
+        for room in self.rooms:
+            room.background = callback
 
     @property
     def eviction_active(self) -> bool:
-        """True from crossing the high watermark until reaching the low one."""
-        return self.room.eviction_active
+        """True from crossing the high watermark until reaching the low one (in any pool)."""
+        return any(room.eviction_active for room in self.rooms)
 
     @property
     def open_txns(self) -> dict[int, Transaction]:
@@ -226,7 +246,7 @@ class ObjectStore:
 
     def open_session(self) -> int:
         sid = next(self._session_ids)
-        self.sessions[sid] = SessionState(sid)
+        self.sessions[sid] = SessionState(sid, pool=UNASSIGNED if self.tenancy else 0)
         return sid
 
     def end_session(self, session: int) -> None:
@@ -261,7 +281,7 @@ class ObjectStore:
         for s in list(self._ending.values()):
             if not self._release_holdings(s, budget):
                 return True
-        return self.room.drain(budget)
+        return any([room.drain(budget) for room in self.rooms])
 
     @property
     def ending_sessions(self) -> int:
@@ -395,7 +415,7 @@ class ObjectStore:
             check_key(k, f"keys[{i}]", self.config.max_key_bytes)
         found = []
         for k in keys:
-            obj = self.keys.get(k)
+            obj = self.keys.get(map_key(s.pool, k))
             if obj is None:
                 break
             found.append(obj)
@@ -419,22 +439,22 @@ class ObjectStore:
 
     def stats(self) -> StoreStats:
         """One O(1) reading of the pool, the window and the counters (changes nothing)."""
-        pool, w, c, t, room = self.pool, self.window, self.counters, self.tally, self.room
-        used = pool.used_pages
+        w, c, t, room = self.window, self.counters, self.tally, self.room
+        max_pages, capacity, free, used = pool_totals(self.pools)
         largest = w.largest_free
         wfree = w.free_pages
         return StoreStats(
-            max_pages=pool.max_pages,
-            capacity_pages=pool.capacity_pages,
-            free_pages=pool.free_pages,
+            max_pages=max_pages,
+            capacity_pages=capacity,
+            free_pages=free,
             used_pages=used,
             prepared_pages=t.prepared_pages,
             pinned_pages=t.pinned_pages,
             evictable_pages=self.policy.evictable_pages,
-            utilization=used / pool.max_pages,
+            utilization=used / max_pages,
             high_watermark=room.high_watermark,
             low_watermark=room.low_watermark,
-            eviction_active=room.eviction_active,
+            eviction_active=self.eviction_active,
             objects=len(self.objects),
             keyed_objects=len(self.keys),
             sessions=len(self.sessions) - len(self.internal_sessions),
@@ -462,4 +482,9 @@ class ObjectStore:
         s = self.sessions.get(session)
         if s is None:
             raise denied(f"session {session} is not open")
+        if s.pool < 0:
+            raise precondition(
+                f"session {session} is in no pool yet: with tenant pools (security.tenants) a session must "
+                "present its token on the fd channel first (the client library does at connect)"
+            )
         return s

@@ -36,19 +36,25 @@ class PagePool:
         pages_per_slab: int,
         capacity_pages: int,
         grow: Callable[[int], None],
+        base: int = 0,
     ):
         assert capacity_pages % pages_per_slab == 0 and capacity_pages <= max_pages
+        assert base % pages_per_slab == 0
         self.max_pages = max_pages
         self.pages_per_slab = pages_per_slab
         self.capacity_pages = capacity_pages
+        # The arena's page number of this pool's first page: the pool is pages
+        # ``base..base+capacity_pages-1`` (a tenant pool's whole slabs; 0 without tenants).
+        self.base = base
         self._grow = grow
-        # Page table: owning object id per page within capacity, FREE otherwise.
-        self.owner = array("Q", bytes(8 * capacity_pages))
+        # Page table: owning object id per page (indexed by arena page number) up to the
+        # pool's end, FREE otherwise (pages below ``base`` are other pools': always FREE here).
+        self.owner = array("Q", bytes(8 * (base + capacity_pages)))
         # Free pages within capacity: a stack in ``_free[:_top]``, popped from the top; it
         # starts in descending order so a fresh arena hands out low page numbers first. The
         # list is as long as the capacity and never resized by take/give_back: a resize of
         # a million-entry list copies it and stalls the call that happens to trigger it.
-        self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
+        self._free: list[int] = list(range(base + capacity_pages - 1, base - 1, -1))
         self._top = capacity_pages
 
     @property
@@ -121,8 +127,8 @@ class PagePool:
         self.owner.frombytes(bytes(8 * needed))
         # New pages go under the existing free pages so older (already touched) pages
         # are reused first; within the new range, low numbers first.
-        top = self._top
-        self._free[:top] = [*range(old + needed - 1, old - 1, -1), *self._free[:top]]
+        top, end = self._top, self.base + old
+        self._free[:top] = [*range(end + needed - 1, end - 1, -1), *self._free[:top]]
         self._free.extend([0] * (self.capacity_pages - len(self._free)))
         self._top = top + needed
 

@@ -63,6 +63,8 @@ class Allocation:
     # Digest of its bytes taken after its transaction committed ("blake2b:<hex>"), "" if none
     # (memory_pool.kv_digest; broker/store/digests.py).
     digest: str = ""
+    # The pool its pages come from: 0 the shared pool, 1.. a tenant's (ARCHITECTURE.md, "Pools").
+    pool: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +96,13 @@ class SessionState:
     txns: set[int] = field(default_factory=set)
     # Sum of ``pins`` (checked against max_pins_per_session).
     pin_total: int = 0
+    # Its pool: 0 the shared pool, 1.. a tenant's; UNASSIGNED until the broker knows the
+    # session's process (with tenant pools only: such a session can do nothing yet).
+    pool: int = 0
+
+
+# ``SessionState.pool`` of a session not yet placed in a pool.
+UNASSIGNED = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 from memory_broker.broker.store.context import StoreContext
+from memory_broker.broker.store.object_table import map_key
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.records import Allocation, ObjectsEvicted, ObjectState, SessionState, pages_at
 from memory_broker.proto.wire.errors import exhausted
@@ -48,6 +49,8 @@ class RoomMaker:
         self.eviction_active = False
         # Set by a host that drains eviction off the request path (see ObjectStore.background).
         self.background: Callable[[], None] | None = None
+        # Starts its RESOURCE_EXHAUSTED messages: a tenant pool's name and setting (pools.py).
+        self.label = ""
         self.set_watermarks(ctx.config.high_watermark, ctx.config.low_watermark)
 
     def set_watermarks(self, high: float, low: float) -> None:
@@ -105,7 +108,7 @@ class RoomMaker:
                 pool.grow(-(-unavoidable // pool.pages_per_slab))
             except MemoryError as e:
                 raise exhausted(
-                    f"the arena could not grow ({e}); need {total} pages, {pool.free_in_capacity} free in "
+                    f"{self.label}the arena could not grow ({e}); need {total} pages, {pool.free_in_capacity} free in "
                     f"{pool.capacity_pages} backed pages, {evictable} evictable"
                 ) from None
         used_after = pool.used_pages + total
@@ -145,7 +148,7 @@ class RoomMaker:
     def exhausted_message(self, total: int, evictable: int) -> str:
         t = self._tally
         return (
-            f"need {total} pages, {self.pool.free_pages} free, {evictable} evictable "
+            f"{self.label}need {total} pages, {self.pool.free_pages} free, {evictable} evictable "
             f"(of {self.pool.max_pages}: {t.pinned_pages} pinned in {t.pinned_objects} objects, "
             f"{t.prepared_pages} prepared); unpin or free objects, or raise the pool size"
         )
@@ -194,6 +197,8 @@ class Allocator:
         self._counters = ctx.counters
         self._tally = ctx.tally
         self._room = room
+        # Each pool's room maker, by ``SessionState.pool`` (one without tenant pools).
+        self.rooms = [room]
         self._ledger = ledger
 
     def allocate(
@@ -208,8 +213,8 @@ class Allocator:
             return [publish(s, obj, sp.pin) for obj, sp in zip(new, specs)]
         # Keys already committed need no pages: they resolve to the existing object,
         # which must not be evicted to make room for the rest of the batch.
-        keys = self._keys
-        existing = [keys.get(sp.key) if sp.key is not None else None for sp in specs]
+        keys, pool = self._keys, s.pool
+        existing = [keys.get(map_key(pool, sp.key)) if sp.key is not None else None for sp in specs]
         fresh = [sp for sp, e in zip(specs, existing) if e is None]
         new = self.reserve(
             s, fresh, {e.object_id for e in existing if e is not None}, sum(sp.num_pages for sp in fresh)
@@ -235,7 +240,7 @@ class Allocator:
             # Window placement first: it can be undone without a trace.
             window_pages = table.place(specs)
             try:
-                self._room.make_room(total, exclude)
+                self.rooms[s.pool].make_room(total, exclude)
             except Exception:
                 table.unplace(window_pages, specs)
                 raise
@@ -250,14 +255,15 @@ class Allocator:
         """Commit one prepared object; a key already present resolves to that object.
         Returns (the object, deduplicated)."""
         if obj.key is not None:
-            existing = self._keys.get(obj.key)
+            key = map_key(obj.pool, obj.key)
+            existing = self._keys.get(key)
             if existing is not None:
                 s.owned.discard(obj.object_id)
                 self._table.drop(obj, "deduplicated")
                 self._counters.deduplicated_total += 1
                 self.use(s, existing, pin)
                 return existing, True
-            self._keys[obj.key] = obj
+            self._keys[key] = obj
         self._tally.prepared_pages -= obj.num_pages
         obj.state = ObjectState.COMMITTED
         obj.txn_id = 0

@@ -4,7 +4,10 @@
 Prints medians over repeated chunks (these machines are noisy: medians, not means).
 Target from the issue: allocate+free of one page under 5 us median.
 
-    python ops/bench/bench_core.py [--chunks 40] [--per-chunk 2000]
+    python ops/bench/bench_core.py [--chunks 40] [--per-chunk 2000] [--tenant]
+
+``--tenant``: the same calls by a session of a tenant pool (security.tenants: one tenant pool
+and the shared pool, each of the same size), to compare with the one-pool store.
 """
 
 from __future__ import annotations
@@ -26,11 +29,20 @@ from store_invariants import check_invariants  # noqa: E402
 MAX_PAGES = 65536
 
 
-def make_store() -> tuple[ObjectStore, int]:
+def make_store(tenant: bool = False) -> tuple[ObjectStore, int]:
     # Capacity preallocated: growth is a one-time cost measured elsewhere (arena benchmarks).
-    pool = PagePool(MAX_PAGES, 512, MAX_PAGES, grow=lambda n: None)
-    store = ObjectStore(pool, WindowSpace(4 * MAX_PAGES), config=StoreConfig())
-    return store, store.open_session()
+    if not tenant:
+        pool = PagePool(MAX_PAGES, 512, MAX_PAGES, grow=lambda n: None)
+        store = ObjectStore(pool, WindowSpace(4 * MAX_PAGES), config=StoreConfig())
+        return store, store.open_session()
+    from memory_broker.broker.store.pools import TenantPool
+
+    own = TenantPool("bench", PagePool(MAX_PAGES, 512, MAX_PAGES, grow=lambda n: None), "bench")
+    shared = PagePool(MAX_PAGES, 512, MAX_PAGES, grow=lambda n: None, base=MAX_PAGES)
+    store = ObjectStore(shared, WindowSpace(8 * MAX_PAGES), config=StoreConfig(), tenants=[own])
+    sid = store.open_session()
+    store.assign_pool(sid, 1)
+    return store, sid
 
 
 def median_us(fn, chunks: int, per_chunk: int) -> float:
@@ -46,8 +58,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=40)
     ap.add_argument("--per-chunk", type=int, default=2000)
+    ap.add_argument("--tenant", action="store_true", help="a session of a tenant pool (security.tenants)")
     a = ap.parse_args()
-    store, sid = make_store()
+    store, sid = make_store(a.tenant)
     kv = ContentType.KV_CACHE
 
     def alloc_free(n_pages: int, contiguous: bool = False):
@@ -98,7 +111,8 @@ def main() -> None:
         ("pin+unpin, 100 objects (batch)", pin_unpin(hundred), 10),
         ("lookup(pin)+unpin, 1 key", lookup_unpin, 1),
     ]
-    print(f"core in-process costs (median of {a.chunks} chunks; python {sys.version.split()[0]})")
+    where = "a tenant pool's session" if a.tenant else "one pool"
+    print(f"core in-process costs, {where} (median of {a.chunks} chunks; python {sys.version.split()[0]})")
     print(f"{'operation':<48}{'median us/op':>14}")
     for name, fn, div in rows:
         fn(200)  # warm up

@@ -22,6 +22,10 @@ Protocol, one request per connection:
   null); ``authorize(token, peer)`` accepts it; the units exist. Then it sends fds for units
   ``k..k+n-1``, made on demand off its event loop, at most ``MAX_FDS_PER_MESSAGE`` at a time,
   closing its own copies once sent.
+* With tenant pools (``security.tenants``) a session is sent fds of its own pool only: a
+  to-the-end request is answered with the part of ``k..end`` its pool may map (the reply's
+  ``first`` may then be past ``k``, and units before it or after its last are not the
+  session's), and an explicit range outside the pool is refused PERMISSION_DENIED.
 * Reply: a JSON line ``{"ok": true, "first": k, "count": n, "key": "<proof key>"}\n``, then the fds in chunks of
   at most ``MAX_FDS_PER_MESSAGE``, each chunk one ``sendmsg`` whose payload is ``{"chunk": i,
   "count": m}\n`` so the receiver can check it got them all. A refusal is ``{"ok": false,
@@ -141,12 +145,14 @@ def parse_reply_line(line: bytes, where: str) -> dict:
     return msg
 
 
-def header_count(msg: dict, where: str, first: int) -> int:
-    """The fd count a reply header announces; the server's refusal raised as FdChannelError."""
+def header_count(msg: dict, where: str, first: int, to_end: bool = False) -> int:
+    """The fd count a reply header announces; the server's refusal raised as FdChannelError.
+    ``to_end``: the request had no count, so the reply may start past ``first`` (tenant pools)."""
     if msg.get("ok") is not True:
         raise FdChannelError(str(msg.get("code", "INTERNAL")), str(msg.get("message", f"refused: {msg}")))
-    count = msg.get("count")
-    if not isinstance(count, int) or count < 0 or msg.get("first") != first:
+    count, at = msg.get("count"), msg.get("first")
+    ok_first = at == first or (to_end and isinstance(at, int) and not isinstance(at, bool) and at > first)
+    if not isinstance(count, int) or count < 0 or not ok_first:
         raise FdChannelError("INTERNAL", f"{where}: bad reply header {msg} for first {first}")
     return count
 

@@ -151,6 +151,24 @@ class HostArenaView(ArenaView):
             raise
         self._slabs.append(_AttachedSlab(own_fd, readonly))
 
+    def attach_hole(self, slab_index: int) -> None:
+        """Slab ``slab_index`` exists but is not this process's to map (another tenant pool's,
+        ``security.tenants``): its place in the physical view stays reserved and inaccessible,
+        and any use of its pages is refused (``_page_problem``).
+
+        Raises:
+            ValueError: out-of-order index, or the arena is full.
+        """
+        self._check_attach_index(slab_index)
+        self._slabs.append(_AttachedSlab(-1, True))
+
+    def _page_problem(self, page: int) -> str | None:
+        why = super()._page_problem(page)
+        if why is None and self._slabs[page // self.geometry.pages_per_slab].fd < 0:
+            slab = page // self.geometry.pages_per_slab
+            return f"in slab {slab}, which is another pool's: this process is not sent it (security.tenants)"
+        return why
+
     def map_window(self, window_page: int, phys_pages: Sequence[int], *, readonly: bool = False) -> None:
         """Map ``phys_pages`` back to back at window pages ``window_page, window_page+1, ...``.
 
@@ -271,7 +289,8 @@ class HostArenaView(ArenaView):
         _munmap(self._window_base, self._window_size)
         _munmap(self._phys_base, self._phys_size)
         for s in self._slabs:
-            os.close(s.fd)
+            if s.fd >= 0:
+                os.close(s.fd)
         self._slabs.clear()
         self._readonly_pages.clear()
         self._window_phys.clear()
@@ -284,7 +303,9 @@ class HostArenaView(ArenaView):
         g = self.geometry
         for slab in range(len(self._slabs) - 1, first_slab - 1, -1):
             self._reserve(self._phys_base + slab * g.slab_size, g.slab_size)
-            os.close(self._slabs.pop().fd)
+            fd = self._slabs.pop().fd
+            if fd >= 0:
+                os.close(fd)
 
     def _reserve(self, addr: int, length: int) -> None:
         # MAP_FIXED over the range replaces whatever was there and keeps the addresses ours;
