@@ -257,9 +257,12 @@ def main() -> int:
     too_big = [v for v in variants if not v.fits(args.arch)]
     for v in variants:
         forms = " ".join(sorted(v.global_access_forms()))
+        shape = " ".join(
+            f"{k}={v.constexprs[k]}" for k in ("SPLIT_K", "SLICE_BLOCK", "FUSE_SLICES") if k in v.constexprs
+        )
         print(
             f"{v.kernel:24} {v.dtype} {v.constexprs.get('ROW_ALIGN')} {v.constexprs.get('BLOCK_M', '-'):>3} "
-            f"warps {v.num_warps} shared {v.shared}: {forms}"
+            f"warps {v.num_warps} shared {v.shared}{' ' + shape if shape else ''}: {forms}"
         )
     import triton
 
