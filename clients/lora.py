@@ -584,7 +584,10 @@ class LoraModel:
         runs it: one prefill of the prompts, left-padded to one length (attention mask and
         position ids as HF's generate builds them, padding tokens carry their sequence's
         adapter and are masked out), then one token per sequence per step through the model's
-        KV cache, each step under a batch of ``seq_lens`` 1 (built once, reused every step).
+        KV cache, each step under one decode batch built once: a ``StaticLoraBatch`` when some
+        sequence has an adapter and ``path`` allows the token path (its tensors keep their
+        addresses, so a CUDA graph can capture the decode steps), else a ``LoraBatch`` of
+        ``seq_lens`` 1.
 
         Args:
             source, lease: as for ``batch``; the lease must hold every adapter used until
@@ -615,7 +618,7 @@ class LoraModel:
         device = next(self.model.parameters()).device
         ids, mask, positions = _left_padded(rows, pad, device)
         prefill = self.batch(source, seq_adapters, [ids.shape[1]] * num_seqs, lease, path=path)
-        decode = self.batch(source, seq_adapters, [1] * num_seqs, lease, path=path)
+        decode = self._decode_batch(source, seq_adapters, lease, path)
         extra = {}
         if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
             extra["logits_to_keep"] = 1  # the last position's logits only
@@ -623,10 +626,30 @@ class LoraModel:
             prefill, decode, ids, mask, positions, max_new_tokens, eos_token_id, pad, output_logits, extra
         )
 
+    def _decode_batch(
+        self, source: BrokerClient | torch.Tensor, seq_adapters: Sequence[str | None], lease: AdapterLease, path
+    ) -> LoraBatch | StaticLoraBatch:
+        """``generate``'s decode batch: one token per sequence, on a ``StaticLoraBatch`` sized for
+        these sequences, their adapters and the largest rank among them (the token path);
+        the ordinary ``LoraBatch`` when no sequence has an adapter or ``path`` is "segment"."""
+        ordinary = self.batch(source, seq_adapters, [1] * len(seq_adapters), lease, path=path)
+        if not ordinary.active or path == "segment":
+            return ordinary
+        max_rank = max(m.rank for a in ordinary.slots for m in a.layout.modules)
+        static = self.static_batch(
+            len(seq_adapters),
+            len(ordinary.slots),
+            max_rank,
+            ordinary.arena,
+            row_align=ordinary.row_align,
+            backend=ordinary.backend,
+        )
+        return static.update(source, seq_adapters, lease)
+
     def _greedy(
         self,
         prefill: LoraBatch,
-        decode: LoraBatch,
+        decode: LoraBatch | StaticLoraBatch,
         ids: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,

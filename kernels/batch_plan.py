@@ -83,6 +83,12 @@ class BatchPlan:
     # Token path: how many parts of the hidden dimension the shrink splits over (more programs
     # for a small batch, partial sums added atomically); 1 splits nothing.
     split_k: int = 1
+    # Token path: one shrink program covers every slice of its token's rank block (x read once
+    # for all slices: "several slices per program"); False: one program per slice.
+    fuse_shrink_slices: bool = False
+    # Token path: one expand program does its column block of every slice in turn (the expand
+    # fused over slices: a third of the programs for three slices); False: one per slice.
+    fuse_expand_slices: bool = False
 
 
 def build_segment_tiles(token_slot: torch.Tensor, num_slots: int, block_m: int = DEFAULT_BLOCK_M) -> SegmentTiles:
@@ -145,6 +151,8 @@ def plan_batch(
     block_m: int = DEFAULT_BLOCK_M,
     builder: PlanBuilder = "auto",
     split_k: int = 1,
+    fuse_shrink_slices: bool = False,
+    fuse_expand_slices: bool = False,
 ) -> BatchPlan:
     """Builds the plan for one batch; build it once per step and pass it to every layer.
 
@@ -158,6 +166,9 @@ def plan_batch(
         split_k: token path: split the shrink over this many parts of the hidden dimension
             (capped at one part per 256 columns); 1 (the default) splits nothing. Which is
             faster is for a GPU's numbers to say (bench_lora_kernels.py has a row for it).
+        fuse_shrink_slices, fuse_expand_slices: token path: the shrink with all slices in
+            one program, the expand fused over slices (``BatchPlan``); off by default until
+            a GPU's numbers (bench_lora_kernels.py's "fused" rows) say they are faster.
 
     Raises:
         ValueError: an unknown path or builder, a bad block_m, or split_k below 1.
@@ -183,4 +194,12 @@ def plan_batch(
             segments = build_segment_tiles(token_slot, num_slots, block_m)
         else:
             raise ValueError(f"builder must be 'auto', 'triton' or 'torch', got {builder!r}")
-    return BatchPlan(path=chosen, num_tokens=num_tokens, num_slots=num_slots, segments=segments, split_k=split_k)
+    return BatchPlan(
+        path=chosen,
+        num_tokens=num_tokens,
+        num_slots=num_slots,
+        segments=segments,
+        split_k=split_k,
+        fuse_shrink_slices=fuse_shrink_slices,
+        fuse_expand_slices=fuse_expand_slices,
+    )

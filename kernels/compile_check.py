@@ -118,8 +118,9 @@ _TILES = {"order_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32"
 
 
 def _token_variants(L, align: int, arch: int, dt: str) -> list[CompiledVariant]:
-    """The per-token shrink (whole K, and split over K with atomic adds) and expand kernels at
-    one row alignment, and the zeroing a split shrink runs first."""
+    """The per-token shrink (whole K, and split over K with atomic adds; one slice per program,
+    and every slice of three in one program) and expand (per slice, and fused over slices)
+    kernels at one row alignment, and the zeroing a split shrink runs first."""
     shrink = [
         _compile(
             L._shrink_token_kernel,
@@ -129,6 +130,7 @@ def _token_variants(L, align: int, arch: int, dt: str) -> list[CompiledVariant]:
                 "BLOCK_R": L.RANK_BLOCK,
                 "BLOCK_K": L.TOKEN_SHRINK_BLOCK_K,
                 "SPLIT_K": split_k,
+                "SLICE_BLOCK": slice_block,
                 "stride_xk": 1,
             },
             4,
@@ -136,6 +138,7 @@ def _token_variants(L, align: int, arch: int, dt: str) -> list[CompiledVariant]:
             dt,
         )
         for split_k in (1, 8)
+        for slice_block in (1, 4)
     ]
     zero = _compile(
         L._zero_rank_rows_kernel,
@@ -145,18 +148,24 @@ def _token_variants(L, align: int, arch: int, dt: str) -> list[CompiledVariant]:
         arch,
         dt,
     )
-    return [
-        *shrink,
-        zero,
+    expand = [
         _compile(
             L._expand_token_kernel,
             {**_EXPAND_PTRS, "token_slot_ptr": "*i32"},
-            {"ROW_ALIGN": align, "BLOCK_R": L.RANK_BLOCK, "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N, "stride_on": 1},
+            {
+                "ROW_ALIGN": align,
+                "BLOCK_R": L.RANK_BLOCK,
+                "BLOCK_N": L.TOKEN_EXPAND_BLOCK_N,
+                "FUSE_SLICES": fuse,
+                "stride_on": 1,
+            },
             4,
             arch,
             dt,
-        ),
+        )
+        for fuse in (False, True)
     ]
+    return [*shrink, zero, *expand]
 
 
 def _segment_variants(L, align: int, block_m: int, precision, arch: int, dt: str) -> list[CompiledVariant]:
@@ -248,9 +257,12 @@ def main() -> int:
     too_big = [v for v in variants if not v.fits(args.arch)]
     for v in variants:
         forms = " ".join(sorted(v.global_access_forms()))
+        shape = " ".join(
+            f"{k}={v.constexprs[k]}" for k in ("SPLIT_K", "SLICE_BLOCK", "FUSE_SLICES") if k in v.constexprs
+        )
         print(
             f"{v.kernel:24} {v.dtype} {v.constexprs.get('ROW_ALIGN')} {v.constexprs.get('BLOCK_M', '-'):>3} "
-            f"warps {v.num_warps} shared {v.shared}: {forms}"
+            f"warps {v.num_warps} shared {v.shared}{' ' + shape if shape else ''}: {forms}"
         )
     import triton
 

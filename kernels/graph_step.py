@@ -34,6 +34,8 @@ class StaticStep:
             "segment" for long runs per adapter (plan rebuilt on the device each step).
         block_m: tokens per segment tile.
         split_k: token path: the shrink's split over the hidden dimension (``plan_batch``).
+        fuse_shrink_slices, fuse_expand_slices: token path: every slice in one shrink program,
+            the expand fused over slices (``plan_batch``); fixed for the graph.
     """
 
     def __init__(
@@ -45,6 +47,8 @@ class StaticStep:
         path: Path = "token",
         block_m: int = DEFAULT_BLOCK_M,
         split_k: int = 1,
+        fuse_shrink_slices: bool = False,
+        fuse_expand_slices: bool = False,
     ):
         if path not in ("token", "segment"):
             raise ValueError(f"a static step's path must be 'token' or 'segment', got {path!r}")
@@ -56,7 +60,14 @@ class StaticStep:
             self._planner = SegmentPlanner(block_m, self.device)
             plan = self._planner.plan(token_slot, max_slots)
         else:
-            plan = BatchPlan(path="token", num_tokens=num_tokens, num_slots=max_slots, split_k=split_k)
+            plan = BatchPlan(
+                path="token",
+                num_tokens=num_tokens,
+                num_slots=max_slots,
+                split_k=split_k,
+                fuse_shrink_slices=fuse_shrink_slices,
+                fuse_expand_slices=fuse_expand_slices,
+            )
         self.step = LoraStep(token_slot, plan)
         self._tables: dict[Hashable, LoraTables] = {}
         self._y: dict[tuple[int, int], torch.Tensor] = {}

@@ -73,6 +73,7 @@ def _shrink_token_kernel(
     token_slot_ptr,
     y_ptr,
     K,
+    NUM_SLICES,
     stride_xt,
     stride_xk,
     stride_as,
@@ -84,14 +85,19 @@ def _shrink_token_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SLICE_BLOCK: tl.constexpr,
 ):
-    """Program (token t, slice j, row block rb, K split): y[j, t, rows] = x[t] · A rows, no tl.dot.
+    """Program (token t, slice group, row block rb, K split): y[j, t, rows] = x[t] · A rows, no tl.dot.
 
+    SLICE_BLOCK == 1: one slice per program (slice j = program_id(1)). SLICE_BLOCK > 1 (a power
+    of two >= the slice count, grid dimension 1 of size 1): one program takes the row block of
+    every slice at once, a [SLICE_BLOCK * BLOCK_R, BLOCK_K] tile, so each block of x[t] is
+    loaded once for all slices and all their rows are in flight together.
     With SPLIT_K > 1 each program covers K_PER_SPLIT columns of K and adds its partial sums
     into y atomically (the launcher zeroes those rows first): more programs for small batches.
     """
     t = tl.program_id(0)
-    j = tl.program_id(1)
+    j0 = tl.program_id(1)
     rb = tl.program_id(2) // SPLIT_K
     k_lo = (tl.program_id(2) % SPLIT_K) * K_PER_SPLIT
     k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
@@ -102,20 +108,22 @@ def _shrink_token_kernel(
     if rb * BLOCK_R >= rank:
         # Row blocks past this slot's rank: the grid is sized for the largest rank.
         return
-    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < rank
-    row_off = tl.load(a_off_ptr + slot.to(tl.int64) * stride_as + j * stride_aj + rows, mask=row_ok, other=0)
+    lane = tl.arange(0, SLICE_BLOCK * BLOCK_R)
+    js = j0 + lane // BLOCK_R
+    rows = rb * BLOCK_R + lane % BLOCK_R
+    row_ok = (rows < rank) & (js < NUM_SLICES)
+    row_off = tl.load(a_off_ptr + slot.to(tl.int64) * stride_as + js * stride_aj + rows, mask=row_ok, other=0)
     if ROW_ALIGN > 1:
         row_off = tl.multiple_of(row_off, ROW_ALIGN)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([SLICE_BLOCK * BLOCK_R], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_hi
         xv = tl.load(x_row + ks * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(arena_ptr + row_off[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    y_ptrs = y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt + rows
+    y_ptrs = y_ptr + js * stride_yj + t.to(tl.int64) * stride_yt + rows
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc, mask=row_ok)
     else:
@@ -139,14 +147,17 @@ def _zero_rank_rows_kernel(token_slot_ptr, ranks_ptr, y_ptr, stride_yj, stride_y
 
 
 @triton.jit
-def _expand_token_kernel(
+def _expand_token_slice(
     y_ptr,
     arena_ptr,
     b_off_ptr,
     ranks_ptr,
     scalings_ptr,
-    token_slot_ptr,
     out_ptr,
+    t,
+    j,
+    nb,
+    slot,
     OFF0,
     OFF1,
     OFF2,
@@ -163,33 +174,80 @@ def _expand_token_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Program (token t, slice j, column block nb): out[t, cols] += s · y[j, t, :r] · Bᵀ rows."""
-    t = tl.program_id(0)
-    j = tl.program_id(1)
-    nb = tl.program_id(2)
-    slot = tl.load(token_slot_ptr + t)
+    """One token's column block nb of slice j: out[t, cols] += s · y[j, t, :r] · Bᵀ rows."""
     first, width, rank, scaling, idle = _expand_opening(
         slot, j, nb, ranks_ptr, scalings_ptr, OFF0, OFF1, OFF2, N0, N1, N2, BLOCK_N
     )
-    if idle:
-        return
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < width
-    y_row = y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt
-    b_rows = b_off_ptr + slot.to(tl.int64) * stride_bs + j * stride_bj
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        row_ok = rows < rank
-        yv = tl.load(y_row + rows, mask=row_ok, other=0.0)
-        row_off = tl.load(b_rows + rows, mask=row_ok, other=0)
-        if ROW_ALIGN > 1:
-            row_off = tl.multiple_of(row_off, ROW_ALIGN)
-        w = tl.load(arena_ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * yv[:, None], axis=0)
-    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + (first + cols) * stride_on
-    o = tl.load(o_ptrs, mask=col_ok)
-    tl.store(o_ptrs, (o.to(tl.float32) + scaling * acc).to(o.dtype), mask=col_ok)
+    if not idle:
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < width
+        y_row = y_ptr + j * stride_yj + t.to(tl.int64) * stride_yt
+        b_rows = b_off_ptr + slot.to(tl.int64) * stride_bs + j * stride_bj
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_ok = rows < rank
+            yv = tl.load(y_row + rows, mask=row_ok, other=0.0)
+            row_off = tl.load(b_rows + rows, mask=row_ok, other=0)
+            if ROW_ALIGN > 1:
+                row_off = tl.multiple_of(row_off, ROW_ALIGN)
+            w = tl.load(arena_ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * yv[:, None], axis=0)
+        o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + (first + cols) * stride_on
+        o = tl.load(o_ptrs, mask=col_ok)
+        tl.store(o_ptrs, (o.to(tl.float32) + scaling * acc).to(o.dtype), mask=col_ok)
+
+
+@triton.jit
+def _expand_token_kernel(
+    y_ptr,
+    arena_ptr,
+    b_off_ptr,
+    ranks_ptr,
+    scalings_ptr,
+    token_slot_ptr,
+    out_ptr,
+    OFF0,
+    OFF1,
+    OFF2,
+    N0,
+    N1,
+    N2,
+    NUM_SLICES,
+    stride_yj,
+    stride_yt,
+    stride_bs,
+    stride_bj,
+    stride_ot,
+    stride_on,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FUSE_SLICES: tl.constexpr,
+):
+    """Program (token t, slice j, column block nb): out[t, cols] += s · y[j, t, :r] · Bᵀ rows.
+
+    FUSE_SLICES (grid dimension 1 of size 1): one program does column block nb of every
+    slice in turn, so a token's slot, rank and scaling are read once and its programs are a
+    third as many for three slices (the expand fused over slices).
+    """
+    t = tl.program_id(0)
+    nb = tl.program_id(2)
+    slot = tl.load(token_slot_ptr + t)
+    if FUSE_SLICES:
+        for j in tl.static_range(3):  # MAX_SLICES (a jit function reads no plain globals)
+            if j < NUM_SLICES:
+                _expand_token_slice(
+                    y_ptr, arena_ptr, b_off_ptr, ranks_ptr, scalings_ptr, out_ptr, t, j, nb, slot,
+                    OFF0, OFF1, OFF2, N0, N1, N2, stride_yj, stride_yt, stride_bs, stride_bj, stride_ot, stride_on,
+                    ROW_ALIGN, BLOCK_R, BLOCK_N,
+                )  # fmt: skip
+    else:
+        _expand_token_slice(
+            y_ptr, arena_ptr, b_off_ptr, ranks_ptr, scalings_ptr, out_ptr, t, tl.program_id(1), nb, slot,
+            OFF0, OFF1, OFF2, N0, N1, N2, stride_yj, stride_yt, stride_bs, stride_bj, stride_ot, stride_on,
+            ROW_ALIGN, BLOCK_R, BLOCK_N,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -449,7 +507,9 @@ def shrink(
         # (A copy of the whole arena: the interpreter is for tests and debugging.)
         x, arena = x.float(), arena.float()
     if plan.path == "token":
-        _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align, plan.split_k)
+        _launch_shrink_token(
+            x, arena, a_offsets, ranks, token_slot, y, row_align, plan.split_k, plan.fuse_shrink_slices
+        )
     else:
         _launch_shrink_segment(x, arena, a_offsets, ranks, y, plan.segments, row_align)
     return y
@@ -473,10 +533,14 @@ def _shrink_output(
     return y
 
 
-def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: int, split_k: int = 1) -> None:
-    """``shrink`` on the per-token path: one program per (token, slice, rank block, K split)."""
+def _launch_shrink_token(
+    x, arena, a_offsets, ranks, token_slot, y, row_align: int, split_k: int = 1, fuse_slices: bool = False
+) -> None:
+    """``shrink`` on the per-token path: one program per (token, slice, rank block, K split), or
+    with ``fuse_slices`` per (token, rank block, K split) covering every slice."""
     num_tokens, in_features = x.shape
     num_slices, max_rank = a_offsets.shape[1:]
+    slice_block = triton.next_power_of_2(num_slices) if fuse_slices else 1
     rank_blocks = triton.cdiv(max_rank, RANK_BLOCK)
     split_k = max(1, min(split_k, triton.cdiv(in_features, TOKEN_SHRINK_BLOCK_K)))
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), TOKEN_SHRINK_BLOCK_K) * TOKEN_SHRINK_BLOCK_K
@@ -484,7 +548,7 @@ def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: i
         _zero_rank_rows_kernel[(num_tokens, num_slices, rank_blocks)](
             token_slot, ranks, y, y.stride(0), y.stride(1), BLOCK_R=RANK_BLOCK
         )
-    _shrink_token_kernel[(num_tokens, num_slices, rank_blocks * split_k)](
+    _shrink_token_kernel[(num_tokens, 1 if fuse_slices else num_slices, rank_blocks * split_k)](
         x,
         arena,
         a_offsets,
@@ -492,6 +556,7 @@ def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: i
         token_slot,
         y,
         in_features,
+        num_slices,
         x.stride(0),
         x.stride(1),
         a_offsets.stride(0),
@@ -503,6 +568,7 @@ def _launch_shrink_token(x, arena, a_offsets, ranks, token_slot, y, row_align: i
         BLOCK_R=RANK_BLOCK,
         BLOCK_K=TOKEN_SHRINK_BLOCK_K,
         SPLIT_K=split_k,
+        SLICE_BLOCK=slice_block,
     )
 
 
@@ -619,7 +685,8 @@ def _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets
     offs = list(slice_offsets) + [slice_offsets[0]] * (MAX_SLICES - num_slices)
     sizes = list(slice_sizes) + [slice_sizes[0]] * (MAX_SLICES - num_slices)
     if plan.path == "token":
-        grid = (num_tokens, num_slices, triton.cdiv(max(slice_sizes), TOKEN_EXPAND_BLOCK_N))
+        fuse = plan.fuse_expand_slices
+        grid = (num_tokens, 1 if fuse else num_slices, triton.cdiv(max(slice_sizes), TOKEN_EXPAND_BLOCK_N))
         _expand_token_kernel[grid](
             y,
             arena,
@@ -630,6 +697,7 @@ def _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets
             out,
             *offs,
             *sizes,
+            num_slices,
             y.stride(0),
             y.stride(1),
             b_offsets.stride(0),
@@ -639,6 +707,7 @@ def _expand(y, arena, b_offsets, ranks, scalings, token_slot, out, slice_offsets
             ROW_ALIGN=row_align,
             BLOCK_R=RANK_BLOCK,
             BLOCK_N=TOKEN_EXPAND_BLOCK_N,
+            FUSE_SLICES=fuse,
         )
     else:
         seg = plan.segments

@@ -136,6 +136,8 @@ def test_bench_lora_kernels_logic_runs_on_cpu_with_every_row():
     assert "decode float16: model step launch 3: max |out - fp32 reference|" in out, out
     assert "model step 2x2: kernels eager, plan + 4 pairs (token)" in out, out
     assert "decode float16: kernels token split-K 8: max |out - fp32 reference|" in out, out
+    for method in ("slices per program", "expand fused", "fused", "fused split-K 8"):
+        assert f"decode float16: kernels token {method}: max |out - fp32 reference|" in out, out
     assert "model step 2x2: kernels captured: skipped, CUDA graphs need a GPU" in out, out
 
 

@@ -135,6 +135,17 @@ def test_verdicts_on_partial_skips_failures_and_a_full_pass(tmp_path):
     assert gpu_ready.verdict_problems(ok) == []
 
 
+def test_a_skipped_cuda_graph_capture_test_on_a_gpu_run_is_not_a_pass(tmp_path):
+    cases = [("tests.test_gpu_arena", "a", "pass"), ("tests.test_kernels_graph", "logic", "pass")]
+    skipped = gpu_ready.tally(_junit(tmp_path, [*cases, ("tests.test_kernels_graph", "captured", "skip")]))
+    assert gpu_ready.verdict_problems(skipped) == [
+        "tests/test_kernels_graph.py skipped 1 test(s) on a GPU run (CUDA-graph capture): captured: needs a CUDA "
+        "device (no CUDA driver)"
+    ]
+    ran = gpu_ready.tally(_junit(tmp_path, [*cases, ("tests.test_lora_static", "captured", "pass")]))
+    assert gpu_ready.verdict_problems(ran) == []
+
+
 # ----------------------------------------------------------------- the wheelhouse
 
 wheelhouse = _load("build_wheelhouse")

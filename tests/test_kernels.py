@@ -594,3 +594,47 @@ def test_split_k_token_shrink_matches_reference_and_writes_only_rank_rows(split_
 def test_split_k_below_one_is_refused():
     with pytest.raises(ValueError, match="split_k must be at least 1"):
         plan_batch(torch.zeros(4, dtype=torch.int32), 1, split_k=0)
+
+
+FUSED = [
+    pytest.param(True, False, 1, id="shrink-slices-per-program"),
+    pytest.param(False, True, 1, id="expand-fused"),
+    pytest.param(True, True, 1, id="both"),
+    pytest.param(True, True, 2, id="both-split-k"),
+]
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, pytest.param(torch.float32, id="float32")])
+@pytest.mark.parametrize("fuse_shrink,fuse_expand,split_k", FUSED)
+def test_slice_fused_token_kernels_match_reference(
+    fuse_shrink: bool, fuse_expand: bool, split_k: int, dtype: torch.dtype, rng: Rng
+):
+    # Three slices of different widths (one past a 256-column block), ranks across a 16-row
+    # block and a rank-0 slot; K = 300 gives split-K a ragged second part.
+    shape = Shape("fused", (0, 5, 16, 20), 300, (264, 24, 40), 12, "decode", max_rank=32)
+    b = make_batch(shape, dtype, rng)
+    p = b.packed
+    plan = plan_batch(
+        b.token_slot,
+        len(b.adapters),
+        path="token",
+        split_k=split_k,
+        fuse_shrink_slices=fuse_shrink,
+        fuse_expand_slices=fuse_expand,
+    )
+    y = poisoned_y(b)
+    base = random_out(b, extra_cols=8)
+    out = lora_ops.lora_apply(
+        b.x, base.clone(), p.arena, p.tables, LoraStep(b.token_slot, plan), p.slice_offsets, p.slice_sizes, y=y
+    )
+    what = f"fused shrink={fuse_shrink} expand={fuse_expand} split-K {split_k} {dtype}"
+    written = written_rows(b)
+    want_y = reference.shrink(b.x, p.arena, p.a_offsets, p.ranks, b.token_slot)
+    assert_close(y[written], want_y[written], dtype, rng, f"{what} shrink")
+    assert bool(torch.isnan(y[~written]).all()), rng.note(f"{what} wrote y past a rank or for a base token")
+    want = reference.lora_apply(
+        b.x, base.clone(), p.arena, p.tables, LoraStep(b.token_slot), p.slice_offsets, p.slice_sizes
+    )
+    assert_close(out, want, dtype, rng, what)
+    assert_untouched(out, base, untouched_tokens(b), rng, what)
+    assert torch.equal(bits(out[:, -8:]), bits(base[:, -8:])), rng.note(f"{what} wrote past the slices")

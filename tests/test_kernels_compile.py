@@ -40,6 +40,7 @@ print(json.dumps([
     {"kernel": v.kernel, "dtype": v.dtype, "row_align": v.constexprs.get("ROW_ALIGN"),
      "forms": sorted(v.global_access_forms()), "block_m": v.constexprs.get("BLOCK_M"),
      "split_k": v.constexprs.get("SPLIT_K", 1),
+     "slice_block": v.constexprs.get("SLICE_BLOCK", 1), "fuse": v.constexprs.get("FUSE_SLICES", False),
      "shared": v.shared, "fits": v.fits(90)}
     for v in compile_all(90)
 ]))
@@ -82,11 +83,36 @@ def test_row_align_8_turns_token_path_gathers_into_16_byte_loads(variants: list[
     forms = {
         v["row_align"]: set(v["forms"])
         for v in variants
-        if v["kernel"] == kernel and v["dtype"] == "fp16" and v["split_k"] == 1
+        if v["kernel"] == kernel
+        and v["dtype"] == "fp16"
+        and v["split_k"] == 1
+        and v["slice_block"] == 1
+        and not v["fuse"]
     }
     assert "ld.global.v4.b32" in forms[8], f"{kernel} with row_align=8: {sorted(forms[8])}"
     # Without the promise the gathers are 2-byte loads: the reason row_align exists.
     assert "ld.global.b16" in forms[1], f"{kernel} with row_align=1: {sorted(forms[1])}"
+
+
+def test_the_slice_fused_token_kernels_compile_with_16_byte_gathers(variants: list[dict]):
+    # Several slices per shrink program (SLICE_BLOCK 4: three slices), with and without split-K,
+    # and the expand fused over slices, in every dtype; row_align 8 still vectorises the gathers.
+    for dtype in ("fp16", "bf16", "fp32"):
+        shrink = {
+            (v["split_k"], v["row_align"]): v
+            for v in variants
+            if v["kernel"] == "_shrink_token_kernel" and v["dtype"] == dtype and v["slice_block"] == 4
+        }
+        assert set(shrink) == {(1, 1), (1, 8), (8, 1), (8, 8)}, f"{dtype}: {sorted(shrink)}"
+        expand = {
+            v["row_align"]: v
+            for v in variants
+            if v["kernel"] == "_expand_token_kernel" and v["dtype"] == dtype and v["fuse"]
+        }
+        assert set(expand) == {1, 8}, f"{dtype}: {sorted(expand)}"
+        for v in (shrink[(1, 8)], expand[8]):
+            assert "ld.global.v4.b32" in v["forms"], f"{v['kernel']} {dtype} fused: {v['forms']}"
+            assert v["fits"]
 
 
 def test_every_block_size_the_planner_accepts_is_compiled_and_fits_in_shared_memory(variants: list[dict]):

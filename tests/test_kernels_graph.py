@@ -92,8 +92,17 @@ def expected(m: Model, base: torch.Tensor, pool_ids: list[int], token_slot: torc
     return want
 
 
-def static_step(path: str, num_tokens: int, max_slots: int, split_k: int = 1) -> StaticStep:
-    step = StaticStep(num_tokens, max_slots, DEVICE, path=path, block_m=16, split_k=split_k)
+def static_step(path: str, num_tokens: int, max_slots: int, split_k: int = 1, fuse: bool = False) -> StaticStep:
+    step = StaticStep(
+        num_tokens,
+        max_slots,
+        DEVICE,
+        path=path,
+        block_m=16,
+        split_k=split_k,
+        fuse_shrink_slices=fuse,
+        fuse_expand_slices=fuse,
+    )
     for key in LAUNCHES:
         step.add_launch(key, len(SLICES), 16)
     return step
@@ -106,11 +115,13 @@ def load(step: StaticStep, m: Model, pool_ids: list[int], token_slot: torch.Tens
     step.load_tokens(token_slot)
 
 
-@pytest.mark.parametrize("path,split_k", [("token", 1), ("token", 2), ("segment", 1)])
-def test_a_static_step_follows_changing_maps_and_adapters_in_the_same_buffers(path: str, split_k: int):
+@pytest.mark.parametrize(
+    "path,split_k,fuse", [("token", 1, False), ("token", 2, False), ("token", 2, True), ("segment", 1, False)]
+)
+def test_a_static_step_follows_changing_maps_and_adapters_in_the_same_buffers(path: str, split_k: int, fuse: bool):
     g = torch.Generator().manual_seed(23)
     m = make_model(40, g)
-    step = static_step(path, 40, max_slots=4, split_k=split_k)
+    step = static_step(path, 40, max_slots=4, split_k=split_k, fuse=fuse)
     ptrs = [t.data_ptr() for t in step.buffers()]
     for pool_ids, token_slot in draws(g, 40, 4, steps=4):
         load(step, m, pool_ids, token_slot)
@@ -152,11 +163,11 @@ def test_tables_and_maps_that_do_not_fit_are_refused():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graph capture needs a CUDA device; the CPU tests above check the logic")
-@pytest.mark.parametrize("path", ["token", "segment"])
-def test_a_captured_step_replays_right_across_changing_maps_and_adapters(path: str):
+@pytest.mark.parametrize("path,fuse", [("token", False), ("token", True), ("segment", False)])
+def test_a_captured_step_replays_right_across_changing_maps_and_adapters(path: str, fuse: bool):
     g = torch.Generator().manual_seed(29)
     m = make_model(64, g)
-    step = static_step(path, 64, max_slots=4)
+    step = static_step(path, 64, max_slots=4, split_k=2 if fuse else 1, fuse=fuse)
     first = next(draws(g, 64, 4, steps=1))
     load(step, m, *first)
     m.out.zero_()

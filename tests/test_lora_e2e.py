@@ -244,3 +244,36 @@ def test_the_decode_loop_matches_peft_generate_token_for_token(base_and_adapters
         if name is not None and ref_tokens != base_tokens[i]
     ]
     assert len(steered) >= 2, f"adapters change the greedy tokens of sequences {steered} only; the test shows little"
+
+
+def test_the_decode_steps_run_on_a_static_batch_and_give_the_same_tokens(base_and_adapters, served, monkeypatch):
+    """``generate``'s decode steps run under one ``StaticLoraBatch`` (tensors a CUDA graph can
+    capture) and give the tokens and logits of the per-step ``LoraBatch`` they replaced."""
+    from memory_broker.clients.lora import LoraBatch, LoraModel, StaticLoraBatch
+
+    dtype_name, broker, _ = served
+    base_dir, _ = base_and_adapters
+    lora = wrap_model(fresh_base(base_dir, DTYPES[dtype_name]))
+    seen = []
+    step = lora.step
+
+    def spy(batch):
+        seen.append(type(batch))
+        return step(batch)
+
+    monkeypatch.setattr(lora, "step", spy)
+    names = sorted(set(GEN_ADAPTERS) - {None})
+    with BrokerClient.connect(broker.socket) as client, client.acquire_adapters(names) as lease:
+        got = lora.generate(client, lease, gen_prompts(), GEN_ADAPTERS, GEN_NEW_TOKENS, output_logits=True)
+        decode_types = seen[1:]
+        # Before: the decode steps ran on an ordinary batch of seq_lens 1.
+        with monkeypatch.context() as m:
+            m.setattr(
+                LoraModel,
+                "_decode_batch",
+                lambda self, source, seqs, lease, path: self.batch(source, seqs, [1] * len(seqs), lease, path=path),
+            )
+            before = lora.generate(client, lease, gen_prompts(), GEN_ADAPTERS, GEN_NEW_TOKENS, output_logits=True)
+    assert seen[0] is LoraBatch and decode_types == [StaticLoraBatch] * (GEN_NEW_TOKENS - 1), decode_types
+    assert got.tokens == before.tokens
+    torch.testing.assert_close(got.logits, before.logits, rtol=0, atol=1e-6 if dtype_name == "float32" else 1e-3)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from memory_broker.clients import BrokerClient
 from memory_broker.clients.vllm import identity, lora_patches, lora_plugin, tiny_model
 from memory_broker.clients.vllm.lora_source import BrokerAdapters
-from memory_broker.clients.vllm.lora_zero_copy import LayerAddress, StepHolder, ZeroCopyStep
+from memory_broker.clients.vllm.lora_zero_copy import LayerAddress, StaticStepBuffers, StepHolder, ZeroCopyStep
 from memory_broker.proto.wire.errors import BrokerError
 
 HIDDEN = tiny_model.LLAMA["hidden_size"]
@@ -150,6 +150,76 @@ def test_zero_copy_step_keeps_base_rows_base_with_every_slot_taken(adapters):
         step.apply(more, out2, LayerAddress(0, ("q_proj", "k_proj", "v_proj"), (HIDDEN, KV, KV)))
         assert torch.equal(out2[7:], base[:2]) and torch.equal(out2[:7], out)
         assert step.extra_bytes() > 0
+    finally:
+        src.close()
+
+
+QKV = LayerAddress(0, ("q_proj", "k_proj", "v_proj"), (HIDDEN, KV, KV))
+O_PROJ = LayerAddress(1, ("o_proj",), (HIDDEN,))
+
+
+def _vllm_indices(values: list[int], size: int = 16) -> torch.Tensor:
+    """vLLM's token -> slot indices: a view of the first tokens of a preallocated int64 buffer."""
+    buffer = torch.full((size,), -7, dtype=torch.int64)
+    buffer[: len(values)] = torch.tensor(values)
+    return buffer[: len(values)]
+
+
+def test_a_static_zero_copy_step_replays_changed_maps_and_adapters_from_the_same_buffers(adapters):
+    """With StaticStepBuffers each step's build (vLLM's per-step metadata update) copies the token
+    map and every launch's tables into tensors allocated once; the layers' work reads only them,
+    so a forward captured with an earlier step's objects (a CUDA graph's replay, emulated here
+    by calling that step's apply again) gives the new step's output."""
+    broker, _ = adapters
+    src = BrokerAdapters(broker.socket)
+    try:
+        a1, a2 = src.acquire("a1", 1), src.acquire("a2", 2)
+        holder = StepHolder("cpu", StaticStepBuffers(8, 3, 16, src.arena("float32")))
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(8, HIDDEN, generator=g)  # vLLM pads a batch to the captured size: 8
+        base = {QKV: torch.randn(8, HIDDEN + 2 * KV, generator=g), O_PROJ: torch.randn(8, HIDDEN, generator=g)}
+        steps = [
+            ((a1, a2, None), [-1, 0, 1, -1, 1, 0, -1]),
+            ((a2, None, None), [0, 0, -1, 1, 0]),  # a1 left; slot 1 empty (its token stays base)
+            ((None, a1, a2), [2, 1, 2, 1, 2, 1, -1, 2]),  # adapters came back in other slots
+            ((None, None, None), [-1, -1]),  # warm-up-like: no adapters at all
+        ]
+        captured = None
+        ptrs = None
+        for slots, indices in steps:
+            step = ZeroCopyStep.build(
+                slots, _vllm_indices(indices), holder.tables, src.arena, "once", static=holder.static
+            )
+            eager = ZeroCopyStep.build(slots, _vllm_indices(indices), holder.tables, src.arena, "once")
+            captured = captured or step  # the step whose objects a graph would have captured
+            for address, b in base.items():
+                got = captured.apply(x, b.clone(), address)
+                want = eager.apply(x, b.clone(), address)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                assert torch.equal(got[len(indices) :], b[len(indices) :]), "padding rows changed"
+            now = [t.data_ptr() for t in holder.static.buffers()]
+            assert ptrs is None or now == ptrs, "a step moved a buffer the graph reads"
+            ptrs = now
+        assert len(ptrs) == 1 + 2 * 4  # the token map and two launches' tables, allocated once
+    finally:
+        src.close()
+
+
+def test_static_zero_copy_buffers_refuse_what_they_cannot_hold(adapters):
+    broker, _ = adapters
+    src = BrokerAdapters(broker.socket)
+    try:
+        a1, a2 = src.acquire("a1", 1), src.acquire("a2", 2)
+        holder = StepHolder("cpu", StaticStepBuffers(8, 1, 16, src.arena("float32")))
+        with pytest.raises(ValueError, match="2 LoRA slots do not fit static buffers of 1"):
+            ZeroCopyStep.build((a1, a2), _vllm_indices([0, 1]), holder.tables, src.arena, static=holder.static)
+        small = StaticStepBuffers(8, 2, 4, src.arena("float32"))  # the adapters are rank 8
+        step = ZeroCopyStep.build((a1, a2), _vllm_indices([0, 1]), holder.tables, src.arena, static=small)
+        with pytest.raises(ValueError, match="captured LoRA step cannot serve layer 0 q_proj.*enforce_eager"):
+            step.apply(torch.zeros(2, HIDDEN), torch.zeros(2, HIDDEN + 2 * KV), QKV)
+        other = StaticStepBuffers(8, 2, 16, torch.zeros(16))
+        with pytest.raises(ValueError, match="capture anew"):
+            ZeroCopyStep.build((a1, a2), _vllm_indices([0, 1]), holder.tables, src.arena, static=other)
     finally:
         src.close()
 

@@ -329,7 +329,9 @@ def _create_dummy_lora(orig):
 def _build_step(manager, holder: StepHolder, st: State) -> None:
     wrapper = next(iter(manager.punica_wrapper_mapping.values()))
     slots = tuple(st.source.adapter(i) for i in manager.lora_index_to_id)
-    holder.step = ZeroCopyStep.build(slots, wrapper.token_lora_indices, holder.tables, st.source.arena, st.rounding)
+    holder.step = ZeroCopyStep.build(
+        slots, wrapper.token_lora_indices, holder.tables, st.source.arena, st.rounding, static=holder.static
+    )
     holder.epoch = st.source.epoch()
     holder.builds += 1
 

@@ -7,7 +7,11 @@ Methods:
 
   kernels auto / token / segment   lora_apply over a paged arena (2 MiB pages, rows shuffled);
                                    "token split-K N" splits the shrink over N parts of the
-                                   hidden dimension (--split-k, default 8)
+                                   hidden dimension (--split-k, default 8); "token slices per
+                                   program" runs every slice of a token in one shrink program,
+                                   "token expand fused" fuses the expand over slices, "token
+                                   fused" both (with split-K too): the rows that decide whether
+                                   the token path (the decode row's path) turns them on
   torch per-adapter GEMMs          a loop over adapters: index_select, x @ Aᵀ, y @ Bᵀ, index_add_
   stacked slots, padded            the same kernels over contiguous [slots, max_rank, hidden]
                                    buffers with every rank set to --stacked-rank (the padded
@@ -161,6 +165,21 @@ def check(what: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.
     return ok
 
 
+def kernel_variants(split_k: int) -> list[tuple[str, int, bool, bool]]:
+    """The project kernels' rows: (path, split-K, every slice in one shrink program, the expand
+    fused over slices). Each token-path shape beside the default one, so the GPU decides."""
+    return [
+        ("auto", 1, False, False),
+        ("token", 1, False, False),
+        ("token", split_k, False, False),
+        ("token", 1, True, False),
+        ("token", 1, False, True),
+        ("token", 1, True, True),
+        ("token", split_k, True, True),
+        ("segment", 1, False, False),
+    ]
+
+
 def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dtype, vllm=None) -> bool:
     """Times every method on one case in one dtype; returns False when a project kernel's output
     is off the reference. ``vllm`` (ops/bench/vllm_lora_baseline.VllmLoraOps) adds vLLM's rows."""
@@ -194,8 +213,16 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
     expected = reference.lora_apply(x, base.clone(), p.arena, p.tables, LoraStep(slots), p.slice_offsets, p.slice_sizes)
 
     ok = True
-    for path, split_k in (("auto", 1), ("token", 1), ("token", args.split_k), ("segment", 1)):
-        plan = plan_batch(slots, case.num_adapters, path=path, active_slots=case.num_adapters, split_k=split_k)
+    for path, split_k, fuse_shrink, fuse_expand in kernel_variants(args.split_k):
+        plan = plan_batch(
+            slots,
+            case.num_adapters,
+            path=path,
+            active_slots=case.num_adapters,
+            split_k=split_k,
+            fuse_shrink_slices=fuse_shrink,
+            fuse_expand_slices=fuse_expand,
+        )
 
         def ours(plan=plan):
             lora_ops.lora_apply(
@@ -203,6 +230,9 @@ def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dty
             )
 
         method = f"kernels {path}" + (f" ({plan.path})" if path == "auto" else "")
+        method += {(True, False): " slices per program", (False, True): " expand fused", (True, True): " fused"}.get(
+            (fuse_shrink, fuse_expand), ""
+        )
         method += f" split-K {split_k}" if split_k > 1 else ""
         out.copy_(base)
         ours()
@@ -349,23 +379,27 @@ def model_step_rows(case: Case, args, dtype: torch.dtype, p, slots, x, expected,
     if DEVICE != "cuda":
         print(f"{label}: {what} captured: skipped, CUDA graphs need a GPU")
         return ok
-    static = StaticStep(case.num_tokens, case.num_adapters, DEVICE, path=path)
-    for k, t in enumerate(tables):
-        static.add_launch(k, case.num_slices, p.a_offsets.shape[2])
-        static.load_tables(k, t)
-    static.load_tokens(slots)
+    for fuse in (False, True) if path == "token" else (False,):
+        static = StaticStep(
+            case.num_tokens, case.num_adapters, DEVICE, path=path, fuse_shrink_slices=fuse, fuse_expand_slices=fuse
+        )
+        for k, t in enumerate(tables):
+            static.add_launch(k, case.num_slices, p.a_offsets.shape[2])
+            static.load_tables(k, t)
+        static.load_tokens(slots)
 
-    def replayed_step():
-        static.replan()
-        for k, o in enumerate(outs):
-            static.apply(k, x, o, arena, p.slice_offsets, p.slice_sizes, row_align=8)
+        def replayed_step(static=static):
+            static.replan()
+            for k, o in enumerate(outs):
+                static.apply(k, x, o, arena, p.slice_offsets, p.slice_sizes, row_align=8)
 
-    graph = captured(replayed_step)
-    for o in outs:
-        o.copy_(base)
-    graph.replay()
-    ok &= check(f"{label}: {what} captured", outs[n - 1], expected[0], dtype)
-    record_row(rows, case, dtype, f"{what} CUDA graph replay ({path})", median_ms(graph.replay, args.reps, args.warmup))
+        graph = captured(replayed_step)
+        for o in outs:
+            o.copy_(base)
+        graph.replay()
+        method = f"{what} CUDA graph replay ({path}{', fused' if fuse else ''})"
+        ok &= check(f"{label}: {method}", outs[n - 1], expected[0], dtype)
+        record_row(rows, case, dtype, method, median_ms(graph.replay, args.reps, args.warmup))
     return ok
 
 

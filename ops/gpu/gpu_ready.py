@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 # Test files that only mean something on a GPU: every test in them must run and pass.
 MUST_RUN = ("tests/test_gpu_arena.py",)
+# Test files whose GPU-only tests (a real CUDA-graph capture and replay) skip only without
+# CUDA: where they ran, a skip on the GPU run is a failure (absent files are not).
+NO_SKIP = ("tests/test_kernels_graph.py", "tests/test_lora_static.py")
 
 
 @dataclass
@@ -172,6 +175,10 @@ def verdict_problems(counts: dict[str, Tally], must_run: tuple[str, ...] = MUST_
             )
         elif t.skipped:
             out.append(f"{path} skipped {t.skipped} test(s) on a GPU run: {t.skips[0]}")
+    for path in NO_SKIP:
+        t = counts.get(path)
+        if t is not None and path not in must_run and t.skipped:
+            out.append(f"{path} skipped {t.skipped} test(s) on a GPU run (CUDA-graph capture): {t.skips[0]}")
     return out
 
 

@@ -19,7 +19,8 @@
 #
 # Exit status 0 only when the CUDA arena actually ran: the preflight found a GPU the arena can
 # use, no test failed, and every test in tests/test_gpu_arena.py ran and passed (a run where
-# the GPU tests skip is a failure, with the skip reason). Without a GPU it fails at once with
+# the GPU tests skip is a failure, with the skip reason; so is a skipped CUDA-graph capture test
+# of tests/test_kernels_graph.py or tests/test_lora_static.py). Without a GPU it fails at once with
 # the reason; with a GPU the arena cannot use (e.g. cuda-bindings 13 on a CUDA 12 driver) it
 # still runs the tests, for the record, and fails naming the reason.
 #
