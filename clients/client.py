@@ -298,6 +298,24 @@ class BrokerClient(BrokerSession):
                     self.mappings.mapped()
         return obj
 
+    def _read_objects(self, infos: Sequence) -> list[BrokerObject]:
+        """``_object`` for many objects this process was not given to write (lookups, pins;
+        ``pb.ObjectInfo``s or step records), the mapping work done once for all of them: one
+        slab check, one page-access change for the read-only ones (not one per object)."""
+        if not infos:
+            return []
+        self._ensure_slabs(max(i.arena_slabs for i in infos))
+        shared: list[int] = []
+        own: list[int] = []
+        for i in infos:
+            (shared if i.deduplicated or not i.owned else own).extend(i.pages)
+        if shared:
+            self._set_access(shared, True)
+        if own:
+            self._import_pages(own, True)
+        # Windowed objects also map their window (``_object``; their pages' access is set already).
+        return [BrokerObject(self, i) if i.window_page < 0 else self._object(i) for i in infos]
+
     def _check_current(self, item: BrokerObject | Transaction, what: str, again: str) -> None:
         """Refuse an object or transaction of a session that ended with a broker restart."""
         if item.client is self and item.epoch != self.epoch:

@@ -90,17 +90,17 @@ class ChannelCalls:
 
     def pin(self, ids: list[int]) -> list:
         st = self.path
-        make = self.client._object
+        make = self.client._read_objects
         if st.caching:
             held = st.held.ref_pins(ids)
             if held is not None:
-                return [make(r) for r in held]
+                return make(held)
         reply = self._fast(st.send, [_w.Op(_w.OP_PIN, tuple(ids))])
         st.raise_error(reply)
         recs = reply.results[0]
         if st.caching:
             st.held.add_pins(recs)
-        return [make(r) for r in recs]
+        return make(recs)
 
     def unpin(self, ids: list[int]) -> None:
         self._fast(self.path.step, unpin=ids, acquire=False, lookup=False)

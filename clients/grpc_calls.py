@@ -57,13 +57,11 @@ class GrpcCalls:
 
     def lookup(self, keys: Sequence[bytes], pin: bool) -> list:
         resp = self._rpc("Lookup", pb.LookupRequest(keys=list(keys), pin=pin), retry=True)
-        make = self.client._object
-        return [make(i) for i in resp.objects]
+        return self.client._read_objects(resp.objects)
 
     def pin(self, ids: list[int]) -> list:
         resp = self._rpc("Pin", pb.PinRequest(object_ids=ids))
-        make = self.client._object
-        return [make(i) for i in resp.objects]
+        return self.client._read_objects(resp.objects)
 
     def unpin(self, ids: list[int]) -> None:
         self._rpc("Unpin", pb.UnpinRequest(object_ids=ids))

@@ -39,18 +39,23 @@ class SessionRecords:
     def objects(self, recs) -> list:
         """BrokerObjects for step records; the same record object gets the same BrokerObject."""
         made = self._made
-        make = self.client._object
-        out = []
+        out: list = []
+        new: list = []  # (index in out, record) of records not seen before
         for r in recs:
             hit = made.get(r.object_id)
             if hit is not None and hit[0] is r:
                 out.append(hit[1])
-                continue
-            obj = make(r)
-            if len(made) >= _MADE_LIMIT:
+            else:
+                new.append((len(out), r))
+                out.append(None)
+        if new:
+            # Built together: one mapping check and one page-access change for all of them.
+            objs = self.client._read_objects([r for _, r in new])
+            if len(made) + len(new) > _MADE_LIMIT:
                 made.clear()
-            made[r.object_id] = (r, obj)
-            out.append(obj)
+            for (i, r), obj in zip(new, objs):
+                made[r.object_id] = (r, obj)
+                out[i] = obj
         return out
 
     def step_lease(self, adapters, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:

@@ -32,6 +32,13 @@ def test_every_op_round_trips():
     assert w.decode_step(body(w.encode_step(OPS))) == OPS
 
 
+def test_acquire_rows_encode_as_the_records_do():
+    """The broker encodes an acquire's adapters from tuples (no record objects): same bytes."""
+    recs = (w.AcquiredRecord(2, 6, w.TIER_HOT, (1, 2, 3)), w.AcquiredRecord(9, 7, w.TIER_WARM, ()))
+    rows = [(r.generation, r.object_id, r.found_in, r.pages) for r in recs]
+    assert w.encode_acquire_rows(11, 1234.5, rows) == w.encode_acquire(w.AcquireOutcome(True, 11, 1234.5, recs))
+
+
 def test_every_result_and_the_error_round_trip():
     obj = w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 0)
     acq = w.AcquireOutcome(True, 11, 1234.5, (w.AcquiredRecord(2, 6, w.TIER_WARM, (1, 2, 3)),))
