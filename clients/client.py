@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from memory_broker.clients.adapters import AdapterLease
 from memory_broker.clients.batch import POLL_S, StepBatch
-from memory_broker.clients.fastpath import ChannelCalls
+from memory_broker.clients.fastpath import ChannelCalls, choose_calls
 from memory_broker.clients.grpc_calls import GrpcCalls
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST, BrokerSession
-from memory_broker.clients.step import StepPath, StepTransport, StepUnavailable
-from memory_broker.clients.step_lease import PendingStepLease, SessionRecords, StepLease
+from memory_broker.clients.step import StepPath
+from memory_broker.clients.step_lease import PendingStepLease, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout
 from memory_broker.proto.wire.messages import spec_to_proto
@@ -44,8 +43,6 @@ __all__ = [
     "CHANNEL_OPTIONS",
     "LOST",
 ]
-
-log = logging.getLogger(__name__)
 
 
 class BrokerObject:
@@ -228,36 +225,15 @@ class BrokerClient(BrokerSession):
     # ------------------------------------------------------------- the step calls
 
     def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
-        """The current session's step calls, chosen on first use: the step channel's where
-        the broker has one (and ``fast_path``), else gRPC's for the rest of the session. A
-        new session, or a step channel that broke, chooses again. First waits for the
-        changes a background step batch queued (``wait_sent``; its own worker does not)."""
+        """The current session's step calls (``fastpath.choose_calls``: chosen on first use,
+        again for a new session or a broken step channel). First waits for the changes a
+        background step batch queued (``wait_sent``; its own worker does not)."""
         if wait_sent and self._unsent:
             self._wait_sent()
         calls = self._calls
-        if calls is not None and calls.epoch == self.epoch and (calls.path is None or not calls.path.transport.closed):
-            return calls
-        if self.closed:
-            raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
-        self._wait_live()
-        with self._calls_lock:
-            calls = self._calls
-            if calls is not None and calls.epoch == self.epoch:
-                if calls.path is None or not calls.path.transport.closed:
-                    return calls
-            if calls is not None:
-                calls.close()
-            grpc = GrpcCalls(self, SessionRecords(self))
-            calls = grpc
-            if self.fast_path:
-                try:
-                    transport = StepTransport(self._step_socket(), self.token, self.timeout)
-                except StepUnavailable as e:
-                    log.info("using gRPC for step calls: %s", e)
-                else:
-                    calls = ChannelCalls(self, StepPath(transport, hold_s=self.hold_s), grpc)
-            self._calls = calls
-            return calls
+        if calls is None or not calls.current(self.epoch):
+            calls = choose_calls(self)
+        return calls
 
     def _step_path(self, wait_sent: bool = True) -> StepPath | None:
         """The current session's step path (None: its step calls go over gRPC)."""

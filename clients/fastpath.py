@@ -11,13 +11,43 @@ session's ``SessionRecords`` (``step_lease.py``), once per placement: later step
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from memory_broker.clients.grpc_calls import GrpcCalls
-from memory_broker.clients.step import StepOutcome, StepPath, StepUnavailable
-from memory_broker.clients.step_lease import PendingStepLease, StepLease
+from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
+from memory_broker.clients.step_lease import PendingStepLease, SessionRecords, StepLease
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
+
+log = logging.getLogger(__name__)
+
+
+def choose_calls(client) -> ChannelCalls | GrpcCalls:
+    """Make the current session's step calls (``client``: a ``BrokerClient``, which keeps
+    them as ``_calls``): the step channel's where the broker has one and ``fast_path`` is on,
+    else gRPC's for the rest of the session. Called when the client has none for the current
+    session, or its step channel broke (a new channel is opened then)."""
+    if client.closed:
+        raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
+    client._wait_live()
+    with client._calls_lock:
+        calls = client._calls
+        if calls is not None and calls.current(client.epoch):
+            return calls
+        if calls is not None:
+            calls.close()
+        grpc = GrpcCalls(client, SessionRecords(client))
+        calls = grpc
+        if client.fast_path:
+            try:
+                transport = StepTransport(client._step_socket(), client.token, client.timeout)
+            except StepUnavailable as e:
+                log.info("using gRPC for step calls: %s", e)
+            else:
+                calls = ChannelCalls(client, StepPath(transport, hold_s=client.hold_s), grpc)
+        client._calls = calls
+        return calls
 
 
 class ChannelCalls:
@@ -30,6 +60,10 @@ class ChannelCalls:
         self.grpc = grpc
         self.records = grpc.records
         self.epoch = grpc.epoch
+
+    def current(self, epoch: int) -> bool:
+        """Whether these are the calls of session ``epoch`` still (and its channel is open)."""
+        return self.epoch == epoch and not self.path.transport.closed
 
     def _fast(self, fn, *args, **kw):
         """A step-path call, its transport failures as UNAVAILABLE (as gRPC's are)."""

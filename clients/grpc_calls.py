@@ -27,6 +27,10 @@ class GrpcCalls:
         self.records = records
         self.epoch = records.epoch
 
+    def current(self, epoch: int) -> bool:
+        """Whether these are the calls of session ``epoch`` still."""
+        return self.epoch == epoch
+
     def _rpc(self, name: str, request, retry: bool = False):
         client = self.client
         return client._call(getattr(client._stub, name), request, retry=retry)

@@ -97,6 +97,7 @@ def test_bench_step_quick_run_prints_every_path_and_both_targets():
     ):
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out
+    assert "target issue 28, step channel, client.step(), steady" in out and "CPU us" in out
 
 
 def test_bench_cuda_arena_small_run_prints_every_table_beside_the_host_arena():
@@ -136,3 +137,11 @@ def test_bench_lora_kernels_logic_runs_on_cpu_with_every_row():
     assert "model step 2x2: kernels eager, plan + 4 pairs (token)" in out, out
     assert "decode float16: kernels token split-K 8: max |out - fp32 reference|" in out, out
     assert "model step 2x2: kernels captured: skipped, CUDA graphs need a GPU" in out, out
+
+
+def test_bench_step_per_item_quick_run_prints_each_side_at_every_size():
+    out = bench("bench_step.py", "--per-item", "--quick", "--steps", "80")
+    assert "broker CPU us" in out and "client CPU us" in out
+    for n in (1, 8, 64, 512):
+        assert any(line.split()[:1] == [str(n)] for line in out.splitlines()), out
+    assert "target per-item, broker" in out and "target per-item, client" in out
