@@ -256,14 +256,8 @@ class StepBatch:
             rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
             for lease in own:
                 lease.release()
-            st = client._step_path()
-            if st is None:
-                pending = PendingBatchStep(lambda: self._grpc(rel, unpin, add, new_ids, add_keys, new_keys))
-            else:
-                sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
-                pending = PendingBatchStep(
-                    lambda: self._finish(client._fast(sent.result), sent.sent, add, new_ids, add_keys, new_keys)
-                )
+            sent = client._step_calls().change(new_ids, rel, new_keys, unpin)
+            pending = PendingBatchStep(lambda: self._finish(sent.result(), add, new_ids, add_keys, new_keys))
         self._pending = pending
         return pending
 
@@ -328,10 +322,9 @@ class StepBatch:
             try:
                 own = ()
                 rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
-                st = client._step_path(wait_sent=False)
-                if st is not None:
-                    sent = client._fast(st.delta, new_ids, rel, new_keys, unpin)
-                    got = client._fast(sent.result)
+                sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
+                if sent.sent:
+                    sent.collect()  # the broker has it: the session's other calls may follow
             finally:
                 # The session's other calls may go now (this thread's own gRPC calls below
                 # would otherwise wait for this very gate).
@@ -339,10 +332,8 @@ class StepBatch:
                 gate.release()
             for lease in own:  # over gRPC: after the gate, or this thread would wait for itself
                 lease.release()
-            if st is None:
-                pending._delta = self._grpc(rel, unpin, add, new_ids, add_keys, new_keys)
-            else:
-                pending._delta = self._finish(got, sent.sent, add, new_ids, add_keys, new_keys)
+            # Over gRPC the change's calls are made here (after the gate, or they would wait for it).
+            pending._delta = self._finish(sent.result(), add, new_ids, add_keys, new_keys)
         except BaseException as e:
             pending._error = e
         finally:
@@ -370,32 +361,19 @@ class StepBatch:
             if counts.get(x, 0) < n:
                 raise ValueError(f"drop of {what} {x!r} x{n}: the batch holds it {counts.get(x, 0)} times")
 
-    def _finish(self, got, sent: bool, add, new_ids, add_keys, new_keys) -> BatchDelta:
-        """Turn a change's reply (``PendingDelta.result()``) into leases and objects, and count it."""
-        client = self.client
-        recs, objs, slabs = got
-        if slabs:
-            client._ensure_slabs(slabs)
+    def _finish(self, got, add, new_ids, add_keys, new_keys) -> BatchDelta:
+        """Count a change's result (the calls object's ``change(...).result()``: the new
+        adapters' leases, or None when they must be acquired over gRPC; the found objects;
+        round trips)."""
+        leased, found, rts = got
         if new_ids:
-            if recs is not None:
-                adapters, leased = self.adapters, client._leased_step
-                for aid, rec in recs:
-                    adapters[aid] = leased(aid, rec)
+            if leased is not None:
+                adapters = self.adapters
+                for aid, la in leased:
+                    adapters[aid] = la
             else:
-                self._acquire_own(new_ids, objs)
-        found = client._objects(objs) if objs else []
-        return self._account(add, add_keys, new_keys, found, 1 if sent else 0)
-
-    def _grpc(self, rel, unpin, add, new_ids, add_keys, new_keys) -> BatchDelta:
-        client = self.client
-        if rel:
-            client.release_adapters(rel)
-        if unpin:
-            client.unpin(unpin)
-        if new_ids:
-            self._acquire_own(new_ids, None)
-        found = client.lookup(new_keys) if new_keys else []
-        return self._account(add, add_keys, new_keys, found, 0)
+                self._acquire_own(new_ids, found)
+        return self._account(add, add_keys, new_keys, found, rts)
 
     def _acquire_own(self, ids: list[str], pinned) -> None:
         """Adapters the step channel cannot give (one needs a load): over gRPC, each under a
@@ -405,7 +383,7 @@ class StepBatch:
             lease = client.acquire_adapters(ids)
         except BaseException:
             if pinned:
-                client.unpin(client._objects(pinned))
+                client.unpin(pinned)
             raise
         for la in lease.adapters:
             self.adapters[la.adapter_id] = la
@@ -453,13 +431,7 @@ class StepBatch:
             return  # the pins ended with the session
         for lease in own.values():
             lease.release()
-        st = client._step_path()
-        if st is None:
-            if unpin:
-                client.unpin(unpin)
-            return
-        if rel or unpin:
-            client._fast(st.step, release=rel, unpin=unpin, acquire=False, lookup=False)
+        client._step_calls().give_back(rel, unpin)
 
     def __enter__(self) -> StepBatch:
         return self

@@ -17,16 +17,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.clients.adapters import AdapterLease
+from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.discovery import check_device, find_socket
-from memory_broker.clients.fastpath import PendingStepLease, StepCalls, StepLease
+from memory_broker.clients.fastpath import ChannelCalls, choose_calls
+from memory_broker.clients.grpc_calls import GrpcCalls
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST, BrokerSession
-from memory_broker.proto.wire import step as _w
+from memory_broker.clients.step import StepPath
+from memory_broker.clients.step_lease import PendingStepLease, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout
-from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto, spec_to_proto
+from memory_broker.proto.wire.messages import spec_to_proto
 from memory_broker.proto.wire.spec import Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
@@ -148,17 +152,25 @@ class Transaction:
                 self.abort()
 
 
-class BrokerClient(StepCalls, BrokerSession):
+class BrokerClient(BrokerSession):
     """A session with the broker on ``socket_path``. Use ``connect``; close when done.
 
-    The step calls (``step``, ``step_begin`` and the fast path under acquire, lookup, pin
-    and unpin) come from ``StepCalls`` (clients/fastpath.py)."""
+    The step calls (acquire and release adapters, lookup, pin, unpin, ``step``,
+    ``step_begin``, a step batch's changes) go through one calls object per session, chosen
+    when the session first makes one: ``ChannelCalls`` (clients/fastpath.py) over the
+    broker's step channel, or ``GrpcCalls`` (clients/grpc_calls.py); same methods, same results."""
 
     def __init__(self, *args, fast_path: bool = True, hold_s: float = 0.0, **kwargs):
         # Adapter id -> its layout (the same for every generation; pages change). Set before
         # the session opens, which clears it.
         self._layout_cache: dict[str, AdapterLayout] = {}
-        self._init_step_calls(fast_path, hold_s)
+        # Step calls over the step channel when the broker has one; ``hold_s`` > 0 also
+        # keeps released holdings that long (see clients/step.py).
+        self.fast_path = fast_path
+        self.hold_s = hold_s
+        # The current session's calls (ChannelCalls or GrpcCalls), made on first use.
+        self._calls: ChannelCalls | GrpcCalls | None = None
+        self._calls_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -221,7 +233,29 @@ class BrokerClient(StepCalls, BrokerSession):
     def _session_opened(self) -> None:
         # A new broker may lay adapters out differently (another dtype or page size).
         self._layout_cache.clear()
-        self._forget_step_objects()
+
+    # ------------------------------------------------------------- the step calls
+
+    def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
+        """The current session's step calls (``fastpath.choose_calls``: chosen on first use,
+        again for a new session or a broken step channel). First waits for the changes a
+        background step batch queued (``wait_sent``; its own worker does not)."""
+        if wait_sent and self._unsent:
+            self._wait_sent()
+        calls = self._calls
+        if calls is None or not calls.current(self.epoch):
+            calls = choose_calls(self)
+        return calls
+
+    def _step_path(self, wait_sent: bool = True) -> StepPath | None:
+        """The current session's step path (None: its step calls go over gRPC)."""
+        return self._step_calls(wait_sent).path
+
+    def _step_socket(self) -> str:
+        fd = self.arena.fd_socket_path
+        if fd.endswith(".fds"):
+            return fd[: -len(".fds")] + ".step"
+        return os.path.abspath(self.socket_path) + ".step"
 
     # ------------------------------------------------------------- objects
 
@@ -251,6 +285,24 @@ class BrokerClient(StepCalls, BrokerSession):
                     self._mapped_windows[obj.window_page] = pages
                     self.mappings.mapped()
         return obj
+
+    def _read_objects(self, infos: Sequence) -> list[BrokerObject]:
+        """``_object`` for many objects this process was not given to write (lookups, pins;
+        ``pb.ObjectInfo``s or step records), the mapping work done once for all of them: one
+        slab check, one page-access change for the read-only ones (not one per object)."""
+        if not infos:
+            return []
+        self._ensure_slabs(max(i.arena_slabs for i in infos))
+        shared: list[int] = []
+        own: list[int] = []
+        for i in infos:
+            (shared if i.deduplicated or not i.owned else own).extend(i.pages)
+        if shared:
+            self._set_access(shared, True)
+        if own:
+            self._import_pages(own, True)
+        # Windowed objects also map their window (``_object``; their pages' access is set already).
+        return [BrokerObject(self, i) if i.window_page < 0 else self._object(i) for i in infos]
 
     def _check_current(self, item: BrokerObject | Transaction, what: str, again: str) -> None:
         """Refuse an object or transaction of a session that ended with a broker restart."""
@@ -328,35 +380,16 @@ class BrokerClient(StepCalls, BrokerSession):
         """Free owned objects; returns (pages freed now, pages freed when others unpin)."""
         ids = self._ids(objs)
         resp = self._call(self._stub.Free, pb.FreeRequest(object_ids=ids))
-        st = self._step
-        if st is not None and st.caching and self._step_epoch == self.epoch:
-            st.forget_pins(ids)
+        calls = self._calls
+        if calls is not None and calls.epoch == self.epoch:
+            calls.forget_pins(ids)
         return resp.freed_pages, resp.deferred_pages
 
     def pin(self, objs: Iterable[BrokerObject | int]) -> list[BrokerObject]:
-        ids = self._ids(objs)
-        st = self._step_path()
-        if st is not None:
-            if st.caching:
-                held = st.ref_pins(ids)
-                if held is not None:
-                    return [self._object(r) for r in held]
-            reply = self._fast(st.send, [_w.Op(_w.OP_PIN, tuple(ids))])
-            st.raise_error(reply)
-            recs = reply.results[0]
-            if st.caching:
-                st.add_pins(recs)
-            return [self._object(r) for r in recs]
-        resp = self._call(self._stub.Pin, pb.PinRequest(object_ids=ids))
-        return [self._object(i) for i in resp.objects]
+        return self._step_calls().pin(self._ids(objs))
 
     def unpin(self, objs: Iterable[BrokerObject | int]) -> None:
-        ids = self._ids(objs)
-        st = self._step_path()
-        if st is not None:
-            self._fast(st.step, unpin=ids, acquire=False, lookup=False)
-            return
-        self._call(self._stub.Unpin, pb.UnpinRequest(object_ids=ids))
+        self._step_calls().unpin(self._ids(objs))
 
     @contextlib.contextmanager
     def pinned(self, objs: Iterable[BrokerObject | int]) -> Iterator[list[BrokerObject]]:
@@ -370,15 +403,7 @@ class BrokerClient(StepCalls, BrokerSession):
 
     def lookup(self, keys: Sequence[bytes], pin: bool = True) -> list[BrokerObject]:
         """The longest prefix of ``keys`` present (pinned for this session unless pin=False)."""
-        st = self._step_path()
-        if st is not None:
-            # A step channel that broke (the broker restarting) is not retried here: the
-            # gRPC call below waits for the new session and retries, as it always did.
-            out = self._fast_or_none(st.step, keys=keys, acquire=False, pin_keys=pin)
-            if out is not None:
-                return self._objects(out.objects)
-        resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys), pin=pin), retry=True)
-        return [self._object(i) for i in resp.objects]
+        return self._step_calls().lookup(keys, pin)
 
     @contextlib.contextmanager
     def lookup_pinned(self, keys: Sequence[bytes]) -> Iterator[list[BrokerObject]]:
@@ -389,6 +414,65 @@ class BrokerClient(StepCalls, BrokerSession):
         finally:
             if got and not self.closed:
                 self.unpin(got)
+
+    # ------------------------------------------------------------- steps
+
+    def step(
+        self,
+        adapter_ids: Sequence[str] = (),
+        keys: Sequence[bytes] = (),
+        *,
+        max_adapters: int = 0,
+        prepare: bool = False,
+        lease_s: float = 0.0,
+        commit: AdapterLease | None = None,
+        release: StepLease | None = None,
+    ) -> StepLease:
+        """An engine step's changes in one round trip (none when ``hold_s`` keeps them all).
+
+        Releases what ``release`` holds (a previous step), commits ``commit`` (a prepared
+        lease: prepare the next step's adapters while this one runs, commit it here),
+        acquires ``adapter_ids`` (prepared under a lease with ``prepare``; the cap
+        ``max_adapters`` defers the overflow, as ``acquire_adapters`` does) and looks up and
+        pins the longest present prefix of ``keys``. Returns a ``StepLease`` holding both;
+        release it (or pass it as the next step's ``release``). Without the step channel
+        this is the same calls over gRPC.
+        """
+        calls = self._step_calls()
+        return calls.step(list(adapter_ids), list(keys), max_adapters, prepare, lease_s, commit, release)
+
+    def step_begin(
+        self,
+        adapter_ids: Sequence[str] = (),
+        keys: Sequence[bytes] = (),
+        *,
+        max_adapters: int = 0,
+        prepare: bool = False,
+        lease_s: float = 0.0,
+        commit: AdapterLease | None = None,
+        release: StepLease | None = None,
+    ) -> PendingStepLease:
+        """``step`` in two halves: the frame goes out now, ``result()`` collects the reply.
+
+        Call it as soon as the next step's batch is known and collect it after the current
+        step's model work: the round trip overlaps that work. Without the step channel,
+        ``result()`` makes the calls over gRPC."""
+        calls = self._step_calls()
+        return calls.step_begin(list(adapter_ids), list(keys), max_adapters, prepare, lease_s, commit, release)
+
+    def step_batch(self, background: bool = False, poll_s: float = POLL_S) -> StepBatch:
+        """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
+        completions (a change costs what changed, not the batch's size). ``background``: a
+        thread of the batch runs each ``begin``'s change while the caller goes on; it looks
+        for the next change every ``poll_s`` for a while after one (0: never; see StepBatch)."""
+        return StepBatch(self, background, poll_s)
+
+    def flush_holdings(self) -> int:
+        """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
+        calls = self._calls
+        if calls is None or calls.epoch != self.epoch:
+            return 0
+        return calls.flush()
 
     # ------------------------------------------------------------- adapters
 
@@ -427,52 +511,18 @@ class BrokerClient(StepCalls, BrokerSession):
         ``lease.deferred``. Layouts are fetched only for adapters this client has not seen.
         With ``prepare``, the pins hold under a lease until ``lease.commit()``.
         """
-        st = self._step_path()
-        if st is not None:
-            out = self._fast_or_none(
-                st.step,
-                adapter_ids,
-                max_adapters=max_adapters,
-                prepare=prepare,
-                lease_ms=int(lease_s * 1000),
-                lookup=False,
-            )
-            if out is not None and out.acquire_hot:
-                return self._lease(out)
-        with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
-        req = pb.AcquireAdaptersRequest(
-            adapter_ids=list(adapter_ids),
-            max_adapters=max_adapters,
-            with_layout=with_layout,
-            prepare=prepare,
-            lease_ms=int(lease_s * 1000),
-        )
-        resp = self._call(self._stub.AcquireAdapters, req, retry=True)
-        leased = [self._leased(a) for a in resp.adapters]
-        return AdapterLease(self, leased, resp.deferred, resp.transaction_id, self.session_id)
-
-    def _leased(self, a: pb.AcquiredAdapter) -> LeasedAdapter:
-        """An acquired adapter mapped read-only here, with its layout (cached per adapter id)."""
-        self._ensure_slabs(a.arena_slabs)
-        # Shared weights: read-only in this mapping before anyone here can touch them.
-        self._set_access(a.pages, True)
-        layout = self._layout_cache.get(a.adapter_id)
-        if a.HasField("layout"):
-            layout = layout_from_proto(a.layout)
-            self._layout_cache[a.adapter_id] = layout
-        if layout is None:
-            # The cache was cleared under the request (a reconnect): ask for it now.
-            layout = layout_from_proto(self.adapter_layout(a.adapter_id))
-            self._layout_cache[a.adapter_id] = layout
-        pages = tuple(a.pages)
-        return LeasedAdapter(a.adapter_id, a.generation, a.object_id, pages, layout, TIER_NAMES[a.found_in])
+        return self._step_calls().acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
 
     def release_adapters(self, adapter_ids: Sequence[str]) -> None:
-        st = self._step_path()
-        if st is not None:
-            self._fast(st.step, release=list(adapter_ids), acquire=False, lookup=False)
-            return
-        self._call(self._stub.ReleaseAdapters, pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids)))
+        self._step_calls().release_adapters(adapter_ids)
+
+    def commit_acquire(self, transaction_id: int) -> None:
+        """Keep a prepared adapter acquire's pins (``AdapterLease.commit``)."""
+        self._step_calls().commit_acquire(transaction_id)
+
+    def abort_acquire(self, transaction_id: int) -> None:
+        """Drop a prepared adapter acquire's pins (FAILED_PRECONDITION once committed)."""
+        self._step_calls().abort_acquire(transaction_id)
 
     def prefetch_adapters(self, adapter_ids: Sequence[str], tier: str = "hot") -> pb.PrefetchAdaptersResponse:
         """Bring adapters to the warm or hot tier ahead of use, without pinning them."""
@@ -506,6 +556,6 @@ class BrokerClient(StepCalls, BrokerSession):
         return self._call(self._stub.GetArena, pb.GetArenaRequest(), retry=True)
 
     def _end_session(self) -> None:
-        if self._step is not None:
-            self._step.transport.close()
+        if self._calls is not None:
+            self._calls.close()
         super()._end_session()

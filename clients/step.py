@@ -20,8 +20,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from memory_broker.clients.step_delta import PendingDelta, send_delta
 from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
-from memory_broker.clients.step_pending import PendingDelta, PendingStep, StepOutcome, _Plan
+from memory_broker.clients.step_pending import PendingStep, StepOutcome, _Plan
 from memory_broker.clients.step_transport import StepTransport, StepUnavailable
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError
@@ -32,31 +33,45 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_IDLE = 4096
 
 
-class StepPath(StepHoldings):
+class StepPath:
     """Batched step ops for one session, with an optional holdings cache (``hold_s > 0``)."""
 
     def __init__(self, transport: StepTransport, *, hold_s: float = 0.0, max_idle: int = DEFAULT_MAX_IDLE):
         self.transport = transport
         self.hold_s = hold_s
-        self.max_idle = max_idle
         # Reentrant: a step holds it while it sends; one caller at a time on the socket.
         self.lock = threading.RLock()
-        self.adapters: dict[str, HeldAdapter] = {}
-        self.pins: dict[int, HeldPin] = {}
-        # Key -> the entry of the object it names.
-        self._by_key: dict[bytes, HeldPin] = {}
-        # Idle holdings (no reference here, still held at the broker), oldest first.
-        self._idle_a: dict[str, None] = {}
-        self._idle_p: dict[int, None] = {}
-        self._next_sweep = 0.0
+        # What this process holds at the broker, with local counts (``step_holdings.py``).
+        self.held = StepHoldings(hold_s, max_idle, self.lock)
         # Frames sent (what tests and the benchmark count round trips by).
         self.frames = 0
-        # A step sent by ``begin`` whose reply is not read yet (at most one).
-        self._pending: PendingStep | None = None
+        # A step sent by ``begin`` or ``delta`` whose reply is not read yet (at most one).
+        self._pending = None
 
     @property
     def caching(self) -> bool:
         return self.hold_s > 0
+
+    @property
+    def adapters(self) -> dict[str, HeldAdapter]:
+        return self.held.adapters
+
+    @property
+    def pins(self) -> dict[int, HeldPin]:
+        return self.held.pins
+
+    def idle(self) -> int:
+        """Holdings kept idle at the broker (released with a later frame)."""
+        return self.held.idle()
+
+    def sweep_due(self) -> bool:
+        return self.held.sweep_due()
+
+    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> PendingDelta:
+        """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
+        ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
+        At most one frame, sent now; ``PendingDelta.result()`` reads its reply (``step_delta.py``)."""
+        return send_delta(self, acquire, release, keys, unpin)
 
     # ------------------------------------------------------------ one round trip
 
@@ -154,115 +169,6 @@ class StepPath(StepHoldings):
                 p._reply_done = True
             return p
 
-    def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> PendingDelta:
-        """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
-        ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
-        At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
-        proportional to the change (no cap, no prepare, no carry: the batch counts itself)."""
-        with self.lock:
-            if self._pending is not None:
-                self._pending._collect()
-            ops: list[w.Op] = []
-            caching = self.hold_s > 0
-            now = time.monotonic()
-            if release:
-                direct = self._drop_adapter_refs(release, now) if caching else release
-                if direct:
-                    ops.append(w.Op(w.OP_RELEASE, tuple(direct)))
-            if unpin:
-                direct = self._drop_pin_refs(unpin, now) if caching else unpin
-                if direct:
-                    ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
-            held: dict[str, w.AcquiredRecord] = {}
-            missing = acquire
-            if caching and acquire:
-                adapters = self.adapters
-                missing = []
-                for a in acquire:
-                    if a in adapters:
-                        held[a] = self._lease_record(a)
-                    else:
-                        missing.append(a)
-            acq = look = -1
-            if missing:
-                acq = len(ops)
-                ops.append(w.Op(w.OP_ACQUIRE, tuple(missing)))
-            cached: list[w.ObjectRecord] = []
-            tail = keys
-            if caching and keys:
-                by_key = self._by_key
-                for k in keys:
-                    h = by_key.get(k)
-                    if h is None:
-                        break
-                    if h.refs == 0:
-                        self._idle_p.pop(h.record.object_id, None)
-                    h.refs += 1
-                    h.idle_since = 0.0
-                    cached.append(h.record)
-                tail = keys[len(cached) :]
-            if tail:
-                look = len(ops)
-                ops.append(w.Op(w.OP_LOOKUP, tuple(tail), 1))
-            own = len(ops)
-            if caching:
-                ops.extend(self._flush_ops(now, force=False))
-            p = PendingDelta(self, acquire, held, missing, acq, cached, look, own, bool(ops))
-            if ops:
-                self.frames += 1
-                self.transport.send(w.encode_step(ops))
-                self._pending = p
-            return p
-
-    def _delta_finish(self, p: PendingDelta, reply: w.StepReply | None):
-        """Account a change's reply in the cache: (adapter records in ``acquire`` order, or
-        None when one is not hot; object records of the found prefix). Raises its error."""
-        caching = self.hold_s > 0
-        now = time.monotonic()
-        results: list = []
-        ok = True
-        if reply is not None:
-            if reply.error is not None and reply.failed_index >= p.own:
-                log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
-                reply = w.StepReply(reply.arena_slabs, reply.results)
-            results = reply.results
-            ok = reply.error is None
-        recs = None
-        if p.acquire:
-            hot = True
-            got: dict = p.held
-            if p.acq >= 0:
-                r = results[p.acq] if p.acq < len(results) else None
-                hot = r is not None and r.hot
-                if hot:
-                    if caching:
-                        got = dict(got)
-                        for aid, rec in zip(p.missing, r.adapters):
-                            rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
-                            self.adapters[aid] = HeldAdapter(rec, 1 if ok else 0, 0.0 if ok else now)
-                            if not ok:
-                                self._idle_a[aid] = None
-                            got[aid] = rec
-                    else:
-                        got = dict(zip(p.missing, r.adapters))
-                        if not ok:
-                            self._undo_acquire(p.missing, r)
-            if ok and hot:
-                recs = [(aid, got[aid]) for aid in p.acquire]
-            elif p.held:
-                self._drop_adapter_refs(list(p.held), now)
-        new: list = results[p.look] if 0 <= p.look < len(results) else []
-        if caching:
-            for rec in new:
-                self._add_pin(rec, now)
-                if ok:
-                    self._ref_pin(rec.object_id)
-            if not ok and p.cached:
-                self._drop_pin_refs([rec.object_id for rec in p.cached], now)
-        if reply is not None and reply.error is not None:
-            raise reply.error
-        return recs, (p.cached + new if p.cached else new), (reply.arena_slabs if reply is not None else 0)
-
     def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> _Plan:
         out = StepOutcome()
         ops: list[w.Op] = []
@@ -282,7 +188,7 @@ class StepPath(StepHoldings):
         # first whatever becomes of them), or get a frame of their own when there is none.
         own = len(ops)
         if self.caching:
-            ops.extend(self._flush_ops(now, force=False))
+            ops.extend(self.held.flush_ops(now, force=False))
         return _Plan(
             out,
             ops,
@@ -317,7 +223,7 @@ class StepPath(StepHoldings):
         if self.caching and carry and unpin and keys and pin_keys:
             give = set(unpin)
             if len(give) == len(unpin):  # each object once (the usual case; else no carry)
-                by_key = self._by_key
+                by_key = self.held.by_key
                 for k in keys:
                     h = by_key.get(k)
                     if h is None:
@@ -335,11 +241,11 @@ class StepPath(StepHoldings):
         keep, commits, aborts. They come first: what the step gives back makes room for what
         it takes."""
         if release:
-            direct = self._drop_adapter_refs(release, now) if self.caching else release
+            direct = self.held.drop_adapter_refs(release, now) if self.caching else release
             if direct:
                 ops.append(w.Op(w.OP_RELEASE, tuple(direct)))
         if unpin:
-            direct = self._drop_pin_refs(unpin, now) if self.caching else unpin
+            direct = self.held.drop_pin_refs(unpin, now) if self.caching else unpin
             if direct:
                 ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
         if commit:
@@ -358,11 +264,11 @@ class StepPath(StepHoldings):
         if ids is not None:
             if caching:
                 # References taken now, so nothing can flush them before this step's reply.
-                adapters = self.adapters
+                adapters = self.held.adapters
                 for a in admitted:
                     h = adapters.get(a)
                     if h is not None:
-                        held[a] = h.record if a in carried_a else self._lease_record(a)
+                        held[a] = h.record if a in carried_a else self.held.lease_record(a)
                 missing_ids = [a for a in admitted if a not in held]
             else:
                 missing_ids = admitted
@@ -389,7 +295,7 @@ class StepPath(StepHoldings):
         if keys is not None:
             if self.caching and pin_keys:
                 i = 0
-                by_key = self._by_key
+                by_key = self.held.by_key
                 append = cached_objs.append
                 for k in keys:
                     h = by_key.get(k)
@@ -397,7 +303,7 @@ class StepPath(StepHoldings):
                         break
                     if not (carried_o and carried_o.pop(h.record.object_id, 0)):
                         if h.refs == 0:
-                            self._idle_p.pop(h.record.object_id, None)
+                            self.held.idle_p.pop(h.record.object_id, None)
                         h.refs += 1
                         h.idle_since = 0.0
                     append(h.record)
@@ -443,31 +349,31 @@ class StepPath(StepHoldings):
                         got[aid] = rec
                         if caching:
                             # Held from now on; idle until a lease takes it below.
-                            self.adapters[aid] = HeldAdapter(
+                            self.held.adapters[aid] = HeldAdapter(
                                 w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
                             )
-                            self._idle_a[aid] = None
+                            self.held.idle_a[aid] = None
                     if not ok and not caching:
                         self._undo_acquire(admitted, r)
             if ok and out.acquire_hot:
                 if caching:
                     held = plan.held
-                    out.adapters = [(aid, held.get(aid) or self._lease_record(aid)) for aid in admitted]
+                    out.adapters = [(aid, held.get(aid) or self.held.lease_record(aid)) for aid in admitted]
                 else:
                     out.adapters = [(aid, got[aid]) for aid in admitted]
             elif plan.held:
-                self._drop_adapter_refs(list(plan.held), now)
+                self.held.drop_adapter_refs(list(plan.held), now)
         # Keys.
         if keys is not None:
             new: list[w.ObjectRecord] = results[look_index] if 0 <= look_index < len(results) else []
             if self.caching and pin_keys:
                 for rec in new:
-                    self._add_pin(rec, now)
+                    self.held.add_pin(rec, now)
                 if ok:
                     for rec in new:
-                        self._ref_pin(rec.object_id)
+                        self.held.ref_pin(rec.object_id)
                 else:
-                    self._drop_pin_refs([rec.object_id for rec in cached_objs], now)
+                    self.held.drop_pin_refs([rec.object_id for rec in cached_objs], now)
             out.objects = cached_objs + list(new)
         if reply is not None:
             self.raise_error(reply)
@@ -487,7 +393,7 @@ class StepPath(StepHoldings):
         with self.lock:
             if self._pending is not None:
                 self._pending._collect()
-            ops = self._flush_ops(time.monotonic(), force=True)
+            ops = self.held.flush_ops(time.monotonic(), force=True)
             if not ops:
                 return 0
             n = sum(len(op.items) for op in ops)

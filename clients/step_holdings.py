@@ -1,6 +1,7 @@
 """The step path's holdings cache: what this process holds at the broker, with local counts.
 
-``StepHoldings`` is the bookkeeping half of ``StepPath`` (``step.py``): adapters and pins held
+``StepHoldings`` is the bookkeeping part of a ``StepPath`` (``step.py``, which owns one as
+``StepPath.held``): adapters and pins held
 for this session, their local reference counts, which of them are idle (no reference here,
 still pinned at the broker, so nothing of them can be evicted), and the release ops an idle
 holding turns into when it is due. It sends nothing itself: the ops it returns ride along with
@@ -54,50 +55,68 @@ def _drop_refs(held: dict, idle: dict, ids: Sequence, now: float) -> list:
 
 
 class StepHoldings:
-    """Mixed into ``StepPath``: the cache's records and counts (``adapters``, ``pins``, idle sets)."""
+    """One step path's cache: its records and counts (``adapters``, ``pins``, idle sets).
+    ``lock`` is the path's (a holding changes only while its path's socket is held)."""
 
-    def _lease_record(self, aid: str) -> w.AcquiredRecord:
+    def __init__(self, hold_s: float, max_idle: int, lock):
+        self.hold_s = hold_s
+        self.max_idle = max_idle
+        self.lock = lock
+        self.adapters: dict[str, HeldAdapter] = {}
+        self.pins: dict[int, HeldPin] = {}
+        # Key -> the entry of the object it names.
+        self.by_key: dict[bytes, HeldPin] = {}
+        # Idle holdings (no reference here, still held at the broker), oldest first.
+        self.idle_a: dict[str, None] = {}
+        self.idle_p: dict[int, None] = {}
+        self._next_sweep = 0.0
+
+    @property
+    def caching(self) -> bool:
+        return self.hold_s > 0
+
+    def lease_record(self, aid: str) -> w.AcquiredRecord:
         h = self.adapters[aid]
         if h.refs == 0:
-            self._idle_a.pop(aid, None)
+            self.idle_a.pop(aid, None)
         h.refs += 1
         h.idle_since = 0.0
         return h.record
 
-    def _drop_adapter_refs(self, ids: Sequence[str], now: float) -> list[str]:
+    def drop_adapter_refs(self, ids: Sequence[str], now: float) -> list[str]:
         """Drop local references; the ids this cache holds no reference on (acquired over
         gRPC, or prepared), to release at the broker now."""
-        return _drop_refs(self.adapters, self._idle_a, ids, now)
+        return _drop_refs(self.adapters, self.idle_a, ids, now)
 
-    def _add_pin(self, rec: w.ObjectRecord, now: float) -> None:
+    def add_pin(self, rec: w.ObjectRecord, now: float) -> None:
         """Account one broker pin; the entry is idle until a reference is taken."""
         h = self.pins.get(rec.object_id)
         if h is None:
             h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
-            self._idle_p[rec.object_id] = None
+            self.idle_p[rec.object_id] = None
             if rec.key:
-                self._by_key[rec.key] = h
+                self.by_key[rec.key] = h
         else:
             h.broker_pins += 1
 
-    def _ref_pin(self, oid: int) -> None:
+    def ref_pin(self, oid: int) -> None:
         h = self.pins[oid]
         if h.refs == 0:
-            self._idle_p.pop(oid, None)
+            self.idle_p.pop(oid, None)
         h.refs += 1
         h.idle_since = 0.0
 
-    def _drop_pin_refs(self, oids: Sequence[int], now: float) -> list[int]:
+    def drop_pin_refs(self, oids: Sequence[int], now: float) -> list[int]:
         """Drop local references; the ids this cache does not hold, to unpin at the broker."""
-        return _drop_refs(self.pins, self._idle_p, oids, now)
+        return _drop_refs(self.pins, self.idle_p, oids, now)
 
     def add_pins(self, recs: Sequence[w.ObjectRecord]) -> None:
         """Account pins a frame's PIN op took (one reference each)."""
         with self.lock:
             now = time.monotonic()
             for rec in recs:
-                self._add_pin(rec, now)
-                self._ref_pin(rec.object_id)
+                self.add_pin(rec, now)
+                self.ref_pin(rec.object_id)
 
     def forget_pins(self, oids: Sequence[int]) -> None:
         """Objects this session freed: their pins went with them at the broker."""
@@ -107,9 +126,9 @@ class StepHoldings:
                 if h is None:
                     continue
                 if h.refs == 0:
-                    self._idle_p.pop(oid, None)
-                if h.record.key and self._by_key.get(h.record.key) is h:
-                    del self._by_key[h.record.key]
+                    self.idle_p.pop(oid, None)
+                if h.record.key and self.by_key.get(h.record.key) is h:
+                    del self.by_key[h.record.key]
 
     def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
         """Take a reference on each held object (all or none); None when one is not held."""
@@ -117,14 +136,14 @@ class StepHoldings:
             if any(oid not in self.pins for oid in oids):
                 return None
             for oid in oids:
-                self._ref_pin(oid)
+                self.ref_pin(oid)
             return [self.pins[oid].record for oid in oids]
 
     @property
     def _idle(self) -> int:
-        return len(self._idle_a) + len(self._idle_p)
+        return len(self.idle_a) + len(self.idle_p)
 
-    def _flush_ops(self, now: float, force: bool) -> list[w.Op]:
+    def flush_ops(self, now: float, force: bool) -> list[w.Op]:
         """Release and unpin ops for idle holdings that are due (all of them with ``force``),
         removed from the cache. Walks the idle entries oldest first: O(what it releases)."""
         idle = self._idle
@@ -134,25 +153,25 @@ class StepHoldings:
         cutoff = now - self.hold_s
         over = idle - self.max_idle
         rel: list[str] = []
-        for aid in list(self._idle_a):
+        for aid in list(self.idle_a):
             h = self.adapters[aid]
             if not (force or h.idle_since <= cutoff or over > 0):
                 break
             rel.append(aid)
             over -= 1
             del self.adapters[aid]
-            del self._idle_a[aid]
+            del self.idle_a[aid]
         unp: list[int] = []
-        for oid in list(self._idle_p):
+        for oid in list(self.idle_p):
             h = self.pins[oid]
             if not (force or h.idle_since <= cutoff or over > 0):
                 break
             unp.extend([oid] * h.broker_pins)
             over -= 1
             del self.pins[oid]
-            del self._idle_p[oid]
-            if h.record.key and self._by_key.get(h.record.key) is h:
-                del self._by_key[h.record.key]
+            del self.idle_p[oid]
+            if h.record.key and self.by_key.get(h.record.key) is h:
+                del self.by_key[h.record.key]
         ops = []
         if rel:
             ops.append(w.Op(w.OP_RELEASE, tuple(rel)))

@@ -1,5 +1,5 @@
 """What a step got (``StepOutcome``), and a step the client sent and has not read the answer of yet: ``StepPath.begin``'s ``PendingStep``
-(with the ``_Plan`` its reply is matched against) and ``StepPath.delta``'s ``PendingDelta``.
+(with the ``_Plan`` its reply is matched against) (a running batch's ``PendingDelta`` is ``step_delta.py``'s).
 
 Each pending step reads its reply once, under the lock of the ``StepPath`` that sent it
 (``step.py``, passed in as ``path``), and hands it back to that path to account; nothing here
@@ -95,57 +95,3 @@ class PendingStep:
             if self._error is not None:
                 raise self._error
             return self._outcome
-
-
-class PendingDelta:
-    """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
-
-    __slots__ = (
-        "_path",
-        "acquire",
-        "held",
-        "missing",
-        "acq",
-        "cached",
-        "look",
-        "own",
-        "sent",
-        "_reply_done",
-        "_out",
-        "_error",
-    )
-
-    def __init__(self, path, acquire, held, missing, acq, cached, look, own, sent):
-        self._path = path
-        self.acquire, self.held, self.missing, self.acq = acquire, held, missing, acq
-        self.cached, self.look, self.own = cached, look, own
-        # Whether a frame went out (False: the cache had all of it).
-        self.sent: bool = sent
-        self._reply_done = not sent
-        self._out = None
-        self._error: BaseException | None = None
-
-    def _collect(self) -> None:
-        path = self._path
-        path._pending = None
-        self._reply_done = True
-        try:
-            self._out = path._delta_finish(self, path.transport.reply())
-        except BaseException as e:
-            self._error = e
-
-    def result(self):
-        """(adapter records in order, or None: one is not hot; object records; arena slabs)."""
-        path = self._path
-        with path.lock:
-            if self._out is None and self._error is None:
-                if not self._reply_done:
-                    self._collect()
-                else:
-                    try:
-                        self._out = path._delta_finish(self, None)
-                    except BaseException as e:
-                        self._error = e
-            if self._error is not None:
-                raise self._error
-            return self._out

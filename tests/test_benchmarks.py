@@ -98,6 +98,7 @@ def test_bench_step_quick_run_prints_every_path_and_both_targets():
     ):
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out
+    assert "target issue 28, step channel, client.step(), steady" in out and "CPU us" in out
 
 
 def test_bench_cuda_arena_small_run_prints_every_table_beside_the_host_arena():
@@ -146,3 +147,11 @@ def test_bench_request_flood_small_run_prints_memory_latency_and_answers():
     assert "| broker RSS (MiB) | idle | peak in burst | just after | after settle |" in out
     assert "| during the burst |" in out
     assert "senders' answers: RESOURCE_EXHAUSTED" in out and "larger than max" in out
+
+
+def test_bench_step_per_item_quick_run_prints_each_side_at_every_size():
+    out = bench("bench_step.py", "--per-item", "--quick", "--steps", "80")
+    assert "broker CPU us" in out and "client CPU us" in out
+    for n in (1, 8, 64, 512):
+        assert any(line.split()[:1] == [str(n)] for line in out.splitlines()), out
+    assert "target per-item, broker" in out and "target per-item, client" in out

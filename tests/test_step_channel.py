@@ -574,3 +574,54 @@ def test_connections_without_hello_hold_no_memory_and_go_at_the_deadline(broker_
         # over the per-uid cap) or closed at the deadline: none is left open.
         assert out.strip().splitlines()[-1] == "closed 1000", out
         assert _rss(b.proc.pid) - idle < 64 << 20
+
+
+# ------------------------------------------------------------------ one calls object per session
+
+
+def test_both_transports_calls_objects_offer_the_same_calls():
+    """The client picks one calls object per session and never asks which it has: both have
+    the same public methods, with the same parameters."""
+    import inspect
+
+    from memory_broker.clients.fastpath import ChannelCalls
+    from memory_broker.clients.grpc_calls import GrpcCalls
+
+    def calls(cls) -> dict:
+        return {
+            n: list(inspect.signature(f).parameters)
+            for n, f in inspect.getmembers(cls, inspect.isfunction)
+            if not n.startswith("_")
+        }
+
+    assert calls(ChannelCalls) == calls(GrpcCalls)
+    assert {"lookup", "pin", "unpin", "acquire_adapters", "release_adapters", "step", "change"} <= set(calls(GrpcCalls))
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-channel", "grpc"])
+def test_a_session_chooses_its_calls_once_and_again_after_its_channel_breaks(step_rig, fast_path):
+    b, _ = step_rig
+    with BrokerClient.connect(b.socket, fast_path=fast_path) as c:
+        first = c._step_calls()
+        assert type(first).__name__ == ("ChannelCalls" if fast_path else "GrpcCalls")
+        assert c._step_calls() is first and [o.key for o in c.lookup([b"k0"])] == [b"k0"]
+        if fast_path:
+            first.path.transport.close()  # the channel broke: the next call chooses again
+            assert [o.key for o in c.lookup([b"k1"])] == [b"k1"]
+            assert c._step_calls() is not first and c._step_path() is not first.path
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-channel", "grpc"])
+def test_a_lookup_changes_page_access_once_for_all_its_objects(step_rig, fast_path):
+    """The objects of one lookup are mapped together: one page-access change for all of
+    them, not one per object (what a step of many keys pays per item)."""
+    b, _ = step_rig
+    with BrokerClient.connect(b.socket, fast_path=fast_path) as c:
+        calls = []
+        real = c.view.set_page_access
+        c.view.set_page_access = lambda pages, ro: (calls.append((sorted(pages), ro)), real(pages, ro))[1]
+        objs = c.lookup([b"k%d" % i for i in range(6)])
+        assert [o.key for o in objs] == [b"k%d" % i for i in range(6)]
+        assert len(calls) == 1 and calls[0][1] is True
+        assert calls[0][0] == sorted(p for o in objs for p in o.pages)
+        c.unpin(objs)

@@ -339,6 +339,12 @@ class AdapterManager:
             e.loading is not None or e.warming is not None,
         )
 
+    def is_hot(self, adapter_id: str) -> bool:
+        """Whether the adapter is hot now (``resident(id).tier`` is HOT, without building the
+        status: the step channel asks this of every adapter of a frame); changes nothing."""
+        e = self.entries.get(adapter_id)
+        return e is not None and self.hot.peek(e) is not None
+
     def resident(self, adapter_id: str) -> AdapterStatus | None:
         """``describe`` for adapters that are warm, hot or loading; None (cold, or not
         registered) without touching the registry: cheap enough for every row of a listing."""

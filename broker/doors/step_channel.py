@@ -475,9 +475,9 @@ class StepChannelServer:
             return w.encode_acquire(w.AcquireOutcome(False))
         distinct = list(dict.fromkeys(op.items))
         admitted = distinct[: op.max_adapters or len(distinct)]
+        is_hot = m.is_hot
         for aid in admitted:
-            st = m.resident(aid) if isinstance(aid, str) else None
-            if st is None or st.tier != "hot":
+            if not (isinstance(aid, str) and is_hot(aid)):
                 self.counters.not_hot += 1
                 return w.encode_acquire(w.AcquireOutcome(False))
         cap = op.max_adapters or None
@@ -494,13 +494,8 @@ class StepChannelServer:
             coro.close()
             self.counters.not_hot += 1
             return w.encode_acquire(w.AcquireOutcome(False))
-        return w.encode_acquire(
-            w.AcquireOutcome(
-                True,
-                r.txn_id,
-                r.deadline_unix,
-                tuple(
-                    w.AcquiredRecord(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters
-                ),
-            )
+        return w.encode_acquire_rows(
+            r.txn_id,
+            r.deadline_unix,
+            [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
         )

@@ -285,8 +285,9 @@ PATHS = [
 ]
 
 
-def measure(socket_path: str, kw: dict, fn, work, warm: int) -> tuple[list[float], float]:
-    """(per-step us, round trips per step) over ``work`` after ``warm`` untimed steps."""
+def measure(socket_path: str, kw: dict, fn, work, warm: int) -> tuple[list[float], float, float]:
+    """(per-step us, round trips per step, the client process's CPU us per step, every
+    thread, the model's wait included where it spins) over ``work`` after ``warm`` untimed steps."""
     c = BrokerClient.connect(socket_path, client_name="bench-step", **kw)
     try:
         # An engine that has run a while has every adapter's layout (fetched once per
@@ -296,9 +297,11 @@ def measure(socket_path: str, kw: dict, fn, work, warm: int) -> tuple[list[float
             pass
         st = c._step_path()
         f0 = st.frames if st is not None else 0
+        p0 = time.process_time_ns()
         xs = list(fn(c, work[warm:]))
+        cpu = (time.process_time_ns() - p0) / 1000 / len(xs)
         rts = ((st.frames - f0) / len(xs)) if st is not None else 4.0
-        return xs, rts
+        return xs, rts, cpu
     finally:
         c.close()
 
@@ -365,6 +368,229 @@ def grpc_echo(socket_path: str, n: int) -> list[float]:
         return out[200:]
 
 
+# ------------------------------------------------------------------ per-item cost, each side
+
+# Items per step for the per-item rows: a third adapters, the rest KV keys (the issue's example
+# step is 8 adapters and 16 keys).
+ITEM_SIZES = (1, 8, 64, 512)
+
+
+def split_items(n: int) -> tuple[int, int]:
+    """(adapters, keys) of a step of ``n`` items."""
+    return n // 3, n - n // 3
+
+
+def inprocess_broker(d: str, sock: str) -> dict:
+    """A broker (host arena, 512 KiB pages) served by a thread of this process, so the
+    step channel's frame handler can be called directly: {"server", "loop", "thread"}."""
+    import asyncio
+    import threading
+
+    from memory_broker.broker.cli import build_parser
+    from memory_broker.broker.server.app import BrokerServer
+    from memory_broker.broker.server.config import build_options
+    from memory_broker.broker.server.flags import flag_overrides
+    from memory_broker.broker.server.logs import configure
+
+    argv = ["serve", "--socket", sock, "--arena", "host", "--pool-size", "8GiB", "--page-size", "512KiB"]
+    argv += ["--slab-size", "256MiB", "--state-dir", os.path.join(d, "state-items"), "--log-level", "warning"]
+    opts = build_options(None, flag_overrides(build_parser().parse_args(argv)))
+    log = configure("warning")
+    box: dict = {}
+    ready = threading.Event()
+
+    async def serve() -> None:
+        server = BrokerServer(opts, log)
+        await server.start()
+        box["server"], box["loop"] = server, asyncio.get_running_loop()
+        ready.set()
+        await server.wait()
+
+    box["thread"] = t = threading.Thread(target=lambda: asyncio.run(serve()), name="bench-broker", daemon=True)
+    t.start()
+    if not ready.wait(60):
+        raise SystemExit("the in-process broker did not start")
+    return box
+
+
+def item_sets(n: int) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], list[bytes]]]:
+    """Two disjoint steps of ``n`` items each (A and B): steps alternate between them, so
+    each frame gives back ``n`` items and takes ``n``."""
+    na, nk = split_items(n)
+    a = ([f"it{i}" for i in range(na)], [b"item-%d" % i for i in range(nk)])
+    b = ([f"it{i}" for i in range(na, 2 * na)], [b"item-%d" % i for i in range(nk, 2 * nk)])
+    return a, b
+
+
+def broker_side(box: dict, token: str, n: int, cycles: int) -> tuple[float, float]:
+    """Median us, and the loop thread's CPU us, the broker spends on one STEP frame that gives back one step of ``n``
+    items and takes another (decode, checks, pins, leases, reply), the handler called
+    directly on the loop that owns the core (no socket)."""
+    import asyncio
+
+    from memory_broker.broker.doors.step_channel import _Conn
+
+    w = step_wire
+    (ia, ka), (ib, kb) = item_sets(n)
+    server = box["server"].step_server
+
+    async def run() -> tuple[list[float], list[float]]:
+        conn = _Conn(None, None)
+        conn.session = server.sessions.from_token(token)
+
+        def frame(ops) -> tuple[int, list]:
+            reply = server._step(conn, w.encode_step(ops)[5:])
+            size, kind = w.HEADER.unpack_from(reply)
+            r = w.decode_step_reply(kind, reply[5:])
+            if r.error is not None:
+                raise SystemExit(f"per-item broker frame refused: {r.error}")
+            return r
+
+        def take(ids, keys):
+            ops = ([w.Op(w.OP_ACQUIRE, tuple(ids))] if ids else []) + [w.Op(w.OP_LOOKUP, tuple(keys), 1)]
+            return ops
+
+        def give(ids, oids):
+            return ([w.Op(w.OP_RELEASE, tuple(ids))] if ids else []) + [w.Op(w.OP_UNPIN, tuple(oids))]
+
+        oa = [o.object_id for o in frame(take(ia, ka)).results[-1]]
+        ob = [o.object_id for o in frame(give(ia, oa) + take(ib, kb)).results[-1]]
+        to_a = w.encode_step(give(ib, ob) + take(ia, ka))[5:]
+        to_b = w.encode_step(give(ia, oa) + take(ib, kb))[5:]
+        out, cpu = [], []
+        for i in range(cycles):
+            body = to_a if i % 2 == 0 else to_b
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            server._step(conn, body)
+            out.append((time.perf_counter_ns() - t0) / 1000)
+            cpu.append((time.thread_time_ns() - c0) / 1000)
+        # Held now: A if cycles is odd, else B. Give it back.
+        frame(give(ia, oa) if cycles % 2 else give(ib, ob))
+        return out, cpu
+
+    xs, cpu = asyncio.run_coroutine_threadsafe(run(), box["loop"]).result(600)
+    skip = len(xs) // 10
+    return statistics.median(xs[skip:]), statistics.median(cpu[skip:])
+
+
+class _Replay:
+    """A step transport that sends nothing: each request gets the next of the replies
+    recorded from the broker (decoded anew, as the socket's would be)."""
+
+    closed = False
+
+    def __init__(self, replies: list[tuple[int, bytes]]):
+        self.replies = replies
+        self.i = 0
+
+    def request(self, data: bytes):
+        kind, body = self.replies[self.i % len(self.replies)]
+        self.i += 1
+        return step_wire.decode_step_reply(kind, body)
+
+    def close(self) -> None:
+        pass
+
+
+def client_side(c: BrokerClient, n: int, cycles: int) -> tuple[float, float]:
+    """Median us, and CPU us, the client spends on one ``client.step()`` that gives back the
+    previous step of ``n`` items and takes another: planning, encoding, decoding and
+    accounting the reply, leases and objects made from it; no socket (the broker's replies
+    to the same frames are recorded once and replayed)."""
+    (ia, ka), (ib, kb) = item_sets(n)
+    path = c._step_path()
+    real = path.transport
+    recorded: list[tuple[int, bytes]] = []
+    decode = step_wire.decode_step_reply
+
+    def recording(kind, body):
+        recorded.append((kind, bytes(body)))
+        return decode(kind, body)
+
+    prev = c.step(ia, ka)
+    step_wire.decode_step_reply = recording
+    try:
+        prev = c.step(ib, kb, release=prev)
+        prev = c.step(ia, ka, release=prev)
+    finally:
+        step_wire.decode_step_reply = decode
+    # Held: A. The replay takes B, A, B, A, ... and ends an even number of steps later on A.
+    path.transport = _Replay(recorded)
+    out, cpu = [], []
+    try:
+        for i in range(cycles - cycles % 2):
+            ids, keys = (ib, kb) if i % 2 == 0 else (ia, ka)
+            p0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            prev = c.step(ids, keys, release=prev)
+            out.append((time.perf_counter_ns() - t0) / 1000)
+            cpu.append((time.thread_time_ns() - p0) / 1000)
+    finally:
+        path.transport = real
+    prev.release()
+    skip = len(out) // 10
+    return statistics.median(out[skip:]), statistics.median(cpu[skip:])
+
+
+def per_item(d: str, cycles: int) -> None:
+    """The per-item rows: each side's cost of a step of 1, 8, 64 and 512 items, and the
+    slope between 64 and 512 (the target: under 0.5 us per item per side)."""
+    sock = os.path.join(d, "items.sock")
+    box = inprocess_broker(d, sock)
+    setup = BrokerClient.connect(sock, client_name="bench-items-setup")
+    na, nk = split_items(max(ITEM_SIZES))
+    ids = [f"it{i}" for i in range(2 * na)]
+    for i, aid in enumerate(ids):
+        setup.register_adapter(aid, write_adapter(os.path.join(d, "item-adapters", aid), i))
+    r = setup.prefetch_adapters(ids, "hot")
+    if r.failed:
+        raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
+    setup.allocate([Spec(1, content_type="kv_cache", key=b"item-%d" % i) for i in range(2 * nk)])
+    c = BrokerClient.connect(sock, client_name="bench-items")
+    c.acquire_adapters(ids).release()  # every layout fetched once, as an engine that has run a while
+    raw_us = min(statistics.median(raw_pingpong(d, 300, one_cpu=True)), statistics.median(raw_pingpong(d, 300)))
+    rows = []
+    for n in ITEM_SIZES:
+        b_us, b_cpu = broker_side(box, c.token, n, cycles)
+        c_us, c_cpu = client_side(c, n, cycles)
+        rows.append((n, b_us, b_cpu, c_us, c_cpu))
+    c.close()
+    setup.close()
+    import asyncio
+
+    asyncio.run_coroutine_threadsafe(box["server"].stop(), box["loop"]).result(60)
+    print(f"\nPer-item cost of a step, each side apart ({cycles} frames per row; {time.strftime('%Y-%m-%d')})")
+    print("(a step of n items: n//3 adapters and the rest KV keys, acquired and looked up + pinned; each frame")
+    print(" also gives back the previous step's n items: release + unpin)")
+    print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f} us")
+    print(
+        f"{'items':>6}{'broker us/frame':>17}{'x raw':>8}{'broker CPU us':>15}"
+        f"{'client us/step':>16}{'x raw':>8}{'client CPU us':>15}"
+    )
+    for n, b_us, b_cpu, c_us, c_cpu in rows:
+        print(f"{n:>6}{b_us:>17.1f}{b_us / raw_us:>8.2f}{b_cpu:>15.1f}{c_us:>16.1f}{c_us / raw_us:>8.2f}{c_cpu:>15.1f}")
+    print("(CPU us: the thread's CPU time for the same frame or step, median: what a loaded machine's preemption")
+    print(" does not inflate; the slopes below are of CPU time)")
+    by = {n: (b_cpu, c_cpu) for n, _, b_cpu, _, c_cpu in rows}
+    if 64 in by and 512 in by:
+        for side, i in (("broker", 0), ("client", 1)):
+            s = (by[512][i] - by[64][i]) / (512 - 64)
+            ok = "MET" if s < 0.5 else "NOT MET"
+            print(f"target per-item, {side}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
+
+
+def issue_targets(results: dict, raw_us: float) -> None:
+    """Issue 28's blocking targets, on the steady workload (8 adapters, 16 keys a step):
+    one ``client.step()`` frame under 5x raw, the generic calls under 8x."""
+    for name, limit in (("step channel, client.step()", 5), ("step channel, same 4 calls", 8)):
+        got = results.get((name, "steady"))
+        if got is None:
+            continue
+        x = statistics.median(got[0]) / raw_us
+        print(
+            f"target issue 28, {name}, steady: median < {limit}x raw: {x:.2f}x -> {'MET' if x < limit else 'NOT MET'}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per path and workload")
@@ -372,6 +598,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only the paths whose name contains this (a quick look)")
     ap.add_argument(
         "--poll-s", type=float, default=None, help="the background batch's poll_s (default: the client's, POLL_S)"
+    )
+    ap.add_argument(
+        "--per-item", action="store_true", help="only the per-item rows: each side's cost at 1, 8, 64, 512 items"
     )
     a = ap.parse_args()
     if a.poll_s is not None:
@@ -381,6 +610,9 @@ def main() -> None:
         PATHS[:] = [p for p in PATHS if a.only in p[0]]
     steps = min(a.steps, 200) if a.quick else a.steps
     d = tempfile.mkdtemp(prefix="mb-bench-", dir="/tmp")
+    if a.per_item:
+        per_item(d, max(20, steps // 4) if a.quick else max(200, steps // 4))
+        return
     sock = os.path.join(d, "b.sock")
     proc = start_broker(sock, os.path.join(d, "state"), page_size="512KiB")  # KV blocks
     try:
@@ -410,7 +642,7 @@ def run(d: str, sock: str, steps: int) -> None:
     raw_chunks: list[float] = []  # each echo process's median
     raw_one: list[float] = []
     cpu: dict[str, tuple[list[float], list[float]]] = {}
-    results: dict[tuple[str, str], tuple[list[float], float]] = {}
+    results: dict[tuple[str, str], tuple[list[float], float, float]] = {}
     # Baselines between the paths, so drift on a shared machine hits both.
     for name, kw, fn in PATHS:
         chunk = raw_pingpong(d, max(200, steps // 2))
@@ -445,21 +677,34 @@ def run(d: str, sock: str, steps: int) -> None:
     ):
         print(f"{name:<44}{statistics.median(xs):>10.1f}{pct(xs, 0.99):>10.1f}{statistics.median(xs) / raw_us:>8.2f}")
     print()
-    print(f"{'path':<42}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}")
-    for (name, wl), (xs, rts) in results.items():
+    print(
+        f"{'path':<42}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}"
+        f"{'CPU us':>8}"
+    )
+    for (name, wl), (xs, rts, pcpu) in results.items():
         med, p99 = statistics.median(xs), pct(xs, 0.99)
-        print(f"{name:<42}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}")
+        print(
+            f"{name:<42}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}{pcpu:>8.1f}"
+        )
     print(
         "(x raw = per-step median or p99 / the fastest raw ping-pong median of this run: on one CPU, or of "
         f"the echo processes left to the scheduler ({', '.join(f'{x:.1f}' for x in raw_chunks)} us); "
-        "RT/step = frames sent)"
+        "RT/step = frames sent; CPU us = the client process's CPU per step, every thread, mean)"
     )
+    issue_targets(results, raw_us)
     for wl, (xs, ps) in cpu.items():
         print(
             f"{wl}: CPU per step: the engine thread's in begin + result, median {statistics.median(xs):.1f} us "
             f"(p99 {pct(xs, 0.99):.1f}); the client process's, every thread, median {statistics.median(ps):.1f} us "
             f"(p99 {pct(ps, 0.99):.1f})"
         )
+    for wl, (_, ps) in cpu.items():
+        if "background" in wl and wl.endswith("trace"):
+            x = statistics.median(ps)
+            print(
+                f"target issue 28, background batch: the process's CPU per changed step < 30 us: {x:.1f} us -> "
+                f"{'MET' if x < 30 else 'NOT MET'}"
+            )
     cached = [n for n, _, _ in PATHS if n.startswith("cache")]
     if not cached:
         setup.close()

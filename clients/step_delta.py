@@ -1,0 +1,184 @@
+"""A running batch's change on the step path: ``send_delta`` plans it against the path's holdings
+and sends it (at most one frame), ``PendingDelta`` reads its reply, ``finish_delta`` accounts it.
+
+The work is proportional to the change (no cap, no prepare, no carry: the batch, ``batch.py``,
+counts itself). The functions take the ``StepPath`` (``step.py``) whose socket and holdings
+(``StepPath.held``) the change goes through, under that path's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from memory_broker.clients.step_holdings import HeldAdapter
+from memory_broker.proto.wire import step as w
+
+log = logging.getLogger(__name__)
+
+
+class PendingDelta:
+    """A change sent by ``StepPath.delta``; ``result()`` reads its reply (once)."""
+
+    __slots__ = (
+        "_path",
+        "acquire",
+        "held",
+        "missing",
+        "acq",
+        "cached",
+        "look",
+        "own",
+        "sent",
+        "_reply_done",
+        "_out",
+        "_error",
+    )
+
+    def __init__(self, path, acquire, held, missing, acq, cached, look, own, sent):
+        self._path = path
+        self.acquire, self.held, self.missing, self.acq = acquire, held, missing, acq
+        self.cached, self.look, self.own = cached, look, own
+        # Whether a frame went out (False: the cache had all of it).
+        self.sent: bool = sent
+        self._reply_done = not sent
+        self._out = None
+        self._error: BaseException | None = None
+
+    def _collect(self) -> None:
+        path = self._path
+        path._pending = None
+        self._reply_done = True
+        try:
+            self._out = finish_delta(path, self, path.transport.reply())
+        except BaseException as e:
+            self._error = e
+
+    def result(self):
+        """(adapter records in order, or None: one is not hot; object records; arena slabs)."""
+        path = self._path
+        with path.lock:
+            if self._out is None and self._error is None:
+                if not self._reply_done:
+                    self._collect()
+                else:
+                    try:
+                        self._out = finish_delta(path, self, None)
+                    except BaseException as e:
+                        self._error = e
+            if self._error is not None:
+                raise self._error
+            return self._out
+
+
+def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> PendingDelta:
+    """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
+    ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
+    At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
+    proportional to the change (no cap, no prepare, no carry: the batch counts itself)."""
+    cache = path.held
+    with path.lock:
+        if path._pending is not None:
+            path._pending._collect()
+        ops: list[w.Op] = []
+        caching = path.hold_s > 0
+        now = time.monotonic()
+        if release:
+            direct = cache.drop_adapter_refs(release, now) if caching else release
+            if direct:
+                ops.append(w.Op(w.OP_RELEASE, tuple(direct)))
+        if unpin:
+            direct = cache.drop_pin_refs(unpin, now) if caching else unpin
+            if direct:
+                ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
+        held: dict[str, w.AcquiredRecord] = {}
+        missing = acquire
+        if caching and acquire:
+            adapters = cache.adapters
+            missing = []
+            for a in acquire:
+                if a in adapters:
+                    held[a] = cache.lease_record(a)
+                else:
+                    missing.append(a)
+        acq = look = -1
+        if missing:
+            acq = len(ops)
+            ops.append(w.Op(w.OP_ACQUIRE, tuple(missing)))
+        cached: list[w.ObjectRecord] = []
+        tail = keys
+        if caching and keys:
+            by_key = cache.by_key
+            for k in keys:
+                h = by_key.get(k)
+                if h is None:
+                    break
+                if h.refs == 0:
+                    cache.idle_p.pop(h.record.object_id, None)
+                h.refs += 1
+                h.idle_since = 0.0
+                cached.append(h.record)
+            tail = keys[len(cached) :]
+        if tail:
+            look = len(ops)
+            ops.append(w.Op(w.OP_LOOKUP, tuple(tail), 1))
+        own = len(ops)
+        if caching:
+            ops.extend(cache.flush_ops(now, force=False))
+        p = PendingDelta(path, acquire, held, missing, acq, cached, look, own, bool(ops))
+        if ops:
+            path.frames += 1
+            path.transport.send(w.encode_step(ops))
+            path._pending = p
+        return p
+
+
+def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
+    """Account a change's reply in the cache: (adapter records in ``acquire`` order, or
+    None when one is not hot; object records of the found prefix). Raises its error."""
+    cache = path.held
+    caching = path.hold_s > 0
+    now = time.monotonic()
+    results: list = []
+    ok = True
+    if reply is not None:
+        if reply.error is not None and reply.failed_index >= p.own:
+            log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
+            reply = w.StepReply(reply.arena_slabs, reply.results)
+        results = reply.results
+        ok = reply.error is None
+    recs = None
+    if p.acquire:
+        hot = True
+        got: dict = p.held
+        if p.acq >= 0:
+            r = results[p.acq] if p.acq < len(results) else None
+            hot = r is not None and r.hot
+            if hot:
+                if caching:
+                    got = dict(got)
+                    for aid, rec in zip(p.missing, r.adapters):
+                        rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
+                        cache.adapters[aid] = HeldAdapter(rec, 1 if ok else 0, 0.0 if ok else now)
+                        if not ok:
+                            cache.idle_a[aid] = None
+                        got[aid] = rec
+                else:
+                    got = dict(zip(p.missing, r.adapters))
+                    if not ok:
+                        path._undo_acquire(p.missing, r)
+        if ok and hot:
+            recs = [(aid, got[aid]) for aid in p.acquire]
+        elif p.held:
+            cache.drop_adapter_refs(list(p.held), now)
+    new: list = results[p.look] if 0 <= p.look < len(results) else []
+    if caching:
+        for rec in new:
+            cache.add_pin(rec, now)
+            if ok:
+                cache.ref_pin(rec.object_id)
+        if not ok and p.cached:
+            cache.drop_pin_refs([rec.object_id for rec in p.cached], now)
+    if reply is not None and reply.error is not None:
+        raise reply.error
+    return recs, (p.cached + new if p.cached else new), (reply.arena_slabs if reply is not None else 0)

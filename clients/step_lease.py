@@ -1,0 +1,190 @@
+"""What the step calls hand out: leases and objects made from records, and a step's lease.
+
+``SessionRecords`` is the one place where one session's records become what the caller holds:
+a gRPC ``pb.AcquiredAdapter`` or a step channel's ``AcquiredRecord`` becomes a
+``LeasedAdapter`` (its pages made read-only here, its layout fetched once per adapter), and a
+step channel's ``ObjectRecord`` a ``BrokerObject`` (through ``BrokerClient._object``, as a gRPC
+``ObjectInfo`` does). A record the step cache hands out again (the same record object) gets
+what was built from it before, so a step that holds what the last one held builds nothing.
+Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
+
+``StepLease`` is what one ``BrokerClient.step`` holds; ``PendingStepLease`` one sent by
+``step_begin``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.proto.wire import step as _w
+from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
+
+# BrokerObjects kept for step-cache records (cleared beyond this: they are rebuilt on demand).
+_MADE_LIMIT = 16384
+
+
+class SessionRecords:
+    """Records of one session made into leases and objects (``client``: a ``BrokerClient``)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.epoch = client.epoch
+        # (adapter id, generation, object id) -> LeasedAdapter, and adapter id -> (the step
+        # cache's record, its LeasedAdapter).
+        self._leased: dict = {}
+        # Object id -> (step record, BrokerObject made from it).
+        self._made: dict = {}
+
+    def objects(self, recs) -> list:
+        """BrokerObjects for step records; the same record object gets the same BrokerObject."""
+        made = self._made
+        out: list = []
+        new: list = []  # (index in out, record) of records not seen before
+        for r in recs:
+            hit = made.get(r.object_id)
+            if hit is not None and hit[0] is r:
+                out.append(hit[1])
+            else:
+                new.append((len(out), r))
+                out.append(None)
+        if new:
+            # Built together: one mapping check and one page-access change for all of them.
+            objs = self.client._read_objects([r for _, r in new])
+            if len(made) + len(new) > _MADE_LIMIT:
+                made.clear()
+            for (i, r), obj in zip(new, objs):
+                made[r.object_id] = (r, obj)
+                out[i] = obj
+        return out
+
+    def step_lease(self, adapters, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
+        """The lease of a step channel's acquire: ``adapters`` is [(adapter id, record)]."""
+        client = self.client
+        if arena_slabs:
+            client._ensure_slabs(arena_slabs)
+        leased = [self.leased_step(aid, rec) for aid, rec in adapters]
+        return AdapterLease(client, leased, deferred, txn_id, client.session_id)
+
+    def leased_step(self, aid: str, rec) -> LeasedAdapter:
+        """The LeasedAdapter of a step channel's record (the caller mapped the reply's slabs)."""
+        cache = self._leased
+        hit = cache.get(aid)
+        if hit is not None and hit[0] is rec:
+            # The step cache's own record again: the lease entry built from it stands.
+            return hit[1]
+        k = (aid, rec.generation, rec.object_id)
+        la = cache.get(k)
+        if la is None:
+            # First sight of this placement: its pages read-only here, its layout fetched once.
+            self.client._set_access(rec.pages, True)
+            la = cache[k] = LeasedAdapter(
+                aid,
+                rec.generation,
+                rec.object_id,
+                tuple(rec.pages),
+                self.layout(aid),
+                _w.TIER_NAMES.get(rec.found_in, "hot"),
+            )
+        if rec.found_in != _w.TIER_HOT:
+            la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])
+        else:
+            cache[aid] = (rec, la)
+        return la
+
+    def grpc_lease(self, resp) -> AdapterLease:
+        """The lease of a gRPC ``AcquireAdaptersResponse``."""
+        client = self.client
+        leased = [self.leased_grpc(a) for a in resp.adapters]
+        return AdapterLease(client, leased, resp.deferred, resp.transaction_id, client.session_id)
+
+    def leased_grpc(self, a) -> LeasedAdapter:
+        """A gRPC-acquired adapter mapped read-only here, with its layout (cached per adapter id)."""
+        client = self.client
+        client._ensure_slabs(a.arena_slabs)
+        # Shared weights: read-only in this mapping before anyone here can touch them.
+        client._set_access(a.pages, True)
+        if a.HasField("layout"):
+            client._layout_cache[a.adapter_id] = layout_from_proto(a.layout)
+        return LeasedAdapter(
+            a.adapter_id, a.generation, a.object_id, tuple(a.pages), self.layout(a.adapter_id), TIER_NAMES[a.found_in]
+        )
+
+    def layout(self, aid: str):
+        """An adapter's layout: cached per adapter id, else asked for (once)."""
+        client = self.client
+        layout = client._layout_cache.get(aid)
+        if layout is None:
+            # Not seen yet, or the cache was cleared under the request (a reconnect).
+            layout = client._layout_cache[aid] = layout_from_proto(client.adapter_layout(aid))
+        return layout
+
+
+class PendingStepLease:
+    """A step sent by ``BrokerClient.step_begin``; ``result()`` returns its StepLease (once)."""
+
+    def __init__(self, finish: Callable[[], StepLease]):
+        self._finish = finish
+        self._lease: StepLease | None = None
+
+    def result(self) -> StepLease:
+        if self._lease is None:
+            self._lease = self._finish()
+        return self._lease
+
+
+class StepLease:
+    """What one ``BrokerClient.step`` holds: an adapter lease (or None) and pinned objects."""
+
+    def __init__(
+        self,
+        client,
+        adapters,
+        objects: list,
+        adapter_ids: list[str] = (),
+        keys: Sequence[bytes] = (),
+        max_adapters: int = 0,
+    ):
+        self.client = client
+        self.epoch = client.epoch
+        # What the step asked for (a next step asking the same may take this one's holdings over).
+        self._asked = (adapter_ids, keys, max_adapters)
+        # The step cache whose references this lease holds, and for which parts
+        # (adapters, objects); None when it holds broker pins of its own.
+        self.cache = None
+        self.cached = (False, False)
+        # AdapterLease of the step's adapters, or None when it asked for none.
+        self.adapters = adapters
+        # The longest present prefix of the step's keys, pinned for this session.
+        self.objects = objects
+        self.released = False
+
+    def same_as(self, adapter_ids: list[str], keys: Sequence[bytes], max_adapters: int) -> bool:
+        """Whether a step asking for this would get exactly what this lease holds (all its
+        keys were found; its adapters were acquired outright, not prepared)."""
+        return (
+            not self.released
+            and self.epoch == self.client.epoch
+            and self._asked[0] == adapter_ids
+            and self._asked[2] == max_adapters
+            and len(self.objects) == len(keys)
+            and self._asked[1] == keys
+            and (self.adapters is None or not self.adapters.transaction_id)
+            and (self.adapters is not None) == bool(adapter_ids)
+        )
+
+    def release(self) -> None:
+        """Release the adapters and unpin the objects (once)."""
+        if self.released:
+            return
+        self.released = True
+        if self.adapters is not None:
+            self.adapters.release()
+        if self.objects and self.epoch == self.client.epoch and not self.client.closed:
+            self.client.unpin(self.objects)
+
+    def __enter__(self) -> StepLease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
