@@ -43,9 +43,6 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "clients/step.py: StepPath": (
         "issue 28 composes the step path (the holdings cache a part, not a base class); split with it, not before"
     ),
-    "clients/vllm/kv_connector.py: MemoryBrokerConnector": (
-        "issue 29 splits the connector into its scheduler and worker halves; split with it, not before"
-    ),
 }
 
 
