@@ -21,6 +21,7 @@ check_vllm_version()
 import torch  # noqa: E402
 
 from memory_broker.clients.vllm import identity, store  # noqa: E402
+from memory_broker.clients.vllm.block_mover import BlockMover  # noqa: E402
 from memory_broker.clients.vllm.kv_records import (  # noqa: E402
     BrokerKVMetadata,
     BrokerKVStats,
@@ -46,6 +47,7 @@ class BrokerKVWorker:
         self._layers: dict[str, int] = {}
         self._block_dims: dict[str, int] = {}
         self._kv: dict[str, torch.Tensor] = {}
+        self._mover: BlockMover | None = None
         self._layer_nbytes = 0
         self._block_nbytes = 0
         self._enabled = False
@@ -97,8 +99,14 @@ class BrokerKVWorker:
             self._block_nbytes,
         )
 
-    def _block_view(self, name: str, t: torch.Tensor, block_id: int) -> torch.Tensor:
-        return t.select(self._block_dims[name], block_id)
+    def _mover_for(self, page_size: int) -> BlockMover:
+        """The block mover over the registered layers for this arena's page size (made once,
+        and again only if a restarted broker's pages differ)."""
+        m = self._mover
+        if m is None or m.page_size != page_size:
+            names = list(self._layers)
+            m = self._mover = BlockMover([self._kv[n] for n in names], [self._block_dims[n] for n in names], page_size)
+        return m
 
     # ---------------------------------------------------------------- loads
 
@@ -156,21 +164,7 @@ class BrokerKVWorker:
                     self.broker.failed(c, e, "unpin")
 
     def _copy_in(self, c, lr: LoadRequest, block_pages: list[list[int]]) -> None:
-        ps = c.geometry.page_size
-        phys = c.physical_view()
-        for pages, bid in zip(block_pages, lr.block_ids):
-            if len(pages) * ps < self._block_nbytes:
-                raise ValueError(
-                    f"an object of {len(pages)} pages is smaller than a block's {self._block_nbytes} bytes"
-                )
-            for name, li in self._layers.items():
-                dst = self._block_view(name, self._kv[name], bid)
-                if dst.is_contiguous():
-                    store.read_bytes(phys, pages, ps, li * self._layer_nbytes, dst.view(-1).view(torch.uint8))
-                else:
-                    tmp = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-                    store.read_bytes(phys, pages, ps, li * self._layer_nbytes, tmp.view(-1).view(torch.uint8))
-                    dst.copy_(tmp)
+        self._mover_for(c.geometry.page_size).load(c.physical_view(), lr.block_ids, block_pages)
         self.stats.add("loaded_blocks", len(lr.block_ids))
 
     # ---------------------------------------------------------------- saves
@@ -213,14 +207,11 @@ class BrokerKVWorker:
         if self._txn is None:
             return
         c = self._txn_client
-        ps = c.geometry.page_size
         li = self._layers[layer_name]
         try:
-            phys = c.physical_view()
-            for (bid, _), obj in zip(self._step_saves, self._txn.objects):
-                src = self._block_view(layer_name, self._kv[layer_name], bid)
-                src = src.contiguous().view(-1).view(torch.uint8)
-                store.write_bytes(phys, obj.pages, ps, li * self._layer_nbytes, src)
+            mover = self._mover_for(c.geometry.page_size)
+            blocks = [bid for bid, _ in self._step_saves]
+            mover.save(c.physical_view(), blocks, [obj.pages for obj in self._txn.objects], layer=li)
         except (RuntimeError, ValueError, OSError) as e:
             log.warning(
                 "MemoryBrokerConnector: writing layer %s failed (%s); this step's blocks are not stored", layer_name, e
