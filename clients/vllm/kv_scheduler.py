@@ -95,30 +95,48 @@ class BrokerKVScheduler:
             return 0, False
         self.stats.add("lookups")
         inc = self.broker.incarnation
-        pinned: list[list[Any]] = []
+        first = num_computed_tokens // self.block_size  # blocks vLLM's own cache holds
         try:
-            for rank in range(self.tp_size):
-                keys = [identity.block_key(h, rank) for h in st.chain]
-                got = c.lookup(keys, pin=True)
-                pinned.append(got)
-                self.broker.hold(inc, len(got))
-                if not got:
-                    break
+            # Without pins first: on a local prefix-cache hit the broker holds nothing beyond
+            # vLLM's own cache, and nothing is pinned that must be unpinned (one round trip).
+            stored = self._stored(c, st)
+            held = stored
+            if min(stored, loadable) > first:
+                held = self._pin(c, st, inc, first, min(stored, loadable))
         except BrokerError as e:
             self.stats.add("broker_errors")
-            st.pinned, st.incarnation = pinned, inc
             self._unpin(st)
             self.broker.failed(c, e, "lookup")
             return 0, False
-        st.pinned, st.incarnation = pinned, inc
-        found = min(len(p) for p in pinned) if len(pinned) == self.tp_size else 0
-        st.hit_blocks = found
-        st.next_save = max(st.next_save, found)
-        hit = min(found, loadable) * self.block_size
+        st.hit_blocks = held
+        st.next_save = max(st.next_save, stored)
+        hit = min(held, loadable) * self.block_size
         ext = max(0, hit - num_computed_tokens)
         if ext == 0:
             self._unpin(st)
         return ext, False
+
+    def _stored(self, c, st: _ReqState) -> int:
+        """Blocks of the chain, from block 0, the broker holds on every rank (lookups without pins)."""
+        found = len(st.chain)
+        for rank in range(self.tp_size):
+            found = len(c.lookup([identity.block_key(h, rank) for h in st.chain[:found]], pin=False))
+            if not found:
+                break
+        return found
+
+    def _pin(self, c, st: _ReqState, inc: str, first: int, upto: int) -> int:
+        """Pin blocks ``first..upto-1`` on every rank (the request's ``pinned``, from ``first``);
+        returns how far, from block 0, the chain is held with pins on every rank."""
+        st.pinned, st.incarnation, st.pin_first = [], inc, first
+        for rank in range(self.tp_size):
+            got = c.lookup([identity.block_key(h, rank) for h in st.chain[first:upto]], pin=True)
+            st.pinned.append(got)
+            self.broker.hold(inc, len(got))
+            if not got:
+                break
+        held = min(len(p) for p in st.pinned) if len(st.pinned) == self.tp_size else 0
+        return first + held if held else 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         st = self._reqs.get(request.request_id)
@@ -171,7 +189,7 @@ class BrokerKVScheduler:
         start, end = st.load
         objs = []
         for b in range(start, end):
-            objs.append([(o.key, o.object_id, list(o.pages)) for o in (rank[b] for rank in st.pinned)])
+            objs.append([(o.key, o.object_id, list(o.pages)) for o in (rank[b - st.pin_first] for rank in st.pinned)])
         st.load = None
         self._to_load.discard(req_id)
         self._loading[req_id] = st
