@@ -62,6 +62,12 @@ def engine_main(a: argparse.Namespace) -> None:
             kv_connector_extra_config={"socket": a.socket},
             kv_load_failure_policy="recompute",
         )
+    elif a.mode == "noop":  # vLLM's connector machinery alone (ops/bench/noop_kv_connector.py)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector",
+            kv_connector_module_path="noop_kv_connector",
+            kv_role="kv_both",
+        )
     elif a.mode == "file":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector",
@@ -77,6 +83,8 @@ def engine_main(a: argparse.Namespace) -> None:
         max_num_seqs=8,
         seed=0,
         disable_hybrid_kv_cache_manager=True,
+        # Six engines run at once: 256 MiB of KV each (16,384 tokens) holds a group's prefix.
+        kv_cache_memory_bytes=256 << 20,
         **kw,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -107,7 +115,10 @@ def engine_main(a: argparse.Namespace) -> None:
 
 class Engine:
     def __init__(self, args: list[str], log_path: str):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        here = os.path.dirname(os.path.abspath(__file__))  # for --modes ...,noop
+        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(log_path, "w") as logf:
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--engine", *args],
@@ -290,7 +301,9 @@ def main() -> None:
     ap.add_argument("--hits", type=int, default=20, help="local prefix-cache hits per group")
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--tail", type=int, default=64)
-    ap.add_argument("--modes", default="none,file,broker")
+    ap.add_argument(
+        "--modes", default="none,file,broker", help="of none, file, broker, noop (a connector doing nothing)"
+    )
     ap.add_argument("--out", default="", help="append a markdown table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (engine and broker logs)")
     a = ap.parse_args()
