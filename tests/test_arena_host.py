@@ -111,6 +111,7 @@ def test_grow_past_max_slabs_raises_memory_error_with_numbers(full_arena: HostAr
 
 def test_grow_that_would_overshoot_creates_no_slab(arena: HostArena) -> None:
     arena.grow(2)
+    assert arena.wait_populated(30)  # the populate thread's fds are closed
     fds_before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(MemoryError, match=r"arena at 2 of 4 slabs \(512 KiB\); cannot grow by 3"):
         arena.grow(3)
@@ -122,6 +123,7 @@ def test_grow_that_fails_midway_raises_memory_error_and_leaves_nothing_behind(
     arena: HostArena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     arena.grow(1)
+    assert arena.wait_populated(30)  # the populate thread's fds are closed
     fds_before = sorted(os.listdir("/proc/self/fd"))
     real_mmap = host._mmap
     calls = 0
@@ -142,6 +144,84 @@ def test_grow_that_fails_midway_raises_memory_error_and_leaves_nothing_behind(
     assert maps_perms(arena.view.page_address(GEOM.pages_per_slab)) == "---p"
     arena.grow(3)
     assert arena.num_slabs == 4
+
+
+def resident_pages(address: int, length: int) -> int:
+    """OS pages of ``[address, address+length)`` backed by memory now (``mincore``: a shared
+    mapping reports its file's pages, whether or not this process touched them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    os_page = os.sysconf("SC_PAGE_SIZE")
+    vec = (ctypes.c_uint8 * (-(-length // os_page)))()
+    if libc.mincore(address, length, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec)
+
+
+def test_a_grown_slab_is_populated_before_any_request_touches_it() -> None:
+    arena = HostArena(GEOM, name="test-populate")
+    try:
+        os_pages = GEOM.slab_size // os.sysconf("SC_PAGE_SIZE")
+        arena.grow(1)
+        assert arena.wait_populated(30)
+        assert arena.populated_slabs == 1
+        # Every page of the new slab is backed, nobody having touched one.
+        assert resident_pages(arena.view.page_address(0), GEOM.slab_size) == os_pages
+        # Only what grew: populating never backs more than the slabs the arena holds.
+        arena.grow(2)
+        assert arena.wait_populated(30) and arena.populated_slabs == 3
+        assert resident_pages(arena.view.phys_base, 3 * GEOM.slab_size) == 3 * os_pages
+        assert ctypes.string_at(arena.view.phys_base, 3 * GEOM.slab_size) == bytes(3 * GEOM.slab_size)
+    finally:
+        arena.close()
+
+
+def test_populate_keeps_what_was_written_first_and_can_be_turned_off() -> None:
+    arena = HostArena(GEOM, name="test-populate-race")
+    try:
+        # Written before (or while) the thread populates: fallocate never clears a page.
+        for _ in range(3):
+            have = arena.num_slabs
+            arena.grow(1)
+            fill_page(arena.view, have * GEOM.pages_per_slab, 0x5A)
+        assert arena.wait_populated(30)
+        for s in range(3):
+            assert page_bytes(arena.view.page_address(s * GEOM.pages_per_slab)) == b"\x5a" * PAGE
+    finally:
+        arena.close()
+    off = HostArena(GEOM, name="test-populate-off", populate=False)
+    try:
+        off.grow(1)
+        assert off.wait_populated(1) and off.populated_slabs == 0
+        assert resident_pages(off.view.page_address(0), GEOM.slab_size) == 0
+    finally:
+        off.close()
+
+
+def mapped_rss(address: int) -> int:
+    """Bytes of the mapping holding ``address`` that this process's page tables map now (smaps Rss)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_a_client_mapping_a_slab_fills_its_page_tables_at_once(full_arena: HostArena) -> None:
+    assert full_arena.wait_populated(30)
+    for populate, want in ((False, 0), (True, GEOM.slab_size)):
+        view = HostArenaView(GEOM)
+        try:
+            view.attach_slab(0, full_arena.slab_fd(0), populate=populate)
+            # The broker populated the slab; the client's own page tables are another matter.
+            assert mapped_rss(view.page_address(0)) == want
+        finally:
+            view.close()
 
 
 def test_new_slabs_read_as_zero(full_arena: HostArena) -> None:

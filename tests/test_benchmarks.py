@@ -110,6 +110,20 @@ def test_bench_cuda_arena_small_run_prints_every_table_beside_the_host_arena():
     assert "CUDA: not measured (" in out or ("| cuda | warm | 16 contiguous |" in out and "### Copy of" in out)
 
 
+def test_bench_block_mover_quick_run_prints_every_layout_both_ways():
+    out = bench("bench_block_mover.py", "--quick")
+    assert "device copy of" in out
+    for layout in ("flash_attn", "flashinfer_nhd", "flashinfer_hnd"):
+        assert f"| {layout} | torch | pages -> KV |" in out and f"| {layout} | torch | KV -> pages |" in out
+    assert "| 2 |" in out  # the torch path: two launches per layer, whatever the blocks
+
+
+def test_bench_host_populate_small_run_prints_every_setup():
+    out = bench("bench_host_populate.py", "--mib", "4", "--repeats", "1")
+    for setup in ("fresh (nothing populated)", "broker populated (HostArena", "broker populated + client MAP_POPULATE"):
+        assert f"| {setup}" in out
+
+
 _LORA_SMOKE = r"""
 import sys
 sys.path.insert(0, "ops/bench")

@@ -44,9 +44,6 @@ SIZE_EXCEPTIONS: dict[str, str] = {
         "a declaration, not logic: one field per setting (the schema every flag, YAML key and message comes from), "
         "and it grows by one field per setting; splitting it by section would scatter the one schema"
     ),
-    "clients/vllm/kv_connector.py: MemoryBrokerConnector": (
-        "issue 29 splits the connector into its scheduler and worker halves; split with it, not before"
-    ),
 }
 
 

@@ -85,6 +85,7 @@ class Arena(abc.ABC):
                     self._discard_slab(rec)
             raise
         self._slabs.extend(created)
+        self._grown(have, slabs)
 
     @abc.abstractmethod
     def export_fds(self, first: int, count: int) -> list[int]:
@@ -123,6 +124,10 @@ class Arena(abc.ABC):
         raises MemoryError (naming the failed call) and leaves nothing of slab ``idx`` behind;
         ``grow`` undoes the slabs before it.
         """
+
+    def _grown(self, first: int, count: int) -> None:
+        """Slabs ``first..first+count-1`` were added (after a whole grow succeeded); nothing here."""
+        return None
 
     def _discard_slab(self, record: Any) -> None:
         """Close what ``_create_slab`` returned (after the view unmapped it); nothing here."""

@@ -99,8 +99,9 @@ class BrokerKVWorkerMetadata(KVConnectorWorkerMetadata):
 class _ReqState:
     chain: list[bytes]
     prompt_len: int
-    # Pins held for the request: per rank, the objects the lookup returned.
+    # Pins held for the request: per rank, the objects the lookup returned, from block pin_first.
     pinned: list[list[Any]] = field(default_factory=list)
+    pin_first: int = 0
     incarnation: str = ""
     hit_blocks: int = 0
     local_tokens: int = 0

@@ -1,12 +1,24 @@
-"""Shared-prefix workload over two vLLM engines: TTFT and prefill tokens computed with no KV
-connector, with vLLM's file-based example connector, and with the memory-broker connector,
-in one run.
+"""Shared-prefix workload over two vLLM engines per mode, the modes interleaved request by
+request in one run: TTFT of local prefix-cache hits, of cross-engine hits and of misses with
+no KV connector, with vLLM's file-based example connector, and with the memory-broker
+connector.
 
-32 requests (by default) share a 1,024-token system prompt and differ in a 64-token tail;
-engine 1 serves the first half one request at a time, then engine 2 the second half (so
-engine 2 can find engine 1's prefix). TTFT is the time of a one-token ``generate`` of one
-request; prefill computed is the prompt length minus vLLM's ``num_cached_tokens``. The model
-is ``tiny_model.SMALL`` (random, ~26M parameters, float32), built offline.
+Every mode has its own two engines, all started at once. The workload is ``--groups`` groups;
+a group has its own 1,024-token system prompt and, per request, a new 64-token tail:
+
+* engine 1 serves the group's first request: a **miss** (nothing holds the prefix);
+* engine 2 serves the second: a **cross-engine** request (engine 1 computed the prefix; with
+  the broker, engine 2 loads it; without a connector, engine 2 computes it again);
+* then ``--hits`` requests, alternating engines: **local prefix-cache hits** (the engine's
+  own prefix cache holds the prefix; a connector can only cost here).
+
+Each request is sent to every mode before the next one, the order of the modes rotating
+request by request, so load drifts on a shared machine hit every mode alike. TTFT is the
+time of a one-token ``generate``; prefill computed is the prompt length minus vLLM's
+``num_cached_tokens``. The model is ``tiny_model.SMALL`` (random, ~26M parameters, float32),
+built offline. Prints, per mode and kind, the request count, median and p90 TTFT, and the
+targets (local hits with the broker within 5% of none, median and p90; cross-engine hits at
+least 3x faster than none).
 
 Run with the vLLM environment's Python (``make bench-vllm``):
     .venv-vllm/bin/python ops/bench/bench_vllm_kv.py --broker-python .venv/bin/python
@@ -50,6 +62,12 @@ def engine_main(a: argparse.Namespace) -> None:
             kv_connector_extra_config={"socket": a.socket},
             kv_load_failure_policy="recompute",
         )
+    elif a.mode == "noop":  # vLLM's connector machinery alone (ops/bench/noop_kv_connector.py)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector",
+            kv_connector_module_path="noop_kv_connector",
+            kv_role="kv_both",
+        )
     elif a.mode == "file":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector",
@@ -65,6 +83,8 @@ def engine_main(a: argparse.Namespace) -> None:
         max_num_seqs=8,
         seed=0,
         disable_hybrid_kv_cache_manager=True,
+        # Six engines run at once: 256 MiB of KV each (16,384 tokens) holds a group's prefix.
+        kv_cache_memory_bytes=256 << 20,
         **kw,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -95,7 +115,10 @@ def engine_main(a: argparse.Namespace) -> None:
 
 class Engine:
     def __init__(self, args: list[str], log_path: str):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        here = os.path.dirname(os.path.abspath(__file__))  # for --modes ...,noop
+        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(log_path, "w") as logf:
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--engine", *args],
@@ -166,32 +189,104 @@ def start_broker(python: str, tmp: str) -> tuple[subprocess.Popen, str]:
     return proc, sock
 
 
-def run_mode(mode: str, a, model: str, tmp: str, halves, broker_sock: str) -> dict:
-    args = ["--model", model, "--mode", mode, "--socket", broker_sock, "--storage", os.path.join(tmp, f"kv-{mode}")]
-    os.makedirs(os.path.join(tmp, f"kv-{mode}"), exist_ok=True)
-    engines = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log")) for i in (1, 2)]
+KINDS = ("local", "cross", "miss")
+
+
+def workload(a: argparse.Namespace) -> list[tuple[int, str, list[int]]]:
+    """(engine 0 or 1, kind, prompt) in order (see the module docstring)."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(a.groups):
+        system = [rng.randrange(3, 512) for _ in range(a.prefix)]
+
+        kinds = [(0, "miss"), (1, "cross")] + [(i % 2, "local") for i in range(a.hits)]
+        for eng, kind in kinds:
+            out.append((eng, kind, system + [rng.randrange(3, 512) for _ in range(a.tail)]))
+    return out
+
+
+def p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+
+
+def run_interleaved(a, model: str, tmp: str, modes: list[str], broker_sock: str) -> dict[str, list[dict]]:
+    """Every mode's two engines up at once; each request sent to every mode in turn."""
+    engines: dict[str, list[Engine]] = {}
     try:
-        for e in engines:
-            e.line()
-        results = []
-        for e, prompts in zip(engines, halves):
-            results.append(e.run(prompts))
+        for mode in modes:
+            args = [
+                "--model",
+                model,
+                "--mode",
+                mode,
+                "--socket",
+                broker_sock,
+                "--storage",
+                os.path.join(tmp, f"kv-{mode}"),
+            ]
+            os.makedirs(os.path.join(tmp, f"kv-{mode}"), exist_ok=True)
+            engines[mode] = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log")) for i in (1, 2)]
+        for es in engines.values():
+            for e in es:
+                e.line()
+        results: dict[str, list[dict]] = {m: [] for m in modes}
+        t0 = time.monotonic()
+        for i, (eng, kind, prompt) in enumerate(workload(a)):
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                r = engines[mode][eng].run([prompt])[0]
+                r.update(kind=kind, engine=eng + 1)
+                results[mode].append(r)
+            if i % 20 == 19:
+                print(f"  {i + 1} requests per mode, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        return results
     finally:
-        for e in engines:
-            e.stop()
-    flat = [r for half in results for r in half]
-    ttft = [r["ttft_s"] for r in flat]
-    return {
-        "mode": mode,
-        "requests": len(flat),
-        "ttft_mean_ms": 1000 * statistics.mean(ttft),
-        "ttft_median_ms": 1000 * statistics.median(ttft),
-        "ttft_engine2_first_ms": 1000 * results[1][0]["ttft_s"],
-        "prefill_computed": sum(r["prompt"] - r["cached"] for r in flat),
-        "prompt_tokens": sum(r["prompt"] for r in flat),
-        "cached_engine2": sum(r["cached"] for r in results[1]),
-        "tokens": [r["token"] for r in flat],
-    }
+        for es in engines.values():
+            for e in es:
+                e.stop()
+
+
+def summary(mode: str, rs: list[dict]) -> dict:
+    row = {"mode": mode, "prefill_computed": sum(r["prompt"] - r["cached"] for r in rs)}
+    for kind in KINDS:
+        ttft = [1000 * r["ttft_s"] for r in rs if r["kind"] == kind]
+        row[kind] = {"n": len(ttft), "median_ms": statistics.median(ttft), "p90_ms": p90(ttft)} if ttft else None
+    return row
+
+
+def report(a, rows: list[dict], same: bool, wall_s: float) -> str:
+    modes = [r["mode"] for r in rows]
+    lines = [
+        f"### vLLM shared-prefix workload, modes interleaved ({time.strftime('%Y-%m-%d')}, "
+        f"{platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, vLLM CPU backend)",
+        "",
+        f"{a.groups} groups of a {a.prefix}-token system prompt: per group 1 miss (engine 1), 1 cross-engine request "
+        f"(engine 2) and {a.hits} local prefix-cache hits (alternating engines), {a.tail}-token tails; each request "
+        f"sent to every mode ({', '.join(modes)}) in a rotating order; model tiny_model.SMALL float32; "
+        f"{wall_s:.0f} s of requests. Greedy first tokens identical across modes, request by request: {same}.",
+        "",
+        "| mode | local hits n | local median (ms) | local p90 (ms) | cross-engine n | cross median (ms) | cross p90 (ms) "
+        "| misses n | miss median (ms) | miss p90 (ms) | prefill tokens computed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [r["mode"]]
+        for kind in KINDS:
+            k = r[kind]
+            cells += [str(k["n"]), f"{k['median_ms']:.0f}", f"{k['p90_ms']:.0f}"] if k else ["0", "-", "-"]
+        cells.append(str(r["prefill_computed"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    by = {r["mode"]: r for r in rows}
+    if "broker" in by and "none" in by:
+        b, n = by["broker"], by["none"]
+        lines += [
+            "",
+            f"Targets: local hits, broker / none: median {b['local']['median_ms'] / n['local']['median_ms']:.3f}, "
+            f"p90 {b['local']['p90_ms'] / n['local']['p90_ms']:.3f} (target <= 1.05); cross-engine, none / broker: "
+            f"median {n['cross']['median_ms'] / b['cross']['median_ms']:.2f}x, p90 "
+            f"{n['cross']['p90_ms'] / b['cross']['p90_ms']:.2f}x (target >= 3x).",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -202,10 +297,13 @@ def main() -> None:
     ap.add_argument("--socket", default="")
     ap.add_argument("--storage", default="")
     ap.add_argument("--broker-python", default=os.path.join(ROOT, ".venv", "bin", "python"))
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--groups", type=int, default=10, help="system prompts (a miss and a cross-engine request each)")
+    ap.add_argument("--hits", type=int, default=20, help="local prefix-cache hits per group")
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--tail", type=int, default=64)
-    ap.add_argument("--modes", default="none,file,broker")
+    ap.add_argument(
+        "--modes", default="none,file,broker", help="of none, file, broker, noop (a connector doing nothing)"
+    )
     ap.add_argument("--out", default="", help="append a markdown table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (engine and broker logs)")
     a = ap.parse_args()
@@ -216,40 +314,21 @@ def main() -> None:
     from memory_broker.clients.vllm import tiny_model
 
     model = tiny_model.build(os.path.join(tmp, "model"), config=tiny_model.SMALL)
-    rng = random.Random(0)
-    system = [rng.randrange(3, 512) for _ in range(a.prefix)]
-    prompts = [system + [rng.randrange(3, 512) for _ in range(a.tail)] for _ in range(a.requests)]
-    halves = [prompts[: a.requests // 2], prompts[a.requests // 2 :]]
+    modes = a.modes.split(",")
     broker, sock = start_broker(a.broker_python, tmp)
-    rows = []
     try:
-        for mode in a.modes.split(","):
-            t = time.monotonic()
-            row = run_mode(mode, a, model, tmp, halves, sock)
-            row["wall_s"] = time.monotonic() - t
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+        t = time.monotonic()
+        results = run_interleaved(a, model, tmp, modes, sock)
+        wall = time.monotonic() - t
     finally:
         broker.send_signal(signal.SIGTERM)
         broker.wait(30)
-    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
-    lines = [
-        f"### vLLM shared-prefix workload ({time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, vLLM CPU backend)",
-        "",
-        f"{a.requests} requests, a {a.prefix}-token shared system prompt + {a.tail}-token tails, two engines "
-        f"(engine 1 serves the first half, then engine 2 the rest), one request at a time, model tiny_model.SMALL "
-        f"float32; modes in the order {a.modes}. Greedy first tokens identical across modes: {same}.",
-        "",
-        "| connector | TTFT mean (ms) | TTFT median (ms) | engine 2's first TTFT (ms) | prefill tokens computed | of prompt tokens |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    rows = [summary(m, results[m]) for m in modes]
     for r in rows:
-        lines.append(
-            f"| {r['mode']} | {r['ttft_mean_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
-            f"{r['ttft_engine2_first_ms']:.0f} | {r['prefill_computed']} | {r['prompt_tokens']} |"
-        )
-    text = "\n".join(lines) + "\n"
+        print(json.dumps(r), flush=True)
+    tokens = [[r["token"] for r in results[m]] for m in modes]
+    same = all(t == tokens[0] for t in tokens)
+    text = report(a, rows, same, wall)
     print(text)
     if a.out:
         with open(a.out, "a") as f:

@@ -36,8 +36,9 @@
 # default tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py
 # tests/test_kernels_compile.py tests/test_kernels_plan.py tests/test_kernels_graph.py and
 # tests/test_lora_static.py (CUDA-graph capture and replay) tests/test_lora_batch.py
-# tests/test_lora_e2e.py where present), GPU_BENCHES (default
-# ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py where present), BENCH_TIMEOUT
+# tests/test_lora_e2e.py tests/test_block_mover.py (the KV block mover on vLLM's CUDA layouts)
+# where present), GPU_BENCHES (default ops/bench/bench_cuda_arena.py
+# ops/bench/bench_lora_kernels.py ops/bench/bench_block_mover.py where present), BENCH_TIMEOUT
 # (seconds per benchmark, default 90), VLLM_LORA_OPS (default ops/gpu/vllm_lora_ops: vLLM's
 # Triton LoRA kernels, copied where vLLM is installed by ops/gpu/extract_vllm_lora_ops.py and
 # carried along, git-ignored; bench_lora_kernels.py compares the project's kernels with them,
@@ -78,14 +79,14 @@ tests=${GPU_TESTS:-}
 if [ -z "$tests" ]; then
     for f in tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py tests/test_kernels_compile.py \
         tests/test_kernels_plan.py tests/test_kernels_graph.py tests/test_lora_batch.py tests/test_lora_static.py \
-        tests/test_lora_e2e.py; do
+        tests/test_lora_e2e.py tests/test_block_mover.py; do
         [ -e "$f" ] && tests="$tests $f"
     done
 fi
 vllm_ops=${VLLM_LORA_OPS:-ops/gpu/vllm_lora_ops}
 benches=${GPU_BENCHES:-}
 if [ -z "$benches" ]; then
-    for f in ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py; do
+    for f in ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py ops/bench/bench_block_mover.py; do
         [ -e "$f" ] && benches="$benches $f"
     done
 fi

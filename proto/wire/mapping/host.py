@@ -28,6 +28,7 @@ MAP_PRIVATE = 0x02
 MAP_FIXED = 0x10
 MAP_ANONYMOUS = 0x20
 MAP_NORESERVE = 0x4000
+MAP_POPULATE = 0x8000
 # Older Pythons' fcntl lacks the sealing constants; the values are Linux's ABI.
 F_ADD_SEALS: int = getattr(fcntl, "F_ADD_SEALS", 1033)
 F_SEAL_SEAL: int = getattr(fcntl, "F_SEAL_SEAL", 1)
@@ -47,7 +48,12 @@ _libc_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc_mprotect = _libc.mprotect
 _libc_mprotect.restype = ctypes.c_int
 _libc_mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc_madvise = _libc.madvise
+_libc_madvise.restype = ctypes.c_int
+_libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MAP_FAILED: int = ctypes.c_void_p(-1).value  # type: ignore[assignment]
+# Linux >= 5.14: fault a range in, writable, without writing it (content is kept).
+MADV_POPULATE_WRITE = 23
 
 
 def _mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
@@ -75,6 +81,16 @@ def _mprotect(addr: int, length: int, prot: int) -> None:
     if _libc_mprotect(addr, length, prot) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mprotect({addr:#x}, {length}, prot={prot:#x}): {os.strerror(err)}")
+
+
+def madvise_populate_write(addr: int, length: int) -> None:
+    """``madvise(MADV_POPULATE_WRITE)``: back ``[addr, addr+length)`` with memory and map it
+    writable in this process, keeping its content; OSError naming the call otherwise (EINVAL
+    before Linux 5.14)."""
+    ctypes.set_errno(0)
+    if _libc_madvise(addr, length, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({addr:#x}, {length}, MADV_POPULATE_WRITE): {os.strerror(err)}")
 
 
 def host_buffer(address: int, nbytes: int) -> ctypes.Array[ctypes.c_uint8]:
@@ -124,13 +140,16 @@ class HostArenaView(ArenaView):
     def mapped_slabs(self) -> int:
         return len(self._slabs)
 
-    def attach_slab(self, slab_index: int, fd: int, *, readonly: bool = False) -> None:
+    def attach_slab(self, slab_index: int, fd: int, *, readonly: bool = False, populate: bool = False) -> None:
         """Map the slab behind ``fd`` at its place in the physical view.
 
         Args:
             slab_index: must be ``mapped_slabs`` (slabs attach in order).
             fd: a memfd of at least ``slab_size`` bytes; the caller keeps it and may close it.
             readonly: map with PROT_READ only (and its window pages too).
+            populate: fill this process's page tables for the whole slab now (MAP_POPULATE),
+                so later touches take no page faults; about 4x cheaper in all than faulting
+                the pages in one by one (ops/bench/bench_host_populate.py).
 
         Raises:
             ValueError: out-of-order index, the arena is full, or the fd is too small.
@@ -145,7 +164,8 @@ class HostArenaView(ArenaView):
         own_fd = os.dup(fd)  # non-inheritable, so close-on-exec
         try:
             prot = PROT_READ if readonly else PROT_READ | PROT_WRITE
-            _mmap(self._phys_base + slab_index * g.slab_size, g.slab_size, prot, MAP_SHARED | MAP_FIXED, own_fd, 0)
+            flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
+            _mmap(self._phys_base + slab_index * g.slab_size, g.slab_size, prot, flags, own_fd, 0)
         except OSError:
             os.close(own_fd)
             raise

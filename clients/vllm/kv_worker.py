@@ -1,0 +1,261 @@
+"""The KV connector's worker half: copies blocks between the broker's pages and vLLM's KV cache.
+
+``BrokerKVWorker`` runs in each of vLLM's workers, inside ``MemoryBrokerConnector``
+(``kv_connector.py``), the facade vLLM instantiates. Before the forward pass it copies the
+step's loads (``BrokerKVMetadata.loads``, objects the scheduler pinned) from the broker's pages
+into the KV cache; during it, it stores the step's new blocks in one prepare per step, layer by
+layer as vLLM saves them, committed in ``wait_for_save``. A block object holds a block's bytes
+layer after layer, each layer in ``select(block_dim, block)`` order. Failures are reported to
+vLLM as blocks to recompute, or as blocks not stored; never as a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from memory_broker.clients.vllm import check_vllm_version
+
+check_vllm_version()
+
+import torch  # noqa: E402
+
+from memory_broker.clients.vllm import identity, store  # noqa: E402
+from memory_broker.clients.vllm.block_mover import BlockMover  # noqa: E402
+from memory_broker.clients.vllm.kv_records import (  # noqa: E402
+    BrokerKVMetadata,
+    BrokerKVStats,
+    BrokerKVWorkerMetadata,
+    LoadRequest,
+)
+from memory_broker.proto.wire.errors import BrokerError  # noqa: E402
+
+if TYPE_CHECKING:
+    from memory_broker.clients.vllm.store import BrokerKV
+
+log = logging.getLogger("vllm.memory_broker.kv_worker")
+
+
+class BrokerKVWorker:
+    """The worker half (see the module docstring); ``stats`` is the facade's, shared."""
+
+    def __init__(self, broker: BrokerKV, tp_rank: int, num_blocks: int, stats: BrokerKVStats):
+        self.broker = broker
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.stats = stats
+        self._layers: dict[str, int] = {}
+        self._block_dims: dict[str, int] = {}
+        self._kv: dict[str, torch.Tensor] = {}
+        self._mover: BlockMover | None = None
+        self._layer_nbytes = 0
+        self._block_nbytes = 0
+        self._enabled = False
+        self._txn = None
+        self._txn_client = None
+        self._step_saves: list[tuple[int, bytes]] | None = None
+        self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()
+
+    # ---------------------------------------------------------------- the KV cache
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self.num_blocks
+        layer_nbytes = None
+        views: dict[str, torch.Tensor] = {}
+        for i, (name, t) in enumerate(kv_caches.items()):
+            if t.shape[0] != num_blocks and t.shape[0] % num_blocks == 0:
+                t = t.unflatten(0, (num_blocks, -1))  # kernel blocks smaller than vLLM's blocks
+            dims = [d for d, s in enumerate(t.shape) if s == num_blocks]
+            if not dims:
+                log.error(
+                    "MemoryBrokerConnector: layer %s's KV tensor %s has no dimension of %d blocks; "
+                    "the connector stays off",
+                    name,
+                    tuple(t.shape),
+                    num_blocks,
+                )
+                return
+            nbytes = t.numel() // num_blocks * t.element_size()
+            if layer_nbytes is not None and nbytes != layer_nbytes:
+                log.error(
+                    "MemoryBrokerConnector: layers differ in KV bytes per block (%d, %d); the connector stays off",
+                    layer_nbytes,
+                    nbytes,
+                )
+                return
+            layer_nbytes = nbytes
+            views[name] = t
+            self._layers[name] = i
+            self._block_dims[name] = dims[0]
+        self._layer_nbytes = layer_nbytes or 0
+        self._block_nbytes = self._layer_nbytes * len(self._layers)
+        self._kv = views
+        self._enabled = self._block_nbytes > 0
+        log.info(
+            "MemoryBrokerConnector: %d layers, KV tensors %s, %d bytes per block",
+            len(views),
+            tuple(next(iter(views.values())).shape) if views else (),
+            self._block_nbytes,
+        )
+
+    def _mover_for(self, page_size: int) -> BlockMover:
+        """The block mover over the registered layers for this arena's page size (made once,
+        and again only if a restarted broker's pages differ)."""
+        m = self._mover
+        if m is None or m.page_size != page_size:
+            names = list(self._layers)
+            m = self._mover = BlockMover([self._kv[n] for n in names], [self._block_dims[n] for n in names], page_size)
+        return m
+
+    # ---------------------------------------------------------------- loads
+
+    def start_load_kv(self, meta: object) -> None:
+        if not isinstance(meta, BrokerKVMetadata) or not meta.loads or not self._enabled:
+            if isinstance(meta, BrokerKVMetadata):
+                for lr in meta.loads:  # connector off on this worker: vLLM recomputes
+                    self._load_errors.update(lr.block_ids)
+                    self.stats.add("load_failed_blocks", len(lr.block_ids))
+            return
+        for lr in meta.loads:
+            # The scheduler's session when it lives in this process: the pinned pages are in
+            # this mapping, and stay readable even if the broker went away since the lookup.
+            c = self.broker.client_for(lr.incarnation)
+            try:
+                self._load_one(c, lr)
+                self._loaded.add(lr.req_id)
+            except (BrokerError, RuntimeError, ValueError, OSError) as e:
+                self._load_errors.update(lr.block_ids)
+                self.stats.add("load_failed_blocks", len(lr.block_ids))
+                if isinstance(e, BrokerError):
+                    self.stats.add("broker_errors")
+                    self.broker.failed(c, e, "load")
+                log.warning(
+                    "MemoryBrokerConnector: loading %d blocks of request %s failed (%s); vLLM recomputes them",
+                    len(lr.block_ids),
+                    lr.req_id,
+                    e,
+                )
+
+    def _load_one(self, c, lr: LoadRequest) -> None:
+        rank = self.tp_rank
+        wanted = [blk[rank] for blk in lr.objects]
+        if c is not None:
+            # The scheduler's own session and mapping: its pins hold the pages.
+            if c.view.mapped_slabs * c.geometry.pages_per_slab <= max((max(p) for _, _, p in wanted), default=0):
+                raise RuntimeError("pages beyond this process's mapping")
+            self._copy_in(c, lr, [p for _, _, p in wanted])
+            return
+        # The scheduler runs in another process: pin the blocks in this process's session for
+        # the copy, and check they are the very objects the scheduler pinned.
+        c = self.broker.client()
+        if c is None:
+            raise RuntimeError("the broker is unavailable")
+        got = c.lookup([k for k, _, _ in wanted], pin=True)
+        try:
+            if [(o.object_id, list(o.pages)) for o in got] != [(oid, pages) for _, oid, pages in wanted]:
+                raise RuntimeError("the broker no longer holds the blocks the scheduler found")
+            self._copy_in(c, lr, [list(o.pages) for o in got])
+        finally:
+            if got:
+                try:
+                    c.unpin(got)
+                except BrokerError as e:
+                    self.broker.failed(c, e, "unpin")
+
+    def _copy_in(self, c, lr: LoadRequest, block_pages: list[list[int]]) -> None:
+        self._mover_for(c.geometry.page_size).load(c.physical_view(), lr.block_ids, block_pages)
+        self.stats.add("loaded_blocks", len(lr.block_ids))
+
+    # ---------------------------------------------------------------- saves
+
+    def _prepare_saves(self, meta: BrokerKVMetadata) -> None:
+        """One prepare for the step's new blocks (a block two requests share, once)."""
+        self._step_saves = []
+        seen: set[bytes] = set()
+        for sr in meta.saves:
+            for bid, h in zip(sr.block_ids, sr.chain_hashes):
+                key = identity.block_key(h, self.tp_rank)
+                if key not in seen:
+                    seen.add(key)
+                    self._step_saves.append((bid, key))
+        if not self._step_saves:
+            return
+        c = self.broker.client()
+        if c is None:
+            self.stats.add("store_skipped_blocks", len(self._step_saves))
+            self._step_saves = []
+            return
+        try:
+            specs = store.kv_specs([k for _, k in self._step_saves], self._block_nbytes, c.geometry.page_size)
+            self._txn = c.prepare(specs)
+            self._txn_client = c
+        except BrokerError as e:
+            self.stats.add("store_skipped_blocks", len(self._step_saves))
+            self.stats.add("broker_errors")
+            self.broker.failed(c, e, "prepare")
+            self._step_saves = []
+            self._txn = None
+
+    def save_kv_layer(self, meta: object, layer_name: str) -> None:
+        if not self._enabled or layer_name not in self._layers:
+            return
+        if not isinstance(meta, BrokerKVMetadata) or not meta.saves:
+            return
+        if self._step_saves is None:
+            self._prepare_saves(meta)
+        if self._txn is None:
+            return
+        c = self._txn_client
+        li = self._layers[layer_name]
+        try:
+            mover = self._mover_for(c.geometry.page_size)
+            blocks = [bid for bid, _ in self._step_saves]
+            mover.save(c.physical_view(), blocks, [obj.pages for obj in self._txn.objects], layer=li)
+        except (RuntimeError, ValueError, OSError) as e:
+            log.warning(
+                "MemoryBrokerConnector: writing layer %s failed (%s); this step's blocks are not stored", layer_name, e
+            )
+            self._abort_saves()
+
+    def _abort_saves(self) -> None:
+        if self._txn is not None:
+            self.stats.add("store_skipped_blocks", len(self._step_saves or ()))
+            try:
+                self._txn.abort()
+            except BrokerError as e:
+                self.broker.failed(self._txn_client, e, "abort")
+        self._txn = None
+
+    def wait_for_save(self) -> None:
+        txn, self._txn = self._txn, None
+        saves, self._step_saves = self._step_saves, None
+        if txn is None:
+            return
+        try:
+            committed = txn.commit()
+        except BrokerError as e:
+            self.stats.add("store_skipped_blocks", len(saves or ()))
+            self.stats.add("broker_errors")
+            self.broker.failed(self._txn_client, e, "commit")
+            return
+        dedup = sum(1 for o in committed if o.deduplicated)
+        self.stats.add("stored_blocks", len(committed) - dedup)
+        self.stats.add("deduplicated_blocks", dedup)
+
+    # ---------------------------------------------------------------- reports
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_connector_worker_meta(self) -> BrokerKVWorkerMetadata | None:
+        if not self._loaded:
+            return None
+        out = BrokerKVWorkerMetadata(loaded=self._loaded)
+        self._loaded = set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._txn is not None:
+            self._abort_saves()
