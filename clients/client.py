@@ -388,7 +388,8 @@ class BrokerClient(StepCalls, BrokerSession):
     def unregister_adapters(self, adapter_ids: Sequence[str]) -> None:
         self._call(self._stub.UnregisterAdapter, pb.UnregisterAdapterRequest(adapter_ids=list(adapter_ids)))
         for aid in adapter_ids:
-            self._layout_cache.pop(aid, None)
+            for key in (aid, *(f"{aid}#{d}" for d in ("float32", "float16", "bfloat16"))):
+                self._layout_cache.pop(key, None)
 
     def list_adapters(self, prefix: str = "", limit: int = 100, page_token: str = "") -> pb.ListAdaptersResponse:
         return self._call(
@@ -407,15 +408,23 @@ class BrokerClient(StepCalls, BrokerSession):
         *,
         prepare: bool = False,
         lease_s: float = 0.0,
+        dtype: str = "",
     ):
         """Pin adapters for this session (the broker loads them if needed); one RPC.
 
         Returns an ``AdapterLease`` (a context manager that releases them). With
         ``max_adapters`` N, the first N distinct ids are acquired and the rest come back in
         ``lease.deferred``. Layouts are fetched only for adapters this client has not seen.
-        With ``prepare``, the pins hold under a lease until ``lease.commit()``.
+        With ``prepare``, the pins hold under a lease until ``lease.commit()``. With ``dtype``
+        ("float32", "float16", "bfloat16"), the adapters' copies in that dtype (the broker makes
+        them from the adapters' files on first use); empty: the broker's ``--adapter-dtype``.
+
+        Raises:
+            BrokerError: as the broker refuses; FAILED_PRECONDITION when ``dtype`` was asked
+                and the broker returned another (a broker too old to make copies in other
+                dtypes), after releasing what it pinned.
         """
-        st = self._step_path()
+        st = self._step_path() if not dtype else None  # the step path acquires in the broker's dtype
         if st is not None:
             out = self._fast_or_none(
                 st.step,
@@ -427,31 +436,45 @@ class BrokerClient(StepCalls, BrokerSession):
             )
             if out is not None and out.acquire_hot:
                 return self._lease(out)
-        with_layout = any(aid not in self._layout_cache for aid in adapter_ids)
+        suffix = f"#{dtype}" if dtype else ""
+        with_layout = bool(dtype) or any(aid not in self._layout_cache for aid in adapter_ids)
         req = pb.AcquireAdaptersRequest(
             adapter_ids=list(adapter_ids),
             max_adapters=max_adapters,
             with_layout=with_layout,
             prepare=prepare,
             lease_ms=int(lease_s * 1000),
+            dtype=dtype,
         )
         resp = self._call(self._stub.AcquireAdapters, req, retry=True)
-        leased = [self._leased(a) for a in resp.adapters]
-        return AdapterLease(self, leased, resp.deferred, resp.transaction_id, self.session_id)
+        leased = [self._leased(a, suffix) for a in resp.adapters]
+        lease = AdapterLease(self, leased, resp.deferred, resp.transaction_id, self.session_id)
+        wrong = [a.adapter_id for a in leased if dtype and a.layout.dtype != dtype]
+        if wrong:
+            got = leased[0].layout.dtype
+            lease.release()
+            raise BrokerError(
+                Code.FAILED_PRECONDITION,
+                f"asked for adapters {wrong} in {dtype}; the broker at {self.socket_path} returned them in {got} "
+                f"(a broker older than copies per dtype): upgrade it, or start it with --adapter-dtype {dtype}",
+            )
+        return lease
 
-    def _leased(self, a: pb.AcquiredAdapter) -> LeasedAdapter:
-        """An acquired adapter mapped read-only here, with its layout (cached per adapter id)."""
+    def _leased(self, a: pb.AcquiredAdapter, suffix: str = "") -> LeasedAdapter:
+        """An acquired adapter mapped read-only here, with its layout (cached per adapter id and
+        asked dtype: ``suffix`` is ``#dtype`` for a copy asked in a dtype)."""
         self._ensure_slabs(a.arena_slabs)
         # Shared weights: read-only in this mapping before anyone here can touch them.
         self._set_access(a.pages, True)
-        layout = self._layout_cache.get(a.adapter_id)
+        key = a.adapter_id + suffix
+        layout = self._layout_cache.get(key)
         if a.HasField("layout"):
             layout = layout_from_proto(a.layout)
-            self._layout_cache[a.adapter_id] = layout
+            self._layout_cache[key] = layout
         if layout is None:
             # The cache was cleared under the request (a reconnect): ask for it now.
             layout = layout_from_proto(self.adapter_layout(a.adapter_id))
-            self._layout_cache[a.adapter_id] = layout
+            self._layout_cache[key] = layout
         pages = tuple(a.pages)
         return LeasedAdapter(a.adapter_id, a.generation, a.object_id, pages, layout, TIER_NAMES[a.found_in])
 
