@@ -142,6 +142,45 @@ def test_an_unknown_dtype_is_invalid_argument_and_changes_nothing(peft_dirs, sta
     run(main())
 
 
+def test_over_grpc_a_dtype_is_served_and_a_broker_that_ignores_it_is_refused(
+    peft_dirs,  # noqa: F811
+    broker_factory,
+    monkeypatch,
+):
+    from memory_broker.clients import BrokerClient
+    from memory_broker.clients import client as client_mod
+
+    b = broker_factory("--pool-size", "64MiB", "--slab-size", "4MiB")  # defaults: bfloat16 adapters
+    with BrokerClient.connect(b.socket, client_name="t") as c:
+        c.register_adapter("r8", peft_dirs["r8"])
+        # Old clients send no dtype: the broker's own.
+        assert c.acquire_adapters(["r8"]).adapters[0].layout.dtype == "bfloat16"
+        lease = c.acquire_adapters(["r8"], dtype="float32")
+        assert lease["r8"].layout.dtype == "float32"
+        assert len(lease["r8"].pages) == lease["r8"].layout.num_pages
+        # The layout cache keeps each dtype's layout apart.
+        assert c.acquire_adapters(["r8"]).adapters[0].layout.dtype == "bfloat16"
+        with pytest.raises(BrokerError) as e:
+            c.acquire_adapters(["r8"], dtype="fp32")
+        assert e.value.code == Code.INVALID_ARGUMENT and "'fp32' is not one of" in e.value.message
+        # A broker older than the field ignores it (here: the field is not sent) and returns its
+        # own dtype: the client refuses, naming the fix, and keeps no pin.
+        before = {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"]
+        real = client_mod.pb.AcquireAdaptersRequest
+
+        def old_request(**kw):
+            kw.pop("dtype", None)
+            return real(**kw)
+
+        monkeypatch.setattr(client_mod.pb, "AcquireAdaptersRequest", old_request)
+        with pytest.raises(BrokerError) as e:
+            c.acquire_adapters(["r8"], dtype="float16")
+        assert e.value.code == Code.FAILED_PRECONDITION
+        assert "in float16" in e.value.message and "returned them in bfloat16" in e.value.message
+        assert "--adapter-dtype float16" in e.value.message
+        assert {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"] == before
+
+
 @pytest.fixture
 def state_dir(tmp_path) -> str:
     return str(tmp_path / "state")
