@@ -448,10 +448,11 @@ class BrokerClient(StepCalls, BrokerSession):
         )
         resp = self._call(self._stub.AcquireAdapters, req, retry=True)
         leased = [self._leased(a, suffix) for a in resp.adapters]
-        lease = AdapterLease(self, leased, resp.deferred, resp.transaction_id, self.session_id)
+        lease = AdapterLease(self, leased, resp.deferred, resp.transaction_id, self.session_id, dtype)
         wrong = [a.adapter_id for a in leased if dtype and a.layout.dtype != dtype]
         if wrong:
             got = leased[0].layout.dtype
+            lease.dtype = ""  # the broker ignored the dtype: it pinned its own copies
             lease.release()
             raise BrokerError(
                 Code.FAILED_PRECONDITION,
@@ -478,12 +479,14 @@ class BrokerClient(StepCalls, BrokerSession):
         pages = tuple(a.pages)
         return LeasedAdapter(a.adapter_id, a.generation, a.object_id, pages, layout, TIER_NAMES[a.found_in])
 
-    def release_adapters(self, adapter_ids: Sequence[str]) -> None:
-        st = self._step_path()
+    def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        """Drop one pin per listed id; ``dtype``: the acquire's (only that copy's pins)."""
+        st = self._step_path() if not dtype else None
         if st is not None:
             self._fast(st.step, release=list(adapter_ids), acquire=False, lookup=False)
             return
-        self._call(self._stub.ReleaseAdapters, pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids)))
+        req = pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids), dtype=dtype)
+        self._call(self._stub.ReleaseAdapters, req)
 
     def prefetch_adapters(self, adapter_ids: Sequence[str], tier: str = "hot") -> pb.PrefetchAdaptersResponse:
         """Bring adapters to the warm or hot tier ahead of use, without pinning them."""

@@ -105,6 +105,33 @@ def test_release_by_id_finds_the_copy_the_session_pins(peft_dirs, state_dir):  #
     run(main())
 
 
+def test_a_release_in_a_dtype_drops_only_that_copys_pin(peft_dirs, state_dir):  # noqa: F811
+    """A session holding the broker's copy and a float32 copy (two leases): releasing the
+    float32 lease keeps the other lease's pages pinned."""
+
+    async def main():
+        h = AdapterHarness(state_dir, config=AdapterConfig())
+        h.registry.register("r4", peft_dirs["r4"])
+        s = h.store.open_session()
+        (own,) = (await h.manager.acquire(s, ["r4"])).adapters
+        (c32,) = (await h.manager.acquire(s, ["r4"], dtype="float32")).adapters
+        h.manager.release(s, ["r4"], "float32")
+        assert h.store.objects[own.object_id].pins == {s: 1}
+        assert h.store.objects[c32.object_id].pin_count == 0
+        with pytest.raises(BrokerError) as e:
+            h.manager.release(s, ["r4"], "float32")
+        assert e.value.code == Code.FAILED_PRECONDITION, e.value
+        with pytest.raises(BrokerError) as e:
+            h.manager.release(s, ["r4"], "int4")
+        assert e.value.code == Code.INVALID_ARGUMENT
+        assert h.store.objects[own.object_id].pins == {s: 1}
+        h.manager.release(s, ["r4"], "bfloat16")  # the broker's own dtype, by name
+        assert h.store.objects[own.object_id].pin_count == 0
+        await h.close()
+
+    run(main())
+
+
 def test_copies_count_against_the_hot_tier_budget(peft_dirs, state_dir):  # noqa: F811
     async def main():
         h = AdapterHarness(state_dir, config=AdapterConfig(hot_tier_adapters=2))
@@ -159,7 +186,13 @@ def test_over_grpc_a_dtype_is_served_and_a_broker_that_ignores_it_is_refused(
         assert lease["r8"].layout.dtype == "float32"
         assert len(lease["r8"].pages) == lease["r8"].layout.num_pages
         # The layout cache keeps each dtype's layout apart.
-        assert c.acquire_adapters(["r8"]).adapters[0].layout.dtype == "bfloat16"
+        own = c.acquire_adapters(["r8"])
+        assert own["r8"].layout.dtype == "bfloat16"
+        # Releasing the float32 lease leaves the other lease's pin.
+        lease.release()
+        pins = {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"]
+        own.release()
+        assert pins - 1 == {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"]
         with pytest.raises(BrokerError) as e:
             c.acquire_adapters(["r8"], dtype="fp32")
         assert e.value.code == Code.INVALID_ARGUMENT and "'fp32' is not one of" in e.value.message

@@ -201,11 +201,10 @@ class AdapterManager:
         if not copies:
             self.registry.get(adapter_id)
             return Tier.COLD
-        hot = [(e, obj) for e, obj in ((e, self.hot.current(e)) for e in copies) if obj is not None]
-        pins = sum(obj.pin_count for _, obj in hot)
-        if pins:
+        hot = [e for e in copies if self.hot.current(e) is not None]
+        if pins := sum(e.obj.pin_count for e in hot):
             raise precondition(f"adapter {adapter_id!r} is acquired ({pins} pin(s)); it can be demoted once released")
-        for e, _ in hot:
+        for e in hot:
             self.hot.demote(e)
         e = self.entries.get(adapter_id)
         return Tier.WARM if e is not None and e.warm is not None else Tier.COLD
@@ -275,15 +274,16 @@ class AdapterManager:
         self._check_open()
         self.pins.abort(session, txn_id)
 
-    def release(self, session: int, adapter_ids: Sequence[str]) -> None:
-        """Drop one of the session's pins per listed id (an id listed twice drops two).
+    def release(self, session: int, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        """Drop one of the session's pins per listed id (an id listed twice drops two), on the
+        copies in ``dtype`` (the acquire's; "": the broker's own copy first, then any other).
 
         Raises:
             BrokerError: NOT_FOUND (unregistered), FAILED_PRECONDITION (the session holds
                 fewer pins than asked), PERMISSION_DENIED (only other sessions hold it, or
                 the session is not open). Nothing is released when any id is refused.
         """
-        self.pins.release(session, adapter_ids)
+        self.pins.release(session, adapter_ids, dtype)
 
     async def prefetch(self, adapter_ids: Sequence[str], tier: Tier | str = Tier.HOT) -> PrefetchResult:
         """Bring adapters up to ``tier`` ("warm" or "hot") without pinning them.

@@ -210,14 +210,19 @@ class AdapterPins:
         """The entries of the adapter's copies: in the broker's dtype, then in each other one."""
         return self.entries.copies(adapter_id, [d for d in DTYPE_SIZES if d != self.config.dtype])
 
-    def release(self, session: int, adapter_ids: Sequence[str]) -> None:
-        """Drop one of the session's pins per listed id; nothing when any id is refused."""
+    def release(self, session: int, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        """Drop one of the session's pins per listed id; nothing when any id is refused. With
+        ``dtype``, on the copies in that dtype only; without, the broker's own copy first."""
         self.check_session(session)
+        self._check_dtype(dtype)
         self.checker.prune_retired()
         oids: list[int] = []
         for aid, count in Counter(self.check_ids(adapter_ids)).items():
-            # Every hot copy of the adapter (one per dtype asked for), the broker's own first.
-            hot = [o for o in (self.hot.current(e) for e in self.copies(aid)) if o is not None]
+            # The hot copies it may release: in ``dtype``, or every one (the broker's own first).
+            copies = self.copies(aid)
+            if dtype:
+                copies = [e for e in copies if e.key == copy_key(aid, dtype, self.config.dtype)]
+            hot = [o for o in (self.hot.current(e) for e in copies) if o is not None]
             # Copies found corrupt that this session still pins: released first.
             objs = [*self.checker.retired_pinned_by(aid, session), *hot]
             if not objs:

@@ -426,7 +426,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     @_unary
     def ReleaseAdapters(self, request, context, session):
-        self._manager().release(session.session_id, list(request.adapter_ids))
+        self._manager().release(session.session_id, list(request.adapter_ids), request.dtype)
         return pb.ReleaseAdaptersResponse()
 
     @_unary

@@ -552,10 +552,12 @@ class AcquireAdaptersResponse(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[AcquiredAdapter, _Mapping]]] = ..., deferred: _Optional[_Iterable[str]] = ..., transaction_id: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseAdaptersRequest(_message.Message):
-    __slots__ = ("adapter_ids",)
+    __slots__ = ("adapter_ids", "dtype")
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    dtype: str
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ReleaseAdaptersResponse(_message.Message):
     __slots__ = ()
