@@ -380,6 +380,27 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
             assert c.acquire_adapters([n], dtype="float32").adapters[0].found_in == "hot"
 
 
+def test_broker_adapters_give_the_tokens_of_vllm_file_lora_float16(env):
+    """A third dtype on the same broker (vLLM's CPU backend runs float16 too): the broker's
+    float16 copies, beside the bfloat16 engine still serving."""
+    env["zc32"].stop()  # memory: at most three engines at a time
+    broker = env["broker"]
+    files = [a for n in ADAPTERS for a in ("--lora", f"{n}={env['dirs'][n]}")]
+    brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
+    ref = LoraEngine("ref16h", env["tmp"], env["model"], "--dtype", "float16", *files, "--max-loras", "4")
+    zc = LoraEngine(
+        "zc16h", env["tmp"], env["model"], "--dtype", "float16", *brokered, "--max-loras", "3", socket=broker.socket
+    )
+    env["stop"] += [ref, zc]
+    want = _tokens(ref.generate(PROMPTS, lora=MIXED))
+    base = _tokens(ref.generate(PROMPTS))
+    assert sum(w != b for w, b in zip(want, base)) >= 3, "the adapters do not change the float16 tokens"
+    assert _tokens(zc.generate(PROMPTS, lora=MIXED)) == want
+    ref.stop()
+    zc.stop()
+    assert _tokens(env["zc16"].generate(PROMPTS, lora=MIXED)) == env["want16"]
+
+
 def test_engine_serves_on_from_a_restarted_broker(env):
     """The broker under a running zero-copy engine is killed and started again (adapters
     registered anew): the engine's next steps acquire its adapters on the new broker's pages."""
