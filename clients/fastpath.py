@@ -89,7 +89,11 @@ class ChannelCalls:
 
     # ------------------------------------------------------------ adapters
 
-    def acquire_adapters(self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float):
+    def acquire_adapters(
+        self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float, dtype: str = ""
+    ):
+        if dtype:  # the step channel acquires in the broker's dtype; a copy in another is gRPC's
+            return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype)
         out = self._fast_or_none(
             self.path.step,
             adapter_ids,
@@ -103,7 +107,10 @@ class ChannelCalls:
         # One needs a load (or the channel broke): gRPC loads, and waits for a reconnect.
         return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
 
-    def release_adapters(self, adapter_ids: Sequence[str]) -> None:
+    def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        if dtype:
+            self.grpc.release_adapters(adapter_ids, dtype)
+            return
         self._fast(self.path.step, release=list(adapter_ids), acquire=False, lookup=False)
 
     def commit_acquire(self, transaction_id: int) -> None:

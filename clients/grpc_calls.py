@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memory_broker.clients.step_lease import PendingStepLease, SessionRecords, StepLease
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
@@ -37,19 +38,34 @@ class GrpcCalls:
 
     # ------------------------------------------------------------ adapters
 
-    def acquire_adapters(self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float):
+    def acquire_adapters(
+        self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float, dtype: str = ""
+    ):
         layouts = self.client._layout_cache
+        suffix = f"#{dtype}" if dtype else ""
         req = pb.AcquireAdaptersRequest(
             adapter_ids=list(adapter_ids),
             max_adapters=max_adapters,
-            with_layout=any(aid not in layouts for aid in adapter_ids),
+            with_layout=bool(dtype) or any(aid not in layouts for aid in adapter_ids),
             prepare=prepare,
             lease_ms=int(lease_s * 1000),
+            dtype=dtype,
         )
-        return self.records.grpc_lease(self._rpc("AcquireAdapters", req, retry=True))
+        lease = self.records.grpc_lease(self._rpc("AcquireAdapters", req, retry=True), dtype)
+        wrong = [a.adapter_id for a in lease.adapters if dtype and a.layout.dtype != dtype]
+        if wrong:
+            got = lease[wrong[0]].layout.dtype
+            lease.dtype = ""  # the broker ignored the dtype: it pinned its own copies
+            lease.release()
+            raise BrokerError(
+                Code.FAILED_PRECONDITION,
+                f"asked for adapters {wrong} in {dtype}; the broker at {self.client.socket_path} returned them in "
+                f"{got} (a broker older than copies per dtype): upgrade it, or start it with --adapter-dtype {dtype}",
+            )
+        return lease
 
-    def release_adapters(self, adapter_ids: Sequence[str]) -> None:
-        self._rpc("ReleaseAdapters", pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids)))
+    def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        self._rpc("ReleaseAdapters", pb.ReleaseAdaptersRequest(adapter_ids=list(adapter_ids), dtype=dtype))
 
     def commit_acquire(self, transaction_id: int) -> None:
         self.client.commit([transaction_id])

@@ -92,31 +92,31 @@ class SessionRecords:
             cache[aid] = (rec, la)
         return la
 
-    def grpc_lease(self, resp) -> AdapterLease:
-        """The lease of a gRPC ``AcquireAdaptersResponse``."""
+    def grpc_lease(self, resp, dtype: str = "") -> AdapterLease:
+        """The lease of a gRPC ``AcquireAdaptersResponse`` (its adapters asked in ``dtype``)."""
         client = self.client
-        leased = [self.leased_grpc(a) for a in resp.adapters]
-        return AdapterLease(client, leased, resp.deferred, resp.transaction_id, client.session_id)
+        leased = [self.leased_grpc(a, f"#{dtype}" if dtype else "") for a in resp.adapters]
+        return AdapterLease(client, leased, resp.deferred, resp.transaction_id, client.session_id, dtype)
 
-    def leased_grpc(self, a) -> LeasedAdapter:
-        """A gRPC-acquired adapter mapped read-only here, with its layout (cached per adapter id)."""
+    def leased_grpc(self, a, suffix: str = "") -> LeasedAdapter:
+        """A gRPC-acquired adapter mapped read-only here, with its layout (cached per adapter id and
+        asked dtype: ``suffix`` is ``#dtype`` for a copy asked in a dtype)."""
         client = self.client
         client._ensure_slabs(a.arena_slabs)
         # Shared weights: read-only in this mapping before anyone here can touch them.
         client._set_access(a.pages, True)
         if a.HasField("layout"):
-            client._layout_cache[a.adapter_id] = layout_from_proto(a.layout)
-        return LeasedAdapter(
-            a.adapter_id, a.generation, a.object_id, tuple(a.pages), self.layout(a.adapter_id), TIER_NAMES[a.found_in]
-        )
+            client._layout_cache[a.adapter_id + suffix] = layout_from_proto(a.layout)
+        layout = self.layout(a.adapter_id, suffix)
+        return LeasedAdapter(a.adapter_id, a.generation, a.object_id, tuple(a.pages), layout, TIER_NAMES[a.found_in])
 
-    def layout(self, aid: str):
-        """An adapter's layout: cached per adapter id, else asked for (once)."""
+    def layout(self, aid: str, suffix: str = ""):
+        """An adapter's layout: cached per adapter id (and asked dtype), else asked for (once)."""
         client = self.client
-        layout = client._layout_cache.get(aid)
+        layout = client._layout_cache.get(aid + suffix)
         if layout is None:
             # Not seen yet, or the cache was cleared under the request (a reconnect).
-            layout = client._layout_cache[aid] = layout_from_proto(client.adapter_layout(aid))
+            layout = client._layout_cache[aid + suffix] = layout_from_proto(client.adapter_layout(aid))
         return layout
 
 

@@ -40,6 +40,12 @@ def test_bench_adapters_quick_run_prints_every_table():
     assert "acquire cold->hot, first after register" in out and "cold->warm  cached, read image" in out
 
 
+def test_bench_adapter_dtypes_quick_run_prints_both_ways_and_the_memory():
+    out = bench("bench_adapter_dtypes.py", "--quick", "--runs", "2")
+    for row in ("copy kept hot: hit", "conversion at acquire", "cold (its image)", "hot memory per copy"):
+        assert row in out, out
+
+
 def test_bench_rpc_small_run_prints_the_target_line():
     out = bench("bench_rpc.py", "--n", "30")
     assert "target: every broker RPC within 1.3x of echo" in out and "GetStats" in out

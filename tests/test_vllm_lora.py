@@ -5,6 +5,10 @@ Engines run in the vLLM environment (tests/vllm_harness.py, or vLLM's OpenAI ser
 ``broker://`` adapters zero-copy; the references are plain vLLM engines loading the same PEFT
 directories from disk, with one spare slot (``max_loras + 1``: vLLM's CPU path gives base rows
 the last slot's adapter when every slot is taken). Engines start once and serve several tests.
+
+One broker at its defaults (adapters stored in bfloat16) serves a float32 and a bfloat16
+engine side by side; the adapters' float32 weights are not exact in bfloat16, so the float32
+engine gets vLLM's tokens only from the broker's float32 copy of each adapter.
 """
 
 from __future__ import annotations
@@ -185,8 +189,9 @@ def _page_bytes(client: BrokerClient, lease) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def env():
-    """The tiny model, four bf16-exact adapters, a float32-adapter broker with three registered,
-    the reference and broker engines (started together), and the pages' bytes before any engine."""
+    """The tiny model, four adapters (float32 weights, not exact in bfloat16), a broker at its
+    defaults with them registered, the float32 reference and broker engines (started
+    together), and the float32 copies' bytes before any engine."""
     tmp = short_tmpdir()
     model = os.path.join(tmp, "model")
     dirs = {n: os.path.join(tmp, n) for n in (*ADAPTERS, "l4")}
@@ -195,7 +200,7 @@ def env():
             VLLM_PY,
             "-c",
             "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1]); "
-            "[t.build_lora(p, i + 1, bf16_exact=True) for i, p in enumerate(sys.argv[2:])]",
+            "[t.build_lora(p, i + 1) for i, p in enumerate(sys.argv[2:])]",
             model,
             *dirs.values(),
         ],
@@ -203,7 +208,7 @@ def env():
         capture_output=True,
         timeout=600,
     )
-    broker = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "float32")
+    broker = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB")  # defaults: bfloat16 adapters
     files = [a for n in (*ADAPTERS, "l4") for a in ("--lora", f"{n}={dirs[n]}")]
     brokered = [a for n in (*ADAPTERS, "l4") for a in ("--broker-lora", n)]
     state = {"tmp": tmp, "model": model, "dirs": dirs, "broker": broker, "stop": []}
@@ -218,16 +223,15 @@ def env():
     client = BrokerClient.connect(broker.socket, client_name="test-pages")
     for n in (*ADAPTERS, "l4"):
         client.register_adapter(n, dirs[n])
-    lease = client.acquire_adapters(list(ADAPTERS))
+    lease = client.acquire_adapters(list(ADAPTERS), dtype="float32")  # the float32 engine's copies
     state.update(client=client, lease=lease, pages_before=_page_bytes(client, lease))
     yield state
     for e in state["stop"]:
         e.stop()
     lease.release()
     client.close()
-    for b in (broker, state.get("broker16")):
-        if b is not None:
-            b.stop(signal.SIGKILL if b.proc.poll() is None else signal.SIGTERM)
+    for b in {id(b): b for b in (broker, state.get("broker16")) if b is not None}.values():
+        b.stop(signal.SIGKILL if b.proc.poll() is None else signal.SIGTERM)
 
 
 def test_broker_adapters_give_the_tokens_of_vllm_file_lora_float32(env):
@@ -349,16 +353,13 @@ def test_more_adapters_than_slots_are_scheduled_and_evicted(env):
 
 
 def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
-    # Free the float32 engines' memory first: the machine runs a few engines at a time.
+    """The same broker (its defaults) serves a bfloat16 engine beside the float32 one: each gets
+    vLLM's tokens, the float32 one from float32 copies, the bfloat16 one from the broker's own."""
+    # Free the float32 reference's memory first: the machine runs a few engines at a time.
     for name in ("server", "ref32"):
         if env.get(name) is not None:
             env[name].stop()
-    broker = env["broker16"] = start_broker(
-        "--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "bfloat16"
-    )
-    with BrokerClient.connect(broker.socket, client_name="test") as c:
-        for n in ADAPTERS:
-            c.register_adapter(n, env["dirs"][n])
+    broker = env["broker16"] = env["broker"]
     files = [a for n in ADAPTERS for a in ("--lora", f"{n}={env['dirs'][n]}")]
     brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
     ref = LoraEngine("ref16", env["tmp"], env["model"], "--dtype", "bfloat16", *files, "--max-loras", "4")
@@ -371,6 +372,33 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
     mix = ["l3", "l1", "l2"]
     assert _tokens(zc.generate(PROMPTS[:3], lora=mix)) == _tokens(ref.generate(PROMPTS[:3], lora=mix))
     ref.stop()
+    # Side by side: the float32 engine still gets its tokens, and each engine pins its own copy.
+    assert _tokens(env["zc32"].generate(PROMPTS, lora=MIXED)) == env["want32"]
+    with BrokerClient.connect(broker.socket, client_name="test") as c:
+        for n in ADAPTERS:
+            assert c.acquire_adapters([n]).adapters[0].layout.dtype == "bfloat16"
+            assert c.acquire_adapters([n], dtype="float32").adapters[0].found_in == "hot"
+
+
+def test_broker_adapters_give_the_tokens_of_vllm_file_lora_float16(env):
+    """A third dtype on the same broker (vLLM's CPU backend runs float16 too): the broker's
+    float16 copies, beside the bfloat16 engine still serving."""
+    env["zc32"].stop()  # memory: at most three engines at a time
+    broker = env["broker"]
+    files = [a for n in ADAPTERS for a in ("--lora", f"{n}={env['dirs'][n]}")]
+    brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
+    ref = LoraEngine("ref16h", env["tmp"], env["model"], "--dtype", "float16", *files, "--max-loras", "4")
+    zc = LoraEngine(
+        "zc16h", env["tmp"], env["model"], "--dtype", "float16", *brokered, "--max-loras", "3", socket=broker.socket
+    )
+    env["stop"] += [ref, zc]
+    want = _tokens(ref.generate(PROMPTS, lora=MIXED))
+    base = _tokens(ref.generate(PROMPTS))
+    assert sum(w != b for w, b in zip(want, base)) >= 3, "the adapters do not change the float16 tokens"
+    assert _tokens(zc.generate(PROMPTS, lora=MIXED)) == want
+    ref.stop()
+    zc.stop()
+    assert _tokens(env["zc16"].generate(PROMPTS, lora=MIXED)) == env["want16"]
 
 
 def test_engine_serves_on_from_a_restarted_broker(env):
@@ -378,9 +406,8 @@ def test_engine_serves_on_from_a_restarted_broker(env):
     registered anew): the engine's next steps acquire its adapters on the new broker's pages."""
     old = env["broker16"]
     old.stop(signal.SIGKILL)
-    broker = env["broker16"] = start_broker(
-        "--pool-size", "256MiB", "--slab-size", "16MiB", "--adapter-dtype", "bfloat16", socket=old.socket
-    )
+    env["zc32"].stop()  # it would hold nothing on the new broker
+    broker = env["broker16"] = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB", socket=old.socket)
     with BrokerClient.connect(broker.socket, client_name="test") as c:
         for n in ADAPTERS:
             c.register_adapter(n, env["dirs"][n])

@@ -96,7 +96,7 @@ class ChecksumChecker:
         """Check ``ids`` one at a time (NOT_FOUND for an unregistered one before any is
         checked); None: every hot or warm adapter."""
         if ids is None:
-            ids = [e.adapter_id for e in self.entries.values() if e.obj is not None or e.warm is not None]
+            ids = [e.key for e in self.entries.values() if e.obj is not None or e.warm is not None]
         else:
             for aid in ids:
                 if aid not in self.entries:
@@ -148,7 +148,7 @@ class ChecksumChecker:
         )
 
     async def _check_hot(self, e: AdapterEntry, obj: Allocation) -> AdapterCheck:
-        aid, gen, want = e.adapter_id, e.generation, e.hot_checksum
+        aid, gen, want = e.key, e.generation, e.hot_checksum
         # No pin is taken (a check must never make an adapter look acquired): if the object
         # was freed or evicted while its pages were read, the result says nothing and is
         # dropped below; an object still the same afterwards owned its pages all along.

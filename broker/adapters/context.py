@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable
-from memory_broker.broker.adapters.layout import AdapterLayout, plan_layout
+from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable, split_key
+from memory_broker.broker.adapters.layout import DTYPE_SIZES, AdapterLayout, plan_layout
 from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters
@@ -54,19 +54,25 @@ class AdapterContext:
     def __post_init__(self) -> None:
         self.entries = EntryTable(self.new_entry)
 
-    def plan(self, meta: AdapterMeta) -> AdapterLayout:
-        """The adapter's placement within pages.
+    def plan(self, meta: AdapterMeta, dtype: str = "") -> AdapterLayout:
+        """The adapter's placement within pages, in ``dtype`` (default: the broker's).
 
         Raises:
             BrokerError: INVALID_ARGUMENT when it cannot be placed.
         """
         cfg = self.config
+        dtype = dtype or cfg.dtype
+        # Rows stay aligned as the stored dtype's are, and at least to the element size.
+        align = max(cfg.row_align, DTYPE_SIZES[dtype])
         try:
-            return plan_layout(meta.weights, self.page_size, cfg.dtype, cfg.row_align)
+            return plan_layout(meta.weights, self.page_size, dtype, align)
         except ValueError as err:
             raise invalid(f"adapter {meta.adapter_id!r} cannot be placed in pages: {err}") from None
 
-    def new_entry(self, adapter_id: str) -> AdapterEntry:
-        """A cold entry for a registered adapter (raises BrokerError NOT_FOUND otherwise)."""
+    def new_entry(self, key: str) -> AdapterEntry:
+        """A cold entry for a key of a registered adapter: its id, or ``id#dtype`` for its copy
+        in another dtype (raises BrokerError NOT_FOUND otherwise)."""
+        adapter_id, dtype = split_key(key)
         meta = self.registry.get(adapter_id)
-        return AdapterEntry(meta, self.plan(meta))
+        dtype = "" if dtype == self.config.dtype else dtype
+        return AdapterEntry(meta, self.plan(meta, dtype), copy_dtype=dtype)

@@ -20,6 +20,22 @@ from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.warm_image import WarmImage
 from memory_broker.broker.store.objects import Allocation
 
+# Separates an adapter id from the dtype of one of its copies in an entry's key ("sql#float32").
+# Adapter ids cannot contain it (peft.ADAPTER_ID_RE), so keys of copies never meet real ids.
+COPY_SEP = "#"
+
+
+def copy_key(adapter_id: str, dtype: str | None, stored: str) -> str:
+    """The entry key of ``adapter_id``'s copy in ``dtype``: the id itself for the stored dtype
+    (or no dtype), ``id#dtype`` for a copy in another one."""
+    return adapter_id if not dtype or dtype == stored else f"{adapter_id}{COPY_SEP}{dtype}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(adapter id, dtype) of an entry key; dtype is "" for the stored copy."""
+    aid, _, dtype = key.partition(COPY_SEP)
+    return aid, dtype
+
 
 class EntryState(str, Enum):
     """Where an adapter is, as far as the manager is concerned (highest tier first)."""
@@ -116,10 +132,19 @@ class AdapterEntry:
     # Holds taken on a hot copy that was then found corrupt and freed (its system pins went
     # with it): the next unholds give back nothing.
     stale_holds: int = 0
+    # The dtype of an extra copy an engine asked for ("float32"), or "" for the adapter's
+    # copy in the broker's own dtype. Each copy is an entry of its own (``key``).
+    copy_dtype: str = ""
 
     @property
     def adapter_id(self) -> str:
         return self.meta.adapter_id
+
+    @property
+    def key(self) -> str:
+        """What the tiers and the entry table know this copy by (``copy_key``)."""
+        aid = self.meta.adapter_id
+        return f"{aid}{COPY_SEP}{self.copy_dtype}" if self.copy_dtype else aid
 
     @property
     def state(self) -> EntryState:
@@ -221,11 +246,12 @@ class AdapterEntry:
 
 
 class EntryTable:
-    """Every entry by adapter id; an entry is forgotten as soon as it is idle (cold, unheld).
+    """Every entry by key (the adapter id, or ``id#dtype`` for a copy in another dtype); an
+    entry is forgotten as soon as it is idle (cold, unheld).
 
     Args:
-        make: builds the entry of a registered adapter id (raises BrokerError NOT_FOUND or
-            INVALID_ARGUMENT for one that is not registered or cannot be placed).
+        make: builds the entry of a key of a registered adapter (raises BrokerError NOT_FOUND
+            or INVALID_ARGUMENT for one that is not registered or cannot be placed).
     """
 
     def __init__(self, make: Callable[[str], AdapterEntry]):
@@ -262,8 +288,13 @@ class EntryTable:
 
     def forget_if_idle(self, e: AdapterEntry) -> None:
         """Forget ``e`` when it is idle (nothing resident, nothing in flight, no holds)."""
-        if e.idle and self._entries.get(e.adapter_id) is e:
-            del self._entries[e.adapter_id]
+        if e.idle and self._entries.get(e.key) is e:
+            del self._entries[e.key]
+
+    def copies(self, adapter_id: str, dtypes) -> list[AdapterEntry]:
+        """The entries of ``adapter_id``'s copies: its own, then one per dtype in ``dtypes``."""
+        keys = [adapter_id, *(f"{adapter_id}{COPY_SEP}{d}" for d in dtypes)]
+        return [e for e in (self._entries.get(k) for k in keys) if e is not None]
 
     def pop(self, adapter_id: str) -> AdapterEntry | None:
         return self._entries.pop(adapter_id, None)

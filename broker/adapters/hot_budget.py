@@ -1,5 +1,9 @@
 """The hot tier's book-keeping: which adapters are hot, the pages they take, and the budget.
 
+An adapter's copy in a dtype other than the broker's (made for an engine that asked for that
+dtype) is a hot entry of its own, under its entry key (``id#dtype``): its pages count against
+the same budget.
+
 ``HotBudget`` knows every hot entry (by adapter id and by object id), the pages hot and
 being loaded, and the hot policy's victim order; ``make_room`` demotes idle hot adapters
 until a load fits ``hot_tier_pages`` / ``hot_tier_adapters``, or refuses with the numbers.
@@ -97,7 +101,7 @@ class HotBudget:
     def publish(self, e: AdapterEntry, obj: Allocation, checksum: str, generation: int) -> None:
         """A load committed ``obj`` for ``e``: it is hot now."""
         e.loaded(obj, checksum, generation)
-        aid = e.adapter_id
+        aid = e.key
         self._hot[aid] = e
         self._by_object[obj.object_id] = e
         self.pages += obj.num_pages
@@ -108,7 +112,7 @@ class HotBudget:
         if e.obj is None:
             return
         obj = e.drop_hot()
-        aid = e.adapter_id
+        aid = e.key
         self._hot.pop(aid, None)
         self._by_object.pop(obj.object_id, None)
         self.pages -= obj.num_pages
@@ -137,8 +141,9 @@ class HotBudget:
 
     def make_room(self, e: AdapterEntry, n: int) -> None:
         """Demote idle hot adapters (policy order) until ``n`` more pages and one more adapter
-        fit the budget; refuse, demoting nothing, when they cannot."""
-        aid = e.adapter_id
+        fit the budget; refuse, demoting nothing, when they cannot. Every copy of an adapter
+        (one per dtype engines asked for) counts as one adapter."""
+        aid = e.key
         max_pages = self.store.max_pages
         if n > max_pages:
             raise exhausted(f"adapter {aid!r} needs {n} pages; the arena holds at most {max_pages}")

@@ -212,14 +212,18 @@ class ImageService:
 
     # ------------------------------------------------------------ reads and writes
 
-    def cold_to_warm(self, meta: AdapterMeta, layout: AdapterLayout) -> tuple[WarmImage, bool, str]:
-        """(image, read from the cache?, why a cached image was rejected). Executor."""
+    def cold_to_warm(
+        self, meta: AdapterMeta, layout: AdapterLayout, use_cache: bool = True
+    ) -> tuple[WarmImage, bool, str]:
+        """(image, read from the cache?, why a cached image was rejected). Executor. Without
+        ``use_cache`` (a copy in another dtype than the cached images') the files are converted."""
         rejected = ""
-        if self.cache is not None:
+        if self.cache is not None and use_cache:
             image, rejected = self.cache.load(meta, layout, self.config.copy_threads)
             if image is not None:
                 return image, True, ""
-        image = build_warm_image(meta, layout, self.config.warm_int8, self.config.copy_threads)
+        # A copy in another dtype is made for exact tokens: never int8.
+        image = build_warm_image(meta, layout, self.config.warm_int8 and use_cache, self.config.copy_threads)
         return image, False, rejected
 
     def write(self, meta: AdapterMeta, image: WarmImage) -> None:

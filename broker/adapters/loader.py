@@ -90,11 +90,12 @@ class TierLoader:
 
     # ---------------------------------------------------------------------- hot
 
-    async def ensure_hot(self, aid: str, hold: bool) -> tuple[AdapterEntry, Allocation]:
-        """The adapter's committed hot object, loading it if needed; with ``hold``, one
-        system-session pin is taken for the caller (``unhold`` gives it back), so nothing
-        evicts it before the caller pins it for its own session."""
-        e = self.entries.entry(aid)
+    async def ensure_hot(self, key: str, hold: bool) -> tuple[AdapterEntry, Allocation]:
+        """The committed hot object of the adapter copy ``key`` (an adapter id, or ``id#dtype``),
+        loading it if needed; with ``hold``, one system-session pin is taken for the caller
+        (``unhold`` gives it back), so nothing evicts it before the caller pins it for its own
+        session."""
+        e = self.entries.entry(key)
         obj = self.hot.current(e)
         if obj is not None:
             if hold:
@@ -209,12 +210,15 @@ class TierLoader:
 
     async def _load_warm(self, e: AdapterEntry) -> WarmImage:
         """Cold -> warm: read and lay out the file (or its image) in the executor."""
-        aid = e.adapter_id
+        aid = e.key
+        # A copy in another dtype is converted from the files each time it goes warm: the
+        # image cache holds the broker's own dtype.
+        use_cache = not e.copy_dtype
         ok = False
         try:
             loop = asyncio.get_running_loop()
             t0 = time.perf_counter()
-            conv = self.images.converting(aid)
+            conv = self.images.converting(aid) if use_cache else None
             if conv is not None:
                 # Being converted ahead of use right now: its image is the quickest way in
                 # (if the conversion fails, this load converts the file and says why).
@@ -223,7 +227,7 @@ class TierLoader:
                 except Exception:  # noqa: BLE001
                     pass
             image, cached, rejected = await loop.run_in_executor(
-                self._executor, self.images.cold_to_warm, e.meta, e.layout
+                self._executor, self.images.cold_to_warm, e.meta, e.layout, use_cache
             )
             dt = time.perf_counter() - t0
             c = self.counters
@@ -239,7 +243,7 @@ class TierLoader:
             c.loads_warm += 1
             c.bytes_loaded_warm += image.source_bytes
             c.seconds_warm += dt
-            if self.images.cache is not None:
+            if self.images.cache is not None and use_cache:
                 if cached:
                     c.image_hits += 1
                 else:

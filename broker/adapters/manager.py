@@ -173,15 +173,16 @@ class AdapterManager:
         return metas
 
     def _forget_adapter(self, adapter_id: str) -> None:
-        e = self.entries.get(adapter_id)
-        if e is not None:
+        for e in self.pins.copies(adapter_id):  # its copy in the broker's dtype and in others
             if self.hot.current(e) is not None:
                 self.hot.free(e)
             if e.warm is not None:
                 self.warm.drop(e)
-            if self.entries.get(adapter_id) is e:
-                self.entries.pop(adapter_id)
+            if self.entries.get(e.key) is e:
+                self.entries.pop(e.key)
             e.remove()
+            self.hot.policy.forget(e.key)
+            self.warm.policy.forget(e.key)
         self.image_service.remove(adapter_id)
         self.hot.policy.forget(adapter_id)
         self.warm.policy.forget(adapter_id)
@@ -189,24 +190,24 @@ class AdapterManager:
         self.log.info("adapter_unregistered", adapter=adapter_id)
 
     def demote(self, adapter_id: str) -> Tier:
-        """Free an idle hot adapter's pages, keeping its warm image; returns its tier now.
+        """Free an idle hot adapter's pages (its copies in other dtypes too), keeping its warm
+        image; returns its tier now.
 
         Raises:
             BrokerError: NOT_FOUND; FAILED_PRECONDITION while any session holds it.
         """
         self._check_open()
-        e = self.entries.get(adapter_id)
-        if e is None:
+        copies = self.pins.copies(adapter_id)
+        if not copies:
             self.registry.get(adapter_id)
             return Tier.COLD
-        obj = self.hot.current(e)
-        if obj is not None:
-            if obj.pin_count:
-                raise precondition(
-                    f"adapter {adapter_id!r} is acquired ({obj.pin_count} pin(s)); it can be demoted once released"
-                )
+        hot = [e for e in copies if self.hot.current(e) is not None]
+        if pins := sum(e.obj.pin_count for e in hot):
+            raise precondition(f"adapter {adapter_id!r} is acquired ({pins} pin(s)); it can be demoted once released")
+        for e in hot:
             self.hot.demote(e)
-        return Tier.WARM if e.warm is not None else Tier.COLD
+        e = self.entries.get(adapter_id)
+        return Tier.WARM if e is not None and e.warm is not None else Tier.COLD
 
     # ------------------------------------------------------------------ acquire
 
@@ -216,14 +217,17 @@ class AdapterManager:
         adapter_ids: Sequence[str],
         max_adapters: int | None = None,
         with_layout: bool = False,
+        dtype: str = "",
     ) -> AcquireResult:
-        """Load (if needed) and pin adapters for ``session``.
+        """Load (if needed) and pin adapters for ``session``, in ``dtype`` (default: the
+        broker's ``--adapter-dtype``).
 
         Each admitted adapter is pinned once per call (acquiring again adds a pin; each
         ``release`` drops one). With ``max_adapters`` N, the first N distinct ids in order
         are admitted and the rest come back in ``deferred``, untouched. Concurrent acquires
         of one adapter share one load. All or nothing: when one adapter cannot be loaded,
-        nothing is pinned (loads that finished stay as a cache).
+        nothing is pinned (loads that finished stay as a cache). In another ``dtype`` than the
+        broker's, each adapter's copy in it (``AdapterPins.acquire``).
 
         Raises:
             BrokerError: INVALID_ARGUMENT (bad ids or cap), NOT_FOUND (unregistered id),
@@ -233,7 +237,7 @@ class AdapterManager:
                 changed since registration), UNAVAILABLE (shutting down).
         """
         self._check_open()
-        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, None)
+        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, None, dtype)
 
     async def prepare_acquire(
         self,
@@ -242,6 +246,7 @@ class AdapterManager:
         max_adapters: int | None = None,
         with_layout: bool = False,
         lease_s: float | None = None,
+        dtype: str = "",
     ) -> AcquireResult:
         """Phase one of a two-phase acquire: load and pin under a lease (a store transaction).
 
@@ -252,7 +257,7 @@ class AdapterManager:
         if lease_s is None:
             lease_s = self.config.acquire_lease_s
         self._check_open()
-        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, lease_s or 0.0)
+        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, lease_s or 0.0, dtype)
 
     def commit_acquire(self, session: int, txn_id: int) -> None:
         """Keep a prepared acquire's pins. Idempotent.
@@ -269,15 +274,16 @@ class AdapterManager:
         self._check_open()
         self.pins.abort(session, txn_id)
 
-    def release(self, session: int, adapter_ids: Sequence[str]) -> None:
-        """Drop one of the session's pins per listed id (an id listed twice drops two).
+    def release(self, session: int, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        """Drop one of the session's pins per listed id (an id listed twice drops two), on the
+        copies in ``dtype`` (the acquire's; "": the broker's own copy first, then any other).
 
         Raises:
             BrokerError: NOT_FOUND (unregistered), FAILED_PRECONDITION (the session holds
                 fewer pins than asked), PERMISSION_DENIED (only other sessions hold it, or
                 the session is not open). Nothing is released when any id is refused.
         """
-        self.pins.release(session, adapter_ids)
+        self.pins.release(session, adapter_ids, dtype)
 
     async def prefetch(self, adapter_ids: Sequence[str], tier: Tier | str = Tier.HOT) -> PrefetchResult:
         """Bring adapters up to ``tier`` ("warm" or "hot") without pinning them.
@@ -322,9 +328,12 @@ class AdapterManager:
     def describe(self, adapter_id: str) -> AdapterStatus:
         """Where an adapter is now; changes nothing. Raises BrokerError(NOT_FOUND)."""
         e = self.entries.get(adapter_id)
+        # Pins count every hot copy of the adapter (one per dtype engines asked for).
+        hot = [o for o in (self.hot.peek(c) for c in self.pins.copies(adapter_id)) if o is not None]
+        pins = sum(c for o in hot for s, c in o.pins.items() if s != self.system_session)
         if e is None:
             meta = self.registry.get(adapter_id)
-            return AdapterStatus(adapter_id, Tier.COLD, 0, 0, (), 0, self.ctx.plan(meta).num_pages, 0, False)
+            return AdapterStatus(adapter_id, Tier.COLD, 0, 0, (), pins, self.ctx.plan(meta).num_pages, 0, False)
         obj = self.hot.peek(e)
         tier = Tier.HOT if obj is not None else Tier.WARM if e.warm is not None else Tier.COLD
         return AdapterStatus(
@@ -333,7 +342,7 @@ class AdapterManager:
             e.generation if obj is not None else 0,
             obj.object_id if obj is not None else 0,
             tuple(obj.pages) if obj is not None else (),
-            sum(c for s, c in obj.pins.items() if s != self.system_session) if obj is not None else 0,
+            pins,
             e.layout.num_pages,
             e.warm.nbytes if e.warm is not None else 0,
             e.loading is not None or e.warming is not None,
@@ -348,7 +357,9 @@ class AdapterManager:
     def resident(self, adapter_id: str) -> AdapterStatus | None:
         """``describe`` for adapters that are warm, hot or loading; None (cold, or not
         registered) without touching the registry: cheap enough for every row of a listing."""
-        return self.describe(adapter_id) if adapter_id in self.entries else None
+        if adapter_id in self.entries or self.pins.copies(adapter_id):
+            return self.describe(adapter_id)
+        return None
 
     def image_state(self, adapter_id: str) -> str:
         """The adapter's converted image: off, none, queued, converting or ready. In memory only

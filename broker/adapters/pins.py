@@ -5,6 +5,12 @@ found, has the loader bring the missing ones up (holding each fresh hot object u
 session's own pin is in place), then pins them all or none; it remembers which session owns
 each two-phase acquire, and releases pins (copies found corrupt first). It never loads,
 frees or demotes anything itself.
+
+An acquire may ask for another dtype than the broker's (an engine computing in float32 from a
+bfloat16 broker): each adapter's copy in that dtype is an entry of its own (key ``id#dtype``),
+converted from the adapter's files on its first acquire, as vLLM casts a file's weights, then
+kept hot like any adapter (its pages count against the hot tier's budget) and shared by every
+engine asking for that dtype. A release by id finds whichever copies the session pins.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from collections.abc import Sequence
 
 from memory_broker.broker.adapters.checks import ChecksumChecker
 from memory_broker.broker.adapters.context import AdapterContext
-from memory_broker.broker.adapters.entry import AdapterEntry
+from memory_broker.broker.adapters.entry import AdapterEntry, copy_key
 from memory_broker.broker.adapters.hot_budget import HotBudget
+from memory_broker.broker.adapters.layout import DTYPE_SIZES
 from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.peft import check_adapter_id
 from memory_broker.broker.adapters.records import AcquiredAdapter, AcquireResult, Tier
@@ -80,10 +87,14 @@ class AdapterPins:
         max_adapters: int | None,
         with_layout: bool,
         lease_s: float | None,
+        dtype: str = "",
     ) -> AcquireResult:
         """Load (if needed) and pin adapters for ``session``; with ``lease_s`` (not None) the
-        pins are a store transaction under that lease (0: the store's default)."""
+        pins are a store transaction under that lease (0: the store's default). With ``dtype``
+        other than the broker's, each adapter's copy in that dtype is loaded and pinned (an
+        entry of its own, converted from the adapter's files)."""
         ids = self.check_ids(adapter_ids)
+        self._check_dtype(dtype)
         if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
             raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
         max_lease_s = self.store.limits.max_lease_s
@@ -93,12 +104,14 @@ class AdapterPins:
         cap = max_adapters or len(distinct)
         admitted, deferred = distinct[:cap], distinct[cap:]
         self.check_session(session)
-        entries = self.entries.entries_for(admitted)
+        keys = {aid: copy_key(aid, dtype, self.config.dtype) for aid in admitted}
+        by_key = self.entries.entries_for(list(keys.values()))
+        entries = {aid: by_key[keys[aid]] for aid in admitted}
         found = {aid: self._classify(e) for aid, e in entries.items()}
         held: dict[str, AdapterEntry] = {}
 
         async def one(aid: str) -> None:
-            e, _ = await self.loader.ensure_hot(aid, hold=True)
+            e, _ = await self.loader.ensure_hot(keys[aid], hold=True)
             held[aid] = e
 
         txn = None
@@ -139,14 +152,20 @@ class AdapterPins:
         out = []
         for aid, obj in zip(admitted, objs):
             e = held_now[aid]
-            self.hot.policy.access(aid)
-            self.warm.policy.access(aid)
+            self.hot.policy.access(e.key)
+            self.warm.policy.access(e.key)
             out.append(
                 AcquiredAdapter(
                     aid, e.generation, obj.object_id, tuple(obj.pages), e.layout if with_layout else None, found[aid]
                 )
             )
         return AcquireResult(tuple(out), tuple(deferred), txn.txn_id if txn else 0, txn.deadline_unix if txn else 0.0)
+
+    def _check_dtype(self, dtype: str) -> None:
+        if dtype and dtype not in DTYPE_SIZES:
+            raise invalid(
+                f"dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)} (empty: the broker's own, {self.config.dtype})"
+            )
 
     def _classify(self, e: AdapterEntry) -> Tier:
         """Count one lookup of an admitted adapter; returns where it was found."""
@@ -185,45 +204,50 @@ class AdapterPins:
                 f"adapter {adapter_id!r}: sessions still pin a copy of it that was found corrupt; "
                 "they must release it before it can be unregistered"
             )
-        e = self.entries.get(adapter_id)
-        if e is None:
-            return
-        obj = self.hot.current(e)
-        if e.waiters or e.holds or e.stale_holds:
-            raise precondition(f"adapter {adapter_id!r} is being acquired right now; release it, then unregister")
-        if obj is not None and obj.pin_count:
-            raise precondition(
-                f"adapter {adapter_id!r} is acquired: {obj.pin_count} pin(s) by {len(obj.pins)} session(s); "
-                "they must release it before it can be unregistered"
-            )
+        for e in self.copies(adapter_id):
+            obj = self.hot.current(e)
+            if e.waiters or e.holds or e.stale_holds:
+                raise precondition(f"adapter {adapter_id!r} is being acquired right now; release it, then unregister")
+            if obj is not None and obj.pin_count:
+                raise precondition(
+                    f"adapter {adapter_id!r} is acquired: {obj.pin_count} pin(s) by {len(obj.pins)} session(s); "
+                    "they must release it before it can be unregistered"
+                )
 
-    def release(self, session: int, adapter_ids: Sequence[str]) -> None:
-        """Drop one of the session's pins per listed id; nothing when any id is refused."""
+    def copies(self, adapter_id: str) -> list[AdapterEntry]:
+        """The entries of the adapter's copies: in the broker's dtype, then in each other one."""
+        return self.entries.copies(adapter_id, [d for d in DTYPE_SIZES if d != self.config.dtype])
+
+    def release(self, session: int, adapter_ids: Sequence[str], dtype: str = "") -> None:
+        """Drop one of the session's pins per listed id; nothing when any id is refused. With
+        ``dtype``, on the copies in that dtype only; without, the broker's own copy first."""
         self.check_session(session)
+        self._check_dtype(dtype)
         self.checker.prune_retired()
         oids: list[int] = []
         for aid, count in Counter(self.check_ids(adapter_ids)).items():
-            e = self.entries.get(aid)
-            obj = self.hot.current(e) if e is not None else None
+            # The hot copies it may release: in ``dtype``, or every one (the broker's own first).
+            copies = self.copies(aid)
+            if dtype:
+                copies = [e for e in copies if e.key == copy_key(aid, dtype, self.config.dtype)]
+            hot = [o for o in (self.hot.current(e) for e in copies) if o is not None]
             # Copies found corrupt that this session still pins: released first.
-            olds = self.checker.retired_pinned_by(aid, session)
-            if obj is None and not olds:
+            objs = [*self.checker.retired_pinned_by(aid, session), *hot]
+            if not objs:
                 if aid not in self.registry:
                     raise not_found(f"no adapter {aid!r} is registered")
                 raise precondition(f"session {session} holds no pin on adapter {aid!r} (it is not loaded)")
-            held = (obj.pins.get(session, 0) if obj is not None else 0) + sum(o.pins[session] for o in olds)
+            held = sum(o.pins.get(session, 0) for o in objs)
             if held < count:
-                if held == 0 and any(s != self.system_session for s in obj.pins):
+                if held == 0 and any(s != self.system_session for o in hot for s in o.pins):
                     raise denied(
                         f"adapter {aid!r} is acquired only by other sessions; session {session} holds no pin on it"
                     )
                 raise precondition(f"adapter {aid!r}: asked to release {count}, session {session} holds {held} pin(s)")
             left = count
-            for o in olds:
-                k = min(left, o.pins[session])
+            for o in objs:
+                k = min(left, o.pins.get(session, 0))
                 oids.extend([o.object_id] * k)
                 left -= k
-            if left:
-                oids.extend([obj.object_id] * left)
         self.store.unpin(session, oids)
         self.checker.prune_retired()

@@ -37,12 +37,12 @@ class WarmBudget:
         """A warm load finished: ``e`` holds ``image`` now."""
         e.warmed(image)
         self.bytes += image.nbytes
-        self.policy.insert(e.adapter_id, image.nbytes)
+        self.policy.insert(e.key, image.nbytes)
 
     def drop(self, e: AdapterEntry) -> None:
         image = e.drop_warm()
         self.bytes -= image.nbytes
-        self.policy.remove(e.adapter_id)
+        self.policy.remove(e.key)
         self.counters.warm_drops += 1
         self._on_drop(e)
 

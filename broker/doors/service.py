@@ -531,10 +531,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         sid = session.session_id
         ids = list(request.adapter_ids)
         cap = request.max_adapters or None
+        dtype = request.dtype
         if request.prepare:
-            r = await m.prepare_acquire(sid, ids, cap, request.with_layout, (request.lease_ms / 1000.0) or None)
+            lease_s = (request.lease_ms / 1000.0) or None
+            r = await m.prepare_acquire(sid, ids, cap, request.with_layout, lease_s, dtype)
         else:
-            r = await m.acquire(sid, ids, cap, request.with_layout)
+            r = await m.acquire(sid, ids, cap, request.with_layout, dtype)
         slabs = self._slabs()
         return pb.AcquireAdaptersResponse(
             adapters=[
@@ -558,7 +560,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
 
     @_unary
     def ReleaseAdapters(self, request, context, session):
-        self._manager().release(session.session_id, list(request.adapter_ids))
+        self._manager().release(session.session_id, list(request.adapter_ids), request.dtype)
         return pb.ReleaseAdaptersResponse()
 
     @_unary

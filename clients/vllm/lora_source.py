@@ -38,6 +38,8 @@ class Held:
     adapter: LeasedAdapter
     # vLLM's integer ids it is loaded under (the OpenAI server numbers adapters itself).
     int_ids: set[int]
+    # The dtype its copy was asked in ("": the broker's own).
+    dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +97,14 @@ class BrokerAdapters:
                 raise
         return adapter_id
 
-    def acquire(self, adapter_id: str, lora_int_id: int) -> LeasedAdapter:
-        """Pin ``adapter_id`` for vLLM's adapter ``lora_int_id`` (once per adapter per process).
+    def acquire(self, adapter_id: str, lora_int_id: int, dtype: str = "") -> LeasedAdapter:
+        """Pin ``adapter_id`` for vLLM's adapter ``lora_int_id`` (once per adapter per process),
+        its copy in ``dtype`` (the engine's LoRA dtype: the broker makes the copy from the
+        adapter's files, cast once as vLLM casts them; "": the broker's own dtype).
 
         Raises:
-            BrokerError: the broker does not know the adapter, or cannot place it.
+            BrokerError: the broker does not know the adapter, or cannot place it;
+                FAILED_PRECONDITION from a broker too old to make copies in ``dtype``.
         """
         with self._lock:
             held = self._held.get(adapter_id)
@@ -108,15 +113,16 @@ class BrokerAdapters:
                 self._held.pop(adapter_id)
                 held = None
             if held is None:
-                lease = self.client().acquire_adapters([adapter_id])
+                lease = self.client().acquire_adapters([adapter_id], dtype=dtype)
                 if not lease.adapters:
                     lease.release()
                     raise RuntimeError(f"the broker deferred adapter {adapter_id!r} ({lease.deferred})")
-                held = self._held[adapter_id] = Held(lease, lease.adapters[0], set())
+                held = self._held[adapter_id] = Held(lease, lease.adapters[0], set(), dtype)
                 self.acquires += 1
                 log.info(
-                    "memory-broker: acquired adapter %s (found %s, %d pages, generation %d)",
+                    "memory-broker: acquired adapter %s in %s (found %s, %d pages, generation %d)",
                     adapter_id,
+                    held.adapter.layout.dtype,
                     held.adapter.found_in,
                     len(held.adapter.pages),
                     held.adapter.generation,
@@ -142,7 +148,7 @@ class BrokerAdapters:
                 self._held.pop(aid)
                 try:
                     for i in ids:
-                        self.acquire(aid, i)
+                        self.acquire(aid, i, held.dtype)
                 except BrokerError as e:
                     raise RuntimeError(
                         f"the broker restarted and adapter {aid!r}, which vLLM holds, cannot be acquired again "

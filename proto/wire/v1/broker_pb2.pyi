@@ -506,18 +506,20 @@ class GetAdapterLayoutRequest(_message.Message):
     def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
 
 class AcquireAdaptersRequest(_message.Message):
-    __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms")
+    __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms", "dtype")
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WITH_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
     max_adapters: int
     with_layout: bool
     prepare: bool
     lease_ms: int
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., with_layout: _Optional[bool] = ..., prepare: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., with_layout: _Optional[bool] = ..., prepare: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class AcquiredAdapter(_message.Message):
     __slots__ = ("adapter_id", "generation", "object_id", "pages", "layout", "found_in", "arena_slabs")
@@ -550,10 +552,12 @@ class AcquireAdaptersResponse(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[AcquiredAdapter, _Mapping]]] = ..., deferred: _Optional[_Iterable[str]] = ..., transaction_id: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseAdaptersRequest(_message.Message):
-    __slots__ = ("adapter_ids",)
+    __slots__ = ("adapter_ids", "dtype")
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    dtype: str
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ReleaseAdaptersResponse(_message.Message):
     __slots__ = ()
