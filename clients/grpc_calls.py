@@ -42,7 +42,6 @@ class GrpcCalls:
         self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float, dtype: str = ""
     ):
         layouts = self.client._layout_cache
-        suffix = f"#{dtype}" if dtype else ""
         req = pb.AcquireAdaptersRequest(
             adapter_ids=list(adapter_ids),
             max_adapters=max_adapters,
