@@ -25,7 +25,8 @@ from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.discovery import check_device, find_socket
 from memory_broker.clients.fastpath import ChannelCalls, choose_calls
 from memory_broker.clients.grpc_calls import GrpcCalls
-from memory_broker.clients.session import CHANNEL_OPTIONS, LOST, BrokerSession
+from memory_broker.clients.queries import BrokerQueries
+from memory_broker.clients.session import CHANNEL_OPTIONS, LOST
 from memory_broker.clients.step import StepPath
 from memory_broker.clients.step_lease import PendingStepLease, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
@@ -152,7 +153,7 @@ class Transaction:
                 self.abort()
 
 
-class BrokerClient(BrokerSession):
+class BrokerClient(BrokerQueries):
     """A session with the broker on ``socket_path``. Use ``connect``; close when done.
 
     The step calls (acquire and release adapters, lookup, pin, unpin, ``step``,
@@ -476,27 +477,6 @@ class BrokerClient(BrokerSession):
 
     # ------------------------------------------------------------- adapters
 
-    def register_adapter(self, adapter_id: str, path: str) -> pb.Adapter:
-        """Register a PEFT directory (readable by the broker) under ``adapter_id``."""
-        req = pb.RegisterAdapterRequest(adapter_id=adapter_id, path=os.path.abspath(path))
-        return self._call(self._stub.RegisterAdapter, req, retry=True).adapter
-
-    def unregister_adapters(self, adapter_ids: Sequence[str]) -> None:
-        self._call(self._stub.UnregisterAdapter, pb.UnregisterAdapterRequest(adapter_ids=list(adapter_ids)))
-        for aid in adapter_ids:
-            for key in (aid, *(f"{aid}#{d}" for d in ("float32", "float16", "bfloat16"))):
-                self._layout_cache.pop(key, None)
-
-    def list_adapters(self, prefix: str = "", limit: int = 100, page_token: str = "") -> pb.ListAdaptersResponse:
-        return self._call(
-            self._stub.ListAdapters,
-            pb.ListAdaptersRequest(prefix=prefix, limit=limit, page_token=page_token),
-            retry=True,
-        )
-
-    def adapter_layout(self, adapter_id: str) -> pb.AdapterLayout:
-        return self._call(self._stub.GetAdapterLayout, pb.GetAdapterLayoutRequest(adapter_id=adapter_id), retry=True)
-
     def acquire_adapters(
         self,
         adapter_ids: Sequence[str],
@@ -534,36 +514,9 @@ class BrokerClient(BrokerSession):
         """Drop a prepared adapter acquire's pins (FAILED_PRECONDITION once committed)."""
         self._step_calls().abort_acquire(transaction_id)
 
-    def prefetch_adapters(self, adapter_ids: Sequence[str], tier: str = "hot") -> pb.PrefetchAdaptersResponse:
-        """Bring adapters to the warm or hot tier ahead of use, without pinning them."""
-        t = {"hot": pb.ADAPTER_TIER_HOT, "warm": pb.ADAPTER_TIER_WARM}[tier]
-        return self._call(
-            self._stub.PrefetchAdapters, pb.PrefetchAdaptersRequest(adapter_ids=list(adapter_ids), tier=t), retry=True
-        )
-
-    def verify_adapters(self, adapter_ids: Sequence[str] = ()) -> pb.VerifyAdaptersResponse:
-        """Have the broker check adapters' resident copies against their checksums (no ids:
-        every resident adapter). A corrupt copy is dropped and reloaded from its source on
-        the next acquire; ``response.corrupt`` counts them."""
-        return self._call(
-            self._stub.VerifyAdapters, pb.VerifyAdaptersRequest(adapter_ids=list(adapter_ids)), retry=True
-        )
-
-    def verify_objects(self, keys: Sequence[bytes]) -> pb.VerifyObjectsResponse:
-        """Have the broker check committed keyed objects against the digest taken when their
-        transaction committed (a broker started with ``--kv-digest``). A corrupt object is
-        withdrawn: its key stops resolving; ``response.corrupt`` counts them."""
-        return self._call(self._stub.VerifyObjects, pb.VerifyObjectsRequest(keys=list(keys)), retry=True)
-
     def arena_tensor(self, dtype=None):
         """The physical view as a 1-D tensor of ``dtype``: what the LoRA kernels index into."""
         return self.physical_view(dtype)
-
-    def stats(self) -> pb.Stats:
-        return self._call(self._stub.GetStats, pb.GetStatsRequest(), retry=True)
-
-    def get_arena(self) -> pb.ArenaInfo:
-        return self._call(self._stub.GetArena, pb.GetArenaRequest(), retry=True)
 
     def _end_session(self) -> None:
         if self._calls is not None:

@@ -38,7 +38,7 @@ from memory_broker.broker.adapters.records import (
     Tier,
 )
 from memory_broker.broker.adapters.registry import AdapterRegistry
-from memory_broker.broker.adapters.stats import AdapterStats, CacheFigures, HotWarm, TierFigures, snapshot
+from memory_broker.broker.adapters.stats import AdapterStats, snapshot, tier_figures
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.store.objects import ObjectsEvicted, ObjectStore
@@ -373,7 +373,7 @@ class AdapterManager:
 
     def stats(self) -> AdapterStats:
         """Tier sizes, hits and misses per tier, loads per tier, hit rates; changes nothing."""
-        return snapshot(self.counters, self.config, self._figures())
+        return snapshot(self.counters, self.config, tier_figures(self))
 
     # ---------------------------------------------------------------- checksums
 
@@ -428,30 +428,6 @@ class AdapterManager:
             self.ctx.executor.shutdown(wait=False)
 
     # ---------------------------------------------------------------- internals
-
-    def _figures(self) -> TierFigures:
-        """What the tiers hold now. Reads only: an adapter evicted without notice counts as not
-        hot here, and is demoted the next time a writer looks at it."""
-        entries, hot, sys = self.entries.values(), self.hot.live(), self.system_session
-        warm = [e.adapter_id for e in entries if e.warm is not None]
-        hot_pages = sum(e.obj.num_pages for e in hot)
-        cache = self.image_service.cache
-        return TierFigures(
-            registered=len(self.registry),
-            hot_adapters=len(hot),
-            warm_adapters=len(warm),
-            resident_adapters=len({*(e.adapter_id for e in hot), *warm}),
-            hot_pages=hot_pages,
-            hot_bytes=hot_pages * self.ctx.page_size,
-            hot_used_bytes=sum(e.layout.used_bytes for e in hot),
-            hot_pinned_adapters=sum(1 for e in hot if any(s != sys for s in e.obj.pins)),
-            loading_pages=self.hot.loading_pages,
-            warm_bytes=self.warm.bytes,
-            policies=HotWarm(self.hot.policy.name, self.warm.policy.name),
-            cache=CacheFigures(cache.count, cache.used_bytes, cache.evictions, cache.corrupt) if cache else None,
-            convert_queued=self.image_service.queued,
-            retired_copies=self.checker.retired_copies,
-        )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -245,3 +245,28 @@ def snapshot(c: AdapterCounters, cfg: AdapterConfig, t: TierFigures) -> AdapterS
             interval_s=cfg.verify_interval_s,
         ),
     )
+
+
+def tier_figures(m) -> TierFigures:
+    """What an ``AdapterManager``'s (``m``) tiers hold now. Reads only: an adapter evicted
+    without notice counts as not hot here, and is demoted the next time a writer looks at it."""
+    entries, hot, sys = m.entries.values(), m.hot.live(), m.system_session
+    warm = [e.adapter_id for e in entries if e.warm is not None]
+    hot_pages = sum(e.obj.num_pages for e in hot)
+    cache = m.image_service.cache
+    return TierFigures(
+        registered=len(m.registry),
+        hot_adapters=len(hot),
+        warm_adapters=len(warm),
+        resident_adapters=len({*(e.adapter_id for e in hot), *warm}),
+        hot_pages=hot_pages,
+        hot_bytes=hot_pages * m.ctx.page_size,
+        hot_used_bytes=sum(e.layout.used_bytes for e in hot),
+        hot_pinned_adapters=sum(1 for e in hot if any(s != sys for s in e.obj.pins)),
+        loading_pages=m.hot.loading_pages,
+        warm_bytes=m.warm.bytes,
+        policies=HotWarm(m.hot.policy.name, m.warm.policy.name),
+        cache=CacheFigures(cache.count, cache.used_bytes, cache.evictions, cache.corrupt) if cache else None,
+        convert_queued=m.image_service.queued,
+        retired_copies=m.checker.retired_copies,
+    )

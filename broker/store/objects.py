@@ -49,7 +49,7 @@ from memory_broker.broker.store.records import (
 )
 from memory_broker.broker.store.room import Allocator, RoomMaker
 from memory_broker.broker.store.shards import ShardedMap
-from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage
+from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage, read_stats
 from memory_broker.broker.store.transactions import Transactions
 from memory_broker.broker.store.txn_book import TransactionBook
 from memory_broker.proto.wire.errors import denied, not_found, precondition
@@ -439,39 +439,7 @@ class ObjectStore:
 
     def stats(self) -> StoreStats:
         """One O(1) reading of the pool, the window and the counters (changes nothing)."""
-        w, c, t, room = self.window, self.counters, self.tally, self.room
-        max_pages, capacity, free, used = pool_totals(self.pools)
-        largest = w.largest_free
-        wfree = w.free_pages
-        return StoreStats(
-            max_pages=max_pages,
-            capacity_pages=capacity,
-            free_pages=free,
-            used_pages=used,
-            prepared_pages=t.prepared_pages,
-            pinned_pages=t.pinned_pages,
-            evictable_pages=self.policy.evictable_pages,
-            utilization=used / max_pages,
-            high_watermark=room.high_watermark,
-            low_watermark=room.low_watermark,
-            eviction_active=self.eviction_active,
-            objects=len(self.objects),
-            keyed_objects=len(self.keys),
-            sessions=len(self.sessions) - len(self.internal_sessions),
-            open_transactions=len(self.txns.open),
-            by_content=t.content_usage(),
-            window_free_pages=wfree,
-            window_free_extents=w.free_extents,
-            window_largest_free=largest,
-            window_fragmentation=(1.0 - largest / wfree) if wfree else 0.0,
-            allocations_total=c.allocations_total,
-            deduplicated_total=c.deduplicated_total,
-            allocation_failures=c.allocation_failures,
-            eviction_runs=c.eviction_runs,
-            evicted_objects=c.evicted_objects,
-            evicted_pages=c.evicted_pages,
-            pin_contention=c.pin_contention,
-        )
+        return read_stats(self, pool_totals(self.pools))
 
     # ---------------------------------------------------------------- internals
 

@@ -131,3 +131,41 @@ class Tally:
 
     def owner_usage(self) -> dict[tuple[int, int], Usage]:
         return {k: Usage(v[0], v[1]) for k, v in sorted(self.by_owner.items())}
+
+
+def read_stats(store, totals: tuple[int, int, int, int]) -> StoreStats:
+    """``ObjectStore.stats``: one O(1) reading of ``store``'s pool, window and counters, with
+    its pools' (max, capacity, free, used) pages ``totals``."""
+    w, c, t, room = store.window, store.counters, store.tally, store.room
+    max_pages, capacity, free, used = totals
+    largest = w.largest_free
+    wfree = w.free_pages
+    return StoreStats(
+        max_pages=max_pages,
+        capacity_pages=capacity,
+        free_pages=free,
+        used_pages=used,
+        prepared_pages=t.prepared_pages,
+        pinned_pages=t.pinned_pages,
+        evictable_pages=store.policy.evictable_pages,
+        utilization=used / max_pages,
+        high_watermark=room.high_watermark,
+        low_watermark=room.low_watermark,
+        eviction_active=store.eviction_active,
+        objects=len(store.objects),
+        keyed_objects=len(store.keys),
+        sessions=len(store.sessions) - len(store.internal_sessions),
+        open_transactions=len(store.txns.open),
+        by_content=t.content_usage(),
+        window_free_pages=wfree,
+        window_free_extents=w.free_extents,
+        window_largest_free=largest,
+        window_fragmentation=(1.0 - largest / wfree) if wfree else 0.0,
+        allocations_total=c.allocations_total,
+        deduplicated_total=c.deduplicated_total,
+        allocation_failures=c.allocation_failures,
+        eviction_runs=c.eviction_runs,
+        evicted_objects=c.evicted_objects,
+        evicted_pages=c.evicted_pages,
+        pin_contention=c.pin_contention,
+    )
