@@ -245,6 +245,10 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_float32(env):
     # give them the last slot's adapter), the adapter rows get their own adapter.
     got = _tokens(zc.generate(PROMPTS, lora=MIXED))
     assert got == want
+    # Decode steps (up to max_num_seqs=16 tokens: the harness runs eagerly) ran on the static
+    # buffers a captured step reads; prefill steps of more tokens ran the ordinary path.
+    mem = zc.op(op="lora_memory")["memory"]
+    assert mem["static_max_tokens"] == 16 and mem["static_applies"] > 0, mem
     # Other mixes through the same engine: one adapter for all, three without base rows, none.
     for mix in (["l2"] * 3, ["l3", "l1", "l2"]):
         assert _tokens(zc.generate(PROMPTS[:3], lora=mix)) == _tokens(ref.generate(PROMPTS[:3], lora=mix)), mix

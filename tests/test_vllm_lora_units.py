@@ -14,6 +14,7 @@ from conftest import short_tmpdir, start_broker
 from safetensors.torch import load_file
 
 from memory_broker.clients import BrokerClient
+from memory_broker.clients.adapters import AdapterTables
 from memory_broker.clients.vllm import identity, lora_patches, lora_plugin, tiny_model
 from memory_broker.clients.vllm.lora_source import BrokerAdapters
 from memory_broker.clients.vllm.lora_zero_copy import LayerAddress, StaticStepBuffers, StepHolder, ZeroCopyStep
@@ -220,6 +221,45 @@ def test_static_zero_copy_buffers_refuse_what_they_cannot_hold(adapters):
         other = StaticStepBuffers(8, 2, 16, torch.zeros(16))
         with pytest.raises(ValueError, match="capture anew"):
             ZeroCopyStep.build((a1, a2), _vllm_indices([0, 1]), holder.tables, src.arena, static=other)
+    finally:
+        src.close()
+
+
+def test_static_buffers_of_an_eager_engine_leave_what_they_cannot_hold_to_the_ordinary_path(adapters):
+    """The plugin gives every zero-copy engine static buffers; one that captures no graphs
+    (captured=False) runs a step they cannot hold (here adapters of rank 8 over buffers of rank
+    4) the ordinary way, with the same output, instead of refusing it. A broker restart gives
+    such an engine buffers over the new arena; one that captured graphs is told to restart."""
+    broker, _ = adapters
+    src = BrokerAdapters(broker.socket)
+    try:
+        a1, a2 = src.acquire("a1", 1), src.acquire("a2", 2)
+        arena = src.arena("float32")
+        x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(5))
+        eager = ZeroCopyStep.build((a1, a2), _vllm_indices([0, 1]), AdapterTables("cpu"), src.arena, "once")
+        want = eager.apply(x, torch.zeros(2, HIDDEN + 2 * KV), QKV)
+        assert want.abs().sum() > 0
+        # Refused at the build (2 slots, buffers of 1) and in the forward (a launch's tables are
+        # loaded on first use: rank 8 over buffers of rank 4).
+        for small in (
+            StaticStepBuffers(8, 1, 16, arena, captured=False),
+            StaticStepBuffers(8, 2, 4, arena, captured=False),
+        ):
+            step = ZeroCopyStep.build(
+                (a1, a2), _vllm_indices([0, 1]), AdapterTables("cpu"), src.arena, "once", static=small
+            )
+            got = step.apply(x, torch.zeros(2, HIDDEN + 2 * KV), QKV)
+            torch.testing.assert_close(got, want)
+            assert step.static is None and small.applies == 0
+        fits = StaticStepBuffers(8, 2, 16, arena, captured=False)
+        step = ZeroCopyStep.build((a1, a2), _vllm_indices([0, 1]), AdapterTables("cpu"), src.arena, "once", static=fits)
+        step.apply(x, torch.zeros(2, HIDDEN + 2 * KV), QKV)
+        assert step.static is fits and fits.applies == 1
+        assert fits.for_arena(arena) is fits
+        moved = fits.for_arena(arena.clone())
+        assert moved is not fits and moved.arena.data_ptr() != arena.data_ptr() and moved.max_tokens == 8
+        with pytest.raises(RuntimeError, match="broker restarted.*restart the engine"):
+            StaticStepBuffers(8, 2, 16, arena).for_arena(arena.clone())
     finally:
         src.close()
 

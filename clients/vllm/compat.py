@@ -73,6 +73,7 @@ LORA_PATCH_POINTS: tuple[PatchPoint, ...] = (
             "supports_mm",
             "_is_moe",
             "device",
+            "max_num_seqs",
         )
     ),
     PatchPoint(_MM, "LRUCacheLoRAModelManager", "add_adapter", ("self", "lora"), wrapped=True),

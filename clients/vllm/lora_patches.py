@@ -28,7 +28,15 @@ import torch
 from memory_broker.clients.vllm import SUPPORTED, check_vllm_version
 from memory_broker.clients.vllm.identity import broker_adapter_id
 from memory_broker.clients.vllm.lora_source import TORCH_DTYPES, BrokerAdapters
-from memory_broker.clients.vllm.lora_zero_copy import ROUNDINGS, LayerAddress, StepHolder, ZeroCopyStep, check_backend
+from memory_broker.clients.vllm.lora_zero_copy import (
+    ROUNDINGS,
+    LayerAddress,
+    StaticStepBuffers,
+    StepHolder,
+    ZeroCopyStep,
+    check_backend,
+)
+from memory_broker.proto.wire.layout import DEFAULT_ROW_ALIGN, elem_size
 
 log = logging.getLogger("vllm.memory_broker.lora")
 
@@ -280,7 +288,8 @@ def _create_lora_modules(orig):
 
         from memory_broker.clients.lora import layer_index
 
-        holder = StepHolder(self.device)
+        holder = StepHolder(self.device, _static_buffers(self, real, st))
+        holder.epoch = st.source.epoch()
         check_backend(self.device)
         for name, module in self.modules.items():
             if hasattr(module, "lora_config"):
@@ -300,6 +309,45 @@ def _create_lora_modules(orig):
         self._mb_holder = holder
 
     return create
+
+
+def _captured_batch(manager) -> tuple[int, bool]:
+    """The largest batch (tokens) this engine's CUDA graphs hold, and whether it captures any:
+    the compilation config's largest ``cudagraph_capture_sizes`` (vLLM pads a batch up to one of
+    them; ``max_cudagraph_capture_size``) on a CUDA device unless ``cudagraph_mode`` is NONE
+    (``enforce_eager``); otherwise ``max_num_seqs``, a decode step's batch."""
+    from vllm import config
+
+    current = getattr(config, "get_current_vllm_config_or_none", lambda: None)()
+    comp = getattr(current, "compilation_config", None)
+    sizes = list(getattr(comp, "cudagraph_capture_sizes", None) or ())
+    mode = getattr(getattr(comp, "cudagraph_mode", None), "name", "NONE")
+    if sizes and mode != "NONE" and torch.device(manager.device).type == "cuda":
+        return max(sizes), True
+    return manager.max_num_seqs, False
+
+
+def _static_buffers(manager, cfg, st: State) -> StaticStepBuffers | None:
+    """The buffers a captured step reads: steps of up to ``_captured_batch`` tokens (decode, and
+    any batch a graph holds) run on them, larger ones the ordinary path; ``max_loras`` slots of
+    ``max_lora_rank``, the arena in the engine's LoRA dtype, rows aligned as the broker lays
+    them out (``DEFAULT_ROW_ALIGN``: a broker configured with less is refused at the step when
+    graphs are captured; an eager engine runs such steps the ordinary path)."""
+    max_tokens, captured = _captured_batch(manager)
+    dtype = dtype_name(cfg.lora_dtype)
+    try:
+        arena = st.source.arena(dtype)
+    except Exception as e:
+        if captured:
+            raise RuntimeError(
+                f"memory-broker: zero-copy LoRA needs the broker's arena before vLLM captures CUDA graphs, and the "
+                f"broker at {st.source.socket} could not be reached ({e}): start it first, or run the engine "
+                "with enforce_eager=True"
+            ) from e
+        log.warning("memory-broker: broker not reachable at engine start (%s); LoRA steps run the ordinary path", e)
+        return None
+    row_align = DEFAULT_ROW_ALIGN // elem_size(dtype)
+    return StaticStepBuffers(max_tokens, len(manager.lora_index_to_id), cfg.max_lora_rank, arena, row_align, captured)
 
 
 def _zero_copy_output(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -342,6 +390,9 @@ def _create_dummy_lora(orig):
 def _build_step(manager, holder: StepHolder, st: State) -> None:
     wrapper = next(iter(manager.punica_wrapper_mapping.values()))
     slots = tuple(st.source.adapter(i) for i in manager.lora_index_to_id)
+    if holder.static is not None and st.source.epoch() != holder.epoch:
+        # A new broker session (restart): its arena is another mapping.
+        holder.static = holder.static.for_arena(st.source.arena(dtype_name(holder.static.arena.dtype)))
     holder.step = ZeroCopyStep.build(
         slots, wrapper.token_lora_indices, holder.tables, st.source.arena, st.rounding, static=holder.static
     )
@@ -403,9 +454,13 @@ def lora_memory(worker) -> dict:
         "max_lora_rank": manager.lora_config.max_lora_rank,
         "slot_buffer_bytes": slot,
         "adapter_cache_bytes": cached,
-        "zero_copy_extra_bytes": holder.step.extra_bytes() if holder is not None and holder.step is not None else 0,
+        "zero_copy_extra_bytes": (holder.step.extra_bytes() if holder is not None and holder.step is not None else 0)
+        + (holder.static.bytes() if holder is not None and holder.static is not None else 0),
         "zero_copy_table_bytes": holder.step.tables_bytes() if holder is not None and holder.step is not None else 0,
         "step_builds": holder.builds if holder is not None else 0,
+        # Static buffers (for captured steps): their batch size, and layer launches run on them.
+        "static_max_tokens": holder.static.max_tokens if holder is not None and holder.static is not None else 0,
+        "static_applies": holder.static.applies if holder is not None and holder.static is not None else 0,
         "held": sorted(st.source.held()) if st is not None else [],
         "acquires": st.source.acquires if st is not None else 0,
         "releases": st.source.releases if st is not None else 0,

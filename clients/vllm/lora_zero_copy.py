@@ -4,7 +4,8 @@ launch (or one per slice) over the offset tables of the slots' adapters.
 
 ``ZeroCopyStep`` owns one step's metadata (built when vLLM sets a new adapter mapping) and the
 launches cached for it; ``StepHolder`` is the step in force for one vLLM LoRA manager (with
-``StaticStepBuffers`` when decode steps are captured in CUDA graphs: the token map and every
+``StaticStepBuffers``, which the plugin gives every zero-copy manager so that its decode steps
+can be captured in CUDA graphs: the token map and every
 launch's tables then live in tensors allocated once, which each step's build, vLLM's
 per-step metadata update outside the graph, refreshes by ``copy_``; the kernels inside read them);
 ``LayerAddress`` is what a layer knows of itself (decoder layer, module names of its output
@@ -63,18 +64,50 @@ class StaticStepBuffers:
             ``max_lora_rank``.
         arena: the arena tensor every step's adapters live in (a graph reads its address).
         row_align: the row alignment every adapter promises (the kernels' hint, fixed in a graph).
+        captured: whether graphs are captured over them. True: what they cannot hold raises.
+            False (an engine that runs eagerly): such a step runs the ordinary path instead.
     """
 
-    def __init__(self, max_tokens: int, max_slots: int, max_rank: int, arena: torch.Tensor, row_align: int = 1):
+    def __init__(
+        self,
+        max_tokens: int,
+        max_slots: int,
+        max_rank: int,
+        arena: torch.Tensor,
+        row_align: int = 1,
+        captured: bool = True,
+    ):
         self.max_tokens, self.max_slots, self.max_rank = max_tokens, max_slots, max_rank
-        self.arena, self.row_align = arena, row_align
+        self.arena, self.row_align, self.captured = arena, row_align, captured
         self.token_slot = torch.full((max_tokens,), -1, dtype=torch.int32, device=arena.device)
+        # Layer launches run on these buffers (counted when traced: a replay runs no Python).
+        self.applies = 0
         self._plans: dict[int, LoraStep] = {}
         self._tables: dict[tuple[int, tuple[str, ...]], LoraTables] = {}
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a captured step reads (their addresses never change)."""
         return [self.token_slot, *(t for tables in self._tables.values() for t in tables)]
+
+    def for_arena(self, arena: torch.Tensor) -> StaticStepBuffers:
+        """These buffers for the arena of a new broker session: themselves for the same mapping,
+        new ones of the same sizes when nothing is captured.
+
+        Raises:
+            RuntimeError: graphs were captured over them (they read the old arena's address).
+        """
+        if arena.data_ptr() == self.arena.data_ptr() and arena.numel() == self.arena.numel():
+            return self
+        if self.captured:
+            raise RuntimeError(
+                "the broker restarted under an engine whose CUDA graphs read the old session's arena: restart "
+                "the engine (an engine run with enforce_eager=True serves on across broker restarts)"
+            )
+        return StaticStepBuffers(self.max_tokens, self.max_slots, self.max_rank, arena, self.row_align, False)
+
+    def bytes(self) -> int:
+        """Bytes the buffers hold (the token map and every launch's tables)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def step_for(self, num_tokens: int) -> LoraStep:
         """The step record of a batch of ``num_tokens`` (<= max_tokens): a view of the token map
@@ -187,7 +220,12 @@ class ZeroCopyStep:
             row_align = math.gcd(*(a.layout.row_align_elems for a in present))
         step = cls(tuple(slots), token_slot, tables, arena, row_align, rounding, static=static)
         if static is not None:
-            static.load(step)
+            try:
+                static.load(step)
+            except ValueError:
+                if static.captured:
+                    raise
+                step.static = None  # nothing captured: this step runs the ordinary path
         return step
 
     @property
@@ -265,7 +303,14 @@ class ZeroCopyStep:
 
     def _apply_static(self, x, out, address: LayerAddress, static: StaticStepBuffers) -> torch.Tensor:
         # Capturable: only the static buffers, one fused launch, the token path, no host reads.
-        tables = static.tables(self, address)
+        try:
+            tables = static.tables(self, address)
+        except ValueError:
+            if static.captured:
+                raise
+            self.static = None  # nothing captured: this step runs the ordinary path
+            return self.apply(x, out, address)
+        static.applies += 1
         xk = x if x.dtype == static.arena.dtype else x.to(static.arena.dtype)
         lora_apply(
             xk,
