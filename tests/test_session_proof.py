@@ -57,6 +57,7 @@ def _requests(anon: int, keyed: int, txn: int, adapter_path: str) -> dict[str, o
         "AcquireAdapters": pb.AcquireAdaptersRequest(adapter_ids=["r4"]),
         "ReleaseAdapters": pb.ReleaseAdaptersRequest(adapter_ids=["r4"]),
         "VerifyAdapters": pb.VerifyAdaptersRequest(adapter_ids=["r4"]),
+        "VerifyObjects": pb.VerifyObjectsRequest(keys=[b"victim"]),
     }
 
 

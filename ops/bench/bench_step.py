@@ -55,6 +55,7 @@ from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path ab
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 from memory_broker.clients.batch import POLL_S  # noqa: E402
 from memory_broker.proto.wire import step as step_wire  # noqa: E402
+from memory_broker.proto.wire.session import KEY_METADATA  # noqa: E402
 from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
 
 ADAPTERS = 200
@@ -422,7 +423,7 @@ def item_sets(n: int) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], l
     return a, b
 
 
-def broker_side(box: dict, token: str, n: int, cycles: int) -> tuple[float, float]:
+def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[float, float]:
     """Median us, and the loop thread's CPU us, the broker spends on one STEP frame that gives back one step of ``n``
     items and takes another (decode, checks, pins, leases, reply), the handler called
     directly on the loop that owns the core (no socket)."""
@@ -437,6 +438,7 @@ def broker_side(box: dict, token: str, n: int, cycles: int) -> tuple[float, floa
     async def run() -> tuple[list[float], list[float]]:
         conn = _Conn(None, None)
         conn.session = server.sessions.from_token(token)
+        conn.key = key  # what the step channel's HELLO took from the session's proof
 
         def frame(ops) -> tuple[int, list]:
             reply = server._step(conn, w.encode_step(ops)[5:])
@@ -550,7 +552,7 @@ def per_item(d: str, cycles: int) -> None:
     raw_us = min(statistics.median(raw_pingpong(d, 300, one_cpu=True)), statistics.median(raw_pingpong(d, 300)))
     rows = []
     for n in ITEM_SIZES:
-        b_us, b_cpu = broker_side(box, c.token, n, cycles)
+        b_us, b_cpu = broker_side(box, c.token, dict(c.metadata)[KEY_METADATA], n, cycles)
         c_us, c_cpu = client_side(c, n, cycles)
         rows.append((n, b_us, b_cpu, c_us, c_cpu))
     c.close()
