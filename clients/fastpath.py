@@ -94,6 +94,11 @@ class ChannelCalls:
     ):
         if dtype:  # the step channel acquires in the broker's dtype; a copy in another is gRPC's
             return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype)
+        if not self.path.caching:
+            lease = self._acquire_frame(adapter_ids, max_adapters, prepare, lease_s)
+            if lease is not None:
+                return lease
+            return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
         out = self._fast_or_none(
             self.path.step,
             adapter_ids,
@@ -111,7 +116,39 @@ class ChannelCalls:
         if dtype:
             self.grpc.release_adapters(adapter_ids, dtype)
             return
+        if not self.path.caching:
+            if adapter_ids:
+                self._one(_w.Op(_w.OP_RELEASE, tuple(adapter_ids)))
+            return
         self._fast(self.path.step, release=list(adapter_ids), acquire=False, lookup=False)
+
+    # Without the holdings cache, a generic call is one op in one frame: nothing to plan
+    # against (``StepPath.step`` plans a whole step's give-back, acquire and lookup).
+
+    def _one(self, op: _w.Op, fast=None) -> _w.StepReply:
+        """One op in one frame; its refusal raised (``fast``: ``_fast`` or ``_fast_or_none``)."""
+        reply = (fast or self._fast)(self.path.send, [op])
+        if reply is not None:
+            self.path.raise_error(reply)
+        return reply
+
+    def _acquire_frame(self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float):
+        """The uncached acquire in one frame: its lease, or None when one needs a load or the
+        channel broke (the caller asks gRPC)."""
+        if isinstance(adapter_ids, str):
+            return None  # gRPC refuses it, saying why
+        ids = list(adapter_ids)
+        op = _w.Op(_w.OP_ACQUIRE, tuple(ids), _w.ACQUIRE_PREPARE if prepare else 0, max_adapters, int(lease_s * 1000))
+        reply = self._one(op, self._fast_or_none)
+        if reply is None:
+            return None
+        r: _w.AcquireOutcome = reply.results[0]
+        if not r.hot:
+            return None
+        distinct = list(dict.fromkeys(ids))
+        n = max_adapters or len(distinct)
+        adapters = list(zip(distinct[:n], r.adapters))
+        return self.records.step_lease(adapters, distinct[n:], r.txn_id, reply.arena_slabs)
 
     def commit_acquire(self, transaction_id: int) -> None:
         self.path.raise_error(self._fast(self.path.send, [_w.Op(_w.OP_COMMIT, (transaction_id,))]))
@@ -124,6 +161,13 @@ class ChannelCalls:
     def lookup(self, keys: Sequence[bytes], pin: bool) -> list:
         # A step channel that broke (the broker restarting) is not retried here: the gRPC
         # call waits for the new session and retries, as it always did.
+        if not self.path.caching:
+            if not keys:
+                return []
+            reply = self._one(_w.Op(_w.OP_LOOKUP, tuple(keys), 1 if pin else 0), self._fast_or_none)
+            if reply is not None:
+                return self.records.objects(reply.results[0])
+            return self.grpc.lookup(keys, pin)
         out = self._fast_or_none(self.path.step, keys=keys, acquire=False, pin_keys=pin)
         if out is not None:
             return self.records.objects(out.objects)
@@ -144,6 +188,10 @@ class ChannelCalls:
         return make(recs)
 
     def unpin(self, ids: list[int]) -> None:
+        if not self.path.caching:
+            if ids:
+                self._one(_w.Op(_w.OP_UNPIN, tuple(ids)))
+            return
         self._fast(self.path.step, unpin=ids, acquire=False, lookup=False)
 
     def forget_pins(self, ids: Sequence[int]) -> None:

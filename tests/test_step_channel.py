@@ -625,3 +625,43 @@ def test_a_lookup_changes_page_access_once_for_all_its_objects(step_rig, fast_pa
         assert len(calls) == 1 and calls[0][1] is True
         assert calls[0][0] == sorted(p for o in objs for p in o.pages)
         c.unpin(objs)
+
+
+def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig, monkeypatch):
+    """acquire_adapters, lookup, pin, unpin and release cost what one frame of their items
+    costs: one frame each, one op in it, nothing planned against a step cache there is not
+    (``StepPath.step``'s planning is for a whole step, and for ``hold_s``)."""
+    from memory_broker.clients.step import StepPath
+
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        c.acquire_adapters(["a0"]).release()  # the session's channel, and a0's layout, once
+        sent: list[list[int]] = []
+        real_send = StepPath.send
+        monkeypatch.setattr(
+            StepPath, "send", lambda self, ops: (sent.append([o.kind for o in ops]), real_send(self, ops))[1]
+        )
+
+        def no_plan(*a, **kw):
+            raise AssertionError("a generic call planned a whole step")
+
+        monkeypatch.setattr(StepPath, "_plan", no_plan)
+        n = frames(c)
+        base = c.stats().pinned_pages
+        lease = c.acquire_adapters(["a0", "a1", "a0"], max_adapters=1)
+        assert lease.ids == ["a0"] and lease.deferred == ["a1"] and frames(c) == n + 1
+        objs = c.lookup([b"k0", b"k1", b"nope"])
+        assert [o.key for o in objs] == [b"k0", b"k1"] and frames(c) == n + 2
+        again = c.pin(objs)
+        assert [o.session_pins for o in again] == [2, 2] and frames(c) == n + 3
+        c.unpin(objs + again)
+        lease.release()
+        assert frames(c) == n + 5 and c.stats().pinned_pages == base
+        assert sent == [[w.OP_ACQUIRE], [w.OP_LOOKUP], [w.OP_PIN], [w.OP_UNPIN], [w.OP_RELEASE]]
+        # Nothing to send: no frame.
+        assert c.lookup([]) == [] and c.unpin([]) is None and frames(c) == n + 5
+        # A refusal is the broker's, as before, and the call's one frame.
+        with pytest.raises(BrokerError) as e:
+            c.unpin([objs[0]])
+        assert e.value.code == Code.FAILED_PRECONDITION and frames(c) == n + 6

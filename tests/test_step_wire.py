@@ -125,6 +125,32 @@ def test_object_rows_encode_as_records_do():
     assert w.encode_object_rows(w.OP_PIN, [row]) == w.encode_objects(w.OP_PIN, [rec])
 
 
+def test_store_objects_encode_as_their_records_do():
+    """The broker encodes a lookup's or pin's objects straight from the store's: the bytes
+    are those of the records a client decodes (owned for the owner, its own pin count)."""
+    from memory_broker.broker.store.records import Allocation, ContentType, ObjectState
+
+    objs = [
+        Allocation(5, 7, ContentType.KV_CACHE, b"key", [4, 9], -1, ObjectState.COMMITTED, 2, pins={7: 1, 8: 2}),
+        Allocation(6, 8, ContentType.KV_CACHE, None, [3], 12, ObjectState.COMMITTED, 1, pins={8: 1}),
+    ]
+    for o in objs:
+        o.pin_count = sum(o.pins.values())
+    recs = [
+        w.ObjectRecord(5, -1, int(ObjectState.COMMITTED), int(ContentType.KV_CACHE), True, False, 1, 3, [4, 9], b"key"),
+        w.ObjectRecord(6, 12, int(ObjectState.COMMITTED), int(ContentType.KV_CACHE), False, False, 0, 1, [3], b""),
+    ]
+    assert w.encode_allocations(w.OP_LOOKUP, 7, objs) == w.encode_objects(w.OP_LOOKUP, recs)
+
+
+def test_an_oversize_key_or_id_is_named_however_many_ride_with_it():
+    ok = b"k" * 10
+    with pytest.raises(w.WireError, match="a key is 65536 bytes"):
+        w.encode_step([w.Op(w.OP_LOOKUP, (ok, b"x" * 65536, ok), 1)])
+    with pytest.raises(w.WireError, match="an adapter id is 70000 bytes"):
+        w.encode_step([w.Op(w.OP_ACQUIRE, ("a", "b" * 70000))])
+
+
 def _reply_body() -> tuple[int, bytes]:
     obj = w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 0)
     acq = w.AcquireOutcome(True, 11, 1234.5, (w.AcquiredRecord(2, 6, w.TIER_HOT, (1, 2, 3)),))

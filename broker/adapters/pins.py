@@ -225,9 +225,11 @@ class AdapterPins:
         self._check_dtype(dtype)
         self.checker.prune_retired()
         oids: list[int] = []
+        others = [d for d in DTYPE_SIZES if d != self.config.dtype]  # ``copies``'s, once
+        entry_copies = self.entries.copies
         for aid, count in Counter(self.check_ids(adapter_ids)).items():
             # The hot copies it may release: in ``dtype``, or every one (the broker's own first).
-            copies = self.copies(aid)
+            copies = entry_copies(aid, others)
             if dtype:
                 copies = [e for e in copies if e.key == copy_key(aid, dtype, self.config.dtype)]
             hot = [o for o in (self.hot.current(e) for e in copies) if o is not None]

@@ -263,7 +263,12 @@ class AdaptivePolicy:
         self._last[key] = next(self._tick)
         capacity = len(self._resident)
         for f, g in zip(self._freqs, self._ghosts):
-            g.use(key, capacity, f.bump(key))
+            # f.bump(key), inline (an acquire accesses every adapter on both tiers)
+            fk = f.key
+            old = fk.get(key)
+            now = f.clock / f.half_life
+            fk[key] = new = math.log2((2.0 ** (old - now) if old is not None else 0.0) + 1.0) + now
+            g.use(key, capacity, new)
 
     def remove(self, key: str) -> None:
         self._resident.discard(key)

@@ -442,24 +442,7 @@ class StepChannelServer:
 
     @staticmethod
     def _objects(kind: int, sid: int, objs) -> bytes:
-        return w.encode_object_rows(
-            kind,
-            [
-                (
-                    o.object_id,
-                    o.window_page,
-                    int(o.state),
-                    int(o.content_type),
-                    o.owner == sid,
-                    False,
-                    o.pins.get(sid, 0),
-                    o.pin_count,
-                    o.pages,
-                    o.key or b"",
-                )
-                for o in objs
-            ],
-        )
+        return w.encode_allocations(kind, sid, objs)
 
     def _acquire(self, sid: int, op: w.Op) -> bytes:
         """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.

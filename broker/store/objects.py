@@ -384,10 +384,10 @@ class ObjectStore:
         """Pin committed objects for the session (counts add up)."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
-        objs = [self.table.pinnable(session, oid) for oid in object_ids]
+        pinnable = self.table.pinnable
+        objs = [pinnable(session, oid) for oid in object_ids]
         self.ledger.check_limit(s, len(objs))
-        for obj in objs:
-            self.ledger.pin(s, obj)
+        self.ledger.pin_all(s, objs)
         return objs
 
     def unpin(self, session: int, object_ids: Sequence[int]) -> None:
@@ -396,35 +396,38 @@ class ObjectStore:
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
         wanted = Counter(object_ids)
         objs = []
+        get, check_unpin, prepared = self.objects.get, self.ledger.check_unpin, ObjectState.PREPARED
         for oid, count in wanted.items():
-            obj = self.objects.get(oid)
+            obj = get(oid)
             if obj is None:
                 raise not_found(self.table.gone_message(oid))
-            if obj.state == ObjectState.PREPARED and obj.owner != session:
+            if obj.state == prepared and obj.owner != session:
                 raise not_found(f"no object {oid}")  # invisible until commit, as for pin and free
-            self.ledger.check_unpin(session, obj, count)
+            if obj.pins.get(session, 0) < count:
+                check_unpin(session, obj, count)  # raises, saying why
             objs.append((obj, count))
-        for obj, count in objs:
-            self.ledger.unpin(s, obj, count)
+        self.ledger.unpin_all(s, objs)
 
     def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
         s = self._session(session)
         check_batch(len(keys), "keys", self.config.max_batch)
+        most = self.config.max_key_bytes
         for i, k in enumerate(keys):
-            check_key(k, f"keys[{i}]", self.config.max_key_bytes)
+            if not k or len(k) > most:
+                check_key(k, f"keys[{i}]", most)  # raises, saying why
         found = []
+        get, pool = self.keys.get, s.pool
         for k in keys:
-            obj = self.keys.get(map_key(s.pool, k))
+            obj = get(map_key(pool, k) if pool else k)
             if obj is None:
                 break
             found.append(obj)
         if pin:
             self.ledger.check_limit(s, len(found))
-        for obj in found:
-            if pin:
-                self.ledger.pin(s, obj)
-            else:
+            self.ledger.pin_all(s, found)
+        else:
+            for obj in found:
                 self.policy.touch(obj)
         return found
 

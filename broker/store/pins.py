@@ -75,6 +75,54 @@ class PinLedger:
         obj.pins[sid] = obj.pins.get(sid, 0) + 1
         s.pins[obj.object_id] = s.pins.get(obj.object_id, 0) + 1
 
+    def pin_all(self, s: SessionState, objs: list[Allocation]) -> None:
+        """``pin`` for each of ``objs`` in order, in one pass (a step pins hundreds)."""
+        sid = s.session_id
+        spins = s.pins
+        remove = self._policy.remove
+        pages = newly = contention = 0
+        for obj in objs:
+            pins = obj.pins
+            if obj.pin_count == 0:
+                remove(obj)
+                pages += obj.num_pages
+                newly += 1
+            elif sid not in pins:
+                contention += 1
+            obj.pin_count += 1
+            pins[sid] = pins.get(sid, 0) + 1
+            oid = obj.object_id
+            spins[oid] = spins.get(oid, 0) + 1
+        s.pin_total += len(objs)
+        if newly:
+            tally = self._tally
+            tally.pinned_pages += pages
+            tally.pinned_objects += newly
+        if contention:
+            self._counters.pin_contention += contention
+
+    def unpin_all(self, s: SessionState, counted: list[tuple[Allocation, int]]) -> None:
+        """``unpin`` for each (object, count) in order, in one pass."""
+        sid = s.session_id
+        spins = s.pins
+        total = 0
+        for obj, count in counted:
+            pins = obj.pins
+            left = pins[sid] - count
+            if left:
+                pins[sid] = left
+                spins[obj.object_id] = left
+            else:
+                del pins[sid]
+                del spins[obj.object_id]
+            total += count
+            obj.pin_count -= count
+            if obj.pin_count == 0:
+                s.pin_total -= total
+                total = 0
+                self._became_unpinned(obj)
+        s.pin_total -= total
+
     def unpin(self, s: SessionState, obj: Allocation, count: int) -> None:
         """Drop ``count`` of the pins ``s`` holds on ``obj`` (the caller checked it holds them)."""
         sid = s.session_id

@@ -494,26 +494,39 @@ class _Replay:
         pass
 
 
-def client_side(c: BrokerClient, n: int, cycles: int) -> tuple[float, float]:
+def _generic_step(c: BrokerClient, ids, keys, release):
+    """The generic calls' step (``old_api``): acquire, look up + pin, give back the previous
+    step's lease and objects (4 frames)."""
+    lease = c.acquire_adapters(ids)
+    objs = c.lookup(keys, pin=True)
+    if release is not None:
+        release[0].release()
+        c.unpin(release[1])
+    return (lease, objs)
+
+
+def client_side(c: BrokerClient, n: int, cycles: int, generic: bool = False) -> tuple[float, float]:
     """Median us, and CPU us, the client spends on one ``client.step()`` that gives back the
     previous step of ``n`` items and takes another: planning, encoding, decoding and
     accounting the reply, leases and objects made from it; no socket (the broker's replies
-    to the same frames are recorded once and replayed)."""
+    to the same frames are recorded once and replayed). ``generic``: the same step made of
+    the generic calls (``_generic_step``: 4 frames)."""
     (ia, ka), (ib, kb) = item_sets(n)
     path = c._step_path()
     real = path.transport
     recorded: list[tuple[int, bytes]] = []
     decode = step_wire.decode_step_reply
+    one = _generic_step if generic else (lambda c, ids, keys, release: c.step(ids, keys, release=release))
 
     def recording(kind, body):
         recorded.append((kind, bytes(body)))
         return decode(kind, body)
 
-    prev = c.step(ia, ka)
+    prev = one(c, ia, ka, None)
     step_wire.decode_step_reply = recording
     try:
-        prev = c.step(ib, kb, release=prev)
-        prev = c.step(ia, ka, release=prev)
+        prev = one(c, ib, kb, prev)
+        prev = one(c, ia, ka, prev)
     finally:
         step_wire.decode_step_reply = decode
     # Held: A. The replay takes B, A, B, A, ... and ends an even number of steps later on A.
@@ -523,12 +536,16 @@ def client_side(c: BrokerClient, n: int, cycles: int) -> tuple[float, float]:
         for i in range(cycles - cycles % 2):
             ids, keys = (ib, kb) if i % 2 == 0 else (ia, ka)
             p0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-            prev = c.step(ids, keys, release=prev)
+            prev = one(c, ids, keys, prev)
             out.append((time.perf_counter_ns() - t0) / 1000)
             cpu.append((time.thread_time_ns() - p0) / 1000)
     finally:
         path.transport = real
-    prev.release()
+    if generic:
+        prev[0].release()
+        c.unpin(prev[1])
+    else:
+        prev.release()
     skip = len(out) // 10
     return statistics.median(out[skip:]), statistics.median(cpu[skip:])
 
@@ -554,7 +571,8 @@ def per_item(d: str, cycles: int) -> None:
     for n in ITEM_SIZES:
         b_us, b_cpu = broker_side(box, c.token, dict(c.metadata)[KEY_METADATA], n, cycles)
         c_us, c_cpu = client_side(c, n, cycles)
-        rows.append((n, b_us, b_cpu, c_us, c_cpu))
+        g_us, g_cpu = client_side(c, n, cycles, generic=True)
+        rows.append((n, b_us, b_cpu, c_us, c_cpu, g_cpu))
     c.close()
     setup.close()
     import asyncio
@@ -566,13 +584,17 @@ def per_item(d: str, cycles: int) -> None:
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f} us")
     print(
         f"{'items':>6}{'broker us/frame':>17}{'x raw':>8}{'broker CPU us':>15}"
-        f"{'client us/step':>16}{'x raw':>8}{'client CPU us':>15}"
+        f"{'client us/step':>16}{'x raw':>8}{'client CPU us':>15}{'generic CPU us':>16}"
     )
-    for n, b_us, b_cpu, c_us, c_cpu in rows:
-        print(f"{n:>6}{b_us:>17.1f}{b_us / raw_us:>8.2f}{b_cpu:>15.1f}{c_us:>16.1f}{c_us / raw_us:>8.2f}{c_cpu:>15.1f}")
+    for n, b_us, b_cpu, c_us, c_cpu, g_cpu in rows:
+        print(
+            f"{n:>6}{b_us:>17.1f}{b_us / raw_us:>8.2f}{b_cpu:>15.1f}{c_us:>16.1f}{c_us / raw_us:>8.2f}{c_cpu:>15.1f}"
+            f"{g_cpu:>16.1f}"
+        )
     print("(CPU us: the thread's CPU time for the same frame or step, median: what a loaded machine's preemption")
-    print(" does not inflate; the slopes below are of CPU time)")
-    by = {n: (b_cpu, c_cpu) for n, _, b_cpu, _, c_cpu in rows}
+    print(" does not inflate; the slopes below are of CPU time; generic: the client's CPU for the same step made")
+    print(" of the generic calls, acquire_adapters + lookup + release + unpin, 4 frames)")
+    by = {n: (b_cpu, c_cpu) for n, _, b_cpu, _, c_cpu, _ in rows}
     if 64 in by and 512 in by:
         for side, i in (("broker", 0), ("client", 1)):
             s = (by[512][i] - by[64][i]) / (512 - 64)

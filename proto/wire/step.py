@@ -157,6 +157,15 @@ def _str16(b: bytes, what: str) -> bytes:
     return _U16.pack(len(b)) + b
 
 
+def _strs16_out(parts: list, raw: list[bytes], what: str) -> None:
+    """Append each of ``raw`` length-prefixed (``_str16``'s, one length check for all)."""
+    if raw and max(map(len, raw)) > 0xFFFF:
+        for b in raw:
+            _str16(b, what)  # raises, naming the size
+    pack = _U16.pack
+    parts.extend([pack(len(b)) + b for b in raw])
+
+
 def _ids(ids: Sequence[int]) -> bytes:
     n = len(ids)
     if n > 0xFFFF:
@@ -179,7 +188,7 @@ def encode_step(ops: Sequence[Op]) -> bytes:
             raise WireError(f"{len(op.items)} items in one op; at most 65535")
         if k == OP_RELEASE:
             parts.append(_U16.pack(len(op.items)))
-            parts.extend(_str16(a.encode(), "an adapter id") for a in op.items)
+            _strs16_out(parts, [a.encode() for a in op.items], "an adapter id")
         elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
             parts.append(_ids(op.items))
         elif k == OP_ACQUIRE:
@@ -189,10 +198,10 @@ def encode_step(ops: Sequence[Op]) -> bytes:
                     f"or {len(op.items)} ids (at most 65535) out of range"
                 )
             parts.append(_ACQ_HEAD.pack(op.flags, op.max_adapters, op.lease_ms, len(op.items)))
-            parts.extend(_str16(a.encode(), "an adapter id") for a in op.items)
+            _strs16_out(parts, [a.encode() for a in op.items], "an adapter id")
         elif k == OP_LOOKUP:
             parts.append(_LOOKUP_HEAD.pack(op.flags, len(op.items)))
-            parts.extend(_str16(bytes(key), "a key") for key in op.items)
+            _strs16_out(parts, [bytes(key) for key in op.items], "a key")
         else:
             raise WireError(f"unknown op kind {k}")
     body = b"".join(parts)
@@ -380,6 +389,32 @@ def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
         )
         parts.append(struct.pack("<%dI" % len(pages), *pages))
         parts.append(u16(len(key)) + key)
+    return b"".join(parts)
+
+
+def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
+    """``encode_object_rows`` read straight from the store's objects, for session ``sid``
+    (one pass; anything with ``object_id``, ``window_page``, ``state``, ``content_type``,
+    ``owner``, ``pins``, ``pin_count``, ``pages`` and ``key``; never deduplicated)."""
+    parts = [_OBJS_HEAD.pack(kind, len(objs))]
+    append, head, u16, pack = parts.append, _OBJ_HEAD.pack, _U16.pack, struct.pack
+    for o in objs:
+        pages, key = o.pages, o.key or b""
+        n = len(pages)
+        append(
+            head(
+                o.object_id,
+                o.window_page,
+                o.state,
+                o.content_type,
+                OBJ_OWNED if o.owner == sid else 0,
+                o.pins.get(sid, 0),
+                o.pin_count,
+                n,
+            )
+        )
+        append(pack("<%dI" % n, *pages))
+        append(u16(len(key)) + key)
     return b"".join(parts)
 
 

@@ -330,6 +330,9 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         if readonly:
             self._page_readonly.update(range(first_page, first_page + len(handles)))
 
+    def _range_usable(self, first: int, last: int) -> bool:
+        return False  # pages are attached one by one: checked page by page
+
     def _page_problem(self, page: int) -> str | None:
         why = super()._page_problem(page)
         if why is None and page not in self._handles:

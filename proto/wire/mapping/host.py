@@ -182,6 +182,10 @@ class HostArenaView(ArenaView):
         self._check_attach_index(slab_index)
         self._slabs.append(_AttachedSlab(-1, True))
 
+    def _range_usable(self, first: int, last: int) -> bool:
+        # Another pool's slab (fd -1) anywhere: page by page.
+        return super()._range_usable(first, last) and all(s.fd >= 0 for s in self._slabs)
+
     def _page_problem(self, page: int) -> str | None:
         why = super()._page_problem(page)
         if why is None and self._slabs[page // self.geometry.pages_per_slab].fd < 0:

@@ -155,6 +155,12 @@ class ArenaView(abc.ABC):
             return f"outside the {mapped_pages} pages of the {self.mapped_slabs} mapped slabs"
         return None
 
+    def _range_usable(self, first: int, last: int) -> bool:
+        """True when every page in ``first..last`` is usable (``_page_problem`` finds nothing):
+        one check for a whole lookup's pages. False: ask page by page (a backend whose
+        pages are imported one by one says False)."""
+        return 0 <= first and last < self.mapped_slabs * self.geometry.pages_per_slab
+
     def _check_window_pages(self, pages: Sequence[int]) -> None:
         """Every page of a window mapping is usable here (the first one that is not is named)."""
         for i, p in enumerate(pages):
@@ -168,7 +174,9 @@ class ArenaView(abc.ABC):
         Raises:
             ValueError: naming (up to five of) the pages outside the mapped slabs.
         """
-        want = sorted(set(int(p) for p in pages))
+        want = sorted(set(map(int, pages)))
+        if not want or self._range_usable(want[0], want[-1]):
+            return want
         bad = [(p, why) for p in want if (why := self._page_problem(p)) is not None]
         if bad:
             raise ValueError(f"page(s) {', '.join(str(p) for p, _ in bad[:5])} are {bad[0][1]}")
