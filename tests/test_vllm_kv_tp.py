@@ -126,3 +126,67 @@ def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path)
     finally:
         for b in brokers:
             b.stop()
+
+
+@pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM environment at {VLLM_PY} (`make vllm-venv`)")
+@pytest.mark.timeout(1800)
+def test_a_tp2_vllm_engine_gives_identical_tokens_and_a_second_one_loads_both_ranks(table, monkeypatch):  # noqa: F811
+    """vLLM's CPU build with ``--tensor-parallel-size 2`` (workers in processes, one CPU each):
+    tokens as without the connector, and a second engine loads the first one's prefix, each
+    rank from its own broker."""
+    from test_vllm_kv import Engine
+
+    tmp = short_tmpdir()
+    model = os.path.join(tmp, "model")
+    subprocess.run(
+        [
+            VLLM_PY,
+            "-c",
+            "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1])",
+            model,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    run_dir = short_tmpdir()
+    brokers = [
+        start_gpu_broker(run_dir, "0", "0", "--pool-size", "32MiB"),
+        start_gpu_broker(run_dir, B, B, "--pool-size", "32MiB"),
+    ]
+    socks = [b.socket for b in brokers]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("MEMORY_BROKER_SOCKET", run_dir)
+    # vLLM's CPU workers bind their threads to NUMA nodes; on a one-node machine, one CPU each.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
+    prompts = [[(i * 7) % 400 + 5 for i in range(140)], [(i * 11) % 400 + 5 for i in range(100)]]
+    engines: list = []
+    try:
+        ref = Engine("ref-tp2", tmp, model, "--tp", "2")
+        a = Engine("a-tp2", tmp, model, "--tp", "2", "--connector", "broker")
+        engines += [ref, a]
+        want = [o["tokens"] for o in ref.wait_ready().generate(prompts)]
+        ref.stop()
+        out_a = a.wait_ready().generate(prompts)
+        assert [o["tokens"] for o in out_a] == want and [o["cached"] for o in out_a] == [0, 0]
+        a.stop()
+        stored = []
+        for s in socks:
+            c = BrokerClient.connect(s)
+            try:
+                stored.append(sum(x.objects for x in c.stats().by_content if x.content_type == 1))
+            finally:
+                c.close()
+        assert stored == [7, 7], stored  # 4 + 3 full blocks, each rank's in its own broker
+        b = Engine("b-tp2", tmp, model, "--tp", "2", "--connector", "broker")
+        engines.append(b)
+        out_b = b.wait_ready().generate(prompts)
+        assert [o["tokens"] for o in out_b] == want
+        assert [o["cached"] for o in out_b] == [128, 96], out_b  # every full block below the last token
+        log = open(b.log_path).read()
+        assert f"tp rank 1) on broker {socks[1]}" in log and f"tp rank 0) on broker {socks[0]}" in log
+    finally:
+        for e in engines:
+            e.stop()
+        for br in brokers:
+            br.stop()
