@@ -4,7 +4,9 @@ a TP-2 engine's processes without a vLLM engine (tokens need an engine; this che
 two worker halves (ranks 0 and 1, each its own process and CUDA_VISIBLE_DEVICES) store a
 prompt's blocks; the scheduler half (its own process, seeing both GPUs) finds the prefix on
 both ranks' brokers and misses one that only rank 0 stored; a second pair of workers loads the
-first pair's blocks, each rank from its own broker, byte for byte."""
+first pair's blocks, each rank from its own broker, byte for byte. Then vLLM's CPU build with
+``--tensor-parallel-size 2`` runs the connector for real: identical tokens, and a second engine
+loads the first one's prefix across both ranks."""
 
 from __future__ import annotations
 
