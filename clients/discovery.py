@@ -20,19 +20,32 @@ SOCKET_ENV = "MEMORY_BROKER_SOCKET"
 DEFAULT_SOCKET = "/tmp/memory-broker.sock"
 
 
-def find_socket(socket_path: str | None = None, run_dir: str = DEFAULT_RUN_DIR) -> tuple[str, str | None]:
+def broker_dir(socket_path: str | None = None, run_dir: str = DEFAULT_RUN_DIR) -> str | None:
+    """The directory of per-GPU brokers this process picks from (``socket_path`` or
+    ``MEMORY_BROKER_SOCKET`` naming a directory, else ``run_dir`` where it holds brokers), or
+    None where one socket serves it (a socket path given, or a host without per-GPU brokers)."""
+    given = socket_path or os.environ.get(SOCKET_ENV) or None
+    if given is not None and not os.path.isdir(given):
+        return None
+    directory = given or run_dir
+    if given is None and not gpu_sockets(directory):
+        return None
+    return directory
+
+
+def find_socket(
+    socket_path: str | None = None, run_dir: str = DEFAULT_RUN_DIR, *, gpu_uuid: str | None = None
+) -> tuple[str, str | None]:
     """(the broker's socket, the GPU UUID it must serve or None where any will do).
+    ``gpu_uuid``: the GPU to find the broker of (default: this process's, ``current_gpu_uuid``).
 
     Raises BrokerError: UNAVAILABLE naming the UUID and the unit to start when the directory
     has no broker for this process's GPU, FAILED_PRECONDITION when the process sees no GPU."""
-    given = socket_path or os.environ.get(SOCKET_ENV) or None
-    if given is not None and not os.path.isdir(given):
-        return given, None
-    directory = given or run_dir
+    directory = broker_dir(socket_path, run_dir)
+    if directory is None:
+        return socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET, None
     brokers = gpu_sockets(directory)
-    if given is None and not brokers:
-        return DEFAULT_SOCKET, None
-    uuid = current_gpu_uuid()
+    uuid = gpu_uuid or current_gpu_uuid()
     here = ", ".join(u for u, path in brokers.items() if os.path.exists(path)) or "none running"
     if uuid is None:
         raise BrokerError(

@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--broker-lora", action="append", default=[], help="ADAPTER_ID served from the broker (repeat)")
     ap.add_argument("--max-loras", type=int, default=0, help="default: one more than the adapters named")
     ap.add_argument("--max-lora-rank", type=int, default=8)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (workers in processes)")
     a = ap.parse_args()
 
     # Answers go to the real stdout; everything vLLM prints goes to stderr.
@@ -79,6 +80,8 @@ def main() -> None:
         seed=0,
         enable_prefix_caching=not a.no_prefix_caching,
         disable_hybrid_kv_cache_manager=True,
+        tensor_parallel_size=a.tp,
+        distributed_executor_backend="mp" if a.tp > 1 else None,
         **kw,
     )
     answers.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0, "pid": os.getpid()}) + "\n")

@@ -57,9 +57,16 @@ log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
 class MemoryBrokerConnector(KVConnectorBase_V1):
     """KV connector storing prefix KV in the memory broker (see the module docstring).
 
-    ``kv_connector_extra_config``: ``socket`` (default ``$MEMORY_BROKER_SOCKET`` or
-    ``/tmp/memory-broker.sock``); optional ``timeout_s`` (per broker call, default 5) and
-    ``retry_s`` (between reconnect attempts, default 2).
+    ``kv_connector_extra_config``: ``socket``, one broker's socket for every rank, or a directory
+    of per-GPU brokers (``<gpu-uuid>/broker.sock``) where each tensor-parallel rank uses its own
+    GPU's broker (default ``$MEMORY_BROKER_SOCKET``, else ``/run/memory-broker`` where it holds
+    per-GPU brokers, else ``/tmp/memory-broker.sock``); optional ``timeout_s`` (per broker call,
+    default 5) and ``retry_s`` (between reconnect attempts, default 2).
+
+    With per-GPU brokers, a worker uses the broker of its device (torch's current device, else
+    its local rank's visible device) and the scheduler, which may see no GPU, looks rank r up in
+    the broker of the r-th visible device (``CUDA_VISIBLE_DEVICES`` applied to the host's
+    table): vLLM's rank r uses local device r.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
@@ -72,19 +79,18 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 f"MemoryBrokerConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                 "it takes socket, timeout_s and retry_s"
             )
-        self.socket = str(extra.get("socket") or store.default_socket())
+        given = str(extra["socket"]) if extra.get("socket") else None
         from vllm.platforms import current_platform
 
         ident = identity.engine_identity(vllm_config, kv_cache_config, VLLM_VERSION, current_platform.device_type)
         self.block_size = ident["block_size"]
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = 0
-        self.broker = store.shared(
-            self.socket,
-            client_name=f"vllm-kv:{vllm_config.model_config.model}:{os.getpid()}",
-            timeout_s=float(extra.get("timeout_s", 5.0)),
-            retry_s=float(extra.get("retry_s", 2.0)),
-        )
+        kw = {
+            "client_name": f"vllm-kv:{vllm_config.model_config.model}:{os.getpid()}",
+            "timeout_s": float(extra.get("timeout_s", 5.0)),
+            "retry_s": float(extra.get("retry_s", 2.0)),
+        }
         self.stats = BrokerKVStats()
         self.connector_scheduler: BrokerKVScheduler | None = None
         self.connector_worker: BrokerKVWorker | None = None
@@ -98,7 +104,9 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 )
                 cfg.kv_load_failure_policy = "recompute"
             fp = identity.engine_fingerprint(ident)
-            self.connector_scheduler = BrokerKVScheduler(self.broker, fp, self.block_size, self.tp_size, self.stats)
+            brokers = store.rank_brokers(given, self.tp_size, **kw)
+            self.broker = brokers[0]
+            self.connector_scheduler = BrokerKVScheduler(brokers, fp, self.block_size, self.tp_size, self.stats)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -106,7 +114,9 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 self.tp_rank = get_tensor_model_parallel_rank()
             except (AssertionError, RuntimeError):
                 self.tp_rank = 0
+            self.broker = store.worker_broker(given, self.tp_rank, **kw)
             self.connector_worker = BrokerKVWorker(self.broker, self.tp_rank, kv_cache_config.num_blocks, self.stats)
+        self.socket = self.broker.socket
         log.info(
             "MemoryBrokerConnector (%s, tp rank %d) on broker %s, block %d tokens",
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",

@@ -103,6 +103,8 @@ class _ReqState:
     pinned: list[list[Any]] = field(default_factory=list)
     pin_first: int = 0
     incarnation: str = ""
+    # Per rank, the session (of that rank's broker) that pinned ``pinned[rank]``.
+    incarnations: list[str] = field(default_factory=list)
     hit_blocks: int = 0
     local_tokens: int = 0
     # Block range to load at the request's first schedule, [start, end).

@@ -2,8 +2,9 @@
 
 ``BrokerKVScheduler`` runs in vLLM's scheduler process, inside ``MemoryBrokerConnector``
 (``kv_connector.py``), the facade vLLM instantiates. Per request it keys the full prompt
-blocks (``identity.chain_hashes``), looks the chain up in the broker with pins (one lookup per
-tensor-parallel rank), and per step tells the workers which blocks to load (with the pinned
+blocks (``identity.chain_hashes``), looks the chain up with pins (one lookup per
+tensor-parallel rank, each in that rank's broker: one broker per GPU, or one for all ranks), and
+a prefix is a hit only as far as every rank's broker holds it; per step tells the workers which blocks to load (with the pinned
 objects' pages) and which to store (``BrokerKVMetadata``). Pins go when the workers report the
 load done, when a request is not scheduled after all, or when it finishes. A broker that is
 away or fails costs a recompute, never a failed request. It never touches KV tensors.
@@ -12,6 +13,7 @@ away or fails costs a recompute, never a failed request. It never touches KV ten
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memory_broker.clients.vllm import check_vllm_version
@@ -50,8 +52,19 @@ def _keyable(request: Any) -> bool:
 class BrokerKVScheduler:
     """The scheduler half (see the module docstring); ``stats`` is the facade's, shared."""
 
-    def __init__(self, broker: BrokerKV, engine_fp: bytes, block_size: int, tp_size: int, stats: BrokerKVStats):
-        self.broker = broker
+    def __init__(
+        self,
+        broker: BrokerKV | Sequence[BrokerKV],
+        engine_fp: bytes,
+        block_size: int,
+        tp_size: int,
+        stats: BrokerKVStats,
+    ):
+        # ``broker``: one for every rank, or a list with rank r's broker at r.
+        self.brokers = list(broker) if isinstance(broker, Sequence) else [broker] * tp_size
+        if len(self.brokers) != tp_size:
+            raise ValueError(f"{len(self.brokers)} brokers for {tp_size} tensor-parallel ranks")
+        self.broker = self.brokers[0]
         self._engine_fp = engine_fp
         self.block_size = block_size
         self.tp_size = tp_size
@@ -74,10 +87,9 @@ class BrokerKVScheduler:
         return st
 
     def _unpin(self, st: _ReqState) -> None:
-        if st.pinned:
-            objs = [o for rank in st.pinned for o in rank]
-            self.broker.release(st.incarnation, objs)
-        st.pinned = []
+        for rank, objs in enumerate(st.pinned):
+            self.brokers[rank].release(st.incarnations[rank], objs)
+        st.pinned, st.incarnations = [], []
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -89,24 +101,24 @@ class BrokerKVScheduler:
         st.hit_blocks = 0
         # vLLM computes at least the prompt's last token.
         loadable = (st.prompt_len - 1) // self.block_size
-        c = self.broker.client()
-        if c is None or not st.chain:
+        clients = [b.client() for b in self.brokers]
+        if any(c is None for c in clients) or not st.chain:
+            # A rank's broker away: no rank can load (vLLM recomputes the whole prefix).
             st.next_save = max(st.next_save, num_computed_tokens // self.block_size)
             return 0, False
         self.stats.add("lookups")
-        inc = self.broker.incarnation
+        incs = [b.incarnation for b in self.brokers]
         first = num_computed_tokens // self.block_size  # blocks vLLM's own cache holds
         try:
             # Without pins first: on a local prefix-cache hit the broker holds nothing beyond
             # vLLM's own cache, and nothing is pinned that must be unpinned (one round trip).
-            stored = self._stored(c, st)
+            stored = self._stored(clients, st)
             held = stored
             if min(stored, loadable) > first:
-                held = self._pin(c, st, inc, first, min(stored, loadable))
-        except BrokerError as e:
+                held = self._pin(clients, st, incs, first, min(stored, loadable))
+        except BrokerError:
             self.stats.add("broker_errors")
             self._unpin(st)
-            self.broker.failed(c, e, "lookup")
             return 0, False
         st.hit_blocks = held
         st.next_save = max(st.next_save, stored)
@@ -116,23 +128,34 @@ class BrokerKVScheduler:
             self._unpin(st)
         return ext, False
 
-    def _stored(self, c, st: _ReqState) -> int:
-        """Blocks of the chain, from block 0, the broker holds on every rank (lookups without pins)."""
+    def _lookup(self, clients: list, rank: int, hashes: list[bytes], pin: bool) -> list:
+        """Rank ``rank``'s blocks of ``hashes`` in its broker (a BrokerError is recorded
+        against that broker and raised)."""
+        c = clients[rank]
+        try:
+            return c.lookup([identity.block_key(h, rank) for h in hashes], pin=pin)
+        except BrokerError as e:
+            self.brokers[rank].failed(c, e, "lookup")
+            raise
+
+    def _stored(self, clients: list, st: _ReqState) -> int:
+        """Blocks of the chain, from block 0, every rank's broker holds (lookups without pins)."""
         found = len(st.chain)
         for rank in range(self.tp_size):
-            found = len(c.lookup([identity.block_key(h, rank) for h in st.chain[:found]], pin=False))
+            found = len(self._lookup(clients, rank, st.chain[:found], pin=False))
             if not found:
                 break
         return found
 
-    def _pin(self, c, st: _ReqState, inc: str, first: int, upto: int) -> int:
+    def _pin(self, clients: list, st: _ReqState, incs: list[str], first: int, upto: int) -> int:
         """Pin blocks ``first..upto-1`` on every rank (the request's ``pinned``, from ``first``);
         returns how far, from block 0, the chain is held with pins on every rank."""
-        st.pinned, st.incarnation, st.pin_first = [], inc, first
+        st.pinned, st.incarnations, st.incarnation, st.pin_first = [], [], incs[0], first
         for rank in range(self.tp_size):
-            got = c.lookup([identity.block_key(h, rank) for h in st.chain[first:upto]], pin=True)
+            got = self._lookup(clients, rank, st.chain[first:upto], pin=True)
             st.pinned.append(got)
-            self.broker.hold(inc, len(got))
+            st.incarnations.append(incs[rank])
+            self.brokers[rank].hold(incs[rank], len(got))
             if not got:
                 break
         held = min(len(p) for p in st.pinned) if len(st.pinned) == self.tp_size else 0

@@ -18,13 +18,16 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from memory_broker.clients import discovery
 from memory_broker.clients.client import BrokerClient, BrokerObject, Spec
+from memory_broker.proto.wire import gpus
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.gpus import SOCKET_NAME
 
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
 
-DEFAULT_SOCKET = "/tmp/memory-broker.sock"
+DEFAULT_SOCKET = discovery.DEFAULT_SOCKET
 
 # Codes that mean the session or the broker is gone (the client maps gRPC's CANCELLED,
 # DEADLINE_EXCEEDED, UNKNOWN and UNAUTHENTICATED to INTERNAL): drop the session, reconnect later.
@@ -32,15 +35,44 @@ _BROKEN = {Code.UNAVAILABLE, Code.INTERNAL, Code.PERMISSION_DENIED, Code.FAILED_
 
 
 def default_socket() -> str:
-    return os.environ.get("MEMORY_BROKER_SOCKET") or DEFAULT_SOCKET
+    """This process's broker, as ``BrokerClient.connect()`` finds it (``discovery.find_socket``:
+    ``MEMORY_BROKER_SOCKET``, the broker of this process's GPU, or the host's single socket)."""
+    return discovery.find_socket()[0]
+
+
+def rank_socket(socket: str | None, gpu_uuid: str | None, rank: int) -> tuple[str, str | None]:
+    """(socket, GPU UUID it must serve) of tensor-parallel rank ``rank``'s broker: with a
+    directory of per-GPU brokers (``socket``, ``MEMORY_BROKER_SOCKET`` naming one, or
+    ``/run/memory-broker`` holding them) the broker of ``gpu_uuid``, the rank's GPU; with one
+    socket, that socket for every rank. The broker need not run yet (``BrokerKV`` retries)."""
+    directory = discovery.broker_dir(socket)
+    if directory is None:
+        return socket or default_socket(), None
+    if gpu_uuid is None:
+        raise ValueError(
+            f"{directory} holds a broker per GPU but tensor-parallel rank {rank}'s GPU is unknown "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+            "set kv_connector_extra_config's socket to one broker's socket"
+        )
+    return os.path.join(directory, gpu_uuid, SOCKET_NAME), gpu_uuid
 
 
 class BrokerKV:
     """This process's session with one broker, for KV. Thread-safe; never raises BrokerError
     from ``client()``: a broker that is away yields ``None`` until ``retry_s`` has passed."""
 
-    def __init__(self, socket: str, *, client_name: str = "vllm-kv", timeout_s: float = 5.0, retry_s: float = 2.0):
+    def __init__(
+        self,
+        socket: str,
+        *,
+        client_name: str = "vllm-kv",
+        timeout_s: float = 5.0,
+        retry_s: float = 2.0,
+        gpu_uuid: str | None = None,
+    ):
         self.socket = socket
+        # The GPU the broker must serve (a per-GPU broker's), or None where any will do.
+        self.gpu_uuid = gpu_uuid
         self.client_name = client_name
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -79,6 +111,11 @@ class BrokerKV:
                     wait_s=min(1.0, self.timeout_s),
                     reconnect_s=0.0,
                 )
+                try:
+                    discovery.check_device(c.arena.device, self.gpu_uuid, self.socket)
+                except BrokerError:
+                    c.close()
+                    raise
             except (BrokerError, OSError, ValueError) as e:
                 self._next_try = time.monotonic() + self.retry_s
                 self._outage(f"cannot connect: {e}")
@@ -198,6 +235,23 @@ def shared(socket: str, **kw: Any) -> BrokerKV:
         if b is None:
             b = _shared[socket] = BrokerKV(socket, **kw)
         return b
+
+
+def rank_brokers(socket: str | None, tp_size: int, **kw: Any) -> list[BrokerKV]:
+    """The scheduler's broker of each tensor-parallel rank (rank r: the r-th visible GPU's)."""
+    uuids = gpus.visible_gpu_uuids() if discovery.broker_dir(socket) is not None else []
+    out = []
+    for r in range(tp_size):
+        path, gpu = rank_socket(socket, uuids[r] if r < len(uuids) else None, r)
+        out.append(shared(path, gpu_uuid=gpu, **kw))
+    return out
+
+
+def worker_broker(socket: str | None, tp_rank: int, **kw: Any) -> BrokerKV:
+    """A worker's broker: its own GPU's (``gpus.rank_gpu_uuid``), or the one socket."""
+    gpu = gpus.rank_gpu_uuid(tp_rank) if discovery.broker_dir(socket) is not None else None
+    path, gpu = rank_socket(socket, gpu, tp_rank)
+    return shared(path, gpu_uuid=gpu, **kw)
 
 
 # ------------------------------------------------------------- data plane

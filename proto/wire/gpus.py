@@ -133,6 +133,42 @@ def current_gpu_uuid() -> str | None:
     return normalize_uuid(first)
 
 
+def visible_gpu_uuids() -> list[str]:
+    """The UUIDs of the GPUs this process sees, in CUDA's order (device 0 first):
+    ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) applied to the host table, or the whole table
+    where it is unset. Needs no CUDA: a vLLM engine's scheduler process, which may use no GPU,
+    finds each tensor-parallel rank's GPU here (vLLM's rank r uses local device r)."""
+    gpus = host_gpus()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [g.uuid for g in gpus]
+    out = []
+    for spec in visible.split(","):
+        spec = spec.strip()
+        if not spec or spec.startswith("-"):
+            break  # CUDA stops at the first invalid entry
+        g = gpu_by_spec(spec, gpus)
+        uuid = g.uuid if g is not None else normalize_uuid(spec)
+        if uuid is None:
+            break
+        out.append(uuid)
+    return out
+
+
+def rank_gpu_uuid(local_rank: int) -> str | None:
+    """The UUID of the GPU a tensor-parallel worker of ``local_rank`` uses: torch's current
+    device once CUDA is initialized (vLLM sets it to the local rank), else the process's only
+    visible device (a launcher that gives each rank its own ``CUDA_VISIBLE_DEVICES``), else
+    visible device ``local_rank``; None where there is no such device."""
+    found = _torch_current()
+    if found is not None:
+        return found
+    visible = visible_gpu_uuids()
+    if len(visible) == 1:
+        return visible[0]
+    return visible[local_rank] if 0 <= local_rank < len(visible) else None
+
+
 def gpu_sockets(run_dir: str) -> dict[str, str]:
     """Every per-GPU broker directory under ``run_dir``: {uuid: its socket path}. A stopped
     broker removes its socket but keeps its directory, so the path may not exist."""
