@@ -280,10 +280,32 @@ def echo_child(socket: str, seconds: float) -> subprocess.Popen:
 
 
 def echo_result(p: subprocess.Popen) -> list[float]:
+    """The child's Echo latencies (ms). Raises ChildFailed when it printed none."""
     import json
 
-    out, _ = p.communicate(timeout=600)
-    return json.loads(out)
+    # Read through the same buffered stream ``echo_child`` read "ready" from: ``communicate``
+    # with a timeout reads the pipe's fd directly and misses whatever that buffer already holds.
+    out = p.stdout.read()
+    p.wait(timeout=600)
+    try:
+        return json.loads(out)
+    except ValueError:
+        raise ChildFailed(f"the Echo child exited {p.returncode} without a result (stdout {out[-200:]!r})") from None
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+def measure_echo(socket: str, seconds: float) -> list[float]:
+    """``echo_result`` of a new child, measured again (said on stderr) should a child exit
+    without a result."""
+    for attempt in range(3):
+        try:
+            return echo_result(echo_child(socket, seconds))
+        except ChildFailed as e:
+            print(f"{e}; measuring again ({attempt + 1} of 3)", file=sys.stderr, flush=True)
+    raise SystemExit("three Echo children in a row exited without a result")
 
 
 def bench_daemon(n: int, seconds: float, table: list) -> None:
@@ -298,7 +320,7 @@ def bench_daemon(n: int, seconds: float, table: list) -> None:
     # Room for n one-page objects below the high watermark (0.9): nothing is evicted.
     proc = start_broker(socket, os.path.join(d, "state"), int(n / 0.85) + 4096)
     try:
-        idle = echo_result(echo_child(socket, seconds))
+        idle = measure_echo(socket, seconds)
         row(table, f"Echo RPC over {seconds:g} s, broker holding nothing", "0 objects", idle)
         table[-1]["max_ms"] = max(idle)
         holder = BrokerClient.connect(socket, client_name="scale-holder")
@@ -316,7 +338,7 @@ def bench_daemon(n: int, seconds: float, table: list) -> None:
             left -= k
         st = stub.GetStats(pb.GetStatsRequest(), metadata=md)
         assert st.objects >= n, st.objects
-        lat = echo_result(echo_child(socket, seconds))
+        lat = measure_echo(socket, seconds)
         row(table, f"Echo RPC over {seconds:g} s, broker holding N objects", f"{n:,} objects", lat)
         table[-1]["max_ms"] = max(lat)
         # Other clients during the end of a session that owns all of them.
