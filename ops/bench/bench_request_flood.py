@@ -30,8 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import grpc  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
+
 from memory_broker.proto.wire.v1 import broker_pb2 as pb  # noqa: E402
-from memory_broker.proto.wire.v1 import broker_pb2_grpc  # noqa: E402
 
 LOOKUP = "/broker.v1.MemoryBroker/Lookup"
 
@@ -42,45 +44,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def start_broker(socket: str, state: str, extra: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "memory_broker.broker.cli",
-            "serve",
-            "--socket",
-            socket,
-            "--arena",
-            "host",
-            "--pool-size",
-            "256MiB",
-            "--slab-size",
-            "64MiB",
-            "--state-dir",
-            state,
-            "--log-level",
-            "warning",
-            *extra,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if os.path.exists(socket):
-            try:
-                with grpc.insecure_channel(f"unix:{socket}") as ch:
-                    broker_pb2_grpc.MemoryBrokerStub(ch).GetArena(pb.GetArenaRequest(), timeout=1)
-                return proc
-            except grpc.RpcError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("broker did not start")
 
 
 def big_request(size_mib: int) -> bytes:
@@ -165,7 +128,7 @@ def main() -> None:
         return
     d = tempfile.mkdtemp(prefix="mb-flood-", dir="/tmp")
     socket = os.path.join(d, "b.sock")
-    proc = start_broker(socket, os.path.join(d, "state"), a.serve_flags)
+    proc = start_broker(socket, os.path.join(d, "state"), pool="256MiB", slab="64MiB", extra=a.serve_flags)
     try:
         report(a, socket, proc)
     finally:

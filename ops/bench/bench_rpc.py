@@ -31,9 +31,17 @@ from memory_broker.proto.wire.v1 import broker_pb2 as pb  # noqa: E402
 from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc  # noqa: E402
 
 
-def start_broker(socket: str, state: str, page_size: str = "2MiB") -> subprocess.Popen:
-    """A broker on the host arena with the bare Echo service (8 GiB, ``page_size`` pages);
-    returns once it answers. Also used by bench_step.py (512 KiB pages: KV blocks)."""
+def start_broker(
+    socket: str,
+    state: str,
+    page_size: str = "2MiB",
+    pool: str = "8GiB",
+    slab: str = "256MiB",
+    extra: tuple[str, ...] | list[str] = (),
+) -> subprocess.Popen:
+    """A broker on the host arena with the bare Echo service (``pool`` of ``page_size`` pages
+    in ``slab`` slabs, then the flags ``extra``); returns once it answers. Also used by
+    bench_step.py (512 KiB pages: KV blocks) and bench_request_flood.py."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -46,15 +54,16 @@ def start_broker(socket: str, state: str, page_size: str = "2MiB") -> subprocess
             "host",
             "--enable-echo",
             "--pool-size",
-            "8GiB",
+            pool,
             "--page-size",
             page_size,
             "--slab-size",
-            "256MiB",
+            slab,
             "--state-dir",
             state,
             "--log-level",
             "warning",
+            *extra,
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,

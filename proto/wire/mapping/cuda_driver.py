@@ -11,10 +11,11 @@ import the daemon or the client library.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from memory_broker.proto.wire.gpus import normalize_uuid
 
 # Result codes this module treats specially (values are the driver's ABI).
 CUDA_SUCCESS = 0
@@ -25,10 +26,6 @@ CUDA_ERROR_DEINITIALIZED = 4
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
 CU_STREAM_CAPTURE_STATUS_NONE = 0
-
-_UUID_RE = re.compile(
-    r"^(?:GPU-|MIG-)?([0-9a-fA-F]{8})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{12})$"
-)
 
 
 class CudaError(RuntimeError):
@@ -132,9 +129,9 @@ def parse_device_spec(spec: str | int | None) -> int | str:
         s = s[5:]
     if s.isdigit():
         return int(s)
-    m = _UUID_RE.match(s)
-    if m:
-        return "GPU-" + "-".join(g.lower() for g in m.groups())
+    uuid = normalize_uuid(s)
+    if uuid is not None:
+        return uuid
     raise ValueError(
         f"device {spec!r} is neither an index (0, 1, cuda:0) nor a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"
     )
