@@ -9,8 +9,10 @@ size-aware step that takes one object covering the remaining need instead of man
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from enum import IntEnum
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from typing import Protocol
 
 from memory_broker.broker.store.shards import RecencyQueue
@@ -49,9 +51,15 @@ class EvictionPolicy(Protocol):
 
     def add(self, obj: Evictable) -> None: ...
     def remove(self, obj: Evictable) -> None: ...
+    # Optional: ``add``/``remove`` of many distinct objects at once (PinLedger uses them when present).
+    # def add_all(self, objs: Sequence[Evictable]) -> None: ...
+    # def remove_all(self, objs: Sequence[Evictable]) -> None: ...
     def touch(self, obj: Evictable) -> None: ...
     def select(self, need_pages: int, limit: int | None = None) -> list[Evictable]: ...
     def __len__(self) -> int: ...
+
+
+_OID, _PAGES, _TYPE = attrgetter("object_id"), attrgetter("num_pages"), attrgetter("content_type")
 
 
 class PriorityLRU:
@@ -81,6 +89,31 @@ class PriorityLRU:
     def remove(self, obj: Evictable) -> None:
         if self._queues[PRIORITY[obj.content_type]].pop(obj.object_id, None) is not None:
             self.evictable_pages -= obj.num_pages
+
+    def add_all(self, objs: Sequence[Evictable]) -> None:
+        """``add`` for each of ``objs`` in order (distinct objects; a step unpins hundreds)."""
+        q = self._queue_of(objs)
+        if q is None:
+            for obj in objs:
+                self.add(obj)
+            return
+        q.add_many(list(map(_OID, objs)), objs)
+        self.evictable_pages += sum(map(_PAGES, objs))
+
+    def remove_all(self, objs: Sequence[Evictable]) -> None:
+        """``remove`` for each of ``objs`` (distinct objects; a step pins hundreds)."""
+        q = self._queue_of(objs)
+        if q is None:
+            for obj in objs:
+                self.remove(obj)
+            return
+        gone = q.pop_many(list(map(_OID, objs)))
+        self.evictable_pages -= sum(map(_PAGES, compress(objs, map(is_not, gone, repeat(None)))))
+
+    def _queue_of(self, objs: Sequence[Evictable]) -> RecencyQueue | None:
+        """The one queue all of ``objs`` belong in, or None if they span several."""
+        types = set(map(_TYPE, objs))
+        return self._queues[PRIORITY[types.pop()]] if len(types) == 1 else None
 
     def touch(self, obj: Evictable) -> None:
         q = self._queues[PRIORITY[obj.content_type]]
@@ -142,6 +175,9 @@ class PlainLRU(PriorityLRU):
     def remove(self, obj: Evictable) -> None:
         if self._queues[0].pop(obj.object_id, None) is not None:
             self.evictable_pages -= obj.num_pages
+
+    def _queue_of(self, objs: Sequence[Evictable]) -> RecencyQueue | None:
+        return self._queues[0]
 
     def touch(self, obj: Evictable) -> None:
         q = self._queues[0]

@@ -21,6 +21,8 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import attrgetter
 
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
@@ -54,6 +56,10 @@ from memory_broker.broker.store.transactions import Transactions
 from memory_broker.broker.store.txn_book import TransactionBook
 from memory_broker.proto.wire.errors import denied, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
+
+_STATE, _PINS = attrgetter("state"), attrgetter("pins")
+# What a key may be (``check_key`` says so of anything else).
+_BYTES_TYPES = frozenset((bytes,))
 
 # The records callers use come from here too (one import for the store's API).
 __all__ = [
@@ -394,6 +400,10 @@ class ObjectStore:
         """Drop pins the session holds; never another session's."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
+        objs = self._held_once(session, object_ids)
+        if objs is not None:
+            self.ledger.unpin_once(s, objs)
+            return
         wanted = Counter(object_ids)
         objs = []
         get, check_unpin, prepared = self.objects.get, self.ledger.check_unpin, ObjectState.PREPARED
@@ -408,21 +418,36 @@ class ObjectStore:
             objs.append((obj, count))
         self.ledger.unpin_all(s, objs)
 
+    def _held_once(self, session: int, object_ids: Sequence[int]) -> list[Allocation] | None:
+        """The objects of ``object_ids`` when each is named once, is visible and holds a pin
+        of ``session`` (the usual unpin), read in C-level passes; None otherwise (the caller
+        then checks id by id and says what is wrong)."""
+        if len(set(object_ids)) != len(object_ids):
+            return None
+        try:
+            objs = self.objects.get_many(object_ids, ints=True)
+        except TypeError:  # an id that is not an int
+            return None
+        if None in objs or ObjectState.PREPARED in map(_STATE, objs):
+            return None
+        if 0 in map(dict.get, map(_PINS, objs), repeat(session), repeat(0)):
+            return None
+        return objs
+
     def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
         s = self._session(session)
         check_batch(len(keys), "keys", self.config.max_batch)
         most = self.config.max_key_bytes
-        for i, k in enumerate(keys):
-            if not k or len(k) > most:
+        if keys and not (
+            _BYTES_TYPES.issuperset(map(type, keys)) and min(map(len, keys)) and max(map(len, keys)) <= most
+        ):
+            for i, k in enumerate(keys):
                 check_key(k, f"keys[{i}]", most)  # raises, saying why
-        found = []
-        get, pool = self.keys.get, s.pool
-        for k in keys:
-            obj = get(map_key(pool, k) if pool else k)
-            if obj is None:
-                break
-            found.append(obj)
+        pool = s.pool
+        found = self.keys.get_many([map_key(pool, k) for k in keys] if pool else keys)
+        if None in found:
+            del found[found.index(None) :]
         if pin:
             self.ledger.check_limit(s, len(found))
             self.ledger.pin_all(s, found)

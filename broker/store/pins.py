@@ -9,10 +9,17 @@ and frees nothing itself: the last pin of a freed object goes to the store's ``d
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import attrgetter, not_
+
 from memory_broker.broker.store.context import StoreContext
 from memory_broker.broker.store.records import Allocation, SessionState
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.proto.wire.errors import denied, exhausted, precondition
+
+_OID, _PINS, _COUNT = attrgetter("object_id"), attrgetter("pins"), attrgetter("pin_count")
+_PAGES, _FREED = attrgetter("num_pages"), attrgetter("freed")
+_ONE_MORE, _ONE_LESS = (1).__add__, (-1).__add__
 
 
 class PinLedger:
@@ -35,6 +42,9 @@ class PinLedger:
         self._internal = ctx.internal_sessions
         self._txns = ctx.txns
         self._drop = ctx.table.drop
+        # Batch forms of the policy's add and remove, where it has them.
+        self._add_all = getattr(ctx.policy, "add_all", None)
+        self._remove_all = getattr(ctx.policy, "remove_all", None)
 
     def check_limit(self, s: SessionState, adding: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) if ``adding`` pins would take ``s`` over its limit."""
@@ -76,7 +86,37 @@ class PinLedger:
         s.pins[obj.object_id] = s.pins.get(obj.object_id, 0) + 1
 
     def pin_all(self, s: SessionState, objs: list[Allocation]) -> None:
-        """``pin`` for each of ``objs`` in order, in one pass (a step pins hundreds)."""
+        """``pin`` for each of ``objs`` in order (a step pins hundreds): distinct objects in
+        C-level passes over the batch (``map`` of attribute getters and dict methods, no
+        Python code per object), a batch naming one twice object by object."""
+        oids = list(map(_OID, objs))
+        if len(set(oids)) != len(oids) or self._remove_all is None:
+            self._pin_each(s, objs)
+            return
+        sid, n = s.session_id, len(objs)
+        pins = list(map(_PINS, objs))
+        counts = list(map(_COUNT, objs))
+        fresh = list(compress(objs, map(not_, counts)))
+        held = sum(map(dict.__contains__, pins, repeat(sid)))
+        any(map(setattr, objs, repeat("pin_count"), map(_ONE_MORE, counts)))
+        if held:
+            mine = list(map(_ONE_MORE, map(dict.get, pins, repeat(sid), repeat(0))))
+            any(map(dict.__setitem__, pins, repeat(sid), mine))
+            s.pins.update(zip(oids, mine))
+        else:  # s.pins mirrors obj.pins: none of these is in it either
+            any(map(dict.__setitem__, pins, repeat(sid), repeat(1)))
+            s.pins.update(zip(oids, repeat(1)))
+        s.pin_total += n
+        if fresh:
+            self._remove_all(fresh)
+            tally = self._tally
+            tally.pinned_pages += sum(map(_PAGES, fresh))
+            tally.pinned_objects += len(fresh)
+        if n - len(fresh) - held:
+            self._counters.pin_contention += n - len(fresh) - held
+
+    def _pin_each(self, s: SessionState, objs: list[Allocation]) -> None:
+        """``pin_all``, one object at a time."""
         sid = s.session_id
         spins = s.pins
         remove = self._policy.remove
@@ -122,6 +162,44 @@ class PinLedger:
                 total = 0
                 self._became_unpinned(obj)
         s.pin_total -= total
+
+    def unpin_once(self, s: SessionState, objs: list[Allocation]) -> None:
+        """``unpin_all`` of one pin on each of ``objs``: distinct objects on each of which
+        ``s`` holds a pin (the caller checked), in C-level passes over the batch."""
+        if self._add_all is None:
+            self.unpin_all(s, [(obj, 1) for obj in objs])
+            return
+        sid, spins = s.session_id, s.pins
+        oids = list(map(_OID, objs))
+        pins = list(map(_PINS, objs))
+        mine = list(map(dict.__getitem__, pins, repeat(sid)))
+        counts = list(map(_ONE_LESS, map(_COUNT, objs)))
+        any(map(setattr, objs, repeat("pin_count"), counts))
+        if mine.count(1) == len(mine):  # the usual: one pin each, all gone
+            any(map(dict.__delitem__, pins, repeat(sid)))
+            any(map(spins.__delitem__, oids))
+        else:
+            for oid, p, m in zip(oids, pins, mine):
+                if m > 1:
+                    p[sid] = spins[oid] = m - 1
+                else:
+                    del p[sid], spins[oid]
+        s.pin_total -= len(objs)
+        if 0 in counts:
+            self._became_unpinned_all(list(compress(objs, map(not_, counts))))
+
+    def _became_unpinned_all(self, objs: list[Allocation]) -> None:
+        """``_became_unpinned`` for each of ``objs``, in order."""
+        tally = self._tally
+        tally.pinned_pages -= sum(map(_PAGES, objs))
+        tally.pinned_objects -= len(objs)
+        if any(map(_FREED, objs)):
+            keep = [obj for obj in objs if not obj.freed]
+            for obj in objs:
+                if obj.freed:
+                    self._drop(obj, "freed")
+            objs = keep
+        self._add_all(objs)
 
     def unpin(self, s: SessionState, obj: Allocation, count: int) -> None:
         """Drop ``count`` of the pins ``s`` holds on ``obj`` (the caller checked it holds them)."""

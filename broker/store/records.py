@@ -65,6 +65,10 @@ class Allocation:
     digest: str = ""
     # The pool its pages come from: 0 the shared pool, 1.. a tenant's (ARCHITECTURE.md, "Pools").
     pool: int = 0
+    # Its step-channel reply record's fixed parts (id and window page; pages and key), made
+    # when first sent (proto/wire/step.py, encode_allocations): its id, pages and key never change.
+    wire_head: bytes | None = None
+    wire_tail: bytes | None = None
 
 
 @dataclass(slots=True, eq=False)

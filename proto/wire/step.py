@@ -18,6 +18,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import attrgetter
 
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -289,6 +291,34 @@ def _strs16(body: bytes, pos: int, count: int, end: int, text: bool) -> tuple[tu
     return tuple(out), pos
 
 
+# Structs that read ``count`` keys of ``length`` bytes each, by (length, count): the few a
+# broker's engines send (their keys are digests of one size), at most _KEY_RUNS_MAX of them.
+_KEY_RUNS: dict[tuple[int, int], struct.Struct] = {}
+_KEY_RUNS_MAX = 32
+
+
+def _keys16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple, int]:
+    """``_strs16`` of keys: when all ``count`` keys have the first one's length (an engine's
+    keys are digests of one size), read in one ``struct`` call after checking every length
+    prefix with two byte slices; otherwise key by key."""
+    if count > 1 and pos + 2 <= end:
+        n = body[pos] | body[pos + 1] << 8
+        stride = n + 2
+        e = pos + stride * count
+        if (
+            e <= end
+            and body[pos:e:stride] == bytes((n & 0xFF,)) * count
+            and body[pos + 1 : e : stride] == bytes((n >> 8,)) * count
+        ):
+            st = _KEY_RUNS.get((n, count))
+            if st is None:
+                if len(_KEY_RUNS) >= _KEY_RUNS_MAX:
+                    _KEY_RUNS.clear()
+                st = _KEY_RUNS[n, count] = struct.Struct("<" + ("2x%ds" % n) * count)
+            return st.unpack_from(body, pos), e
+    return _strs16(body, pos, count, end, False)
+
+
 def _decode_step_fast(body: bytes) -> list[Op]:
     end = len(body)
     (n,) = _U16.unpack_from(body, 0)
@@ -303,7 +333,7 @@ def _decode_step_fast(body: bytes) -> list[Op]:
             pin, count = _LOOKUP_HEAD.unpack_from(body, pos)
             if pin > 1:
                 raise _Malformed
-            items, pos = _strs16(body, pos + 3, count, end, False)
+            items, pos = _keys16(body, pos + 3, count, end)
             ops.append(Op(k, items, pin))
         elif k == OP_ACQUIRE:
             flags, cap, lease_ms, count = _ACQ_HEAD.unpack_from(body, pos)
@@ -392,10 +422,50 @@ def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
     return b"".join(parts)
 
 
+# An object record's parts: what never changes before its state (id, window page), what
+# may change from one reply to the next (state, content type, flags, session and total pins),
+# and what never changes after it (page count, pages, key).
+_OBJ_FIXED_HEAD = struct.Struct("<Qq")
+_OBJ_CHANGING = struct.Struct("<BBBII")
+assert _OBJ_FIXED_HEAD.size + _OBJ_CHANGING.size + 4 == _OBJ_HEAD.size
+_HEADS, _TAILS = attrgetter("wire_head"), attrgetter("wire_tail")
+_STATES, _TYPES, _OWNERS = attrgetter("state"), attrgetter("content_type"), attrgetter("owner")
+_PINS, _PIN_COUNTS = attrgetter("pins"), attrgetter("pin_count")
+
+
+def _fill_wire(o) -> None:
+    """Make ``o``'s fixed record parts (``wire_head``, ``wire_tail``)."""
+    pages, key = o.pages, o.key or b""
+    n = len(pages)
+    o.wire_head = _OBJ_FIXED_HEAD.pack(o.object_id, o.window_page)
+    o.wire_tail = struct.pack("<I%dIH" % n, n, *pages, len(key)) + key
+
+
 def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
     """``encode_object_rows`` read straight from the store's objects, for session ``sid``
-    (one pass; anything with ``object_id``, ``window_page``, ``state``, ``content_type``,
-    ``owner``, ``pins``, ``pin_count``, ``pages`` and ``key``; never deduplicated)."""
+    (anything with ``object_id``, ``window_page``, ``state``, ``content_type``, ``owner``,
+    ``pins``, ``pin_count``, ``pages`` and ``key``; never deduplicated).
+
+    Objects with ``wire_head`` and ``wire_tail`` slots (the store's) keep their fixed parts
+    there, made when first sent: a reply is then those joined with each object's changing
+    fields, packed in C-level passes over the batch (no Python code per object)."""
+    if objs and hasattr(objs[0], "wire_tail"):
+        heads = list(map(_HEADS, objs))
+        if None in heads:
+            for o in objs:
+                if o.wire_head is None:
+                    _fill_wire(o)
+            heads = list(map(_HEADS, objs))
+        changing = map(
+            _OBJ_CHANGING.pack,
+            map(_STATES, objs),
+            map(_TYPES, objs),
+            map(sid.__eq__, map(_OWNERS, objs)),
+            map(dict.get, map(_PINS, objs), repeat(sid), repeat(0)),
+            map(_PIN_COUNTS, objs),
+        )
+        parts = chain.from_iterable(zip(heads, changing, map(_TAILS, objs)))
+        return _OBJS_HEAD.pack(kind, len(objs)) + b"".join(parts)
     parts = [_OBJS_HEAD.pack(kind, len(objs))]
     append, head, u16, pack = parts.append, _OBJ_HEAD.pack, _U16.pack, struct.pack
     for o in objs:
