@@ -21,8 +21,6 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from itertools import repeat
-from operator import attrgetter
 
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
@@ -50,14 +48,13 @@ from memory_broker.broker.store.records import (
     TxnState,
 )
 from memory_broker.broker.store.room import Allocator, RoomMaker
-from memory_broker.broker.store.shards import ShardedMap
+from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage, read_stats
 from memory_broker.broker.store.transactions import Transactions
 from memory_broker.broker.store.txn_book import TransactionBook
 from memory_broker.proto.wire.errors import denied, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
 
-_STATE, _PINS = attrgetter("state"), attrgetter("pins")
 # What a key may be (``check_key`` says so of anything else).
 _BYTES_TYPES = frozenset((bytes,))
 
@@ -419,18 +416,21 @@ class ObjectStore:
         self.ledger.unpin_all(s, objs)
 
     def _held_once(self, session: int, object_ids: Sequence[int]) -> list[Allocation] | None:
-        """The objects of ``object_ids`` when each is named once, is visible and holds a pin
-        of ``session`` (the usual unpin), read in C-level passes; None otherwise (the caller
-        then checks id by id and says what is wrong)."""
+        """The objects of ``object_ids`` when each is named once, is committed or freed but
+        pinned, and holds a pin of ``session`` (the usual unpin), in one loop; None otherwise
+        (the caller then checks id by id and says what is wrong)."""
         if len(set(object_ids)) != len(object_ids):
             return None
+        shards, prepared = self.objects.shards, ObjectState.PREPARED
+        objs = []
+        append = objs.append
         try:
-            objs = self.objects.get_many(object_ids, ints=True)
+            for oid in object_ids:
+                obj = shards[oid & MASK].get(oid)  # ShardedMap.get of an int id
+                if obj is None or session not in obj.pins or obj.state == prepared:
+                    return None
+                append(obj)
         except TypeError:  # an id that is not an int
-            return None
-        if None in objs or ObjectState.PREPARED in map(_STATE, objs):
-            return None
-        if 0 in map(dict.get, map(_PINS, objs), repeat(session), repeat(0)):
             return None
         return objs
 
@@ -444,10 +444,13 @@ class ObjectStore:
         ):
             for i, k in enumerate(keys):
                 check_key(k, f"keys[{i}]", most)  # raises, saying why
-        pool = s.pool
-        found = self.keys.get_many([map_key(pool, k) for k in keys] if pool else keys)
-        if None in found:
-            del found[found.index(None) :]
+        found = []
+        append, shards, pool = found.append, self.keys.shards, s.pool
+        for k in [map_key(pool, k) for k in keys] if pool else keys:
+            obj = shards[hash(k) & MASK].get(k)  # ShardedMap.get of a bytes key
+            if obj is None:
+                break
+            append(obj)
         if pin:
             self.ledger.check_limit(s, len(found))
             self.ledger.pin_all(s, found)

@@ -9,17 +9,14 @@ and frees nothing itself: the last pin of a freed object goes to the store's ``d
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import attrgetter, not_
+from operator import attrgetter
 
 from memory_broker.broker.store.context import StoreContext
 from memory_broker.broker.store.records import Allocation, SessionState
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.proto.wire.errors import denied, exhausted, precondition
 
-_OID, _PINS, _COUNT = attrgetter("object_id"), attrgetter("pins"), attrgetter("pin_count")
 _PAGES, _FREED = attrgetter("num_pages"), attrgetter("freed")
-_ONE_MORE, _ONE_LESS = (1).__add__, (-1).__add__
 
 
 class PinLedger:
@@ -86,34 +83,35 @@ class PinLedger:
         s.pins[obj.object_id] = s.pins.get(obj.object_id, 0) + 1
 
     def pin_all(self, s: SessionState, objs: list[Allocation]) -> None:
-        """``pin`` for each of ``objs`` in order (a step pins hundreds): distinct objects in
-        C-level passes over the batch (``map`` of attribute getters and dict methods, no
-        Python code per object), a batch naming one twice object by object."""
-        oids = list(map(_OID, objs))
-        if len(set(oids)) != len(oids) or self._remove_all is None:
+        """``pin`` for each of ``objs`` in order (a step pins hundreds): one loop, and the
+        objects that were unpinned leave the eviction candidates in one batch."""
+        remove_all = self._remove_all
+        if remove_all is None:
             self._pin_each(s, objs)
             return
-        sid, n = s.session_id, len(objs)
-        pins = list(map(_PINS, objs))
-        counts = list(map(_COUNT, objs))
-        fresh = list(compress(objs, map(not_, counts)))
-        held = sum(map(dict.__contains__, pins, repeat(sid)))
-        any(map(setattr, objs, repeat("pin_count"), map(_ONE_MORE, counts)))
-        if held:
-            mine = list(map(_ONE_MORE, map(dict.get, pins, repeat(sid), repeat(0))))
-            any(map(dict.__setitem__, pins, repeat(sid), mine))
-            s.pins.update(zip(oids, mine))
-        else:  # s.pins mirrors obj.pins: none of these is in it either
-            any(map(dict.__setitem__, pins, repeat(sid), repeat(1)))
-            s.pins.update(zip(oids, repeat(1)))
-        s.pin_total += n
+        sid = s.session_id
+        spins = s.pins
+        fresh = []
+        contention = 0
+        for obj in objs:
+            pins = obj.pins
+            n = obj.pin_count
+            if not n:
+                fresh.append(obj)
+            elif sid not in pins:
+                contention += 1
+            obj.pin_count = n + 1
+            pins[sid] = pins.get(sid, 0) + 1
+            oid = obj.object_id
+            spins[oid] = spins.get(oid, 0) + 1
+        s.pin_total += len(objs)
         if fresh:
-            self._remove_all(fresh)
+            remove_all(fresh)
             tally = self._tally
             tally.pinned_pages += sum(map(_PAGES, fresh))
             tally.pinned_objects += len(fresh)
-        if n - len(fresh) - held:
-            self._counters.pin_contention += n - len(fresh) - held
+        if contention:
+            self._counters.pin_contention += contention
 
     def _pin_each(self, s: SessionState, objs: list[Allocation]) -> None:
         """``pin_all``, one object at a time."""
@@ -165,28 +163,28 @@ class PinLedger:
 
     def unpin_once(self, s: SessionState, objs: list[Allocation]) -> None:
         """``unpin_all`` of one pin on each of ``objs``: distinct objects on each of which
-        ``s`` holds a pin (the caller checked), in C-level passes over the batch."""
+        ``s`` holds a pin (the caller checked); one loop, and the objects left unpinned
+        become eviction candidates in one batch."""
         if self._add_all is None:
             self.unpin_all(s, [(obj, 1) for obj in objs])
             return
         sid, spins = s.session_id, s.pins
-        oids = list(map(_OID, objs))
-        pins = list(map(_PINS, objs))
-        mine = list(map(dict.__getitem__, pins, repeat(sid)))
-        counts = list(map(_ONE_LESS, map(_COUNT, objs)))
-        any(map(setattr, objs, repeat("pin_count"), counts))
-        if mine.count(1) == len(mine):  # the usual: one pin each, all gone
-            any(map(dict.__delitem__, pins, repeat(sid)))
-            any(map(spins.__delitem__, oids))
-        else:
-            for oid, p, m in zip(oids, pins, mine):
-                if m > 1:
-                    p[sid] = spins[oid] = m - 1
-                else:
-                    del p[sid], spins[oid]
+        zero = []
+        for obj in objs:
+            pins = obj.pins
+            left = pins[sid] - 1
+            if left:
+                pins[sid] = spins[obj.object_id] = left
+            else:
+                del pins[sid]
+                del spins[obj.object_id]
+            n = obj.pin_count - 1
+            obj.pin_count = n
+            if not n:
+                zero.append(obj)
         s.pin_total -= len(objs)
-        if 0 in counts:
-            self._became_unpinned_all(list(compress(objs, map(not_, counts))))
+        if zero:
+            self._became_unpinned_all(zero)
 
     def _became_unpinned_all(self, objs: list[Allocation]) -> None:
         """``_became_unpinned`` for each of ``objs``, in order."""

@@ -67,8 +67,10 @@ class Allocation:
     pool: int = 0
     # Its step-channel reply record's fixed parts (id and window page; pages and key), made
     # when first sent (proto/wire/step.py, encode_allocations): its id, pages and key never change.
-    wire_head: bytes | None = None
-    wire_tail: bytes | None = None
+    wire_head: bytes | None = field(default=None, repr=False)
+    wire_tail: bytes | None = field(default=None, repr=False)
+    # The eviction queue segment it is in while a candidate, else None (eviction.ObjectQueue).
+    queue_seg: dict | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True, eq=False)

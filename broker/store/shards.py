@@ -12,9 +12,7 @@ at most 4,096 entries. They hold no knowledge of objects, pins or sessions.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
-from itertools import compress, repeat
-from operator import is_not
+from collections.abc import Iterator
 from typing import Any
 
 BITS = 8
@@ -33,6 +31,12 @@ class ShardedMap:
         self._shards: list[dict] = [{} for _ in range(MASK + 1)]
         self._len = 0
 
+    @property
+    def shards(self) -> list[dict]:
+        """The shard dicts: an int key ``k`` is in ``shards[k & MASK]``, any other in
+        ``shards[hash(k) & MASK]`` (for callers that read many keys in one loop)."""
+        return self._shards
+
     def _shard(self, key) -> dict:
         return self._shards[(key if key.__class__ is int else hash(key)) & MASK]
 
@@ -41,12 +45,6 @@ class ShardedMap:
 
     def get(self, key, default=None):
         return self._shards[(key if key.__class__ is int else hash(key)) & MASK].get(key, default)
-
-    def get_many(self, keys: Sequence, ints: bool = False) -> list:
-        """``[self.get(k) for k in keys]`` in C-level passes (a step reads hundreds).
-        ``ints``: every key is an ``int`` (sharded by its value, not its hash)."""
-        shard = map(self._shards.__getitem__, map(MASK.__and__, keys if ints else map(hash, keys)))
-        return list(map(dict.get, shard, keys))
 
     def __setitem__(self, key, value) -> None:
         d = self._shards[(key if key.__class__ is int else hash(key)) & MASK]
@@ -205,49 +203,6 @@ class RecencyQueue:
         if not seg and seg is not self._segs[-1]:
             self._drop(seg)
         return v
-
-    def pop_many(self, keys: Sequence[int]) -> list:
-        """``[self.pop(k) for k in keys]`` (None where absent) in C-level passes; ``keys``
-        distinct ints (object ids)."""
-        where = self._where
-        shards = list(map(where._shards.__getitem__, map(MASK.__and__, keys)))
-        segs = list(map(dict.pop, shards, keys, repeat(None)))
-        if None in segs:
-            present = list(map(is_not, segs, repeat(None)))
-            keys, segs = list(compress(keys, present)), list(compress(segs, present))
-            out = iter(list(map(dict.pop, segs, keys)))
-            values = [next(out) if p else None for p in present]
-        else:
-            values = list(map(dict.pop, segs, keys))
-        where._len -= len(segs)
-        last = self._segs[-1]
-        for seg in dict(zip(map(id, segs), segs)).values():
-            if not seg and seg is not last:
-                self._drop(seg)
-        return values
-
-    def add_many(self, keys: Sequence[int], values: Sequence) -> None:
-        """Add each (key, value) as the newest entry, in order (``__setitem__`` for each);
-        ``keys`` distinct ints."""
-        where = self._where
-        shards = list(map(where._shards.__getitem__, map(MASK.__and__, keys)))
-        if any(map(dict.__contains__, shards, keys)):
-            for k, v in zip(keys, values):
-                self[k] = v
-            return
-        i, n = 0, len(keys)
-        while i < n:
-            last = self._segs[-1]
-            room = SEGMENT - len(last)
-            if room <= 0:
-                last = {}
-                self._segs.append(last)
-                room = SEGMENT
-            j = min(n, i + room)
-            last.update(zip(keys[i:j], values[i:j]))
-            any(map(dict.__setitem__, shards[i:j], keys[i:j], repeat(last)))
-            i = j
-        where._len += n
 
     def move_to_end(self, key: int) -> None:
         v = self.pop(key, _MISSING)

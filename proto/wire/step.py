@@ -18,8 +18,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
-from operator import attrgetter
 
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -422,23 +420,25 @@ def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
     return b"".join(parts)
 
 
-# An object record's parts: what never changes before its state (id, window page), what
-# may change from one reply to the next (state, content type, flags, session and total pins),
-# and what never changes after it (page count, pages, key).
-_OBJ_FIXED_HEAD = struct.Struct("<Qq")
-_OBJ_CHANGING = struct.Struct("<BBBII")
+# An object record's parts: what never changes once it is committed (id, window page,
+# state, content type), what may change from one reply to the next (flags, session and
+# total pins), and what never changes at all (page count, pages, key).
+_OBJ_FIXED_HEAD = struct.Struct("<QqBB")
+_OBJ_CHANGING = struct.Struct("<BII")
 assert _OBJ_FIXED_HEAD.size + _OBJ_CHANGING.size + 4 == _OBJ_HEAD.size
-_HEADS, _TAILS = attrgetter("wire_head"), attrgetter("wire_tail")
-_STATES, _TYPES, _OWNERS = attrgetter("state"), attrgetter("content_type"), attrgetter("owner")
-_PINS, _PIN_COUNTS = attrgetter("pins"), attrgetter("pin_count")
+_COMMITTED = 2  # ObjectState.COMMITTED: from then on, an object's head never changes
 
 
-def _fill_wire(o) -> None:
-    """Make ``o``'s fixed record parts (``wire_head``, ``wire_tail``)."""
+def _wire_parts(o) -> tuple[bytes, bytes]:
+    """``o``'s fixed record parts (head, tail), kept on it (``wire_head``, ``wire_tail``)
+    once it is committed."""
     pages, key = o.pages, o.key or b""
     n = len(pages)
-    o.wire_head = _OBJ_FIXED_HEAD.pack(o.object_id, o.window_page)
-    o.wire_tail = struct.pack("<I%dIH" % n, n, *pages, len(key)) + key
+    head = _OBJ_FIXED_HEAD.pack(o.object_id, o.window_page, o.state, o.content_type)
+    tail = struct.pack("<I%dIH" % n, n, *pages, len(key)) + key
+    if o.state == _COMMITTED:
+        o.wire_head, o.wire_tail = head, tail
+    return head, tail
 
 
 def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
@@ -447,25 +447,20 @@ def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
     ``pins``, ``pin_count``, ``pages`` and ``key``; never deduplicated).
 
     Objects with ``wire_head`` and ``wire_tail`` slots (the store's) keep their fixed parts
-    there, made when first sent: a reply is then those joined with each object's changing
-    fields, packed in C-level passes over the batch (no Python code per object)."""
+    there once committed: a record is then those two around its changing fields."""
     if objs and hasattr(objs[0], "wire_tail"):
-        heads = list(map(_HEADS, objs))
-        if None in heads:
-            for o in objs:
-                if o.wire_head is None:
-                    _fill_wire(o)
-            heads = list(map(_HEADS, objs))
-        changing = map(
-            _OBJ_CHANGING.pack,
-            map(_STATES, objs),
-            map(_TYPES, objs),
-            map(sid.__eq__, map(_OWNERS, objs)),
-            map(dict.get, map(_PINS, objs), repeat(sid), repeat(0)),
-            map(_PIN_COUNTS, objs),
-        )
-        parts = chain.from_iterable(zip(heads, changing, map(_TAILS, objs)))
-        return _OBJS_HEAD.pack(kind, len(objs)) + b"".join(parts)
+        parts = [_OBJS_HEAD.pack(kind, len(objs))]
+        append, pack = parts.append, _OBJ_CHANGING.pack
+        for o in objs:
+            head = o.wire_head
+            if head is None:
+                head, tail = _wire_parts(o)
+            else:
+                tail = o.wire_tail
+            append(head)
+            append(pack(o.owner == sid, o.pins.get(sid, 0), o.pin_count))
+            append(tail)
+        return b"".join(parts)
     parts = [_OBJS_HEAD.pack(kind, len(objs))]
     append, head, u16, pack = parts.append, _OBJ_HEAD.pack, _U16.pack, struct.pack
     for o in objs:
