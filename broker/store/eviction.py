@@ -154,12 +154,14 @@ class PriorityLRU:
         """``add`` for each of ``objs`` in order (a step unpins hundreds): one loop."""
         queues, rank = self._queues, self._rank
         pages = 0
+        ct = segs = None
         for obj in objs:
-            seg = obj.queue_seg
-            if seg is not None:  # in a queue already (the store adds an object once)
+            if obj.queue_seg is not None:  # in a queue already (the store adds an object once)
                 self.add(obj)
                 continue
-            segs = queues[rank[obj.content_type]]._segs
+            if obj.content_type is not ct:
+                ct = obj.content_type
+                segs = queues[rank[ct]]._segs
             last = segs[-1]
             if len(last) >= SEGMENT:
                 last = {}
@@ -170,16 +172,14 @@ class PriorityLRU:
         self.evictable_pages += pages
 
     def remove_all(self, objs: Sequence[Evictable]) -> None:
-        """``remove`` for each of ``objs`` (a step pins hundreds): one loop."""
+        """``remove`` for each of ``objs`` (a step pins hundreds): one loop. An object's
+        ``queue_seg`` is set and cleared by the queues alone, so it is trusted here."""
         pages = 0
         for obj in objs:
             seg = obj.queue_seg
             if seg is None:
                 continue
-            oid = obj.object_id
-            if seg.get(oid) is not obj:
-                continue
-            del seg[oid]
+            del seg[obj.object_id]
             obj.queue_seg = None
             pages += obj.num_pages
             if not seg:

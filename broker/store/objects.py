@@ -55,9 +55,6 @@ from memory_broker.broker.store.txn_book import TransactionBook
 from memory_broker.proto.wire.errors import denied, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
 
-# What a key may be (``check_key`` says so of anything else).
-_BYTES_TYPES = frozenset((bytes,))
-
 # The records callers use come from here too (one import for the store's API).
 __all__ = [
     "Allocation",
@@ -416,18 +413,19 @@ class ObjectStore:
         self.ledger.unpin_all(s, objs)
 
     def _held_once(self, session: int, object_ids: Sequence[int]) -> list[Allocation] | None:
-        """The objects of ``object_ids`` when each is named once, is committed or freed but
-        pinned, and holds a pin of ``session`` (the usual unpin), in one loop; None otherwise
+        """The objects of ``object_ids`` when each is named once and holds a pin of
+        ``session`` (the usual unpin), in one loop; None otherwise
         (the caller then checks id by id and says what is wrong)."""
         if len(set(object_ids)) != len(object_ids):
             return None
-        shards, prepared = self.objects.shards, ObjectState.PREPARED
+        shards = self.objects.shards
         objs = []
         append = objs.append
         try:
             for oid in object_ids:
                 obj = shards[oid & MASK].get(oid)  # ShardedMap.get of an int id
-                if obj is None or session not in obj.pins or obj.state == prepared:
+                # (a PREPARED object holds no pins: this also leaves those to the caller)
+                if obj is None or session not in obj.pins:
                     return None
                 append(obj)
         except TypeError:  # an id that is not an int
@@ -439,9 +437,11 @@ class ObjectStore:
         s = self._session(session)
         check_batch(len(keys), "keys", self.config.max_batch)
         most = self.config.max_key_bytes
-        if keys and not (
-            _BYTES_TYPES.issuperset(map(type, keys)) and min(map(len, keys)) and max(map(len, keys)) <= most
-        ):
+        try:
+            bad = bool(keys) and (not min(map(len, keys)) or max(map(len, keys)) > most)
+        except TypeError:  # a key without a length: check_key says what is wrong
+            bad = True
+        if bad:
             for i, k in enumerate(keys):
                 check_key(k, f"keys[{i}]", most)  # raises, saying why
         found = []

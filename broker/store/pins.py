@@ -94,13 +94,15 @@ class PinLedger:
         fresh = []
         contention = 0
         for obj in objs:
-            pins = obj.pins
             n = obj.pin_count
-            if not n:
-                fresh.append(obj)
-            elif sid not in pins:
-                contention += 1
             obj.pin_count = n + 1
+            if not n:  # no pins at all: none of this session's either (s.pins mirrors obj.pins)
+                fresh.append(obj)
+                obj.pins[sid] = spins[obj.object_id] = 1
+                continue
+            pins = obj.pins
+            if sid not in pins:
+                contention += 1
             pins[sid] = pins.get(sid, 0) + 1
             oid = obj.object_id
             spins[oid] = spins.get(oid, 0) + 1

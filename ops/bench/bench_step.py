@@ -422,12 +422,18 @@ def inprocess_broker(d: str, sock: str) -> dict:
     return box
 
 
+def item_key(i: int) -> bytes:
+    """The per-item rows' KV key ``i``: 41 bytes, as the vLLM connector's (a prefix and a
+    SHA-256 digest; every key one size, as an engine's are)."""
+    return b"vllm-kv1:" + hashlib.sha256(b"item-%d" % i).digest()
+
+
 def item_sets(n: int) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], list[bytes]]]:
     """Two disjoint steps of ``n`` items each (A and B): steps alternate between them, so
     each frame gives back ``n`` items and takes ``n``."""
     na, nk = split_items(n)
-    a = ([f"it{i}" for i in range(na)], [b"item-%d" % i for i in range(nk)])
-    b = ([f"it{i}" for i in range(na, 2 * na)], [b"item-%d" % i for i in range(nk, 2 * nk)])
+    a = ([f"it{i}" for i in range(na)], [item_key(i) for i in range(nk)])
+    b = ([f"it{i}" for i in range(na, 2 * na)], [item_key(i) for i in range(nk, 2 * nk)])
     return a, b
 
 
@@ -576,7 +582,7 @@ def per_item(d: str, cycles: int) -> None:
     if r.failed:
         raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
     if nk:
-        setup.allocate([Spec(1, content_type="kv_cache", key=b"item-%d" % i) for i in range(2 * nk)])
+        setup.allocate([Spec(1, content_type="kv_cache", key=item_key(i)) for i in range(2 * nk)])
     c = BrokerClient.connect(sock, client_name="bench-items")
     if ids:
         c.acquire_adapters(ids).release()  # every layout fetched once, as an engine that has run a while
