@@ -153,21 +153,25 @@ class PriorityLRU:
     def add_all(self, objs: Sequence[Evictable]) -> None:
         """``add`` for each of ``objs`` in order (a step unpins hundreds): one loop."""
         queues, rank = self._queues, self._rank
-        pages = 0
-        ct = segs = None
+        pages = room = 0
+        ct = segs = last = None
         for obj in objs:
             if obj.queue_seg is not None:  # in a queue already (the store adds an object once)
                 self.add(obj)
+                ct = None
                 continue
             if obj.content_type is not ct:
                 ct = obj.content_type
                 segs = queues[rank[ct]]._segs
-            last = segs[-1]
-            if len(last) >= SEGMENT:
+                last = segs[-1]
+                room = SEGMENT - len(last)
+            if room <= 0:
                 last = {}
                 segs.append(last)
+                room = SEGMENT
             last[obj.object_id] = obj
             obj.queue_seg = last
+            room -= 1
             pages += obj.num_pages
         self.evictable_pages += pages
 
