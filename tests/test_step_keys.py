@@ -32,7 +32,7 @@ def make_store(max_pages: int = 256) -> ObjectStore:
 def item_by_item(store: ObjectStore) -> ObjectStore:
     """``store`` made to take the item-by-item paths (the batch forms hidden)."""
     store.ledger._add_all = store.ledger._remove_all = None
-    store._held_once = lambda session, ids: None
+    store.table.held_once = lambda session, ids: None
     return store
 
 

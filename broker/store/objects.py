@@ -394,7 +394,7 @@ class ObjectStore:
         """Drop pins the session holds; never another session's."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
-        objs = self._held_once(session, object_ids)
+        objs = self.table.held_once(session, object_ids)
         if objs is not None:
             self.ledger.unpin_once(s, objs)
             return
@@ -411,26 +411,6 @@ class ObjectStore:
                 check_unpin(session, obj, count)  # raises, saying why
             objs.append((obj, count))
         self.ledger.unpin_all(s, objs)
-
-    def _held_once(self, session: int, object_ids: Sequence[int]) -> list[Allocation] | None:
-        """The objects of ``object_ids`` when each is named once and holds a pin of
-        ``session`` (the usual unpin), in one loop; None otherwise
-        (the caller then checks id by id and says what is wrong)."""
-        if len(set(object_ids)) != len(object_ids):
-            return None
-        shards = self.objects.shards
-        objs = []
-        append = objs.append
-        try:
-            for oid in object_ids:
-                obj = shards[oid & MASK].get(oid)  # ShardedMap.get of an int id
-                # (a PREPARED object holds no pins: this also leaves those to the caller)
-                if obj is None or session not in obj.pins:
-                    return None
-                append(obj)
-        except TypeError:  # an id that is not an int
-            return None
-        return objs
 
     def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
