@@ -2,6 +2,7 @@
 """An engine step's control-plane cost at the client: gRPC, the step channel, its cache.
 
     python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT] [--poll-s S]
+    python ops/bench/bench_step.py --per-item | --keys-only | --adapters-only [--steps N]
 
 Starts a broker (host arena, --enable-echo) in a subprocess, registers 200 tiny adapters and
 makes them hot, and allocates keyed KV blocks. Two workloads, each step holding the batch's
@@ -29,6 +30,11 @@ own PING and a bare gRPC Echo, and the same raw ping-pong made after the model's
 this VM charges code that runs after an idle spell: read the overlapped rows against both).
 Targets (issue 16): steady median <= 2x raw; trace median <= 2x raw and p99 <= 10x (raw:
 the back-to-back ping-pong).
+
+``--per-item`` prints instead each side's cost of a step of 1, 8, 64 and 512 items (a third
+adapters, the rest KV keys; issue 28's target: a CPU slope between 64 and 512 items under
+0.5 us per item per side); ``--keys-only`` and ``--adapters-only`` make every item a KV key
+(41-byte digests, as the vLLM connector's) or an adapter, so each kind's slope shows alone.
 """
 
 from __future__ import annotations
@@ -599,8 +605,12 @@ def per_item(d: str, cycles: int) -> None:
 
     asyncio.run_coroutine_threadsafe(box["server"].stop(), box["loop"]).result(60)
     print(f"\nPer-item cost of a step, each side apart ({cycles} frames per row; {time.strftime('%Y-%m-%d')})")
-    what = {"mixed": "n//3 adapters and the rest KV keys", "keys": "n KV keys", "adapters": "n adapters"}[ITEM_MIX]
-    print(f"(a step of n items: {what}, acquired and looked up + pinned; each frame")
+    what = {
+        "mixed": "n//3 adapters and the rest KV keys, acquired and looked up + pinned",
+        "keys": "n KV keys, looked up + pinned",
+        "adapters": "n adapters, acquired",
+    }[ITEM_MIX]
+    print(f"(a step of n items: {what}; each frame")
     print(" also gives back the previous step's n items: release + unpin)")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f} us")
     print(
