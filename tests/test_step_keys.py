@@ -154,7 +154,8 @@ def test_add_all_and_remove_all_are_add_and_remove_in_order(policy, monkeypatch)
         assert batch.evictable_pages == single.evictable_pages and len(batch) == len(single)
         for q in batch._queues:
             assert all(list(q._segs)[:-1]), "an emptied segment was kept"
-            assert all(o.queue_seg is seg for seg in q._segs for o in seg.values())
+            assert all(batch._segments[o.queue_seg] is seg for seg in q._segs for o in seg.values())
+        assert set(batch._segments) == {n for q in batch._queues for n in q._nums}
 
 
 def test_an_object_queue_forgets_emptied_segments(monkeypatch):

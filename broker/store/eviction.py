@@ -9,6 +9,7 @@ size-aware step that takes one object covering the remaining need instead of man
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from enum import IntEnum
@@ -59,56 +60,84 @@ class EvictionPolicy(Protocol):
 SEGMENT = 4096
 
 
+# Segment numbers, unique across queues (an object names its segment by number).
+_SEGMENT_NUMBERS = itertools.count(1)
+
+
 class ObjectQueue:
     """Objects in the order they were added or moved to the end, oldest first.
 
     Like ``shards.RecencyQueue`` (segments of at most ``SEGMENT`` entries: no million-entry
-    table rebuilt inside a call), but each object records the segment it is in (its
-    ``queue_seg`` attribute) instead of a sharded table doing so: finding an object's entry
-    is one attribute read, not two hashed table lookups, so the batch forms (``PriorityLRU``'s
-    ``add_all`` and ``remove_all``: a step pins and unpins hundreds) are one short loop. An
-    object is in at most one queue at a time (its class's, of its pool's policy)."""
+    table rebuilt inside a call), but each object records the number of the segment it is in
+    (its ``queue_seg`` attribute) instead of a sharded table doing so: finding an object's
+    entry is an attribute read and one small lookup, so the batch forms (``PriorityLRU``'s
+    ``add_all`` and ``remove_all``: a step pins and unpins hundreds) are one short loop. A
+    number, not the segment itself, so that an object and its segment make no reference
+    cycle (the daemon frees its state by reference counting: ``app.quiet_gc``). An object is
+    in at most one queue at a time (its class's, of its pool's policy).
 
-    __slots__ = ("_segs",)
+    Args:
+        registry: segment number -> segment, shared by the queues of one policy."""
 
-    def __init__(self) -> None:
-        self._segs: deque[dict] = deque([{}])
+    __slots__ = ("_segs", "_nums", "_registry")
+
+    def __init__(self, registry: dict[int, dict] | None = None) -> None:
+        self._registry: dict[int, dict] = {} if registry is None else registry
+        self._segs: deque[dict] = deque()
+        self._nums: deque[int] = deque()
+        self.new_segment()
+
+    def new_segment(self) -> tuple[int, dict]:
+        """Start a new newest segment: (its number, it)."""
+        num, seg = next(_SEGMENT_NUMBERS), {}
+        self._segs.append(seg)
+        self._nums.append(num)
+        self._registry[num] = seg
+        return num, seg
+
+    def last(self) -> tuple[int, dict]:
+        """The newest segment: (its number, it)."""
+        return self._nums[-1], self._segs[-1]
 
     def add(self, obj) -> None:
         """Add as the newest entry (one already in is moved to the end)."""
         self.remove(obj)
-        last = self._segs[-1]
+        num, last = self.last()
         if len(last) >= SEGMENT:
-            last = {}
-            self._segs.append(last)
+            num, last = self.new_segment()
         last[obj.object_id] = obj
-        obj.queue_seg = last
+        obj.queue_seg = num
+
+    def _segment_of(self, obj) -> dict | None:
+        num = getattr(obj, "queue_seg", None)
+        seg = None if num is None else self._registry.get(num)
+        return seg if seg is not None and seg.get(obj.object_id) is obj else None
 
     def remove(self, obj) -> bool:
         """Take ``obj`` out; False if it was not in."""
-        seg = getattr(obj, "queue_seg", None)
-        if seg is None or seg.get(obj.object_id) is not obj:
+        seg = self._segment_of(obj)
+        if seg is None:
             return False
         del seg[obj.object_id]
-        obj.queue_seg = None
+        num, obj.queue_seg = obj.queue_seg, None
         if not seg and seg is not self._segs[-1]:
-            self.drop(seg)
+            self.drop(num)
         return True
 
     def __contains__(self, obj) -> bool:
-        seg = getattr(obj, "queue_seg", None)
-        return seg is not None and seg.get(obj.object_id) is obj
+        return self._segment_of(obj) is not None
 
-    def drop(self, seg: dict) -> None:
+    def drop(self, num: int) -> None:
         """Forget an emptied segment (at most ``len/SEGMENT`` of them are looked at)."""
-        segs = self._segs
-        if segs[0] is seg:
+        del self._registry[num]
+        segs, nums = self._segs, self._nums
+        if nums[0] == num:
             segs.popleft()
+            nums.popleft()
             return
-        for i, s in enumerate(segs):
-            if s is seg:
-                del segs[i]
-                return
+        i = nums.index(num)
+        del segs[i]
+        del nums[i]
 
     def __len__(self) -> int:
         return sum(map(len, self._segs))
@@ -134,7 +163,8 @@ class PriorityLRU:
         self.size_window = size_window
         # One LRU queue per priority rank; insertion order is recency (oldest first).
         # Recency queues per content class, in segments (no million-entry table rebuilt inside a call).
-        self._queues: list[ObjectQueue] = [ObjectQueue() for _ in EVICTION_ORDER]
+        self._segments: dict[int, dict] = {}  # every queue's segments, by number
+        self._queues: list[ObjectQueue] = [ObjectQueue(self._segments) for _ in EVICTION_ORDER]
         # The queue of each content type, by its number.
         self._rank: list[int | None] = [PRIORITY.get(ct) for ct in range(max(ContentType) + 1)]
         self.evictable_pages = 0
@@ -153,8 +183,8 @@ class PriorityLRU:
     def add_all(self, objs: Sequence[Evictable]) -> None:
         """``add`` for each of ``objs`` in order (a step unpins hundreds): one loop."""
         queues, rank = self._queues, self._rank
-        pages = room = 0
-        ct = segs = last = None
+        pages = room = num = 0
+        ct = q = last = None
         for obj in objs:
             if obj.queue_seg is not None:  # in a queue already (the store adds an object once)
                 self.add(obj)
@@ -162,15 +192,14 @@ class PriorityLRU:
                 continue
             if obj.content_type is not ct:
                 ct = obj.content_type
-                segs = queues[rank[ct]]._segs
-                last = segs[-1]
+                q = queues[rank[ct]]
+                num, last = q.last()
                 room = SEGMENT - len(last)
             if room <= 0:
-                last = {}
-                segs.append(last)
+                num, last = q.new_segment()
                 room = SEGMENT
             last[obj.object_id] = obj
-            obj.queue_seg = last
+            obj.queue_seg = num
             room -= 1
             pages += obj.num_pages
         self.evictable_pages += pages
@@ -178,18 +207,20 @@ class PriorityLRU:
     def remove_all(self, objs: Sequence[Evictable]) -> None:
         """``remove`` for each of ``objs`` (a step pins hundreds): one loop. An object's
         ``queue_seg`` is set and cleared by the queues alone, so it is trusted here."""
+        segments = self._segments
         pages = 0
         for obj in objs:
-            seg = obj.queue_seg
-            if seg is None:
+            num = obj.queue_seg
+            if num is None:
                 continue
+            seg = segments[num]
             del seg[obj.object_id]
             obj.queue_seg = None
             pages += obj.num_pages
             if not seg:
                 q = self._queues[self._rank[obj.content_type]]
                 if seg is not q._segs[-1]:
-                    q.drop(seg)
+                    q.drop(num)
         self.evictable_pages -= pages
 
     def touch(self, obj: Evictable) -> None:

@@ -69,8 +69,9 @@ class Allocation:
     # when first sent (proto/wire/step.py, encode_allocations): its id, pages and key never change.
     wire_head: bytes | None = field(default=None, repr=False)
     wire_tail: bytes | None = field(default=None, repr=False)
-    # The eviction queue segment it is in while a candidate, else None (eviction.ObjectQueue).
-    queue_seg: dict | None = field(default=None, repr=False)
+    # The number of the eviction queue segment it is in while a candidate, else None
+    # (eviction.ObjectQueue).
+    queue_seg: int | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True, eq=False)
