@@ -175,3 +175,11 @@ def test_bench_step_per_item_quick_run_prints_each_side_at_every_size():
     for n in (1, 8, 64, 512):
         assert any(line.split()[:1] == [str(n)] for line in out.splitlines()), out
     assert "target per-item, broker" in out and "target per-item, client" in out
+
+
+def test_bench_step_keys_only_prints_the_broker_slope_of_kv_keys_alone():
+    out = bench("bench_step.py", "--keys-only", "--quick", "--steps", "80")
+    assert "a step of n items: n KV keys" in out
+    for n in (1, 8, 64, 512):
+        assert any(line.split()[:1] == [str(n)] for line in out.splitlines()), out
+    assert "target per-item, broker (keys only)" in out and "target per-item, client (keys only)" in out

@@ -9,11 +9,11 @@ size-aware step that takes one object covering the remaining need instead of man
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections import deque
+from collections.abc import Iterator, Sequence
 from enum import IntEnum
 from typing import Protocol
-
-from memory_broker.broker.store.shards import RecencyQueue
 
 
 class ContentType(IntEnum):
@@ -49,9 +49,102 @@ class EvictionPolicy(Protocol):
 
     def add(self, obj: Evictable) -> None: ...
     def remove(self, obj: Evictable) -> None: ...
+    # Optional: ``add``/``remove`` of many distinct objects at once (PinLedger uses them when present).
+    # def add_all(self, objs: Sequence[Evictable]) -> None: ...
+    # def remove_all(self, objs: Sequence[Evictable]) -> None: ...
     def touch(self, obj: Evictable) -> None: ...
     def select(self, need_pages: int, limit: int | None = None) -> list[Evictable]: ...
     def __len__(self) -> int: ...
+
+
+SEGMENT = 4096
+
+
+# Segment numbers, unique across queues (an object names its segment by number).
+_SEGMENT_NUMBERS = itertools.count(1)
+
+
+class ObjectQueue:
+    """Objects in the order they were added or moved to the end, oldest first.
+
+    Like ``shards.RecencyQueue`` (segments of at most ``SEGMENT`` entries: no million-entry
+    table rebuilt inside a call), but each object records the number of the segment it is in
+    (its ``queue_seg`` attribute) instead of a sharded table doing so: finding an object's
+    entry is an attribute read and one small lookup, so the batch forms (``PriorityLRU``'s
+    ``add_all`` and ``remove_all``: a step pins and unpins hundreds) are one short loop. A
+    number, not the segment itself, so that an object and its segment make no reference
+    cycle (the daemon frees its state by reference counting: ``app.quiet_gc``). An object is
+    in at most one queue at a time (its class's, of its pool's policy).
+
+    Args:
+        registry: segment number -> segment, shared by the queues of one policy."""
+
+    __slots__ = ("_segs", "_nums", "_registry")
+
+    def __init__(self, registry: dict[int, dict] | None = None) -> None:
+        self._registry: dict[int, dict] = {} if registry is None else registry
+        self._segs: deque[dict] = deque()
+        self._nums: deque[int] = deque()
+        self.new_segment()
+
+    def new_segment(self) -> tuple[int, dict]:
+        """Start a new newest segment: (its number, it)."""
+        num, seg = next(_SEGMENT_NUMBERS), {}
+        self._segs.append(seg)
+        self._nums.append(num)
+        self._registry[num] = seg
+        return num, seg
+
+    def last(self) -> tuple[int, dict]:
+        """The newest segment: (its number, it)."""
+        return self._nums[-1], self._segs[-1]
+
+    def add(self, obj) -> None:
+        """Add as the newest entry (one already in is moved to the end)."""
+        self.remove(obj)
+        num, last = self.last()
+        if len(last) >= SEGMENT:
+            num, last = self.new_segment()
+        last[obj.object_id] = obj
+        obj.queue_seg = num
+
+    def _segment_of(self, obj) -> dict | None:
+        num = getattr(obj, "queue_seg", None)
+        seg = None if num is None else self._registry.get(num)
+        return seg if seg is not None and seg.get(obj.object_id) is obj else None
+
+    def remove(self, obj) -> bool:
+        """Take ``obj`` out; False if it was not in."""
+        seg = self._segment_of(obj)
+        if seg is None:
+            return False
+        del seg[obj.object_id]
+        num, obj.queue_seg = obj.queue_seg, None
+        if not seg and seg is not self._segs[-1]:
+            self.drop(num)
+        return True
+
+    def __contains__(self, obj) -> bool:
+        return self._segment_of(obj) is not None
+
+    def drop(self, num: int) -> None:
+        """Forget an emptied segment (at most ``len/SEGMENT`` of them are looked at)."""
+        del self._registry[num]
+        segs, nums = self._segs, self._nums
+        if nums[0] == num:
+            segs.popleft()
+            nums.popleft()
+            return
+        i = nums.index(num)
+        del segs[i]
+        del nums[i]
+
+    def __len__(self) -> int:
+        return sum(map(len, self._segs))
+
+    def values(self) -> Iterator:
+        for seg in self._segs:
+            yield from seg.values()
 
 
 class PriorityLRU:
@@ -60,7 +153,9 @@ class PriorityLRU:
     Args:
         size_window: how many of the oldest candidates of the lowest non-empty class are
             looked at for one that covers the remaining need by itself.
-    """
+
+    Candidates need a writable ``queue_seg`` attribute (``ObjectQueue``; the store's
+    ``Allocation`` has the slot)."""
 
     name = "lru_size_aware"
 
@@ -68,24 +163,70 @@ class PriorityLRU:
         self.size_window = size_window
         # One LRU queue per priority rank; insertion order is recency (oldest first).
         # Recency queues per content class, in segments (no million-entry table rebuilt inside a call).
-        self._queues: list[RecencyQueue] = [RecencyQueue() for _ in EVICTION_ORDER]
+        self._segments: dict[int, dict] = {}  # every queue's segments, by number
+        self._queues: list[ObjectQueue] = [ObjectQueue(self._segments) for _ in EVICTION_ORDER]
+        # The queue of each content type, by its number.
+        self._rank: list[int | None] = [PRIORITY.get(ct) for ct in range(max(ContentType) + 1)]
         self.evictable_pages = 0
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues)
 
     def add(self, obj: Evictable) -> None:
-        self._queues[PRIORITY[obj.content_type]][obj.object_id] = obj
+        self._queues[self._rank[obj.content_type]].add(obj)
         self.evictable_pages += obj.num_pages
 
     def remove(self, obj: Evictable) -> None:
-        if self._queues[PRIORITY[obj.content_type]].pop(obj.object_id, None) is not None:
+        if self._queues[self._rank[obj.content_type]].remove(obj):
             self.evictable_pages -= obj.num_pages
 
+    def add_all(self, objs: Sequence[Evictable]) -> None:
+        """``add`` for each of ``objs`` in order (a step unpins hundreds): one loop."""
+        queues, rank = self._queues, self._rank
+        pages = room = num = 0
+        ct = q = last = None
+        for obj in objs:
+            if obj.queue_seg is not None:  # in a queue already (the store adds an object once)
+                self.add(obj)
+                ct = None
+                continue
+            if obj.content_type is not ct:
+                ct = obj.content_type
+                q = queues[rank[ct]]
+                num, last = q.last()
+                room = SEGMENT - len(last)
+            if room <= 0:
+                num, last = q.new_segment()
+                room = SEGMENT
+            last[obj.object_id] = obj
+            obj.queue_seg = num
+            room -= 1
+            pages += obj.num_pages
+        self.evictable_pages += pages
+
+    def remove_all(self, objs: Sequence[Evictable]) -> None:
+        """``remove`` for each of ``objs`` (a step pins hundreds): one loop. An object's
+        ``queue_seg`` is set and cleared by the queues alone, so it is trusted here."""
+        segments = self._segments
+        pages = 0
+        for obj in objs:
+            num = obj.queue_seg
+            if num is None:
+                continue
+            seg = segments[num]
+            del seg[obj.object_id]
+            obj.queue_seg = None
+            pages += obj.num_pages
+            if not seg:
+                q = self._queues[self._rank[obj.content_type]]
+                if seg is not q._segs[-1]:
+                    q.drop(num)
+        self.evictable_pages -= pages
+
     def touch(self, obj: Evictable) -> None:
-        q = self._queues[PRIORITY[obj.content_type]]
-        if obj.object_id in q:
-            q.move_to_end(obj.object_id)
+        q = self._queues[self._rank[obj.content_type]]
+        if obj in q:
+            q.add(obj)
 
     def __iter__(self) -> Iterator[Evictable]:
         """Candidates in plain priority-then-LRU order."""
@@ -134,19 +275,7 @@ class PlainLRU(PriorityLRU):
 
     def __init__(self) -> None:
         super().__init__(size_window=0)
-
-    def add(self, obj: Evictable) -> None:
-        self._queues[0][obj.object_id] = obj
-        self.evictable_pages += obj.num_pages
-
-    def remove(self, obj: Evictable) -> None:
-        if self._queues[0].pop(obj.object_id, None) is not None:
-            self.evictable_pages -= obj.num_pages
-
-    def touch(self, obj: Evictable) -> None:
-        q = self._queues[0]
-        if obj.object_id in q:
-            q.move_to_end(obj.object_id)
+        self._rank = [0 for _ in self._rank]
 
 
 POLICIES = {PriorityLRU.name: PriorityLRU, PlainLRU.name: PlainLRU}

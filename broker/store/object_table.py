@@ -28,7 +28,7 @@ from memory_broker.broker.store.records import (
     Recent,
     SessionState,
 )
-from memory_broker.broker.store.shards import ShardedMap
+from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Tally
 from memory_broker.proto.wire.errors import exhausted, invalid, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
@@ -168,6 +168,26 @@ class ObjectTable:
                 f"object {oid} is prepared in open transaction {obj.txn_id}; pin it at commit (ObjectSpec.pin)"
             )
         return obj
+
+    def held_once(self, session: int, object_ids: Sequence[int]) -> list[Allocation] | None:
+        """The objects of ``object_ids`` when each is named once and holds a pin of
+        ``session`` (the usual unpin), in one loop; None otherwise
+        (the caller then checks id by id and says what is wrong)."""
+        if len(set(object_ids)) != len(object_ids):
+            return None
+        shards = self.objects.shards
+        objs = []
+        append = objs.append
+        try:
+            for oid in object_ids:
+                obj = shards[oid & MASK].get(oid)  # ShardedMap.get of an int id
+                # (a PREPARED object holds no pins: this also leaves those to the caller)
+                if obj is None or session not in obj.pins:
+                    return None
+                append(obj)
+        except TypeError:  # an id that is not an int
+            return None
+        return objs
 
     def gone_message(self, oid: int) -> str:
         why = self._gone.get(oid)

@@ -48,7 +48,7 @@ from memory_broker.broker.store.records import (
     TxnState,
 )
 from memory_broker.broker.store.room import Allocator, RoomMaker
-from memory_broker.broker.store.shards import ShardedMap
+from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage, read_stats
 from memory_broker.broker.store.transactions import Transactions
 from memory_broker.broker.store.txn_book import TransactionBook
@@ -394,6 +394,10 @@ class ObjectStore:
         """Drop pins the session holds; never another session's."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
+        objs = self.table.held_once(session, object_ids)
+        if objs is not None:
+            self.ledger.unpin_once(s, objs)
+            return
         wanted = Counter(object_ids)
         objs = []
         get, check_unpin, prepared = self.objects.get, self.ledger.check_unpin, ObjectState.PREPARED
@@ -413,16 +417,20 @@ class ObjectStore:
         s = self._session(session)
         check_batch(len(keys), "keys", self.config.max_batch)
         most = self.config.max_key_bytes
-        for i, k in enumerate(keys):
-            if not k or len(k) > most:
+        try:
+            bad = bool(keys) and (not min(map(len, keys)) or max(map(len, keys)) > most)
+        except TypeError:  # a key without a length: check_key says what is wrong
+            bad = True
+        if bad:
+            for i, k in enumerate(keys):
                 check_key(k, f"keys[{i}]", most)  # raises, saying why
         found = []
-        get, pool = self.keys.get, s.pool
-        for k in keys:
-            obj = get(map_key(pool, k) if pool else k)
+        append, shards, pool = found.append, self.keys.shards, s.pool
+        for k in [map_key(pool, k) for k in keys] if pool else keys:
+            obj = shards[hash(k) & MASK].get(k)  # ShardedMap.get of a bytes key
             if obj is None:
                 break
-            found.append(obj)
+            append(obj)
         if pin:
             self.ledger.check_limit(s, len(found))
             self.ledger.pin_all(s, found)

@@ -9,10 +9,14 @@ and frees nothing itself: the last pin of a freed object goes to the store's ``d
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from memory_broker.broker.store.context import StoreContext
 from memory_broker.broker.store.records import Allocation, SessionState
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.proto.wire.errors import denied, exhausted, precondition
+
+_PAGES, _FREED = attrgetter("num_pages"), attrgetter("freed")
 
 
 class PinLedger:
@@ -35,6 +39,9 @@ class PinLedger:
         self._internal = ctx.internal_sessions
         self._txns = ctx.txns
         self._drop = ctx.table.drop
+        # Batch forms of the policy's add and remove, where it has them.
+        self._add_all = getattr(ctx.policy, "add_all", None)
+        self._remove_all = getattr(ctx.policy, "remove_all", None)
 
     def check_limit(self, s: SessionState, adding: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) if ``adding`` pins would take ``s`` over its limit."""
@@ -76,7 +83,40 @@ class PinLedger:
         s.pins[obj.object_id] = s.pins.get(obj.object_id, 0) + 1
 
     def pin_all(self, s: SessionState, objs: list[Allocation]) -> None:
-        """``pin`` for each of ``objs`` in order, in one pass (a step pins hundreds)."""
+        """``pin`` for each of ``objs`` in order (a step pins hundreds): one loop, and the
+        objects that were unpinned leave the eviction candidates in one batch."""
+        remove_all = self._remove_all
+        if remove_all is None:
+            self._pin_each(s, objs)
+            return
+        sid = s.session_id
+        spins = s.pins
+        fresh = []
+        contention = 0
+        for obj in objs:
+            n = obj.pin_count
+            obj.pin_count = n + 1
+            if not n:  # no pins at all: none of this session's either (s.pins mirrors obj.pins)
+                fresh.append(obj)
+                obj.pins[sid] = spins[obj.object_id] = 1
+                continue
+            pins = obj.pins
+            if sid not in pins:
+                contention += 1
+            pins[sid] = pins.get(sid, 0) + 1
+            oid = obj.object_id
+            spins[oid] = spins.get(oid, 0) + 1
+        s.pin_total += len(objs)
+        if fresh:
+            remove_all(fresh)
+            tally = self._tally
+            tally.pinned_pages += sum(map(_PAGES, fresh))
+            tally.pinned_objects += len(fresh)
+        if contention:
+            self._counters.pin_contention += contention
+
+    def _pin_each(self, s: SessionState, objs: list[Allocation]) -> None:
+        """``pin_all``, one object at a time."""
         sid = s.session_id
         spins = s.pins
         remove = self._policy.remove
@@ -122,6 +162,44 @@ class PinLedger:
                 total = 0
                 self._became_unpinned(obj)
         s.pin_total -= total
+
+    def unpin_once(self, s: SessionState, objs: list[Allocation]) -> None:
+        """``unpin_all`` of one pin on each of ``objs``: distinct objects on each of which
+        ``s`` holds a pin (the caller checked); one loop, and the objects left unpinned
+        become eviction candidates in one batch."""
+        if self._add_all is None:
+            self.unpin_all(s, [(obj, 1) for obj in objs])
+            return
+        sid, spins = s.session_id, s.pins
+        zero = []
+        for obj in objs:
+            pins = obj.pins
+            left = pins[sid] - 1
+            if left:
+                pins[sid] = spins[obj.object_id] = left
+            else:
+                del pins[sid]
+                del spins[obj.object_id]
+            n = obj.pin_count - 1
+            obj.pin_count = n
+            if not n:
+                zero.append(obj)
+        s.pin_total -= len(objs)
+        if zero:
+            self._became_unpinned_all(zero)
+
+    def _became_unpinned_all(self, objs: list[Allocation]) -> None:
+        """``_became_unpinned`` for each of ``objs``, in order."""
+        tally = self._tally
+        tally.pinned_pages -= sum(map(_PAGES, objs))
+        tally.pinned_objects -= len(objs)
+        if any(map(_FREED, objs)):
+            keep = [obj for obj in objs if not obj.freed]
+            for obj in objs:
+                if obj.freed:
+                    self._drop(obj, "freed")
+            objs = keep
+        self._add_all(objs)
 
     def unpin(self, s: SessionState, obj: Allocation, count: int) -> None:
         """Drop ``count`` of the pins ``s`` holds on ``obj`` (the caller checked it holds them)."""

@@ -56,6 +56,14 @@ class PooledPolicy:
     def remove(self, obj) -> None:
         self.policies[obj.pool].remove(obj)
 
+    def add_all(self, objs) -> None:
+        for obj in objs:
+            self.policies[obj.pool].add(obj)
+
+    def remove_all(self, objs) -> None:
+        for obj in objs:
+            self.policies[obj.pool].remove(obj)
+
     def touch(self, obj) -> None:
         self.policies[obj.pool].touch(obj)
 

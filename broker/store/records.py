@@ -65,6 +65,13 @@ class Allocation:
     digest: str = ""
     # The pool its pages come from: 0 the shared pool, 1.. a tenant's (ARCHITECTURE.md, "Pools").
     pool: int = 0
+    # Its step-channel reply record's fixed parts (id and window page; pages and key), made
+    # when first sent (proto/wire/step.py, encode_allocations): its id, pages and key never change.
+    wire_head: bytes | None = field(default=None, repr=False)
+    wire_tail: bytes | None = field(default=None, repr=False)
+    # The number of the eviction queue segment it is in while a candidate, else None
+    # (eviction.ObjectQueue).
+    queue_seg: int | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True, eq=False)

@@ -31,6 +31,12 @@ class ShardedMap:
         self._shards: list[dict] = [{} for _ in range(MASK + 1)]
         self._len = 0
 
+    @property
+    def shards(self) -> list[dict]:
+        """The shard dicts: an int key ``k`` is in ``shards[k & MASK]``, any other in
+        ``shards[hash(k) & MASK]`` (for callers that read many keys in one loop)."""
+        return self._shards
+
     def _shard(self, key) -> dict:
         return self._shards[(key if key.__class__ is int else hash(key)) & MASK]
 

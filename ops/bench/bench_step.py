@@ -2,6 +2,7 @@
 """An engine step's control-plane cost at the client: gRPC, the step channel, its cache.
 
     python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT] [--poll-s S]
+    python ops/bench/bench_step.py --per-item | --keys-only | --adapters-only [--steps N]
 
 Starts a broker (host arena, --enable-echo) in a subprocess, registers 200 tiny adapters and
 makes them hot, and allocates keyed KV blocks. Two workloads, each step holding the batch's
@@ -29,6 +30,11 @@ own PING and a bare gRPC Echo, and the same raw ping-pong made after the model's
 this VM charges code that runs after an idle spell: read the overlapped rows against both).
 Targets (issue 16): steady median <= 2x raw; trace median <= 2x raw and p99 <= 10x (raw:
 the back-to-back ping-pong).
+
+``--per-item`` prints instead each side's cost of a step of 1, 8, 64 and 512 items (a third
+adapters, the rest KV keys; issue 28's target: a CPU slope between 64 and 512 items under
+0.5 us per item per side); ``--keys-only`` and ``--adapters-only`` make every item a KV key
+(41-byte digests, as the vLLM connector's) or an adapter, so each kind's slope shows alone.
 """
 
 from __future__ import annotations
@@ -374,10 +380,18 @@ def grpc_echo(socket_path: str, n: int) -> list[float]:
 # Items per step for the per-item rows: a third adapters, the rest KV keys (the issue's example
 # step is 8 adapters and 16 keys).
 ITEM_SIZES = (1, 8, 64, 512)
+# Which items a per-item step holds: "mixed" (the above), "keys" (KV keys only: the store's
+# pin/unpin path) or "adapters" (adapters only: the adapter tiers' path); --keys-only and
+# --adapters-only show each side's slope apart.
+ITEM_MIX = "mixed"
 
 
 def split_items(n: int) -> tuple[int, int]:
     """(adapters, keys) of a step of ``n`` items."""
+    if ITEM_MIX == "keys":
+        return 0, n
+    if ITEM_MIX == "adapters":
+        return n, 0
     return n // 3, n - n // 3
 
 
@@ -414,12 +428,18 @@ def inprocess_broker(d: str, sock: str) -> dict:
     return box
 
 
+def item_key(i: int) -> bytes:
+    """The per-item rows' KV key ``i``: 41 bytes, as the vLLM connector's (a prefix and a
+    SHA-256 digest; every key one size, as an engine's are)."""
+    return b"vllm-kv1:" + hashlib.sha256(b"item-%d" % i).digest()
+
+
 def item_sets(n: int) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], list[bytes]]]:
     """Two disjoint steps of ``n`` items each (A and B): steps alternate between them, so
     each frame gives back ``n`` items and takes ``n``."""
     na, nk = split_items(n)
-    a = ([f"it{i}" for i in range(na)], [b"item-%d" % i for i in range(nk)])
-    b = ([f"it{i}" for i in range(na, 2 * na)], [b"item-%d" % i for i in range(nk, 2 * nk)])
+    a = ([f"it{i}" for i in range(na)], [item_key(i) for i in range(nk)])
+    b = ([f"it{i}" for i in range(na, 2 * na)], [item_key(i) for i in range(nk, 2 * nk)])
     return a, b
 
 
@@ -450,13 +470,17 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[f
 
         def take(ids, keys):
             ops = ([w.Op(w.OP_ACQUIRE, tuple(ids))] if ids else []) + [w.Op(w.OP_LOOKUP, tuple(keys), 1)]
-            return ops
+            return ops if keys else ops[:1]
 
         def give(ids, oids):
-            return ([w.Op(w.OP_RELEASE, tuple(ids))] if ids else []) + [w.Op(w.OP_UNPIN, tuple(oids))]
+            ops = ([w.Op(w.OP_RELEASE, tuple(ids))] if ids else []) + [w.Op(w.OP_UNPIN, tuple(oids))]
+            return ops if oids else ops[:1]
 
-        oa = [o.object_id for o in frame(take(ia, ka)).results[-1]]
-        ob = [o.object_id for o in frame(give(ia, oa) + take(ib, kb)).results[-1]]
+        def objects(r) -> list[int]:
+            return [o.object_id for o in r.results[-1]] if ka else []
+
+        oa = objects(frame(take(ia, ka)))
+        ob = objects(frame(give(ia, oa) + take(ib, kb)))
         to_a = w.encode_step(give(ib, ob) + take(ia, ka))[5:]
         to_b = w.encode_step(give(ia, oa) + take(ib, kb))[5:]
         out, cpu = [], []
@@ -563,9 +587,11 @@ def per_item(d: str, cycles: int) -> None:
     r = setup.prefetch_adapters(ids, "hot")
     if r.failed:
         raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
-    setup.allocate([Spec(1, content_type="kv_cache", key=b"item-%d" % i) for i in range(2 * nk)])
+    if nk:
+        setup.allocate([Spec(1, content_type="kv_cache", key=item_key(i)) for i in range(2 * nk)])
     c = BrokerClient.connect(sock, client_name="bench-items")
-    c.acquire_adapters(ids).release()  # every layout fetched once, as an engine that has run a while
+    if ids:
+        c.acquire_adapters(ids).release()  # every layout fetched once, as an engine that has run a while
     raw_us = min(statistics.median(raw_pingpong(d, 300, one_cpu=True)), statistics.median(raw_pingpong(d, 300)))
     rows = []
     for n in ITEM_SIZES:
@@ -579,7 +605,12 @@ def per_item(d: str, cycles: int) -> None:
 
     asyncio.run_coroutine_threadsafe(box["server"].stop(), box["loop"]).result(60)
     print(f"\nPer-item cost of a step, each side apart ({cycles} frames per row; {time.strftime('%Y-%m-%d')})")
-    print("(a step of n items: n//3 adapters and the rest KV keys, acquired and looked up + pinned; each frame")
+    what = {
+        "mixed": "n//3 adapters and the rest KV keys, acquired and looked up + pinned",
+        "keys": "n KV keys, looked up + pinned",
+        "adapters": "n adapters, acquired",
+    }[ITEM_MIX]
+    print(f"(a step of n items: {what}; each frame")
     print(" also gives back the previous step's n items: release + unpin)")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f} us")
     print(
@@ -599,7 +630,8 @@ def per_item(d: str, cycles: int) -> None:
         for side, i in (("broker", 0), ("client", 1)):
             s = (by[512][i] - by[64][i]) / (512 - 64)
             ok = "MET" if s < 0.5 else "NOT MET"
-            print(f"target per-item, {side}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
+            mix = "" if ITEM_MIX == "mixed" else f" ({ITEM_MIX} only)"
+            print(f"target per-item, {side}{mix}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
 
 
 def issue_targets(results: dict, raw_us: float) -> None:
@@ -626,7 +658,14 @@ def main() -> None:
     ap.add_argument(
         "--per-item", action="store_true", help="only the per-item rows: each side's cost at 1, 8, 64, 512 items"
     )
+    mix = ap.add_mutually_exclusive_group()
+    mix.add_argument("--keys-only", action="store_true", help="per-item rows of KV keys alone (no adapters)")
+    mix.add_argument("--adapters-only", action="store_true", help="per-item rows of adapters alone (no keys)")
     a = ap.parse_args()
+    if a.keys_only or a.adapters_only:
+        global ITEM_MIX
+        ITEM_MIX = "keys" if a.keys_only else "adapters"
+        a.per_item = True
     if a.poll_s is not None:
         global POLL_S
         POLL_S = a.poll_s

@@ -289,6 +289,34 @@ def _strs16(body: bytes, pos: int, count: int, end: int, text: bool) -> tuple[tu
     return tuple(out), pos
 
 
+# Structs that read ``count`` keys of ``length`` bytes each, by (length, count): the few a
+# broker's engines send (their keys are digests of one size), at most _KEY_RUNS_MAX of them.
+_KEY_RUNS: dict[tuple[int, int], struct.Struct] = {}
+_KEY_RUNS_MAX = 32
+
+
+def _keys16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple, int]:
+    """``_strs16`` of keys: when all ``count`` keys have the first one's length (an engine's
+    keys are digests of one size), read in one ``struct`` call after checking every length
+    prefix with two byte slices; otherwise key by key."""
+    if count > 1 and pos + 2 <= end:
+        n = body[pos] | body[pos + 1] << 8
+        stride = n + 2
+        e = pos + stride * count
+        if (
+            e <= end
+            and body[pos:e:stride] == bytes((n & 0xFF,)) * count
+            and body[pos + 1 : e : stride] == bytes((n >> 8,)) * count
+        ):
+            st = _KEY_RUNS.get((n, count))
+            if st is None:
+                if len(_KEY_RUNS) >= _KEY_RUNS_MAX:
+                    _KEY_RUNS.clear()
+                st = _KEY_RUNS[n, count] = struct.Struct("<" + ("2x%ds" % n) * count)
+            return st.unpack_from(body, pos), e
+    return _strs16(body, pos, count, end, False)
+
+
 def _decode_step_fast(body: bytes) -> list[Op]:
     end = len(body)
     (n,) = _U16.unpack_from(body, 0)
@@ -303,7 +331,7 @@ def _decode_step_fast(body: bytes) -> list[Op]:
             pin, count = _LOOKUP_HEAD.unpack_from(body, pos)
             if pin > 1:
                 raise _Malformed
-            items, pos = _strs16(body, pos + 3, count, end, False)
+            items, pos = _keys16(body, pos + 3, count, end)
             ops.append(Op(k, items, pin))
         elif k == OP_ACQUIRE:
             flags, cap, lease_ms, count = _ACQ_HEAD.unpack_from(body, pos)
@@ -392,10 +420,47 @@ def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
     return b"".join(parts)
 
 
+# An object record's parts: what never changes once it is committed (id, window page,
+# state, content type), what may change from one reply to the next (flags, session and
+# total pins), and what never changes at all (page count, pages, key).
+_OBJ_FIXED_HEAD = struct.Struct("<QqBB")
+_OBJ_CHANGING = struct.Struct("<BII")
+assert _OBJ_FIXED_HEAD.size + _OBJ_CHANGING.size + 4 == _OBJ_HEAD.size
+_COMMITTED = 2  # ObjectState.COMMITTED: from then on, an object's head never changes
+
+
+def _wire_parts(o) -> tuple[bytes, bytes]:
+    """``o``'s fixed record parts (head, tail), kept on it (``wire_head``, ``wire_tail``)
+    once it is committed."""
+    pages, key = o.pages, o.key or b""
+    n = len(pages)
+    head = _OBJ_FIXED_HEAD.pack(o.object_id, o.window_page, o.state, o.content_type)
+    tail = struct.pack("<I%dIH" % n, n, *pages, len(key)) + key
+    if o.state == _COMMITTED:
+        o.wire_head, o.wire_tail = head, tail
+    return head, tail
+
+
 def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
     """``encode_object_rows`` read straight from the store's objects, for session ``sid``
-    (one pass; anything with ``object_id``, ``window_page``, ``state``, ``content_type``,
-    ``owner``, ``pins``, ``pin_count``, ``pages`` and ``key``; never deduplicated)."""
+    (anything with ``object_id``, ``window_page``, ``state``, ``content_type``, ``owner``,
+    ``pins``, ``pin_count``, ``pages`` and ``key``; never deduplicated).
+
+    Objects with ``wire_head`` and ``wire_tail`` slots (the store's) keep their fixed parts
+    there once committed: a record is then those two around its changing fields."""
+    if objs and hasattr(objs[0], "wire_tail"):
+        parts = [_OBJS_HEAD.pack(kind, len(objs))]
+        append, pack = parts.append, _OBJ_CHANGING.pack
+        for o in objs:
+            head = o.wire_head
+            if head is None:
+                head, tail = _wire_parts(o)
+            else:
+                tail = o.wire_tail
+            append(head)
+            append(pack(o.owner == sid, o.pins.get(sid, 0), o.pin_count))
+            append(tail)
+        return b"".join(parts)
     parts = [_OBJS_HEAD.pack(kind, len(objs))]
     append, head, u16, pack = parts.append, _OBJ_HEAD.pack, _U16.pack, struct.pack
     for o in objs:
