@@ -414,16 +414,21 @@ def inprocess_broker(d: str, sock: str) -> dict:
     return box
 
 
-def item_sets(n: int) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], list[bytes]]]:
+def adapters_only_items(n: int) -> tuple[int, int]:
+    """(adapters, keys) of a step of ``n`` items for ``--adapters-only``: all adapters."""
+    return n, 0
+
+
+def item_sets(n: int, split=split_items) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], list[bytes]]]:
     """Two disjoint steps of ``n`` items each (A and B): steps alternate between them, so
     each frame gives back ``n`` items and takes ``n``."""
-    na, nk = split_items(n)
+    na, nk = split(n)
     a = ([f"it{i}" for i in range(na)], [b"item-%d" % i for i in range(nk)])
     b = ([f"it{i}" for i in range(na, 2 * na)], [b"item-%d" % i for i in range(nk, 2 * nk)])
     return a, b
 
 
-def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[float, float]:
+def broker_side(box: dict, token: str, key: str, n: int, cycles: int, split=split_items) -> tuple[float, float]:
     """Median us, and the loop thread's CPU us, the broker spends on one STEP frame that gives back one step of ``n``
     items and takes another (decode, checks, pins, leases, reply), the handler called
     directly on the loop that owns the core (no socket)."""
@@ -432,7 +437,7 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[f
     from memory_broker.broker.doors.step_channel import _Conn
 
     w = step_wire
-    (ia, ka), (ib, kb) = item_sets(n)
+    (ia, ka), (ib, kb) = item_sets(n, split)
     server = box["server"].step_server
 
     async def run() -> tuple[list[float], list[float]]:
@@ -449,14 +454,18 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[f
             return r
 
         def take(ids, keys):
-            ops = ([w.Op(w.OP_ACQUIRE, tuple(ids))] if ids else []) + [w.Op(w.OP_LOOKUP, tuple(keys), 1)]
-            return ops
+            return ([w.Op(w.OP_ACQUIRE, tuple(ids))] if ids else []) + (
+                [w.Op(w.OP_LOOKUP, tuple(keys), 1)] if keys else []
+            )
 
         def give(ids, oids):
-            return ([w.Op(w.OP_RELEASE, tuple(ids))] if ids else []) + [w.Op(w.OP_UNPIN, tuple(oids))]
+            return ([w.Op(w.OP_RELEASE, tuple(ids))] if ids else []) + ([w.Op(w.OP_UNPIN, tuple(oids))] if oids else [])
 
-        oa = [o.object_id for o in frame(take(ia, ka)).results[-1]]
-        ob = [o.object_id for o in frame(give(ia, oa) + take(ib, kb)).results[-1]]
+        def objects(r) -> list[int]:
+            return [o.object_id for o in r.results[-1]] if ka else []
+
+        oa = objects(frame(take(ia, ka)))
+        ob = objects(frame(give(ia, oa) + take(ib, kb)))
         to_a = w.encode_step(give(ib, ob) + take(ia, ka))[5:]
         to_b = w.encode_step(give(ia, oa) + take(ib, kb))[5:]
         out, cpu = [], []
@@ -602,6 +611,40 @@ def per_item(d: str, cycles: int) -> None:
             print(f"target per-item, {side}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
 
 
+def per_item_adapters(d: str, cycles: int) -> None:
+    """``--per-item --adapters-only``: the broker's cost of a frame of adapters alone (release
+    the previous step's n hot adapters, acquire n others; no keys) at 1, 8, 64 and 512, and
+    the slope between 64 and 512 (issue 28's target per item, broker side: under 0.5 us)."""
+    sock = os.path.join(d, "adapters.sock")
+    box = inprocess_broker(d, sock)
+    setup = BrokerClient.connect(sock, client_name="bench-adapters-setup")
+    ids = [f"it{i}" for i in range(2 * max(ITEM_SIZES))]
+    for i, aid in enumerate(ids):
+        setup.register_adapter(aid, write_adapter(os.path.join(d, "item-adapters", aid), i))
+    r = setup.prefetch_adapters(ids, "hot")
+    if r.failed:
+        raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
+    c = BrokerClient.connect(sock, client_name="bench-adapters")
+    rows = []
+    for n in ITEM_SIZES:
+        rows.append((n, *broker_side(box, c.token, dict(c.metadata)[KEY_METADATA], n, cycles, adapters_only_items)))
+    c.close()
+    setup.close()
+    import asyncio
+
+    asyncio.run_coroutine_threadsafe(box["server"].stop(), box["loop"]).result(60)
+    print(f"\nPer-adapter cost of a step, broker side ({cycles} frames per row; {time.strftime('%Y-%m-%d')})")
+    print("(a frame of n items: release the previous step's n hot adapters, acquire n others; no keys)")
+    print(f"{'adapters':>8}{'broker adapters us/frame':>26}{'broker adapters CPU us':>24}{'CPU us/adapter':>16}")
+    for n, us, cpu in rows:
+        print(f"{n:>8}{us:>26.1f}{cpu:>24.1f}{cpu / n:>16.2f}")
+    by = {n: cpu for n, _, cpu in rows}
+    if 64 in by and 512 in by:
+        s = (by[512] - by[64]) / (512 - 64)
+        ok = "MET" if s < 0.5 else "NOT MET"
+        print(f"target per-item, broker adapters: CPU slope 64..512 adapters < 0.5 us/adapter: {s:.2f} us -> {ok}")
+
+
 def issue_targets(results: dict, raw_us: float) -> None:
     """Issue 28's blocking targets, on the steady workload (8 adapters, 16 keys a step):
     one ``client.step()`` frame under 5x raw, the generic calls under 8x."""
@@ -626,6 +669,11 @@ def main() -> None:
     ap.add_argument(
         "--per-item", action="store_true", help="only the per-item rows: each side's cost at 1, 8, 64, 512 items"
     )
+    ap.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="with --per-item: the broker's row of adapters alone (n adapters a frame, no keys)",
+    )
     a = ap.parse_args()
     if a.poll_s is not None:
         global POLL_S
@@ -634,6 +682,9 @@ def main() -> None:
         PATHS[:] = [p for p in PATHS if a.only in p[0]]
     steps = min(a.steps, 200) if a.quick else a.steps
     d = tempfile.mkdtemp(prefix="mb-bench-", dir="/tmp")
+    if a.per_item and a.adapters_only:
+        per_item_adapters(d, max(20, steps // 4) if a.quick else max(200, steps // 4))
+        return
     if a.per_item:
         per_item(d, max(20, steps // 4) if a.quick else max(200, steps // 4))
         return

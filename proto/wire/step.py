@@ -438,6 +438,17 @@ def encode_acquire_rows(txn_id: int, deadline_unix: float, rows: Sequence[tuple]
     return b"".join(parts)
 
 
+def acquire_row(generation: int, object_id: int, tier: int, pages: Sequence[int]) -> bytes:
+    """One acquired adapter's row of a hot ``encode_acquire`` (what ``encode_acquire_rows``
+    writes per row): the step channel keeps each hot object's row and joins them."""
+    return _ACQ_ADAPTER.pack(generation, object_id, tier, len(pages)) + struct.pack("<%dI" % len(pages), *pages)
+
+
+def encode_acquire_joined(rows: Sequence[bytes]) -> bytes:
+    """A hot ``encode_acquire`` of a one-phase acquire (no transaction) from ``acquire_row``s."""
+    return _ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 1, 0, 0.0, len(rows)) + b"".join(rows)
+
+
 def encode_step_reply(
     arena_slabs: int, results: Sequence[bytes], error: BrokerError | None = None, index: int = 0
 ) -> bytes:
