@@ -374,10 +374,18 @@ def grpc_echo(socket_path: str, n: int) -> list[float]:
 # Items per step for the per-item rows: a third adapters, the rest KV keys (the issue's example
 # step is 8 adapters and 16 keys).
 ITEM_SIZES = (1, 8, 64, 512)
+# Which items a per-item step holds: "mixed" (the above), "keys" (KV keys only: the store's
+# pin/unpin path) or "adapters" (adapters only: the adapter tiers' path); --keys-only and
+# --adapters-only show each side's slope apart.
+ITEM_MIX = "mixed"
 
 
 def split_items(n: int) -> tuple[int, int]:
     """(adapters, keys) of a step of ``n`` items."""
+    if ITEM_MIX == "keys":
+        return 0, n
+    if ITEM_MIX == "adapters":
+        return n, 0
     return n // 3, n - n // 3
 
 
@@ -414,21 +422,22 @@ def inprocess_broker(d: str, sock: str) -> dict:
     return box
 
 
-def adapters_only_items(n: int) -> tuple[int, int]:
-    """(adapters, keys) of a step of ``n`` items for ``--adapters-only``: all adapters."""
-    return n, 0
+def item_key(i: int) -> bytes:
+    """The per-item rows' KV key ``i``: 41 bytes, as the vLLM connector's (a prefix and a
+    SHA-256 digest; every key one size, as an engine's are)."""
+    return b"vllm-kv1:" + hashlib.sha256(b"item-%d" % i).digest()
 
 
-def item_sets(n: int, split=split_items) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], list[bytes]]]:
+def item_sets(n: int) -> tuple[tuple[list[str], list[bytes]], tuple[list[str], list[bytes]]]:
     """Two disjoint steps of ``n`` items each (A and B): steps alternate between them, so
     each frame gives back ``n`` items and takes ``n``."""
-    na, nk = split(n)
-    a = ([f"it{i}" for i in range(na)], [b"item-%d" % i for i in range(nk)])
-    b = ([f"it{i}" for i in range(na, 2 * na)], [b"item-%d" % i for i in range(nk, 2 * nk)])
+    na, nk = split_items(n)
+    a = ([f"it{i}" for i in range(na)], [item_key(i) for i in range(nk)])
+    b = ([f"it{i}" for i in range(na, 2 * na)], [item_key(i) for i in range(nk, 2 * nk)])
     return a, b
 
 
-def broker_side(box: dict, token: str, key: str, n: int, cycles: int, split=split_items) -> tuple[float, float]:
+def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[float, float]:
     """Median us, and the loop thread's CPU us, the broker spends on one STEP frame that gives back one step of ``n``
     items and takes another (decode, checks, pins, leases, reply), the handler called
     directly on the loop that owns the core (no socket)."""
@@ -437,7 +446,7 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int, split=spli
     from memory_broker.broker.doors.step_channel import _Conn
 
     w = step_wire
-    (ia, ka), (ib, kb) = item_sets(n, split)
+    (ia, ka), (ib, kb) = item_sets(n)
     server = box["server"].step_server
 
     async def run() -> tuple[list[float], list[float]]:
@@ -454,12 +463,12 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int, split=spli
             return r
 
         def take(ids, keys):
-            return ([w.Op(w.OP_ACQUIRE, tuple(ids))] if ids else []) + (
-                [w.Op(w.OP_LOOKUP, tuple(keys), 1)] if keys else []
-            )
+            ops = ([w.Op(w.OP_ACQUIRE, tuple(ids))] if ids else []) + [w.Op(w.OP_LOOKUP, tuple(keys), 1)]
+            return ops if keys else ops[:1]
 
         def give(ids, oids):
-            return ([w.Op(w.OP_RELEASE, tuple(ids))] if ids else []) + ([w.Op(w.OP_UNPIN, tuple(oids))] if oids else [])
+            ops = ([w.Op(w.OP_RELEASE, tuple(ids))] if ids else []) + [w.Op(w.OP_UNPIN, tuple(oids))]
+            return ops if oids else ops[:1]
 
         def objects(r) -> list[int]:
             return [o.object_id for o in r.results[-1]] if ka else []
@@ -572,9 +581,11 @@ def per_item(d: str, cycles: int) -> None:
     r = setup.prefetch_adapters(ids, "hot")
     if r.failed:
         raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
-    setup.allocate([Spec(1, content_type="kv_cache", key=b"item-%d" % i) for i in range(2 * nk)])
+    if nk:
+        setup.allocate([Spec(1, content_type="kv_cache", key=item_key(i)) for i in range(2 * nk)])
     c = BrokerClient.connect(sock, client_name="bench-items")
-    c.acquire_adapters(ids).release()  # every layout fetched once, as an engine that has run a while
+    if ids:
+        c.acquire_adapters(ids).release()  # every layout fetched once, as an engine that has run a while
     raw_us = min(statistics.median(raw_pingpong(d, 300, one_cpu=True)), statistics.median(raw_pingpong(d, 300)))
     rows = []
     for n in ITEM_SIZES:
@@ -588,7 +599,8 @@ def per_item(d: str, cycles: int) -> None:
 
     asyncio.run_coroutine_threadsafe(box["server"].stop(), box["loop"]).result(60)
     print(f"\nPer-item cost of a step, each side apart ({cycles} frames per row; {time.strftime('%Y-%m-%d')})")
-    print("(a step of n items: n//3 adapters and the rest KV keys, acquired and looked up + pinned; each frame")
+    what = {"mixed": "n//3 adapters and the rest KV keys", "keys": "n KV keys", "adapters": "n adapters"}[ITEM_MIX]
+    print(f"(a step of n items: {what}, acquired and looked up + pinned; each frame")
     print(" also gives back the previous step's n items: release + unpin)")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f} us")
     print(
@@ -608,41 +620,8 @@ def per_item(d: str, cycles: int) -> None:
         for side, i in (("broker", 0), ("client", 1)):
             s = (by[512][i] - by[64][i]) / (512 - 64)
             ok = "MET" if s < 0.5 else "NOT MET"
-            print(f"target per-item, {side}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
-
-
-def per_item_adapters(d: str, cycles: int) -> None:
-    """``--per-item --adapters-only``: the broker's cost of a frame of adapters alone (release
-    the previous step's n hot adapters, acquire n others; no keys) at 1, 8, 64 and 512, and
-    the slope between 64 and 512 (issue 28's target per item, broker side: under 0.5 us)."""
-    sock = os.path.join(d, "adapters.sock")
-    box = inprocess_broker(d, sock)
-    setup = BrokerClient.connect(sock, client_name="bench-adapters-setup")
-    ids = [f"it{i}" for i in range(2 * max(ITEM_SIZES))]
-    for i, aid in enumerate(ids):
-        setup.register_adapter(aid, write_adapter(os.path.join(d, "item-adapters", aid), i))
-    r = setup.prefetch_adapters(ids, "hot")
-    if r.failed:
-        raise SystemExit(f"could not make the adapters hot: {dict(r.failed)}")
-    c = BrokerClient.connect(sock, client_name="bench-adapters")
-    rows = []
-    for n in ITEM_SIZES:
-        rows.append((n, *broker_side(box, c.token, dict(c.metadata)[KEY_METADATA], n, cycles, adapters_only_items)))
-    c.close()
-    setup.close()
-    import asyncio
-
-    asyncio.run_coroutine_threadsafe(box["server"].stop(), box["loop"]).result(60)
-    print(f"\nPer-adapter cost of a step, broker side ({cycles} frames per row; {time.strftime('%Y-%m-%d')})")
-    print("(a frame of n items: release the previous step's n hot adapters, acquire n others; no keys)")
-    print(f"{'adapters':>8}{'broker adapters us/frame':>26}{'broker adapters CPU us':>24}{'CPU us/adapter':>16}")
-    for n, us, cpu in rows:
-        print(f"{n:>8}{us:>26.1f}{cpu:>24.1f}{cpu / n:>16.2f}")
-    by = {n: cpu for n, _, cpu in rows}
-    if 64 in by and 512 in by:
-        s = (by[512] - by[64]) / (512 - 64)
-        ok = "MET" if s < 0.5 else "NOT MET"
-        print(f"target per-item, broker adapters: CPU slope 64..512 adapters < 0.5 us/adapter: {s:.2f} us -> {ok}")
+            mix = "" if ITEM_MIX == "mixed" else f" ({ITEM_MIX} only)"
+            print(f"target per-item, {side}{mix}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
 
 
 def issue_targets(results: dict, raw_us: float) -> None:
@@ -669,12 +648,14 @@ def main() -> None:
     ap.add_argument(
         "--per-item", action="store_true", help="only the per-item rows: each side's cost at 1, 8, 64, 512 items"
     )
-    ap.add_argument(
-        "--adapters-only",
-        action="store_true",
-        help="with --per-item: the broker's row of adapters alone (n adapters a frame, no keys)",
-    )
+    mix = ap.add_mutually_exclusive_group()
+    mix.add_argument("--keys-only", action="store_true", help="per-item rows of KV keys alone (no adapters)")
+    mix.add_argument("--adapters-only", action="store_true", help="per-item rows of adapters alone (no keys)")
     a = ap.parse_args()
+    if a.keys_only or a.adapters_only:
+        global ITEM_MIX
+        ITEM_MIX = "keys" if a.keys_only else "adapters"
+        a.per_item = True
     if a.poll_s is not None:
         global POLL_S
         POLL_S = a.poll_s
@@ -682,9 +663,6 @@ def main() -> None:
         PATHS[:] = [p for p in PATHS if a.only in p[0]]
     steps = min(a.steps, 200) if a.quick else a.steps
     d = tempfile.mkdtemp(prefix="mb-bench-", dir="/tmp")
-    if a.per_item and a.adapters_only:
-        per_item_adapters(d, max(20, steps // 4) if a.quick else max(200, steps // 4))
-        return
     if a.per_item:
         per_item(d, max(20, steps // 4) if a.quick else max(200, steps // 4))
         return
