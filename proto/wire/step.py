@@ -289,22 +289,6 @@ def _strs16(body: bytes, pos: int, count: int, end: int, text: bool) -> tuple[tu
     return tuple(out), pos
 
 
-def _texts16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple[str, ...], int]:
-    """``_strs16`` of adapter ids: the slices cut first, then decoded in one C-level pass,
-    the end checked once (a slice past it is cut short, and then ``pos`` is past it too)."""
-    u16 = _U16.unpack_from
-    out = []
-    append = out.append
-    for _ in range(count):
-        (n,) = u16(body, pos)
-        pos += 2
-        append(body[pos : pos + n])
-        pos += n
-    if pos > end:
-        raise _Malformed
-    return tuple(map(bytes.decode, out)), pos
-
-
 def _decode_step_fast(body: bytes) -> list[Op]:
     end = len(body)
     (n,) = _U16.unpack_from(body, 0)
@@ -372,6 +356,22 @@ def _decode_step_checked(body: bytes) -> list[Op]:
             raise WireError(f"op {i} has unknown kind {k}; known: {sorted(OP_NAMES)}")
     r.done()
     return ops
+
+
+def _texts16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple[str, ...], int]:
+    """``_strs16`` of adapter ids: the slices cut first, then decoded in one C-level pass,
+    the end checked once (a slice past it is cut short, and then ``pos`` is past it too)."""
+    u16 = _U16.unpack_from
+    out = []
+    append = out.append
+    for _ in range(count):
+        (n,) = u16(body, pos)
+        pos += 2
+        append(body[pos : pos + n])
+        pos += n
+    if pos > end:
+        raise _Malformed
+    return tuple(map(bytes.decode, out)), pos
 
 
 _U8 = struct.Struct("<B")
