@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from memory_broker.broker.adapters.policy import DEFAULT_POLICY, POLICIES, AdaptivePolicy, make_tier_policy
+from memory_broker.broker.adapters.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    AdaptivePolicy,
+    BatchedAccess,
+    make_tier_policy,
+)
 
 
 def _hit_rate(policy, trace, slots: int) -> float:
@@ -85,3 +91,89 @@ def test_forget_drops_an_adapter_and_its_history(name):
 def test_unknown_policy_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="adaptive, lru, lfu, gdsf"):
         make_tier_policy("mru")
+
+
+# ----------------------------------------------------------------- uses counted in batch
+
+
+class _Heard:
+    """A policy that records what reaches it."""
+
+    name = "heard"
+
+    def __init__(self):
+        self.events = []
+
+    def access_counts(self, uses):
+        self.events.append(("uses", list(uses)))
+
+    def insert(self, key, size):
+        self.events.append(("insert", key))
+
+    def remove(self, key):
+        self.events.append(("remove", key))
+
+    def forget(self, key):
+        self.events.append(("forget", key))
+
+    def victims(self):
+        self.events.append(("victims",))
+        return iter(())
+
+    def __contains__(self, key):
+        return False
+
+    def __len__(self):
+        return 0
+
+
+def test_batched_uses_reach_the_policy_once_per_key_in_last_use_order_before_anything_else():
+    inner = _Heard()
+    p = BatchedAccess(inner)
+    p.access_many(["a", "b", "c"])
+    p.access_many(["b", "a"])
+    p.access("c")
+    assert inner.events == [] and p.pending == 3
+    p.insert("d", 1)
+    list(p.victims())
+    assert inner.events == [("uses", [("b", 2), ("a", 2), ("c", 2)]), ("insert", "d"), ("victims",)]
+    assert p.pending == 0
+
+
+def test_batched_uses_wait_for_at_most_max_pending_keys():
+    inner = _Heard()
+    p = BatchedAccess(inner, max_pending=4)
+    p.access_many([f"k{i}" for i in range(4)])
+    assert inner.events == []
+    p.access_many(["k4"])
+    assert inner.events == [("uses", [(f"k{i}", 1) for i in range(5)])] and p.pending == 0
+
+
+def _frames(seed: int, n: int = 300) -> list[list[str]]:
+    """Acquires of 1..6 distinct adapters out of 12, skewed to the first few."""
+    r = random.Random(seed)
+    names = [f"a{i}" for i in range(12)]
+    return [
+        list(dict.fromkeys(r.choice(names[:4]) if r.random() < 0.6 else r.choice(names) for _ in range(6)))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "gdsf", "adaptive"])
+def test_a_tier_fed_in_batch_picks_the_victims_one_fed_use_by_use_picks(name):
+    """Both tiers see the same frames and the same misses; every few frames a miss makes room."""
+    serial, batched = make_tier_policy(name), BatchedAccess(make_tier_policy(name))
+    slots = 5
+    for i, frame in enumerate(_frames(3)):
+        for p in (serial, batched):
+            for k in frame:
+                if k not in p:
+                    if len(p) >= slots:
+                        p.remove(next(iter(p.victims())))
+                    p.insert(k, 1)
+        for k in frame:
+            serial.access(k)
+        batched.access_many(frame)
+        if i % 7 == 0:
+            assert list(batched.victims()) == list(serial.victims()), i
+    assert list(batched.victims()) == list(serial.victims())

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from memory_broker.broker.adapters.config import SETTING_NAMES
 from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.entry import AdapterEntry
-from memory_broker.broker.adapters.policy import TierPolicy, make_tier_policy
+from memory_broker.broker.adapters.policy import BatchedAccess, make_tier_policy
 from memory_broker.broker.store.objects import Allocation
 from memory_broker.proto.wire.errors import exhausted
 
@@ -38,11 +38,15 @@ class HotBudget:
         self.store = ctx.store
         self.system_session = ctx.system_session
         self.config = ctx.config
-        self.policy: TierPolicy = make_tier_policy(ctx.config.hot_policy)
+        self.policy = BatchedAccess(make_tier_policy(ctx.config.hot_policy))
         self.counters = ctx.counters
         self.log = ctx.log
         self._on_drop = ctx.entries.forget_if_idle
         self._hot: dict[str, AdapterEntry] = {}
+        # The hot entries of adapters' copies in the broker's own dtype, by adapter id (what a
+        # step's acquire and release look up), and how many hot copies in other dtypes exist.
+        self.own: dict[str, AdapterEntry] = {}
+        self.other_copies = 0
         self._by_object: dict[int, AdapterEntry] = {}
         self.pages = 0
         # Reserved by loads between prepare and commit (count against the budget).
@@ -102,7 +106,13 @@ class HotBudget:
         """A load committed ``obj`` for ``e``: it is hot now."""
         e.loaded(obj, checksum, generation)
         aid = e.key
+        if self._hot.get(aid) is not None:  # a stale entry of the same key: replaced
+            self.other_copies -= bool(e.copy_dtype)
         self._hot[aid] = e
+        if e.copy_dtype:
+            self.other_copies += 1
+        else:
+            self.own[aid] = e
         self._by_object[obj.object_id] = e
         self.pages += obj.num_pages
         self.policy.insert(aid, obj.num_pages)
@@ -113,7 +123,12 @@ class HotBudget:
             return
         obj = e.drop_hot()
         aid = e.key
-        self._hot.pop(aid, None)
+        gone = self._hot.pop(aid, None)
+        if gone is not None:
+            if gone.copy_dtype:
+                self.other_copies -= 1
+            else:
+                del self.own[aid]
         self._by_object.pop(obj.object_id, None)
         self.pages -= obj.num_pages
         self.policy.remove(aid)

@@ -285,6 +285,15 @@ class AdapterManager:
         """
         self.pins.release(session, adapter_ids, dtype)
 
+    def pin_hot(self, session: int, adapter_ids: Sequence[str], max_adapters: int = 0) -> list[int] | None:
+        """``acquire`` when every admitted adapter is hot in the broker's dtype and none is
+        deferred: their object ids, pinned; None (nothing done) otherwise (``AdapterPins.pin_hot``)."""
+        return None if self._closed else self.pins.pin_hot(session, adapter_ids, max_adapters)
+
+    def release_hot(self, session: int, adapter_ids: Sequence[str]) -> bool:
+        """``release`` in its common case; False (nothing done) otherwise (``AdapterPins.release_hot``)."""
+        return self.pins.release_hot(session, adapter_ids)
+
     async def prefetch(self, adapter_ids: Sequence[str], tier: Tier | str = Tier.HOT) -> PrefetchResult:
         """Bring adapters up to ``tier`` ("warm" or "hot") without pinning them.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from operator import attrgetter
 
 from memory_broker.broker.adapters.checks import ChecksumChecker
 from memory_broker.broker.adapters.context import AdapterContext
@@ -29,6 +30,9 @@ from memory_broker.broker.adapters.peft import check_adapter_id
 from memory_broker.broker.adapters.records import AcquiredAdapter, AcquireResult, Tier
 from memory_broker.broker.adapters.warm_budget import WarmBudget
 from memory_broker.proto.wire.errors import BrokerError, denied, invalid, not_found, precondition, unavailable
+
+# An entry's hot object's id (C-level, over a list of entries).
+_OBJECT_ID = attrgetter("obj.object_id")
 
 
 class AdapterPins:
@@ -149,17 +153,68 @@ class AdapterPins:
         c.acquires += 1
         c.acquired_adapters += len(admitted)
         c.deferred += len(deferred)
+        self._used([held_now[aid].key for aid in admitted])
         out = []
         for aid, obj in zip(admitted, objs):
             e = held_now[aid]
-            self.hot.policy.access(e.key)
-            self.warm.policy.access(e.key)
             out.append(
                 AcquiredAdapter(
                     aid, e.generation, obj.object_id, tuple(obj.pages), e.layout if with_layout else None, found[aid]
                 )
             )
         return AcquireResult(tuple(out), tuple(deferred), txn.txn_id if txn else 0, txn.deadline_unix if txn else 0.0)
+
+    def pin_hot(self, session: int, adapter_ids: Sequence[str], max_adapters: int = 0) -> list[int] | None:
+        """``acquire``'s common case, in one pass and without a coroutine: every admitted id
+        names a hot adapter in the broker's own dtype, nothing is deferred. Pins them for
+        ``session`` (one pin each), counts and records their use as ``acquire`` does, and
+        returns their object ids in order; the admitted entries are ``hot.own[id]``. None,
+        having done nothing: not that case (or the store refused the pins): take ``acquire``,
+        which says why or loads. Raises what ``check_session`` raises."""
+        distinct = list(dict.fromkeys(adapter_ids))
+        if (max_adapters and max_adapters < len(distinct)) or len(adapter_ids) > self.store.limits.max_batch:
+            return None
+        entries = list(map(self.hot.own.get, distinct))
+        if None in entries:
+            return None
+        oids = list(map(_OBJECT_ID, entries))
+        self.check_session(session)
+        try:
+            self.store.pin(session, oids)
+        except BrokerError:
+            return None
+        c, n = self.counters, len(distinct)
+        c.acquires += 1
+        c.acquired_adapters += n
+        c.hot_hits += n
+        self._used(distinct)
+        return oids
+
+    def _used(self, keys: list[str]) -> None:
+        """An acquire used these entries: both tiers' policies hear of it (in batch)."""
+        self.hot.policy.access_many(keys)
+        self.warm.policy.access_many(keys)
+
+    def release_hot(self, session: int, adapter_ids: Sequence[str]) -> bool:
+        """``release``'s common case, in one pass: every listed id an adapter hot in the
+        broker's own dtype, no copy in another dtype hot, none found corrupt, and ``session``
+        holding the pins (the store checks). Unpins and returns True; False, having done
+        nothing: take ``release``, which says why."""
+        if self.hot.other_copies or self.checker.retired or len(adapter_ids) > self.store.limits.max_batch:
+            return False
+        self.check_session(session)
+        counts = Counter(adapter_ids)
+        entries = list(map(self.hot.own.get, counts))
+        if None in entries:
+            return False
+        oids = list(map(_OBJECT_ID, entries))
+        if len(oids) != len(adapter_ids):  # ids listed more than once: one pin each time
+            oids = [oid for oid, n in zip(oids, counts.values()) for _ in range(n)]
+        try:
+            self.store.unpin(session, oids)  # all or nothing: a pin the session lacks refuses
+        except BrokerError:
+            return False
+        return True
 
     def _check_dtype(self, dtype: str) -> None:
         if dtype and dtype not in DTYPE_SIZES:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 
@@ -26,6 +26,10 @@ class TierPolicy(Protocol):
 
     def access(self, key: str) -> None:
         """``key`` was used (an acquire or a prefetch named it)."""
+
+    def access_counts(self, uses: Sequence[tuple[str, int]]) -> None:
+        """Each key used ``count`` times, keys in the order of their last use, nothing else
+        happening in between (``BatchedAccess``'s flush)."""
 
     def remove(self, key: str) -> None:
         """``key`` left the tier (demoted, evicted or unregistered)."""
@@ -56,6 +60,11 @@ class LRUPolicy:
     def access(self, key: str) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def access_counts(self, uses: Sequence[tuple[str, int]]) -> None:
+        # Only the last use of each key counts: exact.
+        for key, _ in uses:
+            self.access(key)
 
     def remove(self, key: str) -> None:
         self._order.pop(key, None)
@@ -102,7 +111,22 @@ class LFUPolicy:
         self._last[key] = next(self._tick)
         self._uses += 1
         if self.halve_every and self._uses % self.halve_every == 0:
-            self._count = {k: v >> 1 for k, v in self._count.items() if v > 1 or k in self._resident}
+            self._halve()
+
+    def access_counts(self, uses: Sequence[tuple[str, int]]) -> None:
+        # Counts and recency exact; a halving falls after the key whose uses cross its mark.
+        count, last, every = self._count, self._last, self.halve_every
+        for key, n in uses:
+            count[key] = count.get(key, 0) + n
+            last[key] = next(self._tick)
+            before = self._uses
+            self._uses += n
+            if every and self._uses // every > before // every:
+                self._halve()
+                count = self._count
+
+    def _halve(self) -> None:
+        self._count = {k: v >> 1 for k, v in self._count.items() if v > 1 or k in self._resident}
 
     def remove(self, key: str) -> None:
         self._resident.discard(key)
@@ -149,6 +173,13 @@ class GDSFPolicy:
             self._freq[key] += 1
             self._touch(key)
 
+    def access_counts(self, uses: Sequence[tuple[str, int]]) -> None:
+        # The clock moves only on removal, never within a batch: exact.
+        for key, n in uses:
+            if key in self._size:
+                self._freq[key] += n
+                self._touch(key)
+
     def _touch(self, key: str) -> None:
         self._prio[key] = self._clock + self._freq[key] / self._size[key]
         self._last[key] = next(self._tick)
@@ -194,6 +225,10 @@ class _AgedFrequency:
         return new
 
 
+# A ghost's hit rate is a moving average over about 500 uses: what one use keeps of it.
+_KEEP = 1.0 - 1.0 / 500.0
+
+
 class _Ghost:
     """The keys a tier of the same size would hold if it evicted by one ``_AgedFrequency``.
 
@@ -209,7 +244,9 @@ class _Ghost:
         self.heap: list[tuple[float, str]] = []  # (key, name); stale entries are skipped
         self.hit_rate = 0.5
 
-    def use(self, k: str, capacity: int, new_key: float) -> None:
+    def use(self, k: str, capacity: int, new_key: float, n: int = 1) -> None:
+        """``k`` used ``n`` times in a row (its key now ``new_key``): the first use a hit or
+        a miss, the others hits."""
         hit = k in self.held
         if not hit:
             while len(self.held) >= max(1, capacity) and self.heap:
@@ -221,7 +258,10 @@ class _Ghost:
         if len(self.heap) > 4 * len(self.held) + 64:  # drop stale entries now and then
             self.heap = [(self.freq.key[n], n) for n in self.held]
             heapq.heapify(self.heap)
-        self.hit_rate += (float(hit) - self.hit_rate) / 500.0
+        rate = self.hit_rate + (float(hit) - self.hit_rate) / 500.0
+        if n > 1:
+            rate = 1.0 - (1.0 - rate) * _KEEP ** (n - 1)
+        self.hit_rate = rate
 
     def forget(self, k: str) -> None:
         self.held.discard(k)
@@ -270,6 +310,22 @@ class AdaptivePolicy:
             fk[key] = new = math.log2((2.0 ** (old - now) if old is not None else 0.0) + 1.0) + now
             g.use(key, capacity, new)
 
+    def access_counts(self, uses: Sequence[tuple[str, int]]) -> None:
+        # Counts and recency exact (the clock moves only on insert, never within a batch);
+        # each ghost sees a key's uses in a row at its last use (see ``BatchedAccess``).
+        capacity = len(self._resident)
+        last, tick = self._last, self._tick
+        for key, _ in uses:
+            last[key] = next(tick)
+        log2 = math.log2
+        for f, g in zip(self._freqs, self._ghosts):
+            fk = f.key
+            now = f.clock / f.half_life
+            for key, n in uses:
+                old = fk.get(key)
+                fk[key] = new = log2((2.0 ** (old - now) if old is not None else 0.0) + n) + now
+                g.use(key, capacity, new, n)
+
     def remove(self, key: str) -> None:
         self._resident.discard(key)
 
@@ -297,6 +353,86 @@ class AdaptivePolicy:
 
     def __len__(self) -> int:
         return len(self._resident)
+
+
+class BatchedAccess:
+    """A tier policy whose uses are counted in batch: what the manager holds for each tier.
+
+    An acquire of n adapters records them with two C-level calls (``Counter.update`` and a
+    ``dict.update`` of their order), not n calls into the policy; the policy hears of them
+    (``access_counts``: each key once, with its count, in the order of its last use) before
+    anything else reaches it (insert, remove, forget, victims, a read), or when
+    ``max_pending`` distinct keys wait. The order of events between batches is kept exactly;
+    within a batch, a key's uses reach the policy together at its last use: exact for LRU,
+    GDSF and the counts and recency of LFU and adaptive; LFU's periodic halving and the
+    adaptive policy's ghosts (which pick its memory length) see them in that order.
+
+    Args:
+        inner: the policy.
+        max_pending: distinct keys recorded before they are handed over regardless.
+    """
+
+    def __init__(self, inner: TierPolicy, max_pending: int = 4096) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.max_pending = max_pending
+        self._counts: Counter[str] = Counter()
+        self._order: dict[str, int] = {}
+        self._seq = 0
+
+    def access_many(self, keys: Sequence[str]) -> None:
+        """Each of ``keys`` used once, in this order."""
+        n = len(keys)
+        self._counts.update(keys)
+        self._order.update(zip(keys, range(self._seq, self._seq + n)))
+        self._seq += n
+        if len(self._order) > self.max_pending:
+            self.flush()
+
+    def access(self, key: str) -> None:
+        self.access_many((key,))
+
+    def flush(self) -> None:
+        """Hand the recorded uses to the policy."""
+        if not self._order:
+            return
+        counts, order = self._counts, self._order
+        self._counts, self._order = Counter(), {}
+        self.inner.access_counts([(k, counts[k]) for k in sorted(order, key=order.__getitem__)])
+
+    @property
+    def pending(self) -> int:
+        """Distinct keys recorded and not yet handed over."""
+        return len(self._order)
+
+    def insert(self, key: str, size: int) -> None:
+        self.flush()
+        self.inner.insert(key, size)
+
+    def remove(self, key: str) -> None:
+        self.flush()
+        self.inner.remove(key)
+
+    def forget(self, key: str) -> None:
+        self.flush()
+        self.inner.forget(key)
+
+    def victims(self) -> Iterator[str]:
+        self.flush()
+        return self.inner.victims()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str):
+        # Anything else the policy has (``half_life``): read once the uses reached it.
+        if name.startswith("_") or name == "inner":
+            raise AttributeError(name)
+        self.flush()
+        return getattr(self.inner, name)
 
 
 POLICIES = {

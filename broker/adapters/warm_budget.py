@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.entry import AdapterEntry
-from memory_broker.broker.adapters.policy import TierPolicy, make_tier_policy
+from memory_broker.broker.adapters.policy import BatchedAccess, make_tier_policy
 from memory_broker.broker.adapters.warm_image import WarmImage
 
 
@@ -27,7 +27,7 @@ class WarmBudget:
 
     def __init__(self, ctx: AdapterContext):
         self.config = ctx.config
-        self.policy: TierPolicy = make_tier_policy(ctx.config.warm_policy)
+        self.policy = BatchedAccess(make_tier_policy(ctx.config.warm_policy))
         self.counters = ctx.counters
         self._entries = ctx.entries.get
         self._on_drop = ctx.entries.forget_if_idle

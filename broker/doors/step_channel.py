@@ -34,6 +34,8 @@ MAX_CONNECTIONS = 1024
 MAX_UNAUTHENTICATED = 128
 MAX_UNAUTHENTICATED_PER_UID = 16
 HELLO_DEADLINE_S = 2.0
+# Acquire reply rows of hot adapter objects kept at most (each a few dozen bytes).
+ROWS_KEPT = 16384
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
@@ -168,6 +170,9 @@ class StepChannelServer:
         self._sock: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
         self._waiting = _Waiting()
+        # Each hot adapter object's row of an acquire reply, by object id (its generation and
+        # pages never change): a hot acquire joins them. Cleared when it grows past ROWS_KEPT.
+        self._rows: dict[int, bytes] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -419,7 +424,9 @@ class StepChannelServer:
         if k == w.OP_ACQUIRE:
             return self._acquire(sid, op)
         if k == w.OP_RELEASE:
-            self._manager().release(sid, list(items))
+            m = self._manager()
+            if not m.release_hot(sid, items):
+                m.release(sid, list(items))
             return bytes((k,))
         if k == w.OP_PIN:
             return self._objects(w.OP_PIN, sid, store.pin(sid, list(items)))
@@ -456,6 +463,10 @@ class StepChannelServer:
         if m is None:
             self.counters.not_hot += 1
             return w.encode_acquire(w.AcquireOutcome(False))
+        if not op.flags & w.ACQUIRE_PREPARE:
+            oids = m.pin_hot(sid, op.items, op.max_adapters)
+            if oids is not None:
+                return self._hot_rows(m, op.items, oids)
         distinct = list(dict.fromkeys(op.items))
         admitted = distinct[: op.max_adapters or len(distinct)]
         is_hot = m.is_hot
@@ -482,3 +493,17 @@ class StepChannelServer:
             r.deadline_unix,
             [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
         )
+
+    def _hot_rows(self, m, items, oids: list[int]) -> bytes:
+        """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time."""
+        kept = self._rows
+        rows = list(map(kept.get, oids))
+        if None in rows:
+            if len(kept) > ROWS_KEPT:
+                kept.clear()
+            own = m.hot.own
+            for i, aid in enumerate(dict.fromkeys(items)):
+                if rows[i] is None:
+                    e = own[aid]
+                    rows[i] = kept[oids[i]] = w.acquire_row(e.generation, oids[i], w.TIER_HOT, e.obj.pages)
+        return w.encode_acquire_joined(rows)

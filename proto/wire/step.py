@@ -337,11 +337,11 @@ def _decode_step_fast(body: bytes) -> list[Op]:
             flags, cap, lease_ms, count = _ACQ_HEAD.unpack_from(body, pos)
             if flags & ~ACQUIRE_PREPARE:
                 raise _Malformed
-            items, pos = _strs16(body, pos + _ACQ_HEAD.size, count, end, True)
+            items, pos = _texts16(body, pos + _ACQ_HEAD.size, count, end)
             ops.append(Op(k, items, flags, cap, lease_ms))
         elif k == OP_RELEASE:
             (count,) = _U16.unpack_from(body, pos)
-            items, pos = _strs16(body, pos + 2, count, end, True)
+            items, pos = _texts16(body, pos + 2, count, end)
             ops.append(Op(k, items))
         elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
             (count,) = _U16.unpack_from(body, pos)
@@ -384,6 +384,22 @@ def _decode_step_checked(body: bytes) -> list[Op]:
             raise WireError(f"op {i} has unknown kind {k}; known: {sorted(OP_NAMES)}")
     r.done()
     return ops
+
+
+def _texts16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple[str, ...], int]:
+    """``_strs16`` of adapter ids: the slices cut first, then decoded in one C-level pass,
+    the end checked once (a slice past it is cut short, and then ``pos`` is past it too)."""
+    u16 = _U16.unpack_from
+    out = []
+    append = out.append
+    for _ in range(count):
+        (n,) = u16(body, pos)
+        pos += 2
+        append(body[pos : pos + n])
+        pos += n
+    if pos > end:
+        raise _Malformed
+    return tuple(map(bytes.decode, out)), pos
 
 
 _U8 = struct.Struct("<B")
@@ -501,6 +517,17 @@ def encode_acquire_rows(txn_id: int, deadline_unix: float, rows: Sequence[tuple]
         parts.append(head(gen, oid, tier, len(pages)))
         parts.append(struct.pack("<%dI" % len(pages), *pages))
     return b"".join(parts)
+
+
+def acquire_row(generation: int, object_id: int, tier: int, pages: Sequence[int]) -> bytes:
+    """One acquired adapter's row of a hot ``encode_acquire`` (what ``encode_acquire_rows``
+    writes per row): the step channel keeps each hot object's row and joins them."""
+    return _ACQ_ADAPTER.pack(generation, object_id, tier, len(pages)) + struct.pack("<%dI" % len(pages), *pages)
+
+
+def encode_acquire_joined(rows: Sequence[bytes]) -> bytes:
+    """A hot ``encode_acquire`` of a one-phase acquire (no transaction) from ``acquire_row``s."""
+    return _ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 1, 0, 0.0, len(rows)) + b"".join(rows)
 
 
 def encode_step_reply(
