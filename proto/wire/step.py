@@ -180,6 +180,29 @@ def _strs16_out(parts: list, raw: list[bytes], what: str) -> None:
     parts.append(b"".join(chain.from_iterable(zip(heads, raw))))
 
 
+# Adapter id -> its UTF-8, length-prefixed (an engine names the same adapters step after step).
+_ID16: dict[str, bytes] = {}
+_ID16_LIMIT = 4096
+
+
+def _ids16(ids: Sequence[str]) -> bytes:
+    """Adapter ids, each length-prefixed UTF-8 (``_strs16_out`` of ``_utf8``), remembered."""
+    try:
+        return b"".join(map(_ID16.__getitem__, ids))
+    except (KeyError, TypeError):
+        pass  # one not seen yet (or not a string: encoded below, which raises what it raises)
+    raw = _utf8(ids)
+    parts: list = []
+    _strs16_out(parts, raw, "an adapter id")
+    if len(_ID16) + len(raw) > _ID16_LIMIT:
+        _ID16.clear()
+    pack = _U16.pack
+    for a, b in zip(ids, raw):
+        if type(a) is str:
+            _ID16[a] = pack(len(b)) + b
+    return parts[0] if parts else b""
+
+
 def _utf8(ids: Sequence[str]) -> list[bytes]:
     """Adapter ids as UTF-8 (all of them encoded at once where none holds a NUL)."""
     try:
@@ -213,7 +236,7 @@ def encode_step(ops: Sequence[Op]) -> bytes:
             raise WireError(f"{len(op.items)} items in one op; at most 65535")
         if k == OP_RELEASE:
             parts.append(_U16.pack(len(op.items)))
-            _strs16_out(parts, _utf8(op.items), "an adapter id")
+            parts.append(_ids16(op.items))
         elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
             parts.append(_ids(op.items))
         elif k == OP_ACQUIRE:
@@ -223,7 +246,7 @@ def encode_step(ops: Sequence[Op]) -> bytes:
                     f"or {len(op.items)} ids (at most 65535) out of range"
                 )
             parts.append(_ACQ_HEAD.pack(op.flags, op.max_adapters, op.lease_ms, len(op.items)))
-            _strs16_out(parts, _utf8(op.items), "an adapter id")
+            parts.append(_ids16(op.items))
         elif k == OP_LOOKUP:
             parts.append(_LOOKUP_HEAD.pack(op.flags, len(op.items)))
             _strs16_out(parts, list(map(bytes, op.items)), "a key")
