@@ -4,8 +4,9 @@
 a gRPC ``pb.AcquiredAdapter`` or a step channel's ``AcquiredRecord`` becomes a
 ``LeasedAdapter`` (its pages made read-only here, its layout fetched once per adapter), and a
 step channel's ``ObjectRecord`` a ``BrokerObject`` (through ``BrokerClient._object``, as a gRPC
-``ObjectInfo`` does). A record the step cache hands out again (the same record object) gets
-what was built from it before, so a step that holds what the last one held builds nothing.
+``ObjectInfo`` does). A record handed out again (the same record object: the step cache's, or
+the step transport's decoder's for the same bytes, ``ReplyDecoder``) gets what was built from
+it before, so a step that gets back what an earlier one got builds nothing.
 Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
 
 ``StepLease`` is what one ``BrokerClient.step`` holds; ``PendingStepLease`` one sent by
@@ -14,6 +15,7 @@ Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
@@ -43,14 +45,18 @@ class SessionRecords:
         self._by_rec: dict = {}
         self._made: dict = {}
         self._kept: dict = {}
+        # Held to add or drop entries (a batch's worker and the engine thread may both): a
+        # record is in ``_kept`` before its id is a key, and is dropped after its keys are.
+        # Lookups take no lock.
+        self._lock = threading.Lock()
 
     def _room(self, n: int) -> dict:
         """Room for ``n`` more records keyed by their ids (all of them dropped beyond the
-        limit: they are made again on demand); returns ``_kept``."""
+        limit: they are made again on demand); returns ``_kept``. Under ``_lock``."""
         if len(self._kept) + n > _MADE_LIMIT:
-            self._kept.clear()
             self._made.clear()
             self._by_rec.clear()
+            self._kept.clear()
         return self._kept
 
     def objects(self, recs) -> list:
@@ -70,11 +76,12 @@ class SessionRecords:
                 out.append(None)
         # Built together: one mapping check and one page-access change for all of them.
         objs = self.client._read_objects([r for _, r in new])
-        kept = self._room(len(new))
-        for (i, r), obj in zip(new, objs):
-            kept[id(r)] = r
-            made[id(r)] = obj
-            out[i] = obj
+        with self._lock:
+            kept = self._room(len(new))
+            for (i, r), obj in zip(new, objs):
+                kept[id(r)] = r
+                made[id(r)] = obj
+                out[i] = obj
         return out
 
     def step_lease(self, adapters, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
@@ -87,11 +94,12 @@ class SessionRecords:
         leased = list(filter(None, map(by_rec.get, keys)))
         if len(leased) != len(keys):
             leased = [self.leased_step(aid, rec) for aid, rec in adapters]
-            kept = self._room(len(keys))
-            for k, (_, rec), la in zip(keys, adapters, leased):
-                if rec.found_in == _w.TIER_HOT:
-                    kept[k[1]] = rec
-                    by_rec[k] = la
+            with self._lock:
+                kept = self._room(len(keys))
+                for k, (_, rec), la in zip(keys, adapters, leased):
+                    if rec.found_in == _w.TIER_HOT:
+                        kept[k[1]] = rec
+                        by_rec[k] = la
         return AdapterLease(client, leased, deferred, txn_id, client.session_id)
 
     def leased_step(self, aid: str, rec) -> LeasedAdapter:
