@@ -99,8 +99,9 @@ class PendingBatchStep:
 # step (every few ms), and a change queued while the worker is looking costs the engine
 # thread no wake-up (a futex wake and often an IPI: 3.5-7 us of the 15-28 us a begin +
 # result cost without it on the 2-core VM; keeping the CPU out of deep idle helps too). The
-# looking costs ~1/poll_s short wake-ups a second while changes keep coming (measured on the
-# VM: 200 us -> 5-8% of a core, 1 ms -> ~2.5%), none once they stop.
+# looking alone would cost ~1/poll_s short wake-ups a second while changes keep coming
+# (measured on the VM: 200 us -> 5-8% of a core), none once they stop; NAP_SHARE below keeps
+# it to the end of each gap.
 POLL_S = 0.0002
 LINGER_S = 0.05
 
@@ -129,19 +130,49 @@ class _Jobs:
         self.wake.put(None)
 
 
+# Between changes that come at a steady pace (an engine's steps), the worker naps through this
+# share of the usual gap before it starts looking every ``poll_s``: the looking then costs a
+# few wake-ups a change, not one per ``poll_s`` of the gap. A change that comes sooner wakes
+# it (the engine thread pays that wake-up, as with ``poll_s=0``).
+NAP_SHARE = 0.75
+
+
+def _doze(jobs: _Jobs, seconds: float) -> None:
+    """Sleep up to ``seconds``, woken by a change queued meanwhile (``_Jobs.put``)."""
+    jobs.sleeping = True
+    if jobs.items:  # queued after the look: no wake-up was sent for it
+        jobs.sleeping = False
+        return
+    try:
+        jobs.wake.get(timeout=seconds)
+    except queue.Empty:
+        pass
+    # A put that saw ``sleeping`` may leave a wake-up behind: the next wait just returns early.
+    jobs.sleeping = False
+
+
 def _worker(jobs: _Jobs) -> None:
     """A background batch's thread: run each begun change (send, read the reply, account
     it) while the engine thread waits for its model. Ends at None (the batch released or
     collected). Holds the queue only, not the batch."""
     items, wake, poll_s = jobs.items, jobs.wake, jobs.poll_s
     last = time.monotonic()
+    # The usual time from the end of one change to the next one's arrival (a moving average
+    # of the gaps shorter than LINGER_S; 0 until one is seen).
+    gap = 0.0
     while True:
         if items:
             box = items.popleft()
         else:
-            if poll_s > 0 and time.monotonic() - last < LINGER_S:
-                time.sleep(poll_s)
-                continue
+            if poll_s > 0:
+                idle = time.monotonic() - last
+                if idle < LINGER_S:
+                    nap = gap * NAP_SHARE - idle
+                    if nap > 2 * poll_s:
+                        _doze(jobs, nap)
+                    else:
+                        time.sleep(poll_s)
+                    continue
             jobs.sleeping = True
             if items:  # queued after the look above: no wake-up was sent for it
                 jobs.sleeping = False
@@ -154,6 +185,9 @@ def _worker(jobs: _Jobs) -> None:
             job = box.pop()
         except IndexError:  # a result() ran it
             continue
+        seen = time.monotonic() - last
+        if seen < LINGER_S:
+            gap = seen if gap == 0.0 else 0.75 * gap + 0.25 * seen
         job()
         del job, box  # they hold the batch: not past the change
         last = time.monotonic()

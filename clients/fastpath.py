@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from operator import attrgetter
 
 from memory_broker.clients.grpc_calls import GrpcCalls
 from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
@@ -21,6 +22,8 @@ from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)
+
+_OBJECT_ID = attrgetter("object_id")
 
 
 def choose_calls(client) -> ChannelCalls | GrpcCalls:
@@ -279,7 +282,7 @@ class ChannelCalls:
                     else:
                         prev.released = True
                         rel_ids = prev.ids
-                unpins = [o.object_id for o in release.objects]
+                unpins = list(map(_OBJECT_ID, release.objects))
         return rel_ids, unpins, carry
 
     def _step_lease(

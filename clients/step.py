@@ -338,29 +338,31 @@ class StepPath:
         ok = reply is None or reply.error is None
         # Adapters.
         if ids is not None:
-            got: dict[str, w.AcquiredRecord] = {}
+            got: Sequence[w.AcquiredRecord] = ()  # uncached: the records, in admitted order
             if 0 <= acq_index < len(results):
                 r: w.AcquireOutcome = results[acq_index]
                 out.acquire_hot = r.hot
                 out.txn_id = r.txn_id
                 if r.hot:
-                    names = missing_ids if caching else admitted
-                    for aid, rec in zip(names, r.adapters):
-                        got[aid] = rec
-                        if caching:
+                    if caching:
+                        for aid, rec in zip(missing_ids, r.adapters):
                             # Held from now on; idle until a lease takes it below.
                             self.held.adapters[aid] = HeldAdapter(
                                 w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
                             )
                             self.held.idle_a[aid] = None
-                    if not ok and not caching:
-                        self._undo_acquire(admitted, r)
+                    else:
+                        got = r.adapters
+                        if not ok:
+                            self._undo_acquire(admitted, r)
             if ok and out.acquire_hot:
                 if caching:
                     held = plan.held
                     out.adapters = [(aid, held.get(aid) or self.held.lease_record(aid)) for aid in admitted]
+                elif len(got) >= len(admitted):  # a record per admitted id, in order
+                    out.adapters = list(zip(admitted, got))
                 else:
-                    out.adapters = [(aid, got[aid]) for aid in admitted]
+                    out.adapters = [(aid, dict(zip(admitted, got))[aid]) for aid in admitted]  # KeyError
             elif plan.held:
                 self.held.drop_adapter_refs(list(plan.held), now)
         # Keys.

@@ -4,8 +4,9 @@
 a gRPC ``pb.AcquiredAdapter`` or a step channel's ``AcquiredRecord`` becomes a
 ``LeasedAdapter`` (its pages made read-only here, its layout fetched once per adapter), and a
 step channel's ``ObjectRecord`` a ``BrokerObject`` (through ``BrokerClient._object``, as a gRPC
-``ObjectInfo`` does). A record the step cache hands out again (the same record object) gets
-what was built from it before, so a step that holds what the last one held builds nothing.
+``ObjectInfo`` does). A record handed out again (the same record object: the step cache's, or
+the step transport's decoder's for the same bytes, ``ReplyDecoder``) gets what was built from
+it before, so a step that gets back what an earlier one got builds nothing.
 Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
 
 ``StepLease`` is what one ``BrokerClient.step`` holds; ``PendingStepLease`` one sent by
@@ -14,7 +15,9 @@ Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
@@ -22,6 +25,7 @@ from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
 
 # BrokerObjects kept for step-cache records (cleared beyond this: they are rebuilt on demand).
 _MADE_LIMIT = 16384
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 class SessionRecords:
@@ -33,28 +37,50 @@ class SessionRecords:
         # (adapter id, generation, object id) -> LeasedAdapter, and adapter id -> (the step
         # cache's record, its LeasedAdapter).
         self._leased: dict = {}
-        # Object id -> (step record, BrokerObject made from it).
+        # (adapter id, id of a hot record) -> its LeasedAdapter; id(record) -> BrokerObject.
+        # A record keyed by its id is kept alive in ``_kept`` (so no other takes its id) as
+        # long as it is keyed. The step transport's decoder hands out the record it made
+        # before for the same bytes, so a step that gets back what an earlier one got finds
+        # everything here, in one pass of C (``map`` over the dicts' ``get``).
+        self._by_rec: dict = {}
         self._made: dict = {}
+        self._kept: dict = {}
+        # Held to add or drop entries (a batch's worker and the engine thread may both): a
+        # record is in ``_kept`` before its id is a key, and is dropped after its keys are.
+        # Lookups take no lock.
+        self._lock = threading.Lock()
+
+    def _room(self, n: int) -> dict:
+        """Room for ``n`` more records keyed by their ids (all of them dropped beyond the
+        limit: they are made again on demand); returns ``_kept``. Under ``_lock``."""
+        if len(self._kept) + n > _MADE_LIMIT:
+            self._made.clear()
+            self._by_rec.clear()
+            self._kept.clear()
+        return self._kept
 
     def objects(self, recs) -> list:
         """BrokerObjects for step records; the same record object gets the same BrokerObject."""
         made = self._made
-        out: list = []
+        out = list(filter(None, map(made.get, map(id, recs))))
+        if len(out) == len(recs):
+            return out
+        out = []
         new: list = []  # (index in out, record) of records not seen before
         for r in recs:
-            hit = made.get(r.object_id)
-            if hit is not None and hit[0] is r:
-                out.append(hit[1])
+            hit = made.get(id(r))
+            if hit is not None:
+                out.append(hit)
             else:
                 new.append((len(out), r))
                 out.append(None)
-        if new:
-            # Built together: one mapping check and one page-access change for all of them.
-            objs = self.client._read_objects([r for _, r in new])
-            if len(made) + len(new) > _MADE_LIMIT:
-                made.clear()
+        # Built together: one mapping check and one page-access change for all of them.
+        objs = self.client._read_objects([r for _, r in new])
+        with self._lock:
+            kept = self._room(len(new))
             for (i, r), obj in zip(new, objs):
-                made[r.object_id] = (r, obj)
+                kept[id(r)] = r
+                made[id(r)] = obj
                 out[i] = obj
         return out
 
@@ -63,7 +89,17 @@ class SessionRecords:
         client = self.client
         if arena_slabs:
             client._ensure_slabs(arena_slabs)
-        leased = [self.leased_step(aid, rec) for aid, rec in adapters]
+        by_rec = self._by_rec
+        keys = list(zip(map(_first, adapters), map(id, map(_second, adapters))))
+        leased = list(filter(None, map(by_rec.get, keys)))
+        if len(leased) != len(keys):
+            leased = [self.leased_step(aid, rec) for aid, rec in adapters]
+            with self._lock:
+                kept = self._room(len(keys))
+                for k, (_, rec), la in zip(keys, adapters, leased):
+                    if rec.found_in == _w.TIER_HOT:
+                        kept[k[1]] = rec
+                        by_rec[k] = la
         return AdapterLease(client, leased, deferred, txn_id, client.session_id)
 
     def leased_step(self, aid: str, rec) -> LeasedAdapter:

@@ -29,6 +29,8 @@ class StepTransport:
             sock.close()
             raise StepUnavailable(f"no step channel at {path}: {e}") from None
         self._sock = sock
+        # Replies decoded to the records made before from the same bytes (``ReplyDecoder``).
+        self.decode = w.ReplyDecoder()
         # Replies land here first (a step's reply is a few hundred bytes).
         self._buf = bytearray(1 << 16)
         try:
@@ -88,7 +90,7 @@ class StepTransport:
             self.close()
             raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
         try:
-            return w.decode_step_reply(kind, body)
+            return self.decode(kind, body)
         except w.WireError as e:
             self.close()
             raise StepUnavailable(f"the step channel at {self.path} sent a malformed reply: {e}") from None

@@ -254,3 +254,51 @@ def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall
     jobs.stop()
     t.join(10)
     assert not t.is_alive() and stolen == [1]
+
+
+def test_between_steady_changes_the_worker_naps_and_looks_only_near_the_next_one(monkeypatch):
+    # Changes every 10 ms (an engine's steps): the worker used to look every poll_s all through
+    # the gap (50 wake-ups a change here); it now naps through most of it (woken early by a
+    # change that comes sooner) and looks only in the gap's last part.
+    import types
+
+    from memory_broker.clients import batch as batch_mod
+
+    looked = []
+
+    def sleep(s):
+        t0 = time.perf_counter()
+        time.sleep(s)
+        looked.append(time.perf_counter() - t0)
+
+    monkeypatch.setattr(batch_mod, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+    jobs = batch_mod._Jobs(0.0002)
+    t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
+    t.start()
+    ran: list[int] = []
+    pace = 0.01
+    for i in range(40):
+        if i == 10:
+            looked.clear()  # the usual gap is learnt by now
+        jobs.put([lambda i=i: ran.append(i)])
+        time.sleep(pace)
+    jobs.stop()
+    t.join(10)
+    assert ran == list(range(40))
+    per_change = sum(looked) / 30
+    assert per_change < 0.6 * pace, f"the worker looked for {per_change * 1e3:.1f} ms of each {pace * 1e3:.0f} ms gap"
+    # A change that comes sooner than the usual gap is run at once all the same (it wakes the nap).
+    jobs = batch_mod._Jobs(0.0002)
+    t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
+    t.start()
+    done = threading.Event()
+    for _ in range(5):
+        jobs.put([lambda: None])
+        time.sleep(0.02)
+    t0 = time.perf_counter()
+    jobs.put([done.set])
+    assert done.wait(5)
+    woke = time.perf_counter() - t0
+    jobs.stop()
+    t.join(10)
+    assert woke < 0.01, f"a change that came early waited {woke * 1e3:.1f} ms"

@@ -505,14 +505,16 @@ class _Replay:
 
     closed = False
 
-    def __init__(self, replies: list[tuple[int, bytes]]):
+    def __init__(self, replies: list[tuple[int, bytes]], decode):
         self.replies = replies
         self.i = 0
+        # The real transport's decoder (``ReplyDecoder``), which the replay goes through.
+        self.decode = decode
 
     def request(self, data: bytes):
         kind, body = self.replies[self.i % len(self.replies)]
         self.i += 1
-        return step_wire.decode_step_reply(kind, body)
+        return self.decode(kind, body)
 
     def close(self) -> None:
         pass
@@ -539,7 +541,9 @@ def client_side(c: BrokerClient, n: int, cycles: int, generic: bool = False) -> 
     path = c._step_path()
     real = path.transport
     recorded: list[tuple[int, bytes]] = []
-    decode = step_wire.decode_step_reply
+    # The transport's own decoder (a package without one decodes with the module's function).
+    owner = real if hasattr(real, "decode") else step_wire
+    decode = real.decode if owner is real else step_wire.decode_step_reply
     one = _generic_step if generic else (lambda c, ids, keys, release: c.step(ids, keys, release=release))
 
     def recording(kind, body):
@@ -547,14 +551,17 @@ def client_side(c: BrokerClient, n: int, cycles: int, generic: bool = False) -> 
         return decode(kind, body)
 
     prev = one(c, ia, ka, None)
-    step_wire.decode_step_reply = recording
+    setattr(owner, "decode" if owner is real else "decode_step_reply", recording)
     try:
         prev = one(c, ib, kb, prev)
         prev = one(c, ia, ka, prev)
     finally:
-        step_wire.decode_step_reply = decode
+        if owner is real:
+            real.decode = decode
+        else:
+            step_wire.decode_step_reply = decode
     # Held: A. The replay takes B, A, B, A, ... and ends an even number of steps later on A.
-    path.transport = _Replay(recorded)
+    path.transport = _Replay(recorded, decode)
     out, cpu = [], []
     try:
         for i in range(cycles - cycles % 2):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -158,12 +159,59 @@ def _str16(b: bytes, what: str) -> bytes:
 
 
 def _strs16_out(parts: list, raw: list[bytes], what: str) -> None:
-    """Append each of ``raw`` length-prefixed (``_str16``'s, one length check for all)."""
-    if raw and max(map(len, raw)) > 0xFFFF:
+    """Append each of ``raw`` length-prefixed (``_str16``'s, one length check for all), in
+    one pass of C: strings of one length joined on their shared prefix; else the lengths
+    packed at once and interleaved with the strings."""
+    n = len(raw)
+    if not n:
+        return
+    lens = list(map(len, raw))
+    first = lens[0]
+    if lens.count(first) == n:
+        if first > 0xFFFF:
+            _str16(raw[0], what)  # raises, naming the size
+        head = _U16.pack(first)
+        parts.append(head + head.join(raw))
+        return
+    if max(lens) > 0xFFFF:
         for b in raw:
             _str16(b, what)  # raises, naming the size
+    heads = _cut(struct.pack("<%dH" % n, *lens), 0, n, 2)
+    parts.append(b"".join(chain.from_iterable(zip(heads, raw))))
+
+
+# Adapter id -> its UTF-8, length-prefixed (an engine names the same adapters step after step).
+_ID16: dict[str, bytes] = {}
+_ID16_LIMIT = 4096
+
+
+def _ids16(ids: Sequence[str]) -> bytes:
+    """Adapter ids, each length-prefixed UTF-8 (``_strs16_out`` of ``_utf8``), remembered."""
+    try:
+        return b"".join(map(_ID16.__getitem__, ids))
+    except (KeyError, TypeError):
+        pass  # one not seen yet (or not a string: encoded below, which raises what it raises)
+    raw = _utf8(ids)
+    parts: list = []
+    _strs16_out(parts, raw, "an adapter id")
+    if len(_ID16) + len(raw) > _ID16_LIMIT:
+        _ID16.clear()
     pack = _U16.pack
-    parts.extend([pack(len(b)) + b for b in raw])
+    for a, b in zip(ids, raw):
+        if type(a) is str:
+            _ID16[a] = pack(len(b)) + b
+    return parts[0] if parts else b""
+
+
+def _utf8(ids: Sequence[str]) -> list[bytes]:
+    """Adapter ids as UTF-8 (all of them encoded at once where none holds a NUL)."""
+    try:
+        out = "\0".join(ids).encode().split(b"\0")
+    except (TypeError, UnicodeError):
+        out = []
+    if len(out) != len(ids) or not ids:
+        out = [a.encode() for a in ids]  # one by one (raises what a bad id raises)
+    return out
 
 
 def _ids(ids: Sequence[int]) -> bytes:
@@ -188,7 +236,7 @@ def encode_step(ops: Sequence[Op]) -> bytes:
             raise WireError(f"{len(op.items)} items in one op; at most 65535")
         if k == OP_RELEASE:
             parts.append(_U16.pack(len(op.items)))
-            _strs16_out(parts, [a.encode() for a in op.items], "an adapter id")
+            parts.append(_ids16(op.items))
         elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
             parts.append(_ids(op.items))
         elif k == OP_ACQUIRE:
@@ -198,10 +246,10 @@ def encode_step(ops: Sequence[Op]) -> bytes:
                     f"or {len(op.items)} ids (at most 65535) out of range"
                 )
             parts.append(_ACQ_HEAD.pack(op.flags, op.max_adapters, op.lease_ms, len(op.items)))
-            _strs16_out(parts, [a.encode() for a in op.items], "an adapter id")
+            parts.append(_ids16(op.items))
         elif k == OP_LOOKUP:
             parts.append(_LOOKUP_HEAD.pack(op.flags, len(op.items)))
-            _strs16_out(parts, [bytes(key) for key in op.items], "a key")
+            _strs16_out(parts, list(map(bytes, op.items)), "a key")
         else:
             raise WireError(f"unknown op kind {k}")
     body = b"".join(parts)
@@ -634,3 +682,180 @@ def decode_step_reply(kind: int, body: bytes) -> StepReply:
     if pos != end:
         raise WireError(f"{end - pos} bytes after the last result")
     return StepReply(slabs, results)
+
+
+# ------------------------------------------------------------------ the client's decode
+#
+# ``decode_step_reply`` builds a record per adapter and per object, every reply. An engine's
+# steps mostly get back what the last ones got: ``ReplyDecoder`` (one per step connection)
+# cuts a reply's records out as bytes, in one pass where they are all of one size, and hands
+# back the record it made before from the same bytes (records are read-only), so the client's
+# caches of what it built from a record (``clients/step_lease.py``) hit. Anything its passes
+# do not take (an ERROR reply, a cut or malformed one) is decoded by ``decode_step_reply``,
+# which says what is wrong: both accept and refuse the same bytes, with equal results.
+
+# Records kept per decoder (cleared beyond this: they are made again on demand).
+_MEMO_LIMIT = 16384
+# Where a record's page count sits: after ``<QqBBBII`` (object) or ``<QQB`` (adapter).
+_OBJ_NPAGES_AT = 27
+_ACQ_NPAGES_AT = 17
+_U32 = struct.Struct("<I")
+# (record size, count) -> the struct that cuts ``count`` records of that size out as bytes.
+_CUTS: dict[tuple[int, int], struct.Struct] = {}
+_CUT_MAX = 256
+
+
+def _cut(body: bytes, pos: int, n: int, size: int) -> list:
+    """``n`` records of ``size`` bytes from ``pos``, each as its bytes (a few ``unpack_from``
+    of ``{size}s`` repeated: power-of-two counts, so few structs are ever compiled)."""
+    out: list = []
+    while n:
+        k = min(_CUT_MAX, 1 << (n.bit_length() - 1))
+        st = _CUTS.get((size, k))
+        if st is None:
+            if len(_CUTS) > 512:
+                _CUTS.clear()
+            st = _CUTS[(size, k)] = struct.Struct("<" + f"{size}s" * k)
+        out += st.unpack_from(body, pos)
+        pos += k * size
+        n -= k
+    return out
+
+
+def _object_fields(body: bytes, pos: int) -> tuple[int, tuple]:
+    """The object record at ``pos``: its size, and where its lengths sit ((offset, their
+    bytes) of its page count and of its key's length)."""
+    npages = _U32.unpack_from(body, pos + _OBJ_NPAGES_AT)[0]
+    at = _OBJ_HEAD.size + 4 * npages
+    klen = _U16.unpack_from(body, pos + at)[0]
+    return at + 2 + klen, ((_OBJ_NPAGES_AT, body[pos + 27 : pos + 31]), (at, body[pos + at : pos + at + 2]))
+
+
+def _adapter_fields(body: bytes, pos: int) -> tuple[int, tuple]:
+    """The adapter record at ``pos``, as ``_object_fields`` (one length: its page count)."""
+    npages = _U32.unpack_from(body, pos + _ACQ_NPAGES_AT)[0]
+    return _ACQ_ADAPTER.size + 4 * npages, ((_ACQ_NPAGES_AT, body[pos + 17 : pos + 21]),)
+
+
+def _same_size_run(body: bytes, pos: int, n: int, size: int, fields: tuple) -> int:
+    """How many of the ``n`` records from ``pos`` (the first one ``size`` bytes) have the
+    length fields of the first one, so ``size`` bytes each: every byte of those fields read
+    as one strided slice across the records (no per-record work in Python)."""
+    end = pos + n * size
+    for off, want in fields:
+        for j in range(len(want)):
+            col = body[pos + off + j : end : size]
+            b = col[:1]
+            lead = n - len(col.lstrip(b))
+            if lead < n:
+                n = lead
+                end = pos + n * size
+    return n
+
+
+def _record_slices(body: bytes, pos: int, count: int, fields_at) -> tuple[list, int]:
+    """``count`` records from ``pos``, each as its bytes, and the offset after them;
+    ``fields_at(body, pos)`` reads the size of the record at ``pos`` and where its length
+    fields are (``_object_fields``, ``_adapter_fields``). Records of one size are cut out
+    together; after a record of another size, the next run is looked for in a window twice
+    the last run's length, doubling while it lasts (so records of ever-changing sizes cost
+    O(count) in all, not O(count**2)). Raises
+    on anything short (the caller decodes the reply again, with the reference decoder)."""
+    out: list = []
+    end = len(body)
+    window = count
+    while count:
+        size, fields = fields_at(body, pos)
+        n = min(count, window, (end - pos) // size)
+        if n <= 0:
+            raise _Malformed
+        got = _same_size_run(body, pos, n, size, fields)
+        window = window * 2 if got == n else 2 * got + 16
+        out += _cut(body, pos, got, size)
+        pos += got * size
+        count -= got
+    return out, pos
+
+
+def _object_record(raw: bytes, slabs: int) -> ObjectRecord:
+    oid, wp, state, ct, flags, sp, tp, npages = _OBJ_HEAD.unpack_from(raw)
+    at = _OBJ_HEAD.size + 4 * npages
+    pages = list(struct.unpack_from("<%dI" % npages, raw, _OBJ_HEAD.size))
+    return ObjectRecord(
+        oid, wp, state, ct, bool(flags & OBJ_OWNED), bool(flags & OBJ_DEDUP), sp, tp, pages, raw[at + 2 :], slabs
+    )
+
+
+def _adapter_record(raw: bytes) -> AcquiredRecord:
+    gen, oid, tier, npages = _ACQ_ADAPTER.unpack_from(raw)
+    return AcquiredRecord(gen, oid, tier, struct.unpack_from("<%dI" % npages, raw, _ACQ_ADAPTER.size))
+
+
+def _memo_records(memo: dict, raws: list, make) -> list:
+    """The records of ``raws`` (each record's bytes): those made before from the same bytes,
+    the rest made now (``make(raw)``) and kept."""
+    hits = list(filter(None, map(memo.get, raws)))
+    if len(hits) == len(raws):
+        return hits
+    if len(memo) + len(raws) > _MEMO_LIMIT:
+        memo.clear()
+    out = []
+    for raw in raws:
+        rec = memo.get(raw)
+        if rec is None:
+            rec = memo[raw] = make(raw)
+        out.append(rec)
+    return out
+
+
+class ReplyDecoder:
+    """``decode_step_reply`` for one client connection, with equal results; a record is the
+    one it made before from the same bytes (and the same arena size), not a new one."""
+
+    __slots__ = ("_objects", "_adapters", "_slabs")
+
+    def __init__(self):
+        # A record's bytes -> the record made from them.
+        self._objects: dict[bytes, ObjectRecord] = {}
+        self._adapters: dict[bytes, AcquiredRecord] = {}
+        self._slabs = -1
+
+    def __call__(self, kind: int, body: bytes) -> StepReply:
+        if kind == OK:
+            try:
+                return self._decode_ok(body)
+            except Exception:  # noqa: BLE001 (malformed: the reference decoder names the fault)
+                pass
+        return decode_step_reply(kind, body)
+
+    def _decode_ok(self, body: bytes) -> StepReply:
+        slabs, n = _STEP_REPLY_HEAD.unpack_from(body, 0)
+        if slabs != self._slabs:
+            # An object record carries the arena's size: made again for a new one.
+            self._objects.clear()
+            self._slabs = slabs
+        pos = _STEP_REPLY_HEAD.size
+        results: list = []
+        for _ in range(n):
+            k = body[pos]
+            if k == OP_PIN or k == OP_LOOKUP:
+                (count,) = _U16.unpack_from(body, pos + 1)
+                raws, pos = _record_slices(body, pos + 3, count, _object_fields)
+                results.append(_memo_records(self._objects, raws, lambda raw: _object_record(raw, slabs)))
+            elif k == OP_ACQUIRE:
+                _, hot, txn, deadline, count = _ACQ_RESULT_HEAD.unpack_from(body, pos)
+                pos += _ACQ_RESULT_HEAD.size
+                raws, pos = _record_slices(body, pos, count, _adapter_fields)
+                results.append(
+                    AcquireOutcome(
+                        bool(hot), txn, deadline, tuple(_memo_records(self._adapters, raws, _adapter_record))
+                    )
+                )
+            elif k in OP_NAMES:
+                pos += 1
+                results.append(None)
+            else:
+                raise _Malformed
+        if pos != len(body):
+            raise _Malformed
+        return StepReply(slabs, results)
