@@ -204,3 +204,59 @@ def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> dict:
         elif proc.poll() is not None:
             break
     raise AssertionError(f"child gave no line; stderr:\n{proc.stderr.read() if proc.poll() is not None else ''}")
+
+
+class VllmShared:
+    """What the vLLM modules share in one session: the tiny model with adapters l1..l4 (built
+    once, in the vLLM environment) and plain vLLM reference engines (no connector, no plugin;
+    l1..l4 from their files and one slot spare, so base rows stay base), one per dtype, started
+    on first use and reused by every module (an engine start is most of a vLLM test's time).
+    A reference only gives tokens: what another module did with it changes none of them."""
+
+    ADAPTERS = ("l1", "l2", "l3", "l4")
+
+    def __init__(self):
+        self.tmp = short_tmpdir()
+        self.model = os.path.join(self.tmp, "model")
+        self.dirs = {n: os.path.join(self.tmp, n) for n in self.ADAPTERS}
+        self._built = False
+        self._refs: dict = {}
+
+    def build(self) -> VllmShared:
+        if not self._built:
+            from test_vllm_kv import VLLM_PY
+
+            code = (
+                "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1]); "
+                "[t.build_lora(p, i + 1) for i, p in enumerate(sys.argv[2:])]"
+            )
+            args = [VLLM_PY, "-c", code, self.model, *self.dirs.values()]
+            subprocess.run(args, check=True, capture_output=True, timeout=600)
+            self._built = True
+        return self
+
+    def reference(self, dtype: str = "float32"):
+        """The reference engine for ``dtype`` (started now if none is running; it answers once
+        ready). Stopping it (``stop()``) frees its memory; the next caller gets a new one."""
+        from test_vllm_lora import LoraEngine
+
+        e = self._refs.get(dtype)
+        if e is None or e.proc.poll() is not None:
+            self.build()
+            files = [a for n in self.ADAPTERS for a in ("--lora", f"{n}={self.dirs[n]}")]
+            max_loras = str(len(self.ADAPTERS) + 1)
+            e = self._refs[dtype] = LoraEngine(
+                f"ref-{dtype}", self.tmp, self.model, "--dtype", dtype, *files, "--max-loras", max_loras
+            )
+        return e
+
+    def close(self) -> None:
+        for e in self._refs.values():
+            e.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_shared():
+    shared = VllmShared()
+    yield shared
+    shared.close()

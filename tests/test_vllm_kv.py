@@ -129,24 +129,12 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def env():
-    """The tiny model, two adapters, a broker and the engines started so far."""
+def env(vllm_shared):
+    """The tiny model, two adapters, a broker and the engines started so far; the plain vLLM
+    references (``ref(dtype)``) are the session's (conftest.VllmShared)."""
+    shared = vllm_shared.build()
     tmp = short_tmpdir()
-    model, l1, l2 = (os.path.join(tmp, n) for n in ("model", "lora1", "lora2"))
-    subprocess.run(
-        [
-            VLLM_PY,
-            "-c",
-            "import sys; from memory_broker.clients.vllm import tiny_model as t; "
-            "t.build(sys.argv[1]); t.build_lora(sys.argv[2], 1); t.build_lora(sys.argv[3], 2)",
-            model,
-            l1,
-            l2,
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    model, l1, l2 = shared.model, shared.dirs["l1"], shared.dirs["l2"]
     broker = start_broker("--pool-size", "512MiB", "--slab-size", "16MiB")
     state = {
         "tmp": tmp,
@@ -154,6 +142,7 @@ def env():
         "loras": ["--lora", f"l1={l1}", "--lora", f"l2={l2}"],
         "broker": broker,
         "engines": {},
+        "ref": shared.reference,
     }
 
     def engine(name: str, *args: str, lora: bool = True, connector: bool = True) -> Engine:
@@ -184,7 +173,7 @@ def _tokens(outs: list[dict]) -> list[list[int]]:
 
 def test_two_engines_share_a_prefix_with_identical_greedy_tokens(env):
     # Start the reference (no connector) and engine A together: their starts overlap.
-    ref = env["engine"]("ref32", connector=False)
+    ref = env["ref"]("float32")
     a = env["engine"]("A")
     b = env["engine"]("B")
     prompts = [P_A, P_B, *SHORT]
@@ -208,7 +197,7 @@ def test_two_engines_share_a_prefix_with_identical_greedy_tokens(env):
 
 
 def test_lora_requests_never_load_base_or_other_adapter_kv(env):
-    ref = env["engine"]("ref32", connector=False)
+    ref = env["ref"]("float32")
     a = env["engine"]("A")
     want = _tokens(ref.generate([P_L, P_L, P_L2, P_L2], lora=["l1", "l2", "l1", "l2"]))
     assert want[0] != want[1], "the adapters do not change the tokens: the test would prove nothing"
@@ -230,7 +219,7 @@ def test_lora_requests_never_load_base_or_other_adapter_kv(env):
 
 
 def test_engine_killed_with_sigkill_finds_its_kv_after_restart(env):
-    ref = env["engine"]("ref32", connector=False)
+    ref = env["ref"]("float32")
     want = _tokens(ref.generate([P_B]))
     b = env["engine"]("B")
     b.wait_ready()
@@ -245,7 +234,7 @@ def test_engine_killed_with_sigkill_finds_its_kv_after_restart(env):
 
 
 def test_broker_stopped_mid_run_requests_complete_with_identical_tokens(env):
-    ref = env["engine"]("ref32", connector=False)
+    ref = env["ref"]("float32")
     want = _tokens(ref.generate(P_DOWN * 3))
     a = env["engine"]("A")
     broker = env["broker"]
@@ -268,10 +257,10 @@ def test_broker_stopped_mid_run_requests_complete_with_identical_tokens(env):
 
 
 def test_bfloat16_greedy_tokens_identical_with_the_connector(env):
-    for name in ("A", "B", "ref32"):  # room for two more engines
+    for name in ("A", "B"):  # room for two more engines
         if name in env["engines"]:
             env["engines"][name].stop()
-    ref = env["engine"]("ref16", "--dtype", "bfloat16", connector=False, lora=False)
+    ref = env["ref"]("bfloat16")
     # No local prefix cache: the second pass loads every full block from the broker.
     c = env["engine"]("C16", "--dtype", "bfloat16", "--no-prefix-caching", lora=False)
     want = _tokens(ref.generate(P_BF16))

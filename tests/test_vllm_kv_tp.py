@@ -76,6 +76,7 @@ def test_a_broker_of_another_gpu_is_refused(table):  # noqa: F811
 
 
 @pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM environment at {VLLM_PY} (`make vllm-venv`)")
+@pytest.mark.timeout(900)  # five processes of the vLLM environment, one after another
 def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path):  # noqa: F811
     run_dir = short_tmpdir()
     brokers = [start_gpu_broker(run_dir, "0", "0"), start_gpu_broker(run_dir, B, B)]
@@ -132,25 +133,14 @@ def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path)
 
 @pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM environment at {VLLM_PY} (`make vllm-venv`)")
 @pytest.mark.timeout(1800)
-def test_a_tp2_vllm_engine_gives_identical_tokens_and_a_second_one_loads_both_ranks(table, monkeypatch):  # noqa: F811
+def test_a_tp2_vllm_engine_gives_identical_tokens_and_a_second_one_loads_both_ranks(table, monkeypatch, vllm_shared):  # noqa: F811
     """vLLM's CPU build with ``--tensor-parallel-size 2`` (workers in processes, one CPU each):
     tokens as without the connector, and a second engine loads the first one's prefix, each
     rank from its own broker."""
     from test_vllm_kv import Engine
 
     tmp = short_tmpdir()
-    model = os.path.join(tmp, "model")
-    subprocess.run(
-        [
-            VLLM_PY,
-            "-c",
-            "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1])",
-            model,
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    model = vllm_shared.build().model
     run_dir = short_tmpdir()
     brokers = [
         start_gpu_broker(run_dir, "0", "0", "--pool-size", "32MiB"),

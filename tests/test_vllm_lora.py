@@ -188,36 +188,22 @@ def _page_bytes(client: BrokerClient, lease) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def env():
+def env(vllm_shared):
     """The tiny model, four adapters (float32 weights, not exact in bfloat16), a broker at its
-    defaults with them registered, the float32 reference and broker engines (started
-    together), and the float32 copies' bytes before any engine."""
+    defaults with them registered, the float32 reference (the session's, conftest.VllmShared)
+    and broker engines (started together), and the float32 copies' bytes before any engine."""
+    shared = vllm_shared.build()
     tmp = short_tmpdir()
-    model = os.path.join(tmp, "model")
-    dirs = {n: os.path.join(tmp, n) for n in (*ADAPTERS, "l4")}
-    subprocess.run(
-        [
-            VLLM_PY,
-            "-c",
-            "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1]); "
-            "[t.build_lora(p, i + 1) for i, p in enumerate(sys.argv[2:])]",
-            model,
-            *dirs.values(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    model, dirs = shared.model, shared.dirs
     broker = start_broker("--pool-size", "256MiB", "--slab-size", "16MiB")  # defaults: bfloat16 adapters
-    files = [a for n in (*ADAPTERS, "l4") for a in ("--lora", f"{n}={dirs[n]}")]
     brokered = [a for n in (*ADAPTERS, "l4") for a in ("--broker-lora", n)]
-    state = {"tmp": tmp, "model": model, "dirs": dirs, "broker": broker, "stop": []}
-    state["ref32"] = LoraEngine("ref32", tmp, model, *files, "--max-loras", "5")
+    state = {"tmp": tmp, "model": model, "dirs": dirs, "broker": broker, "stop": [], "ref": shared.reference}
+    state["ref32"] = shared.reference("float32")
     # l4f: l4's directory named by path; the zero-copy engine has the broker register it.
     state["zc32"] = LoraEngine(
         "zc32", tmp, model, *brokered, "--lora", f"l4f={dirs['l4']}", "--max-loras", "3", socket=broker.socket
     )
-    state["stop"] += [state["ref32"], state["zc32"]]
+    state["stop"] += [state["zc32"]]
     # The test's own session: registers the adapters and pins them (so their pages stay put)
     # to read their bytes before any engine has touched them.
     client = BrokerClient.connect(broker.socket, client_name="test-pages")
@@ -364,13 +350,12 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_bfloat16(env):
         if env.get(name) is not None:
             env[name].stop()
     broker = env["broker16"] = env["broker"]
-    files = [a for n in ADAPTERS for a in ("--lora", f"{n}={env['dirs'][n]}")]
     brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
-    ref = LoraEngine("ref16", env["tmp"], env["model"], "--dtype", "bfloat16", *files, "--max-loras", "4")
+    ref = env["ref"]("bfloat16")
     zc = env["zc16"] = LoraEngine(
         "zc16", env["tmp"], env["model"], "--dtype", "bfloat16", *brokered, "--max-loras", "3", socket=broker.socket
     )
-    env["stop"] += [ref, zc]
+    env["stop"] += [zc]
     want = env["want16"] = _tokens(ref.generate(PROMPTS, lora=MIXED))
     assert _tokens(zc.generate(PROMPTS, lora=MIXED)) == want
     mix = ["l3", "l1", "l2"]
@@ -389,13 +374,12 @@ def test_broker_adapters_give_the_tokens_of_vllm_file_lora_float16(env):
     float16 copies, beside the bfloat16 engine still serving."""
     env["zc32"].stop()  # memory: at most three engines at a time
     broker = env["broker"]
-    files = [a for n in ADAPTERS for a in ("--lora", f"{n}={env['dirs'][n]}")]
     brokered = [a for n in ADAPTERS for a in ("--broker-lora", n)]
-    ref = LoraEngine("ref16h", env["tmp"], env["model"], "--dtype", "float16", *files, "--max-loras", "4")
+    ref = env["ref"]("float16")
     zc = LoraEngine(
         "zc16h", env["tmp"], env["model"], "--dtype", "float16", *brokered, "--max-loras", "3", socket=broker.socket
     )
-    env["stop"] += [ref, zc]
+    env["stop"] += [zc]
     want = _tokens(ref.generate(PROMPTS, lora=MIXED))
     base = _tokens(ref.generate(PROMPTS))
     assert sum(w != b for w, b in zip(want, base)) >= 3, "the adapters do not change the float16 tokens"
