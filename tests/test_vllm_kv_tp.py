@@ -76,6 +76,7 @@ def test_a_broker_of_another_gpu_is_refused(table):  # noqa: F811
 
 
 @pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM environment at {VLLM_PY} (`make vllm-venv`)")
+@pytest.mark.timeout(900)  # five processes importing vLLM: 20-40 s each on a loaded 2-core machine
 def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path):  # noqa: F811
     run_dir = short_tmpdir()
     brokers = [start_gpu_broker(run_dir, "0", "0"), start_gpu_broker(run_dir, B, B)]
