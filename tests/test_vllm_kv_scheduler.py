@@ -47,7 +47,9 @@ SCRIPT = textwrap.dedent(
             return self.c
         def hold(self, inc, n):
             pass
+        frames = []
         def lookup_many(self, c, key_lists, pin, releases=()):
+            self.frames.append(len(key_lists))
             self.released += [len(objs) for _, objs in releases]
             return [self.c.lookup(k, pin) for k in key_lists]
         def failed(self, c, e, what):
@@ -95,6 +97,20 @@ SCRIPT = textwrap.dedent(
     s2.request_finished(request("cross"), [])
     s2._flush()
     assert b.released == [30]
+
+    # 70 requests waiting: the step's first ask looks up 63 of them in one frame, the others'
+    # asks read its answers; the 64th's ask takes the rest.
+    b.frames.clear()
+    s3 = BrokerKVScheduler(b, fp, BS, 1, BrokerKVStats())
+    reqs = [request(f"w{i}") for i in range(70)]
+    for r in reqs:
+        s3.on_new_request(r)
+    for r in reqs[:63]:
+        s3.get_num_new_matched_tokens(r, 0)
+    assert b.frames == [63], b.frames
+    for r in reqs[63:]:
+        s3.get_num_new_matched_tokens(r, 0)
+    assert b.frames == [63, 7], b.frames
     print("OK")
     """
 )

@@ -51,9 +51,9 @@ def _keyable(request: Any) -> bool:
     return not getattr(request, "mm_features", None) and request.prompt_token_ids is not None
 
 
-# Requests one step's lookup frame covers: the one vLLM asks about and up to this many
-# more of the waiting ones (in arrival order), so the rest of the step's asks are answered
-# from that frame. A step frame holds 64 ops: one unpin and 63 lookups.
+# Requests one step's lookup frame covers: the one vLLM asks about and the first waiting
+# ones (in arrival order) up to this many in all, so the rest of the step's asks are answered
+# from that frame. A step frame holds 64 ops: one unpin and 63 lookups (per rank).
 PREFETCH = 63
 
 
@@ -146,11 +146,11 @@ class BrokerKVScheduler:
         return out
 
     def _look_up_step(self, request: Request) -> None:
-        """One frame per broker: ``request``'s chain and up to ``PREFETCH`` other waiting
-        requests' (``_found`` gets how far every rank holds each)."""
+        """One frame per broker: ``request``'s chain and the first waiting requests', up to
+        ``PREFETCH`` in all (``_found`` gets how far every rank holds each)."""
         batch = [request]
         for rid, r in self._waiting.items():
-            if len(batch) > PREFETCH:
+            if len(batch) >= PREFETCH:
                 break
             if rid not in self._found and rid != request.request_id:
                 batch.append(r)
