@@ -414,6 +414,15 @@ class BrokerClient(BrokerQueries):
         """The longest prefix of ``keys`` present (pinned for this session unless pin=False)."""
         return self._step_calls().lookup(keys, pin)
 
+    def lookup_many(
+        self, key_lists: Sequence[Sequence[bytes]], pin: bool = False, unpin: Iterable[BrokerObject | int] = ()
+    ) -> list[list[BrokerObject]]:
+        """Unpin ``unpin``, then look up each list of keys (its longest present prefix, pinned
+        for this session if ``pin``), all in one round trip on the step channel (an engine's
+        step: every waiting request's chain at once; 63 lookups a frame, more take more
+        frames). Over gRPC, one call each. On a refusal nothing stays pinned by it."""
+        return self._step_calls().lookup_many([list(k) for k in key_lists], pin, self._ids(unpin))
+
     @contextlib.contextmanager
     def lookup_pinned(self, keys: Sequence[bytes]) -> Iterator[list[BrokerObject]]:
         """Look up and pin, unpinning at the end of the ``with`` block."""

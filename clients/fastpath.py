@@ -176,6 +176,46 @@ class ChannelCalls:
             return self.records.objects(out.objects)
         return self.grpc.lookup(keys, pin)
 
+    def lookup_many(self, key_lists: list[list[bytes]], pin: bool, unpin_ids: list[int]) -> list[list]:
+        """``BrokerClient.lookup_many``: the unpin and every lookup in one frame (more only past
+        ``MAX_OPS`` ops or half ``MAX_FRAME_BYTES``); with the holdings cache, its calls one by one."""
+        if self.path.caching:  # the cache plans a step's one lookup: no frames of many here
+            if unpin_ids:
+                self.unpin(unpin_ids)
+            return [self.lookup(k, pin) if k else [] for k in key_lists]
+        out: list[list] = [[] for _ in key_lists]
+        todo = [i for i, k in enumerate(key_lists) if k]
+        ops = [_w.Op(_w.OP_UNPIN, tuple(unpin_ids))] if unpin_ids else []
+        pinned: list[int] = []
+        while ops or todo:
+            size, batch = 0, []
+            while todo and len(ops) + len(batch) < _w.MAX_OPS and (not batch or size < _w.MAX_FRAME_BYTES // 2):
+                keys = key_lists[todo[0]]
+                size += 8 + sum(len(k) + 2 for k in keys)
+                batch.append(todo.pop(0))
+            ops += [_w.Op(_w.OP_LOOKUP, tuple(key_lists[i]), 1 if pin else 0) for i in batch]
+            try:
+                reply = self._fast(self.path.send, ops)
+            except BrokerError:
+                self._unpin_quietly(pinned)  # what earlier frames pinned
+                raise
+            base = len(ops) - len(batch)
+            for j, recs in enumerate(reply.results[base:]):
+                out[batch[j]] = self.records.objects(recs)
+                pinned += [r.object_id for r in recs] if pin else []
+            if reply.error is not None:
+                self._unpin_quietly(pinned)  # nothing the caller sees stays pinned
+                raise reply.error
+            ops = []
+        return out
+
+    def _unpin_quietly(self, ids: list[int]) -> None:
+        if ids:
+            try:
+                self._one(_w.Op(_w.OP_UNPIN, tuple(ids)), self._fast_or_none)
+            except BrokerError as e:
+                log.debug("unpinning after a failed lookup: %s", e)
+
     def pin(self, ids: list[int]) -> list:
         st = self.path
         make = self.client._read_objects

@@ -78,6 +78,12 @@ class GrpcCalls:
         resp = self._rpc("Lookup", pb.LookupRequest(keys=list(keys), pin=pin), retry=True)
         return self.client._read_objects(resp.objects)
 
+    def lookup_many(self, key_lists: list[list[bytes]], pin: bool, unpin_ids: list[int]) -> list[list]:
+        """``BrokerClient.lookup_many``: an Unpin and a Lookup per list (gRPC has no batch of them)."""
+        if unpin_ids:
+            self.unpin(unpin_ids)
+        return [self.lookup(k, pin) if k else [] for k in key_lists]
+
     def pin(self, ids: list[int]) -> list:
         resp = self._rpc("Pin", pb.PinRequest(object_ids=ids))
         return self.client._read_objects(resp.objects)

@@ -665,3 +665,37 @@ def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig
         with pytest.raises(BrokerError) as e:
             c.unpin([objs[0]])
         assert e.value.code == Code.FAILED_PRECONDITION and frames(c) == n + 6
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-channel", "grpc"])
+def test_lookup_many_answers_each_list_and_unpins_in_one_frame(step_rig, fast_path):
+    """``lookup_many`` is ``unpin`` then one ``lookup`` per list, in one frame on the step
+    channel (an engine's step looks up all its requests at once); over gRPC, one call each."""
+    b, _ = step_rig
+    with BrokerClient.connect(b.socket, fast_path=fast_path) as c:
+        held = c.lookup([b"k0", b"k1"])
+        n = frames(c) if fast_path else 0
+        lists = [[b"k0", b"k1", b"nope", b"k2"], [], [b"nope"], [b"k3", b"k4"], [b"k5"] * 2]
+        got = c.lookup_many(lists, pin=True, unpin=held)
+        if fast_path:
+            assert frames(c) == n + 1
+        assert [[o.key for o in g] for g in got] == [[b"k0", b"k1"], [], [], [b"k3", b"k4"], [b"k5", b"k5"]]
+        pins = {o.key: o.session_pins for o in c.lookup([b"k%d" % i for i in range(6)], pin=False)}
+        # k0 and k1: the old pins went, the new ones hold; k5: looked up twice, pinned twice.
+        assert pins == {b"k0": 1, b"k1": 1, b"k2": 0, b"k3": 1, b"k4": 1, b"k5": 2}
+        unpinned = c.lookup_many([[b"k0"], [b"k3"]], pin=False, unpin=[o for g in got for o in g])
+        assert [[o.key for o in g] for g in unpinned] == [[b"k0"], [b"k3"]]
+        assert all(o.session_pins == 0 for o in c.lookup([b"k%d" % i for i in range(6)], pin=False))
+
+
+def test_lookup_many_past_one_frame_and_a_refusal_leave_nothing_pinned(step_rig):
+    b, _ = step_rig
+    with BrokerClient.connect(b.socket) as c:
+        n = frames(c)
+        got = c.lookup_many([[b"k%d" % (i % 6)] for i in range(100)], pin=True)  # 64 ops a frame
+        assert frames(c) == n + 2 and [g[0].key for g in got] == [b"k%d" % (i % 6) for i in range(100)]
+        c.unpin([o for g in got for o in g])
+        with pytest.raises(BrokerError) as e:
+            c.lookup_many([[b"k0"]] * 70 + [[b"x" * 70000]], pin=True)  # the last key is too long
+        assert e.value.code == Code.INVALID_ARGUMENT
+        assert all(o.session_pins == 0 for o in c.lookup([b"k%d" % i for i in range(6)], pin=False))

@@ -208,3 +208,23 @@ def test_status_shows_kv_objects_by_owner(broker):
         assert r.returncode == 0, r.stderr
         assert "owner      vllm-kv:engine-1 (session" in r.stdout and "kv_cache 2 objects, 2 pages" in r.stdout
         assert "owner      no owner (session ended): kv_cache 1 objects, 1 pages" in r.stdout
+
+
+def test_blocks_stored_under_the_previous_key_version_are_misses(broker, monkeypatch):
+    """Key version 2 (a block's layers in the cache's memory order, BlockMover's): blocks an
+    engine stored under version 1 (``select(block_dim, block)`` order) are misses, never read
+    as the new layout."""
+    toks = list(range(64))
+    monkeypatch.setattr(identity, "KEY_VERSION", 1)
+    old = [identity.block_key(h) for h in identity.chain_hashes(identity.chain_root(_fp()), toks, 32)]
+    monkeypatch.undo()
+    assert identity.KEY_VERSION == 2
+    new = [identity.block_key(h) for h in identity.chain_hashes(identity.chain_root(_fp()), toks, 32)]
+    kv = store.BrokerKV(broker.socket)
+    try:
+        c = kv.client()
+        c.prepare(store.kv_specs(old, 4096, c.geometry.page_size)).commit()
+        assert c.lookup(new, pin=False) == []
+        assert len(c.lookup(old, pin=False)) == 2
+    finally:
+        kv.close()

@@ -1,16 +1,18 @@
-"""The KV connector's scheduler half (clients/vllm/kv_scheduler.py) against a fake broker that
-counts calls: a request whose prefix vLLM's own cache holds costs one lookup and no pins; a
-cross-engine hit pins only the blocks it will load. Runs in the vLLM environment's Python
-(the module needs vLLM), as a script."""
+"""The KV connector's scheduler half (clients/vllm/kv_scheduler.py): against a fake broker that
+counts calls, a request whose prefix vLLM's own cache holds costs one lookup and no pins and a
+cross-engine hit pins only the blocks it will load; against a real broker, a step's lookups,
+pins and unpins are one frame each on the step channel, whatever the number of requests.
+Runs in the vLLM environment's Python (the module needs vLLM), as scripts."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import textwrap
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, start_broker
 
 VLLM_PY = os.environ.get("MEMORY_BROKER_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 if not os.path.exists(VLLM_PY):
@@ -45,10 +47,23 @@ SCRIPT = textwrap.dedent(
             return self.c
         def hold(self, inc, n):
             pass
-        def release(self, inc, objs):
-            self.released.append(len(objs))
+        frames = []
+        def lookup_many(self, c, key_lists, pin, releases=()):
+            self.frames.append(len(key_lists))
+            self.released += [len(objs) for _, objs in releases]
+            return [self.c.lookup(k, pin) for k in key_lists]
         def failed(self, c, e, what):
             raise AssertionError(what)
+
+    def step_output(*reqs):
+        new = [SimpleNamespace(req_id=r, num_computed_tokens=0) for r in reqs]
+        cached = SimpleNamespace(req_ids=[], num_computed_tokens=[])
+        return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={r: 1 for r in reqs})
+
+    class Mgr:
+        def get_block_ids(self, rid):
+            return [list(range(100, 140))]
 
     BS = 32
     toks = list(range(100, 100 + 34 * BS + 10))  # 34 full blocks and a partial one
@@ -67,15 +82,35 @@ SCRIPT = textwrap.dedent(
     assert c.calls == [("lookup", 34, False)], c.calls
     assert b.released == []  # nothing pinned, nothing to unpin
 
-    # Another engine: its cache holds 2 blocks, the broker 32: pins blocks 2..31 only.
+    # Another engine: its cache holds 2 blocks, the broker 32: pins blocks 2..31 only, when
+    # the step's metadata is built.
     c.calls.clear()
     s2 = BrokerKVScheduler(b, fp, BS, 1, BrokerKVStats())
     assert s2.get_num_new_matched_tokens(request("cross"), 2 * BS) == (30 * BS, False)
+    assert c.calls == [("lookup", 34, False)], c.calls
+    s2.update_state_after_alloc(request("cross"), None, 30 * BS)
+    meta = s2.build_connector_meta(step_output("cross"), Mgr())
     assert c.calls == [("lookup", 34, False), ("lookup", 30, True)], c.calls
     st = s2._reqs["cross"]
     assert st.pin_first == 2 and len(st.pinned[0]) == 30
+    assert meta.loads[0].block_ids == list(range(102, 132)) and meta.loads[0].failed_block_ids == []
     s2.request_finished(request("cross"), [])
+    s2._flush()
     assert b.released == [30]
+
+    # 70 requests waiting: the step's first ask looks up 63 of them in one frame, the others'
+    # asks read its answers; the 64th's ask takes the rest.
+    b.frames.clear()
+    s3 = BrokerKVScheduler(b, fp, BS, 1, BrokerKVStats())
+    reqs = [request(f"w{i}") for i in range(70)]
+    for r in reqs:
+        s3.on_new_request(r)
+    for r in reqs[:63]:
+        s3.get_num_new_matched_tokens(r, 0)
+    assert b.frames == [63], b.frames
+    for r in reqs[63:]:
+        s3.get_num_new_matched_tokens(r, 0)
+    assert b.frames == [63, 7], b.frames
     print("OK")
     """
 )
@@ -84,3 +119,79 @@ SCRIPT = textwrap.dedent(
 def test_a_local_hit_costs_one_lookup_and_no_pins_and_a_cross_hit_pins_what_it_loads():
     r = subprocess.run([VLLM_PY, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+# A step of 8 new requests on a real broker: 4 whose prefix vLLM's own cache holds (local
+# hits) and 4 that load theirs from the broker, one of which lost blocks to eviction between
+# the step's lookup and its pins.
+STEP_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from types import SimpleNamespace
+    from memory_broker.clients.vllm import identity, store
+    from memory_broker.clients.vllm.kv_records import BrokerKVStats, BrokerKVWorkerMetadata
+    from memory_broker.clients.vllm.kv_scheduler import BrokerKVScheduler
+
+    BS, NB = 32, 6  # 6 full blocks a prompt, and a partial one
+    fp = b"engine"
+    b = store.BrokerKV(sys.argv[1], client_name="sched")
+    w = store.BrokerKV(sys.argv[1], client_name="writer")
+    c, wc = b.client(), w.client()
+    reqs, objs = [], {}
+    for i in range(8):
+        toks = [1000 * i + t for t in range(NB * BS + 5)]
+        rid = f"r{i}"
+        reqs.append(SimpleNamespace(request_id=rid, prompt_token_ids=toks, lora_request=None, mm_features=None,
+                                    prompt_embeds=None, cache_salt=None))
+        keys = [identity.block_key(h, 0) for h in identity.chain_hashes(identity.chain_root(fp), toks, BS)]
+        objs[rid] = wc.prepare(store.kv_specs(keys, 4096, wc.geometry.page_size)).commit()
+    s = BrokerKVScheduler(b, fp, BS, 1, BrokerKVStats())
+    for r in reqs:
+        s.on_new_request(r)
+    frames = lambda: c._step_path().frames
+    f0 = frames()
+    local = {f"r{i}" for i in range(4)}
+    for r in reqs:
+        got = s.get_num_new_matched_tokens(r, NB * BS if r.request_id in local else 0)
+        assert got == (0 if r.request_id in local else NB * BS, False), (r.request_id, got)
+        if r.request_id == "r7":
+            wc.free(objs["r7"][3:])  # evicted before the step pins what it loads
+        s.update_state_after_alloc(r, None, got[0])
+    lookup_frames = frames() - f0
+    new = [SimpleNamespace(req_id=r.request_id, num_computed_tokens=0) for r in reqs]
+    out = SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                          num_scheduled_tokens={r.request_id: 1 for r in reqs})
+    mgr = SimpleNamespace(get_block_ids=lambda rid: [list(range(10 * int(rid[1:]), 10 * int(rid[1:]) + NB + 1))])
+    meta = s.build_connector_meta(out, mgr)
+    pin_frames = frames() - f0 - lookup_frames
+    loads = {lr.req_id: lr for lr in meta.loads}
+    assert sorted(loads) == ["r4", "r5", "r6", "r7"], sorted(loads)
+    assert [len(loads[r].block_ids) for r in ("r4", "r5", "r6", "r7")] == [6, 6, 6, 3]
+    assert loads["r7"].failed_block_ids == [73, 74, 75] and loads["r4"].failed_block_ids == []
+    assert all(len(lr.objects) == len(lr.block_ids) for lr in meta.loads)
+    held = b._holds[b.incarnation]
+    s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=BrokerKVWorkerMetadata(loaded=set(loads))))
+    unpin_frames = frames() - f0 - lookup_frames - pin_frames
+    # The pins went: the writer frees what is left and nothing stays behind.
+    pins_left = sum(o.session_pins for o in c.lookup([o.key for o in objs["r4"]], pin=False))
+    print("RESULT", lookup_frames, pin_frames, unpin_frames, held, b._holds[b.incarnation], pins_left)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def broker():
+    b = start_broker("--pool-size", "32MiB")
+    yield b
+    b.stop(signal.SIGKILL)
+
+
+def test_a_steps_lookups_pins_and_unpins_are_one_frame_each(broker):
+    r = subprocess.run(
+        [VLLM_PY, "-c", STEP_SCRIPT, broker.socket], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0 and "RESULT" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    lookups, pins, unpins, held, held_after, pins_left = map(int, r.stdout.split("RESULT")[1].split())
+    # 8 requests: one frame of lookups, one of pins (4 loads), one of unpins (was 8 + 4 + 4).
+    assert (lookups, pins, unpins) == (1, 1, 1)
+    assert held == 6 + 6 + 6 + 3 and held_after == 0 and pins_left == 0

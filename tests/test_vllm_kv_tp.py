@@ -75,11 +75,21 @@ def test_a_broker_of_another_gpu_is_refused(table):  # noqa: F811
         b.stop()
 
 
+def start_pair(run_dir: str, *extra: str) -> list:
+    """GPU 0's and GPU B's brokers; if the second will not start, the first is stopped too."""
+    first = start_gpu_broker(run_dir, "0", "0", *extra)
+    try:
+        return [first, start_gpu_broker(run_dir, B, B, *extra)]
+    except BaseException:
+        first.stop()
+        raise
+
+
 @pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM environment at {VLLM_PY} (`make vllm-venv`)")
-@pytest.mark.timeout(900)  # five processes of the vLLM environment, one after another
+@pytest.mark.timeout(900)  # five processes importing vLLM: 20-40 s each on a loaded 2-core machine
 def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path):  # noqa: F811
     run_dir = short_tmpdir()
-    brokers = [start_gpu_broker(run_dir, "0", "0"), start_gpu_broker(run_dir, B, B)]
+    brokers = start_pair(run_dir)
     socks = [os.path.join(run_dir, A, "broker.sock"), os.path.join(run_dir, B, "broker.sock")]
     base = dict(os.environ, MEMORY_BROKER_SOCKET=run_dir)
 
@@ -142,10 +152,7 @@ def test_a_tp2_vllm_engine_gives_identical_tokens_and_a_second_one_loads_both_ra
     tmp = short_tmpdir()
     model = vllm_shared.build().model
     run_dir = short_tmpdir()
-    brokers = [
-        start_gpu_broker(run_dir, "0", "0", "--pool-size", "32MiB"),
-        start_gpu_broker(run_dir, B, B, "--pool-size", "32MiB"),
-    ]
+    brokers = start_pair(run_dir, "--pool-size", "32MiB")
     socks = [b.socket for b in brokers]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("MEMORY_BROKER_SOCKET", run_dir)

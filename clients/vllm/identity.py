@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 
 # Bump when the meaning of a key or the byte layout of a stored block changes: old objects
-# then stop matching instead of being read wrongly.
-KEY_VERSION = 1
+# then stop matching instead of being read wrongly. 2: a block's layer holds its elements in
+# the KV cache's memory order (``BlockMover``), no longer in ``select(block_dim, block)``'s
+# logical order (they differ for FlashInfer's HND strides and vLLM 0.32's permuted views).
+KEY_VERSION = 2
 KEY_PREFIX = b"vllm-kv1:"
 
 

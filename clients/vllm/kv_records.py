@@ -69,6 +69,9 @@ class LoadRequest:
     objects: list[list[tuple[bytes, int, list[int]]]]
     # The scheduler's session that pinned them (see BrokerKV.client_for).
     incarnation: str = ""
+    # Blocks of the request the broker no longer held when the step pinned them: the worker
+    # reports them to vLLM, which recomputes them.
+    failed_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -109,5 +112,7 @@ class _ReqState:
     local_tokens: int = 0
     # Block range to load at the request's first schedule, [start, end).
     load: tuple[int, int] | None = None
+    # Of ``load``, the blocks pinned on every rank (from its start) when the step pinned them.
+    load_ok: int = 0
     # First prompt block not known to be in the broker.
     next_save: int = 0

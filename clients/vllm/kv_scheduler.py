@@ -2,12 +2,14 @@
 
 ``BrokerKVScheduler`` runs in vLLM's scheduler process, inside ``MemoryBrokerConnector``
 (``kv_connector.py``), the facade vLLM instantiates. Per request it keys the full prompt
-blocks (``identity.chain_hashes``), looks the chain up with pins (one lookup per
-tensor-parallel rank, each in that rank's broker: one broker per GPU, or one for all ranks), and
-a prefix is a hit only as far as every rank's broker holds it; per step tells the workers which blocks to load (with the pinned
-objects' pages) and which to store (``BrokerKVMetadata``). Pins go when the workers report the
-load done, when a request is not scheduled after all, or when it finishes. A broker that is
-away or fails costs a recompute, never a failed request. It never touches KV tensors.
+blocks (``identity.chain_hashes``); per step it looks up the chains of the requests waiting to
+be scheduled, in one frame per broker (each tensor-parallel rank's keys in that rank's broker:
+one broker per GPU, or one for all ranks; a prefix is a hit only as far as every rank's broker
+holds it), pins in one more frame the blocks the step's requests will load, and tells the
+workers which blocks to load (with the pinned objects' pages) and which to store
+(``BrokerKVMetadata``). Pins go, in one frame per step, when the workers report the load
+done, when a request is not scheduled after all, or when it finishes. A broker that is away
+or fails costs a recompute, never a failed request. It never touches KV tensors.
 """
 
 from __future__ import annotations
@@ -49,8 +51,26 @@ def _keyable(request: Any) -> bool:
     return not getattr(request, "mm_features", None) and request.prompt_token_ids is not None
 
 
+# Requests one step's lookup frame covers: the one vLLM asks about and the first waiting
+# ones (in arrival order) up to this many in all, so the rest of the step's asks are answered
+# from that frame. A step frame holds 64 ops: one unpin and 63 lookups (per rank).
+PREFETCH = 63
+
+
+class _Away(Exception):
+    """A rank's broker is unavailable (vLLM recomputes)."""
+
+
 class BrokerKVScheduler:
-    """The scheduler half (see the module docstring); ``stats`` is the facade's, shared."""
+    """The scheduler half (see the module docstring); ``stats`` is the facade's, shared.
+
+    Per step, each broker gets at most one frame of lookups (without pins: the first
+    ``get_num_new_matched_tokens`` of the step looks up every waiting request's chain at
+    once, the step's later asks read its answers), one of pins (``build_connector_meta``
+    pins the blocks every request scheduled to load will read) and one of unpins
+    (``update_connector_output``: the pins of loads done and of finished requests); an
+    unpin waiting for a frame rides on the next one that goes.
+    """
 
     def __init__(
         self,
@@ -72,6 +92,12 @@ class BrokerKVScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._to_load: set[str] = set()
         self._loading: dict[str, _ReqState] = {}
+        # Requests added and not yet scheduled, in arrival order (what a step's lookup covers).
+        self._waiting: dict[str, Request] = {}
+        # This step's lookups: request id -> blocks of its chain every rank's broker holds.
+        self._found: dict[str, int] = {}
+        # Pins let go and not yet unpinned: id(broker) -> [(incarnation, objects)].
+        self._releases: dict[int, list] = {}
 
     def _state(self, request: Request) -> _ReqState | None:
         st = self._reqs.get(request.request_id)
@@ -86,87 +112,98 @@ class BrokerKVScheduler:
             self._reqs[request.request_id] = st
         return st
 
-    def _unpin(self, st: _ReqState) -> None:
+    def _release(self, st: _ReqState) -> None:
+        """The request's pins go with the next frame to their broker (``_flush``)."""
         for rank, objs in enumerate(st.pinned):
-            self.brokers[rank].release(st.incarnations[rank], objs)
+            if objs:
+                self._releases.setdefault(id(self.brokers[rank]), []).append((st.incarnations[rank], objs))
         st.pinned, st.incarnations = [], []
+
+    def _flush(self) -> None:
+        """Unpin every let-go pin now: one frame per broker that has any."""
+        for b in {id(b): b for b in self.brokers}.values():
+            rel = self._releases.pop(id(b), None)
+            if rel:
+                b.lookup_many(None, [], False, rel)
+
+    def _frames(self, wanted: list[tuple[int, list[bytes]]], pin: bool) -> list[list]:
+        """Look up ``wanted`` ((rank, keys) pairs) in their ranks' brokers: one frame per
+        broker, carrying its let-go pins. Raises ``_Away`` (a broker unavailable) or
+        ``BrokerError`` (recorded against its broker)."""
+        clients = [b.client() for b in self.brokers]
+        if any(c is None for c in clients):
+            raise _Away
+        by: dict[int, list[int]] = {}
+        for i, (rank, _) in enumerate(wanted):
+            by.setdefault(id(self.brokers[rank]), []).append(i)
+        out: list[list] = [[] for _ in wanted]
+        for idxs in by.values():
+            rank = wanted[idxs[0]][0]
+            b = self.brokers[rank]
+            got = b.lookup_many(clients[rank], [wanted[i][1] for i in idxs], pin, self._releases.pop(id(b), ()))
+            for i, g in zip(idxs, got):
+                out[i] = g
+        return out
+
+    def _look_up_step(self, request: Request) -> None:
+        """One frame per broker: ``request``'s chain and the first waiting requests', up to
+        ``PREFETCH`` in all (``_found`` gets how far every rank holds each)."""
+        batch = [request]
+        for rid, r in self._waiting.items():
+            if len(batch) >= PREFETCH:
+                break
+            if rid not in self._found and rid != request.request_id:
+                batch.append(r)
+        states = [(r.request_id, self._state(r)) for r in batch]
+        states = [(rid, st) for rid, st in states if st is not None and st.chain]
+        wanted = [
+            (rank, [identity.block_key(h, rank) for h in st.chain]) for _, st in states for rank in range(self.tp_size)
+        ]
+        got = self._frames(wanted, pin=False)
+        for i, (rid, _) in enumerate(states):
+            self._found[rid] = min(len(g) for g in got[i * self.tp_size : (i + 1) * self.tp_size])
+
+    def on_new_request(self, request: Request) -> None:
+        if _keyable(request):
+            self._waiting[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         if st is None:
             return 0, False
-        self._unpin(st)  # asked again (the request could not be scheduled last time)
+        self._release(st)  # asked again (the request could not be scheduled last time)
         st.load = None
         st.local_tokens = num_computed_tokens
         st.hit_blocks = 0
         # vLLM computes at least the prompt's last token.
         loadable = (st.prompt_len - 1) // self.block_size
-        clients = [b.client() for b in self.brokers]
-        if any(c is None for c in clients) or not st.chain:
+        stored = self._found.get(request.request_id)
+        if stored is None and st.chain:
+            try:
+                self._look_up_step(request)
+            except _Away:
+                stored = None
+            except BrokerError:
+                self.stats.add("broker_errors")
+                return 0, False
+            stored = self._found.get(request.request_id)
+        if stored is None:
             # A rank's broker away: no rank can load (vLLM recomputes the whole prefix).
             st.next_save = max(st.next_save, num_computed_tokens // self.block_size)
             return 0, False
         self.stats.add("lookups")
-        incs = [b.incarnation for b in self.brokers]
-        first = num_computed_tokens // self.block_size  # blocks vLLM's own cache holds
-        try:
-            # Without pins first: on a local prefix-cache hit the broker holds nothing beyond
-            # vLLM's own cache, and nothing is pinned that must be unpinned (one round trip).
-            stored = self._stored(clients, st)
-            held = stored
-            if min(stored, loadable) > first:
-                held = self._pin(clients, st, incs, first, min(stored, loadable))
-        except BrokerError:
-            self.stats.add("broker_errors")
-            self._unpin(st)
-            return 0, False
-        st.hit_blocks = held
+        # Pinned in build_connector_meta, with the step's other loads (one frame).
+        st.hit_blocks = min(stored, loadable)
         st.next_save = max(st.next_save, stored)
-        hit = min(held, loadable) * self.block_size
-        ext = max(0, hit - num_computed_tokens)
-        if ext == 0:
-            self._unpin(st)
-        return ext, False
-
-    def _lookup(self, clients: list, rank: int, hashes: list[bytes], pin: bool) -> list:
-        """Rank ``rank``'s blocks of ``hashes`` in its broker (a BrokerError is recorded
-        against that broker and raised)."""
-        c = clients[rank]
-        try:
-            return c.lookup([identity.block_key(h, rank) for h in hashes], pin=pin)
-        except BrokerError as e:
-            self.brokers[rank].failed(c, e, "lookup")
-            raise
-
-    def _stored(self, clients: list, st: _ReqState) -> int:
-        """Blocks of the chain, from block 0, every rank's broker holds (lookups without pins)."""
-        found = len(st.chain)
-        for rank in range(self.tp_size):
-            found = len(self._lookup(clients, rank, st.chain[:found], pin=False))
-            if not found:
-                break
-        return found
-
-    def _pin(self, clients: list, st: _ReqState, incs: list[str], first: int, upto: int) -> int:
-        """Pin blocks ``first..upto-1`` on every rank (the request's ``pinned``, from ``first``);
-        returns how far, from block 0, the chain is held with pins on every rank."""
-        st.pinned, st.incarnations, st.incarnation, st.pin_first = [], [], incs[0], first
-        for rank in range(self.tp_size):
-            got = self._lookup(clients, rank, st.chain[first:upto], pin=True)
-            st.pinned.append(got)
-            st.incarnations.append(incs[rank])
-            self.brokers[rank].hold(incs[rank], len(got))
-            if not got:
-                break
-        held = min(len(p) for p in st.pinned) if len(st.pinned) == self.tp_size else 0
-        return first + held if held else 0
+        return max(0, st.hit_blocks * self.block_size - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        self._waiting.pop(request.request_id, None)
         st = self._reqs.get(request.request_id)
         if st is None:
             return
         if num_external_tokens <= 0:
-            self._unpin(st)
+            self._release(st)
             return
         start = st.local_tokens // self.block_size
         end = (st.local_tokens + num_external_tokens) // self.block_size
@@ -176,6 +213,7 @@ class BrokerKVScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, mgr: KVCacheManager | None) -> BrokerKVMetadata:
         meta = BrokerKVMetadata()
+        self._found.clear()  # the step's lookups are spent
         sched = scheduler_output.num_scheduled_tokens
         progress: list[tuple[str, int]] = []
         for r in scheduler_output.scheduled_new_reqs:
@@ -183,6 +221,9 @@ class BrokerKVScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             progress.append((req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0)))
+        loads = [rid for rid, _ in progress if rid in self._to_load and self._reqs[rid].load is not None]
+        if loads and mgr is not None:
+            self._pin_loads(loads)
         for req_id, done_tokens in progress:
             st = self._reqs.get(req_id)
             if st is None or mgr is None:
@@ -203,39 +244,80 @@ class BrokerKVScheduler:
         for req_id in list(self._to_load):
             st = self._reqs.get(req_id)
             if st is not None:
-                self._unpin(st)
+                st.load = None
+                self._release(st)
             self._to_load.discard(req_id)
+        self._flush()
         return meta
 
+    def _pin_loads(self, req_ids: list[str]) -> None:
+        """Pin, on every rank, the blocks each of ``req_ids`` loads this step: one frame per
+        broker. A block no longer held (evicted since the step's lookup), and every block
+        after it, is left to the worker to report for recompute (``load_ok``)."""
+        states = [self._reqs[rid] for rid in req_ids]
+        wanted = []
+        for st in states:
+            start, end = st.load
+            wanted += [
+                (rank, [identity.block_key(h, rank) for h in st.chain[start:end]]) for rank in range(self.tp_size)
+            ]
+        try:
+            got = self._frames(wanted, pin=True)
+        except (_Away, BrokerError) as e:
+            if isinstance(e, BrokerError):
+                self.stats.add("broker_errors")
+            for st in states:
+                st.load_ok = 0
+            return
+        incs = [b.incarnation for b in self.brokers]
+        for i, st in enumerate(states):
+            per_rank = got[i * self.tp_size : (i + 1) * self.tp_size]
+            st.pinned, st.incarnations, st.incarnation, st.pin_first = per_rank, list(incs), incs[0], st.load[0]
+            for rank, objs in enumerate(per_rank):
+                self.brokers[rank].hold(incs[rank], len(objs))
+            st.load_ok = min(len(objs) for objs in per_rank)
+
     def _load_request(self, req_id: str, st: _ReqState, block_ids: list[int]) -> LoadRequest:
-        """The workers' order to load ``st.load``'s blocks; the request moves to loading."""
+        """The workers' order to load ``st.load``'s pinned blocks (and to report the rest
+        for recompute); the request moves to loading."""
         start, end = st.load
+        ok = start + st.load_ok
         objs = []
-        for b in range(start, end):
+        for b in range(start, ok):
             objs.append([(o.key, o.object_id, list(o.pages)) for o in (rank[b - st.pin_first] for rank in st.pinned)])
         st.load = None
         self._to_load.discard(req_id)
         self._loading[req_id] = st
-        return LoadRequest(req_id, [block_ids[b] for b in range(start, end)], objs, st.incarnation)
+        return LoadRequest(
+            req_id,
+            [block_ids[b] for b in range(start, ok)],
+            objs,
+            st.incarnation,
+            failed_block_ids=[block_ids[b] for b in range(ok, end)],
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         wm = connector_output.kv_connector_worker_meta
-        if not isinstance(wm, BrokerKVWorkerMetadata) or self.tp_size != 1:
-            return  # with several ranks the pins go when the request finishes
-        for req_id in wm.loaded:
-            st = self._loading.pop(req_id, None)
-            if st is not None:
-                self._unpin(st)
+        if isinstance(wm, BrokerKVWorkerMetadata) and self.tp_size == 1:
+            # With several ranks the pins go when the request finishes.
+            for req_id in wm.loaded:
+                st = self._loading.pop(req_id, None)
+                if st is not None:
+                    self._release(st)
+        self._flush()  # and the pins of requests finished this step
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._to_load.discard(request.request_id)
         if st is not None:
-            self._unpin(st)
+            self._release(st)
         return False, None
 
     def shutdown(self) -> None:
         for st in list(self._reqs.values()):
-            self._unpin(st)
+            self._release(st)
         self._reqs.clear()
+        self._waiting.clear()
+        self._flush()

@@ -5,8 +5,8 @@
 step's loads (``BrokerKVMetadata.loads``, objects the scheduler pinned) from the broker's pages
 into the KV cache; during it, it stores the step's new blocks in one prepare per step, layer by
 layer as vLLM saves them, committed in ``wait_for_save``. A block object holds a block's bytes
-layer after layer, each layer in ``select(block_dim, block)`` order. Failures are reported to
-vLLM as blocks to recompute, or as blocks not stored; never as a failed request.
+layer after layer, each layer's elements in the KV cache's memory order (``BlockMover``;
+``identity.KEY_VERSION`` 2). Failures are reported to vLLM as blocks to recompute, or as blocks not stored; never as a failed request.
 """
 
 from __future__ import annotations
@@ -114,58 +114,79 @@ class BrokerKVWorker:
         if not isinstance(meta, BrokerKVMetadata) or not meta.loads or not self._enabled:
             if isinstance(meta, BrokerKVMetadata):
                 for lr in meta.loads:  # connector off on this worker: vLLM recomputes
-                    self._load_errors.update(lr.block_ids)
-                    self.stats.add("load_failed_blocks", len(lr.block_ids))
+                    self._load_errors.update(lr.block_ids + lr.failed_block_ids)
+                    self.stats.add("load_failed_blocks", len(lr.block_ids) + len(lr.failed_block_ids))
             return
+        remote: list[LoadRequest] = []
         for lr in meta.loads:
+            if lr.failed_block_ids:  # no longer in the broker when the scheduler pinned them
+                self._load_errors.update(lr.failed_block_ids)
+                self.stats.add("load_failed_blocks", len(lr.failed_block_ids))
+            if not lr.block_ids:
+                continue
             # The scheduler's session when it lives in this process: the pinned pages are in
             # this mapping, and stay readable even if the broker went away since the lookup.
             c = self.broker.client_for(lr.incarnation)
+            if c is None:
+                remote.append(lr)
+                continue
             try:
-                self._load_one(c, lr)
-                self._loaded.add(lr.req_id)
+                wanted = [blk[self.tp_rank] for blk in lr.objects]
+                if c.view.mapped_slabs * c.geometry.pages_per_slab <= max((max(p) for _, _, p in wanted), default=0):
+                    raise RuntimeError("pages beyond this process's mapping")
+                self._copy_in(c, lr, [p for _, _, p in wanted])
             except (BrokerError, RuntimeError, ValueError, OSError) as e:
-                self._load_errors.update(lr.block_ids)
-                self.stats.add("load_failed_blocks", len(lr.block_ids))
-                if isinstance(e, BrokerError):
-                    self.stats.add("broker_errors")
-                    self.broker.failed(c, e, "load")
-                log.warning(
-                    "MemoryBrokerConnector: loading %d blocks of request %s failed (%s); vLLM recomputes them",
-                    len(lr.block_ids),
-                    lr.req_id,
-                    e,
-                )
+                self._load_failed(c, lr, e)
+        if remote:
+            self._load_remote(remote)
 
-    def _load_one(self, c, lr: LoadRequest) -> None:
-        rank = self.tp_rank
-        wanted = [blk[rank] for blk in lr.objects]
-        if c is not None:
-            # The scheduler's own session and mapping: its pins hold the pages.
-            if c.view.mapped_slabs * c.geometry.pages_per_slab <= max((max(p) for _, _, p in wanted), default=0):
-                raise RuntimeError("pages beyond this process's mapping")
-            self._copy_in(c, lr, [p for _, _, p in wanted])
-            return
-        # The scheduler runs in another process: pin the blocks in this process's session for
-        # the copy, and check they are the very objects the scheduler pinned.
+    def _load_failed(self, c, lr: LoadRequest, e: BaseException) -> None:
+        self._load_errors.update(lr.block_ids)
+        self.stats.add("load_failed_blocks", len(lr.block_ids))
+        if isinstance(e, BrokerError):
+            self.stats.add("broker_errors")
+            self.broker.failed(c, e, "load")
+        log.warning(
+            "MemoryBrokerConnector: loading %d blocks of request %s failed (%s); vLLM recomputes them",
+            len(lr.block_ids),
+            lr.req_id,
+            e,
+        )
+
+    def _load_remote(self, lrs: list[LoadRequest]) -> None:
+        """Loads whose scheduler runs in another process: the step's blocks pinned in this
+        process's session in one frame, checked to be the very objects the scheduler pinned,
+        copied, and unpinned in one more."""
         c = self.broker.client()
-        if c is None:
-            raise RuntimeError("the broker is unavailable")
-        got = c.lookup([k for k, _, _ in wanted], pin=True)
+        wanted = [[blk[self.tp_rank] for blk in lr.objects] for lr in lrs]
         try:
-            if [(o.object_id, list(o.pages)) for o in got] != [(oid, pages) for _, oid, pages in wanted]:
-                raise RuntimeError("the broker no longer holds the blocks the scheduler found")
-            self._copy_in(c, lr, [list(o.pages) for o in got])
-        finally:
-            if got:
+            if c is None:
+                raise RuntimeError("the broker is unavailable")
+            got = c.lookup_many([[k for k, _, _ in w] for w in wanted], pin=True)
+        except (BrokerError, RuntimeError) as e:
+            for i, lr in enumerate(lrs):  # one error, counted once
+                self._load_failed(c, lr, e if i == 0 else RuntimeError(str(e)))
+            return
+        try:
+            for lr, w, g in zip(lrs, wanted, got):
                 try:
-                    c.unpin(got)
+                    if [(o.object_id, list(o.pages)) for o in g] != [(oid, pages) for _, oid, pages in w]:
+                        raise RuntimeError("the broker no longer holds the blocks the scheduler found")
+                    self._copy_in(c, lr, [list(o.pages) for o in g])
+                except (RuntimeError, ValueError, OSError) as e:
+                    self._load_failed(None, lr, e)
+        finally:
+            pinned = [o for g in got for o in g]
+            if pinned:
+                try:
+                    c.unpin(pinned)
                 except BrokerError as e:
                     self.broker.failed(c, e, "unpin")
 
     def _copy_in(self, c, lr: LoadRequest, block_pages: list[list[int]]) -> None:
         self._mover_for(c.geometry.page_size).load(c.physical_view(), lr.block_ids, block_pages)
         self.stats.add("loaded_blocks", len(lr.block_ids))
+        self._loaded.add(lr.req_id)
 
     # ---------------------------------------------------------------- saves
 

@@ -191,26 +191,57 @@ class BrokerKV:
             if incarnation in self._holds:
                 self._holds[incarnation] += n
 
-    def release(self, incarnation: str, objs: Sequence[BrokerObject]) -> None:
-        """Unpin ``objs`` (pinned through session ``incarnation``); never raises."""
+    def _releasable(self, incarnation: str, objs: Sequence[BrokerObject]) -> list[BrokerObject]:
+        """Account ``objs`` (pinned through session ``incarnation``) as let go; returns those
+        to unpin through the current session (none for an ended session: the broker dropped its
+        pins with it)."""
         if not objs:
-            return
+            return []
         with self._lock:
-            c = self._client if incarnation == self.incarnation else None
             stale = self._stale.get(incarnation)
             if stale is not None:
                 stale[1] -= len(objs)
                 if stale[1] <= 0:
                     del self._stale[incarnation]
                     stale[0].close()
-                return  # the broker dropped that session's pins when it ended
-            if c is None:
-                return
+                return []
+            if not incarnation or incarnation != self.incarnation or self._client is None:
+                return []
             self._holds[incarnation] = max(0, self._holds.get(incarnation, 0) - len(objs))
+            return list(objs)
+
+    def release(self, incarnation: str, objs: Sequence[BrokerObject]) -> None:
+        """Unpin ``objs`` (pinned through session ``incarnation``); never raises."""
+        self.lookup_many(None, [], False, [(incarnation, objs)])
+
+    def lookup_many(
+        self,
+        client: BrokerClient | None,
+        key_lists: Sequence[Sequence[bytes]],
+        pin: bool,
+        releases: Sequence[tuple[str, Sequence[BrokerObject]]] = (),
+    ) -> list[list[BrokerObject]]:
+        """Let ``releases`` go ((incarnation, pinned objects) pairs) and look up ``key_lists``
+        through ``client`` (this broker's current session), all in one round trip. A refused
+        or failed call is recorded (``failed``) and raised; the releases are never raised."""
+        unpin: list[BrokerObject] = []
+        for inc, objs in releases:
+            unpin += self._releasable(inc, objs)
+        if not key_lists:
+            if unpin:
+                with self._lock:
+                    c = self._client
+                try:
+                    if c is not None:
+                        c.unpin(unpin)
+                except BrokerError as e:
+                    self.failed(c, e, "unpin")
+            return []
         try:
-            c.unpin(objs)
+            return client.lookup_many(key_lists, pin=pin, unpin=unpin)
         except BrokerError as e:
-            self.failed(c, e, "unpin")
+            self.failed(client, e, "lookup")
+            raise
 
     def close(self) -> None:
         with self._lock:
