@@ -7,6 +7,7 @@ code it drives would otherwise go unnoticed until the next person tries to measu
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -16,15 +17,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench(script: str, *args: str) -> str:
-    r = subprocess.run(
+    """Run one benchmark script; it and every process it started (brokers of up to 8 GiB of
+    pool) are killed if it runs past 300 s or the test is interrupted, so none outlives it."""
+    p = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "ops", "bench", script), *args],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
+        start_new_session=True,
     )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r.stdout
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the script's own group: what it left running
+        except ProcessLookupError:
+            pass
+        p.wait()
+    assert p.returncode == 0, out[-2000:] + err[-4000:]
+    return out
 
 
 def test_bench_adapters_quick_run_prints_every_table():
