@@ -99,13 +99,7 @@ class AdapterPins:
         entry of its own, converted from the adapter's files); with ``shards``, each adapter's
         copy holding those shards of its modules (modules it does not adapt are ignored)."""
         ids = self.check_ids(adapter_ids)
-        self._check_dtype(dtype)
-        shard = self._shard_text(shards)
-        if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
-            raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
-        max_lease_s = self.store.limits.max_lease_s
-        if lease_s and not 0 < lease_s <= max_lease_s:
-            raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {max_lease_s:g} s")
+        shard = self._check_request(dtype, shards, max_adapters, lease_s)
         distinct = list(dict.fromkeys(ids))
         cap = max_adapters or len(distinct)
         admitted, deferred = distinct[:cap], distinct[cap:]
@@ -173,8 +167,16 @@ class AdapterPins:
                 f"dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)} (empty: the broker's own, {self.config.dtype})"
             )
 
-    @staticmethod
-    def _shard_text(shards: Sequence[ModuleShard]) -> str:
+    def _check_request(
+        self, dtype: str, shards: Sequence[ModuleShard], max_adapters: int | None, lease_s: float | None
+    ) -> str:
+        """Refuse a bad acquire (INVALID_ARGUMENT); returns the shards' text (``shards_text``)."""
+        self._check_dtype(dtype)
+        if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
+            raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
+        max_lease_s = self.store.limits.max_lease_s
+        if lease_s and not 0 < lease_s <= max_lease_s:
+            raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {max_lease_s:g} s")
         try:
             return shards_text(shards)
         except ValueError as e:
