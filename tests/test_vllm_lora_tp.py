@@ -9,6 +9,7 @@ TP 2. One reference engine and one broker engine, one after the other (~2-4 min 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -115,5 +116,49 @@ def test_tp2_zero_copy_lora_gives_vllm_s_tokens_from_each_rank_s_broker(table, m
     finally:
         for e in engines:
             e.stop()
+        for b in brokers:
+            b.stop()
+
+
+def test_the_resolver_finds_a_name_registered_on_every_visible_gpu_s_broker(table, monkeypatch):  # noqa: F811
+    """The OpenAI server's resolver with a directory of per-GPU brokers: a name resolves only
+    when every running broker of the visible GPUs has it (one missing: not served, and said)."""
+    tmp = short_tmpdir()
+    d = os.path.join(tmp, "l1")
+    subprocess.run(
+        [
+            VLLM_PY,
+            "-c",
+            "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build_lora(sys.argv[1], 1)",
+            d,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    run_dir = short_tmpdir()
+    brokers = [start_gpu_broker(run_dir, "0", "0"), start_gpu_broker(run_dir, B, B)]
+    try:
+        for i, b in enumerate(brokers):
+            with BrokerClient.connect(b.socket, client_name="t") as c:
+                c.register_adapter("both", d)
+                if i == 0:
+                    c.register_adapter("only-a", d)
+        code = (
+            "import sys, json; from memory_broker.clients.vllm.lora_resolver import broker_sockets, "
+            "registered_everywhere as r; print(json.dumps([broker_sockets(sys.argv[1]), "
+            "r(sys.argv[1], 'both'), r(sys.argv[1], 'only-a'), r(sys.argv[1], 'none')]))"
+        )
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+        out = subprocess.run([VLLM_PY, "-c", code, run_dir], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        socks, both, only_a, none = json.loads(out.stdout.strip().splitlines()[-1])
+        assert socks == [b.socket for b in brokers]
+        assert (both, only_a, none) == (True, False, False)
+        assert "registered on some brokers but not on" in out.stderr and "register --all" in out.stderr
+        env["CUDA_VISIBLE_DEVICES"] = "0"  # an engine on GPU A only: A's broker is all it needs
+        out = subprocess.run([VLLM_PY, "-c", code, run_dir], env=env, capture_output=True, text=True, timeout=300)
+        assert json.loads(out.stdout.strip().splitlines()[-1])[1:] == [True, True, False], out.stderr[-3000:]
+    finally:
         for b in brokers:
             b.stop()
