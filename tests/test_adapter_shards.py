@@ -20,6 +20,7 @@ from safetensors.torch import load_file as load_torch
 from store_invariants import check_invariants
 
 from memory_broker.broker.adapters import AdapterConfig, Tier
+from memory_broker.broker.adapters.layout import AdapterLayout, LoraModuleSpec, plan_layout, shard_specs
 from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard, parse_shards, shards_text
@@ -151,6 +152,12 @@ def test_shard_text_round_trips_and_refuses_nonsense():
             parse_shards(bad)
     with pytest.raises(ValueError):
         ModuleShard("q_proj", False, 2, 2)
+    # A layout records its shards, through its JSON form too (a whole one's form is unchanged).
+    specs = [LoraModuleSpec(0, "q_proj", 4, 64, 64, 1.0), LoraModuleSpec(0, "o_proj", 4, 64, 64, 1.0)]
+    cut = plan_layout(shard_specs(specs, shards), 4096, "float32", 16, text)
+    assert (cut.module(0, "q_proj").out_features, cut.module(0, "o_proj").in_features) == (16, 16)
+    assert AdapterLayout.from_dict(json.loads(json.dumps(cut.to_dict()))) == cut and cut.shard == text
+    assert "shard" not in plan_layout(specs, 4096, "float32", 16).to_dict()
 
 
 def test_over_grpc_shards_are_served_and_a_broker_that_ignores_them_is_refused(

@@ -234,6 +234,7 @@ class AdapterLayout:
             "row_align": self.row_align,
             "num_pages": self.num_pages,
             "page_used": list(self.page_used),
+            **({"shard": self.shard} if self.shard else {}),
             "modules": [
                 {
                     "layer": m.layer,
@@ -284,6 +285,7 @@ class AdapterLayout:
             num_pages=int(d["num_pages"]),
             page_used=tuple(int(x) for x in d["page_used"]),
             modules=tuple(mods),
+            shard=str(d.get("shard", "")),
         )
 
 
