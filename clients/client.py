@@ -31,7 +31,7 @@ from memory_broker.clients.session import CHANNEL_OPTIONS, LOST
 from memory_broker.clients.step import StepPath
 from memory_broker.clients.step_lease import PendingStepLease, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
-from memory_broker.proto.wire.layout import AdapterLayout
+from memory_broker.proto.wire.layout import AdapterLayout, ModuleShard
 from memory_broker.proto.wire.messages import spec_to_proto
 from memory_broker.proto.wire.spec import Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
@@ -502,6 +502,7 @@ class BrokerClient(BrokerQueries):
         prepare: bool = False,
         lease_s: float = 0.0,
         dtype: str = "",
+        shards: Sequence[ModuleShard] = (),
     ):
         """Pin adapters for this session (the broker loads them if needed); one RPC.
 
@@ -511,13 +512,15 @@ class BrokerClient(BrokerQueries):
         With ``prepare``, the pins hold under a lease until ``lease.commit()``. With ``dtype``
         ("float32", "float16", "bfloat16"), the adapters' copies in that dtype (the broker makes
         them from the adapters' files on first use); empty: the broker's ``--adapter-dtype``.
+        With ``shards`` (a tensor-parallel rank's ``ModuleShard`` per split module), the copies
+        holding only that rank's slice of those modules (the layouts' ``shard`` says which).
 
         Raises:
-            BrokerError: as the broker refuses; FAILED_PRECONDITION when ``dtype`` was asked
-                and the broker returned another (a broker too old to make copies in other
-                dtypes), after releasing what it pinned.
+            BrokerError: as the broker refuses; FAILED_PRECONDITION when ``dtype`` or ``shards``
+                were asked and the broker returned another dtype or the whole adapter (a broker
+                too old for them), after releasing what it pinned.
         """
-        return self._step_calls().acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype)
+        return self._step_calls().acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype, tuple(shards))
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
         """Drop one pin per listed id; ``dtype``: the acquire's (only that copy's pins)."""

@@ -20,6 +20,7 @@ from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, Ste
 from memory_broker.clients.step_lease import PendingStepLease, SessionRecords, StepLease
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.layout import ModuleShard
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,16 @@ class ChannelCalls:
     # ------------------------------------------------------------ adapters
 
     def acquire_adapters(
-        self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float, dtype: str = ""
+        self,
+        adapter_ids: Sequence[str],
+        max_adapters: int,
+        prepare: bool,
+        lease_s: float,
+        dtype: str = "",
+        shards: Sequence[ModuleShard] = (),
     ):
-        if dtype:  # the step channel acquires in the broker's dtype; a copy in another is gRPC's
-            return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype)
+        if dtype or shards:  # the step channel acquires whole copies in the broker's dtype; others are gRPC's
+            return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype, shards)
         if not self.path.caching:
             lease = self._acquire_frame(adapter_ids, max_adapters, prepare, lease_s)
             if lease is not None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from memory_broker.clients.step_lease import PendingStepLease, SessionRecords, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.layout import ModuleShard, shards_text
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
@@ -39,18 +40,29 @@ class GrpcCalls:
     # ------------------------------------------------------------ adapters
 
     def acquire_adapters(
-        self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float, dtype: str = ""
+        self,
+        adapter_ids: Sequence[str],
+        max_adapters: int,
+        prepare: bool,
+        lease_s: float,
+        dtype: str = "",
+        shards: Sequence[ModuleShard] = (),
     ):
         layouts = self.client._layout_cache
+        shard = shards_text(shards)
         req = pb.AcquireAdaptersRequest(
             adapter_ids=list(adapter_ids),
             max_adapters=max_adapters,
-            with_layout=bool(dtype) or any(aid not in layouts for aid in adapter_ids),
+            with_layout=bool(dtype or shard) or any(aid not in layouts for aid in adapter_ids),
             prepare=prepare,
             lease_ms=int(lease_s * 1000),
             dtype=dtype,
+            shards=[
+                pb.ModuleShard(module=s.module, split_input=s.split_input, index=s.index, count=s.count) for s in shards
+            ],
         )
-        lease = self.records.grpc_lease(self._rpc("AcquireAdapters", req, retry=True), dtype)
+        resp = self._rpc("AcquireAdapters", req, retry=True)
+        lease = self.records.grpc_lease(resp, dtype, shard)
         wrong = [a.adapter_id for a in lease.adapters if dtype and a.layout.dtype != dtype]
         if wrong:
             got = lease[wrong[0]].layout.dtype
@@ -60,6 +72,14 @@ class GrpcCalls:
                 Code.FAILED_PRECONDITION,
                 f"asked for adapters {wrong} in {dtype}; the broker at {self.client.socket_path} returned them in "
                 f"{got} (a broker older than copies per dtype): upgrade it, or start it with --adapter-dtype {dtype}",
+            )
+        whole = [a.adapter_id for a in resp.adapters if a.layout.shard != shard]
+        if whole:
+            lease.release()
+            raise BrokerError(
+                Code.FAILED_PRECONDITION,
+                f"asked for adapters {whole} as tensor-parallel shards {shard}; the broker at "
+                f"{self.client.socket_path} returned other copies (a broker older than sharded copies): upgrade it",
             )
         return lease
 

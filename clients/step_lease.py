@@ -128,15 +128,18 @@ class SessionRecords:
             cache[aid] = (rec, la)
         return la
 
-    def grpc_lease(self, resp, dtype: str = "") -> AdapterLease:
-        """The lease of a gRPC ``AcquireAdaptersResponse`` (its adapters asked in ``dtype``)."""
+    def grpc_lease(self, resp, dtype: str = "", shard: str = "") -> AdapterLease:
+        """The lease of a gRPC ``AcquireAdaptersResponse`` (its adapters asked in ``dtype``, of
+        the tensor-parallel shards ``shard``)."""
         client = self.client
-        leased = [self.leased_grpc(a, f"#{dtype}" if dtype else "") for a in resp.adapters]
+        suffix = (f"#{dtype}" if dtype else "") + (f"#{shard}" if shard else "")
+        leased = [self.leased_grpc(a, suffix) for a in resp.adapters]
         return AdapterLease(client, leased, resp.deferred, resp.transaction_id, client.session_id, dtype)
 
     def leased_grpc(self, a, suffix: str = "") -> LeasedAdapter:
         """A gRPC-acquired adapter mapped read-only here, with its layout (cached per adapter id and
-        asked dtype: ``suffix`` is ``#dtype`` for a copy asked in a dtype)."""
+        asked dtype and shards: ``suffix`` is ``#dtype`` for a copy asked in a dtype, plus
+        ``#shard`` for a rank's shards)."""
         client = self.client
         client._ensure_slabs(a.arena_slabs)
         # Shared weights: read-only in this mapping before anyone here can touch them.

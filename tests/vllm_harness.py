@@ -95,7 +95,8 @@ def main() -> None:
         if cmd.get("op") == "lora_memory":
             from memory_broker.clients.vllm.lora_patches import lora_memory
 
-            answers.write(json.dumps({"memory": llm.collective_rpc(lora_memory)[0]}) + "\n")
+            every = llm.collective_rpc(lora_memory)  # one per worker (tensor-parallel rank)
+            answers.write(json.dumps({"memory": every[0], "ranks": every}) + "\n")
             continue
         if cmd.get("op") == "remove_lora":
             ok = llm.llm_engine.remove_lora(loras[cmd["name"]].lora_int_id)

@@ -15,7 +15,7 @@ from typing import Any
 
 from memory_broker.broker.adapters.config import AdapterConfig
 from memory_broker.broker.adapters.entry import AdapterEntry, EntryTable, split_key
-from memory_broker.broker.adapters.layout import DTYPE_SIZES, AdapterLayout, plan_layout
+from memory_broker.broker.adapters.layout import DTYPE_SIZES, AdapterLayout, parse_shards, plan_layout, shard_specs
 from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.registry import AdapterRegistry
 from memory_broker.broker.adapters.stats import AdapterCounters
@@ -54,25 +54,28 @@ class AdapterContext:
     def __post_init__(self) -> None:
         self.entries = EntryTable(self.new_entry)
 
-    def plan(self, meta: AdapterMeta, dtype: str = "") -> AdapterLayout:
-        """The adapter's placement within pages, in ``dtype`` (default: the broker's).
+    def plan(self, meta: AdapterMeta, dtype: str = "", shard: str = "") -> AdapterLayout:
+        """The adapter's placement within pages, in ``dtype`` (default: the broker's), of the
+        shards ``shard`` (``layout.shards_text``; "": the whole adapter).
 
         Raises:
-            BrokerError: INVALID_ARGUMENT when it cannot be placed.
+            BrokerError: INVALID_ARGUMENT when it cannot be placed or cut into those shards.
         """
         cfg = self.config
         dtype = dtype or cfg.dtype
         # Rows stay aligned as the stored dtype's are, and at least to the element size.
         align = max(cfg.row_align, DTYPE_SIZES[dtype])
         try:
-            return plan_layout(meta.weights, self.page_size, dtype, align)
+            specs = shard_specs(meta.weights, parse_shards(shard)) if shard else meta.weights
+            return plan_layout(specs, self.page_size, dtype, align, shard)
         except ValueError as err:
             raise invalid(f"adapter {meta.adapter_id!r} cannot be placed in pages: {err}") from None
 
     def new_entry(self, key: str) -> AdapterEntry:
-        """A cold entry for a key of a registered adapter: its id, or ``id#dtype`` for its copy
-        in another dtype (raises BrokerError NOT_FOUND otherwise)."""
-        adapter_id, dtype = split_key(key)
+        """A cold entry for a key of a registered adapter: its id, ``id#dtype`` for its copy
+        in another dtype, ``id#dtype#shard`` for a rank's shards (raises BrokerError NOT_FOUND
+        otherwise)."""
+        adapter_id, dtype, shard = split_key(key)
         meta = self.registry.get(adapter_id)
         dtype = "" if dtype == self.config.dtype else dtype
-        return AdapterEntry(meta, self.plan(meta, dtype), copy_dtype=dtype)
+        return AdapterEntry(meta, self.plan(meta, dtype, shard), copy_dtype=dtype, copy_shard=shard)

@@ -20,21 +20,28 @@ from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.warm_image import WarmImage
 from memory_broker.broker.store.objects import Allocation
 
-# Separates an adapter id from the dtype of one of its copies in an entry's key ("sql#float32").
-# Adapter ids cannot contain it (peft.ADAPTER_ID_RE), so keys of copies never meet real ids.
+# Separates an adapter id from the dtype of one of its copies in an entry's key ("sql#float32"),
+# and that from a tensor-parallel rank's shards ("sql#float32#o_proj:i1/2,q_proj:o1/2"). Adapter
+# ids cannot contain it (peft.ADAPTER_ID_RE), so keys of copies never meet real ids.
 COPY_SEP = "#"
 
 
-def copy_key(adapter_id: str, dtype: str | None, stored: str) -> str:
+def copy_key(adapter_id: str, dtype: str | None, stored: str, shard: str = "") -> str:
     """The entry key of ``adapter_id``'s copy in ``dtype``: the id itself for the stored dtype
-    (or no dtype), ``id#dtype`` for a copy in another one."""
-    return adapter_id if not dtype or dtype == stored else f"{adapter_id}{COPY_SEP}{dtype}"
+    (or no dtype), ``id#dtype`` for a copy in another one; ``id#dtype#shard`` for a copy holding
+    the shards ``shard`` (``layout.shards_text``; dtype "" there for the stored one)."""
+    dtype = "" if not dtype or dtype == stored else dtype
+    if shard:
+        return f"{adapter_id}{COPY_SEP}{dtype}{COPY_SEP}{shard}"
+    return f"{adapter_id}{COPY_SEP}{dtype}" if dtype else adapter_id
 
 
-def split_key(key: str) -> tuple[str, str]:
-    """(adapter id, dtype) of an entry key; dtype is "" for the stored copy."""
-    aid, _, dtype = key.partition(COPY_SEP)
-    return aid, dtype
+def split_key(key: str) -> tuple[str, str, str]:
+    """(adapter id, dtype, shard) of an entry key; dtype is "" for the stored dtype and shard
+    "" for the whole adapter."""
+    aid, _, rest = key.partition(COPY_SEP)
+    dtype, _, shard = rest.partition(COPY_SEP)
+    return aid, dtype, shard
 
 
 class EntryState(str, Enum):
@@ -135,6 +142,8 @@ class AdapterEntry:
     # The dtype of an extra copy an engine asked for ("float32"), or "" for the adapter's
     # copy in the broker's own dtype. Each copy is an entry of its own (``key``).
     copy_dtype: str = ""
+    # The shards of a tensor-parallel rank this copy holds (``layout.shard``), or "".
+    copy_shard: str = ""
 
     @property
     def adapter_id(self) -> str:
@@ -143,8 +152,13 @@ class AdapterEntry:
     @property
     def key(self) -> str:
         """What the tiers and the entry table know this copy by (``copy_key``)."""
-        aid = self.meta.adapter_id
-        return f"{aid}{COPY_SEP}{self.copy_dtype}" if self.copy_dtype else aid
+        return copy_key(self.meta.adapter_id, self.copy_dtype, "", self.copy_shard)
+
+    @property
+    def derived(self) -> bool:
+        """A copy made from the files for an engine (another dtype, or a rank's shards), not
+        the broker's own: never cached as an image nor kept as int8."""
+        return bool(self.copy_dtype or self.copy_shard)
 
     @property
     def state(self) -> EntryState:
@@ -246,8 +260,9 @@ class AdapterEntry:
 
 
 class EntryTable:
-    """Every entry by key (the adapter id, or ``id#dtype`` for a copy in another dtype); an
-    entry is forgotten as soon as it is idle (cold, unheld).
+    """Every entry by key (the adapter id, or ``id#dtype`` for a copy in another dtype, or
+    ``id#dtype#shard`` for a rank's shards); an entry is forgotten as soon as it is idle (cold,
+    unheld).
 
     Args:
         make: builds the entry of a key of a registered adapter (raises BrokerError NOT_FOUND
@@ -257,6 +272,8 @@ class EntryTable:
     def __init__(self, make: Callable[[str], AdapterEntry]):
         self._make = make
         self._entries: dict[str, AdapterEntry] = {}
+        # adapter id -> keys of its sharded copies that have entries (``copies`` finds them).
+        self._sharded: dict[str, set[str]] = {}
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._entries
@@ -275,7 +292,20 @@ class EntryTable:
         e = self._entries.get(adapter_id)
         if e is None:
             e = self._entries[adapter_id] = self._make(adapter_id)
+            self._index(e)
         return e
+
+    def _index(self, e: AdapterEntry) -> None:
+        if e.copy_shard:
+            self._sharded.setdefault(e.adapter_id, set()).add(e.key)
+
+    def _unindex(self, key: str) -> None:
+        aid, _, shard = split_key(key)
+        keys = self._sharded.get(aid) if shard else None
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._sharded[aid]
 
     def entries_for(self, ids: Sequence[str]) -> dict[str, AdapterEntry]:
         """Entries for every id, or the first id's error before any is made."""
@@ -284,20 +314,27 @@ class EntryTable:
             if aid not in self._entries and aid not in new:
                 new[aid] = self._make(aid)
         self._entries.update(new)
+        for e in new.values():
+            self._index(e)
         return {aid: self._entries[aid] for aid in ids}
 
     def forget_if_idle(self, e: AdapterEntry) -> None:
         """Forget ``e`` when it is idle (nothing resident, nothing in flight, no holds)."""
         if e.idle and self._entries.get(e.key) is e:
             del self._entries[e.key]
+            self._unindex(e.key)
 
     def copies(self, adapter_id: str, dtypes) -> list[AdapterEntry]:
-        """The entries of ``adapter_id``'s copies: its own, then one per dtype in ``dtypes``."""
+        """The entries of ``adapter_id``'s copies: its own, then one per dtype in ``dtypes``,
+        then its tensor-parallel ranks' sharded copies (any dtype)."""
         keys = [adapter_id, *(f"{adapter_id}{COPY_SEP}{d}" for d in dtypes)]
+        keys += sorted(self._sharded.get(adapter_id, ()))
         return [e for e in (self._entries.get(k) for k in keys) if e is not None]
 
     def pop(self, adapter_id: str) -> AdapterEntry | None:
+        self._unindex(adapter_id)
         return self._entries.pop(adapter_id, None)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sharded.clear()

@@ -10,7 +10,7 @@ nothing of files, tiers or the object store.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The layout types and readers, defined once for both sides.
 from memory_broker.proto.wire.layout import (
@@ -20,11 +20,14 @@ from memory_broker.proto.wire.layout import (
     AdapterLayout,
     MatrixPlacement,
     ModulePlacement,
+    ModuleShard,
     OffsetTable,
     RowChunk,
     elem_size,
     offset_table,
+    parse_shards,
     row_offsets,
+    shards_text,
 )
 
 __all__ = [
@@ -35,13 +38,17 @@ __all__ = [
     "LoraModuleSpec",
     "MatrixPlacement",
     "ModulePlacement",
+    "ModuleShard",
     "OffsetTable",
     "RowChunk",
     "elem_size",
     "offset_table",
     "pages_needed",
+    "parse_shards",
     "plan_layout",
     "row_offsets",
+    "shard_specs",
+    "shards_text",
 ]
 
 
@@ -99,6 +106,7 @@ def plan_layout(
     page_size: int,
     dtype: str,
     row_align: int = DEFAULT_ROW_ALIGN,
+    shard: str = "",
 ) -> AdapterLayout:
     """Place every module's A and Bᵀ rows in pages, densely, in the order given.
 
@@ -108,6 +116,7 @@ def plan_layout(
         dtype: element type the rows are stored in.
         row_align: bytes; every row starts at a multiple of it. Must be a multiple of the
             element size and divide the page size.
+        shard: the shards ``modules`` were cut to (``shard_specs``), recorded in the layout.
 
     Raises:
         ValueError: a row longer than a page, a bad alignment, a duplicate or empty module.
@@ -155,7 +164,28 @@ def plan_layout(
         num_pages=len(used),
         page_used=tuple(used),
         modules=tuple(placed),
+        shard=shard,
     )
+
+
+def shard_specs(modules: Iterable[LoraModuleSpec], shards: Iterable[ModuleShard]) -> list[LoraModuleSpec]:
+    """``modules`` as a tensor-parallel rank holds them: each sharded module's input (split
+    input) or output width cut to its part; modules without a shard stay whole.
+
+    Raises:
+        ValueError: a part that does not divide its width.
+    """
+    by = {s.module: s for s in shards}
+    out = []
+    for m in modules:
+        s = by.get(m.module)
+        if s is None or s.count == 1:
+            out.append(m)
+        elif s.split_input:
+            out.append(replace(m, in_features=s.part(m.in_features)[1]))
+        else:
+            out.append(replace(m, out_features=s.part(m.out_features)[1]))
+    return out
 
 
 def pages_needed(

@@ -211,9 +211,9 @@ class TierLoader:
     async def _load_warm(self, e: AdapterEntry) -> WarmImage:
         """Cold -> warm: read and lay out the file (or its image) in the executor."""
         aid = e.key
-        # A copy in another dtype is converted from the files each time it goes warm: the
-        # image cache holds the broker's own dtype.
-        use_cache = not e.copy_dtype
+        # A copy in another dtype, or of a rank's shards, is converted from the files each time
+        # it goes warm: the image cache holds the broker's own dtype, whole.
+        use_cache = not e.derived
         ok = False
         try:
             loop = asyncio.get_running_loop()

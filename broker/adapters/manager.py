@@ -25,7 +25,7 @@ from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.hot_budget import HotBudget
 from memory_broker.broker.adapters.image_cache import ImageCache
 from memory_broker.broker.adapters.image_service import ImageService
-from memory_broker.broker.adapters.layout import AdapterLayout
+from memory_broker.broker.adapters.layout import AdapterLayout, ModuleShard
 from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.page_writers import HostPageWriter, TensorPageWriter
 from memory_broker.broker.adapters.peft import AdapterMeta, check_adapter_id
@@ -218,16 +218,17 @@ class AdapterManager:
         max_adapters: int | None = None,
         with_layout: bool = False,
         dtype: str = "",
+        shards: Sequence[ModuleShard] = (),
     ) -> AcquireResult:
         """Load (if needed) and pin adapters for ``session``, in ``dtype`` (default: the
-        broker's ``--adapter-dtype``).
+        broker's ``--adapter-dtype``), of a tensor-parallel rank's ``shards`` (default: whole).
 
         Each admitted adapter is pinned once per call (acquiring again adds a pin; each
         ``release`` drops one). With ``max_adapters`` N, the first N distinct ids in order
         are admitted and the rest come back in ``deferred``, untouched. Concurrent acquires
         of one adapter share one load. All or nothing: when one adapter cannot be loaded,
         nothing is pinned (loads that finished stay as a cache). In another ``dtype`` than the
-        broker's, each adapter's copy in it (``AdapterPins.acquire``).
+        broker's, or with ``shards``, each adapter's copy made so (``AdapterPins.acquire``).
 
         Raises:
             BrokerError: INVALID_ARGUMENT (bad ids or cap), NOT_FOUND (unregistered id),
@@ -237,7 +238,7 @@ class AdapterManager:
                 changed since registration), UNAVAILABLE (shutting down).
         """
         self._check_open()
-        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, None, dtype)
+        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, None, dtype, shards)
 
     async def prepare_acquire(
         self,
@@ -247,6 +248,7 @@ class AdapterManager:
         with_layout: bool = False,
         lease_s: float | None = None,
         dtype: str = "",
+        shards: Sequence[ModuleShard] = (),
     ) -> AcquireResult:
         """Phase one of a two-phase acquire: load and pin under a lease (a store transaction).
 
@@ -257,7 +259,7 @@ class AdapterManager:
         if lease_s is None:
             lease_s = self.config.acquire_lease_s
         self._check_open()
-        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, lease_s or 0.0, dtype)
+        return await self.pins.acquire(session, adapter_ids, max_adapters, with_layout, lease_s or 0.0, dtype, shards)
 
     def commit_acquire(self, session: int, txn_id: int) -> None:
         """Keep a prepared acquire's pins. Idempotent.

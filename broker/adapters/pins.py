@@ -10,7 +10,10 @@ An acquire may ask for another dtype than the broker's (an engine computing in f
 bfloat16 broker): each adapter's copy in that dtype is an entry of its own (key ``id#dtype``),
 converted from the adapter's files on its first acquire, as vLLM casts a file's weights, then
 kept hot like any adapter (its pages count against the hot tier's budget) and shared by every
-engine asking for that dtype. A release by id finds whichever copies the session pins.
+engine asking for that dtype. Likewise an acquire may ask for a tensor-parallel rank's shards
+(``ModuleShard``: which modules split their output or input, part ``index`` of ``count``): each
+adapter's copy holding only that rank's slice is an entry of its own (key ``id#dtype#shard``),
+cut from the files. A release by id finds whichever copies the session pins.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from memory_broker.broker.adapters.checks import ChecksumChecker
 from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.entry import AdapterEntry, copy_key
 from memory_broker.broker.adapters.hot_budget import HotBudget
-from memory_broker.broker.adapters.layout import DTYPE_SIZES
+from memory_broker.broker.adapters.layout import DTYPE_SIZES, ModuleShard, shards_text
 from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.peft import check_adapter_id
 from memory_broker.broker.adapters.records import AcquiredAdapter, AcquireResult, Tier
@@ -92,23 +95,20 @@ class AdapterPins:
         with_layout: bool,
         lease_s: float | None,
         dtype: str = "",
+        shards: Sequence[ModuleShard] = (),
     ) -> AcquireResult:
         """Load (if needed) and pin adapters for ``session``; with ``lease_s`` (not None) the
         pins are a store transaction under that lease (0: the store's default). With ``dtype``
         other than the broker's, each adapter's copy in that dtype is loaded and pinned (an
-        entry of its own, converted from the adapter's files)."""
+        entry of its own, converted from the adapter's files); with ``shards``, each adapter's
+        copy holding those shards of its modules (modules it does not adapt are ignored)."""
         ids = self.check_ids(adapter_ids)
-        self._check_dtype(dtype)
-        if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
-            raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
-        max_lease_s = self.store.limits.max_lease_s
-        if lease_s and not 0 < lease_s <= max_lease_s:
-            raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {max_lease_s:g} s")
+        shard = self._check_request(dtype, shards, max_adapters, lease_s)
         distinct = list(dict.fromkeys(ids))
         cap = max_adapters or len(distinct)
         admitted, deferred = distinct[:cap], distinct[cap:]
         self.check_session(session)
-        keys = {aid: copy_key(aid, dtype, self.config.dtype) for aid in admitted}
+        keys = {aid: copy_key(aid, dtype, self.config.dtype, shard) for aid in admitted}
         by_key = self.entries.entries_for(list(keys.values()))
         entries = {aid: by_key[keys[aid]] for aid in admitted}
         found = {aid: self._classify(e) for aid, e in entries.items()}
@@ -222,6 +222,21 @@ class AdapterPins:
                 f"dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)} (empty: the broker's own, {self.config.dtype})"
             )
 
+    def _check_request(
+        self, dtype: str, shards: Sequence[ModuleShard], max_adapters: int | None, lease_s: float | None
+    ) -> str:
+        """Refuse a bad acquire (INVALID_ARGUMENT); returns the shards' text (``shards_text``)."""
+        self._check_dtype(dtype)
+        if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
+            raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
+        max_lease_s = self.store.limits.max_lease_s
+        if lease_s and not 0 < lease_s <= max_lease_s:
+            raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {max_lease_s:g} s")
+        try:
+            return shards_text(shards)
+        except ValueError as e:
+            raise invalid(f"shards: {e}") from None
+
     def _classify(self, e: AdapterEntry) -> Tier:
         """Count one lookup of an admitted adapter; returns where it was found."""
         c = self.counters
@@ -285,8 +300,8 @@ class AdapterPins:
         for aid, count in Counter(self.check_ids(adapter_ids)).items():
             # The hot copies it may release: in ``dtype``, or every one (the broker's own first).
             copies = entry_copies(aid, others)
-            if dtype:
-                copies = [e for e in copies if e.key == copy_key(aid, dtype, self.config.dtype)]
+            if dtype:  # that dtype's copies, whole or a rank's shards
+                copies = [e for e in copies if (e.copy_dtype or self.config.dtype) == dtype]
             hot = [o for o in (self.hot.current(e) for e in copies) if o is not None]
             # Copies found corrupt that this session still pins: released first.
             objs = [*self.checker.retired_pinned_by(aid, session), *hot]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memory_broker.broker.adapters.dtypes import FILE_NAME, RAW, convert, from_f32, to_f32
-from memory_broker.broker.adapters.layout import AdapterLayout, MatrixPlacement
+from memory_broker.broker.adapters.layout import AdapterLayout, MatrixPlacement, parse_shards
 from memory_broker.broker.adapters.peft import AdapterMeta
 from memory_broker.broker.adapters.safetensors_io import WeightsFile
 from memory_broker.proto.wire.mapping import ArenaView
@@ -157,14 +157,26 @@ def build_packed_into(meta: AdapterMeta, layout: AdapterLayout, out: np.ndarray)
 
 
 def _matrices(meta: AdapterMeta, layout: AdapterLayout, wf: WeightsFile) -> list:
-    """(placement, its module, the file entry) of every matrix, in layout order."""
+    """(placement, its module, the file entry, the columns kept or None) of every matrix, in
+    layout order. A sharded layout (``layout.shard``) keeps part of each split matrix's columns
+    (of A's rows, or of Bᵀ's): the file's tensors are checked against the registered shapes."""
     paths = {m.name: m.path for m in meta.modules}
+    full = {(w.layer, w.module): w for w in meta.weights}
+    shards = {s.module: s for s in parse_shards(layout.shard)}
     mats = []
     for m in layout.modules:
         key = f"{meta.key_prefix}{m.layer}.{paths[m.module]}.lora_"
-        mats.append((m.a, m, wf.entry(key + "A.weight", "A", m.rank, m.in_features)))
-        mats.append((m.b, m, wf.entry(key + "B.weight", "B", m.rank, m.out_features)))
+        w, sh = full[(m.layer, m.module)], shards.get(m.module)
+        a_cols = sh.part(w.in_features) if sh is not None and sh.split_input else None
+        b_cols = sh.part(w.out_features) if sh is not None and not sh.split_input else None
+        mats.append((m.a, m, wf.entry(key + "A.weight", "A", m.rank, w.in_features), a_cols))
+        mats.append((m.b, m, wf.entry(key + "B.weight", "B", m.rank, w.out_features), b_cols))
     return mats
+
+
+def _kept(rows: np.ndarray, cols: tuple[int, int] | None) -> np.ndarray:
+    """``rows`` ([rank, width]), or the columns of it a shard keeps."""
+    return rows if cols is None else rows[:, cols[0] : cols[0] + cols[1]]
 
 
 def _build_packed(
@@ -182,16 +194,16 @@ def _build_packed(
     # buffer that stays in cache and laid out from there by numpy.
     moves: list[tuple[int, int, int]] = []
     arrays: list[tuple[MatrixPlacement, tuple]] = []
-    for mp, _m, ent in mats:
+    for mp, _m, ent, cols in mats:
         dt, _shape, off = ent
         row_bytes = mp.row_elems * es
-        if mp.kind == "A" and dt == want and mp.row_stride == row_bytes:
+        if mp.kind == "A" and dt == want and mp.row_stride == row_bytes and cols is None:
             r = 0
             for c in mp.chunks:
                 moves.append((offs[c.page] + c.offset, off + r * row_bytes, c.rows * row_bytes))
                 r += c.rows
         else:
-            arrays.append((mp, ent))
+            arrays.append((mp, ent, cols))
 
     def copy_moves(part):
         mv = memoryview(img)
@@ -199,10 +211,10 @@ def _build_packed(
             wf.read_into(mv[d : d + n], sr)
 
     def copy_arrays(part):
-        scratch = wf.scratch_for([ent for _mp, ent in part])
-        for mp, (dt, shape, off) in part:
+        scratch = wf.scratch_for([ent for _mp, ent, _c in part])
+        for mp, (dt, shape, off), cols in part:
             rows = convert(wf.array(dt, shape, off, scratch), dt, layout.dtype)
-            rows = rows if mp.kind == "A" else rows.T
+            rows = _kept(rows if mp.kind == "A" else rows.T, cols)
             i = 0
             for c in mp.chunks:
                 dst = rows_view(img, offs[c.page] + c.offset, c.rows, mp, raw, es)
@@ -234,14 +246,14 @@ def _build_packed(
 
 
 def _build_int8(wf: WeightsFile, layout: AdapterLayout, mats: list, source_bytes: int) -> WarmImage:
-    total = sum(mp.rows * mp.row_elems for mp, _m, _e in mats)
+    total = sum(mp.rows * mp.row_elems for mp, *_ in mats)
     q = np.empty(total, dtype=np.int8)
-    scales = np.empty(sum(mp.rows for mp, _m, _e in mats), dtype=np.float32)
+    scales = np.empty(sum(mp.rows for mp, *_ in mats), dtype=np.float32)
     qpos = spos = 0
-    scratch = wf.scratch_for([ent for _mp, _m, ent in mats])
-    for mp, _m, (dt, shape, off) in mats:
+    scratch = wf.scratch_for([ent for _mp, _m, ent, _c in mats])
+    for mp, _m, (dt, shape, off), cols in mats:
         rows = to_f32(wf.array(dt, shape, off, scratch), dt)
-        rows = rows if mp.kind == "A" else rows.T
+        rows = _kept(rows if mp.kind == "A" else rows.T, cols)
         absmax = np.abs(rows).max(axis=1)
         s = np.where(absmax > 0, absmax / INT8_MAX, 1.0).astype(np.float32)
         n = mp.rows * mp.row_elems

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from memory_broker.broker.adapters.access import check_path_text
+from memory_broker.broker.adapters.layout import ModuleShard
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
@@ -25,7 +26,7 @@ from memory_broker.broker.doors.policy import CALL, POLICY, Rule
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.proto.wire import session as wire_session
-from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid
 from memory_broker.proto.wire.messages import TIERS, layout_to_proto, spec_from_proto
 from memory_broker.proto.wire.session import SESSION_METADATA, version_mismatch
 from memory_broker.proto.wire.status import STATUS
@@ -532,11 +533,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         ids = list(request.adapter_ids)
         cap = request.max_adapters or None
         dtype = request.dtype
+        shards = _shards(request.shards)
         if request.prepare:
             lease_s = (request.lease_ms / 1000.0) or None
-            r = await m.prepare_acquire(sid, ids, cap, request.with_layout, lease_s, dtype)
+            r = await m.prepare_acquire(sid, ids, cap, request.with_layout, lease_s, dtype, shards)
         else:
-            r = await m.acquire(sid, ids, cap, request.with_layout, dtype)
+            r = await m.acquire(sid, ids, cap, request.with_layout, dtype, shards)
         slabs = self._slabs()
         return pb.AcquireAdaptersResponse(
             adapters=[
@@ -622,3 +624,11 @@ class EchoService(echo_pb2_grpc.EchoServicer):
 
 
 __all__ = ["MemoryBrokerService", "EchoService", "RequestGate", "add_to_server", "SESSION_METADATA", "POLICY", "Rule"]
+
+
+def _shards(msgs) -> list[ModuleShard]:
+    """AcquireAdaptersRequest.shards as the core's records (INVALID_ARGUMENT for a bad one)."""
+    try:
+        return [ModuleShard(m.module, m.split_input, m.index, m.count) for m in msgs]
+    except ValueError as e:
+        raise invalid(f"shards: {e}") from None

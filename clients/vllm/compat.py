@@ -99,6 +99,17 @@ LORA_PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("lora/resolver.py", "_LoRAResolverRegistry", "register_resolver", ("self", "resolver_name", "resolver")),
     PatchPoint("lora/resolver.py", "_LoRAResolverRegistry", "get_supported_resolvers", ("self",)),
     PatchPoint("distributed/parallel_state.py", "", "get_tensor_model_parallel_world_size", ()),
+    # Tensor parallelism: what a rank's shards are read from (``lora_patches._rank_shards``).
+    PatchPoint("distributed/parallel_state.py", "", "get_tensor_model_parallel_rank", ()),
+    PatchPoint("lora/layers/base_linear.py", "BaseLinearLayerWithLoRA", "input_size", attr=True),
+    PatchPoint("lora/layers/row_parallel_linear.py", "RowParallelLinearWithLoRA", "input_size", attr=True),
+    PatchPoint(
+        "lora/layers/column_parallel_linear.py", "ColumnParallelLinearWithLoRA", "is_merged_col_linear", attr=True
+    ),
+    PatchPoint("lora/layers/column_parallel_linear.py", "MergedColumnParallelLinearWithLoRA", "output_ids", attr=True),
+    PatchPoint("lora/layers/column_parallel_linear.py", "MergedQKVParallelLinearWithLoRA", "kv_shard_id", attr=True),
+    PatchPoint("lora/layers/column_parallel_linear.py", "QKVParallelLinearWithLoRA", "q_proj_total_size", attr=True),
+    PatchPoint("model_executor/layers/linear.py", "QKVParallelLinear", "num_kv_head_replicas", attr=True),
 )
 
 # The connector's base class, where the methods it implements are declared.

@@ -36,7 +36,8 @@ from memory_broker.clients.vllm.lora_zero_copy import (
     ZeroCopyStep,
     check_backend,
 )
-from memory_broker.proto.wire.layout import DEFAULT_ROW_ALIGN, elem_size
+from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.layout import DEFAULT_ROW_ALIGN, ModuleShard, elem_size, shards_text
 
 log = logging.getLogger("vllm.memory_broker.lora")
 
@@ -184,7 +185,15 @@ def _load_from_broker(worker_manager, st: State, aid: str, lora_request, zero_co
     # The copy in the engine's LoRA dtype: vLLM casts a file's weights to it once at load, and
     # so does the broker for this copy (a rounding of the broker's own bfloat16 copy would
     # give other tokens in a float32 engine).
-    leased = st.source.acquire(aid, lora_request.lora_int_id, dtype_name(cfg.lora_dtype))
+    try:
+        leased = st.source.acquire(aid, lora_request.lora_int_id, dtype_name(cfg.lora_dtype))
+    except BrokerError as e:
+        if e.code != Code.NOT_FOUND or st.source.gpu_uuid is None:
+            raise
+        raise ValueError(
+            f"{e.message} on the broker of GPU {st.source.gpu_uuid} ({st.source.socket}), this tensor-parallel "
+            "rank's: register it on every GPU's broker (memory-broker adapters register --all)"
+        ) from e
     try:
         names = _leaf_names(manager)
         layout = leased.layout
@@ -199,6 +208,9 @@ def _load_from_broker(worker_manager, st: State, aid: str, lora_request, zero_co
                 f"adapter {aid!r} adapts modules this engine has no LoRA layer for: {missing[:8]}; "
                 f"its LoRA layers are {sorted(set(m for _, m in names))} (check --lora-target-modules)"
             )
+        holder = getattr(manager, "_mb_holder", None)
+        if zero_copy and holder is not None:
+            _check_widths(aid, layout, holder.widths, st.source)
         rank = max(m.rank for m in layout.modules)
         if rank > cfg.max_lora_rank:
             raise ValueError(f"adapter {aid!r} has rank {rank}, above this engine's max_lora_rank {cfg.max_lora_rank}")
@@ -216,6 +228,19 @@ def _load_from_broker(worker_manager, st: State, aid: str, lora_request, zero_co
     except BaseException:
         st.source.release(lora_request.lora_int_id)
         raise
+
+
+def _check_widths(aid: str, layout, widths: dict, source: BrokerAdapters) -> None:
+    """Refuse a copy whose modules are not as wide as this engine's layers (this rank's slices)."""
+    for m in layout.modules:
+        want = widths.get((m.layer, m.module))
+        if want is not None and (m.in_features, m.out_features) != want:
+            raise ValueError(
+                f"adapter {aid!r}: layer {m.layer} {m.module} is {m.in_features} -> {m.out_features} in the copy "
+                f"from the broker at {source.socket} (shards {shards_text(source.shards) or 'none'}), but this "
+                f"engine's layer takes {want[0]} -> {want[1]}: the adapter was trained for another model, or this "
+                "rank's slice is cut otherwise (run the engine with MEMORY_BROKER_VLLM_LORA=copy)"
+            )
 
 
 def dtype_name(dtype) -> str:
@@ -255,24 +280,87 @@ def _zero_copy_refusal(manager) -> str | None:
         return "fully_sharded_loras is not supported"
     if getattr(envs, "VLLM_LORA_ENABLE_DUAL_STREAM", False):
         return "VLLM_LORA_ENABLE_DUAL_STREAM is not supported"
-    try:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() > 1:
-            return "tensor parallelism is not supported"
-    except (AssertionError, RuntimeError):
-        pass  # no model-parallel group set up (one process): nothing is split
     return None
+
+
+def _tp() -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the TP size); (0, 1) with no model-parallel group."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, RuntimeError):
+        return 0, 1  # no model-parallel group set up (one process): nothing is split
+
+
+def _bind_rank(st: State, tp_rank: int, shards: tuple[ModuleShard, ...]) -> None:
+    """This worker's broker: with a directory of per-GPU brokers, its tensor-parallel rank's
+    GPU's (as the KV connector finds it: ``gpus.rank_gpu_uuid``); with one socket, that one.
+    Every adapter is then acquired as ``shards`` (the rank's slice)."""
+    from memory_broker.clients import discovery
+    from memory_broker.clients.vllm.store import rank_socket
+    from memory_broker.proto.wire import gpus
+
+    socket, gpu = st.source.socket, st.source.gpu_uuid
+    if discovery.broker_dir(socket) is not None:
+        socket, gpu = rank_socket(socket, gpus.rank_gpu_uuid(tp_rank), tp_rank)
+    st.source.bind(socket, gpu, shards)
+    log.info("memory-broker: LoRA adapters (tp rank %d) from the broker at %s", tp_rank, socket)
+
+
+def _rank_shards(manager, tp_rank: int, tp_size: int) -> tuple[ModuleShard, ...]:
+    """What this rank's layers keep of each adapted module, as vLLM's ``slice_lora_a`` /
+    ``slice_lora_b`` cut it: row-parallel layers part ``tp_rank`` of A's input columns,
+    column-parallel ones their output part of B's rows (q, k and v by their own shard ids).
+
+    Raises:
+        RuntimeError: a layer whose one LoRA module packs several sharded outputs (a fused
+            qkv_proj or gate_up_proj adapted as one), or a module split differently in two layers.
+    """
+    if tp_size == 1:
+        return ()
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.row_parallel_linear import RowParallelLinearWithLoRA
+
+    out: dict[str, ModuleShard] = {}
+    for name, module in manager.modules.items():
+        if not isinstance(module, BaseLinearLayerWithLoRA):
+            continue
+        leaves = [n.rsplit(".", 1)[-1] for n in manager.packed_modules.get(name, [name])]
+        if isinstance(module, RowParallelLinearWithLoRA):
+            parts = [ModuleShard(leaf, True, tp_rank, tp_size) for leaf in leaves]
+        else:
+            ids = getattr(module, "output_ids", None)
+            if ids is None and (getattr(module, "is_merged_col_linear", False) or hasattr(module, "q_proj_total_size")):
+                raise RuntimeError(
+                    f"memory-broker: {name} packs several sharded outputs in one LoRA module; zero-copy LoRA cannot "
+                    "serve it with tensor parallelism: run the engine with MEMORY_BROKER_VLLM_LORA=copy"
+                )
+            ids = ids or (tp_rank,) * len(leaves)
+            kv = hasattr(module, "kv_shard_id")  # q, k, v: k and v heads may be replicated
+            counts = [tp_size // (module.base_layer.num_kv_head_replicas if kv and j else 1) for j in range(len(ids))]
+            parts = [ModuleShard(leaf, False, i, c) for leaf, i, c in zip(leaves, ids, counts)]
+        for p in parts:
+            if out.setdefault(p.module, p) != p:
+                raise RuntimeError(
+                    f"memory-broker: module {p.module} is split differently in two layers: {out[p.module]}, {p}"
+                )
+    return tuple(out[m] for m in sorted(out))
 
 
 def _create_lora_modules(orig):
     def create(self):
         st = _state
-        if st is None or st.mode != "zero-copy":
+        if st is None:
             return orig(self)
-        why = _zero_copy_refusal(self)
+        tp_rank, tp_size = _tp()
+        why = _zero_copy_refusal(self) if st.mode == "zero-copy" else "copy mode"
         if why:
-            log.warning("memory-broker: zero-copy LoRA off for this model (%s); vLLM's slot buffers get copies", why)
+            if st.mode == "zero-copy":
+                log.warning(
+                    "memory-broker: zero-copy LoRA off for this model (%s); vLLM's slot buffers get copies", why
+                )
+            _bind_rank(st, tp_rank, ())  # whole adapters: vLLM slices its copies itself
             return orig(self)
         real = self.lora_config
         # Slot buffers with a rank dimension of 0: vLLM's shapes stay valid, they hold no bytes.
@@ -288,6 +376,7 @@ def _create_lora_modules(orig):
 
         from memory_broker.clients.lora import layer_index
 
+        _bind_rank(st, tp_rank, _rank_shards(self, tp_rank, tp_size))
         holder = StepHolder(self.device, _static_buffers(self, real, st))
         holder.epoch = st.source.epoch()
         check_backend(self.device)
@@ -301,7 +390,9 @@ def _create_lora_modules(orig):
             slices = tuple(module.output_slices)
             if layer is None or len(slices) != len(leaves):
                 continue  # outside numbered layers: adapters in the broker cannot adapt it
-            module._mb_address = LayerAddress(layer, tuple(n.rsplit(".", 1)[-1] for n in leaves), slices)
+            module._mb_address = address = LayerAddress(layer, tuple(n.rsplit(".", 1)[-1] for n in leaves), slices)
+            for mod, width in zip(address.modules, slices):
+                holder.widths[(layer, mod)] = (module.input_size, width)
             module._mb_holder = holder
             module._apply_lora_to_output = types.MethodType(_zero_copy_output, module)
             if isinstance(module, RowParallelLinearWithLoRA):
@@ -462,6 +553,10 @@ def lora_memory(worker) -> dict:
         "static_max_tokens": holder.static.max_tokens if holder is not None and holder.static is not None else 0,
         "static_applies": holder.static.applies if holder is not None and holder.static is not None else 0,
         "held": sorted(st.source.held()) if st is not None else [],
+        # This worker's broker and the tensor-parallel slice it asks for.
+        "socket": st.source.socket if st is not None else "",
+        "shard": shards_text(st.source.shards) if st is not None else "",
+        "weight_bytes": sum(a.layout.weight_bytes for a in st.source.held().values()) if st is not None else 0,
         "acquires": st.source.acquires if st is not None else 0,
         "releases": st.source.releases if st is not None else 0,
     }

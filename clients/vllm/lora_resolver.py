@@ -4,7 +4,10 @@ name, with no path on the engine's side and no restart.
 The resolver asks the broker whether an adapter of that id is registered (one short admin
 session per lookup, no arena mapping) and answers a ``LoRARequest`` whose path is
 ``broker://<adapter_id>``; the engine's worker then takes the weights from the broker
-(``lora_patches``). It owns no state beyond the socket path and never loads weights itself.
+(``lora_patches``). With a directory of per-GPU brokers (tensor parallelism: each rank serves
+its slice from its GPU's broker), a name resolves when every running broker of this process's
+visible GPUs has it registered (``memory-broker adapters register --all`` registers it on every
+broker). It owns no state beyond the socket path and never loads weights itself.
 """
 
 from __future__ import annotations
@@ -41,6 +44,32 @@ def registered(socket: str, adapter_id: str, timeout: float = 10.0) -> bool:
         channel.close()
 
 
+def broker_sockets(socket: str) -> list[str]:
+    """The brokers a name must be registered on: ``socket``, or with a directory of per-GPU
+    brokers the running ones of this process's visible GPUs (its TP ranks')."""
+    import os
+
+    from memory_broker.proto.wire.gpus import SOCKET_NAME, visible_gpu_uuids
+
+    if not os.path.isdir(socket):
+        return [socket]
+    paths = [os.path.join(socket, uuid, SOCKET_NAME) for uuid in visible_gpu_uuids()]
+    return [p for p in paths if os.path.exists(p)]
+
+
+def registered_everywhere(socket: str, adapter_id: str) -> bool:
+    sockets = broker_sockets(socket)
+    missing = [s for s in sockets if not registered(s, adapter_id)]
+    if missing and len(missing) < len(sockets):
+        log.warning(
+            "memory-broker resolver: %r is registered on some brokers but not on %s: register it on every broker "
+            "(memory-broker adapters register --all)",
+            adapter_id,
+            missing,
+        )
+    return bool(sockets) and not missing
+
+
 class BrokerLoRAResolver(LoRAResolver):
     """Resolves an adapter name to the broker adapter of the same id."""
 
@@ -49,7 +78,7 @@ class BrokerLoRAResolver(LoRAResolver):
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         try:
-            found = await asyncio.to_thread(registered, self.socket, lora_name)
+            found = await asyncio.to_thread(registered_everywhere, self.socket, lora_name)
         except grpc.RpcError as e:
             log.warning("memory-broker resolver: cannot ask the broker at %s about %r: %s", self.socket, lora_name, e)
             return None

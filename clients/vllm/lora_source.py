@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from memory_broker.clients import discovery
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.client import BrokerClient
 from memory_broker.kernels.reference import gather_rows
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.layout import ModuleShard
 
 log = logging.getLogger("vllm.memory_broker.lora")
 
@@ -58,11 +60,16 @@ class BrokerAdapters:
     """This process's adapters from one broker. Thread-safe.
 
     Args:
-        socket: the broker's gRPC Unix socket.
+        socket: the broker's gRPC Unix socket (or a directory of per-GPU brokers: ``bind``
+            names this process's one before the first call).
     """
 
     def __init__(self, socket: str, *, client_name: str | None = None, timeout_s: float = 30.0):
         self.socket = socket
+        # The GPU the broker must serve (a per-GPU broker's, set by ``bind``), or None.
+        self.gpu_uuid: str | None = None
+        # A tensor-parallel rank's shards (``bind``): every adapter is acquired as that slice.
+        self.shards: tuple[ModuleShard, ...] = ()
         self.client_name = client_name or f"vllm-lora-{os.getpid()}"
         self.timeout_s = timeout_s
         self._lock = threading.RLock()
@@ -77,10 +84,33 @@ class BrokerAdapters:
         self.acquires = 0
         self.releases = 0
 
+    def bind(self, socket: str, gpu_uuid: str | None, shards: tuple[ModuleShard, ...] = ()) -> None:
+        """Serve this process from the broker on ``socket`` (which must serve ``gpu_uuid`` when
+        given: a tensor-parallel rank's GPU's) with every adapter cut to ``shards``.
+
+        Raises:
+            RuntimeError: adapters are held already (from another broker, or cut otherwise).
+        """
+        with self._lock:
+            if (socket, gpu_uuid, shards) == (self.socket, self.gpu_uuid, self.shards):
+                return
+            if self._held:
+                raise RuntimeError(f"adapters {sorted(self._held)} are held from {self.socket}; bind before loading")
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            self.socket, self.gpu_uuid, self.shards = socket, gpu_uuid, shards
+
     def client(self) -> BrokerClient:
         with self._lock:
             if self._client is None or self._client.closed:
-                self._client = BrokerClient.connect(self.socket, client_name=self.client_name, timeout=self.timeout_s)
+                c = BrokerClient.connect(self.socket, client_name=self.client_name, timeout=self.timeout_s)
+                try:
+                    discovery.check_device(c.arena.device, self.gpu_uuid, self.socket)
+                except BrokerError:
+                    c.close()
+                    raise
+                self._client = c
             return self._client
 
     def register_directory(self, path: str) -> str:
@@ -100,7 +130,8 @@ class BrokerAdapters:
     def acquire(self, adapter_id: str, lora_int_id: int, dtype: str = "") -> LeasedAdapter:
         """Pin ``adapter_id`` for vLLM's adapter ``lora_int_id`` (once per adapter per process),
         its copy in ``dtype`` (the engine's LoRA dtype: the broker makes the copy from the
-        adapter's files, cast once as vLLM casts them; "": the broker's own dtype).
+        adapter's files, cast once as vLLM casts them; "": the broker's own dtype), of this
+        rank's ``shards`` (the broker lays out only this rank's slice).
 
         Raises:
             BrokerError: the broker does not know the adapter, or cannot place it;
@@ -113,7 +144,7 @@ class BrokerAdapters:
                 self._held.pop(adapter_id)
                 held = None
             if held is None:
-                lease = self.client().acquire_adapters([adapter_id], dtype=dtype)
+                lease = self.client().acquire_adapters([adapter_id], dtype=dtype, shards=self.shards)
                 if not lease.adapters:
                     lease.release()
                     raise RuntimeError(f"the broker deferred adapter {adapter_id!r} ({lease.deferred})")

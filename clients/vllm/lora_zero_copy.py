@@ -359,7 +359,7 @@ class ZeroCopyStep:
 class StepHolder:
     """The step in force for one vLLM LoRA manager's zero-copy layers."""
 
-    __slots__ = ("step", "tables", "builds", "epoch", "static")
+    __slots__ = ("step", "tables", "builds", "epoch", "static", "widths")
 
     def __init__(self, device: torch.device | str, static: StaticStepBuffers | None = None):
         self.step: ZeroCopyStep | None = None
@@ -370,6 +370,9 @@ class StepHolder:
         self.epoch = 0
         # Steps built (vLLM set a new mapping or slot layout).
         self.builds = 0
+        # (layer, module) -> (in, out) widths of this rank's zero-copy layer (an adapter's copy
+        # must match: this rank's slice).
+        self.widths: dict[tuple[int, str], tuple[int, int]] = {}
 
 
 def check_backend(device: torch.device | str) -> str:

@@ -33,6 +33,74 @@ def elem_size(dtype: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class ModuleShard:
+    """One tensor-parallel rank's share of one module's LoRA weights, in every layer: a layer
+    that splits its output (column-parallel) keeps part ``index`` of ``count`` of B's output
+    rows and all of A; one that splits its input (row-parallel, ``split_input``) keeps that
+    part of A's input columns and all of B (vLLM's ``slice_lora_b`` / ``slice_lora_a``)."""
+
+    module: str
+    split_input: bool
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not self.module or not (self.count >= 1 and 0 <= self.index < self.count):
+            raise ValueError(
+                f"shard of module {self.module!r}: part {self.index} of {self.count} (give a module name, "
+                "a count >= 1 and 0 <= index < count)"
+            )
+
+    @property
+    def text(self) -> str:
+        return f"{self.module}:{'i' if self.split_input else 'o'}{self.index}/{self.count}"
+
+    def part(self, width: int) -> tuple[int, int]:
+        """(first element, elements) of this part of a dimension of ``width``.
+
+        Raises:
+            ValueError: ``count`` does not divide ``width``.
+        """
+        if width % self.count:
+            raise ValueError(
+                f"module {self.module}'s {'input' if self.split_input else 'output'} width {width} does not "
+                f"split into {self.count} equal parts"
+            )
+        size = width // self.count
+        return self.index * size, size
+
+
+def shards_text(shards: Iterable[ModuleShard]) -> str:
+    """The canonical text of a set of shards (sorted; "" for none, or only whole ones):
+    what a layout's ``shard`` says and what names a sharded copy.
+
+    Raises:
+        ValueError: a module listed twice.
+    """
+    split = [s for s in shards if s.count > 1]
+    names = [s.module for s in split]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a module is listed twice in shards: {sorted(names)}")
+    return ",".join(sorted(s.text for s in split))
+
+
+def parse_shards(text: str) -> tuple[ModuleShard, ...]:
+    """The shards ``shards_text`` wrote ("" -> none).
+
+    Raises:
+        ValueError: text ``shards_text`` does not write.
+    """
+    out = []
+    for item in filter(None, text.split(",")):
+        module, _, rest = item.rpartition(":")
+        index, _, count = rest[1:].partition("/")
+        if not module or rest[:1] not in ("i", "o") or not index.isdigit() or not count.isdigit():
+            raise ValueError(f"{item!r} is not a shard (module:o<index>/<count> or module:i<index>/<count>)")
+        out.append(ModuleShard(module, rest[0] == "i", int(index), int(count)))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
 class RowChunk:
     """Consecutive rows of one matrix inside one page."""
 
@@ -97,6 +165,8 @@ class AdapterLayout:
     page_used: tuple[int, ...]
     # In placement order: by layer, then module as listed at planning time.
     modules: tuple[ModulePlacement, ...]
+    # The tensor-parallel shards it holds (``shards_text``); "": the whole adapter.
+    shard: str = ""
     _index: dict[tuple[int, str], ModulePlacement] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +234,7 @@ class AdapterLayout:
             "row_align": self.row_align,
             "num_pages": self.num_pages,
             "page_used": list(self.page_used),
+            **({"shard": self.shard} if self.shard else {}),
             "modules": [
                 {
                     "layer": m.layer,
@@ -214,6 +285,7 @@ class AdapterLayout:
             num_pages=int(d["num_pages"]),
             page_used=tuple(int(x) for x in d["page_used"]),
             modules=tuple(mods),
+            shard=str(d.get("shard", "")),
         )
 
 

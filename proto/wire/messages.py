@@ -70,6 +70,7 @@ def layout_to_proto(
             for m in layout.modules
         ],
         arena_slabs=arena_slabs,
+        shard=layout.shard,
     )
 
 
@@ -100,4 +101,5 @@ def layout_from_proto(msg: pb.AdapterLayout) -> AdapterLayout:
         # Only the broker writes pages; readers do not need the used extents.
         page_used=(0,) * msg.num_pages,
         modules=tuple(modules),
+        shard=msg.shard,
     )

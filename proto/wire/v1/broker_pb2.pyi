@@ -476,7 +476,7 @@ class ModuleLayout(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., module: _Optional[str] = ..., rank: _Optional[int] = ..., scaling: _Optional[float] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ..., a: _Optional[_Union[MatrixLayout, _Mapping]] = ..., b: _Optional[_Union[MatrixLayout, _Mapping]] = ...) -> None: ...
 
 class AdapterLayout(_message.Message):
-    __slots__ = ("adapter_id", "generation", "object_id", "pages", "page_size", "dtype", "row_align", "modules", "arena_slabs", "num_pages")
+    __slots__ = ("adapter_id", "generation", "object_id", "pages", "page_size", "dtype", "row_align", "modules", "arena_slabs", "num_pages", "shard")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +487,7 @@ class AdapterLayout(_message.Message):
     MODULES_FIELD_NUMBER: _ClassVar[int]
     ARENA_SLABS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     generation: int
     object_id: int
@@ -497,7 +498,20 @@ class AdapterLayout(_message.Message):
     modules: _containers.RepeatedCompositeFieldContainer[ModuleLayout]
     arena_slabs: int
     num_pages: int
-    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., row_align: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ..., arena_slabs: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    shard: str
+    def __init__(self, adapter_id: _Optional[str] = ..., generation: _Optional[int] = ..., object_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., row_align: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleLayout, _Mapping]]] = ..., arena_slabs: _Optional[int] = ..., num_pages: _Optional[int] = ..., shard: _Optional[str] = ...) -> None: ...
+
+class ModuleShard(_message.Message):
+    __slots__ = ("module", "split_input", "index", "count")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_INPUT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    split_input: bool
+    index: int
+    count: int
+    def __init__(self, module: _Optional[str] = ..., split_input: _Optional[bool] = ..., index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetAdapterLayoutRequest(_message.Message):
     __slots__ = ("adapter_id",)
@@ -506,20 +520,22 @@ class GetAdapterLayoutRequest(_message.Message):
     def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
 
 class AcquireAdaptersRequest(_message.Message):
-    __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms", "dtype")
+    __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms", "dtype", "shards")
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WITH_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[str]
     max_adapters: int
     with_layout: bool
     prepare: bool
     lease_ms: int
     dtype: str
-    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., with_layout: _Optional[bool] = ..., prepare: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ModuleShard]
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., with_layout: _Optional[bool] = ..., prepare: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., dtype: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ModuleShard, _Mapping]]] = ...) -> None: ...
 
 class AcquiredAdapter(_message.Message):
     __slots__ = ("adapter_id", "generation", "object_id", "pages", "layout", "found_in", "arena_slabs")
