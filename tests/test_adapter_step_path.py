@@ -127,6 +127,28 @@ def test_with_another_dtypes_copy_hot_release_takes_the_full_path(peft_dirs, tmp
     run(main())
 
 
+def test_with_a_rank_s_shards_hot_in_the_broker_s_dtype_release_takes_the_full_path(peft_dirs, tmp_path):
+    """A tensor-parallel rank's copy (``id##shard``, the broker's own dtype) is another copy,
+    not the adapter's own: the one-pass release must not take it for the whole adapter."""
+    from memory_broker.proto.wire.layout import ModuleShard
+
+    async def main():
+        h, server = _rig(str(tmp_path / "state"), peft_dirs)
+        await h.manager.prefetch(["r4"], "hot")
+        sid = h.store.open_session()
+        shards = [ModuleShard("q_proj", False, 0, 2)]
+        (part,) = (await h.manager.acquire(sid, ["r4"], shards=shards)).adapters
+        assert h.manager.hot.other_copies == 1 and list(h.manager.hot.own) == ["r4"]
+        own = _acquire(server, sid, ["r4"]).adapters[0]
+        assert own.object_id != part.object_id
+        assert not h.manager.release_hot(sid, ["r4"])
+        server._op(sid, w.Op(w.OP_RELEASE, ("r4", "r4")))  # the full path: both copies
+        assert h.store.sessions[sid].pin_total == 0
+        await h.close()
+
+    run(main())
+
+
 def test_a_reloaded_adapter_replies_with_its_new_object_and_generation(peft_dirs, tmp_path):
     async def main():
         h, server = _rig(str(tmp_path / "state"), peft_dirs)

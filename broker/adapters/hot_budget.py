@@ -44,7 +44,8 @@ class HotBudget:
         self._on_drop = ctx.entries.forget_if_idle
         self._hot: dict[str, AdapterEntry] = {}
         # The hot entries of adapters' copies in the broker's own dtype, by adapter id (what a
-        # step's acquire and release look up), and how many hot copies in other dtypes exist.
+        # step's acquire and release look up), and how many other hot copies exist (another dtype's,
+        # or a tensor-parallel rank's shards).
         self.own: dict[str, AdapterEntry] = {}
         self.other_copies = 0
         self._by_object: dict[int, AdapterEntry] = {}
@@ -107,9 +108,9 @@ class HotBudget:
         e.loaded(obj, checksum, generation)
         aid = e.key
         if self._hot.get(aid) is not None:  # a stale entry of the same key: replaced
-            self.other_copies -= bool(e.copy_dtype)
+            self.other_copies -= e.derived
         self._hot[aid] = e
-        if e.copy_dtype:
+        if e.derived:  # another dtype's copy, or a rank's shards: never the adapter's own
             self.other_copies += 1
         else:
             self.own[aid] = e
@@ -125,7 +126,7 @@ class HotBudget:
         aid = e.key
         gone = self._hot.pop(aid, None)
         if gone is not None:
-            if gone.copy_dtype:
+            if gone.derived:
                 self.other_copies -= 1
             else:
                 del self.own[aid]
