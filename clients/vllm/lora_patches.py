@@ -432,10 +432,16 @@ def _static_buffers(manager, cfg, st: State) -> StaticStepBuffers | None:
         if captured:
             raise RuntimeError(
                 f"memory-broker: zero-copy LoRA needs the broker's arena before vLLM captures CUDA graphs, and the "
-                f"broker at {st.source.socket} could not be reached ({e}): start it first, or run the engine "
+                f"broker at {st.source.socket} could not be reached or viewed ({e}): start it first, or run the engine "
                 "with enforce_eager=True"
             ) from e
-        log.warning("memory-broker: broker not reachable at engine start (%s); LoRA steps run the ordinary path", e)
+        # Not only an unreachable broker: a host-arena broker with no slab mapped yet has no arena to view.
+        log.warning(
+            "memory-broker: the broker's arena at %s could not be viewed at engine start (%s); LoRA steps run the "
+            "ordinary path (tokens are the same; the CUDA-graph static buffers are not used)",
+            st.source.socket,
+            e,
+        )
         return None
     row_align = DEFAULT_ROW_ALIGN // elem_size(dtype)
     return StaticStepBuffers(max_tokens, len(manager.lora_index_to_id), cfg.max_lora_rank, arena, row_align, captured)
