@@ -320,20 +320,20 @@ class _Malformed(Exception):
     """What the one-pass reader raises on anything it does not accept."""
 
 
-def _strs16(body: bytes, pos: int, count: int, end: int, text: bool) -> tuple[tuple, int]:
-    """``count`` length-prefixed strings from ``pos`` (decoded as UTF-8 with ``text``):
-    (the strings, the offset after them). Raises on anything short or not UTF-8."""
+def _strs16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple[bytes, ...], int]:
+    """``count`` length-prefixed byte strings from ``pos``: (the strings, the offset after
+    them). The end is checked once: a slice past it is cut short, and then ``pos`` is past it
+    too. Raises on anything short."""
     u16 = _U16.unpack_from
     out = []
     append = out.append
     for _ in range(count):
         (n,) = u16(body, pos)
         pos += 2
-        e = pos + n
-        if e > end:
-            raise _Malformed
-        append(body[pos:e].decode() if text else body[pos:e])
-        pos = e
+        append(body[pos : pos + n])
+        pos += n
+    if pos > end:
+        raise _Malformed
     return tuple(out), pos
 
 
@@ -362,7 +362,7 @@ def _keys16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple, int]:
                     _KEY_RUNS.clear()
                 st = _KEY_RUNS[n, count] = struct.Struct("<" + ("2x%ds" % n) * count)
             return st.unpack_from(body, pos), e
-    return _strs16(body, pos, count, end, False)
+    return _strs16(body, pos, count, end)
 
 
 def _decode_step_fast(body: bytes) -> list[Op]:
@@ -435,19 +435,9 @@ def _decode_step_checked(body: bytes) -> list[Op]:
 
 
 def _texts16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple[str, ...], int]:
-    """``_strs16`` of adapter ids: the slices cut first, then decoded in one C-level pass,
-    the end checked once (a slice past it is cut short, and then ``pos`` is past it too)."""
-    u16 = _U16.unpack_from
-    out = []
-    append = out.append
-    for _ in range(count):
-        (n,) = u16(body, pos)
-        pos += 2
-        append(body[pos : pos + n])
-        pos += n
-    if pos > end:
-        raise _Malformed
-    return tuple(map(bytes.decode, out)), pos
+    """``_strs16`` of adapter ids, decoded as UTF-8 in one C-level pass."""
+    raw, pos = _strs16(body, pos, count, end)
+    return tuple(map(bytes.decode, raw)), pos
 
 
 _U8 = struct.Struct("<B")
