@@ -12,6 +12,7 @@ from memory_broker.broker.adapters.config import AdapterConfig
 from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.layout import ModuleShard
 
 IDS = ["r4", "r8", "r16"]
 
@@ -110,37 +111,25 @@ def test_what_the_one_pass_does_not_cover_takes_the_full_path_with_nothing_done_
     run(main())
 
 
-def test_with_another_dtypes_copy_hot_release_takes_the_full_path(peft_dirs, tmp_path):
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"dtype": "float16"},  # another dtype's copy (``id#float16``)
+        # A tensor-parallel rank's copy in the broker's own dtype (``id##shard``): another copy
+        # too, not the adapter's own, though its dtype is the broker's.
+        {"shards": [ModuleShard("q_proj", False, 0, 2)]},
+    ],
+    ids=["dtype", "tp-shard"],
+)
+def test_with_another_copy_hot_release_takes_the_full_path(peft_dirs, tmp_path, other):
     async def main():
         h, server = _rig(str(tmp_path / "state"), peft_dirs)
         await h.manager.prefetch(["r4"], "hot")
         sid = h.store.open_session()
-        (copy,) = (await h.manager.acquire(sid, ["r4"], dtype="float16")).adapters
-        assert h.manager.hot.other_copies == 1
-        own = _acquire(server, sid, ["r4"]).adapters[0]
-        assert own.object_id != copy.object_id
-        assert not h.manager.release_hot(sid, ["r4"])
-        server._op(sid, w.Op(w.OP_RELEASE, ("r4", "r4")))  # the full path: the broker's copy first
-        assert h.store.sessions[sid].pin_total == 0
-        await h.close()
-
-    run(main())
-
-
-def test_with_a_rank_s_shards_hot_in_the_broker_s_dtype_release_takes_the_full_path(peft_dirs, tmp_path):
-    """A tensor-parallel rank's copy (``id##shard``, the broker's own dtype) is another copy,
-    not the adapter's own: the one-pass release must not take it for the whole adapter."""
-    from memory_broker.proto.wire.layout import ModuleShard
-
-    async def main():
-        h, server = _rig(str(tmp_path / "state"), peft_dirs)
-        await h.manager.prefetch(["r4"], "hot")
-        sid = h.store.open_session()
-        shards = [ModuleShard("q_proj", False, 0, 2)]
-        (part,) = (await h.manager.acquire(sid, ["r4"], shards=shards)).adapters
+        (copy,) = (await h.manager.acquire(sid, ["r4"], **other)).adapters
         assert h.manager.hot.other_copies == 1 and list(h.manager.hot.own) == ["r4"]
         own = _acquire(server, sid, ["r4"]).adapters[0]
-        assert own.object_id != part.object_id
+        assert own.object_id != copy.object_id
         assert not h.manager.release_hot(sid, ["r4"])
         server._op(sid, w.Op(w.OP_RELEASE, ("r4", "r4")))  # the full path: both copies
         assert h.store.sessions[sid].pin_total == 0
