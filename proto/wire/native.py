@@ -1,0 +1,57 @@
+"""The native step core: optional C extensions for the step path's per-item passes, and their fallback.
+
+Each per-item pass of the step channel (decoding a frame's ids and keys, the store's pin books,
+the client's reply records) has a pure-Python definition, and may also have a C one built from
+a ``_*.c`` file beside its module when the project is installed (``[tool.setuptools]
+ext-modules`` in ``pyproject.toml``; the build is optional, so an install without a compiler
+still works). ``load`` returns the C module, or ``None``; a caller then takes its Python path.
+The two are the same protocol and the same results: the tests run both.
+
+``MEMORY_BROKER_NATIVE=0`` (or ``off``/``false``/``no``) turns every native module off, so the
+Python path runs; a native module that was not built is said once, in the log, per process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import ModuleType
+
+ENV = "MEMORY_BROKER_NATIVE"
+_OFF = {"0", "off", "false", "no"}
+log = logging.getLogger("memory_broker.native")
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    """False when ``MEMORY_BROKER_NATIVE`` turns the native core off."""
+    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+
+
+def load(name: str) -> ModuleType | None:
+    """The native module ``name`` (a full import name), or ``None`` if it is off or was not built.
+
+    Read once per process and name; a module that was not built is logged once, at warning
+    level, with what that costs and how to build it.
+    """
+    if name in _loaded:
+        return _loaded[name]
+    module: ModuleType | None = None
+    if enabled():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            log.warning(
+                "native step core %s is not built (%s): the pure-Python path runs, correct but slower "
+                "per item; reinstall with a C compiler and Python's headers (pip install -e .) to build it",
+                name,
+                e,
+            )
+    _loaded[name] = module
+    return module
+
+
+def status() -> dict[str, bool]:
+    """Each native module asked for so far, and whether it is in use."""
+    return {name: module is not None for name, module in _loaded.items()}
