@@ -206,6 +206,30 @@ def test_the_closure_check_names_what_neither_the_folder_nor_the_machine_has(tmp
     ]
 
 
+def test_a_wheel_built_for_another_python_loses_its_native_core_and_installs_anywhere(tmp_path):
+    # Built by this venv's CPython 3.11 when no 3.12 is here: the GPU machine's pip would refuse a
+    # cp311 wheel, so the native step core goes (its Python path runs) and the wheel is pure.
+    built = tmp_path / "memory_broker-0.1.0-cp311-cp311-linux_x86_64.whl"
+    info = "memory_broker-0.1.0.dist-info"
+    so = "memory_broker/proto/wire/_stepcore.cpython-311-x86_64-linux-gnu.so"
+    with zipfile.ZipFile(built, "w") as z:
+        z.writestr("memory_broker/proto/wire/native.py", "x = 1\n")
+        z.writestr(so, b"\x7fELF")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-linux_x86_64\n")
+        z.writestr(
+            f"{info}/RECORD", f"memory_broker/proto/wire/native.py,sha256=x,6\n{so},sha256=y,4\n{info}/RECORD,,\n"
+        )
+    out = wheelhouse.purify(str(built))
+    assert os.path.basename(out) == "memory_broker-0.1.0-py3-none-any.whl" and not built.exists()
+    with zipfile.ZipFile(out) as z:
+        names = z.namelist()
+        wheel_meta = z.read(f"{info}/WHEEL").decode()
+        record = z.read(f"{info}/RECORD").decode()
+    assert so not in names and "memory_broker/proto/wire/native.py" in names
+    assert "Tag: py3-none-any" in wheel_meta and "Root-Is-Purelib: true" in wheel_meta and "cp311" not in wheel_meta
+    assert ".so," not in record and "native.py" in record
+
+
 def test_the_check_script_keeps_what_it_measured_when_steps_run_out_of_time(tmp_path):
     """Every step runs under its own time limit inside the run's budget, and results are
     appended as they are measured: a test run and a benchmark cut off mid-way leave their

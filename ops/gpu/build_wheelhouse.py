@@ -121,6 +121,80 @@ def unmet(out_dir: str, machine: dict[str, str | None], python_version: str) -> 
     return problems
 
 
+def target_python(python_version: str) -> str | None:
+    """An interpreter of the GPU machine's Python (``python3.12`` on PATH or under pyenv), or None."""
+    pyenv = os.path.join(os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv")), "versions")
+    candidates = [
+        os.path.join(d, "bin", "python") for d in sorted(glob.glob(os.path.join(pyenv, f"{python_version}.*")))
+    ]
+    candidates.reverse()
+    found = shutil.which(f"python{python_version}")
+    if found and "/shims/" not in found:  # a pyenv shim fails unless that version is selected
+        candidates.insert(0, found)
+    for exe in candidates:
+        ok = subprocess.run([exe, "-m", "pip", "--version"], capture_output=True).returncode == 0
+        if os.access(exe, os.X_OK) and ok:
+            return exe
+    return None
+
+
+def purify(wheel: str) -> str:
+    """``wheel`` without its compiled native step core, retagged py3-none-any; returns the new path.
+
+    The native core is optional (proto/wire/native.py): without it the installed project runs its
+    Python path, so a wheel that any CPython 3 installs beats no wheel on a GPU machine whose
+    Python differs from the one that built it.
+    """
+    name, ver, _, _ = parse_wheel_filename(os.path.basename(wheel))
+    out = os.path.join(os.path.dirname(wheel), f"{name.replace('-', '_')}-{ver}-py3-none-any.whl")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for item in src.infolist():
+            if item.filename.endswith(".so"):
+                continue
+            data = src.read(item.filename)
+            if item.filename.endswith(".dist-info/WHEEL"):
+                lines = [ln for ln in data.decode().splitlines() if not ln.startswith(("Tag:", "Root-Is-Purelib:"))]
+                data = ("\n".join(lines) + "\nRoot-Is-Purelib: true\nTag: py3-none-any\n").encode()
+            elif item.filename.endswith(".dist-info/RECORD"):
+                data = "".join(ln for ln in data.decode().splitlines(True) if ".so," not in ln).encode()
+            dst.writestr(item, data)
+    os.remove(wheel)
+    return out
+
+
+def project_wheel(out_dir: str, python_version: str) -> str:
+    """Builds this project's wheel for the GPU machine's Python, native step core included when it can.
+
+    The native core is a C extension, so the wheel is tied to the Python that builds it. An
+    interpreter of ``python_version`` here builds it (in an isolated build environment, since
+    the project needs setuptools>=74.1); without one, the wheel this venv builds is stripped of
+    the core and retagged pure, and the GPU machine runs the Python path (and says so once).
+    """
+    exe = target_python(python_version)
+    if exe is not None:
+        built = _pip_wheel(out_dir, [exe, "-m", "pip", "wheel", "--no-deps", "-w", out_dir, ROOT])
+        if built is not None:
+            return built
+        print(f"note: Python {python_version} ({exe}) could not build the wheel; this venv builds it", flush=True)
+    built = _pip_wheel(
+        out_dir, [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out_dir, ROOT]
+    )
+    if built is None:
+        raise SystemExit("pip could not build the project's wheel (run the command above to see why)")
+    print(f"note: no Python {python_version} here: the project's wheel leaves out the native step core", flush=True)
+    return purify(built)
+
+
+def _pip_wheel(out_dir: str, cmd: list[str]) -> str | None:
+    """The wheel ``cmd`` (a pip wheel command) adds to ``out_dir``, or None if it fails."""
+    print("+", " ".join(cmd), flush=True)
+    before = set(glob.glob(os.path.join(out_dir, "*.whl")))
+    ok = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode == 0
+    shutil.rmtree(os.path.join(ROOT, "build"), ignore_errors=True)  # setuptools' scratch folder in the checkout
+    added = set(glob.glob(os.path.join(out_dir, "*.whl"))) - before
+    return added.pop() if ok and len(added) == 1 else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "wheelhouse"), help="the folder to (re)fill")
@@ -157,11 +231,7 @@ def main() -> int:
     ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-    cmd = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", args.out, ROOT]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    for d in ("build",):  # setuptools' scratch folder in the checkout
-        shutil.rmtree(os.path.join(ROOT, d), ignore_errors=True)
+    project_wheel(args.out, args.python_version)
 
     wheels = sorted(glob.glob(os.path.join(args.out, "*.whl")))
     if not any(canonicalize_name(parse_wheel_filename(os.path.basename(w))[0]) == PROJECT for w in wheels):

@@ -173,6 +173,12 @@ for name in ("torch", "triton", "cuda-bindings", "grpcio", "protobuf", "numpy", 
         print(f"{name}: {version(name)}")
     except Exception as e:
         print(f"{name}: not installed ({type(e).__name__})")
+try:
+    from memory_broker.proto.wire import native
+    core = native.load("memory_broker.proto.wire._stepcore")
+    print("native step core: " + ("built" if core is not None else "not built (the Python path runs)"))
+except Exception as e:
+    print(f"native step core: unknown ({type(e).__name__})")
 PY
     if [ -f "$vllm_ops/MANIFEST.json" ]; then
         echo "vLLM LoRA ops: $(timeout 30 "$PYTHON" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["vllm_version"], "from", m["source"])' "$vllm_ops/MANIFEST.json" 2>&1) ($vllm_ops)"
