@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+from memory_broker.proto.wire import native
 from memory_broker.proto.wire.errors import BrokerError, Code
 
 # Frame header: body length, kind.
@@ -77,6 +78,16 @@ _ACQ_ADAPTER = struct.Struct("<QQBI")
 _OBJ_HEAD = struct.Struct("<QqBBBIII")
 _OBJS_HEAD = struct.Struct("<BH")
 OBJ_OWNED, OBJ_DEDUP = 1, 2
+
+
+# The native core (``_stepcore.c``): the per-item passes below in C, or None (not built, or
+# ``MEMORY_BROKER_NATIVE=0``). Each C pass returns what its Python pass returns, or None for
+# anything it does not take, and the Python pass then runs: it gives the result or raises the
+# error that names the fault, so errors are always the Python ones. Tests switch it off here.
+_core = native.load("memory_broker.proto.wire._stepcore")
+# The attribute names the C passes read (interned once).
+_OP_ATTRS = ("kind", "items", "flags", "max_adapters", "lease_ms")
+_OBJ_ATTRS = ("wire_head", "wire_tail", "owner", "pins", "pin_count")
 
 
 # The records below are plain (not frozen) slotted dataclasses: a frozen one costs several
@@ -226,6 +237,14 @@ def _ids(ids: Sequence[int]) -> bytes:
 
 def encode_step(ops: Sequence[Op]) -> bytes:
     """A STEP request frame."""
+    if _core is not None:
+        out = _core.encode_step(ops, _OP_ATTRS)
+        if out is not None:
+            return out
+    return _encode_step(ops)
+
+
+def _encode_step(ops: Sequence[Op]) -> bytes:
     if len(ops) > MAX_OPS:
         raise WireError(f"{len(ops)} ops in one step; at most {MAX_OPS}")
     parts = [_COUNT_OPS.pack(len(ops))]
@@ -309,6 +328,11 @@ def decode_step(body: bytes) -> list[Op]:
     A well-formed body is read in one pass at a running offset (the broker decodes every
     frame of every engine step); anything the pass does not accept is read again by the
     checked reader, which says what is wrong and where."""
+    if _core is not None:
+        ops = _core.decode_step(body, Op)
+        if ops is not None:
+            return ops
+        return _decode_step_checked(body)
     try:
         return _decode_step_fast(body if isinstance(body, bytes) else bytes(body))
     except Exception:  # noqa: BLE001 (malformed: the checked reader names the fault)
@@ -503,6 +527,10 @@ def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
     Objects with ``wire_head`` and ``wire_tail`` slots (the store's) keep their fixed parts
     there once committed: a record is then those two around its changing fields."""
     if objs and hasattr(objs[0], "wire_tail"):
+        if _core is not None:
+            out = _core.encode_allocations(kind, sid, objs, _wire_parts, _OBJ_ATTRS)
+            if out is not None:
+                return out
         parts = [_OBJS_HEAD.pack(kind, len(objs))]
         append, pack = parts.append, _OBJ_CHANGING.pack
         for o in objs:
@@ -802,13 +830,14 @@ class ReplyDecoder:
     """``decode_step_reply`` for one client connection, with equal results; a record is the
     one it made before from the same bytes (and the same arena size), not a new one."""
 
-    __slots__ = ("_objects", "_adapters", "_slabs")
+    __slots__ = ("_objects", "_adapters", "_slabs", "_make_object")
 
     def __init__(self):
         # A record's bytes -> the record made from them.
         self._objects: dict[bytes, ObjectRecord] = {}
         self._adapters: dict[bytes, AcquiredRecord] = {}
         self._slabs = -1
+        self._make_object = _object_record
 
     def __call__(self, kind: int, body: bytes) -> StepReply:
         if kind == OK:
@@ -824,6 +853,14 @@ class ReplyDecoder:
             # An object record carries the arena's size: made again for a new one.
             self._objects.clear()
             self._slabs = slabs
+            self._make_object = lambda raw: _object_record(raw, slabs)
+        if _core is not None:
+            got = _core.decode_ok(
+                body, self._objects, self._make_object, self._adapters, _adapter_record, AcquireOutcome, _MEMO_LIMIT
+            )
+            if got is None:
+                raise _Malformed
+            return StepReply(got[0], got[1])
         pos = _STEP_REPLY_HEAD.size
         results: list = []
         for _ in range(n):
