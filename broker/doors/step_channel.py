@@ -39,6 +39,9 @@ ROWS_KEPT = 16384
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
+# The reply to every PING.
+_PONG = w.encode_step_reply(0, ())
+
 _TIERS = {"hot": w.TIER_HOT, "warm": w.TIER_WARM, "cold": w.TIER_COLD}
 # Each op is recorded in the RPC latency metric under the gRPC method it stands for, so
 # dashboards and alerts count fast-path work as they count RPCs; refused frames as "Step".
@@ -57,6 +60,13 @@ RULES = {op: POLICY[method] for op, method in METHODS.items()}
 # Whether an op's rule asks more than a session and its proof (the frame's first op checks
 # those for every op of the frame): it names ids the session must see, or needs a manager.
 PER_OP_RULE = {op: bool(r.visible or r.manage or not r.session) for op, r in RULES.items()}
+
+
+def _record_all(record: Callable[[float, str, str], None], done: list) -> None:
+    """Each op's latency into the metric, called soon after the frame (so after its reply is
+    sent): ``done`` is (seconds, method, code) per op that ran or was refused."""
+    for seconds, method, code in done:
+        record(seconds, method, code)
 
 
 def op_ids(op: w.Op):
@@ -349,7 +359,7 @@ class StepChannelServer:
             if kind == w.PING:
                 if c.session is None:
                     raise denied("send HELLO with the session token first")
-                return w.encode_step_reply(0, ())
+                return _PONG
             raise invalid(f"unknown frame kind {kind}; known: HELLO={w.HELLO}, STEP={w.STEP}, PING={w.PING}")
         except BrokerError as e:
             code = e.code.value
@@ -419,7 +429,7 @@ class StepChannelServer:
                 counters.refused += 1
                 if done is not None:
                     done.append((clock() - t0, METHODS[k], e.code.value))
-                    self._record_later(done)
+                    self._loop.call_soon(_record_all, self._record, done)
                 return w.encode_step_reply(self._num_slabs(), results, e, i)
             t1 = clock()
             spent[k] = spent.get(k, 0.0) + t1 - t0
@@ -427,19 +437,8 @@ class StepChannelServer:
                 done.append((t1 - t0, METHODS[k], "OK"))
             t0 = t1
         if done:
-            self._record_later(done)
+            self._loop.call_soon(_record_all, self._record, done)
         return w.encode_step_reply(self._num_slabs(), results)
-
-    def _record_later(self, done: list) -> None:
-        """Each op's latency into the metric, after this callback of the loop (so after the
-        reply is sent): ``done`` is (seconds, method, code) per op that ran or was refused."""
-        record = self._record
-
-        def flush() -> None:
-            for seconds, method, code in done:
-                record(seconds, method, code)
-
-        self._loop.call_soon(flush)
 
     def _op(self, sid: int, op: w.Op) -> bytes:
         k, items = op.kind, op.items

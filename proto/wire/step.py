@@ -72,6 +72,8 @@ _COUNT_OPS = _U16
 _ACQ_HEAD = struct.Struct("<BHIH")
 _LOOKUP_HEAD = struct.Struct("<BH")
 _STEP_REPLY_HEAD = struct.Struct("<IH")
+# An OK reply's frame header and reply head together.
+_OK_REPLY_HEAD = struct.Struct("<IBIH")
 _ERR_TRAILER = struct.Struct("<BHH")
 _ACQ_RESULT_HEAD = struct.Struct("<BBQdH")
 _ACQ_ADAPTER = struct.Struct("<QQBI")
@@ -600,9 +602,12 @@ def encode_step_reply(
     arena_slabs: int, results: Sequence[bytes], error: BrokerError | None = None, index: int = 0
 ) -> bytes:
     """A STEP reply frame from already-encoded result records."""
-    body = _STEP_REPLY_HEAD.pack(arena_slabs, len(results)) + b"".join(results)
     if error is None:
-        return HEADER.pack(len(body), OK) + body
+        # Header, reply head and records in one join (one copy of each record).
+        n = len(results)
+        size = _STEP_REPLY_HEAD.size + (len(results[0]) if n == 1 else sum(map(len, results)) if n else 0)
+        return b"".join((_OK_REPLY_HEAD.pack(size, OK, arena_slabs, n), *results))
+    body = _STEP_REPLY_HEAD.pack(arena_slabs, len(results)) + b"".join(results)
     body += error_trailer(error, index)
     return HEADER.pack(len(body), ERROR) + body
 
