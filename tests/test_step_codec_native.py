@@ -5,6 +5,8 @@ same errors (type and message); and no input makes the C crash."""
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -253,3 +255,20 @@ def test_the_usual_frames_are_taken_by_the_c_not_handed_back():
         assert got == w.encode_allocations(w.OP_PIN, 1, objs)
     finally:
         w._core = saved
+
+
+def test_a_core_built_from_an_older_source_is_not_used_and_said():
+    """A tree pulled without reinstalling keeps the old build: step.py runs its Python path
+    then, and says why and how to rebuild, rather than fail on a pass the build lacks."""
+    code = (
+        "import logging, sys, types\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "old = types.ModuleType('memory_broker.proto.wire._stepcore')\n"
+        "old.unpack_u64s = lambda *a: ()\n"
+        "sys.modules['memory_broker.proto.wire._stepcore'] = old\n"
+        "from memory_broker.proto.wire import step\n"
+        "print(step._core is None, step.decode_step(step.encode_step([step.Op(2, (1,))])[5:]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.startswith("True [Op(kind=2, items=(1,)")
+    assert "predates this step.py" in out.stderr and "pip install -e ." in out.stderr

@@ -87,6 +87,16 @@ OBJ_OWNED, OBJ_DEDUP = 1, 2
 # anything it does not take, and the Python pass then runs: it gives the result or raises the
 # error that names the fault, so errors are always the Python ones. Tests switch it off here.
 _core = native.load("memory_broker.proto.wire._stepcore")
+_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok")
+if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
+    # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
+    native.log.warning(
+        "native step core %s predates this step.py (no %s): the pure-Python path runs; "
+        "reinstall (pip install -e .) to rebuild it",
+        getattr(_core, "__file__", _core.__name__),
+        ", ".join(f for f in _CORE_PASSES if not hasattr(_core, f)),
+    )
+    _core = None
 # The attribute names the C passes read (interned once).
 _OP_ATTRS = ("kind", "items", "flags", "max_adapters", "lease_ms")
 _OBJ_ATTRS = ("wire_head", "wire_tail", "owner", "pins", "pin_count")
