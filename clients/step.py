@@ -39,6 +39,8 @@ class StepPath:
     def __init__(self, transport: StepTransport, *, hold_s: float = 0.0, max_idle: int = DEFAULT_MAX_IDLE):
         self.transport = transport
         self.hold_s = hold_s
+        # Whether the holdings cache is on (read on every step, several times: a plain field).
+        self.caching = hold_s > 0
         # Reentrant: a step holds it while it sends; one caller at a time on the socket.
         self.lock = threading.RLock()
         # What this process holds at the broker, with local counts (``step_holdings.py``).
@@ -47,10 +49,6 @@ class StepPath:
         self.frames = 0
         # A step sent by ``begin`` or ``delta`` whose reply is not read yet (at most one).
         self._pending = None
-
-    @property
-    def caching(self) -> bool:
-        return self.hold_s > 0
 
     @property
     def adapters(self) -> dict[str, HeldAdapter]:

@@ -45,7 +45,11 @@ class StepTransport:
 
     def request(self, data: bytes) -> w.StepReply:
         """Send one frame and read its reply. Raises StepUnavailable when the socket breaks."""
-        self.send(data)
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise StepUnavailable(f"the step channel at {self.path} broke: {e}") from None
         return self.reply()
 
     def send(self, data: bytes) -> None:

@@ -106,6 +106,43 @@ def start_broker(*extra: str, socket: str | None = None, wait: bool = True) -> B
     return b
 
 
+# The step wire's codec runs native (``proto/wire/_stepcore.c``) or as its pure-Python
+# fallback: these modules' tests run under both, in this process (``step._core``) and in the
+# brokers and clients they start (``MEMORY_BROKER_NATIVE``, inherited).
+CODEC_MODULES = {
+    "test_step_wire",
+    "test_step_channel",
+    "test_step_client",
+    "test_step_keys",
+    "test_step_batch",
+    "test_fuzz",
+    "test_churn",
+}
+# Tests of the Python codec's own internals (its struct caches): they run against it alone.
+PYTHON_CODEC_TESTS = {
+    "test_keys_of_one_length_are_read_in_one_struct_call_as_key_by_key",
+    "test_the_key_struct_cache_is_bounded",
+}
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__.rpartition(".")[2] in CODEC_MODULES:
+        both = metafunc.function.__name__ not in PYTHON_CODEC_TESTS
+        metafunc.parametrize("wire_codec", ["native", "python"] if both else ["python"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def wire_codec(request, monkeypatch):
+    """``native`` (the default) or ``python``: which step wire codec this test runs."""
+    from memory_broker.proto.wire import step
+
+    mode = getattr(request, "param", "native")
+    if mode == "python":
+        monkeypatch.setattr(step, "_core", None)
+        monkeypatch.setenv("MEMORY_BROKER_NATIVE", "0")
+    return mode
+
+
 @pytest.fixture
 def broker():
     b = start_broker()

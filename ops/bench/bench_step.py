@@ -35,6 +35,10 @@ the back-to-back ping-pong).
 adapters, the rest KV keys; issue 28's target: a CPU slope between 64 and 512 items under
 0.5 us per item per side); ``--keys-only`` and ``--adapters-only`` make every item a KV key
 (41-byte digests, as the vLLM connector's) or an adapter, so each kind's slope shows alone.
+``--codec both`` runs each per-item size with the step wire's native codec and then its
+pure-Python fallback (``--codec python``: the fallback alone); the broker runs in this process,
+so the switch is both sides'. The other rows follow ``MEMORY_BROKER_NATIVE`` (``0``: the
+fallback, in the broker it starts too): run them once each way for an A/B.
 """
 
 from __future__ import annotations
@@ -384,6 +388,9 @@ ITEM_SIZES = (1, 8, 64, 512)
 # pin/unpin path) or "adapters" (adapters only: the adapter tiers' path); --keys-only and
 # --adapters-only show each side's slope apart.
 ITEM_MIX = "mixed"
+# The step wire codecs the per-item rows run (``--codec``): the native core (``_stepcore.c``,
+# where built) and its pure-Python fallback, interleaved size by size.
+ITEM_CODECS: tuple[str, ...] = ("native",)
 
 
 def split_items(n: int) -> tuple[int, int]:
@@ -601,11 +608,18 @@ def per_item(d: str, cycles: int) -> None:
         c.acquire_adapters(ids).release()  # every layout fetched once, as an engine that has run a while
     raw_us = min(statistics.median(raw_pingpong(d, 300, one_cpu=True)), statistics.median(raw_pingpong(d, 300)))
     rows = []
+    native_core = step_wire._core
     for n in ITEM_SIZES:
-        b_us, b_cpu = broker_side(box, c.token, dict(c.metadata)[KEY_METADATA], n, cycles)
-        c_us, c_cpu = client_side(c, n, cycles)
-        g_us, g_cpu = client_side(c, n, cycles, generic=True)
-        rows.append((n, b_us, b_cpu, c_us, c_cpu, g_cpu))
+        for codec in ITEM_CODECS:
+            # The broker runs in this process: the codec switch is both sides' (interleaved by size).
+            step_wire._core = native_core if codec == "native" else None
+            try:
+                b_us, b_cpu = broker_side(box, c.token, dict(c.metadata)[KEY_METADATA], n, cycles)
+                c_us, c_cpu = client_side(c, n, cycles)
+                g_us, g_cpu = client_side(c, n, cycles, generic=True)
+            finally:
+                step_wire._core = native_core
+            rows.append((n, codec, b_us, b_cpu, c_us, c_cpu, g_cpu))
     c.close()
     setup.close()
     import asyncio
@@ -621,24 +635,26 @@ def per_item(d: str, cycles: int) -> None:
     print(" also gives back the previous step's n items: release + unpin)")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f} us")
     print(
-        f"{'items':>6}{'broker us/frame':>17}{'x raw':>8}{'broker CPU us':>15}"
+        f"{'items':>6}{'codec':>8}{'broker us/frame':>17}{'x raw':>8}{'broker CPU us':>15}"
         f"{'client us/step':>16}{'x raw':>8}{'client CPU us':>15}{'generic CPU us':>16}"
     )
-    for n, b_us, b_cpu, c_us, c_cpu, g_cpu in rows:
+    for n, codec, b_us, b_cpu, c_us, c_cpu, g_cpu in rows:
         print(
-            f"{n:>6}{b_us:>17.1f}{b_us / raw_us:>8.2f}{b_cpu:>15.1f}{c_us:>16.1f}{c_us / raw_us:>8.2f}{c_cpu:>15.1f}"
-            f"{g_cpu:>16.1f}"
+            f"{n:>6}{codec:>8}{b_us:>17.1f}{b_us / raw_us:>8.2f}{b_cpu:>15.1f}{c_us:>16.1f}{c_us / raw_us:>8.2f}"
+            f"{c_cpu:>15.1f}{g_cpu:>16.1f}"
         )
     print("(CPU us: the thread's CPU time for the same frame or step, median: what a loaded machine's preemption")
     print(" does not inflate; the slopes below are of CPU time; generic: the client's CPU for the same step made")
     print(" of the generic calls, acquire_adapters + lookup + release + unpin, 4 frames)")
-    by = {n: (b_cpu, c_cpu) for n, _, b_cpu, _, c_cpu, _ in rows}
-    if 64 in by and 512 in by:
-        for side, i in (("broker", 0), ("client", 1)):
-            s = (by[512][i] - by[64][i]) / (512 - 64)
-            ok = "MET" if s < 0.5 else "NOT MET"
-            mix = "" if ITEM_MIX == "mixed" else f" ({ITEM_MIX} only)"
-            print(f"target per-item, {side}{mix}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
+    for codec in ITEM_CODECS:
+        by = {n: (b_cpu, c_cpu) for n, cd, _, b_cpu, _, c_cpu, _ in rows if cd == codec}
+        if 64 in by and 512 in by:
+            for side, i in (("broker", 0), ("client", 1)):
+                s = (by[512][i] - by[64][i]) / (512 - 64)
+                ok = "MET" if s < 0.5 else "NOT MET"
+                mix = "" if ITEM_MIX == "mixed" else f" ({ITEM_MIX} only)"
+                what = f"target per-item, {side}{mix}, {codec} codec"
+                print(f"{what}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
 
 
 def issue_targets(results: dict, raw_us: float) -> None:
@@ -668,7 +684,19 @@ def main() -> None:
     mix = ap.add_mutually_exclusive_group()
     mix.add_argument("--keys-only", action="store_true", help="per-item rows of KV keys alone (no adapters)")
     mix.add_argument("--adapters-only", action="store_true", help="per-item rows of adapters alone (no keys)")
+    ap.add_argument(
+        "--codec",
+        choices=("native", "python", "both"),
+        default="native",
+        help="per-item rows: the step wire codec, native (default; the Python one where it is not built), "
+        "its pure-Python fallback, or both interleaved (the A/B)",
+    )
     a = ap.parse_args()
+    global ITEM_CODECS
+    if step_wire._core is None or a.codec == "python":
+        ITEM_CODECS = ("python",)
+    elif a.codec == "both":
+        ITEM_CODECS = ("native", "python")
     if a.keys_only or a.adapters_only:
         global ITEM_MIX
         ITEM_MIX = "keys" if a.keys_only else "adapters"

@@ -2,10 +2,79 @@
  *
  * Loaded through memory_broker.proto.wire.native.load; every function here has a Python
  * definition in step.py that gives the same result, and the tests run both.
+ *
+ * Each codec function takes what step.py's Python path takes and either returns the same
+ * result or returns None: "not taken here". step.py then runs its Python path, which either
+ * gives the result or raises the error that names the fault, so an error (its type and its
+ * message) is always the Python one. Everything read from a buffer is bounds-checked before
+ * it is read; nothing here trusts a length it did not check against the buffer's end.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
+
+#define MAX_OPS 64
+#define OP_RELEASE 1
+#define OP_UNPIN 2
+#define OP_PIN 3
+#define OP_COMMIT 4
+#define OP_ABORT 5
+#define OP_ACQUIRE 6
+#define OP_LOOKUP 7
+#define ACQUIRE_PREPARE 1
+#define OK_KIND 0x80
+#define STEP_KIND 2
+
+/* ------------------------------------------------------------------ little-endian reads */
+
+static inline uint16_t rd16(const unsigned char *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline uint32_t rd32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t rd64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* ------------------------------------------------------------------ a growing output buffer */
+
+typedef struct {
+    char *p;
+    Py_ssize_t len, cap;
+} Out;
+
+static int out_reserve(Out *o, Py_ssize_t more) {
+    if (more < 0 || o->len > PY_SSIZE_T_MAX - more) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (o->len + more <= o->cap) return 0;
+    Py_ssize_t cap = o->cap ? o->cap : 256;
+    while (cap < o->len + more) {
+        if (cap > PY_SSIZE_T_MAX / 2) { cap = o->len + more; break; }
+        cap *= 2;
+    }
+    char *p = PyMem_Realloc(o->p, (size_t)cap);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    o->p = p;
+    o->cap = cap;
+    return 0;
+}
+
+static int out_put(Out *o, const void *src, Py_ssize_t n) {
+    if (out_reserve(o, n) < 0) return -1;
+    memcpy(o->p + o->len, src, (size_t)n);
+    o->len += n;
+    return 0;
+}
+
+static inline int out_u8(Out *o, unsigned v) { unsigned char b = (unsigned char)v; return out_put(o, &b, 1); }
+static inline int out_u16(Out *o, unsigned v) { unsigned char b[2] = {(unsigned char)v, (unsigned char)(v >> 8)}; return out_put(o, b, 2); }
+static inline int out_u32(Out *o, uint32_t v) { return out_put(o, &v, 4); }
+static inline int out_u64(Out *o, uint64_t v) { return out_put(o, &v, 8); }
+
+static void out_free(Out *o) { PyMem_Free(o->p); o->p = NULL; o->len = o->cap = 0; }
+
+/* ------------------------------------------------------------------ unpack_u64s */
 
 /* unpack_u64s(buf, offset, count) -> tuple of ints: `count` little-endian u64s from `offset`. */
 static PyObject *
@@ -27,9 +96,7 @@ unpack_u64s(PyObject *self, PyObject *args)
     }
     const unsigned char *p = (const unsigned char *)view.buf + offset;
     for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned long long v;
-        memcpy(&v, p + 8 * i, 8); /* x86-64 and aarch64 are little-endian */
-        PyObject *n = PyLong_FromUnsignedLongLong(v);
+        PyObject *n = PyLong_FromUnsignedLongLong(rd64(p + 8 * i));
         if (n == NULL) {
             Py_DECREF(out);
             PyBuffer_Release(&view);
@@ -41,8 +108,524 @@ unpack_u64s(PyObject *self, PyObject *args)
     return out;
 }
 
+/* ------------------------------------------------------------------ decode_step (broker) */
+
+/* `count` length-prefixed strings from *pos (not past `end`): a tuple of bytes (text=0) or
+ * of str decoded as strict UTF-8 (text=1). NULL with no exception set: malformed. */
+static PyObject *
+read_strs16(const unsigned char *b, Py_ssize_t *pos, Py_ssize_t end, Py_ssize_t count, int text)
+{
+    PyObject *t = PyTuple_New(count);
+    if (t == NULL) return NULL;
+    Py_ssize_t p = *pos;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (end - p < 2) goto malformed;
+        Py_ssize_t n = rd16(b + p);
+        p += 2;
+        if (end - p < n) goto malformed;
+        PyObject *s;
+        if (text) {
+            s = PyUnicode_DecodeUTF8((const char *)b + p, n, NULL);
+            if (s == NULL) {
+                if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+                    PyErr_Clear();
+                    goto malformed;
+                }
+                Py_DECREF(t);
+                return NULL;
+            }
+        } else {
+            s = PyBytes_FromStringAndSize((const char *)b + p, n);
+            if (s == NULL) { Py_DECREF(t); return NULL; }
+        }
+        PyTuple_SET_ITEM(t, i, s);
+        p += n;
+    }
+    *pos = p;
+    return t;
+malformed:
+    Py_DECREF(t);
+    return NULL;
+}
+
+static PyObject *
+make_op(PyObject *op_type, long kind, PyObject *items, long flags, long cap, unsigned long lease)
+{
+    /* Op(kind, items, flags, max_adapters, lease_ms); steals `items`. */
+    PyObject *args[5];
+    args[0] = PyLong_FromLong(kind);
+    args[1] = items;
+    args[2] = PyLong_FromLong(flags);
+    args[3] = PyLong_FromLong(cap);
+    args[4] = PyLong_FromUnsignedLong(lease);
+    PyObject *op = NULL;
+    if (args[0] && args[2] && args[3] && args[4])
+        op = PyObject_Vectorcall(op_type, args, 5, NULL);
+    for (int i = 0; i < 5; i++) Py_XDECREF(args[i]);
+    return op;
+}
+
+/* decode_step(body, Op) -> list of Op, or None where the body is not well formed (the
+ * caller's checked reader then says why). */
+static PyObject *
+decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "decode_step(body, Op)");
+        return NULL;
+    }
+    PyObject *op_type = args[1];
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *b = (const unsigned char *)view.buf;
+    Py_ssize_t end = view.len, pos = 0;
+    PyObject *ops = NULL;
+    if (end < 2) goto malformed;
+    Py_ssize_t n = rd16(b);
+    pos = 2;
+    if (n > MAX_OPS) goto malformed;
+    ops = PyList_New(n);
+    if (ops == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (end - pos < 1) goto malformed;
+        int k = b[pos++];
+        PyObject *items = NULL;
+        long flags = 0, cap = 0;
+        unsigned long lease = 0;
+        if (k == OP_LOOKUP) {
+            if (end - pos < 3) goto malformed;
+            flags = b[pos];
+            Py_ssize_t count = rd16(b + pos + 1);
+            pos += 3;
+            if (flags > 1) goto malformed;
+            items = read_strs16(b, &pos, end, count, 0);
+        } else if (k == OP_ACQUIRE) {
+            if (end - pos < 9) goto malformed;
+            flags = b[pos];
+            cap = rd16(b + pos + 1);
+            lease = rd32(b + pos + 3);
+            Py_ssize_t count = rd16(b + pos + 7);
+            pos += 9;
+            if (flags & ~ACQUIRE_PREPARE) goto malformed;
+            items = read_strs16(b, &pos, end, count, 1);
+        } else if (k == OP_RELEASE) {
+            if (end - pos < 2) goto malformed;
+            Py_ssize_t count = rd16(b + pos);
+            pos += 2;
+            items = read_strs16(b, &pos, end, count, 1);
+        } else if (k == OP_UNPIN || k == OP_PIN || k == OP_COMMIT || k == OP_ABORT) {
+            if (end - pos < 2) goto malformed;
+            Py_ssize_t count = rd16(b + pos);
+            pos += 2;
+            if ((end - pos) / 8 < count) goto malformed;
+            items = PyTuple_New(count);
+            if (items == NULL) goto fail;
+            for (Py_ssize_t j = 0; j < count; j++) {
+                PyObject *v = PyLong_FromUnsignedLongLong(rd64(b + pos + 8 * j));
+                if (v == NULL) { Py_DECREF(items); goto fail; }
+                PyTuple_SET_ITEM(items, j, v);
+            }
+            pos += 8 * count;
+        } else {
+            goto malformed;
+        }
+        if (items == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            goto malformed;
+        }
+        PyObject *op = make_op(op_type, k, items, flags, cap, lease);
+        if (op == NULL) goto fail;
+        PyList_SET_ITEM(ops, i, op);
+    }
+    if (pos != end) goto malformed;
+    PyBuffer_Release(&view);
+    return ops;
+malformed:
+    Py_XDECREF(ops);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(ops);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ encode_allocations (broker) */
+
+/* A Python int as a C unsigned value of at most `max`; -1 (exception cleared) if it is not
+ * one: the caller then leaves the record to the Python path, which raises what it raises. */
+static int as_uint(PyObject *v, unsigned long long max, unsigned long long *out) {
+    if (!PyLong_Check(v)) return -1;
+    unsigned long long x = PyLong_AsUnsignedLongLong(v);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (x > max) return -1;
+    *out = x;
+    return 0;
+}
+
+/* encode_allocations(kind, sid, objs, wire_parts, attrs) -> bytes, or None: the store's
+ * objects (with wire_head/wire_tail), as step.encode_allocations writes them. `attrs` is the
+ * tuple of interned names (wire_head, wire_tail, owner, pins, pin_count). */
+static PyObject *
+encode_allocations(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 5) {
+        PyErr_SetString(PyExc_TypeError, "encode_allocations(kind, sid, objs, wire_parts, attrs)");
+        return NULL;
+    }
+    unsigned long long kind;
+    if (as_uint(args[0], 255, &kind) < 0) Py_RETURN_NONE;
+    PyObject *sid = args[1], *wire_parts = args[3], *attrs = args[4];
+    PyObject *a_head = PyTuple_GET_ITEM(attrs, 0), *a_tail = PyTuple_GET_ITEM(attrs, 1);
+    PyObject *a_owner = PyTuple_GET_ITEM(attrs, 2), *a_pins = PyTuple_GET_ITEM(attrs, 3);
+    PyObject *a_count = PyTuple_GET_ITEM(attrs, 4);
+    PyObject *seq = PySequence_Fast(args[2], "objs must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > 0xFFFF) { Py_DECREF(seq); Py_RETURN_NONE; }
+    PyObject **objs = PySequence_Fast_ITEMS(seq);
+    Out o = {0};
+    if (out_u8(&o, (unsigned)kind) < 0 || out_u16(&o, (unsigned)n) < 0) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *ob = objs[i];
+        PyObject *head = PyObject_GetAttr(ob, a_head), *tail = NULL;
+        if (head == NULL) goto fail;
+        if (head == Py_None) {
+            Py_DECREF(head);
+            PyObject *pair = PyObject_CallOneArg(wire_parts, ob);
+            if (pair == NULL) goto fail;
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) { Py_DECREF(pair); goto not_taken; }
+            head = PyTuple_GET_ITEM(pair, 0);
+            tail = PyTuple_GET_ITEM(pair, 1);
+            Py_INCREF(head);
+            Py_INCREF(tail);
+            Py_DECREF(pair);
+        } else {
+            tail = PyObject_GetAttr(ob, a_tail);
+            if (tail == NULL) { Py_DECREF(head); goto fail; }
+        }
+        if (!PyBytes_Check(head) || !PyBytes_Check(tail)) { Py_DECREF(head); Py_DECREF(tail); goto not_taken; }
+        int r = out_put(&o, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head));
+        Py_DECREF(head);
+        if (r < 0) { Py_DECREF(tail); goto fail; }
+        /* The changing fields: owned flag, this session's pins, all pins (<BII). */
+        PyObject *owner = PyObject_GetAttr(ob, a_owner);
+        if (owner == NULL) { Py_DECREF(tail); goto fail; }
+        int owned = PyObject_RichCompareBool(owner, sid, Py_EQ);
+        Py_DECREF(owner);
+        if (owned < 0) { Py_DECREF(tail); goto fail; }
+        PyObject *pins = PyObject_GetAttr(ob, a_pins);
+        if (pins == NULL) { Py_DECREF(tail); goto fail; }
+        unsigned long long sp = 0, tp = 0;
+        if (!PyDict_CheckExact(pins)) { Py_DECREF(pins); Py_DECREF(tail); goto not_taken; }
+        PyObject *mine = PyDict_GetItemWithError(pins, sid);
+        if (mine == NULL && PyErr_Occurred()) { Py_DECREF(pins); Py_DECREF(tail); goto fail; }
+        int bad = mine != NULL && as_uint(mine, 0xFFFFFFFFu, &sp) < 0;
+        Py_DECREF(pins);
+        PyObject *count = PyObject_GetAttr(ob, a_count);
+        if (count == NULL) { Py_DECREF(tail); goto fail; }
+        bad |= as_uint(count, 0xFFFFFFFFu, &tp) < 0;
+        Py_DECREF(count);
+        if (bad) { Py_DECREF(tail); goto not_taken; }
+        if (out_u8(&o, owned ? 1 : 0) < 0 || out_u32(&o, (uint32_t)sp) < 0 || out_u32(&o, (uint32_t)tp) < 0 ||
+            out_put(&o, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail)) < 0) {
+            Py_DECREF(tail);
+            goto fail;
+        }
+        Py_DECREF(tail);
+    }
+    Py_DECREF(seq);
+    PyObject *res = PyBytes_FromStringAndSize(o.p, o.len);
+    out_free(&o);
+    return res;
+not_taken:
+    Py_DECREF(seq);
+    out_free(&o);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    out_free(&o);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ encode_step (client) */
+
+/* Adapter ids, each length-prefixed UTF-8. 0, or 1: not taken (not a str, not encodable,
+ * too long), or -1: error. */
+static int put_texts(Out *o, PyObject *seq) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **it = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyUnicode_Check(it[i])) return 1;
+        Py_ssize_t len;
+        const char *s = PyUnicode_AsUTF8AndSize(it[i], &len);
+        if (s == NULL) {
+            if (PyErr_ExceptionMatches(PyExc_UnicodeError)) { PyErr_Clear(); return 1; }
+            return -1;
+        }
+        if (len > 0xFFFF) return 1;
+        if (out_u16(o, (unsigned)len) < 0 || out_put(o, s, len) < 0) return -1;
+    }
+    return 0;
+}
+
+/* One op's bytes after its kind. 0 taken, 1 not taken, -1 error. */
+static int put_op(Out *o, PyObject *op, PyObject *attrs, long *kind_out) {
+    /* attrs: (kind, items, flags, max_adapters, lease_ms) */
+    PyObject *kv = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 0));
+    if (kv == NULL) return -1;
+    unsigned long long k;
+    int bad = as_uint(kv, 255, &k) < 0;
+    Py_DECREF(kv);
+    if (bad || k < OP_RELEASE || k > OP_LOOKUP) return 1;
+    *kind_out = (long)k;
+    PyObject *items = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 1));
+    if (items == NULL) return -1;
+    if (!PyTuple_Check(items) && !PyList_Check(items)) { Py_DECREF(items); return 1; }
+    PyObject *seq = PySequence_Fast(items, "items");
+    Py_DECREF(items);
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **it = PySequence_Fast_ITEMS(seq);
+    int r = 1;
+    if (n > 0xFFFF) goto done;
+    if (out_u8(o, (unsigned)k) < 0) { r = -1; goto done; }
+    if (k == OP_RELEASE) {
+        if (out_u16(o, (unsigned)n) < 0) { r = -1; goto done; }
+        r = put_texts(o, seq);
+    } else if (k == OP_ACQUIRE) {
+        unsigned long long fl, cap, lease;
+        PyObject *v[3];
+        for (int j = 0; j < 3; j++) {
+            v[j] = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 2 + j));
+            if (v[j] == NULL) { for (int q = 0; q < j; q++) Py_DECREF(v[q]); r = -1; goto done; }
+        }
+        int bad3 = as_uint(v[0], 255, &fl) < 0 || as_uint(v[1], 0xFFFF, &cap) < 0 || as_uint(v[2], 0xFFFFFFFFu, &lease) < 0;
+        for (int j = 0; j < 3; j++) Py_DECREF(v[j]);
+        if (bad3) { r = 1; goto done; }
+        if (out_u8(o, (unsigned)fl) < 0 || out_u16(o, (unsigned)cap) < 0 || out_u32(o, (uint32_t)lease) < 0 ||
+            out_u16(o, (unsigned)n) < 0) { r = -1; goto done; }
+        r = put_texts(o, seq);
+    } else if (k == OP_LOOKUP) {
+        PyObject *fv = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 2));
+        if (fv == NULL) { r = -1; goto done; }
+        unsigned long long fl;
+        int badf = as_uint(fv, 255, &fl) < 0;
+        Py_DECREF(fv);
+        if (badf) { r = 1; goto done; }
+        if (out_u8(o, (unsigned)fl) < 0 || out_u16(o, (unsigned)n) < 0) { r = -1; goto done; }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!PyBytes_CheckExact(it[i]) || PyBytes_GET_SIZE(it[i]) > 0xFFFF) { r = 1; goto done; }
+            Py_ssize_t len = PyBytes_GET_SIZE(it[i]);
+            if (out_u16(o, (unsigned)len) < 0 || out_put(o, PyBytes_AS_STRING(it[i]), len) < 0) { r = -1; goto done; }
+        }
+        r = 0;
+    } else { /* unpin, pin, commit, abort: u64 ids */
+        if (out_u16(o, (unsigned)n) < 0 || out_reserve(o, 8 * n) < 0) { r = -1; goto done; }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            unsigned long long id;
+            if (as_uint(it[i], ~0ULL, &id) < 0) { r = 1; goto done; }
+            out_u64(o, id);
+        }
+        r = 0;
+    }
+done:
+    Py_DECREF(seq);
+    return r;
+}
+
+/* encode_step(ops, attrs) -> the STEP frame (header and body), or None: not taken (the
+ * Python encoder then encodes it or raises what it raises). */
+static PyObject *
+encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 5) {
+        PyErr_SetString(PyExc_TypeError, "encode_step(ops, attrs)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "ops must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_OPS) { Py_DECREF(seq); Py_RETURN_NONE; }
+    PyObject **ops = PySequence_Fast_ITEMS(seq);
+    Out o = {0};
+    /* The header is written last: body length, kind. */
+    if (out_reserve(&o, 5 + 2) < 0) goto fail;
+    o.len = 5;
+    out_u16(&o, (unsigned)n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long k = 0;
+        int r = put_op(&o, ops[i], args[1], &k);
+        if (r < 0) goto fail;
+        if (r > 0) {
+            Py_DECREF(seq);
+            out_free(&o);
+            Py_RETURN_NONE;
+        }
+    }
+    Py_DECREF(seq);
+    if (o.len - 5 > 0xFFFFFFFFLL) { out_free(&o); Py_RETURN_NONE; }
+    uint32_t body = (uint32_t)(o.len - 5);
+    memcpy(o.p, &body, 4);
+    o.p[4] = STEP_KIND;
+    PyObject *res = PyBytes_FromStringAndSize(o.p, o.len);
+    out_free(&o);
+    return res;
+fail:
+    Py_DECREF(seq);
+    out_free(&o);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ decode_ok (client) */
+
+/* The record of `raw` from `memo`, or make(raw) kept there (memo cleared past `limit`).
+ * A new reference, or NULL on error. */
+static PyObject *
+memo_record(PyObject *memo, PyObject *raw, PyObject *make, Py_ssize_t limit)
+{
+    PyObject *rec = PyDict_GetItemWithError(memo, raw);
+    if (rec != NULL) {
+        Py_INCREF(rec);
+        return rec;
+    }
+    if (PyErr_Occurred()) return NULL;
+    if (PyDict_GET_SIZE(memo) >= limit) PyDict_Clear(memo);
+    rec = PyObject_CallOneArg(make, raw);
+    if (rec == NULL) return NULL;
+    if (PyDict_SetItem(memo, raw, rec) < 0) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    return rec;
+}
+
+/* decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit) ->
+ * (slabs, results) of an OK reply, or None where it is not well formed (the reference
+ * decoder then says why). Object and adapter records come from the memos (dicts: a
+ * record's bytes -> the record), made by make_object/make_adapter on a miss; an acquire
+ * result is outcome(hot, txn_id, deadline, records). */
+static PyObject *
+decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !PyDict_Check(args[1]) || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit)");
+        return NULL;
+    }
+    PyObject *objects = args[1], *make_object = args[2], *adapters = args[3], *make_adapter = args[4];
+    PyObject *outcome = args[5];
+    Py_ssize_t limit = PyLong_AsSsize_t(args[6]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *b = (const unsigned char *)view.buf;
+    Py_ssize_t end = view.len, pos = 6;
+    PyObject *results = NULL, *res = NULL;
+    if (end < 6) goto malformed;
+    uint32_t slabs = rd32(b);
+    Py_ssize_t n = rd16(b + 4);
+    results = PyList_New(n);
+    if (results == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (end - pos < 1) goto malformed;
+        int k = b[pos];
+        PyObject *item = NULL;
+        if (k == OP_PIN || k == OP_LOOKUP) {
+            if (end - pos < 3) goto malformed;
+            Py_ssize_t count = rd16(b + pos + 1);
+            pos += 3;
+            item = PyList_New(count);
+            if (item == NULL) goto fail;
+            for (Py_ssize_t j = 0; j < count; j++) {
+                /* <QqBBBIII>: 31 bytes, page count at 27; then the pages, then <H> key. */
+                if (end - pos < 31) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t npages = rd32(b + pos + 27);
+                if ((end - pos - 31) / 4 < npages) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t at = 31 + 4 * npages;
+                if (end - pos - at < 2) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t klen = rd16(b + pos + at);
+                if (end - pos - at - 2 < klen) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t size = at + 2 + klen;
+                PyObject *raw = PyBytes_FromStringAndSize((const char *)b + pos, size);
+                if (raw == NULL) { Py_DECREF(item); goto fail; }
+                PyObject *rec = memo_record(objects, raw, make_object, limit);
+                Py_DECREF(raw);
+                if (rec == NULL) { Py_DECREF(item); goto fail; }
+                PyList_SET_ITEM(item, j, rec);
+                pos += size;
+            }
+        } else if (k == OP_ACQUIRE) {
+            /* <BBQdH>: 20 bytes; then records <QQBI> (21 bytes, page count at 17) and pages. */
+            if (end - pos < 20) goto malformed;
+            int hot = b[pos + 1];
+            uint64_t txn = rd64(b + pos + 2);
+            double deadline;
+            memcpy(&deadline, b + pos + 10, 8);
+            Py_ssize_t count = rd16(b + pos + 18);
+            pos += 20;
+            PyObject *recs = PyTuple_New(count);
+            if (recs == NULL) goto fail;
+            for (Py_ssize_t j = 0; j < count; j++) {
+                if (end - pos < 21) { Py_DECREF(recs); goto malformed; }
+                Py_ssize_t npages = rd32(b + pos + 17);
+                if ((end - pos - 21) / 4 < npages) { Py_DECREF(recs); goto malformed; }
+                Py_ssize_t size = 21 + 4 * npages;
+                PyObject *raw = PyBytes_FromStringAndSize((const char *)b + pos, size);
+                if (raw == NULL) { Py_DECREF(recs); goto fail; }
+                PyObject *rec = memo_record(adapters, raw, make_adapter, limit);
+                Py_DECREF(raw);
+                if (rec == NULL) { Py_DECREF(recs); goto fail; }
+                PyTuple_SET_ITEM(recs, j, rec);
+                pos += size;
+            }
+            PyObject *a[4];
+            a[0] = PyBool_FromLong(hot);
+            a[1] = PyLong_FromUnsignedLongLong(txn);
+            a[2] = PyFloat_FromDouble(deadline);
+            a[3] = recs;
+            if (a[1] && a[2]) item = PyObject_Vectorcall(outcome, a, 4, NULL);
+            for (int q = 0; q < 4; q++) Py_XDECREF(a[q]);
+            if (item == NULL) goto fail;
+        } else if (k >= OP_RELEASE && k <= OP_LOOKUP) {
+            pos += 1;
+            item = Py_None;
+            Py_INCREF(item);
+        } else {
+            goto malformed;
+        }
+        PyList_SET_ITEM(results, i, item);
+    }
+    if (pos != end) goto malformed;
+    PyObject *s = PyLong_FromUnsignedLong(slabs);
+    if (s == NULL) goto fail;
+    res = PyTuple_Pack(2, s, results);
+    Py_DECREF(s);
+    Py_DECREF(results);
+    PyBuffer_Release(&view);
+    return res;
+malformed:
+    Py_XDECREF(results);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(results);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"unpack_u64s", unpack_u64s, METH_VARARGS, "count little-endian u64s from offset, as a tuple"},
+    {"decode_step", (PyCFunction)(void (*)(void))decode_step, METH_FASTCALL,
+     "decode_step(body, Op): a STEP body's ops, or None where it is not well formed"},
+    {"encode_allocations", (PyCFunction)(void (*)(void))encode_allocations, METH_FASTCALL,
+     "encode_allocations(kind, sid, objs, wire_parts, attrs): the object records, or None"},
+    {"encode_step", (PyCFunction)(void (*)(void))encode_step, METH_FASTCALL,
+     "encode_step(ops, attrs): a STEP frame, or None where the Python encoder must say why"},
+    {"decode_ok", (PyCFunction)(void (*)(void))decode_ok, METH_FASTCALL,
+     "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit): (slabs, results) or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+from memory_broker.proto.wire import native
 from memory_broker.proto.wire.errors import BrokerError, Code
 
 # Frame header: body length, kind.
@@ -71,12 +72,34 @@ _COUNT_OPS = _U16
 _ACQ_HEAD = struct.Struct("<BHIH")
 _LOOKUP_HEAD = struct.Struct("<BH")
 _STEP_REPLY_HEAD = struct.Struct("<IH")
+# An OK reply's frame header and reply head together.
+_OK_REPLY_HEAD = struct.Struct("<IBIH")
 _ERR_TRAILER = struct.Struct("<BHH")
 _ACQ_RESULT_HEAD = struct.Struct("<BBQdH")
 _ACQ_ADAPTER = struct.Struct("<QQBI")
 _OBJ_HEAD = struct.Struct("<QqBBBIII")
 _OBJS_HEAD = struct.Struct("<BH")
 OBJ_OWNED, OBJ_DEDUP = 1, 2
+
+
+# The native core (``_stepcore.c``): the per-item passes below in C, or None (not built, or
+# ``MEMORY_BROKER_NATIVE=0``). Each C pass returns what its Python pass returns, or None for
+# anything it does not take, and the Python pass then runs: it gives the result or raises the
+# error that names the fault, so errors are always the Python ones. Tests switch it off here.
+_core = native.load("memory_broker.proto.wire._stepcore")
+_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok")
+if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
+    # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
+    native.log.warning(
+        "native step core %s predates this step.py (no %s): the pure-Python path runs; "
+        "reinstall (pip install -e .) to rebuild it",
+        getattr(_core, "__file__", _core.__name__),
+        ", ".join(f for f in _CORE_PASSES if not hasattr(_core, f)),
+    )
+    _core = None
+# The attribute names the C passes read (interned once).
+_OP_ATTRS = ("kind", "items", "flags", "max_adapters", "lease_ms")
+_OBJ_ATTRS = ("wire_head", "wire_tail", "owner", "pins", "pin_count")
 
 
 # The records below are plain (not frozen) slotted dataclasses: a frozen one costs several
@@ -226,6 +249,14 @@ def _ids(ids: Sequence[int]) -> bytes:
 
 def encode_step(ops: Sequence[Op]) -> bytes:
     """A STEP request frame."""
+    if _core is not None:
+        out = _core.encode_step(ops, _OP_ATTRS)
+        if out is not None:
+            return out
+    return _encode_step(ops)
+
+
+def _encode_step(ops: Sequence[Op]) -> bytes:
     if len(ops) > MAX_OPS:
         raise WireError(f"{len(ops)} ops in one step; at most {MAX_OPS}")
     parts = [_COUNT_OPS.pack(len(ops))]
@@ -309,6 +340,11 @@ def decode_step(body: bytes) -> list[Op]:
     A well-formed body is read in one pass at a running offset (the broker decodes every
     frame of every engine step); anything the pass does not accept is read again by the
     checked reader, which says what is wrong and where."""
+    if _core is not None:
+        ops = _core.decode_step(body, Op)
+        if ops is not None:
+            return ops
+        return _decode_step_checked(body)
     try:
         return _decode_step_fast(body if isinstance(body, bytes) else bytes(body))
     except Exception:  # noqa: BLE001 (malformed: the checked reader names the fault)
@@ -503,6 +539,10 @@ def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
     Objects with ``wire_head`` and ``wire_tail`` slots (the store's) keep their fixed parts
     there once committed: a record is then those two around its changing fields."""
     if objs and hasattr(objs[0], "wire_tail"):
+        if _core is not None:
+            out = _core.encode_allocations(kind, sid, objs, _wire_parts, _OBJ_ATTRS)
+            if out is not None:
+                return out
         parts = [_OBJS_HEAD.pack(kind, len(objs))]
         append, pack = parts.append, _OBJ_CHANGING.pack
         for o in objs:
@@ -572,9 +612,12 @@ def encode_step_reply(
     arena_slabs: int, results: Sequence[bytes], error: BrokerError | None = None, index: int = 0
 ) -> bytes:
     """A STEP reply frame from already-encoded result records."""
-    body = _STEP_REPLY_HEAD.pack(arena_slabs, len(results)) + b"".join(results)
     if error is None:
-        return HEADER.pack(len(body), OK) + body
+        # Header, reply head and records in one join (one copy of each record).
+        n = len(results)
+        size = _STEP_REPLY_HEAD.size + (len(results[0]) if n == 1 else sum(map(len, results)) if n else 0)
+        return b"".join((_OK_REPLY_HEAD.pack(size, OK, arena_slabs, n), *results))
+    body = _STEP_REPLY_HEAD.pack(arena_slabs, len(results)) + b"".join(results)
     body += error_trailer(error, index)
     return HEADER.pack(len(body), ERROR) + body
 
@@ -802,13 +845,14 @@ class ReplyDecoder:
     """``decode_step_reply`` for one client connection, with equal results; a record is the
     one it made before from the same bytes (and the same arena size), not a new one."""
 
-    __slots__ = ("_objects", "_adapters", "_slabs")
+    __slots__ = ("_objects", "_adapters", "_slabs", "_make_object")
 
     def __init__(self):
         # A record's bytes -> the record made from them.
         self._objects: dict[bytes, ObjectRecord] = {}
         self._adapters: dict[bytes, AcquiredRecord] = {}
         self._slabs = -1
+        self._make_object = _object_record
 
     def __call__(self, kind: int, body: bytes) -> StepReply:
         if kind == OK:
@@ -824,6 +868,14 @@ class ReplyDecoder:
             # An object record carries the arena's size: made again for a new one.
             self._objects.clear()
             self._slabs = slabs
+            self._make_object = lambda raw: _object_record(raw, slabs)
+        if _core is not None:
+            got = _core.decode_ok(
+                body, self._objects, self._make_object, self._adapters, _adapter_record, AcquireOutcome, _MEMO_LIMIT
+            )
+            if got is None:
+                raise _Malformed
+            return StepReply(got[0], got[1])
         pos = _STEP_REPLY_HEAD.size
         results: list = []
         for _ in range(n):

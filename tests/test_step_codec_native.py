@@ -1,0 +1,274 @@
+"""The step wire's native codec (``proto/wire/_stepcore.c``) against its Python fallback:
+for random and malformed frames, ops and objects, the same bytes, the same results and the
+same errors (type and message); and no input makes the C crash."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memory_broker.proto.wire import native
+from memory_broker.proto.wire import step as w
+
+CORE = native.load("memory_broker.proto.wire._stepcore")
+pytestmark = pytest.mark.skipif(CORE is None, reason="the native step core is not built (test_native says so)")
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def both(fn, *args):
+    """``fn(*args)`` with the native core, then without: each an ('ok', result) or
+    ('err', exception type, message)."""
+    out = []
+    for core in (CORE, None):
+        saved = w._core
+        w._core = core
+        try:
+            out.append(("ok", fn(*args)))
+        except Exception as e:  # noqa: BLE001 (the error itself is compared)
+            out.append(("err", type(e), str(e)))
+        finally:
+            w._core = saved
+    return out
+
+
+# ------------------------------------------------------------------ ops (the client encodes)
+
+texts = st.text(max_size=6) | st.sampled_from(["a", "é", "\x00", "x" * 300, "\ud800"])
+keys = st.binary(max_size=40) | st.sampled_from([b"", b"\x00" * 32]) | st.just(bytearray(b"ba"))
+ids = st.integers(min_value=-2, max_value=2**64 + 1) | st.sampled_from([True, 0, 2**64 - 1]) | st.just(1.5)
+u = st.integers(min_value=-1, max_value=2**33)
+
+
+@st.composite
+def ops(draw):
+    kind = draw(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 7, 6, 0, 8]))
+    if kind in (w.OP_RELEASE, w.OP_ACQUIRE):
+        items = draw(st.lists(texts, max_size=6))
+    elif kind == w.OP_LOOKUP:
+        items = draw(st.lists(keys, max_size=6))
+    else:
+        items = draw(st.lists(ids, max_size=6))
+    items = tuple(items) if draw(st.booleans()) else list(items)
+    flags = draw(st.sampled_from([0, 1, 0, 1, 2, 256]))
+    return w.Op(kind, items, flags, draw(st.sampled_from([0, 3, 70000]) | u), draw(st.sampled_from([0, 2500]) | u))
+
+
+@FAST
+@given(st.lists(ops(), max_size=5) | st.lists(st.just(w.Op(w.OP_PIN, (1,))), min_size=65, max_size=66))
+def test_encode_step_native_and_python_give_the_same_frame_or_error(op_list):
+    native_out, python_out = both(w.encode_step, op_list)
+    assert native_out == python_out
+
+
+def test_encode_step_native_takes_the_usual_ops():
+    ops_ = [
+        w.Op(w.OP_RELEASE, ("a", "é")),
+        w.Op(w.OP_UNPIN, (1, 2**64 - 1)),
+        w.Op(w.OP_ACQUIRE, ["x"], w.ACQUIRE_PREPARE, 3, 2500),
+        w.Op(w.OP_LOOKUP, (b"k" * 32, b""), 1),
+    ]
+    assert CORE.encode_step(ops_, w._OP_ATTRS) == w._encode_step(ops_)
+
+
+# ------------------------------------------------------------------ STEP bodies (the broker decodes)
+
+GOOD = [
+    w.Op(w.OP_RELEASE, ("a", "b", "é")),
+    w.Op(w.OP_UNPIN, (1, 2, 2**63)),
+    w.Op(w.OP_PIN, (7,)),
+    w.Op(w.OP_ACQUIRE, ("x", "y"), w.ACQUIRE_PREPARE, 3, 2500),
+    w.Op(w.OP_LOOKUP, (b"k1", b"", b"\x00\xff"), 1),
+    w.Op(w.OP_LOOKUP, (b"a" * 16, b"b" * 16), 0),
+]
+GOOD_BODY = w._encode_step(GOOD)[5:]
+
+
+@st.composite
+def bodies(draw):
+    """A well-formed body, one with some bytes changed, cut or grown, or random bytes."""
+    how = draw(st.sampled_from(["good", "flip", "cut", "grow", "random"]))
+    b = bytearray(GOOD_BODY)
+    if how == "flip":
+        for _ in range(draw(st.integers(1, 4))):
+            b[draw(st.integers(0, len(b) - 1))] = draw(st.integers(0, 255))
+    elif how == "cut":
+        b = b[: draw(st.integers(0, len(b) - 1))]
+    elif how == "grow":
+        b += draw(st.binary(min_size=1, max_size=8))
+    elif how == "random":
+        b = bytearray(draw(st.binary(max_size=64)))
+    return bytes(b)
+
+
+@FAST
+@given(bodies())
+def test_decode_step_native_and_python_give_the_same_ops_or_error(body):
+    native_out, python_out = both(w.decode_step, body)
+    assert native_out == python_out
+
+
+def test_decode_step_native_reads_a_memoryview_as_bytes():
+    assert w.decode_step(memoryview(GOOD_BODY)) == GOOD
+
+
+@pytest.mark.parametrize("cut", range(len(GOOD_BODY)))
+def test_decode_step_native_refuses_every_cut_and_names_it_as_python_does(cut):
+    native_out, python_out = both(w.decode_step, GOOD_BODY[:cut])
+    assert native_out == python_out and native_out[0] == "err"
+    assert CORE.decode_step(GOOD_BODY[:cut], w.Op) is None
+
+
+# ------------------------------------------------------------------ object records (the broker encodes)
+
+
+def _allocation(oid, owner, pins, state, key, pages, head=None):
+    from memory_broker.broker.store.records import Allocation, ContentType, ObjectState
+
+    o = Allocation(oid, owner, ContentType.KV_CACHE, key, list(pages), -1, ObjectState(state), len(pages), pins=pins)
+    o.pin_count = sum(pins.values()) if isinstance(pins, dict) else 0
+    if head is not None:
+        o.wire_head, o.wire_tail = w._wire_parts(o)
+    return o
+
+
+@FAST
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 2**40),
+            st.integers(0, 4),
+            st.dictionaries(st.integers(0, 4), st.integers(0, 2**32 + 5), max_size=3),
+            st.sampled_from([1, 2]),
+            st.none() | st.binary(max_size=20),
+            st.lists(st.integers(0, 2**32 - 1), max_size=5),
+            st.booleans(),
+        ),
+        max_size=6,
+    ),
+    st.integers(0, 4),
+)
+def test_encode_allocations_native_and_python_give_the_same_bytes_or_error(rows, sid):
+    def encode(rows):
+        # Fresh objects each time: the first encode keeps its parts on committed ones.
+        return w.encode_allocations(w.OP_LOOKUP, sid, [_allocation(*r) for r in rows])
+
+    native_out, python_out = both(encode, rows)
+    assert native_out == python_out
+
+
+# ------------------------------------------------------------------ replies (the client decodes)
+
+OBJ = w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 0)
+ACQ = w.AcquireOutcome(True, 11, 1234.5, (w.AcquiredRecord(2, 6, w.TIER_HOT, (1, 2, 3)),))
+REPLY = w.encode_step_reply(
+    2,
+    [
+        bytes((w.OP_UNPIN,)),
+        w.encode_acquire(ACQ),
+        w.encode_acquire(w.AcquireOutcome(False)),
+        w.encode_objects(w.OP_LOOKUP, [OBJ, OBJ, w.ObjectRecord(6, 3, 2, 1, False, True, 0, 0, [], b"", 0)]),
+        w.encode_objects(w.OP_PIN, []),
+    ],
+)
+
+
+@st.composite
+def replies(draw):
+    b = bytearray(REPLY[5:])
+    how = draw(st.sampled_from(["good", "flip", "cut", "grow", "random"]))
+    if how == "flip":
+        for _ in range(draw(st.integers(1, 4))):
+            b[draw(st.integers(0, len(b) - 1))] = draw(st.integers(0, 255))
+    elif how == "cut":
+        b = b[: draw(st.integers(0, len(b) - 1))]
+    elif how == "grow":
+        b += draw(st.binary(min_size=1, max_size=8))
+    elif how == "random":
+        b = bytearray(draw(st.binary(max_size=80)))
+    return draw(st.sampled_from([w.OK, w.OK, w.ERROR, 7])), bytes(b)
+
+
+@FAST
+@given(replies())
+def test_reply_decoder_native_and_python_give_the_same_records_or_error(reply):
+    kind, body = reply
+    # A decoder per codec, each asked twice (the second time from its memo).
+    decoders = {}
+
+    def decode(kind, body):
+        d = decoders.setdefault(w._core is None, w.ReplyDecoder())
+        return d(kind, body), d(kind, body)
+
+    native_out, python_out = both(decode, kind, body)
+    assert native_out == python_out
+    if native_out[0] == "ok":
+        assert native_out[1][0] == w.decode_step_reply(kind, body)
+
+
+def test_reply_decoder_native_hands_back_the_records_it_made_before():
+    assert CORE.decode_ok(REPLY[5:], {}, bytes, {}, bytes, lambda *a: a, 4) is not None  # taken by the C
+    d = w.ReplyDecoder()
+    a, b = d(w.OK, REPLY[5:]), d(w.OK, REPLY[5:])
+    assert a == w.decode_step_reply(w.OK, REPLY[5:])
+    assert a.results[3][0] is b.results[3][0] and a.results[1].adapters[0] is b.results[1].adapters[0]
+
+
+# ------------------------------------------------------------------ the C never crashes
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=200))
+def test_the_native_decoders_take_any_bytes_without_crashing(data):
+    assert CORE.decode_step(data, w.Op) is None or isinstance(CORE.decode_step(data, w.Op), list)
+    assert CORE.decode_step(GOOD_BODY[:3] + data, w.Op) is None or True
+    got = CORE.decode_ok(data, {}, lambda raw: raw, {}, lambda raw: raw, lambda *a: a, 4)
+    assert got is None or isinstance(got, tuple)
+
+
+def test_huge_announced_counts_are_refused_not_read():
+    # Counts and lengths that point far past the end (and their sums past 2**31).
+    for body in (
+        struct.pack("<HBH", 1, w.OP_UNPIN, 0xFFFF),
+        struct.pack("<HBBH", 1, w.OP_LOOKUP, 0, 0xFFFF) + b"\xff\xff",
+        struct.pack("<HBBHIH", 1, w.OP_ACQUIRE, 0, 0, 0, 0xFFFF) + b"\xff\xff",
+    ):
+        assert CORE.decode_step(body, w.Op) is None
+    obj = struct.pack("<IH", 0, 1) + struct.pack("<BH", w.OP_LOOKUP, 1) + b"\x00" * 27 + b"\xff\xff\xff\xff"
+    assert CORE.decode_ok(obj, {}, bytes, {}, bytes, lambda *a: a, 4) is None
+    acq = struct.pack("<IH", 0, 1) + struct.pack("<BBQdH", w.OP_ACQUIRE, 1, 0, 0.0, 1) + b"\x00" * 17 + b"\xff" * 4
+    assert CORE.decode_ok(acq, {}, bytes, {}, bytes, lambda *a: a, 4) is None
+
+
+def test_the_usual_frames_are_taken_by_the_c_not_handed_back():
+    """The differential tests above pass trivially if the C hands everything to Python: it
+    takes a well-formed body, a committed store object and a reply itself."""
+    assert CORE.decode_step(GOOD_BODY, w.Op) == GOOD
+    objs = [_allocation(5, 1, {1: 2}, 2, b"k", [3, 4], head=True), _allocation(6, 2, {}, 2, None, [])]
+    got = CORE.encode_allocations(w.OP_PIN, 1, objs, w._wire_parts, w._OBJ_ATTRS)
+    saved, w._core = w._core, None
+    try:
+        assert got == w.encode_allocations(w.OP_PIN, 1, objs)
+    finally:
+        w._core = saved
+
+
+def test_a_core_built_from_an_older_source_is_not_used_and_said():
+    """A tree pulled without reinstalling keeps the old build: step.py runs its Python path
+    then, and says why and how to rebuild, rather than fail on a pass the build lacks."""
+    code = (
+        "import logging, sys, types\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "old = types.ModuleType('memory_broker.proto.wire._stepcore')\n"
+        "old.unpack_u64s = lambda *a: ()\n"
+        "sys.modules['memory_broker.proto.wire._stepcore'] = old\n"
+        "from memory_broker.proto.wire import step\n"
+        "print(step._core is None, step.decode_step(step.encode_step([step.Op(2, (1,))])[5:]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.startswith("True [Op(kind=2, items=(1,)")
+    assert "predates this step.py" in out.stderr and "pip install -e ." in out.stderr

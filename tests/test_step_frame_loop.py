@@ -1,0 +1,101 @@
+"""The step channel's frame loop, in a broker served by a thread of this process: a frame's
+session and proof are checked once (Pin's visibility still per op), and each op's latency
+reaches the metric after the reply, not before it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+
+import pytest
+from conftest import ROOT
+
+from memory_broker.broker.doors import step_channel
+from memory_broker.clients import BrokerClient, Spec
+from memory_broker.proto.wire import step as w
+from memory_broker.proto.wire.session import KEY_METADATA
+
+sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
+
+
+@pytest.fixture(scope="module")
+def rig():
+    from bench_step import inprocess_broker
+
+    d = tempfile.mkdtemp(prefix="mb-fl-", dir="/tmp")
+    box = inprocess_broker(d, os.path.join(d, "b.sock"))
+    owner = BrokerClient.connect(os.path.join(d, "b.sock"), client_name="owner")
+    (anon,) = owner.allocate([Spec(1)])  # anonymous: no other session may see it
+    c = BrokerClient.connect(os.path.join(d, "b.sock"), client_name="c")
+    c.allocate([Spec(1, content_type="kv_cache", key=b"fl-k")])
+    yield box, c, anon.object_id
+    c.close()
+    owner.close()
+    asyncio.run_coroutine_threadsafe(box["server"].stop(), box["loop"]).result(60)
+
+
+def on_loop(box, fn):
+    async def run():
+        return await fn()
+
+    return asyncio.run_coroutine_threadsafe(run(), box["loop"]).result(60)
+
+
+def conn_of(server, c):
+    conn = step_channel._Conn(None, None)
+    conn.session = server.sessions.from_token(c.token)
+    conn.key = dict(c.metadata)[KEY_METADATA]
+    return conn
+
+
+def reply(data: bytes) -> w.StepReply:
+    return w.decode_step_reply(data[4], data[5:])
+
+
+def test_a_frame_checks_its_session_once_and_each_pin_its_ids(rig, monkeypatch):
+    box, c, anon = rig
+    server = box["server"].step_server
+    calls = []
+    real = server.sessions.authorize
+    monkeypatch.setattr(
+        server.sessions, "authorize", lambda method, *a, **kw: (calls.append(method), real(method, *a, **kw))[1]
+    )
+
+    async def run():
+        conn = conn_of(server, c)
+        r = reply(server._step(conn, w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 1)])[5:]))
+        assert r.error is None
+        oid = r.results[1][0].object_id
+        checked_plain = list(calls)
+        calls.clear()
+        ops = [w.Op(w.OP_UNPIN, (oid,)), w.Op(w.OP_PIN, (oid,)), w.Op(w.OP_UNPIN, (oid,)), w.Op(w.OP_PIN, (anon,))]
+        r = reply(server._step(conn, w.encode_step(ops)[5:]))
+        return checked_plain, list(calls), r
+
+    plain, pins, r = on_loop(box, run)
+    assert plain == ["Unpin"]  # the first op's rule checks the session and proof for the frame
+    assert pins == ["Unpin", "Pin", "Pin"]  # Pin's visibility is its own ids', op by op
+    # Another session's anonymous object stays invisible from a frame's fourth op.
+    assert r.error is not None and r.error.code.name == "NOT_FOUND" and r.failed_index == 3
+
+
+def test_each_ops_latency_is_recorded_after_the_reply(rig, monkeypatch):
+    box, c, _ = rig
+    server = box["server"].step_server
+    got = []
+    monkeypatch.setattr(server, "_record", lambda s, method, code: got.append((method, code, s >= 0)))
+
+    async def run():
+        conn = conn_of(server, c)
+        ops = [w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"none",), 0), w.Op(w.OP_COMMIT, (12345,))]
+        r = reply(server._step(conn, w.encode_step(ops)[5:]))
+        before = list(got)
+        await asyncio.sleep(0)
+        return r, before, list(got)
+
+    r, before, after = on_loop(box, run)
+    assert r.failed_index == 2 and r.error is not None
+    assert before == []  # nothing recorded while the reply is being made
+    assert after == [("Unpin", "OK", True), ("Lookup", "OK", True), ("Commit", r.error.code.value, True)]
