@@ -27,6 +27,7 @@ from memory_broker.broker.store.records import (
     ObjectState,
     Recent,
     SessionState,
+    store_core,
 )
 from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Tally
@@ -71,6 +72,8 @@ class ObjectTable:
         # Why an object id is gone ("evicted" / "freed"), for messages; oldest forgotten first.
         self._gone: Recent = Recent(remember)
         self._ids = itertools.count(1)
+        # The batch loops in C (``_storecore.c``), or None: the Python loops below.
+        self.core = store_core()
 
     def place(self, specs: Sequence[Spec]) -> list[int]:
         """Window ranges for the contiguous specs, in order; all or none.
@@ -173,6 +176,8 @@ class ObjectTable:
         """The objects of ``object_ids`` when each is named once and holds a pin of
         ``session`` (the usual unpin), in one loop; None otherwise
         (the caller then checks id by id and says what is wrong)."""
+        if self.core is not None:
+            return self.core.held_once(self.objects.shards, object_ids, session)
         if len(set(object_ids)) != len(object_ids):
             return None
         shards = self.objects.shards

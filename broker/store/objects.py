@@ -384,8 +384,13 @@ class ObjectStore:
         """Pin committed objects for the session (counts add up)."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
-        pinnable = self.table.pinnable
-        objs = [pinnable(session, oid) for oid in object_ids]
+        objs = None
+        core = self.table.core
+        if core is not None and len(self.pools) == 1:  # the usual case's checks in one C loop
+            objs = core.pinnable_all(self.objects.shards, object_ids, ObjectState.COMMITTED)
+        if objs is None:  # each id checked, saying what is wrong
+            pinnable = self.table.pinnable
+            objs = [pinnable(session, oid) for oid in object_ids]
         self.ledger.check_limit(s, len(objs))
         self.ledger.pin_all(s, objs)
         return objs
@@ -416,6 +421,20 @@ class ObjectStore:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
         s = self._session(session)
         check_batch(len(keys), "keys", self.config.max_batch)
+        core = self.table.core
+        found = None if core is None else core.find_keys(self.keys.shards, keys, self.config.max_key_bytes, s.pool)
+        if found is None:  # no native core, or a key it leaves to the checks below
+            found = self._find(s, keys)
+        if pin:
+            self.ledger.check_limit(s, len(found))
+            self.ledger.pin_all(s, found)
+        else:
+            for obj in found:
+                self.policy.touch(obj)
+        return found
+
+    def _find(self, s: SessionState, keys: Sequence[bytes]) -> list[Allocation]:
+        """``lookup``'s objects: each key checked, then the longest prefix found."""
         most = self.config.max_key_bytes
         try:
             bad = bool(keys) and (not min(map(len, keys)) or max(map(len, keys)) > most)
@@ -431,12 +450,6 @@ class ObjectStore:
             if obj is None:
                 break
             append(obj)
-        if pin:
-            self.ledger.check_limit(s, len(found))
-            self.ledger.pin_all(s, found)
-        else:
-            for obj in found:
-                self.policy.touch(obj)
         return found
 
     # ---------------------------------------------------------------- reading
