@@ -172,6 +172,38 @@ class ObjectTable:
             )
         return obj
 
+    def pinnable_all(self, session: int, object_ids: Sequence[int]) -> list[Allocation]:
+        """``pinnable`` of each id, in order: with one pool, the usual case's checks in one C loop."""
+        if self.core is not None and len(self.pools) == 1:
+            objs = self.core.pinnable_all(self.objects.shards, object_ids, ObjectState.COMMITTED)
+            if objs is not None:
+                return objs
+        pinnable = self.pinnable  # each id checked, saying what is wrong
+        return [pinnable(session, oid) for oid in object_ids]
+
+    def find(self, pool: int, keys: Sequence[bytes], most: int) -> list[Allocation]:
+        """The objects of the longest prefix of ``keys`` in ``pool``'s key index, each key
+        checked first (1..``most`` bytes: INVALID_ARGUMENT naming the first that is not)."""
+        if self.core is not None:
+            found = self.core.find_keys(self.keys.shards, keys, most, pool)
+            if found is not None:  # else a key it leaves to the checks below
+                return found
+        try:
+            bad = bool(keys) and (not min(map(len, keys)) or max(map(len, keys)) > most)
+        except TypeError:  # a key without a length: check_key says what is wrong
+            bad = True
+        if bad:
+            for i, k in enumerate(keys):
+                check_key(k, f"keys[{i}]", most)  # raises, saying why
+        found = []
+        append, shards = found.append, self.keys.shards
+        for k in [map_key(pool, k) for k in keys] if pool else keys:
+            obj = shards[hash(k) & MASK].get(k)  # ShardedMap.get of a bytes key
+            if obj is None:
+                break
+            append(obj)
+        return found
+
     def held_once(self, session: int, object_ids: Sequence[int]) -> list[Allocation] | None:
         """The objects of ``object_ids`` when each is named once and holds a pin of
         ``session`` (the usual unpin), in one loop; None otherwise
