@@ -14,6 +14,7 @@ import contextlib
 import gc
 import itertools
 import os
+import random
 import sys
 
 import hypothesis.strategies as st
@@ -21,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from store_invariants import check_invariants
 
-from memory_broker.broker.store.eviction import ContentType
+from memory_broker.broker.store import eviction
+from memory_broker.broker.store.eviction import ContentType, PlainLRU, PriorityLRU
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.broker.store.records import Allocation, ObjectState, store_core
@@ -355,3 +357,52 @@ def test_a_long_run_leaks_no_reference_and_no_memory():
     assert refs() == before
     assert sys.getallocatedblocks() - blocks < 200, "memory grew with each cycle"
     check_invariants(store)
+
+
+class Cand:
+    """An eviction candidate as the store's are: id, content type, size, the queue's slot."""
+
+    __slots__ = ("object_id", "content_type", "num_pages", "queue_seg")
+
+    def __init__(self, oid: int, ct: ContentType, pages: int = 1):
+        self.object_id, self.content_type, self.num_pages, self.queue_seg = oid, ct, pages, None
+
+
+@pytest.mark.parametrize("policy", [PriorityLRU, PlainLRU])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_batch_queue_moves_are_add_remove_and_touch_in_order(policy, seed, monkeypatch):
+    """``add_all``, ``remove_all`` and ``touch_all`` of the native core against the Python
+    ``add``, ``remove`` and ``touch`` one object at a time: across segment ends (a small
+    SEGMENT), mixed content types, objects in no queue and repeats."""
+    monkeypatch.setattr(eviction, "SEGMENT", 5)
+    rng = random.Random(seed)
+    cts = [ContentType.KV_CACHE, ContentType.TEMP_BUFFER, ContentType.LORA_WEIGHT]
+    objs_a = [Cand(i, rng.choice(cts), rng.randint(1, 4)) for i in range(50)]
+    objs_b = [Cand(i, o.content_type, o.num_pages) for i, o in enumerate(objs_a)]
+    with core(True):
+        batch = policy()
+    with core(False):
+        single = policy()
+    assert batch._core is not None and single._core is None
+    for _ in range(60):
+        pick = [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+        r = rng.random()
+        if r < 0.4:
+            batch.add_all([objs_a[i] for i in dict.fromkeys(pick)])
+            for i in dict.fromkeys(pick):
+                single.add(objs_b[i])
+        elif r < 0.6:
+            batch.remove_all([objs_a[i] for i in dict.fromkeys(pick)])
+            for i in dict.fromkeys(pick):
+                single.remove(objs_b[i])
+        else:
+            batch.touch_all([objs_a[i] for i in pick])
+            for i in pick:
+                single.touch(objs_b[i])
+        assert [o.object_id for o in batch] == [o.object_id for o in single]
+        assert batch.evictable_pages == single.evictable_pages and len(batch) == len(single)
+        for q in batch._queues:
+            assert all(list(q._segs)[:-1]), "an emptied segment was kept"
+            assert all(batch._segments[o.queue_seg] is seg for seg in q._segs for o in seg.values())
+        assert set(batch._segments) == {n for q in batch._queues for n in q._nums}
+        assert [len(q._segs) for q in batch._queues] == [len(q._segs) for q in single._queues]

@@ -732,6 +732,110 @@ fill(PyObject *self, PyObject *args)
     return Py_BuildValue("nn", i, pages);
 }
 
+/* touch_run(objs, start, ct, segments, last, num, room) -> (stop, emptied)
+ *
+ * PriorityLRU.touch of each object of a run: from ``objs[start]`` on, each object of content
+ * type ``ct`` (by identity) that is in a queue segment (its ``queue_seg`` number in
+ * ``segments``, holding it) moves to the end of segment ``last`` (number ``num``), which has
+ * ``room`` free places; an object in no segment is left as it is. ``stop``: the index of the
+ * first object of another type, or that needs a place when none is left; ``emptied``: the
+ * numbers of segments other than ``last`` left empty, for the caller to forget.
+ */
+static PyObject *
+touch_run(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *ct, *segments, *last, *num;
+    Py_ssize_t start, room;
+    if (!PyArg_ParseTuple(args, "OnOOOOn", &objs, &start, &ct, &segments, &last, &num, &room))
+        return NULL;
+    if (check_list(objs, "objs") < 0 || check_dict(segments, "segments") < 0 || check_dict(last, "last") < 0)
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must not be negative");
+        return NULL;
+    }
+    PyObject *emptied = PyList_New(0);
+    if (emptied == NULL)
+        return NULL;
+    Py_ssize_t i = start;
+    for (; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *obj = PyList_GET_ITEM(objs, i);
+        Py_INCREF(obj);
+        PyObject *oid = NULL, *seg = NULL, *v = get(obj, F_CT), *at = NULL;
+        int stop = v == NULL ? -1 : v != ct;
+        Py_XDECREF(v);
+        if (stop)
+            goto out;
+        if ((v = get(obj, F_SEG)) == NULL)
+            goto fail;
+        if (v != Py_None) {
+            seg = PyDict_GetItemWithError(segments, v);
+            Py_XINCREF(seg);
+        }
+        if (seg == NULL) {
+            Py_DECREF(v);
+            if (PyErr_Occurred())
+                goto fail;
+            Py_DECREF(obj);
+            continue; /* in no queue: touch leaves it */
+        }
+        if (!PyDict_Check(seg) || (oid = get(obj, F_ID)) == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "a queue segment must be a dict");
+            Py_DECREF(v);
+            goto fail;
+        }
+        at = PyDict_GetItemWithError(seg, oid);
+        if (at != obj) {
+            Py_DECREF(v);
+            if (PyErr_Occurred())
+                goto fail;
+            Py_DECREF(seg);
+            Py_DECREF(oid);
+            Py_DECREF(obj);
+            continue; /* its number names a segment that does not hold it: not in a queue */
+        }
+        if (room + (seg == last) <= 0) { /* no place left: the caller starts a segment */
+            Py_DECREF(v);
+            stop = 1;
+            goto out;
+        }
+        if (PyDict_DelItem(seg, oid) < 0) {
+            Py_DECREF(v);
+            goto fail;
+        }
+        room += seg == last;
+        if (PyDict_GET_SIZE(seg) == 0 && seg != last && PyList_Append(emptied, v) < 0) {
+            Py_DECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        if (PyDict_SetItem(last, oid, obj) < 0 || set(obj, F_SEG, num) < 0)
+            goto fail;
+        room--;
+        Py_DECREF(seg);
+        Py_DECREF(oid);
+        Py_DECREF(obj);
+        continue;
+    out:
+        Py_XDECREF(seg);
+        Py_XDECREF(oid);
+        Py_DECREF(obj);
+        if (stop < 0) {
+            Py_DECREF(emptied);
+            return NULL;
+        }
+        break;
+    fail:
+        Py_XDECREF(seg);
+        Py_XDECREF(oid);
+        Py_DECREF(obj);
+        Py_DECREF(emptied);
+        return NULL;
+    }
+    return Py_BuildValue("nN", i, emptied);
+}
+
 /* ------------------------------------------------------------------ reply rows */
 
 /* encode_rows(kind, sid, objs, parts) -> bytes | None
@@ -879,6 +983,7 @@ static PyMethodDef methods[] = {
     {"pinnable_all", pinnable_all, METH_VARARGS, "the objects of ids when each is live and committed"},
     {"remove_all", remove_all, METH_VARARGS, "objects leave their eviction queue segments"},
     {"fill", fill, METH_VARARGS, "objects of one content type join the end of a queue segment"},
+    {"touch_run", touch_run, METH_VARARGS, "objects of one content type move to the end of their queue"},
     {"encode_rows", encode_rows, METH_VARARGS, "a step reply's object records, in one allocation"},
     {NULL, NULL, 0, NULL},
 };

@@ -57,6 +57,7 @@ class EvictionPolicy(Protocol):
     # Optional: ``add``/``remove`` of many distinct objects at once (PinLedger uses them when present).
     # def add_all(self, objs: Sequence[Evictable]) -> None: ...
     # def remove_all(self, objs: Sequence[Evictable]) -> None: ...
+    # def touch_all(self, objs: Sequence[Evictable]) -> None: ...  (``touch`` of each, in order)
     def touch(self, obj: Evictable) -> None: ...
     def select(self, need_pages: int, limit: int | None = None) -> list[Evictable]: ...
     def __len__(self) -> int: ...
@@ -267,6 +268,30 @@ class PriorityLRU:
         q = self._queues[self._rank[obj.content_type]]
         if obj in q:
             q.add(obj)
+
+    def touch_all(self, objs: Sequence[Evictable]) -> None:
+        """``touch`` for each of ``objs`` in order (a lookup without pins: hundreds): each run
+        of one content type moved by the native core's ``touch_run`` where it is built."""
+        core = self._core
+        if core is None or objs.__class__ is not list:
+            for obj in objs:
+                self.touch(obj)
+            return
+        i, n = 0, len(objs)
+        while i < n:
+            ct = objs[i].content_type
+            q = self._queues[self._rank[ct]]
+            num, last = q.last()
+            stop, emptied = core.touch_run(objs, i, ct, self._segments, last, num, SEGMENT - len(last))
+            for e in emptied:
+                q.drop(e)
+            if stop == i:
+                if len(last) >= SEGMENT:
+                    q.new_segment()  # then the run goes on into it
+                else:  # a content type that is not the same object twice: one at a time
+                    self.touch(objs[i])
+                    stop += 1
+            i = stop
 
     def __iter__(self) -> Iterator[Evictable]:
         """Candidates in plain priority-then-LRU order."""

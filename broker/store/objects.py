@@ -418,8 +418,12 @@ class ObjectStore:
             self.ledger.check_limit(s, len(found))
             self.ledger.pin_all(s, found)
         else:
-            for obj in found:
-                self.policy.touch(obj)
+            touch_all = getattr(self.policy, "touch_all", None)  # optional, as add_all
+            if touch_all is None:
+                for obj in found:
+                    self.policy.touch(obj)
+            else:
+                touch_all(found)
         return found
 
     # ---------------------------------------------------------------- reading
