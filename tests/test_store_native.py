@@ -406,3 +406,28 @@ def test_the_batch_queue_moves_are_add_remove_and_touch_in_order(policy, seed, m
             assert all(batch._segments[o.queue_seg] is seg for seg in q._segs for o in seg.values())
         assert set(batch._segments) == {n for q in batch._queues for n in q._nums}
         assert [len(q._segs) for q in batch._queues] == [len(q._segs) for q in single._queues]
+
+
+def test_code_an_odd_object_runs_cannot_pull_the_batch_from_under_the_c_loop():
+    c = store_core()
+    ids = list(range(1, 300))
+
+    class Evil:
+        """Reading its fields empties the caller's list of ids."""
+
+        freed = False
+
+        @property
+        def pins(self):
+            ids.clear()
+            return {1: 1}
+
+        @property
+        def state(self):
+            ids.clear()
+            return ObjectState.COMMITTED
+
+    shards = [{i: Evil() for i in range(1, 300)}]
+    assert len(c.held_once(shards, ids, 1)) == 299
+    ids[:] = range(1, 300)
+    assert len(c.pinnable_all(shards, ids, ObjectState.COMMITTED)) == 299

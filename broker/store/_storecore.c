@@ -236,7 +236,7 @@ find_keys(PyObject *self, PyObject *args)
         return NULL;
     if (!PyList_Check(keys) && !PyTuple_Check(keys))
         Py_RETURN_NONE; /* an iterator would be used up: the Python path reads it */
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *seq = PySequence_Tuple(keys); /* a snapshot: code a lookup runs cannot change it */
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -405,7 +405,7 @@ held_once(PyObject *self, PyObject *args)
         return NULL;
     if (!PyList_Check(ids) && !PyTuple_Check(ids))
         Py_RETURN_NONE; /* an iterator would be used up: the Python path reads it */
-    PyObject *seq = PySequence_Fast(ids, "ids must be a sequence");
+    PyObject *seq = PySequence_Tuple(ids); /* a snapshot: code a lookup runs cannot change it */
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -553,7 +553,7 @@ pinnable_all(PyObject *self, PyObject *args)
         return NULL;
     if (!PyList_Check(ids) && !PyTuple_Check(ids))
         Py_RETURN_NONE; /* an iterator would be used up: the Python path reads it */
-    PyObject *seq = PySequence_Fast(ids, "ids must be a sequence");
+    PyObject *seq = PySequence_Tuple(ids); /* a snapshot: code a lookup runs cannot change it */
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
