@@ -297,3 +297,26 @@ def vllm_shared():
     shared = VllmShared()
     yield shared
     shared.close()
+
+
+# ------------------------------------------------------------ the store's native core and its fallback
+
+STORE_CORE = "memory_broker.broker.store._storecore"
+
+
+@pytest.fixture(params=["native", "python"])
+def both_cores(request, monkeypatch):
+    """Run a test twice: with the store's native core (``broker/store/_storecore.c``) and with
+    its pure-Python fallback (``MEMORY_BROKER_NATIVE=0``, which brokers started by the test
+    inherit). Stores made during the test take that path; the store test modules use it
+    (``pytestmark = pytest.mark.usefixtures("both_cores")``)."""
+    from memory_broker.proto.wire import native
+
+    monkeypatch.setattr(native, "_loaded", {})
+    if request.param == "python":
+        monkeypatch.setenv(native.ENV, "0")
+        assert native.load(STORE_CORE) is None
+    else:
+        monkeypatch.delenv(native.ENV, raising=False)
+        assert native.load(STORE_CORE) is not None, "the store's native core was not built by pip install -e ."
+    return request.param

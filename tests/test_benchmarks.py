@@ -195,3 +195,11 @@ def test_bench_step_keys_only_prints_the_broker_slope_of_kv_keys_alone():
     for n in (1, 8, 64, 512):
         assert any(line.split()[:1] == [str(n)] for line in out.splitlines()), out
     assert "target per-item, broker (keys only)" in out and "target per-item, client (keys only)" in out
+
+
+def test_bench_store_keys_prints_both_paths_interleaved_and_the_target():
+    out = bench("bench_store_keys.py", "--rounds", "1", "--frames", "20")
+    assert "native 512" in out and "python 512" in out
+    assert "median slope 64..512, a step frame's keys: native" in out
+    assert "median slope 64..512, a lookup without pins: native" in out
+    assert "target issue 28, broker per KV key (native)" in out

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from store_invariants import check_invariants
 
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
 from memory_broker.broker.store.pool import PagePool, WindowSpace
+
+# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
+pytestmark = pytest.mark.usefixtures("both_cores")
 
 
 class Host:

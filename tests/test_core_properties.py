@@ -12,7 +12,14 @@ import dataclasses
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from store_invariants import check_invariants
 
 from memory_broker.broker.store.eviction import ContentType, PlainLRU, PriorityLRU
@@ -477,3 +484,13 @@ CoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_core_state_machine = CoreMachine.TestCase
+
+
+def test_core_state_machine_on_the_python_fallback(monkeypatch):
+    """The same machine with the store's native core off (``MEMORY_BROKER_NATIVE=0``): the
+    ``TestCase`` above runs with it on, where it is built."""
+    from memory_broker.proto.wire import native
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv(native.ENV, "0")
+    run_state_machine_as_test(CoreMachine, settings=CoreMachine.TestCase.settings)

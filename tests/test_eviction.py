@@ -8,6 +8,9 @@ import pytest
 
 from memory_broker.broker.store.eviction import EVICTION_ORDER, ContentType, PlainLRU, PriorityLRU, make_policy
 
+# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
+pytestmark = pytest.mark.usefixtures("both_cores")
+
 CT = ContentType
 
 

@@ -14,6 +14,9 @@ from memory_broker.broker.adapters.policy import (
     make_tier_policy,
 )
 
+# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
+pytestmark = pytest.mark.usefixtures("both_cores")
+
 
 def _hit_rate(policy, trace, slots: int) -> float:
     hits = 0

@@ -22,6 +22,9 @@ from memory_broker.broker.store.records import Allocation, ObjectState
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError
 
+# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
+pytestmark = pytest.mark.usefixtures("both_cores")
+
 
 def make_store(max_pages: int = 256) -> ObjectStore:
     pool = PagePool(max_pages, max_pages, max_pages, lambda slabs: None)

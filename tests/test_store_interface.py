@@ -16,6 +16,9 @@ from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
+# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
+pytestmark = pytest.mark.usefixtures("both_cores")
+
 
 class Clock:
     def __init__(self) -> None:

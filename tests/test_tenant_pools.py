@@ -27,6 +27,9 @@ from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.broker.store.pools import PoolMap, TenantPool
 from memory_broker.proto.wire.errors import BrokerError, Code
 
+# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
+pytestmark = pytest.mark.usefixtures("both_cores")
+
 KV = ContentType.KV_CACHE
 PPS = 4  # pages per slab
 

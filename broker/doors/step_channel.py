@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
 from memory_broker.broker.doors.policy import POLICY
 from memory_broker.broker.sessions.manager import NO_FIELDS
+from memory_broker.broker.store.records import store_core
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
 
@@ -186,6 +187,9 @@ class StepChannelServer:
         # Each hot adapter object's row of an acquire reply, by object id (its generation and
         # pages never change): a hot acquire joins them. Cleared when it grows past ROWS_KEPT.
         self._rows: dict[int, bytes] = {}
+        # The store's native core (``_storecore.c``): a lookup's or pin's reply records joined
+        # in C; None where it is not built (``encode_allocations`` then).
+        self._store_core = store_core()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -474,8 +478,14 @@ class StepChannelServer:
             raise BrokerError(Code.FAILED_PRECONDITION, "adapters are not enabled on this broker")
         return self.adapters
 
-    @staticmethod
-    def _objects(kind: int, sid: int, objs) -> bytes:
+    def _objects(self, kind: int, sid: int, objs) -> bytes:
+        """A lookup's or pin's reply: the objects' records for ``sid``, joined by the store's
+        native core where it is built (the same bytes as ``encode_allocations``)."""
+        core = self._store_core
+        if core is not None and objs.__class__ is list:
+            out = core.encode_rows(kind, sid, objs, w._wire_parts)
+            if out is not None:
+                return out
         return w.encode_allocations(kind, sid, objs)
 
     def _acquire(self, sid: int, op: w.Op) -> bytes:

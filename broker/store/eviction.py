@@ -15,6 +15,11 @@ from collections.abc import Iterator, Sequence
 from enum import IntEnum
 from typing import Protocol
 
+from memory_broker.proto.wire import native
+
+# The store's native core: a step's per-key loops in C (``_storecore.c``; ``records.store_core``).
+STORE_CORE = "memory_broker.broker.store._storecore"
+
 
 class ContentType(IntEnum):
     """Numbers match broker.v1.ContentType."""
@@ -52,6 +57,7 @@ class EvictionPolicy(Protocol):
     # Optional: ``add``/``remove`` of many distinct objects at once (PinLedger uses them when present).
     # def add_all(self, objs: Sequence[Evictable]) -> None: ...
     # def remove_all(self, objs: Sequence[Evictable]) -> None: ...
+    # def touch_all(self, objs: Sequence[Evictable]) -> None: ...  (``touch`` of each, in order)
     def touch(self, obj: Evictable) -> None: ...
     def select(self, need_pages: int, limit: int | None = None) -> list[Evictable]: ...
     def __len__(self) -> int: ...
@@ -168,6 +174,8 @@ class PriorityLRU:
         # The queue of each content type, by its number.
         self._rank: list[int | None] = [PRIORITY.get(ct) for ct in range(max(ContentType) + 1)]
         self.evictable_pages = 0
+        # The batch forms' loops in C, or None (the Python loops below).
+        self._core = native.load(STORE_CORE)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues)
@@ -182,6 +190,9 @@ class PriorityLRU:
 
     def add_all(self, objs: Sequence[Evictable]) -> None:
         """``add`` for each of ``objs`` in order (a step unpins hundreds): one loop."""
+        if self._core is not None and objs.__class__ is list:
+            self._add_all_native(objs)
+            return
         queues, rank = self._queues, self._rank
         pages = room = num = 0
         ct = q = last = None
@@ -204,9 +215,39 @@ class PriorityLRU:
             pages += obj.num_pages
         self.evictable_pages += pages
 
+    def _add_all_native(self, objs: list) -> None:
+        """``add_all`` with each run of one content type placed by the native core's ``fill``."""
+        fill, queues, rank = self._core.fill, self._queues, self._rank
+        i, n, pages = 0, len(objs), 0
+        while i < n:
+            obj = objs[i]
+            if obj.queue_seg is not None:  # in a queue already (the store adds an object once)
+                self.add(obj)
+                i += 1
+                continue
+            ct = obj.content_type
+            q = queues[rank[ct]]
+            num, last = q.last()
+            if len(last) >= SEGMENT:
+                num, last = q.new_segment()
+            stop, got = fill(objs, i, ct, last, num, SEGMENT - len(last))
+            if stop == i:  # a content type that is not the same object twice: one at a time
+                self.add(obj)
+                stop += 1
+            i, pages = stop, pages + got
+        self.evictable_pages += pages
+
     def remove_all(self, objs: Sequence[Evictable]) -> None:
         """``remove`` for each of ``objs`` (a step pins hundreds): one loop. An object's
         ``queue_seg`` is set and cleared by the queues alone, so it is trusted here."""
+        if self._core is not None and objs.__class__ is list:
+            pages, emptied = self._core.remove_all(objs, self._segments)
+            self.evictable_pages -= pages
+            for num, obj in emptied:  # segments left empty: forgotten, but for each queue's newest
+                q = self._queues[self._rank[obj.content_type]]
+                if self._segments[num] is not q._segs[-1]:
+                    q.drop(num)
+            return
         segments = self._segments
         pages = 0
         for obj in objs:
@@ -227,6 +268,30 @@ class PriorityLRU:
         q = self._queues[self._rank[obj.content_type]]
         if obj in q:
             q.add(obj)
+
+    def touch_all(self, objs: Sequence[Evictable]) -> None:
+        """``touch`` for each of ``objs`` in order (a lookup without pins: hundreds): each run
+        of one content type moved by the native core's ``touch_run`` where it is built."""
+        core = self._core
+        if core is None or objs.__class__ is not list:
+            for obj in objs:
+                self.touch(obj)
+            return
+        i, n = 0, len(objs)
+        while i < n:
+            ct = objs[i].content_type
+            q = self._queues[self._rank[ct]]
+            num, last = q.last()
+            stop, emptied = core.touch_run(objs, i, ct, self._segments, last, num, SEGMENT - len(last))
+            for e in emptied:
+                q.drop(e)
+            if stop == i:
+                if len(last) >= SEGMENT:
+                    q.new_segment()  # then the run goes on into it
+                else:  # a content type that is not the same object twice: one at a time
+                    self.touch(objs[i])
+                    stop += 1
+            i = stop
 
     def __iter__(self) -> Iterator[Evictable]:
         """Candidates in plain priority-then-LRU order."""

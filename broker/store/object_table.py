@@ -27,6 +27,7 @@ from memory_broker.broker.store.records import (
     ObjectState,
     Recent,
     SessionState,
+    store_core,
 )
 from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Tally
@@ -71,6 +72,8 @@ class ObjectTable:
         # Why an object id is gone ("evicted" / "freed"), for messages; oldest forgotten first.
         self._gone: Recent = Recent(remember)
         self._ids = itertools.count(1)
+        # The batch loops in C (``_storecore.c``), or None: the Python loops below.
+        self.core = store_core()
 
     def place(self, specs: Sequence[Spec]) -> list[int]:
         """Window ranges for the contiguous specs, in order; all or none.
@@ -169,10 +172,44 @@ class ObjectTable:
             )
         return obj
 
+    def pinnable_all(self, session: int, object_ids: Sequence[int]) -> list[Allocation]:
+        """``pinnable`` of each id, in order: with one pool, the usual case's checks in one C loop."""
+        if self.core is not None and len(self.pools) == 1:
+            objs = self.core.pinnable_all(self.objects.shards, object_ids, ObjectState.COMMITTED)
+            if objs is not None:
+                return objs
+        pinnable = self.pinnable  # each id checked, saying what is wrong
+        return [pinnable(session, oid) for oid in object_ids]
+
+    def find(self, pool: int, keys: Sequence[bytes], most: int) -> list[Allocation]:
+        """The objects of the longest prefix of ``keys`` in ``pool``'s key index, each key
+        checked first (1..``most`` bytes: INVALID_ARGUMENT naming the first that is not)."""
+        if self.core is not None:
+            found = self.core.find_keys(self.keys.shards, keys, most, pool)
+            if found is not None:  # else a key it leaves to the checks below
+                return found
+        try:
+            bad = bool(keys) and (not min(map(len, keys)) or max(map(len, keys)) > most)
+        except TypeError:  # a key without a length: check_key says what is wrong
+            bad = True
+        if bad:
+            for i, k in enumerate(keys):
+                check_key(k, f"keys[{i}]", most)  # raises, saying why
+        found = []
+        append, shards = found.append, self.keys.shards
+        for k in [map_key(pool, k) for k in keys] if pool else keys:
+            obj = shards[hash(k) & MASK].get(k)  # ShardedMap.get of a bytes key
+            if obj is None:
+                break
+            append(obj)
+        return found
+
     def held_once(self, session: int, object_ids: Sequence[int]) -> list[Allocation] | None:
         """The objects of ``object_ids`` when each is named once and holds a pin of
         ``session`` (the usual unpin), in one loop; None otherwise
         (the caller then checks id by id and says what is wrong)."""
+        if self.core is not None:
+            return self.core.held_once(self.objects.shards, object_ids, session)
         if len(set(object_ids)) != len(object_ids):
             return None
         shards = self.objects.shards

@@ -27,10 +27,8 @@ from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
 from memory_broker.broker.store.object_table import (
     ObjectTable,
     check_batch,
-    check_key,
     check_specs,
     check_unique,
-    map_key,
 )
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.pool import PagePool, WindowSpace
@@ -48,7 +46,7 @@ from memory_broker.broker.store.records import (
     TxnState,
 )
 from memory_broker.broker.store.room import Allocator, RoomMaker
-from memory_broker.broker.store.shards import MASK, ShardedMap
+from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage, read_stats
 from memory_broker.broker.store.transactions import Transactions
 from memory_broker.broker.store.txn_book import TransactionBook
@@ -384,8 +382,7 @@ class ObjectStore:
         """Pin committed objects for the session (counts add up)."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
-        pinnable = self.table.pinnable
-        objs = [pinnable(session, oid) for oid in object_ids]
+        objs = self.table.pinnable_all(session, object_ids)
         self.ledger.check_limit(s, len(objs))
         self.ledger.pin_all(s, objs)
         return objs
@@ -416,27 +413,17 @@ class ObjectStore:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
         s = self._session(session)
         check_batch(len(keys), "keys", self.config.max_batch)
-        most = self.config.max_key_bytes
-        try:
-            bad = bool(keys) and (not min(map(len, keys)) or max(map(len, keys)) > most)
-        except TypeError:  # a key without a length: check_key says what is wrong
-            bad = True
-        if bad:
-            for i, k in enumerate(keys):
-                check_key(k, f"keys[{i}]", most)  # raises, saying why
-        found = []
-        append, shards, pool = found.append, self.keys.shards, s.pool
-        for k in [map_key(pool, k) for k in keys] if pool else keys:
-            obj = shards[hash(k) & MASK].get(k)  # ShardedMap.get of a bytes key
-            if obj is None:
-                break
-            append(obj)
+        found = self.table.find(s.pool, keys, self.config.max_key_bytes)
         if pin:
             self.ledger.check_limit(s, len(found))
             self.ledger.pin_all(s, found)
         else:
-            for obj in found:
-                self.policy.touch(obj)
+            touch_all = getattr(self.policy, "touch_all", None)  # optional, as add_all
+            if touch_all is None:
+                for obj in found:
+                    self.policy.touch(obj)
+            else:
+                touch_all(found)
         return found
 
     # ---------------------------------------------------------------- reading

@@ -12,7 +12,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from memory_broker.broker.store.context import StoreContext
-from memory_broker.broker.store.records import Allocation, SessionState
+from memory_broker.broker.store.records import Allocation, SessionState, store_core
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.proto.wire.errors import denied, exhausted, precondition
 
@@ -42,6 +42,8 @@ class PinLedger:
         # Batch forms of the policy's add and remove, where it has them.
         self._add_all = getattr(ctx.policy, "add_all", None)
         self._remove_all = getattr(ctx.policy, "remove_all", None)
+        # The batch loops in C (``_storecore.c``), or None: the Python loops below.
+        self._core = store_core()
 
     def check_limit(self, s: SessionState, adding: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) if ``adding`` pins would take ``s`` over its limit."""
@@ -91,6 +93,11 @@ class PinLedger:
             return
         sid = s.session_id
         spins = s.pins
+        if self._core is not None and objs.__class__ is list:
+            fresh, pages, contention = self._core.pin_all(objs, sid, spins)
+            s.pin_total += len(objs)
+            self._pinned(fresh, pages, contention)
+            return
         fresh = []
         contention = 0
         for obj in objs:
@@ -107,10 +114,15 @@ class PinLedger:
             oid = obj.object_id
             spins[oid] = spins.get(oid, 0) + 1
         s.pin_total += len(objs)
+        self._pinned(fresh, sum(map(_PAGES, fresh)), contention)
+
+    def _pinned(self, fresh: list[Allocation], pages: int, contention: int) -> None:
+        """After ``pin_all``'s loop: the ``fresh`` objects (no pins before, ``pages`` in all)
+        leave the eviction candidates in one batch; the figures."""
         if fresh:
-            remove_all(fresh)
+            self._remove_all(fresh)
             tally = self._tally
-            tally.pinned_pages += sum(map(_PAGES, fresh))
+            tally.pinned_pages += pages
             tally.pinned_objects += len(fresh)
         if contention:
             self._counters.pin_contention += contention
@@ -171,6 +183,12 @@ class PinLedger:
             self.unpin_all(s, [(obj, 1) for obj in objs])
             return
         sid, spins = s.session_id, s.pins
+        if self._core is not None and objs.__class__ is list:
+            zero, pages, freed = self._core.unpin_once(objs, sid, spins)
+            s.pin_total -= len(objs)
+            if zero:
+                self._became_unpinned_all(zero, pages, freed)
+            return
         zero = []
         for obj in objs:
             pins = obj.pins
@@ -188,12 +206,13 @@ class PinLedger:
         if zero:
             self._became_unpinned_all(zero)
 
-    def _became_unpinned_all(self, objs: list[Allocation]) -> None:
-        """``_became_unpinned`` for each of ``objs``, in order."""
+    def _became_unpinned_all(self, objs: list[Allocation], pages: int = -1, freed: bool | None = None) -> None:
+        """``_became_unpinned`` for each of ``objs``, in order (``pages``: theirs, and ``freed``:
+        whether any is freed, where the caller's loop counted them)."""
         tally = self._tally
-        tally.pinned_pages -= sum(map(_PAGES, objs))
+        tally.pinned_pages -= sum(map(_PAGES, objs)) if pages < 0 else pages
         tally.pinned_objects -= len(objs)
-        if any(map(_FREED, objs)):
+        if any(map(_FREED, objs)) if freed is None else freed:
             keep = [obj for obj in objs if not obj.freed]
             for obj in objs:
                 if obj.freed:

@@ -67,6 +67,10 @@ class PooledPolicy:
     def touch(self, obj) -> None:
         self.policies[obj.pool].touch(obj)
 
+    def touch_all(self, objs) -> None:
+        for obj in objs:
+            self.policies[obj.pool].touch(obj)
+
     def select(self, need_pages: int, limit: int | None = None) -> list[Evictable]:
         """The shared pool's candidates (each pool's room maker holds its own policy)."""
         return self.policies[0].select(need_pages, limit)

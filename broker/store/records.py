@@ -13,8 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from memory_broker.broker.store.eviction import ContentType
+from memory_broker.broker.store.eviction import STORE_CORE, ContentType
 from memory_broker.broker.store.shards import ShardedSet
+from memory_broker.proto.wire import native
 
 # One allocation request, shared with the client (a positional Spec means the same on both sides).
 
@@ -199,6 +200,17 @@ class Recent:
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.gens)
+
+
+def store_core():
+    """The store's native core with ``Allocation``'s slot layout read into it, or None (not
+    built, or ``MEMORY_BROKER_NATIVE=0``): the store's parts then run their Python loops.
+
+    Each part asks once, when it is made, so a store keeps the path it started with."""
+    core = native.load(STORE_CORE)
+    if core is not None:
+        core.layout(Allocation)
+    return core
 
 
 def pages_at(fraction: float, max_pages: int) -> int:

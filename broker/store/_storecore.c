@@ -1,0 +1,1007 @@
+/* The store's native core: the per-key passes of a step (broker/store) in C.
+ *
+ * Loaded through memory_broker.broker.store.records.store_core (memory_broker.proto.wire.native);
+ * each function here is one loop of the store's Python code over a batch (ObjectStore.lookup,
+ * ObjectTable.held_once, PinLedger.pin_all / unpin_once, PriorityLRU.add_all / remove_all) and
+ * does what that loop does, in the same order, to the same Python objects: the shard dicts,
+ * the objects' pins dicts and the session's pins dict. Nothing is kept here but the layout of
+ * the store's object class (``layout``): the slot offsets of the fields read per object, so an
+ * object of that exact class is read and written without an attribute lookup; any other
+ * object goes through ordinary getattr/setattr. A function that meets what its Python loop
+ * would refuse or treat specially returns None (the caller then runs the Python path, which
+ * says what is wrong) or raises what the Python loop would raise (KeyError, TypeError).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef Py_T_OBJECT_EX
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#endif
+#ifndef Py_READONLY
+#define Py_READONLY READONLY
+#endif
+
+enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_OWNER, F_HEAD, F_TAIL, NF };
+static const char *const FIELD_NAMES[NF] = {
+    "object_id", "pins", "pin_count", "num_pages", "queue_seg", "content_type", "freed", "state",
+    "owner", "wire_head", "wire_tail",
+};
+static PyObject *names[NF];          /* interned field names */
+static PyTypeObject *fast_type;      /* the class whose slots are read directly (strong ref) */
+static Py_ssize_t offsets[NF];
+
+/* ------------------------------------------------------------------ fields */
+
+/* obj.<field>, a new reference (NULL and an exception if unset). */
+static inline PyObject *
+get(PyObject *o, int f)
+{
+    if (Py_TYPE(o) == fast_type) {
+        PyObject *v = *(PyObject **)((char *)o + offsets[f]);
+        if (v == NULL) {
+            PyErr_SetObject(PyExc_AttributeError, names[f]);
+            return NULL;
+        }
+        Py_INCREF(v);
+        return v;
+    }
+    return PyObject_GetAttr(o, names[f]);
+}
+
+/* obj.<field> = v (v borrowed); -1 and an exception on failure. */
+static inline int
+set(PyObject *o, int f, PyObject *v)
+{
+    if (Py_TYPE(o) == fast_type) {
+        PyObject **p = (PyObject **)((char *)o + offsets[f]);
+        PyObject *old = *p;
+        Py_INCREF(v);
+        *p = v;
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(o, names[f], v);
+}
+
+/* obj.<field> as a C integer; -1 with an exception set on failure (check PyErr_Occurred). */
+static inline Py_ssize_t
+get_int(PyObject *o, int f)
+{
+    PyObject *v = get(o, f);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return n;
+}
+
+static inline int
+set_int(PyObject *o, int f, Py_ssize_t n)
+{
+    PyObject *v = PyLong_FromSsize_t(n);
+    if (v == NULL)
+        return -1;
+    int r = set(o, f, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* obj.pins, which must be a dict (a new reference). */
+static inline PyObject *
+get_pins(PyObject *o)
+{
+    PyObject *pins = get(o, F_PINS);
+    if (pins != NULL && !PyDict_Check(pins)) {
+        Py_DECREF(pins);
+        PyErr_SetString(PyExc_TypeError, "an object's pins must be a dict");
+        return NULL;
+    }
+    return pins;
+}
+
+/* d[key] as a C integer, `missing` if absent; -1 with an exception on failure. */
+static inline int
+dict_int(PyObject *d, PyObject *key, Py_ssize_t missing, Py_ssize_t *out)
+{
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (v == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        *out = missing;
+        return 0;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    *out = n;
+    return 0;
+}
+
+static inline int
+dict_set_int(PyObject *d, PyObject *key, Py_ssize_t n)
+{
+    PyObject *v = PyLong_FromSsize_t(n);
+    if (v == NULL)
+        return -1;
+    int r = PyDict_SetItem(d, key, v);
+    Py_DECREF(v);
+    return r;
+}
+
+static int
+check_list(PyObject *o, const char *what)
+{
+    if (!PyList_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list", what);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+check_dict(PyObject *o, const char *what)
+{
+    if (!PyDict_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a dict", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* The shard list of a ShardedMap: a list of dicts whose length is a power of two. */
+static int
+check_shards(PyObject *shards)
+{
+    if (check_list(shards, "shards") < 0)
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(shards);
+    if (n < 1 || (n & (n - 1))) {
+        PyErr_SetString(PyExc_ValueError, "shards must be a power-of-two number of dicts");
+        return -1;
+    }
+    return 0;
+}
+
+static inline PyObject *
+shard_at(PyObject *shards, Py_hash_t h)
+{
+    Py_ssize_t n = PyList_GET_SIZE(shards); /* re-read: a dict's __eq__ may run code */
+    if (n < 1 || (n & (n - 1))) {
+        PyErr_SetString(PyExc_ValueError, "shards must be a power-of-two number of dicts");
+        return NULL;
+    }
+    PyObject *d = PyList_GET_ITEM(shards, (Py_ssize_t)((size_t)h & (size_t)(n - 1)));
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "each shard must be a dict");
+        return NULL;
+    }
+    return d;
+}
+
+/* ------------------------------------------------------------------ layout */
+
+static PyObject *
+layout(PyObject *self, PyObject *cls)
+{
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "layout takes the store's object class");
+        return NULL;
+    }
+    Py_ssize_t offs[NF];
+    for (int f = 0; f < NF; f++) {
+        PyObject *d = PyObject_GetAttr(cls, names[f]);
+        if (d == NULL)
+            return NULL;
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
+                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
+            offs[f] = m->d_member->offset;
+        }
+        Py_DECREF(d);
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError, "%R.%U is not a writable object slot", cls, names[f]);
+            return NULL;
+        }
+    }
+    memcpy(offsets, offs, sizeof offs);
+    Py_INCREF(cls);
+    Py_XSETREF(fast_type, (PyTypeObject *)cls);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ lookup */
+
+/* find_keys(shards, keys, most, pool) -> list | None
+ *
+ * ObjectStore.lookup's loop: the objects of the longest prefix of ``keys`` in the key index
+ * (a ShardedMap's shards; ``(pool, key)`` when pool is not 0). None if any key is not bytes of
+ * 1..most bytes: the caller's checks then say which.
+ */
+static PyObject *
+find_keys(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *keys, *pool;
+    Py_ssize_t most;
+    if (!PyArg_ParseTuple(args, "OOnO", &shards, &keys, &most, &pool))
+        return NULL;
+    if (check_shards(shards) < 0)
+        return NULL;
+    int pooled = PyObject_IsTrue(pool);
+    if (pooled < 0)
+        return NULL;
+    if (!PyList_Check(keys) && !PyTuple_Check(keys))
+        Py_RETURN_NONE; /* an iterator would be used up: the Python path reads it */
+    PyObject *seq = PySequence_Tuple(keys); /* a snapshot: code a lookup runs cannot change it */
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > most) {
+            Py_DECREF(seq);
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i], *key = k;
+        if (pooled) {
+            key = PyTuple_Pack(2, pool, k);
+            if (key == NULL)
+                goto fail;
+        }
+        Py_hash_t h = PyObject_Hash(key);
+        PyObject *d = h == -1 ? NULL : shard_at(shards, h);
+        PyObject *obj = d == NULL ? NULL : PyDict_GetItemWithError(d, key);
+        Py_XINCREF(obj);
+        if (pooled)
+            Py_DECREF(key);
+        if (obj == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        int r = PyList_Append(out, obj);
+        Py_DECREF(obj);
+        if (r < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ pins */
+
+/* pin_all(objs, sid, spins) -> (fresh, fresh_pages, contention)
+ *
+ * PinLedger.pin_all's loop: one more pin of session ``sid`` on each of ``objs`` in order
+ * (``obj.pin_count``, ``obj.pins[sid]``, ``spins[obj.object_id]``); ``fresh``: the objects
+ * that had no pin at all, and their pages; ``contention``: pins added beside another
+ * session's where ``sid`` held none.
+ */
+static PyObject *
+pin_all(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *sid, *spins;
+    if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
+        return NULL;
+    if (check_list(objs, "objs") < 0 || check_dict(spins, "spins") < 0)
+        return NULL;
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *fresh = PyList_New(0);
+    Py_ssize_t pages = 0, contention = 0;
+    if (one == NULL || fresh == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *obj = PyList_GET_ITEM(objs, i);
+        Py_INCREF(obj);
+        PyObject *pins = NULL, *oid = NULL;
+        Py_ssize_t n = get_int(obj, F_COUNT), c;
+        if ((n == -1 && PyErr_Occurred()) || set_int(obj, F_COUNT, n + 1) < 0)
+            goto next_fail;
+        if ((pins = get_pins(obj)) == NULL || (oid = get(obj, F_ID)) == NULL)
+            goto next_fail;
+        if (!n) { /* no pins at all: none of this session's either (spins mirrors obj.pins) */
+            Py_ssize_t np;
+            if (PyList_Append(fresh, obj) < 0 || PyDict_SetItem(pins, sid, one) < 0 ||
+                PyDict_SetItem(spins, oid, one) < 0)
+                goto next_fail;
+            np = get_int(obj, F_NPAGES);
+            if (np == -1 && PyErr_Occurred())
+                goto next_fail;
+            pages += np;
+        }
+        else {
+            PyObject *cur = PyDict_GetItemWithError(pins, sid);
+            if (cur == NULL) {
+                if (PyErr_Occurred())
+                    goto next_fail;
+                contention++; /* beside another session's pins */
+                c = 0;
+            }
+            else if ((c = PyLong_AsSsize_t(cur)) == -1 && PyErr_Occurred())
+                goto next_fail;
+            if (dict_set_int(pins, sid, c + 1) < 0 || dict_int(spins, oid, 0, &c) < 0 ||
+                dict_set_int(spins, oid, c + 1) < 0)
+                goto next_fail;
+        }
+        Py_DECREF(pins);
+        Py_DECREF(oid);
+        Py_DECREF(obj);
+        continue;
+    next_fail:
+        Py_XDECREF(pins);
+        Py_XDECREF(oid);
+        Py_DECREF(obj);
+        goto fail;
+    }
+    Py_DECREF(one);
+    return Py_BuildValue("Nnn", fresh, pages, contention);
+fail:
+    Py_XDECREF(one);
+    Py_XDECREF(fresh);
+    return NULL;
+}
+
+/* A small open-addressing set of int64 ids: true if one repeats. */
+static int
+has_repeat(const long long *ids, Py_ssize_t n, int *repeat)
+{
+    size_t cap = 16;
+    while (cap < (size_t)n * 2)
+        cap <<= 1;
+    Py_ssize_t stack[128];
+    Py_ssize_t *slots = cap <= 128 ? stack : PyMem_Malloc(cap * sizeof(Py_ssize_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(slots, 0, cap * sizeof(Py_ssize_t)); /* slot = index + 1; 0 = empty */
+    *repeat = 0;
+    for (Py_ssize_t i = 0; i < n && !*repeat; i++) {
+        size_t j = ((uint64_t)ids[i] * 0x9E3779B97F4A7C15ull) >> 32;
+        for (;; j++) {
+            j &= cap - 1;
+            if (!slots[j]) {
+                slots[j] = i + 1;
+                break;
+            }
+            if (ids[slots[j] - 1] == ids[i]) {
+                *repeat = 1;
+                break;
+            }
+        }
+    }
+    if (slots != stack)
+        PyMem_Free(slots);
+    return 0;
+}
+
+/* held_once(shards, ids, sid) -> list | None
+ *
+ * ObjectTable.held_once: the objects of ``ids`` (an object table's shards) when each id is an
+ * int named once whose object holds a pin of ``sid``; None otherwise (the caller then checks
+ * id by id and says what is wrong).
+ */
+static PyObject *
+held_once(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *ids, *sid;
+    if (!PyArg_ParseTuple(args, "OOO", &shards, &ids, &sid))
+        return NULL;
+    if (check_shards(shards) < 0)
+        return NULL;
+    if (!PyList_Check(ids) && !PyTuple_Check(ids))
+        Py_RETURN_NONE; /* an iterator would be used up: the Python path reads it */
+    PyObject *seq = PySequence_Tuple(ids); /* a snapshot: code a lookup runs cannot change it */
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = NULL;
+    long long *vals = PyMem_Malloc((n ? n : 1) * sizeof(long long));
+    if (vals == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow;
+        if (!PyLong_CheckExact(items[i]))
+            goto none;
+        vals[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow)
+            goto none; /* no such id in the table */
+        if (vals[i] == -1 && PyErr_Occurred())
+            goto done;
+    }
+    int repeat;
+    if (has_repeat(vals, n, &repeat) < 0)
+        goto done;
+    if (repeat)
+        goto none;
+    if ((out = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = shard_at(shards, (Py_hash_t)vals[i]);
+        PyObject *obj = d == NULL ? NULL : PyDict_GetItemWithError(d, items[i]);
+        if (obj == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            goto none;
+        }
+        Py_INCREF(obj);
+        PyList_SET_ITEM(out, i, obj); /* owned by out from here, even on the way out */
+        PyObject *pins = get_pins(obj);
+        if (pins == NULL)
+            goto fail;
+        int held = PyDict_Contains(pins, sid);
+        Py_DECREF(pins);
+        if (held < 0)
+            goto fail;
+        if (!held)
+            goto none;
+    }
+    goto done;
+none:
+    Py_XDECREF(out);
+    out = Py_NewRef(Py_None);
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyMem_Free(vals);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* unpin_once(objs, sid, spins) -> (zero, zero_pages, any_freed)
+ *
+ * PinLedger.unpin_once's loop: one pin of ``sid`` less on each of ``objs`` (distinct objects on
+ * each of which ``sid`` holds a pin: the caller checked); ``zero``: those left with no pin,
+ * their pages, and whether any of them is freed (its pages then go back).
+ */
+static PyObject *
+unpin_once(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *sid, *spins;
+    if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
+        return NULL;
+    if (check_list(objs, "objs") < 0 || check_dict(spins, "spins") < 0)
+        return NULL;
+    PyObject *zero = PyList_New(0);
+    Py_ssize_t pages = 0;
+    int freed = 0;
+    if (zero == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *obj = PyList_GET_ITEM(objs, i);
+        Py_INCREF(obj);
+        PyObject *oid = NULL, *pins = get_pins(obj);
+        Py_ssize_t left, n;
+        if (pins == NULL || (oid = get(obj, F_ID)) == NULL)
+            goto next_fail;
+        PyObject *cur = PyDict_GetItemWithError(pins, sid);
+        if (cur == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, sid);
+            goto next_fail;
+        }
+        left = PyLong_AsSsize_t(cur) - 1;
+        if (left == -2 && PyErr_Occurred())
+            goto next_fail;
+        if (left) {
+            if (dict_set_int(pins, sid, left) < 0 || dict_set_int(spins, oid, left) < 0)
+                goto next_fail;
+        }
+        else if (PyDict_DelItem(pins, sid) < 0 || PyDict_DelItem(spins, oid) < 0)
+            goto next_fail;
+        n = get_int(obj, F_COUNT);
+        if ((n == -1 && PyErr_Occurred()) || set_int(obj, F_COUNT, n - 1) < 0)
+            goto next_fail;
+        if (n == 1) {
+            Py_ssize_t np = get_int(obj, F_NPAGES);
+            PyObject *f;
+            int t;
+            if ((np == -1 && PyErr_Occurred()) || PyList_Append(zero, obj) < 0 || (f = get(obj, F_FREED)) == NULL)
+                goto next_fail;
+            t = PyObject_IsTrue(f);
+            Py_DECREF(f);
+            if (t < 0)
+                goto next_fail;
+            pages += np;
+            freed |= t;
+        }
+        Py_DECREF(pins);
+        Py_DECREF(oid);
+        Py_DECREF(obj);
+        continue;
+    next_fail:
+        Py_XDECREF(pins);
+        Py_XDECREF(oid);
+        Py_DECREF(obj);
+        Py_DECREF(zero);
+        return NULL;
+    }
+    return Py_BuildValue("NnO", zero, pages, freed ? Py_True : Py_False);
+}
+
+/* pinnable_all(shards, ids, committed) -> list | None
+ *
+ * ObjectStore.pin's checks in the usual case: the objects of ``ids`` (ints, in an object
+ * table's shards) when each is live (not freed) and in state ``committed``; None otherwise (the
+ * caller then checks id by id and says what is wrong). One store pool only: the caller checks.
+ */
+static PyObject *
+pinnable_all(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *ids, *committed;
+    if (!PyArg_ParseTuple(args, "OOO", &shards, &ids, &committed))
+        return NULL;
+    if (check_shards(shards) < 0)
+        return NULL;
+    if (!PyList_Check(ids) && !PyTuple_Check(ids))
+        Py_RETURN_NONE; /* an iterator would be used up: the Python path reads it */
+    PyObject *seq = PySequence_Tuple(ids); /* a snapshot: code a lookup runs cannot change it */
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow;
+        if (!PyLong_CheckExact(items[i]))
+            goto none;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow)
+            goto none;
+        if (v == -1 && PyErr_Occurred())
+            goto fail;
+        PyObject *d = shard_at(shards, (Py_hash_t)v);
+        PyObject *obj = d == NULL ? NULL : PyDict_GetItemWithError(d, items[i]);
+        if (obj == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            goto none;
+        }
+        Py_INCREF(obj);
+        PyList_SET_ITEM(out, i, obj);
+        PyObject *state = get(obj, F_STATE), *freed;
+        if (state == NULL)
+            goto fail;
+        Py_DECREF(state); /* compared by identity only */
+        if (state != committed)
+            goto none;
+        if ((freed = get(obj, F_FREED)) == NULL)
+            goto fail;
+        int t = PyObject_IsTrue(freed);
+        Py_DECREF(freed);
+        if (t < 0)
+            goto fail;
+        if (t)
+            goto none;
+    }
+    Py_DECREF(seq);
+    return out;
+none:
+    Py_DECREF(out);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ eviction queues */
+
+/* remove_all(objs, segments) -> (pages, emptied)
+ *
+ * PriorityLRU.remove_all's loop: each of ``objs`` in a queue segment (``obj.queue_seg``, a
+ * number in ``segments``) leaves it; ``pages``: theirs; ``emptied``: (number, obj) of each
+ * segment left empty, for the caller to forget (as the loop's ``q.drop``).
+ */
+static PyObject *
+remove_all(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *segments;
+    if (!PyArg_ParseTuple(args, "OO", &objs, &segments))
+        return NULL;
+    if (check_list(objs, "objs") < 0 || check_dict(segments, "segments") < 0)
+        return NULL;
+    PyObject *emptied = PyList_New(0);
+    Py_ssize_t pages = 0;
+    if (emptied == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *obj = PyList_GET_ITEM(objs, i);
+        Py_INCREF(obj);
+        PyObject *oid = NULL, *seg = NULL, *num = get(obj, F_SEG);
+        Py_ssize_t np;
+        if (num == NULL)
+            goto next_fail;
+        if (num == Py_None)
+            goto next;
+        seg = PyDict_GetItemWithError(segments, num);
+        if (seg == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, num);
+            goto next_fail;
+        }
+        Py_INCREF(seg);
+        if (!PyDict_Check(seg)) {
+            PyErr_SetString(PyExc_TypeError, "a queue segment must be a dict");
+            goto next_fail;
+        }
+        if ((oid = get(obj, F_ID)) == NULL || PyDict_DelItem(seg, oid) < 0 || set(obj, F_SEG, Py_None) < 0)
+            goto next_fail;
+        np = get_int(obj, F_NPAGES);
+        if (np == -1 && PyErr_Occurred())
+            goto next_fail;
+        pages += np;
+        if (PyDict_GET_SIZE(seg) == 0) {
+            PyObject *t = PyTuple_Pack(2, num, obj);
+            int r = t == NULL ? -1 : PyList_Append(emptied, t);
+            Py_XDECREF(t);
+            if (r < 0)
+                goto next_fail;
+        }
+    next:
+        Py_XDECREF(seg);
+        Py_XDECREF(oid);
+        Py_DECREF(num);
+        Py_DECREF(obj);
+        continue;
+    next_fail:
+        Py_XDECREF(seg);
+        Py_XDECREF(oid);
+        Py_XDECREF(num);
+        Py_DECREF(obj);
+        Py_DECREF(emptied);
+        return NULL;
+    }
+    return Py_BuildValue("nN", pages, emptied);
+}
+
+/* fill(objs, start, ct, seg, num, room) -> (stop, pages)
+ *
+ * PriorityLRU.add_all's loop over one run: from ``objs[start]`` on, each object of content
+ * type ``ct`` (by identity) that is in no queue (``queue_seg`` None) goes at the end of
+ * segment ``seg`` (number ``num``), at most ``room`` of them; ``stop``: the index of the
+ * first object not placed; ``pages``: the placed objects'.
+ */
+static PyObject *
+fill(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *ct, *seg, *num;
+    Py_ssize_t start, room, pages = 0;
+    if (!PyArg_ParseTuple(args, "OnOOOn", &objs, &start, &ct, &seg, &num, &room))
+        return NULL;
+    if (check_list(objs, "objs") < 0 || check_dict(seg, "seg") < 0)
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must not be negative");
+        return NULL;
+    }
+    Py_ssize_t i = start;
+    for (; i < PyList_GET_SIZE(objs) && room > 0; i++, room--) {
+        PyObject *obj = PyList_GET_ITEM(objs, i);
+        Py_INCREF(obj);
+        PyObject *oid = NULL, *v = get(obj, F_SEG);
+        Py_ssize_t np;
+        int stop = v == NULL ? -1 : v != Py_None;
+        Py_XDECREF(v);
+        if (!stop) {
+            v = get(obj, F_CT);
+            stop = v == NULL ? -1 : v != ct;
+            Py_XDECREF(v);
+        }
+        if (stop) {
+            Py_DECREF(obj);
+            if (stop < 0)
+                return NULL;
+            break;
+        }
+        if ((oid = get(obj, F_ID)) == NULL || PyDict_SetItem(seg, oid, obj) < 0 || set(obj, F_SEG, num) < 0)
+            goto next_fail;
+        np = get_int(obj, F_NPAGES);
+        if (np == -1 && PyErr_Occurred())
+            goto next_fail;
+        pages += np;
+        Py_DECREF(oid);
+        Py_DECREF(obj);
+        continue;
+    next_fail:
+        Py_XDECREF(oid);
+        Py_DECREF(obj);
+        return NULL;
+    }
+    return Py_BuildValue("nn", i, pages);
+}
+
+/* touch_run(objs, start, ct, segments, last, num, room) -> (stop, emptied)
+ *
+ * PriorityLRU.touch of each object of a run: from ``objs[start]`` on, each object of content
+ * type ``ct`` (by identity) that is in a queue segment (its ``queue_seg`` number in
+ * ``segments``, holding it) moves to the end of segment ``last`` (number ``num``), which has
+ * ``room`` free places; an object in no segment is left as it is. ``stop``: the index of the
+ * first object of another type, or that needs a place when none is left; ``emptied``: the
+ * numbers of segments other than ``last`` left empty, for the caller to forget.
+ */
+static PyObject *
+touch_run(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *ct, *segments, *last, *num;
+    Py_ssize_t start, room;
+    if (!PyArg_ParseTuple(args, "OnOOOOn", &objs, &start, &ct, &segments, &last, &num, &room))
+        return NULL;
+    if (check_list(objs, "objs") < 0 || check_dict(segments, "segments") < 0 || check_dict(last, "last") < 0)
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must not be negative");
+        return NULL;
+    }
+    PyObject *emptied = PyList_New(0);
+    if (emptied == NULL)
+        return NULL;
+    Py_ssize_t i = start;
+    for (; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *obj = PyList_GET_ITEM(objs, i);
+        Py_INCREF(obj);
+        PyObject *oid = NULL, *seg = NULL, *v = get(obj, F_CT), *at = NULL;
+        int stop = v == NULL ? -1 : v != ct;
+        Py_XDECREF(v);
+        if (stop)
+            goto out;
+        if ((v = get(obj, F_SEG)) == NULL)
+            goto fail;
+        if (v != Py_None) {
+            seg = PyDict_GetItemWithError(segments, v);
+            Py_XINCREF(seg);
+        }
+        if (seg == NULL) {
+            Py_DECREF(v);
+            if (PyErr_Occurred())
+                goto fail;
+            Py_DECREF(obj);
+            continue; /* in no queue: touch leaves it */
+        }
+        if (!PyDict_Check(seg) || (oid = get(obj, F_ID)) == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "a queue segment must be a dict");
+            Py_DECREF(v);
+            goto fail;
+        }
+        at = PyDict_GetItemWithError(seg, oid);
+        if (at != obj) {
+            Py_DECREF(v);
+            if (PyErr_Occurred())
+                goto fail;
+            Py_DECREF(seg);
+            Py_DECREF(oid);
+            Py_DECREF(obj);
+            continue; /* its number names a segment that does not hold it: not in a queue */
+        }
+        if (room + (seg == last) <= 0) { /* no place left: the caller starts a segment */
+            Py_DECREF(v);
+            stop = 1;
+            goto out;
+        }
+        if (PyDict_DelItem(seg, oid) < 0) {
+            Py_DECREF(v);
+            goto fail;
+        }
+        room += seg == last;
+        if (PyDict_GET_SIZE(seg) == 0 && seg != last && PyList_Append(emptied, v) < 0) {
+            Py_DECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        if (PyDict_SetItem(last, oid, obj) < 0 || set(obj, F_SEG, num) < 0)
+            goto fail;
+        room--;
+        Py_DECREF(seg);
+        Py_DECREF(oid);
+        Py_DECREF(obj);
+        continue;
+    out:
+        Py_XDECREF(seg);
+        Py_XDECREF(oid);
+        Py_DECREF(obj);
+        if (stop < 0) {
+            Py_DECREF(emptied);
+            return NULL;
+        }
+        break;
+    fail:
+        Py_XDECREF(seg);
+        Py_XDECREF(oid);
+        Py_DECREF(obj);
+        Py_DECREF(emptied);
+        return NULL;
+    }
+    return Py_BuildValue("nN", i, emptied);
+}
+
+/* ------------------------------------------------------------------ reply rows */
+
+/* encode_rows(kind, sid, objs, parts) -> bytes | None
+ *
+ * proto/wire/step.py's encode_allocations for the store's objects, in one allocation: the
+ * ``<BH`` head (kind, count), then per object its fixed head (``wire_head``), its changing
+ * fields for session ``sid`` (``<BII``: owned, sid's pins, all pins) and its fixed tail
+ * (``wire_tail``). An object whose parts are not kept yet gets them from ``parts(obj)`` (which
+ * keeps them once the object is committed). None where the Python encoder would refuse the
+ * counts (more than 65535 objects, a kind past 255): the caller's encoder then says so.
+ */
+typedef struct {
+    PyObject *head, *tail;
+    uint32_t pins, count;
+    unsigned char owned;
+} Row;
+
+static int
+row_of(PyObject *obj, PyObject *sid, PyObject *parts, Row *r)
+{
+    PyObject *v;
+    r->head = get(obj, F_HEAD);
+    if (r->head == NULL)
+        return -1;
+    if (r->head == Py_None) {
+        Py_CLEAR(r->head);
+        PyObject *t = PyObject_CallOneArg(parts, obj);
+        if (t == NULL)
+            return -1;
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
+            Py_DECREF(t);
+            PyErr_SetString(PyExc_TypeError, "parts(obj) must give (head, tail)");
+            return -1;
+        }
+        r->head = Py_NewRef(PyTuple_GET_ITEM(t, 0));
+        r->tail = Py_NewRef(PyTuple_GET_ITEM(t, 1));
+        Py_DECREF(t);
+    }
+    else if ((r->tail = get(obj, F_TAIL)) == NULL)
+        return -1;
+    if (!PyBytes_Check(r->head) || !PyBytes_Check(r->tail)) {
+        PyErr_SetString(PyExc_TypeError, "an object's wire parts must be bytes");
+        return -1;
+    }
+    if ((v = get(obj, F_OWNER)) == NULL)
+        return -1;
+    int owned = PyObject_RichCompareBool(v, sid, Py_EQ);
+    Py_DECREF(v);
+    if (owned < 0)
+        return -1;
+    r->owned = (unsigned char)owned;
+    PyObject *pins = get_pins(obj);
+    if (pins == NULL)
+        return -1;
+    Py_ssize_t held, count;
+    int bad = dict_int(pins, sid, 0, &held);
+    Py_DECREF(pins);
+    if (bad < 0)
+        return -1;
+    count = get_int(obj, F_COUNT);
+    if (count == -1 && PyErr_Occurred())
+        return -1;
+    if (held < 0 || count < 0 || (unsigned long long)held > 0xFFFFFFFFull ||
+        (unsigned long long)count > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_OverflowError, "a pin count does not fit the record's u32");
+        return -1;
+    }
+    r->pins = (uint32_t)held;
+    r->count = (uint32_t)count;
+    return 0;
+}
+
+static inline void
+put_u32(char *p, uint32_t v)
+{
+    memcpy(p, &v, 4); /* little-endian machines only: the module refuses to load elsewhere */
+}
+
+static PyObject *
+encode_rows(PyObject *self, PyObject *args)
+{
+    PyObject *sid, *objs, *parts, *out = NULL;
+    Py_ssize_t kind;
+    if (!PyArg_ParseTuple(args, "nOOO", &kind, &sid, &objs, &parts))
+        return NULL;
+    if (check_list(objs, "objs") < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(objs);
+    if (n > 0xFFFF || kind < 0 || kind > 0xFF)
+        Py_RETURN_NONE;
+    Row *rows = PyMem_Calloc(n ? n : 1, sizeof(Row));
+    if (rows == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t total = 3, done = 0;
+    for (; done < n && done < PyList_GET_SIZE(objs); done++) {
+        PyObject *obj = PyList_GET_ITEM(objs, done);
+        Py_INCREF(obj);
+        int r = row_of(obj, sid, parts, &rows[done]);
+        Py_DECREF(obj);
+        if (r < 0) {
+            done++; /* its parts are released below */
+            goto end;
+        }
+        total += PyBytes_GET_SIZE(rows[done].head) + 9 + PyBytes_GET_SIZE(rows[done].tail);
+    }
+    if (done != n) { /* parts(obj) shortened the list */
+        PyErr_SetString(PyExc_RuntimeError, "objs changed while encoding");
+        goto end;
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, total)) == NULL)
+        goto end;
+    char *p = PyBytes_AS_STRING(out);
+    uint16_t count = (uint16_t)n;
+    *p++ = (char)kind;
+    memcpy(p, &count, 2);
+    p += 2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Row *r = &rows[i];
+        memcpy(p, PyBytes_AS_STRING(r->head), PyBytes_GET_SIZE(r->head));
+        p += PyBytes_GET_SIZE(r->head);
+        *p++ = (char)r->owned;
+        put_u32(p, r->pins);
+        put_u32(p + 4, r->count);
+        p += 8;
+        memcpy(p, PyBytes_AS_STRING(r->tail), PyBytes_GET_SIZE(r->tail));
+        p += PyBytes_GET_SIZE(r->tail);
+    }
+end:
+    for (Py_ssize_t i = 0; i < done; i++) {
+        Py_XDECREF(rows[i].head);
+        Py_XDECREF(rows[i].tail);
+    }
+    PyMem_Free(rows);
+    return out;
+}
+
+/* ------------------------------------------------------------------ the module */
+
+static PyMethodDef methods[] = {
+    {"layout", layout, METH_O, "read the slot offsets of the store's object class"},
+    {"find_keys", find_keys, METH_VARARGS, "the objects of the longest prefix of keys in the key index"},
+    {"pin_all", pin_all, METH_VARARGS, "one more pin of a session on each object"},
+    {"held_once", held_once, METH_VARARGS, "the objects of ids when each is named once and pinned by the session"},
+    {"unpin_once", unpin_once, METH_VARARGS, "one pin of a session less on each object"},
+    {"pinnable_all", pinnable_all, METH_VARARGS, "the objects of ids when each is live and committed"},
+    {"remove_all", remove_all, METH_VARARGS, "objects leave their eviction queue segments"},
+    {"fill", fill, METH_VARARGS, "objects of one content type join the end of a queue segment"},
+    {"touch_run", touch_run, METH_VARARGS, "objects of one content type move to the end of their queue"},
+    {"encode_rows", encode_rows, METH_VARARGS, "a step reply's object records, in one allocation"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_storecore", "The store's native core: a step's per-key passes.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__storecore(void)
+{
+#if PY_BIG_ENDIAN
+    PyErr_SetString(PyExc_ImportError, "the store's native core assumes a little-endian machine");
+    return NULL;
+#endif
+    for (int f = 0; f < NF; f++) {
+        if (names[f] == NULL && (names[f] = PyUnicode_InternFromString(FIELD_NAMES[f])) == NULL)
+            return NULL;
+    }
+    return PyModule_Create(&module);
+}
