@@ -17,6 +17,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+from memory_broker.broker.adapters import hotcore
+
 
 class TierPolicy(Protocol):
     name: str
@@ -379,13 +381,19 @@ class BatchedAccess:
         self._counts: Counter[str] = Counter()
         self._order: dict[str, int] = {}
         self._seq = 0
+        # The native core records a batch in one C pass (``_hotcore.record_uses``); None: Python.
+        self._core = hotcore.load()
 
     def access_many(self, keys: Sequence[str]) -> None:
         """Each of ``keys`` used once, in this order."""
-        n = len(keys)
-        self._counts.update(keys)
-        self._order.update(zip(keys, range(self._seq, self._seq + n)))
-        self._seq += n
+        core = self._core
+        if core is not None:
+            self._seq = core.record_uses(keys, self._seq, self._counts, self._order)
+        else:
+            n = len(keys)
+            self._counts.update(keys)
+            self._order.update(zip(keys, range(self._seq, self._seq + n)))
+            self._seq += n
         if len(self._order) > self.max_pending:
             self.flush()
 
