@@ -61,13 +61,19 @@ NATIVE_AND_FALLBACK = ("test_adapter", "test_policy", "test_fuzz", "test_churn")
 
 
 def pytest_generate_tests(metafunc):
-    if "native_core" in metafunc.fixturenames and metafunc.module.__name__.startswith(NATIVE_AND_FALLBACK):
+    # (A module that runs both paths its own way, e.g. with the store's ``both_cores``, is left to it.)
+    names = metafunc.fixturenames
+    if (
+        "native_core" in names
+        and "both_cores" not in names
+        and metafunc.module.__name__.startswith(NATIVE_AND_FALLBACK)
+    ):
         metafunc.parametrize("native_core", ["native", "fallback"], indirect=True)
 
 
 @pytest.fixture(autouse=True)
 def native_core(request, monkeypatch):
-    """ "native" (the default) or "fallback": the latter turns the native core off for the test."""
+    """The path a test runs: the native core (the default), or its fallback (the core turned off)."""
     mode = getattr(request, "param", "native")
     if mode == "fallback":
         from memory_broker.proto.wire import native
