@@ -261,17 +261,42 @@ done:
     return out;
 }
 
-/* record_uses(keys, seq, counts, order) -> seq + len(keys)
+/* counts[k] += 1 (from 0); -1 on an error. */
+static int
+count_one(PyObject *counts, PyObject *k)
+{
+    PyObject *had = PyDict_GetItemWithError(counts, k); /* borrowed */
+    PyObject *c;
+    if (had != NULL)
+        c = PyNumber_Add(had, one);
+    else if (PyErr_Occurred())
+        return -1;
+    else
+        c = Py_NewRef(one);
+    if (c == NULL)
+        return -1;
+    int r = PyDict_SetItem(counts, k, c);
+    Py_DECREF(c);
+    return r;
+}
+
+/* record_uses(keys, seq, counts, order[, counts2, order2]) -> seq + len(keys)
  *
  * BatchedAccess's record of one use of each of `keys` in order: counts[k] += 1 and
- * order[k] = seq + i (the position of its last use). */
+ * order[k] = seq + i (the position of its last use); with `counts2` and `order2`, the same
+ * in those too (a second policy hearing the same uses), in the same pass. */
 static PyObject *
 record_uses(PyObject *self, PyObject *args)
 {
-    PyObject *keys, *counts, *order;
+    PyObject *keys, *counts, *order, *counts2 = NULL, *order2 = NULL;
     long long seq;
-    if (!PyArg_ParseTuple(args, "OLO!O!", &keys, &seq, &PyDict_Type, &counts, &PyDict_Type, &order))
+    if (!PyArg_ParseTuple(args, "OLO!O!|O!O!", &keys, &seq, &PyDict_Type, &counts, &PyDict_Type, &order,
+                          &PyDict_Type, &counts2, &PyDict_Type, &order2))
         return NULL;
+    if ((counts2 == NULL) != (order2 == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "record_uses: give both counts2 and order2, or neither");
+        return NULL;
+    }
     PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL)
         return NULL;
@@ -279,24 +304,14 @@ record_uses(PyObject *self, PyObject *args)
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = items[i];
-        PyObject *had = PyDict_GetItemWithError(counts, k); /* borrowed */
-        PyObject *c;
-        if (had != NULL)
-            c = PyNumber_Add(had, one);
-        else if (PyErr_Occurred())
-            c = NULL;
-        else
-            c = PyLong_FromLong(1);
-        if (c == NULL)
-            goto fail;
-        int r = PyDict_SetItem(counts, k, c);
-        Py_DECREF(c);
-        if (r < 0)
+        if (count_one(counts, k) < 0 || (counts2 != NULL && count_one(counts2, k) < 0))
             goto fail;
         PyObject *at = PyLong_FromLongLong(seq + i);
         if (at == NULL)
             goto fail;
-        r = PyDict_SetItem(order, k, at);
+        int r = PyDict_SetItem(order, k, at);
+        if (r == 0 && order2 != NULL)
+            r = PyDict_SetItem(order2, k, at);
         Py_DECREF(at);
         if (r < 0)
             goto fail;

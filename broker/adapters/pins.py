@@ -224,8 +224,7 @@ class AdapterPins:
 
     def _used(self, keys: list[str]) -> None:
         """An acquire used these entries: both tiers' policies hear of it (in batch)."""
-        self.hot.policy.access_many(keys)
-        self.warm.policy.access_many(keys)
+        self.hot.policy.access_with(self.warm.policy, keys)
 
     def release_hot(self, session: int, adapter_ids: Sequence[str]) -> bool:
         """``release``'s common case, in one pass: every listed id an adapter hot in the

@@ -397,6 +397,21 @@ class BatchedAccess:
         if len(self._order) > self.max_pending:
             self.flush()
 
+    def access_with(self, other: BatchedAccess, keys: Sequence[str]) -> None:
+        """``access_many(keys)`` here and in ``other`` (the other tier's policy), in one C pass
+        with the native core: both record the same positions (each its own counts), which
+        keeps each one's order of uses, the only thing its positions say."""
+        core = self._core
+        if core is None or other._core is None:
+            self.access_many(keys)
+            other.access_many(keys)
+            return
+        seq = max(self._seq, other._seq)
+        self._seq = other._seq = core.record_uses(keys, seq, self._counts, self._order, other._counts, other._order)
+        for policy in (self, other):
+            if len(policy._order) > policy.max_pending:
+                policy.flush()
+
     def access(self, key: str) -> None:
         self.access_many((key,))
 
