@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from memory_broker.broker.adapters import hotcore
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
@@ -37,6 +38,8 @@ MAX_UNAUTHENTICATED_PER_UID = 16
 HELLO_DEADLINE_S = 2.0
 # Acquire reply rows of hot adapter objects kept at most (each a few dozen bytes).
 ROWS_KEPT = 16384
+# An object's id (C-level, over a list of objects).
+_OID = attrgetter("object_id")
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
@@ -504,7 +507,7 @@ class StepChannelServer:
             joined = core.join_rows(w.acquire_head(len(objs)), kept, objs)
             if joined is not None:
                 return joined
-        rows = [kept.get(o.object_id) for o in objs]
+        rows = list(map(kept.get, map(_OID, objs)))
         if None in rows:
             if len(kept) > ROWS_KEPT:
                 kept.clear()
