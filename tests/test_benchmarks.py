@@ -195,3 +195,10 @@ def test_bench_step_keys_only_prints_the_broker_slope_of_kv_keys_alone():
     for n in (1, 8, 64, 512):
         assert any(line.split()[:1] == [str(n)] for line in out.splitlines()), out
     assert "target per-item, broker (keys only)" in out and "target per-item, client (keys only)" in out
+
+
+def test_bench_adapters_native_small_run_prints_both_paths_and_their_slopes():
+    out = bench("bench_adapters_native.py", "--frames", "20", "--rounds", "1", "--sizes", "8,32")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
+    assert [r[1] for r in rows] == ["native", "fallback"], out
+    assert "slope p10 native" in out and "slope p10 fallback" in out
