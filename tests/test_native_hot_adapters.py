@@ -192,3 +192,46 @@ def test_the_c_passes_refuse_bad_input_with_python_errors_and_answer_none_where_
     assert counts == {"a": 4, "b": 2} and order == {"a": 11, "b": 12} and list(order) == ["a", "b"]
     assert core.join_rows(b"h", {5: b"1", 6: b"22"}, [b, a, b]) == b"h22122"
     assert core.join_rows(b"h", {5: b"1"}, [b]) is None
+
+
+def test_the_c_passes_leak_no_reference_and_no_memory_over_a_long_run():
+    import sys
+    import tracemalloc
+
+    core = _core()
+    shards = [{} for _ in range(4)]
+    a, b = _Obj(5, {7: 2}), _Obj(6, {7: 1})
+    shards[1][5], shards[2][6] = a, b
+    own = {"a": _Entry(a), "b": _Entry(b)}
+    kept = {5: b"1", 6: b"22"}
+
+    def once():
+        core.pin_plan(own, ("a", "b", "a"), 0, shards, 2)
+        core.pin_plan(own, ["a", "x"], 0, shards, 2)
+        core.release_plan(own, ("a", "a", "b"), 7, shards)
+        core.release_plan(own, ["b", "b"], 7, shards)
+        core.record_uses(("a", "b"), 0, {}, {}, {}, {})
+        core.join_rows(b"h", kept, [a, b])
+        core.join_rows(b"h", {}, [a])
+        for bad in (lambda: core.pin_plan(own, 5, 0, shards, 2), lambda: core.join_rows(b"h", {5: "x"}, [a])):
+            try:
+                bad()
+            except TypeError:
+                pass
+            else:
+                raise AssertionError("not refused")
+
+    for _ in range(100):
+        once()
+    refs = [sys.getrefcount(x) for x in (a, b, own, shards, kept, *kept.values())]
+    tracemalloc.start()
+    for _ in range(1000):
+        once()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(20000):
+        once()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert [sys.getrefcount(x) for x in (a, b, own, shards, kept, *kept.values())] == refs
+    # One object kept per run would be 560 KB or more.
+    assert grown < 64 * 1024, f"{grown} bytes more after 20,000 runs"

@@ -22,7 +22,9 @@ entry_object(PyObject *own, PyObject *aid)
     PyObject *entry = PyDict_GetItemWithError(own, aid); /* borrowed */
     if (entry == NULL)
         return NULL;
+    Py_INCREF(entry); /* held: a getattr may run code that changes `own` */
     PyObject *obj = PyObject_GetAttr(entry, s_obj);
+    Py_DECREF(entry);
     if (obj == Py_None) {
         Py_DECREF(obj);
         return NULL;
@@ -44,14 +46,25 @@ is_live(PyObject *obj, PyObject *shards, PyObject *committed)
         PyErr_SetString(PyExc_TypeError, "an object id is not an int");
         return -1;
     }
-    size_t slot = (size_t)PyLong_AsUnsignedLongLongMask(oid) & (size_t)(PyList_GET_SIZE(shards) - 1);
+    /* The list's size is read again here: code run by a getattr may have changed it. */
+    Py_ssize_t nshards = PyList_GET_SIZE(shards);
+    if (nshards <= 0) {
+        Py_DECREF(oid);
+        PyErr_SetString(PyExc_TypeError, "the store's object shards are empty");
+        return -1;
+    }
+    size_t slot = (size_t)PyLong_AsUnsignedLongLongMask(oid) & (size_t)(nshards - 1);
+    if (slot >= (size_t)nshards)
+        slot = (size_t)nshards - 1;
     PyObject *shard = PyList_GET_ITEM(shards, slot);
     if (!PyDict_Check(shard)) {
         Py_DECREF(oid);
         PyErr_SetString(PyExc_TypeError, "the store's object shards are not dicts");
         return -1;
     }
-    PyObject *found = PyDict_GetItemWithError(shard, oid); /* borrowed */
+    Py_INCREF(shard);
+    PyObject *found = PyDict_GetItemWithError(shard, oid); /* borrowed; compared, never used */
+    Py_DECREF(shard);
     Py_DECREF(oid);
     if (found != obj)
         return PyErr_Occurred() ? -1 : 0;
@@ -70,6 +83,20 @@ is_live(PyObject *obj, PyObject *shards, PyObject *committed)
     int ok = PyObject_RichCompareBool(v, committed, Py_EQ);
     Py_DECREF(v);
     return ok;
+}
+
+/* `o` as a tuple (itself when it is one): a list's items could change under code that a hash,
+ * a comparison or a getattr runs; a tuple's cannot. */
+static PyObject *
+as_tuple(PyObject *o, const char *what)
+{
+    if (PyTuple_CheckExact(o))
+        return Py_NewRef(o);
+    if (!PySequence_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, what);
+        return NULL;
+    }
+    return PySequence_Tuple(o);
 }
 
 static int
@@ -98,7 +125,7 @@ pin_plan(PyObject *self, PyObject *args)
         return NULL;
     if (check_shards(shards) < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(ids, "ids must be a sequence");
+    PyObject *seq = as_tuple(ids, "ids must be a sequence");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -161,7 +188,7 @@ release_plan(PyObject *self, PyObject *args)
         return NULL;
     if (check_shards(shards) < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(ids, "ids must be a sequence");
+    PyObject *seq = as_tuple(ids, "ids must be a sequence");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -267,9 +294,11 @@ count_one(PyObject *counts, PyObject *k)
 {
     PyObject *had = PyDict_GetItemWithError(counts, k); /* borrowed */
     PyObject *c;
-    if (had != NULL)
+    if (had != NULL) {
+        Py_INCREF(had);
         c = PyNumber_Add(had, one);
-    else if (PyErr_Occurred())
+        Py_DECREF(had);
+    } else if (PyErr_Occurred())
         return -1;
     else
         c = Py_NewRef(one);
@@ -297,7 +326,7 @@ record_uses(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "record_uses: give both counts2 and order2, or neither");
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = as_tuple(keys, "keys must be a sequence");
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -330,17 +359,22 @@ fail:
 static PyObject *
 join_rows(PyObject *self, PyObject *args)
 {
-    PyObject *head, *kept, *objs;
-    if (!PyArg_ParseTuple(args, "SO!O!", &head, &PyDict_Type, &kept, &PyList_Type, &objs))
+    PyObject *head, *kept, *list;
+    if (!PyArg_ParseTuple(args, "SO!O!", &head, &PyDict_Type, &kept, &PyList_Type, &list))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(objs);
+    PyObject *objs = PyList_AsTuple(list); /* a getattr below cannot change it */
+    if (objs == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(objs);
     PyObject **rows = PyMem_Malloc((n ? n : 1) * sizeof(PyObject *));
-    if (rows == NULL)
+    if (rows == NULL) {
+        Py_DECREF(objs);
         return PyErr_NoMemory();
+    }
     Py_ssize_t total = PyBytes_GET_SIZE(head), got = 0;
     PyObject *out = NULL;
     for (; got < n; got++) {
-        PyObject *oid = PyObject_GetAttr(PyList_GET_ITEM(objs, got), s_object_id);
+        PyObject *oid = PyObject_GetAttr(PyTuple_GET_ITEM(objs, got), s_object_id);
         if (oid == NULL)
             goto done;
         PyObject *row = PyDict_GetItemWithError(kept, oid); /* borrowed */
@@ -372,6 +406,7 @@ done:
     for (Py_ssize_t i = 0; i < got; i++)
         Py_DECREF(rows[i]);
     PyMem_Free(rows);
+    Py_DECREF(objs);
     return out;
 }
 
