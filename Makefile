@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The native cores (optional C extensions, README "The step path"): pip builds them in place;
 # built again here when their sources change (a pulled change to the C is otherwise not built).
-NATIVE_SOURCES := $(wildcard proto/wire/_*.c broker/store/_*.c)
+NATIVE_SOURCES := $(wildcard proto/wire/_*.c broker/store/_*.c broker/adapters/_*.c clients/_*.c)
 $(VENV)/.native: $(NATIVE_SOURCES) | $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@

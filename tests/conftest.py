@@ -54,6 +54,35 @@ class Broker:
         return self.proc.returncode
 
 
+# Test modules run twice, once on the native step core (the C extensions built by the install)
+# and once on its pure-Python fallback (MEMORY_BROKER_NATIVE=0, in this process and in the
+# brokers it starts): the adapter wing, the tier policies, and the step fuzz and churn tests.
+NATIVE_AND_FALLBACK = ("test_adapter", "test_policy", "test_fuzz", "test_churn")
+
+
+def pytest_generate_tests(metafunc):
+    # (A module that runs both paths its own way, e.g. with the store's ``both_cores``, is left to it.)
+    names = metafunc.fixturenames
+    if (
+        "native_core" in names
+        and "both_cores" not in names
+        and metafunc.module.__name__.startswith(NATIVE_AND_FALLBACK)
+    ):
+        metafunc.parametrize("native_core", ["native", "fallback"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def native_core(request, monkeypatch):
+    """The path a test runs: the native core (the default), or its fallback (the core turned off)."""
+    mode = getattr(request, "param", "native")
+    if mode == "fallback":
+        from memory_broker.proto.wire import native
+
+        monkeypatch.setenv(native.ENV, "0")
+        monkeypatch.setattr(native, "_loaded", {})
+    return mode
+
+
 def short_tmpdir() -> str:
     # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
     return tempfile.mkdtemp(prefix="mb-", dir="/tmp")

@@ -203,3 +203,10 @@ def test_bench_store_keys_prints_both_paths_interleaved_and_the_target():
     assert "median slope 64..512, a step frame's keys: native" in out
     assert "median slope 64..512, a lookup without pins: native" in out
     assert "target issue 28, broker per KV key (native)" in out
+
+
+def test_bench_adapters_native_small_run_prints_both_paths_and_their_slopes():
+    out = bench("bench_adapters_native.py", "--frames", "20", "--rounds", "1", "--sizes", "8,32")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
+    assert [r[1] for r in rows] == ["native", "fallback"], out
+    assert "slope p10 native" in out and "slope p10 fallback" in out

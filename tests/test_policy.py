@@ -152,6 +152,28 @@ def test_batched_uses_wait_for_at_most_max_pending_keys():
     assert inner.events == [("uses", [(f"k{i}", 1) for i in range(5)])] and p.pending == 0
 
 
+def test_two_tiers_recording_the_same_uses_together_hear_what_each_alone_hears():
+    # access_with (one C pass with the native core) against access_many on each tier apart:
+    # the same uses, counts and order reach each policy, and each flushes at its own events.
+    alone, together = [(_Heard(), _Heard()) for _ in range(2)]
+    pa, pb = BatchedAccess(alone[0], max_pending=5), BatchedAccess(alone[1], max_pending=3)
+    qa, qb = BatchedAccess(together[0], max_pending=5), BatchedAccess(together[1], max_pending=3)
+    pb.access_many(["x", "y"])
+    qb.access_many(["x", "y"])
+    for step, keys in enumerate([["a", "b", "a"], ["c"], ["b", "d", "e"], ["a"], ["f", "g"]]):
+        pa.access_many(keys)
+        pb.access_many(keys)
+        qa.access_with(qb, keys)
+        if step == 1:
+            pa.insert("z", 1)
+            qa.insert("z", 1)
+        assert (alone[0].events, alone[1].events) == (together[0].events, together[1].events)
+        assert (pa.pending, pb.pending) == (qa.pending, qb.pending)
+    list(pa.victims()), list(pb.victims()), list(qa.victims()), list(qb.victims())
+    assert (alone[0].events, alone[1].events) == (together[0].events, together[1].events)
+    assert alone[1].events[0][0] == "uses"  # the second tier's own max_pending flushed it
+
+
 def _frames(seed: int, n: int = 300) -> list[list[str]]:
     """Acquires of 1..6 distinct adapters out of 12, skewed to the first few."""
     r = random.Random(seed)

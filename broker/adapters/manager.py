@@ -287,9 +287,9 @@ class AdapterManager:
         """
         self.pins.release(session, adapter_ids, dtype)
 
-    def pin_hot(self, session: int, adapter_ids: Sequence[str], max_adapters: int = 0) -> list[int] | None:
+    def pin_hot(self, session: int, adapter_ids: Sequence[str], max_adapters: int = 0) -> list | None:
         """``acquire`` when every admitted adapter is hot in the broker's dtype and none is
-        deferred: their object ids, pinned; None (nothing done) otherwise (``AdapterPins.pin_hot``)."""
+        deferred: their objects, pinned; None (nothing done) otherwise (``AdapterPins.pin_hot``)."""
         return None if self._closed else self.pins.pin_hot(session, adapter_ids, max_adapters)
 
     def release_hot(self, session: int, adapter_ids: Sequence[str]) -> bool:

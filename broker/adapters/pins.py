@@ -23,6 +23,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from operator import attrgetter
 
+from memory_broker.broker.adapters import hotcore
 from memory_broker.broker.adapters.checks import ChecksumChecker
 from memory_broker.broker.adapters.context import AdapterContext
 from memory_broker.broker.adapters.entry import AdapterEntry, copy_key
@@ -32,10 +33,13 @@ from memory_broker.broker.adapters.loader import TierLoader
 from memory_broker.broker.adapters.peft import check_adapter_id
 from memory_broker.broker.adapters.records import AcquiredAdapter, AcquireResult, Tier
 from memory_broker.broker.adapters.warm_budget import WarmBudget
+from memory_broker.broker.store.records import ObjectState
 from memory_broker.proto.wire.errors import BrokerError, denied, invalid, not_found, precondition, unavailable
 
-# An entry's hot object's id (C-level, over a list of entries).
-_OBJECT_ID = attrgetter("obj.object_id")
+COMMITTED = ObjectState.COMMITTED
+
+# An entry's hot object, its id, and an object's id (C-level, over a list of entries).
+_OBJECT, _OBJECT_ID, _OID = attrgetter("obj"), attrgetter("obj.object_id"), attrgetter("object_id")
 
 
 class AdapterPins:
@@ -63,6 +67,7 @@ class AdapterPins:
         self.counters = ctx.counters
         # Two-phase acquires: transaction id -> session.
         self._txns: OrderedDict[int, int] = OrderedDict()
+        self._core = hotcore.load()
 
     def check_ids(self, adapter_ids: Sequence[str]) -> list[str]:
         if isinstance(adapter_ids, str):
@@ -164,45 +169,84 @@ class AdapterPins:
             )
         return AcquireResult(tuple(out), tuple(deferred), txn.txn_id if txn else 0, txn.deadline_unix if txn else 0.0)
 
-    def pin_hot(self, session: int, adapter_ids: Sequence[str], max_adapters: int = 0) -> list[int] | None:
+    def pin_hot(self, session: int, adapter_ids: Sequence[str], max_adapters: int = 0) -> list | None:
         """``acquire``'s common case, in one pass and without a coroutine: every admitted id
         names a hot adapter in the broker's own dtype, nothing is deferred. Pins them for
         ``session`` (one pin each), counts and records their use as ``acquire`` does, and
-        returns their object ids in order; the admitted entries are ``hot.own[id]``. None,
+        returns their objects in order; the admitted entries are ``hot.own[id]``. None,
         having done nothing: not that case (or the store refused the pins): take ``acquire``,
-        which says why or loads. Raises what ``check_session`` raises."""
-        distinct = list(dict.fromkeys(adapter_ids))
-        if (max_adapters and max_adapters < len(distinct)) or len(adapter_ids) > self.store.limits.max_batch:
+        which says why or loads. Raises what ``check_session`` raises.
+
+        With the native core (``_hotcore``) the pass that finds and checks the objects is C
+        and the store's ledger pins them directly; otherwise ``store.pin`` by object id."""
+        if len(adapter_ids) > self.store.limits.max_batch:
             return None
-        entries = list(map(self.hot.own.get, distinct))
-        if None in entries:
-            return None
-        oids = list(map(_OBJECT_ID, entries))
+        core = self._core
+        if core is None:
+            distinct = list(dict.fromkeys(adapter_ids))
+            if max_adapters and max_adapters < len(distinct):
+                return None
+            entries = list(map(self.hot.own.get, distinct))
+            if None in entries:
+                return None
+            objs, live = list(map(_OBJECT, entries)), None  # None: the store's pin checks them
+        else:
+            plan = core.pin_plan(self.hot.own, adapter_ids, max_adapters, self.store.objects.shards, COMMITTED)
+            if plan is None:
+                return None
+            distinct, objs, live = plan
         self.check_session(session)
-        try:
-            self.store.pin(session, oids)
-        except BrokerError:
+        if not self._pin(session, objs, live):
             return None
         c, n = self.counters, len(distinct)
         c.acquires += 1
         c.acquired_adapters += n
         c.hot_hits += n
         self._used(distinct)
-        return oids
+        return objs
+
+    def _pin(self, session: int, objs: list, live: bool | None) -> bool:
+        """One pin of each of ``objs`` for ``session``; False (nothing pinned) where the store
+        refuses. ``live``: whether the native pass found them all pinnable (None: not asked)."""
+        store = self.store
+        s = store.sessions[session]
+        try:
+            if live is None or s.pool:  # a tenant's session: the store's own checks
+                store.pin(session, list(map(_OID, objs)))
+                return True
+            if not live:
+                return False  # what store.pin refuses (NOT_FOUND, or PREPARED)
+            store.ledger.check_limit(s, len(objs))
+        except BrokerError:
+            return False
+        store.ledger.pin_all(s, objs)
+        return True
 
     def _used(self, keys: list[str]) -> None:
         """An acquire used these entries: both tiers' policies hear of it (in batch)."""
-        self.hot.policy.access_many(keys)
-        self.warm.policy.access_many(keys)
+        self.hot.policy.access_with(self.warm.policy, keys)
 
     def release_hot(self, session: int, adapter_ids: Sequence[str]) -> bool:
         """``release``'s common case, in one pass: every listed id an adapter hot in the
         broker's own dtype, no copy in another dtype hot, none found corrupt, and ``session``
         holding the pins (the store checks). Unpins and returns True; False, having done
-        nothing: take ``release``, which says why."""
+        nothing: take ``release``, which says why. With the native core the pass that finds
+        the objects and checks the session's pins is C, and the store's ledger unpins them."""
         if self.hot.other_copies or self.checker.retired or len(adapter_ids) > self.store.limits.max_batch:
             return False
         self.check_session(session)
+        store, core = self.store, self._core
+        s = store.sessions[session]
+        if core is not None and not s.pool:
+            plan = core.release_plan(self.hot.own, adapter_ids, session, store.objects.shards)
+            if plan is None:
+                return False
+            objs, counts = plan
+            if counts is None:
+                store.ledger.unpin_once(s, objs)
+            else:
+                store.ledger.unpin_all(s, list(zip(objs, counts)))
+            return True
         counts = Counter(adapter_ids)
         entries = list(map(self.hot.own.get, counts))
         if None in entries:
@@ -211,7 +255,7 @@ class AdapterPins:
         if len(oids) != len(adapter_ids):  # ids listed more than once: one pin each time
             oids = [oid for oid, n in zip(oids, counts.values()) for _ in range(n)]
         try:
-            self.store.unpin(session, oids)  # all or nothing: a pin the session lacks refuses
+            store.unpin(session, oids)  # all or nothing: a pin the session lacks refuses
         except BrokerError:
             return False
         return True

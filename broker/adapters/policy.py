@@ -17,6 +17,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+from memory_broker.broker.adapters import hotcore
+
 
 class TierPolicy(Protocol):
     name: str
@@ -379,15 +381,36 @@ class BatchedAccess:
         self._counts: Counter[str] = Counter()
         self._order: dict[str, int] = {}
         self._seq = 0
+        # The native core records a batch in one C pass (``_hotcore.record_uses``); None: Python.
+        self._core = hotcore.load()
 
     def access_many(self, keys: Sequence[str]) -> None:
         """Each of ``keys`` used once, in this order."""
-        n = len(keys)
-        self._counts.update(keys)
-        self._order.update(zip(keys, range(self._seq, self._seq + n)))
-        self._seq += n
+        core = self._core
+        if core is not None:
+            self._seq = core.record_uses(keys, self._seq, self._counts, self._order)
+        else:
+            n = len(keys)
+            self._counts.update(keys)
+            self._order.update(zip(keys, range(self._seq, self._seq + n)))
+            self._seq += n
         if len(self._order) > self.max_pending:
             self.flush()
+
+    def access_with(self, other: BatchedAccess, keys: Sequence[str]) -> None:
+        """``access_many(keys)`` here and in ``other`` (the other tier's policy), in one C pass
+        with the native core: both record the same positions (each its own counts), which
+        keeps each one's order of uses, the only thing its positions say."""
+        core = self._core
+        if core is None or other._core is None:
+            self.access_many(keys)
+            other.access_many(keys)
+            return
+        seq = max(self._seq, other._seq)
+        self._seq = other._seq = core.record_uses(keys, seq, self._counts, self._order, other._counts, other._order)
+        for policy in (self, other):
+            if len(policy._order) > policy.max_pending:
+                policy.flush()
 
     def access(self, key: str) -> None:
         self.access_many((key,))

@@ -19,7 +19,9 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
+from memory_broker.broker.adapters import hotcore
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
 from memory_broker.broker.doors.policy import POLICY
 from memory_broker.broker.sessions.manager import NO_FIELDS
@@ -37,6 +39,8 @@ MAX_UNAUTHENTICATED_PER_UID = 16
 HELLO_DEADLINE_S = 2.0
 # Acquire reply rows of hot adapter objects kept at most (each a few dozen bytes).
 ROWS_KEPT = 16384
+# An object's id (C-level, over a list of objects).
+_OID = attrgetter("object_id")
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
@@ -190,6 +194,7 @@ class StepChannelServer:
         # The store's native core (``_storecore.c``): a lookup's or pin's reply records joined
         # in C; None where it is not built (``encode_allocations`` then).
         self._store_core = store_core()
+        self._core = hotcore.load()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -501,9 +506,9 @@ class StepChannelServer:
             self.counters.not_hot += 1
             return w.encode_acquire(w.AcquireOutcome(False))
         if not op.flags & w.ACQUIRE_PREPARE:
-            oids = m.pin_hot(sid, op.items, op.max_adapters)
-            if oids is not None:
-                return self._hot_rows(m, op.items, oids)
+            objs = m.pin_hot(sid, op.items, op.max_adapters)
+            if objs is not None:
+                return self._hot_rows(m, op.items, objs)
         distinct = list(dict.fromkeys(op.items))
         admitted = distinct[: op.max_adapters or len(distinct)]
         is_hot = m.is_hot
@@ -531,16 +536,21 @@ class StepChannelServer:
             [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
         )
 
-    def _hot_rows(self, m, items, oids: list[int]) -> bytes:
-        """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time."""
-        kept = self._rows
-        rows = list(map(kept.get, oids))
+    def _hot_rows(self, m, items, objs: list) -> bytes:
+        """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time
+        (joined in one C call with the native core)."""
+        kept, core = self._rows, self._core
+        if core is not None:
+            joined = core.join_rows(w.acquire_head(len(objs)), kept, objs)
+            if joined is not None:
+                return joined
+        rows = list(map(kept.get, map(_OID, objs)))
         if None in rows:
             if len(kept) > ROWS_KEPT:
                 kept.clear()
             own = m.hot.own
             for i, aid in enumerate(dict.fromkeys(items)):
                 if rows[i] is None:
-                    e = own[aid]
-                    rows[i] = kept[oids[i]] = w.acquire_row(e.generation, oids[i], w.TIER_HOT, e.obj.pages)
+                    o = objs[i]
+                    rows[i] = kept[o.object_id] = w.acquire_row(own[aid].generation, o.object_id, w.TIER_HOT, o.pages)
         return w.encode_acquire_joined(rows)

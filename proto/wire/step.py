@@ -603,9 +603,14 @@ def acquire_row(generation: int, object_id: int, tier: int, pages: Sequence[int]
     return _ACQ_ADAPTER.pack(generation, object_id, tier, len(pages)) + struct.pack("<%dI" % len(pages), *pages)
 
 
+def acquire_head(n: int) -> bytes:
+    """What a hot ``encode_acquire`` of a one-phase acquire of ``n`` adapters writes before its rows."""
+    return _ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 1, 0, 0.0, n)
+
+
 def encode_acquire_joined(rows: Sequence[bytes]) -> bytes:
     """A hot ``encode_acquire`` of a one-phase acquire (no transaction) from ``acquire_row``s."""
-    return _ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 1, 0, 0.0, len(rows)) + b"".join(rows)
+    return acquire_head(len(rows)) + b"".join(rows)
 
 
 def encode_step_reply(
