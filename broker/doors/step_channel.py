@@ -508,7 +508,7 @@ class StepChannelServer:
         if not op.flags & w.ACQUIRE_PREPARE:
             objs = m.pin_hot(sid, op.items, op.max_adapters)
             if objs is not None:
-                return self._hot_rows(m, op.items, objs)
+                return _hot_rows(self._rows, self._core, m, op.items, objs)
         distinct = list(dict.fromkeys(op.items))
         admitted = distinct[: op.max_adapters or len(distinct)]
         is_hot = m.is_hot
@@ -536,21 +536,21 @@ class StepChannelServer:
             [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
         )
 
-    def _hot_rows(self, m, items, objs: list) -> bytes:
-        """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time
-        (joined in one C call with the native core)."""
-        kept, core = self._rows, self._core
-        if core is not None:
-            joined = core.join_rows(w.acquire_head(len(objs)), kept, objs)
-            if joined is not None:
-                return joined
-        rows = list(map(kept.get, map(_OID, objs)))
-        if None in rows:
-            if len(kept) > ROWS_KEPT:
-                kept.clear()
-            own = m.hot.own
-            for i, aid in enumerate(dict.fromkeys(items)):
-                if rows[i] is None:
-                    o = objs[i]
-                    rows[i] = kept[o.object_id] = w.acquire_row(own[aid].generation, o.object_id, w.TIER_HOT, o.pages)
-        return w.encode_acquire_joined(rows)
+
+def _hot_rows(kept: dict[int, bytes], core, m, items, objs: list) -> bytes:
+    """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time
+    (joined in one C call with the native core)."""
+    if core is not None:
+        joined = core.join_rows(w.acquire_head(len(objs)), kept, objs)
+        if joined is not None:
+            return joined
+    rows = list(map(kept.get, map(_OID, objs)))
+    if None in rows:
+        if len(kept) > ROWS_KEPT:
+            kept.clear()
+        own = m.hot.own
+        for i, aid in enumerate(dict.fromkeys(items)):
+            if rows[i] is None:
+                o = objs[i]
+                rows[i] = kept[o.object_id] = w.acquire_row(own[aid].generation, o.object_id, w.TIER_HOT, o.pages)
+    return w.encode_acquire_joined(rows)
