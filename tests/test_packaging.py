@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {
     "broker": "memory_broker.broker",
@@ -71,6 +73,7 @@ def test_installed_project_exposes_no_bare_top_level_names():
     )
 
 
+@pytest.mark.timeout(360)  # two fresh venvs and four installs: about a minute, more on a loaded machine
 def test_hugging_face_kernels_and_this_project_coexist_in_either_order():
     r = subprocess.run(
         ["bash", os.path.join(ROOT, "ops", "dev", "check_coexistence.sh"), sys.executable],
