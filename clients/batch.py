@@ -452,10 +452,8 @@ class StepBatch:
             _count_in(self._kcount, add_keys)
             # The longest present prefix (an absent key ends it).
             got = list(map(objects.get, add_keys))
-            try:
+            if None in got:
                 del got[got.index(None) :]
-            except ValueError:
-                pass
         return BatchDelta(list(map(self.adapters.__getitem__, add)), got, rts)
 
     # ------------------------------------------------------------ the end
