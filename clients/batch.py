@@ -104,9 +104,12 @@ class PendingBatchStep:
 # one is due, and usually finds it queued (one wake-up a change, its own; on the 2-core VM
 # each wake-up of a thread that slept costs it 8-15 us of CPU). Until it has learnt the pace,
 # or when a change is late, it looks every ``poll_s`` (default POLL_S). A change queued while
-# the worker sleeps wakes it only if the sleep would otherwise hold it more than ``poll_s``.
+# the worker sleeps wakes it (the engine thread pays that wake-up) only if the sleep would
+# otherwise hold it more than ``poll_s`` or, at a learnt pace, WAIT_SHARE of it (an engine's
+# steps jitter by more than poll_s on a loaded machine).
 POLL_S = 0.0002
 LINGER_S = 0.05
+WAIT_SHARE = 0.125
 # Weight of the newest interval in the learnt pace (a moving average).
 PACE_WEIGHT = 0.25
 _NEVER = float("inf")
@@ -116,7 +119,7 @@ class _Jobs:
     """A background batch's queue: changes (one-item lists, taken by ``pop``: the worker
     or a ``result()`` that finds it not begun) and None to stop. Holds no batch."""
 
-    __slots__ = ("items", "wake", "sleeping", "poll_s", "due", "last")
+    __slots__ = ("items", "wake", "sleeping", "poll_s", "due", "patience", "last")
 
     def __init__(self, poll_s: float) -> None:
         self.poll_s = poll_s
@@ -126,13 +129,15 @@ class _Jobs:
         # woken): a new item that must not wait that long wakes it.
         self.sleeping = True
         self.due = _NEVER
+        # The longest a new item may wait for the worker's sleep to end without waking it.
+        self.patience = poll_s
         # When the newest item was queued (the worker learns the pace of changes from it).
         self.last = 0.0
 
     def put(self, item) -> None:
         self.items.append(item)
         now = self.last = time.monotonic()
-        if self.sleeping and self.due - now > self.poll_s:
+        if self.sleeping and self.due - now > self.patience:
             self.sleeping = False
             self.wake.put(None)
 
@@ -142,9 +147,10 @@ class _Jobs:
         self.wake.put(None)
 
 
-def _doze(jobs: _Jobs, due: float, now: float) -> None:
+def _doze(jobs: _Jobs, due: float, now: float, patience: float = 0.0) -> None:
     """Sleep until ``due`` (inf: until woken), woken sooner by an item queued meanwhile that
-    the sleep would hold more than ``poll_s`` (``_Jobs.put``)."""
+    the sleep would hold more than ``patience`` (``_Jobs.put``)."""
+    jobs.patience = patience
     jobs.due = due
     jobs.sleeping = True
     if jobs.items:  # queued after the look: it may have sent no wake-up
@@ -175,7 +181,7 @@ def _worker(jobs: _Jobs) -> None:
             now = time.monotonic()
             if poll_s > 0 and now - done < LINGER_S:
                 # Asleep until poll_s/2 after the next change is due, or poll_s from now.
-                _doze(jobs, max(seen + pace + poll_s / 2, now + poll_s), now)
+                _doze(jobs, max(seen + pace + poll_s / 2, now + poll_s), now, max(poll_s, WAIT_SHARE * pace))
             else:
                 _doze(jobs, _NEVER, now)
             continue
