@@ -11,7 +11,6 @@ counts and never talks gRPC itself (its fallbacks are ``BrokerClient``'s calls).
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import queue
 import threading
@@ -203,40 +202,6 @@ def _worker(jobs: _Jobs) -> None:
         done = time.monotonic()
 
 
-_NONES = itertools.repeat(None)
-
-
-def _count_out(counts: dict, items: Sequence) -> list | None:
-    """Take one count off each of ``items``; returns those whose last count went, or None
-    (nothing changed) when one is held fewer times than ``items`` names it."""
-    if len(items) == 1 or len(set(items)) == len(items):
-        if not all(map(counts.__contains__, items)):  # a held item's count is >= 1
-            return None
-    elif any(counts.get(x, 0) < n for x, n in collections.Counter(items).items()):
-        return None
-    gone = []
-    for x in items:
-        n = counts[x]
-        if n > 1:
-            counts[x] = n - 1
-        else:
-            del counts[x]
-            gone.append(x)
-    return gone
-
-
-def _count_in(counts: dict, items: Sequence) -> None:
-    for x in items:
-        counts[x] = counts.get(x, 0) + 1
-
-
-def _refuse(items: Sequence, counts: dict, what: str) -> None:
-    """The ValueError of a drop ``_count_out`` refused (the first item held too few times)."""
-    for x, n in collections.Counter(items).items():
-        if counts.get(x, 0) < n:
-            raise ValueError(f"drop of {what} {x!r} x{n}: the batch holds it {counts.get(x, 0)} times")
-
-
 class StepBatch:
     """An engine's running batch, changed by its arrivals and completions only.
 
@@ -344,30 +309,28 @@ class StepBatch:
         what the step path must hear of: (adapters to release, objects to unpin, adapter ids
         and keys the batch does not hold yet), and the gRPC leases to release."""
         acount, kcount = self._acount, self._kcount
-        gone = _count_out(acount, drop) if drop else []
-        if gone is None:
-            _refuse(drop, acount, "adapter id")
-        kgone = _count_out(kcount, drop_keys) if drop_keys else []
-        if kgone is None:
-            _count_in(acount, drop)  # the adapters' drops counted back: nothing changed
-            _refuse(drop_keys, kcount, "key")
-        rel = gone
+        # Check every drop before changing anything.
+        if drop:
+            self._check_drops(drop, acount, "adapter id")
+        if drop_keys:
+            self._check_drops(drop_keys, kcount, "key")
+        rel: list[str] = []
         own: list[AdapterLease] = []
-        if gone:
-            adapters = self.adapters
-            for a in gone:
-                del adapters[a]
-            mine = self._own
-            if mine:
-                rel = [a for a in gone if a not in mine]
-                own = [mine.pop(a) for a in gone if a in mine]
-        unpin = []
-        if kgone:
-            unpin = [o.object_id for o in map(self.objects.pop, kgone, _NONES) if o is not None]
-        new_ids = [a for a in dict.fromkeys(add) if a not in acount] if add else []
-        # Each key once: the batch holds one pin per key, whatever its count.
+        for a in self._count_out(acount, drop):
+            del self.adapters[a]
+            if a in self._own:
+                own.append(self._own.pop(a))
+            else:
+                rel.append(a)
+        unpin: list[int] = []
         objects = self.objects
-        new_keys = [k for k in dict.fromkeys(add_keys) if k not in objects] if add_keys else []
+        for k in self._count_out(kcount, drop_keys):
+            o = objects.pop(k, None)
+            if o is not None:
+                unpin.append(o.object_id)
+        new_ids = [a for a in dict.fromkeys(add) if a not in acount]
+        # Each key once: the batch holds one pin per key, whatever its count.
+        new_keys = [k for k in dict.fromkeys(add_keys) if k not in objects]
         return rel, unpin, new_ids, new_keys, own
 
     def _hand_over(self, add, drop, add_keys, drop_keys) -> PendingBatchStep:
@@ -419,6 +382,28 @@ class StepBatch:
         finally:
             pending._done.release()
 
+    @staticmethod
+    def _count_out(counts: dict, items: Sequence) -> list:
+        """Take one count off each of ``items`` (checked before); those whose last went."""
+        gone = []
+        for x in items:
+            n = counts[x] - 1
+            if n:
+                counts[x] = n
+            else:
+                del counts[x]
+                gone.append(x)
+        return gone
+
+    @staticmethod
+    def _check_drops(items: Sequence, counts: dict, what: str) -> None:
+        need: dict = {}
+        for x in items:
+            need[x] = need.get(x, 0) + 1
+        for x, n in need.items():
+            if counts.get(x, 0) < n:
+                raise ValueError(f"drop of {what} {x!r} x{n}: the batch holds it {counts.get(x, 0)} times")
+
     def _finish(self, got, add, new_ids, add_keys, new_keys) -> BatchDelta:
         """Count a change's result (the calls object's ``change(...).result()``: the new
         adapters' leases, or None when they must be acquired over gRPC; the found objects;
@@ -448,19 +433,22 @@ class StepBatch:
             self._own[la.adapter_id] = AdapterLease(client, [la], (), 0, lease.session_id)
 
     def _account(self, add, add_keys, new_keys, found: list, rts: int) -> BatchDelta:
-        objects = self.objects
-        if add:
-            _count_in(self._acount, add)
-        if found:
-            objects.update(zip(new_keys, found))
+        acount, kcount, objects = self._acount, self._kcount, self.objects
+        for a in add:
+            acount[a] = acount.get(a, 0) + 1
+        for k, o in zip(new_keys, found):
+            objects[k] = o
         got = []
-        if add_keys:
-            _count_in(self._kcount, add_keys)
-            # The longest present prefix (an absent key ends it).
-            got = list(map(objects.get, add_keys))
-            if None in got:
-                del got[got.index(None) :]
-        return BatchDelta(list(map(self.adapters.__getitem__, add)), got, rts)
+        for k in add_keys:
+            kcount[k] = kcount.get(k, 0) + 1
+            if got is not None:
+                o = objects.get(k)
+                if o is None:
+                    got = None  # the end of the present prefix
+                else:
+                    got.append(o)
+        adapters = self.adapters
+        return BatchDelta([adapters[a] for a in add], got or [], rts)
 
     # ------------------------------------------------------------ the end
 
