@@ -100,12 +100,12 @@ class PendingBatchStep:
 # IPI: 3.5-7 us of the 15-28 us a begin + result cost without it on the 2-core VM; keeping the
 # CPU out of deep idle helps too). Changes that come at a steady pace (an engine's steps) teach
 # the worker the usual interval between them: it sleeps once, until poll_s/2 after the next
-# one is due, and usually finds it queued (one wake-up a change, its own; on the 2-core VM
-# each wake-up of a thread that slept costs it 8-15 us of CPU). Until it has learnt the pace,
-# or when a change is late, it looks every ``poll_s`` (default POLL_S). A change queued while
-# the worker sleeps wakes it (the engine thread pays that wake-up) only if the sleep would
-# otherwise hold it more than ``poll_s`` or, at a learnt pace, WAIT_SHARE of it (an engine's
-# steps jitter by more than poll_s on a loaded machine).
+# one is due, and usually finds it queued (one wake-up a change, its own; on the 2-core VM,
+# loaded, a thread's timed sleep and wake-up cost it 24-36 us of CPU: bench_step.py's floor
+# line). Until it has learnt the pace, or when a change is late, it looks every ``poll_s``
+# (default POLL_S). A change queued while the worker sleeps wakes it (the engine thread pays
+# that wake-up) only if the sleep would otherwise hold it more than ``poll_s`` or, at a learnt
+# pace, WAIT_SHARE of it (an engine's steps jitter by more than poll_s on a loaded machine).
 POLL_S = 0.0002
 LINGER_S = 0.05
 WAIT_SHARE = 0.125
