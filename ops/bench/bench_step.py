@@ -757,7 +757,7 @@ def run(d: str, sock: str, steps: int) -> None:
         raw_one += raw_pingpong(d, 300, one_cpu=True)
         raw_idle += raw_pingpong(d, 200, idle=True)
         if "background" in name:
-            floor += worker_floor(d, 300)
+            floor += worker_floor(d, min(300, max(50, steps)))
         ping += step_ping(sock, max(200, steps // 2))
         echo += grpc_echo(sock, max(200, steps // 4))
         for wl, work in workloads.items():
