@@ -94,57 +94,72 @@ class PendingBatchStep:
         return self._delta
 
 
-# After a change, a background batch's worker looks for the next one every ``poll_s``
-# (default POLL_S) for LINGER_S before it sleeps until woken: an engine begins a change every
-# step (every few ms), and a change queued while the worker is looking costs the engine
-# thread no wake-up (a futex wake and often an IPI: 3.5-7 us of the 15-28 us a begin +
-# result cost without it on the 2-core VM; keeping the CPU out of deep idle helps too). The
-# looking alone would cost ~1/poll_s short wake-ups a second while changes keep coming
-# (measured on the VM: 200 us -> 5-8% of a core), none once they stop; NAP_SHARE below keeps
-# it to the end of each gap.
+# After a change, a background batch's worker looks for the next one for LINGER_S before it
+# sleeps until woken: an engine begins a change every step (every few ms), and a change queued
+# while the worker is looking costs the engine thread no wake-up (a futex wake and often an
+# IPI: 3.5-7 us of the 15-28 us a begin + result cost without it on the 2-core VM; keeping the
+# CPU out of deep idle helps too). Changes that come at a steady pace (an engine's steps) teach
+# the worker the usual interval between them: it sleeps once, until poll_s/2 after the next
+# one is due, and usually finds it queued (one wake-up a change, its own; on the 2-core VM,
+# loaded, a thread's timed sleep and wake-up cost it 24-36 us of CPU: bench_step.py's floor
+# line). Until it has learnt the pace, or when a change is late, it looks every ``poll_s``
+# (default POLL_S). A change queued while the worker sleeps wakes it (the engine thread pays
+# that wake-up) only if the sleep would otherwise hold it more than ``poll_s`` or, at a learnt
+# pace, WAIT_SHARE of it (an engine's steps jitter by more than poll_s on a loaded machine).
 POLL_S = 0.0002
 LINGER_S = 0.05
+WAIT_SHARE = 0.125
+# Weight of the newest interval in the learnt pace (a moving average).
+PACE_WEIGHT = 0.25
+_NEVER = float("inf")
 
 
 class _Jobs:
     """A background batch's queue: changes (one-item lists, taken by ``pop``: the worker
     or a ``result()`` that finds it not begun) and None to stop. Holds no batch."""
 
-    __slots__ = ("items", "wake", "sleeping", "poll_s")
+    __slots__ = ("items", "wake", "sleeping", "poll_s", "due", "patience", "last")
 
     def __init__(self, poll_s: float) -> None:
         self.poll_s = poll_s
         self.items: collections.deque = collections.deque()
         self.wake: queue.SimpleQueue = queue.SimpleQueue()
-        # The worker is (about to be) blocked on ``wake``: a new item must wake it.
+        # The worker is (about to be) asleep until ``due`` (monotonic seconds; inf: until
+        # woken): a new item that must not wait that long wakes it.
         self.sleeping = True
+        self.due = _NEVER
+        # The longest a new item may wait for the worker's sleep to end without waking it.
+        self.patience = poll_s
+        # When the newest item was queued (the worker learns the pace of changes from it).
+        self.last = 0.0
 
     def put(self, item) -> None:
         self.items.append(item)
-        if self.sleeping:
+        now = self.last = time.monotonic()
+        if self.sleeping and self.due - now > self.patience:
             self.sleeping = False
             self.wake.put(None)
 
     def stop(self) -> None:
         self.items.append(None)
+        self.sleeping = False
         self.wake.put(None)
 
 
-# Between changes that come at a steady pace (an engine's steps), the worker naps through this
-# share of the usual gap before it starts looking every ``poll_s``: the looking then costs a
-# few wake-ups a change, not one per ``poll_s`` of the gap. A change that comes sooner wakes
-# it (the engine thread pays that wake-up, as with ``poll_s=0``).
-NAP_SHARE = 0.75
-
-
-def _doze(jobs: _Jobs, seconds: float) -> None:
-    """Sleep up to ``seconds``, woken by a change queued meanwhile (``_Jobs.put``)."""
+def _doze(jobs: _Jobs, due: float, now: float, patience: float = 0.0) -> None:
+    """Sleep until ``due`` (inf: until woken), woken sooner by an item queued meanwhile that
+    the sleep would hold more than ``patience`` (``_Jobs.put``)."""
+    jobs.patience = patience
+    jobs.due = due
     jobs.sleeping = True
-    if jobs.items:  # queued after the look: no wake-up was sent for it
+    if jobs.items:  # queued after the look: it may have sent no wake-up
         jobs.sleeping = False
         return
     try:
-        jobs.wake.get(timeout=seconds)
+        if due == _NEVER:
+            jobs.wake.get()
+        else:
+            jobs.wake.get(timeout=due - now)
     except queue.Empty:
         pass
     # A put that saw ``sleeping`` may leave a wake-up behind: the next wait just returns early.
@@ -155,42 +170,36 @@ def _worker(jobs: _Jobs) -> None:
     """A background batch's thread: run each begun change (send, read the reply, account
     it) while the engine thread waits for its model. Ends at None (the batch released or
     collected). Holds the queue only, not the batch."""
-    items, wake, poll_s = jobs.items, jobs.wake, jobs.poll_s
-    last = time.monotonic()
-    # The usual time from the end of one change to the next one's arrival (a moving average
-    # of the gaps shorter than LINGER_S; 0 until one is seen).
-    gap = 0.0
+    items, poll_s = jobs.items, jobs.poll_s
+    done = time.monotonic()
+    # When the last change run was queued, and the usual interval between changes (a moving
+    # average of those shorter than LINGER_S; 0 until one is seen).
+    seen = pace = 0.0
     while True:
-        if items:
-            box = items.popleft()
-        else:
-            if poll_s > 0:
-                idle = time.monotonic() - last
-                if idle < LINGER_S:
-                    nap = gap * NAP_SHARE - idle
-                    if nap > 2 * poll_s:
-                        _doze(jobs, nap)
-                    else:
-                        time.sleep(poll_s)
-                    continue
-            jobs.sleeping = True
-            if items:  # queued after the look above: no wake-up was sent for it
-                jobs.sleeping = False
-                continue
-            wake.get()
+        if not items:
+            now = time.monotonic()
+            if poll_s > 0 and now - done < LINGER_S:
+                # Asleep until poll_s/2 after the next change is due, or poll_s from now.
+                _doze(jobs, max(seen + pace + poll_s / 2, now + poll_s), now, max(poll_s, WAIT_SHARE * pace))
+            else:
+                _doze(jobs, _NEVER, now)
             continue
+        box = items.popleft()
         if box is None:
             return
         try:
             job = box.pop()
         except IndexError:  # a result() ran it
             continue
-        seen = time.monotonic() - last
-        if seen < LINGER_S:
-            gap = seen if gap == 0.0 else 0.75 * gap + 0.25 * seen
+        arrived = jobs.last
+        if arrived > seen:
+            gap = arrived - seen
+            if gap < LINGER_S:
+                pace = gap if pace == 0.0 else (1 - PACE_WEIGHT) * pace + PACE_WEIGHT * gap
+            seen = arrived
         job()
         del job, box  # they hold the batch: not past the change
-        last = time.monotonic()
+        done = time.monotonic()
 
 
 class StepBatch:

@@ -125,6 +125,28 @@ def test_page_outside_the_mapped_slabs_is_refused_and_changes_nothing(arena_and_
     assert _write_in_child(lambda: _poke(view.page_address(1))) == 0
 
 
+def test_pages_already_readonly_cost_no_check_and_detached_slabs_are_refused_again(arena_and_view, monkeypatch):
+    # A lookup of another session's objects asks for pages that are read-only already (a host
+    # slab attaches read-only in a client): nothing to sort, check or protect. That shortcut
+    # must not let a page of a slab detached since (a failed grow) through.
+    arena, view = arena_and_view
+    view.set_page_access([1, 2, 5], readonly=True)
+
+    def no_check(pages):
+        raise AssertionError("pages already read-only were checked again")
+
+    monkeypatch.setattr(view, "_access_pages", no_check)
+    view.set_page_access([5, 1, 5], readonly=True)
+    monkeypatch.undo()
+    assert view.readonly_pages() == {1, 2, 5}
+    view.set_page_access([3], readonly=True)  # not read-only yet: protected as before
+    assert _write_in_child(lambda: _poke(view.page_address(3))) == -signal.SIGSEGV
+    view.detach_from(1)
+    assert view.readonly_pages() == {1, 2, 3}
+    with pytest.raises(ValueError, match="outside the 4 pages"):
+        view.set_page_access([5], readonly=True)
+
+
 def test_readonly_slab_pages_stay_readonly(arena_and_view):
     arena, _view = arena_and_view
     ro = HostArenaView(GEOM)

@@ -352,6 +352,41 @@ def raw_pingpong(d: str, n: int, idle: bool = False, one_cpu: bool = False) -> l
         p.wait(10)
 
 
+def worker_floor(d: str, n: int) -> list[tuple[float, float]]:
+    """What a background batch's worker pays per change before any Python of its own, on
+    this machine: its thread's CPU for a timed wait of the model's work (the worker sleeps
+    between changes), then for a 32-byte send and a blocking receive from a bare echo
+    process (it waits for the broker's reply). [(wait us, send + receive us)]."""
+    import queue
+
+    path = os.path.join(d, "floor.sock")
+    if os.path.exists(path):
+        os.unlink(path)
+    p = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        p.stdout.readline()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        msg, buf, out = b"x" * 32, bytearray(4096), []
+        for i in range(n + 50):
+            c0 = time.thread_time_ns()
+            try:
+                q.get(timeout=MODEL_WORK_S)
+            except queue.Empty:
+                pass
+            c1 = time.thread_time_ns()
+            s.sendall(msg)
+            s.recv_into(buf)
+            c2 = time.thread_time_ns()
+            if i >= 50:
+                out.append(((c1 - c0) / 1000, (c2 - c1) / 1000))
+        s.close()
+        return out
+    finally:
+        p.wait(10)
+
+
 def step_ping(socket_path: str, n: int) -> list[float]:
     c = BrokerClient.connect(socket_path, client_name="bench-ping")
     try:
@@ -739,6 +774,7 @@ def run(d: str, sock: str, steps: int) -> None:
     raw, raw_idle, ping, echo = [], [], [], []
     raw_chunks: list[float] = []  # each echo process's median
     raw_one: list[float] = []
+    floor: list[tuple[float, float]] = []  # worker_floor's, beside the background rows
     cpu: dict[str, tuple[list[float], list[float]]] = {}
     results: dict[tuple[str, str], tuple[list[float], float, float]] = {}
     # Baselines between the paths, so drift on a shared machine hits both.
@@ -748,6 +784,8 @@ def run(d: str, sock: str, steps: int) -> None:
         raw_chunks.append(statistics.median(chunk))
         raw_one += raw_pingpong(d, 300, one_cpu=True)
         raw_idle += raw_pingpong(d, 200, idle=True)
+        if "background" in name:
+            floor += worker_floor(d, min(300, max(50, steps)))
         ping += step_ping(sock, max(200, steps // 2))
         echo += grpc_echo(sock, max(200, steps // 4))
         for wl, work in workloads.items():
@@ -803,6 +841,13 @@ def run(d: str, sock: str, steps: int) -> None:
                 f"target issue 28, background batch: the process's CPU per changed step < 30 us: {x:.1f} us -> "
                 f"{'MET' if x < 30 else 'NOT MET'}"
             )
+            if floor:
+                w, r = statistics.median(a for a, _ in floor), statistics.median(b for _, b in floor)
+                print(
+                    f"  the floor on this machine, no Python: a thread's timed wait of {MODEL_WORK_S * 1e3:.0f} ms "
+                    f"{w:.1f} us of its CPU, then a raw send + blocking receive {r:.1f} us: {w + r:.1f} us "
+                    f"(a worker that sleeps between changes and waits for the reply pays both)"
+                )
     cached = [n for n, _, _ in PATHS if n.startswith("cache")]
     if not cached:
         setup.close()

@@ -247,9 +247,13 @@ class HostArenaView(ArenaView):
             OSError: ``mprotect`` failed.
         """
         self._check_open()
+        ro = self._readonly_pages
+        if readonly and ro.issuperset(pages):
+            # Already read-only (a host slab attaches read-only: what a lookup of another
+            # session's objects usually finds): no sort, check or mprotect.
+            return
         g = self.geometry
         pages = self._access_pages(pages)
-        ro = self._readonly_pages
         if readonly:
             change = [p for p in pages if p not in ro]
         else:
@@ -330,6 +334,9 @@ class HostArenaView(ArenaView):
             fd = self._slabs.pop().fd
             if fd >= 0:
                 os.close(fd)
+            # Its pages are no longer this view's (set_page_access refuses them again).
+            pps = g.pages_per_slab
+            self._readonly_pages.difference_update(range(slab * pps, (slab + 1) * pps))
 
     def _reserve(self, addr: int, length: int) -> None:
         # MAP_FIXED over the range replaces whatever was there and keeps the addresses ours;
