@@ -305,3 +305,16 @@ def test_bench_vllm_kv_engine_site_shortens_vllms_queue_spin_in_every_engine_pro
         outs[spin] = subprocess.run([vllm_py, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert outs["0.05"].stdout.split()[-1] == "0.05", outs["0.05"].stderr[-2000:]
     assert outs[""].stdout.split()[-1] == "1", outs[""].stderr[-2000:]  # unset: vLLM's own
+
+
+def test_bench_vllm_kv_report_says_a_run_stopped_early_and_its_setup():
+    import argparse
+
+    b = _bench_vllm_kv()
+    a = argparse.Namespace(groups=1, hits=2, prefix=8, tail=2, order="random", warmup_groups=1, omp_cpus="",
+                           vllm_defaults=False, queue_spin_s=0.05, stopped_early="3 of 4 requests per mode (engine failed)")  # fmt: skip
+    text = b.report(a, [_row("none", 100, 200), _row("none2", 101, 199)], True, 1.0)
+    assert "**Stopped early**: 3 of 4 requests per mode (engine failed)." in text
+    assert "vLLM's queues spinning 0.05 s after a message" in text and ": fair" in text
+    a.vllm_defaults, a.stopped_early = True, ""
+    assert "vLLM's own CPU setup" in b.report(a, [_row("none", 100, 200)], True, 1.0)

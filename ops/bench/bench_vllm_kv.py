@@ -94,8 +94,9 @@ def engine_main(a: argparse.Namespace) -> None:
         max_num_seqs=8,
         seed=0,
         disable_hybrid_kv_cache_manager=True,
-        # Six engines run at once: 256 MiB of KV each (16,384 tokens) holds a group's prefix.
-        kv_cache_memory_bytes=256 << 20,
+        # Up to eight engines run at once: 128 MiB of KV each (256 blocks of 32 tokens, 512 KiB
+        # each) holds a group's prefix (32 blocks) and the tails of its requests.
+        kv_cache_memory_bytes=128 << 20,
         **kw,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -349,10 +350,17 @@ def run_interleaved(a, model: str, tmp: str, modes: list[str], broker_sock: str)
         work = workload(a)
         t0 = time.monotonic()
         for i, ((eng, kind, prompt), order) in enumerate(zip(work, mode_orders(modes, len(work), a.order))):
-            for mode in order:
-                before, t = ledger.sample(), time.monotonic()
-                r = engines[mode][eng].run([prompt])[0]
-                ledger.add(mode, eng, before, ledger.sample(), time.monotonic() - t)
+            try:
+                got = {}
+                for mode in order:
+                    before, t = ledger.sample(), time.monotonic()
+                    got[mode] = engines[mode][eng].run([prompt])[0]
+                    ledger.add(mode, eng, before, ledger.sample(), time.monotonic() - t)
+            except RuntimeError as e:  # an engine died (e.g. killed for memory): report what ran
+                print(f"stopped after {i} requests per mode: {e}", file=sys.stderr, flush=True)
+                a.stopped_early = f"{i} of {len(work)} requests per mode ({e})"
+                break
+            for mode, r in got.items():
                 r.update(kind=kind, engine=eng + 1)
                 results[mode].append(r)
             if i % 20 == 19:
@@ -422,7 +430,8 @@ def report(a, rows: list[dict], same: bool, wall_s: float, ledger: CpuLedger | N
         f"(engine 2) and {a.hits} local prefix-cache hits (alternating engines), {a.tail}-token tails; each request "
         f"sent to every mode ({', '.join(modes)}) in a {a.order} order, after {a.warmup_groups} untimed warm-up "
         f"group(s); {setup}; model tiny_model.SMALL float32; {wall_s:.0f} s of requests, load average "
-        f"{os.getloadavg()[0]:.1f} at the end. Greedy first tokens identical across modes, request by request: {same}.",
+        f"{os.getloadavg()[0]:.1f} at the end. Greedy first tokens identical across modes, request by request: {same}."
+        + (f" **Stopped early**: {a.stopped_early}." if getattr(a, "stopped_early", "") else ""),
         "",
         "| mode | local hits n | local median (ms) | local p90 (ms) | cross-engine n | cross median (ms) | cross p90 (ms) "
         "| misses n | miss median (ms) | miss p90 (ms) | prefill tokens computed |",
@@ -497,7 +506,7 @@ def main() -> None:
     finally:
         broker.send_signal(signal.SIGTERM)
         broker.wait(30)
-    rows = [summary(m, results[m]) for m in modes]
+    rows = [summary(m, results[m]) for m in modes if results[m]]
     for r in rows:
         print(json.dumps(r), flush=True)
     tokens = [[r["token"] for r in results[m]] for m in modes]
