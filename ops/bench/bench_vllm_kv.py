@@ -12,13 +12,24 @@ a group has its own 1,024-token system prompt and, per request, a new 64-token t
 * then ``--hits`` requests, alternating engines: **local prefix-cache hits** (the engine's
   own prefix cache holds the prefix; a connector can only cost here).
 
-Each request is sent to every mode before the next one, the order of the modes rotating
-request by request, so load drifts on a shared machine hit every mode alike. TTFT is the
-time of a one-token ``generate``; prefill computed is the prompt length minus vLLM's
-``num_cached_tokens``. The model is ``tiny_model.SMALL`` (random, ~26M parameters, float32),
-built offline. Prints, per mode and kind, the request count, median and p90 TTFT, and the
-targets (local hits with the broker within 5% of none, median and p90; cross-engine hits at
-least 3x faster than none).
+Each request is sent to every mode before the next one, in a new random order per request
+(seeded), after an untimed warm-up group on other prefixes. TTFT is the time of a one-token
+``generate``; prefill computed is the prompt length minus vLLM's ``num_cached_tokens``. The
+model is ``tiny_model.SMALL`` (random, ~26M parameters, float32), built offline.
+
+Fairness. Many engines share the machine's CPUs, so a mode's times are only comparable if no
+mode's engines get more of them. Left to vLLM's own CPU setup (``--vllm-defaults``), they do
+not: on 2 CPUs an engine without a connector gets 1 OpenMP thread and one with a connector 2
+(vLLM reserves a CPU for a connector), and every engine's queues spin for 1 s after each
+message, so idle engines take CPU from the one serving. ``engine_env`` sets every engine
+alike. The run proves it: ``none2`` (default ``--modes none,none2,noop,broker``) is no
+connector again on its own two engines, the A/A control, and the report gives every mode's
+ratio to ``none`` with a verdict (fair when none2 / none is within 5% at the local-hit median
+and p90), and the CPU each mode's engines use serving and while idle.
+
+Prints, per mode and kind, the request count, median and p90 TTFT, the ratios to ``none``, the
+A/A verdict, the CPU table and the targets (local hits with the broker within 5% of none,
+median and p90; cross-engine hits at least 3x faster than none).
 
 Run with the vLLM environment's Python (``make bench-vllm``):
     .venv-vllm/bin/python ops/bench/bench_vllm_kv.py --broker-python .venv/bin/python
@@ -83,8 +94,9 @@ def engine_main(a: argparse.Namespace) -> None:
         max_num_seqs=8,
         seed=0,
         disable_hybrid_kv_cache_manager=True,
-        # Six engines run at once: 256 MiB of KV each (16,384 tokens) holds a group's prefix.
-        kv_cache_memory_bytes=256 << 20,
+        # Up to eight engines run at once: 128 MiB of KV each (256 blocks of 32 tokens, 512 KiB
+        # each) holds a group's prefix (32 blocks) and the tails of its requests.
+        kv_cache_memory_bytes=128 << 20,
         **kw,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -112,13 +124,74 @@ def engine_main(a: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------- driver
 
+BASE_MODES = ("none", "file", "noop", "broker")
+SPIN_ENV = "MB_BENCH_VLLM_SPIN_S"
+
+
+def base_mode(name: str) -> str:
+    """``none2`` is ``none`` again on its own two engines (the A/A control); any base mode may
+    be repeated so, with a number after it."""
+    base = name.rstrip("0123456789")
+    if base not in BASE_MODES:
+        raise SystemExit(f"unknown mode {name!r}: one of {', '.join(BASE_MODES)}, optionally numbered (none2)")
+    return base
+
+
+def engine_env(a: argparse.Namespace) -> dict[str, str]:
+    """The same CPU setup for every engine of every mode (``--vllm-defaults``: vLLM's own).
+
+    * vLLM 0.32's CPU backend binds an engine's OpenMP threads to all CPUs less one it keeps
+      for the engine core, and one more when a KV connector is configured; on 2 CPUs an engine
+      without a connector gets 1 thread on CPU 0, one with a connector 2 threads on both. Here
+      every engine gets the same ``--omp-cpus``.
+    * Idle OpenMP threads sleep at once (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning.
+    * vLLM's engine-core/worker queues spin ``--queue-spin-s`` (0.05 s) after a message, not
+      1 s, before they sleep (``vllm_engine_site/sitecustomize.py``). Not 0: a reader that
+      sleeps between the messages of one step misses notifications and waits vLLM's 5 s
+      recheck (measured: 5.5 s stalls at 0, none at 0.05 s).
+    """
+    if a.vllm_defaults:
+        return {}
+    cpus = a.omp_cpus or f"0-{(os.cpu_count() or 1) - 1}"
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpus, "OMP_WAIT_POLICY": "PASSIVE", SPIN_ENV: str(a.queue_spin_s)}
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds used) of a live process, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (an engine: its front end, engine core and worker)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (st := _stat(int(d))) is not None:
+            parents[int(d)] = st[0]
+    tree, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in tree and p not in tree}
+        tree |= new
+        grew = bool(new)
+    return sorted(tree)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    return sum(st[1] for p in pids if (st := _stat(p)) is not None)
+
 
 class Engine:
-    def __init__(self, args: list[str], log_path: str):
+    def __init__(self, args: list[str], log_path: str, extra_env: dict[str, str] | None = None):
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.update(extra_env or {})
         here = os.path.dirname(os.path.abspath(__file__))  # for --modes ...,noop
-        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        paths = [here] + ([os.path.join(here, "vllm_engine_site")] if env.get(SPIN_ENV) else [])
+        env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         with open(log_path, "w") as logf:
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--engine", *args],
@@ -130,6 +203,10 @@ class Engine:
                 start_new_session=True,
             )
         self.log_path = log_path
+        self.pids = [self.proc.pid]  # the whole tree once it is up (``refresh_pids``)
+
+    def refresh_pids(self) -> None:
+        self.pids = process_tree(self.proc.pid)
 
     def line(self, timeout: float = 1800) -> dict:
         deadline = time.monotonic() + timeout
@@ -192,11 +269,11 @@ def start_broker(python: str, tmp: str) -> tuple[subprocess.Popen, str]:
 KINDS = ("local", "cross", "miss")
 
 
-def workload(a: argparse.Namespace) -> list[tuple[int, str, list[int]]]:
+def workload(a: argparse.Namespace, groups: int | None = None, seed: int = 0) -> list[tuple[int, str, list[int]]]:
     """(engine 0 or 1, kind, prompt) in order (see the module docstring)."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     out = []
-    for _ in range(a.groups):
+    for _ in range(a.groups if groups is None else groups):
         system = [rng.randrange(3, 512) for _ in range(a.prefix)]
 
         kinds = [(0, "miss"), (1, "cross")] + [(i % 2, "local") for i in range(a.hits)]
@@ -205,41 +282,90 @@ def workload(a: argparse.Namespace) -> list[tuple[int, str, list[int]]]:
     return out
 
 
+def mode_orders(modes: list[str], n: int, order: str, seed: int = 1) -> list[list[str]]:
+    """The order the modes get request ``i`` in: ``rotate`` (each request starts one mode later)
+    or ``random`` (a new shuffle per request, seeded), so no mode always follows the same one."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if order == "rotate":
+            out.append(modes[i % len(modes) :] + modes[: i % len(modes)])
+        else:
+            out.append(rng.sample(modes, len(modes)))
+    return out
+
+
 def p90(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
 
 
-def run_interleaved(a, model: str, tmp: str, modes: list[str], broker_sock: str) -> dict[str, list[dict]]:
-    """Every mode's two engines up at once; each request sent to every mode in turn."""
+class CpuLedger:
+    """CPU each mode's engines use while serving, and while another mode's engine serves: an
+    idle engine should use none (``--vllm-defaults`` shows what it does otherwise)."""
+
+    def __init__(self, engines: dict[str, list[Engine]]):
+        self.engines = engines
+        self.busy = {m: 0.0 for m in engines}  # CPU s of the serving engine's tree
+        self.idle = {m: 0.0 for m in engines}  # CPU s of both engines while other modes serve
+        self.idle_wall = {m: 0.0 for m in engines}  # wall s of other modes' requests
+
+    def sample(self) -> dict[str, list[float]]:
+        return {m: [cpu_seconds(e.pids) for e in es] for m, es in self.engines.items()}
+
+    def add(self, serving: str, eng: int, before: dict, after: dict, wall_s: float) -> None:
+        for m in self.engines:
+            if m == serving:
+                self.busy[m] += after[m][eng] - before[m][eng]
+            else:
+                self.idle[m] += sum(after[m]) - sum(before[m])
+                self.idle_wall[m] += wall_s
+
+
+def start_engines(a, model: str, tmp: str, modes: list[str], broker_sock: str) -> dict[str, list[Engine]]:
     engines: dict[str, list[Engine]] = {}
+    env = engine_env(a)
+    for mode in modes:
+        store_dir = os.path.join(tmp, f"kv-{mode}")
+        os.makedirs(store_dir, exist_ok=True)
+        args = ["--model", model, "--mode", base_mode(mode), "--socket", broker_sock, "--storage", store_dir]
+        engines[mode] = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log"), env) for i in (1, 2)]
+    return engines
+
+
+def run_interleaved(a, model: str, tmp: str, modes: list[str], broker_sock: str) -> tuple[dict, CpuLedger]:
+    """Every mode's two engines up at once; each request sent to every mode in turn, after
+    ``--warmup-groups`` untimed groups of the same shape on other prefixes."""
+    engines = start_engines(a, model, tmp, modes, broker_sock)
     try:
-        for mode in modes:
-            args = [
-                "--model",
-                model,
-                "--mode",
-                mode,
-                "--socket",
-                broker_sock,
-                "--storage",
-                os.path.join(tmp, f"kv-{mode}"),
-            ]
-            os.makedirs(os.path.join(tmp, f"kv-{mode}"), exist_ok=True)
-            engines[mode] = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log")) for i in (1, 2)]
         for es in engines.values():
             for e in es:
                 e.line()
+                e.refresh_pids()
+        for eng, _kind, prompt in workload(a, groups=a.warmup_groups, seed=1000):
+            for mode in modes:
+                engines[mode][eng].run([prompt])
+        ledger = CpuLedger(engines)
         results: dict[str, list[dict]] = {m: [] for m in modes}
+        work = workload(a)
         t0 = time.monotonic()
-        for i, (eng, kind, prompt) in enumerate(workload(a)):
-            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
-                r = engines[mode][eng].run([prompt])[0]
+        for i, ((eng, kind, prompt), order) in enumerate(zip(work, mode_orders(modes, len(work), a.order))):
+            try:
+                got = {}
+                for mode in order:
+                    before, t = ledger.sample(), time.monotonic()
+                    got[mode] = engines[mode][eng].run([prompt])[0]
+                    ledger.add(mode, eng, before, ledger.sample(), time.monotonic() - t)
+            except RuntimeError as e:  # an engine died (e.g. killed for memory): report what ran
+                print(f"stopped after {i} requests per mode: {e}", file=sys.stderr, flush=True)
+                a.stopped_early = f"{i} of {len(work)} requests per mode ({e})"
+                break
+            for mode, r in got.items():
                 r.update(kind=kind, engine=eng + 1)
                 results[mode].append(r)
             if i % 20 == 19:
                 print(f"  {i + 1} requests per mode, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        return results
+        return results, ledger
     finally:
         for es in engines.values():
             for e in es:
@@ -254,16 +380,58 @@ def summary(mode: str, rs: list[dict]) -> dict:
     return row
 
 
-def report(a, rows: list[dict], same: bool, wall_s: float) -> str:
+def ratio_lines(rows: list[dict]) -> list[str]:
+    """Every mode's median and p90 over ``none``'s, per kind; the A/A verdict when a second
+    ``none`` ran (the benchmark is fair when it is 1.00 within 5%, local median and p90)."""
+    by = {r["mode"]: r for r in rows}
+    if "none" not in by:
+        return []
+    n = by["none"]
+    lines = ["", "| mode / none | local median | local p90 | cross median | cross p90 | miss median | miss p90 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        if r["mode"] == "none":
+            continue
+        cells = []
+        for kind in KINDS:
+            for q in ("median_ms", "p90_ms"):
+                cells.append(f"{r[kind][q] / n[kind][q]:.3f}" if r[kind] and n[kind] else "-")
+        lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
+    controls = [r for r in rows if r["mode"] != "none" and base_mode(r["mode"]) == "none"]
+    for c in controls:
+        med, hi = (c["local"][q] / n["local"][q] for q in ("median_ms", "p90_ms"))
+        fair = abs(med - 1) <= 0.05 and abs(hi - 1) <= 0.05
+        lines += ["", f"A/A control ({c['mode']}, no connector on its own engines) / none, local hits: median "
+                  f"{med:.3f}, p90 {hi:.3f}: {'fair' if fair else 'NOT FAIR'} (fair when both are within 5% of 1)."]  # fmt: skip
+    if not controls:
+        lines += ["", "No A/A control ran (add none2 to --modes): the ratios above cannot be told from unfairness."]
+    return lines
+
+
+def cpu_lines(ledger: CpuLedger, results: dict[str, list[dict]]) -> list[str]:
+    lines = ["", "| mode | CPU per request served (ms) | CPU of its idle engines while other modes serve (% of a CPU) |",
+             "|---|---:|---:|"]  # fmt: skip
+    for m in ledger.engines:
+        share = 100 * ledger.idle[m] / ledger.idle_wall[m] if ledger.idle_wall[m] else 0.0
+        lines.append(f"| {m} | {1000 * ledger.busy[m] / max(1, len(results[m])):.0f} | {share:.1f} |")
+    return lines
+
+
+def report(a, rows: list[dict], same: bool, wall_s: float, ledger: CpuLedger | None = None, results=None) -> str:
     modes = [r["mode"] for r in rows]
+    setup = "vLLM's own CPU setup" if a.vllm_defaults else (
+        f"every engine alike: OpenMP on CPUs {engine_env(a)['VLLM_CPU_OMP_THREADS_BIND']}, idle OpenMP threads "
+        f"sleeping at once, vLLM's queues spinning {a.queue_spin_s:g} s after a message")  # fmt: skip
     lines = [
         f"### vLLM shared-prefix workload, modes interleaved ({time.strftime('%Y-%m-%d')}, "
         f"{platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, vLLM CPU backend)",
         "",
         f"{a.groups} groups of a {a.prefix}-token system prompt: per group 1 miss (engine 1), 1 cross-engine request "
         f"(engine 2) and {a.hits} local prefix-cache hits (alternating engines), {a.tail}-token tails; each request "
-        f"sent to every mode ({', '.join(modes)}) in a rotating order; model tiny_model.SMALL float32; "
-        f"{wall_s:.0f} s of requests. Greedy first tokens identical across modes, request by request: {same}.",
+        f"sent to every mode ({', '.join(modes)}) in a {a.order} order, after {a.warmup_groups} untimed warm-up "
+        f"group(s); {setup}; model tiny_model.SMALL float32; {wall_s:.0f} s of requests, load average "
+        f"{os.getloadavg()[0]:.1f} at the end. Greedy first tokens identical across modes, request by request: {same}."
+        + (f" **Stopped early**: {a.stopped_early}." if getattr(a, "stopped_early", "") else ""),
         "",
         "| mode | local hits n | local median (ms) | local p90 (ms) | cross-engine n | cross median (ms) | cross p90 (ms) "
         "| misses n | miss median (ms) | miss p90 (ms) | prefill tokens computed |",
@@ -276,6 +444,9 @@ def report(a, rows: list[dict], same: bool, wall_s: float) -> str:
             cells += [str(k["n"]), f"{k['median_ms']:.0f}", f"{k['p90_ms']:.0f}"] if k else ["0", "-", "-"]
         cells.append(str(r["prefill_computed"]))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ratio_lines(rows)
+    if ledger is not None:
+        lines += cpu_lines(ledger, results)
     by = {r["mode"]: r for r in rows}
     if "broker" in by and "none" in by:
         b, n = by["broker"], by["none"]
@@ -302,8 +473,18 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--tail", type=int, default=64)
     ap.add_argument(
-        "--modes", default="none,file,broker", help="of none, file, broker, noop (a connector doing nothing)"
+        "--modes",
+        default="none,none2,noop,broker",
+        help="of none, file, broker, noop (a connector doing nothing); a number after one runs it again on its own "
+        "engines (none2: the A/A control)",
     )
+    ap.add_argument("--order", choices=("random", "rotate"), default="random", help="the modes' order per request")
+    ap.add_argument("--warmup-groups", type=int, default=1, help="untimed groups sent to every engine first")
+    ap.add_argument("--omp-cpus", default="", help="CPUs every engine's OpenMP threads use (default: all)")
+    ap.add_argument(
+        "--vllm-defaults", action="store_true", help="leave vLLM's CPU setup as it is (unfair: see engine_env)"
+    )
+    ap.add_argument("--queue-spin-s", type=float, default=0.05, help="vLLM's queue spin after a message (its own: 1)")
     ap.add_argument("--out", default="", help="append a markdown table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (engine and broker logs)")
     a = ap.parse_args()
@@ -315,20 +496,22 @@ def main() -> None:
 
     model = tiny_model.build(os.path.join(tmp, "model"), config=tiny_model.SMALL)
     modes = a.modes.split(",")
+    for m in modes:
+        base_mode(m)
     broker, sock = start_broker(a.broker_python, tmp)
     try:
         t = time.monotonic()
-        results = run_interleaved(a, model, tmp, modes, sock)
+        results, ledger = run_interleaved(a, model, tmp, modes, sock)
         wall = time.monotonic() - t
     finally:
         broker.send_signal(signal.SIGTERM)
         broker.wait(30)
-    rows = [summary(m, results[m]) for m in modes]
+    rows = [summary(m, results[m]) for m in modes if results[m]]
     for r in rows:
         print(json.dumps(r), flush=True)
     tokens = [[r["token"] for r in results[m]] for m in modes]
     same = all(t == tokens[0] for t in tokens)
-    text = report(a, rows, same, wall)
+    text = report(a, rows, same, wall, ledger, results)
     print(text)
     if a.out:
         with open(a.out, "a") as f:
