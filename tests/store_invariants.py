@@ -92,3 +92,14 @@ def check_invariants(store: ObjectStore) -> None:
         assert start == pos, f"window ranges overlap or leave a hole at {pos}"
         pos = start + length
     assert pos == store.window.window_pages
+
+
+def check_queues_alike(batch, single) -> None:
+    """A recency queue changed in batches (``add_all``/``remove_all``/``touch_all``) holds what
+    the same changes made one at a time hold, in the same order, with no stale segment."""
+    assert [o.object_id for o in batch] == [o.object_id for o in single]
+    assert batch.evictable_pages == single.evictable_pages and len(batch) == len(single)
+    for q in batch._queues:
+        assert all(list(q._segs)[:-1]), "an emptied segment was kept"
+        assert all(batch._segments[o.queue_seg] is seg for seg in q._segs for o in seg.values())
+    assert set(batch._segments) == {n for q in batch._queues for n in q._nums}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import short_tmpdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -312,8 +313,9 @@ def test_bench_vllm_kv_engine_site_shortens_vllms_queue_spin_in_every_engine_pro
     vllm_py = os.path.join(ROOT, ".venv-vllm", "bin", "python")
     if not os.path.exists(vllm_py):
         pytest.skip("no .venv-vllm (`make vllm-venv`)")
+    ipc = os.path.join(short_tmpdir(), "spin")  # a Unix socket path: pytest's tmp_path can be too long
     code = ("import inspect; from vllm.distributed.device_communicators import shm_broadcast as s\n"
-            "import zmq; c = s.SpinCondition(True, zmq.Context(), 'ipc:///tmp/wt-29l-spin-test')\n"
+            f"import zmq; c = s.SpinCondition(True, zmq.Context(), 'ipc://{ipc}')\n"
             "print(c.busy_loop_s)")  # fmt: skip
     site = os.path.join(ROOT, "ops", "bench", "vllm_engine_site")
     outs = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from store_invariants import check_invariants
+from store_invariants import check_invariants, check_queues_alike
 
 from memory_broker.broker.store import eviction
 from memory_broker.broker.store.eviction import ContentType, ObjectQueue, PlainLRU, PriorityLRU
@@ -153,12 +153,7 @@ def test_add_all_and_remove_all_are_add_and_remove_in_order(policy, monkeypatch)
             batch.remove_all([objs_a[i] for i in pick])
             for i in pick:
                 single.remove(objs_b[i])
-        assert [o.object_id for o in batch] == [o.object_id for o in single]
-        assert batch.evictable_pages == single.evictable_pages and len(batch) == len(single)
-        for q in batch._queues:
-            assert all(list(q._segs)[:-1]), "an emptied segment was kept"
-            assert all(batch._segments[o.queue_seg] is seg for seg in q._segs for o in seg.values())
-        assert set(batch._segments) == {n for q in batch._queues for n in q._nums}
+        check_queues_alike(batch, single)
 
 
 def test_an_object_queue_forgets_emptied_segments(monkeypatch):

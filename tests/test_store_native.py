@@ -20,7 +20,7 @@ import sys
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
-from store_invariants import check_invariants
+from store_invariants import check_invariants, check_queues_alike
 
 from memory_broker.broker.store import eviction
 from memory_broker.broker.store.eviction import ContentType, PlainLRU, PriorityLRU
@@ -399,12 +399,7 @@ def test_the_batch_queue_moves_are_add_remove_and_touch_in_order(policy, seed, m
             batch.touch_all([objs_a[i] for i in pick])
             for i in pick:
                 single.touch(objs_b[i])
-        assert [o.object_id for o in batch] == [o.object_id for o in single]
-        assert batch.evictable_pages == single.evictable_pages and len(batch) == len(single)
-        for q in batch._queues:
-            assert all(list(q._segs)[:-1]), "an emptied segment was kept"
-            assert all(batch._segments[o.queue_seg] is seg for seg in q._segs for o in seg.values())
-        assert set(batch._segments) == {n for q in batch._queues for n in q._nums}
+        check_queues_alike(batch, single)
         assert [len(q._segs) for q in batch._queues] == [len(q._segs) for q in single._queues]
 
 

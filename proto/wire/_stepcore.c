@@ -74,40 +74,6 @@ static inline int out_u64(Out *o, uint64_t v) { return out_put(o, &v, 8); }
 
 static void out_free(Out *o) { PyMem_Free(o->p); o->p = NULL; o->len = o->cap = 0; }
 
-/* ------------------------------------------------------------------ unpack_u64s */
-
-/* unpack_u64s(buf, offset, count) -> tuple of ints: `count` little-endian u64s from `offset`. */
-static PyObject *
-unpack_u64s(PyObject *self, PyObject *args)
-{
-    Py_buffer view;
-    Py_ssize_t offset, count;
-    if (!PyArg_ParseTuple(args, "y*nn", &view, &offset, &count))
-        return NULL;
-    if (offset < 0 || count < 0 || offset > view.len || count > (view.len - offset) / 8) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "u64 run past the end of the buffer");
-        return NULL;
-    }
-    PyObject *out = PyTuple_New(count);
-    if (out == NULL) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    const unsigned char *p = (const unsigned char *)view.buf + offset;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *n = PyLong_FromUnsignedLongLong(rd64(p + 8 * i));
-        if (n == NULL) {
-            Py_DECREF(out);
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(out, i, n);
-    }
-    PyBuffer_Release(&view);
-    return out;
-}
-
 /* ------------------------------------------------------------------ decode_step (broker) */
 
 /* `count` length-prefixed strings from *pos (not past `end`): a tuple of bytes (text=0) or
@@ -617,7 +583,6 @@ fail:
 }
 
 static PyMethodDef methods[] = {
-    {"unpack_u64s", unpack_u64s, METH_VARARGS, "count little-endian u64s from offset, as a tuple"},
     {"decode_step", (PyCFunction)(void (*)(void))decode_step, METH_FASTCALL,
      "decode_step(body, Op): a STEP body's ops, or None where it is not well formed"},
     {"encode_allocations", (PyCFunction)(void (*)(void))encode_allocations, METH_FASTCALL,
