@@ -699,3 +699,41 @@ def test_lookup_many_past_one_frame_and_a_refusal_leave_nothing_pinned(step_rig)
             c.lookup_many([[b"k0"]] * 70 + [[b"x" * 70000]], pin=True)  # the last key is too long
         assert e.value.code == Code.INVALID_ARGUMENT
         assert all(o.session_pins == 0 for o in c.lookup([b"k%d" % i for i in range(6)], pin=False))
+
+
+def test_transport_times_out_a_silent_broker_in_the_kernel_with_a_clear_error(tmp_path):
+    """The client's step socket is a blocking socket the kernel times out (SO_RCVTIMEO; no
+    poll before each call): a broker that takes the frame and never answers gives
+    StepUnavailable naming the wait, within about the timeout, not a hang."""
+    import threading
+
+    from memory_broker.clients.step_transport import StepTransport, StepUnavailable
+
+    path = str(tmp_path / "silent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    held = []
+
+    def serve():
+        conn, _ = srv.accept()
+        held.append(conn)
+        head = conn.recv(5)
+        n, _kind = w.HEADER.unpack_from(head)
+        while n:
+            n -= len(conn.recv(n))
+        conn.sendall(w.encode_step_reply(0, ()))  # HELLO accepted; then silence
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    t = StepTransport(path, "token", 0.3)
+    th.join(5)
+    assert t._sock.gettimeout() is None  # blocking: no poll before each call
+    t0 = time.monotonic()
+    with pytest.raises(StepUnavailable, match=r"did not answer within 0\.3 s"):
+        t.request(w.frame(w.PING))
+    assert 0.25 <= time.monotonic() - t0 < 3.0
+    assert t.closed
+    srv.close()
+    for c in held:
+        c.close()
