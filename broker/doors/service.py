@@ -85,7 +85,7 @@ def _unary(fn):
             self.inflight -= 1
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:
-                self.metrics.rpc_latency.record(elapsed, {"method": method, "code": code})
+                self.metrics.rpc_latency.record(elapsed, method, code)
             if self.debug_rpcs:
                 self.log.debug("rpc", code=code, ms=round(elapsed * 1e3, 3))
             CALL.reset(call)

@@ -284,9 +284,7 @@ class BrokerServer:
             adapters=self.adapters,
             allowed_uids=self.opts.effective_uids(),
             num_slabs=lambda: self.arena.num_slabs,
-            record=(lambda s, method, code: metrics.rpc_latency.record(s, {"method": method, "code": code}))
-            if metrics is not None
-            else None,
+            record=metrics.rpc_latency.record if metrics is not None else None,
             log=self._log_event,
         )
         self.step_server.start()
