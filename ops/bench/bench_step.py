@@ -31,6 +31,10 @@ this VM charges code that runs after an idle spell: read the overlapped rows aga
 Targets (issue 16): steady median <= 2x raw; trace median <= 2x raw and p99 <= 10x (raw:
 the back-to-back ping-pong).
 
+``--one-cpu`` holds every process of the run (this client, the broker and its threads, the echo
+processes) on one CPU, so no row pays a wake-up across CPUs (on this VM it costs more than the
+round trip itself): the step rows are then like for like with the raw one-CPU row.
+
 ``--per-item`` prints instead each side's cost of a step of 1, 8, 64 and 512 items (a third
 adapters, the rest KV keys; issue 28's target: a CPU slope between 64 and 512 items under
 0.5 us per item per side); ``--keys-only`` and ``--adapters-only`` make every item a KV key
@@ -726,7 +730,16 @@ def main() -> None:
         help="per-item rows: the step wire codec, native (default; the Python one where it is not built), "
         "its pure-Python fallback, or both interleaved (the A/B)",
     )
+    ap.add_argument(
+        "--one-cpu",
+        action="store_true",
+        help="run everything (this client, the broker, the echo processes) on this process's first CPU: "
+        "every row, raw and step alike, then pays no wake-up across CPUs (like for like with the raw "
+        "ping-pong's one-CPU row)",
+    )
     a = ap.parse_args()
+    if a.one_cpu:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     global ITEM_CODECS
     if step_wire._core is None or a.codec == "python":
         ITEM_CODECS = ("python",)
@@ -800,7 +813,8 @@ def run(d: str, sock: str, steps: int) -> None:
     raw_us = min(min(raw_chunks), statistics.median(raw_one))
     print(
         f"Engine step control plane, per step at the client ({steps} steps per row; "
-        f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')})"
+        f"{os.cpu_count()} CPUs{', every process on one' if len(os.sched_getaffinity(0)) == 1 else ''}; "
+        f"{time.strftime('%Y-%m-%d')})"
     )
     print(f"{'baseline':<44}{'median us':>10}{'p99 us':>10}{'x raw':>8}")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f}{'':>10}{1.0:>8.2f}")
