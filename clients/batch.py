@@ -4,7 +4,7 @@
 the batch's sequences and sends the step path (``clients/step.py``'s ``StepPath.delta``) only
 the first hold and the last drop of each, so a change costs what changed, not the batch's
 size; ``begin``/``result`` overlap the round trip with the model's work, and a background
-batch's worker thread reads each change's reply and accounts it while the engine waits. It owns no session state beyond its
+batch's worker thread runs each change while the engine waits. It owns no session state beyond its
 counts and never talks gRPC itself (its fallbacks are ``BrokerClient``'s calls).
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import collections
 import logging
-import select
-import socket
+import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -40,23 +40,23 @@ class BatchDelta:
 class PendingBatchStep:
     """A change begun by ``StepBatch.begin``; ``result()`` returns its ``BatchDelta`` (once;
     the batch's next change collects it first if the caller has not). With a background
-    batch, ``begin`` has sent the change and the batch's worker thread reads the reply and
-    accounts it when it comes; ``result()`` waits for that, or does it itself if the worker
-    has not begun it (it had no GIL: the engine thread ran Python all along)."""
+    batch, the batch's worker thread sends the change, reads the reply and accounts it, and
+    ``result()`` waits for that, or runs the change itself if the worker has not started it
+    (it had no GIL: the engine thread ran Python all along)."""
 
     __slots__ = ("_finish", "_delta", "_error", "_done", "_wait_s", "_box")
 
     def __init__(
         self, finish: Callable[[], BatchDelta] | None, done: threading.Lock | None = None, wait_s: float = 0.0
     ):
-        # Run by the caller of ``result()`` (None: the worker runs the change's end).
+        # Run by the caller of ``result()`` (None: the worker runs the change).
         self._finish = finish
         self._delta: BatchDelta | None = None
         self._error: BaseException | None = None
-        # Held until the worker has run the change's end; ``wait_s`` bounds the wait for it.
+        # Held until the worker has run the change; ``wait_s`` bounds the wait for it.
         self._done = done
         self._wait_s = wait_s
-        # The change's end (a one-item list) while nobody has taken it.
+        # The queued change (a one-item list) while nobody has taken it.
         self._box: list | None = None
 
     @property
@@ -94,79 +94,95 @@ class PendingBatchStep:
         return self._delta
 
 
-_ARMED = select.EPOLLIN | select.EPOLLONESHOT
+# After a change, a background batch's worker looks for the next one for LINGER_S before it
+# sleeps until woken: an engine begins a change every step (every few ms), and a change queued
+# while the worker is looking costs the engine thread no wake-up (a futex wake and often an
+# IPI: 3.5-7 us of the 15-28 us a begin + result cost without it on the 2-core VM; keeping the
+# CPU out of deep idle helps too). Changes that come at a steady pace (an engine's steps) teach
+# the worker the usual interval between them: it sleeps once, until poll_s/2 after the next
+# one is due, and usually finds it queued (one wake-up a change, its own; on the 2-core VM,
+# loaded, a thread's timed sleep and wake-up cost it 24-36 us of CPU: bench_step.py's floor
+# line). Until it has learnt the pace, or when a change is late, it looks every ``poll_s``
+# (default POLL_S). A change queued while the worker sleeps wakes it (the engine thread pays
+# that wake-up) only if the sleep would otherwise hold it more than ``poll_s`` or, at a learnt
+# pace, WAIT_SHARE of it (an engine's steps jitter by more than poll_s on a loaded machine).
+POLL_S = 0.0002
+LINGER_S = 0.05
+WAIT_SHARE = 0.125
+# Weight of the newest interval in the learnt pace (a moving average).
+PACE_WEIGHT = 0.25
+_NEVER = float("inf")
 
 
 class _Jobs:
-    """A background batch's worker's inbox: the end of the change in flight (a one-item list,
-    taken by ``pop``: the worker or a ``result()`` that finds it not begun) and None to stop.
+    """A background batch's queue: changes (one-item lists, taken by ``pop``: the worker
+    or a ``result()`` that finds it not begun) and None to stop. Holds no batch."""
 
-    The worker sleeps in one untimed ``epoll`` wait on two descriptors: the step socket the
-    change went out on, armed once per change (``EPOLLONESHOT``: the broker's reply wakes it,
-    and the reply of any other call made while it is not armed does not), and a socket pair
-    that ``put`` writes to for a change whose end is not a reply to wait for (over gRPC, or
-    leases of their own to release). So a change sent on the step channel costs the engine
-    thread an ``epoll_ctl``, no thread wake-up, and the worker one wake-up, by the broker.
-    Holds no batch."""
+    __slots__ = ("items", "wake", "sleeping", "poll_s", "due", "patience", "last")
 
-    __slots__ = ("items", "ep", "fd", "_rx", "_tx")
-
-    def __init__(self) -> None:
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
         self.items: collections.deque = collections.deque()
-        self.ep = select.epoll()
-        # The step socket last armed (-1: none yet).
-        self.fd = -1
-        # Closed with this object (after the worker and the batch let go of it).
-        self._rx, self._tx = socket.socketpair()
-        self._rx.setblocking(False)
-        self.ep.register(self._rx.fileno(), select.EPOLLIN)
-
-    def arm(self, item, fd: int) -> None:
-        """Queue ``item`` for the worker, woken by the reply on ``fd`` (the step socket the
-        change went out on); a reply already there wakes it at once."""
-        self.items.append(item)
-        ep = self.ep
-        if fd == self.fd:
-            try:
-                ep.modify(fd, _ARMED)
-                return
-            except OSError:  # that socket closed (a new step channel may reuse its number)
-                pass
-        elif self.fd >= 0:
-            try:
-                ep.unregister(self.fd)
-            except OSError:
-                pass  # closed: epoll forgot it
-        ep.register(fd, _ARMED)
-        self.fd = fd
+        self.wake: queue.SimpleQueue = queue.SimpleQueue()
+        # The worker is (about to be) asleep until ``due`` (monotonic seconds; inf: until
+        # woken): a new item that must not wait that long wakes it.
+        self.sleeping = True
+        self.due = _NEVER
+        # The longest a new item may wait for the worker's sleep to end without waking it.
+        self.patience = poll_s
+        # When the newest item was queued (the worker learns the pace of changes from it).
+        self.last = 0.0
 
     def put(self, item) -> None:
-        """Queue ``item`` for the worker and wake it now."""
         self.items.append(item)
-        self._tx.send(b"\0")
+        now = self.last = time.monotonic()
+        if self.sleeping and self.due - now > self.patience:
+            self.sleeping = False
+            self.wake.put(None)
 
     def stop(self) -> None:
-        self.put(None)
+        self.items.append(None)
+        self.sleeping = False
+        self.wake.put(None)
 
-    def wait(self) -> None:
-        """The worker's sleep: until a reply on the armed socket or a ``put``."""
-        for fd, _ in self.ep.poll():
-            if fd == self._rx.fileno():
-                try:
-                    while self._rx.recv(4096):
-                        pass
-                except BlockingIOError:
-                    pass
+
+def _doze(jobs: _Jobs, due: float, now: float, patience: float = 0.0) -> None:
+    """Sleep until ``due`` (inf: until woken), woken sooner by an item queued meanwhile that
+    the sleep would hold more than ``patience`` (``_Jobs.put``)."""
+    jobs.patience = patience
+    jobs.due = due
+    jobs.sleeping = True
+    if jobs.items:  # queued after the look: it may have sent no wake-up
+        jobs.sleeping = False
+        return
+    try:
+        if due == _NEVER:
+            jobs.wake.get()
+        else:
+            jobs.wake.get(timeout=due - now)
+    except queue.Empty:
+        pass
+    # A put that saw ``sleeping`` may leave a wake-up behind: the next wait just returns early.
+    jobs.sleeping = False
 
 
 def _worker(jobs: _Jobs) -> None:
-    """A background batch's thread: end each change begun by the batch (read the broker's
-    reply, account it) while the engine thread waits for its model. Ends at None (the batch
-    released or collected). Holds the inbox only, not the batch."""
-    items = jobs.items
+    """A background batch's thread: run each begun change (send, read the reply, account
+    it) while the engine thread waits for its model. Ends at None (the batch released or
+    collected). Holds the queue only, not the batch."""
+    items, poll_s = jobs.items, jobs.poll_s
+    done = time.monotonic()
+    # When the last change run was queued, and the usual interval between changes (a moving
+    # average of those shorter than LINGER_S; 0 until one is seen).
+    seen = pace = 0.0
     while True:
         if not items:
-            jobs.wait()
+            now = time.monotonic()
+            if poll_s > 0 and now - done < LINGER_S:
+                # Asleep until poll_s/2 after the next change is due, or poll_s from now.
+                _doze(jobs, max(seen + pace + poll_s / 2, now + poll_s), now, max(poll_s, WAIT_SHARE * pace))
+            else:
+                _doze(jobs, _NEVER, now)
             continue
         box = items.popleft()
         if box is None:
@@ -175,8 +191,15 @@ def _worker(jobs: _Jobs) -> None:
             job = box.pop()
         except IndexError:  # a result() ran it
             continue
+        arrived = jobs.last
+        if arrived > seen:
+            gap = arrived - seen
+            if gap < LINGER_S:
+                pace = gap if pace == 0.0 else (1 - PACE_WEIGHT) * pace + PACE_WEIGHT * gap
+            seen = arrived
         job()
         del job, box  # they hold the batch: not past the change
+        done = time.monotonic()
 
 
 class StepBatch:
@@ -191,26 +214,31 @@ class StepBatch:
 
     ``add_keys`` is looked up like ``lookup``: the longest present prefix (keys the batch
     holds count as present) is pinned; the keys after it are counted but hold nothing.
-    A drop takes effect when sent (``begin``), so drop only what the running step no
-    longer reads. Between a background
+    A drop takes effect when sent (``begin``; a background batch's worker sends it soon
+    after), so drop only what the running step no longer reads. Between a background
     batch's ``begin`` and ``result`` its ``adapters`` and ``objects`` are the worker's.
     A refused change (e.g. an unknown adapter) raises BrokerError: its drops took
     effect, its adds did not. Bad arguments (dropping what the batch does not hold) raise
     ValueError and change nothing.
     """
 
-    def __init__(self, client, background: bool = False):
+    def __init__(self, client, background: bool = False, poll_s: float = POLL_S):
         """``client``: the ``BrokerClient`` whose session holds the batch (not imported here:
-        the client module imports this one)."""
+        the client module imports this one). ``poll_s``: how often a background batch's
+        worker looks for the next change in the LINGER_S after one (0: it sleeps until woken,
+        and each ``begin`` pays the wake-up)."""
+        if poll_s < 0:
+            raise ValueError(f"poll_s must be >= 0 seconds, not {poll_s!r}")
+        self.poll_s = poll_s
         self.client = client
         self.epoch = client.epoch
-        # Background: ``begin`` checks, counts and sends the change, and a thread of this
-        # batch reads the reply when it comes and accounts it (cache, leases, objects) while
-        # the engine thread waits for its model; ``result()`` then finds it done. That part
-        # of the work moves to the thread (it takes the GIL when the engine thread is not
-        # running Python); it is not removed.
+        # Background: ``begin`` only queues the change for a thread of this batch, which
+        # checks and counts it, sends it, reads the reply and accounts it (cache, leases,
+        # objects) while the engine thread waits for its model; ``result()`` then finds it
+        # done. The work moves to that thread (it takes the GIL when the engine thread is
+        # not running Python); it is not removed.
         self.background = background
-        self._jobs: _Jobs | None = None
+        self._jobs: queue.SimpleQueue | None = None
         # Adapter id -> its LeasedAdapter, for every id the batch holds (what kernels read).
         self.adapters: dict[str, LeasedAdapter] = {}
         # Key -> BrokerObject, for every key the batch holds pinned.
@@ -245,9 +273,9 @@ class StepBatch:
         _inline: bool = False,
     ) -> PendingBatchStep:
         """Send one change now; ``result()`` reads the reply (after the model's work). A
-        background batch's worker thread reads the reply and accounts it as soon as it comes,
-        while the caller goes on (a bad drop's ValueError then comes from ``result()``, still
-        having changed nothing)."""
+        background batch hands the change to its worker thread instead, which checks, sends
+        and accounts it while the caller goes on (a bad drop's ValueError then comes from
+        ``result()``, still having changed nothing)."""
         p = self._pending
         if p is not None:
             self._pending = None
@@ -266,7 +294,7 @@ class StepBatch:
             )
         if self.background and not _inline and (add or drop or add_keys or drop_keys):
             # Copies: the caller may reuse its lists before the worker reads them.
-            pending = self._send_change(tuple(add), drop, tuple(add_keys), drop_keys)
+            pending = self._hand_over(tuple(add), tuple(drop), tuple(add_keys), tuple(drop_keys))
         else:
             rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
             for lease in own:
@@ -305,60 +333,46 @@ class StepBatch:
         new_keys = [k for k in dict.fromkeys(add_keys) if k not in objects]
         return rel, unpin, new_ids, new_keys, own
 
-    def _send_change(self, add, drop, add_keys, drop_keys) -> PendingBatchStep:
-        """A background change: checked, counted and sent here (a bad drop's ValueError and
-        a send that fails come from ``result()``); the batch's worker thread reads the reply
-        and accounts it (woken by the reply itself: nobody wakes it). Until the worker has
+    def _hand_over(self, add, drop, add_keys, drop_keys) -> PendingBatchStep:
+        """Queue the change for the batch's worker thread (started on first use): the
+        caller's part of a background change is this, nothing more. Until the worker has
         the broker's reply, the client's other calls wait (``_unsent``), so the broker sees
         the session's calls in the order they were made."""
         client = self.client
         jobs = self._jobs
         if jobs is None:
-            jobs = self._jobs = _Jobs()
+            jobs = self._jobs = _Jobs(self.poll_s)
             threading.Thread(target=_worker, args=(jobs,), name="step-batch-worker", daemon=True).start()
             # A batch dropped without release() still ends its thread.
             weakref.finalize(self, jobs.stop)
         done = threading.Lock()
         done.acquire()
         pending = PendingBatchStep(None, done, client.timeout + 1.0)
-        try:
-            rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
-            calls = client._step_calls()
-            sent = calls.change(new_ids, rel, new_keys, unpin)
-        except BaseException as e:
-            pending._error = e
-            done.release()
-            return pending
-        fd = calls.path.transport.fileno() if sent.sent else -1
-        if fd < 0 and not own and calls.path is not None:
-            # The step cache had all of it: accounting it costs less than any hand-over.
-            self._end_change(pending, None, sent, own, add, new_ids, add_keys, new_keys)
-            return pending
         gate = threading.Lock()  # held until the change is answered
         gate.acquire()
         client._unsent.append(gate)
         # Whoever pops it runs it: the worker, or result() if the worker has not begun it.
-        box = [lambda: self._end_change(pending, gate, sent, own, add, new_ids, add_keys, new_keys)]
+        box = [lambda: self._run_change(pending, gate, add, drop, add_keys, drop_keys)]
         pending._box = box
-        if fd >= 0:
-            jobs.arm(box, fd)
-        else:
-            jobs.put(box)  # over gRPC, or leases to release over it: the worker is woken
+        jobs.put(box)
         return pending
 
-    def _end_change(self, pending: PendingBatchStep, gate, sent, own, add, new_ids, add_keys, new_keys) -> None:
-        """The worker's part of a background change: read the reply, open the client's other
-        calls (``gate``), release the gRPC leases dropped, account the reply."""
+    def _run_change(self, pending: PendingBatchStep, gate: threading.Lock, add, drop, add_keys, drop_keys) -> None:
+        """The worker's part of a background change: check and count it, send it, read the
+        reply, open the client's other calls (``gate``), account the reply."""
         client = self.client
         try:
             try:
-                sent.collect()  # the broker has answered: the session's other calls may follow
+                own = ()
+                rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
+                sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
+                if sent.sent:
+                    sent.collect()  # the broker has it: the session's other calls may follow
             finally:
-                if gate is not None:
-                    # The session's other calls may go now (this thread's own gRPC calls below
-                    # would otherwise wait for this very gate).
-                    client._unsent.remove(gate)
-                    gate.release()
+                # The session's other calls may go now (this thread's own gRPC calls below
+                # would otherwise wait for this very gate).
+                client._unsent.remove(gate)
+                gate.release()
             for lease in own:  # over gRPC: after the gate, or this thread would wait for itself
                 lease.release()
             # Over gRPC the change's calls are made here (after the gate, or they would wait for it).

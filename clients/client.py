@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
 
 from memory_broker.clients.adapters import AdapterLease
-from memory_broker.clients.batch import StepBatch
+from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.discovery import check_device, find_socket
 from memory_broker.clients.fastpath import ChannelCalls, choose_calls
 from memory_broker.clients.grpc_calls import GrpcCalls
@@ -478,12 +478,12 @@ class BrokerClient(BrokerQueries):
         calls = self._step_calls()
         return calls.step_begin(list(adapter_ids), list(keys), max_adapters, prepare, lease_s, commit, release)
 
-    def step_batch(self, background: bool = False) -> StepBatch:
+    def step_batch(self, background: bool = False, poll_s: float = POLL_S) -> StepBatch:
         """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
         completions (a change costs what changed, not the batch's size). ``background``: a
-        thread of the batch reads each ``begin``'s reply and accounts it while the caller
-        goes on (see StepBatch)."""
-        return StepBatch(self, background)
+        thread of the batch runs each ``begin``'s change while the caller goes on; it looks
+        for the next change every ``poll_s`` for a while after one (0: never; see StepBatch)."""
+        return StepBatch(self, background, poll_s)
 
     def flush_holdings(self) -> int:
         """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
