@@ -77,8 +77,8 @@ class PendingBatchStep:
                     job()  # not begun by the worker (it had no GIL): run it here
             if not done.acquire(timeout=self._wait_s):
                 raise BrokerError(
-                    Code.DEADLINE_EXCEEDED,
-                    f"the step batch's worker did not finish this change within {self._wait_s:.0f} s; "
+                    Code.UNAVAILABLE,
+                    f"the step batch's worker did not finish this change within {self._wait_s:g} s; "
                     "the broker may be stuck: check `memory-broker status`",
                 )
             done.release()

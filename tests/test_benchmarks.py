@@ -118,8 +118,10 @@ def test_bench_step_quick_run_prints_every_path_and_both_targets():
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out
     assert "target issue 28, step channel, client.step(), steady" in out and "CPU us" in out
-    # The background worker's target, and beside it what this machine charges before any Python.
+    # The background worker's target, and beside it what this machine charges before any Python,
+    # with a worker and with none.
     assert "target issue 28, background batch" in out and "the floor on this machine, no Python" in out
+    assert "with no worker, a raw send before the model's wait and the receive after it" in out
 
 
 def test_bench_cuda_arena_small_run_prints_every_table_beside_the_host_arena():

@@ -318,3 +318,29 @@ def test_between_steady_changes_the_worker_wakes_once_a_change(monkeypatch):
     jobs.stop()
     t.join(10)
     assert woke < 0.01, f"a change that came early waited {woke * 1e3:.1f} ms"
+
+
+def test_result_gives_up_on_a_worker_that_does_not_finish(step_rig, monkeypatch):
+    # The worker is stuck in a change (a broker that does not answer): result() says so
+    # after its wait (it used to raise AttributeError: a status code that does not exist).
+    from memory_broker.clients import batch as batch_mod
+
+    stuck = threading.Event()
+    finish = batch_mod.StepBatch._finish
+    monkeypatch.setattr(batch_mod.StepBatch, "_finish", lambda self, *a: (stuck.wait(10), finish(self, *a))[1])
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        batch = c.step_batch(background=True)
+        p = batch.begin(["a0"], (), [b"k0"])
+        deadline = time.monotonic() + 5
+        while p._box and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the worker has taken it (and is stuck in it)
+        p._wait_s = 0.2
+        with pytest.raises(BrokerError) as e:
+            p.result()
+        assert e.value.code == Code.UNAVAILABLE and "did not finish this change within 0.2 s" in str(e.value)
+        stuck.set()
+        assert [o.key for o in p.result().objects] == [b"k0"]  # it finished after all
+        batch.release()
+        assert c.stats().pinned_pages == 0

@@ -356,11 +356,14 @@ def raw_pingpong(d: str, n: int, idle: bool = False, one_cpu: bool = False) -> l
         p.wait(10)
 
 
-def worker_floor(d: str, n: int) -> list[tuple[float, float]]:
+def worker_floor(d: str, n: int) -> list[tuple[float, float, float]]:
     """What a background batch's worker pays per change before any Python of its own, on
     this machine: its thread's CPU for a timed wait of the model's work (the worker sleeps
     between changes), then for a 32-byte send and a blocking receive from a bare echo
-    process (it waits for the broker's reply). [(wait us, send + receive us)]."""
+    process (it waits for the broker's reply); and, beside it, what a round trip costs with
+    no worker at all: the send before the model's wait and the receive after it, on one
+    thread (the reply is there by then: ``begin``/``result`` without a background batch).
+    [(wait us, send + receive us, no-worker us)]."""
     import queue
 
     path = os.path.join(d, "floor.sock")
@@ -383,8 +386,14 @@ def worker_floor(d: str, n: int) -> list[tuple[float, float]]:
             s.sendall(msg)
             s.recv_into(buf)
             c2 = time.thread_time_ns()
+            s.sendall(msg)
+            c3 = time.thread_time_ns()
+            time.sleep(MODEL_WORK_S)
+            c4 = time.thread_time_ns()
+            s.recv_into(buf)
+            c5 = time.thread_time_ns()
             if i >= 50:
-                out.append(((c1 - c0) / 1000, (c2 - c1) / 1000))
+                out.append(((c1 - c0) / 1000, (c2 - c1) / 1000, (c3 - c2 + c5 - c4) / 1000))
         s.close()
         return out
     finally:
@@ -787,7 +796,7 @@ def run(d: str, sock: str, steps: int) -> None:
     raw, raw_idle, ping, echo = [], [], [], []
     raw_chunks: list[float] = []  # each echo process's median
     raw_one: list[float] = []
-    floor: list[tuple[float, float]] = []  # worker_floor's, beside the background rows
+    floor: list[tuple[float, float, float]] = []  # worker_floor's, beside the background rows
     cpu: dict[str, tuple[list[float], list[float]]] = {}
     results: dict[tuple[str, str], tuple[list[float], float, float]] = {}
     # Baselines between the paths, so drift on a shared machine hits both.
@@ -856,11 +865,13 @@ def run(d: str, sock: str, steps: int) -> None:
                 f"{'MET' if x < 30 else 'NOT MET'}"
             )
             if floor:
-                w, r = statistics.median(a for a, _ in floor), statistics.median(b for _, b in floor)
+                w, r, o = (statistics.median(f[i] for f in floor) for i in range(3))
                 print(
                     f"  the floor on this machine, no Python: a thread's timed wait of {MODEL_WORK_S * 1e3:.0f} ms "
                     f"{w:.1f} us of its CPU, then a raw send + blocking receive {r:.1f} us: {w + r:.1f} us "
-                    f"(a worker that sleeps between changes and waits for the reply pays both)"
+                    f"(a worker that sleeps between changes and waits for the reply pays both); with no worker, "
+                    f"a raw send before the model's wait and the receive after it, one thread: {o:.1f} us "
+                    f"(the least a changed step's round trip costs the process here, in any design)"
                 )
     cached = [n for n, _, _ in PATHS if n.startswith("cache")]
     if not cached:
