@@ -128,6 +128,69 @@ def test_decode_step_native_refuses_every_cut_and_names_it_as_python_does(cut):
     assert CORE.decode_step(GOOD_BODY[:cut], w.Op) is None
 
 
+def test_decode_step_native_fills_ops_and_calls_a_class_that_does_more_than_assign():
+    """The C fills a plain record's slots (no ``__init__`` per op); a class with a
+    ``__post_init__`` or its own ``__new__`` is called, so what it does still happens."""
+    import dataclasses
+
+    seen = []
+
+    @dataclasses.dataclass(slots=True)
+    class Checked(w.Op):
+        def __post_init__(self):
+            seen.append(self.kind)
+
+    class Made(w.Op):
+        __slots__ = ()
+
+        def __new__(cls, *args):
+            seen.append("new")
+            return super().__new__(cls)
+
+    assert CORE.decode_step(GOOD_BODY, w.Op) == GOOD
+    got = CORE.decode_step(GOOD_BODY, Checked)
+    assert [o.kind for o in got] == [o.kind for o in GOOD] == seen
+    assert all(type(o) is Checked for o in got)
+    seen.clear()
+    got = CORE.decode_step(GOOD_BODY, Made)
+    assert seen == ["new"] * len(GOOD) and [o.items for o in got] == [o.items for o in GOOD]
+    # A class that is not a record of Op's fields at all is still called.
+    assert CORE.decode_step(GOOD_BODY, lambda *a: a) == [
+        (o.kind, o.items, o.flags, o.max_adapters, o.lease_ms) for o in GOOD
+    ]
+    # And after those, Op is filled again, the same as Python builds it.
+    assert CORE.decode_step(GOOD_BODY, w.Op) == GOOD
+
+
+# ------------------------------------------------------------------ step replies (the broker encodes)
+
+records = st.binary(max_size=40) | st.sampled_from([b"", b"\x02", bytearray(b"ab"), memoryview(b"cd")])
+
+
+@FAST
+@given(
+    st.integers(0, 2**32 + 1) | st.sampled_from([-1, 2**64, True]),
+    st.lists(records, max_size=6) | st.tuples(records, records) | st.just([b"\x02"] * 65536),
+)
+def test_encode_step_reply_native_and_python_give_the_same_frame_or_error(slabs, results):
+    native_out, python_out = both(w.encode_step_reply, slabs, results)
+    assert native_out == python_out
+
+
+def test_encode_ok_reply_takes_a_list_of_bytes_and_hands_back_the_rest():
+    assert CORE.encode_ok_reply(3, [b"\x02", b"ab"]) == w.HEADER.pack(9, w.OK) + struct.pack("<IH", 3, 2) + b"\x02ab"
+    assert CORE.encode_ok_reply(0, []) == w.HEADER.pack(6, w.OK) + struct.pack("<IH", 0, 0)
+    for slabs, results in (
+        (3, (b"a",)),
+        (3, [bytearray(b"a")]),
+        (2**32, [b"a"]),
+        (-1, []),
+        (1.0, []),
+        (1, [b"x"] * 65536),
+    ):
+        assert CORE.encode_ok_reply(slabs, results) is None
+
+
 # ------------------------------------------------------------------ object records (the broker encodes)
 
 
@@ -243,6 +306,7 @@ def test_the_usual_frames_are_taken_by_the_c_not_handed_back():
     """The differential tests above pass trivially if the C hands everything to Python: it
     takes a well-formed body, a committed store object and a reply itself."""
     assert CORE.decode_step(GOOD_BODY, w.Op) == GOOD
+    assert CORE.encode_ok_reply(1, [b"\x02"]) is not None
     objs = [_allocation(5, 1, {1: 2}, 2, b"k", [3, 4], head=True), _allocation(6, 2, {}, 2, None, [])]
     got = CORE.encode_allocations(w.OP_PIN, 1, objs, w._wire_parts, w._OBJ_ATTRS)
     saved, w._core = w._core, None

@@ -99,3 +99,36 @@ def test_each_ops_latency_is_recorded_after_the_reply(rig, monkeypatch):
     assert r.failed_index == 2 and r.error is not None
     assert before == []  # nothing recorded while the reply is being made
     assert after == [("Unpin", "OK", True), ("Lookup", "OK", True), ("Commit", r.error.code.value, True)]
+
+
+def test_every_op_kind_has_a_handler_and_ops_are_timed_only_for_a_recorder(rig, monkeypatch):
+    """The frame loop dispatches by a table of handlers: one for every op kind the wire
+    decodes (``_op`` refuses a kind it lacks). Ops are timed for the latency metric only:
+    with a recorder each op's seconds are counted under its kind, without one no op is timed."""
+    from memory_broker.proto.wire.errors import BrokerError
+
+    box, c, _ = rig
+    server = box["server"].step_server
+    assert set(step_channel.HANDLERS) == set(w.OP_NAMES)
+    body = w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 0)])[5:]
+
+    async def run(record):
+        monkeypatch.setattr(server, "_record", record)
+        conn = conn_of(server, c)
+        spent = dict(server.counters.op_seconds)
+        r = reply(server._step(conn, body))
+        await asyncio.sleep(0)
+        grew = {k for k, t in server.counters.op_seconds.items() if t > spent.get(k, 0.0)}
+        try:
+            server._op(conn.session.session_id, w.Op(99, ()))
+        except BrokerError as e:
+            return r, grew, e
+        return r, grew, None
+
+    got = []
+    r, grew, refused = on_loop(box, lambda: run(lambda s, method, code: got.append(method)))
+    assert r.error is None and r.results[0] is None and [o.key for o in r.results[1]] == [b"fl-k"]
+    assert grew == {w.OP_UNPIN, w.OP_LOOKUP} and got == ["Unpin", "Lookup"]
+    assert refused is not None and refused.code.name == "INVALID_ARGUMENT" and "unknown op kind 99" in refused.message
+    r, grew, _ = on_loop(box, lambda: run(None))
+    assert r.error is None and grew == set()

@@ -11,8 +11,16 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifndef Py_T_OBJECT_EX
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#endif
+#ifndef Py_READONLY
+#define Py_READONLY READONLY
+#endif
 
 #define MAX_OPS 64
 #define OP_RELEASE 1
@@ -114,10 +122,51 @@ malformed:
     return NULL;
 }
 
-static PyObject *
-make_op(PyObject *op_type, long kind, PyObject *items, long flags, long cap, unsigned long lease)
+/* The Op class whose slots make_op fills directly (a strong reference), and the offsets of its
+ * five fields; NULL until decode_step first sees a class with that layout. Op is a plain
+ * slotted record (step.py: no __init__ logic but assignment), so filling its slots is what
+ * calling it does, without running a Python __init__ per op. */
+static PyTypeObject *op_fast_type;
+static Py_ssize_t op_offsets[5];
+static const char *const OP_FIELDS[5] = {"kind", "items", "flags", "max_adapters", "lease_ms"};
+
+/* Whether `cls` is a class whose five fields are writable object slots, with object's own
+ * __new__ and no __post_init__ (then op_fast_type is it); 0 otherwise: the caller calls it. */
+static int
+op_layout(PyObject *cls)
 {
-    /* Op(kind, items, flags, max_adapters, lease_ms); steals `items`. */
+    if ((PyTypeObject *)cls == op_fast_type) return 1;
+    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
+    int post = PyObject_HasAttrString(cls, "__post_init__");
+    if (post) return 0; /* an __init__ that does more than assign: called, not filled */
+    Py_ssize_t offs[5];
+    for (int f = 0; f < 5; f++) {
+        PyObject *d = PyObject_GetAttrString(cls, OP_FIELDS[f]);
+        if (d == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
+                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
+            offs[f] = m->d_member->offset;
+        }
+        Py_DECREF(d);
+        if (!ok) return 0;
+    }
+    memcpy(op_offsets, offs, sizeof offs);
+    Py_INCREF(cls);
+    Py_XSETREF(op_fast_type, (PyTypeObject *)cls);
+    return 1;
+}
+
+static PyObject *
+make_op(PyObject *op_type, int fast, long kind, PyObject *items, long flags, long cap, unsigned long lease)
+{
+    /* Op(kind, items, flags, max_adapters, lease_ms); steals `items`. `fast`: op_type is
+     * op_fast_type (its slots are filled; otherwise it is called). */
     PyObject *args[5];
     args[0] = PyLong_FromLong(kind);
     args[1] = items;
@@ -125,8 +174,21 @@ make_op(PyObject *op_type, long kind, PyObject *items, long flags, long cap, uns
     args[3] = PyLong_FromLong(cap);
     args[4] = PyLong_FromUnsignedLong(lease);
     PyObject *op = NULL;
-    if (args[0] && args[2] && args[3] && args[4])
-        op = PyObject_Vectorcall(op_type, args, 5, NULL);
+    if (args[0] && args[2] && args[3] && args[4]) {
+        if (fast) {
+            PyTypeObject *t = (PyTypeObject *)op_type;
+            op = t->tp_alloc(t, 0);
+            if (op != NULL) {
+                for (int i = 0; i < 5; i++) {
+                    /* the slots of a fresh object are NULL: each takes our reference */
+                    *(PyObject **)((char *)op + op_offsets[i]) = args[i];
+                    args[i] = NULL;
+                }
+            }
+        } else {
+            op = PyObject_Vectorcall(op_type, args, 5, NULL);
+        }
+    }
     for (int i = 0; i < 5; i++) Py_XDECREF(args[i]);
     return op;
 }
@@ -141,6 +203,7 @@ decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *op_type = args[1];
+    int fast = op_layout(op_type);
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
@@ -199,7 +262,7 @@ decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred()) goto fail;
             goto malformed;
         }
-        PyObject *op = make_op(op_type, k, items, flags, cap, lease);
+        PyObject *op = make_op(op_type, fast, k, items, flags, cap, lease);
         if (op == NULL) goto fail;
         PyList_SET_ITEM(ops, i, op);
     }
@@ -214,6 +277,55 @@ fail:
     Py_XDECREF(ops);
     PyBuffer_Release(&view);
     return NULL;
+}
+
+/* ------------------------------------------------------------------ encode_ok_reply (broker) */
+
+/* encode_ok_reply(arena_slabs, results) -> bytes, or None: an OK STEP reply frame (header,
+ * reply head, then the already-encoded result records joined), as step.encode_step_reply
+ * writes it for a list of bytes. None for anything else (not a list of bytes, counts or
+ * sizes out of range): the Python path then writes or refuses it. */
+static PyObject *
+encode_ok_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "encode_ok_reply(arena_slabs, results)");
+        return NULL;
+    }
+    PyObject *results = args[1];
+    if (!PyLong_Check(args[0]) || !PyList_CheckExact(results)) Py_RETURN_NONE;
+    unsigned long slabs = PyLong_AsUnsignedLong(args[0]);
+    if (slabs == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(results);
+    if (slabs > 0xFFFFFFFFUL || n > 0xFFFF) Py_RETURN_NONE;
+    Py_ssize_t size = 6;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyList_GET_ITEM(results, i);
+        if (!PyBytes_CheckExact(r)) Py_RETURN_NONE;
+        size += PyBytes_GET_SIZE(r);
+        if (size > 0xFFFFFFFFL) Py_RETURN_NONE;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + size);
+    if (out == NULL) return NULL;
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    uint32_t v = (uint32_t)size;
+    memcpy(p, &v, 4);
+    p[4] = OK_KIND;
+    v = (uint32_t)slabs;
+    memcpy(p + 5, &v, 4);
+    p[9] = (unsigned char)n;
+    p[10] = (unsigned char)(n >> 8);
+    p += 11;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyList_GET_ITEM(results, i);
+        Py_ssize_t k = PyBytes_GET_SIZE(r);
+        memcpy(p, PyBytes_AS_STRING(r), (size_t)k);
+        p += k;
+    }
+    return out;
 }
 
 /* ------------------------------------------------------------------ encode_allocations (broker) */
@@ -585,6 +697,8 @@ fail:
 static PyMethodDef methods[] = {
     {"decode_step", (PyCFunction)(void (*)(void))decode_step, METH_FASTCALL,
      "decode_step(body, Op): a STEP body's ops, or None where it is not well formed"},
+    {"encode_ok_reply", (PyCFunction)(void (*)(void))encode_ok_reply, METH_FASTCALL,
+     "encode_ok_reply(arena_slabs, results): an OK STEP reply frame from a list of bytes, or None"},
     {"encode_allocations", (PyCFunction)(void (*)(void))encode_allocations, METH_FASTCALL,
      "encode_allocations(kind, sid, objs, wire_parts, attrs): the object records, or None"},
     {"encode_step", (PyCFunction)(void (*)(void))encode_step, METH_FASTCALL,

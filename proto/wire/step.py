@@ -87,7 +87,7 @@ OBJ_OWNED, OBJ_DEDUP = 1, 2
 # anything it does not take, and the Python pass then runs: it gives the result or raises the
 # error that names the fault, so errors are always the Python ones. Tests switch it off here.
 _core = native.load("memory_broker.proto.wire._stepcore")
-_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok")
+_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok", "encode_ok_reply")
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
     native.log.warning(
@@ -112,6 +112,8 @@ class WireError(ValueError):
 
 @dataclass(slots=True)
 class Op:
+    # A plain record: the native ``decode_step`` fills its slots without calling ``__init__``
+    # (it calls the class instead if it ever gains a ``__post_init__`` or its own ``__new__``).
     kind: int
     # Adapter ids (release, acquire), object or transaction ids (unpin, pin, commit,
     # abort), or keys (lookup).
@@ -618,6 +620,10 @@ def encode_step_reply(
 ) -> bytes:
     """A STEP reply frame from already-encoded result records."""
     if error is None:
+        if _core is not None:
+            out = _core.encode_ok_reply(arena_slabs, results)
+            if out is not None:
+                return out
         # Header, reply head and records in one join (one copy of each record).
         n = len(results)
         size = _STEP_REPLY_HEAD.size + (len(results[0]) if n == 1 else sum(map(len, results)) if n else 0)
