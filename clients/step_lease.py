@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from operator import itemgetter
+from operator import attrgetter
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
@@ -25,7 +25,7 @@ from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
 
 # BrokerObjects kept for step-cache records (cleared beyond this: they are rebuilt on demand).
 _MADE_LIMIT = 16384
-_first, _second = itemgetter(0), itemgetter(1)
+_ADAPTER_ID = attrgetter("adapter_id")
 
 
 class SessionRecords:
@@ -37,7 +37,7 @@ class SessionRecords:
         # (adapter id, generation, object id) -> LeasedAdapter, and adapter id -> (the step
         # cache's record, its LeasedAdapter).
         self._leased: dict = {}
-        # (adapter id, id of a hot record) -> its LeasedAdapter; id(record) -> BrokerObject.
+        # id(a hot adapter record) -> its LeasedAdapter; id(object record) -> BrokerObject.
         # A record keyed by its id is kept alive in ``_kept`` (so no other takes its id) as
         # long as it is keyed. The step transport's decoder hands out the record it made
         # before for the same bytes, so a step that gets back what an earlier one got finds
@@ -84,22 +84,23 @@ class SessionRecords:
                 out[i] = obj
         return out
 
-    def step_lease(self, adapters, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
-        """The lease of a step channel's acquire: ``adapters`` is [(adapter id, record)]."""
+    def step_lease(self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
+        """The lease of a step channel's acquire: adapter ``ids[i]`` has record ``recs[i]``."""
         client = self.client
         if arena_slabs:
             client._ensure_slabs(arena_slabs)
         by_rec = self._by_rec
-        keys = list(zip(map(_first, adapters), map(id, map(_second, adapters))))
-        leased = list(filter(None, map(by_rec.get, keys)))
-        if len(leased) != len(keys):
-            leased = [self.leased_step(aid, rec) for aid, rec in adapters]
+        # A hot record's LeasedAdapter by the record's identity, checked against the ids (one
+        # adapter's record is never another's: its object is the adapter's).
+        leased = list(filter(None, map(by_rec.get, map(id, recs))))
+        if len(leased) != len(ids) or list(map(_ADAPTER_ID, leased)) != ids:
+            leased = [self.leased_step(aid, rec) for aid, rec in zip(ids, recs)]
             with self._lock:
-                kept = self._room(len(keys))
-                for k, (_, rec), la in zip(keys, adapters, leased):
+                kept = self._room(len(leased))
+                for rec, la in zip(recs, leased):
                     if rec.found_in == _w.TIER_HOT:
-                        kept[k[1]] = rec
-                        by_rec[k] = la
+                        kept[id(rec)] = rec
+                        by_rec[id(rec)] = la
         return AdapterLease(client, leased, deferred, txn_id, client.session_id)
 
     def leased_step(self, aid: str, rec) -> LeasedAdapter:

@@ -220,6 +220,24 @@ def test_a_step_that_gets_back_what_an_earlier_one_got_builds_nothing_new(step_r
         assert c.stats().pinned_pages == 0
 
 
+def test_a_lease_reused_by_its_records_names_the_ids_asked(step_rig):
+    """Leases are found again by their records' identity: records in another order (or under
+    other ids) are not taken for the leases they made before."""
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        s1 = c.step(["a0", "a1"])
+        records = c._step_calls().records
+        r0, r1 = records._leased["a0"][0], records._leased["a1"][0]
+        again = records.step_lease(["a0", "a1"], (r0, r1), [], 0, 0)
+        assert [a is p for a, p in zip(again.adapters, s1.adapters.adapters, strict=True)] == [True, True]
+        swapped = records.step_lease(["a1", "a0"], (r0, r1), [], 0, 0)
+        assert swapped.ids == ["a1", "a0"] and [a.object_id for a in swapped.adapters] == [r0.object_id, r1.object_id]
+        swapped.released = again.released = True  # made here, not acquired: nothing to give back
+        s1.release()
+        assert c.stats().pinned_pages == 0
+
+
 def test_reused_objects_read_what_the_arena_holds_now(step_rig):
     b, setup = step_rig
     (k4,) = setup.lookup([b"k4"], pin=False)
