@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 from memory_broker.proto.wire import native
@@ -128,6 +128,9 @@ class AcquiredRecord:
     object_id: int
     found_in: int
     pages: tuple[int, ...]
+    # Not on the wire: what the client built from this record (its LeasedAdapter; the
+    # client's ``SessionRecords``), found again with the record.
+    made: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -155,6 +158,8 @@ class ObjectRecord:
     pages: list[int]
     key: bytes
     arena_slabs: int = 0
+    # Not on the wire: what the client built from this record (its BrokerObject).
+    made: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
