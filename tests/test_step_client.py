@@ -141,6 +141,19 @@ def test_a_record_is_the_one_made_before_from_the_same_bytes_and_arena():
     assert grown.results[0].adapters[0] is first.results[0].adapters[0]
 
 
+def test_a_reply_without_results_keeps_the_records_made_before():
+    """A PING's reply says 0 slabs and carries nothing: the records made before stay (the
+    next step's reply finds them, and what the client built from them, as before)."""
+    rng = random.Random(6)
+    frame = w.encode_step_reply(3, [w.encode_objects(w.OP_LOOKUP, _objects(rng, 5, "same"))])
+    pong = w.encode_step_reply(0, ())
+    decode = w.ReplyDecoder()
+    first = decode(frame[4], frame[5:]).results[0]
+    assert decode(pong[4], pong[5:]).results == []
+    again = decode(frame[4], frame[5:]).results[0]
+    assert all(a is b for a, b in zip(first, again, strict=True)) and again[0].arena_slabs == 3
+
+
 def _reference_encode(ops: list[w.Op]) -> bytes:
     """The documented request layout, item by item."""
     body = struct.pack("<H", len(ops))

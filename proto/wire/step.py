@@ -870,8 +870,9 @@ class ReplyDecoder:
                 if _core is None:
                     return self._decode_ok(body)
                 # The native pass, inline (one call a frame less on every round trip).
-                if _U32.unpack_from(body)[0] != self._slabs:
-                    self._new_arena(body)
+                slabs, n = _STEP_REPLY_HEAD.unpack_from(body)
+                if slabs != self._slabs and n:
+                    self._new_arena(slabs)
                 got = _core.decode_ok(
                     body, self._objects, self._make_object, self._adapters, _adapter_record, AcquireOutcome, _MEMO_LIMIT
                 )
@@ -881,17 +882,17 @@ class ReplyDecoder:
                 pass
         return decode_step_reply(kind, body)
 
-    def _new_arena(self, body: bytes) -> None:
-        """An object record carries the arena's size: records are made again for a new one."""
-        slabs = _U32.unpack_from(body)[0]
+    def _new_arena(self, slabs: int) -> None:
+        """An object record carries the arena's size: records are made again for a new one
+        (a reply with no results, as a PING's, which says 0, makes none and changes nothing)."""
         self._objects.clear()
         self._slabs = slabs
         self._make_object = lambda raw: _object_record(raw, slabs)
 
     def _decode_ok(self, body: bytes) -> StepReply:
         slabs, n = _STEP_REPLY_HEAD.unpack_from(body, 0)
-        if slabs != self._slabs:
-            self._new_arena(body)
+        if slabs != self._slabs and n:
+            self._new_arena(slabs)
         pos = _STEP_REPLY_HEAD.size
         results: list = []
         for _ in range(n):
