@@ -328,8 +328,8 @@ class ChannelCalls:
         elif r.hot:
             admitted, deferred = _admitted(ids, max_adapters)
             got = r.adapters
-            if len(got) < len(admitted):
-                raise KeyError(admitted[len(got)])  # a record per admitted id, in order
+            if len(got) < len(admitted):  # a record per admitted id, in order
+                raise BrokerError(Code.INTERNAL, f"the step channel acquired {len(got)} of {len(admitted)} adapters")
             lease = self.records.step_lease(admitted, got, deferred, r.txn_id, reply.arena_slabs)
         else:
             lease = self._loaded(ids, max_adapters, prepare, lease_s, objs)
