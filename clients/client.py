@@ -318,7 +318,7 @@ class BrokerClient(BrokerQueries):
             )
 
     def _ids(self, objs: Iterable[BrokerObject | int]) -> list[int]:
-        if isinstance(objs, list | tuple) and objs:
+        if isinstance(objs, (list, tuple)) and objs:
             # The usual call: this session's objects (what a step or lookup returned), checked in
             # one pass of C each; anything else item by item.
             if set(map(type, objs)) == {BrokerObject} and set(map(_EPOCH, objs)) == {self.epoch}:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from memory_broker.clients.grpc_calls import GrpcCalls
 from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
@@ -25,6 +25,20 @@ from memory_broker.proto.wire.layout import ModuleShard
 log = logging.getLogger(__name__)
 
 _OBJECT_ID = attrgetter("object_id")
+_Op = _w.Op
+_first, _second = itemgetter(0), itemgetter(1)
+
+
+def _admitted(ids: list[str], max_adapters: int) -> tuple[list[str], list[str]]:
+    """An acquire's distinct ids split at the cap: (admitted, deferred)."""
+    distinct = list(dict.fromkeys(ids))
+    n = max_adapters or len(distinct)
+    return distinct[:n], distinct[n:]
+
+
+def _pairs(adapters: list) -> tuple[list, list]:
+    """[(adapter id, record)] as (ids, records)."""
+    return list(map(_first, adapters)), list(map(_second, adapters))
 
 
 def choose_calls(client) -> ChannelCalls | GrpcCalls:
@@ -76,10 +90,12 @@ class ChannelCalls:
         except _w.WireError as e:
             raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
         except StepUnavailable as e:
-            raise BrokerError(
-                Code.UNAVAILABLE,
-                f"the broker at {self.client.socket_path} did not answer on its step channel ({e}); retry",
-            ) from None
+            raise self._unavailable(e) from None
+
+    def _unavailable(self, e: StepUnavailable) -> BrokerError:
+        return BrokerError(
+            Code.UNAVAILABLE, f"the broker at {self.client.socket_path} did not answer on its step channel ({e}); retry"
+        )
 
     def _fast_or_none(self, fn, *args, **kw):
         """A step-path call that asks nothing of the old session; None when the step channel
@@ -118,7 +134,8 @@ class ChannelCalls:
             lookup=False,
         )
         if out is not None and out.acquire_hot:
-            return self.records.step_lease(out.adapters, out.deferred, out.txn_id, out.arena_slabs)
+            ids, recs = _pairs(out.adapters)
+            return self.records.step_lease(ids, recs, out.deferred, out.txn_id, out.arena_slabs)
         # One needs a load (or the channel broke): gRPC loads, and waits for a reconnect.
         return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
 
@@ -128,18 +145,28 @@ class ChannelCalls:
             return
         if not self.path.caching:
             if adapter_ids:
-                self._one(_w.Op(_w.OP_RELEASE, tuple(adapter_ids)))
+                self._frame([_Op(_w.OP_RELEASE, tuple(adapter_ids))])
             return
         self._fast(self.path.step, release=list(adapter_ids), acquire=False, lookup=False)
 
-    # Without the holdings cache, a generic call is one op in one frame: nothing to plan
-    # against (``StepPath.step`` plans a whole step's give-back, acquire and lookup).
+    # Without the holdings cache, a generic call is one op in one frame, and a step its ops
+    # in one frame: nothing to plan against (``StepPath.step`` plans for ``hold_s``).
 
-    def _one(self, op: _w.Op, fast=None) -> _w.StepReply:
-        """One op in one frame; its refusal raised (``fast``: ``_fast`` or ``_fast_or_none``)."""
-        reply = (fast or self._fast)(self.path.send, [op])
-        if reply is not None:
-            self.path.raise_error(reply)
+    def _frame(self, ops: list[_w.Op], or_none: bool = False, check: bool = True) -> _w.StepReply | None:
+        """One frame of ``ops`` and its reply, its refusal raised (with ``check``; else the
+        caller reads ``reply.error``): ``_fast``/``_fast_or_none`` around ``StepPath.send``,
+        inline (``or_none``: None when the channel broke), as the generic calls and the uncached
+        step pay it on every frame."""
+        try:
+            reply = self.path.send(ops)
+        except _w.WireError as e:
+            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
+        except StepUnavailable as e:
+            if or_none:
+                return None
+            raise self._unavailable(e) from None
+        if check and reply.error is not None:
+            raise reply.error
         return reply
 
     def _acquire_frame(self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float):
@@ -148,23 +175,21 @@ class ChannelCalls:
         if isinstance(adapter_ids, str):
             return None  # gRPC refuses it, saying why
         ids = list(adapter_ids)
-        op = _w.Op(_w.OP_ACQUIRE, tuple(ids), _w.ACQUIRE_PREPARE if prepare else 0, max_adapters, int(lease_s * 1000))
-        reply = self._one(op, self._fast_or_none)
+        op = _Op(_w.OP_ACQUIRE, tuple(ids), _w.ACQUIRE_PREPARE if prepare else 0, max_adapters, int(lease_s * 1000))
+        reply = self._frame([op], True)
         if reply is None:
             return None
         r: _w.AcquireOutcome = reply.results[0]
         if not r.hot:
             return None
-        distinct = list(dict.fromkeys(ids))
-        n = max_adapters or len(distinct)
-        adapters = list(zip(distinct[:n], r.adapters))
-        return self.records.step_lease(adapters, distinct[n:], r.txn_id, reply.arena_slabs)
+        admitted, deferred = _admitted(ids, max_adapters)
+        return self.records.step_lease(admitted, r.adapters, deferred, r.txn_id, reply.arena_slabs)
 
     def commit_acquire(self, transaction_id: int) -> None:
-        self.path.raise_error(self._fast(self.path.send, [_w.Op(_w.OP_COMMIT, (transaction_id,))]))
+        self._frame([_Op(_w.OP_COMMIT, (transaction_id,))])
 
     def abort_acquire(self, transaction_id: int) -> None:
-        self.path.raise_error(self._fast(self.path.send, [_w.Op(_w.OP_ABORT, (transaction_id,))]))
+        self._frame([_Op(_w.OP_ABORT, (transaction_id,))])
 
     # ------------------------------------------------------------ objects
 
@@ -174,7 +199,7 @@ class ChannelCalls:
         if not self.path.caching:
             if not keys:
                 return []
-            reply = self._one(_w.Op(_w.OP_LOOKUP, tuple(keys), 1 if pin else 0), self._fast_or_none)
+            reply = self._frame([_Op(_w.OP_LOOKUP, tuple(keys), 1 if pin else 0)], True)
             if reply is not None:
                 return self.records.objects(reply.results[0])
             return self.grpc.lookup(keys, pin)
@@ -219,7 +244,7 @@ class ChannelCalls:
     def _unpin_quietly(self, ids: list[int]) -> None:
         if ids:
             try:
-                self._one(_w.Op(_w.OP_UNPIN, tuple(ids)), self._fast_or_none)
+                self._frame([_Op(_w.OP_UNPIN, tuple(ids))], True)
             except BrokerError as e:
                 log.debug("unpinning after a failed lookup: %s", e)
 
@@ -230,8 +255,7 @@ class ChannelCalls:
             held = st.held.ref_pins(ids)
             if held is not None:
                 return make(held)
-        reply = self._fast(st.send, [_w.Op(_w.OP_PIN, tuple(ids))])
-        st.raise_error(reply)
+        reply = self._frame([_Op(_w.OP_PIN, tuple(ids))])
         recs = reply.results[0]
         if st.caching:
             st.held.add_pins(recs)
@@ -240,7 +264,7 @@ class ChannelCalls:
     def unpin(self, ids: list[int]) -> None:
         if not self.path.caching:
             if ids:
-                self._one(_w.Op(_w.OP_UNPIN, tuple(ids)))
+                self._frame([_Op(_w.OP_UNPIN, tuple(ids))])
             return
         self._fast(self.path.step, unpin=ids, acquire=False, lookup=False)
 
@@ -258,11 +282,68 @@ class ChannelCalls:
     def step(self, ids: list[str], keys: list[bytes], max_adapters, prepare, lease_s, commit, release) -> StepLease:
         """``BrokerClient.step``: at most one frame (none when the cache has it all)."""
         st = self.path
+        if not st.caching:
+            return self._step_direct(ids, keys, max_adapters, prepare, lease_s, commit, release)
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return same
         out = self._step_frame(st, st.step, ids, keys, max_adapters, prepare, lease_s, commit, release)
         return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys, st)
+
+    def _step_direct(self, ids, keys, max_adapters, prepare, lease_s, commit, release) -> StepLease:
+        """``step`` without the holdings cache: its ops straight into one frame (what ``release``
+        gives back, ``commit``, the acquire, the lookup), the reply made into the lease here
+        (``StepPath.step``'s plan and outcome are for ``hold_s``; this is what they amount to
+        without it). The one step every engine makes per batch: its fixed cost is this."""
+        ops: list[_w.Op] = []
+        if release is not None and not release.released:
+            rel_ids, unpins, _ = self._giving_back(release, self.path)
+            if rel_ids:
+                ops.append(_Op(_w.OP_RELEASE, tuple(rel_ids)))
+            if unpins:
+                ops.append(_Op(_w.OP_UNPIN, unpins))
+        if commit is not None and commit.transaction_id:
+            ops.append(_Op(_w.OP_COMMIT, (commit.transaction_id,)))
+        acq = len(ops)
+        if ids:
+            flags = _w.ACQUIRE_PREPARE if prepare else 0
+            ops.append(_Op(_w.OP_ACQUIRE, tuple(ids), flags, max_adapters, int(lease_s * 1000)))
+        if keys:
+            ops.append(_Op(_w.OP_LOOKUP, tuple(keys), 1))
+        if not ops:
+            return StepLease(self.client, None, [], ids, keys, max_adapters)
+        reply = self._frame(ops, check=False)
+        results = reply.results
+        r = results[acq] if ids and acq < len(results) else None
+        if reply.error is not None:
+            if r is not None and r.hot:
+                # A later op failed: what the acquire took goes back (the caller gets the error).
+                self.path._undo_acquire(_admitted(ids, max_adapters)[0], r)
+            raise reply.error
+        if len(results) != len(ops):
+            raise BrokerError(Code.INTERNAL, f"the step channel answered {len(results)} ops of {len(ops)}")
+        objs = self.records.objects(results[-1]) if keys else []
+        if not ids:
+            lease = None
+        elif r.hot:
+            admitted, deferred = _admitted(ids, max_adapters)
+            got = r.adapters
+            if len(got) < len(admitted):  # a record per admitted id, in order
+                raise BrokerError(Code.INTERNAL, f"the step channel acquired {len(got)} of {len(admitted)} adapters")
+            lease = self.records.step_lease(admitted, got, deferred, r.txn_id, reply.arena_slabs)
+        else:
+            lease = self._loaded(ids, max_adapters, prepare, lease_s, objs)
+        return StepLease(self.client, lease, objs, ids, keys, max_adapters)
+
+    def _loaded(self, ids, max_adapters: int, prepare: bool, lease_s: float, objs: list):
+        """A step's adapters over gRPC, which loads one that is not hot (and defers over the
+        cap) as always; on failure the step's ``objs`` are unpinned."""
+        try:
+            return self.grpc.acquire_adapters(ids, max_adapters, prepare, lease_s)
+        except BaseException:
+            if objs:
+                self.client.unpin(objs)
+            raise
 
     def step_begin(self, ids, keys, max_adapters, prepare, lease_s, commit, release) -> PendingStepLease:
         """The frame goes out now; ``result()`` reads the reply."""
@@ -311,11 +392,11 @@ class ChannelCalls:
         sl.cache, sl.cached = release.cache, release.cached
         return sl
 
-    def _giving_back(self, release: StepLease | None, st: StepPath) -> tuple[list[str], list[int], tuple[bool, bool]]:
+    def _giving_back(self, release: StepLease | None, st: StepPath) -> tuple[list[str], tuple, tuple[bool, bool]]:
         """What a step gives back of a previous step's lease: (adapter ids, object ids,
         whether each part holds references of ``st``'s cache, which can pass over)."""
         rel_ids: list[str] = []
-        unpins: list[int] = []
+        unpins: tuple = ()
         carry = (False, False)
         if release is not None and not release.released:
             if release.cache is st:
@@ -329,7 +410,7 @@ class ChannelCalls:
                     else:
                         prev.released = True
                         rel_ids = prev.ids
-                unpins = list(map(_OBJECT_ID, release.objects))
+                unpins = tuple(map(_OBJECT_ID, release.objects))
         return rel_ids, unpins, carry
 
     def _step_lease(
@@ -347,15 +428,9 @@ class ChannelCalls:
         if not ids:
             lease = None
         elif out.acquire_hot:
-            lease = records.step_lease(out.adapters, out.deferred, out.txn_id, out.arena_slabs)
+            lease = records.step_lease(*_pairs(out.adapters), out.deferred, out.txn_id, out.arena_slabs)
         else:
-            # An adapter needs a load: gRPC does it (and defers over the cap) as always.
-            try:
-                lease = self.grpc.acquire_adapters(ids, max_adapters, prepare, lease_s)
-            except BaseException:
-                if objs:
-                    self.client.unpin(objs)
-                raise
+            lease = self._loaded(ids, max_adapters, prepare, lease_s, objs)
         sl = StepLease(self.client, lease, objs, ids, list(keys), max_adapters)
         if st is not None and st.caching:
             # What this lease holds are references of st's cache (adapters: unless gRPC

@@ -15,17 +15,14 @@ Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from operator import itemgetter
+from operator import attrgetter
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
 
-# BrokerObjects kept for step-cache records (cleared beyond this: they are rebuilt on demand).
-_MADE_LIMIT = 16384
-_first, _second = itemgetter(0), itemgetter(1)
+_ADAPTER_ID, _MADE = attrgetter("adapter_id"), attrgetter("made")
 
 
 class SessionRecords:
@@ -37,69 +34,37 @@ class SessionRecords:
         # (adapter id, generation, object id) -> LeasedAdapter, and adapter id -> (the step
         # cache's record, its LeasedAdapter).
         self._leased: dict = {}
-        # (adapter id, id of a hot record) -> its LeasedAdapter; id(record) -> BrokerObject.
-        # A record keyed by its id is kept alive in ``_kept`` (so no other takes its id) as
-        # long as it is keyed. The step transport's decoder hands out the record it made
-        # before for the same bytes, so a step that gets back what an earlier one got finds
-        # everything here, in one pass of C (``map`` over the dicts' ``get``).
-        self._by_rec: dict = {}
-        self._made: dict = {}
-        self._kept: dict = {}
-        # Held to add or drop entries (a batch's worker and the engine thread may both): a
-        # record is in ``_kept`` before its id is a key, and is dropped after its keys are.
-        # Lookups take no lock.
-        self._lock = threading.Lock()
-
-    def _room(self, n: int) -> dict:
-        """Room for ``n`` more records keyed by their ids (all of them dropped beyond the
-        limit: they are made again on demand); returns ``_kept``. Under ``_lock``."""
-        if len(self._kept) + n > _MADE_LIMIT:
-            self._made.clear()
-            self._by_rec.clear()
-            self._kept.clear()
-        return self._kept
+        # What was built from a step record is kept on the record (``made``: an object
+        # record's BrokerObject, a hot adapter record's LeasedAdapter). The step transport's
+        # decoder (one per session's channel, as this) hands out the record it made before for
+        # the same bytes, so a step that gets back what an earlier one got finds everything
+        # in one pass of C (``map`` of an attribute getter); what it built lives as long as the
+        # decoder's memo or the step cache keeps the record.
 
     def objects(self, recs) -> list:
         """BrokerObjects for step records; the same record object gets the same BrokerObject."""
-        made = self._made
-        out = list(filter(None, map(made.get, map(id, recs))))
-        if len(out) == len(recs):
+        out = list(map(_MADE, recs))
+        if all(out):  # truth in C (no __eq__ of an object per item, as ``None in`` would call)
             return out
-        out = []
-        new: list = []  # (index in out, record) of records not seen before
-        for r in recs:
-            hit = made.get(id(r))
-            if hit is not None:
-                out.append(hit)
-            else:
-                new.append((len(out), r))
-                out.append(None)
+        new = [(i, r) for i, (r, o) in enumerate(zip(recs, out)) if o is None]
         # Built together: one mapping check and one page-access change for all of them.
-        objs = self.client._read_objects([r for _, r in new])
-        with self._lock:
-            kept = self._room(len(new))
-            for (i, r), obj in zip(new, objs):
-                kept[id(r)] = r
-                made[id(r)] = obj
-                out[i] = obj
+        for (i, r), obj in zip(new, self.client._read_objects([r for _, r in new])):
+            r.made = out[i] = obj
         return out
 
-    def step_lease(self, adapters, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
-        """The lease of a step channel's acquire: ``adapters`` is [(adapter id, record)]."""
+    def step_lease(self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
+        """The lease of a step channel's acquire: adapter ``ids[i]`` has record ``recs[i]``."""
         client = self.client
         if arena_slabs:
             client._ensure_slabs(arena_slabs)
-        by_rec = self._by_rec
-        keys = list(zip(map(_first, adapters), map(id, map(_second, adapters))))
-        leased = list(filter(None, map(by_rec.get, keys)))
-        if len(leased) != len(keys):
-            leased = [self.leased_step(aid, rec) for aid, rec in adapters]
-            with self._lock:
-                kept = self._room(len(keys))
-                for k, (_, rec), la in zip(keys, adapters, leased):
-                    if rec.found_in == _w.TIER_HOT:
-                        kept[k[1]] = rec
-                        by_rec[k] = la
+        # A hot record's LeasedAdapter, checked against the ids (records in another order, or
+        # under other ids, are not taken for the leases they made).
+        leased = list(map(_MADE, recs))
+        if not all(leased) or list(map(_ADAPTER_ID, leased)) != ids:
+            leased = [self.leased_step(aid, rec) for aid, rec in zip(ids, recs)]
+            for rec, la in zip(recs, leased):
+                if rec.found_in == _w.TIER_HOT:
+                    rec.made = la
         return AdapterLease(client, leased, deferred, txn_id, client.session_id)
 
     def leased_step(self, aid: str, rec) -> LeasedAdapter:

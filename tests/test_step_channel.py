@@ -667,6 +667,49 @@ def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig
         assert e.value.code == Code.FAILED_PRECONDITION and frames(c) == n + 6
 
 
+def test_a_step_without_the_cache_is_one_frame_of_its_ops_and_a_refusal_gives_its_acquire_back(step_rig, monkeypatch):
+    """``client.step`` without ``hold_s`` sends what the previous step gives back, the acquire and
+    the lookup in one frame, in that order, and plans nothing against a cache there is not; an
+    op refused after the acquire leaves nothing of the step pinned, and the error is the broker's."""
+    from memory_broker.clients.step import StepPath
+
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        c.acquire_adapters(["a0", "a1"]).release()  # the session's channel, and the layouts, once
+        sent: list[list[tuple[int, int]]] = []
+        real_send = StepPath.send
+        monkeypatch.setattr(
+            StepPath,
+            "send",
+            lambda self, ops: (sent.append([(o.kind, len(o.items)) for o in ops]), real_send(self, ops))[1],
+        )
+
+        def no_plan(*a, **kw):
+            raise AssertionError("a step without the cache planned against one")
+
+        monkeypatch.setattr(StepPath, "_plan", no_plan)
+        n, base = frames(c), books(c)
+        one = c.step(["a0", "a1", "a0"], [b"k0", b"k1", b"nope"], max_adapters=1)
+        assert one.adapters.ids == ["a0"] and one.adapters.deferred == ["a1"]
+        assert [o.key for o in one.objects] == [b"k0", b"k1"]
+        two = c.step(["a1"], [b"k1"], release=one)
+        assert two.adapters.ids == ["a1"] and [o.key for o in two.objects] == [b"k1"] and one.released
+        assert frames(c) == n + 2 and sent == [
+            [(w.OP_ACQUIRE, 3), (w.OP_LOOKUP, 3)],
+            [(w.OP_RELEASE, 1), (w.OP_UNPIN, 2), (w.OP_ACQUIRE, 1), (w.OP_LOOKUP, 1)],
+        ]
+        held = books(c)
+        # The lookup (after the acquire) is refused: the acquire is given back in a frame of its own.
+        with pytest.raises(BrokerError) as e:
+            c.step(["a0"], [b"k0", b""])
+        assert e.value.code == Code.INVALID_ARGUMENT and "empty" in e.value.message
+        assert sent[2:] == [[(w.OP_ACQUIRE, 1), (w.OP_LOOKUP, 2)], [(w.OP_RELEASE, 1)]]
+        assert books(c) == held
+        two.release()
+        assert books(c) == base
+
+
 @pytest.mark.parametrize("fast_path", [True, False], ids=["step-channel", "grpc"])
 def test_lookup_many_answers_each_list_and_unpins_in_one_frame(step_rig, fast_path):
     """``lookup_many`` is ``unpin`` then one ``lookup`` per list, in one frame on the step

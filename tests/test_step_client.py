@@ -141,6 +141,19 @@ def test_a_record_is_the_one_made_before_from_the_same_bytes_and_arena():
     assert grown.results[0].adapters[0] is first.results[0].adapters[0]
 
 
+def test_a_reply_without_results_keeps_the_records_made_before():
+    """A PING's reply says 0 slabs and carries nothing: the records made before stay (the
+    next step's reply finds them, and what the client built from them, as before)."""
+    rng = random.Random(6)
+    frame = w.encode_step_reply(3, [w.encode_objects(w.OP_LOOKUP, _objects(rng, 5, "same"))])
+    pong = w.encode_step_reply(0, ())
+    decode = w.ReplyDecoder()
+    first = decode(frame[4], frame[5:]).results[0]
+    assert decode(pong[4], pong[5:]).results == []
+    again = decode(frame[4], frame[5:]).results[0]
+    assert all(a is b for a, b in zip(first, again, strict=True)) and again[0].arena_slabs == 3
+
+
 def _reference_encode(ops: list[w.Op]) -> bytes:
     """The documented request layout, item by item."""
     body = struct.pack("<H", len(ops))
@@ -217,6 +230,24 @@ def test_a_step_that_gets_back_what_an_earlier_one_got_builds_nothing_new(step_r
             assert s4.objects[0] is not s1.objects[0] and s4.objects[0].total_pins == 2
             assert len(built) == 5
         s4.release()
+        assert c.stats().pinned_pages == 0
+
+
+def test_a_lease_reused_by_its_records_names_the_ids_asked(step_rig):
+    """Leases are found again by their records' identity: records in another order (or under
+    other ids) are not taken for the leases they made before."""
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    with BrokerClient.connect(b.socket) as c:
+        s1 = c.step(["a0", "a1"])
+        records = c._step_calls().records
+        r0, r1 = records._leased["a0"][0], records._leased["a1"][0]
+        again = records.step_lease(["a0", "a1"], (r0, r1), [], 0, 0)
+        assert [a is p for a, p in zip(again.adapters, s1.adapters.adapters, strict=True)] == [True, True]
+        swapped = records.step_lease(["a1", "a0"], (r0, r1), [], 0, 0)
+        assert swapped.ids == ["a1", "a0"] and [a.object_id for a in swapped.adapters] == [r0.object_id, r1.object_id]
+        swapped.released = again.released = True  # made here, not acquired: nothing to give back
+        s1.release()
         assert c.stats().pinned_pages == 0
 
 
