@@ -20,7 +20,7 @@ class StepUnavailable(Exception):
 class StepTransport:
     """A connected, authenticated step socket; one call at a time (the caller locks)."""
 
-    def __init__(self, path: str, token: str, timeout: float):
+    def __init__(self, path: str, token: str, timeout: float | None):
         self.path = path
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
@@ -33,10 +33,11 @@ class StepTransport:
         # timeout polls before every send and receive (two more syscalls a round trip, 15-20 us
         # of a PING's 50-80 on the development VM); SO_RCVTIMEO/SO_SNDTIMEO cost nothing per call.
         sock.settimeout(None)
-        whole = int(timeout)
-        tv = struct.pack("ll", whole, int((timeout - whole) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        if timeout is not None:  # None: no deadline, as for the client's RPCs
+            whole = int(timeout)
+            tv = struct.pack("ll", whole, int((timeout - whole) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.timeout = timeout
         self._sock = sock
         # Replies decoded to the records made before from the same bytes (``ReplyDecoder``).

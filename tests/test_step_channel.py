@@ -780,3 +780,21 @@ def test_transport_times_out_a_silent_broker_in_the_kernel_with_a_clear_error(tm
     srv.close()
     for c in held:
         c.close()
+
+
+def test_transport_without_a_timeout_blocks_with_no_kernel_deadline(step_rig):
+    """``timeout=None`` (no deadline, as the client's RPCs take it) leaves the socket blocking
+    with no SO_RCVTIMEO, and the channel works."""
+    from memory_broker.clients.step_transport import StepTransport
+
+    b, _setup = step_rig
+    with BrokerClient.connect(b.socket) as c:
+        t = StepTransport(c._step_socket(), c.token, None)
+        try:
+            assert t._sock.gettimeout() is None
+            assert t._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)
+            pong = t.request(w.frame(w.PING))
+            # A PING's reply carries the arena's slab count, as every reply does.
+            assert pong.error is None and pong.arena_slabs == t.arena_slabs >= 1
+        finally:
+            t.close()

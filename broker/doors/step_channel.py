@@ -45,8 +45,6 @@ _OID = attrgetter("object_id")
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
-# The reply to every PING.
-_PONG = w.encode_step_reply(0, ())
 # The result records of the ops that answer only their kind.
 _UNPIN_DONE, _RELEASE_DONE, _COMMIT_DONE, _ABORT_DONE = (
     bytes((k,)) for k in (w.OP_UNPIN, w.OP_RELEASE, w.OP_COMMIT, w.OP_ABORT)
@@ -374,7 +372,7 @@ class StepChannelServer:
             if kind == w.PING:
                 if c.session is None:
                     raise denied("send HELLO with the session token first")
-                return _PONG
+                return w.encode_step_reply(self._num_slabs(), ())  # the slab count, as every reply
             raise invalid(f"unknown frame kind {kind}; known: HELLO={w.HELLO}, STEP={w.STEP}, PING={w.PING}")
         except BrokerError as e:
             code = e.code.value
