@@ -890,7 +890,8 @@ class ReplyDecoder:
 
     def _new_arena(self, slabs: int) -> None:
         """An object record carries the arena's size: records are made again for a new one
-        (a reply with no results, as a PING's, which says 0, makes none and changes nothing)."""
+        (a reply with no results, as a PING's, makes none and changes nothing; brokers before this
+        one said 0 slabs in a PING's reply)."""
         self._objects.clear()
         self._slabs = slabs
         self._make_object = lambda raw: _object_record(raw, slabs)
