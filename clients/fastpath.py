@@ -83,29 +83,26 @@ class ChannelCalls:
         """Whether these are the calls of session ``epoch`` still (and its channel is open)."""
         return self.epoch == epoch and not self.path.transport.closed
 
-    def _fast(self, fn, *args, **kw):
-        """A step-path call, its transport failures as UNAVAILABLE (as gRPC's are)."""
+    def _fast(self, fn, *args, _or_none: bool = False, **kw):
+        """A step-path call, its transport failures as UNAVAILABLE (as gRPC's are); with
+        ``_or_none`` (``_fast_or_none``: a call that asks nothing of the old session), None
+        instead, and the caller retries over gRPC, which waits for a reconnect."""
         try:
             return fn(*args, **kw)
         except _w.WireError as e:
             raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
         except StepUnavailable as e:
+            if _or_none:
+                return None
             raise self._unavailable(e) from None
+
+    def _fast_or_none(self, fn, *args, **kw):
+        return self._fast(fn, *args, _or_none=True, **kw)
 
     def _unavailable(self, e: StepUnavailable) -> BrokerError:
         return BrokerError(
             Code.UNAVAILABLE, f"the broker at {self.client.socket_path} did not answer on its step channel ({e}); retry"
         )
-
-    def _fast_or_none(self, fn, *args, **kw):
-        """A step-path call that asks nothing of the old session; None when the step channel
-        broke (the caller then retries over gRPC, which waits for a reconnect)."""
-        try:
-            return fn(*args, **kw)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable:
-            return None
 
     # ------------------------------------------------------------ adapters
 
@@ -154,9 +151,9 @@ class ChannelCalls:
 
     def _frame(self, ops: list[_w.Op], or_none: bool = False, check: bool = True) -> _w.StepReply | None:
         """One frame of ``ops`` and its reply, its refusal raised (with ``check``; else the
-        caller reads ``reply.error``): ``_fast``/``_fast_or_none`` around ``StepPath.send``,
-        inline (``or_none``: None when the channel broke), as the generic calls and the uncached
-        step pay it on every frame."""
+        caller reads ``reply.error``): ``_fast`` around ``StepPath.send``, inlined (one call
+        less on every frame of the generic calls and the uncached step; ``or_none``: None when
+        the channel broke)."""
         try:
             reply = self.path.send(ops)
         except _w.WireError as e:
