@@ -93,6 +93,28 @@ while True:
     c.sendall(b)
 """
 
+# The same echo served as the broker serves its step channel: a non-blocking socket read by an
+# ``add_reader`` callback of an asyncio loop, so its row is the loop's own floor per frame.
+ASYNC_ECHO_SERVER = r"""
+import asyncio, os, socket, sys
+path = sys.argv[1]
+if len(sys.argv) > 2:
+    os.sched_setaffinity(0, {int(sys.argv[2])})
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.bind(path); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+c.setblocking(False)
+loop = asyncio.new_event_loop()
+def readable():
+    b = c.recv(4096)
+    if not b:
+        loop.stop()
+        return
+    c.send(b)
+loop.add_reader(c.fileno(), readable)
+loop.run_forever()
+"""
+
 
 def write_adapter(path: str, seed: int) -> str:
     """A tiny PEFT LoRA directory (rank 4, hidden 64, one layer, q/v)."""
@@ -321,17 +343,18 @@ def measure(socket_path: str, kw: dict, fn, work, warm: int) -> tuple[list[float
         c.close()
 
 
-def raw_pingpong(d: str, n: int, idle: bool = False, one_cpu: bool = False) -> list[float]:
+def raw_pingpong(d: str, n: int, idle: bool = False, one_cpu: bool = False, server: str = ECHO_SERVER) -> list[float]:
     """A raw Unix-socket round trip to a bare echo process, back to back (or, ``idle``,
     each after the model's work, as the overlapped rows' ``result()`` is; ``one_cpu``: both
-    processes on this process's first CPU, the fastest case on this VM)."""
+    processes on this process's first CPU, the fastest case on this VM; ``server``: the echo
+    process's code, ``ASYNC_ECHO_SERVER`` for the asyncio loop's floor)."""
     path = os.path.join(d, "echo.sock")
     if os.path.exists(path):
         os.unlink(path)
     mask = os.sched_getaffinity(0)
     cpu = min(mask)
     p = subprocess.Popen(
-        [sys.executable, "-c", ECHO_SERVER, path] + ([str(cpu)] if one_cpu else []), stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", server, path] + ([str(cpu)] if one_cpu else []), stdout=subprocess.PIPE, text=True
     )
     if one_cpu:
         os.sched_setaffinity(0, {cpu})
@@ -705,16 +728,20 @@ def per_item(d: str, cycles: int) -> None:
                 print(f"{what}: CPU slope 64..512 items < 0.5 us/item: {s:.2f} us/item -> {ok}")
 
 
-def issue_targets(results: dict, raw_us: float) -> None:
+def issue_targets(results: dict, raw_us: float, ping_us: float, loop_us: float) -> None:
     """Issue 28's blocking targets, on the steady workload (8 adapters, 16 keys a step):
-    one ``client.step()`` frame under 5x raw, the generic calls under 8x."""
-    for name, limit in (("step channel, client.step()", 5), ("step channel, same 4 calls", 8)):
+    one ``client.step()`` frame under 5x raw, the generic calls under 8x; each beside its
+    floor in this run: as many round trips to the bare asyncio loop (the broker's loop with
+    no Python of its own) and as many step-channel PINGs (a frame with no ops)."""
+    for name, limit, frames in (("step channel, client.step()", 5, 1), ("step channel, same 4 calls", 8, 4)):
         got = results.get((name, "steady"))
         if got is None:
             continue
         x = statistics.median(got[0]) / raw_us
         print(
             f"target issue 28, {name}, steady: median < {limit}x raw: {x:.2f}x -> {'MET' if x < limit else 'NOT MET'}"
+            f" (floors: {frames} x the bare asyncio loop {frames * loop_us / raw_us:.2f}x, "
+            f"{frames} x PING {frames * ping_us / raw_us:.2f}x)"
         )
 
 
@@ -796,6 +823,7 @@ def run(d: str, sock: str, steps: int) -> None:
     raw, raw_idle, ping, echo = [], [], [], []
     raw_chunks: list[float] = []  # each echo process's median
     raw_one: list[float] = []
+    loop_echo: list[float] = []  # the asyncio loop's floor, placed as the broker is
     floor: list[tuple[float, float, float]] = []  # worker_floor's, beside the background rows
     cpu: dict[str, tuple[list[float], list[float]]] = {}
     results: dict[tuple[str, str], tuple[list[float], float, float]] = {}
@@ -806,6 +834,8 @@ def run(d: str, sock: str, steps: int) -> None:
         raw_chunks.append(statistics.median(chunk))
         raw_one += raw_pingpong(d, 300, one_cpu=True)
         raw_idle += raw_pingpong(d, 200, idle=True)
+        one = len(os.sched_getaffinity(0)) == 1
+        loop_echo += raw_pingpong(d, 300, one_cpu=one, server=ASYNC_ECHO_SERVER)
         if "background" in name:
             floor += worker_floor(d, min(300, max(50, steps)))
         ping += step_ping(sock, max(200, steps // 2))
@@ -831,6 +861,7 @@ def run(d: str, sock: str, steps: int) -> None:
         ("raw ping-pong, both processes on one CPU", raw_one),
         ("raw ping-pong, all echo processes", raw),
         ("raw ping-pong, each after the model's wait", raw_idle),
+        ("raw ping-pong to a bare asyncio loop", loop_echo),
         ("step channel PING (broker, same socket kind)", ping),
         ("gRPC Echo (bare, same broker)", echo),
     ):
@@ -850,7 +881,7 @@ def run(d: str, sock: str, steps: int) -> None:
         f"the echo processes left to the scheduler ({', '.join(f'{x:.1f}' for x in raw_chunks)} us); "
         "RT/step = frames sent; CPU us = the client process's CPU per step, every thread, mean)"
     )
-    issue_targets(results, raw_us)
+    issue_targets(results, raw_us, statistics.median(ping), statistics.median(loop_echo))
     for wl, (xs, ps) in cpu.items():
         print(
             f"{wl}: CPU per step: the engine thread's in begin + result, median {statistics.median(xs):.1f} us "
