@@ -118,6 +118,9 @@ def test_bench_step_quick_run_prints_every_path_and_both_targets():
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out
     assert "target issue 28, step channel, client.step(), steady" in out and "CPU us" in out
+    # The asyncio loop's own floor is measured in the same run, and each target line gives its floors.
+    assert "raw ping-pong to a bare asyncio loop" in out
+    assert "(floors: 4 x the bare asyncio loop" in out and "4 x PING" in out
     # The background worker's target, and beside it what this machine charges before any Python,
     # with a worker and with none.
     assert "target issue 28, background batch" in out and "the floor on this machine, no Python" in out
