@@ -58,10 +58,15 @@ def test_a_frame_checks_its_session_once_and_each_pin_its_ids(rig, monkeypatch):
     box, c, anon = rig
     server = box["server"].step_server
     calls = []
-    real = server.sessions.authorize
-    monkeypatch.setattr(
-        server.sessions, "authorize", lambda method, *a, **kw: (calls.append(method), real(method, *a, **kw))[1]
-    )
+    # The frame's first op takes ``authorize_open`` (its session was checked for the frame),
+    # the others ``authorize``: both are counted.
+    for name in ("authorize", "authorize_open"):
+        real = getattr(server.sessions, name)
+        monkeypatch.setattr(
+            server.sessions,
+            name,
+            lambda method, *a, real=real, **kw: (calls.append(method), real(method, *a, **kw))[1],
+        )
 
     async def run():
         conn = conn_of(server, c)

@@ -96,7 +96,8 @@ class PinLedger:
         if self._core is not None and objs.__class__ is list:
             fresh, pages, contention = self._core.pin_all(objs, sid, spins)
             s.pin_total += len(objs)
-            self._pinned(fresh, pages, contention)
+            if fresh or contention:
+                self._pinned(fresh, pages, contention)
             return
         fresh = []
         contention = 0
@@ -187,7 +188,14 @@ class PinLedger:
             zero, pages, freed = self._core.unpin_once(objs, sid, spins)
             s.pin_total -= len(objs)
             if zero:
-                self._became_unpinned_all(zero, pages, freed)
+                if freed:
+                    self._became_unpinned_all(zero, pages, freed)
+                    return
+                # ``_became_unpinned_all`` of objects none of which is freed, inline.
+                tally = self._tally
+                tally.pinned_pages -= pages
+                tally.pinned_objects -= len(zero)
+                self._add_all(zero)
             return
         zero = []
         for obj in objs:
