@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -42,7 +43,9 @@ HELLO_DEADLINE_S = 2.0
 ROWS_KEPT = 16384
 # An object's id (C-level, over a list of objects).
 _OID = attrgetter("object_id")
-_STEP, _OP_LOOKUP, _wire_parts = w.STEP, w.OP_LOOKUP, w._wire_parts
+_STEP, _OP_LOOKUP, _Op, _wire_parts = w.STEP, w.OP_LOOKUP, w.Op, w._wire_parts
+# An acquire reply's head by adapter count (C-level cache: no Python frame when it hits).
+_acquire_head = functools.lru_cache(maxsize=1024)(w.acquire_head)
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
@@ -403,7 +406,11 @@ class StepChannelServer:
         counters = self.counters
         counters.frames += 1
         try:
-            return self._step(c, body)
+            core = w._core  # read per frame: the codec may be switched (tests, benchmarks)
+            ops = None if core is None else core.decode_step(body, _Op)
+            if ops is None:  # the pure-Python codec, or a body the native pass leaves to it
+                return self._step(c, body)
+            return self._ops(c, c.session, ops)
         except BrokerError as e:
             counters.refused += 1
             return w.error_frame(e)
@@ -436,6 +443,11 @@ class StepChannelServer:
             ops = w.decode_step(body)
         except w.WireError as e:
             raise invalid(f"malformed step frame: {e}") from None
+        return self._ops(c, s, ops)
+
+    def _ops(self, c: _Conn, s, ops: list) -> bytes:
+        """A decoded STEP frame's ops, in order, as ``s`` (the connection's session): the
+        reply, which carries the error of the first op refused (and the results before it)."""
         sessions = self.sessions
         # The frame as a whole: a draining broker or an ended session refuses it before any op.
         if sessions.draining or s.closed:
@@ -464,6 +476,11 @@ class StepChannelServer:
         except BrokerError as e:
             counters.refused += 1
             return w.encode_step_reply(self._num_slabs(), results, e, i)
+        core = w._core
+        if core is not None:  # ``encode_step_reply``'s native case, inline
+            out = core.encode_ok_reply(self._num_slabs(), results)
+            if out is not None:
+                return out
         return w.encode_step_reply(self._num_slabs(), results)
 
     def _op(self, sid: int, op: w.Op) -> bytes:
@@ -627,7 +644,7 @@ def _hot_rows(kept: dict[int, bytes], core, m, items, objs: list) -> bytes:
     """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time
     (joined in one C call with the native core)."""
     if core is not None:
-        joined = core.join_rows(w.acquire_head(len(objs)), kept, objs)
+        joined = core.join_rows(_acquire_head(len(objs)), kept, objs)
         if joined is not None:
             return joined
     rows = list(map(kept.get, map(_OID, objs)))
