@@ -43,7 +43,7 @@ HELLO_DEADLINE_S = 2.0
 ROWS_KEPT = 16384
 # An object's id (C-level, over a list of objects).
 _OID = attrgetter("object_id")
-_STEP, _OP_LOOKUP, _Op, _wire_parts = w.STEP, w.OP_LOOKUP, w.Op, w._wire_parts
+_STEP, _PING, _OP_LOOKUP, _Op, _wire_parts = w.STEP, w.PING, w.OP_LOOKUP, w.Op, w._wire_parts
 # An acquire reply's head by adapter count (C-level cache: no Python frame when it hits).
 _acquire_head = functools.lru_cache(maxsize=1024)(w.acquire_head)
 # Read size per readable callback: a step frame is a few hundred bytes.
@@ -306,6 +306,10 @@ class StepChannelServer:
                     if kind == _STEP and c.session is not None and self._record is None:
                         # The common case of all: one STEP frame of a session, no recorder.
                         self._reply(c, self._step_frame(c, memoryview(data)[5:]))
+                    elif kind == _PING and c.session is not None:
+                        # ``_frame``'s PING past HELLO (it cannot be refused): the slab count.
+                        self.counters.frames += 1
+                        self._reply(c, w.encode_step_reply(self._num_slabs(), ()))
                     else:
                         self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
                     return
