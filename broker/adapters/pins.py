@@ -204,10 +204,11 @@ class AdapterPins:
             if not live:
                 return None
             ledger = store.ledger
-            try:
-                ledger.check_limit(s, len(objs))
-            except BrokerError:
-                return None
+            if store.config.max_pins_per_session:  # else ``check_limit`` has nothing to check
+                try:
+                    ledger.check_limit(s, len(objs))
+                except BrokerError:
+                    return None
             ledger.pin_all(s, objs)
         elif not self._pin(session, objs, live):
             return None

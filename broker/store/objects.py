@@ -389,7 +389,9 @@ class ObjectStore:
 
     def unpin(self, session: int, object_ids: Sequence[int]) -> None:
         """Drop pins the session holds; never another session's."""
-        s = self._session(session)
+        s = self.sessions.get(session)
+        if s is None or s.pool < 0:
+            s = self._session(session)  # raises, saying why
         max_batch = self.config.max_batch
         if len(object_ids) > max_batch:
             check_batch(len(object_ids), "object_ids", max_batch)  # raises
@@ -413,7 +415,9 @@ class ObjectStore:
 
     def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
-        s = self._session(session)
+        s = self.sessions.get(session)
+        if s is None or s.pool < 0:
+            s = self._session(session)  # raises, saying why
         config = self.config
         if len(keys) > config.max_batch:
             check_batch(len(keys), "keys", config.max_batch)  # raises
@@ -421,7 +425,8 @@ class ObjectStore:
         if pin:
             if found:
                 ledger = self.ledger
-                ledger.check_limit(s, len(found))
+                if config.max_pins_per_session:  # else ``check_limit`` has nothing to check
+                    ledger.check_limit(s, len(found))
                 ledger.pin_all(s, found)
         else:
             touch_all = getattr(self.policy, "touch_all", None)  # optional, as add_all
