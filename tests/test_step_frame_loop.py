@@ -58,10 +58,15 @@ def test_a_frame_checks_its_session_once_and_each_pin_its_ids(rig, monkeypatch):
     box, c, anon = rig
     server = box["server"].step_server
     calls = []
-    real = server.sessions.authorize
-    monkeypatch.setattr(
-        server.sessions, "authorize", lambda method, *a, **kw: (calls.append(method), real(method, *a, **kw))[1]
-    )
+    # The frame's first op takes ``authorize_open`` (its session was checked for the frame),
+    # the others ``authorize``: both are counted.
+    for name in ("authorize", "authorize_open"):
+        real = getattr(server.sessions, name)
+        monkeypatch.setattr(
+            server.sessions,
+            name,
+            lambda method, *a, real=real, **kw: (calls.append(method), real(method, *a, **kw))[1],
+        )
 
     async def run():
         conn = conn_of(server, c)
@@ -132,3 +137,43 @@ def test_every_op_kind_has_a_handler_and_ops_are_timed_only_for_a_recorder(rig, 
     assert refused is not None and refused.code.name == "INVALID_ARGUMENT" and "unknown op kind 99" in refused.message
     r, grew, _ = on_loop(box, lambda: run(None))
     assert r.error is None and grew == set()
+
+
+@pytest.mark.parametrize("codec", ["native", "python"])
+def test_a_whole_step_or_ping_frame_skips_the_dispatch_and_answers_as_it_would(rig, monkeypatch, codec):
+    """A STEP or PING frame that arrives whole on a connection past HELLO, with no recorder
+    set, is answered straight from the readable callback (``_frame``'s dispatch not run),
+    with the bytes ``_frame`` gives for it: a good frame, a refused op (its index and the
+    results before it), a malformed body; with either codec, and the frame counted."""
+    box, c, _ = rig
+    server = box["server"].step_server
+    if codec == "python":
+        monkeypatch.setattr(w, "_core", None)
+    monkeypatch.setattr(server, "_record", None)
+    t = c._step_path().transport
+    assert t.request(w.frame(w.PING)).error is None  # connected: HELLO sent
+    dispatched = []
+    real_frame = server._frame
+    monkeypatch.setattr(server, "_frame", lambda *a: (dispatched.append(a[1]), real_frame(*a))[1])
+    frames0 = server.counters.frames
+    r = t.request(w.encode_step([w.Op(w.OP_LOOKUP, (b"fl-k",), 1)]))
+    oid = r.results[0][0].object_id
+    assert t.request(w.frame(w.PING)).error is None
+    r = t.request(w.encode_step([w.Op(w.OP_UNPIN, (oid,)), w.Op(w.OP_UNPIN, (oid,))]))
+    assert r.failed_index == 1 and r.error.code.name == "FAILED_PRECONDITION"
+    assert dispatched == [] and server.counters.frames == frames0 + 3
+
+    bodies = [
+        w.encode_step([w.Op(w.OP_LOOKUP, (b"fl-k",), 0), w.Op(w.OP_UNPIN, ())])[5:],
+        w.encode_step([w.Op(w.OP_UNPIN, (oid,))])[5:],  # not held: refused at index 0
+        b"\x07\x00\x01",  # malformed
+    ]
+
+    async def run():
+        conn = conn_of(server, c)
+        return [
+            (server._step_frame(conn, memoryview(b)), real_frame(conn, w.STEP, len(b), memoryview(b))) for b in bodies
+        ]
+
+    for fast, slow in on_loop(box, run):
+        assert fast == slow

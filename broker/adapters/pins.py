@@ -195,14 +195,28 @@ class AdapterPins:
             if plan is None:
                 return None
             distinct, objs, live = plan
-        self.check_session(session)
-        if not self._pin(session, objs, live):
+        store = self.store
+        s = store.sessions.get(session)
+        if s is None or session == self.system_session or (s.pool and store.tenancy is not None):
+            self.check_session(session)  # raises, saying why (or passes: a tenant's session allowed)
+        if s is not None and live is not None and not s.pool:
+            # ``_pin``'s common case, inline: a native pass found them all pinnable, or not.
+            if not live:
+                return None
+            ledger = store.ledger
+            if store.config.max_pins_per_session:  # else ``check_limit`` has nothing to check
+                try:
+                    ledger.check_limit(s, len(objs))
+                except BrokerError:
+                    return None
+            ledger.pin_all(s, objs)
+        elif not self._pin(session, objs, live):
             return None
         c, n = self.counters, len(distinct)
         c.acquires += 1
         c.acquired_adapters += n
         c.hot_hits += n
-        self._used(distinct)
+        self.hot.policy.access_with(self.warm.policy, distinct)  # ``_used``
         return objs
 
     def _pin(self, session: int, objs: list, live: bool | None) -> bool:
@@ -234,9 +248,10 @@ class AdapterPins:
         the objects and checks the session's pins is C, and the store's ledger unpins them."""
         if self.hot.other_copies or self.checker.retired or len(adapter_ids) > self.store.limits.max_batch:
             return False
-        self.check_session(session)
         store, core = self.store, self._core
-        s = store.sessions[session]
+        s = store.sessions.get(session)
+        if s is None or session == self.system_session or (s.pool and store.tenancy is not None):
+            self.check_session(session)  # raises, saying why (or passes: a tenant's session allowed)
         if core is not None and not s.pool:
             plan = core.release_plan(self.hot.own, adapter_ids, session, store.objects.shards)
             if plan is None:

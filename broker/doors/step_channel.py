@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -42,6 +43,9 @@ HELLO_DEADLINE_S = 2.0
 ROWS_KEPT = 16384
 # An object's id (C-level, over a list of objects).
 _OID = attrgetter("object_id")
+_STEP, _PING, _OP_LOOKUP, _Op, _wire_parts = w.STEP, w.PING, w.OP_LOOKUP, w.Op, w._wire_parts
+# An acquire reply's head by adapter count (C-level cache: no Python frame when it hits).
+_acquire_head = functools.lru_cache(maxsize=1024)(w.acquire_head)
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 
@@ -68,6 +72,8 @@ RULES = {op: POLICY[method] for op, method in METHODS.items()}
 # Whether an op's rule asks more than a session and its proof (the frame's first op checks
 # those for every op of the frame): it names ids the session must see, or needs a manager.
 PER_OP_RULE = {op: bool(r.visible or r.manage or not r.session) for op, r in RULES.items()}
+# Whether an op's rule looks at the ids it names (only then are they gathered for it).
+VISIBLE = {op: bool(r.visible) for op, r in RULES.items()}
 
 
 def _record_all(record: Callable[[float, str, str], None], done: list) -> None:
@@ -297,7 +303,15 @@ class StepChannelServer:
             if len(data) >= 5:
                 n, kind = w.HEADER.unpack_from(data)
                 if len(data) == 5 + n:
-                    self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
+                    if kind == _STEP and c.session is not None and self._record is None:
+                        # The common case of all: one STEP frame of a session, no recorder.
+                        self._reply(c, self._step_frame(c, memoryview(data)[5:]))
+                    elif kind == _PING and c.session is not None:
+                        # ``_frame``'s PING past HELLO (it cannot be refused): the slab count.
+                        self.counters.frames += 1
+                        self._reply(c, w.encode_step_reply(self._num_slabs(), ()))
+                    else:
+                        self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
                     return
         buf += data
         while len(buf) >= 5 and not c.closing:
@@ -390,6 +404,24 @@ class StepChannelServer:
             if self._record is not None and code != "OK":
                 self._record(time.perf_counter() - t0, "Step", code)
 
+    def _step_frame(self, c: _Conn, body) -> bytes:
+        """``_frame`` of a STEP frame on a connection past HELLO where no recorder is set
+        (nothing to time): the same reply and counters, without the rest of the dispatch."""
+        counters = self.counters
+        counters.frames += 1
+        try:
+            core = w._core  # read per frame: the codec may be switched (tests, benchmarks)
+            ops = None if core is None else core.decode_step(body, _Op)
+            if ops is None:  # the pure-Python codec, or a body the native pass leaves to it
+                return self._step(c, body)
+            return self._ops(c, c.session, ops)
+        except BrokerError as e:
+            counters.refused += 1
+            return w.error_frame(e)
+        except Exception as e:  # a bug: say so on this connection only
+            self._log("step_channel_internal_error", error=repr(e))
+            return w.error_frame(BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}"))
+
     def _hello(self, c: _Conn, body) -> bytes:
         if c.session is not None:
             raise invalid("HELLO twice on one connection")
@@ -415,44 +447,44 @@ class StepChannelServer:
             ops = w.decode_step(body)
         except w.WireError as e:
             raise invalid(f"malformed step frame: {e}") from None
+        return self._ops(c, s, ops)
+
+    def _ops(self, c: _Conn, s, ops: list) -> bytes:
+        """A decoded STEP frame's ops, in order, as ``s`` (the connection's session): the
+        reply, which carries the error of the first op refused (and the results before it)."""
         sessions = self.sessions
         # The frame as a whole: a draining broker or an ended session refuses it before any op.
-        sessions.check_session(s, "a step")
-        sid = s.session_id
-        results: list[bytes] = []
+        if sessions.draining or s.closed:
+            sessions.check_session(s, "a step")  # raises, saying why
         counters = self.counters
         counters.ops += len(ops)
-        spent = counters.op_seconds
-        handlers = HANDLERS
-        # Latencies to record once the reply is out (the metric costs more than most ops);
-        # without a recorder no op is timed (a clock read and a sum per op saved).
-        done: list | None = None if self._record is None else []
-        checked = False
-        clock = time.perf_counter
-        t0 = clock()
-        for i, op in enumerate(ops):
-            k = op.kind
-            try:
+        if self._record is not None:
+            return _step_timed(self, c, s, ops)
+        sid = s.session_id
+        results: list[bytes] = []
+        append = results.append
+        i = 0
+        try:
+            for op in ops:
+                k = op.kind
                 # An op's whole rule once per frame (the session and its proof cannot change
-                # between two ops of one frame: they run in one callback of the loop); then
-                # only the rules that look at the op's own ids (Pin's visibility) again.
-                if not checked or PER_OP_RULE[k]:
+                # between two ops of one frame: they run in one callback of the loop; the
+                # session itself was checked just above); then only the rules that look at
+                # the op's own ids (Pin's visibility) again.
+                if not i:
+                    sessions.authorize_open(METHODS[k], RULES[k], s, op_ids(op) if VISIBLE[k] else NO_FIELDS, key=c.key)
+                elif PER_OP_RULE[k]:
                     sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
-                    checked = True
-                results.append(handlers[k](self, sid, op))
-            except BrokerError as e:
-                counters.refused += 1
-                if done is not None:
-                    done.append((clock() - t0, METHODS[k], e.code.value))
-                    self._loop.call_soon(_record_all, self._record, done)
-                return w.encode_step_reply(self._num_slabs(), results, e, i)
-            if done is not None:
-                t1 = clock()
-                spent[k] += t1 - t0
-                done.append((t1 - t0, METHODS[k], "OK"))
-                t0 = t1
-        if done:
-            self._loop.call_soon(_record_all, self._record, done)
+                append(HANDLERS[k](self, sid, op))
+                i += 1
+        except BrokerError as e:
+            counters.refused += 1
+            return w.encode_step_reply(self._num_slabs(), results, e, i)
+        core = w._core
+        if core is not None:  # ``encode_step_reply``'s native case, inline
+            out = core.encode_ok_reply(self._num_slabs(), results)
+            if out is not None:
+                return out
         return w.encode_step_reply(self._num_slabs(), results)
 
     def _op(self, sid: int, op: w.Op) -> bytes:
@@ -521,13 +553,52 @@ class StepChannelServer:
         )
 
 
+def _step_timed(self: StepChannelServer, c: _Conn, s, ops: list) -> bytes:
+    """``_step``'s ops with a recorder: each op timed, its latency recorded once the reply
+    is out (the metric costs more than most ops), and its seconds counted by kind."""
+    sessions, counters = self.sessions, self.counters
+    sid = s.session_id
+    results: list[bytes] = []
+    spent = counters.op_seconds
+    handlers = HANDLERS
+    done: list = []
+    checked = False
+    clock = time.perf_counter
+    t0 = clock()
+    for i, op in enumerate(ops):
+        k = op.kind
+        try:
+            if not checked or PER_OP_RULE[k]:
+                sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
+                checked = True
+            results.append(handlers[k](self, sid, op))
+        except BrokerError as e:
+            counters.refused += 1
+            done.append((clock() - t0, METHODS[k], e.code.value))
+            self._loop.call_soon(_record_all, self._record, done)
+            return w.encode_step_reply(self._num_slabs(), results, e, i)
+        t1 = clock()
+        spent[k] += t1 - t0
+        done.append((t1 - t0, METHODS[k], "OK"))
+        t0 = t1
+    if done:
+        self._loop.call_soon(_record_all, self._record, done)
+    return w.encode_step_reply(self._num_slabs(), results)
+
+
 # Each op kind's handler: (server, session id, op) -> the op's result record, its rule already
 # enforced (decode_step lets no other kind through). The store and the manager take the op's
 # items as decoded (a tuple: they read it, never keep or change it).
 
 
 def _lookup(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    return server._objects(w.OP_LOOKUP, sid, server.store.lookup(sid, op.items, bool(op.flags)))
+    objs = server.store.lookup(sid, op.items, bool(op.flags))
+    core = server._store_core  # ``_objects``, inline
+    if core is not None and objs.__class__ is list:
+        out = core.encode_rows(_OP_LOOKUP, sid, objs, _wire_parts)
+        if out is not None:
+            return out
+    return w.encode_allocations(_OP_LOOKUP, sid, objs)
 
 
 def _unpin(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
@@ -536,7 +607,9 @@ def _unpin(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
 
 
 def _release(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    m = server._manager()
+    m = server.adapters
+    if m is None:
+        m = server._manager()  # raises
     if not m.release_hot(sid, op.items):
         m.release(sid, list(op.items))
     return _RELEASE_DONE
@@ -575,7 +648,7 @@ def _hot_rows(kept: dict[int, bytes], core, m, items, objs: list) -> bytes:
     """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time
     (joined in one C call with the native core)."""
     if core is not None:
-        joined = core.join_rows(w.acquire_head(len(objs)), kept, objs)
+        joined = core.join_rows(_acquire_head(len(objs)), kept, objs)
         if joined is not None:
             return joined
     rows = list(map(kept.get, map(_OID, objs)))

@@ -157,6 +157,29 @@ class SessionManager:
         for field_name in rule.visible:
             self.store.check_visible(session.session_id, ids(field_name))
 
+    def authorize_open(
+        self, method: str, rule: Rule, session: Session, ids: Callable[[str], Sequence[int]], *, key: str | None
+    ) -> None:
+        """``authorize`` of a ``session`` that ``check_session`` has just passed in the same
+        callback of the loop (the step channel's frame): the rest of the rule only."""
+        if not rule.session:
+            return
+        # ``_check_proof``'s passing case, inline; anything else goes there to say why.
+        caller, allowed = session.caller, self.allowed_uids
+        if (
+            caller is None
+            or key is None
+            or key.__class__ is not str
+            or not key.isascii()
+            or not hmac.compare_digest(key, session.key)
+            or (allowed is not None and caller.uid not in allowed)
+        ):
+            self._check_proof(session, key, method)
+        if rule.manage:
+            self._check_manager(session, method)
+        for field_name in rule.visible:
+            self.store.check_visible(session.session_id, ids(field_name))
+
     def _check_proof(self, s: Session, key: str | None, method: str) -> None:
         """The call comes from the session's own process: the session is proven and the call
         carries its key; and that process's uid is still allowed."""

@@ -227,7 +227,7 @@ class PriorityLRU:
                 continue
             ct = obj.content_type
             q = queues[rank[ct]]
-            num, last = q.last()
+            num, last = q._nums[-1], q._segs[-1]  # ``q.last()``, inline
             if len(last) >= SEGMENT:
                 num, last = q.new_segment()
             stop, got = fill(objs, i, ct, last, num, SEGMENT - len(last))

@@ -389,8 +389,12 @@ class ObjectStore:
 
     def unpin(self, session: int, object_ids: Sequence[int]) -> None:
         """Drop pins the session holds; never another session's."""
-        s = self._session(session)
-        check_batch(len(object_ids), "object_ids", self.config.max_batch)
+        s = self.sessions.get(session)
+        if s is None or s.pool < 0:
+            s = self._session(session)  # raises, saying why
+        max_batch = self.config.max_batch
+        if len(object_ids) > max_batch:
+            check_batch(len(object_ids), "object_ids", max_batch)  # raises
         objs = self.table.held_once(session, object_ids)
         if objs is not None:
             self.ledger.unpin_once(s, objs)
@@ -411,12 +415,19 @@ class ObjectStore:
 
     def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
         """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
-        s = self._session(session)
-        check_batch(len(keys), "keys", self.config.max_batch)
-        found = self.table.find(s.pool, keys, self.config.max_key_bytes)
+        s = self.sessions.get(session)
+        if s is None or s.pool < 0:
+            s = self._session(session)  # raises, saying why
+        config = self.config
+        if len(keys) > config.max_batch:
+            check_batch(len(keys), "keys", config.max_batch)  # raises
+        found = self.table.find(s.pool, keys, config.max_key_bytes)
         if pin:
-            self.ledger.check_limit(s, len(found))
-            self.ledger.pin_all(s, found)
+            if found:
+                ledger = self.ledger
+                if config.max_pins_per_session:  # else ``check_limit`` has nothing to check
+                    ledger.check_limit(s, len(found))
+                ledger.pin_all(s, found)
         else:
             touch_all = getattr(self.policy, "touch_all", None)  # optional, as add_all
             if touch_all is None:

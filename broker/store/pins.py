@@ -42,6 +42,10 @@ class PinLedger:
         # Batch forms of the policy's add and remove, where it has them.
         self._add_all = getattr(ctx.policy, "add_all", None)
         self._remove_all = getattr(ctx.policy, "remove_all", None)
+        # ``add_all`` of a list (what the native unpin hands over): ``PriorityLRU``'s native
+        # loop itself where its core is built (``add_all`` would only dispatch to it).
+        native_add = getattr(ctx.policy, "_add_all_native", None)
+        self._add_list = native_add if getattr(ctx.policy, "_core", None) is not None and native_add else self._add_all
         # The batch loops in C (``_storecore.c``), or None: the Python loops below.
         self._core = store_core()
 
@@ -96,7 +100,13 @@ class PinLedger:
         if self._core is not None and objs.__class__ is list:
             fresh, pages, contention = self._core.pin_all(objs, sid, spins)
             s.pin_total += len(objs)
-            self._pinned(fresh, pages, contention)
+            if fresh:  # ``_pinned``, inline
+                remove_all(fresh)
+                tally = self._tally
+                tally.pinned_pages += pages
+                tally.pinned_objects += len(fresh)
+            if contention:
+                self._counters.pin_contention += contention
             return
         fresh = []
         contention = 0
@@ -187,7 +197,14 @@ class PinLedger:
             zero, pages, freed = self._core.unpin_once(objs, sid, spins)
             s.pin_total -= len(objs)
             if zero:
-                self._became_unpinned_all(zero, pages, freed)
+                if freed:
+                    self._became_unpinned_all(zero, pages, freed)
+                    return
+                # ``_became_unpinned_all`` of objects none of which is freed, inline.
+                tally = self._tally
+                tally.pinned_pages -= pages
+                tally.pinned_objects -= len(zero)
+                self._add_list(zero)
             return
         zero = []
         for obj in objs:
