@@ -34,6 +34,10 @@ class SessionRecords:
         # (adapter id, generation, object id) -> LeasedAdapter, and adapter id -> (the step
         # cache's record, its LeasedAdapter).
         self._leased: dict = {}
+        # The arena view a step's lease last made sure of, and its slabs mapped then (a
+        # step whose reply says no more needs no look at the view).
+        self._view = None
+        self._mapped = 0
         # What was built from a step record is kept on the record (``made``: an object
         # record's BrokerObject, a hot adapter record's LeasedAdapter). The step transport's
         # decoder (one per session's channel, as this) hands out the record it made before for
@@ -55,8 +59,9 @@ class SessionRecords:
     def step_lease(self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
         """The lease of a step channel's acquire: adapter ``ids[i]`` has record ``recs[i]``."""
         client = self.client
-        if arena_slabs:
+        if arena_slabs > self._mapped or client.view is not self._view:
             client._ensure_slabs(arena_slabs)
+            self._view, self._mapped = client.view, arena_slabs
         # A hot record's LeasedAdapter, checked against the ids (records in another order, or
         # under other ids, are not taken for the leases they made).
         leased = list(map(_MADE, recs))

@@ -4,6 +4,7 @@ same errors (type and message); and no input makes the C crash."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import subprocess
 import sys
@@ -350,6 +351,18 @@ def test_decode_frame_takes_the_usual_reply_and_hands_back_the_rest():
     assert d.frame(other, len(other)) is None  # another arena's size: __call__ makes the records anew
     ping = bytearray(w.encode_step_reply(3, ()))
     assert d.frame(ping, len(ping)) == w.StepReply(3, [])  # no records: any arena size
+    # The reply's slots are filled (a plain record); a class that does more is called.
+    seen = []
+
+    @dataclasses.dataclass(slots=True)
+    class Checked(w.StepReply):
+        def __post_init__(self):
+            seen.append(self.arena_slabs)
+
+    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, Checked, 3, ping, len(ping))
+    assert type(got) is Checked and got == Checked(3, []) and seen == [3, 3]
+    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, w.StepReply, 3, ping, len(ping))
+    assert type(got) is w.StepReply and (got.error, got.failed_index) == (None, -1)
     saved, w._core = w._core, None
     try:
         assert d.frame(buf, len(REPLY)) is None  # without the core: always the reference way

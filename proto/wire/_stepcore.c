@@ -722,6 +722,69 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return res;
 }
 
+/* The StepReply class whose slots decode_frame fills directly (a strong reference), and the
+ * offsets of its four fields; NULL until decode_frame first sees a class with that layout
+ * (a plain slotted record, as Op: filling its slots is what calling it does). */
+static PyTypeObject *reply_fast_type;
+static Py_ssize_t reply_offsets[4];
+static const char *const REPLY_FIELDS[4] = {"arena_slabs", "results", "error", "failed_index"};
+
+/* Whether `cls` is such a class (then reply_fast_type is it); 0: the caller calls it. */
+static int
+reply_layout(PyObject *cls)
+{
+    if ((PyTypeObject *)cls == reply_fast_type) return 1;
+    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
+    if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
+    Py_ssize_t offs[4];
+    for (int f = 0; f < 4; f++) {
+        PyObject *d = PyObject_GetAttrString(cls, REPLY_FIELDS[f]);
+        if (d == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
+                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
+            offs[f] = m->d_member->offset;
+        }
+        Py_DECREF(d);
+        if (!ok) return 0;
+    }
+    memcpy(reply_offsets, offs, sizeof offs);
+    Py_INCREF(cls);
+    Py_XSETREF(reply_fast_type, (PyTypeObject *)cls);
+    return 1;
+}
+
+/* reply(slabs, results): its slots filled where reply_layout takes the class (error None,
+ * failed_index -1, as StepReply's defaults), else called with the two. Steals both. */
+static PyObject *
+make_reply(PyObject *cls, PyObject *slabs, PyObject *results)
+{
+    PyObject *r = NULL;
+    if (reply_layout(cls)) {
+        PyTypeObject *t = (PyTypeObject *)cls;
+        PyObject *minus = PyLong_FromLong(-1);
+        if (minus != NULL) r = t->tp_alloc(t, 0);
+        if (r != NULL) {
+            PyObject *v[4] = {slabs, results, Py_None, minus};
+            Py_INCREF(Py_None);
+            for (int i = 0; i < 4; i++) *(PyObject **)((char *)r + reply_offsets[i]) = v[i];
+            return r;
+        }
+        Py_XDECREF(minus);
+    } else if (!PyErr_Occurred()) {
+        PyObject *a[2] = {slabs, results};
+        r = PyObject_Vectorcall(cls, a, 2, NULL);
+    }
+    Py_DECREF(slabs);
+    Py_DECREF(results);
+    return r;
+}
+
 /* decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs,
  * buf, got) -> reply(slabs, results) of the whole OK reply frame in buf[0:got] (its header
  * included), records as decode_ok makes them; or None where buf[0:got] is not one whole OK
@@ -757,11 +820,10 @@ decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *s = PyLong_FromUnsignedLong(slabs);
     if (s != NULL) {
-        PyObject *a[2] = {s, results};
-        res = PyObject_Vectorcall(args[6], a, 2, NULL);
-        Py_DECREF(s);
+        res = make_reply(args[6], s, results);
+    } else {
+        Py_DECREF(results);
     }
-    Py_DECREF(results);
     PyBuffer_Release(&view);
     return res;
 none:
