@@ -359,15 +359,50 @@ def test_decode_frame_takes_the_usual_reply_and_hands_back_the_rest():
         def __post_init__(self):
             seen.append(self.arena_slabs)
 
-    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, Checked, 3, ping, len(ping))
+    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, Checked, 3, ping, len(ping), [], [])
     assert type(got) is Checked and got == Checked(3, []) and seen == [3, 3]
-    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, w.StepReply, 3, ping, len(ping))
+    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, w.StepReply, 3, ping, len(ping), [], [])
     assert type(got) is w.StepReply and (got.error, got.failed_index) == (None, -1)
     saved, w._core = w._core, None
     try:
         assert d.frame(buf, len(REPLY)) is None  # without the core: always the reference way
     finally:
         w._core = saved
+
+
+def _objs_frame(slabs: int, objs: list) -> bytearray:
+    return bytearray(w.encode_step_reply(slabs, [w.encode_objects(w.OP_LOOKUP, objs)]))
+
+
+@FAST
+@given(st.lists(st.lists(st.sampled_from([0, 1, 2, 3]), max_size=4), min_size=1, max_size=6))
+def test_replies_one_after_another_reuse_a_record_at_its_place_only_for_the_same_bytes(seq):
+    """``frame`` finds a record at its place in the last reply by its bytes: replies that
+    change (another record there, or the same object with other pin counts) decode as the
+    reference decoder says, and a record comes back as the same object only for the same bytes."""
+    pool = [
+        w.ObjectRecord(5, -1, 2, 1, True, False, 1, 1, [4], b"a", 2),
+        w.ObjectRecord(5, -1, 2, 1, True, False, 2, 2, [4], b"a", 2),  # more pins
+        w.ObjectRecord(6, 3, 2, 1, False, True, 0, 0, [], b"", 2),
+        w.ObjectRecord(7, 3, 2, 1, False, True, 0, 0, [1, 2], b"bb", 2),
+    ]
+    d = w.ReplyDecoder()
+    d(w.OK, _objs_frame(2, [])[5:])  # the arena: 2 slabs
+    seen: dict[bytes, object] = {}
+    for picks in seq:
+        data = _objs_frame(2, [pool[i] for i in picks])
+        got = d.frame(data, len(data))
+        assert got == w.decode_step_reply(w.OK, bytes(data[5:]))
+        for i, rec in zip(picks, got.results[0]):
+            raw = w.encode_objects(w.OP_LOOKUP, [pool[i]])[3:]
+            assert seen.setdefault(raw, rec) is rec  # the same bytes: the same record, else another
+    # A new arena (another slab count) makes its records anew, at every place.
+    first = d.frame(_objs_frame(2, [pool[0]]), len(_objs_frame(2, [pool[0]]))).results[0][0]
+    data = _objs_frame(3, [pool[0]])
+    assert d.frame(data, len(data)) is None  # not taken: __call__ makes them for 3 slabs
+    again = d(w.OK, bytes(data[5:])).results[0][0]
+    assert again.arena_slabs == 3 and again is not first
+    assert d.frame(data, len(data)).results[0][0] is again
 
 
 # ------------------------------------------------------------------ the C never crashes
@@ -382,7 +417,7 @@ def test_the_native_decoders_take_any_bytes_without_crashing(data):
     assert got is None or isinstance(got, tuple)
     whole = w.frame(w.OK, data)
     for n in (len(whole), len(data), len(whole) + 100):  # what the header says, and not
-        got = CORE.decode_frame({}, bytes, {}, bytes, lambda *a: a, 4, lambda *a: a, 0, whole, n)
+        got = CORE.decode_frame({}, bytes, {}, bytes, lambda *a: a, 4, lambda *a: a, 0, whole, n, [], [])
         assert got is None or isinstance(got, tuple)
 
 

@@ -597,15 +597,51 @@ memo_record(PyObject *memo, PyObject *raw, PyObject *make, Py_ssize_t limit)
     return rec;
 }
 
+/* The record of the `size` bytes at `p`, the `ri`-th of its kind in a reply: the record at
+ * the same place in the last reply where its bytes are the same (`last`: a list of (bytes,
+ * record), this decoder's; a memcmp where a memo lookup hashes, and nothing allocated), else
+ * memo_record's, kept at that place in `last` (NULL: no `last`). A new reference, or NULL. */
+static PyObject *
+record_at(PyObject *memo, const unsigned char *p, Py_ssize_t size, PyObject *make, Py_ssize_t limit,
+          PyObject *last, Py_ssize_t ri)
+{
+    if (last != NULL && ri < PyList_GET_SIZE(last)) {
+        PyObject *e = PyList_GET_ITEM(last, ri);
+        PyObject *was = PyTuple_GET_ITEM(e, 0);
+        if (PyBytes_GET_SIZE(was) == size && memcmp(PyBytes_AS_STRING(was), p, (size_t)size) == 0) {
+            PyObject *rec = PyTuple_GET_ITEM(e, 1);
+            Py_INCREF(rec);
+            return rec;
+        }
+    }
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)p, size);
+    if (raw == NULL) return NULL;
+    PyObject *rec = memo_record(memo, raw, make, limit);
+    if (rec != NULL && last != NULL && ri <= PyList_GET_SIZE(last) && ri < limit) {
+        PyObject *e = PyTuple_Pack(2, raw, rec);
+        int bad = e == NULL;
+        if (!bad && ri < PyList_GET_SIZE(last)) {
+            PyList_SetItem(last, ri, e); /* steals e; drops the entry it replaces */
+        } else if (!bad) {
+            bad = PyList_Append(last, e) < 0;
+            Py_DECREF(e);
+        }
+        if (bad) Py_CLEAR(rec);
+    }
+    Py_DECREF(raw);
+    return rec;
+}
+
 /* The results of an OK reply's body `b[0:end]` (its op count at 4; records from the memos,
  * as decode_ok says): a new list; or NULL, with *malformed set where the body is not well
  * formed (no error set: the reference decoder says why), else with an error set. */
 static PyObject *
-decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py_ssize_t limit, int *malformed)
+decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py_ssize_t limit, PyObject *last_objects,
+               PyObject *last_adapters, int *malformed)
 {
     PyObject *objects = args[0], *make_object = args[1], *adapters = args[2], *make_adapter = args[3];
     PyObject *outcome = args[4];
-    Py_ssize_t pos = 6;
+    Py_ssize_t pos = 6, n_objects = 0, n_adapters = 0;
     PyObject *results = NULL;
     *malformed = 0;
     if (end < 6) goto malformed;
@@ -632,10 +668,7 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
                 Py_ssize_t klen = rd16(b + pos + at);
                 if (end - pos - at - 2 < klen) { Py_DECREF(item); goto malformed; }
                 Py_ssize_t size = at + 2 + klen;
-                PyObject *raw = PyBytes_FromStringAndSize((const char *)b + pos, size);
-                if (raw == NULL) { Py_DECREF(item); goto fail; }
-                PyObject *rec = memo_record(objects, raw, make_object, limit);
-                Py_DECREF(raw);
+                PyObject *rec = record_at(objects, b + pos, size, make_object, limit, last_objects, n_objects++);
                 if (rec == NULL) { Py_DECREF(item); goto fail; }
                 PyList_SET_ITEM(item, j, rec);
                 pos += size;
@@ -656,10 +689,7 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
                 Py_ssize_t npages = rd32(b + pos + 17);
                 if ((end - pos - 21) / 4 < npages) { Py_DECREF(recs); goto malformed; }
                 Py_ssize_t size = 21 + 4 * npages;
-                PyObject *raw = PyBytes_FromStringAndSize((const char *)b + pos, size);
-                if (raw == NULL) { Py_DECREF(recs); goto fail; }
-                PyObject *rec = memo_record(adapters, raw, make_adapter, limit);
-                Py_DECREF(raw);
+                PyObject *rec = record_at(adapters, b + pos, size, make_adapter, limit, last_adapters, n_adapters++);
                 if (rec == NULL) { Py_DECREF(recs); goto fail; }
                 PyTuple_SET_ITEM(recs, j, rec);
                 pos += size;
@@ -708,7 +738,7 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
     int malformed;
-    PyObject *results = decode_results(b, view.len, args + 1, limit, &malformed), *res = NULL;
+    PyObject *results = decode_results(b, view.len, args + 1, limit, NULL, NULL, &malformed), *res = NULL;
     if (results != NULL) {
         PyObject *s = PyLong_FromUnsignedLong(rd32(b));
         if (s != NULL) res = PyTuple_Pack(2, s, results);
@@ -786,16 +816,19 @@ make_reply(PyObject *cls, PyObject *slabs, PyObject *results)
 }
 
 /* decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs,
- * buf, got) -> reply(slabs, results) of the whole OK reply frame in buf[0:got] (its header
- * included), records as decode_ok makes them; or None where buf[0:got] is not one whole OK
+ * buf, got, last_objects, last_adapters) -> reply(slabs, results) of the whole OK reply frame
+ * in buf[0:got] (its header included), records as decode_ok makes them (found first at their
+ * place in the last reply: record_at; the two lists are the decoder's, of (bytes, record),
+ * emptied by it when the records it makes change); or None where buf[0:got] is not one whole OK
  * frame, not well formed, or holds records of an arena of other than `slabs` slabs (the
  * caller then reads and decodes it the reference way, which also says what is wrong). */
 static PyObject *
 decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10 || !PyDict_Check(args[0]) || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got)");
+    if (nargs != 12 || !PyDict_Check(args[0]) || !PyDict_Check(args[2]) || !PyList_CheckExact(args[10]) ||
+        !PyList_CheckExact(args[11])) {
+        PyErr_SetString(PyExc_TypeError, "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, "
+                                         "reply, slabs, buf, got, last_objects, last_adapters)");
         return NULL;
     }
     Py_ssize_t limit = PyLong_AsSsize_t(args[5]);
@@ -812,7 +845,7 @@ decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint32_t slabs = rd32(b + 5);
     if ((long long)slabs != want && rd16(b + 9) != 0) goto none;
     int malformed;
-    PyObject *results = decode_results(b + 5, got - 5, args, limit, &malformed);
+    PyObject *results = decode_results(b + 5, got - 5, args, limit, args[10], args[11], &malformed);
     if (results == NULL) {
         if (malformed) goto none;
         PyBuffer_Release(&view);
@@ -843,7 +876,8 @@ static PyMethodDef methods[] = {
     {"decode_ok", (PyCFunction)(void (*)(void))decode_ok, METH_FASTCALL,
      "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit): (slabs, results) or None"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
-     "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got): "
+     "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
+     "last_objects, last_adapters): "
      "reply(slabs, results) of a whole OK frame, or None"},
     {NULL, NULL, 0, NULL},
 };

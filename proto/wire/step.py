@@ -864,12 +864,17 @@ class ReplyDecoder:
     """``decode_step_reply`` for one client connection, with equal results; a record is the
     one it made before from the same bytes (and the same arena size), not a new one."""
 
-    __slots__ = ("_objects", "_adapters", "_slabs", "_make_object")
+    __slots__ = ("_objects", "_adapters", "_slabs", "_make_object", "_last_objects", "_last_adapters")
 
     def __init__(self):
         # A record's bytes -> the record made from them.
         self._objects: dict[bytes, ObjectRecord] = {}
         self._adapters: dict[bytes, AcquiredRecord] = {}
+        # (bytes, record) of the object and adapter records of the last reply ``frame``
+        # decoded, in reply order: a record at the same place with the same bytes is found
+        # by comparing them (an engine's steps get much the same reply step after step).
+        self._last_objects: list[tuple[bytes, ObjectRecord]] = []
+        self._last_adapters: list[tuple[bytes, AcquiredRecord]] = []
         self._slabs = -1
         self._make_object = _object_record
 
@@ -909,6 +914,8 @@ class ReplyDecoder:
             self._slabs,
             buf,
             got,
+            self._last_objects,
+            self._last_adapters,
         )
 
     def _new_arena(self, slabs: int) -> None:
@@ -916,6 +923,7 @@ class ReplyDecoder:
         (a reply with no results, as a PING's, makes none and changes nothing; brokers before this
         one said 0 slabs in a PING's reply)."""
         self._objects.clear()
+        self._last_objects.clear()
         self._slabs = slabs
         self._make_object = lambda raw: _object_record(raw, slabs)
 
