@@ -13,7 +13,6 @@ cap (admitted, deferred) from the last call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 
 from memory_broker.clients.fastpath import ChannelCalls, _admitted
 from memory_broker.clients.step import StepUnavailable
@@ -22,7 +21,6 @@ from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
 
-_ADAPTER_ID, _OBJECT_ID = attrgetter("adapter_id"), attrgetter("object_id")
 _RELEASE, _UNPIN, _COMMIT, _ACQUIRE, _LOOKUP = _w.OP_RELEASE, _w.OP_UNPIN, _w.OP_COMMIT, _w.OP_ACQUIRE, _w.OP_LOOKUP
 
 
@@ -137,9 +135,9 @@ class DirectCalls(ChannelCalls):
                     else:
                         prev.released = True
                         if prev.adapters:
-                            ops.append((_RELEASE, list(map(_ADAPTER_ID, prev.adapters))))
+                            ops.append((_RELEASE, [a.adapter_id for a in prev.adapters]))
                 if release.objects:
-                    ops.append((_UNPIN, list(map(_OBJECT_ID, release.objects))))
+                    ops.append((_UNPIN, [o.object_id for o in release.objects]))
         if commit is not None and commit.transaction_id:
             ops.append((_COMMIT, (commit.transaction_id,)))
         acq = len(ops)
