@@ -15,15 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout, offset_table, row_offsets
-
-_ADAPTER_ID = attrgetter("adapter_id")
 
 if TYPE_CHECKING:
     from memory_broker.kernels.records import LoraTables
@@ -102,7 +99,7 @@ class AdapterLease:
 
     @property
     def ids(self) -> list[str]:
-        return list(map(_ADAPTER_ID, self.adapters))
+        return [a.adapter_id for a in self.adapters]
 
     def commit(self) -> None:
         """Keep a prepared acquire's pins past its lease."""

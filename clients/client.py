@@ -19,7 +19,6 @@ import errno
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from operator import attrgetter
 
 from memory_broker.clients.adapters import AdapterLease
 from memory_broker.clients.batch import POLL_S, StepBatch
@@ -35,8 +34,6 @@ from memory_broker.proto.wire.layout import AdapterLayout, ModuleShard
 from memory_broker.proto.wire.messages import spec_to_proto
 from memory_broker.proto.wire.spec import Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
-
-_EPOCH, _OBJECT_ID = attrgetter("epoch"), attrgetter("object_id")
 
 __all__ = [
     "BrokerClient",
@@ -320,9 +317,12 @@ class BrokerClient(BrokerQueries):
     def _ids(self, objs: Iterable[BrokerObject | int]) -> list[int]:
         if isinstance(objs, (list, tuple)) and objs:
             # The usual call: this session's objects (what a step or lookup returned), checked in
-            # one pass of C each; anything else item by item.
-            if set(map(type, objs)) == {BrokerObject} and set(map(_EPOCH, objs)) == {self.epoch}:
-                return list(map(_OBJECT_ID, objs))
+            # one comprehension (its attribute loads specialize to the slots, where getters'
+            # do not); anything else item by item.
+            epoch = self.epoch
+            out = [o.object_id for o in objs if type(o) is BrokerObject and o.epoch == epoch]
+            if len(out) == len(objs):
+                return out
         out = []
         for o in objs:
             if isinstance(o, BrokerObject):

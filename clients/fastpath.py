@@ -25,7 +25,6 @@ from memory_broker.proto.wire.layout import ModuleShard
 log = logging.getLogger(__name__)
 
 _OBJECT_ID = attrgetter("object_id")
-_Op = _w.Op
 _first, _second = itemgetter(0), itemgetter(1)
 
 
@@ -63,13 +62,17 @@ def choose_calls(client) -> ChannelCalls | GrpcCalls:
             except StepUnavailable as e:
                 log.info("using gRPC for step calls: %s", e)
             else:
-                calls = ChannelCalls(client, StepPath(transport, hold_s=client.hold_s), grpc)
+                from memory_broker.clients.step_direct import DirectCalls  # (it builds on ChannelCalls)
+
+                path = StepPath(transport, hold_s=client.hold_s)
+                calls = (ChannelCalls if path.caching else DirectCalls)(client, path, grpc)
         client._calls = calls
         return calls
 
 
 class ChannelCalls:
-    """The step calls of one session over its step channel (``client``: a ``BrokerClient``)."""
+    """The step calls of one session over its step channel (``client``: a ``BrokerClient``),
+    planned against its holdings cache (``hold_s``; without it, ``step_direct.DirectCalls``)."""
 
     def __init__(self, client, path: StepPath, grpc: GrpcCalls):
         self.client = client
@@ -117,11 +120,6 @@ class ChannelCalls:
     ):
         if dtype or shards:  # the step channel acquires whole copies in the broker's dtype; others are gRPC's
             return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype, shards)
-        if not self.path.caching:
-            lease = self._acquire_frame(adapter_ids, max_adapters, prepare, lease_s)
-            if lease is not None:
-                return lease
-            return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
         out = self._fast_or_none(
             self.path.step,
             adapter_ids,
@@ -140,22 +138,21 @@ class ChannelCalls:
         if dtype:
             self.grpc.release_adapters(adapter_ids, dtype)
             return
-        if not self.path.caching:
-            if adapter_ids:
-                self._frame([_Op(_w.OP_RELEASE, tuple(adapter_ids))])
-            return
         self._fast(self.path.step, release=list(adapter_ids), acquire=False, lookup=False)
 
-    # Without the holdings cache, a generic call is one op in one frame, and a step its ops
-    # in one frame: nothing to plan against (``StepPath.step`` plans for ``hold_s``).
-
-    def _frame(self, ops: list[_w.Op], or_none: bool = False, check: bool = True) -> _w.StepReply | None:
-        """One frame of ``ops`` and its reply, its refusal raised (with ``check``; else the
-        caller reads ``reply.error``): ``_fast`` around ``StepPath.send``, inlined (one call
-        less on every frame of the generic calls and the uncached step; ``or_none``: None when
-        the channel broke)."""
+    def _frame(self, ops: list, or_none: bool = False, check: bool = True) -> _w.StepReply | None:
+        """One frame of ``ops`` (``Op``s or tuples of their fields) and its reply, its refusal
+        raised (with ``check``; else the caller reads ``reply.error``): ``_fast`` around
+        ``StepPath.send``, both inlined (the fixed cost of every frame of the generic calls
+        and of a step without the cache; ``or_none``: None when the channel broke)."""
+        path = self.path
         try:
-            reply = self.path.send(ops)
+            with path.lock:
+                if path._pending is not None:
+                    path._pending._collect()  # a step begun earlier: its reply first
+                data = _w.encode_step(ops)
+                path.frames += 1
+                reply = path.transport.request(data)
         except _w.WireError as e:
             raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
         except StepUnavailable as e:
@@ -166,40 +163,17 @@ class ChannelCalls:
             raise reply.error
         return reply
 
-    def _acquire_frame(self, adapter_ids: Sequence[str], max_adapters: int, prepare: bool, lease_s: float):
-        """The uncached acquire in one frame: its lease, or None when one needs a load or the
-        channel broke (the caller asks gRPC)."""
-        if isinstance(adapter_ids, str):
-            return None  # gRPC refuses it, saying why
-        ids = list(adapter_ids)
-        op = _Op(_w.OP_ACQUIRE, tuple(ids), _w.ACQUIRE_PREPARE if prepare else 0, max_adapters, int(lease_s * 1000))
-        reply = self._frame([op], True)
-        if reply is None:
-            return None
-        r: _w.AcquireOutcome = reply.results[0]
-        if not r.hot:
-            return None
-        admitted, deferred = _admitted(ids, max_adapters)
-        return self.records.step_lease(admitted, r.adapters, deferred, r.txn_id, reply.arena_slabs)
-
     def commit_acquire(self, transaction_id: int) -> None:
-        self._frame([_Op(_w.OP_COMMIT, (transaction_id,))])
+        self._frame([(_w.OP_COMMIT, (transaction_id,))])
 
     def abort_acquire(self, transaction_id: int) -> None:
-        self._frame([_Op(_w.OP_ABORT, (transaction_id,))])
+        self._frame([(_w.OP_ABORT, (transaction_id,))])
 
     # ------------------------------------------------------------ objects
 
     def lookup(self, keys: Sequence[bytes], pin: bool) -> list:
         # A step channel that broke (the broker restarting) is not retried here: the gRPC
         # call waits for the new session and retries, as it always did.
-        if not self.path.caching:
-            if not keys:
-                return []
-            reply = self._frame([_Op(_w.OP_LOOKUP, tuple(keys), 1 if pin else 0)], True)
-            if reply is not None:
-                return self.records.objects(reply.results[0])
-            return self.grpc.lookup(keys, pin)
         out = self._fast_or_none(self.path.step, keys=keys, acquire=False, pin_keys=pin)
         if out is not None:
             return self.records.objects(out.objects)
@@ -241,7 +215,7 @@ class ChannelCalls:
     def _unpin_quietly(self, ids: list[int]) -> None:
         if ids:
             try:
-                self._frame([_Op(_w.OP_UNPIN, tuple(ids))], True)
+                self._frame([(_w.OP_UNPIN, tuple(ids))], True)
             except BrokerError as e:
                 log.debug("unpinning after a failed lookup: %s", e)
 
@@ -252,17 +226,13 @@ class ChannelCalls:
             held = st.held.ref_pins(ids)
             if held is not None:
                 return make(held)
-        reply = self._frame([_Op(_w.OP_PIN, tuple(ids))])
+        reply = self._frame([(_w.OP_PIN, tuple(ids))])
         recs = reply.results[0]
         if st.caching:
             st.held.add_pins(recs)
         return make(recs)
 
     def unpin(self, ids: list[int]) -> None:
-        if not self.path.caching:
-            if ids:
-                self._frame([_Op(_w.OP_UNPIN, tuple(ids))])
-            return
         self._fast(self.path.step, unpin=ids, acquire=False, lookup=False)
 
     def forget_pins(self, ids: Sequence[int]) -> None:
@@ -279,58 +249,11 @@ class ChannelCalls:
     def step(self, ids: list[str], keys: list[bytes], max_adapters, prepare, lease_s, commit, release) -> StepLease:
         """``BrokerClient.step``: at most one frame (none when the cache has it all)."""
         st = self.path
-        if not st.caching:
-            return self._step_direct(ids, keys, max_adapters, prepare, lease_s, commit, release)
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
             return same
         out = self._step_frame(st, st.step, ids, keys, max_adapters, prepare, lease_s, commit, release)
         return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys, st)
-
-    def _step_direct(self, ids, keys, max_adapters, prepare, lease_s, commit, release) -> StepLease:
-        """``step`` without the holdings cache: its ops straight into one frame (what ``release``
-        gives back, ``commit``, the acquire, the lookup), the reply made into the lease here
-        (``StepPath.step``'s plan and outcome are for ``hold_s``; this is what they amount to
-        without it). The one step every engine makes per batch: its fixed cost is this."""
-        ops: list[_w.Op] = []
-        if release is not None and not release.released:
-            rel_ids, unpins, _ = self._giving_back(release, self.path)
-            if rel_ids:
-                ops.append(_Op(_w.OP_RELEASE, tuple(rel_ids)))
-            if unpins:
-                ops.append(_Op(_w.OP_UNPIN, unpins))
-        if commit is not None and commit.transaction_id:
-            ops.append(_Op(_w.OP_COMMIT, (commit.transaction_id,)))
-        acq = len(ops)
-        if ids:
-            flags = _w.ACQUIRE_PREPARE if prepare else 0
-            ops.append(_Op(_w.OP_ACQUIRE, tuple(ids), flags, max_adapters, int(lease_s * 1000)))
-        if keys:
-            ops.append(_Op(_w.OP_LOOKUP, tuple(keys), 1))
-        if not ops:
-            return StepLease(self.client, None, [], ids, keys, max_adapters)
-        reply = self._frame(ops, check=False)
-        results = reply.results
-        r = results[acq] if ids and acq < len(results) else None
-        if reply.error is not None:
-            if r is not None and r.hot:
-                # A later op failed: what the acquire took goes back (the caller gets the error).
-                self.path._undo_acquire(_admitted(ids, max_adapters)[0], r)
-            raise reply.error
-        if len(results) != len(ops):
-            raise BrokerError(Code.INTERNAL, f"the step channel answered {len(results)} ops of {len(ops)}")
-        objs = self.records.objects(results[-1]) if keys else []
-        if not ids:
-            lease = None
-        elif r.hot:
-            admitted, deferred = _admitted(ids, max_adapters)
-            got = r.adapters
-            if len(got) < len(admitted):  # a record per admitted id, in order
-                raise BrokerError(Code.INTERNAL, f"the step channel acquired {len(got)} of {len(admitted)} adapters")
-            lease = self.records.step_lease(admitted, got, deferred, r.txn_id, reply.arena_slabs)
-        else:
-            lease = self._loaded(ids, max_adapters, prepare, lease_s, objs)
-        return StepLease(self.client, lease, objs, ids, keys, max_adapters)
 
     def _loaded(self, ids, max_adapters: int, prepare: bool, lease_s: float, objs: list):
         """A step's adapters over gRPC, which loads one that is not hot (and defers over the

@@ -16,13 +16,10 @@ Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
-
-_ADAPTER_ID, _MADE = attrgetter("adapter_id"), attrgetter("made")
 
 
 class SessionRecords:
@@ -34,6 +31,10 @@ class SessionRecords:
         # (adapter id, generation, object id) -> LeasedAdapter, and adapter id -> (the step
         # cache's record, its LeasedAdapter).
         self._leased: dict = {}
+        # The arena view a step's lease last made sure of, and its slabs mapped then (a
+        # step whose reply says no more needs no look at the view).
+        self._view = None
+        self._mapped = 0
         # What was built from a step record is kept on the record (``made``: an object
         # record's BrokerObject, a hot adapter record's LeasedAdapter). The step transport's
         # decoder (one per session's channel, as this) hands out the record it made before for
@@ -43,7 +44,9 @@ class SessionRecords:
 
     def objects(self, recs) -> list:
         """BrokerObjects for step records; the same record object gets the same BrokerObject."""
-        out = list(map(_MADE, recs))
+        # (Comprehensions: their attribute loads specialize to the slot; a getter's do not,
+        # and cost twice as much.)
+        out = [r.made for r in recs]
         if all(out):  # truth in C (no __eq__ of an object per item, as ``None in`` would call)
             return out
         new = [(i, r) for i, (r, o) in enumerate(zip(recs, out)) if o is None]
@@ -55,12 +58,13 @@ class SessionRecords:
     def step_lease(self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
         """The lease of a step channel's acquire: adapter ``ids[i]`` has record ``recs[i]``."""
         client = self.client
-        if arena_slabs:
+        if arena_slabs > self._mapped or client.view is not self._view:
             client._ensure_slabs(arena_slabs)
+            self._view, self._mapped = client.view, arena_slabs
         # A hot record's LeasedAdapter, checked against the ids (records in another order, or
         # under other ids, are not taken for the leases they made).
-        leased = list(map(_MADE, recs))
-        if not all(leased) or list(map(_ADAPTER_ID, leased)) != ids:
+        leased = [r.made for r in recs]
+        if not all(leased) or [la.adapter_id for la in leased] != ids:
             leased = [self.leased_step(aid, rec) for aid, rec in zip(ids, recs)]
             for rec, la in zip(recs, leased):
                 if rec.found_in == _w.TIER_HOT:

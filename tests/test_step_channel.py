@@ -454,11 +454,14 @@ def test_the_step_path_follows_the_client_across_a_broker_restart():
                 b.stop(signal.SIGKILL)
 
 
-def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(step_rig):
+@pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["no-cache", "cache"])
+def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(step_rig, hold_s):
     b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+        n = frames(c)
         pending = c.step_begin(["a0"], [b"k0", b"k1"])
+        assert frames(c) == n + 1  # sent at begin
         assert [o.key for o in c.lookup([b"k2"])] == [b"k2"]  # its own reply, not the begun one's
         s = pending.result()
         assert s.adapters.ids == ["a0"] and [o.key for o in s.objects] == [b"k0", b"k1"]
@@ -586,6 +589,7 @@ def test_both_transports_calls_objects_offer_the_same_calls():
 
     from memory_broker.clients.fastpath import ChannelCalls
     from memory_broker.clients.grpc_calls import GrpcCalls
+    from memory_broker.clients.step_direct import DirectCalls
 
     def calls(cls) -> dict:
         return {
@@ -594,7 +598,7 @@ def test_both_transports_calls_objects_offer_the_same_calls():
             if not n.startswith("_")
         }
 
-    assert calls(ChannelCalls) == calls(GrpcCalls)
+    assert calls(ChannelCalls) == calls(GrpcCalls) == calls(DirectCalls)
     assert {"lookup", "pin", "unpin", "acquire_adapters", "release_adapters", "step", "change"} <= set(calls(GrpcCalls))
 
 
@@ -603,7 +607,8 @@ def test_a_session_chooses_its_calls_once_and_again_after_its_channel_breaks(ste
     b, _ = step_rig
     with BrokerClient.connect(b.socket, fast_path=fast_path) as c:
         first = c._step_calls()
-        assert type(first).__name__ == ("ChannelCalls" if fast_path else "GrpcCalls")
+        # Without hold_s (the default), the step channel's calls without the cache.
+        assert type(first).__name__ == ("DirectCalls" if fast_path else "GrpcCalls")
         assert c._step_calls() is first and [o.key for o in c.lookup([b"k0"])] == [b"k0"]
         if fast_path:
             first.path.transport.close()  # the channel broke: the next call chooses again
@@ -632,15 +637,18 @@ def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig
     costs: one frame each, one op in it, nothing planned against a step cache there is not
     (``StepPath.step``'s planning is for a whole step, and for ``hold_s``)."""
     from memory_broker.clients.step import StepPath
+    from memory_broker.clients.step_transport import StepTransport
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket) as c:
         c.acquire_adapters(["a0"]).release()  # the session's channel, and a0's layout, once
         sent: list[list[int]] = []
-        real_send = StepPath.send
-        monkeypatch.setattr(
-            StepPath, "send", lambda self, ops: (sent.append([o.kind for o in ops]), real_send(self, ops))[1]
+        real_request = StepTransport.request
+        monkeypatch.setattr(  # what went on the wire, op by op
+            StepTransport,
+            "request",
+            lambda self, data: (sent.append([o.kind for o in w.decode_step(data[5:])]), real_request(self, data))[1],
         )
 
         def no_plan(*a, **kw):
@@ -672,17 +680,21 @@ def test_a_step_without_the_cache_is_one_frame_of_its_ops_and_a_refusal_gives_it
     the lookup in one frame, in that order, and plans nothing against a cache there is not; an
     op refused after the acquire leaves nothing of the step pinned, and the error is the broker's."""
     from memory_broker.clients.step import StepPath
+    from memory_broker.clients.step_transport import StepTransport
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket) as c:
         c.acquire_adapters(["a0", "a1"]).release()  # the session's channel, and the layouts, once
         sent: list[list[tuple[int, int]]] = []
-        real_send = StepPath.send
-        monkeypatch.setattr(
-            StepPath,
-            "send",
-            lambda self, ops: (sent.append([(o.kind, len(o.items)) for o in ops]), real_send(self, ops))[1],
+        real_request = StepTransport.request
+        monkeypatch.setattr(  # what went on the wire, op by op
+            StepTransport,
+            "request",
+            lambda self, data: (
+                sent.append([(o.kind, len(o.items)) for o in w.decode_step(data[5:])]),
+                real_request(self, data),
+            )[1],
         )
 
         def no_plan(*a, **kw):

@@ -4,6 +4,7 @@ same errors (type and message); and no input makes the C crash."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import subprocess
 import sys
@@ -63,6 +64,39 @@ def ops(draw):
 def test_encode_step_native_and_python_give_the_same_frame_or_error(op_list):
     native_out, python_out = both(w.encode_step, op_list)
     assert native_out == python_out
+
+
+def _as_tuple(op: w.Op, n: int) -> tuple:
+    """``op`` as a tuple of its first ``n`` fields (at least 2; more where a later one is set)."""
+    fields = (op.kind, op.items, op.flags, op.max_adapters, op.lease_ms)
+    last = max([i + 1 for i, v in enumerate(fields[2:], 2) if v != 0] or [2])
+    return fields[: max(n, last)]
+
+
+@FAST
+@given(st.lists(st.tuples(ops(), st.integers(2, 5)), max_size=5))
+def test_an_op_as_a_tuple_of_its_fields_encodes_as_the_op_in_both_codecs(pairs):
+    """The client's one-off ops are tuples (no Op object): both codecs encode them as the Op
+    of the same fields, or refuse them alike."""
+    op_list = [op for op, _ in pairs]
+    as_tuples = [_as_tuple(op, n) for op, n in pairs]
+    native_out, python_out = both(w.encode_step, as_tuples)
+    assert native_out == python_out == both(w.encode_step, op_list)[0]
+
+
+def test_the_usual_tuple_ops_are_taken_by_the_c_and_a_malformed_one_is_not():
+    ops_ = [
+        (w.OP_RELEASE, ["a", "é"]),
+        (w.OP_UNPIN, [1, 2**64 - 1]),
+        (w.OP_COMMIT, (7,)),
+        (w.OP_ACQUIRE, ["x"], w.ACQUIRE_PREPARE, 3, 2500),
+        (w.OP_LOOKUP, [b"k" * 32, b""], 1),
+    ]
+    assert CORE.encode_step(ops_, w._OP_ATTRS) == w._encode_step([w.Op(*op) for op in ops_])
+    for bad in ((w.OP_UNPIN,), (w.OP_UNPIN, (1,), 0, 0, 0, 0)):
+        assert CORE.encode_step([bad], w._OP_ATTRS) is None
+        with pytest.raises(TypeError):  # the Python encoder says what is wrong with it
+            w.encode_step([bad])
 
 
 def test_encode_step_native_takes_the_usual_ops():
@@ -276,6 +310,101 @@ def test_reply_decoder_native_hands_back_the_records_it_made_before():
     assert a.results[3][0] is b.results[3][0] and a.results[1].adapters[0] is b.results[1].adapters[0]
 
 
+def _frame_decoded(kind: int, body: bytes, room: int = 0):
+    """``ReplyDecoder.frame`` of the frame of ``kind`` and ``body`` in a kept buffer (``room``
+    bytes more than it), twice: (first, second); each a StepReply or None (not taken)."""
+    d = w.ReplyDecoder()
+    d(w.OK, REPLY[5:])  # the decoder has seen this arena (2 slabs) already
+    data = w.frame(kind, body)
+    buf = bytearray(len(data) + room)
+    buf[: len(data)] = data
+    return d.frame(buf, len(data)), d.frame(buf, len(data))
+
+
+@FAST
+@given(replies(), st.integers(0, 8))
+def test_a_whole_reply_frame_decoded_from_the_buffer_is_what_the_reference_decoder_says(reply, room):
+    """The transport's one native call per reply: a whole OK frame gives the reference
+    decoder's reply (the memo's records the second time); anything else is not taken."""
+    kind, body = reply
+    first, second = _frame_decoded(kind, body, room)
+    if first is None:
+        assert second is None
+        return
+    assert kind == w.OK and first == w.decode_step_reply(kind, body) == second
+    for a, b in zip(first.results, second.results):
+        if isinstance(a, list):
+            assert all(x is y for x, y in zip(a, b))
+
+
+def test_decode_frame_takes_the_usual_reply_and_hands_back_the_rest():
+    d = w.ReplyDecoder()
+    assert d.frame(bytearray(REPLY), len(REPLY)) is None  # an arena not seen yet: __call__ first
+    first = d(w.OK, REPLY[5:])
+    buf = bytearray(REPLY) + bytearray(64)
+    got = d.frame(buf, len(REPLY))
+    assert got == first and type(got) is w.StepReply and got.results[3][0] is first.results[3][0]
+    assert d.frame(buf, len(REPLY) - 1) is None  # cut: the rest is read first
+    assert d.frame(buf, len(REPLY) + 1) is None  # a byte more than the header says
+    assert d.frame(bytearray(w.frame(w.ERROR, REPLY[5:])), len(REPLY)) is None
+    other = bytearray(w.frame(w.OK, struct.pack("<I", 3) + REPLY[9:]))
+    assert d.frame(other, len(other)) is None  # another arena's size: __call__ makes the records anew
+    ping = bytearray(w.encode_step_reply(3, ()))
+    assert d.frame(ping, len(ping)) == w.StepReply(3, [])  # no records: any arena size
+    # The reply's slots are filled (a plain record); a class that does more is called.
+    seen = []
+
+    @dataclasses.dataclass(slots=True)
+    class Checked(w.StepReply):
+        def __post_init__(self):
+            seen.append(self.arena_slabs)
+
+    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, Checked, 3, ping, len(ping), [], [])
+    assert type(got) is Checked and got == Checked(3, []) and seen == [3, 3]
+    got = CORE.decode_frame({}, bytes, {}, bytes, w.AcquireOutcome, 4, w.StepReply, 3, ping, len(ping), [], [])
+    assert type(got) is w.StepReply and (got.error, got.failed_index) == (None, -1)
+    saved, w._core = w._core, None
+    try:
+        assert d.frame(buf, len(REPLY)) is None  # without the core: always the reference way
+    finally:
+        w._core = saved
+
+
+def _objs_frame(slabs: int, objs: list) -> bytearray:
+    return bytearray(w.encode_step_reply(slabs, [w.encode_objects(w.OP_LOOKUP, objs)]))
+
+
+@FAST
+@given(st.lists(st.lists(st.sampled_from([0, 1, 2, 3]), max_size=4), min_size=1, max_size=6))
+def test_replies_one_after_another_reuse_a_record_at_its_place_only_for_the_same_bytes(seq):
+    """``frame`` finds a record at its place in the last reply by its bytes: replies that
+    change (another record there, or the same object with other pin counts) decode as the
+    reference decoder says, and a record comes back as the same object only for the same bytes."""
+    pool = [
+        w.ObjectRecord(5, -1, 2, 1, True, False, 1, 1, [4], b"a", 2),
+        w.ObjectRecord(5, -1, 2, 1, True, False, 2, 2, [4], b"a", 2),  # more pins
+        w.ObjectRecord(6, 3, 2, 1, False, True, 0, 0, [], b"", 2),
+        w.ObjectRecord(7, 3, 2, 1, False, True, 0, 0, [1, 2], b"bb", 2),
+    ]
+    d = w.ReplyDecoder()
+    d(w.OK, _objs_frame(2, [])[5:])  # the arena: 2 slabs
+    seen: dict[bytes, object] = {}
+    for picks in seq:
+        data = _objs_frame(2, [pool[i] for i in picks])
+        got = d.frame(data, len(data))
+        assert got == w.decode_step_reply(w.OK, bytes(data[5:]))
+        for i, rec in zip(picks, got.results[0]):
+            raw = w.encode_objects(w.OP_LOOKUP, [pool[i]])[3:]
+            assert seen.setdefault(raw, rec) is rec  # the same bytes: the same record, else another
+    # A new arena (another slab count) makes its records anew, at every place.
+    first = d.frame(_objs_frame(2, [pool[0]]), len(_objs_frame(2, [pool[0]]))).results[0][0]
+    data = _objs_frame(3, [pool[0]])
+    assert d.frame(data, len(data)) is None  # not taken: __call__ makes them for 3 slabs
+    again = d(w.OK, bytes(data[5:])).results[0][0]
+    assert again.arena_slabs == 3 and again is not first
+    assert d.frame(data, len(data)).results[0][0] is again
+
+
 # ------------------------------------------------------------------ the C never crashes
 
 
@@ -286,6 +415,10 @@ def test_the_native_decoders_take_any_bytes_without_crashing(data):
     assert CORE.decode_step(GOOD_BODY[:3] + data, w.Op) is None or True
     got = CORE.decode_ok(data, {}, lambda raw: raw, {}, lambda raw: raw, lambda *a: a, 4)
     assert got is None or isinstance(got, tuple)
+    whole = w.frame(w.OK, data)
+    for n in (len(whole), len(data), len(whole) + 100):  # what the header says, and not
+        got = CORE.decode_frame({}, bytes, {}, bytes, lambda *a: a, 4, lambda *a: a, 0, whole, n, [], [])
+        assert got is None or isinstance(got, tuple)
 
 
 def test_huge_announced_counts_are_refused_not_read():

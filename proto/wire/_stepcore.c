@@ -450,17 +450,33 @@ static int put_texts(Out *o, PyObject *seq) {
     return 0;
 }
 
+/* Field j of an op (attrs: (kind, items, flags, max_adapters, lease_ms)): an Op's attribute,
+ * or a tuple op's item j (a tuple in Op's field order; 0 for the fields it leaves off).
+ * A new reference, or NULL with an error set. */
+static PyObject *op_get(PyObject *op, PyObject *attrs, int j) {
+    if (PyTuple_CheckExact(op)) {
+        if (j < PyTuple_GET_SIZE(op)) {
+            PyObject *v = PyTuple_GET_ITEM(op, j);
+            Py_INCREF(v);
+            return v;
+        }
+        return PyLong_FromLong(0);
+    }
+    return PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, j));
+}
+
 /* One op's bytes after its kind. 0 taken, 1 not taken, -1 error. */
 static int put_op(Out *o, PyObject *op, PyObject *attrs, long *kind_out) {
     /* attrs: (kind, items, flags, max_adapters, lease_ms) */
-    PyObject *kv = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 0));
+    if (PyTuple_CheckExact(op) && (PyTuple_GET_SIZE(op) < 2 || PyTuple_GET_SIZE(op) > 5)) return 1;
+    PyObject *kv = op_get(op, attrs, 0);
     if (kv == NULL) return -1;
     unsigned long long k;
     int bad = as_uint(kv, 255, &k) < 0;
     Py_DECREF(kv);
     if (bad || k < OP_RELEASE || k > OP_LOOKUP) return 1;
     *kind_out = (long)k;
-    PyObject *items = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 1));
+    PyObject *items = op_get(op, attrs, 1);
     if (items == NULL) return -1;
     if (!PyTuple_Check(items) && !PyList_Check(items)) { Py_DECREF(items); return 1; }
     PyObject *seq = PySequence_Fast(items, "items");
@@ -478,7 +494,7 @@ static int put_op(Out *o, PyObject *op, PyObject *attrs, long *kind_out) {
         unsigned long long fl, cap, lease;
         PyObject *v[3];
         for (int j = 0; j < 3; j++) {
-            v[j] = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 2 + j));
+            v[j] = op_get(op, attrs, 2 + j);
             if (v[j] == NULL) { for (int q = 0; q < j; q++) Py_DECREF(v[q]); r = -1; goto done; }
         }
         int bad3 = as_uint(v[0], 255, &fl) < 0 || as_uint(v[1], 0xFFFF, &cap) < 0 || as_uint(v[2], 0xFFFFFFFFu, &lease) < 0;
@@ -488,7 +504,7 @@ static int put_op(Out *o, PyObject *op, PyObject *attrs, long *kind_out) {
             out_u16(o, (unsigned)n) < 0) { r = -1; goto done; }
         r = put_texts(o, seq);
     } else if (k == OP_LOOKUP) {
-        PyObject *fv = PyObject_GetAttr(op, PyTuple_GET_ITEM(attrs, 2));
+        PyObject *fv = op_get(op, attrs, 2);
         if (fv == NULL) { r = -1; goto done; }
         unsigned long long fl;
         int badf = as_uint(fv, 255, &fl) < 0;
@@ -581,29 +597,54 @@ memo_record(PyObject *memo, PyObject *raw, PyObject *make, Py_ssize_t limit)
     return rec;
 }
 
-/* decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit) ->
- * (slabs, results) of an OK reply, or None where it is not well formed (the reference
- * decoder then says why). Object and adapter records come from the memos (dicts: a
- * record's bytes -> the record), made by make_object/make_adapter on a miss; an acquire
- * result is outcome(hot, txn_id, deadline, records). */
+/* The record of the `size` bytes at `p`, the `ri`-th of its kind in a reply: the record at
+ * the same place in the last reply where its bytes are the same (`last`: a list of (bytes,
+ * record), this decoder's; a memcmp where a memo lookup hashes, and nothing allocated), else
+ * memo_record's, kept at that place in `last` (NULL: no `last`). A new reference, or NULL. */
 static PyObject *
-decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+record_at(PyObject *memo, const unsigned char *p, Py_ssize_t size, PyObject *make, Py_ssize_t limit,
+          PyObject *last, Py_ssize_t ri)
 {
-    if (nargs != 7 || !PyDict_Check(args[1]) || !PyDict_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit)");
-        return NULL;
+    if (last != NULL && ri < PyList_GET_SIZE(last)) {
+        PyObject *e = PyList_GET_ITEM(last, ri);
+        PyObject *was = PyTuple_GET_ITEM(e, 0);
+        if (PyBytes_GET_SIZE(was) == size && memcmp(PyBytes_AS_STRING(was), p, (size_t)size) == 0) {
+            PyObject *rec = PyTuple_GET_ITEM(e, 1);
+            Py_INCREF(rec);
+            return rec;
+        }
     }
-    PyObject *objects = args[1], *make_object = args[2], *adapters = args[3], *make_adapter = args[4];
-    PyObject *outcome = args[5];
-    Py_ssize_t limit = PyLong_AsSsize_t(args[6]);
-    if (limit == -1 && PyErr_Occurred()) return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    const unsigned char *b = (const unsigned char *)view.buf;
-    Py_ssize_t end = view.len, pos = 6;
-    PyObject *results = NULL, *res = NULL;
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)p, size);
+    if (raw == NULL) return NULL;
+    PyObject *rec = memo_record(memo, raw, make, limit);
+    if (rec != NULL && last != NULL && ri <= PyList_GET_SIZE(last) && ri < limit) {
+        PyObject *e = PyTuple_Pack(2, raw, rec);
+        int bad = e == NULL;
+        if (!bad && ri < PyList_GET_SIZE(last)) {
+            PyList_SetItem(last, ri, e); /* steals e; drops the entry it replaces */
+        } else if (!bad) {
+            bad = PyList_Append(last, e) < 0;
+            Py_DECREF(e);
+        }
+        if (bad) Py_CLEAR(rec);
+    }
+    Py_DECREF(raw);
+    return rec;
+}
+
+/* The results of an OK reply's body `b[0:end]` (its op count at 4; records from the memos,
+ * as decode_ok says): a new list; or NULL, with *malformed set where the body is not well
+ * formed (no error set: the reference decoder says why), else with an error set. */
+static PyObject *
+decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py_ssize_t limit, PyObject *last_objects,
+               PyObject *last_adapters, int *malformed)
+{
+    PyObject *objects = args[0], *make_object = args[1], *adapters = args[2], *make_adapter = args[3];
+    PyObject *outcome = args[4];
+    Py_ssize_t pos = 6, n_objects = 0, n_adapters = 0;
+    PyObject *results = NULL;
+    *malformed = 0;
     if (end < 6) goto malformed;
-    uint32_t slabs = rd32(b);
     Py_ssize_t n = rd16(b + 4);
     results = PyList_New(n);
     if (results == NULL) goto fail;
@@ -627,10 +668,7 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 Py_ssize_t klen = rd16(b + pos + at);
                 if (end - pos - at - 2 < klen) { Py_DECREF(item); goto malformed; }
                 Py_ssize_t size = at + 2 + klen;
-                PyObject *raw = PyBytes_FromStringAndSize((const char *)b + pos, size);
-                if (raw == NULL) { Py_DECREF(item); goto fail; }
-                PyObject *rec = memo_record(objects, raw, make_object, limit);
-                Py_DECREF(raw);
+                PyObject *rec = record_at(objects, b + pos, size, make_object, limit, last_objects, n_objects++);
                 if (rec == NULL) { Py_DECREF(item); goto fail; }
                 PyList_SET_ITEM(item, j, rec);
                 pos += size;
@@ -651,10 +689,7 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 Py_ssize_t npages = rd32(b + pos + 17);
                 if ((end - pos - 21) / 4 < npages) { Py_DECREF(recs); goto malformed; }
                 Py_ssize_t size = 21 + 4 * npages;
-                PyObject *raw = PyBytes_FromStringAndSize((const char *)b + pos, size);
-                if (raw == NULL) { Py_DECREF(recs); goto fail; }
-                PyObject *rec = memo_record(adapters, raw, make_adapter, limit);
-                Py_DECREF(raw);
+                PyObject *rec = record_at(adapters, b + pos, size, make_adapter, limit, last_adapters, n_adapters++);
                 if (rec == NULL) { Py_DECREF(recs); goto fail; }
                 PyTuple_SET_ITEM(recs, j, rec);
                 pos += size;
@@ -677,21 +712,156 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyList_SET_ITEM(results, i, item);
     }
     if (pos != end) goto malformed;
-    PyObject *s = PyLong_FromUnsignedLong(slabs);
-    if (s == NULL) goto fail;
-    res = PyTuple_Pack(2, s, results);
-    Py_DECREF(s);
-    Py_DECREF(results);
-    PyBuffer_Release(&view);
-    return res;
+    return results;
 malformed:
-    Py_XDECREF(results);
-    PyBuffer_Release(&view);
-    Py_RETURN_NONE;
+    *malformed = 1;
 fail:
     Py_XDECREF(results);
-    PyBuffer_Release(&view);
     return NULL;
+}
+
+/* decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit) ->
+ * (slabs, results) of an OK reply, or None where it is not well formed (the reference
+ * decoder then says why). Object and adapter records come from the memos (dicts: a
+ * record's bytes -> the record), made by make_object/make_adapter on a miss; an acquire
+ * result is outcome(hot, txn_id, deadline, records). */
+static PyObject *
+decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !PyDict_Check(args[1]) || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[6]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *b = (const unsigned char *)view.buf;
+    int malformed;
+    PyObject *results = decode_results(b, view.len, args + 1, limit, NULL, NULL, &malformed), *res = NULL;
+    if (results != NULL) {
+        PyObject *s = PyLong_FromUnsignedLong(rd32(b));
+        if (s != NULL) res = PyTuple_Pack(2, s, results);
+        Py_XDECREF(s);
+        Py_DECREF(results);
+    } else if (malformed) {
+        res = Py_None;
+        Py_INCREF(res);
+    }
+    PyBuffer_Release(&view);
+    return res;
+}
+
+/* The StepReply class whose slots decode_frame fills directly (a strong reference), and the
+ * offsets of its four fields; NULL until decode_frame first sees a class with that layout
+ * (a plain slotted record, as Op: filling its slots is what calling it does). */
+static PyTypeObject *reply_fast_type;
+static Py_ssize_t reply_offsets[4];
+static const char *const REPLY_FIELDS[4] = {"arena_slabs", "results", "error", "failed_index"};
+
+/* Whether `cls` is such a class (then reply_fast_type is it); 0: the caller calls it. */
+static int
+reply_layout(PyObject *cls)
+{
+    if ((PyTypeObject *)cls == reply_fast_type) return 1;
+    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
+    if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
+    Py_ssize_t offs[4];
+    for (int f = 0; f < 4; f++) {
+        PyObject *d = PyObject_GetAttrString(cls, REPLY_FIELDS[f]);
+        if (d == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
+                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
+            offs[f] = m->d_member->offset;
+        }
+        Py_DECREF(d);
+        if (!ok) return 0;
+    }
+    memcpy(reply_offsets, offs, sizeof offs);
+    Py_INCREF(cls);
+    Py_XSETREF(reply_fast_type, (PyTypeObject *)cls);
+    return 1;
+}
+
+/* reply(slabs, results): its slots filled where reply_layout takes the class (error None,
+ * failed_index -1, as StepReply's defaults), else called with the two. Steals both. */
+static PyObject *
+make_reply(PyObject *cls, PyObject *slabs, PyObject *results)
+{
+    PyObject *r = NULL;
+    if (reply_layout(cls)) {
+        PyTypeObject *t = (PyTypeObject *)cls;
+        PyObject *minus = PyLong_FromLong(-1);
+        if (minus != NULL) r = t->tp_alloc(t, 0);
+        if (r != NULL) {
+            PyObject *v[4] = {slabs, results, Py_None, minus};
+            Py_INCREF(Py_None);
+            for (int i = 0; i < 4; i++) *(PyObject **)((char *)r + reply_offsets[i]) = v[i];
+            return r;
+        }
+        Py_XDECREF(minus);
+    } else if (!PyErr_Occurred()) {
+        PyObject *a[2] = {slabs, results};
+        r = PyObject_Vectorcall(cls, a, 2, NULL);
+    }
+    Py_DECREF(slabs);
+    Py_DECREF(results);
+    return r;
+}
+
+/* decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs,
+ * buf, got, last_objects, last_adapters) -> reply(slabs, results) of the whole OK reply frame
+ * in buf[0:got] (its header included), records as decode_ok makes them (found first at their
+ * place in the last reply: record_at; the two lists are the decoder's, of (bytes, record),
+ * emptied by it when the records it makes change); or None where buf[0:got] is not one whole OK
+ * frame, not well formed, or holds records of an arena of other than `slabs` slabs (the
+ * caller then reads and decodes it the reference way, which also says what is wrong). */
+static PyObject *
+decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 12 || !PyDict_Check(args[0]) || !PyDict_Check(args[2]) || !PyList_CheckExact(args[10]) ||
+        !PyList_CheckExact(args[11])) {
+        PyErr_SetString(PyExc_TypeError, "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, "
+                                         "reply, slabs, buf, got, last_objects, last_adapters)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[5]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    long long want = PyLong_AsLongLong(args[7]);
+    if (want == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t got = PyLong_AsSsize_t(args[9]);
+    if (got == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[8], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *b = (const unsigned char *)view.buf;
+    PyObject *res = NULL;
+    if (got < 11 || got > view.len || (Py_ssize_t)rd32(b) != got - 5 || b[4] != OK_KIND) goto none;
+    uint32_t slabs = rd32(b + 5);
+    if ((long long)slabs != want && rd16(b + 9) != 0) goto none;
+    int malformed;
+    PyObject *results = decode_results(b + 5, got - 5, args, limit, args[10], args[11], &malformed);
+    if (results == NULL) {
+        if (malformed) goto none;
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    PyObject *s = PyLong_FromUnsignedLong(slabs);
+    if (s != NULL) {
+        res = make_reply(args[6], s, results);
+    } else {
+        Py_DECREF(results);
+    }
+    PyBuffer_Release(&view);
+    return res;
+none:
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -705,6 +875,10 @@ static PyMethodDef methods[] = {
      "encode_step(ops, attrs): a STEP frame, or None where the Python encoder must say why"},
     {"decode_ok", (PyCFunction)(void (*)(void))decode_ok, METH_FASTCALL,
      "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit): (slabs, results) or None"},
+    {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
+     "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
+     "last_objects, last_adapters): "
+     "reply(slabs, results) of a whole OK frame, or None"},
     {NULL, NULL, 0, NULL},
 };
 

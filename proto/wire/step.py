@@ -87,7 +87,7 @@ OBJ_OWNED, OBJ_DEDUP = 1, 2
 # anything it does not take, and the Python pass then runs: it gives the result or raises the
 # error that names the fault, so errors are always the Python ones. Tests switch it off here.
 _core = native.load("memory_broker.proto.wire._stepcore")
-_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok", "encode_ok_reply")
+_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok", "decode_frame", "encode_ok_reply")
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
     native.log.warning(
@@ -254,8 +254,10 @@ def _ids(ids: Sequence[int]) -> bytes:
         raise WireError(f"object and transaction ids are integers in 0..2**64-1; got {list(ids)[:8]}") from None
 
 
-def encode_step(ops: Sequence[Op]) -> bytes:
-    """A STEP request frame."""
+def encode_step(ops: Sequence[Op | tuple]) -> bytes:
+    """A STEP request frame. An op is an ``Op`` or a tuple of its fields in order (kind, items,
+    and as many of flags, max_adapters, lease_ms as it sets: a client's one-off ops, which
+    need no object)."""
     if _core is not None:
         out = _core.encode_step(ops, _OP_ATTRS)
         if out is not None:
@@ -263,7 +265,8 @@ def encode_step(ops: Sequence[Op]) -> bytes:
     return _encode_step(ops)
 
 
-def _encode_step(ops: Sequence[Op]) -> bytes:
+def _encode_step(ops: Sequence[Op | tuple]) -> bytes:
+    ops = [Op(*op) if type(op) is tuple else op for op in ops]
     if len(ops) > MAX_OPS:
         raise WireError(f"{len(ops)} ops in one step; at most {MAX_OPS}")
     parts = [_COUNT_OPS.pack(len(ops))]
@@ -861,12 +864,17 @@ class ReplyDecoder:
     """``decode_step_reply`` for one client connection, with equal results; a record is the
     one it made before from the same bytes (and the same arena size), not a new one."""
 
-    __slots__ = ("_objects", "_adapters", "_slabs", "_make_object")
+    __slots__ = ("_objects", "_adapters", "_slabs", "_make_object", "_last_objects", "_last_adapters")
 
     def __init__(self):
         # A record's bytes -> the record made from them.
         self._objects: dict[bytes, ObjectRecord] = {}
         self._adapters: dict[bytes, AcquiredRecord] = {}
+        # (bytes, record) of the object and adapter records of the last reply ``frame``
+        # decoded, in reply order: a record at the same place with the same bytes is found
+        # by comparing them (an engine's steps get much the same reply step after step).
+        self._last_objects: list[tuple[bytes, ObjectRecord]] = []
+        self._last_adapters: list[tuple[bytes, AcquiredRecord]] = []
         self._slabs = -1
         self._make_object = _object_record
 
@@ -888,11 +896,34 @@ class ReplyDecoder:
                 pass
         return decode_step_reply(kind, body)
 
+    def frame(self, buf, got: int) -> StepReply | None:
+        """The reply of the whole OK frame in ``buf[:got]`` (its header included), decoded by
+        the native core in one call, records as ``__call__`` makes them; or None where the
+        core is not there or does not take it (not one whole OK frame, a new arena's size, or
+        malformed): the caller then reads it whole and calls ``__call__``, which says why."""
+        if _core is None:
+            return None
+        return _core.decode_frame(
+            self._objects,
+            self._make_object,
+            self._adapters,
+            _adapter_record,
+            AcquireOutcome,
+            _MEMO_LIMIT,
+            StepReply,
+            self._slabs,
+            buf,
+            got,
+            self._last_objects,
+            self._last_adapters,
+        )
+
     def _new_arena(self, slabs: int) -> None:
         """An object record carries the arena's size: records are made again for a new one
         (a reply with no results, as a PING's, makes none and changes nothing; brokers before this
         one said 0 slabs in a PING's reply)."""
         self._objects.clear()
+        self._last_objects.clear()
         self._slabs = slabs
         self._make_object = lambda raw: _object_record(raw, slabs)
 
