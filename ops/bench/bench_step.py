@@ -579,23 +579,49 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[f
 
 class _Replay:
     """A step transport that sends nothing: each request gets the next of the replies
-    recorded from the broker (decoded anew, as the socket's would be)."""
+    recorded from the broker, decoded anew as the socket's would be: the whole frame from a
+    kept buffer in one native call (``ReplyDecoder.frame``, the transport's usual path), the
+    reference way where that does not take it."""
 
     closed = False
 
     def __init__(self, replies: list[tuple[int, bytes]], decode):
-        self.replies = replies
+        self.replies = [(kind, body, bytearray(step_wire.frame(kind, body))) for kind, body in replies]
         self.i = 0
         # The real transport's decoder (``ReplyDecoder``), which the replay goes through.
         self.decode = decode
+        self.whole = getattr(decode, "frame", None)
 
     def request(self, data: bytes):
-        kind, body = self.replies[self.i % len(self.replies)]
+        kind, body, buf = self.replies[self.i % len(self.replies)]
         self.i += 1
+        if self.whole is not None:
+            reply = self.whole(buf, len(buf))
+            if reply is not None:
+                return reply
         return self.decode(kind, body)
 
     def close(self) -> None:
         pass
+
+
+class _Recording:
+    """The transport's decoder, keeping a copy of each reply it decodes (both of its ways)."""
+
+    def __init__(self, decode, out: list[tuple[int, bytes]]):
+        self.decode, self.out = decode, out
+
+    def __call__(self, kind, body):
+        self.out.append((kind, bytes(body)))
+        return self.decode(kind, body)
+
+    def frame(self, buf, got: int):
+        whole = getattr(self.decode, "frame", None)
+        reply = None if whole is None else whole(buf, got)
+        if reply is not None:
+            n, kind = step_wire.HEADER.unpack_from(buf)
+            self.out.append((kind, bytes(buf[5 : 5 + n])))
+        return reply
 
 
 def _generic_step(c: BrokerClient, ids, keys, release):
@@ -624,10 +650,7 @@ def client_side(c: BrokerClient, n: int, cycles: int, generic: bool = False) -> 
     decode = real.decode if owner is real else step_wire.decode_step_reply
     one = _generic_step if generic else (lambda c, ids, keys, release: c.step(ids, keys, release=release))
 
-    def recording(kind, body):
-        recorded.append((kind, bytes(body)))
-        return decode(kind, body)
-
+    recording = _Recording(decode, recorded)
     prev = one(c, ia, ka, None)
     setattr(owner, "decode" if owner is real else "decode_step_reply", recording)
     try:
