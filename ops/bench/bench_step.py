@@ -473,9 +473,10 @@ def split_items(n: int) -> tuple[int, int]:
     return n // 3, n - n // 3
 
 
-def inprocess_broker(d: str, sock: str) -> dict:
+def inprocess_broker(d: str, sock: str, loop_factory=None) -> dict:
     """A broker (host arena, 512 KiB pages) served by a thread of this process, so the
-    step channel's frame handler can be called directly: {"server", "loop", "thread"}."""
+    step channel's frame handler can be called directly: {"server", "loop", "thread"};
+    ``loop_factory`` makes its loop (``asyncio.Runner``'s; None: a plain loop)."""
     import asyncio
     import threading
 
@@ -499,7 +500,11 @@ def inprocess_broker(d: str, sock: str) -> dict:
         ready.set()
         await server.wait()
 
-    box["thread"] = t = threading.Thread(target=lambda: asyncio.run(serve()), name="bench-broker", daemon=True)
+    def run() -> None:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve())
+
+    box["thread"] = t = threading.Thread(target=run, name="bench-broker", daemon=True)
     t.start()
     if not ready.wait(60):
         raise SystemExit("the in-process broker did not start")
