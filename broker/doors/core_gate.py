@@ -24,15 +24,15 @@ class CoreGate:
     thread waits for the loop to be in ``select()`` (or to give way after it) and keeps the loop
     from running callbacks until the block ends."""
 
-    __slots__ = ("_lock", "_count", "_turn", "arrived", "entered", "in_select", "owner", "_loop_waits")
+    __slots__ = ("_lock", "_arrivals", "_turn", "entered", "in_select", "owner", "_loop_waits", "_loop_holds")
 
     def __init__(self):
         self._lock = threading.Lock()
-        # Guards ``arrived`` (threads count themselves in before they wait for the gate).
-        self._count = threading.Lock()
         self._turn = threading.Condition(self._lock)
-        # Threads that asked for the gate, and those that got it: the difference is waiting.
-        self.arrived = 0
+        # One entry per thread waiting for the gate (each appends one before it waits and pops
+        # one once it holds the gate: a list's append and pop are atomic), and how many times
+        # a thread got the gate.
+        self._arrivals: list[int] = []
         self.entered = 0
         # The loop thread is inside (or at the edges of) select(), the gate open: what is
         # scheduled on the loop meanwhile needs a wake-up (``call_soon_threadsafe``).
@@ -40,15 +40,18 @@ class CoreGate:
         # The thread that holds the gate (None: nobody, or a thread that did not say).
         self.owner: int | None = None
         self._loop_waits = False
+        # The loop thread holds the gate (only the loop thread reads and writes it).
+        self._loop_holds = False
 
     # ------------------------------------------------------------ another thread
 
     def __enter__(self) -> CoreGate:
-        with self._count:
-            self.arrived += 1
+        me = threading.get_ident()
+        self._arrivals.append(me)
         self._lock.acquire()
+        self._arrivals.pop()
         self.entered += 1
-        self.owner = threading.get_ident()
+        self.owner = me
         return self
 
     def __exit__(self, *exc) -> None:
@@ -72,7 +75,8 @@ class CoreGate:
         """The loop thread, entering ``select()``: let go of the gate (if it holds it: the
         first ``select()`` of a loop comes before any callback, so a loop takes the gate
         there the first time)."""
-        if self.owner is not None and self.owner == threading.get_ident():
+        if self._loop_holds:
+            self._loop_holds = False
             self.in_select = True
             self.owner = None
             self._lock.release()
@@ -82,14 +86,15 @@ class CoreGate:
         were waiting for it when ``select()`` returned (a busy loop starves none)."""
         self._lock.acquire()
         self.in_select = False
-        target = self.arrived
-        if self.entered < target:
+        if self._arrivals:
+            target = self.entered + len(self._arrivals)
             self._loop_waits = True
             try:
                 while self.entered < target:
                     self._turn.wait()
             finally:
                 self._loop_waits = False
+        self._loop_holds = True
         self.owner = threading.get_ident()
 
 

@@ -95,39 +95,51 @@ class StepThread:
         loop = self._loop
         asyncio.events._set_running_loop(loop)
         try:
-            poll = self._ep.poll
-            gate = self._gate
-            while not self._stopping:
-                events = poll()
-                with gate:
-                    if self._stopping:
-                        break
-                    self._dispatch(events)
+            self._serve(loop)
         finally:
             asyncio.events._set_running_loop(None)
 
-    def _dispatch(self, events: list) -> None:
-        """Runs the ready callbacks (holding the gate); wakes the loop if they scheduled work
-        on it while it waits in ``select()``."""
-        loop = self._loop
-        ready, timers = loop._ready, loop._scheduled  # type: ignore[attr-defined]
-        n_ready, n_timers = len(ready), len(timers)
+    def _serve(self, loop) -> None:
+        """Wait for events; run each ready callback holding the gate (``with gate:``,
+        inlined: this is each frame's fixed cost); wake the loop if they scheduled work on it
+        while it waits in ``select()``."""
+        poll = self._ep.poll
+        gate = self._gate
+        lock, arrive = gate._lock, gate._arrivals
+        me = threading.get_ident()
         handlers = self._handlers
-        for fd, ev in events:
-            h = handlers.get(fd)
-            if h is None:
-                continue  # the wake-up socket, or an fd dropped by an earlier callback
+        ready, timers = loop._ready, loop._scheduled
+        while True:
+            events = poll()
+            arrive.append(me)
+            lock.acquire()
+            arrive.pop()
+            gate.entered += 1
+            gate.owner = me
             try:
-                if ev & _READ and h[0] is not None:
-                    h[0][0](*h[0][1])
-                if ev & _WRITE and h[1] is not None:
-                    h[1][0](*h[1][1])
-            except Exception as e:  # as the loop does with a callback's exception: report, go on
-                loop.call_exception_handler(
-                    {"message": "exception in a step channel callback", "exception": e, "fd": fd}
-                )
-        if (len(ready) != n_ready or len(timers) != n_timers) and self._gate.in_select:
-            loop.call_soon_threadsafe(_noop)
+                if self._stopping:
+                    return
+                n_ready, n_timers = len(ready), len(timers)
+                for fd, ev in events:
+                    h = handlers.get(fd)
+                    if h is None:
+                        continue  # the wake-up socket, or an fd dropped by an earlier callback
+                    try:
+                        if ev & _READ and h[0] is not None:
+                            h[0][0](*h[0][1])
+                        if ev & _WRITE and h[1] is not None:
+                            h[1][0](*h[1][1])
+                    except Exception as e:  # as the loop does with a callback's exception: report, go on
+                        loop.call_exception_handler(
+                            {"message": "exception in a step channel callback", "exception": e, "fd": fd}
+                        )
+                if (len(ready) != n_ready or len(timers) != n_timers) and gate.in_select:
+                    loop.call_soon_threadsafe(_noop)
+            finally:
+                gate.owner = None
+                if gate._loop_waits:
+                    gate._turn.notify()
+                lock.release()
 
     def stop(self) -> None:
         """Stop the thread and wait for it (the gate let go meanwhile, if this thread holds
