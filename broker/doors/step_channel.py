@@ -1,7 +1,8 @@
 """The step channel, server side: an engine's per-step changes in one compact round trip.
 
 This module owns a Unix socket served straight from the event loop that owns the core
-(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.proto.wire.step``): each STEP
+(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.proto.wire.step``; on a loop
+with a core gate, its connections by a thread of their own under the gate: ``step_thread.py``): each STEP
 frame's ops (release adapters, unpin, pin, commit/abort adapter acquires, acquire hot
 adapters, look up keys) run in order on the same ``ObjectStore`` and ``AdapterManager`` the
 gRPC service uses, as the session that presented its token, so gRPC sees every change and a
@@ -172,7 +173,8 @@ class StepChannelServer:
         """
         Args:
             path: the socket path; it must not exist (the caller clears stale ones under its lock).
-            loop: the event loop that owns the core; every callback runs on it.
+            loop: the event loop that owns the core; every callback runs on it (or, where it
+                has a core gate, the connections' on the step thread, holding the gate).
             store, sessions, adapters: the core (``adapters`` may be None: acquire answers
                 "not hot" and gRPC says why).
             allowed_uids: uids that may connect; None allows any.
