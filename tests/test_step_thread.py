@@ -18,6 +18,7 @@ from conftest import ROOT, short_tmpdir
 from memory_broker.broker.doors import step_channel
 from memory_broker.broker.doors.core_gate import CoreGate, GatedLoop, gate_of
 from memory_broker.broker.doors.step_channel import StepChannelServer
+from memory_broker.broker.doors.step_thread import StepThread
 from memory_broker.clients import BrokerClient
 from memory_broker.proto.wire import step as w
 
@@ -140,6 +141,34 @@ def test_the_gate_lets_a_waiting_thread_in_before_a_busy_loop_takes_it_back():
     th.join(10)
     loop.close()
     assert len(entered) >= 40 and max(entered) < 0.05, sorted(entered)[-3:]
+
+
+def test_a_callback_on_the_step_thread_may_schedule_on_a_loop_in_debug_mode():
+    loop = GatedLoop()
+    loop.set_debug(True)  # call_soon checks that it is called from the loop's thread
+    t = threading.Thread(target=loop.run_forever, name="gated-loop", daemon=True)
+    t.start()
+    st = StepThread(loop, loop.core_gate)
+    a, b = socket.socketpair()
+    ran, errors = threading.Event(), []
+    loop.set_exception_handler(lambda _, ctx: errors.append(ctx))
+
+    def readable():
+        b.recv(16)
+        loop.call_soon(ran.set)
+
+    try:
+        on_loop(loop, st.start)
+        on_loop(loop, lambda: st.add_reader(b.fileno(), readable))
+        a.send(b"x")
+        assert ran.wait(5), errors
+    finally:
+        on_loop(loop, st.close)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()
+        a.close()
+        b.close()
 
 
 # ------------------------------------------------------------------ a broker on a gated loop

@@ -116,6 +116,8 @@ class StepThread:
             arrive.pop()
             gate.entered += 1
             gate.owner = me
+            # The loop's thread, as its debug checks see it, is this one meanwhile.
+            loop_thread, loop._thread_id = loop._thread_id, me
             try:
                 if self._stopping:
                     return
@@ -136,6 +138,7 @@ class StepThread:
                 if (len(ready) != n_ready or len(timers) != n_timers) and gate.in_select:
                     loop.call_soon_threadsafe(_noop)
             finally:
+                loop._thread_id = loop_thread
                 gate.owner = None
                 if gate._loop_waits:
                     gate._turn.notify()
