@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import ROOT, short_tmpdir
 
-from memory_broker.broker.doors import step_channel
+from memory_broker.broker.doors import step_channel, step_thread
 from memory_broker.broker.doors.core_gate import CoreGate, GatedLoop, gate_of
 from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.broker.doors.step_thread import StepThread
@@ -281,6 +281,22 @@ def test_what_a_frame_schedules_on_the_loop_runs_promptly(rig, monkeypatch):
             time.sleep(0.001)
         got = dict(ran)
         assert got["soon"] - t0 < 0.05 and 0.01 <= got["later"] - t0 < 0.06, {k: v - t0 for k, v in got.items()}
+
+
+def test_frames_back_to_back_wake_the_loop_once_a_millisecond_not_once_a_frame(rig, monkeypatch):
+    box, _, server, s = rig
+    loop = box["loop"]
+    ran, wakes = [], []
+    real = loop.call_soon_threadsafe
+    monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *a: (wakes.append(a), real(*a))[1])
+    watch_frames(server, monkeypatch, lambda c: loop.call_soon(ran.append, 1))
+    t0 = time.monotonic()
+    for _ in range(300):
+        assert call(s, PING)[0] == w.OK
+    spent = time.monotonic() - t0
+    time.sleep(0.05)
+    assert len(ran) == 300  # every frame's callback ran on the loop
+    assert len(wakes) <= spent / step_thread.WAKE_DELAY_S + 2, (len(wakes), spent)
 
 
 def test_hello_deadline_still_closes_a_silent_connection(rig, monkeypatch):

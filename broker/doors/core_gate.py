@@ -24,7 +24,7 @@ class CoreGate:
     thread waits for the loop to be in ``select()`` (or to give way after it) and keeps the loop
     from running callbacks until the block ends."""
 
-    __slots__ = ("_lock", "_arrivals", "_turn", "entered", "in_select", "owner", "_loop_waits", "_loop_holds")
+    __slots__ = ("_lock", "_arrivals", "_turn", "entered", "owner", "_loop_waits", "_loop_holds", "selects")
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -34,14 +34,13 @@ class CoreGate:
         # a thread got the gate.
         self._arrivals: list[int] = []
         self.entered = 0
-        # The loop thread is inside (or at the edges of) select(), the gate open: what is
-        # scheduled on the loop meanwhile needs a wake-up (``call_soon_threadsafe``).
-        self.in_select = False
         # The thread that holds the gate (None: nobody, or a thread that did not say).
         self.owner: int | None = None
         self._loop_waits = False
         # The loop thread holds the gate (only the loop thread reads and writes it).
         self._loop_holds = False
+        # How many times the loop came out of select() (so looked at its queues again).
+        self.selects = 0
 
     # ------------------------------------------------------------ another thread
 
@@ -77,7 +76,6 @@ class CoreGate:
         there the first time)."""
         if self._loop_holds:
             self._loop_holds = False
-            self.in_select = True
             self.owner = None
             self._lock.release()
 
@@ -85,7 +83,7 @@ class CoreGate:
         """The loop thread, leaving ``select()``: take the gate back, after the threads that
         were waiting for it when ``select()`` returned (a busy loop starves none)."""
         self._lock.acquire()
-        self.in_select = False
+        self.selects += 1
         if self._arrivals:
             target = self.entered + len(self._arrivals)
             self._loop_waits = True

@@ -6,7 +6,8 @@ same arguments, and runs the callbacks on its own thread: a blocking wait on its
 the ready callbacks in one hold of the loop's ``CoreGate`` (``core_gate.py``), so they run
 between two callbacks of the loop, never beside one, as if the loop had run them. While they
 run, the thread's running loop is the broker's (``asyncio.get_running_loop()`` answers it), and
-anything they schedule on the loop (``call_soon``, ``call_later``) wakes the loop if it waits.
+anything they schedule on the loop (``call_soon``, ``call_later``) wakes the loop within a
+millisecond if it waits (``WAKE_DELAY_S``).
 
 Every call that changes the registrations is made holding the gate: by the loop thread (its
 callbacks hold it) or by this thread's callbacks.
@@ -19,9 +20,13 @@ import contextlib
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from memory_broker.broker.doors.core_gate import CoreGate
+
+# The most a callback's call_soon or call_later waits for the loop to wake for it.
+WAKE_DELAY_S = 0.001
 
 _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 # What an epoll event means, as ``selectors`` reads it: an error or hang-up wakes both sides.
@@ -101,16 +106,28 @@ class StepThread:
 
     def _serve(self, loop) -> None:
         """Wait for events; run each ready callback holding the gate (``with gate:``,
-        inlined: this is each frame's fixed cost); wake the loop if they scheduled work on it
-        while it waits in ``select()``."""
+        inlined: this is each frame's fixed cost). Work they schedule on the loop wakes it
+        within ``WAKE_DELAY_S`` if it has not been through ``select()`` since (not at once:
+        the step channel's metrics are recorded by ``call_soon`` after every frame, and a
+        wake-up per frame costs the broker more than the frame's dispatch saves)."""
         poll = self._ep.poll
         gate = self._gate
         lock, arrive = gate._lock, gate._arrivals
         me = threading.get_ident()
         handlers = self._handlers
         ready, timers = loop._ready, loop._scheduled
+        clock = time.monotonic
+        # A wake-up owed to the loop: its select count when the work was scheduled (-1: none
+        # owed), and when it is due.
+        owed, due, timeout = -1, 0.0, -1.0
         while True:
-            events = poll()
+            events = poll(timeout)
+            if owed >= 0 and (not events or clock() >= due):
+                if gate.selects == owed:  # it has not looked at its queues since
+                    loop.call_soon_threadsafe(_noop)
+                owed, timeout = -1, -1.0
+                if not events:
+                    continue
             arrive.append(me)
             lock.acquire()
             arrive.pop()
@@ -135,8 +152,8 @@ class StepThread:
                         loop.call_exception_handler(
                             {"message": "exception in a step channel callback", "exception": e, "fd": fd}
                         )
-                if (len(ready) != n_ready or len(timers) != n_timers) and gate.in_select:
-                    loop.call_soon_threadsafe(_noop)
+                if owed < 0 and (len(ready) != n_ready or len(timers) != n_timers):
+                    owed, due, timeout = gate.selects, clock() + WAKE_DELAY_S, WAKE_DELAY_S
             finally:
                 loop._thread_id = loop_thread
                 gate.owner = None
