@@ -217,7 +217,9 @@ class StepChannelServer:
         self._sock = sock = listen_unix(self.path)
         gate = gate_of(self._loop)
         if gate is not None:
-            self._io = self._thread = StepThread(self._loop, gate, name=f"step-channel {self.path}")
+            self._io = self._thread = StepThread(
+                self._loop, gate, name=f"step-channel {self.path}", lazy=(_record_all,)
+            )
             self._thread.start()
         self._loop.add_reader(sock.fileno(), self._accept)
 

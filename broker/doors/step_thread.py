@@ -6,8 +6,8 @@ same arguments, and runs the callbacks on its own thread: a blocking wait on its
 the ready callbacks in one hold of the loop's ``CoreGate`` (``core_gate.py``), so they run
 between two callbacks of the loop, never beside one, as if the loop had run them. While they
 run, the thread's running loop is the broker's (``asyncio.get_running_loop()`` answers it), and
-anything they schedule on the loop (``call_soon``, ``call_later``) wakes the loop within a
-millisecond if it waits (``WAKE_DELAY_S``).
+anything they schedule on the loop (``call_soon``, ``call_later``) wakes the loop (bookkeeping
+callbacks named ``lazy``, such as the metrics, within ``WAKE_DELAY_S``).
 
 Every call that changes the registrations is made holding the gate: by the loop thread (its
 callbacks hold it) or by this thread's callbacks.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import select
 import socket
 import threading
@@ -25,8 +26,9 @@ from collections.abc import Callable
 
 from memory_broker.broker.doors.core_gate import CoreGate
 
-# The most a callback's call_soon or call_later waits for the loop to wake for it.
-WAKE_DELAY_S = 0.001
+# The most a "lazy" callback (``StepThread.lazy``: bookkeeping, such as the step channel's
+# metrics) scheduled by a frame waits for the loop to wake for it; anything else wakes it at once.
+WAKE_DELAY_S = 0.005
 
 _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 # What an epoll event means, as ``selectors`` reads it: an error or hang-up wakes both sides.
@@ -40,8 +42,11 @@ def _noop() -> None:
 class StepThread:
     """A thread serving sockets' readiness under ``gate``, with the loop's ``add_reader`` API."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, gate: CoreGate, name: str = "step-channel"):
+    def __init__(self, loop: asyncio.AbstractEventLoop, gate: CoreGate, name: str = "step-channel", lazy: tuple = ()):
         self._loop = loop
+        # Callbacks that may wait up to WAKE_DELAY_S for the loop when a frame schedules them
+        # with call_soon (a wake-up per frame costs more than the frame's dispatch saves).
+        self.lazy = frozenset(lazy)
         self._gate = gate
         self._ep = select.epoll()
         # fd -> [reader, writer], each (callback, args) or None; the list object stays the
@@ -106,10 +111,10 @@ class StepThread:
 
     def _serve(self, loop) -> None:
         """Wait for events; run each ready callback holding the gate (``with gate:``,
-        inlined: this is each frame's fixed cost). Work they schedule on the loop wakes it
-        within ``WAKE_DELAY_S`` if it has not been through ``select()`` since (not at once:
-        the step channel's metrics are recorded by ``call_soon`` after every frame, and a
-        wake-up per frame costs the broker more than the frame's dispatch saves)."""
+        inlined: this is each frame's fixed cost). Work they schedule on the loop wakes it at
+        once, or, ``lazy`` callbacks alone, within ``WAKE_DELAY_S`` if it has not been through
+        ``select()`` since (the step channel's metrics are recorded by a ``call_soon`` after
+        every frame: a wake-up per frame cost more than the frame's dispatch saves)."""
         poll = self._ep.poll
         gate = self._gate
         lock, arrive = gate._lock, gate._arrivals
@@ -152,14 +157,24 @@ class StepThread:
                         loop.call_exception_handler(
                             {"message": "exception in a step channel callback", "exception": e, "fd": fd}
                         )
-                if owed < 0 and (len(ready) != n_ready or len(timers) != n_timers):
-                    owed, due, timeout = gate.selects, clock() + WAKE_DELAY_S, WAKE_DELAY_S
+                if len(ready) != n_ready or len(timers) != n_timers:
+                    if len(timers) == n_timers and self._all_lazy(ready, n_ready):
+                        if owed < 0:
+                            owed, due, timeout = gate.selects, clock() + WAKE_DELAY_S, WAKE_DELAY_S
+                    else:
+                        loop.call_soon_threadsafe(_noop)
+                        owed, timeout = -1, -1.0
             finally:
                 loop._thread_id = loop_thread
                 gate.owner = None
                 if gate._loop_waits:
                     gate._turn.notify()
                 lock.release()
+
+    def _all_lazy(self, ready, start: int) -> bool:
+        """Whether every handle scheduled after ``start`` runs a lazy callback."""
+        lazy = self.lazy
+        return bool(lazy) and all(h._callback in lazy for h in itertools.islice(ready, start, None))
 
     def stop(self) -> None:
         """Stop the thread and wait for it (the gate let go meanwhile, if this thread holds
