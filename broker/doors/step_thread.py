@@ -106,6 +106,11 @@ class StepThread:
         asyncio.events._set_running_loop(loop)
         try:
             self._serve(loop)
+        except BaseException as e:  # a bug: the channel stops answering; say so on the loop
+            loop.call_soon_threadsafe(
+                loop.call_exception_handler, {"message": "the step channel's thread failed", "exception": e}
+            )
+            raise
         finally:
             asyncio.events._set_running_loop(None)
 
