@@ -191,27 +191,31 @@ def rig():
     box["thread"].join(30)
 
 
-def watch_frames(server, monkeypatch, before=None) -> list:
-    """Each frame's (thread id, gate held, running loop, start time), ``before(conn)`` first."""
+def watch_frames(server, monkeypatch, token: str, before=None) -> tuple[list, socket.socket]:
+    """A new connection (past HELLO) whose readable callbacks, which run its frames, record
+    each (thread id, gate held, running loop, start time), ``before(conn)`` first."""
     seen: list = []
-    real = server._frame
+    real = server._readable
     gate = gate_of(server._loop)
 
-    def frame(c, kind, n, body):
+    def readable(c):
         seen.append((threading.get_ident(), gate.held_here(), asyncio.get_running_loop(), time.monotonic()))
         if before is not None:
             before(c)
-        return real(c, kind, n, body)
+        return real(c)
 
-    monkeypatch.setattr(server, "_frame", frame)
-    return seen
+    monkeypatch.setattr(server, "_readable", readable)  # taken by connections accepted from now on
+    s = raw_conn(server.path, token)
+    del seen[:]
+    return seen, s
 
 
 def test_frames_are_served_on_the_step_thread_holding_the_gate(rig, monkeypatch):
-    box, c, server, s = rig
-    seen = watch_frames(server, monkeypatch)
+    box, c, server, _ = rig
+    seen, s = watch_frames(server, monkeypatch, c.token)
     assert call(s, PING)[0] == w.OK
-    c.lookup([b"no-such-key"], pin=False)  # the client's own connection too
+    assert call(s, w.encode_step([w.Op(w.OP_LOOKUP, (b"no-such-key",), 0)]))[0] == w.OK
+    s.close()
     assert len(seen) >= 2
     loop_thread = box["thread"].ident
     for ident, held, running, _ in seen:
@@ -220,8 +224,8 @@ def test_frames_are_served_on_the_step_thread_holding_the_gate(rig, monkeypatch)
 
 
 def test_a_loop_callback_and_a_frame_never_run_at_once(rig, monkeypatch):
-    box, _, server, s = rig
-    seen = watch_frames(server, monkeypatch)
+    box, c, server, _ = rig
+    seen, s = watch_frames(server, monkeypatch, c.token)
     started, spans = threading.Event(), []
 
     def hog():  # a callback of the loop that takes 0.3 s
@@ -233,8 +237,9 @@ def test_a_loop_callback_and_a_frame_never_run_at_once(rig, monkeypatch):
     box["loop"].call_soon_threadsafe(hog)
     assert started.wait(5)
     assert call(s, PING)[0] == w.OK
+    s.close()
     assert spans, "the frame was answered while a loop callback ran"
-    (_, t1), frame_at = spans[0], seen[-1][3]
+    (_, t1), frame_at = spans[0], seen[0][3]
     assert frame_at >= t1, f"the frame ran {t1 - frame_at:.3f} s inside a loop callback"
 
 
@@ -260,20 +265,21 @@ def test_a_busy_loop_does_not_starve_a_frame(rig):
 
 
 def test_what_a_frame_schedules_on_the_loop_runs_promptly(rig, monkeypatch):
-    box, _, server, s = rig
+    box, c, server, _ = rig
     loop = box["loop"]
     ran: list = []
-    watch_frames(
+    _, s = watch_frames(
         server,
         monkeypatch,
+        c.token,
         lambda c: (
             loop.call_soon(lambda: ran.append(("soon", time.monotonic()))),
             loop.call_later(0.01, lambda: ran.append(("later", time.monotonic()))),
         ),
     )
     for _ in range(5):
+        time.sleep(0.1)  # the loop waits in select(); the last frame's callbacks ran
         ran.clear()
-        time.sleep(0.1)  # the loop waits in select()
         t0 = time.monotonic()
         assert call(s, PING)[0] == w.OK
         deadline = time.monotonic() + 2
@@ -281,6 +287,7 @@ def test_what_a_frame_schedules_on_the_loop_runs_promptly(rig, monkeypatch):
             time.sleep(0.001)
         got = dict(ran)
         assert got["soon"] - t0 < 0.05 and 0.01 <= got["later"] - t0 < 0.06, {k: v - t0 for k, v in got.items()}
+    s.close()
 
 
 def test_frames_back_to_back_wake_the_loop_for_their_metrics_not_once_a_frame(rig, monkeypatch):
