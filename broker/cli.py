@@ -211,6 +211,18 @@ def _list_options(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------- serve
 
 
+def _run_loop(main, step_thread: bool) -> None:
+    """``asyncio.run(main)``; with ``step_thread``, on a loop with a core gate (its callbacks
+    hold it), so the step channel serves its frames from a thread of its own under it."""
+    if not step_thread:
+        asyncio.run(main)
+        return
+    from memory_broker.broker.doors.core_gate import GatedLoop
+
+    with asyncio.Runner(loop_factory=GatedLoop) as runner:
+        runner.run(main)
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     for opt in ("timeout", "wait"):
         if hasattr(a, opt):
@@ -235,7 +247,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for note in deprecation_notes():
         log.warning("deprecated_setting", detail=note)
     try:
-        asyncio.run(serve(opts, log, overrides))
+        _run_loop(serve(opts, log, overrides), opts.step_thread)
     except SocketPathLocked as e:
         log.error("socket_locked", error=str(e))
         raise CliError(str(e)) from None

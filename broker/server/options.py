@@ -487,6 +487,14 @@ class ServeOptions(_Explained):
         metavar="ADDR",
         help="address of the metrics endpoint",
     )
+    step_thread: bool = setting(
+        True,
+        kind="bool",
+        yaml="listeners.step_thread",
+        flag="--no-step-thread",
+        help="serve the step channel's frames from the event loop (add_reader), not from a thread of its own "
+        "under the loop's core gate",
+    )
     status_interval_s: float = setting(
         1.0,
         kind="duration",

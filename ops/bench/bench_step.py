@@ -43,6 +43,8 @@ adapters, the rest KV keys; issue 28's target: a CPU slope between 64 and 512 it
 pure-Python fallback (``--codec python``: the fallback alone); the broker runs in this process,
 so the switch is both sides'. The other rows follow ``MEMORY_BROKER_NATIVE`` (``0``: the
 fallback, in the broker it starts too): run them once each way for an A/B.
+``BENCH_STEP_BROKER_FLAGS`` adds flags to the broker's command line (``--no-step-thread``:
+the step channel served from the loop, for an A/B of the step thread).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import argparse
 import hashlib
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -473,9 +476,10 @@ def split_items(n: int) -> tuple[int, int]:
     return n // 3, n - n // 3
 
 
-def inprocess_broker(d: str, sock: str) -> dict:
+def inprocess_broker(d: str, sock: str, loop_factory=None) -> dict:
     """A broker (host arena, 512 KiB pages) served by a thread of this process, so the
-    step channel's frame handler can be called directly: {"server", "loop", "thread"}."""
+    step channel's frame handler can be called directly: {"server", "loop", "thread"};
+    ``loop_factory`` makes its loop (``asyncio.Runner``'s; None: a plain loop)."""
     import asyncio
     import threading
 
@@ -499,7 +503,11 @@ def inprocess_broker(d: str, sock: str) -> dict:
         ready.set()
         await server.wait()
 
-    box["thread"] = t = threading.Thread(target=lambda: asyncio.run(serve()), name="bench-broker", daemon=True)
+    def run() -> None:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve())
+
+    box["thread"] = t = threading.Thread(target=run, name="bench-broker", daemon=True)
     t.start()
     if not ready.wait(60):
         raise SystemExit("the in-process broker did not start")
@@ -819,7 +827,8 @@ def main() -> None:
         per_item(d, max(20, steps // 4) if a.quick else max(200, steps // 4))
         return
     sock = os.path.join(d, "b.sock")
-    proc = start_broker(sock, os.path.join(d, "state"), page_size="512KiB")  # KV blocks
+    flags = shlex.split(os.environ.get("BENCH_STEP_BROKER_FLAGS", ""))
+    proc = start_broker(sock, os.path.join(d, "state"), page_size="512KiB", extra=flags)  # KV blocks
     try:
         run(d, sock, steps)
     finally:
@@ -876,7 +885,8 @@ def run(d: str, sock: str, steps: int) -> None:
     print(
         f"Engine step control plane, per step at the client ({steps} steps per row; "
         f"{os.cpu_count()} CPUs{', every process on one' if len(os.sched_getaffinity(0)) == 1 else ''}; "
-        f"{time.strftime('%Y-%m-%d')})"
+        f"{time.strftime('%Y-%m-%d')}"
+        f"{'; broker flags: ' + os.environ['BENCH_STEP_BROKER_FLAGS'] if os.environ.get('BENCH_STEP_BROKER_FLAGS') else ''})"
     )
     print(f"{'baseline':<44}{'median us':>10}{'p99 us':>10}{'x raw':>8}")
     print(f"{'raw Unix-socket ping-pong (32 B), fastest':<44}{raw_us:>10.1f}{'':>10}{1.0:>8.2f}")
