@@ -211,13 +211,18 @@ def _list_options(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------- serve
 
 
-def _run_loop(main, step_thread: bool) -> None:
+def _run_loop(main, step_thread: bool, log) -> None:
     """``asyncio.run(main)``; with ``step_thread``, on a loop with a core gate (its callbacks
-    hold it), so the step channel serves its frames from a thread of its own under it."""
-    if not step_thread:
+    hold it), so the step channel serves its frames from a thread of its own under it (where
+    this Python has what the step thread needs; else from the loop, said once in the log)."""
+    from memory_broker.broker.doors.core_gate import GatedLoop, unsupported
+
+    why = unsupported() if step_thread else ""
+    if why:
+        log.warning("step_thread_off", reason=why, detail="the step channel is served from the event loop")
+    if not step_thread or why:
         asyncio.run(main)
         return
-    from memory_broker.broker.doors.core_gate import GatedLoop
 
     with asyncio.Runner(loop_factory=GatedLoop) as runner:
         runner.run(main)
@@ -247,7 +252,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for note in deprecation_notes():
         log.warning("deprecated_setting", detail=note)
     try:
-        _run_loop(serve(opts, log, overrides), opts.step_thread)
+        _run_loop(serve(opts, log, overrides), opts.step_thread, log)
     except SocketPathLocked as e:
         log.error("socket_locked", error=str(e))
         raise CliError(str(e)) from None

@@ -340,3 +340,29 @@ def test_a_client_that_does_not_read_its_replies_is_paused_then_served_in_full(r
     sender.join(10)
     assert call(s, PING)[0] == w.OK  # reading again
     s.close()
+
+
+def test_a_python_without_the_private_asyncio_parts_serves_from_the_loop_and_says_why(monkeypatch):
+    from memory_broker.broker import cli
+    from memory_broker.broker.doors import core_gate
+
+    assert core_gate.unsupported() == ""  # this Python has them
+    monkeypatch.setattr(core_gate, "LOOP_PARTS", (*core_gate.LOOP_PARTS, "_gone_in_a_later_python"))
+    why = core_gate.unsupported()
+    assert "lacks the event loop's _gone_in_a_later_python" in why
+    logged, loops = [], []
+
+    class Log:
+        def warning(self, event, **kw):
+            logged.append((event, kw))
+
+    async def main():
+        loops.append(asyncio.get_running_loop())
+
+    cli._run_loop(main(), True, Log())
+    assert loops and gate_of(loops[0]) is None  # a plain loop: add_reader serves the channel
+    assert logged == [("step_thread_off", {"reason": why, "detail": "the step channel is served from the event loop"})]
+    monkeypatch.undo()
+    loops.clear()
+    cli._run_loop(main(), True, Log())
+    assert gate_of(loops[0]) is not None and len(logged) == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import sys
 import threading
 
 
@@ -139,6 +140,26 @@ class GatedLoop(asyncio.SelectorEventLoop):
     def __init__(self, gate: CoreGate | None = None):
         self.core_gate = gate if gate is not None else CoreGate()
         super().__init__(GateSelector(self.core_gate))
+
+
+# The event loop's private attributes the step thread reads or sets (``step_thread.py``).
+LOOP_PARTS = ("_ready", "_scheduled", "_thread_id")
+
+
+def unsupported() -> str:
+    """Why this Python cannot run a gated loop's step thread ("" if it can): the step thread
+    reads and sets parts of asyncio that are not public API (CPython 3.11-3.13 have them)."""
+    missing = [f"asyncio.{n}" for n in ("Runner",) if not hasattr(asyncio, n)]
+    missing += [f"asyncio.events.{n}" for n in ("_set_running_loop",) if not hasattr(asyncio.events, n)]
+    loop = asyncio.SelectorEventLoop()
+    try:
+        missing += [f"the event loop's {n}" for n in LOOP_PARTS if not hasattr(loop, n)]
+        handle = loop.call_soon(lambda: None)
+        if not hasattr(handle, "_callback"):
+            missing.append("asyncio.Handle._callback")
+    finally:
+        loop.close()
+    return f"this Python ({'.'.join(map(str, sys.version_info[:3]))}) lacks {', '.join(missing)}" if missing else ""
 
 
 def gate_of(loop) -> CoreGate | None:
