@@ -401,7 +401,7 @@ class StepChannelServer:
             if kind == w.STEP:
                 return self._step(c, body)
             if kind == w.HELLO:
-                return self._hello(c, body)
+                return _hello(self, c, body)
             if kind == w.PING:
                 if c.session is None:
                     raise denied("send HELLO with the session token first")
@@ -440,23 +440,6 @@ class StepChannelServer:
         except Exception as e:  # a bug: say so on this connection only
             self._log("step_channel_internal_error", error=repr(e))
             return w.error_frame(BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}"))
-
-    def _hello(self, c: _Conn, body) -> bytes:
-        if c.session is not None:
-            raise invalid("HELLO twice on one connection")
-        if self.allowed_uids is not None and c.peer.uid not in self.allowed_uids:
-            raise denied(f"uid {c.peer.uid} may not use this broker; allowed uids: {sorted(self.allowed_uids)}")
-        try:
-            token = bytes(body).decode()
-        except UnicodeDecodeError:
-            raise invalid("the session token is not UTF-8") from None
-        try:
-            c.key = self.sessions.authorize_fd_request(token, c.peer)
-        except FdRequestRefused as r:
-            raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
-        c.session = self.sessions.from_token(token)
-        self._waiting.stop(c)
-        return w.encode_step_reply(self._num_slabs(), ())
 
     def _step(self, c: _Conn, body) -> bytes:
         s = c.session
@@ -570,6 +553,26 @@ class StepChannelServer:
             r.deadline_unix,
             [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
         )
+
+
+def _hello(self: StepChannelServer, c: _Conn, body) -> bytes:
+    """A HELLO frame: binds the connection to the session its token names, as the owner
+    process proves it (the peer's credentials); refused, the connection ends."""
+    if c.session is not None:
+        raise invalid("HELLO twice on one connection")
+    if self.allowed_uids is not None and c.peer.uid not in self.allowed_uids:
+        raise denied(f"uid {c.peer.uid} may not use this broker; allowed uids: {sorted(self.allowed_uids)}")
+    try:
+        token = bytes(body).decode()
+    except UnicodeDecodeError:
+        raise invalid("the session token is not UTF-8") from None
+    try:
+        c.key = self.sessions.authorize_fd_request(token, c.peer)
+    except FdRequestRefused as r:
+        raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
+    c.session = self.sessions.from_token(token)
+    self._waiting.stop(c)
+    return w.encode_step_reply(self._num_slabs(), ())
 
 
 def _step_timed(self: StepChannelServer, c: _Conn, s, ops: list) -> bytes:
