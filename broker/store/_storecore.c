@@ -972,6 +972,116 @@ end:
     return out;
 }
 
+/* ------------------------------------------------------------------ fused passes */
+
+/* pin_all, then remove_all of the objects that had no pin: (fresh, fresh_pages, contention,
+ * queued_pages, emptied), ``fresh`` a count. */
+static PyObject *
+pin_remove_impl(PyObject *self, PyObject *objs, PyObject *sid, PyObject *spins, PyObject *segments)
+{
+    PyObject *a = PyTuple_Pack(3, objs, sid, spins);
+    PyObject *pinned = a == NULL ? NULL : pin_all(self, a), *removed = NULL, *out = NULL;
+    Py_XDECREF(a);
+    if (pinned == NULL)
+        return NULL;
+    PyObject *fresh = PyTuple_GET_ITEM(pinned, 0);
+    if (PyList_GET_SIZE(fresh) == 0) {
+        out = Py_BuildValue("(nOOn[])", (Py_ssize_t)0, PyTuple_GET_ITEM(pinned, 1), PyTuple_GET_ITEM(pinned, 2),
+                            (Py_ssize_t)0);
+        Py_DECREF(pinned);
+        return out;
+    }
+    if ((a = PyTuple_Pack(2, fresh, segments)) != NULL) {
+        removed = remove_all(self, a);
+        Py_DECREF(a);
+    }
+    if (removed != NULL)
+        out = Py_BuildValue("(nOOOO)", PyList_GET_SIZE(fresh), PyTuple_GET_ITEM(pinned, 1),
+                            PyTuple_GET_ITEM(pinned, 2), PyTuple_GET_ITEM(removed, 0), PyTuple_GET_ITEM(removed, 1));
+    Py_XDECREF(removed);
+    Py_DECREF(pinned);
+    return out;
+}
+
+/* pin_remove(objs, sid, spins, segments) -> (fresh, fresh_pages, contention, queued_pages, emptied)
+ *
+ * PinLedger.pin_all with a PriorityLRU on this core in one call: pin_all, then remove_all of
+ * the objects that had no pin (they leave their eviction queues). ``fresh``: how many had no
+ * pin, and ``fresh_pages`` theirs; ``queued_pages`` and ``emptied``: remove_all's.
+ */
+static PyObject *
+pin_remove(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *sid, *spins, *segments;
+    if (!PyArg_ParseTuple(args, "OOOO", &objs, &sid, &spins, &segments))
+        return NULL;
+    return pin_remove_impl(self, objs, sid, spins, segments);
+}
+
+/* lookup_pin(key_shards, keys, most, pool, sid, spins, segments, room)
+ *     -> None | (found, None) | (found, fresh, fresh_pages, contention, queued_pages, emptied)
+ *
+ * ObjectStore.lookup with pin in one call: find_keys, then (when ``room`` < 0, no limit, or
+ * the prefix found is at most ``room`` objects) pin_all on what it found, then remove_all on
+ * the objects that had no pin (they leave their eviction queues). None: a key the caller's
+ * checks then name (find_keys's None); (found, None): more than ``room`` found, nothing
+ * pinned (the caller's limit check then says so). ``fresh``: how many had no pin, and
+ * ``fresh_pages`` theirs; ``queued_pages`` and ``emptied``: remove_all's (pages, emptied);
+ * as pin_remove's.
+ */
+static PyObject *
+lookup_pin(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *keys, *pool, *sid, *spins, *segments;
+    Py_ssize_t most, room;
+    if (!PyArg_ParseTuple(args, "OOnOOOOn", &shards, &keys, &most, &pool, &sid, &spins, &segments, &room))
+        return NULL;
+    PyObject *a = Py_BuildValue("(OOnO)", shards, keys, most, pool);
+    PyObject *found = a == NULL ? NULL : find_keys(self, a);
+    Py_XDECREF(a);
+    if (found == NULL || found == Py_None)
+        return found;
+    if (room >= 0 && PyList_GET_SIZE(found) > room)
+        return Py_BuildValue("(NO)", found, Py_None);
+    if (PyList_GET_SIZE(found) == 0)
+        return Py_BuildValue("(Nnnnn[])", found, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0);
+    PyObject *pinned = pin_remove_impl(self, found, sid, spins, segments), *out = NULL;
+    if (pinned != NULL)
+        out = Py_BuildValue("(OOOOOO)", found, PyTuple_GET_ITEM(pinned, 0), PyTuple_GET_ITEM(pinned, 1),
+                            PyTuple_GET_ITEM(pinned, 2), PyTuple_GET_ITEM(pinned, 3), PyTuple_GET_ITEM(pinned, 4));
+    Py_XDECREF(pinned);
+    Py_DECREF(found);
+    return out;
+}
+
+/* unpin_held(obj_shards, ids, sid, spins) -> None | (objs, zero, zero_pages, any_freed)
+ *
+ * ObjectStore.unpin in the usual case in one call: held_once, then unpin_once on what it
+ * found. None: held_once's None (nothing changed; the caller checks id by id).
+ */
+static PyObject *
+unpin_held(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *ids, *sid, *spins;
+    if (!PyArg_ParseTuple(args, "OOOO", &shards, &ids, &sid, &spins))
+        return NULL;
+    PyObject *a = PyTuple_Pack(3, shards, ids, sid);
+    PyObject *objs = a == NULL ? NULL : held_once(self, a);
+    Py_XDECREF(a);
+    if (objs == NULL || objs == Py_None)
+        return objs;
+    PyObject *r = NULL, *out = NULL;
+    if ((a = PyTuple_Pack(3, objs, sid, spins)) != NULL) {
+        r = unpin_once(self, a);
+        Py_DECREF(a);
+    }
+    if (r != NULL)
+        out = Py_BuildValue("(OOOO)", objs, PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 2));
+    Py_XDECREF(r);
+    Py_DECREF(objs);
+    return out;
+}
+
 /* ------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
@@ -984,6 +1094,9 @@ static PyMethodDef methods[] = {
     {"remove_all", remove_all, METH_VARARGS, "objects leave their eviction queue segments"},
     {"fill", fill, METH_VARARGS, "objects of one content type join the end of a queue segment"},
     {"touch_run", touch_run, METH_VARARGS, "objects of one content type move to the end of their queue"},
+    {"pin_remove", pin_remove, METH_VARARGS, "pin_all and remove_all in one call"},
+    {"lookup_pin", lookup_pin, METH_VARARGS, "find_keys, pin_all and remove_all in one call"},
+    {"unpin_held", unpin_held, METH_VARARGS, "held_once and unpin_once in one call"},
     {"encode_rows", encode_rows, METH_VARARGS, "a step reply's object records, in one allocation"},
     {NULL, NULL, 0, NULL},
 };
