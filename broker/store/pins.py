@@ -73,31 +73,22 @@ class PinLedger:
                 f"the limit is {limit} (max_pins_per_session): unpin first"
             )
 
-    def room(self, s: SessionState) -> int:
-        """How many pins ``s`` may add now (``check_limit``'s bound), -1 for no limit."""
-        limit = self._config.max_pins_per_session
-        if not limit or s.session_id in self._internal:
-            return -1
-        return max(0, limit - s.pin_total - self._txns.promised_pins(s.txns))
-
     def lookup_pin(self, s: SessionState, shards: list, keys, most: int, pool: int) -> list[Allocation] | None:
         """``ObjectTable.find`` then ``check_limit`` and ``pin_all`` of what it found, in one
         native call (``self.fused`` set); None where a key is left to the table's checks
         (nothing changed)."""
-        r = self.fused.lookup_pin(shards, keys, most, pool, s.session_id, s.pins, self._segments, self.room(s))
+        limit = self._config.max_pins_per_session
+        room = -1  # how many pins ``s`` may add now (``check_limit``'s bound), -1: no limit
+        if limit and s.session_id not in self._internal:
+            room = max(0, limit - s.pin_total - self._txns.promised_pins(s.txns))
+        r = self.fused.lookup_pin(shards, keys, most, pool, s.session_id, s.pins, self._segments, room)
         if r is None:
             return None
-        found = r[0]
-        if r[1] is None:  # more than the limit allows: nothing pinned
+        found, fresh, pages, contention, queued, emptied = r if r[1] is not None else (*r, 0, 0, 0, 0)
+        if fresh is None:  # more than the limit allows: nothing pinned
             self.check_limit(s, len(found))  # raises
-        self._fused_pinned(s, len(found), *r[1:])
-        return found
-
-    def _fused_pinned(self, s, n: int, fresh: int, pages: int, contention: int, queued: int, emptied: list) -> None:
-        """After a native ``pin_remove`` of ``n`` pins: the figures (``fresh`` objects had no
-        pin, ``pages`` theirs, ``queued`` of them left the queues) and the emptied segments."""
-        s.pin_total += n
-        if fresh:
+        s.pin_total += len(found)
+        if fresh:  # as ``pin_all``'s
             tally = self._tally
             tally.pinned_pages += pages
             tally.pinned_objects += fresh
@@ -107,6 +98,7 @@ class PinLedger:
                 policy.forget(emptied)
         if contention:
             self._counters.pin_contention += contention
+        return found
 
     def unpin_held(self, s: SessionState, shards: list, object_ids) -> bool:
         """``ObjectTable.held_once`` then ``unpin_once`` in one native call (``self.fused``
@@ -161,7 +153,18 @@ class PinLedger:
         sid = s.session_id
         spins = s.pins
         if self.fused is not None and objs.__class__ is list:  # the pins and the queues in one call
-            self._fused_pinned(s, len(objs), *self.fused.pin_remove(objs, sid, spins, self._segments))
+            fresh, pages, contention, queued, emptied = self.fused.pin_remove(objs, sid, spins, self._segments)
+            s.pin_total += len(objs)
+            if fresh:
+                tally = self._tally
+                tally.pinned_pages += pages
+                tally.pinned_objects += fresh
+                policy = self._policy
+                policy.evictable_pages -= queued
+                if emptied:
+                    policy.forget(emptied)
+            if contention:
+                self._counters.pin_contention += contention
             return
         if self._core is not None and objs.__class__ is list:
             fresh, pages, contention = self._core.pin_all(objs, sid, spins)
