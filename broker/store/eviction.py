@@ -243,7 +243,7 @@ class PriorityLRU:
         if self._core is not None and objs.__class__ is list:
             pages, emptied = self._core.remove_all(objs, self._segments)
             self.evictable_pages -= pages
-            for num, obj in emptied:  # ``forget``, inline (the adapters' pins empty the newest)
+            for num, obj in emptied:  # segments left empty: forgotten, but for each queue's newest
                 q = self._queues[self._rank[obj.content_type]]
                 if self._segments[num] is not q._segs[-1]:
                     q.drop(num)
@@ -263,14 +263,6 @@ class PriorityLRU:
                 if seg is not q._segs[-1]:
                     q.drop(num)
         self.evictable_pages -= pages
-
-    def forget(self, emptied: list) -> None:
-        """After the native ``remove_all``: the segments it left empty ((number, an object
-        that was in it) each) are forgotten, but for each queue's newest."""
-        for num, obj in emptied:
-            q = self._queues[self._rank[obj.content_type]]
-            if self._segments[num] is not q._segs[-1]:
-                q.drop(num)
 
     def touch(self, obj: Evictable) -> None:
         q = self._queues[self._rank[obj.content_type]]

@@ -57,6 +57,8 @@ class PinLedger:
         fused = self._core is not None and isinstance(policy, PriorityLRU) and policy._core is not None
         self.fused = self._core if fused else None
         self._segments = policy._segments if fused else None
+        # The table's shard lists (a ShardedMap never replaces them), read by the fused calls.
+        self._key_shards, self._obj_shards = ctx.table.keys.shards, ctx.table.objects.shards
 
     def check_limit(self, s: SessionState, adding: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) if ``adding`` pins would take ``s`` over its limit."""
@@ -73,7 +75,7 @@ class PinLedger:
                 f"the limit is {limit} (max_pins_per_session): unpin first"
             )
 
-    def lookup_pin(self, s: SessionState, shards: list, keys, most: int, pool: int) -> list[Allocation] | None:
+    def lookup_pin(self, s: SessionState, keys, most: int) -> list[Allocation] | None:
         """``ObjectTable.find`` then ``check_limit`` and ``pin_all`` of what it found, in one
         native call (``self.fused`` set); None where a key is left to the table's checks
         (nothing changed)."""
@@ -81,7 +83,7 @@ class PinLedger:
         room = -1  # how many pins ``s`` may add now (``check_limit``'s bound), -1: no limit
         if limit and s.session_id not in self._internal:
             room = max(0, limit - s.pin_total - self._txns.promised_pins(s.txns))
-        r = self.fused.lookup_pin(shards, keys, most, pool, s.session_id, s.pins, self._segments, room)
+        r = self.fused.lookup_pin(self._key_shards, keys, most, s.pool, s.session_id, s.pins, self._segments, room)
         if r is None:
             return None
         found, fresh, pages, contention, queued, emptied = r if r[1] is not None else (*r, 0, 0, 0, 0)
@@ -94,17 +96,19 @@ class PinLedger:
             tally.pinned_objects += fresh
             policy = self._policy
             policy.evictable_pages -= queued
-            if emptied:
-                policy.forget(emptied)
+            for num, obj in emptied:  # as ``PriorityLRU.remove_all``: the queue's newest kept
+                q = policy._queues[policy._rank[obj.content_type]]
+                if self._segments[num] is not q._segs[-1]:
+                    q.drop(num)
         if contention:
             self._counters.pin_contention += contention
         return found
 
-    def unpin_held(self, s: SessionState, shards: list, object_ids) -> bool:
+    def unpin_held(self, s: SessionState, object_ids) -> bool:
         """``ObjectTable.held_once`` then ``unpin_once`` in one native call (``self.fused``
         set): False where ``held_once`` finds what the caller must check id by id (nothing
         changed)."""
-        r = self.fused.unpin_held(shards, object_ids, s.session_id, s.pins)
+        r = self.fused.unpin_held(self._obj_shards, object_ids, s.session_id, s.pins)
         if r is None:
             return False
         objs, zero, pages, freed = r
@@ -161,8 +165,10 @@ class PinLedger:
                 tally.pinned_objects += fresh
                 policy = self._policy
                 policy.evictable_pages -= queued
-                if emptied:
-                    policy.forget(emptied)
+                for num, obj in emptied:  # as ``PriorityLRU.remove_all``: the queue's newest kept
+                    q = policy._queues[policy._rank[obj.content_type]]
+                    if self._segments[num] is not q._segs[-1]:
+                        q.drop(num)
             if contention:
                 self._counters.pin_contention += contention
             return
