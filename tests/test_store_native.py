@@ -343,6 +343,10 @@ def test_a_long_run_leaks_no_reference_and_no_memory():
         store.lookup(s, keys[:5] + [b"nope"] + keys[5:], False)
         with pytest.raises(BrokerError):
             store.lookup(s, [b""], True)
+        store.reconfigure(max_pins_per_session=3)  # lookup_pin finds more than the room: pins none
+        with pytest.raises(BrokerError):
+            store.lookup(s, keys, True)
+        store.reconfigure(max_pins_per_session=0)
         assert c.held_once(store.objects.shards, ids, s) is None  # no pins left
         assert c.pinnable_all(store.objects.shards, ids + ["x"], ObjectState.COMMITTED) is None
 
