@@ -54,11 +54,13 @@ def core(on: bool):
             os.environ[native.ENV] = env
 
 
-def make_store(on: bool) -> ObjectStore:
+def make_store(on: bool, pin_limit: int = 0) -> ObjectStore:
     with core(on):
         pool = PagePool(MAX_PAGES, MAX_PAGES, MAX_PAGES, lambda slabs: None)
-        store = ObjectStore(pool, WindowSpace(4 * MAX_PAGES), config=StoreConfig(high_watermark=1.0, low_watermark=1.0))
+        config = StoreConfig(high_watermark=1.0, low_watermark=1.0, max_pins_per_session=pin_limit)
+        store = ObjectStore(pool, WindowSpace(4 * MAX_PAGES), config=config)
     assert (store.table.core is not None) == on and (store.ledger._core is not None) == on
+    assert (store.ledger.fused is not None) == on  # a lookup's pins and the usual unpin: one native call
     return store
 
 
@@ -137,9 +139,10 @@ def apply(store: ObjectStore, sessions: list[int], op: tuple):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(OPS, min_size=1, max_size=40))
-def test_random_runs_give_the_same_replies_books_and_order_native_or_not(ops):
-    fast, slow = make_store(True), make_store(False)
+@given(st.lists(OPS, min_size=1, max_size=40), st.sampled_from([0, 3, 9]))
+def test_random_runs_give_the_same_replies_books_and_order_native_or_not(ops, pin_limit):
+    # (with a pin limit too: a lookup's pins and its limit check are one native call)
+    fast, slow = make_store(True, pin_limit), make_store(False, pin_limit)
     fs = [fast.open_session() for _ in range(3)]
     ss = [slow.open_session() for _ in range(3)]
     for st_ in (fast, slow):
@@ -263,11 +266,14 @@ ARITY = {
     "remove_all": 2,
     "fill": 6,
     "encode_rows": 4,
+    "pin_remove": 4,
+    "lookup_pin": 8,
+    "unpin_held": 4,
 }
 
 
 @settings(max_examples=600, deadline=None)
-@given(st.sampled_from(sorted(ARITY)), st.lists(ARG, min_size=6, max_size=6))
+@given(st.sampled_from(sorted(ARITY)), st.lists(ARG, min_size=8, max_size=8))
 def test_the_c_functions_raise_or_decline_on_any_input_and_never_crash(name, args):
     c = store_core()
     fn = getattr(c, name)
@@ -337,6 +343,10 @@ def test_a_long_run_leaks_no_reference_and_no_memory():
         store.lookup(s, keys[:5] + [b"nope"] + keys[5:], False)
         with pytest.raises(BrokerError):
             store.lookup(s, [b""], True)
+        store.reconfigure(max_pins_per_session=3)  # lookup_pin finds more than the room: pins none
+        with pytest.raises(BrokerError):
+            store.lookup(s, keys, True)
+        store.reconfigure(max_pins_per_session=0)
         assert c.held_once(store.objects.shards, ids, s) is None  # no pins left
         assert c.pinnable_all(store.objects.shards, ids + ["x"], ObjectState.COMMITTED) is None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, format_size
@@ -35,6 +36,9 @@ class Arena(abc.ABC):
         self.view = view
         # Per slab, what the backend keeps of it (the host's memfd; nothing on CUDA).
         self._slabs: list[Any] = []
+        # ``num_slabs`` as a plain callable (the list's own ``__len__``: no Python frame), for
+        # the step channel, which reads it for every reply. The list is never replaced.
+        self.count_slabs: Callable[[], int] = self._slabs.__len__
         self._closed = False
         # Held by ``export_fds`` (the fd channel's export threads) and ``close``, so an export
         # never reads what a close is releasing.

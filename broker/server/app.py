@@ -283,7 +283,7 @@ class BrokerServer:
             sessions=self.sessions,
             adapters=self.adapters,
             allowed_uids=self.opts.effective_uids(),
-            num_slabs=lambda: self.arena.num_slabs,
+            num_slabs=self.arena.count_slabs,
             record=metrics.rpc_latency.record if metrics is not None else None,
             log=self._log_event,
         )

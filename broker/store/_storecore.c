@@ -223,12 +223,8 @@ layout(PyObject *self, PyObject *cls)
  * 1..most bytes: the caller's checks then say which.
  */
 static PyObject *
-find_keys(PyObject *self, PyObject *args)
+find_keys_impl(PyObject *shards, PyObject *keys, Py_ssize_t most, PyObject *pool)
 {
-    PyObject *shards, *keys, *pool;
-    Py_ssize_t most;
-    if (!PyArg_ParseTuple(args, "OOnO", &shards, &keys, &most, &pool))
-        return NULL;
     if (check_shards(shards) < 0)
         return NULL;
     int pooled = PyObject_IsTrue(pool);
@@ -282,6 +278,16 @@ fail:
     return NULL;
 }
 
+static PyObject *
+find_keys(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *keys, *pool;
+    Py_ssize_t most;
+    if (!PyArg_ParseTuple(args, "OOnO", &shards, &keys, &most, &pool))
+        return NULL;
+    return find_keys_impl(shards, keys, most, pool);
+}
+
 /* ------------------------------------------------------------------ pins */
 
 /* pin_all(objs, sid, spins) -> (fresh, fresh_pages, contention)
@@ -292,11 +298,8 @@ fail:
  * session's where ``sid`` held none.
  */
 static PyObject *
-pin_all(PyObject *self, PyObject *args)
+pin_all_impl(PyObject *objs, PyObject *sid, PyObject *spins)
 {
-    PyObject *objs, *sid, *spins;
-    if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
-        return NULL;
     if (check_list(objs, "objs") < 0 || check_dict(spins, "spins") < 0)
         return NULL;
     PyObject *one = PyLong_FromLong(1);
@@ -355,6 +358,15 @@ fail:
     return NULL;
 }
 
+static PyObject *
+pin_all(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *sid, *spins;
+    if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
+        return NULL;
+    return pin_all_impl(objs, sid, spins);
+}
+
 /* A small open-addressing set of int64 ids: true if one repeats. */
 static int
 has_repeat(const long long *ids, Py_ssize_t n, int *repeat)
@@ -396,11 +408,8 @@ has_repeat(const long long *ids, Py_ssize_t n, int *repeat)
  * id by id and says what is wrong).
  */
 static PyObject *
-held_once(PyObject *self, PyObject *args)
+held_once_impl(PyObject *shards, PyObject *ids, PyObject *sid)
 {
-    PyObject *shards, *ids, *sid;
-    if (!PyArg_ParseTuple(args, "OOO", &shards, &ids, &sid))
-        return NULL;
     if (check_shards(shards) < 0)
         return NULL;
     if (!PyList_Check(ids) && !PyTuple_Check(ids))
@@ -466,6 +475,15 @@ done:
     return out;
 }
 
+static PyObject *
+held_once(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *ids, *sid;
+    if (!PyArg_ParseTuple(args, "OOO", &shards, &ids, &sid))
+        return NULL;
+    return held_once_impl(shards, ids, sid);
+}
+
 /* unpin_once(objs, sid, spins) -> (zero, zero_pages, any_freed)
  *
  * PinLedger.unpin_once's loop: one pin of ``sid`` less on each of ``objs`` (distinct objects on
@@ -473,11 +491,8 @@ done:
  * their pages, and whether any of them is freed (its pages then go back).
  */
 static PyObject *
-unpin_once(PyObject *self, PyObject *args)
+unpin_once_impl(PyObject *objs, PyObject *sid, PyObject *spins)
 {
-    PyObject *objs, *sid, *spins;
-    if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
-        return NULL;
     if (check_list(objs, "objs") < 0 || check_dict(spins, "spins") < 0)
         return NULL;
     PyObject *zero = PyList_New(0);
@@ -535,6 +550,15 @@ unpin_once(PyObject *self, PyObject *args)
         return NULL;
     }
     return Py_BuildValue("NnO", zero, pages, freed ? Py_True : Py_False);
+}
+
+static PyObject *
+unpin_once(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *sid, *spins;
+    if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
+        return NULL;
+    return unpin_once_impl(objs, sid, spins);
 }
 
 /* pinnable_all(shards, ids, committed) -> list | None
@@ -615,11 +639,8 @@ fail:
  * segment left empty, for the caller to forget (as the loop's ``q.drop``).
  */
 static PyObject *
-remove_all(PyObject *self, PyObject *args)
+remove_all_impl(PyObject *objs, PyObject *segments)
 {
-    PyObject *objs, *segments;
-    if (!PyArg_ParseTuple(args, "OO", &objs, &segments))
-        return NULL;
     if (check_list(objs, "objs") < 0 || check_dict(segments, "segments") < 0)
         return NULL;
     PyObject *emptied = PyList_New(0);
@@ -674,6 +695,15 @@ remove_all(PyObject *self, PyObject *args)
         return NULL;
     }
     return Py_BuildValue("nN", pages, emptied);
+}
+
+static PyObject *
+remove_all(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *segments;
+    if (!PyArg_ParseTuple(args, "OO", &objs, &segments))
+        return NULL;
+    return remove_all_impl(objs, segments);
 }
 
 /* fill(objs, start, ct, seg, num, room) -> (stop, pages)
@@ -972,6 +1002,108 @@ end:
     return out;
 }
 
+/* ------------------------------------------------------------------ fused passes */
+
+/* pin_all, then remove_all of the objects that had no pin: a new tuple of 5 with its first
+ * item left NULL for the caller, then (fresh, fresh_pages, contention, queued_pages, emptied),
+ * ``fresh`` a count. */
+static PyObject *
+pin_remove_impl(PyObject *objs, PyObject *sid, PyObject *spins, PyObject *segments, Py_ssize_t first)
+{
+    PyObject *pinned = pin_all_impl(objs, sid, spins), *removed = NULL, *out = NULL;
+    if (pinned == NULL)
+        return NULL;
+    PyObject *fresh = PyTuple_GET_ITEM(pinned, 0);
+    if (PyList_GET_SIZE(fresh) == 0)
+        removed = Py_BuildValue("(n[])", (Py_ssize_t)0);
+    else
+        removed = remove_all_impl(fresh, segments);
+    if (removed == NULL || (out = PyTuple_New(first + 5)) == NULL)
+        goto done;
+    PyObject *items[5] = {PyLong_FromSsize_t(PyList_GET_SIZE(fresh)), PyTuple_GET_ITEM(pinned, 1),
+                          PyTuple_GET_ITEM(pinned, 2), PyTuple_GET_ITEM(removed, 0), PyTuple_GET_ITEM(removed, 1)};
+    if (items[0] == NULL) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    PyTuple_SET_ITEM(out, first, items[0]);
+    for (int k = 1; k < 5; k++)
+        PyTuple_SET_ITEM(out, first + k, Py_NewRef(items[k]));
+done:
+    Py_XDECREF(removed);
+    Py_DECREF(pinned);
+    return out;
+}
+
+/* pin_remove(objs, sid, spins, segments) -> (fresh, fresh_pages, contention, queued_pages, emptied)
+ *
+ * PinLedger.pin_all with a PriorityLRU on this core in one call: pin_all, then remove_all of
+ * the objects that had no pin (they leave their eviction queues). ``fresh``: how many had no
+ * pin, and ``fresh_pages`` theirs; ``queued_pages`` and ``emptied``: remove_all's.
+ */
+static PyObject *
+pin_remove(PyObject *self, PyObject *args)
+{
+    PyObject *objs, *sid, *spins, *segments;
+    if (!PyArg_ParseTuple(args, "OOOO", &objs, &sid, &spins, &segments))
+        return NULL;
+    return pin_remove_impl(objs, sid, spins, segments, 0);
+}
+
+/* lookup_pin(key_shards, keys, most, pool, sid, spins, segments, room)
+ *     -> None | (found, None) | (found, fresh, fresh_pages, contention, queued_pages, emptied)
+ *
+ * ObjectStore.lookup with pin in one call: find_keys, then (when ``room`` < 0, no limit, or
+ * the prefix found is at most ``room`` objects) pin_remove of what it found. None: a key the
+ * caller's checks then name (find_keys's None); (found, None): more than ``room`` found,
+ * nothing pinned (the caller's limit check then says so); otherwise found and pin_remove's.
+ */
+static PyObject *
+lookup_pin(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *keys, *pool, *sid, *spins, *segments;
+    Py_ssize_t most, room;
+    if (!PyArg_ParseTuple(args, "OOnOOOOn", &shards, &keys, &most, &pool, &sid, &spins, &segments, &room))
+        return NULL;
+    PyObject *found = find_keys_impl(shards, keys, most, pool);
+    if (found == NULL || found == Py_None)
+        return found;
+    if (room >= 0 && PyList_GET_SIZE(found) > room)
+        return Py_BuildValue("(NO)", found, Py_None);
+    PyObject *out = pin_remove_impl(found, sid, spins, segments, 1);
+    if (out == NULL) {
+        Py_DECREF(found);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, found);
+    return out;
+}
+
+/* unpin_held(obj_shards, ids, sid, spins) -> None | (objs, zero, zero_pages, any_freed)
+ *
+ * ObjectStore.unpin in the usual case in one call: held_once, then unpin_once on what it
+ * found. None: held_once's None (nothing changed; the caller checks id by id).
+ */
+static PyObject *
+unpin_held(PyObject *self, PyObject *args)
+{
+    PyObject *shards, *ids, *sid, *spins;
+    if (!PyArg_ParseTuple(args, "OOOO", &shards, &ids, &sid, &spins))
+        return NULL;
+    PyObject *objs = held_once_impl(shards, ids, sid);
+    if (objs == NULL || objs == Py_None)
+        return objs;
+    PyObject *r = unpin_once_impl(objs, sid, spins), *out = NULL;
+    if (r != NULL && (out = PyTuple_New(4)) != NULL) {
+        PyTuple_SET_ITEM(out, 0, Py_NewRef(objs));
+        for (int k = 0; k < 3; k++)
+            PyTuple_SET_ITEM(out, k + 1, Py_NewRef(PyTuple_GET_ITEM(r, k)));
+    }
+    Py_XDECREF(r);
+    Py_DECREF(objs);
+    return out;
+}
+
 /* ------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
@@ -984,6 +1116,9 @@ static PyMethodDef methods[] = {
     {"remove_all", remove_all, METH_VARARGS, "objects leave their eviction queue segments"},
     {"fill", fill, METH_VARARGS, "objects of one content type join the end of a queue segment"},
     {"touch_run", touch_run, METH_VARARGS, "objects of one content type move to the end of their queue"},
+    {"pin_remove", pin_remove, METH_VARARGS, "pin_all and remove_all in one call"},
+    {"lookup_pin", lookup_pin, METH_VARARGS, "find_keys, pin_all and remove_all in one call"},
+    {"unpin_held", unpin_held, METH_VARARGS, "held_once and unpin_once in one call"},
     {"encode_rows", encode_rows, METH_VARARGS, "a step reply's object records, in one allocation"},
     {NULL, NULL, 0, NULL},
 };

@@ -395,6 +395,8 @@ class ObjectStore:
         max_batch = self.config.max_batch
         if len(object_ids) > max_batch:
             check_batch(len(object_ids), "object_ids", max_batch)  # raises
+        if self.ledger.fused is not None and self.ledger.unpin_held(s, object_ids):
+            return  # held_once and unpin_once in one native call
         objs = self.table.held_once(session, object_ids)
         if objs is not None:
             self.ledger.unpin_once(s, objs)
@@ -421,6 +423,9 @@ class ObjectStore:
         config = self.config
         if len(keys) > config.max_batch:
             check_batch(len(keys), "keys", config.max_batch)  # raises
+        if pin and self.ledger.fused is not None:  # find and pin_all in one native call
+            if (found := self.ledger.lookup_pin(s, keys, config.max_key_bytes)) is not None:
+                return found
         found = self.table.find(s.pool, keys, config.max_key_bytes)
         if pin:
             if found:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from memory_broker.broker.store.context import StoreContext
+from memory_broker.broker.store.eviction import PriorityLRU
 from memory_broker.broker.store.records import Allocation, SessionState, store_core
 from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.proto.wire.errors import denied, exhausted, precondition
@@ -48,6 +49,16 @@ class PinLedger:
         self._add_list = native_add if getattr(ctx.policy, "_core", None) is not None and native_add else self._add_all
         # The batch loops in C (``_storecore.c``), or None: the Python loops below.
         self._core = store_core()
+        # A lookup's pins and the usual unpin each in one native call (``lookup_pin`` and
+        # ``unpin_held``: the table's pass, the pins and the queues' removal together) where
+        # the core is built and the policy is a ``PriorityLRU`` running on it (its queues'
+        # segments and figures are what the call changes); else None.
+        policy = ctx.policy
+        fused = self._core is not None and isinstance(policy, PriorityLRU) and policy._core is not None
+        self.fused = self._core if fused else None
+        self._segments = policy._segments if fused else None
+        # The table's shard lists (a ShardedMap never replaces them), read by the fused calls.
+        self._key_shards, self._obj_shards = ctx.table.keys.shards, ctx.table.objects.shards
 
     def check_limit(self, s: SessionState, adding: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) if ``adding`` pins would take ``s`` over its limit."""
@@ -63,6 +74,54 @@ class PinLedger:
                 f"session {s.session_id} holds {held} and this call adds {adding}; "
                 f"the limit is {limit} (max_pins_per_session): unpin first"
             )
+
+    def lookup_pin(self, s: SessionState, keys, most: int) -> list[Allocation] | None:
+        """``ObjectTable.find`` then ``check_limit`` and ``pin_all`` of what it found, in one
+        native call (``self.fused`` set); None where a key is left to the table's checks
+        (nothing changed)."""
+        limit = self._config.max_pins_per_session
+        room = -1  # how many pins ``s`` may add now (``check_limit``'s bound), -1: no limit
+        if limit and s.session_id not in self._internal:
+            room = max(0, limit - s.pin_total - self._txns.promised_pins(s.txns))
+        r = self.fused.lookup_pin(self._key_shards, keys, most, s.pool, s.session_id, s.pins, self._segments, room)
+        if r is None:
+            return None
+        found, fresh, pages, contention, queued, emptied = r if r[1] is not None else (*r, 0, 0, 0, 0)
+        if fresh is None:  # more than the limit allows: nothing pinned
+            self.check_limit(s, len(found))  # raises
+        s.pin_total += len(found)
+        if fresh:  # as ``pin_all``'s
+            tally = self._tally
+            tally.pinned_pages += pages
+            tally.pinned_objects += fresh
+            policy = self._policy
+            policy.evictable_pages -= queued
+            for num, obj in emptied:  # as ``PriorityLRU.remove_all``: the queue's newest kept
+                q = policy._queues[policy._rank[obj.content_type]]
+                if self._segments[num] is not q._segs[-1]:
+                    q.drop(num)
+        if contention:
+            self._counters.pin_contention += contention
+        return found
+
+    def unpin_held(self, s: SessionState, object_ids) -> bool:
+        """``ObjectTable.held_once`` then ``unpin_once`` in one native call (``self.fused``
+        set): False where ``held_once`` finds what the caller must check id by id (nothing
+        changed)."""
+        r = self.fused.unpin_held(self._obj_shards, object_ids, s.session_id, s.pins)
+        if r is None:
+            return False
+        objs, zero, pages, freed = r
+        s.pin_total -= len(objs)
+        if zero:
+            if freed:
+                self._became_unpinned_all(zero, pages, freed)
+            else:
+                tally = self._tally
+                tally.pinned_pages -= pages
+                tally.pinned_objects -= len(zero)
+                self._add_list(zero)
+        return True
 
     def check_unpin(self, session: int, obj: Allocation, count: int) -> None:
         """Refuse unless ``session`` holds at least ``count`` pins on ``obj``."""
@@ -97,6 +156,22 @@ class PinLedger:
             return
         sid = s.session_id
         spins = s.pins
+        if self.fused is not None and objs.__class__ is list:  # the pins and the queues in one call
+            fresh, pages, contention, queued, emptied = self.fused.pin_remove(objs, sid, spins, self._segments)
+            s.pin_total += len(objs)
+            if fresh:
+                tally = self._tally
+                tally.pinned_pages += pages
+                tally.pinned_objects += fresh
+                policy = self._policy
+                policy.evictable_pages -= queued
+                for num, obj in emptied:  # as ``PriorityLRU.remove_all``: the queue's newest kept
+                    q = policy._queues[policy._rank[obj.content_type]]
+                    if self._segments[num] is not q._segs[-1]:
+                        q.drop(num)
+            if contention:
+                self._counters.pin_contention += contention
+            return
         if self._core is not None and objs.__class__ is list:
             fresh, pages, contention = self._core.pin_all(objs, sid, spins)
             s.pin_total += len(objs)
