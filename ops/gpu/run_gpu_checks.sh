@@ -37,7 +37,8 @@
 # tests/test_kernels_compile.py tests/test_kernels_plan.py tests/test_kernels_graph.py and
 # tests/test_lora_static.py (CUDA-graph capture and replay) tests/test_lora_batch.py
 # tests/test_lora_e2e.py tests/test_block_mover.py (the KV block mover on vLLM's CUDA layouts)
-# where present), GPU_BENCHES (default ops/bench/bench_cuda_arena.py
+# tests/test_step_thread.py (the step thread's use of asyncio's private parts, on the GPU
+# machine's Python) where present), GPU_BENCHES (default ops/bench/bench_cuda_arena.py
 # ops/bench/bench_lora_kernels.py ops/bench/bench_block_mover.py where present), BENCH_TIMEOUT
 # (seconds per benchmark, default 90), VLLM_LORA_OPS (default ops/gpu/vllm_lora_ops: vLLM's
 # Triton LoRA kernels, copied where vLLM is installed by ops/gpu/extract_vllm_lora_ops.py and
@@ -79,7 +80,7 @@ tests=${GPU_TESTS:-}
 if [ -z "$tests" ]; then
     for f in tests/test_gpu_*.py tests/test_arena_cuda.py tests/test_kernels.py tests/test_kernels_compile.py \
         tests/test_kernels_plan.py tests/test_kernels_graph.py tests/test_lora_batch.py tests/test_lora_static.py \
-        tests/test_lora_e2e.py tests/test_block_mover.py; do
+        tests/test_lora_e2e.py tests/test_block_mover.py tests/test_step_thread.py; do
         [ -e "$f" ] && tests="$tests $f"
     done
 fi
