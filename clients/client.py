@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from memory_broker.clients.adapters import AdapterLease
 from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.discovery import check_device, find_socket
-from memory_broker.clients.fastpath import ChannelCalls, choose_calls
+from memory_broker.clients.fastpath import ChannelCalls
 from memory_broker.clients.grpc_calls import GrpcCalls
 from memory_broker.clients.queries import BrokerQueries
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST
 from memory_broker.clients.step import StepPath
+from memory_broker.clients.step_calls import choose_calls
 from memory_broker.clients.step_lease import PendingStepLease, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout, ModuleShard
@@ -238,7 +239,7 @@ class BrokerClient(BrokerQueries):
     # ------------------------------------------------------------- the step calls
 
     def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
-        """The current session's step calls (``fastpath.choose_calls``: chosen on first use,
+        """The current session's step calls (``step_calls.choose_calls``: chosen on first use,
         again for a new session or a broken step channel). First waits for the changes a
         background step batch queued (``wait_sent``; its own worker does not)."""
         if wait_sent and self._unsent:

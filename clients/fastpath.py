@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 
 from memory_broker.clients.grpc_calls import GrpcCalls
-from memory_broker.clients.step import StepOutcome, StepPath, StepTransport, StepUnavailable
-from memory_broker.clients.step_lease import PendingStepLease, SessionRecords, StepLease
+from memory_broker.clients.step import StepOutcome, StepPath, StepUnavailable
+from memory_broker.clients.step_lease import PendingStepLease, StepLease
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -38,36 +38,6 @@ def _admitted(ids: list[str], max_adapters: int) -> tuple[list[str], list[str]]:
 def _pairs(adapters: list) -> tuple[list, list]:
     """[(adapter id, record)] as (ids, records)."""
     return list(map(_first, adapters)), list(map(_second, adapters))
-
-
-def choose_calls(client) -> ChannelCalls | GrpcCalls:
-    """Make the current session's step calls (``client``: a ``BrokerClient``, which keeps
-    them as ``_calls``): the step channel's where the broker has one and ``fast_path`` is on,
-    else gRPC's for the rest of the session. Called when the client has none for the current
-    session, or its step channel broke (a new channel is opened then)."""
-    if client.closed:
-        raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
-    client._wait_live()
-    with client._calls_lock:
-        calls = client._calls
-        if calls is not None and calls.current(client.epoch):
-            return calls
-        if calls is not None:
-            calls.close()
-        grpc = GrpcCalls(client, SessionRecords(client))
-        calls = grpc
-        if client.fast_path:
-            try:
-                transport = StepTransport(client._step_socket(), client.token, client.timeout)
-            except StepUnavailable as e:
-                log.info("using gRPC for step calls: %s", e)
-            else:
-                from memory_broker.clients.step_direct import DirectCalls  # (it builds on ChannelCalls)
-
-                path = StepPath(transport, hold_s=client.hold_s)
-                calls = (ChannelCalls if path.caching else DirectCalls)(client, path, grpc)
-        client._calls = calls
-        return calls
 
 
 class ChannelCalls:

@@ -1,7 +1,7 @@
 """The step channel's calls without the holdings cache (``hold_s`` 0, the default): each call is
 one frame of its own items, sent straight (no plan against a cache there is not).
 
-``DirectCalls`` is ``ChannelCalls`` (``fastpath.py``) for such a session: ``choose_calls`` picks
+``DirectCalls`` is ``ChannelCalls`` (``fastpath.py``) for such a session: ``step_calls.choose_calls`` picks
 it. Its calls are the engine's every step (``step``: what the previous step gives back, a
 commit, the acquire and the lookup in one frame; or the generic calls, a frame each), so their
 fixed cost per frame is what this module is about: ops are tuples (the native encoder takes

@@ -1,0 +1,45 @@
+"""Which step calls a session uses: gRPC's (``grpc_calls.GrpcCalls``), the step channel's
+planned against the holdings cache (``fastpath.ChannelCalls``, with ``hold_s``), or the step
+channel's sent straight (``step_direct.DirectCalls``, without it: the default). Its own module,
+so none of those imports another to choose."""
+
+from __future__ import annotations
+
+import logging
+
+from memory_broker.clients.fastpath import ChannelCalls
+from memory_broker.clients.grpc_calls import GrpcCalls
+from memory_broker.clients.step import StepPath, StepTransport, StepUnavailable
+from memory_broker.clients.step_direct import DirectCalls
+from memory_broker.clients.step_lease import SessionRecords
+from memory_broker.proto.wire.errors import BrokerError, Code
+
+log = logging.getLogger(__name__)
+
+
+def choose_calls(client) -> ChannelCalls | GrpcCalls:
+    """Make the current session's step calls (``client``: a ``BrokerClient``, which keeps
+    them as ``_calls``): the step channel's where the broker has one and ``fast_path`` is on,
+    else gRPC's for the rest of the session. Called when the client has none for the current
+    session, or its step channel broke (a new channel is opened then)."""
+    if client.closed:
+        raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
+    client._wait_live()
+    with client._calls_lock:
+        calls = client._calls
+        if calls is not None and calls.current(client.epoch):
+            return calls
+        if calls is not None:
+            calls.close()
+        grpc = GrpcCalls(client, SessionRecords(client))
+        calls = grpc
+        if client.fast_path:
+            try:
+                transport = StepTransport(client._step_socket(), client.token, client.timeout)
+            except StepUnavailable as e:
+                log.info("using gRPC for step calls: %s", e)
+            else:
+                path = StepPath(transport, hold_s=client.hold_s)
+                calls = (ChannelCalls if path.caching else DirectCalls)(client, path, grpc)
+        client._calls = calls
+        return calls
