@@ -130,18 +130,19 @@ static PyTypeObject *op_fast_type;
 static Py_ssize_t op_offsets[5];
 static const char *const OP_FIELDS[5] = {"kind", "items", "flags", "max_adapters", "lease_ms"};
 
-/* Whether `cls` is a class whose five fields are writable object slots, with object's own
- * __new__ and no __post_init__ (then op_fast_type is it); 0 otherwise: the caller calls it. */
+/* Whether `cls` is a class whose `n` fields (named by `fields`) are writable object slots,
+ * with object's own __new__ and no __post_init__ (an __init__ that does more than assign:
+ * called, not filled). Then *fast (a strong reference) becomes it and `offsets` its fields'
+ * offsets; 0 otherwise: the caller calls it. The one check for Op's and StepReply's layouts. */
 static int
-op_layout(PyObject *cls)
+slot_layout(PyObject *cls, const char *const *fields, int n, PyTypeObject **fast, Py_ssize_t *offsets)
 {
-    if ((PyTypeObject *)cls == op_fast_type) return 1;
+    if ((PyTypeObject *)cls == *fast) return 1;
     if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
-    int post = PyObject_HasAttrString(cls, "__post_init__");
-    if (post) return 0; /* an __init__ that does more than assign: called, not filled */
-    Py_ssize_t offs[5];
-    for (int f = 0; f < 5; f++) {
-        PyObject *d = PyObject_GetAttrString(cls, OP_FIELDS[f]);
+    if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
+    Py_ssize_t offs[8];
+    for (int f = 0; f < n; f++) {
+        PyObject *d = PyObject_GetAttrString(cls, fields[f]);
         if (d == NULL) {
             PyErr_Clear();
             return 0;
@@ -156,10 +157,17 @@ op_layout(PyObject *cls)
         Py_DECREF(d);
         if (!ok) return 0;
     }
-    memcpy(op_offsets, offs, sizeof offs);
+    memcpy(offsets, offs, n * sizeof offs[0]);
     Py_INCREF(cls);
-    Py_XSETREF(op_fast_type, (PyTypeObject *)cls);
+    Py_XSETREF(*fast, (PyTypeObject *)cls);
     return 1;
+}
+
+/* Whether `cls` has Op's five fields as writable object slots (then op_fast_type is it). */
+static int
+op_layout(PyObject *cls)
+{
+    return slot_layout(cls, OP_FIELDS, 5, &op_fast_type, op_offsets);
 }
 
 static PyObject *
@@ -763,30 +771,7 @@ static const char *const REPLY_FIELDS[4] = {"arena_slabs", "results", "error", "
 static int
 reply_layout(PyObject *cls)
 {
-    if ((PyTypeObject *)cls == reply_fast_type) return 1;
-    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
-    if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
-    Py_ssize_t offs[4];
-    for (int f = 0; f < 4; f++) {
-        PyObject *d = PyObject_GetAttrString(cls, REPLY_FIELDS[f]);
-        if (d == NULL) {
-            PyErr_Clear();
-            return 0;
-        }
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
-        if (ok) {
-            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
-                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
-            offs[f] = m->d_member->offset;
-        }
-        Py_DECREF(d);
-        if (!ok) return 0;
-    }
-    memcpy(reply_offsets, offs, sizeof offs);
-    Py_INCREF(cls);
-    Py_XSETREF(reply_fast_type, (PyTypeObject *)cls);
-    return 1;
+    return slot_layout(cls, REPLY_FIELDS, 4, &reply_fast_type, reply_offsets);
 }
 
 /* reply(slabs, results): its slots filled where reply_layout takes the class (error None,
