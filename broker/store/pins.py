@@ -91,18 +91,25 @@ class PinLedger:
             self.check_limit(s, len(found))  # raises
         s.pin_total += len(found)
         if fresh:  # as ``pin_all``'s
-            tally = self._tally
-            tally.pinned_pages += pages
-            tally.pinned_objects += fresh
-            policy = self._policy
-            policy.evictable_pages -= queued
-            for num, obj in emptied:  # as ``PriorityLRU.remove_all``: the queue's newest kept
-                q = policy._queues[policy._rank[obj.content_type]]
-                if self._segments[num] is not q._segs[-1]:
-                    q.drop(num)
+            self._pinned_out(fresh, pages, queued, emptied)
         if contention:
             self._counters.pin_contention += contention
         return found
+
+    def _pinned_out(self, fresh: int, pages: int, queued: int, emptied: list) -> None:
+        """After a fused native pin (``lookup_pin``, ``pin_remove``): ``fresh`` objects of
+        ``pages`` pages newly pinned, ``queued`` of those pages out of the eviction queues,
+        and each queue segment the pass ``emptied`` dropped (as ``PriorityLRU.remove_all``
+        does: a queue's newest segment is kept)."""
+        tally = self._tally
+        tally.pinned_pages += pages
+        tally.pinned_objects += fresh
+        policy = self._policy
+        policy.evictable_pages -= queued
+        for num, obj in emptied:
+            q = policy._queues[policy._rank[obj.content_type]]
+            if self._segments[num] is not q._segs[-1]:
+                q.drop(num)
 
     def unpin_held(self, s: SessionState, object_ids) -> bool:
         """``ObjectTable.held_once`` then ``unpin_once`` in one native call (``self.fused``
@@ -160,15 +167,7 @@ class PinLedger:
             fresh, pages, contention, queued, emptied = self.fused.pin_remove(objs, sid, spins, self._segments)
             s.pin_total += len(objs)
             if fresh:
-                tally = self._tally
-                tally.pinned_pages += pages
-                tally.pinned_objects += fresh
-                policy = self._policy
-                policy.evictable_pages -= queued
-                for num, obj in emptied:  # as ``PriorityLRU.remove_all``: the queue's newest kept
-                    q = policy._queues[policy._rank[obj.content_type]]
-                    if self._segments[num] is not q._segs[-1]:
-                        q.drop(num)
+                self._pinned_out(fresh, pages, queued, emptied)
             if contention:
                 self._counters.pin_contention += contention
             return
