@@ -59,7 +59,8 @@ class DirectCalls(ChannelCalls):
         # The step channel acquires whole copies in the broker's dtype; others are gRPC's, as
         # is an acquire that needs a load (or whose channel broke: gRPC waits for a reconnect).
         if not (dtype or shards) and not isinstance(adapter_ids, str):  # gRPC refuses a str, saying why
-            ids = list(adapter_ids)
+            # (The caller's list as it is: it is encoded now, and ``_admitted`` keeps a copy.)
+            ids = adapter_ids if type(adapter_ids) is list else list(adapter_ids)
             op = (_ACQUIRE, ids, _w.ACQUIRE_PREPARE if prepare else 0, max_adapters, int(lease_s * 1000))
             reply = self._frame([op], True)
             if reply is not None:
