@@ -182,6 +182,27 @@ def test_a_reply_larger_than_the_buffer_after_posted_ones(fake):
     assert t.unread() == 0 and not t.refused and len(t._buf) == BUFFER_BYTES
 
 
+def test_a_reply_that_ends_past_the_buffer_s_end_is_moved_to_its_front(fake):
+    t = fake.transport
+
+    def reply(pad: int) -> bytes:
+        recs = [
+            w.ObjectRecord(100 + i, -1, 2, 1, True, False, 1, 1, [i], b"k%05d" % i + (b"x" * pad if i == 0 else b""), 3)
+            for i in range(1500)
+        ]
+        return _ok(w.encode_objects(w.OP_LOOKUP, recs))
+
+    # A reply that fits the buffer, but not behind the posted reply's 12 bytes.
+    want = reply(BUFFER_BYTES - 4 - len(reply(0)))
+    assert BUFFER_BYTES - 12 < len(want) <= BUFFER_BYTES
+    _post(t, w.OP_UNPIN, [1])
+    fake.frames_in(1)
+    threading.Thread(target=fake.peer.sendall, args=(_ok(bytes((w.OP_UNPIN,))) + want,)).start()
+    reply_got = t.request(w.encode_step([(w.OP_LOOKUP, (b"k",), 1)]))
+    assert reply_got.results == w.decode_step_reply(want[4], want[5:]).results
+    assert t.unread() == 0 and len(t._buf) == BUFFER_BYTES
+
+
 def test_bytes_after_the_last_reply_asked_for_break_the_channel(fake):
     t = fake.transport
     fake.peer.sendall(_ok() + _ok())
