@@ -349,8 +349,9 @@ class ChannelCalls:
                 log.debug("the step channel broke while its replies were read: %s", e)
 
     def close(self) -> None:
-        """Read what is unread (posted give-backs: a refusal is logged), then close."""
-        if not self.path.transport.closed:
+        """Read what is unread (posted give-backs: a refusal is logged), then close; a
+        session that ended (a reconnect replaced it) took its pins with it: nothing to read."""
+        if not self.path.transport.closed and self.epoch == self.client.epoch:
             self.settle()
         self.path.transport.close()
 

@@ -42,8 +42,9 @@ class StepSession(BrokerQueries):
         super().__init__(*args, **kwargs)
 
     def _session_opened(self) -> None:
-        # An old session's refused give-backs went with it (they were logged).
-        self._refused.clear()
+        # A list of the new session's own: an old session's refused give-backs went with it
+        # (they were logged), and its transport, if it reports one late, reports it there.
+        self._refused = []
 
     def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
         """The current session's step calls (``step_calls.choose_calls``: chosen on first use,
