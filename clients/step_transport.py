@@ -280,7 +280,9 @@ class StepTransport:
 
     def _refuse(self, what: tuple, error: BrokerError | None, unknown: bool = False) -> None:
         op = w.OP_NAMES.get(what[0], what[0])
-        items = list(what[1])
+        items = list(what[1][:8])  # the first few say which (a give-back may name thousands)
+        if len(what[1]) > 8:
+            items.append(f"... {len(what[1])} in all")
         if unknown:
             text = f"the step channel broke before the broker answered a posted {op} of {items}: it may not have run"
         else:
