@@ -17,19 +17,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from memory_broker.clients.adapters import AdapterLease
 from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.discovery import check_device, find_socket
-from memory_broker.clients.fastpath import ChannelCalls
-from memory_broker.clients.grpc_calls import GrpcCalls
-from memory_broker.clients.queries import BrokerQueries
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST
-from memory_broker.clients.step import StepPath
-from memory_broker.clients.step_calls import choose_calls
 from memory_broker.clients.step_lease import PendingStepLease, StepLease
+from memory_broker.clients.step_session import StepSession
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout, ModuleShard
 from memory_broker.proto.wire.messages import spec_to_proto
@@ -154,7 +149,7 @@ class Transaction:
                 self.abort()
 
 
-class BrokerClient(BrokerQueries):
+class BrokerClient(StepSession):
     """A session with the broker on ``socket_path``. Use ``connect``; close when done.
 
     The step calls (acquire and release adapters, lookup, pin, unpin, ``step``,
@@ -162,17 +157,10 @@ class BrokerClient(BrokerQueries):
     when the session first makes one: ``ChannelCalls`` (clients/fastpath.py) over the
     broker's step channel, or ``GrpcCalls`` (clients/grpc_calls.py); same methods, same results."""
 
-    def __init__(self, *args, fast_path: bool = True, hold_s: float = 0.0, **kwargs):
+    def __init__(self, *args, **kwargs):
         # Adapter id -> its layout (the same for every generation; pages change). Set before
         # the session opens, which clears it.
         self._layout_cache: dict[str, AdapterLayout] = {}
-        # Step calls over the step channel when the broker has one; ``hold_s`` > 0 also
-        # keeps released holdings that long (see clients/step.py).
-        self.fast_path = fast_path
-        self.hold_s = hold_s
-        # The current session's calls (ChannelCalls or GrpcCalls), made on first use.
-        self._calls: ChannelCalls | GrpcCalls | None = None
-        self._calls_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -187,6 +175,7 @@ class BrokerClient(BrokerQueries):
         reconnect_s: float = 300.0,
         fast_path: bool = True,
         hold_s: float = 0.0,
+        post_give_backs: bool = True,
     ) -> BrokerClient:
         """Open a session and map the arena.
 
@@ -213,6 +202,13 @@ class BrokerClient(BrokerQueries):
                 pins) held at the broker for up to this long, so acquiring or looking it up
                 again costs no round trip; releases are sent with a later call. 0 (the
                 default): every release is sent at once, as over gRPC.
+            post_give_backs: with the fast path and no ``hold_s``, a give-back
+                (``unpin``, ``release_adapters`` and a lease's ``release()`` without
+                ``dtype``) sends its frame and returns without waiting for the broker's
+                answer; the broker runs it before anything the session sends later, over
+                any channel. A refusal is logged at WARNING and raised by the session's next
+                give-back (after that one's own frame went out) or by ``flush()``. False:
+                each give-back waits for its answer and raises its own refusal.
         """
         socket_path, gpu_uuid = find_socket(socket_path)
         client = cls(
@@ -224,6 +220,7 @@ class BrokerClient(BrokerQueries):
             reconnect_s,
             fast_path=fast_path,
             hold_s=hold_s,
+            post_give_backs=post_give_backs,
         )
         try:
             check_device(client.arena.device, gpu_uuid, socket_path)
@@ -233,31 +230,9 @@ class BrokerClient(BrokerQueries):
         return client
 
     def _session_opened(self) -> None:
+        super()._session_opened()
         # A new broker may lay adapters out differently (another dtype or page size).
         self._layout_cache.clear()
-
-    # ------------------------------------------------------------- the step calls
-
-    def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
-        """The current session's step calls (``step_calls.choose_calls``: chosen on first use,
-        again for a new session or a broken step channel). First waits for the changes a
-        background step batch queued (``wait_sent``; its own worker does not)."""
-        if wait_sent and self._unsent:
-            self._wait_sent()
-        calls = self._calls
-        if calls is None or not calls.current(self.epoch):
-            calls = choose_calls(self)
-        return calls
-
-    def _step_path(self, wait_sent: bool = True) -> StepPath | None:
-        """The current session's step path (None: its step calls go over gRPC)."""
-        return self._step_calls(wait_sent).path
-
-    def _step_socket(self) -> str:
-        fd = self.arena.fd_socket_path
-        if fd.endswith(".fds"):
-            return fd[: -len(".fds")] + ".step"
-        return os.path.abspath(self.socket_path) + ".step"
 
     # ------------------------------------------------------------- objects
 
@@ -399,6 +374,8 @@ class BrokerClient(BrokerQueries):
         return self._step_calls().pin(self._ids(objs))
 
     def unpin(self, objs: Iterable[BrokerObject | int]) -> None:
+        """Drop this session's pin on each object (on the step channel, posted: see
+        ``connect``'s ``post_give_backs``)."""
         self._step_calls().unpin(self._ids(objs))
 
     @contextlib.contextmanager
@@ -486,13 +463,6 @@ class BrokerClient(BrokerQueries):
         for the next change every ``poll_s`` for a while after one (0: never; see StepBatch)."""
         return StepBatch(self, background, poll_s)
 
-    def flush_holdings(self) -> int:
-        """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
-        calls = self._calls
-        if calls is None or calls.epoch != self.epoch:
-            return 0
-        return calls.flush()
-
     # ------------------------------------------------------------- adapters
 
     def acquire_adapters(
@@ -524,7 +494,8 @@ class BrokerClient(BrokerQueries):
         return self._step_calls().acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype, tuple(shards))
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
-        """Drop one pin per listed id; ``dtype``: the acquire's (only that copy's pins)."""
+        """Drop one pin per listed id; ``dtype``: the acquire's (only that copy's pins).
+        Posted on the step channel as ``unpin`` is."""
         self._step_calls().release_adapters(adapter_ids, dtype)
 
     def commit_acquire(self, transaction_id: int) -> None:
@@ -538,8 +509,3 @@ class BrokerClient(BrokerQueries):
     def arena_tensor(self, dtype=None):
         """The physical view as a 1-D tensor of ``dtype``: what the LoRA kernels index into."""
         return self.physical_view(dtype)
-
-    def _end_session(self) -> None:
-        if self._calls is not None:
-            self._calls.close()
-        super()._end_session()

@@ -338,7 +338,21 @@ class ChannelCalls:
         if rel or unpin:
             self._fast(self.path.step, release=rel, unpin=unpin, acquire=False, lookup=False)
 
+    def settle(self) -> None:
+        """Read every unread reply of the channel (a call over another channel first does:
+        what was posted before it has run). A channel that breaks meanwhile has reported
+        its unanswered give-backs (``StepTransport.refused``); nothing is raised here."""
+        if self.path.transport.unread():
+            try:
+                self.path.settle()
+            except StepUnavailable as e:
+                log.debug("the step channel broke while its replies were read: %s", e)
+
     def close(self) -> None:
+        """Read what is unread (posted give-backs: a refusal is logged), then close; a
+        session that ended (a reconnect replaced it) took its pins with it: nothing to read."""
+        if not self.path.transport.closed and self.epoch == self.client.epoch:
+            self.settle()
         self.path.transport.close()
 
 

@@ -117,6 +117,9 @@ class GrpcCalls:
     def flush(self) -> int:
         return 0
 
+    def settle(self) -> None:
+        """Nothing is posted over gRPC: every call waited for its answer."""
+
     # ------------------------------------------------------------ steps
 
     def step(self, ids: list[str], keys: list[bytes], max_adapters, prepare, lease_s, commit, release) -> StepLease:

@@ -48,6 +48,9 @@ LOST = "its anonymous objects, pins, open transactions and adapter leases are go
 class BrokerSession:
     """The session half of ``BrokerClient``: open, mapped, kept alive, ended. Use ``BrokerClient.connect``."""
 
+    # The current session's step calls (``StepSession`` keeps them; none here).
+    _calls = None
+
     def __init__(
         self,
         socket_path: str,
@@ -275,6 +278,7 @@ class BrokerSession:
         """Map slabs up to ``num_slabs`` (fetching their fds) if this process lacks them."""
         if self.view.mapped_slabs >= num_slabs:
             return
+        self._settle()
         with self._map_lock:
             if self.view.mapped_slabs >= num_slabs:
                 return
@@ -285,6 +289,7 @@ class BrokerSession:
         access asked for from the start (nothing on a host arena: its slabs map whole)."""
         if self.view.fd_unit != "page" or not arena_fds.missing_pages(self.view, pages):
             return
+        self._settle()
         with self._map_lock:
             arena_fds.import_pages(self.view, self.arena.fd_socket_path, self.token, pages, readonly, self.timeout)
 
@@ -373,6 +378,7 @@ class BrokerSession:
             raise BrokerError(Code.FAILED_PRECONDITION, "the client is closed; connect again")
         if self._unsent:
             self._wait_sent()
+        self._settle()
         self._wait_live()
         epoch = self.epoch
         try:
@@ -398,6 +404,14 @@ class BrokerSession:
 
     def _session_opened(self) -> None:
         """Called once a new session is published (the first, and each reconnect)."""
+
+    def _settle(self) -> None:
+        """Called before a call goes over gRPC or the fd channel: the frames the session
+        posted on its step channel are answered first (the broker has run them, so the call
+        sees what they gave back). ``_calls``: the session's step calls (``step_session.py``)."""
+        calls = self._calls
+        if calls is not None and calls.epoch == self.epoch:
+            calls.settle()
 
     # ------------------------------------------------------------- lifecycle
 

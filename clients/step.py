@@ -81,6 +81,27 @@ class StepPath:
             self.frames += 1
             return self.transport.request(w.encode_step(ops))
 
+    def post(self, op: tuple) -> None:
+        """A give-back's frame (``op``: an ``Op``'s fields as a tuple) sent without waiting
+        for its reply (``StepTransport.post``: read before the next awaited one, its refusal
+        kept in ``transport.refused``); at ``POST_LIMIT`` unread, the oldest is read first."""
+        data = w.encode_step([op])
+        with self.lock:
+            transport = self.transport
+            while transport.full():
+                if not transport.read_oldest():
+                    self._pending._collect()  # a begun step's reply is the oldest: kept for it
+            self.frames += 1
+            transport.post(data, op)
+
+    def settle(self) -> None:
+        """Read every unread reply: the posted frames', and a begun step's (kept for its
+        ``result()``)."""
+        with self.lock:
+            if self._pending is not None:
+                self._pending._collect()
+            self.transport.settle()
+
     @staticmethod
     def raise_error(reply: w.StepReply) -> None:
         if reply.error is not None:

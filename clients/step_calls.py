@@ -35,7 +35,7 @@ def choose_calls(client) -> ChannelCalls | GrpcCalls:
         calls = grpc
         if client.fast_path:
             try:
-                transport = StepTransport(client._step_socket(), client.token, client.timeout)
+                transport = StepTransport(client._step_socket(), client.token, client.timeout, client._refused)
             except StepUnavailable as e:
                 log.info("using gRPC for step calls: %s", e)
             else:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from memory_broker.clients.fastpath import ChannelCalls, _admitted
 from memory_broker.clients.step import StepUnavailable
 from memory_broker.clients.step_lease import PendingStepLease, StepLease
+from memory_broker.clients.step_transport import raise_refused
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -32,6 +33,8 @@ class DirectCalls(ChannelCalls):
         # The last acquire's ids (a copy), its cap and their split (admitted, deferred): the
         # lists are shared by the leases made from them and never changed.
         self._split: tuple[list[str], int, tuple[list[str], list[str]]] = ([], -1, ([], []))
+        # Whether a give-back's frame is posted (its reply read later) or waited for.
+        self.posting: bool = client.post_give_backs
 
     def _admitted(self, ids: list[str], cap: int) -> tuple[list[str], list[str]]:
         """``_admitted(ids, cap)``, the last call's when it asked the same."""
@@ -56,7 +59,8 @@ class DirectCalls(ChannelCalls):
         # The step channel acquires whole copies in the broker's dtype; others are gRPC's, as
         # is an acquire that needs a load (or whose channel broke: gRPC waits for a reconnect).
         if not (dtype or shards) and not isinstance(adapter_ids, str):  # gRPC refuses a str, saying why
-            ids = list(adapter_ids)
+            # (The caller's list as it is: it is encoded now, and ``_admitted`` keeps a copy.)
+            ids = adapter_ids if type(adapter_ids) is list else list(adapter_ids)
             op = (_ACQUIRE, ids, _w.ACQUIRE_PREPARE if prepare else 0, max_adapters, int(lease_s * 1000))
             reply = self._frame([op], True)
             if reply is not None:
@@ -70,7 +74,7 @@ class DirectCalls(ChannelCalls):
         if dtype:
             self.grpc.release_adapters(adapter_ids, dtype)
         elif adapter_ids:
-            self._frame([(_RELEASE, tuple(adapter_ids))])
+            self._give_back((_RELEASE, tuple(adapter_ids)))
 
     def lookup(self, keys: Sequence[bytes], pin: bool) -> list:
         if not keys:
@@ -84,7 +88,25 @@ class DirectCalls(ChannelCalls):
 
     def unpin(self, ids: list[int]) -> None:
         if ids:
-            self._frame([(_UNPIN, ids)])
+            self._give_back((_UNPIN, ids))
+
+    def _give_back(self, op: tuple) -> None:
+        """A give-back (a release or an unpin) in a frame of its own: posted (``StepPath.post``:
+        sent, its reply read later; ``connect``'s ``post_give_backs``), or sent and waited for.
+        Bad input is refused here, before anything is sent. Then the refusal of an earlier
+        posted give-back, if one was read, is raised (this one's frame went out)."""
+        if not self.posting:
+            self._frame([op])
+            return
+        path = self.path
+        try:
+            path.post(op)
+        except _w.WireError as e:
+            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
+        except StepUnavailable as e:
+            raise self._unavailable(e) from None
+        if path.transport.refused:
+            raise_refused(path.transport.refused)
 
     # ------------------------------------------------------------ steps
 

@@ -186,10 +186,14 @@ class StepLease:
         if self.released:
             return
         self.released = True
-        if self.adapters is not None:
-            self.adapters.release()
-        if self.objects and self.epoch == self.client.epoch and not self.client.closed:
-            self.client.unpin(self.objects)
+        try:
+            if self.adapters is not None:
+                self.adapters.release()
+        finally:
+            # Even when the release raised (an earlier posted give-back's refusal, raised
+            # after this one's frame went out): the pins go back too.
+            if self.objects and self.epoch == self.client.epoch and not self.client.closed:
+                self.client.unpin(self.objects)
 
     def __enter__(self) -> StepLease:
         return self

@@ -144,6 +144,7 @@ CODEC_MODULES = {
     "test_step_client",
     "test_step_keys",
     "test_step_batch",
+    "test_step_posted",
     "test_fuzz",
     "test_churn",
 }

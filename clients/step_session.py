@@ -1,0 +1,90 @@
+"""A session's step calls: one calls object per session, and the give-backs it posts.
+
+``StepSession`` sits between the session's asking RPCs (``queries.py``) and ``BrokerClient``
+(``client.py``): it keeps the current session's calls object (``step_calls.choose_calls``:
+``ChannelCalls``, ``DirectCalls`` or ``GrpcCalls``), chosen on first use and again for a new
+session or a broken step channel, and what the step channel's posted give-backs need of the
+session: a call over another channel (gRPC, the fd channel) first reads their replies
+(``BrokerSession._settle``, through ``_calls``), ``flush()`` waits for them and raises a refusal, and a new session forgets the
+old one's refusals.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from memory_broker.clients.fastpath import ChannelCalls
+from memory_broker.clients.grpc_calls import GrpcCalls
+from memory_broker.clients.queries import BrokerQueries
+from memory_broker.clients.step import StepPath
+from memory_broker.clients.step_calls import choose_calls
+from memory_broker.clients.step_transport import raise_refused
+from memory_broker.proto.wire.errors import BrokerError
+
+
+class StepSession(BrokerQueries):
+    """A session's step calls (``BrokerClient`` is one; its ``connect`` says what the
+    keywords do)."""
+
+    def __init__(self, *args, fast_path: bool = True, hold_s: float = 0.0, post_give_backs: bool = True, **kwargs):
+        # Step calls over the step channel when the broker has one; ``hold_s`` > 0 also
+        # keeps released holdings that long (see clients/step.py).
+        self.fast_path = fast_path
+        self.hold_s = hold_s
+        # Give-backs on the step channel sent without waiting for the broker's answer, and
+        # the refusals of those not raised yet (the step transports append to it).
+        self.post_give_backs = post_give_backs
+        self._refused: list[BrokerError] = []
+        # The current session's calls (ChannelCalls or GrpcCalls), made on first use.
+        self._calls: ChannelCalls | GrpcCalls | None = None
+        self._calls_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _session_opened(self) -> None:
+        # A list of the new session's own: an old session's refused give-backs went with it
+        # (they were logged), and its transport, if it reports one late, reports it there.
+        self._refused = []
+
+    def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
+        """The current session's step calls (``step_calls.choose_calls``: chosen on first use,
+        again for a new session or a broken step channel). First waits for the changes a
+        background step batch queued (``wait_sent``; its own worker does not)."""
+        if wait_sent and self._unsent:
+            self._wait_sent()
+        calls = self._calls
+        if calls is None or not calls.current(self.epoch):
+            calls = choose_calls(self)
+        return calls
+
+    def _step_path(self, wait_sent: bool = True) -> StepPath | None:
+        """The current session's step path (None: its step calls go over gRPC)."""
+        return self._step_calls(wait_sent).path
+
+    def _step_socket(self) -> str:
+        fd = self.arena.fd_socket_path
+        if fd.endswith(".fds"):
+            return fd[: -len(".fds")] + ".step"
+        return os.path.abspath(self.socket_path) + ".step"
+
+    def flush(self) -> None:
+        """Wait for the broker's answer to every give-back this session posted on its step
+        channel (``post_give_backs``; a begun step's reply is read too, kept for its
+        ``result()``), and raise the refusal of any not raised yet: a BrokerError with the
+        broker's code, naming the give-back (UNAVAILABLE: the channel broke before the
+        broker answered it). Nothing waits over gRPC or with ``post_give_backs=False``."""
+        self._settle()
+        if self._refused:
+            raise_refused(self._refused)
+
+    def flush_holdings(self) -> int:
+        """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
+        calls = self._calls
+        if calls is None or calls.epoch != self.epoch:
+            return 0
+        return calls.flush()
+
+    def _end_session(self) -> None:
+        if self._calls is not None:
+            self._calls.close()  # reads what it posted first (a refusal is logged)
+        super()._end_session()
