@@ -12,7 +12,7 @@
 #include <Python.h>
 #include <string.h>
 
-static PyObject *s_obj, *s_object_id, *s_freed, *s_state, *s_pins, *one;
+static PyObject *s_obj, *s_object_id, *s_freed, *s_state, *s_pins;
 
 /* `own[aid].obj` (a new reference), or NULL: with no exception set when `aid` is not in
  * `own` or its entry has no object (not the common case), else an error. */
@@ -288,70 +288,6 @@ done:
     return out;
 }
 
-/* counts[k] += 1 (from 0); -1 on an error. */
-static int
-count_one(PyObject *counts, PyObject *k)
-{
-    PyObject *had = PyDict_GetItemWithError(counts, k); /* borrowed */
-    PyObject *c;
-    if (had != NULL) {
-        Py_INCREF(had);
-        c = PyNumber_Add(had, one);
-        Py_DECREF(had);
-    } else if (PyErr_Occurred())
-        return -1;
-    else
-        c = Py_NewRef(one);
-    if (c == NULL)
-        return -1;
-    int r = PyDict_SetItem(counts, k, c);
-    Py_DECREF(c);
-    return r;
-}
-
-/* record_uses(keys, seq, counts, order[, counts2, order2]) -> seq + len(keys)
- *
- * BatchedAccess's record of one use of each of `keys` in order: counts[k] += 1 and
- * order[k] = seq + i (the position of its last use); with `counts2` and `order2`, the same
- * in those too (a second policy hearing the same uses), in the same pass. */
-static PyObject *
-record_uses(PyObject *self, PyObject *args)
-{
-    PyObject *keys, *counts, *order, *counts2 = NULL, *order2 = NULL;
-    long long seq;
-    if (!PyArg_ParseTuple(args, "OLO!O!|O!O!", &keys, &seq, &PyDict_Type, &counts, &PyDict_Type, &order,
-                          &PyDict_Type, &counts2, &PyDict_Type, &order2))
-        return NULL;
-    if ((counts2 == NULL) != (order2 == NULL)) {
-        PyErr_SetString(PyExc_TypeError, "record_uses: give both counts2 and order2, or neither");
-        return NULL;
-    }
-    PyObject *fast = as_tuple(keys, "keys must be a sequence");
-    if (fast == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        if (count_one(counts, k) < 0 || (counts2 != NULL && count_one(counts2, k) < 0))
-            goto fail;
-        PyObject *at = PyLong_FromLongLong(seq + i);
-        if (at == NULL)
-            goto fail;
-        int r = PyDict_SetItem(order, k, at);
-        if (r == 0 && order2 != NULL)
-            r = PyDict_SetItem(order2, k, at);
-        Py_DECREF(at);
-        if (r < 0)
-            goto fail;
-    }
-    Py_DECREF(fast);
-    return PyLong_FromLongLong(seq + n);
-fail:
-    Py_DECREF(fast);
-    return NULL;
-}
-
 /* join_rows(head, kept, objs) -> bytes | None
  *
  * `head` followed by `kept[obj.object_id]` for each of `objs` (each a bytes), in one copy;
@@ -413,7 +349,6 @@ done:
 static PyMethodDef methods[] = {
     {"pin_plan", pin_plan, METH_VARARGS, "distinct ids and their live hot objects, or None"},
     {"release_plan", release_plan, METH_VARARGS, "hot objects and counts a session may release, or None"},
-    {"record_uses", record_uses, METH_VARARGS, "count one use of each key, in order; returns the next seq"},
     {"join_rows", join_rows, METH_VARARGS, "head and each object's kept row in one bytes, or None"},
     {NULL, NULL, 0, NULL},
 };
@@ -427,7 +362,7 @@ PyInit__hotcore(void)
 {
     if (!(s_obj = PyUnicode_InternFromString("obj")) || !(s_object_id = PyUnicode_InternFromString("object_id")) ||
         !(s_freed = PyUnicode_InternFromString("freed")) || !(s_state = PyUnicode_InternFromString("state")) ||
-        !(s_pins = PyUnicode_InternFromString("pins")) || !(one = PyLong_FromLong(1)))
+        !(s_pins = PyUnicode_InternFromString("pins")))
         return NULL;
     return PyModule_Create(&module);
 }

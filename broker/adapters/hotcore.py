@@ -2,7 +2,7 @@
 
 ``load()`` returns the C module, or None (not built, or ``MEMORY_BROKER_NATIVE=0``:
 ``proto/wire/native.py`` says so once); its users (``AdapterPins.pin_hot`` / ``release_hot``,
-``BatchedAccess.access_many``, the step channel's acquire reply) then take their Python path,
+the step channel's acquire reply) then take their Python path,
 which gives the same results (tests/test_adapter_hot_native.py runs both).
 """
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from memory_broker.broker.adapters import hotcore
 
 
 class TierPolicy(Protocol):
@@ -357,76 +356,104 @@ class AdaptivePolicy:
         return len(self._resident)
 
 
+
+
+def _last_use(item: tuple) -> int:
+    """A (run or key, [count, position of its last use]) item's position."""
+    return item[1][1]
+
+
 class BatchedAccess:
     """A tier policy whose uses are counted in batch: what the manager holds for each tier.
 
-    An acquire of n adapters records them with two C-level calls (``Counter.update`` and a
-    ``dict.update`` of their order), not n calls into the policy; the policy hears of them
-    (``access_counts``: each key once, with its count, in the order of its last use) before
-    anything else reaches it (insert, remove, forget, victims, a read), or when
-    ``max_pending`` distinct keys wait. The order of events between batches is kept exactly;
-    within a batch, a key's uses reach the policy together at its last use: exact for LRU,
-    GDSF and the counts and recency of LFU and adaptive; LFU's periodic halving and the
-    adaptive policy's ghosts (which pick its memory length) see them in that order.
+    An acquire of n adapters records them as one run (the tuple of its keys): a step that
+    acquires what an earlier one did costs one dict lookup of that tuple, not n calls into
+    the policy nor n counts. The policy hears of them (``access_counts``: each key once,
+    with its count, in the order of its last use) before anything else reaches it (insert,
+    remove, forget, victims, a read), or when the runs recorded name more than
+    ``max_pending`` keys. The order of events between batches is kept exactly; within a
+    batch, a key's uses reach the policy together at its last use: exact for LRU, GDSF and
+    the counts and recency of LFU and adaptive; LFU's periodic halving and the adaptive
+    policy's ghosts (which pick its memory length) see them in that order.
 
     Args:
         inner: the policy.
-        max_pending: distinct keys recorded before they are handed over regardless.
+        max_pending: keys the recorded runs may name (counted per run, a key in two runs
+            twice) before they are handed over regardless.
     """
 
     def __init__(self, inner: TierPolicy, max_pending: int = 4096) -> None:
         self.inner = inner
         self.name = inner.name
         self.max_pending = max_pending
-        self._counts: Counter[str] = Counter()
-        self._order: dict[str, int] = {}
+        # Each distinct run of keys -> [times recorded, the position of its last use's first key].
+        self._runs: dict[tuple[str, ...], list[int]] = {}
+        self._named = 0  # keys the runs name, each run's counted once
         self._seq = 0
-        # The native core records a batch in one C pass (``_hotcore.record_uses``); None: Python.
-        self._core = hotcore.load()
 
     def access_many(self, keys: Sequence[str]) -> None:
         """Each of ``keys`` used once, in this order."""
-        core = self._core
-        if core is not None:
-            self._seq = core.record_uses(keys, self._seq, self._counts, self._order)
+        run = keys if keys.__class__ is tuple else tuple(keys)
+        seen = self._runs.get(run)
+        if seen is None:
+            self._runs[run] = [1, self._seq]
+            self._named += len(run)
         else:
-            n = len(keys)
-            self._counts.update(keys)
-            self._order.update(zip(keys, range(self._seq, self._seq + n)))
-            self._seq += n
-        if len(self._order) > self.max_pending:
+            seen[0] += 1
+            seen[1] = self._seq
+        self._seq += len(run)
+        if self._named > self.max_pending:
             self.flush()
 
     def access_with(self, other: BatchedAccess, keys: Sequence[str]) -> None:
-        """``access_many(keys)`` here and in ``other`` (the other tier's policy), in one C pass
-        with the native core: both record the same positions (each its own counts), which
-        keeps each one's order of uses, the only thing its positions say."""
-        core = self._core
-        if core is None or other._core is None:
-            self.access_many(keys)
-            other.access_many(keys)
-            return
-        seq = max(self._seq, other._seq)
-        self._seq = other._seq = core.record_uses(keys, seq, self._counts, self._order, other._counts, other._order)
-        for policy in (self, other):
-            if len(policy._order) > policy.max_pending:
+        """``access_many(keys)`` here and in ``other`` (the other tier's policy), in one pass:
+        both record the same positions (each its own runs), which keeps each one's order of
+        uses, the only thing its positions say."""
+        run = keys if keys.__class__ is tuple else tuple(keys)
+        seq = self._seq if self._seq > other._seq else other._seq
+        n = len(run)
+        for policy in (self, other):  # ``access_many``, inline
+            seen = policy._runs.get(run)
+            if seen is None:
+                policy._runs[run] = [1, seq]
+                policy._named += n
+            else:
+                seen[0] += 1
+                seen[1] = seq
+            policy._seq = seq + n
+            if policy._named > policy.max_pending:
                 policy.flush()
 
-    def access(self, key: str) -> None:
-        self.access_many((key,))
+    def _uses(self) -> dict[str, list[int]]:
+        """The recorded runs as each key's [count, position of its last use], in the order
+        of their last use (a later run's positions all come after an earlier one's)."""
+        uses: dict[str, list[int]] = {}
+        for run, (times, at) in sorted(self._runs.items(), key=_last_use):
+            for i, k in enumerate(run):
+                u = uses.get(k)
+                if u is None:
+                    uses[k] = [times, at + i]
+                else:
+                    u[0] += times
+                    u[1] = at + i
+        return uses
 
     def flush(self) -> None:
         """Hand the recorded uses to the policy."""
-        if not self._order:
+        if not self._runs:
             return
-        counts, order = self._counts, self._order
-        self._counts, self._order = Counter(), {}
-        self.inner.access_counts([(k, counts[k]) for k in sorted(order, key=order.__getitem__)])
+        uses = self._uses()
+        self._runs, self._named = {}, 0
+        ordered = sorted(uses.items(), key=_last_use)
+        self.inner.access_counts([(k, n) for k, (n, _) in ordered])
 
     @property
     def pending(self) -> int:
         """Distinct keys recorded and not yet handed over."""
-        return len(self._order)
+        return len({k for run in self._runs for k in run})
+
+    def access(self, key: str) -> None:
+        self.access_many((key,))
 
     def insert(self, key: str, size: int) -> None:
         self.flush()
