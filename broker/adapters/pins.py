@@ -70,7 +70,7 @@ class AdapterPins:
         self._core = hotcore.load()
         # What the hot paths read per call, found once: the hot tier's own entries and the
         # store's object shards (neither is ever replaced), both tiers' policies.
-        self._own = hot.own
+        self._hot_own = hot.own
         self._obj_shards = self.store.objects.shards
         self._hot_policy, self._warm_policy = hot.policy, warm.policy
 
@@ -197,7 +197,7 @@ class AdapterPins:
                 return None
             objs, live = list(map(_OBJECT, entries)), None  # None: the store's pin checks them
         else:
-            plan = core.pin_plan(self._own, adapter_ids, max_adapters, self._obj_shards, COMMITTED)
+            plan = core.pin_plan(self._hot_own, adapter_ids, max_adapters, self._obj_shards, COMMITTED)
             if plan is None:
                 return None
             distinct, objs, live = plan
@@ -258,7 +258,7 @@ class AdapterPins:
         if s is None or session == self.system_session or (s.pool and store.tenancy is not None):
             self.check_session(session)  # raises, saying why (or passes: a tenant's session allowed)
         if core is not None and not s.pool:
-            plan = core.release_plan(self._own, adapter_ids, session, self._obj_shards)
+            plan = core.release_plan(self._hot_own, adapter_ids, session, self._obj_shards)
             if plan is None:
                 return False
             objs, counts = plan

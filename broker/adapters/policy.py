@@ -18,7 +18,6 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 
-
 class TierPolicy(Protocol):
     name: str
 
@@ -354,8 +353,6 @@ class AdaptivePolicy:
 
     def __len__(self) -> int:
         return len(self._resident)
-
-
 
 
 def _last_use(item: tuple) -> int:
