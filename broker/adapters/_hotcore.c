@@ -10,9 +10,77 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <string.h>
+#ifndef Py_T_OBJECT_EX
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#endif
 
 static PyObject *s_obj, *s_object_id, *s_freed, *s_state, *s_pins;
+
+/* The slots read per adapter: an entry's object, and that object's fields. An entry or an
+ * object of exactly the class `layout` was given is read at its slot's offset, without an
+ * attribute lookup; anything else through ordinary getattr. */
+enum { A_OBJ, A_ID, A_FREED, A_STATE, A_PINS, NA };
+static PyTypeObject *fast_types[NA]; /* the class each field is read directly from (strong refs) */
+static Py_ssize_t offsets[NA];
+
+/* o.<field>, a new reference (NULL and an exception if unset). */
+static inline PyObject *
+get(PyObject *o, int f)
+{
+    if (Py_TYPE(o) == fast_types[f]) {
+        PyObject *v = *(PyObject **)((char *)o + offsets[f]);
+        if (v == NULL) {
+            PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
+            PyErr_SetObject(PyExc_AttributeError, names[f]);
+            return NULL;
+        }
+        return Py_NewRef(v);
+    }
+    PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
+    return PyObject_GetAttr(o, names[f]);
+}
+
+/* The offset of `cls`'s object slot `name`, or -1 with an exception set. */
+static Py_ssize_t
+slot_offset(PyObject *cls, PyObject *name)
+{
+    PyObject *d = PyObject_GetAttr(cls, name);
+    if (d == NULL)
+        return -1;
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+        if (m->d_member->type == Py_T_OBJECT_EX && PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type))
+            off = m->d_member->offset;
+    }
+    Py_DECREF(d);
+    if (off < 0)
+        PyErr_Format(PyExc_ValueError, "%R.%U is not an object slot", cls, name);
+    return off;
+}
+
+/* layout(entry_cls, obj_cls): read where `entry_cls` keeps `obj` and `obj_cls` keeps
+ * object_id, freed, state and pins (slotted classes: the hot tier's entries, the store's
+ * objects), so that the passes below read those of exactly these classes directly. */
+static PyObject *
+layout(PyObject *self, PyObject *args)
+{
+    PyObject *entry_cls, *obj_cls;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &entry_cls, &PyType_Type, &obj_cls))
+        return NULL;
+    PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
+    Py_ssize_t offs[NA];
+    for (int f = 0; f < NA; f++)
+        if ((offs[f] = slot_offset(f == A_OBJ ? entry_cls : obj_cls, names[f])) < 0)
+            return NULL;
+    for (int f = 0; f < NA; f++) {
+        offsets[f] = offs[f];
+        Py_XSETREF(fast_types[f], (PyTypeObject *)Py_NewRef(f == A_OBJ ? entry_cls : obj_cls));
+    }
+    Py_RETURN_NONE;
+}
 
 /* `own[aid].obj` (a new reference), or NULL: with no exception set when `aid` is not in
  * `own` or its entry has no object (not the common case), else an error. */
@@ -23,7 +91,7 @@ entry_object(PyObject *own, PyObject *aid)
     if (entry == NULL)
         return NULL;
     Py_INCREF(entry); /* held: a getattr may run code that changes `own` */
-    PyObject *obj = PyObject_GetAttr(entry, s_obj);
+    PyObject *obj = get(entry, A_OBJ);
     Py_DECREF(entry);
     if (obj == Py_None) {
         Py_DECREF(obj);
@@ -38,7 +106,7 @@ entry_object(PyObject *own, PyObject *aid)
 static int
 is_live(PyObject *obj, PyObject *shards, PyObject *committed)
 {
-    PyObject *oid = PyObject_GetAttr(obj, s_object_id);
+    PyObject *oid = get(obj, A_ID);
     if (oid == NULL)
         return -1;
     if (!PyLong_Check(oid)) {
@@ -70,14 +138,14 @@ is_live(PyObject *obj, PyObject *shards, PyObject *committed)
         return PyErr_Occurred() ? -1 : 0;
     if (committed == NULL)
         return 1;
-    PyObject *v = PyObject_GetAttr(obj, s_freed);
+    PyObject *v = get(obj, A_FREED);
     if (v == NULL)
         return -1;
     int freed = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (freed != 0)
         return freed < 0 ? -1 : 0;
-    v = PyObject_GetAttr(obj, s_state);
+    v = get(obj, A_STATE);
     if (v == NULL)
         return -1;
     int ok = PyObject_RichCompareBool(v, committed, Py_EQ);
@@ -240,7 +308,7 @@ release_plan(PyObject *self, PyObject *args)
             goto done;
         if (!live)
             goto none;
-        PyObject *pins = PyObject_GetAttr(obj, s_pins);
+        PyObject *pins = get(obj, A_PINS);
         if (pins == NULL)
             goto done;
         if (!PyDict_Check(pins)) {
@@ -310,7 +378,7 @@ join_rows(PyObject *self, PyObject *args)
     Py_ssize_t total = PyBytes_GET_SIZE(head), got = 0;
     PyObject *out = NULL;
     for (; got < n; got++) {
-        PyObject *oid = PyObject_GetAttr(PyTuple_GET_ITEM(objs, got), s_object_id);
+        PyObject *oid = get(PyTuple_GET_ITEM(objs, got), A_ID);
         if (oid == NULL)
             goto done;
         PyObject *row = PyDict_GetItemWithError(kept, oid); /* borrowed */
@@ -347,6 +415,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"layout", layout, METH_VARARGS, "read the slots of the hot entries' and the store objects' classes"},
     {"pin_plan", pin_plan, METH_VARARGS, "distinct ids and their live hot objects, or None"},
     {"release_plan", release_plan, METH_VARARGS, "hot objects and counts a session may release, or None"},
     {"join_rows", join_rows, METH_VARARGS, "head and each object's kept row in one bytes, or None"},
