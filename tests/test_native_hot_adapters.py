@@ -46,6 +46,7 @@ def _wing(state_dir: str, peft_dirs: dict, fallback: bool, monkeypatch):
             state_dir + "/step.sock", loop=None, store=h.store, sessions=None, adapters=h.manager, allowed_uids=None
         )
     assert (h.manager.pins._core is None) == fallback and (server._core is None) == fallback
+    assert (h.manager.hot.policy._core is None) == fallback
     for aid in IDS:
         h.registry.register(aid, peft_dirs[aid])
     return h, server
@@ -185,11 +186,24 @@ def test_the_c_passes_refuse_bad_input_with_python_errors_and_answer_none_where_
         lambda: core.pin_plan({"a": _Entry(_Obj("x"))}, ["a"], 0, shards, 2),
         lambda: core.pin_plan({"a": object()}, ["a"], 0, shards, 2),
         lambda: core.release_plan({"a": _Entry(odd)}, ["a"], 7, [{5: odd}]),  # pins not a dict
+        lambda: core.record_run(None, 0, [None, 0, 0], {}, {}),
+        lambda: core.record_run(("a",), 0, [None, 0], {}, {}),  # not [run, uses, position]
+        lambda: core.record_run(("a",), 0, [["a"], 1, 0], {}, {}),  # the last run is not a tuple
         lambda: core.join_rows(b"h", {5: "text"}, [a]),
         lambda: core.join_rows(b"h", {}, [object()]),
     ):
         with pytest.raises((TypeError, AttributeError)):
             bad()
+    counts, order = {"a": 3}, {"a": 0}
+    last = [None, 0, 0]
+    assert core.record_run(("b", "a", "b"), 10, last, counts, order) == 13
+    assert counts == {"a": 4, "b": 2} and order == {"a": 11, "b": 12} and list(order) == ["a", "b"]
+    assert last == [("b", "a", "b"), 0, 10]
+    for at in (20, 30):  # the same run again: counted with it
+        assert core.record_run(tuple("bab"), at, last, counts, order) == at + 3
+    assert counts == {"a": 4, "b": 2} and order == {"a": 11, "b": 12} and last == [("b", "a", "b"), 2, 30]
+    assert core.record_run(("c",), 40, last, counts, order) == 41  # another: the last one's uses counted first
+    assert counts == {"a": 6, "b": 6, "c": 1} and order == {"a": 31, "b": 32, "c": 40} and last == [("c",), 0, 40]
     assert core.join_rows(b"h", {5: b"1", 6: b"22"}, [b, a, b]) == b"h22122"
     assert core.join_rows(b"h", {5: b"1"}, [b]) is None
 
@@ -248,6 +262,8 @@ def test_the_c_passes_leak_no_reference_and_no_memory_over_a_long_run():
         core.pin_plan(own, ["a", "x"], 0, shards, 2)
         core.release_plan(own, ("a", "a", "b"), 7, shards)
         core.release_plan(own, ["b", "b"], 7, shards)
+        core.record_run(("a", "b"), 0, [None, 0, 0], {}, {}, [None, 0, 0], {}, {})
+        core.record_run(("a", "b"), 0, [("a", "b"), 1, 0], {"a": 1}, {}, [("b",), 2, 0], {}, {})
         core.join_rows(b"h", kept, [a, b])
         core.join_rows(b"h", {}, [a])
         for bad in (lambda: core.pin_plan(own, 5, 0, shards, 2), lambda: core.join_rows(b"h", {5: "x"}, [a])):

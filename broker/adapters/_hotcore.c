@@ -356,6 +356,116 @@ done:
     return out;
 }
 
+/* counts[k] += n and order[k] = seq + i for each key k of `run` at index i: the uses of a
+ * run from position `seq` on (n of them, the last from `seq`); 0, or -1 on an error. */
+static int
+count_run(PyObject *run, Py_ssize_t n, long long seq, PyObject *counts, PyObject *order)
+{
+    PyObject *times = PyLong_FromSsize_t(n);
+    if (times == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(run); i++) {
+        PyObject *k = PyTuple_GET_ITEM(run, i);
+        PyObject *had = PyDict_GetItemWithError(counts, k); /* borrowed */
+        PyObject *c;
+        if (had != NULL) {
+            Py_INCREF(had);
+            c = PyNumber_Add(had, times);
+            Py_DECREF(had);
+        } else if (PyErr_Occurred())
+            c = NULL;
+        else
+            c = Py_NewRef(times);
+        PyObject *at = c == NULL ? NULL : PyLong_FromLongLong(seq + i);
+        int r = at == NULL ? -1 : PyDict_SetItem(counts, k, c);
+        if (r == 0)
+            r = PyDict_SetItem(order, k, at);
+        Py_XDECREF(c);
+        Py_XDECREF(at);
+        if (r < 0) {
+            Py_DECREF(times);
+            return -1;
+        }
+    }
+    Py_DECREF(times);
+    return 0;
+}
+
+/* One tier's record of one use of `run` (a tuple of keys) from position `seq`. `last` is
+ * [the last run recorded or None, its uses since it was counted, the position of the last]:
+ * the same run again (equal keys in the same order) counts there; another run first counts
+ * the last one's uses into its keys (``count_run``), then its own key by key, and becomes the
+ * last. 0, or -1 on an error. */
+static int
+record_one(PyObject *run, long long seq, PyObject *last, PyObject *counts, PyObject *order)
+{
+    if (!PyList_CheckExact(last) || PyList_GET_SIZE(last) != 3) {
+        PyErr_SetString(PyExc_TypeError, "last must be a list [run or None, uses, position]");
+        return -1;
+    }
+    PyObject *prev = Py_NewRef(PyList_GET_ITEM(last, 0));
+    int same = prev == run ? 1 : prev == Py_None ? 0 : PyObject_RichCompareBool(prev, run, Py_EQ);
+    PyObject *uses = NULL, *at = NULL;
+    int r = -1;
+    if (same < 0)
+        goto done;
+    Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(last, 1));
+    long long was = PyLong_AsLongLong(PyList_GET_ITEM(last, 2));
+    if (PyErr_Occurred())
+        goto done;
+    if (same) {
+        uses = PyLong_FromSsize_t(n + 1);
+    } else {
+        if (n > 0 && (!PyTuple_Check(prev) || count_run(prev, n, was, counts, order) < 0)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "the last run is not a tuple");
+            goto done;
+        }
+        if (count_run(run, 1, seq, counts, order) < 0)
+            goto done;
+        uses = PyLong_FromLong(0);
+    }
+    at = uses == NULL ? NULL : PyLong_FromLongLong(seq);
+    if (at == NULL || PyList_GET_SIZE(last) != 3)
+        goto done;
+    if (!same)
+        PyList_SetItem(last, 0, Py_NewRef(run));
+    PyList_SetItem(last, 1, uses); /* steals */
+    PyList_SetItem(last, 2, at);
+    uses = at = NULL;
+    r = 0;
+done:
+    Py_XDECREF(uses);
+    Py_XDECREF(at);
+    Py_DECREF(prev);
+    return r;
+}
+
+/* record_run(run, seq, last, counts, order[, last2, counts2, order2]) -> seq + len(run)
+ *
+ * BatchedAccess's record of one use of each key of `run` (a tuple) in order from position
+ * `seq` (``record_one``); with `last2`, `counts2` and `order2`, the same in those too (a
+ * second tier hearing the same uses at the same positions). */
+static PyObject *
+record_run(PyObject *self, PyObject *args)
+{
+    PyObject *run, *last, *counts, *order, *last2 = NULL, *counts2 = NULL, *order2 = NULL;
+    long long seq;
+    if (!PyArg_ParseTuple(args, "O!LO!O!O!|O!O!O!", &PyTuple_Type, &run, &seq, &PyList_Type, &last, &PyDict_Type,
+                          &counts, &PyDict_Type, &order, &PyList_Type, &last2, &PyDict_Type, &counts2, &PyDict_Type,
+                          &order2))
+        return NULL;
+    if ((last2 == NULL) != (order2 == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "record_run: give last2, counts2 and order2, or none of them");
+        return NULL;
+    }
+    if (record_one(run, seq, last, counts, order) < 0)
+        return NULL;
+    if (last2 != NULL && record_one(run, seq, last2, counts2, order2) < 0)
+        return NULL;
+    return PyLong_FromLongLong(seq + PyTuple_GET_SIZE(run));
+}
+
 /* join_rows(head, kept, objs) -> bytes | None
  *
  * `head` followed by `kept[obj.object_id]` for each of `objs` (each a bytes), in one copy;
@@ -418,6 +528,7 @@ static PyMethodDef methods[] = {
     {"layout", layout, METH_VARARGS, "read the slots of the hot entries' and the store objects' classes"},
     {"pin_plan", pin_plan, METH_VARARGS, "distinct ids and their live hot objects, or None"},
     {"release_plan", release_plan, METH_VARARGS, "hot objects and counts a session may release, or None"},
+    {"record_run", record_run, METH_VARARGS, "one use of a run of keys, in order; returns the next seq"},
     {"join_rows", join_rows, METH_VARARGS, "head and each object's kept row in one bytes, or None"},
     {NULL, NULL, 0, NULL},
 };
