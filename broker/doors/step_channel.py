@@ -338,7 +338,8 @@ class StepChannelServer:
         else:
             buf += data
             n = w.HEADER.unpack_from(buf)[0] if len(buf) >= 5 else -1
-            if n >= 0 and (len(buf) >= 5 + n or n > w.MAX_HELLO_BYTES):  # a whole frame, or one to refuse
+            limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
+            if n >= 0 and (len(buf) >= 5 + n or n > limit):  # a whole frame, or one to refuse
                 del buf[: _frames(self, c, bytes(buf))]  # one copy, however many frames it holds
         if c.closing and not c.outbuf:
             self._drop(c)
