@@ -186,17 +186,64 @@ def test_the_c_passes_refuse_bad_input_with_python_errors_and_answer_none_where_
         lambda: core.pin_plan({"a": _Entry(_Obj("x"))}, ["a"], 0, shards, 2),
         lambda: core.pin_plan({"a": object()}, ["a"], 0, shards, 2),
         lambda: core.release_plan({"a": _Entry(odd)}, ["a"], 7, [{5: odd}]),  # pins not a dict
-        lambda: core.record_uses(None, 0, {}, {}),
+        lambda: core.record_run(None, 0, [None, 0, 0], {}, {}),
+        lambda: core.record_run(("a",), 0, [None, 0], {}, {}),  # not [run, uses, position]
+        lambda: core.record_run(("a",), 0, [["a"], 1, 0], {}, {}),  # the last run is not a tuple
         lambda: core.join_rows(b"h", {5: "text"}, [a]),
         lambda: core.join_rows(b"h", {}, [object()]),
     ):
         with pytest.raises((TypeError, AttributeError)):
             bad()
     counts, order = {"a": 3}, {"a": 0}
-    assert core.record_uses(("b", "a", "b"), 10, counts, order) == 13
+    last = [None, 0, 0]
+    assert core.record_run(("b", "a", "b"), 10, last, counts, order) == 13
     assert counts == {"a": 4, "b": 2} and order == {"a": 11, "b": 12} and list(order) == ["a", "b"]
+    assert last == [("b", "a", "b"), 0, 10]
+    for at in (20, 30):  # the same run again: counted with it
+        assert core.record_run(tuple("bab"), at, last, counts, order) == at + 3
+    assert counts == {"a": 4, "b": 2} and order == {"a": 11, "b": 12} and last == [("b", "a", "b"), 2, 30]
+    assert core.record_run(("c",), 40, last, counts, order) == 41  # another: the last one's uses counted first
+    assert counts == {"a": 6, "b": 6, "c": 1} and order == {"a": 31, "b": 32, "c": 40} and last == [("c",), 0, 40]
     assert core.join_rows(b"h", {5: b"1", 6: b"22"}, [b, a, b]) == b"h22122"
     assert core.join_rows(b"h", {5: b"1"}, [b]) is None
+
+
+def test_the_laid_out_classes_are_read_at_their_slots_with_the_same_answers():
+    @dataclasses.dataclass(slots=True, eq=False)
+    class Entry:
+        obj: object = None
+
+    @dataclasses.dataclass(slots=True, eq=False)
+    class Obj:
+        object_id: int
+        pins: dict
+        freed: bool = False
+        state: int = 2
+
+    core = _core()
+    with pytest.raises(AttributeError):
+        core.layout(_Entry, Obj)  # no slots (nor a class attribute): nothing changes
+    with pytest.raises(ValueError):
+        core.layout(type("Plain", (), {"obj": None}), Obj)  # a class attribute, not an object slot
+    try:
+        core.layout(Entry, Obj)
+        shards = [{} for _ in range(4)]
+        a, b = Obj(5, {7: 2}), Obj(6, {7: 1})
+        shards[1][5], shards[2][6] = a, b
+        own = {"a": Entry(a), "b": Entry(b), "none": Entry(None), "plain": _Entry(_Obj(9))}
+        assert core.pin_plan(own, ("a", "b", "a"), 0, shards, 2) == (["a", "b"], [a, b], True)
+        assert core.pin_plan(own, ["none"], 0, shards, 2) is None
+        assert core.pin_plan(own, ["plain"], 0, shards, 2) == (["plain"], [own["plain"].obj], False)  # by getattr
+        a.freed = True
+        assert core.pin_plan(own, ["b", "a"], 0, shards, 2) == (["b", "a"], [b, a], False)
+        assert core.release_plan(own, ("a", "a", "b"), 7, shards) == ([a, b], [2, 1])
+        assert core.release_plan(own, ("b", "b"), 7, shards) is None
+        assert core.join_rows(b"h", {5: b"1", 6: b"22"}, [b, a]) == b"h221"
+        del b.pins  # an unset slot: what getattr raises
+        with pytest.raises(AttributeError):
+            core.release_plan(own, ("b",), 7, shards)
+    finally:
+        hotcore.load()  # the broker's own classes again
 
 
 def test_the_c_passes_leak_no_reference_and_no_memory_over_a_long_run():
@@ -215,7 +262,8 @@ def test_the_c_passes_leak_no_reference_and_no_memory_over_a_long_run():
         core.pin_plan(own, ["a", "x"], 0, shards, 2)
         core.release_plan(own, ("a", "a", "b"), 7, shards)
         core.release_plan(own, ["b", "b"], 7, shards)
-        core.record_uses(("a", "b"), 0, {}, {}, {}, {})
+        core.record_run(("a", "b"), 0, [None, 0, 0], {}, {}, [None, 0, 0], {}, {})
+        core.record_run(("a", "b"), 0, [("a", "b"), 1, 0], {"a": 1}, {}, [("b",), 2, 0], {}, {})
         core.join_rows(b"h", kept, [a, b])
         core.join_rows(b"h", {}, [a])
         for bad in (lambda: core.pin_plan(own, 5, 0, shards, 2), lambda: core.join_rows(b"h", {5: "x"}, [a])):

@@ -174,6 +174,32 @@ def test_two_tiers_recording_the_same_uses_together_hear_what_each_alone_hears()
     assert alone[1].events[0][0] == "uses"  # the second tier's own max_pending flushed it
 
 
+def test_runs_recorded_again_reach_the_policy_as_each_use_recorded_apart_would():
+    # A run (an acquire's keys) recorded again is one lookup of its tuple: at a flush each key
+    # still reaches the policy once, with every use counted, in the order of its last use.
+    r = random.Random(11)
+    runs = [tuple(r.sample("abcdefgh", r.randint(1, 5))) for _ in range(6)] + [("a", "b", "a")]
+    inner = _Heard()
+    p = BatchedAccess(inner)
+    counts: dict[str, int] = {}
+    last: dict[str, int] = {}
+    at = 0
+    for i in range(200):
+        run = r.choice(runs)
+        p.access_many(list(run) if i % 2 else run)
+        for k in run:
+            counts[k] = counts.get(k, 0) + 1
+            last[k] = at
+            at += 1
+        if i % 37 == 36:
+            assert p.pending == len(counts)
+            p.flush()
+            assert inner.events.pop() == ("uses", [(k, counts[k]) for k in sorted(last, key=last.__getitem__)])
+            counts.clear()
+            last.clear()
+    assert inner.events == []
+
+
 def _frames(seed: int, n: int = 300) -> list[list[str]]:
     """Acquires of 1..6 distinct adapters out of 12, skewed to the first few."""
     r = random.Random(seed)

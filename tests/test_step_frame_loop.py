@@ -8,6 +8,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import time
 
 import pytest
 from conftest import ROOT
@@ -177,3 +178,71 @@ def test_a_whole_step_or_ping_frame_skips_the_dispatch_and_answers_as_it_would(r
 
     for fast, slow in on_loop(box, run):
         assert fast == slow
+
+
+def _read_frames(sock, k: int) -> list[bytes]:
+    """``k`` whole frames off a blocking socket."""
+    out, buf = [], b""
+    while len(out) < k:
+        while len(buf) < 5 or len(buf) < 5 + w.HEADER.unpack_from(buf)[0]:
+            got = sock.recv(1 << 16)
+            assert got, "the broker closed the connection"
+            buf += got
+        n = 5 + w.HEADER.unpack_from(buf)[0]
+        out.append(buf[:n])
+        buf = buf[n:]
+    assert buf == b""
+    return out
+
+
+@pytest.mark.parametrize("codec", ["native", "python"])
+def test_frames_arriving_together_are_each_answered_as_alone_and_in_one_send(rig, monkeypatch, codec):
+    """Several frames in one read (a client that posts frames without waiting) get, in order,
+    the replies each gets alone, sent together; STEP and PING frames skip ``_frame``'s
+    dispatch there too; a frame cut between two reads is answered once it is whole."""
+    import socket
+
+    box, c, _ = rig
+    server = box["server"].step_server
+    if codec == "python":
+        monkeypatch.setattr(w, "_core", None)
+    monkeypatch.setattr(server, "_record", None)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(server.path)
+    s.sendall(w.frame(w.HELLO, c.token.encode()))
+    assert reply(_read_frames(s, 1)[0]).error is None
+    (found,) = c.lookup([b"fl-k"], pin=False)
+    oid = found.object_id
+    frames = [
+        w.encode_step([w.Op(w.OP_LOOKUP, (b"fl-k",), 1)]),
+        w.frame(w.PING),
+        w.encode_step([w.Op(w.OP_UNPIN, (oid,))]),
+        w.encode_step([w.Op(w.OP_UNPIN, (oid,))]),  # not held any more: refused
+        w.frame(w.STEP, b"\x07\x00\x01"),  # malformed
+        w.frame(9),  # no such kind
+        w.encode_step([w.Op(w.OP_LOOKUP, (b"fl-k",), 0)]),
+    ]
+    dispatched, sends = [], []
+    real_frame, real_reply = server._frame, server._reply
+    monkeypatch.setattr(server, "_frame", lambda *a: (dispatched.append(a[1]), real_frame(*a))[1])
+    monkeypatch.setattr(server, "_reply", lambda conn, data: (sends.append(data), real_reply(conn, data))[1])
+    frames0 = server.counters.frames
+    alone = []
+    for f in frames:
+        s.sendall(f)
+        alone += _read_frames(s, 1)
+    assert len(sends) == len(frames) and dispatched == [9]
+    sends.clear()
+    s.sendall(b"".join(frames))
+    assert _read_frames(s, len(frames)) == alone
+    assert sends == [b"".join(alone)] and dispatched == [9, 9]
+    whole = b"".join(frames)
+    for cut in (3, len(frames[0]) + 2, len(whole) - 4):
+        s.sendall(whole[:cut])
+        time.sleep(0.05)  # the broker reads the first part alone
+        s.sendall(whole[cut:])
+        assert _read_frames(s, len(frames)) == alone
+    assert server.counters.frames == frames0 + 5 * len(frames)
+    assert reply(alone[3]).failed_index == 0 and reply(alone[4]).error.code.name == "INVALID_ARGUMENT"
+    s.close()

@@ -10,9 +10,77 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <string.h>
+#ifndef Py_T_OBJECT_EX
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#endif
 
-static PyObject *s_obj, *s_object_id, *s_freed, *s_state, *s_pins, *one;
+static PyObject *s_obj, *s_object_id, *s_freed, *s_state, *s_pins;
+
+/* The slots read per adapter: an entry's object, and that object's fields. An entry or an
+ * object of exactly the class `layout` was given is read at its slot's offset, without an
+ * attribute lookup; anything else through ordinary getattr. */
+enum { A_OBJ, A_ID, A_FREED, A_STATE, A_PINS, NA };
+static PyTypeObject *fast_types[NA]; /* the class each field is read directly from (strong refs) */
+static Py_ssize_t offsets[NA];
+
+/* o.<field>, a new reference (NULL and an exception if unset). */
+static inline PyObject *
+get(PyObject *o, int f)
+{
+    if (Py_TYPE(o) == fast_types[f]) {
+        PyObject *v = *(PyObject **)((char *)o + offsets[f]);
+        if (v == NULL) {
+            PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
+            PyErr_SetObject(PyExc_AttributeError, names[f]);
+            return NULL;
+        }
+        return Py_NewRef(v);
+    }
+    PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
+    return PyObject_GetAttr(o, names[f]);
+}
+
+/* The offset of `cls`'s object slot `name`, or -1 with an exception set. */
+static Py_ssize_t
+slot_offset(PyObject *cls, PyObject *name)
+{
+    PyObject *d = PyObject_GetAttr(cls, name);
+    if (d == NULL)
+        return -1;
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+        if (m->d_member->type == Py_T_OBJECT_EX && PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type))
+            off = m->d_member->offset;
+    }
+    Py_DECREF(d);
+    if (off < 0)
+        PyErr_Format(PyExc_ValueError, "%R.%U is not an object slot", cls, name);
+    return off;
+}
+
+/* layout(entry_cls, obj_cls): read where `entry_cls` keeps `obj` and `obj_cls` keeps
+ * object_id, freed, state and pins (slotted classes: the hot tier's entries, the store's
+ * objects), so that the passes below read those of exactly these classes directly. */
+static PyObject *
+layout(PyObject *self, PyObject *args)
+{
+    PyObject *entry_cls, *obj_cls;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &entry_cls, &PyType_Type, &obj_cls))
+        return NULL;
+    PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
+    Py_ssize_t offs[NA];
+    for (int f = 0; f < NA; f++)
+        if ((offs[f] = slot_offset(f == A_OBJ ? entry_cls : obj_cls, names[f])) < 0)
+            return NULL;
+    for (int f = 0; f < NA; f++) {
+        offsets[f] = offs[f];
+        Py_XSETREF(fast_types[f], (PyTypeObject *)Py_NewRef(f == A_OBJ ? entry_cls : obj_cls));
+    }
+    Py_RETURN_NONE;
+}
 
 /* `own[aid].obj` (a new reference), or NULL: with no exception set when `aid` is not in
  * `own` or its entry has no object (not the common case), else an error. */
@@ -23,7 +91,7 @@ entry_object(PyObject *own, PyObject *aid)
     if (entry == NULL)
         return NULL;
     Py_INCREF(entry); /* held: a getattr may run code that changes `own` */
-    PyObject *obj = PyObject_GetAttr(entry, s_obj);
+    PyObject *obj = get(entry, A_OBJ);
     Py_DECREF(entry);
     if (obj == Py_None) {
         Py_DECREF(obj);
@@ -38,7 +106,7 @@ entry_object(PyObject *own, PyObject *aid)
 static int
 is_live(PyObject *obj, PyObject *shards, PyObject *committed)
 {
-    PyObject *oid = PyObject_GetAttr(obj, s_object_id);
+    PyObject *oid = get(obj, A_ID);
     if (oid == NULL)
         return -1;
     if (!PyLong_Check(oid)) {
@@ -70,14 +138,14 @@ is_live(PyObject *obj, PyObject *shards, PyObject *committed)
         return PyErr_Occurred() ? -1 : 0;
     if (committed == NULL)
         return 1;
-    PyObject *v = PyObject_GetAttr(obj, s_freed);
+    PyObject *v = get(obj, A_FREED);
     if (v == NULL)
         return -1;
     int freed = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (freed != 0)
         return freed < 0 ? -1 : 0;
-    v = PyObject_GetAttr(obj, s_state);
+    v = get(obj, A_STATE);
     if (v == NULL)
         return -1;
     int ok = PyObject_RichCompareBool(v, committed, Py_EQ);
@@ -240,7 +308,7 @@ release_plan(PyObject *self, PyObject *args)
             goto done;
         if (!live)
             goto none;
-        PyObject *pins = PyObject_GetAttr(obj, s_pins);
+        PyObject *pins = get(obj, A_PINS);
         if (pins == NULL)
             goto done;
         if (!PyDict_Check(pins)) {
@@ -288,68 +356,114 @@ done:
     return out;
 }
 
-/* counts[k] += 1 (from 0); -1 on an error. */
+/* counts[k] += n and order[k] = seq + i for each key k of `run` at index i: the uses of a
+ * run from position `seq` on (n of them, the last from `seq`); 0, or -1 on an error. */
 static int
-count_one(PyObject *counts, PyObject *k)
+count_run(PyObject *run, Py_ssize_t n, long long seq, PyObject *counts, PyObject *order)
 {
-    PyObject *had = PyDict_GetItemWithError(counts, k); /* borrowed */
-    PyObject *c;
-    if (had != NULL) {
-        Py_INCREF(had);
-        c = PyNumber_Add(had, one);
-        Py_DECREF(had);
-    } else if (PyErr_Occurred())
+    PyObject *times = PyLong_FromSsize_t(n);
+    if (times == NULL)
         return -1;
-    else
-        c = Py_NewRef(one);
-    if (c == NULL)
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(run); i++) {
+        PyObject *k = PyTuple_GET_ITEM(run, i);
+        PyObject *had = PyDict_GetItemWithError(counts, k); /* borrowed */
+        PyObject *c;
+        if (had != NULL) {
+            Py_INCREF(had);
+            c = PyNumber_Add(had, times);
+            Py_DECREF(had);
+        } else if (PyErr_Occurred())
+            c = NULL;
+        else
+            c = Py_NewRef(times);
+        PyObject *at = c == NULL ? NULL : PyLong_FromLongLong(seq + i);
+        int r = at == NULL ? -1 : PyDict_SetItem(counts, k, c);
+        if (r == 0)
+            r = PyDict_SetItem(order, k, at);
+        Py_XDECREF(c);
+        Py_XDECREF(at);
+        if (r < 0) {
+            Py_DECREF(times);
+            return -1;
+        }
+    }
+    Py_DECREF(times);
+    return 0;
+}
+
+/* One tier's record of one use of `run` (a tuple of keys) from position `seq`. `last` is
+ * [the last run recorded or None, its uses since it was counted, the position of the last]:
+ * the same run again (equal keys in the same order) counts there; another run first counts
+ * the last one's uses into its keys (``count_run``), then its own key by key, and becomes the
+ * last. 0, or -1 on an error. */
+static int
+record_one(PyObject *run, long long seq, PyObject *last, PyObject *counts, PyObject *order)
+{
+    if (!PyList_CheckExact(last) || PyList_GET_SIZE(last) != 3) {
+        PyErr_SetString(PyExc_TypeError, "last must be a list [run or None, uses, position]");
         return -1;
-    int r = PyDict_SetItem(counts, k, c);
-    Py_DECREF(c);
+    }
+    PyObject *prev = Py_NewRef(PyList_GET_ITEM(last, 0));
+    int same = prev == run ? 1 : prev == Py_None ? 0 : PyObject_RichCompareBool(prev, run, Py_EQ);
+    PyObject *uses = NULL, *at = NULL;
+    int r = -1;
+    if (same < 0)
+        goto done;
+    Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(last, 1));
+    long long was = PyLong_AsLongLong(PyList_GET_ITEM(last, 2));
+    if (PyErr_Occurred())
+        goto done;
+    if (same) {
+        uses = PyLong_FromSsize_t(n + 1);
+    } else {
+        if (n > 0 && (!PyTuple_Check(prev) || count_run(prev, n, was, counts, order) < 0)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "the last run is not a tuple");
+            goto done;
+        }
+        if (count_run(run, 1, seq, counts, order) < 0)
+            goto done;
+        uses = PyLong_FromLong(0);
+    }
+    at = uses == NULL ? NULL : PyLong_FromLongLong(seq);
+    if (at == NULL || PyList_GET_SIZE(last) != 3)
+        goto done;
+    if (!same)
+        PyList_SetItem(last, 0, Py_NewRef(run));
+    PyList_SetItem(last, 1, uses); /* steals */
+    PyList_SetItem(last, 2, at);
+    uses = at = NULL;
+    r = 0;
+done:
+    Py_XDECREF(uses);
+    Py_XDECREF(at);
+    Py_DECREF(prev);
     return r;
 }
 
-/* record_uses(keys, seq, counts, order[, counts2, order2]) -> seq + len(keys)
+/* record_run(run, seq, last, counts, order[, last2, counts2, order2]) -> seq + len(run)
  *
- * BatchedAccess's record of one use of each of `keys` in order: counts[k] += 1 and
- * order[k] = seq + i (the position of its last use); with `counts2` and `order2`, the same
- * in those too (a second policy hearing the same uses), in the same pass. */
+ * BatchedAccess's record of one use of each key of `run` (a tuple) in order from position
+ * `seq` (``record_one``); with `last2`, `counts2` and `order2`, the same in those too (a
+ * second tier hearing the same uses at the same positions). */
 static PyObject *
-record_uses(PyObject *self, PyObject *args)
+record_run(PyObject *self, PyObject *args)
 {
-    PyObject *keys, *counts, *order, *counts2 = NULL, *order2 = NULL;
+    PyObject *run, *last, *counts, *order, *last2 = NULL, *counts2 = NULL, *order2 = NULL;
     long long seq;
-    if (!PyArg_ParseTuple(args, "OLO!O!|O!O!", &keys, &seq, &PyDict_Type, &counts, &PyDict_Type, &order,
-                          &PyDict_Type, &counts2, &PyDict_Type, &order2))
+    if (!PyArg_ParseTuple(args, "O!LO!O!O!|O!O!O!", &PyTuple_Type, &run, &seq, &PyList_Type, &last, &PyDict_Type,
+                          &counts, &PyDict_Type, &order, &PyList_Type, &last2, &PyDict_Type, &counts2, &PyDict_Type,
+                          &order2))
         return NULL;
-    if ((counts2 == NULL) != (order2 == NULL)) {
-        PyErr_SetString(PyExc_TypeError, "record_uses: give both counts2 and order2, or neither");
+    if ((last2 == NULL) != (order2 == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "record_run: give last2, counts2 and order2, or none of them");
         return NULL;
     }
-    PyObject *fast = as_tuple(keys, "keys must be a sequence");
-    if (fast == NULL)
+    if (record_one(run, seq, last, counts, order) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        if (count_one(counts, k) < 0 || (counts2 != NULL && count_one(counts2, k) < 0))
-            goto fail;
-        PyObject *at = PyLong_FromLongLong(seq + i);
-        if (at == NULL)
-            goto fail;
-        int r = PyDict_SetItem(order, k, at);
-        if (r == 0 && order2 != NULL)
-            r = PyDict_SetItem(order2, k, at);
-        Py_DECREF(at);
-        if (r < 0)
-            goto fail;
-    }
-    Py_DECREF(fast);
-    return PyLong_FromLongLong(seq + n);
-fail:
-    Py_DECREF(fast);
-    return NULL;
+    if (last2 != NULL && record_one(run, seq, last2, counts2, order2) < 0)
+        return NULL;
+    return PyLong_FromLongLong(seq + PyTuple_GET_SIZE(run));
 }
 
 /* join_rows(head, kept, objs) -> bytes | None
@@ -374,7 +488,7 @@ join_rows(PyObject *self, PyObject *args)
     Py_ssize_t total = PyBytes_GET_SIZE(head), got = 0;
     PyObject *out = NULL;
     for (; got < n; got++) {
-        PyObject *oid = PyObject_GetAttr(PyTuple_GET_ITEM(objs, got), s_object_id);
+        PyObject *oid = get(PyTuple_GET_ITEM(objs, got), A_ID);
         if (oid == NULL)
             goto done;
         PyObject *row = PyDict_GetItemWithError(kept, oid); /* borrowed */
@@ -411,9 +525,10 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"layout", layout, METH_VARARGS, "read the slots of the hot entries' and the store objects' classes"},
     {"pin_plan", pin_plan, METH_VARARGS, "distinct ids and their live hot objects, or None"},
     {"release_plan", release_plan, METH_VARARGS, "hot objects and counts a session may release, or None"},
-    {"record_uses", record_uses, METH_VARARGS, "count one use of each key, in order; returns the next seq"},
+    {"record_run", record_run, METH_VARARGS, "one use of a run of keys, in order; returns the next seq"},
     {"join_rows", join_rows, METH_VARARGS, "head and each object's kept row in one bytes, or None"},
     {NULL, NULL, 0, NULL},
 };
@@ -427,7 +542,7 @@ PyInit__hotcore(void)
 {
     if (!(s_obj = PyUnicode_InternFromString("obj")) || !(s_object_id = PyUnicode_InternFromString("object_id")) ||
         !(s_freed = PyUnicode_InternFromString("freed")) || !(s_state = PyUnicode_InternFromString("state")) ||
-        !(s_pins = PyUnicode_InternFromString("pins")) || !(one = PyLong_FromLong(1)))
+        !(s_pins = PyUnicode_InternFromString("pins")))
         return NULL;
     return PyModule_Create(&module);
 }

@@ -2,7 +2,7 @@
 
 ``load()`` returns the C module, or None (not built, or ``MEMORY_BROKER_NATIVE=0``:
 ``proto/wire/native.py`` says so once); its users (``AdapterPins.pin_hot`` / ``release_hot``,
-``BatchedAccess.access_many``, the step channel's acquire reply) then take their Python path,
+the step channel's acquire reply) then take their Python path,
 which gives the same results (tests/test_adapter_hot_native.py runs both).
 """
 
@@ -16,4 +16,12 @@ NAME = "memory_broker.broker.adapters._hotcore"
 
 
 def load() -> ModuleType | None:
-    return native.load(NAME)
+    """The C module with the hot entries' and the store objects' slots read into it
+    (``layout``: their fields are read without an attribute lookup), or None."""
+    core = native.load(NAME)
+    if core is not None:
+        from memory_broker.broker.adapters.entry import AdapterEntry  # noqa: PLC0415 (not at import: a cycle)
+        from memory_broker.broker.store.records import Allocation  # noqa: PLC0415
+
+        core.layout(AdapterEntry, Allocation)
+    return core

@@ -68,6 +68,11 @@ class AdapterPins:
         # Two-phase acquires: transaction id -> session.
         self._txns: OrderedDict[int, int] = OrderedDict()
         self._core = hotcore.load()
+        # What the hot paths read per call, found once: the hot tier's own entries and the
+        # store's object shards (neither is ever replaced), both tiers' policies.
+        self._hot_own = hot.own
+        self._obj_shards = self.store.objects.shards
+        self._hot_policy, self._warm_policy = hot.policy, warm.policy
 
     def check_ids(self, adapter_ids: Sequence[str]) -> list[str]:
         if isinstance(adapter_ids, str):
@@ -179,7 +184,8 @@ class AdapterPins:
 
         With the native core (``_hotcore``) the pass that finds and checks the objects is C
         and the store's ledger pins them directly; otherwise ``store.pin`` by object id."""
-        if len(adapter_ids) > self.store.limits.max_batch:
+        store = self.store
+        if len(adapter_ids) > store.config.max_batch:
             return None
         core = self._core
         if core is None:
@@ -191,11 +197,10 @@ class AdapterPins:
                 return None
             objs, live = list(map(_OBJECT, entries)), None  # None: the store's pin checks them
         else:
-            plan = core.pin_plan(self.hot.own, adapter_ids, max_adapters, self.store.objects.shards, COMMITTED)
+            plan = core.pin_plan(self._hot_own, adapter_ids, max_adapters, self._obj_shards, COMMITTED)
             if plan is None:
                 return None
             distinct, objs, live = plan
-        store = self.store
         s = store.sessions.get(session)
         if s is None or session == self.system_session or (s.pool and store.tenancy is not None):
             self.check_session(session)  # raises, saying why (or passes: a tenant's session allowed)
@@ -216,7 +221,7 @@ class AdapterPins:
         c.acquires += 1
         c.acquired_adapters += n
         c.hot_hits += n
-        self.hot.policy.access_with(self.warm.policy, distinct)  # ``_used``
+        self._hot_policy.access_with(self._warm_policy, distinct)  # ``_used``
         return objs
 
     def _pin(self, session: int, objs: list, live: bool | None) -> bool:
@@ -246,14 +251,14 @@ class AdapterPins:
         holding the pins (the store checks). Unpins and returns True; False, having done
         nothing: take ``release``, which says why. With the native core the pass that finds
         the objects and checks the session's pins is C, and the store's ledger unpins them."""
-        if self.hot.other_copies or self.checker.retired or len(adapter_ids) > self.store.limits.max_batch:
-            return False
         store, core = self.store, self._core
+        if self.hot.other_copies or self.checker.retired or len(adapter_ids) > store.config.max_batch:
+            return False
         s = store.sessions.get(session)
         if s is None or session == self.system_session or (s.pool and store.tenancy is not None):
             self.check_session(session)  # raises, saying why (or passes: a tenant's session allowed)
         if core is not None and not s.pool:
-            plan = core.release_plan(self.hot.own, adapter_ids, session, store.objects.shards)
+            plan = core.release_plan(self._hot_own, adapter_ids, session, self._obj_shards)
             if plan is None:
                 return False
             objs, counts = plan

@@ -357,11 +357,59 @@ class AdaptivePolicy:
         return len(self._resident)
 
 
+def _count_run(run: tuple[str, ...], n: int, at: int, counts: Counter, order: dict[str, int]) -> None:
+    """``n`` uses of ``run``, the last from position ``at``: into its keys' counts and positions."""
+    for i, k in enumerate(run):
+        counts[k] += n
+        order[k] = at + i
+
+
+def _record_run(run: tuple[str, ...], at: int, last: list, counts: Counter, order: dict[str, int]) -> int:
+    """``_hotcore.record_run`` for one tier, in Python: one use of each key of ``run`` from
+    position ``at``; returns the next position. ``last``: [the last run recorded or None, its
+    uses since it was counted, the position of the last one]."""
+    if last[0] == run:  # these keys in this order again: counted with the run
+        last[1] += 1
+        last[2] = at
+        return at + len(run)
+    if last[1]:
+        _count_run(last[0], last[1], last[2], counts, order)
+    _count_run(run, 1, at, counts, order)
+    last[:] = [run, 0, at]
+    return at + len(run)
+
+
+class _Batch:
+    """``BatchedAccess``'s record of the uses not yet handed over."""
+
+    __slots__ = ("max_pending", "counts", "order", "seq", "last", "core")
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.counts: Counter[str] = Counter()
+        self.order: dict[str, int] = {}  # key -> the position of its last use
+        self.seq = 0  # the next use's position
+        # The last run recorded (its keys are counted in ``counts`` and ``order``), its uses
+        # since, and the position of the last of them.
+        self.last: list = [None, 0, 0]
+        # The native core records a run in one C pass (``_hotcore.record_run``); None: Python.
+        self.core = hotcore.load()
+
+    def fold(self) -> None:
+        """The last run's uses since it was counted, into its keys' counts and positions."""
+        run, n, at = self.last
+        if n:
+            _count_run(run, n, at, self.counts, self.order)
+        self.last = [None, 0, 0]
+
+
 class BatchedAccess:
     """A tier policy whose uses are counted in batch: what the manager holds for each tier.
 
-    An acquire of n adapters records them with two C-level calls (``Counter.update`` and a
-    ``dict.update`` of their order), not n calls into the policy; the policy hears of them
+    An acquire of n adapters records them in one C pass for both tiers (in Python, a count
+    and a position per key), not n calls into the policy; an acquire of the same keys in the
+    same order as the last one (a steady step) is one comparison: the run's uses are counted
+    into its keys when another run comes, or at the batch's end. The policy hears of them
     (``access_counts``: each key once, with its count, in the order of its last use) before
     anything else reaches it (insert, remove, forget, victims, a read), or when
     ``max_pending`` distinct keys wait. The order of events between batches is kept exactly;
@@ -377,56 +425,68 @@ class BatchedAccess:
     def __init__(self, inner: TierPolicy, max_pending: int = 4096) -> None:
         self.inner = inner
         self.name = inner.name
-        self.max_pending = max_pending
-        self._counts: Counter[str] = Counter()
-        self._order: dict[str, int] = {}
-        self._seq = 0
-        # The native core records a batch in one C pass (``_hotcore.record_uses``); None: Python.
-        self._core = hotcore.load()
+        # The batch, read and written per acquire: a slotted record (this class's
+        # ``__getattr__`` makes each of its own attribute reads several times slower).
+        self._b = _Batch(max_pending)
+
+    @property
+    def max_pending(self) -> int:
+        """Distinct keys recorded before they are handed over regardless."""
+        return self._b.max_pending
+
+    @max_pending.setter
+    def max_pending(self, n: int) -> None:
+        self._b.max_pending = n
+
+    @property
+    def _core(self):
+        return self._b.core
 
     def access_many(self, keys: Sequence[str]) -> None:
         """Each of ``keys`` used once, in this order."""
-        core = self._core
-        if core is not None:
-            self._seq = core.record_uses(keys, self._seq, self._counts, self._order)
-        else:
-            n = len(keys)
-            self._counts.update(keys)
-            self._order.update(zip(keys, range(self._seq, self._seq + n)))
-            self._seq += n
-        if len(self._order) > self.max_pending:
+        b = self._b
+        run = keys if keys.__class__ is tuple else tuple(keys)
+        record = _record_run if b.core is None else b.core.record_run
+        b.seq = record(run, b.seq, b.last, b.counts, b.order)
+        if len(b.order) > b.max_pending:
             self.flush()
 
     def access_with(self, other: BatchedAccess, keys: Sequence[str]) -> None:
         """``access_many(keys)`` here and in ``other`` (the other tier's policy), in one C pass
         with the native core: both record the same positions (each its own counts), which
         keeps each one's order of uses, the only thing its positions say."""
-        core = self._core
-        if core is None or other._core is None:
-            self.access_many(keys)
-            other.access_many(keys)
+        a, b = self._b, other._b
+        run = keys if keys.__class__ is tuple else tuple(keys)
+        seq = a.seq if a.seq > b.seq else b.seq
+        core = a.core
+        if core is None or b.core is None:
+            a.seq = b.seq = seq
+            self.access_many(run)
+            other.access_many(run)
             return
-        seq = max(self._seq, other._seq)
-        self._seq = other._seq = core.record_uses(keys, seq, self._counts, self._order, other._counts, other._order)
-        for policy in (self, other):
-            if len(policy._order) > policy.max_pending:
-                policy.flush()
+        a.seq = b.seq = core.record_run(run, seq, a.last, a.counts, a.order, b.last, b.counts, b.order)
+        if len(a.order) > a.max_pending:
+            self.flush()
+        if len(b.order) > b.max_pending:
+            other.flush()
 
     def access(self, key: str) -> None:
         self.access_many((key,))
 
     def flush(self) -> None:
         """Hand the recorded uses to the policy."""
-        if not self._order:
+        b = self._b
+        if not b.order:
             return
-        counts, order = self._counts, self._order
-        self._counts, self._order = Counter(), {}
+        b.fold()
+        counts, order = b.counts, b.order
+        b.counts, b.order = Counter(), {}
         self.inner.access_counts([(k, counts[k]) for k in sorted(order, key=order.__getitem__)])
 
     @property
     def pending(self) -> int:
         """Distinct keys recorded and not yet handed over."""
-        return len(self._order)
+        return len(self._b.order)
 
     def insert(self, key: str, size: int) -> None:
         self.flush()

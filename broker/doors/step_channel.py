@@ -332,21 +332,15 @@ class StepChannelServer:
                     else:
                         self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
                     return
-        buf += data
-        while len(buf) >= 5 and not c.closing:
-            n, kind = w.HEADER.unpack_from(buf)
+            used = _frames(self, c, data)  # several frames, or part of one: no copy of the whole ones
+            if used < len(data) and not c.closing:
+                buf += memoryview(data)[used:]
+        else:
+            buf += data
+            n = w.HEADER.unpack_from(buf)[0] if len(buf) >= 5 else -1
             limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
-            if n > limit:
-                self._frame(c, kind, n, None)
-                what = "" if c.session is not None else " before HELLO (send HELLO with the session token first)"
-                self._reply(c, w.error_frame(invalid(f"frame of {n} bytes{what}; at most {limit}")))
-                c.closing = True
-                break
-            if len(buf) < 5 + n:
-                break
-            body = bytes(buf[5 : 5 + n])
-            del buf[: 5 + n]
-            self._reply(c, self._frame(c, kind, n, body))
+            if n >= 0 and (len(buf) >= 5 + n or n > limit):  # a whole frame, or one to refuse
+                del buf[: _frames(self, c, bytes(buf))]  # one copy, however many frames it holds
         if c.closing and not c.outbuf:
             self._drop(c)
 
@@ -463,7 +457,19 @@ class StepChannelServer:
         if self._record is not None:
             return _step_timed(self, c, s, ops)
         sid = s.session_id
-        results: list[bytes] = []
+        if len(ops) == 1:  # the usual frame: the loop below for one op, without its bookkeeping
+            op = ops[0]
+            k = op.kind
+            try:
+                sessions.authorize_open(METHODS[k], RULES[k], s, op_ids(op) if VISIBLE[k] else NO_FIELDS, key=c.key)
+                results = [HANDLERS[k](self, sid, op)]
+            except BrokerError as e:
+                counters.refused += 1
+                return w.encode_step_reply(self._num_slabs(), (), e, 0)
+            core = w._core
+            out = None if core is None else core.encode_ok_reply(self._num_slabs(), results)
+            return w.encode_step_reply(self._num_slabs(), results) if out is None else out
+        results = []
         append = results.append
         i = 0
         try:
@@ -553,6 +559,40 @@ class StepChannelServer:
             r.deadline_unix,
             [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
         )
+
+
+def _frames(self: StepChannelServer, c: _Conn, data: bytes) -> int:
+    """``_readable``'s frames: answer each whole frame at the start of ``data`` in order, as its one
+    frame is (a STEP frame of a session without a recorder straight to ``_step_frame``),
+    their replies in one send; returns the bytes they took. A frame over the size limit
+    is refused and ends the connection."""
+    view = memoryview(data)
+    pos, end = 0, len(data)
+    replies: list[bytes] = []
+    while end - pos >= 5 and not c.closing:
+        n, kind = w.HEADER.unpack_from(data, pos)
+        session = c.session
+        limit = w.MAX_FRAME_BYTES if session is not None else w.MAX_HELLO_BYTES
+        if n > limit:
+            self._frame(c, kind, n, None)
+            what = "" if session is not None else " before HELLO (send HELLO with the session token first)"
+            replies.append(w.error_frame(invalid(f"frame of {n} bytes{what}; at most {limit}")))
+            c.closing = True
+            break
+        stop = pos + 5 + n
+        if stop > end:
+            break
+        if kind == _STEP and session is not None and self._record is None:
+            replies.append(self._step_frame(c, view[pos + 5 : stop]))
+        elif kind == _PING and session is not None:
+            self.counters.frames += 1
+            replies.append(w.encode_step_reply(self._num_slabs(), ()))
+        else:
+            replies.append(self._frame(c, kind, n, view[pos + 5 : stop]))
+        pos = stop
+    if replies:
+        self._reply(c, replies[0] if len(replies) == 1 else b"".join(replies))
+    return pos
 
 
 def _hello(self: StepChannelServer, c: _Conn, body) -> bytes:
