@@ -12,7 +12,8 @@ adapters and pinning one KV block key per sequence, and giving back the previous
   size drifting within 8..32 sequences, at least one arrival and one completion per step,
   a KV key per arrival never seen before in the run, so every step has something to ask).
 Each runs through every client path: gRPC (the old path, 4 RPCs per step), the step channel
-with the same four calls, one ``client.step()`` call, and both again with the holdings cache
+with the same four calls (its two give-backs posted, as the client sends them by default; and
+again with ``post_give_backs=False``, each frame waited for), one ``client.step()`` call, and both again with the holdings cache
 (``hold_s``); with the cache also pipelined (``step_begin`` sent when the next batch is known,
 the reply collected after a simulated 2 ms of model work (a sleep, as a CPU waiting on
 its GPU; a tenth of a 20 ms decode step), which is not counted). The ``StepBatch`` rows
@@ -314,6 +315,7 @@ def batch_background(c: BrokerClient, work):
 PATHS = [
     ("gRPC, 4 calls (old path)", dict(fast_path=False), old_api),
     ("step channel, same 4 calls", dict(hold_s=0.0), old_api),
+    ("step channel, 4 calls, give-backs waited", dict(hold_s=0.0, post_give_backs=False), old_api),
     ("step channel, client.step()", dict(hold_s=0.0), step_api),
     ("cache, same 4 calls", dict(hold_s=1.0), old_api),
     ("cache, client.step()", dict(hold_s=1.0), step_api),
@@ -609,6 +611,22 @@ class _Replay:
                 return reply
         return self.decode(kind, body)
 
+    # A give-back posted (``StepTransport.post``): sent, its reply read later by a header
+    # check alone (no decode; the recording saw none), so the replay has nothing to charge.
+    refused: list = []
+
+    def full(self) -> bool:
+        return False
+
+    def post(self, data: bytes, what: tuple) -> None:
+        pass
+
+    def unread(self) -> int:
+        return 0
+
+    def settle(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -763,16 +781,23 @@ def issue_targets(results: dict, raw_us: float, ping_us: float, loop_us: float) 
     """Issue 28's blocking targets, on the steady workload (8 adapters, 16 keys a step):
     one ``client.step()`` frame under 5x raw, the generic calls under 8x; each beside its
     floor in this run: as many round trips to the bare asyncio loop (the broker's loop with
-    no Python of its own) and as many step-channel PINGs (a frame with no ops)."""
-    for name, limit, frames in (("step channel, client.step()", 5, 1), ("step channel, same 4 calls", 8, 4)):
+    no Python of its own) and as many step-channel PINGs (a frame with no ops) as the row
+    waits for. The generic calls' give-backs are posted (two of the four frames are not
+    waited for); the row with them waited is printed beside it, as the same floors' four."""
+    rows = (
+        ("step channel, client.step()", 5, 1),
+        ("step channel, same 4 calls", 8, 2),
+        ("step channel, 4 calls, give-backs waited", 8, 4),
+    )
+    for name, limit, frames in rows:
         got = results.get((name, "steady"))
         if got is None:
             continue
         x = statistics.median(got[0]) / raw_us
         print(
             f"target issue 28, {name}, steady: median < {limit}x raw: {x:.2f}x -> {'MET' if x < limit else 'NOT MET'}"
-            f" (floors: {frames} x the bare asyncio loop {frames * loop_us / raw_us:.2f}x, "
-            f"{frames} x PING {frames * ping_us / raw_us:.2f}x)"
+            f" (floors, the {frames} round trip{'s' if frames > 1 else ''} it waits for: {frames} x the bare asyncio "
+            f"loop {frames * loop_us / raw_us:.2f}x, {frames} x PING {frames * ping_us / raw_us:.2f}x)"
         )
 
 
