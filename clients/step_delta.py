@@ -97,10 +97,15 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
             adapters = cache.adapters
             missing = []
             for a in acquire:
-                if a in adapters:
-                    held[a] = cache.lease_record(a)
-                else:
+                h = adapters.get(a)
+                if h is None:
                     missing.append(a)
+                    continue
+                if h.refs == 0:  # ``cache.lease_record(a)``, inline
+                    cache.idle_a.pop(a, None)
+                h.refs += 1
+                h.idle_since = 0.0
+                held[a] = h.record
         acq = look = -1
         if missing:
             acq = len(ops)
@@ -173,10 +178,12 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
             cache.drop_adapter_refs(list(p.held), now)
     new: list = results[p.look] if 0 <= p.look < len(results) else []
     if caching:
-        for rec in new:
-            cache.add_pin(rec, now)
-            if ok:
-                cache.ref_pin(rec.object_id)
+        if ok:
+            for rec in new:
+                cache.add_ref_pin(rec)
+        else:
+            for rec in new:
+                cache.add_pin(rec, now)
         if not ok and p.cached:
             cache.drop_pin_refs([rec.object_id for rec in p.cached], now)
     if reply is not None and reply.error is not None:

@@ -99,6 +99,21 @@ class StepHoldings:
         else:
             h.broker_pins += 1
 
+    def add_ref_pin(self, rec: w.ObjectRecord) -> None:
+        """``add_pin`` then ``ref_pin`` in one (a broker pin a reference holds at once)."""
+        oid = rec.object_id
+        h = self.pins.get(oid)
+        if h is None:
+            h = self.pins[oid] = HeldPin(rec, 1, 1, 0.0)
+            if rec.key:
+                self.by_key[rec.key] = h
+            return
+        h.broker_pins += 1
+        if h.refs == 0:
+            self.idle_p.pop(oid, None)
+        h.refs += 1
+        h.idle_since = 0.0
+
     def ref_pin(self, oid: int) -> None:
         h = self.pins[oid]
         if h.refs == 0:

@@ -140,7 +140,8 @@ slot_layout(PyObject *cls, const char *const *fields, int n, PyTypeObject **fast
     if ((PyTypeObject *)cls == *fast) return 1;
     if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
     if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
-    Py_ssize_t offs[8];
+    Py_ssize_t offs[16];
+    if (n > 16) return 0;
     for (int f = 0; f < n; f++) {
         PyObject *d = PyObject_GetAttrString(cls, fields[f]);
         if (d == NULL) {
@@ -582,6 +583,83 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ object_record (client) */
+
+/* The ObjectRecord class whose slots object_record fills directly (a strong reference), and
+ * the offsets of its twelve fields; NULL until object_record first sees a class with that
+ * layout (step.py's ObjectRecord: a plain slotted record). */
+static PyTypeObject *objrec_fast_type;
+static Py_ssize_t objrec_offsets[12];
+static const char *const OBJREC_FIELDS[12] = {"object_id", "window_page", "state", "content_type",
+                                              "owned", "deduplicated", "session_pins", "total_pins",
+                                              "pages", "key", "arena_slabs", "made"};
+
+/* object_record(cls, arena_slabs, raw) -> cls(...) of one object record's bytes, as step.py's
+ * _object_record(raw, arena_slabs) makes it (<QqBBBIII>, the pages <I>, then <H> and the key:
+ * the key is what follows the two length bytes). ValueError where raw is too short for its
+ * head and pages (the decoders call it only on records they measured). */
+static PyObject *
+object_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "object_record(cls, arena_slabs, raw: bytes)");
+        return NULL;
+    }
+    PyObject *cls = args[0], *slabs = args[1];
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
+    if (size < 31) goto short_raw;
+    Py_ssize_t npages = rd32(b + 27);
+    if ((size - 31) / 4 < npages) goto short_raw;
+    Py_ssize_t at = 31 + 4 * npages;
+    if (size - at < 2) goto short_raw;
+    PyObject *v[12] = {NULL};
+    int64_t wp;
+    memcpy(&wp, b + 8, 8);
+    v[0] = PyLong_FromUnsignedLongLong(rd64(b));
+    v[1] = PyLong_FromLongLong(wp);
+    v[2] = PyLong_FromLong(b[16]);
+    v[3] = PyLong_FromLong(b[17]);
+    v[4] = PyBool_FromLong(b[18] & 1);
+    v[5] = PyBool_FromLong(b[18] & 2);
+    v[6] = PyLong_FromUnsignedLong(rd32(b + 19));
+    v[7] = PyLong_FromUnsignedLong(rd32(b + 23));
+    v[8] = PyList_New(npages);
+    v[9] = PyBytes_FromStringAndSize((const char *)b + at + 2, size - at - 2);
+    Py_INCREF(slabs);
+    v[10] = slabs;
+    Py_INCREF(Py_None);
+    v[11] = Py_None;
+    PyObject *rec = NULL;
+    for (int i = 0; i < 12; i++)
+        if (v[i] == NULL) goto done;
+    for (Py_ssize_t i = 0; i < npages; i++) {
+        PyObject *pg = PyLong_FromUnsignedLong(rd32(b + 31 + 4 * i));
+        if (pg == NULL) goto done;
+        PyList_SET_ITEM(v[8], i, pg);
+    }
+    if (slot_layout(cls, OBJREC_FIELDS, 12, &objrec_fast_type, objrec_offsets)) {
+        PyTypeObject *t = (PyTypeObject *)cls;
+        rec = t->tp_alloc(t, 0);
+        if (rec != NULL) {
+            for (int i = 0; i < 12; i++) {
+                /* the slots of a fresh object are NULL: each takes our reference */
+                *(PyObject **)((char *)rec + objrec_offsets[i]) = v[i];
+                v[i] = NULL;
+            }
+        }
+    } else if (!PyErr_Occurred()) {
+        rec = PyObject_Vectorcall(cls, v, 11, NULL);
+    }
+done:
+    for (int i = 0; i < 12; i++) Py_XDECREF(v[i]);
+    return rec;
+short_raw:
+    PyErr_Format(PyExc_ValueError, "an object record of %zd bytes is shorter than its head, pages and key length",
+                 size);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ decode_ok (client) */
 
 /* The record of `raw` from `memo`, or make(raw) kept there (memo cleared past `limit`).
@@ -860,6 +938,8 @@ static PyMethodDef methods[] = {
      "encode_step(ops, attrs): a STEP frame, or None where the Python encoder must say why"},
     {"decode_ok", (PyCFunction)(void (*)(void))decode_ok, METH_FASTCALL,
      "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit): (slabs, results) or None"},
+    {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
+     "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
      "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
      "last_objects, last_adapters): "

@@ -15,6 +15,7 @@ length) and the message. A frame that cannot be parsed runs no op at all.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -838,6 +839,16 @@ def _object_record(raw: bytes, slabs: int) -> ObjectRecord:
     )
 
 
+def _object_maker(slabs: int):
+    """``_object_record`` of an arena of ``slabs`` slabs, as one call of ``raw``: the native
+    core's (which fills the record's slots in C: a fresh key's record is made on every step
+    that looks it up) where it is there, else the Python one."""
+    make = getattr(_core, "object_record", None) if _core is not None else None
+    if make is not None:
+        return functools.partial(make, ObjectRecord, slabs)
+    return lambda raw: _object_record(raw, slabs)
+
+
 def _adapter_record(raw: bytes) -> AcquiredRecord:
     gen, oid, tier, npages = _ACQ_ADAPTER.unpack_from(raw)
     return AcquiredRecord(gen, oid, tier, struct.unpack_from("<%dI" % npages, raw, _ACQ_ADAPTER.size))
@@ -925,7 +936,7 @@ class ReplyDecoder:
         self._objects.clear()
         self._last_objects.clear()
         self._slabs = slabs
-        self._make_object = lambda raw: _object_record(raw, slabs)
+        self._make_object = _object_maker(slabs)
 
     def _decode_ok(self, body: bytes) -> StepReply:
         slabs, n = _STEP_REPLY_HEAD.unpack_from(body, 0)
