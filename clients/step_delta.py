@@ -80,17 +80,18 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
     with path.lock:
         if path._pending is not None:
             path._pending._collect()
-        ops: list[w.Op] = []
+        # Ops as tuples of their fields (``encode_step`` takes them; no Op object each).
+        ops: list = []
         caching = path.hold_s > 0
         now = time.monotonic()
         if release:
             direct = cache.drop_adapter_refs(release, now) if caching else release
             if direct:
-                ops.append(w.Op(w.OP_RELEASE, tuple(direct)))
+                ops.append((w.OP_RELEASE, tuple(direct)))
         if unpin:
             direct = cache.drop_pin_refs(unpin, now) if caching else unpin
             if direct:
-                ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
+                ops.append((w.OP_UNPIN, tuple(direct)))
         held: dict[str, w.AcquiredRecord] = {}
         missing = acquire
         if caching and acquire:
@@ -109,7 +110,7 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
         acq = look = -1
         if missing:
             acq = len(ops)
-            ops.append(w.Op(w.OP_ACQUIRE, tuple(missing)))
+            ops.append((w.OP_ACQUIRE, tuple(missing)))
         cached: list[w.ObjectRecord] = []
         tail = keys
         if caching and keys:
@@ -126,7 +127,7 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
             tail = keys[len(cached) :]
         if tail:
             look = len(ops)
-            ops.append(w.Op(w.OP_LOOKUP, tuple(tail), 1))
+            ops.append((w.OP_LOOKUP, tuple(tail), 1))
         own = len(ops)
         if caching:
             ops.extend(cache.flush_ops(now, force=False))
