@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.proto.wire import step as _wire
 from memory_broker.proto.wire.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)
@@ -309,8 +310,16 @@ class StepBatch:
         what the step path must hear of: (adapters to release, objects to unpin, adapter ids
         and keys the batch does not hold yet), and the gRPC leases to release. One pass per
         list (a background batch's worker runs it first after waking, when every bytecode
-        costs 2-3x)."""
+        costs 2-3x); in one call of the native core (``_stepcore.c``'s ``batch_take``) where
+        it is there and takes the change (every drop held, none repeated)."""
         acount, kcount = self._acount, self._kcount
+        core = _wire._core
+        if core is not None:
+            got = core.batch_take(
+                acount, kcount, self.adapters, self._own, self.objects, add, drop, add_keys, drop_keys
+            )
+            if got is not None:
+                return got
         # Check every drop before changing anything.
         if drop:
             self._check_drops(drop, acount, "adapter id")
@@ -441,7 +450,14 @@ class StepBatch:
             self._own[la.adapter_id] = AdapterLease(client, [la], (), 0, lease.session_id)
 
     def _account(self, add, add_keys, new_keys, found: list, rts: int) -> BatchDelta:
+        """Count a change's adds in (its new keys' objects held) and say what it got; in one
+        call of the native core (``batch_account``) where it is there."""
         acount, kcount, objects = self._acount, self._kcount, self.objects
+        core = _wire._core
+        if core is not None:
+            got = core.batch_account(acount, kcount, objects, self.adapters, add, add_keys, new_keys, found)
+            if got is not None:
+                return BatchDelta(got[0], got[1], rts)
         for a in add:
             acount[a] = acount.get(a, 0) + 1
         for k, o in zip(new_keys, found):

@@ -526,3 +526,96 @@ def test_object_record_calls_a_class_it_cannot_fill():
 
     raw = w._OBJ_HEAD.pack(7, 3, 1, 2, 2, 4, 5, 1) + struct.pack("<I", 9) + struct.pack("<H", 2) + b"kk"
     assert CORE.object_record(Rec, 6, raw) == Rec(7, 3, 1, 2, False, True, 4, 5, [9], b"kk", 6)
+
+
+# ------------------------------------------------------------------ a step batch's counts (client)
+
+
+class _Obj:
+    __slots__ = ("object_id", "key")
+
+    def __init__(self, key: bytes):
+        self.object_id, self.key = int.from_bytes(key.ljust(8, b"\0")[:8], "little"), key
+
+    def __eq__(self, other):
+        return isinstance(other, _Obj) and other.key == self.key
+
+    def __repr__(self):
+        return f"_Obj({self.key!r})"
+
+
+def _batch(core):
+    """A StepBatch with no session (its counts only), whose passes run with ``core``."""
+    from types import SimpleNamespace
+
+    from memory_broker.clients.batch import StepBatch
+
+    b = StepBatch(SimpleNamespace(epoch=0))
+    b.core = core
+    return b
+
+
+def _run(b, fn, *args):
+    saved = w._core
+    w._core = b.core
+    try:
+        return ("ok", fn(*args))
+    except Exception as e:  # noqa: BLE001 (the error itself is compared)
+        return ("err", type(e), str(e))
+    finally:
+        w._core = saved
+
+
+def _state(b):
+    return (b._acount, b._kcount, b.adapters, b.objects, sorted(b._own))
+
+
+@FAST
+@given(st.randoms(use_true_random=False), st.sampled_from([list, tuple]))
+def test_a_batch_counts_its_changes_in_the_native_core_as_in_python(rng, seq):
+    """``batch_take`` and ``batch_account`` (a change's drops counted out, its adds counted in)
+    leave the same counts and give the same results and errors as the Python passes, for
+    random changes: drops held once or more, repeated, not held; adds held, new, repeated."""
+    native, python = _batch(CORE), _batch(None)
+    ids, keys = ["a0", "a1", "a2", "a3"], [b"k0", b"k1", b"k2", b"", b"absent"]
+    for b in (native, python):
+        b._own["a3"] = "lease-a3"
+    for _ in range(40):
+        held_a, held_k = list(native._acount), list(native._kcount)
+        drop = seq(rng.sample(held_a, rng.randint(0, len(held_a))) + rng.choice([[], [], ["a1"], ["zz"]]))
+        drop_keys = seq(rng.sample(held_k, rng.randint(0, len(held_k))) + rng.choice([[], [], [b"k0"], [b"zz"]]))
+        add = seq(rng.choice(ids) for _ in range(rng.randint(0, 4)))
+        add_keys = seq(rng.choice(keys) for _ in range(rng.randint(0, 4)))
+        took = [_run(b, b._take_drops, add, drop, add_keys, drop_keys) for b in (native, python)]
+        assert took[0] == took[1] and _state(native) == _state(python)
+        if took[0][0] != "ok":
+            continue
+        rel, unpin, new_ids, new_keys, own = took[0][1]
+        found = [_Obj(k) for k in new_keys if k != b"absent"]
+        found = found[: next((i for i, k in enumerate(new_keys) if k == b"absent"), len(new_keys))]
+        for b in (native, python):
+            for a in new_ids:
+                b.adapters[a] = "leased-" + a
+        got = [_run(b, b._account, add, add_keys, new_keys, found, 1) for b in (native, python)]
+        assert got[0][0] == got[1][0] == "ok"
+        assert (got[0][1].adapters, got[0][1].objects) == (got[1][1].adapters, got[1][1].objects)
+        assert _state(native) == _state(python)
+
+
+def test_the_native_batch_passes_take_no_bad_change():
+    """A drop not held, or held once and dropped twice, is the Python pass's (which raises
+    ValueError and changes nothing); so is a change in other than lists and tuples."""
+    counts = {"a": 1}
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], ["b"], [], []) is None
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], ["a", "a"], [], []) is None
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], iter(["a"]), [], []) is None
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], [["unhashable"]], [], []) is None
+    assert counts == {"a": 1}
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, ["a", "c", "c"], ["a"], [], []) == (
+        [("a")],
+        [],
+        ["a", "c"],
+        [],
+        [],
+    )
+    assert counts == {}

@@ -583,6 +583,244 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ a step batch's counts (client) */
+
+/* Whether `o` is a list or tuple: then *items are its items (borrowed: `*n` of them; an
+ * empty list's may be NULL); else the caller's Python pass takes it. */
+static int
+seq_items(PyObject *o, PyObject ***items, Py_ssize_t *n)
+{
+    if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return 0;
+    *n = PySequence_Fast_GET_SIZE(o);
+    *items = PySequence_Fast_ITEMS(o);
+    return 1;
+}
+
+/* 1 where each of the n items is a key of `counts` and none repeats, 0 where not (or an
+ * item cannot be hashed: the Python pass says so), -1 on error. Changes nothing. */
+static int
+drops_held(PyObject *counts, PyObject **it, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = PyDict_Contains(counts, it[i]);
+        if (r < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (!r) return 0;
+    }
+    if (n < 2) return 1;
+    if (n <= 8) { /* a step's few drops: compared pairwise (every item hashed above) */
+        for (Py_ssize_t i = 1; i < n; i++)
+            for (Py_ssize_t j = 0; j < i; j++) {
+                int r = PyObject_RichCompareBool(it[i], it[j], Py_EQ);
+                if (r < 0) return -1;
+                if (r) return 0;
+            }
+        return 1;
+    }
+    PyObject *seen = PySet_New(NULL);
+    if (seen == NULL) return -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PySet_Add(seen, it[i]) < 0) {
+            Py_DECREF(seen);
+            return -1;
+        }
+    int all = PySet_GET_SIZE(seen) == n;
+    Py_DECREF(seen);
+    return all;
+}
+
+/* One count off `x` in `counts` (held: checked); 1 where that was its last (removed), 0
+ * where not, -1 on error. */
+static int
+count_out(PyObject *counts, PyObject *x)
+{
+    PyObject *c = PyDict_GetItemWithError(counts, x);
+    if (c == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, x);
+        return -1;
+    }
+    long n = PyLong_AsLong(c);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (n > 1) {
+        PyObject *v = PyLong_FromLong(n - 1);
+        if (v == NULL) return -1;
+        int r = PyDict_SetItem(counts, x, v);
+        Py_DECREF(v);
+        return r < 0 ? -1 : 0;
+    }
+    return PyDict_DelItem(counts, x) < 0 ? -1 : 1;
+}
+
+/* The distinct items of it[0:n] in order that are not keys of `held`: a new list, or NULL. */
+static PyObject *
+new_items(PyObject **it, Py_ssize_t n, PyObject *held)
+{
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = PyDict_Contains(held, it[i]);
+        if (r < 0) goto fail;
+        if (r) continue;
+        r = PySequence_Contains(out, it[i]);
+        if (r < 0) goto fail;
+        if (!r && PyList_Append(out, it[i]) < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* batch_take(acount, kcount, adapters, own, objects, add, drop, add_keys, drop_keys) ->
+ * (rel, unpin, new_ids, new_keys, own_leases): batch.py's StepBatch._take_drops of a change,
+ * its dicts changed as that changes them; or None, having changed nothing, where a drop is
+ * not held or repeats, or an argument is not a list or tuple (the Python pass then checks,
+ * raises or counts it). */
+static PyObject *
+batch_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "batch_take(acount, kcount, adapters, own, objects, add, drop, add_keys, drop_keys)");
+        return NULL;
+    }
+    PyObject *acount = args[0], *kcount = args[1], *adapters = args[2], *own = args[3], *objects = args[4];
+    Py_ssize_t n_add, n_drop, n_addk, n_dropk;
+    PyObject **add, **drop, **add_keys, **drop_keys;
+    if (!seq_items(args[5], &add, &n_add) || !seq_items(args[6], &drop, &n_drop) ||
+        !seq_items(args[7], &add_keys, &n_addk) || !seq_items(args[8], &drop_keys, &n_dropk))
+        Py_RETURN_NONE;
+    int ok = drops_held(acount, drop, n_drop);
+    if (ok > 0) ok = drops_held(kcount, drop_keys, n_dropk);
+    if (ok < 0) return NULL;
+    if (!ok) Py_RETURN_NONE;
+    PyObject *rel = PyList_New(0), *unpin = PyList_New(0), *leases = PyList_New(0);
+    PyObject *new_ids = NULL, *new_keys = NULL;
+    if (rel == NULL || unpin == NULL || leases == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n_drop; i++) {
+        PyObject *a = drop[i];
+        int last = count_out(acount, a);
+        if (last < 0) goto fail;
+        if (!last) continue;
+        if (PyDict_DelItem(adapters, a) < 0) goto fail;
+        PyObject *lease = PyDict_GetItemWithError(own, a);
+        if (lease != NULL) {
+            if (PyList_Append(leases, lease) < 0 || PyDict_DelItem(own, a) < 0) goto fail;
+        } else if (PyErr_Occurred() || PyList_Append(rel, a) < 0) {
+            goto fail;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n_dropk; i++) {
+        PyObject *k = drop_keys[i];
+        int last = count_out(kcount, k);
+        if (last < 0) goto fail;
+        if (!last) continue;
+        PyObject *o = PyDict_GetItemWithError(objects, k);
+        if (o == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            continue;
+        }
+        PyObject *oid = PyObject_GetAttrString(o, "object_id");
+        if (oid == NULL) goto fail;
+        int bad = PyList_Append(unpin, oid) < 0 || PyDict_DelItem(objects, k) < 0;
+        Py_DECREF(oid);
+        if (bad) goto fail;
+    }
+    new_ids = new_items(add, n_add, acount);
+    if (new_ids == NULL) goto fail;
+    new_keys = new_items(add_keys, n_addk, objects);
+    if (new_keys == NULL) goto fail;
+    return Py_BuildValue("(NNNNN)", rel, unpin, new_ids, new_keys, leases);
+fail:
+    Py_XDECREF(rel);
+    Py_XDECREF(unpin);
+    Py_XDECREF(leases);
+    Py_XDECREF(new_ids);
+    Py_XDECREF(new_keys);
+    return NULL;
+}
+
+/* One count more on `x` in `counts`; 0, or -1 on error. */
+static int
+count_in(PyObject *counts, PyObject *x)
+{
+    PyObject *c = PyDict_GetItemWithError(counts, x), *v;
+    if (c == NULL) {
+        if (PyErr_Occurred()) return -1;
+        v = PyLong_FromLong(1);
+    } else {
+        long n = PyLong_AsLong(c);
+        if (n == -1 && PyErr_Occurred()) return -1;
+        v = PyLong_FromLong(n + 1);
+    }
+    if (v == NULL) return -1;
+    int r = PyDict_SetItem(counts, x, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found) ->
+ * (the adapters of add, the objects of add_keys' present prefix): batch.py's
+ * StepBatch._account of a change's result, its dicts changed as that changes them; None,
+ * having changed nothing, where an argument is not a list or tuple. */
+static PyObject *
+batch_account(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found)");
+        return NULL;
+    }
+    PyObject *acount = args[0], *kcount = args[1], *objects = args[2], *adapters = args[3];
+    Py_ssize_t n_add, n_addk, n_new, n_found;
+    PyObject **add, **add_keys, **new_keys, **found;
+    if (!seq_items(args[4], &add, &n_add) || !seq_items(args[5], &add_keys, &n_addk) ||
+        !seq_items(args[6], &new_keys, &n_new) || !seq_items(args[7], &found, &n_found))
+        Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < n_add; i++)
+        if (count_in(acount, add[i]) < 0) return NULL;
+    for (Py_ssize_t i = 0; i < n_new && i < n_found; i++)
+        if (PyDict_SetItem(objects, new_keys[i], found[i]) < 0) return NULL;
+    PyObject *got = PyList_New(0), *las = NULL;
+    if (got == NULL) return NULL;
+    int prefix = 1;
+    for (Py_ssize_t i = 0; i < n_addk; i++) {
+        if (count_in(kcount, add_keys[i]) < 0) goto fail;
+        if (!prefix) continue;
+        PyObject *o = PyDict_GetItemWithError(objects, add_keys[i]);
+        if (o == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            prefix = 0; /* the end of the present prefix */
+            PyList_SetSlice(got, 0, PyList_GET_SIZE(got), NULL);
+        } else if (o == Py_None) {
+            prefix = 0;
+            PyList_SetSlice(got, 0, PyList_GET_SIZE(got), NULL);
+        } else if (PyList_Append(got, o) < 0) {
+            goto fail;
+        }
+    }
+    las = PyList_New(n_add);
+    if (las == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n_add; i++) {
+        PyObject *la = PyDict_GetItemWithError(adapters, add[i]);
+        if (la == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, add[i]);
+            goto fail;
+        }
+        Py_INCREF(la);
+        PyList_SET_ITEM(las, i, la);
+    }
+    return Py_BuildValue("(NN)", las, got);
+fail:
+    Py_XDECREF(got);
+    Py_XDECREF(las);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ object_record (client) */
 
 /* The ObjectRecord class whose slots object_record fills directly (a strong reference), and
@@ -938,6 +1176,11 @@ static PyMethodDef methods[] = {
      "encode_step(ops, attrs): a STEP frame, or None where the Python encoder must say why"},
     {"decode_ok", (PyCFunction)(void (*)(void))decode_ok, METH_FASTCALL,
      "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit): (slabs, results) or None"},
+    {"batch_take", (PyCFunction)(void (*)(void))batch_take, METH_FASTCALL,
+     "batch_take(acount, kcount, adapters, own, objects, add, drop, add_keys, drop_keys): "
+     "(rel, unpin, new_ids, new_keys, own_leases), or None"},
+    {"batch_account", (PyCFunction)(void (*)(void))batch_account, METH_FASTCALL,
+     "batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found): (adapters, objects), or None"},
     {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
      "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,

@@ -88,7 +88,18 @@ OBJ_OWNED, OBJ_DEDUP = 1, 2
 # anything it does not take, and the Python pass then runs: it gives the result or raises the
 # error that names the fault, so errors are always the Python ones. Tests switch it off here.
 _core = native.load("memory_broker.proto.wire._stepcore")
-_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok", "decode_frame", "encode_ok_reply")
+_CORE_PASSES = (
+    "decode_step",
+    "encode_allocations",
+    "encode_step",
+    "decode_ok",
+    "decode_frame",
+    "encode_ok_reply",
+    "object_record",
+    # A step batch's counts (``clients/batch.py``), which its module reads as ``_core`` here.
+    "batch_take",
+    "batch_account",
+)
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
     native.log.warning(
@@ -843,9 +854,8 @@ def _object_maker(slabs: int):
     """``_object_record`` of an arena of ``slabs`` slabs, as one call of ``raw``: the native
     core's (which fills the record's slots in C: a fresh key's record is made on every step
     that looks it up) where it is there, else the Python one."""
-    make = getattr(_core, "object_record", None) if _core is not None else None
-    if make is not None:
-        return functools.partial(make, ObjectRecord, slabs)
+    if _core is not None:
+        return functools.partial(_core.object_record, ObjectRecord, slabs)
     return lambda raw: _object_record(raw, slabs)
 
 
