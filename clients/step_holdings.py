@@ -40,7 +40,13 @@ class HeldPin:
 def _drop_refs(held: dict, idle: dict, ids: Sequence, now: float) -> list:
     """Drop one local reference on each of ``ids`` in ``held`` (a holding whose last goes
     turns idle, kept at the broker); returns the ids held with no reference here, which the
-    caller gives back to the broker directly."""
+    caller gives back to the broker directly. In one call of the native core where it is
+    there (``_stepcore.c``'s ``drop_refs``)."""
+    core = w._core
+    if core is not None:
+        direct = core.drop_refs(held, idle, ids, now)
+        if direct is not None:
+            return direct
     direct = []
     for i in ids:
         h = held.get(i)

@@ -619,3 +619,44 @@ def test_the_native_batch_passes_take_no_bad_change():
         [],
     )
     assert counts == {}
+
+
+@FAST
+@given(st.randoms(use_true_random=False), st.sampled_from([list, tuple]))
+def test_the_step_caches_reference_drops_are_the_same_in_the_native_core(rng, seq):
+    """``drop_refs`` (the step cache's references dropped, an entry whose last goes turning
+    idle) gives the same ids back and leaves the same entries and idle order as the Python pass."""
+    from memory_broker.clients import step_holdings as sh
+
+    def fresh():
+        held = {
+            i: sh.HeldPin(w.ObjectRecord(i, -1, 0, 0, False, False, 1, 1, [i], b""), i % 3, 1, 0.5) for i in range(6)
+        }
+        held.update({f"a{i}": sh.HeldAdapter(w.AcquiredRecord(1, i, 1, (i,)), i % 2, 0.25) for i in range(4)})
+        return held, {k: None for k in held if held[k].refs == 0}
+
+    states = [fresh(), fresh()]
+    for step in range(20):
+        ids = seq(rng.choice([0, 1, 2, 3, 4, 5, 9, "a0", "a1", "a2", "zz"]) for _ in range(rng.randint(0, 6)))
+        got = [
+            _run(_with_core(core), sh._drop_refs, held, idle, ids, float(step))
+            for core, (held, idle) in zip((CORE, None), states)
+        ]
+        assert got[0] == got[1]
+        (h1, i1), (h2, i2) = states
+        assert h1 == h2 and list(i1) == list(i2)
+        if rng.random() < 0.3:  # references taken again
+            for held, _ in states:
+                for k in list(held)[:3]:
+                    held[k].refs += 1
+
+
+def _with_core(core):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(core=core)
+
+
+def test_drop_refs_leaves_other_sequences_to_the_python_pass():
+    assert CORE.drop_refs({}, {}, iter([1]), 0.0) is None
+    assert CORE.drop_refs({}, {}, [1, "x"], 0.0) == [1, "x"]

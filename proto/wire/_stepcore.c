@@ -821,6 +821,55 @@ fail:
     return NULL;
 }
 
+/* drop_refs(held, idle, ids, now) -> the ids held with no reference here: step_holdings.py's
+ * _drop_refs (one local reference off each of ids' entries in `held`, an entry whose last goes
+ * idle since `now`, added to `idle`), changing them as it does; None where ids is not a list
+ * or tuple (the Python pass takes it). */
+static PyObject *
+drop_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static PyObject *s_refs, *s_idle_since;
+    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "drop_refs(held, idle, ids, now)");
+        return NULL;
+    }
+    if (s_refs == NULL && (s_refs = PyUnicode_InternFromString("refs")) == NULL) return NULL;
+    if (s_idle_since == NULL && (s_idle_since = PyUnicode_InternFromString("idle_since")) == NULL) return NULL;
+    PyObject *held = args[0], *idle = args[1], *now = args[3];
+    PyObject **ids;
+    Py_ssize_t n;
+    if (!seq_items(args[2], &ids, &n)) Py_RETURN_NONE;
+    PyObject *direct = PyList_New(0);
+    if (direct == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyDict_GetItemWithError(held, ids[i]);
+        if (h == NULL) {
+            if (PyErr_Occurred() || PyList_Append(direct, ids[i]) < 0) goto fail;
+            continue;
+        }
+        Py_INCREF(h);
+        PyObject *r = PyObject_GetAttr(h, s_refs);
+        long refs = r == NULL ? -1 : PyLong_AsLong(r);
+        Py_XDECREF(r);
+        int bad = PyErr_Occurred() != NULL;
+        if (!bad && refs <= 0) {
+            bad = PyList_Append(direct, ids[i]) < 0;
+        } else if (!bad) {
+            PyObject *v = PyLong_FromLong(refs - 1);
+            bad = v == NULL || PyObject_SetAttr(h, s_refs, v) < 0;
+            Py_XDECREF(v);
+            if (!bad && refs == 1)
+                bad = PyObject_SetAttr(h, s_idle_since, now) < 0 || PyDict_SetItem(idle, ids[i], Py_None) < 0;
+        }
+        Py_DECREF(h);
+        if (bad) goto fail;
+    }
+    return direct;
+fail:
+    Py_DECREF(direct);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ object_record (client) */
 
 /* The ObjectRecord class whose slots object_record fills directly (a strong reference), and
@@ -1181,6 +1230,8 @@ static PyMethodDef methods[] = {
      "(rel, unpin, new_ids, new_keys, own_leases), or None"},
     {"batch_account", (PyCFunction)(void (*)(void))batch_account, METH_FASTCALL,
      "batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found): (adapters, objects), or None"},
+    {"drop_refs", (PyCFunction)(void (*)(void))drop_refs, METH_FASTCALL,
+     "drop_refs(held, idle, ids, now): the ids held with no reference here, or None"},
     {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
      "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,

@@ -99,6 +99,8 @@ _CORE_PASSES = (
     # A step batch's counts (``clients/batch.py``), which its module reads as ``_core`` here.
     "batch_take",
     "batch_account",
+    # The step cache's reference drops (``clients/step_holdings.py``).
+    "drop_refs",
 )
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
