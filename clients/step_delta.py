@@ -80,31 +80,37 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
     with path.lock:
         if path._pending is not None:
             path._pending._collect()
-        ops: list[w.Op] = []
+        # Ops as tuples of their fields (``encode_step`` takes them; no Op object each).
+        ops: list = []
         caching = path.hold_s > 0
         now = time.monotonic()
         if release:
             direct = cache.drop_adapter_refs(release, now) if caching else release
             if direct:
-                ops.append(w.Op(w.OP_RELEASE, tuple(direct)))
+                ops.append((w.OP_RELEASE, tuple(direct)))
         if unpin:
             direct = cache.drop_pin_refs(unpin, now) if caching else unpin
             if direct:
-                ops.append(w.Op(w.OP_UNPIN, tuple(direct)))
+                ops.append((w.OP_UNPIN, tuple(direct)))
         held: dict[str, w.AcquiredRecord] = {}
         missing = acquire
         if caching and acquire:
             adapters = cache.adapters
             missing = []
             for a in acquire:
-                if a in adapters:
-                    held[a] = cache.lease_record(a)
-                else:
+                h = adapters.get(a)
+                if h is None:
                     missing.append(a)
+                    continue
+                if h.refs == 0:  # ``cache.lease_record(a)``, inline
+                    cache.idle_a.pop(a, None)
+                h.refs += 1
+                h.idle_since = 0.0
+                held[a] = h.record
         acq = look = -1
         if missing:
             acq = len(ops)
-            ops.append(w.Op(w.OP_ACQUIRE, tuple(missing)))
+            ops.append((w.OP_ACQUIRE, tuple(missing)))
         cached: list[w.ObjectRecord] = []
         tail = keys
         if caching and keys:
@@ -121,7 +127,7 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
             tail = keys[len(cached) :]
         if tail:
             look = len(ops)
-            ops.append(w.Op(w.OP_LOOKUP, tuple(tail), 1))
+            ops.append((w.OP_LOOKUP, tuple(tail), 1))
         own = len(ops)
         if caching:
             ops.extend(cache.flush_ops(now, force=False))
@@ -173,10 +179,12 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
             cache.drop_adapter_refs(list(p.held), now)
     new: list = results[p.look] if 0 <= p.look < len(results) else []
     if caching:
-        for rec in new:
-            cache.add_pin(rec, now)
-            if ok:
-                cache.ref_pin(rec.object_id)
+        if ok:
+            for rec in new:
+                cache.add_ref_pin(rec)
+        else:
+            for rec in new:
+                cache.add_pin(rec, now)
         if not ok and p.cached:
             cache.drop_pin_refs([rec.object_id for rec in p.cached], now)
     if reply is not None and reply.error is not None:

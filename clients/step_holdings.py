@@ -40,7 +40,13 @@ class HeldPin:
 def _drop_refs(held: dict, idle: dict, ids: Sequence, now: float) -> list:
     """Drop one local reference on each of ``ids`` in ``held`` (a holding whose last goes
     turns idle, kept at the broker); returns the ids held with no reference here, which the
-    caller gives back to the broker directly."""
+    caller gives back to the broker directly. In one call of the native core where it is
+    there (``_stepcore.c``'s ``drop_refs``)."""
+    core = w._core
+    if core is not None:
+        direct = core.drop_refs(held, idle, ids, now)
+        if direct is not None:
+            return direct
     direct = []
     for i in ids:
         h = held.get(i)
@@ -98,6 +104,21 @@ class StepHoldings:
                 self.by_key[rec.key] = h
         else:
             h.broker_pins += 1
+
+    def add_ref_pin(self, rec: w.ObjectRecord) -> None:
+        """``add_pin`` then ``ref_pin`` in one (a broker pin a reference holds at once)."""
+        oid = rec.object_id
+        h = self.pins.get(oid)
+        if h is None:
+            h = self.pins[oid] = HeldPin(rec, 1, 1, 0.0)
+            if rec.key:
+                self.by_key[rec.key] = h
+            return
+        h.broker_pins += 1
+        if h.refs == 0:
+            self.idle_p.pop(oid, None)
+        h.refs += 1
+        h.idle_since = 0.0
 
     def ref_pin(self, oid: int) -> None:
         h = self.pins[oid]

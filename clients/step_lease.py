@@ -49,6 +49,11 @@ class SessionRecords:
         out = [r.made for r in recs]
         if all(out):  # truth in C (no __eq__ of an object per item, as ``None in`` would call)
             return out
+        if not any(out):  # none built yet (a running batch's fresh keys): all together
+            out = self.client._read_objects(recs)
+            for r, obj in zip(recs, out):
+                r.made = obj
+            return out
         new = [(i, r) for i, (r, o) in enumerate(zip(recs, out)) if o is None]
         # Built together: one mapping check and one page-access change for all of them.
         for (i, r), obj in zip(new, self.client._read_objects([r for _, r in new])):

@@ -464,3 +464,199 @@ def test_a_core_built_from_an_older_source_is_not_used_and_said():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.startswith("True [Op(kind=2, items=(1,)")
     assert "predates this step.py" in out.stderr and "pip install -e ." in out.stderr
+
+
+@st.composite
+def object_records(draw):
+    """One object record's bytes as a reply carries it (head, pages, key length, key)."""
+    pages = draw(st.lists(st.integers(0, 2**32 - 1), max_size=5))
+    key = draw(st.binary(max_size=24))
+    head = w._OBJ_HEAD.pack(
+        draw(st.integers(0, 2**64 - 1)),
+        draw(st.integers(-(2**63), 2**63 - 1)),
+        draw(st.integers(0, 255)),
+        draw(st.integers(0, 255)),
+        draw(st.integers(0, 255)),
+        draw(st.integers(0, 2**32 - 1)),
+        draw(st.integers(0, 2**32 - 1)),
+        len(pages),
+    )
+    return head + struct.pack(f"<{len(pages)}I", *pages) + struct.pack("<H", len(key)) + key
+
+
+@FAST
+@given(object_records(), st.integers(0, 1 << 20))
+def test_a_native_object_record_is_the_python_one(raw, slabs):
+    """``object_record`` (what the reply decoder makes a fresh key's record with) fills the
+    same fields, of the same types, as ``_object_record``."""
+    got, want = CORE.object_record(w.ObjectRecord, slabs, raw), w._object_record(raw, slabs)
+    assert got == want and type(got) is w.ObjectRecord and got.made is None
+    assert [type(getattr(got, f.name)) for f in dataclasses.fields(got)] == [
+        type(getattr(want, f.name)) for f in dataclasses.fields(want)
+    ]
+    # The decoder's maker is the native one here, and gives the same record.
+    assert w._object_maker(slabs)(raw) == want
+
+
+def test_a_short_object_record_is_refused_not_read_past_its_end():
+    raw = w._OBJ_HEAD.pack(1, -1, 0, 0, 1, 1, 1, 3) + b"\0" * 8  # three pages said, two there
+    for n in range(len(raw) + 1):
+        with pytest.raises(ValueError, match="shorter than"):
+            CORE.object_record(w.ObjectRecord, 1, raw[:n])
+    with pytest.raises(TypeError):
+        CORE.object_record(w.ObjectRecord, 1, bytearray(raw))
+
+
+def test_object_record_calls_a_class_it_cannot_fill():
+    """A record class that is not a plain slotted one is called (as the decoder's ``make``)."""
+
+    @dataclasses.dataclass
+    class Rec:
+        object_id: int
+        window_page: int
+        state: int
+        content_type: int
+        owned: bool
+        deduplicated: bool
+        session_pins: int
+        total_pins: int
+        pages: list
+        key: bytes
+        arena_slabs: int = 0
+
+    raw = w._OBJ_HEAD.pack(7, 3, 1, 2, 2, 4, 5, 1) + struct.pack("<I", 9) + struct.pack("<H", 2) + b"kk"
+    assert CORE.object_record(Rec, 6, raw) == Rec(7, 3, 1, 2, False, True, 4, 5, [9], b"kk", 6)
+
+
+# ------------------------------------------------------------------ a step batch's counts (client)
+
+
+class _Obj:
+    __slots__ = ("object_id", "key")
+
+    def __init__(self, key: bytes):
+        self.object_id, self.key = int.from_bytes(key.ljust(8, b"\0")[:8], "little"), key
+
+    def __eq__(self, other):
+        return isinstance(other, _Obj) and other.key == self.key
+
+    def __repr__(self):
+        return f"_Obj({self.key!r})"
+
+
+def _batch(core):
+    """A StepBatch with no session (its counts only), whose passes run with ``core``."""
+    from types import SimpleNamespace
+
+    from memory_broker.clients.batch import StepBatch
+
+    b = StepBatch(SimpleNamespace(epoch=0))
+    b.core = core
+    return b
+
+
+def _run(b, fn, *args):
+    saved = w._core
+    w._core = b.core
+    try:
+        return ("ok", fn(*args))
+    except Exception as e:  # noqa: BLE001 (the error itself is compared)
+        return ("err", type(e), str(e))
+    finally:
+        w._core = saved
+
+
+def _state(b):
+    return (b._acount, b._kcount, b.adapters, b.objects, sorted(b._own))
+
+
+@FAST
+@given(st.randoms(use_true_random=False), st.sampled_from([list, tuple]))
+def test_a_batch_counts_its_changes_in_the_native_core_as_in_python(rng, seq):
+    """``batch_take`` and ``batch_account`` (a change's drops counted out, its adds counted in)
+    leave the same counts and give the same results and errors as the Python passes, for
+    random changes: drops held once or more, repeated, not held; adds held, new, repeated."""
+    native, python = _batch(CORE), _batch(None)
+    ids, keys = ["a0", "a1", "a2", "a3"], [b"k0", b"k1", b"k2", b"", b"absent"]
+    for b in (native, python):
+        b._own["a3"] = "lease-a3"
+    for _ in range(40):
+        held_a, held_k = list(native._acount), list(native._kcount)
+        drop = seq(rng.sample(held_a, rng.randint(0, len(held_a))) + rng.choice([[], [], ["a1"], ["zz"]]))
+        drop_keys = seq(rng.sample(held_k, rng.randint(0, len(held_k))) + rng.choice([[], [], [b"k0"], [b"zz"]]))
+        add = seq(rng.choice(ids) for _ in range(rng.randint(0, 4)))
+        add_keys = seq(rng.choice(keys) for _ in range(rng.randint(0, 4)))
+        took = [_run(b, b._take_drops, add, drop, add_keys, drop_keys) for b in (native, python)]
+        assert took[0] == took[1] and _state(native) == _state(python)
+        if took[0][0] != "ok":
+            continue
+        rel, unpin, new_ids, new_keys, own = took[0][1]
+        found = [_Obj(k) for k in new_keys if k != b"absent"]
+        found = found[: next((i for i, k in enumerate(new_keys) if k == b"absent"), len(new_keys))]
+        for b in (native, python):
+            for a in new_ids:
+                b.adapters[a] = "leased-" + a
+        got = [_run(b, b._account, add, add_keys, new_keys, found, 1) for b in (native, python)]
+        assert got[0][0] == got[1][0] == "ok"
+        assert (got[0][1].adapters, got[0][1].objects) == (got[1][1].adapters, got[1][1].objects)
+        assert _state(native) == _state(python)
+
+
+def test_the_native_batch_passes_take_no_bad_change():
+    """A drop not held, or held once and dropped twice, is the Python pass's (which raises
+    ValueError and changes nothing); so is a change in other than lists and tuples."""
+    counts = {"a": 1}
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], ["b"], [], []) is None
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], ["a", "a"], [], []) is None
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], iter(["a"]), [], []) is None
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, [], [["unhashable"]], [], []) is None
+    assert counts == {"a": 1}
+    assert CORE.batch_take(counts, {}, {"a": 1}, {}, {}, ["a", "c", "c"], ["a"], [], []) == (
+        [("a")],
+        [],
+        ["a", "c"],
+        [],
+        [],
+    )
+    assert counts == {}
+
+
+@FAST
+@given(st.randoms(use_true_random=False), st.sampled_from([list, tuple]))
+def test_the_step_caches_reference_drops_are_the_same_in_the_native_core(rng, seq):
+    """``drop_refs`` (the step cache's references dropped, an entry whose last goes turning
+    idle) gives the same ids back and leaves the same entries and idle order as the Python pass."""
+    from memory_broker.clients import step_holdings as sh
+
+    def fresh():
+        held = {
+            i: sh.HeldPin(w.ObjectRecord(i, -1, 0, 0, False, False, 1, 1, [i], b""), i % 3, 1, 0.5) for i in range(6)
+        }
+        held.update({f"a{i}": sh.HeldAdapter(w.AcquiredRecord(1, i, 1, (i,)), i % 2, 0.25) for i in range(4)})
+        return held, {k: None for k in held if held[k].refs == 0}
+
+    states = [fresh(), fresh()]
+    for step in range(20):
+        ids = seq(rng.choice([0, 1, 2, 3, 4, 5, 9, "a0", "a1", "a2", "zz"]) for _ in range(rng.randint(0, 6)))
+        got = [
+            _run(_with_core(core), sh._drop_refs, held, idle, ids, float(step))
+            for core, (held, idle) in zip((CORE, None), states)
+        ]
+        assert got[0] == got[1]
+        (h1, i1), (h2, i2) = states
+        assert h1 == h2 and list(i1) == list(i2)
+        if rng.random() < 0.3:  # references taken again
+            for held, _ in states:
+                for k in list(held)[:3]:
+                    held[k].refs += 1
+
+
+def _with_core(core):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(core=core)
+
+
+def test_drop_refs_leaves_other_sequences_to_the_python_pass():
+    assert CORE.drop_refs({}, {}, iter([1]), 0.0) is None
+    assert CORE.drop_refs({}, {}, [1, "x"], 0.0) == [1, "x"]

@@ -140,7 +140,8 @@ slot_layout(PyObject *cls, const char *const *fields, int n, PyTypeObject **fast
     if ((PyTypeObject *)cls == *fast) return 1;
     if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
     if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
-    Py_ssize_t offs[8];
+    Py_ssize_t offs[16];
+    if (n > 16) return 0;
     for (int f = 0; f < n; f++) {
         PyObject *d = PyObject_GetAttrString(cls, fields[f]);
         if (d == NULL) {
@@ -582,6 +583,370 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ a step batch's counts (client) */
+
+/* Whether `o` is a list or tuple: then *items are its items (borrowed: `*n` of them; an
+ * empty list's may be NULL); else the caller's Python pass takes it. */
+static int
+seq_items(PyObject *o, PyObject ***items, Py_ssize_t *n)
+{
+    if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return 0;
+    *n = PySequence_Fast_GET_SIZE(o);
+    *items = PySequence_Fast_ITEMS(o);
+    return 1;
+}
+
+/* 1 where each of the n items is a key of `counts` and none repeats, 0 where not (or an
+ * item cannot be hashed: the Python pass says so), -1 on error. Changes nothing. */
+static int
+drops_held(PyObject *counts, PyObject **it, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = PyDict_Contains(counts, it[i]);
+        if (r < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (!r) return 0;
+    }
+    if (n < 2) return 1;
+    if (n <= 8) { /* a step's few drops: compared pairwise (every item hashed above) */
+        for (Py_ssize_t i = 1; i < n; i++)
+            for (Py_ssize_t j = 0; j < i; j++) {
+                int r = PyObject_RichCompareBool(it[i], it[j], Py_EQ);
+                if (r < 0) return -1;
+                if (r) return 0;
+            }
+        return 1;
+    }
+    PyObject *seen = PySet_New(NULL);
+    if (seen == NULL) return -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PySet_Add(seen, it[i]) < 0) {
+            Py_DECREF(seen);
+            return -1;
+        }
+    int all = PySet_GET_SIZE(seen) == n;
+    Py_DECREF(seen);
+    return all;
+}
+
+/* One count off `x` in `counts` (held: checked); 1 where that was its last (removed), 0
+ * where not, -1 on error. */
+static int
+count_out(PyObject *counts, PyObject *x)
+{
+    PyObject *c = PyDict_GetItemWithError(counts, x);
+    if (c == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, x);
+        return -1;
+    }
+    long n = PyLong_AsLong(c);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (n > 1) {
+        PyObject *v = PyLong_FromLong(n - 1);
+        if (v == NULL) return -1;
+        int r = PyDict_SetItem(counts, x, v);
+        Py_DECREF(v);
+        return r < 0 ? -1 : 0;
+    }
+    return PyDict_DelItem(counts, x) < 0 ? -1 : 1;
+}
+
+/* The distinct items of it[0:n] in order that are not keys of `held`: a new list, or NULL. */
+static PyObject *
+new_items(PyObject **it, Py_ssize_t n, PyObject *held)
+{
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = PyDict_Contains(held, it[i]);
+        if (r < 0) goto fail;
+        if (r) continue;
+        r = PySequence_Contains(out, it[i]);
+        if (r < 0) goto fail;
+        if (!r && PyList_Append(out, it[i]) < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* batch_take(acount, kcount, adapters, own, objects, add, drop, add_keys, drop_keys) ->
+ * (rel, unpin, new_ids, new_keys, own_leases): batch.py's StepBatch._take_drops of a change,
+ * its dicts changed as that changes them; or None, having changed nothing, where a drop is
+ * not held or repeats, or an argument is not a list or tuple (the Python pass then checks,
+ * raises or counts it). */
+static PyObject *
+batch_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "batch_take(acount, kcount, adapters, own, objects, add, drop, add_keys, drop_keys)");
+        return NULL;
+    }
+    PyObject *acount = args[0], *kcount = args[1], *adapters = args[2], *own = args[3], *objects = args[4];
+    Py_ssize_t n_add, n_drop, n_addk, n_dropk;
+    PyObject **add, **drop, **add_keys, **drop_keys;
+    if (!seq_items(args[5], &add, &n_add) || !seq_items(args[6], &drop, &n_drop) ||
+        !seq_items(args[7], &add_keys, &n_addk) || !seq_items(args[8], &drop_keys, &n_dropk))
+        Py_RETURN_NONE;
+    int ok = drops_held(acount, drop, n_drop);
+    if (ok > 0) ok = drops_held(kcount, drop_keys, n_dropk);
+    if (ok < 0) return NULL;
+    if (!ok) Py_RETURN_NONE;
+    PyObject *rel = PyList_New(0), *unpin = PyList_New(0), *leases = PyList_New(0);
+    PyObject *new_ids = NULL, *new_keys = NULL;
+    if (rel == NULL || unpin == NULL || leases == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n_drop; i++) {
+        PyObject *a = drop[i];
+        int last = count_out(acount, a);
+        if (last < 0) goto fail;
+        if (!last) continue;
+        if (PyDict_DelItem(adapters, a) < 0) goto fail;
+        PyObject *lease = PyDict_GetItemWithError(own, a);
+        if (lease != NULL) {
+            if (PyList_Append(leases, lease) < 0 || PyDict_DelItem(own, a) < 0) goto fail;
+        } else if (PyErr_Occurred() || PyList_Append(rel, a) < 0) {
+            goto fail;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n_dropk; i++) {
+        PyObject *k = drop_keys[i];
+        int last = count_out(kcount, k);
+        if (last < 0) goto fail;
+        if (!last) continue;
+        PyObject *o = PyDict_GetItemWithError(objects, k);
+        if (o == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            continue;
+        }
+        PyObject *oid = PyObject_GetAttrString(o, "object_id");
+        if (oid == NULL) goto fail;
+        int bad = PyList_Append(unpin, oid) < 0 || PyDict_DelItem(objects, k) < 0;
+        Py_DECREF(oid);
+        if (bad) goto fail;
+    }
+    new_ids = new_items(add, n_add, acount);
+    if (new_ids == NULL) goto fail;
+    new_keys = new_items(add_keys, n_addk, objects);
+    if (new_keys == NULL) goto fail;
+    return Py_BuildValue("(NNNNN)", rel, unpin, new_ids, new_keys, leases);
+fail:
+    Py_XDECREF(rel);
+    Py_XDECREF(unpin);
+    Py_XDECREF(leases);
+    Py_XDECREF(new_ids);
+    Py_XDECREF(new_keys);
+    return NULL;
+}
+
+/* One count more on `x` in `counts`; 0, or -1 on error. */
+static int
+count_in(PyObject *counts, PyObject *x)
+{
+    PyObject *c = PyDict_GetItemWithError(counts, x), *v;
+    if (c == NULL) {
+        if (PyErr_Occurred()) return -1;
+        v = PyLong_FromLong(1);
+    } else {
+        long n = PyLong_AsLong(c);
+        if (n == -1 && PyErr_Occurred()) return -1;
+        v = PyLong_FromLong(n + 1);
+    }
+    if (v == NULL) return -1;
+    int r = PyDict_SetItem(counts, x, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found) ->
+ * (the adapters of add, the objects of add_keys' present prefix): batch.py's
+ * StepBatch._account of a change's result, its dicts changed as that changes them; None,
+ * having changed nothing, where an argument is not a list or tuple. */
+static PyObject *
+batch_account(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found)");
+        return NULL;
+    }
+    PyObject *acount = args[0], *kcount = args[1], *objects = args[2], *adapters = args[3];
+    Py_ssize_t n_add, n_addk, n_new, n_found;
+    PyObject **add, **add_keys, **new_keys, **found;
+    if (!seq_items(args[4], &add, &n_add) || !seq_items(args[5], &add_keys, &n_addk) ||
+        !seq_items(args[6], &new_keys, &n_new) || !seq_items(args[7], &found, &n_found))
+        Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < n_add; i++)
+        if (count_in(acount, add[i]) < 0) return NULL;
+    for (Py_ssize_t i = 0; i < n_new && i < n_found; i++)
+        if (PyDict_SetItem(objects, new_keys[i], found[i]) < 0) return NULL;
+    PyObject *got = PyList_New(0), *las = NULL;
+    if (got == NULL) return NULL;
+    int prefix = 1;
+    for (Py_ssize_t i = 0; i < n_addk; i++) {
+        if (count_in(kcount, add_keys[i]) < 0) goto fail;
+        if (!prefix) continue;
+        PyObject *o = PyDict_GetItemWithError(objects, add_keys[i]);
+        if (o == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            prefix = 0; /* the end of the present prefix */
+            PyList_SetSlice(got, 0, PyList_GET_SIZE(got), NULL);
+        } else if (o == Py_None) {
+            prefix = 0;
+            PyList_SetSlice(got, 0, PyList_GET_SIZE(got), NULL);
+        } else if (PyList_Append(got, o) < 0) {
+            goto fail;
+        }
+    }
+    las = PyList_New(n_add);
+    if (las == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n_add; i++) {
+        PyObject *la = PyDict_GetItemWithError(adapters, add[i]);
+        if (la == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, add[i]);
+            goto fail;
+        }
+        Py_INCREF(la);
+        PyList_SET_ITEM(las, i, la);
+    }
+    return Py_BuildValue("(NN)", las, got);
+fail:
+    Py_XDECREF(got);
+    Py_XDECREF(las);
+    return NULL;
+}
+
+/* drop_refs(held, idle, ids, now) -> the ids held with no reference here: step_holdings.py's
+ * _drop_refs (one local reference off each of ids' entries in `held`, an entry whose last goes
+ * idle since `now`, added to `idle`), changing them as it does; None where ids is not a list
+ * or tuple (the Python pass takes it). */
+static PyObject *
+drop_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static PyObject *s_refs, *s_idle_since;
+    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "drop_refs(held, idle, ids, now)");
+        return NULL;
+    }
+    if (s_refs == NULL && (s_refs = PyUnicode_InternFromString("refs")) == NULL) return NULL;
+    if (s_idle_since == NULL && (s_idle_since = PyUnicode_InternFromString("idle_since")) == NULL) return NULL;
+    PyObject *held = args[0], *idle = args[1], *now = args[3];
+    PyObject **ids;
+    Py_ssize_t n;
+    if (!seq_items(args[2], &ids, &n)) Py_RETURN_NONE;
+    PyObject *direct = PyList_New(0);
+    if (direct == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyDict_GetItemWithError(held, ids[i]);
+        if (h == NULL) {
+            if (PyErr_Occurred() || PyList_Append(direct, ids[i]) < 0) goto fail;
+            continue;
+        }
+        Py_INCREF(h);
+        PyObject *r = PyObject_GetAttr(h, s_refs);
+        long refs = r == NULL ? -1 : PyLong_AsLong(r);
+        Py_XDECREF(r);
+        int bad = PyErr_Occurred() != NULL;
+        if (!bad && refs <= 0) {
+            bad = PyList_Append(direct, ids[i]) < 0;
+        } else if (!bad) {
+            PyObject *v = PyLong_FromLong(refs - 1);
+            bad = v == NULL || PyObject_SetAttr(h, s_refs, v) < 0;
+            Py_XDECREF(v);
+            if (!bad && refs == 1)
+                bad = PyObject_SetAttr(h, s_idle_since, now) < 0 || PyDict_SetItem(idle, ids[i], Py_None) < 0;
+        }
+        Py_DECREF(h);
+        if (bad) goto fail;
+    }
+    return direct;
+fail:
+    Py_DECREF(direct);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ object_record (client) */
+
+/* The ObjectRecord class whose slots object_record fills directly (a strong reference), and
+ * the offsets of its twelve fields; NULL until object_record first sees a class with that
+ * layout (step.py's ObjectRecord: a plain slotted record). */
+static PyTypeObject *objrec_fast_type;
+static Py_ssize_t objrec_offsets[12];
+static const char *const OBJREC_FIELDS[12] = {"object_id", "window_page", "state", "content_type",
+                                              "owned", "deduplicated", "session_pins", "total_pins",
+                                              "pages", "key", "arena_slabs", "made"};
+
+/* object_record(cls, arena_slabs, raw) -> cls(...) of one object record's bytes, as step.py's
+ * _object_record(raw, arena_slabs) makes it (<QqBBBIII>, the pages <I>, then <H> and the key:
+ * the key is what follows the two length bytes). ValueError where raw is too short for its
+ * head and pages (the decoders call it only on records they measured). */
+static PyObject *
+object_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "object_record(cls, arena_slabs, raw: bytes)");
+        return NULL;
+    }
+    PyObject *cls = args[0], *slabs = args[1];
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
+    if (size < 31) goto short_raw;
+    Py_ssize_t npages = rd32(b + 27);
+    if ((size - 31) / 4 < npages) goto short_raw;
+    Py_ssize_t at = 31 + 4 * npages;
+    if (size - at < 2) goto short_raw;
+    PyObject *v[12] = {NULL};
+    int64_t wp;
+    memcpy(&wp, b + 8, 8);
+    v[0] = PyLong_FromUnsignedLongLong(rd64(b));
+    v[1] = PyLong_FromLongLong(wp);
+    v[2] = PyLong_FromLong(b[16]);
+    v[3] = PyLong_FromLong(b[17]);
+    v[4] = PyBool_FromLong(b[18] & 1);
+    v[5] = PyBool_FromLong(b[18] & 2);
+    v[6] = PyLong_FromUnsignedLong(rd32(b + 19));
+    v[7] = PyLong_FromUnsignedLong(rd32(b + 23));
+    v[8] = PyList_New(npages);
+    v[9] = PyBytes_FromStringAndSize((const char *)b + at + 2, size - at - 2);
+    Py_INCREF(slabs);
+    v[10] = slabs;
+    Py_INCREF(Py_None);
+    v[11] = Py_None;
+    PyObject *rec = NULL;
+    for (int i = 0; i < 12; i++)
+        if (v[i] == NULL) goto done;
+    for (Py_ssize_t i = 0; i < npages; i++) {
+        PyObject *pg = PyLong_FromUnsignedLong(rd32(b + 31 + 4 * i));
+        if (pg == NULL) goto done;
+        PyList_SET_ITEM(v[8], i, pg);
+    }
+    if (slot_layout(cls, OBJREC_FIELDS, 12, &objrec_fast_type, objrec_offsets)) {
+        PyTypeObject *t = (PyTypeObject *)cls;
+        rec = t->tp_alloc(t, 0);
+        if (rec != NULL) {
+            for (int i = 0; i < 12; i++) {
+                /* the slots of a fresh object are NULL: each takes our reference */
+                *(PyObject **)((char *)rec + objrec_offsets[i]) = v[i];
+                v[i] = NULL;
+            }
+        }
+    } else if (!PyErr_Occurred()) {
+        rec = PyObject_Vectorcall(cls, v, 11, NULL);
+    }
+done:
+    for (int i = 0; i < 12; i++) Py_XDECREF(v[i]);
+    return rec;
+short_raw:
+    PyErr_Format(PyExc_ValueError, "an object record of %zd bytes is shorter than its head, pages and key length",
+                 size);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ decode_ok (client) */
 
 /* The record of `raw` from `memo`, or make(raw) kept there (memo cleared past `limit`).
@@ -860,6 +1225,15 @@ static PyMethodDef methods[] = {
      "encode_step(ops, attrs): a STEP frame, or None where the Python encoder must say why"},
     {"decode_ok", (PyCFunction)(void (*)(void))decode_ok, METH_FASTCALL,
      "decode_ok(body, objects, make_object, adapters, make_adapter, outcome, limit): (slabs, results) or None"},
+    {"batch_take", (PyCFunction)(void (*)(void))batch_take, METH_FASTCALL,
+     "batch_take(acount, kcount, adapters, own, objects, add, drop, add_keys, drop_keys): "
+     "(rel, unpin, new_ids, new_keys, own_leases), or None"},
+    {"batch_account", (PyCFunction)(void (*)(void))batch_account, METH_FASTCALL,
+     "batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found): (adapters, objects), or None"},
+    {"drop_refs", (PyCFunction)(void (*)(void))drop_refs, METH_FASTCALL,
+     "drop_refs(held, idle, ids, now): the ids held with no reference here, or None"},
+    {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
+     "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
      "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
      "last_objects, last_adapters): "

@@ -15,6 +15,7 @@ length) and the message. A frame that cannot be parsed runs no op at all.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,7 +88,20 @@ OBJ_OWNED, OBJ_DEDUP = 1, 2
 # anything it does not take, and the Python pass then runs: it gives the result or raises the
 # error that names the fault, so errors are always the Python ones. Tests switch it off here.
 _core = native.load("memory_broker.proto.wire._stepcore")
-_CORE_PASSES = ("decode_step", "encode_allocations", "encode_step", "decode_ok", "decode_frame", "encode_ok_reply")
+_CORE_PASSES = (
+    "decode_step",
+    "encode_allocations",
+    "encode_step",
+    "decode_ok",
+    "decode_frame",
+    "encode_ok_reply",
+    "object_record",
+    # A step batch's counts (``clients/batch.py``), which its module reads as ``_core`` here.
+    "batch_take",
+    "batch_account",
+    # The step cache's reference drops (``clients/step_holdings.py``).
+    "drop_refs",
+)
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
     native.log.warning(
@@ -838,6 +852,15 @@ def _object_record(raw: bytes, slabs: int) -> ObjectRecord:
     )
 
 
+def _object_maker(slabs: int):
+    """``_object_record`` of an arena of ``slabs`` slabs, as one call of ``raw``: the native
+    core's (which fills the record's slots in C: a fresh key's record is made on every step
+    that looks it up) where it is there, else the Python one."""
+    if _core is not None:
+        return functools.partial(_core.object_record, ObjectRecord, slabs)
+    return lambda raw: _object_record(raw, slabs)
+
+
 def _adapter_record(raw: bytes) -> AcquiredRecord:
     gen, oid, tier, npages = _ACQ_ADAPTER.unpack_from(raw)
     return AcquiredRecord(gen, oid, tier, struct.unpack_from("<%dI" % npages, raw, _ACQ_ADAPTER.size))
@@ -925,7 +948,7 @@ class ReplyDecoder:
         self._objects.clear()
         self._last_objects.clear()
         self._slabs = slabs
-        self._make_object = lambda raw: _object_record(raw, slabs)
+        self._make_object = _object_maker(slabs)
 
     def _decode_ok(self, body: bytes) -> StepReply:
         slabs, n = _STEP_REPLY_HEAD.unpack_from(body, 0)
