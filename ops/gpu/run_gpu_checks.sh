@@ -39,7 +39,10 @@
 # tests/test_lora_e2e.py tests/test_block_mover.py (the KV block mover on vLLM's CUDA layouts)
 # tests/test_step_thread.py (the step thread's use of asyncio's private parts, on the GPU
 # machine's Python) where present), GPU_BENCHES (default ops/bench/bench_cuda_arena.py
-# ops/bench/bench_lora_kernels.py ops/bench/bench_block_mover.py where present), BENCH_TIMEOUT
+# ops/bench/bench_lora_kernels.py ops/bench/bench_block_mover.py where present, and
+# ops/bench/bench_step.py's StepBatch rows, `--steps 600 --only StepBatch`: no GPU in them, but
+# issue 28's background-batch CPU target read on bare metal, whose idle CPUs wake cheaply, which
+# the development VM's do not), BENCH_TIMEOUT
 # (seconds per benchmark, default 90), VLLM_LORA_OPS (default ops/gpu/vllm_lora_ops: vLLM's
 # Triton LoRA kernels, copied where vLLM is installed by ops/gpu/extract_vllm_lora_ops.py and
 # carried along, git-ignored; bench_lora_kernels.py compares the project's kernels with them,
@@ -87,7 +90,8 @@ fi
 vllm_ops=${VLLM_LORA_OPS:-ops/gpu/vllm_lora_ops}
 benches=${GPU_BENCHES:-}
 if [ -z "$benches" ]; then
-    for f in ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py ops/bench/bench_block_mover.py; do
+    for f in ops/bench/bench_cuda_arena.py ops/bench/bench_lora_kernels.py ops/bench/bench_block_mover.py \
+        ops/bench/bench_step.py; do
         [ -e "$f" ] && benches="$benches $f"
     done
 fi
@@ -248,6 +252,7 @@ if [ $preflight_rc -eq 0 ]; then
             bench_args=()
             # The folder's absence is the benchmark's to report (one line); it runs on without it.
             [ "$(basename "$b")" = bench_lora_kernels.py ] && bench_args=(--vllm-ops "$vllm_ops")
+            [ "$(basename "$b")" = bench_step.py ] && bench_args=(--steps 600 --only StepBatch)
             timeout -k 5 "$(limit "${BENCH_TIMEOUT:-90}")" "$PYTHON" -u "$b" ${bench_args[@]+"${bench_args[@]}"} 2>&1
             rc=$?
             if [ $rc -ne 0 ]; then
