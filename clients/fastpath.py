@@ -62,15 +62,20 @@ class ChannelCalls:
         instead, and the caller retries over gRPC, which waits for a reconnect."""
         try:
             return fn(*args, **kw)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            if _or_none:
+        except (_w.WireError, StepUnavailable) as e:
+            if _or_none and isinstance(e, StepUnavailable):
                 return None
-            raise self._unavailable(e) from None
+            raise self._error_of(e) from None
 
     def _fast_or_none(self, fn, *args, **kw):
         return self._fast(fn, *args, _or_none=True, **kw)
+
+    def _error_of(self, e: _w.WireError | StepUnavailable) -> BrokerError:
+        """What a step-channel call raises for ``e``: bad input (a frame that cannot be
+        encoded) as INVALID_ARGUMENT, a channel that cannot be used as UNAVAILABLE."""
+        if isinstance(e, _w.WireError):
+            return BrokerError(Code.INVALID_ARGUMENT, str(e))
+        return self._unavailable(e)
 
     def _unavailable(self, e: StepUnavailable) -> BrokerError:
         return BrokerError(
@@ -123,12 +128,10 @@ class ChannelCalls:
                 data = _w.encode_step(ops)
                 path.frames += 1
                 reply = path.transport.request(data)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            if or_none:
+        except (_w.WireError, StepUnavailable) as e:
+            if or_none and isinstance(e, StepUnavailable):
                 return None
-            raise self._unavailable(e) from None
+            raise self._error_of(e) from None
         if check and reply.error is not None:
             raise reply.error
         return reply

@@ -101,10 +101,8 @@ class DirectCalls(ChannelCalls):
         path = self.path
         try:
             path.post(op)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            raise self._unavailable(e) from None
+        except (_w.WireError, StepUnavailable) as e:
+            raise self._error_of(e) from None
         if path.transport.refused:
             raise_refused(path.transport.refused)
 
@@ -129,10 +127,8 @@ class DirectCalls(ChannelCalls):
         sent = _SentStep(self.path)
         try:
             sent.send(ops)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            raise self._unavailable(e) from None
+        except (_w.WireError, StepUnavailable) as e:
+            raise self._error_of(e) from None
 
         def finish() -> StepLease:
             try:
