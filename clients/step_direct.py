@@ -33,8 +33,6 @@ class DirectCalls(ChannelCalls):
         # The last acquire's ids (a copy), its cap and their split (admitted, deferred): the
         # lists are shared by the leases made from them and never changed.
         self._split: tuple[list[str], int, tuple[list[str], list[str]]] = ([], -1, ([], []))
-        # Whether a give-back's frame is posted (its reply read later) or waited for.
-        self.posting: bool = client.post_give_backs
 
     def _admitted(self, ids: list[str], cap: int) -> tuple[list[str], list[str]]:
         """``_admitted(ids, cap)``, the last call's when it asked the same."""
@@ -100,7 +98,7 @@ class DirectCalls(ChannelCalls):
             return
         path = self.path
         try:
-            path.post(op)
+            path.post([op])
         except (_w.WireError, StepUnavailable) as e:
             raise self._error_of(e) from None
         if path.transport.refused:
