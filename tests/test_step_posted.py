@@ -488,3 +488,41 @@ def test_idle_holdings_due_with_a_posted_give_back_are_refused_quietly(step_rig,
         c.flush_holdings()
         c.flush()
         assert c.stats().pinned_pages == 0
+
+
+# ------------------------------------------------------------------ the fd channel's fetches
+
+
+def test_the_fd_channel_s_slab_and_page_fetches_read_posted_replies_first(step_rig, monkeypatch):
+    """A slab's or page's fds are fetched over the fd channel (``session._ensure_slabs``,
+    ``_import_pages``) only once every posted give-back was answered: the broker has run
+    what the session gave back before it serves the fetch."""
+    from types import SimpleNamespace
+
+    from memory_broker.clients import arena_fds
+
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket) as c:
+        objs = c.lookup([b"k0"])
+        t = c._step_path().transport
+        unread_at_fetch: list[int] = []
+        monkeypatch.setattr(arena_fds, "attach_slabs", lambda *a, **kw: unread_at_fetch.append(t.unread()))
+        c.unpin(objs)
+        assert t.unread() == 1
+        c._ensure_slabs(c.view.mapped_slabs + 1)  # a slab this process lacks: fetched
+        assert unread_at_fetch == [0]
+
+        # A CUDA arena's pages (one fd each), fetched as they are given.
+        monkeypatch.setattr(arena_fds, "missing_pages", lambda view, pages: list(pages))
+        monkeypatch.setattr(arena_fds, "import_pages", lambda *a, **kw: unread_at_fetch.append(t.unread()))
+        c.unpin(c.lookup([b"k1"]))
+        assert t.unread() == 1
+        real_view = c.view
+        c.view = SimpleNamespace(fd_unit="page", mapped_slabs=real_view.mapped_slabs)
+        try:
+            c._import_pages([0, 1], readonly=True)
+        finally:
+            c.view = real_view
+        assert unread_at_fetch == [0, 0]
+        c.flush()
+        assert c.stats().pinned_pages == 0
