@@ -526,3 +526,36 @@ def test_the_fd_channel_s_slab_and_page_fetches_read_posted_replies_first(step_r
         assert unread_at_fetch == [0, 0]
         c.flush()
         assert c.stats().pinned_pages == 0
+
+
+# ------------------------------------------------------------------ a posted reply's slab count
+
+
+def test_a_posted_reply_s_slab_count_is_not_needed_the_next_awaited_reply_carries_it(fake, step_rig):
+    """A posted give-back's OK reply is only header-checked, so the arena's slab count it
+    carries is not read. Nothing is lost: a give-back returns nothing to map, and every
+    awaited reply carries the count at its own time (never less: slabs are only added) in
+    the reply and in each record, which is what the client maps by."""
+    t = fake.transport
+    _post(t, w.OP_UNPIN, [1])
+    fake.frames_in(1)
+    fake.peer.sendall(_ok(bytes((w.OP_UNPIN,)), slabs=5) + _lookup_reply(2))  # the posted one: 5
+    assert t.request(w.encode_step([(w.OP_LOOKUP, (b"k",), 1)])).arena_slabs == 3  # the awaited one's own
+
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket) as c:
+        objs = c.lookup([b"k0"])
+        slabs = c.view.mapped_slabs
+        assert slabs == setup.stats().num_slabs
+        c.unpin(objs)  # posted: its reply, read later, carries the count at its time
+        t = c._step_path().transport
+        assert t.unread() == 1
+        # The arena grows meanwhile (a slab is 4 pages here): a new object lives past it.
+        (big,) = setup.allocate([Spec(4, content_type="kv_cache", key=b"past-the-slabs")])
+        big.page_tensors()[-1][:8] = 7
+        assert setup.stats().num_slabs > slabs
+        (got,) = c.lookup([b"past-the-slabs"])  # reads the posted reply, then its own
+        assert t.unread() == 0 and c.view.mapped_slabs == setup.stats().num_slabs
+        assert int(got.page_tensors()[-1][:8].sum()) == 56
+        c.unpin([got])
+        c.flush()
