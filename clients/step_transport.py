@@ -166,7 +166,7 @@ class StepTransport:
             raise self._broke(e) from None
         self._queue.append(None)
 
-    def post(self, data: bytes, ops: tuple, own: int = -1) -> None:
+    def post(self, data: bytes, ops: list, own: int = -1) -> None:
         """Send a give-back whose reply nobody waits for (``ops``: the frame's ops as tuples,
         for a refusal's message): read before the next awaited reply, by ``read_oldest``, or by
         ``settle``. A refusal of one of its first ``own`` ops (all of them: -1) is logged and
