@@ -286,8 +286,8 @@ class StepTransport:
         self._consumed(stop)
 
     def _refuse(self, what: tuple, error: BrokerError | None, unknown: bool = False, keep: bool = True) -> None:
-        """Log a posted op's refusal (``what``: the op, an ``Op`` or its fields; ``unknown``: the channel broke before
-        its reply), kept in ``refused`` with ``keep``."""
+        """Log a posted op's refusal (``what``: the op, an ``Op`` or its fields; ``unknown``:
+        the channel broke before its reply), kept in ``refused`` with ``keep``."""
         kind, given = (what.kind, what.items) if isinstance(what, w.Op) else what[:2]
         op = w.OP_NAMES.get(kind, kind)
         items = list(given[:8])  # the first few say which (a give-back may name thousands)

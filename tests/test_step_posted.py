@@ -409,7 +409,7 @@ def test_a_posted_frame_of_several_ops_names_the_refused_one_and_keeps_only_its_
     ]
 
 
-def test_lookup_many_s_cleanup_unpin_is_posted_and_its_refusal_never_raised(step_rig):
+def test_lookup_many_s_cleanup_unpin_is_posted_and_runs_before_a_grpc_call(step_rig):
     b, setup = step_rig
     with BrokerClient.connect(b.socket) as c:
         c.lookup([])  # the session's channel
