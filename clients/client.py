@@ -202,10 +202,10 @@ class BrokerClient(StepSession):
                 pins) held at the broker for up to this long, so acquiring or looking it up
                 again costs no round trip; releases are sent with a later call. 0 (the
                 default): every release is sent at once, as over gRPC.
-            post_give_backs: with the fast path and no ``hold_s``, a give-back
-                (``unpin``, ``release_adapters`` and a lease's ``release()`` without
-                ``dtype``) sends its frame and returns without waiting for the broker's
-                answer; the broker runs it before anything the session sends later, over
+            post_give_backs: with the fast path, a give-back (``unpin``,
+                ``release_adapters`` and a lease's ``release()`` without ``dtype``, a
+                ``StepBatch``'s end, ``flush_holdings()``; not ``abort_acquire``) sends its
+                frame, if it has one, and returns without waiting for the broker's answer; the broker runs it before anything the session sends later, over
                 any channel. A refusal is logged at WARNING and raised by the session's next
                 give-back (after that one's own frame went out) or by ``flush()``. False:
                 each give-back waits for its answer and raises its own refusal.

@@ -18,6 +18,7 @@ from operator import attrgetter, itemgetter
 from memory_broker.clients.grpc_calls import GrpcCalls
 from memory_broker.clients.step import StepOutcome, StepPath, StepUnavailable
 from memory_broker.clients.step_lease import PendingStepLease, StepLease
+from memory_broker.clients.step_transport import raise_refused
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -51,6 +52,9 @@ class ChannelCalls:
         self.grpc = grpc
         self.records = grpc.records
         self.epoch = grpc.epoch
+        # Whether a give-back's frame is posted (its reply read later) or waited for
+        # (``connect``'s ``post_give_backs``).
+        self.posting: bool = client.post_give_backs
 
     def current(self, epoch: int) -> bool:
         """Whether these are the calls of session ``epoch`` still (and its channel is open)."""
@@ -62,15 +66,20 @@ class ChannelCalls:
         instead, and the caller retries over gRPC, which waits for a reconnect."""
         try:
             return fn(*args, **kw)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            if _or_none:
+        except (_w.WireError, StepUnavailable) as e:
+            if _or_none and isinstance(e, StepUnavailable):
                 return None
-            raise self._unavailable(e) from None
+            raise self._error_of(e) from None
 
     def _fast_or_none(self, fn, *args, **kw):
         return self._fast(fn, *args, _or_none=True, **kw)
+
+    def _error_of(self, e: _w.WireError | StepUnavailable) -> BrokerError:
+        """What a step-channel call raises for ``e``: bad input (a frame that cannot be
+        encoded) as INVALID_ARGUMENT, a channel that cannot be used as UNAVAILABLE."""
+        if isinstance(e, _w.WireError):
+            return BrokerError(Code.INVALID_ARGUMENT, str(e))
+        return self._unavailable(e)
 
     def _unavailable(self, e: StepUnavailable) -> BrokerError:
         return BrokerError(
@@ -108,7 +117,19 @@ class ChannelCalls:
         if dtype:
             self.grpc.release_adapters(adapter_ids, dtype)
             return
-        self._fast(self.path.step, release=list(adapter_ids), acquire=False, lookup=False)
+        self._giving(list(adapter_ids), ())
+
+    def _giving(self, release: list[str], unpin: Sequence[int]) -> None:
+        """``StepPath.give_back`` (its frame posted, unless ``posting`` is off); then the
+        refusal of an earlier posted give-back, if one was read, is raised (as
+        ``DirectCalls._give_back`` does: what this one gives back is given back first)."""
+        path = self.path
+        try:
+            path.give_back(release, unpin, self.posting)
+        except (_w.WireError, StepUnavailable) as e:
+            raise self._error_of(e) from None
+        if path.transport.refused:
+            raise_refused(path.transport.refused)
 
     def _frame(self, ops: list, or_none: bool = False, check: bool = True) -> _w.StepReply | None:
         """One frame of ``ops`` (``Op``s or tuples of their fields) and its reply, its refusal
@@ -123,12 +144,10 @@ class ChannelCalls:
                 data = _w.encode_step(ops)
                 path.frames += 1
                 reply = path.transport.request(data)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            if or_none:
+        except (_w.WireError, StepUnavailable) as e:
+            if or_none and isinstance(e, StepUnavailable):
                 return None
-            raise self._unavailable(e) from None
+            raise self._error_of(e) from None
         if check and reply.error is not None:
             raise reply.error
         return reply
@@ -137,6 +156,9 @@ class ChannelCalls:
         self._frame([(_w.OP_COMMIT, (transaction_id,))])
 
     def abort_acquire(self, transaction_id: int) -> None:
+        # Waited for, not posted: its answer is what ``AdapterLease.release`` decides by (a
+        # transaction committed meanwhile is refused FAILED_PRECONDITION, and then its
+        # adapters are released instead), and a caller's own abort refused is raised to it.
         self._frame([(_w.OP_ABORT, (transaction_id,))])
 
     # ------------------------------------------------------------ objects
@@ -183,11 +205,17 @@ class ChannelCalls:
         return out
 
     def _unpin_quietly(self, ids: list[int]) -> None:
-        if ids:
-            try:
+        """Unpin what a failed ``lookup_many`` pinned: posted (``posting``), its refusal only
+        logged (nobody asked for this unpin: the caller gets the lookup's error), or waited."""
+        if not ids:
+            return
+        try:
+            if self.posting:
+                self.path.post([(_w.OP_UNPIN, tuple(ids))], own=0)
+            else:
                 self._frame([(_w.OP_UNPIN, tuple(ids))], True)
-            except BrokerError as e:
-                log.debug("unpinning after a failed lookup: %s", e)
+        except (BrokerError, StepUnavailable) as e:
+            log.debug("unpinning after a failed lookup: %s", e)
 
     def pin(self, ids: list[int]) -> list:
         st = self.path
@@ -203,7 +231,7 @@ class ChannelCalls:
         return make(recs)
 
     def unpin(self, ids: list[int]) -> None:
-        self._fast(self.path.step, unpin=ids, acquire=False, lookup=False)
+        self._giving([], ids)
 
     def forget_pins(self, ids: Sequence[int]) -> None:
         """Objects this session freed: their pins went with them at the broker."""
@@ -211,8 +239,12 @@ class ChannelCalls:
             self.path.held.forget_pins(ids)
 
     def flush(self) -> int:
-        """Release every idle holding now; returns how many."""
-        return self._fast(self.path.flush)
+        """Release every idle holding now (posted, unless ``posting`` is off: a refusal is
+        raised by the next give-back or ``client.flush()``); returns how many."""
+        n = self._fast(self.path.flush, self.posting)
+        if self.path.transport.refused:
+            raise_refused(self.path.transport.refused)
+        return n
 
     # ------------------------------------------------------------ steps
 
@@ -336,7 +368,7 @@ class ChannelCalls:
     def give_back(self, rel: list[str], unpin: list[int]) -> None:
         """A batch's end: release and unpin what it holds (one frame)."""
         if rel or unpin:
-            self._fast(self.path.step, release=rel, unpin=unpin, acquire=False, lookup=False)
+            self._giving(rel, unpin)
 
     def settle(self) -> None:
         """Read every unread reply of the channel (a call over another channel first does:

@@ -81,18 +81,19 @@ class StepPath:
             self.frames += 1
             return self.transport.request(w.encode_step(ops))
 
-    def post(self, op: tuple) -> None:
-        """A give-back's frame (``op``: an ``Op``'s fields as a tuple) sent without waiting
-        for its reply (``StepTransport.post``: read before the next awaited one, its refusal
-        kept in ``transport.refused``); at ``POST_LIMIT`` unread, the oldest is read first."""
-        data = w.encode_step([op])
+    def post(self, ops: list, own: int = -1) -> None:
+        """A give-back's frame (``ops``: ``Op``s, or their fields as tuples) sent without
+        waiting for its reply (``StepTransport.post``: read before the next awaited one, the
+        refusal of one of its first ``own`` ops, all by default, kept in ``transport.refused``,
+        of a later one only logged); at ``POST_LIMIT`` unread, the oldest is read first."""
+        data = w.encode_step(ops)
         with self.lock:
             transport = self.transport
             while transport.full():
                 if not transport.read_oldest():
                     self._pending._collect()  # a begun step's reply is the oldest: kept for it
             self.frames += 1
-            transport.post(data, op)
+            transport.post(data, ops, own)
 
     def settle(self) -> None:
         """Read every unread reply: the posted frames', and a begun step's (kept for its
@@ -337,14 +338,8 @@ class StepPath:
 
     def _finish(self, plan: _Plan, reply: w.StepReply | None) -> StepOutcome:
         out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
-        admitted, missing_ids, cached_objs, ids, keys, pin_keys = (
-            plan.admitted,
-            plan.missing_ids,
-            plan.cached_objs,
-            plan.ids,
-            plan.keys,
-            plan.pin_keys,
-        )
+        admitted, missing_ids, cached_objs = plan.admitted, plan.missing_ids, plan.cached_objs
+        ids, keys, pin_keys = plan.ids, plan.keys, plan.pin_keys
         if reply is not None:
             out.round_trips = 1
             out.arena_slabs = reply.arena_slabs
@@ -400,6 +395,11 @@ class StepPath:
             self.raise_error(reply)
         return out
 
+    def give_back(self, release: Sequence[str] = (), unpin: Sequence[int] = (), post: bool = True) -> None:
+        """Release adapters and unpin objects: ``step`` with nothing to take, its frame (if
+        any) posted (``post``; else sent, and its refusal raised): ``give_back``, below."""
+        give_back(self, release, unpin, post)
+
     def _undo_acquire(self, admitted: list[str], r: w.AcquireOutcome) -> None:
         """A later op of the frame failed: give back what its acquire took (the caller gets
         the error, not a lease)."""
@@ -409,8 +409,9 @@ class StepPath:
         except (BrokerError, StepUnavailable):
             pass  # the session is gone, and its pins with it
 
-    def flush(self) -> int:
-        """Release every idle holding now (one round trip if there are any); returns how many."""
+    def flush(self, post: bool = False) -> int:
+        """Release every idle holding now (one frame if there are any: posted with ``post``,
+        else sent and its refusal raised); returns how many."""
         with self.lock:
             if self._pending is not None:
                 self._pending._collect()
@@ -418,5 +419,32 @@ class StepPath:
             if not ops:
                 return 0
             n = sum(len(op.items) for op in ops)
-            self.raise_error(self.send(ops))
+            if post:
+                self.post(ops)
+            else:
+                self.raise_error(self.send(ops))
             return n
+
+
+def give_back(path: StepPath, release: Sequence[str], unpin: Sequence[int], post: bool) -> None:
+    """``StepPath.give_back``. With the cache, local references are dropped and what the cache
+    does not hold goes to the broker; idle holdings now due go too, their refusal only logged
+    (as ``StepPath.step``'s)."""
+    if not post:
+        path.step(release=release, unpin=unpin, acquire=False, lookup=False)
+        return
+    with path.lock:
+        # A begun step's reply first, as for ``step``: the cache then holds what it took,
+        # and a reference dropped on it stays local.
+        if path._pending is not None:
+            path._pending._collect()
+        now = time.monotonic()
+        ops: list[w.Op] = []
+        path._give_back_ops(ops, release, unpin, (), (), now)
+        if ops:
+            path.post(ops)
+        # Idle holdings now due: a frame of their own, which runs even where the caller's is
+        # refused (behind it, a refused op would stop them; they have left the cache already).
+        idle = path.held.flush_ops(now, force=False) if path.caching else None
+        if idle:
+            path.post(idle, own=0)

@@ -33,8 +33,6 @@ class DirectCalls(ChannelCalls):
         # The last acquire's ids (a copy), its cap and their split (admitted, deferred): the
         # lists are shared by the leases made from them and never changed.
         self._split: tuple[list[str], int, tuple[list[str], list[str]]] = ([], -1, ([], []))
-        # Whether a give-back's frame is posted (its reply read later) or waited for.
-        self.posting: bool = client.post_give_backs
 
     def _admitted(self, ids: list[str], cap: int) -> tuple[list[str], list[str]]:
         """``_admitted(ids, cap)``, the last call's when it asked the same."""
@@ -100,11 +98,9 @@ class DirectCalls(ChannelCalls):
             return
         path = self.path
         try:
-            path.post(op)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            raise self._unavailable(e) from None
+            path.post([op])
+        except (_w.WireError, StepUnavailable) as e:
+            raise self._error_of(e) from None
         if path.transport.refused:
             raise_refused(path.transport.refused)
 
@@ -129,10 +125,8 @@ class DirectCalls(ChannelCalls):
         sent = _SentStep(self.path)
         try:
             sent.send(ops)
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            raise self._unavailable(e) from None
+        except (_w.WireError, StepUnavailable) as e:
+            raise self._error_of(e) from None
 
         def finish() -> StepLease:
             try:

@@ -78,7 +78,8 @@ class StepSession(BrokerQueries):
             raise_refused(self._refused)
 
     def flush_holdings(self) -> int:
-        """Release now every holding the step cache keeps idle (``hold_s``); returns how many."""
+        """Release now every holding the step cache keeps idle (``hold_s``); returns how many.
+        Posted (``post_give_backs``): a refusal is raised by the next give-back or ``flush()``."""
         calls = self._calls
         if calls is None or calls.epoch != self.epoch:
             return 0

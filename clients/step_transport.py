@@ -83,7 +83,8 @@ class StepTransport:
         # that came with an earlier one's read).
         self._buf = bytearray(BUFFER_BYTES)
         self._start = self._end = 0
-        # The frames whose replies are unread, in order: a posted frame's op (kind, items),
+        # The frames whose replies are unread, in order: a posted frame's (ops, own) (its ops
+        # as (kind, items, ...) tuples; a refusal of one of the first ``own`` is kept to raise),
         # or None for the awaited one (``send``'s).
         self._queue: deque = deque()
         # Posted frames refused or not answered, as BrokerErrors (the client raises them).
@@ -165,15 +166,18 @@ class StepTransport:
             raise self._broke(e) from None
         self._queue.append(None)
 
-    def post(self, data: bytes, what: tuple) -> None:
-        """Send a give-back whose reply nobody waits for (``what``: its op, for a refusal's
-        message): read before the next awaited reply, by ``read_oldest``, or by ``settle``.
-        The caller keeps fewer than ``POST_LIMIT`` unread (``full``)."""
+    def post(self, data: bytes, ops: list, own: int = -1) -> None:
+        """Send a give-back whose reply nobody waits for (``ops``: the frame's ops as tuples,
+        for a refusal's message): read before the next awaited reply, by ``read_oldest``, or by
+        ``settle``. A refusal of one of its first ``own`` ops (all of them: -1) is logged and
+        kept in ``refused``; of a later one (a give-back nobody asked for: idle holdings, a
+        failed call's cleanup), logged only. The caller keeps fewer than ``POST_LIMIT``
+        unread (``full``)."""
         try:
             self._sock.sendall(data)
         except OSError as e:
             raise self._broke(e) from None
-        self._queue.append(what)
+        self._queue.append((ops, len(ops) if own < 0 else own))
 
     def full(self) -> bool:
         """Whether ``POST_LIMIT`` replies are unread (read the oldest before posting more)."""
@@ -259,8 +263,9 @@ class StepTransport:
             raise StepUnavailable(f"the step channel at {self.path} sent a malformed reply: {e}") from None
 
     def _read_posted(self, what: tuple) -> None:
-        """Read a posted give-back's reply: nothing to hand back when it ran; a refusal is
-        logged and kept for the client (``refused``) to raise."""
+        """Read a posted give-back's reply (``what``: its queue entry, (ops, own)): nothing to
+        hand back when it ran; a refusal is logged and, of one of its ``own`` ops, kept for
+        the client (``refused``) to raise."""
         try:
             kind, size = self._whole()
         except OSError as e:
@@ -270,23 +275,31 @@ class StepTransport:
         stop = start + 5 + size
         if kind != w.OK:
             try:
-                error = w.decode_step_reply(kind, bytes(self._buf[start + 5 : stop])).error
+                reply = w.decode_step_reply(kind, bytes(self._buf[start + 5 : stop]))
             except w.WireError as e:
                 self._consumed(stop)
                 self.close()
                 raise StepUnavailable(f"the step channel at {self.path} sent a malformed reply: {e}") from None
-            self._refuse(what, error)
+            ops, own = what
+            i = reply.failed_index if 0 <= reply.failed_index < len(ops) else 0
+            self._refuse(ops[i], reply.error, keep=i < own)
         self._consumed(stop)
 
-    def _refuse(self, what: tuple, error: BrokerError | None, unknown: bool = False) -> None:
-        op = w.OP_NAMES.get(what[0], what[0])
-        items = list(what[1][:8])  # the first few say which (a give-back may name thousands)
-        if len(what[1]) > 8:
-            items.append(f"... {len(what[1])} in all")
+    def _refuse(self, what: tuple, error: BrokerError | None, unknown: bool = False, keep: bool = True) -> None:
+        """Log a posted op's refusal (``what``: the op, an ``Op`` or its fields; ``unknown``:
+        the channel broke before its reply), kept in ``refused`` with ``keep``."""
+        kind, given = (what.kind, what.items) if isinstance(what, w.Op) else what[:2]
+        op = w.OP_NAMES.get(kind, kind)
+        items = list(given[:8])  # the first few say which (a give-back may name thousands)
+        if len(given) > 8:
+            items.append(f"... {len(given)} in all")
         if unknown:
             text = f"the step channel broke before the broker answered a posted {op} of {items}: it may not have run"
         else:
             text = f"a posted {op} of {items} was refused: {error.message}"
+        if not keep:
+            log.warning("step channel: %s (not raised: nobody asked for it)", text)
+            return
         log.warning("step channel: %s", text)
         self.refused.append(BrokerError(error.code if error is not None else Code.UNAVAILABLE, text))
 
@@ -345,7 +358,9 @@ class StepTransport:
         while queue:
             what = queue.popleft()
             if what is not None:
-                self._refuse(what, None, unknown=True)
+                ops, own = what
+                for i, op in enumerate(ops):  # each may not have run
+                    self._refuse(op, None, unknown=True, keep=i < own)
         self._start = self._end = 0
 
     def fileno(self) -> int:

@@ -658,9 +658,9 @@ def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig
         monkeypatch.setattr(  # the give-backs' frames, posted
             StepTransport,
             "post",
-            lambda self, data, what: (
+            lambda self, data, ops, own=-1: (
                 sent.append([o.kind for o in w.decode_step(data[5:])]),
-                real_post(self, data, what),
+                real_post(self, data, ops, own),
             )[1],
         )
 

@@ -107,7 +107,7 @@ def fake():
 
 
 def _post(t: StepTransport, kind: int, items) -> None:
-    t.post(w.encode_step([(kind, items)]), (kind, items))
+    t.post(w.encode_step([(kind, items)]), [(kind, items)])
 
 
 def test_replies_that_come_in_one_read_are_each_taken_and_a_refused_post_is_kept(fake, caplog):
@@ -245,7 +245,7 @@ def test_at_the_bound_the_oldest_reply_is_read_first_a_begun_step_s_for_it(fake)
     sent.send([(w.OP_RELEASE, ("a0",))])  # awaited, first in the queue
     most = 0
     for i in range(2 * POST_LIMIT):
-        path.post((w.OP_UNPIN, [i]))
+        path.post([(w.OP_UNPIN, [i])])
         most = max(most, t.unread())
     assert most == POST_LIMIT and path.frames == 2 * POST_LIMIT + 1
     # The step's reply was read at the bound, for it: result() reads nothing more.
@@ -382,3 +382,180 @@ def test_bad_input_to_a_posted_give_back_is_refused_at_once_and_sends_nothing(st
             c.release_adapters(["x" * 70000])
         assert e.value.code == Code.INVALID_ARGUMENT and frames(c) == n
         assert c._step_path().transport.unread() == 0
+
+
+# ------------------------------------------------------------------ what else is posted
+
+
+def test_a_posted_frame_of_several_ops_names_the_refused_one_and_keeps_only_its_own(fake, caplog):
+    t = fake.transport
+    ops = [(w.OP_RELEASE, ("a0",)), (w.OP_UNPIN, (5, 6))]
+    t.post(w.encode_step(ops), ops)  # both the caller's: a refusal is kept
+    t.post(w.encode_step(ops), ops, own=1)  # the unpin rides along (idle holdings): logged only
+    fake.frames_in(2)
+    refused_at_1 = w.encode_step_reply(3, [bytes((w.OP_RELEASE,))], BrokerError(Code.NOT_FOUND, "no object 5"), 1)
+    fake.peer.sendall(refused_at_1 + refused_at_1)
+    with caplog.at_level(logging.WARNING):
+        t.settle()
+    assert [e.message for e in t.refused] == ["a posted unpin of [5, 6] was refused: no object 5"]
+    assert "not raised: nobody asked for it" in caplog.text
+    # A channel that breaks: each op of each unanswered frame is reported, its own ones kept.
+    del t.refused[:]
+    t.post(w.encode_step(ops), ops, own=1)
+    fake.peer.close()
+    t.close()
+    assert [e.message for e in t.refused] == [
+        "the step channel broke before the broker answered a posted release of ['a0']: it may not have run"
+    ]
+
+
+def test_lookup_many_s_cleanup_unpin_is_posted_and_runs_before_a_grpc_call(step_rig):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket) as c:
+        c.lookup([])  # the session's channel
+        n = frames(c)
+        with pytest.raises(BrokerError) as e:
+            c.lookup_many([[b"k0"], [b"k" * 2000]], pin=True)  # the broker refuses the second
+        assert e.value.code == Code.INVALID_ARGUMENT
+        t = c._step_path().transport
+        assert frames(c) == n + 2 and t.unread() == 1  # k0's unpin: posted
+        assert c.stats().pinned_pages == setup.stats().pinned_pages == 0  # gRPC: after it ran
+        assert t.unread() == 0
+        c.flush()
+
+
+def test_lookup_many_s_cleanup_unpin_waits_without_posting(step_rig):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, post_give_backs=False) as c:
+        with pytest.raises(BrokerError):
+            c.lookup_many([[b"k0"], [b"k" * 2000]], pin=True)
+        assert c._step_path().transport.unread() == 0
+        assert c.lookup([b"k0"], pin=False)[0].session_pins == 0
+
+
+def test_with_the_cache_a_give_back_s_frame_is_posted_and_refused_later(step_rig):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=5.0) as c:
+        (obj,) = c.lookup([b"k0"])
+        n = frames(c)
+        c.unpin([obj])  # the cache keeps it, idle: no frame
+        assert frames(c) == n
+        c.unpin([999])  # not held by the cache: unpinned at the broker, posted
+        t = c._step_path().transport
+        assert frames(c) == n + 1 and t.unread() == 1
+        with pytest.raises(BrokerError) as e:
+            c.flush()
+        assert (
+            e.value.code == Code.NOT_FOUND and e.value.message == "a posted unpin of [999] was refused: no object 999"
+        )
+
+
+def test_the_cache_s_flush_is_posted_then_applied_before_a_grpc_call_and_its_refusal_raised(step_rig):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=5.0) as c:
+        obj = c.allocate([Spec(1)])[0]
+        c.pin([obj])
+        c.unpin([obj])  # idle in the cache, still pinned at the broker
+        t = c._step_path().transport
+        assert c.flush_holdings() == 1 and t.unread() == 1  # posted
+        assert c.free([obj]) == (1, 0)  # over gRPC: the flush ran first, nothing holds it
+        # A flush the broker refuses (an idle pin the broker does not know): raised by flush().
+        path = c._step_path()
+        path.held.add_pin(w.ObjectRecord(999, -1, 2, 1, True, False, 1, 1, [0], b"", 3), 0.0)
+        assert c.flush_holdings() == 1
+        with pytest.raises(BrokerError) as e:
+            c.flush()
+        assert (
+            e.value.code == Code.NOT_FOUND and e.value.message == "a posted unpin of [999] was refused: no object 999"
+        )
+
+
+def test_idle_holdings_due_with_a_posted_give_back_are_refused_quietly(step_rig, caplog):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
+        (obj,) = c.lookup([b"k0"])
+        path = c._step_path()
+        path.held.add_pin(w.ObjectRecord(999, -1, 2, 1, True, False, 1, 1, [0], b"", 3), 0.0)
+        time.sleep(0.1)
+        with caplog.at_level(logging.WARNING):
+            c.unpin([998])  # the due idle holdings' unpin of 999 goes too, in a frame of its own
+            with pytest.raises(BrokerError) as e:
+                c.flush()
+        assert e.value.message == "a posted unpin of [998] was refused: no object 998"  # not 999's
+        assert "a posted unpin of [999] was refused: no object 999 (not raised" in caplog.text
+        assert 999 not in path.pins and not path.transport.refused
+        c.unpin([obj])
+        c.flush_holdings()
+        c.flush()
+        assert c.stats().pinned_pages == 0
+
+
+# ------------------------------------------------------------------ the fd channel's fetches
+
+
+def test_the_fd_channel_s_slab_and_page_fetches_read_posted_replies_first(step_rig, monkeypatch):
+    """A slab's or page's fds are fetched over the fd channel (``session._ensure_slabs``,
+    ``_import_pages``) only once every posted give-back was answered: the broker has run
+    what the session gave back before it serves the fetch."""
+    from types import SimpleNamespace
+
+    from memory_broker.clients import arena_fds
+
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket) as c:
+        objs = c.lookup([b"k0"])
+        t = c._step_path().transport
+        unread_at_fetch: list[int] = []
+        monkeypatch.setattr(arena_fds, "attach_slabs", lambda *a, **kw: unread_at_fetch.append(t.unread()))
+        c.unpin(objs)
+        assert t.unread() == 1
+        c._ensure_slabs(c.view.mapped_slabs + 1)  # a slab this process lacks: fetched
+        assert unread_at_fetch == [0]
+
+        # A CUDA arena's pages (one fd each), fetched as they are given.
+        monkeypatch.setattr(arena_fds, "missing_pages", lambda view, pages: list(pages))
+        monkeypatch.setattr(arena_fds, "import_pages", lambda *a, **kw: unread_at_fetch.append(t.unread()))
+        c.unpin(c.lookup([b"k1"]))
+        assert t.unread() == 1
+        real_view = c.view
+        c.view = SimpleNamespace(fd_unit="page", mapped_slabs=real_view.mapped_slabs)
+        try:
+            c._import_pages([0, 1], readonly=True)
+        finally:
+            c.view = real_view
+        assert unread_at_fetch == [0, 0]
+        c.flush()
+        assert c.stats().pinned_pages == 0
+
+
+# ------------------------------------------------------------------ a posted reply's slab count
+
+
+def test_a_posted_reply_s_slab_count_is_not_needed_the_next_awaited_reply_carries_it(fake, step_rig):
+    """A posted give-back's OK reply is only header-checked, so the arena's slab count it
+    carries is not read. Nothing is lost: a give-back returns nothing to map, and every
+    awaited reply carries the count at its own time (never less: slabs are only added) in
+    the reply and in each record, which is what the client maps by."""
+    t = fake.transport
+    _post(t, w.OP_UNPIN, [1])
+    fake.frames_in(1)
+    fake.peer.sendall(_ok(bytes((w.OP_UNPIN,)), slabs=5) + _lookup_reply(2))  # the posted one: 5
+    assert t.request(w.encode_step([(w.OP_LOOKUP, (b"k",), 1)])).arena_slabs == 3  # the awaited one's own
+
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket) as c:
+        objs = c.lookup([b"k0"])
+        slabs = c.view.mapped_slabs
+        assert slabs == setup.stats().num_slabs
+        c.unpin(objs)  # posted: its reply, read later, carries the count at its time
+        t = c._step_path().transport
+        assert t.unread() == 1
+        # The arena grows meanwhile (a slab is 4 pages here): a new object lives past it.
+        (big,) = setup.allocate([Spec(4, content_type="kv_cache", key=b"past-the-slabs")])
+        big.page_tensors()[-1][:8] = 7
+        assert setup.stats().num_slabs > slabs
+        (got,) = c.lookup([b"past-the-slabs"])  # reads the posted reply, then its own
+        assert t.unread() == 0 and c.view.mapped_slabs == setup.stats().num_slabs
+        assert int(got.page_tensors()[-1][:8].sum()) == 56
+        c.unpin([got])
+        c.flush()

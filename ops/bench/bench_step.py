@@ -618,7 +618,7 @@ class _Replay:
     def full(self) -> bool:
         return False
 
-    def post(self, data: bytes, what: tuple) -> None:
+    def post(self, data: bytes, ops: list, own: int = -1) -> None:
         pass
 
     def unread(self) -> int:
