@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from memory_broker.clients.step_holdings import HeldAdapter
+from memory_broker.clients.step_holdings import HeldAdapter, HeldPin
 from memory_broker.proto.wire import step as w
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,21 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
         ops: list = []
         caching = path.hold_s > 0
         now = time.monotonic()
+        core = w._core
         if release:
-            direct = cache.drop_adapter_refs(release, now) if caching else release
+            direct = None
+            if caching and core is not None:  # ``cache.drop_adapter_refs``, its native core inline
+                direct = core.drop_refs(cache.adapters, cache.idle_a, release, now)
+            if direct is None:
+                direct = cache.drop_adapter_refs(release, now) if caching else release
             if direct:
                 ops.append((w.OP_RELEASE, tuple(direct)))
         if unpin:
-            direct = cache.drop_pin_refs(unpin, now) if caching else unpin
+            direct = None
+            if caching and core is not None:  # ``cache.drop_pin_refs``, likewise
+                direct = core.drop_refs(cache.pins, cache.idle_p, unpin, now)
+            if direct is None:
+                direct = cache.drop_pin_refs(unpin, now) if caching else unpin
             if direct:
                 ops.append((w.OP_UNPIN, tuple(direct)))
         held: dict[str, w.AcquiredRecord] = {}
@@ -129,8 +138,8 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
             look = len(ops)
             ops.append((w.OP_LOOKUP, tuple(tail), 1))
         own = len(ops)
-        if caching:
-            ops.extend(cache.flush_ops(now, force=False))
+        if caching and (cache.idle_a or cache.idle_p):
+            ops.extend(cache.flush_ops(now, False))
         p = PendingDelta(path, acquire, held, missing, acq, cached, look, own, bool(ops))
         if ops:
             path.frames += 1
@@ -180,8 +189,14 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
     new: list = results[p.look] if 0 <= p.look < len(results) else []
     if caching:
         if ok:
+            pins = cache.pins
             for rec in new:
-                cache.add_ref_pin(rec)
+                if rec.object_id in pins:
+                    cache.add_ref_pin(rec)
+                else:  # ``add_ref_pin`` of a key the cache does not hold yet (the usual), inline
+                    h = pins[rec.object_id] = HeldPin(rec, 1, 1, 0.0)
+                    if rec.key:
+                        cache.by_key[rec.key] = h
         else:
             for rec in new:
                 cache.add_pin(rec, now)
