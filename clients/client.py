@@ -63,6 +63,8 @@ class BrokerObject:
     )
 
     def __init__(self, client: BrokerClient, info: pb.ObjectInfo):
+        # ``_stepcore.c``'s ``step_objects`` fills these slots as this does (a step reply's
+        # fresh records): change both (``tests/test_step_codec_native.py`` compares them).
         self.client = client
         self.object_id: int = info.object_id
         self.pages: list[int] = list(info.pages)

@@ -153,7 +153,6 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
     None when one is not hot; object records of the found prefix). Raises its error."""
     cache = path.held
     caching = path.hold_s > 0
-    now = time.monotonic()
     results: list = []
     ok = True
     if reply is not None:
@@ -162,6 +161,8 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
             reply = w.StepReply(reply.arena_slabs, reply.results)
         results = reply.results
         ok = reply.error is None
+    # When a refused change's holdings turn idle (an accepted one's are held: no clock read).
+    now = 0.0 if ok else time.monotonic()
     recs = None
     if p.acquire:
         hot = True
@@ -185,7 +186,7 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
         if ok and hot:
             recs = [(aid, got[aid]) for aid in p.acquire]
         elif p.held:
-            cache.drop_adapter_refs(list(p.held), now)
+            cache.drop_adapter_refs(list(p.held), now or time.monotonic())
     new: list = results[p.look] if 0 <= p.look < len(results) else []
     if caching:
         if ok:
