@@ -159,6 +159,9 @@ class BrokerClient(StepSession):
     when the session first makes one: ``ChannelCalls`` (clients/fastpath.py) over the
     broker's step channel, or ``GrpcCalls`` (clients/grpc_calls.py); same methods, same results."""
 
+    # What its objects are (``SessionRecords`` hands it to the native core that builds them).
+    object_type = BrokerObject
+
     def __init__(self, *args, **kwargs):
         # Adapter id -> its layout (the same for every generation; pages change). Set before
         # the session opens, which clears it.

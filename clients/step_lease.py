@@ -35,10 +35,9 @@ class SessionRecords:
         # step whose reply says no more needs no look at the view).
         self._view = None
         self._mapped = 0
-        # What the native core builds (``_fresh``): the client's objects' class.
-        from memory_broker.clients.client import BrokerObject  # noqa: PLC0415 (the client module imports this one)
-
-        self._object_type = BrokerObject
+        # What the native core builds (``_fresh``): the client's objects' class (None: the
+        # client's ``_read_objects`` builds them).
+        self._object_type = getattr(client, "object_type", None)
         # What was built from a step record is kept on the record (``made``: an object
         # record's BrokerObject, a hot adapter record's LeasedAdapter). The step transport's
         # decoder (one per session's channel, as this) hands out the record it made before for
@@ -69,7 +68,7 @@ class SessionRecords:
         client = self.client
         core = _w._core
         got = None
-        if core is not None:
+        if core is not None and self._object_type is not None:
             slabs = recs[0].arena_slabs if len(recs) == 1 else max(r.arena_slabs for r in recs)
             if client.view.mapped_slabs < slabs:
                 client._ensure_slabs(slabs)
