@@ -1020,12 +1020,14 @@ step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         PyList_SET_ITEM(objs, i, obj);
     }
+    PyObject *out = PyTuple_Pack(3, objs, shared, own);
+    if (out == NULL) goto fail;
+    /* Kept on the records last: nothing is changed unless the result is returned. */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *rec = PyList_GET_ITEM(recs, i), *obj = PyList_GET_ITEM(objs, i);
         Py_INCREF(obj);
         Py_SETREF(RSLOT(rec, 11), obj);
     }
-    PyObject *out = PyTuple_Pack(3, objs, shared, own);
     Py_DECREF(objs);
     Py_DECREF(shared);
     Py_DECREF(own);
