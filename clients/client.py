@@ -63,6 +63,8 @@ class BrokerObject:
     )
 
     def __init__(self, client: BrokerClient, info: pb.ObjectInfo):
+        # ``_stepcore.c``'s ``step_objects`` fills these slots as this does (a step reply's
+        # fresh records): change both (``tests/test_step_codec_native.py`` compares them).
         self.client = client
         self.object_id: int = info.object_id
         self.pages: list[int] = list(info.pages)
@@ -156,6 +158,9 @@ class BrokerClient(StepSession):
     ``step_begin``, a step batch's changes) go through one calls object per session, chosen
     when the session first makes one: ``ChannelCalls`` (clients/fastpath.py) over the
     broker's step channel, or ``GrpcCalls`` (clients/grpc_calls.py); same methods, same results."""
+
+    # What its objects are (``SessionRecords`` hands it to the native core that builds them).
+    object_type = BrokerObject
 
     def __init__(self, *args, **kwargs):
         # Adapter id -> its layout (the same for every generation; pages change). Set before
@@ -269,15 +274,25 @@ class BrokerClient(StepSession):
         slab check, one page-access change for the read-only ones (not one per object)."""
         if not infos:
             return []
-        self._ensure_slabs(max(i.arena_slabs for i in infos))
+        slabs = infos[0].arena_slabs if len(infos) == 1 else max(i.arena_slabs for i in infos)
+        view = self.view
+        if view.mapped_slabs < slabs:
+            self._ensure_slabs(slabs)
+            view = self.view
         shared: list[int] = []
         own: list[int] = []
         for i in infos:
             (shared if i.deduplicated or not i.owned else own).extend(i.pages)
-        if shared:
-            self._set_access(shared, True)
-        if own:
-            self._import_pages(own, True)
+        if view.fd_unit != "page":
+            # A slab-mapped view (the host arena) imports nothing: ``_set_access`` reduced to
+            # its page-access change (what a running batch's fresh keys take, every change).
+            if shared and self._page_access:
+                self._set_access(shared, True)
+        else:
+            if shared:
+                self._set_access(shared, True)
+            if own:
+                self._import_pages(own, True)
         # Windowed objects also map their window (``_object``; their pages' access is set already).
         return [BrokerObject(self, i) if i.window_page < 0 else self._object(i) for i in infos]
 

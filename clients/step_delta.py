@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from memory_broker.clients.step_holdings import HeldAdapter
+from memory_broker.clients.step_holdings import HeldAdapter, HeldPin
 from memory_broker.proto.wire import step as w
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,21 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
         ops: list = []
         caching = path.hold_s > 0
         now = time.monotonic()
+        core = w._core
         if release:
-            direct = cache.drop_adapter_refs(release, now) if caching else release
+            direct = None
+            if caching and core is not None:  # ``cache.drop_adapter_refs``, its native core inline
+                direct = core.drop_refs(cache.adapters, cache.idle_a, release, now)
+            if direct is None:
+                direct = cache.drop_adapter_refs(release, now) if caching else release
             if direct:
                 ops.append((w.OP_RELEASE, tuple(direct)))
         if unpin:
-            direct = cache.drop_pin_refs(unpin, now) if caching else unpin
+            direct = None
+            if caching and core is not None:  # ``cache.drop_pin_refs``, likewise
+                direct = core.drop_refs(cache.pins, cache.idle_p, unpin, now)
+            if direct is None:
+                direct = cache.drop_pin_refs(unpin, now) if caching else unpin
             if direct:
                 ops.append((w.OP_UNPIN, tuple(direct)))
         held: dict[str, w.AcquiredRecord] = {}
@@ -129,8 +138,8 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
             look = len(ops)
             ops.append((w.OP_LOOKUP, tuple(tail), 1))
         own = len(ops)
-        if caching:
-            ops.extend(cache.flush_ops(now, force=False))
+        if caching and (cache.idle_a or cache.idle_p):
+            ops.extend(cache.flush_ops(now, False))
         p = PendingDelta(path, acquire, held, missing, acq, cached, look, own, bool(ops))
         if ops:
             path.frames += 1
@@ -144,7 +153,6 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
     None when one is not hot; object records of the found prefix). Raises its error."""
     cache = path.held
     caching = path.hold_s > 0
-    now = time.monotonic()
     results: list = []
     ok = True
     if reply is not None:
@@ -153,6 +161,8 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
             reply = w.StepReply(reply.arena_slabs, reply.results)
         results = reply.results
         ok = reply.error is None
+    # When a refused change's holdings turn idle (an accepted one's are held: no clock read).
+    now = 0.0 if ok else time.monotonic()
     recs = None
     if p.acquire:
         hot = True
@@ -176,12 +186,18 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
         if ok and hot:
             recs = [(aid, got[aid]) for aid in p.acquire]
         elif p.held:
-            cache.drop_adapter_refs(list(p.held), now)
+            cache.drop_adapter_refs(list(p.held), now or time.monotonic())
     new: list = results[p.look] if 0 <= p.look < len(results) else []
     if caching:
         if ok:
+            pins = cache.pins
             for rec in new:
-                cache.add_ref_pin(rec)
+                if rec.object_id in pins:
+                    cache.add_ref_pin(rec)
+                else:  # ``add_ref_pin`` of a key the cache does not hold yet (the usual), inline
+                    h = pins[rec.object_id] = HeldPin(rec, 1, 1, 0.0)
+                    if rec.key:
+                        cache.by_key[rec.key] = h
         else:
             for rec in new:
                 cache.add_pin(rec, now)

@@ -35,6 +35,9 @@ class SessionRecords:
         # step whose reply says no more needs no look at the view).
         self._view = None
         self._mapped = 0
+        # What the native core builds (``_fresh``): the client's objects' class (None: the
+        # client's ``_read_objects`` builds them).
+        self._object_type = getattr(client, "object_type", None)
         # What was built from a step record is kept on the record (``made``: an object
         # record's BrokerObject, a hot adapter record's LeasedAdapter). The step transport's
         # decoder (one per session's channel, as this) hands out the record it made before for
@@ -50,14 +53,41 @@ class SessionRecords:
         if all(out):  # truth in C (no __eq__ of an object per item, as ``None in`` would call)
             return out
         if not any(out):  # none built yet (a running batch's fresh keys): all together
-            out = self.client._read_objects(recs)
-            for r, obj in zip(recs, out):
-                r.made = obj
-            return out
+            return self._fresh(recs)
         new = [(i, r) for i, (r, o) in enumerate(zip(recs, out)) if o is None]
         # Built together: one mapping check and one page-access change for all of them.
         for (i, r), obj in zip(new, self.client._read_objects([r for _, r in new])):
             r.made = out[i] = obj
+        return out
+
+    def _fresh(self, recs) -> list:
+        """BrokerObjects for records nothing was built from yet, kept on them (``made``): the
+        client's ``_read_objects``, or where the native core takes them (``_stepcore.c``'s
+        ``step_objects``: step records with no window) one call of it that makes them all and
+        says their pages, whose access is then set as ``_read_objects`` sets it."""
+        client = self.client
+        core = _w._core
+        got = None
+        if core is not None and self._object_type is not None:
+            slabs = recs[0].arena_slabs if len(recs) == 1 else max(r.arena_slabs for r in recs)
+            if client.view.mapped_slabs < slabs:
+                client._ensure_slabs(slabs)
+            got = core.step_objects(self._object_type, client, recs, client.session_id, client.epoch)
+        if got is None:
+            out = client._read_objects(recs)
+            for r, obj in zip(recs, out):
+                r.made = obj
+            return out
+        out, shared, own = got
+        try:
+            if shared and (client._page_access or client.view.fd_unit == "page"):
+                client._set_access(shared, True)
+            if own and client.view.fd_unit == "page":
+                client._import_pages(own, True)
+        except BaseException:
+            for r in recs:  # not handed out: built again next time
+                r.made = None
+            raise
         return out
 
     def step_lease(self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:

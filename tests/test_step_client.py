@@ -204,9 +204,26 @@ def test_a_step_that_gets_back_what_an_earlier_one_got_builds_nothing_new(step_r
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket) as c:  # default: hold_s 0, every step is a frame
-        built = []
-        read_objects = c._read_objects
-        c._read_objects = lambda infos: built.extend(infos) or read_objects(infos)
+        # Records built into objects: by the session's records (``_fresh``: the native core's
+        # ``step_objects`` or ``_read_objects``), or by ``_read_objects`` for some of a list.
+        built, inside = [], []
+        records = c._step_calls().records
+        read_objects, make_fresh = c._read_objects, records._fresh
+
+        def spy_fresh(recs):
+            built.extend(recs)
+            inside.append(True)
+            try:
+                return make_fresh(recs)
+            finally:
+                inside.pop()
+
+        def spy_read(infos):
+            if not inside:
+                built.extend(infos)
+            return read_objects(infos)
+
+        records._fresh, c._read_objects = spy_fresh, spy_read
         n = frames(c)
         s1 = c.step(["a0", "a1"], [b"k0", b"k1"])
         s2 = c.step(["a0"], [b"k2"], release=s1)
@@ -264,3 +281,31 @@ def test_reused_objects_read_what_the_arena_holds_now(step_rig):
             (mine,) = again.objects[0].page_tensors()
             assert int(mine[0]) == value and int(mine[-1]) == value
         again.release()
+
+
+@pytest.mark.parametrize("core", ["native", "fallback"])
+def test_a_replys_fresh_objects_are_built_in_one_native_call_and_read_only_as_before(step_rig, core, monkeypatch):
+    """A batch's fresh keys: their objects made by the native core (``step_objects``; not
+    ``_read_objects``) where it is there, kept on their records, their pages read-only (another
+    session's objects) as ``_read_objects`` leaves them; the same objects without the core."""
+    b, setup = step_rig
+    if core == "fallback":
+        monkeypatch.setattr(w, "_core", None)
+    elif w._core is None:
+        pytest.skip("the native step core is not built")
+    with BrokerClient.connect(b.socket, hold_s=1.0) as c:
+        built = []
+        read_objects = c._read_objects
+        c._read_objects = lambda infos: built.extend(infos) or read_objects(infos)
+        with c.step_batch() as batch:
+            got = batch.update((), (), [b"k0", b"k1"], ())
+            assert bool(built) == (core == "fallback")  # the native core built them, not _read_objects
+            theirs = setup.lookup([b"k0", b"k1"])
+            assert [(o.object_id, o.pages, o.key, o.owned, o.epoch) for o in got.objects] == [
+                (t.object_id, t.pages, t.key, False, c.epoch) for t in theirs
+            ]
+            assert all(type(o) is type(theirs[0]) for o in got.objects)
+            if c.view.fd_unit != "page":
+                assert set(c.view.readonly_pages()) >= {p for o in got.objects for p in o.pages}
+            again = batch.update((), (), [b"k0"], ())  # held: the same object, nothing built
+            assert again.objects[0] is got.objects[0] and len(built) == (2 if core == "fallback" else 0)

@@ -660,3 +660,87 @@ def _with_core(core):
 def test_drop_refs_leaves_other_sequences_to_the_python_pass():
     assert CORE.drop_refs({}, {}, iter([1]), 0.0) is None
     assert CORE.drop_refs({}, {}, [1, "x"], 0.0) == [1, "x"]
+
+
+class _Client:
+    """What ``BrokerObject.__init__`` reads of a client."""
+
+    session_id = 7
+    epoch = 3
+
+
+def _fields(obj) -> dict:
+    from memory_broker.clients.client import BrokerObject
+
+    return {f: getattr(obj, f) for f in BrokerObject.__slots__}
+
+
+@FAST
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2**64 - 1),
+            st.integers(0, 255),
+            st.integers(0, 255),
+            st.integers(0, 3),
+            st.integers(0, 2**32 - 1),
+            st.integers(0, 2**32 - 1),
+            st.lists(st.integers(0, 2**32 - 1), max_size=5),
+            st.binary(max_size=6),
+        ),
+        max_size=5,
+    )
+)
+def test_a_replys_fresh_objects_are_built_in_the_native_core_as_broker_object_builds_them(raw):
+    """``step_objects`` makes each record's BrokerObject with every field ``BrokerObject(client,
+    rec)`` gives it (pages copied, an empty key None, the session's id and epoch), keeps it on
+    the record (``made``), and splits the pages as ``_read_objects`` does (shared: deduplicated
+    or not owned)."""
+    from memory_broker.clients.client import BrokerObject
+
+    def recs():
+        out = []
+        for oid, state, ctype, flags, spins, tpins, pages, key in raw:
+            body = struct.pack("<QqBBBIII", oid, -1, state, ctype, flags, spins, tpins, len(pages))
+            body += struct.pack(f"<{len(pages)}I", *pages) + struct.pack("<H", len(key)) + key
+            out.append(CORE.object_record(w.ObjectRecord, 2, body))
+        return out
+
+    client = _Client()
+    CORE.object_record(w.ObjectRecord, 2, struct.pack("<QqBBBIIIH", 1, -1, 0, 0, 0, 0, 0, 0, 0))  # its layout learnt
+    native, python = recs(), recs()
+    got = CORE.step_objects(BrokerObject, client, native, client.session_id, client.epoch)
+    assert got is not None
+    objs, shared, own = got
+    want = [BrokerObject(client, r) for r in python]
+    assert [_fields(o) for o in objs] == [_fields(o) for o in want]
+    assert all(type(o) is BrokerObject for o in objs)
+    assert [r.made for r in native] == objs and all(r.made is o for r, o in zip(native, objs))
+    assert all(o.pages is not r.pages for o, r in zip(objs, native))
+    assert shared == [p for r in python if r.deduplicated or not r.owned for p in r.pages]
+    assert own == [p for r in python if not (r.deduplicated or not r.owned) for p in r.pages]
+
+
+def test_the_native_fresh_objects_take_only_step_records_with_no_window_and_nothing_made():
+    """A record with a window, one something was built from, another record class, or not a
+    list: None, and nothing made (``SessionRecords._fresh`` then runs ``_read_objects``)."""
+    from memory_broker.clients.client import BrokerObject
+
+    def rec(window: int = -1):
+        return w.ObjectRecord(1, window, 0, 0, True, False, 1, 1, [4, 5], b"k", 2)
+
+    client = _Client()
+    for recs in ([rec(), rec(0)], (rec(),), [rec(), object()]):
+        assert CORE.step_objects(BrokerObject, client, recs, 7, 3) is None
+        assert all(getattr(r, "made", None) is None for r in recs)
+    made = rec()
+    made.made = "built"
+    fresh = rec()
+    assert CORE.step_objects(BrokerObject, client, [fresh, made], 7, 3) is None
+    assert fresh.made is None and made.made == "built"
+
+    class Other:
+        __slots__ = ("client",)
+
+    assert CORE.step_objects(Other, client, [fresh], 7, 3) is None and fresh.made is None
+    assert CORE.step_objects(BrokerObject, client, [], 7, 3) == ([], [], [])

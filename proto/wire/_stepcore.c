@@ -947,6 +947,98 @@ short_raw:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ step_objects (client) */
+
+/* The BrokerObject class (clients/client.py) whose slots step_objects fills (a strong
+ * reference), and the offsets of its thirteen fields; NULL until step_objects first sees it. */
+static PyTypeObject *bobj_fast_type;
+static Py_ssize_t bobj_offsets[13];
+static const char *const BOBJ_FIELDS[13] = {"client", "object_id", "pages", "window_page", "key",
+                                            "content_type", "state", "deduplicated", "owned",
+                                            "session_pins", "total_pins", "session_id", "epoch"};
+
+#define RSLOT(rec, i) (*(PyObject **)((char *)(rec) + objrec_offsets[i]))
+
+/* step_objects(cls, client, recs, session_id, epoch) -> (objects, shared pages, own pages):
+ * a BrokerObject per record, each as BrokerObject(client, rec) makes it (client.py's __init__:
+ * the record's fields, its pages copied to a list, an empty key as None, the session's id and
+ * epoch), each record's `made` set to its object, and the records' pages split as
+ * BrokerClient._read_objects splits them (shared: deduplicated or not owned). None (nothing
+ * made, nothing changed) unless `recs` is a list of ObjectRecords (object_record's layout)
+ * with no window (window_page < 0) and nothing made yet, and `cls` has BrokerObject's slots. */
+static PyObject *
+step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "step_objects(cls, client, recs, session_id, epoch)");
+        return NULL;
+    }
+    PyObject *cls = args[0], *client = args[1], *recs = args[2];
+    if (!PyList_CheckExact(recs)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(recs);
+    if (n == 0) return Py_BuildValue("([][][])");
+    if (objrec_fast_type == NULL) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(recs, i);
+        if (Py_TYPE(rec) != objrec_fast_type) Py_RETURN_NONE;
+        PyObject *wp = RSLOT(rec, 1), *made = RSLOT(rec, 11), *pages = RSLOT(rec, 8);
+        if (wp == NULL || made != Py_None || pages == NULL || !PyList_CheckExact(pages)) Py_RETURN_NONE;
+        if (!PyLong_CheckExact(wp)) Py_RETURN_NONE;
+        int overflow;
+        long long w = PyLong_AsLongLongAndOverflow(wp, &overflow);
+        if (w == -1 && PyErr_Occurred()) return NULL;
+        if (overflow || w >= 0) Py_RETURN_NONE;
+        for (int f = 0; f < 12; f++)
+            if (RSLOT(rec, f) == NULL) Py_RETURN_NONE;
+    }
+    if (!slot_layout(cls, BOBJ_FIELDS, 13, &bobj_fast_type, bobj_offsets)) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyTypeObject *t = (PyTypeObject *)cls;
+    PyObject *objs = PyList_New(n), *shared = PyList_New(0), *own = PyList_New(0);
+    if (objs == NULL || shared == NULL || own == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(recs, i);
+        PyObject *pages = PyList_GetSlice(RSLOT(rec, 8), 0, PY_SSIZE_T_MAX);
+        if (pages == NULL) goto fail;
+        int keyed = PyObject_IsTrue(RSLOT(rec, 9));
+        int dedup = PyObject_IsTrue(RSLOT(rec, 5));
+        int owned = PyObject_IsTrue(RSLOT(rec, 4));
+        if (keyed < 0 || dedup < 0 || owned < 0) { Py_DECREF(pages); goto fail; }
+        PyObject *into = dedup || !owned ? shared : own;
+        Py_ssize_t at = PyList_GET_SIZE(into);
+        if (PyList_SetSlice(into, at, at, pages) < 0) { Py_DECREF(pages); goto fail; }
+        PyObject *obj = t->tp_alloc(t, 0);
+        if (obj == NULL) { Py_DECREF(pages); goto fail; }
+        PyObject *v[13] = {client, RSLOT(rec, 0), pages, RSLOT(rec, 1), keyed ? RSLOT(rec, 9) : Py_None,
+                           RSLOT(rec, 3), RSLOT(rec, 2), RSLOT(rec, 5), RSLOT(rec, 4),
+                           RSLOT(rec, 6), RSLOT(rec, 7), args[3], args[4]};
+        for (int f = 0; f < 13; f++) {
+            if (f != 2) Py_INCREF(v[f]);  /* pages: ours already */
+            *(PyObject **)((char *)obj + bobj_offsets[f]) = v[f];
+        }
+        PyList_SET_ITEM(objs, i, obj);
+    }
+    PyObject *out = PyTuple_Pack(3, objs, shared, own);
+    if (out == NULL) goto fail;
+    /* Kept on the records last: nothing is changed unless the result is returned. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(recs, i), *obj = PyList_GET_ITEM(objs, i);
+        Py_INCREF(obj);
+        Py_SETREF(RSLOT(rec, 11), obj);
+    }
+    Py_DECREF(objs);
+    Py_DECREF(shared);
+    Py_DECREF(own);
+    return out;
+fail:
+    Py_XDECREF(objs);
+    Py_XDECREF(shared);
+    Py_XDECREF(own);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ decode_ok (client) */
 
 /* The record of `raw` from `memo`, or make(raw) kept there (memo cleared past `limit`).
@@ -1234,6 +1326,8 @@ static PyMethodDef methods[] = {
      "drop_refs(held, idle, ids, now): the ids held with no reference here, or None"},
     {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
      "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
+    {"step_objects", (PyCFunction)(void (*)(void))step_objects, METH_FASTCALL,
+     "step_objects(cls, client, recs, session_id, epoch): (objects, shared pages, own pages), or None"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
      "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
      "last_objects, last_adapters): "

@@ -101,6 +101,8 @@ _CORE_PASSES = (
     "batch_account",
     # The step cache's reference drops (``clients/step_holdings.py``).
     "drop_refs",
+    # A step reply's fresh objects (``clients/step_lease.py``'s ``SessionRecords._fresh``).
+    "step_objects",
 )
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
