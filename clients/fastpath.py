@@ -364,14 +364,12 @@ class ChannelCalls:
 
     def change(self, new_ids: list[str], rel: list[str], new_keys: list[bytes], unpin: list[int]):
         """A running batch's change (``StepBatch``): its frame (if any) goes out now
-        (``step_delta.send_delta`` called directly, its failures mapped here as ``_fast``
-        maps them: one layer fewer on a path a background batch runs cold every step)."""
+        (``step_delta.send_delta`` called directly, its failures mapped by ``_error_of`` as
+        ``_fast`` maps them: one layer fewer on a path a background batch runs cold every step)."""
         try:
             return _ChannelChange(self, send_delta(self.path, new_ids, rel, new_keys, unpin))
-        except _w.WireError as e:
-            raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-        except StepUnavailable as e:
-            raise self._unavailable(e) from None
+        except (_w.WireError, StepUnavailable) as e:
+            raise self._error_of(e) from None
 
     def give_back(self, rel: list[str], unpin: list[int]) -> None:
         """A batch's end: release and unpin what it holds (one frame)."""
@@ -414,10 +412,8 @@ class _ChannelChange:
         if self._got is None:
             try:
                 self._got = self._pending.result()
-            except _w.WireError as e:
-                raise BrokerError(Code.INVALID_ARGUMENT, str(e)) from None
-            except StepUnavailable as e:
-                raise self._calls._unavailable(e) from None
+            except (_w.WireError, StepUnavailable) as e:
+                raise self._calls._error_of(e) from None
 
     def result(self):
         """(the new adapters as [(id, LeasedAdapter)], or None when one needs a load: acquire
