@@ -29,6 +29,7 @@ class PendingDelta:
         "cached",
         "look",
         "own",
+        "idle",
         "sent",
         "_reply_done",
         "_out",
@@ -39,6 +40,8 @@ class PendingDelta:
         self._path = path
         self.acquire, self.held, self.missing, self.acq = acquire, held, missing, acq
         self.cached, self.look, self.own = cached, look, own
+        # The idle holdings' ops that ride at the frame's end (from ``own`` on).
+        self.idle: list = []
         # Whether a frame went out (False: the cache had all of it).
         self.sent: bool = sent
         self._reply_done = not sent
@@ -141,6 +144,8 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
         if caching and (cache.idle_a or cache.idle_p):
             ops.extend(cache.flush_ops(now, False))
         p = PendingDelta(path, acquire, held, missing, acq, cached, look, own, bool(ops))
+        if len(ops) > own:
+            p.idle = ops[own:]
         if ops:
             path.frames += 1
             path.transport.send(w.encode_step(ops))
@@ -159,6 +164,8 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
         if reply.error is not None and reply.failed_index >= p.own:
             log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
             reply = w.StepReply(reply.arena_slabs, reply.results)
+        elif reply.error is not None and p.idle:
+            path.post_idle(p.idle)  # refused before them: they did not run
         results = reply.results
         ok = reply.error is None
     # When a refused change's holdings turn idle (an accepted one's are held: no clock read).

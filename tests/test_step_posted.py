@@ -559,3 +559,44 @@ def test_a_posted_reply_s_slab_count_is_not_needed_the_next_awaited_reply_carrie
         assert int(got.page_tensors()[-1][:8].sum()) == 56
         c.unpin([got])
         c.flush()
+
+
+def _idle_due(c):
+    """``c`` (hold_s 0.05) holds k0's pin idle in its cache, due for release; returns the
+    broker's pinned pages with it still pinned."""
+    c.unpin(c.lookup([b"k0"]))  # idle in the cache, pinned at the broker
+    pinned = c.stats().pinned_pages
+    assert pinned >= 1
+    time.sleep(0.1)  # past hold_s: the next frame carries its unpin at its end
+    return pinned
+
+
+def test_idle_holdings_behind_a_refused_step_op_are_sent_again(step_rig):
+    """A step frame refused at one of the caller's ops stops there: the idle holdings' ops
+    at its end did not run, and they have left the cache. They go again in a frame of
+    their own, so the broker does not keep them until the session ends."""
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
+        pinned = _idle_due(c)
+        path = c._step_path()
+        with pytest.raises(BrokerError) as e:
+            path.step(unpin=[99999], acquire=False, lookup=False)
+        assert e.value.code == Code.NOT_FOUND
+        assert not path.held.pins  # the idle pin left the cache with the refused frame
+        c.flush()  # the idle unpin's frame was posted: its reply read, nothing refused
+        assert c.stats().pinned_pages == pinned - 1
+
+
+def test_idle_holdings_behind_a_refused_batch_change_are_sent_again(step_rig):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
+        pinned = _idle_due(c)
+        path = c._step_path()
+        batch = c.step_batch()
+        with pytest.raises(BrokerError) as e:
+            batch.update(add=["no-such-adapter"])
+        assert e.value.code == Code.NOT_FOUND
+        assert not path.held.pins
+        c.flush()
+        assert c.stats().pinned_pages == pinned - 1
+        batch.release()
