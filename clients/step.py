@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from memory_broker.clients.step_delta import PendingDelta, send_delta
+from memory_broker.clients.step_delta import PendingDelta, post_idle, send_delta
 from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
 from memory_broker.clients.step_pending import PendingStep, StepOutcome, _Plan
 from memory_broker.clients.step_transport import StepTransport, StepUnavailable
@@ -94,16 +94,6 @@ class StepPath:
                     self._pending._collect()  # a begun step's reply is the oldest: kept for it
             self.frames += 1
             transport.post(data, ops, own)
-
-    def post_idle(self, ops: list) -> None:
-        """Idle holdings' ops that rode at the end of a frame refused before them (a refused op
-        stops the frame, and they have left the cache already): sent again in a frame of their
-        own, posted, its refusal only logged, so the broker does not keep them until the
-        session ends."""
-        try:
-            self.post(ops, own=0)
-        except StepUnavailable as e:  # the session's holdings end with the channel's session
-            log.debug("idle holdings not sent again, the step channel broke: %s", e)
 
     def settle(self) -> None:
         """Read every unread reply: the posted frames', and a begun step's (kept for its
@@ -359,7 +349,7 @@ class StepPath:
                 log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
                 reply = w.StepReply(reply.arena_slabs, reply.results)
             elif reply.error is not None and len(plan.ops) > plan.own:
-                self.post_idle(plan.ops[plan.own :])
+                post_idle(self, plan.ops[plan.own :])
         results = reply.results if reply is not None else []
         ok = reply is None or reply.error is None
         # Adapters.

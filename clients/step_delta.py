@@ -12,6 +12,7 @@ import logging
 import time
 
 from memory_broker.clients.step_holdings import HeldAdapter, HeldPin
+from memory_broker.clients.step_transport import StepUnavailable
 from memory_broker.proto.wire import step as w
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
             log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
             reply = w.StepReply(reply.arena_slabs, reply.results)
         elif reply.error is not None and p.idle:
-            path.post_idle(p.idle)  # refused before them: they did not run
+            post_idle(path, p.idle)  # refused before them: they did not run
         results = reply.results
         ok = reply.error is None
     # When a refused change's holdings turn idle (an accepted one's are held: no clock read).
@@ -213,3 +214,14 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
     if reply is not None and reply.error is not None:
         raise reply.error
     return recs, (p.cached + new if p.cached else new), (reply.arena_slabs if reply is not None else 0)
+
+
+def post_idle(path, ops: list) -> None:
+    """Idle holdings' ops that rode at the end of a frame refused before them (a refused op
+    stops the frame, and they have left the cache already): sent again on ``path`` (a
+    ``StepPath``) in a frame of their own, posted, its refusal only logged, so the broker
+    does not keep them until the session ends."""
+    try:
+        path.post(ops, own=0)
+    except StepUnavailable as e:  # the session's holdings end with the channel's session
+        log.debug("idle holdings not sent again, the step channel broke: %s", e)
