@@ -256,3 +256,15 @@ def test_the_store_interface_the_wing_uses():
     with pytest.raises(ValueError, match="at most max_lease_s"):
         store.reconfigure(default_lease_s=120.0, max_pins_per_session=9)
     assert (store.limits.default_lease_s, store.limits.max_pins_per_session) == (10.0, 5)
+
+
+def test_this_module_runs_on_the_native_core_and_on_its_fallback(request, native_core):
+    """conftest parametrizes the adapter and policy modules with ``native_core``: each test
+    here runs on the C core and on its fallback (a second ``pytest_generate_tests`` in
+    conftest once replaced the hook that does it, and the fallback runs silently stopped)."""
+    from memory_broker.broker.adapters import hotcore
+
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    assert params.get("native_core") == native_core
+    if native_core == "fallback":
+        assert hotcore.load() is None
