@@ -274,27 +274,35 @@ class BrokerClient(StepSession):
         slab check, one page-access change for the read-only ones (not one per object)."""
         if not infos:
             return []
-        slabs = infos[0].arena_slabs if len(infos) == 1 else max(i.arena_slabs for i in infos)
-        view = self.view
-        if view.mapped_slabs < slabs:
-            self._ensure_slabs(slabs)
-            view = self.view
+        self._slabs_for(infos)
         shared: list[int] = []
         own: list[int] = []
         for i in infos:
             (shared if i.deduplicated or not i.owned else own).extend(i.pages)
-        if view.fd_unit != "page":
+        self._read_access(shared, own)
+        # Windowed objects also map their window (``_object``; their pages' access is set already).
+        return [BrokerObject(self, i) if i.window_page < 0 else self._object(i) for i in infos]
+
+    def _slabs_for(self, infos: Sequence) -> None:
+        """Map the arena's slabs that ``infos`` (records or ``pb.ObjectInfo``s) say exist."""
+        slabs = infos[0].arena_slabs if len(infos) == 1 else max(i.arena_slabs for i in infos)
+        if self.view.mapped_slabs < slabs:
+            self._ensure_slabs(slabs)
+
+    def _read_access(self, shared: list[int], own: list[int]) -> None:
+        """Pages read through this process's mapping, not written: ``shared`` (another
+        session's, or deduplicated) read-only; ``own`` imported read-only where pages are
+        imported one by one (a CUDA arena)."""
+        if self.view.fd_unit != "page":
             # A slab-mapped view (the host arena) imports nothing: ``_set_access`` reduced to
             # its page-access change (what a running batch's fresh keys take, every change).
             if shared and self._page_access:
                 self._set_access(shared, True)
-        else:
-            if shared:
-                self._set_access(shared, True)
-            if own:
-                self._import_pages(own, True)
-        # Windowed objects also map their window (``_object``; their pages' access is set already).
-        return [BrokerObject(self, i) if i.window_page < 0 else self._object(i) for i in infos]
+            return
+        if shared:
+            self._set_access(shared, True)
+        if own:
+            self._import_pages(own, True)
 
     def _check_current(self, item: BrokerObject | Transaction, what: str, again: str) -> None:
         """Refuse an object or transaction of a session that ended with a broker restart."""

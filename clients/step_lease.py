@@ -69,9 +69,7 @@ class SessionRecords:
         core = _w._core
         got = None
         if core is not None and self._object_type is not None:
-            slabs = recs[0].arena_slabs if len(recs) == 1 else max(r.arena_slabs for r in recs)
-            if client.view.mapped_slabs < slabs:
-                client._ensure_slabs(slabs)
+            client._slabs_for(recs)
             got = core.step_objects(self._object_type, client, recs, client.session_id, client.epoch)
         if got is None:
             out = client._read_objects(recs)
@@ -80,10 +78,7 @@ class SessionRecords:
             return out
         out, shared, own = got
         try:
-            if shared and (client._page_access or client.view.fd_unit == "page"):
-                client._set_access(shared, True)
-            if own and client.view.fd_unit == "page":
-                client._import_pages(own, True)
+            client._read_access(shared, own)
         except BaseException:
             for r in recs:  # not handed out: built again next time
                 r.made = None
