@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.clients.step_delta import PendingDelta, lane_begin
 from memory_broker.proto.wire import step as _wire
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -297,6 +298,21 @@ class StepBatch:
             # Copies: the caller may reuse its lists before the worker reads them.
             pending = self._hand_over(tuple(add), tuple(drop), tuple(add_keys), tuple(drop_keys))
         else:
+            calls = client._calls
+            if (
+                calls is not None
+                and calls.lane
+                and not client._unsent
+                and calls.epoch == self.epoch
+                and not calls.path.transport.closed
+            ):
+                # The usual change on a caching step channel: one object from here to the socket.
+                pending = lane_begin(calls, self, add, drop, add_keys, drop_keys)
+                if pending is not None:
+                    self._pending = pending
+                    for lease in pending.own_leases:
+                        lease.release()
+                    return pending
             rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
             for lease in own:
                 lease.release()
@@ -387,10 +403,23 @@ class StepBatch:
         try:
             try:
                 own = ()
-                rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
-                sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
-                if sent.sent:
-                    sent.collect()  # the broker has it: the session's other calls may follow
+                lane = None
+                calls = client._calls
+                if calls is not None and calls.lane and calls.current(self.epoch):
+                    # The short lane (``StepBatch.begin``'s), this worker's gate aside.
+                    lane = lane_begin(calls, self, add, drop, add_keys, drop_keys)
+                if lane is not None:
+                    own = lane.own_leases
+                    if lane.sent:
+                        try:  # the reply read (``lane.result()`` raises its failure, mapped)
+                            PendingDelta.result(lane)
+                        except BaseException:
+                            pass
+                else:
+                    rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
+                    sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
+                    if sent.sent:
+                        sent.collect()  # the broker has it: the session's other calls may follow
             finally:
                 # The session's other calls may go now (this thread's own gRPC calls below
                 # would otherwise wait for this very gate).
@@ -399,7 +428,10 @@ class StepBatch:
             for lease in own:  # over gRPC: after the gate, or this thread would wait for itself
                 lease.release()
             # Over gRPC the change's calls are made here (after the gate, or they would wait for it).
-            pending._delta = self._finish(sent.result(), add, new_ids, add_keys, new_keys)
+            if lane is not None:
+                pending._delta = lane.result()
+            else:
+                pending._delta = self._finish(sent.result(), add, new_ids, add_keys, new_keys)
         except BaseException as e:
             pending._error = e
         finally:

@@ -296,7 +296,7 @@ class BrokerClient(StepSession):
         if self.view.fd_unit != "page":
             # A slab-mapped view (the host arena) imports nothing: ``_set_access`` reduced to
             # its page-access change (what a running batch's fresh keys take, every change).
-            if shared and self._page_access:
+            if shared and self._page_access and not self.view.reads_only(shared):
                 self._set_access(shared, True)
             return
         if shared:

@@ -56,6 +56,9 @@ class ChannelCalls:
         # Whether a give-back's frame is posted (its reply read later) or waited for
         # (``connect``'s ``post_give_backs``).
         self.posting: bool = client.post_give_backs
+        # Whether a step batch's change may take the short lane (``step_delta.lane_begin``):
+        # on a caching path (without one, ``DirectCalls``' own ``change``).
+        self.lane: bool = path.caching
 
     def current(self, epoch: int) -> bool:
         """Whether these are the calls of session ``epoch`` still (and its channel is open)."""

@@ -24,6 +24,9 @@ class GrpcCalls:
     # No step channel: nothing to count frames on.
     path = None
 
+    # A step batch's short lane is the step channel's (``ChannelCalls.lane``).
+    lane = False
+
     def __init__(self, client, records: SessionRecords):
         self.client = client
         self.records = records

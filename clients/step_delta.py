@@ -84,63 +84,26 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
     with path.lock:
         if path._pending is not None:
             path._pending._collect()
-        # Ops as tuples of their fields (``encode_step`` takes them; no Op object each).
-        ops: list = []
-        caching = path.hold_s > 0
         now = time.monotonic()
-        core = w._core
-        if release:
-            direct = None
-            if caching and core is not None:  # ``cache.drop_adapter_refs``, its native core inline
-                direct = core.drop_refs(cache.adapters, cache.idle_a, release, now)
-            if direct is None:
-                direct = cache.drop_adapter_refs(release, now) if caching else release
-            if direct:
-                ops.append((w.OP_RELEASE, tuple(direct)))
-        if unpin:
-            direct = None
-            if caching and core is not None:  # ``cache.drop_pin_refs``, likewise
-                direct = core.drop_refs(cache.pins, cache.idle_p, unpin, now)
-            if direct is None:
-                direct = cache.drop_pin_refs(unpin, now) if caching else unpin
-            if direct:
-                ops.append((w.OP_UNPIN, tuple(direct)))
-        held: dict[str, w.AcquiredRecord] = {}
-        missing = acquire
-        if caching and acquire:
-            adapters = cache.adapters
-            missing = []
-            for a in acquire:
-                h = adapters.get(a)
-                if h is None:
-                    missing.append(a)
-                    continue
-                if h.refs == 0:  # ``cache.lease_record(a)``, inline
-                    cache.idle_a.pop(a, None)
-                h.refs += 1
-                h.idle_since = 0.0
-                held[a] = h.record
-        acq = look = -1
-        if missing:
-            acq = len(ops)
-            ops.append((w.OP_ACQUIRE, tuple(missing)))
-        cached: list[w.ObjectRecord] = []
-        tail = keys
-        if caching and keys:
-            by_key = cache.by_key
-            for k in keys:
-                h = by_key.get(k)
-                if h is None:
-                    break
-                if h.refs == 0:
-                    cache.idle_p.pop(h.record.object_id, None)
-                h.refs += 1
-                h.idle_since = 0.0
-                cached.append(h.record)
-            tail = keys[len(cached) :]
-        if tail:
-            look = len(ops)
-            ops.append((w.OP_LOOKUP, tuple(tail), 1))
+        got = None
+        if caching := path.hold_s > 0:
+            core = w._core
+            if core is not None:  # one native pass (``_stepcore.c``'s ``delta_plan``)
+                got = core.delta_plan(
+                    cache.adapters,
+                    cache.idle_a,
+                    cache.pins,
+                    cache.idle_p,
+                    cache.by_key,
+                    acquire,
+                    release,
+                    keys,
+                    unpin,
+                    now,
+                )
+        if got is None:
+            got = _plan(cache, caching, acquire, release, keys, unpin, now)
+        ops, held, missing, acq, cached, look = got
         own = len(ops)
         if caching and (cache.idle_a or cache.idle_p):
             ops.extend(cache.flush_ops(now, False))
@@ -154,11 +117,68 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
         return p
 
 
+def _plan(cache, caching: bool, acquire, release, keys, unpin, now: float) -> tuple:
+    """``send_delta``'s plan against the holdings (``_stepcore.c``'s ``delta_plan`` where the
+    native core is there and the path caches): (ops as tuples of their fields, the held
+    adapters' records by id, the ids to acquire, the ACQUIRE op's index, the held records of
+    the keys' longest held prefix, the LOOKUP op's index; -1: no such op)."""
+    ops: list = []
+    if release:
+        direct = cache.drop_adapter_refs(release, now) if caching else release
+        if direct:
+            ops.append((w.OP_RELEASE, tuple(direct)))
+    if unpin:
+        direct = cache.drop_pin_refs(unpin, now) if caching else unpin
+        if direct:
+            ops.append((w.OP_UNPIN, tuple(direct)))
+    held: dict[str, w.AcquiredRecord] = {}
+    missing = acquire
+    if caching and acquire:
+        adapters = cache.adapters
+        missing = []
+        for a in acquire:
+            h = adapters.get(a)
+            if h is None:
+                missing.append(a)
+                continue
+            if h.refs == 0:  # ``cache.lease_record(a)``, inline
+                cache.idle_a.pop(a, None)
+            h.refs += 1
+            h.idle_since = 0.0
+            held[a] = h.record
+    acq = look = -1
+    if missing:
+        acq = len(ops)
+        ops.append((w.OP_ACQUIRE, tuple(missing)))
+    cached: list[w.ObjectRecord] = []
+    tail = keys
+    if caching and keys:
+        by_key = cache.by_key
+        for k in keys:
+            h = by_key.get(k)
+            if h is None:
+                break
+            if h.refs == 0:
+                cache.idle_p.pop(h.record.object_id, None)
+            h.refs += 1
+            h.idle_since = 0.0
+            cached.append(h.record)
+        tail = keys[len(cached) :]
+    if tail:
+        look = len(ops)
+        ops.append((w.OP_LOOKUP, tuple(tail), 1))
+    return ops, held, missing, acq, cached, look
+
+
 def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
     """Account a change's reply in the cache: (adapter records in ``acquire`` order, or
     None when one is not hot; object records of the found prefix). Raises its error."""
     cache = path.held
     caching = path.hold_s > 0
+    if caching and reply is not None and reply.error is None and w._core is not None:
+        got = _finish_native(cache, p, reply)  # the usual: an accepted change
+        if got is not None:
+            return got
     results: list = []
     ok = True
     if reply is not None:
@@ -216,6 +236,16 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
     return recs, (p.cached + new if p.cached else new), (reply.arena_slabs if reply is not None else 0)
 
 
+def _finish_native(cache, p: PendingDelta, reply: w.StepReply):
+    """``finish_delta`` of an accepted change on a caching path in one native pass
+    (``_stepcore.c``'s ``delta_finish``), or None, having changed nothing: the Python pass's."""
+    got = w._core.delta_finish(
+        cache.adapters, cache.pins, cache.by_key, p.acquire, p.held, p.missing, p.acq, p.look, p.cached,
+        reply.results, w.AcquiredRecord, HeldAdapter, HeldPin, w.TIER_HOT,
+    )  # fmt: skip
+    return None if got is None else (got[0], got[1], reply.arena_slabs)
+
+
 def post_idle(path, ops: list) -> None:
     """Idle holdings' ops that rode at the end of a frame refused before them (a refused op
     stops the frame, and they have left the cache already): sent again on ``path`` (a
@@ -225,3 +255,115 @@ def post_idle(path, ops: list) -> None:
         path.post(ops, own=0)
     except StepUnavailable as e:  # the session's holdings end with the channel's session
         log.debug("idle holdings not sent again, the step channel broke: %s", e)
+
+
+# ------------------------------------------------------------------ a step batch's change, in one lane
+
+
+class LaneChange(PendingDelta):
+    """A ``StepBatch`` change on a caching step channel where the native core is there
+    (``lane_begin``): the path's pending reply (a ``PendingDelta``) and the batch's pending
+    change (``PendingBatchStep``'s ``result``/``settled``) in one object, so the change
+    passes through no layer between the batch and the socket: ``StepBatch._take_drops``,
+    ``ChannelCalls.change``, ``send_delta``; ``_ChannelChange.result``, ``PendingDelta.result``
+    and ``StepBatch._finish`` each do what they do here for it, inline (the tests run both)."""
+
+    __slots__ = ("calls", "batch", "add", "add_keys", "new_keys", "delta", "failed", "own_leases")
+
+    @property
+    def settled(self) -> bool:
+        """Whether ``result()`` has run (it will not read or account anything again)."""
+        return self.delta is not None or self.failed is not None
+
+    def result(self):
+        """The change's ``BatchDelta``: its reply read (unless another call of the path read
+        it first), accounted in the holdings, its leases and objects made, the batch's counts
+        changed (once; its error raised again after)."""
+        if self.delta is not None:
+            return self.delta
+        if self.failed is not None:
+            raise self.failed
+        calls = self.calls
+        try:
+            if self._out is None and self._error is None:
+                path = self._path
+                with path.lock:
+                    if self._out is None and self._error is None:
+                        if not self._reply_done:
+                            self._collect()
+                        else:
+                            try:
+                                self._out = finish_delta(path, self, None)
+                            except BaseException as e:
+                                self._error = e
+            if self._error is not None:
+                raise self._error
+            recs, objs, slabs = self._out
+            client = calls.client
+            if slabs and client.view.mapped_slabs < slabs:
+                client._ensure_slabs(slabs)
+            records = calls.records
+            found = records.objects(objs) if objs else []
+            batch = self.batch
+            if self.acquire:
+                if recs is not None:
+                    adapters = batch.adapters
+                    for aid, rec in recs:
+                        adapters[aid] = records.leased_step(aid, rec)
+                else:
+                    batch._acquire_own(self.acquire, found)
+            self.delta = batch._account(self.add, self.add_keys, self.new_keys, found, 1 if self.sent else 0)
+            return self.delta
+        except (w.WireError, StepUnavailable) as e:
+            self.failed = calls._error_of(e)
+            raise self.failed from None
+        except BaseException as e:
+            self.failed = e
+            raise
+
+
+def lane_begin(calls, batch, add, drop, add_keys, drop_keys) -> LaneChange | None:
+    """Begin ``batch``'s change on ``calls``' caching step path (a ``ChannelCalls``) in its
+    shortest form: the batch's counts, the plan against the holdings and the frame each in
+    one native pass, the frame sent now. None, having changed nothing, where the native core
+    is not there or does not take the change (a bad drop: the batch's own pass says why).
+    The caller releases ``own_leases`` (``StepBatch._take_drops``' gRPC leases)."""
+    core = w._core
+    if core is None:
+        return None
+    got = core.batch_take(
+        batch._acount, batch._kcount, batch.adapters, batch._own, batch.objects, add, drop, add_keys, drop_keys
+    )
+    if got is None:
+        return None
+    rel, unpin, new_ids, new_keys, own = got
+    path = calls.path
+    cache = path.held
+    try:
+        with path.lock:
+            if path._pending is not None:
+                path._pending._collect()
+            now = time.monotonic()
+            ops, held, missing, acq, cached, look = core.delta_plan(
+                cache.adapters, cache.idle_a, cache.pins, cache.idle_p, cache.by_key, new_ids, rel, new_keys, unpin, now
+            )
+            n = len(ops)
+            idle = len(cache.idle_a) + len(cache.idle_p)
+            if idle and (now >= cache._next_sweep or idle > cache.max_idle):  # ``flush_ops``' own test
+                ops.extend(cache.flush_ops(now, False))
+            p = LaneChange(path, new_ids, held, missing, acq, cached, look, n, bool(ops))
+            p.calls, p.batch, p.add, p.add_keys, p.new_keys = calls, batch, add, add_keys, new_keys
+            p.delta = p.failed = None
+            # Adapters the batch acquired over gRPC, last held by this change's drops: the
+            # caller releases them (a background batch's worker only once the session's other
+            # calls may go, or its gRPC call would wait for itself).
+            p.own_leases = own
+            if len(ops) > n:
+                p.idle = ops[n:]
+            if ops:
+                path.frames += 1
+                path.transport.send(w.encode_step(ops))
+                path._pending = p
+            return p
+    except (w.WireError, StepUnavailable) as e:
+        raise calls._error_of(e) from None

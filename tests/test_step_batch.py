@@ -100,21 +100,55 @@ def test_a_background_batchs_worker_ends_with_the_batch_released_or_dropped(step
             assert _workers() == before
 
 
-def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig):
+@pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["direct", "cache"])
+def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig, hold_s):
+    # With the cache (and the native core) the change takes the short lane (``lane_begin``).
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    with BrokerClient.connect(b.socket) as c:
+    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
         batch = c.step_batch()
         batch.update(["a0"], (), [b"k0"])
+        p = batch.begin(["nope"], ["a0"], [b"k1"], [b"k0"])
         with pytest.raises(BrokerError) as e:
-            batch.update(["nope"], ["a0"], [b"k1"], [b"k0"])
+            p.result()
         assert e.value.code == Code.NOT_FOUND
+        with pytest.raises(BrokerError) as again:  # once read, the same error again
+            p.result()
+        assert again.value is e.value
         assert batch.adapters == {} and batch.objects == {}
+        c.flush_holdings()  # what the cache keeps of the drops (nothing without it)
         assert c.stats().pinned_pages == 0
         batch.update(["a1"], (), [b"k1"])  # the batch goes on
         assert set(batch.adapters) == {"a1"} and c.stats().pinned_pages == 2
         batch.release()
+        c.flush_holdings()
         assert c.stats().pinned_pages == 0
+
+
+def test_a_change_on_a_caching_channel_takes_the_short_lane_where_the_core_is_built(step_rig, wire_codec):
+    """With the holdings cache and the native core, a change goes from ``begin`` to the socket
+    in one object (``step_delta.LaneChange``); without the core, or without the cache, through
+    ``ChannelCalls.change`` (``PendingBatchStep``). Both give the same result (the rest of this
+    module runs every change both ways)."""
+    from memory_broker.clients.batch import PendingBatchStep
+    from memory_broker.clients.step_delta import LaneChange
+
+    b, setup = step_rig
+    setup.prefetch_adapters(["a0", "a1"], "hot")
+    for hold_s, lane in ((30.0, wire_codec == "native"), (0.0, False)):
+        with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+            batch = c.step_batch()
+            batch.update(["a0"], (), [b"k0"])  # the session's calls chosen
+            p = batch.begin(["a1"], ["a0"], [b"k1", b"k2"], [b"k0"])
+            assert type(p) is (LaneChange if lane else PendingBatchStep)
+            assert not p.settled
+            d = p.result()
+            assert p.settled and p.result() is d
+            assert [a.adapter_id for a in d.adapters] == ["a1"] and [o.key for o in d.objects] == [b"k1", b"k2"]
+            assert set(batch.adapters) == {"a1"} and set(batch.objects) == {b"k1", b"k2"}
+            batch.release()
+            c.flush_holdings()
+            assert c.stats().pinned_pages == 0
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["caller", "worker-thread"])

@@ -623,17 +623,21 @@ def test_a_session_chooses_its_calls_once_and_again_after_its_channel_breaks(ste
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["step-channel", "grpc"])
 def test_a_lookup_changes_page_access_once_for_all_its_objects(step_rig, fast_path):
-    """The objects of one lookup are mapped together: one page-access change for all of
-    them, not one per object (what a step of many keys pays per item)."""
+    """The objects of one lookup are mapped together: one look at their page access and at
+    most one change of it, for all of them, not one per object (what a step of many keys
+    pays per item). Another session's pages on the host arena are read-only here already
+    (``reads_only``): then nothing is changed at all."""
     b, _ = step_rig
     with BrokerClient.connect(b.socket, fast_path=fast_path) as c:
-        calls = []
-        real = c.view.set_page_access
+        looks, calls = [], []
+        real, real_look = c.view.set_page_access, c.view.reads_only
         c.view.set_page_access = lambda pages, ro: (calls.append((sorted(pages), ro)), real(pages, ro))[1]
+        c.view.reads_only = lambda pages: (looks.append(sorted(pages)), real_look(pages))[1]
         objs = c.lookup([b"k%d" % i for i in range(6)])
         assert [o.key for o in objs] == [b"k%d" % i for i in range(6)]
-        assert len(calls) == 1 and calls[0][1] is True
-        assert calls[0][0] == sorted(p for o in objs for p in o.pages)
+        pages = sorted(p for o in objs for p in o.pages)
+        assert looks == [pages] and calls in ([], [(pages, True)])
+        assert c.view.reads_only(pages)  # read-only here, whichever way it came to be
         c.unpin(objs)
 
 

@@ -3,7 +3,8 @@
 Separate benchmark runs on a shared VM differ by more than a change to this path does, so
 this runs both, change by change: the functions of the cached change path (``send_delta``,
 ``ChannelCalls.change`` with its ``_ChannelChange``, ``SessionRecords.objects``,
-``BrokerClient._read_objects``) are swapped before every change between this tree's and those
+``BrokerClient._read_objects`` and ``_read_access``, and the short lane of ``StepBatch``'s
+changes, ``ChannelCalls.lane``) are swapped before every change between this tree's and those
 of ``BASE`` (a ``clients/`` directory of the older tree, e.g. ``git archive <commit> clients |
 tar -x -C /tmp/base``): even changes run the older ones, odd ones this tree's. The workload is
 ``bench_step.py``'s trace (8 hot adapters, ``hold_s=1.0``). Modes: ``cold`` (a 2 ms sleep
@@ -60,25 +61,37 @@ def sides(base: str) -> dict:
     sd = _load("ab_base_step_delta", os.path.join(base, "step_delta.py"))
     fp = _load("ab_base_fastpath", os.path.join(base, "fastpath.py"))
     sl = _load("ab_base_step_lease", os.path.join(base, "step_lease.py"))
+    # The older tree's ChannelCalls.change calls its own send_delta (from its module's globals).
+    fp.send_delta = sd.send_delta
+    # A tree before the short lane (``step_delta.lane_begin``) sends every change through
+    # ``ChannelCalls.change``: the base side runs with ``ChannelCalls.lane`` off.
+    lane = "def lane_begin(" in open(os.path.join(base, "step_delta.py")).read()
+    cl = os.path.join(base, "client.py")
     return {
         "base": (
             sd.send_delta,
             fp.ChannelCalls.change,
             sl.SessionRecords.objects,
-            _method(os.path.join(base, "client.py"), "_read_objects", clmod.__dict__),
+            _method(cl, "_read_objects", clmod.__dict__),
+            _method(cl, "_read_access", clmod.__dict__),
+            lane,
         ),
         "new": (
             stepmod.send_delta,
             fastpath.ChannelCalls.change,
             step_lease.SessionRecords.objects,
             clmod.BrokerClient._read_objects,
+            clmod.BrokerClient._read_access,
+            True,
         ),
     }
 
 
-def use(side: tuple) -> None:
+def use(side: tuple, c: BrokerClient | None = None) -> None:
     stepmod.send_delta, fastpath.ChannelCalls.change, step_lease.SessionRecords.objects = side[:3]
-    clmod.BrokerClient._read_objects = side[3]
+    clmod.BrokerClient._read_objects, clmod.BrokerClient._read_access = side[3:5]
+    if c is not None:
+        c._step_calls().lane = side[5]
 
 
 def setup_broker(d: str):
@@ -104,7 +117,7 @@ def run(c: BrokerClient, ids: list, both: dict, steps: int, mode: str) -> dict:
     got: dict = {"base": [], "new": []}
     for i in range(len(dl)):
         which = "base" if i % 2 == 0 else "new"
-        use(both[which])
+        use(both[which], c)
         nxt = dl[i + 1] if i + 1 < len(dl) else ((), (), (), ())
         p0, c0 = time.process_time_ns(), time.thread_time_ns()
         pending = bt.begin(nxt[0], dl[i][1], nxt[2], dl[i][3])
@@ -115,7 +128,7 @@ def run(c: BrokerClient, ids: list, both: dict, steps: int, mode: str) -> dict:
         c3, p3 = time.thread_time_ns(), time.process_time_ns()
         if i >= 100:
             got[which].append(((c1 - c0 + c3 - c2) / 1000, (p3 - p0) / 1000))
-    use(both["new"])
+    use(both["new"], c)
     bt.release()
     return {w: (statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)) for w, xs in got.items()}
 

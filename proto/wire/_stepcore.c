@@ -1039,6 +1039,331 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ a batch change's plan and finish (client) */
+
+static PyObject *s_refs_, *s_idle_since_, *s_record_, *s_object_id_, *s_hot_, *s_adapters_, *s_key_,
+    *s_generation_, *s_pages_;
+
+static int
+delta_names(void)
+{
+    if (s_pages_ != NULL) return 0;
+    if ((s_refs_ = PyUnicode_InternFromString("refs")) == NULL ||
+        (s_idle_since_ = PyUnicode_InternFromString("idle_since")) == NULL ||
+        (s_record_ = PyUnicode_InternFromString("record")) == NULL ||
+        (s_object_id_ = PyUnicode_InternFromString("object_id")) == NULL ||
+        (s_hot_ = PyUnicode_InternFromString("hot")) == NULL ||
+        (s_adapters_ = PyUnicode_InternFromString("adapters")) == NULL ||
+        (s_key_ = PyUnicode_InternFromString("key")) == NULL ||
+        (s_generation_ = PyUnicode_InternFromString("generation")) == NULL ||
+        (s_pages_ = PyUnicode_InternFromString("pages")) == NULL)
+        return -1;
+    return 0;
+}
+
+/* A holding `h` (HeldAdapter or HeldPin) taken once more: refs + 1, idle_since 0.0, and
+ * out of `idle` (under `idle_key`) where it had no reference. 0, or -1 on error. */
+static int
+take_ref(PyObject *h, PyObject *idle, PyObject *idle_key, PyObject *zero)
+{
+    PyObject *r = PyObject_GetAttr(h, s_refs_);
+    if (r == NULL) return -1;
+    long refs = PyLong_AsLong(r);
+    Py_DECREF(r);
+    if (refs == -1 && PyErr_Occurred()) return -1;
+    if (refs == 0 && idle_key != NULL) {
+        int in = PyDict_Contains(idle, idle_key);
+        if (in < 0 || (in && PyDict_DelItem(idle, idle_key) < 0)) return -1;
+    }
+    PyObject *v = PyLong_FromLong(refs + 1);
+    if (v == NULL) return -1;
+    int bad = PyObject_SetAttr(h, s_refs_, v) < 0 || PyObject_SetAttr(h, s_idle_since_, zero) < 0;
+    Py_DECREF(v);
+    return bad ? -1 : 0;
+}
+
+/* An op tuple (kind, tuple(items)[, flags]): a new reference, or NULL. */
+static PyObject *
+op_tuple(long kind, PyObject *items, int with_flags, long flags)
+{
+    PyObject *t = PySequence_Tuple(items);
+    if (t == NULL) return NULL;
+    return with_flags ? Py_BuildValue("(lNl)", kind, t, flags) : Py_BuildValue("(lN)", kind, t);
+}
+
+/* delta_plan(adapters, idle_a, pins, idle_p, by_key, acquire, release, keys, unpin, now) ->
+ * (ops, held, missing, acq, cached, look): step_delta.py's send_delta planned against a
+ * caching path's holdings (StepHoldings' dicts), changed as its Python pass changes them: the
+ * release and unpin ops of what is held with no reference here (the others' references
+ * dropped), the held adapters of `acquire` ({id: record}) and the ACQUIRE op of the rest
+ * (`missing`, at op index `acq`, -1: none), the held records of the longest held prefix of
+ * `keys` (`cached`) and the LOOKUP op of the rest (at `look`). The idle holdings' ops are the
+ * caller's. None, having changed nothing, where a list argument is not a list or tuple. */
+static PyObject *
+delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "delta_plan(adapters, idle_a, pins, idle_p, by_key, acquire, release, keys, unpin, now)");
+        return NULL;
+    }
+    if (delta_names() < 0) return NULL;
+    PyObject *adapters = args[0], *idle_a = args[1], *pins = args[2], *idle_p = args[3], *by_key = args[4];
+    PyObject *now = args[9];
+    PyObject **acquire, **keys, **unused;
+    Py_ssize_t n_acq, n_keys, n;
+    if (!seq_items(args[5], &acquire, &n_acq) || !seq_items(args[6], &unused, &n) ||
+        !seq_items(args[7], &keys, &n_keys) || !seq_items(args[8], &unused, &n))
+        Py_RETURN_NONE;
+    PyObject *ops = PyList_New(0), *held = PyDict_New(), *missing = NULL, *cached = PyList_New(0);
+    PyObject *zero = PyFloat_FromDouble(0.0);
+    PyObject *dargs[4];
+    long acq = -1, look = -1;
+    if (ops == NULL || held == NULL || cached == NULL || zero == NULL) goto fail;
+    for (int k = 0; k < 2; k++) { /* release, then unpin: drop_refs, and an op of the direct ones */
+        PyObject *items = args[6 + 2 * k];
+        if (PySequence_Fast_GET_SIZE(items) == 0) continue;
+        dargs[0] = k ? pins : adapters;
+        dargs[1] = k ? idle_p : idle_a;
+        dargs[2] = items;
+        dargs[3] = now;
+        PyObject *direct = drop_refs(NULL, dargs, 4);
+        if (direct == NULL) goto fail;
+        if (PyList_GET_SIZE(direct)) {
+            PyObject *op = op_tuple(k ? OP_UNPIN : OP_RELEASE, direct, 0, 0);
+            int bad = op == NULL || PyList_Append(ops, op) < 0;
+            Py_XDECREF(op);
+            if (bad) { Py_DECREF(direct); goto fail; }
+        }
+        Py_DECREF(direct);
+    }
+    if (n_acq) {
+        missing = PyList_New(0);
+        if (missing == NULL) goto fail;
+        for (Py_ssize_t i = 0; i < n_acq; i++) {
+            PyObject *h = PyDict_GetItemWithError(adapters, acquire[i]);
+            if (h == NULL) {
+                if (PyErr_Occurred() || PyList_Append(missing, acquire[i]) < 0) goto fail;
+                continue;
+            }
+            Py_INCREF(h);
+            PyObject *rec = NULL;
+            int bad = take_ref(h, idle_a, acquire[i], zero) < 0 || (rec = PyObject_GetAttr(h, s_record_)) == NULL ||
+                      PyDict_SetItem(held, acquire[i], rec) < 0;
+            Py_XDECREF(rec);
+            Py_DECREF(h);
+            if (bad) goto fail;
+        }
+        if (PyList_GET_SIZE(missing)) {
+            acq = (long)PyList_GET_SIZE(ops);
+            PyObject *op = op_tuple(OP_ACQUIRE, missing, 0, 0);
+            int bad = op == NULL || PyList_Append(ops, op) < 0;
+            Py_XDECREF(op);
+            if (bad) goto fail;
+        }
+    } else {
+        missing = args[5]; /* as send_delta: the (empty) acquire itself */
+        Py_INCREF(missing);
+    }
+    Py_ssize_t c = 0;
+    for (; c < n_keys; c++) {
+        PyObject *h = PyDict_GetItemWithError(by_key, keys[c]);
+        if (h == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            break;
+        }
+        Py_INCREF(h);
+        PyObject *rec = PyObject_GetAttr(h, s_record_), *oid = NULL;
+        int bad = rec == NULL || (oid = PyObject_GetAttr(rec, s_object_id_)) == NULL ||
+                  take_ref(h, idle_p, oid, zero) < 0 || PyList_Append(cached, rec) < 0;
+        Py_XDECREF(oid);
+        Py_XDECREF(rec);
+        Py_DECREF(h);
+        if (bad) goto fail;
+    }
+    if (c < n_keys) {
+        look = (long)PyList_GET_SIZE(ops);
+        PyObject *tail = PyTuple_New(n_keys - c);
+        if (tail == NULL) goto fail;
+        for (Py_ssize_t i = c; i < n_keys; i++) {
+            Py_INCREF(keys[i]);
+            PyTuple_SET_ITEM(tail, i - c, keys[i]);
+        }
+        PyObject *op = Py_BuildValue("(lNl)", (long)OP_LOOKUP, tail, 1L);
+        int bad = op == NULL || PyList_Append(ops, op) < 0;
+        Py_XDECREF(op);
+        if (bad) goto fail;
+    }
+    Py_DECREF(zero);
+    return Py_BuildValue("(NNNlNl)", ops, held, missing, acq, cached, look);
+fail:
+    Py_XDECREF(ops);
+    Py_XDECREF(held);
+    Py_XDECREF(missing);
+    Py_XDECREF(cached);
+    Py_XDECREF(zero);
+    return NULL;
+}
+
+/* The classes delta_finish fills by their slots (strong references; NULL until first seen). */
+static PyTypeObject *arec_fast_type, *hadapter_fast_type, *hpin_fast_type;
+static Py_ssize_t arec_offsets[5], hadapter_offsets[3], hpin_offsets[4];
+static const char *const AREC_FIELDS[5] = {"generation", "object_id", "found_in", "pages", "made"};
+static const char *const HADAPTER_FIELDS[3] = {"record", "refs", "idle_since"};
+static const char *const HPIN_FIELDS[4] = {"record", "refs", "broker_pins", "idle_since"};
+
+/* A new object of the slotted class `t` (laid out by slot_layout: `offsets`), its `n`
+ * fields the values `v` (new references each, taken). NULL on error (the values released). */
+static PyObject *
+fill_slots(PyTypeObject *t, const Py_ssize_t *offsets, PyObject **v, int n)
+{
+    PyObject *o = NULL;
+    for (int i = 0; i < n; i++)
+        if (v[i] == NULL) goto done;
+    o = t->tp_alloc(t, 0);
+    if (o != NULL)
+        for (int i = 0; i < n; i++) {
+            *(PyObject **)((char *)o + offsets[i]) = v[i];
+            v[i] = NULL;
+        }
+done:
+    for (int i = 0; i < n; i++) Py_XDECREF(v[i]);
+    return o;
+}
+
+/* delta_finish(adapters, pins, by_key, acquire, held, missing, acq, look, cached, results,
+ * AcquiredRecord, HeldAdapter, HeldPin, tier_hot) -> (recs, records): step_delta.py's
+ * finish_delta of an accepted reply on a caching path: each acquired adapter held (a
+ * HeldAdapter of its record as found hot, one reference), `recs` the [(id, record)] of
+ * `acquire` in order (None where `acquire` is empty), each looked-up object pinned with a
+ * reference (a HeldPin, found by its key), `records` the cached prefix and then the found.
+ * None, having changed nothing, where the Python pass must take it: the acquire was not hot,
+ * a found object is held already, or a class or result is not of the layout made here. */
+static PyObject *
+delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 14 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[4]) || !PyList_CheckExact(args[8]) || !PyList_CheckExact(args[9])) {
+        PyErr_SetString(PyExc_TypeError, "delta_finish(adapters, pins, by_key, acquire, held, missing, acq, look, "
+                                         "cached, results, AcquiredRecord, HeldAdapter, HeldPin, tier_hot)");
+        return NULL;
+    }
+    if (delta_names() < 0) return NULL;
+    PyObject *adapters = args[0], *pins = args[1], *by_key = args[2], *held = args[4], *cached = args[8];
+    PyObject *results = args[9];
+    PyObject **acquire, **missing;
+    Py_ssize_t n_acq, n_miss;
+    if (!seq_items(args[3], &acquire, &n_acq) || !seq_items(args[5], &missing, &n_miss)) Py_RETURN_NONE;
+    long acq = PyLong_AsLong(args[6]), look = PyLong_AsLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (!slot_layout(args[10], AREC_FIELDS, 5, &arec_fast_type, arec_offsets) ||
+        !slot_layout(args[11], HADAPTER_FIELDS, 3, &hadapter_fast_type, hadapter_offsets) ||
+        !slot_layout(args[12], HPIN_FIELDS, 4, &hpin_fast_type, hpin_offsets)) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n_res = PyList_GET_SIZE(results);
+    /* Check everything first: nothing changes unless the whole of it is taken here. */
+    PyObject *outcome_ads = NULL; /* the acquire's records (a tuple), borrowed from the outcome */
+    PyObject *outcome = NULL;
+    if (n_acq && acq >= 0) {
+        if (acq >= n_res) Py_RETURN_NONE;
+        outcome = PyList_GET_ITEM(results, acq);
+        PyObject *hot = PyObject_GetAttr(outcome, s_hot_);
+        if (hot == NULL) return NULL;
+        int is_hot = hot == Py_True;
+        Py_DECREF(hot);
+        if (!is_hot) Py_RETURN_NONE;
+        outcome_ads = PyObject_GetAttr(outcome, s_adapters_);
+        if (outcome_ads == NULL) return NULL;
+        if (!PyTuple_CheckExact(outcome_ads) && !PyList_CheckExact(outcome_ads)) {
+            Py_DECREF(outcome_ads);
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *new = NULL;
+    if (look >= 0 && look < n_res) {
+        new = PyList_GET_ITEM(results, look);
+        if (!PyList_CheckExact(new) || objrec_fast_type == NULL) goto none;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
+            PyObject *rec = PyList_GET_ITEM(new, i);
+            if (Py_TYPE(rec) != objrec_fast_type || RSLOT(rec, 0) == NULL || RSLOT(rec, 9) == NULL) goto none;
+            int in = PyDict_Contains(pins, RSLOT(rec, 0));
+            if (in < 0) goto fail;
+            if (in) goto none; /* held already: add_ref_pin's other branch, in Python */
+        }
+    }
+    PyObject *got = held, *recs = Py_None, *objs = NULL;
+    Py_INCREF(got);
+    Py_INCREF(recs);
+    if (outcome_ads != NULL) {
+        Py_SETREF(got, PyDict_Copy(held));
+        if (got == NULL) goto fail_recs;
+        Py_ssize_t m = PySequence_Fast_GET_SIZE(outcome_ads);
+        PyObject **ads = PySequence_Fast_ITEMS(outcome_ads);
+        for (Py_ssize_t i = 0; i < n_miss && i < m; i++) {
+            PyObject *v[5] = {PyObject_GetAttr(ads[i], s_generation_), PyObject_GetAttr(ads[i], s_object_id_),
+                              Py_NewRef(args[13]), PyObject_GetAttr(ads[i], s_pages_), Py_NewRef(Py_None)};
+            PyObject *rec = fill_slots(arec_fast_type, arec_offsets, v, 5);
+            if (rec == NULL) goto fail_recs;
+            PyObject *hv[3] = {Py_NewRef(rec), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
+            PyObject *h = fill_slots(hadapter_fast_type, hadapter_offsets, hv, 3);
+            int bad = h == NULL || PyDict_SetItem(adapters, missing[i], h) < 0 ||
+                      PyDict_SetItem(got, missing[i], rec) < 0;
+            Py_XDECREF(h);
+            Py_DECREF(rec);
+            if (bad) goto fail_recs;
+        }
+    }
+    if (n_acq) {
+        Py_SETREF(recs, PyList_New(n_acq));
+        if (recs == NULL) goto fail_recs;
+        for (Py_ssize_t i = 0; i < n_acq; i++) {
+            PyObject *rec = PyDict_GetItemWithError(got, acquire[i]);
+            if (rec == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, acquire[i]);
+                goto fail_recs;
+            }
+            PyObject *pair = PyTuple_Pack(2, acquire[i], rec);
+            if (pair == NULL) goto fail_recs;
+            PyList_SET_ITEM(recs, i, pair);
+        }
+    }
+    if (new != NULL) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
+            PyObject *rec = PyList_GET_ITEM(new, i);
+            PyObject *v[4] = {Py_NewRef(rec), PyLong_FromLong(1), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
+            PyObject *h = fill_slots(hpin_fast_type, hpin_offsets, v, 4);
+            if (h == NULL) goto fail_recs;
+            int bad = PyDict_SetItem(pins, RSLOT(rec, 0), h) < 0;
+            if (!bad) {
+                int keyed = PyObject_IsTrue(RSLOT(rec, 9));
+                bad = keyed < 0 || (keyed && PyDict_SetItem(by_key, RSLOT(rec, 9), h) < 0);
+            }
+            Py_DECREF(h);
+            if (bad) goto fail_recs;
+        }
+        objs = PyList_GET_SIZE(cached) ? PySequence_Concat(cached, new) : Py_NewRef(new);
+    } else {
+        objs = PyList_GetSlice(cached, 0, PY_SSIZE_T_MAX);
+    }
+    if (objs == NULL) goto fail_recs;
+    Py_DECREF(got);
+    Py_XDECREF(outcome_ads);
+    return Py_BuildValue("(NN)", recs, objs);
+fail_recs:
+    Py_XDECREF(got);
+    Py_XDECREF(recs);
+    goto fail;
+none:
+    Py_XDECREF(outcome_ads);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(outcome_ads);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ decode_ok (client) */
 
 /* The record of `raw` from `memo`, or make(raw) kept there (memo cleared past `limit`).
@@ -1328,6 +1653,12 @@ static PyMethodDef methods[] = {
      "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
     {"step_objects", (PyCFunction)(void (*)(void))step_objects, METH_FASTCALL,
      "step_objects(cls, client, recs, session_id, epoch): (objects, shared pages, own pages), or None"},
+    {"delta_plan", (PyCFunction)(void (*)(void))delta_plan, METH_FASTCALL,
+     "delta_plan(adapters, idle_a, pins, idle_p, by_key, acquire, release, keys, unpin, now): "
+     "(ops, held, missing, acq, cached, look), or None"},
+    {"delta_finish", (PyCFunction)(void (*)(void))delta_finish, METH_FASTCALL,
+     "delta_finish(adapters, pins, by_key, acquire, held, missing, acq, look, cached, results, "
+     "AcquiredRecord, HeldAdapter, HeldPin, tier_hot): (recs, records), or None"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
      "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
      "last_objects, last_adapters): "

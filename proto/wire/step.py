@@ -103,6 +103,9 @@ _CORE_PASSES = (
     "drop_refs",
     # A step reply's fresh objects (``clients/step_lease.py``'s ``SessionRecords._fresh``).
     "step_objects",
+    # A running batch's change planned and accounted (``clients/step_delta.py``).
+    "delta_plan",
+    "delta_finish",
 )
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.

@@ -236,6 +236,11 @@ class HostArenaView(ArenaView):
             self._window_phys[window_page + i] = p
             self._phys_windows.setdefault(p, set()).add(window_page + i)
 
+    def reads_only(self, pages: Sequence[int]) -> bool:
+        # One C call (no lock: a set read whole under the GIL), what ``set_page_access``
+        # looks at first: a lookup of another session's objects usually finds them read-only.
+        return self._readonly_pages.issuperset(pages)
+
     def set_page_access(self, pages: Sequence[int], readonly: bool) -> None:
         """Make physical ``pages`` read-only (PROT_READ) or writable again in this view: the
         physical view's pages and every window page mapping them (now, or later through

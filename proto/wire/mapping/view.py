@@ -101,6 +101,11 @@ class ArenaView(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot change page access")
 
+    def reads_only(self, pages: Sequence[int]) -> bool:
+        """Whether each of physical ``pages`` is read-only in this view already (then
+        ``set_page_access(pages, True)`` would change nothing); False where not, or unknown."""
+        return False
+
     @abc.abstractmethod
     def tensor(self, address: int, nbytes: int, dtype=None):
         """A zero-copy torch tensor over ``nbytes`` at ``address`` in this view (uint8 unless
