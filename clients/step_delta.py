@@ -265,8 +265,8 @@ class LaneChange(PendingDelta):
     (``lane_begin``): the path's pending reply (a ``PendingDelta``) and the batch's pending
     change (``PendingBatchStep``'s ``result``/``settled``) in one object, so the change
     passes through no layer between the batch and the socket: ``StepBatch._take_drops``,
-    ``ChannelCalls.change``, ``send_delta``; ``_ChannelChange.result``, ``PendingDelta.result``
-    and ``StepBatch._finish`` each do what they do here for it, inline (the tests run both)."""
+    ``ChannelCalls.change``, ``send_delta``; ``_ChannelChange.result`` and
+    ``StepBatch._finish`` each do what they do here for it, inline (the tests run both)."""
 
     __slots__ = ("calls", "batch", "add", "add_keys", "new_keys", "delta", "failed", "own_leases")
 
@@ -285,20 +285,7 @@ class LaneChange(PendingDelta):
             raise self.failed
         calls = self.calls
         try:
-            if self._out is None and self._error is None:
-                path = self._path
-                with path.lock:
-                    if self._out is None and self._error is None:
-                        if not self._reply_done:
-                            self._collect()
-                        else:
-                            try:
-                                self._out = finish_delta(path, self, None)
-                            except BaseException as e:
-                                self._error = e
-            if self._error is not None:
-                raise self._error
-            recs, objs, slabs = self._out
+            recs, objs, slabs = PendingDelta.result(self)  # read (unless collected) and accounted
             client = calls.client
             if slabs and client.view.mapped_slabs < slabs:
                 client._ensure_slabs(slabs)
