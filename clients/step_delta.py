@@ -75,7 +75,9 @@ class PendingDelta:
             return self._out
 
 
-def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> PendingDelta:
+def send_delta(
+    path, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int], pending: type = PendingDelta
+) -> PendingDelta:
     """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
     ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
     At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
@@ -107,7 +109,7 @@ def send_delta(path, acquire: list[str], release: list[str], keys: list[bytes], 
         own = len(ops)
         if caching and (cache.idle_a or cache.idle_p):
             ops.extend(cache.flush_ops(now, False))
-        p = PendingDelta(path, acquire, held, missing, acq, cached, look, own, bool(ops))
+        p = pending(path, acquire, held, missing, acq, cached, look, own, bool(ops))
         if len(ops) > own:
             p.idle = ops[own:]
         if ops:
@@ -264,9 +266,10 @@ class LaneChange(PendingDelta):
     """A ``StepBatch`` change on a caching step channel where the native core is there
     (``lane_begin``): the path's pending reply (a ``PendingDelta``) and the batch's pending
     change (``PendingBatchStep``'s ``result``/``settled``) in one object, so the change
-    passes through no layer between the batch and the socket: ``StepBatch._take_drops``,
-    ``ChannelCalls.change``, ``send_delta``; ``_ChannelChange.result`` and
-    ``StepBatch._finish`` each do what they do here for it, inline (the tests run both)."""
+    passes through no layer between the batch and ``send_delta`` (``lane_begin`` calls it
+    with this class): ``StepBatch._take_drops``, ``ChannelCalls.change``;
+    ``_ChannelChange.result`` and ``StepBatch._finish`` each do what they do here for it,
+    inline (the tests run both)."""
 
     __slots__ = ("calls", "batch", "add", "add_keys", "new_keys", "delta", "failed", "own_leases")
 
@@ -324,33 +327,14 @@ def lane_begin(calls, batch, add, drop, add_keys, drop_keys) -> LaneChange | Non
     if got is None:
         return None
     rel, unpin, new_ids, new_keys, own = got
-    path = calls.path
-    cache = path.held
     try:
-        with path.lock:
-            if path._pending is not None:
-                path._pending._collect()
-            now = time.monotonic()
-            ops, held, missing, acq, cached, look = core.delta_plan(
-                cache.adapters, cache.idle_a, cache.pins, cache.idle_p, cache.by_key, new_ids, rel, new_keys, unpin, now
-            )
-            n = len(ops)
-            idle = len(cache.idle_a) + len(cache.idle_p)
-            if idle and (now >= cache._next_sweep or idle > cache.max_idle):  # ``flush_ops``' own test
-                ops.extend(cache.flush_ops(now, False))
-            p = LaneChange(path, new_ids, held, missing, acq, cached, look, n, bool(ops))
-            p.calls, p.batch, p.add, p.add_keys, p.new_keys = calls, batch, add, add_keys, new_keys
-            p.delta = p.failed = None
-            # Adapters the batch acquired over gRPC, last held by this change's drops: the
-            # caller releases them (a background batch's worker only once the session's other
-            # calls may go, or its gRPC call would wait for itself).
-            p.own_leases = own
-            if len(ops) > n:
-                p.idle = ops[n:]
-            if ops:
-                path.frames += 1
-                path.transport.send(w.encode_step(ops))
-                path._pending = p
-            return p
+        p = send_delta(calls.path, new_ids, rel, new_keys, unpin, LaneChange)
     except (w.WireError, StepUnavailable) as e:
         raise calls._error_of(e) from None
+    p.calls, p.batch, p.add, p.add_keys, p.new_keys = calls, batch, add, add_keys, new_keys
+    p.delta = p.failed = None
+    # Adapters the batch acquired over gRPC, last held by this change's drops: the caller
+    # releases them (a background batch's worker only once the session's other calls may
+    # go, or its gRPC call would wait for itself).
+    p.own_leases = own
+    return p
