@@ -33,7 +33,8 @@ def test_the_check_script_fails_without_a_gpu_instead_of_passing_by_skipping(tmp
     if gpu_ready.gather().gpus:
         pytest.skip("this machine has a GPU: the dry run is for machines without one")
     out = tmp_path / "results.txt"
-    env = {**os.environ, "WHEELHOUSE": ""}  # nothing to install here
+    # Nothing to install here; this interpreter (the script's default, .venv's, may not exist).
+    env = {**os.environ, "WHEELHOUSE": "", "PYTHON": sys.executable}
     r = subprocess.run(
         ["bash", os.path.join(GPU, "run_gpu_checks.sh"), str(out)],
         cwd=ROOT,

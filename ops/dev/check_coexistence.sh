@@ -59,7 +59,7 @@ PY
 
 for order in "ours theirs" "theirs ours"; do
     env="$work/venv-${order// /-}"
-    python3 -m venv "$env"
+    "$PY" -m venv "$env"  # the interpreter that built our wheel (its tag names that Python)
     echo "$deps" > "$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dev-deps.pth"
     echo "fresh environment, installing $order:"
     for which in $order; do
