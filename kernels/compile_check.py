@@ -211,14 +211,15 @@ def _segment_variants(L, align: int, block_m: int, precision, arch: int, dt: str
     return out
 
 
-def _plan_variants(arch: int) -> list[CompiledVariant]:
-    """The one-launch segment plan at every tile height, for few, some and the most slots."""
+def _plan_variants(arch: int, slots=None) -> list[CompiledVariant]:
+    """The one-launch segment plan at every tile height, for few, some and the most slots
+    (``slots``: those of them, None: all)."""
     from . import plan_kernel as P
     from .batch_plan import BLOCK_M_CHOICES
 
     ptrs = {n: "*i32" for n in ("token_slot_ptr", "order_ptr", "tile_slot_ptr", "tile_start_ptr", "tile_end_ptr")}
     out = []
-    for num_slots in (8, 64, P.MAX_PLAN_SLOTS):
+    for num_slots in (8, 64, P.MAX_PLAN_SLOTS) if slots is None else slots:
         keys, block_t = P._launch_shape(num_slots)
         for block_m in BLOCK_M_CHOICES:
             constexprs = {"BLOCK_M": block_m, "BLOCK_T": block_t, "KEYS": keys}
@@ -226,9 +227,14 @@ def _plan_variants(arch: int) -> list[CompiledVariant]:
     return out
 
 
-def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> list[CompiledVariant]:
-    """Compiles each kernel for each dtype, row alignment (1, 8) and segment block shape used,
-    and the one-launch segment plan (``plan_kernel``, dtype "i32") at each tile height.
+def compile_all(
+    arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.float32), aligns=(1, 8), plan_slots=None
+) -> list[CompiledVariant]:
+    """Compiles each kernel for each dtype, row alignment (``aligns``: 1, 8) and segment block
+    shape used, and the one-launch segment plan (``plan_kernel``, dtype "i32") at each tile
+    height for each slot count of ``plan_slots`` (None: every one it is launched with). Parts
+    (some ``aligns``, some ``plan_slots``) may compile in processes side by side: ptxas runs
+    on one core.
 
     Raises:
         RuntimeError: TRITON_INTERPRET is set (the kernels are then interpreter objects).
@@ -242,11 +248,11 @@ def compile_all(arch: int = 90, dtypes=(torch.float16, torch.bfloat16, torch.flo
     for torch_dtype in dtypes:
         dt = _TRITON_DTYPES[torch_dtype]
         precision = L.dot_precision(torch_dtype)
-        for align in (1, 8):
+        for align in aligns:
             out += _token_variants(L, align, arch, dt)
             for block_m in BLOCK_M_CHOICES:
                 out += _segment_variants(L, align, block_m, precision, arch, dt)
-    return out + _plan_variants(arch)
+    return out + _plan_variants(arch, plan_slots)
 
 
 def main() -> int:
