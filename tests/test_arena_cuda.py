@@ -1752,7 +1752,7 @@ def test_a_whole_arena_imports_through_the_fd_channel_within_an_fd_limit(fake, t
     on a whole GPU (~70,000 pages against RLIMIT_NOFILE 20,000), scaled down: 2,400 pages
     against a limit of 1,100 fds. The old way (every page's fd exported and kept) fails against
     the limit; exporting on demand in batches, and closing each fd once imported, stays under
-    it, and the broker's event loop is not stalled by the exports (5 ms each here)."""
+    it, and the exports run off the broker's event loop (on the export executor's threads)."""
     from memory_broker.broker.doors.fd_channel import FD_BUDGET, FdChannelServer
     from memory_broker.clients.fd_channel import fetch_fds
 
