@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
-from memory_broker.clients.step_delta import PendingDelta, lane_begin
+from memory_broker.clients.step_delta import lane_begin
 from memory_broker.proto.wire import step as _wire
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -299,13 +299,7 @@ class StepBatch:
             pending = self._hand_over(tuple(add), tuple(drop), tuple(add_keys), tuple(drop_keys))
         else:
             calls = client._calls
-            if (
-                calls is not None
-                and calls.lane
-                and not client._unsent
-                and calls.epoch == self.epoch
-                and not calls.path.transport.closed
-            ):
+            if calls is not None and calls.lane and not client._unsent and calls.current(self.epoch):
                 # The usual change on a caching step channel: one object from here to the socket.
                 pending = lane_begin(calls, self, add, drop, add_keys, drop_keys)
                 if pending is not None:
@@ -410,11 +404,7 @@ class StepBatch:
                     lane = lane_begin(calls, self, add, drop, add_keys, drop_keys)
                 if lane is not None:
                     own = lane.own_leases
-                    if lane.sent:
-                        try:  # the reply read (``lane.result()`` raises its failure, mapped)
-                            PendingDelta.result(lane)
-                        except BaseException:
-                            pass
+                    lane.collect()  # the reply read (``lane.result()`` raises its failure, mapped)
                 else:
                     rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
                     sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)

@@ -58,6 +58,14 @@ class PendingDelta:
         except BaseException as e:
             self._error = e
 
+    def collect(self) -> None:
+        """Read the reply now if no call of the path has (a failure is kept: ``result()``
+        raises it)."""
+        path = self._path
+        with path.lock:
+            if not self._reply_done:
+                self._collect()
+
     def result(self):
         """(adapter records in order, or None: one is not hot; object records; arena slabs)."""
         path = self._path
