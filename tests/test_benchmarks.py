@@ -16,6 +16,11 @@ from conftest import short_tmpdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# A smoke run takes up to about a minute on a loaded 2-core machine (bench_step's quick run:
+# 62 s in CI). The test's bound is the script's own (300 s, below), not pytest's default 120 s,
+# which a slower machine would reach first.
+pytestmark = pytest.mark.timeout(360)
+
 
 def bench(script: str, *args: str) -> str:
     """Run one benchmark script; it and every process it started (brokers of up to 8 GiB of

@@ -534,7 +534,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_hotcore", "The adapter wing's native core (hot acquire and release).", -1, methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_hotcore",
+    .m_doc = "The adapter wing's native core (hot acquire and release).",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC

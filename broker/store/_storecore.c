@@ -1124,7 +1124,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_storecore", "The store's native core: a step's per-key passes.", -1, methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_storecore",
+    .m_doc = "The store's native core: a step's per-key passes.",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC

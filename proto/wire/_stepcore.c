@@ -1667,7 +1667,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_stepcore", "The step wire's native core.", -1, methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_stepcore",
+    .m_doc = "The step wire's native core.",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC
