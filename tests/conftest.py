@@ -156,6 +156,37 @@ PYTHON_CODEC_TESTS = {
 }
 
 
+# Each test's time (setup + call + teardown, as pytest-timeout counts it) beside its bound: the
+# summary names every test that used more than half of it. A test at 97% of its bound on one
+# machine fails on a slower one (test_vllm_lora_baseline's setup did, in CI).
+_SPENT: dict[str, float] = {}
+_BOUND: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    yield
+    _SPENT[item.nodeid] = _SPENT.get(item.nodeid, 0.0) + call.duration
+    if item.nodeid not in _BOUND:
+        marker = item.get_closest_marker("timeout")
+        bound = (marker.args[0] if marker.args else marker.kwargs.get("timeout")) if marker else None
+        if bound is None:
+            try:
+                bound = item.config.getini("timeout")  # pytest-timeout's ini value
+            except ValueError:  # pytest-timeout not installed
+                bound = None
+        if bound:
+            _BOUND[item.nodeid] = float(bound)
+
+
+def pytest_terminal_summary(terminalreporter):
+    near = sorted(((_SPENT[n] / b, n) for n, b in _BOUND.items() if b > 0 and _SPENT.get(n, 0.0) > b / 2), reverse=True)
+    if near:
+        terminalreporter.write_sep("=", "tests past half of their timeout (a slower machine fails them)")
+        for frac, nodeid in near:
+            terminalreporter.write_line(f"{_SPENT[nodeid]:7.1f}s of {_BOUND[nodeid]:.0f}s ({frac:.0%})  {nodeid}")
+
+
 def pytest_generate_tests(metafunc):
     # One hook for both parametrizations (a second ``pytest_generate_tests`` in this module
     # would replace the first, and ``native_core``'s would silently never run).
