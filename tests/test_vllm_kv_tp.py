@@ -86,28 +86,43 @@ def start_pair(run_dir: str, *extra: str) -> list:
 
 
 @pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM environment at {VLLM_PY} (`make vllm-venv`)")
-@pytest.mark.timeout(900)  # five processes importing vLLM: 20-40 s each on a loaded 2-core machine
+@pytest.mark.timeout(900)  # five processes importing vLLM (two pairs side by side): 20-40 s each, loaded
 def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path):  # noqa: F811
     run_dir = short_tmpdir()
     brokers = start_pair(run_dir)
     socks = [os.path.join(run_dir, A, "broker.sock"), os.path.join(run_dir, B, "broker.sock")]
     base = dict(os.environ, MEMORY_BROKER_SOCKET=run_dir)
 
-    def run(args: list[str], visible: str) -> dict:
-        r = subprocess.run(
-            [VLLM_PY, HARNESS, *args],
-            cwd=ROOT,
-            env=dict(base, CUDA_VISIBLE_DEVICES=visible),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
+    def run(*jobs: tuple[list[str], str]) -> list[dict]:
+        """Each (harness arguments, CUDA_VISIBLE_DEVICES) in a process of its own, side by side
+        (each imports vLLM: 20-40 s); their answers (each one's last line), in order."""
+        procs = [
+            subprocess.Popen(
+                [VLLM_PY, HARNESS, *args],
+                cwd=ROOT,
+                env=dict(base, CUDA_VISIBLE_DEVICES=visible),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for args, visible in jobs
+        ]
+        try:
+            answers = []
+            for (args, _), p in zip(jobs, procs):
+                out, err = p.communicate(timeout=300)
+                assert p.returncode == 0, f"{args}: " + out[-2000:] + err[-4000:]
+                answers.append(json.loads(out.strip().splitlines()[-1]))
+            return answers
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
     try:
         # Each rank's worker sees only its own GPU (as device 0).
-        saved = [run(["save", "0"], "0"), run(["save", "1"], "1")]
+        saved = run((["save", "0"], "0"), (["save", "1"], "1"))
         assert [s["socket"] for s in saved] == socks and [s["gpu"] for s in saved] == [A, B]
         assert saved[0]["stats"]["stored_blocks"] == 8 and saved[1]["stats"]["stored_blocks"] == 4
         c0, c1 = BrokerClient.connect(socks[0]), BrokerClient.connect(socks[1])
@@ -124,15 +139,15 @@ def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path)
 
         # The scheduler (engine core) sees both GPUs; rank r's broker is the r-th visible one's.
         meta = str(tmp_path / "meta.pkl")
-        sched = run(["schedule", meta], "0,1")
+        (sched,) = run((["schedule", meta], "0,1"))
         assert sched["sockets"] == socks
         assert sched["hit"] == [4 * BS, False]  # stored by both ranks: a hit
         assert sched["half"] == [0, False]  # missing on rank 1's broker: a miss
         assert sched["loads"] == 1
 
         # A second pair of workers (seeing both GPUs, each on its rank's device) loads the blocks.
-        for rank in (0, 1):
-            got = run(["load", str(rank), meta], "0,1")
+        loads = run((["load", "0", meta], "0,1"), (["load", "1", meta], "0,1"))
+        for rank, got in enumerate(loads):
             assert got["socket"] == socks[rank]
             assert got["errors"] == [] and got["stats"]["loaded_blocks"] == 4, got
             assert got["bytes_equal"] and not got["other_rank_bytes"] and got["untouched"], got
