@@ -291,6 +291,28 @@ def spawn_child(socket: str, body: str) -> subprocess.Popen:
     )
 
 
+def run_side_by_side(jobs: list[tuple[str, list[str], dict]], timeout: float) -> list[str]:
+    """Each (label, command, environment) in a process of its own, all at once (CI's machine has
+    two cores); each one's stdout, in order. One that fails fails the test with its label and
+    its output's tail; none outlives the call."""
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _, cmd, env in jobs
+    ]
+    try:
+        outs = []
+        for (label, _, _), p in zip(jobs, procs):
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"{label} failed:\n" + out[-2000:] + err[-4000:]
+            outs.append(out)
+        return outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> dict:
     import select
 

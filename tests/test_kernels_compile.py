@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from conftest import run_side_by_side
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,28 +56,13 @@ def variants() -> list[dict]:
     # the time each): ptxas runs on one core, and with a cold cache all of them took 186 s in
     # one process on the 2-core VM.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PROGRAM, str(align)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for align in (1, 8)
+    jobs = [
+        (f"compiling the kernels for sm_90 (row alignment {a})", [sys.executable, "-c", _PROGRAM, str(a)], env)
+        for a in (1, 8)
     ]
     out: list[dict] = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=540)
-            assert p.returncode == 0, f"compiling the kernels for sm_90 failed:\n{stderr[-4000:]}"
-            out += json.loads(stdout.strip().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for stdout in run_side_by_side(jobs, 540):
+        out += json.loads(stdout.strip().splitlines()[-1])
     return out
 
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
-from conftest import ROOT, short_tmpdir
+from conftest import ROOT, run_side_by_side, short_tmpdir
 from test_multi_gpu import A, B, start_gpu_broker, table  # noqa: F401  (table: a fixture)
 
 from memory_broker.clients.client import BrokerClient
@@ -94,31 +93,12 @@ def test_tp2_ranks_store_and_load_through_their_own_gpu_brokers(table, tmp_path)
     base = dict(os.environ, MEMORY_BROKER_SOCKET=run_dir)
 
     def run(*jobs: tuple[list[str], str]) -> list[dict]:
-        """Each (harness arguments, CUDA_VISIBLE_DEVICES) in a process of its own, side by side
-        (each imports vLLM: 20-40 s); their answers (each one's last line), in order."""
-        procs = [
-            subprocess.Popen(
-                [VLLM_PY, HARNESS, *args],
-                cwd=ROOT,
-                env=dict(base, CUDA_VISIBLE_DEVICES=visible),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for args, visible in jobs
-        ]
-        try:
-            answers = []
-            for (args, _), p in zip(jobs, procs):
-                out, err = p.communicate(timeout=300)
-                assert p.returncode == 0, f"{args}: " + out[-2000:] + err[-4000:]
-                answers.append(json.loads(out.strip().splitlines()[-1]))
-            return answers
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        """Each (harness arguments, CUDA_VISIBLE_DEVICES) side by side (each imports vLLM:
+        20-40 s); their answers (each one's last line), in order."""
+        outs = run_side_by_side(
+            [(str(args), [VLLM_PY, HARNESS, *args], dict(base, CUDA_VISIBLE_DEVICES=v)) for args, v in jobs], 300
+        )
+        return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
     try:
         # Each rank's worker sees only its own GPU (as device 0).

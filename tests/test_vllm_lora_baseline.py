@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_side_by_side
 
 VLLM_PY = os.environ.get("MEMORY_BROKER_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 EXTRACTOR = os.path.join(ROOT, "ops", "gpu", "extract_vllm_lora_ops.py")
@@ -178,10 +178,11 @@ PROBE = textwrap.dedent(
     bench.copy_bandwidth = lambda reps: 1e12  # not 2 GiB of host memory for a number never shown
     # Small grids: the interpreter runs each of vLLM's split-K shrink programs (64 per tile) in Python.
     bench.CASES = [bench.Case("decode", 3, 3, 4, 32, 2, "decode"), bench.Case("prefill", 8, 2, 4, 32, 2, "prefill")]
-    runs = {"bench": ["--vllm-ops", folder], "bench_without_vllm": ["--vllm-ops", folder + ".absent"]}
+    if part == "bench":
+        runs = {"bench": ["--vllm-ops", folder]}
+    else:
+        runs = {"bench_without_vllm": ["--vllm-ops", folder + ".absent"]}
     for key, argv in runs.items():
-        if (key == "bench") != (part == "bench"):
-            continue
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", "--layers", "1", "--modules", "2", *argv])
@@ -208,33 +209,18 @@ def probe(extracted) -> dict:
     interpreter in one): each checks the kernels against the reference; "bench" runs the
     benchmark with vLLM's rows, "checks" without them and with a wrong token -> slot map."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    procs = {
-        part: subprocess.Popen(
-            [sys.executable, "-c", PROBE, str(extracted), ROOT, part],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        for part in ("bench", "checks")
-    }
+    parts = ("bench", "checks")
+    outs = run_side_by_side(
+        [(f"probe {part}", [sys.executable, "-c", PROBE, str(extracted), ROOT, part], env) for part in parts], 400
+    )
     result: dict = {}
-    try:
-        for part, p in procs.items():
-            out, err = p.communicate(timeout=400)
-            assert p.returncode == 0, f"{part}: " + out[-3000:] + err[-3000:]
-            line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-            got = json.loads(line.removeprefix("RESULT "))
-            # Both parts load the same package and run the same check: they agree, or one is off.
-            for key in set(got) & set(result):
-                assert got[key] == result[key], (part, key, got[key], result[key])
-            result.update(got)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for part, out in zip(parts, outs):
+        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        got = json.loads(line.removeprefix("RESULT "))
+        # Both parts load the same package and run the same check: they agree, or one is off.
+        for key in set(got) & set(result):
+            assert got[key] == result[key], (part, key, got[key], result[key])
+        result.update(got)
     return result
 
 
