@@ -164,3 +164,34 @@ def test_watch_refuses_pid_zero():
             PidWatcher(asyncio.get_running_loop()).watch(0, lambda pid: None)
 
     asyncio.run(main())
+
+
+def test_unwatch_of_one_key_keeps_the_others_and_the_last_closes_the_pidfd():
+    async def main():
+        watcher = PidWatcher(asyncio.get_running_loop())
+        p = sleeper()
+        got: list[str] = []
+        done = asyncio.Event()
+        try:
+            before = open_pidfds()
+            for key in range(100):  # a process that opens and closes sessions: none left behind
+                watcher.watch(p.pid, lambda pid, key=key: got.append(key), key)
+                watcher.unwatch(p.pid, key)
+            assert watcher.callbacks(p.pid) == 0 and not watcher.watching(p.pid)
+            assert open_pidfds() == before
+            watcher.watch(p.pid, lambda pid: got.append("a"), "a")
+            watcher.watch(p.pid, lambda pid: got.append("stale"), "b")
+            watcher.watch(p.pid, lambda pid: got.append("b"), "b")  # the same key: replaced
+            watcher.watch(p.pid, lambda pid: done.set(), "c")
+            watcher.unwatch(p.pid, "a")
+            watcher.unwatch(p.pid, "a")  # idempotent
+            assert watcher.callbacks(p.pid) == 2 and open_pidfds() == before + 1
+            p.kill()
+            await asyncio.wait_for(done.wait(), 1.0)
+            assert got == ["b"] and open_pidfds() == before
+        finally:
+            watcher.close()
+            p.kill()
+            p.wait()
+
+    asyncio.run(main())

@@ -355,3 +355,41 @@ def test_a_session_lost_to_a_broker_restart_is_proven_again(broker_factory):
         (obj,) = c.allocate([Spec(1)])
         assert c.reconnects == 1 and c.metadata != first and dict(c.metadata)[KEY_METADATA]
         c.free([obj])
+
+
+def test_a_process_that_keeps_one_session_and_cycles_others_leaves_one_watch_behind():
+    """Each proven session watches its process; one that ends while the process lives on
+    takes its callback with it (they used to pile up until the process exited: memory that
+    grew with every session a long-lived client opened), and the process's exit still ends
+    the sessions it holds."""
+
+    async def main():
+        from memory_broker.broker.sessions.liveness import PidWatcher
+
+        watcher = PidWatcher(asyncio.get_running_loop())
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            m = SessionManager(_Store(), watcher)
+            peer = PeerCred(p.pid, ME.uid, ME.gid)
+            kept = m.open("kept", 1)
+            m.authorize_fd_request(kept.token, peer)
+            for i in range(200):
+                s = m.open(f"short-{i}", 2)
+                m.authorize_fd_request(s.token, peer)
+                m.close(s.session_id, "client closed")
+            assert watcher.callbacks(p.pid) == 1
+            last = m.open("last", 3)
+            m.authorize_fd_request(last.token, peer)
+            assert watcher.callbacks(p.pid) == 2
+            p.kill()
+            for _ in range(100):
+                if kept.closed and last.closed:
+                    break
+                await asyncio.sleep(0.01)
+            assert kept.closed and last.closed and not watcher.watching(p.pid)
+        finally:
+            watcher.close()
+            p.kill()
+            p.wait()
+
+    asyncio.run(main())

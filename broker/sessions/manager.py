@@ -288,10 +288,10 @@ class SessionManager:
             timer.cancel()
         self.store.end_session(session_id)
         if self.watcher is not None:
-            # One process may hold several sessions: stop watching a pid with the last one.
+            # One process may hold several sessions: its watch ends with the last one's
+            # callback (a process that opens and closes sessions leaves none behind).
             for pid in s.peer_pids:
-                if not any(pid in other.peer_pids for other in self.by_id.values()):
-                    self.watcher.unwatch(pid)
+                self.watcher.unwatch(pid, session_id)
         s.events.put_nowait(CLOSED)
         self._log("session_closed", session=session_id, reason=reason)
 
@@ -372,7 +372,7 @@ class SessionManager:
         s.peer_pids.add(peer.pid)
         if self.watcher is not None:
             sid = s.session_id
-            alive = self.watcher.watch(peer.pid, lambda pid: self._peer_died(sid, pid))
+            alive = self.watcher.watch(peer.pid, lambda pid: self._peer_died(sid, pid), sid)
             if not alive:
                 self._peer_died(sid, peer.pid)
                 raise FdRequestRefused("PERMISSION_DENIED", f"process {peer.pid} exited")
