@@ -182,3 +182,42 @@ def test_lease_expiry_and_the_next_deadline_skip_transactions_that_ended_early()
     now[0] = 1000.0
     assert len(store.expire()) == 40 and store.next_deadline() is None and not store.open_txns
     check_invariants(store)
+
+
+def test_transactions_that_end_early_behind_a_long_lease_leave_bounded_memory():
+    """A session that prepares and aborts (or commits) over and over while one long lease
+    stays open: the deadline heap keeps about the open transactions' entries, not one per
+    transaction ever prepared, and a remembered aborted transaction keeps none of its
+    objects (they are gone); expiry and a retried commit or abort still work."""
+    from memory_broker.broker.store.txn_book import STALE_SLACK
+
+    now = [100.0]
+    pool = PagePool(64, 64, 64, lambda slabs: None)
+    store = ObjectStore(
+        pool, WindowSpace(256), config=StoreConfig(high_watermark=1.0, low_watermark=1.0), clock=lambda: now[0]
+    )
+    sid = store.open_session()
+    long = store.prepare(sid, [Spec(1)], lease_s=600.0)
+    book = store.txns
+    ended = []
+    for i in range(20 * STALE_SLACK):
+        t = store.prepare(sid, [Spec(2)], lease_s=300.0)
+        if i % 2:
+            store.abort(sid, [t.txn_id])
+            assert t.objects == [] and t.pinned == []  # not kept alive while remembered
+        else:
+            (committed,) = store.commit(sid, [t.txn_id])
+            store.free(sid, [o.object_id for o, _ in committed.result])
+        ended.append(t.txn_id)
+        assert len(book._deadlines) <= 2 * len(book.open) + STALE_SLACK + 1
+    check_invariants(store)
+    # Retries of the ended ones still answer as before.
+    assert store.abort(sid, [ended[-1]]) == 0
+    assert [t.txn_id for t in store.commit(sid, [ended[-2]])] == [ended[-2]]
+    short = store.prepare(sid, [Spec(1)], lease_s=5.0)
+    assert store.next_deadline() == 105.0
+    now[0] = 106.0
+    assert store.expire() == [short.txn_id] and store.next_deadline() == 700.0
+    now[0] = 701.0
+    assert store.expire() == [long.txn_id] and store.next_deadline() is None
+    check_invariants(store)

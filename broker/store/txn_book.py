@@ -10,8 +10,11 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from memory_broker.broker.store.records import Allocation, Recent, Transaction
+from memory_broker.broker.store.records import Allocation, Recent, Transaction, TxnState
 from memory_broker.proto.wire.errors import denied, not_found
+
+# Entries of finished transactions the deadline heap may carry beyond twice the open ones.
+STALE_SLACK = 1024
 
 
 class TransactionBook:
@@ -57,9 +60,19 @@ class TransactionBook:
         return txn
 
     def finish(self, t: Transaction) -> None:
-        """Close a transaction (its state already set) and remember it."""
+        """Close a transaction (its state already set) and remember it; an aborted or
+        expired one without its objects (they are gone: a retried abort reads its state only)."""
         self.open.pop(t.txn_id, None)
+        if t.state is not TxnState.COMMITTED:
+            t.objects, t.pin_on_commit, t.pinned = [], [], []
         self._finished[t.txn_id] = t
+        heap = self._deadlines
+        if len(heap) > 2 * len(self.open) + STALE_SLACK:
+            # Mostly entries of transactions that ended before their lease (they surface only
+            # when every earlier deadline has: one long lease holds back all behind it): keep
+            # the open ones' alone, at a cost the finishes since the last rebuild paid for.
+            self._deadlines = heap = [(o.deadline, tid) for tid, o in self.open.items()]
+            heapq.heapify(heap)
 
     def owned(self, session: int, txn_id: int) -> Transaction:
         """The session's transaction, open or recently finished.
