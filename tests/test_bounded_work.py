@@ -204,7 +204,7 @@ def test_transactions_that_end_early_behind_a_long_lease_leave_bounded_memory():
         t = store.prepare(sid, [Spec(2)], lease_s=300.0)
         if i % 2:
             store.abort(sid, [t.txn_id])
-            assert t.objects == [] and t.pinned == []  # not kept alive while remembered
+            assert not t.objects and not t.pinned  # not kept alive while remembered
         else:
             (committed,) = store.commit(sid, [t.txn_id])
             store.free(sid, [o.object_id for o, _ in committed.result])

@@ -64,7 +64,7 @@ class TransactionBook:
         expired one without its objects (they are gone: a retried abort reads its state only)."""
         self.open.pop(t.txn_id, None)
         if t.state is not TxnState.COMMITTED:
-            t.objects, t.pin_on_commit, t.pinned = [], [], []
+            t.objects = t.pin_on_commit = t.pinned = ()  # type: ignore[assignment]
         self._finished[t.txn_id] = t
         heap = self._deadlines
         if len(heap) > 2 * len(self.open) + STALE_SLACK:
