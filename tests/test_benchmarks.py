@@ -351,3 +351,16 @@ def test_bench_vllm_kv_report_says_a_run_stopped_early_and_its_setup():
     assert "vLLM's queues spinning 0.05 s after a message" in text and ": fair" in text
     a.vllm_defaults, a.stopped_early = True, ""
     assert "vLLM's own CPU setup" in b.report(a, [_row("none", 100, 200)], True, 1.0)
+
+
+def test_soak_broker_memory_small_run_prints_both_soaks_and_keeps_every_rule():
+    out = bench("soak_broker_memory.py", "--store", "3000", "--sessions", "6", "--frames", "40")
+    assert "store: 3,000 transactions behind one open 600 s lease" in out, out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip() and ln.split()[0].replace(",", "").isdigit()]
+    store_rows = rows[:4]
+    assert [r[0] for r in store_rows] == ["301", "751", "1,501", "3,000"], out
+    # The deadline heap keeps the open transactions' entries and at most 1,024 more.
+    assert all(int(r[2].replace(",", "")) <= 1 + 2 + 1024 for r in store_rows), out
+    assert "sessions: 6 sessions of one process, 40 step frames each (seed 1)" in out, out
+    assert "every refusal deliberate, the books restored each time" in out, out
+    assert "FAIL:" not in out, out
