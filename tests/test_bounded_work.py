@@ -221,3 +221,28 @@ def test_transactions_that_end_early_behind_a_long_lease_leave_bounded_memory():
     now[0] = 701.0
     assert store.expire() == [long.txn_id] and store.next_deadline() is None
     check_invariants(store)
+
+
+def test_remembered_transactions_are_bounded_by_their_objects_too():
+    """A committed transaction is remembered with its result (a retried commit returns it),
+    so the book is bounded by transactions and objects together: committing and freeing
+    large batches keeps about ``remember`` objects' worth, not ``remember`` batches."""
+    pool = PagePool(4096, 4096, 4096, lambda slabs: None)
+    store = ObjectStore(
+        pool, WindowSpace(8192), config=StoreConfig(high_watermark=1.0, low_watermark=1.0, remember=1024)
+    )
+    sid = store.open_session()
+    ids = []
+    for _ in range(200):
+        t = store.prepare(sid, [Spec(1) for _ in range(100)])
+        (done,) = store.commit(sid, [t.txn_id])
+        store.free(sid, [o.object_id for o, _ in done.result])
+        ids.append(t.txn_id)
+    kept = [tid for tid in ids if store.txns._finished.get(tid) is not None]
+    remembered_objects = sum(len(store.txns._finished.get(tid).result) for tid in kept)
+    # At most ``remember`` plus one entry per generation (8) of its own weight.
+    assert remembered_objects <= 1024 + 8 * 101 and len(kept) >= 8, (len(kept), remembered_objects)
+    # The newest still answer a retried commit; the forgotten ones say so.
+    assert [t.txn_id for t in store.commit(sid, [ids[-1]])] == [ids[-1]]
+    with pytest.raises(Exception, match="finished too long ago"):
+        store.commit(sid, [ids[0]])

@@ -170,26 +170,44 @@ class StoreLimits:
 
 
 class Recent:
-    """The last ``remember * 7/8 .. remember`` entries added, for messages and idempotent
-    retries.
+    """The last ``remember * 7/8 .. remember`` entries added (by weight: ``add``), for
+    messages and idempotent retries.
 
     Eight plain dicts of ``remember/8`` entries: new entries go to the newest; when it is full
     the oldest dict is dropped whole. Unlike trimming an OrderedDict entry by entry, nothing
     here rebuilds a table of ``remember`` entries inside one call (that rebuild stalled a call
     for milliseconds every few ten thousand drops), and one drop frees only 1/8 of them.
+
+    An entry may weigh more than one (``add``): a generation is full when its entries' weights
+    reach ``remember/8``, so what is kept is bounded by weight (e.g. a finished transaction's
+    objects), not only by the number of entries: at most ``remember`` plus, per generation,
+    the weight of its last entry.
     """
 
-    __slots__ = ("part", "gens")
+    __slots__ = ("part", "gens", "weight")
 
     def __init__(self, remember: int, generations: int = 8):
         self.part = max(1, remember // generations)
         self.gens: deque[dict] = deque([{}], maxlen=generations)
+        # The newest generation's weight.
+        self.weight = 0
 
     def __setitem__(self, key, value) -> None:
         cur = self.gens[-1]
         cur[key] = value
-        if len(cur) >= self.part:
+        self.weight += 1
+        if self.weight >= self.part:
             self.gens.append({})  # the deque drops the oldest generation
+            self.weight = 0
+
+    def add(self, key, value, weight: int) -> None:
+        """Remember ``key`` -> ``value``, weighing ``weight`` (at least 1)."""
+        cur = self.gens[-1]
+        cur[key] = value
+        self.weight += max(1, weight)
+        if self.weight >= self.part:
+            self.gens.append({})  # the deque drops the oldest generation
+            self.weight = 0
 
     def get(self, key, default=None):
         for g in reversed(self.gens):

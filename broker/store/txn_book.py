@@ -21,7 +21,8 @@ class TransactionBook:
     """Open and recently finished transactions.
 
     Args:
-        remember: how many finished transactions are kept for idempotent commit/abort.
+        remember: how many finished transactions, with a committed one's objects counted
+            too, are kept for idempotent commit/abort.
     """
 
     def __init__(self, remember: int):
@@ -65,7 +66,9 @@ class TransactionBook:
         self.open.pop(t.txn_id, None)
         if t.state is not TxnState.COMMITTED:
             t.objects = t.pin_on_commit = t.pinned = ()  # type: ignore[assignment]
-        self._finished[t.txn_id] = t
+        # Weighed by its objects (a committed one keeps its result for a retried commit): the
+        # book keeps about ``remember`` transactions and objects in all, however large each.
+        self._finished.add(t.txn_id, t, 1 + len(t.result))
         heap = self._deadlines
         if len(heap) > 2 * len(self.open) + STALE_SLACK:
             # Mostly entries of transactions that ended before their lease (they surface only
