@@ -34,7 +34,8 @@ import time
 import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
+from bench_request_flood import rss_mib  # noqa: E402  (this folder is on sys.path above)
+from bench_rpc import start_broker  # noqa: E402
 from bench_step import write_adapter  # noqa: E402
 
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig  # noqa: E402
@@ -80,14 +81,6 @@ def store_soak(n: int) -> None:
             print(f"{i + 1:>10,} {tracemalloc.get_traced_memory()[0] / 2**20:>11.1f} {heap:>14,}", flush=True)
     tracemalloc.stop()
     print(f"store: {time.perf_counter() - t0:.1f} s")
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def books(c: BrokerClient) -> tuple:
