@@ -15,6 +15,7 @@ from store_invariants import check_invariants
 
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
 from memory_broker.broker.store.pool import PagePool, WindowSpace
+from memory_broker.proto.wire.errors import BrokerError
 
 # Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
 pytestmark = pytest.mark.usefixtures("both_cores")
@@ -244,5 +245,5 @@ def test_remembered_transactions_are_bounded_by_their_objects_too():
     assert remembered_objects <= 1024 + 8 * 101 and len(kept) >= 8, (len(kept), remembered_objects)
     # The newest still answer a retried commit; the forgotten ones say so.
     assert [t.txn_id for t in store.commit(sid, [ids[-1]])] == [ids[-1]]
-    with pytest.raises(Exception, match="finished too long ago"):
+    with pytest.raises(BrokerError, match="finished too long ago"):
         store.commit(sid, [ids[0]])

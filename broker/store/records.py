@@ -193,18 +193,12 @@ class Recent:
         self.weight = 0
 
     def __setitem__(self, key, value) -> None:
-        cur = self.gens[-1]
-        cur[key] = value
-        self.weight += 1
-        if self.weight >= self.part:
-            self.gens.append({})  # the deque drops the oldest generation
-            self.weight = 0
+        self.add(key, value, 1)
 
     def add(self, key, value, weight: int) -> None:
         """Remember ``key`` -> ``value``, weighing ``weight`` (at least 1)."""
-        cur = self.gens[-1]
-        cur[key] = value
-        self.weight += max(1, weight)
+        self.gens[-1][key] = value
+        self.weight += weight
         if self.weight >= self.part:
             self.gens.append({})  # the deque drops the oldest generation
             self.weight = 0

@@ -65,7 +65,7 @@ class TransactionBook:
         expired one without its objects (they are gone: a retried abort reads its state only)."""
         self.open.pop(t.txn_id, None)
         if t.state is not TxnState.COMMITTED:
-            t.objects = t.pin_on_commit = t.pinned = ()  # type: ignore[assignment]
+            t.objects = t.pin_on_commit = t.pinned = ()
         # Weighed by its objects (a committed one keeps its result for a retried commit): the
         # book keeps about ``remember`` transactions and objects in all, however large each.
         self._finished.add(t.txn_id, t, 1 + len(t.result))
