@@ -178,15 +178,11 @@ PROBE = textwrap.dedent(
     bench.copy_bandwidth = lambda reps: 1e12  # not 2 GiB of host memory for a number never shown
     # Small grids: the interpreter runs each of vLLM's split-K shrink programs (64 per tile) in Python.
     bench.CASES = [bench.Case("decode", 3, 3, 4, 32, 2, "decode"), bench.Case("prefill", 8, 2, 4, 32, 2, "prefill")]
-    if part == "bench":
-        runs = {"bench": ["--vllm-ops", folder]}
-    else:
-        runs = {"bench_without_vllm": ["--vllm-ops", folder + ".absent"]}
-    for key, argv in runs.items():
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", "--layers", "1", "--modules", "2", *argv])
-        result[key] = {"rc": rc, "out": buf.getvalue()}
+    key, ops_dir = ("bench", folder) if part == "bench" else ("bench_without_vllm", folder + ".absent")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", "--layers", "1", "--modules", "2", "--vllm-ops", ops_dir])
+    result[key] = {"rc": rc, "out": buf.getvalue()}
     # The check before timing is not vacuous: vLLM given the wrong token -> slot map is caught.
     if part == "bench":
         print("RESULT " + json.dumps(result))

@@ -26,7 +26,6 @@ import collections
 import gc
 import os
 import random
-import socket
 import struct
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig  #
 from memory_broker.broker.store.pool import PagePool, WindowSpace  # noqa: E402
 from memory_broker.clients import BrokerClient  # noqa: E402
 from memory_broker.clients import Spec as ClientSpec  # noqa: E402
+from memory_broker.clients.step_transport import StepTransport, StepUnavailable  # noqa: E402
 from memory_broker.proto.wire import step as w  # noqa: E402
 from memory_broker.proto.wire.errors import Code  # noqa: E402
 
@@ -110,49 +110,30 @@ def random_ops(rng: random.Random, ids: list[int]) -> list:
     return ops
 
 
-def call(s: socket.socket, data: bytes) -> tuple[int, w.StepReply]:
-    s.sendall(data)
-    head = _read(s, 5)
-    n, kind = w.HEADER.unpack(head)
-    return kind, w.decode_step_reply(kind, _read(s, n))
-
-
-def _read(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = s.recv(n - len(out))
-        if not got:
-            raise SystemExit("FAIL: the broker closed a step connection mid-frame")
-        out += got
-    return out
-
-
 def one_session(sock: str, rng: random.Random, ids: list[int], frames: int, codes: collections.Counter) -> None:
     with BrokerClient.connect(sock) as c:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(10)
-        s.connect(c._step_socket())
-        kind, r = call(s, w.frame(w.HELLO, c.token.encode()))
-        if kind != w.OK:
-            raise SystemExit(f"FAIL: HELLO refused: {r.error}")
-        for _ in range(frames):
-            body = w.encode_step(random_ops(rng, ids))[5:]
-            if rng.random() < 0.6:
-                b = bytearray(body)
-                for _ in range(rng.randint(1, 4)):
-                    b[rng.randrange(len(b))] = rng.randrange(256)
-                body = bytes(b[: rng.randint(0, len(b))] if rng.random() < 0.3 else b)
-            t = time.monotonic()
-            kind, r = call(s, struct.pack("<IB", len(body), w.STEP) + body)
-            if time.monotonic() - t > 2.0:
-                raise SystemExit(f"FAIL: a frame took {time.monotonic() - t:.1f} s to answer")
-            if kind == w.ERROR:
-                if r.error.code not in DELIBERATE:
+        try:
+            t = StepTransport(c._step_socket(), c.token, 10.0)  # a raw step connection of the session
+            for _ in range(frames):
+                body = w.encode_step(random_ops(rng, ids))[5:]
+                if rng.random() < 0.6:
+                    b = bytearray(body)
+                    for _ in range(rng.randint(1, 4)):
+                        b[rng.randrange(len(b))] = rng.randrange(256)
+                    body = bytes(b[: rng.randint(0, len(b))] if rng.random() < 0.3 else b)
+                start = time.monotonic()
+                r = t.request(struct.pack("<IB", len(body), w.STEP) + body)
+                if time.monotonic() - start > 2.0:
+                    raise SystemExit(f"FAIL: a frame took {time.monotonic() - start:.1f} s to answer")
+                if r.error is None:
+                    codes["OK"] += 1
+                elif r.error.code in DELIBERATE:
+                    codes[r.error.code.name] += 1
+                else:
                     raise SystemExit(f"FAIL: {r.error.code.name}: {r.error.message} (frame body {body.hex()})")
-                codes[r.error.code.name] += 1
-            else:
-                codes["OK"] += 1
-        s.close()
+            t.close()
+        except StepUnavailable as e:  # refused, closed mid-frame or no answer within 10 s
+            raise SystemExit(f"FAIL: the step connection broke: {e}") from None
 
 
 def sessions_soak(rounds: int, frames: int, seed: int) -> None:
