@@ -16,6 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# Every test gets one tier (tests/tiers.py).
+pytest_plugins = ("tiers",)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Small geometry so tests can fill the pool: 512 KiB pages, 4 pages per slab, 64 pages max.
@@ -54,34 +57,45 @@ class Broker:
         return self.proc.returncode
 
 
-# Test modules run twice, once on the native step core (the C extensions built by the install)
-# and once on its pure-Python fallback (MEMORY_BROKER_NATIVE=0, in this process and in the
-# brokers it starts): the adapter wing and the tier policies. (The step fuzz and churn tests
-# get the same from ``wire_codec`` below: its ``python`` run turns every native core off.)
-NATIVE_AND_FALLBACK = ("test_adapter", "test_policy")
-
-
-def _native_and_fallback(metafunc):
-    # (A module that runs both paths its own way, e.g. with the store's ``both_cores``, is left to it.)
-    names = metafunc.fixturenames
-    if (
-        "native_core" in names
-        and "both_cores" not in names
-        and metafunc.module.__name__.startswith(NATIVE_AND_FALLBACK)
-    ):
-        metafunc.parametrize("native_core", ["native", "fallback"], indirect=True)
+# The native cores (the C extensions the install builds: the step wire's codec, the store's and
+# the adapter wing's cores) each have a pure-Python fallback. A module, class or test marked
+# ``both_cores`` runs twice, in the style of CPython's PEP 399 tests: once on the native cores and
+# once on the fallback (``MEMORY_BROKER_NATIVE=0`` in this process and in the brokers and clients
+# it starts). ``fallback_only`` runs only the second (tests of the Python path's own internals).
+# The fallback runs carry the ``fallback`` marker: ``make test-all`` runs them, ``make test`` not.
 
 
 @pytest.fixture(autouse=True)
 def native_core(request, monkeypatch):
-    """The path a test runs: the native core (the default), or its fallback (the core turned off)."""
+    """``native`` (the default) or ``fallback``: which path this test runs (see above)."""
     mode = getattr(request, "param", "native")
-    if mode == "fallback":
-        from memory_broker.proto.wire import native
+    from memory_broker.proto.wire import native, step
 
+    if mode == "fallback":
         monkeypatch.setenv(native.ENV, "0")
         monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setattr(step, "_core", None)
+    elif request.node.get_closest_marker("both_cores"):
+        monkeypatch.delenv(native.ENV, raising=False)
+        monkeypatch.setattr(native, "_loaded", {})
+        assert native.load(STORE_CORE) is not None, "the store's native core was not built by pip install -e ."
     return mode
+
+
+def pytest_generate_tests(metafunc):
+    # One hook, one parametrization: a second ``pytest_generate_tests`` in this module would
+    # replace this one (test_structure checks the fallback runs are collected).
+    if metafunc.definition.get_closest_marker("fallback_only"):
+        modes = ["fallback"]
+    elif metafunc.definition.get_closest_marker("both_cores"):
+        modes = ["native", "fallback"]
+    else:
+        return
+    params = [pytest.param(m, marks=[pytest.mark.fallback] if m == "fallback" else []) for m in modes]
+    metafunc.parametrize("native_core", params, indirect=True)
+
+
+STORE_CORE = "memory_broker.broker.store._storecore"
 
 
 def short_tmpdir() -> str:
@@ -136,47 +150,37 @@ def start_broker(*extra: str, socket: str | None = None, wait: bool = True) -> B
     return b
 
 
-# The step wire's codec runs native (``proto/wire/_stepcore.c``) or as its pure-Python
-# fallback: these modules' tests run under both, in this process (``step._core``) and in the
-# brokers and clients they start (``MEMORY_BROKER_NATIVE``, inherited).
-CODEC_MODULES = {
-    "test_step_wire",
-    "test_step_channel",
-    "test_step_client",
-    "test_step_keys",
-    "test_step_batch",
-    "test_step_posted",
-    "test_fuzz",
-    "test_churn",
-}
-# Tests of the Python codec's own internals (its struct caches): they run against it alone.
-PYTHON_CODEC_TESTS = {
-    "test_keys_of_one_length_are_read_in_one_struct_call_as_key_by_key",
-    "test_the_key_struct_cache_is_bounded",
-}
-
-
 # Each test's time (setup + call + teardown, as pytest-timeout counts it) beside its bound: the
 # summary names every test that used more than half of it. A test at 97% of its bound on one
 # machine fails on a slower one (test_vllm_lora_baseline's setup did, in CI).
+# (Under pytest-xdist the workers run the tests: the bound travels in each report's user_properties.)
 _SPENT: dict[str, float] = {}
 _BOUND: dict[str, float] = {}
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    yield
-    _SPENT[item.nodeid] = _SPENT.get(item.nodeid, 0.0) + call.duration
-    if item.nodeid not in _BOUND:
-        marker = item.get_closest_marker("timeout")
-        bound = (marker.args[0] if marker.args else marker.kwargs.get("timeout")) if marker else None
-        if bound is None:
-            try:
-                bound = item.config.getini("timeout")  # pytest-timeout's ini value
-            except ValueError:  # pytest-timeout not installed
-                bound = None
-        if bound:
-            _BOUND[item.nodeid] = float(bound)
+def _timeout_bound(item) -> float | None:
+    marker = item.get_closest_marker("timeout")
+    bound = (marker.args[0] if marker.args else marker.kwargs.get("timeout")) if marker else None
+    if bound is None:
+        try:
+            bound = item.config.getini("timeout")  # pytest-timeout's ini value
+        except ValueError:  # pytest-timeout not installed
+            bound = None
+    return float(bound) if bound else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    bound = _timeout_bound(item)
+    if bound and not any(k == "timeout_bound" for k, _ in item.user_properties):
+        item.user_properties.append(("timeout_bound", bound))
+
+
+def pytest_runtest_logreport(report):
+    _SPENT[report.nodeid] = _SPENT.get(report.nodeid, 0.0) + report.duration
+    for k, v in report.user_properties:
+        if k == "timeout_bound":
+            _BOUND[report.nodeid] = v
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -185,27 +189,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "tests past half of their timeout (a slower machine fails them)")
         for frac, nodeid in near:
             terminalreporter.write_line(f"{_SPENT[nodeid]:7.1f}s of {_BOUND[nodeid]:.0f}s ({frac:.0%})  {nodeid}")
-
-
-def pytest_generate_tests(metafunc):
-    # One hook for both parametrizations (a second ``pytest_generate_tests`` in this module
-    # would replace the first, and ``native_core``'s would silently never run).
-    _native_and_fallback(metafunc)
-    if metafunc.module.__name__.rpartition(".")[2] in CODEC_MODULES:
-        both = metafunc.function.__name__ not in PYTHON_CODEC_TESTS
-        metafunc.parametrize("wire_codec", ["native", "python"] if both else ["python"], indirect=True)
-
-
-@pytest.fixture(autouse=True)
-def wire_codec(request, monkeypatch):
-    """``native`` (the default) or ``python``: which step wire codec this test runs."""
-    from memory_broker.proto.wire import step
-
-    mode = getattr(request, "param", "native")
-    if mode == "python":
-        monkeypatch.setattr(step, "_core", None)
-        monkeypatch.setenv("MEMORY_BROKER_NATIVE", "0")
-    return mode
 
 
 @pytest.fixture
@@ -384,26 +367,3 @@ def vllm_shared():
     shared = VllmShared()
     yield shared
     shared.close()
-
-
-# ------------------------------------------------------------ the store's native core and its fallback
-
-STORE_CORE = "memory_broker.broker.store._storecore"
-
-
-@pytest.fixture(params=["native", "python"])
-def both_cores(request, monkeypatch):
-    """Run a test twice: with the store's native core (``broker/store/_storecore.c``) and with
-    its pure-Python fallback (``MEMORY_BROKER_NATIVE=0``, which brokers started by the test
-    inherit). Stores made during the test take that path; the store test modules use it
-    (``pytestmark = pytest.mark.usefixtures("both_cores")``)."""
-    from memory_broker.proto.wire import native
-
-    monkeypatch.setattr(native, "_loaded", {})
-    if request.param == "python":
-        monkeypatch.setenv(native.ENV, "0")
-        assert native.load(STORE_CORE) is None
-    else:
-        monkeypatch.delenv(native.ENV, raising=False)
-        assert native.load(STORE_CORE) is not None, "the store's native core was not built by pip install -e ."
-    return request.param

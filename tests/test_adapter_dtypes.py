@@ -19,6 +19,9 @@ from memory_broker.broker.adapters import AdapterConfig, Tier
 from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.proto.wire.errors import BrokerError, Code
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 NP = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
 

@@ -26,6 +26,9 @@ from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 # Catastrophic backtracking for Python's re: every character of a module name after "model"
 # doubles the time (5 s for "model.layers.0.self_attn.q_proj" on this machine).
 REDOS = "model(?:[a-z_.0-9]|[a-z_.0-9])*Z"

@@ -25,6 +25,9 @@ from memory_broker.broker.adapters.page_writers import read_matrix
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard, parse_shards, shards_text
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 ROW_PARALLEL = ("o_proj", "down_proj")
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -14,6 +14,9 @@ from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 IDS = ["r4", "r8", "r16"]
 
 

@@ -25,6 +25,9 @@ from memory_broker.broker.adapters.records import Tier
 from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 # ----------------------------------------------------------------- state machine
 
 
@@ -259,7 +262,7 @@ def test_the_store_interface_the_wing_uses():
 
 
 def test_this_module_runs_on_the_native_core_and_on_its_fallback(request, native_core):
-    """conftest parametrizes the adapter and policy modules with ``native_core``: each test
+    """conftest parametrizes the modules marked ``both_cores`` with ``native_core``: each test
     here runs on the C core and on its fallback (a second ``pytest_generate_tests`` in
     conftest once replaced the hook that does it, and the fallback runs silently stopped)."""
     from memory_broker.broker.adapters import hotcore

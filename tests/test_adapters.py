@@ -49,6 +49,9 @@ from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.objects import Spec
 from memory_broker.proto.wire.errors import BrokerError, Code
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMP = ContentType.TEMP_BUFFER
 

@@ -16,6 +16,9 @@ from conftest import ROOT, run_child, start_broker
 from memory_broker.clients import AdapterTables, BrokerClient
 from memory_broker.proto.wire.errors import BrokerError, Code
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 
 def adapter_broker(state_dir: str | None = None, *extra: str):
     args = ["--pool-size", "64MiB", "--slab-size", "4MiB", "--page-size", "512KiB", "--adapter-dtype", "float32"]

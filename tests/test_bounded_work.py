@@ -17,8 +17,8 @@ from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.proto.wire.errors import BrokerError
 
-# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
-pytestmark = pytest.mark.usefixtures("both_cores")
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
 
 
 class Host:

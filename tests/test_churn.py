@@ -16,6 +16,9 @@ from conftest import ROOT, start_broker
 
 from memory_broker.clients import BrokerClient
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 # The operations both tests draw from. ``work(c, rng, adapters, steps, tick)`` runs ``steps``
 # random operations (forever when None), calling ``tick()`` after each; it returns how many
 # times each kind ran, and raises AssertionError when bytes a process wrote changed under it.

@@ -8,8 +8,8 @@ import pytest
 
 from memory_broker.broker.store.eviction import EVICTION_ORDER, ContentType, PlainLRU, PriorityLRU, make_policy
 
-# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
-pytestmark = pytest.mark.usefixtures("both_cores")
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
 
 CT = ContentType
 

@@ -21,6 +21,9 @@ from memory_broker.proto.wire.session import SESSION_METADATA
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 SEED = int(os.environ.get("FUZZ_SEED", "1107"))
 REQUESTS = int(os.environ.get("FUZZ_REQUESTS", "2400"))
 # Slowest answer accepted for one call (a hang or a read of /dev/zero would blow it).

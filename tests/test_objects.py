@@ -24,8 +24,8 @@ from memory_broker.broker.store.objects import (
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.proto.wire.errors import BrokerError, Code
 
-# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
-pytestmark = pytest.mark.usefixtures("both_cores")
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
 
 CT = ContentType
 TEMP, ACT, GRAD, LORA, KV = CT.TEMP_BUFFER, CT.ACTIVATION, CT.GRADIENT, CT.LORA_WEIGHT, CT.KV_CACHE

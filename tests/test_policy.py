@@ -14,8 +14,8 @@ from memory_broker.broker.adapters.policy import (
     make_tier_policy,
 )
 
-# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
-pytestmark = pytest.mark.usefixtures("both_cores")
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
 
 
 def _hit_rate(policy, trace, slots: int) -> float:

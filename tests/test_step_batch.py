@@ -16,6 +16,9 @@ from conftest import step_frames as frames
 
 from memory_broker.clients import BrokerClient, BrokerError, Code
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 
 def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(step_rig):
     b, setup = step_rig
@@ -125,7 +128,7 @@ def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig, h
         assert c.stats().pinned_pages == 0
 
 
-def test_a_change_on_a_caching_channel_takes_the_short_lane_where_the_core_is_built(step_rig, wire_codec):
+def test_a_change_on_a_caching_channel_takes_the_short_lane_where_the_core_is_built(step_rig, native_core):
     """With the holdings cache and the native core, a change goes from ``begin`` to the socket
     in one object (``step_delta.LaneChange``); without the core, or without the cache, through
     ``ChannelCalls.change`` (``PendingBatchStep``). Both give the same result (the rest of this
@@ -135,7 +138,7 @@ def test_a_change_on_a_caching_channel_takes_the_short_lane_where_the_core_is_bu
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    for hold_s, lane in ((30.0, wire_codec == "native"), (0.0, False)):
+    for hold_s, lane in ((30.0, native_core == "native"), (0.0, False)):
         with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
             batch = c.step_batch()
             batch.update(["a0"], (), [b"k0"])  # the session's calls chosen

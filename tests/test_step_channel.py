@@ -20,6 +20,9 @@ from conftest import step_frames as frames
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 from memory_broker.proto.wire import step as w
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 
 def books(c: BrokerClient) -> tuple:
     st = c.stats()

@@ -15,6 +15,9 @@ from memory_broker.clients import BrokerClient
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 
 def _objects(rng: random.Random, n: int, sizes: str) -> list[w.ObjectRecord]:
     """``n`` object records whose (pages, key length) are all one (``same``), change in runs
@@ -283,13 +286,13 @@ def test_reused_objects_read_what_the_arena_holds_now(step_rig):
         again.release()
 
 
-def test_a_replys_fresh_objects_are_built_in_one_native_call_and_read_only_as_before(step_rig, wire_codec):
+def test_a_replys_fresh_objects_are_built_in_one_native_call_and_read_only_as_before(step_rig, native_core):
     """A batch's fresh keys: their objects made by the native core (``step_objects``; not
     ``_read_objects``) where it is there, kept on their records, their pages read-only (another
     session's objects) as ``_read_objects`` leaves them; the same objects without the core
-    (``wire_codec``'s python run turns it off)."""
+    (``native_core``'s fallback run turns it off)."""
     b, setup = step_rig
-    core = "fallback" if wire_codec == "python" else "native"
+    core = native_core
     if core == "native" and w._core is None:
         pytest.skip("the native step core is not built")
     with BrokerClient.connect(b.socket, hold_s=1.0) as c:

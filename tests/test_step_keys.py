@@ -22,8 +22,8 @@ from memory_broker.broker.store.records import Allocation, ObjectState
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError
 
-# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
-pytestmark = pytest.mark.usefixtures("both_cores")
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
 
 
 def make_store(max_pages: int = 256) -> ObjectStore:
@@ -214,6 +214,7 @@ def keys_body(keys) -> bytes:
     return w.encode_step([w.Op(w.OP_LOOKUP, tuple(keys), 1)])[5:]
 
 
+@pytest.mark.fallback_only  # the Python codec's own struct caches
 def test_keys_of_one_length_are_read_in_one_struct_call_as_key_by_key():
     keys = [b"vllm-kv1:" + bytes([i]) * 32 for i in range(64)]
     body = keys_body(keys)
@@ -261,6 +262,7 @@ def test_a_fixed_length_frame_cut_or_mutated_decodes_as_the_checked_reader_says(
     assert agreed > 100
 
 
+@pytest.mark.fallback_only  # the Python codec's own struct caches
 def test_the_key_struct_cache_is_bounded():
     for n in range(2, 2 + 3 * w._KEY_RUNS_MAX):
         w.decode_step(keys_body([b"k%03d" % i for i in range(n)]))

@@ -23,6 +23,9 @@ from memory_broker.clients.step_direct import _SentStep
 from memory_broker.clients.step_transport import BUFFER_BYTES, POST_LIMIT, StepTransport, StepUnavailable
 from memory_broker.proto.wire import step as w
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 # ------------------------------------------------------------------ the transport, against a fake broker
 
 

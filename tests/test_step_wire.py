@@ -11,6 +11,9 @@ import pytest
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code
 
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
+
 OPS = [
     w.Op(w.OP_RELEASE, ("a", "b", "é")),
     w.Op(w.OP_UNPIN, (1, 2, 2**63)),

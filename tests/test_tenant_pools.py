@@ -27,8 +27,8 @@ from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.broker.store.pools import PoolMap, TenantPool
 from memory_broker.proto.wire.errors import BrokerError, Code
 
-# Each test runs with the store's native core and with its Python fallback (conftest.both_cores).
-pytestmark = pytest.mark.usefixtures("both_cores")
+# Each test runs on the native cores and on their Python fallback (conftest.native_core).
+pytestmark = pytest.mark.both_cores
 
 KV = ContentType.KV_CACHE
 PPS = 4  # pages per slab
