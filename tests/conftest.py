@@ -202,8 +202,7 @@ def broker():
 def step_rig():
     """A broker with 4 tiny registered adapters and 6 keyed KV blocks (owned by ``setup``):
     the step-path tests' broker."""
-    sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
-    from bench_step import write_adapter
+    from rigs import write_adapter
 
     from memory_broker.clients import BrokerClient, Spec
 

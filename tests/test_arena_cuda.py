@@ -1861,19 +1861,15 @@ def test_a_tenant_pool_session_gets_its_own_pages_and_adapters_only_where_they_c
     driver) it may be sent the fds of broker-owned pages of the shared pool (adapters, one by
     one) but of no other page there (``map_arena``, or a page by number). On the host arena (one fd per slab) adapters are
     refused to a tenant's session with what to do instead."""
-    import sys
-
     import structlog
-    from conftest import ROOT, short_tmpdir
+    from conftest import short_tmpdir
+    from rigs import write_adapter
 
     from memory_broker.broker.server.app import BrokerServer
     from memory_broker.broker.server.config import build_options
     from memory_broker.clients.client import BrokerClient
     from memory_broker.clients.fd_channel import FdChannelError, fetch_fds
     from memory_broker.proto.wire.errors import BrokerError, Code
-
-    sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
-    from bench_step import write_adapter
 
     fake.devices[0].memory = 256 * MiB
     d = short_tmpdir()

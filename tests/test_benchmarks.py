@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import vllm_kv_fairness as kv
 from conftest import short_tmpdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,12 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(360)
 
 
-def bench(script: str, *args: str) -> str:
+def bench(script: str, *args: str, env: dict | None = None) -> str:
     """Run one benchmark script; it and every process it started (brokers of up to 8 GiB of
     pool) are killed if it runs past 300 s or the test is interrupted, so none outlives it."""
     p = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "ops", "bench", script), *args],
         cwd=ROOT,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -159,27 +161,11 @@ def test_bench_host_populate_small_run_prints_every_setup():
         assert f"| {setup}" in out
 
 
-_LORA_SMOKE = r"""
-import sys
-sys.path.insert(0, "ops/bench")
-import bench_lora_kernels as bench
-bench.DEVICE = "cpu"
-bench.median_ms = lambda fn, reps, warmup: (fn(), 0.5)[1]
-bench.copy_bandwidth = lambda reps: 1e12
-bench.CASES = [bench.Case("decode", 5, 3, 4, 32, 2, "decode"), bench.Case("prefill", 40, 2, 4, 32, 2, "prefill")]
-sys.exit(bench.main(["--reps", "2", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8",
-                     "--layers", "2", "--modules", "2", "--vllm-ops", "/nonexistent"]))
-"""
-
-
 def test_bench_lora_kernels_logic_runs_on_cpu_with_every_row():
-    # Timings stubbed (no GPU; the kernels run in Triton's interpreter), every check real.
+    # The script's CPU dry run: its tiny cases in Triton's interpreter, timings stubbed, every check real.
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run(
-        [sys.executable, "-c", _LORA_SMOKE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = r.stdout
+    args = "--reps 2 --warmup 0 --dtypes float16 --stacked-rank 8 --layers 2 --modules 2".split()
+    out = bench("bench_lora_kernels.py", "--cpu-dry-run", *args, "--vllm-ops", "/nonexistent", env=env)
     assert "MISMATCH" not in out, out
     for method in ("plan build, segment, torch ops: host wall", "plan build, segment, one launch: device"):
         assert f"prefill  float16   {method}" in out, out
@@ -230,60 +216,47 @@ def test_bench_adapters_native_small_run_prints_both_paths_and_their_slopes():
 
 
 # ------------------------------------------------ bench_vllm_kv.py: what makes its comparison fair
-# (the engines themselves need .venv-vllm and minutes; tests/test_vllm_kv.py runs them)
-
-
-def _bench_vllm_kv():
-    import importlib
-    import sys as _sys
-
-    _sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
-    try:
-        return importlib.import_module("bench_vllm_kv")
-    finally:
-        _sys.path.remove(os.path.join(ROOT, "ops", "bench"))
+# (tests/vllm_kv_fairness.py, which the benchmark imports; the engines themselves need
+# .venv-vllm and minutes: tests/test_vllm_kv.py runs them)
 
 
 def _kv_args(*argv: str):
     import argparse
 
-    b = _bench_vllm_kv()
     ap = argparse.ArgumentParser()
     ap.add_argument("--omp-cpus", default="")
     ap.add_argument("--vllm-defaults", action="store_true")
     ap.add_argument("--queue-spin-s", type=float, default=0.05)
-    return b, ap.parse_args(list(argv))
+    return ap.parse_args(list(argv))
 
 
 def test_bench_vllm_kv_gives_every_engine_the_same_cpus_and_no_idle_spinning():
     # vLLM binds 1 OpenMP thread without a connector and 2 with one on a 2-CPU machine, and its
     # queues spin 1 s after each message: the run sets both alike for every mode.
-    b, a = _kv_args()
-    env = b.engine_env(a)
+    a = _kv_args()
+    env = kv.engine_env(a)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{os.cpu_count() - 1}"
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env[b.SPIN_ENV] == "0.05"
-    assert b.engine_env(_kv_args("--omp-cpus", "1")[1])["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert b.engine_env(_kv_args("--vllm-defaults")[1]) == {}
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env[kv.SPIN_ENV] == "0.05"
+    assert kv.engine_env(_kv_args("--omp-cpus", "1"))["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert kv.engine_env(_kv_args("--vllm-defaults")) == {}
 
 
 def test_bench_vllm_kv_numbered_modes_are_controls_and_unknown_modes_are_refused():
-    b = _bench_vllm_kv()
-    assert [b.base_mode(m) for m in ("none", "none2", "noop", "broker3")] == ["none", "none", "noop", "broker"]
+    assert [kv.base_mode(m) for m in ("none", "none2", "noop", "broker3")] == ["none", "none", "noop", "broker"]
     with pytest.raises(SystemExit, match="unknown mode 'nope'"):
-        b.base_mode("nope")
+        kv.base_mode("nope")
 
 
 def test_bench_vllm_kv_random_order_puts_every_mode_first_and_after_every_other():
-    b = _bench_vllm_kv()
     modes = ["none", "none2", "noop", "broker"]
-    orders = b.mode_orders(modes, 400, "random")
+    orders = kv.mode_orders(modes, 400, "random")
     assert all(sorted(o) == sorted(modes) for o in orders)
     firsts = {m: sum(o[0] == m for o in orders) for m in modes}
     assert min(firsts.values()) > 60, firsts
     follows = {(o[i - 1], o[i]) for o in orders for i in range(1, 4)}
     assert len(follows) == 12  # every ordered pair: no mode always runs after the same one
-    assert b.mode_orders(modes, 400, "random") == orders  # seeded
-    assert b.mode_orders(modes, 2, "rotate") == [modes, modes[1:] + modes[:1]]
+    assert kv.mode_orders(modes, 400, "random") == orders  # seeded
+    assert kv.mode_orders(modes, 2, "rotate") == [modes, modes[1:] + modes[:1]]
 
 
 def _row(mode: str, local: float, p90: float) -> dict:
@@ -292,32 +265,30 @@ def _row(mode: str, local: float, p90: float) -> dict:
 
 
 def test_bench_vllm_kv_reports_the_a_a_control_and_says_when_the_run_is_not_fair():
-    b = _bench_vllm_kv()
-    fair = "\n".join(b.ratio_lines([_row("none", 100, 200), _row("none2", 103, 196), _row("broker", 104, 205)]))
+    fair = "\n".join(kv.ratio_lines([_row("none", 100, 200), _row("none2", 103, 196), _row("broker", 104, 205)]))
     assert "| broker | 1.040 | 1.025 |" in fair
     assert (
         "A/A control (none2, no connector on its own engines) / none, local hits: median 1.030, p90 0.980: fair" in fair
     )
-    unfair = "\n".join(b.ratio_lines([_row("none", 100, 200), _row("none2", 100, 260)]))
+    unfair = "\n".join(kv.ratio_lines([_row("none", 100, 200), _row("none2", 100, 260)]))
     assert "p90 1.300: NOT FAIR" in unfair
-    assert "No A/A control ran" in "\n".join(b.ratio_lines([_row("none", 1, 1), _row("broker", 1, 1)]))
+    assert "No A/A control ran" in "\n".join(kv.ratio_lines([_row("none", 1, 1), _row("broker", 1, 1)]))
 
 
 def test_bench_vllm_kv_counts_the_cpu_of_an_engines_whole_process_tree():
-    b = _bench_vllm_kv()
     code = "import subprocess,sys; subprocess.run([sys.executable,'-c','import time\\nt=time.time()\\nwhile time.time()-t<30: pass'])"
     p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         import time
 
         deadline = time.monotonic() + 20
-        while len(tree := b.process_tree(p.pid)) < 2 and time.monotonic() < deadline:
+        while len(tree := kv.process_tree(p.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert tree[0] == p.pid and len(tree) == 2
-        while b.cpu_seconds(tree[1:]) < 0.05 and time.monotonic() < deadline:
+        while kv.cpu_seconds(tree[1:]) < 0.05 and time.monotonic() < deadline:
             time.sleep(0.05)
-        child = b.cpu_seconds(tree[1:])
-        assert child >= 0.05 and b.cpu_seconds(tree) >= child  # the grandchild's busy loop counts
+        child = kv.cpu_seconds(tree[1:])
+        assert child >= 0.05 and kv.cpu_seconds(tree) >= child  # the grandchild's busy loop counts
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
@@ -343,14 +314,13 @@ def test_bench_vllm_kv_engine_site_shortens_vllms_queue_spin_in_every_engine_pro
 def test_bench_vllm_kv_report_says_a_run_stopped_early_and_its_setup():
     import argparse
 
-    b = _bench_vllm_kv()
     a = argparse.Namespace(groups=1, hits=2, prefix=8, tail=2, order="random", warmup_groups=1, omp_cpus="",
                            vllm_defaults=False, queue_spin_s=0.05, stopped_early="3 of 4 requests per mode (engine failed)")  # fmt: skip
-    text = b.report(a, [_row("none", 100, 200), _row("none2", 101, 199)], True, 1.0)
+    text = kv.report(a, [_row("none", 100, 200), _row("none2", 101, 199)], True, 1.0)
     assert "**Stopped early**: 3 of 4 requests per mode (engine failed)." in text
     assert "vLLM's queues spinning 0.05 s after a message" in text and ": fair" in text
     a.vllm_defaults, a.stopped_early = True, ""
-    assert "vLLM's own CPU setup" in b.report(a, [_row("none", 100, 200)], True, 1.0)
+    assert "vLLM's own CPU setup" in kv.report(a, [_row("none", 100, 200)], True, 1.0)
 
 
 def test_soak_broker_memory_small_run_prints_both_soaks_and_keeps_every_rule():

@@ -233,8 +233,7 @@ def test_a_run_dir_too_long_for_a_socket_is_refused_naming_it(tmp_path, table):
 
 
 def test_adapters_register_all_registers_on_every_broker_and_names_one_down(two_gpus, table, tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
-    from bench_step import write_adapter
+    from rigs import write_adapter
 
     from memory_broker.clients import BrokerClient
 

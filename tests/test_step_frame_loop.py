@@ -6,24 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import tempfile
 import time
 
 import pytest
-from conftest import ROOT
 
 from memory_broker.broker.doors import step_channel
 from memory_broker.clients import BrokerClient, Spec
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.session import KEY_METADATA
 
-sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
-
 
 @pytest.fixture(scope="module")
 def rig():
-    from bench_step import inprocess_broker
+    from rigs import inprocess_broker
 
     d = tempfile.mkdtemp(prefix="mb-fl-", dir="/tmp")
     box = inprocess_broker(d, os.path.join(d, "b.sock"))

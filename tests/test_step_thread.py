@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import sys
 import threading
 import time
 
 import pytest
-from conftest import ROOT, short_tmpdir
+from conftest import short_tmpdir
 
 from memory_broker.broker.doors import step_channel, step_thread
 from memory_broker.broker.doors.core_gate import CoreGate, GatedLoop, gate_of
@@ -21,8 +20,6 @@ from memory_broker.broker.doors.step_channel import StepChannelServer
 from memory_broker.broker.doors.step_thread import StepThread
 from memory_broker.clients import BrokerClient
 from memory_broker.proto.wire import step as w
-
-sys.path.insert(0, os.path.join(ROOT, "ops", "bench"))
 
 PING = w.frame(w.PING)
 
@@ -185,7 +182,7 @@ def test_a_callback_on_the_step_thread_may_schedule_on_a_loop_in_debug_mode():
 
 @pytest.fixture(scope="module")
 def rig():
-    from bench_step import inprocess_broker
+    from rigs import inprocess_broker
 
     d = short_tmpdir()
     sock = os.path.join(d, "b.sock")

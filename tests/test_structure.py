@@ -1,6 +1,6 @@
 """Structure: the package graph has no cycle, every module is importable by its folder path,
 one Allocate runs through a bounded number of modules, no function or class grows past a
-reader's span, and ``make test`` fails on a ruff finding.
+reader's span, no test imports a benchmark (ops/bench/), and ``make test`` fails on a ruff finding.
 
 ARCHITECTURE.md describes the layers these tests hold in place; its section "Exceptions to
 the size rules" names every function or class allowed past the size limits, and why.
@@ -442,6 +442,100 @@ def test_the_size_check_sees_a_long_function_and_spares_a_kernel():
     long_fn, kernel = tree.body
     assert long_fn.end_lineno - long_fn.lineno + 1 > MAX_FUNCTION_LINES
     assert not _is_jit_kernel(long_fn) and _is_jit_kernel(kernel)
+
+
+# ---------------------------------------------------------------- tests import no benchmark
+
+# A test's helpers live in tests/; a benchmark may import them (it puts tests/ on sys.path),
+# never the other way round: a test runs a benchmark only as a process of its own (a smoke run).
+BENCH_DIR = os.path.join(ROOT, "ops", "bench")
+
+
+def _names_ops_bench(node: ast.AST) -> bool:
+    """Whether the strings in ``node`` spell a path to ops/bench (``"ops/bench"``, or
+    ``os.path.join(ROOT, "ops", "bench")``)."""
+    parts = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return re.search(r"(^|/)ops/+bench(/|$)", "/".join(parts).replace(os.sep, "/")) is not None
+
+
+def bench_imports(source: str, benches: set[str]) -> list[str]:
+    """Where ``source`` imports a module of ops/bench (``benches``: their names) or puts
+    ops/bench on sys.path, as "line N: what"; code in a string (a ``python -c`` script) counts."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+        elif isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            if func.endswith(("import_module", "__import__")) and node.args:
+                arg = node.args[0]
+                names = [arg.value] if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else []
+            elif func in ("sys.path.insert", "sys.path.append") and any(_names_ops_bench(a) for a in node.args):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+            try:
+                inner = bench_imports(textwrap.dedent(node.value), benches)
+            except SyntaxError:
+                continue  # prose, not code
+            found += [f"line {node.lineno} (code in a string): {f}" for f in inner]
+        found += [
+            f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0] in benches or n.startswith("ops.bench")
+        ]
+    return sorted(found, key=lambda f: int(f.split()[1].rstrip(":")))
+
+
+def bench_importers(folder: str = os.path.join(ROOT, "tests")) -> dict[str, list[str]]:
+    """tests/<file> -> where it imports from ops/bench, for every file that does."""
+    benches = {f[:-3] for f in os.listdir(BENCH_DIR) if f.endswith(".py")}
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                if found := bench_imports(f.read(), benches):
+                    out[name] = found
+    return out
+
+
+def test_no_test_module_imports_from_ops_bench():
+    assert bench_importers() == {}
+
+
+def test_the_bench_import_check_sees_every_way_in():
+    # Made-up benchmarks, and "BENCH" for the folder's name, so that this file passes the check above.
+    benches = {"bench_fake", "fake_baseline"}
+    planted = textwrap.dedent(
+        '''
+        import os, sys
+        sys.path.insert(0, os.path.join(ROOT, "ops", "BENCH"))
+        sys.path.append("ops/BENCH")
+        from bench_fake import write_adapter
+        import fake_baseline as vb
+        importlib.import_module("bench_fake")
+        from ops.BENCH import bench_fake
+        PROBE = r"""
+            import sys
+            sys.path.insert(0, os.path.join(root, "ops", "BENCH"))
+        """
+        '''
+    ).replace("BENCH", "bench")
+    found = bench_imports(planted, benches)
+    assert [f.split()[1] for f in found] == [f"{n}:" for n in range(3, 9)] + ["9"], found
+    assert "code in a string" in found[-1]
+    # A test's own helpers, a benchmark run as a process and other folders' paths are not.
+    clean = textwrap.dedent(
+        """
+        import sys
+        from rigs import write_adapter
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        subprocess.run([sys.executable, os.path.join(ROOT, "ops", "bench", "bench_fake.py"), "--quick"])
+        env = {"PYTHONPATH": os.path.join(ROOT, "ops", "bench", "vllm_engine_site")}
+        HELP = "import nothing: prose"
+        """
+    )
+    assert bench_imports(clean, benches) == []
 
 
 # ---------------------------------------------------------------- lint in make test

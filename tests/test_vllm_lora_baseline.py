@@ -4,9 +4,9 @@ ops/gpu/extract_vllm_lora_ops.py copies the kernels out of the vLLM environment
 (``$MEMORY_BROKER_VLLM_PYTHON``, else .venv-vllm; ``make test`` builds it) into a temporary
 folder; then, in a subprocess of this project's Python with TRITON_INTERPRET=1, the copied
 package imports through its shims, vLLM's lora_shrink + lora_expand run on CPU tensors at tiny
-shapes with the metadata ops/bench/vllm_lora_baseline.py builds (the benchmark's own code) and
-must equal the fp32 reference, and the benchmark itself runs end to end at tiny shapes (timings
-stubbed: there is no GPU to time). fp16 only: Triton's interpreter computes bf16 dots wrongly
+shapes with the metadata tests/vllm_lora_baseline.py builds (the benchmark's own code, which it
+imports from tests/) and must equal the fp32 reference, and the benchmark itself runs end to end
+at tiny shapes (``bench_lora_kernels.py --cpu-dry-run``: timings stubbed, there is no GPU to time). fp16 only: Triton's interpreter computes bf16 dots wrongly
 (FIELD-NOTES.md), vLLM's kernels included; bf16 is checked by the benchmark on the GPU.
 """
 
@@ -132,9 +132,9 @@ def test_a_vllm_import_without_a_shim_is_refused_and_changes_nothing(tmp_path, v
 
 PROBE = textwrap.dedent(
     r"""
-    import contextlib, io, json, os, sys
-    folder, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
-    sys.path.insert(0, os.path.join(root, "ops", "bench"))
+    import json, os, sys
+    folder, root = sys.argv[1], sys.argv[2]
+    sys.path.insert(0, os.path.join(root, "tests"))
     import torch
     import vllm_lora_baseline as vb
     from memory_broker.kernels import LoraStep, reference
@@ -169,54 +169,36 @@ PROBE = textwrap.dedent(
     result["max_ref"] = expected.float().abs().max().item()
     result["no_lora_row_untouched"] = bool(torch.equal(out[2], base[2]))
     result["lora_changed_rows"] = bool((out[[0, 1, 3, 4]] != base[[0, 1, 3, 4]]).any(dim=1).all())
-
-    # The benchmark end to end at tiny shapes: timings stubbed (no GPU), every check real.
-    # Part "bench" runs it with vLLM's rows; part "checks" without them, and with a wrong map.
-    import bench_lora_kernels as bench
-    bench.DEVICE = "cpu"
-    bench.median_ms = lambda fn, reps, warmup: (fn(), 0.5)[1]
-    bench.copy_bandwidth = lambda reps: 1e12  # not 2 GiB of host memory for a number never shown
-    # Small grids: the interpreter runs each of vLLM's split-K shrink programs (64 per tile) in Python.
-    bench.CASES = [bench.Case("decode", 3, 3, 4, 32, 2, "decode"), bench.Case("prefill", 8, 2, 4, 32, 2, "prefill")]
-    key, ops_dir = ("bench", folder) if part == "bench" else ("bench_without_vllm", folder + ".absent")
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", "--layers", "1", "--modules", "2", "--vllm-ops", ops_dir])
-    result[key] = {"rc": rc, "out": buf.getvalue()}
-    # The check before timing is not vacuous: vLLM given the wrong token -> slot map is caught.
-    if part == "bench":
-        print("RESULT " + json.dumps(result))
-        sys.exit(0)
-    real_make_metadata = vb.make_metadata
-    vb.make_metadata = lambda ops, slots, n, device: real_make_metadata(ops, slots.roll(1), n, device)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = bench.main(["--reps", "1", "--warmup", "0", "--dtypes", "float16", "--stacked-rank", "8", "--layers", "1", "--modules", "2",
-                         "--cases", "decode", "--vllm-ops", folder])
-    result["bench_wrong_metadata"] = {"rc": rc, "out": buf.getvalue()}
     print("RESULT " + json.dumps(result))
     """
 )
 
 
+# The benchmark end to end at tiny shapes (its CPU dry run: timings stubbed, every check real),
+# with vLLM's rows, without the vLLM folder, and with vLLM given a wrong token -> slot map.
+# Small grids: the interpreter runs each of vLLM's split-K shrink programs (64 per tile) in Python.
+BENCH = [os.path.join(ROOT, "ops", "bench", "bench_lora_kernels.py"), "--cpu-dry-run", "--tokens", "decode=3,prefill=8"]
+BENCH += "--reps 1 --warmup 0 --dtypes float16 --stacked-rank 8 --layers 1 --modules 2".split()
+
+
 @pytest.fixture(scope="module")
 def probe(extracted) -> dict:
-    """The probe's two parts in two processes side by side (about 2 minutes of Triton's
-    interpreter in one): each checks the kernels against the reference; "bench" runs the
-    benchmark with vLLM's rows, "checks" without them and with a wrong token -> slot map."""
+    """The probe and the benchmark's three runs, side by side (about 2 minutes of Triton's
+    interpreter in one process): the probe checks the kernels against the reference; the
+    benchmark runs with vLLM's rows, without them, and with a wrong token -> slot map."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    parts = ("bench", "checks")
-    outs = run_side_by_side(
-        [(f"probe {part}", [sys.executable, "-c", PROBE, str(extracted), ROOT, part], env) for part in parts], 400
-    )
-    result: dict = {}
-    for part, out in zip(parts, outs):
-        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-        got = json.loads(line.removeprefix("RESULT "))
-        # Both parts load the same package and run the same check: they agree, or one is off.
-        for key in set(got) & set(result):
-            assert got[key] == result[key], (part, key, got[key], result[key])
-        result.update(got)
+    runs = {
+        "bench": ["--vllm-ops", str(extracted)],
+        "bench_without_vllm": ["--vllm-ops", f"{extracted}.absent"],
+        "bench_wrong_metadata": ["--cases", "decode", "--vllm-ops", str(extracted), "--vllm-wrong-map"],
+    }
+    jobs = [("probe", [sys.executable, "-c", PROBE, str(extracted), ROOT], env)]
+    jobs += [(key, [sys.executable, *BENCH, *args], env) for key, args in runs.items()]
+    probe_out, *bench_outs = run_side_by_side(jobs, 400)
+    line = next(ln for ln in probe_out.splitlines() if ln.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    # run_side_by_side fails the test on a non-zero exit: each run's status is 0 here.
+    result.update({key: {"rc": 0, "out": out} for key, out in zip(runs, bench_outs)})
     return result
 
 

@@ -20,7 +20,7 @@ Methods:
                                    ops/gpu/extract_vllm_lora_ops.py, never committed), called
                                    as vLLM's PunicaWrapperGPU.add_lora_linear calls them, over
                                    vLLM's contiguous stacked [slots, 1, rank, hidden] weights
-                                   holding the same adapters (ops/bench/vllm_lora_baseline.py)
+                                   holding the same adapters (tests/vllm_lora_baseline.py)
 
 Before a method is timed its output is checked against the fp32 reference (kernels/reference.py)
 on the same base, with the kernel tests' tolerance; a project kernel off the reference makes
@@ -44,6 +44,12 @@ time, shown as a share of a large device-to-device copy measured in the same run
 
 Without a CUDA device it prints one line and exits 0: there is nothing honest to report.
 Without the extracted vLLM folder it prints one line and runs without vLLM's rows.
+
+``--cpu-dry-run`` (with TRITON_INTERPRET=1) runs the logic without a GPU: tiny cases on the CPU
+in Triton's interpreter, every check real, each timed call run once and given 0.5 ms, so no
+figure means anything (tests/test_benchmarks.py and tests/test_vllm_lora_baseline.py run it).
+``--tokens decode=3,prefill=8`` sets a case's token count; ``--vllm-wrong-map`` gives vLLM the
+token -> slot map rolled by one, to show that its check catches a wrong map.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -182,7 +188,7 @@ def kernel_variants(split_k: int) -> list[tuple[str, int, bool, bool]]:
 
 def run_case(case: Case, args, copy_bw: float, rows: list[Row], dtype: torch.dtype, vllm=None) -> bool:
     """Times every method on one case in one dtype; returns False when a project kernel's output
-    is off the reference. ``vllm`` (ops/bench/vllm_lora_baseline.VllmLoraOps) adds vLLM's rows."""
+    is off the reference. ``vllm`` (tests/vllm_lora_baseline.VllmLoraOps) adds vLLM's rows."""
     from memory_broker.kernels import lora_ops, reference
     from memory_broker.kernels.batch_plan import plan_batch
     from memory_broker.kernels.records import LoraStep, LoraTables
@@ -461,13 +467,13 @@ def run_vllm(case, args, vllm, adapters, slots, x, out, base, expected, dtype, l
     try:
         w = vb.stack_weights(adapters, dtype, DEVICE)
         _KEEP.append(w)  # vLLM caches the weights' pointer tables by address: keep the addresses unique
-        meta = vb.make_metadata(vllm, slots, case.num_adapters, DEVICE)
+        meta = vb.make_metadata(vllm, slots.roll(1) if args.vllm_wrong_map else slots, case.num_adapters, DEVICE)
         out.copy_(base)
         vb.lora_apply(vllm, x, out, w, meta)
         if not check(f"{label}: {method}", out, expected, dtype):
             print(
                 f"{label}: vLLM CHECK FAILED: its output is off the reference (see the metadata and weights "
-                "ops/bench/vllm_lora_baseline.py gives it); its row is left out"
+                "tests/vllm_lora_baseline.py gives it); its row is left out"
             )
             return
         record(method, median_ms(lambda: vb.lora_apply(vllm, x, out, w, meta), args.reps, args.warmup))
@@ -514,7 +520,8 @@ def ratios(rows: list[Row]) -> list[str]:
 
 def load_vllm(folder: str | None):
     """vLLM's kernels from the extracted folder, or None with one line saying why not."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # vLLM's calling convention, shared with tests/test_vllm_lora_baseline.py, lives in tests/.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
     import vllm_lora_baseline as vb
 
     where = folder or str(vb.DEFAULT_DIR)
@@ -528,6 +535,22 @@ def load_vllm(folder: str | None):
         return None
     print(f"vLLM rows: vLLM {ops.version} Triton LoRA ops from {ops.folder}")
     return ops
+
+
+# --cpu-dry-run's cases: both batches' layouts at shapes Triton's interpreter runs in seconds.
+DRY_RUN_CASES = [Case("decode", 5, 3, 4, 32, 2, "decode"), Case("prefill", 40, 2, 4, 32, 2, "prefill")]
+
+
+def dry_run() -> None:
+    """--cpu-dry-run: the CPU, the tiny cases, and no timing (each timed call runs once, 0.5 ms)."""
+    global DEVICE, CASES, median_ms, copy_bandwidth
+
+    def once(fn: Callable[[], object], reps: int, warmup: int) -> float:
+        fn()
+        return 0.5
+
+    DEVICE, CASES, median_ms = "cpu", DRY_RUN_CASES, once
+    copy_bandwidth = lambda reps: 1e12  # noqa: E731 - not 2 GiB of host memory for a figure never shown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -544,15 +567,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--vllm-ops", default=None, help="folder ops/gpu/extract_vllm_lora_ops.py wrote (default ops/gpu/vllm_lora_ops)"
     )
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the logic on the CPU, tiny cases, nothing timed")
+    ap.add_argument("--tokens", default="", help="comma-separated CASE=N: a case's token count (decode=3,prefill=8)")
+    ap.add_argument(
+        "--vllm-wrong-map", action="store_true", help="give vLLM a wrong token -> slot map (a check's check)"
+    )
     args = ap.parse_args(argv)
+    if args.cpu_dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--cpu-dry-run: run with TRITON_INTERPRET=1 (Triton's interpreter runs the kernels on the CPU)")
+        dry_run()
     try:
         dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",") if d.strip()]
     except KeyError as e:
         ap.error(f"--dtypes: unknown dtype {e} (use {', '.join(DTYPES)})")
     by_name = {c.name: c for c in CASES}
-    unknown = [n for n in args.cases.split(",") if n not in by_name]
+    tokens = dict(t.split("=", 1) for t in args.tokens.split(",") if t)
+    unknown = [n for n in [*args.cases.split(","), *tokens] if n not in by_name]
     if unknown:
-        ap.error(f"--cases: unknown {unknown} (use {', '.join(by_name)})")
+        ap.error(f"--cases, --tokens: unknown {unknown} (use {', '.join(by_name)})")
+    by_name.update({n: replace(by_name[n], num_tokens=int(t)) for n, t in tokens.items()})
     cases = [by_name[n] for n in args.cases.split(",")]
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_lora_kernels: no CUDA device here; these timings need a GPU, so nothing was measured.")

@@ -3,8 +3,10 @@ benchmark: loading them from the folder ops/gpu/extract_vllm_lora_ops.py writes,
 them the way vLLM's PunicaWrapperGPU.add_lora_linear does, with vLLM's LoRAKernelMeta.
 
 It owns only that calling convention (stacked weights, metadata, shrink then expand); the
-benchmark and tests/test_vllm_lora_baseline.py share it. It must not edit or reimplement
-vLLM's kernels, and it never imports a real vLLM install: the extracted folder is the source.
+benchmark (ops/bench/bench_lora_kernels.py, which puts tests/ on sys.path for it) and
+tests/test_vllm_lora_baseline.py share it, so it lives here, beside the test. It must not edit
+or reimplement vLLM's kernels, and it never imports a real vLLM install: the extracted folder
+is the source.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO / "ops" / "gpu" / "vllm_lora_ops"
 
 

@@ -1,0 +1,68 @@
+"""Helpers that start and fill a broker for tests, shared with the benchmarks in ops/bench/
+(which put tests/ on sys.path to import them; a test never imports a benchmark).
+
+* ``write_adapter``: a tiny PEFT LoRA directory, written with numpy (no torch, no PEFT).
+* ``inprocess_broker``: a broker served by a thread of this process, so its step channel's
+  frame handler can be called directly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def write_adapter(path: str, seed: int) -> str:
+    """A tiny PEFT LoRA directory (rank 4, hidden 64, one layer, q/v)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    t = {}
+    for m in ("q_proj", "v_proj"):
+        k = f"base_model.model.model.layers.0.self_attn.{m}"
+        t[f"{k}.lora_A.weight"] = (rng.standard_normal((4, 64)) * 0.02).astype(np.float16)
+        t[f"{k}.lora_B.weight"] = (rng.standard_normal((64, 4)) * 0.02).astype(np.float16)
+    save_file(t, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        f.write('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}')
+    return path
+
+
+def inprocess_broker(d: str, sock: str, loop_factory=None) -> dict:
+    """A broker (host arena, 512 KiB pages) served by a thread of this process, so the
+    step channel's frame handler can be called directly: {"server", "loop", "thread"};
+    ``loop_factory`` makes its loop (``asyncio.Runner``'s; None: a plain loop)."""
+    import asyncio
+    import threading
+
+    from memory_broker.broker.cli import build_parser
+    from memory_broker.broker.server.app import BrokerServer
+    from memory_broker.broker.server.config import build_options
+    from memory_broker.broker.server.flags import flag_overrides
+    from memory_broker.broker.server.logs import configure
+
+    argv = ["serve", "--socket", sock, "--arena", "host", "--pool-size", "8GiB", "--page-size", "512KiB"]
+    argv += ["--slab-size", "256MiB", "--state-dir", os.path.join(d, "state-items"), "--log-level", "warning"]
+    opts = build_options(None, flag_overrides(build_parser().parse_args(argv)))
+    log = configure("warning")
+    box: dict = {}
+    ready = threading.Event()
+
+    async def serve() -> None:
+        server = BrokerServer(opts, log)
+        await server.start()
+        box["server"], box["loop"] = server, asyncio.get_running_loop()
+        ready.set()
+        await server.wait()
+
+    def run() -> None:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve())
+
+    box["thread"] = t = threading.Thread(target=run, name="inprocess-broker", daemon=True)
+    t.start()
+    if not ready.wait(60):
+        raise SystemExit("the in-process broker did not start")
+    return box
