@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -54,8 +55,9 @@ def test_no_code_or_doc_imports_a_bare_top_level_name():
                     offenders += [
                         f"{os.path.relpath(path, ROOT)}: {m.group(0).strip()}" for m in BARE_IMPORT.finditer(text)
                     ]
-    with open(os.path.join(ROOT, "README.md")) as fh:
-        offenders += [f"README.md: {m.group(0).strip()}" for m in BARE_IMPORT.finditer(fh.read())]
+    for doc in ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        with open(os.path.join(ROOT, doc)) as fh:
+            offenders += [f"{doc}: {m.group(0).strip()}" for m in BARE_IMPORT.finditer(fh.read())]
     assert not offenders, "import through memory_broker only:\n" + "\n".join(offenders)
 
 

@@ -32,7 +32,7 @@ FOLDERS = {
 ALIAS_FOLDERS = {os.path.join("proto", "compat", "wire"): "memory_broker.wire"}
 
 # The most product modules whose code may run during one BrokerClient.allocate (client and
-# broker together). README, "Where things are", lists them in order.
+# broker together). ARCHITECTURE.md, "One request's path", lists them in order.
 ALLOCATE_MODULE_BUDGET = 15
 
 MAX_FUNCTION_LINES = 80

@@ -1,5 +1,5 @@
 """Tenant pools (security.tenants): separate pools per tenant group within one broker, with no
-fds of one group's pages sent to another (issue 26, item 9; README "Security: per-tenant pools").
+fds of one group's pages sent to another (issue 26, item 9; docs/security.md, "Per-tenant pools").
 
 In-process, the store with tenant pools: each tenant allocates, evicts and looks keys up in its
 own pages only, a full pool is RESOURCE_EXHAUSTED naming the tenant and its setting, and the

@@ -1,9 +1,10 @@
-"""The gRPC servicer: RPCs to core calls under the ``POLICY`` table (service_policy.py), errors to statuses.
+"""The gRPC servicer: RPCs to core calls under the ``POLICY`` table (``policy.py``), errors to statuses.
 
 ``POLICY`` says per RPC whether it needs a session, which targets the session must own or
 see, whether it changes state, whether it needs an adapter-manager uid, and whether the TCP
-listener (which has no peer credentials) serves it; ``_unary`` enforces it in one place
-before any handler runs. Handlers convert requests into core calls on the event loop that
+listener (which has no peer credentials) serves it; ``_unary`` has it enforced in one place
+before any handler runs, by ``SessionManager.authorize`` (``broker/sessions/manager.py``),
+which the step channel calls too. Handlers convert requests into core calls on the event loop that
 owns the core; ``BrokerError`` codes map onto gRPC statuses, anything else is a bug and
 becomes INTERNAL.
 """

@@ -367,7 +367,7 @@ class ServeOptions(_Explained):
     adapter_warm_policy: Literal[tuple(POLICIES)] = setting(  # type: ignore[valid-type]
         DEFAULT_POLICY, kind="choice", yaml="adapters.warm_policy", help="victim order of the warm tier"
     )
-    # Security (README "Security").
+    # Security (docs/security.md).
     adapter_allowed_roots: tuple[str, ...] = setting(
         (),
         kind="paths",

@@ -1,4 +1,4 @@
-"""Tenant pools, as the process wires them (README, "Security: per-tenant pools").
+"""Tenant pools, as the process wires them (docs/security.md, "Per-tenant pools").
 
 This module turns ``security.tenants`` into pools of whole slabs (``make_pools``: every
 tenant's slabs are created at start, first in the arena, so each tenant's pool is one fixed

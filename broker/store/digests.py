@@ -1,7 +1,7 @@
 """Digests of committed keyed objects: taken at commit, checked on demand and on a sample.
 
-Read-only mappings stop accidents, not a process that holds the arena's fds (README,
-"Security"): it can map a page writable again and overwrite another session's KV. With
+Read-only mappings stop accidents, not a process that holds the arena's fds (docs/security.md,
+"What one client can do to another"): it can map a page writable again and overwrite another session's KV. With
 ``memory_pool.kv_digest`` on, ``KeyDigests`` hashes each keyed object a transaction commits
 (blake2b over its pages, in one thread off the event loop, right after the commit: the cost
 is one pass over the bytes), keeps the digest in the object's record, and checks it again on
