@@ -1,4 +1,4 @@
-# The two commands a newcomer needs: `make serve` and `make test`.
+# The two commands a newcomer needs: `make serve` and `make test` (`make test-all` is CI's).
 # Each creates the virtual environment if it is missing.
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,7 @@ VLLM_NEXT ?= 0.33.0
 VLLM_SOURCES ?= .vllm-sources
 SERVE_ARGS ?=
 
-.PHONY: serve test lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
+.PHONY: serve test test-all lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --progress-bar on -e ".[dev]"
 	touch $@
 
-# The native cores (optional C extensions, README "The step path"): pip builds them in place;
+# The native cores (optional C extensions, docs/python-client.md "What a step costs"): pip builds them in place;
 # built again here when their sources change (a pulled change to the C is otherwise not built).
 NATIVE_SOURCES := $(wildcard proto/wire/_*.c broker/store/_*.c broker/adapters/_*.c clients/_*.c)
 $(VENV)/.native: $(NATIVE_SOURCES) | $(VENV)/.installed
@@ -64,11 +64,21 @@ vllm-sources: $(VLLM_SOURCES)/vllm-$(VLLM_NEXT)/.done
 serve: venv
 	$(VENV)/bin/memory-broker serve --socket $(SOCKET) $(SERVE_ARGS)
 
+# The tests run in tiers (tests/tiers.py gives every test one, from what it uses): unit, broker,
+# interp (Triton's interpreter), engine (vLLM engines), tools (docs, benchmark smoke runs,
+# packaging). bin/pytest, not `python -m pytest`: the checkout is not put on sys.path, so tests
+# import the installed package through memory_broker only, as users do. The vLLM tests run their
+# engines in $(VLLM_VENV)'s python; there they must run, not skip.
+PYTEST := MEMORY_BROKER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python MEMORY_BROKER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -n 2
+
+# Before a change: lint, then the unit and broker tiers on the native cores (a few minutes).
 test: venv vllm-venv vllm-sources proto-check lint
-	@# bin/pytest, not `python -m pytest`: the checkout is not put on sys.path, so tests import
-	@# the installed package through memory_broker only, as users do. The vLLM tests run their
-	@# engines in $(VLLM_VENV)'s python; here they must run, not skip.
-	MEMORY_BROKER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python MEMORY_BROKER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q
+	$(PYTEST) -m "(unit or broker) and not fallback"
+
+# Every tier, and the Python fallback runs of the native cores: what CI runs. The engine tier's
+# tests run one after another on one worker (they share the reference engines), beside the rest.
+test-all: venv vllm-venv vllm-sources proto-check lint
+	$(PYTEST) --dist loadgroup
 
 # ruff, configured in pyproject.toml: any finding, or a file the formatter would change, fails.
 lint: venv

@@ -1,7 +1,5 @@
 """The contract between the broker and its clients.
 
 ``proto/broker/v1/`` holds the ``.proto`` files (package ``broker.v1``; not a Python package).
-``memory_broker.proto.wire`` (``proto/wire/``) is what both sides import. The old name of the
-wire package, ``memory_broker.wire``, is a deprecated alias (``proto/compat/wire/``) kept for one
-release.
+``memory_broker.proto.wire`` (``proto/wire/``) is what both sides import.
 """

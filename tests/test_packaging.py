@@ -18,9 +18,6 @@ FOLDERS = {
     "kernels": "memory_broker.kernels",
     "proto": "memory_broker.proto",
 }
-# The one folder whose package is not named by its path: the deprecated alias of the wire
-# package's old name, kept for one release (ARCHITECTURE.md, "Names").
-ALIASES = {"memory_broker.proto.compat.wire": "memory_broker.wire"}
 # check_coexistence.sh imports Hugging Face's `kernels` on purpose.
 NOT_OURS = {os.path.join("ops", "dev", "check_coexistence.sh")}
 BARE_IMPORT = re.compile(r"^\s*(from|import)\s+(broker|clients|kernels)(\.|\s|$)", re.M)
@@ -39,7 +36,7 @@ def test_every_package_folder_is_installed_under_the_import_root():
             if "__init__.py" in files:
                 rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
                 pkg = name if rel == "." else f"{name}.{rel.replace(os.sep, '.')}"
-                found.add(ALIASES.get(pkg, pkg))
+                found.add(pkg)
     assert found == declared, f"missing from pyproject: {found - declared}; stale: {declared - found}"
 
 

@@ -27,9 +27,6 @@ FOLDERS = {
     "kernels": "memory_broker.kernels",
     "proto": "memory_broker.proto",
 }
-# The one folder whose import name is not its path: the deprecated alias of the wire
-# package's old name, kept for one release (pyproject.toml, ARCHITECTURE.md).
-ALIAS_FOLDERS = {os.path.join("proto", "compat", "wire"): "memory_broker.wire"}
 
 # The most product modules whose code may run during one BrokerClient.allocate (client and
 # broker together). ARCHITECTURE.md, "One request's path", lists them in order.
@@ -53,10 +50,8 @@ SIZE_EXCEPTIONS: dict[str, str] = {
 def _module_name(path: str) -> str:
     """The import name of the product module at ``path`` (relative to the checkout)."""
     folder, base = os.path.split(path)
-    package = ALIAS_FOLDERS.get(folder)
-    if package is None:
-        top, _, rest = folder.partition(os.sep)
-        package = FOLDERS[top] + ("." + rest.replace(os.sep, ".") if rest else "")
+    top, _, rest = folder.partition(os.sep)
+    package = FOLDERS[top] + ("." + rest.replace(os.sep, ".") if rest else "")
     return package if base == "__init__.py" else f"{package}.{base[:-3]}"
 
 
@@ -251,7 +246,7 @@ print(json.dumps(report))
 def test_every_product_module_is_importable_by_its_folder_path():
     names = {_module_name(p): os.path.join(ROOT, p) for p in product_files()}
     assert "memory_broker.proto.wire.v1.broker_pb2" in names  # generated code included
-    assert names["memory_broker.wire"] == os.path.join(ROOT, "proto", "compat", "wire", "__init__.py")
+    assert not any(n == "memory_broker.wire" or n.startswith("memory_broker.wire.") for n in names)  # alias gone
     r = subprocess.run(
         [sys.executable, "-c", IMPORT_ALL, json.dumps(names)], cwd="/", capture_output=True, text=True, timeout=300
     )
@@ -566,6 +561,7 @@ def _ruff() -> str:
 def test_make_test_runs_the_linter():
     targets = _make_targets()
     assert "lint" in targets["test"][0], targets["test"]
+    assert "lint" in targets["test-all"][0], targets["test-all"]
     recipe = " ".join(targets["lint"][1])
     assert "ruff check ." in recipe and "ruff format --check ." in recipe, recipe
 

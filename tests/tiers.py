@@ -138,6 +138,8 @@ def _refs(node: ast.AST) -> tuple[set[str], set[str]]:
             names.add(n.id)
         elif isinstance(n, ast.Attribute):
             names.add(n.attr)
+        elif isinstance(n, ast.alias):
+            names.add((n.asname or n.name).partition(".")[0])  # import subprocess, in a function
         elif isinstance(n, ast.arg):
             names.add(n.arg)  # fixtures a helper or fixture asks for
         elif isinstance(n, ast.Constant) and isinstance(n.value, str):
@@ -233,6 +235,10 @@ def pytest_collection_modifyitems(config, items):
                 "(tests/tiers.py chooses a test's tier; change what it uses or the rules there)"
             )
         item.add_marker(getattr(pytest.mark, tier))
+        if tier == "engine":
+            # Under pytest-xdist's loadgroup, the engine tier runs on one worker: its tests share
+            # the session's reference engines (conftest.vllm_shared; a few GB each).
+            item.add_marker(pytest.mark.xdist_group("engine"))
         item.stash[_TIER] = tier
 
 
