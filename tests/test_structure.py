@@ -259,13 +259,11 @@ def test_every_product_module_is_importable_by_its_folder_path():
     assert all(n.startswith("memory_broker.clients.vllm.") for n in report["spec_only"]), report["spec_only"]
 
 
-def test_the_old_wire_name_is_the_new_package():
-    code = (
-        "import memory_broker.wire.session as old, memory_broker.proto.wire.session as new; "
-        "print(old is new and old.__name__)"
-    )
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd="/", capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.strip() == "memory_broker.proto.wire.session", r.stdout + r.stderr
+def test_the_old_wire_name_is_gone():
+    # memory_broker.wire was an alias of memory_broker.proto.wire for 0.1.0's first weeks; it is gone.
+    code = "import memory_broker.wire"
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
+    assert r.returncode != 0 and "No module named 'memory_broker.wire'" in r.stderr, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------- one Allocate's path

@@ -224,6 +224,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fallback_only: run on the fallback alone (the Python path's own internals)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test gets its tier
 def pytest_collection_modifyitems(config, items):
     for item in items:
         hand = [m.name for m in item.iter_markers() if m.name in TIERS]
@@ -240,10 +241,16 @@ def pytest_collection_modifyitems(config, items):
             # the session's reference engines (conftest.vllm_shared; a few GB each).
             item.add_marker(pytest.mark.xdist_group("engine"))
         item.stash[_TIER] = tier
+        tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
+        COLLECTED[item.nodeid] = (tiers, item.get_closest_marker("fallback") is not None)
 
 
 _TIER = pytest.StashKey[str]()
 _COUNTS: dict[str, int] = {}
+# Every test this process collected, before any -m or -k deselects some: nodeid -> (its tiers,
+# whether it is a fallback run); test_tiers checks the partition on it when the run collected
+# the whole suite.
+COLLECTED: dict[str, tuple[list[str], bool]] = {}
 
 
 def pytest_runtest_logreport(report):
