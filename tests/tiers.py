@@ -69,6 +69,11 @@ PROCESS_NAMES = {
 }
 
 
+# Processes a library starts on its own to find a shared library (ctypes.util.find_library runs
+# ldconfig, or gcc, ld and objdump), the first time some test in a worker asks: not a test's doing.
+LIBRARY_PROBES = {"ldconfig", "gcc", "cc", "ld", "objdump"}
+
+
 class Uses:
     """The names and string constants a test's code reaches."""
 
@@ -293,7 +298,8 @@ def tier_watch(request, monkeypatch):
 
     def execute_child(self, args, executable, *rest, **kw):
         argv = [args] if isinstance(args, str | bytes) else list(args)
-        watch.argv.append(" ".join(map(str, argv))[:200])
+        if os.path.basename(str(argv[0]).split(" ")[0]) not in LIBRARY_PROBES:
+            watch.argv.append(" ".join(map(str, argv))[:200])
         return execute(self, args, executable, *rest, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", execute_child)
