@@ -3,7 +3,8 @@ geometry validation, and the VMM call sequences driven against a strict fake dri
 
 The fake driver (``FakeDriver``) models what the CUDA driver enforces and the arena relies
 on: the bindings' own argument and result types (from the installed cuda-bindings), a
-current retained context for every call, reservations, granularity, handle and memory
+current retained context for every call (a stack of them per thread: set, push, pop, and the
+CUDA runtime's current device adopting the thread's current context), reservations, granularity, handle and memory
 accounting, exported fds (real memfds, so dup/close/SCM_RIGHTS behave), streams and graph
 capture, per-page access, and sticky faults (a kernel over memory unmapped under it, or
 writing a read-only page). It refuses what a real H200 refused (FIELD-NOTES "CUDA VMM on a
@@ -92,10 +93,15 @@ class FakeDriver:
     ``CUdevice``, ``CUcontext``, ``CUmemGenericAllocationHandle``, ``CUdeviceptr``, enums),
     accepts only the bindings' structs and enums as arguments (``CUmemAllocationProp``,
     ``CUmemAccessDesc``, ``CUstream``), needs a current, retained context in the calling
-    thread for every call but device queries, and models sticky errors: ``launch`` queues
-    fake kernel work over an address range on a stream; unmapping a range with unfinished
-    work on it, launching over unmapped memory, or writing read-only pages sets the sticky
-    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as a real fault would.
+    thread for every call but device queries (the top of the thread's context stack, which
+    ``cuCtxSetCurrent`` replaces and ``cuCtxPushCurrent``/``cuCtxPopCurrent`` push and pop;
+    ``runtime_device`` is the CUDA runtime's current device, the current context's), and
+    models sticky errors: ``launch`` queues fake kernel work over an address range on a
+    stream; unmapping a range with unfinished work on it, launching over unmapped memory, or
+    writing read-only pages sets the sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``, as a real fault
+    would. Unverified on a GPU, and lenient where unsure: pushing a context already on the
+    stack, or one whose retains were all released (a call that then needs it fails), is
+    accepted.
     """
 
     CUresult = real.CUresult
@@ -122,6 +128,9 @@ class FakeDriver:
         "cuDevicePrimaryCtxRetain",
         "cuDevicePrimaryCtxRelease",
         "cuCtxSetCurrent",
+        "cuCtxPushCurrent",
+        "cuCtxPopCurrent",
+        "cuCtxGetCurrent",
         "cuThreadExchangeStreamCaptureMode",
     }
 
@@ -146,6 +155,12 @@ class FakeDriver:
         self.capturing: set[int] = set()  # streams under graph capture
         self.sticky = None
         self.mode_changes: list[tuple[int, object]] = []
+        # Context stack operations as (thread, "push" / "pop" / "set", device or None), kept out
+        # of ``calls`` (the sequences tests compare) like the capture mode's changes.
+        self.ctx_ops: list[tuple[int, str, int | None]] = []
+        # The CUDA runtime's own current device per thread (``runtime_set_device``), used
+        # where no context is current; devices whose primary context the runtime retained.
+        self.runtime_retained: set[int] = set()
         self._next = 1
         # With a limit: exports fail while this many fds of its exports are open in the
         # process (the broker's and the client's, duplicates received over SCM_RIGHTS too),
@@ -161,7 +176,7 @@ class FakeDriver:
     def _log(self, name, *args):
         self.calls.append((name, *args))
         if name not in self.NO_CONTEXT:
-            ctx = getattr(self.tls, "ctx", None)
+            ctx = self.current_context()
             if ctx is None or self.ctx_refs.get(self._ctx_dev(ctx), 0) <= 0:
                 return R.CUDA_ERROR_INVALID_CONTEXT
             if self.sticky is not None:
@@ -180,6 +195,47 @@ class FakeDriver:
     def _ctx_dev(self, ctx):
         assert isinstance(ctx, real.CUcontext), f"a context must be a CUcontext, got {ctx!r}"
         return int(ctx) - 0x1000
+
+    def _stack(self) -> list:
+        """This thread's stack of current contexts (the top is current)."""
+        st = getattr(self.tls, "stack", None)
+        if st is None:
+            st = self.tls.stack = []
+        return st
+
+    def current_context(self):
+        """This thread's current context (a ``CUcontext``), or None."""
+        st = self._stack()
+        return st[-1] if st else None
+
+    # -- the CUDA runtime, as far as its current device goes
+    def runtime_set_device(self, dev: int) -> None:
+        """``cudaSetDevice(dev)`` (what ``torch.cuda.set_device`` and torch's first use of a
+        device do): the runtime retains ``dev``'s primary context once and binds it to this
+        thread, as ``cuCtxSetCurrent`` would (the top of the thread's stack replaced)."""
+        if dev not in self.runtime_retained:
+            self.runtime_retained.add(dev)
+            self.ctx_refs[dev] = self.ctx_refs.get(dev, 0) + 1
+        self.tls.runtime_device = dev
+        st = self._stack()
+        ctx = real.CUcontext(0x1000 + dev)
+        if st:
+            st[-1] = ctx
+        else:
+            st.append(ctx)
+
+    def runtime_device(self) -> int:
+        """``cudaGetDevice()`` (``torch.cuda.current_device()``): the runtime adopts the
+        context the driver API left current in this thread, so its device is that context's;
+        with none current, the runtime's own (``runtime_set_device``'s, 0 before any).
+
+        From NVIDIA's documentation of the runtime's interplay with the driver API (a context
+        made current with the driver API is the one runtime calls use); unverified on a GPU.
+        """
+        ctx = self.current_context()
+        if ctx is not None:
+            return self._ctx_dev(ctx)
+        return getattr(self.tls, "runtime_device", 0)
 
     def names(self):
         return [c[0] for c in self.calls]
@@ -295,9 +351,45 @@ class FakeDriver:
         return (self._r(OK),)
 
     def cuCtxSetCurrent(self, ctx):
-        self._ctx_dev(ctx)
-        self.tls.ctx = ctx
+        """Replaces the top of this thread's stack (pushes onto an empty one); NULL pops it."""
+        st = self._stack()
+        if int(ctx) == 0:
+            self._ctx_dev(ctx)
+            self.ctx_ops.append((threading.get_ident(), "set", None))
+            if st:
+                st.pop()
+            return (self._r(OK),)
+        d = self._ctx_dev(ctx)
+        self.ctx_ops.append((threading.get_ident(), "set", d))
+        if st:
+            st[-1] = ctx
+        else:
+            st.append(ctx)
         return (self._r(OK),)
+
+    def cuCtxPushCurrent(self, ctx):
+        """Pushes ``ctx`` onto this thread's stack: current until popped. A context already on
+        the stack may be pushed again (the documentation names no error for it; unverified)."""
+        d = self._ctx_dev(ctx)
+        if int(ctx) == 0:
+            return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
+        self.ctx_ops.append((threading.get_ident(), "push", d))
+        self._stack().append(ctx)
+        return (self._r(OK),)
+
+    def cuCtxPopCurrent(self):
+        """Pops this thread's current context and returns it; the one below (or none) is
+        current again. An empty stack: CUDA_ERROR_INVALID_CONTEXT."""
+        st = self._stack()
+        if not st:
+            return (self._r(R.CUDA_ERROR_INVALID_CONTEXT), real.CUcontext(0))
+        ctx = st.pop()
+        self.ctx_ops.append((threading.get_ident(), "pop", self._ctx_dev(ctx)))
+        return (self._r(OK), ctx)
+
+    def cuCtxGetCurrent(self):
+        ctx = self.current_context()
+        return (self._r(OK), ctx if ctx is not None else real.CUcontext(0))
 
     def cuCtxSynchronize(self):
         err = self._log("cuCtxSynchronize")
@@ -343,7 +435,7 @@ class FakeDriver:
         err = self._log("cuMemGetInfo")
         if err:
             return (self._r(err), 0, 0)
-        dev = self._ctx_dev(self.tls.ctx)
+        dev = self._ctx_dev(self.current_context())
         total = self.devices[dev].memory
         return (self._r(OK), total - self.used(dev), total)
 
@@ -1167,6 +1259,69 @@ def test_each_call_makes_the_context_current_in_its_own_thread(fake):
     a.close()
 
 
+def test_arena_calls_leave_the_callers_current_context_and_device_as_they_were(fake, fake_torch):
+    """The CUDA runtime adopts whatever context the driver API leaves current in a thread, so
+    an arena that left its device's context current would move the thread's current device
+    (torch's, and the caller's later ``device="cuda"`` work) to the arena's. Every entry point
+    pushes its context and pops it: a thread working on device 1 is still on device 1, with
+    its own context current, after arena calls on device 0 (failed ones, a failed grow and a
+    deferred teardown too), and a thread that had no context current has none after them."""
+    fake.devices.append(FakeDevice(name="Fake H100 #1", uuid=UUID1))
+    fake.runtime_set_device(1)  # torch works on GPU 1 in this thread
+    mine = fake.current_context()
+    g = geom()
+
+    def unchanged(after: str) -> None:
+        assert fake.current_context() == mine and len(fake._stack()) == 1, after
+        assert fake.runtime_device() == 1, f"{after} moved the runtime to device {fake.runtime_device()}"
+
+    a = CudaArena(g, "0")
+    unchanged("the broker's arena")
+    a.grow(2)
+    unchanged("a grow")
+    assert a.memory_info()[1] == fake.devices[0].memory
+    unchanged("memory_info")
+    fake.fail["cuMemCreate"] = [1, R.CUDA_ERROR_OUT_OF_MEMORY]
+    with pytest.raises(MemoryError):
+        a.grow(1)
+    del fake.fail["cuMemCreate"]
+    unchanged("a failed grow")
+    v = CudaArenaView(g, UUID0_STR)
+    unchanged("a client's view")
+    attach(v, a, 0, 8)
+    unchanged("export and attach")
+    v.map_window(0, [3, 1, 2])
+    v.set_page_access([1], True)
+    unchanged("window mapping and access")
+    fake.fail["cuMemMap"] = [0, R.CUDA_ERROR_OUT_OF_MEMORY]
+    with pytest.raises(CudaError):
+        v.map_window(8, [4])
+    del fake.fail["cuMemMap"]
+    unchanged("a failed window mapping")
+    v.unmap_window(0, 3)
+    t = v.tensor(v.page_address(0), 16)
+    v.close()  # deferred: the teardown runs where the tensor goes
+    del t
+    assert v.attached_pages == 0
+    unchanged("a deferred teardown")
+
+    seen = []
+
+    def bare_thread():  # no context current, as in a fresh thread
+        a.grow(1)
+        for fd in a.export_fds(8, 4):
+            os.close(fd)
+        seen.append((fake.current_context(), fake._stack()))
+
+    th = threading.Thread(target=bare_thread)
+    th.start()
+    th.join()
+    assert seen == [(None, [])]
+    a.close()
+    unchanged("closing the arena")
+    assert fake.ctx_refs == {0: 0, 1: 1}  # the runtime's retain of device 1 is its own
+
+
 def test_preallocate_a_fraction_of_free_memory(fake):
     fake.devices[0].memory = 80 * MiB
     a = CudaArena(geom(slabs=8), "0")
@@ -1299,7 +1454,7 @@ def test_the_fake_takes_and_returns_the_bindings_types_and_needs_a_context(fake)
         assert isinstance(a.device.handle, real.CUdevice)
         with pytest.raises(AssertionError, match="CUmemGenericAllocationHandle"):
             fake.cuMemMap(a.view.window_base, GRAN, 0, int(h), 0)  # a plain int, as a bug would pass
-        fake.tls.ctx = None  # a thread that never made the context current
+        fake.tls.stack = []  # a thread with no context current
         (err, _h) = fake.cuMemCreate(GRAN, a.view._allocation_prop(), 0)
         assert err == real.CUresult.CUDA_ERROR_INVALID_CONTEXT
     finally:
@@ -1596,8 +1751,11 @@ def test_the_broker_arena_unmaps_when_its_last_tensor_goes(fake, fake_torch):
 
 
 def _owner_context(fake):
-    """A view (for its context, prop and access descriptors) on the fake's device 0."""
-    return CudaArenaView(geom(), "0")
+    """A view (for its context, prop and access descriptors) on the fake's device 0, its
+    context pushed current in this thread for the test's own driver calls."""
+    v = CudaArenaView(geom(), "0")
+    assert fake.cuCtxPushCurrent(v._ctx) == (OK,)
+    return v
 
 
 def test_the_fake_refuses_partial_maps_and_access_ranges_that_cut_a_mapping(fake):
@@ -1647,7 +1805,6 @@ def test_the_old_slab_design_fails_against_the_fake(fake):
     g = geom(pps=4)
     v = _owner_context(fake)
     try:
-        v.make_current()
         drv = fake
         slab = check("cuMemCreate(slab)", drv.cuMemCreate(g.slab_size, v.allocation_prop(), 0), drv)
         check("cuMemMap(slab 0)", drv.cuMemMap(v.phys_base, g.slab_size, 0, slab, 0), drv)

@@ -69,13 +69,19 @@ class CudaArena(Arena):
     def memory_info(self) -> tuple[int, int]:
         """The device's (free, total) bytes, from ``cuMemGetInfo``."""
         self._check_open()
-        self.view.make_current()
-        free, total = check("cuMemGetInfo()", self._drv.cuMemGetInfo(), self._drv)
+        with self.view.current():
+            free, total = check("cuMemGetInfo()", self._drv.cuMemGetInfo(), self._drv)
         return int(free), int(total)
 
+    def grow(self, slabs: int) -> None:
+        """As ``Arena.grow``, with the device's context current in this thread for the whole
+        grow (its creates, and the undoing of a failed one) and this thread's own after it."""
+        self._check_open()
+        with self.view.current():
+            super().grow(slabs)
+
     def _prepare_growth(self) -> object:
-        """The allocation properties of every slab, with the view's context current."""
-        self.view.make_current()
+        """The allocation properties of every slab (the grow's context is current)."""
         return self.view.allocation_prop()
 
     def _create_slab(self, idx: int, have: int, slabs: int, prepared: object) -> Any:
@@ -115,18 +121,18 @@ class CudaArena(Arena):
             self._check_open()
             self._check_units(first, count)
             view, drv = self.view, self._drv
-            view.make_current()
             try:
-                for p in range(first, first + count):
-                    fd = int(
-                        check(
-                            f"cuMemExportToShareableHandle(page {p}, POSIX_FILE_DESCRIPTOR)",
-                            drv.cuMemExportToShareableHandle(view.page_handle(p), view.fd_handle_type, 0),
-                            drv,
+                with view.current():
+                    for p in range(first, first + count):
+                        fd = int(
+                            check(
+                                f"cuMemExportToShareableHandle(page {p}, POSIX_FILE_DESCRIPTOR)",
+                                drv.cuMemExportToShareableHandle(view.page_handle(p), view.fd_handle_type, 0),
+                                drv,
+                            )
                         )
-                    )
-                    out.append(fd)
-                    fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
+                        out.append(fd)
+                        fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
             except BaseException as e:
                 for fd in out:
                     os.close(fd)

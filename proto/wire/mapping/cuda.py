@@ -58,8 +58,9 @@ Other rules:
   ``record_stream``; freeing objects whose window pages a stream is capturing over is refused
   with ``MappingInUse``.
 * **Host-only helpers** must refuse this view (``host_addressable`` is False).
-* **Primary context.** Views retain the device's primary context and make it current in the
-  calling thread on every entry point (the current context is per thread).
+* **Primary context.** Views retain the device's primary context and push it current in the
+  calling thread for the span of every entry point, popping it after: the thread's own
+  current context (and so the CUDA runtime's, and torch's, current device) is as it was.
 * **Devices** are chosen by index or by UUID (``GPU-...``); long-lived state should name the
   UUID (``CudaArena.device_id``).
 
@@ -177,21 +178,9 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         d = self.device
         self._phys_base = self._window_base = 0
         try:
-            self.make_current()
-            self.granularity = self._check(
-                f"cuMemGetAllocationGranularity(device {d.ordinal}, MINIMUM)",
-                drv.cuMemGetAllocationGranularity(
-                    self.allocation_prop(), drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-                ),
-            )
-            check_geometry(geometry, int(self.granularity), d.describe())
-            self._phys_size = geometry.max_pages * geometry.page_size
-            self._window_size = geometry.window_pages * geometry.page_size
-            self._phys_base = self._reserve(self._phys_size, "physical view")
-            self._window_base = self._reserve(self._window_size, "window")
+            with self.current():
+                self._reserve_ranges()
         except BaseException:
-            if self._phys_base:
-                drv.cuMemAddressFree(self._phys_base, self._phys_size)
             drv.cuDevicePrimaryCtxRelease(d.handle)
             raise
         # Per attached page: its allocation handle (owned by this view).
@@ -203,6 +192,27 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         self._window = WindowPages()
         self._leases = Leases()
         self._closed = False
+
+    def _reserve_ranges(self) -> None:
+        """The device's granularity checked against the geometry, and the physical view's and
+        the window's address ranges reserved (neither left reserved if this raises)."""
+        drv, d, g = self._drv, self.device, self.geometry
+        self.granularity = self._check(
+            f"cuMemGetAllocationGranularity(device {d.ordinal}, MINIMUM)",
+            drv.cuMemGetAllocationGranularity(
+                self.allocation_prop(), drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+        )
+        check_geometry(g, int(self.granularity), d.describe())
+        self._phys_size = g.max_pages * g.page_size
+        self._window_size = g.window_pages * g.page_size
+        self._phys_base = self._reserve(self._phys_size, "physical view")
+        try:
+            self._window_base = self._reserve(self._window_size, "window")
+        except BaseException:
+            drv.cuMemAddressFree(self._phys_base, self._phys_size)
+            self._phys_base = 0
+            raise
 
     def _reserve(self, size: int, what: str) -> int:
         drv = self._drv
@@ -274,26 +284,27 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
             self._check_new_pages(first_page, len(fds))
             if not fds:
                 return
-            self.make_current()
-            with self._relaxed_capture():
-                while fds:
-                    fd = fds.pop(0)
-                    try:
-                        handles.append(
-                            self._check(
-                                f"cuMemImportFromShareableHandle(fd {fd}, page {first_page + len(handles)})",
-                                self._drv.cuMemImportFromShareableHandle(fd, self.fd_handle_type),
+            with self._relaxed_capture(), self.current():
+                try:
+                    while fds:
+                        fd = fds.pop(0)
+                        try:
+                            handles.append(
+                                self._check(
+                                    f"cuMemImportFromShareableHandle(fd {fd}, page {first_page + len(handles)})",
+                                    self._drv.cuMemImportFromShareableHandle(fd, self.fd_handle_type),
+                                )
                             )
-                        )
-                    finally:
-                        os.close(fd)
-                self._attach_run(first_page, handles, readonly)
-                handles = []
+                        finally:
+                            os.close(fd)
+                    self._attach_run(first_page, handles, readonly)
+                except BaseException:
+                    for h in handles:  # released in the context, which the driver needs
+                        self._drv.cuMemRelease(h)
+                    raise
         finally:
             for fd in fds:
                 os.close(fd)
-            for h in handles:
-                self._drv.cuMemRelease(h)
 
     def attach_handles(self, first_page: int, handles: Sequence[Any], *, readonly: bool = False) -> None:
         """Map allocation handles (the broker's own, from ``cuMemCreate``) as pages
@@ -306,8 +317,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
             raise ValueError(f"pages {first_page}..{end - 1} are past the arena's maximum of {g.max_pages} pages")
         self._known_slabs = max(self._known_slabs, -(-end // g.pages_per_slab))
         self._check_new_pages(first_page, len(handles))
-        self.make_current()
-        with self._relaxed_capture():
+        with self._relaxed_capture(), self.current():
             self._attach_run(first_page, list(handles), readonly)
 
     def _check_new_pages(self, first_page: int, count: int) -> None:
@@ -344,10 +354,11 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         window pages)."""
         g = self.geometry
         first = first_slab * g.pages_per_slab
-        for p in sorted((p for p in self._handles if p >= first), reverse=True):
-            self._drv.cuMemUnmap(self._phys_base + p * g.page_size, g.page_size)
-            self._drv.cuMemRelease(self._handles.pop(p))
-            self._page_readonly.discard(p)
+        with self.current():
+            for p in sorted((p for p in self._handles if p >= first), reverse=True):
+                self._drv.cuMemUnmap(self._phys_base + p * g.page_size, g.page_size)
+                self._drv.cuMemRelease(self._handles.pop(p))
+                self._page_readonly.discard(p)
         self._known_slabs = min(self._known_slabs, first_slab)
 
     # ------------------------------------------------------------- the window
@@ -374,8 +385,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         if not pages:
             return
         ps = self.geometry.page_size
-        self.make_current()
-        with self._relaxed_capture():
+        with self._relaxed_capture(), self.current():
             self._clear_window(window_page, len(pages))
             ro = [readonly or p in self._page_readonly for p in pages]
             added: list[int] = []
@@ -408,8 +418,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         self._check_open()
         self._check_window_range(window_page, count)
         if count:
-            self.make_current()
-            with self._relaxed_capture():
+            with self._relaxed_capture(), self.current():
                 self._clear_window(window_page, count)
 
     def window_pages(self) -> list[tuple[int, int, bool]]:
@@ -456,8 +465,7 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         if not change:
             return
         ps = self.geometry.page_size
-        self.make_current()
-        with self._relaxed_capture():
+        with self._relaxed_capture(), self.current():
             for _, first, n in page_runs(change):
                 self._set_access(self._phys_base + first * ps, n * ps, readonly, f"pages {first}..{first + n - 1}")
                 if readonly:
@@ -500,14 +508,18 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         drv, ps = self._drv, self.geometry.page_size
         errors: list[CudaError] = []
 
-        def attempt(call: str, fn, *args) -> None:
+        def attempt(call: str, fn, *args) -> bool:
             try:
                 self._check(call, fn(*args))
+                return True
             except CudaError as e:
                 if e.code not in (CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_NOT_INITIALIZED):
                     errors.append(e)
+                return False
 
-        attempt("cuCtxSetCurrent(primary context)", drv.cuCtxSetCurrent, self._ctx)
+        # The teardown may run in any thread (where the last lease died): its context is
+        # pushed over that thread's own and popped after the last call that needs it.
+        pushed = attempt("cuCtxPushCurrent(primary context)", drv.cuCtxPushCurrent, self._ctx)
         attempt("cuCtxSynchronize() before closing the arena view", drv.cuCtxSynchronize)
         for w, _ in self._window:
             attempt(f"cuMemUnmap(window page {w})", drv.cuMemUnmap, self._window_base + w * ps, ps)
@@ -520,6 +532,8 @@ class CudaArenaView(DeviceContext, CudaTensors, ArenaView):
         self._page_readonly.clear()
         attempt("cuMemAddressFree(window)", drv.cuMemAddressFree, self._window_base, self._window_size)
         attempt("cuMemAddressFree(physical view)", drv.cuMemAddressFree, self._phys_base, self._phys_size)
+        if pushed:
+            attempt("cuCtxPopCurrent(primary context)", drv.cuCtxPopCurrent)
         attempt(
             f"cuDevicePrimaryCtxRelease(device {self.device.ordinal})",
             drv.cuDevicePrimaryCtxRelease,

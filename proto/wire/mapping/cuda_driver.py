@@ -236,9 +236,10 @@ def resolve_device(drv, spec: str | int | None) -> CudaDevice:
 class DeviceContext:
     """One device's primary context, retained, and the checked driver calls made in it.
 
-    The base of ``CudaArenaView``: opening the device, making its context current in the
-    calling thread, the stream-capture mode, the mapping and access calls, and waiting on
-    streams. It keeps no mapping state of its own.
+    The base of ``CudaArenaView``: opening the device, its context current in the calling
+    thread for the span of a call (``current``; the thread's own again afterwards), the
+    stream-capture mode, the mapping and access calls, and waiting on streams. It keeps no
+    mapping state of its own.
     """
 
     _drv: Any
@@ -279,11 +280,31 @@ class DeviceContext:
     def _check(self, call: str, result) -> Any:
         return check(call, result, self._drv)
 
-    def make_current(self) -> None:
-        """Make the device's primary context current in this thread (the broker's arena calls it
-        before creating and exporting pages)."""
-        # The current context is per thread; set it on every entry point (cheap).
-        self._check("cuCtxSetCurrent(primary context)", self._drv.cuCtxSetCurrent(self._ctx))
+    @contextlib.contextmanager
+    def current(self):
+        """The device's primary context current in this thread for the block, and the thread's
+        own current context (or none) again after it, whatever the block raised.
+
+        Every entry point that calls the driver runs in one (the broker's arena too, to create
+        and export pages). The current context is per thread, and the CUDA runtime adopts
+        whatever context the driver leaves current: a context set and left behind would move
+        the thread's current device (torch's too) to this view's device, and the caller's
+        later ``device="cuda"`` work with it. Push and pop cost next to nothing; they nest.
+        Mapping calls enter it inside ``_relaxed_capture``, so the push and the pop too run in
+        relaxed capture mode (whether the driver counts them unsafe during a global-mode
+        capture in another thread is not documented; relaxed mode makes it moot).
+
+        Raises:
+            CudaError: the push or the pop failed (a pop's error only where the block raised none).
+        """
+        drv = self._drv
+        self._check("cuCtxPushCurrent(primary context)", drv.cuCtxPushCurrent(self._ctx))
+        try:
+            yield
+        except BaseException:
+            drv.cuCtxPopCurrent()
+            raise
+        self._check("cuCtxPopCurrent(primary context)", drv.cuCtxPopCurrent())
 
     @contextlib.contextmanager
     def _relaxed_capture(self):
