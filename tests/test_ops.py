@@ -67,6 +67,16 @@ def test_unit_is_a_notify_service_with_watchdog_restart_user_and_runtime_dir():
     assert "socket_mode" in open(os.path.join(ROOT, "ops", "broker.example.yaml")).read()
 
 
+def test_unit_keeps_the_oom_killer_off_the_broker_and_says_how_to_bound_it():
+    text = open(UNIT).read()
+    adjust = [line for line in text.splitlines() if line.startswith("OOMScoreAdjust=")]
+    assert len(adjust) == 1 and int(adjust[0].partition("=")[2]) <= -500
+    assert "MemoryMax=" in text and not any(line.startswith("MemoryHigh=") for line in text.splitlines())
+    guide = open(os.path.join(ROOT, "docs", "operating.md")).read()
+    for words in ("OOMScoreAdjust=-900", "MemoryMax=", "memory.max", "MemAvailable", "RESOURCE_EXHAUSTED"):
+        assert words in guide, words
+
+
 # ----------------------------------------------------------------- notify protocol
 
 
