@@ -228,19 +228,19 @@ def _run_loop(main, step_thread: bool, log) -> None:
         runner.run(main)
 
 
+def _needs_daemon(e: ImportError) -> CliError:
+    return CliError(f"serve needs the daemon's dependencies ({e}); install them: pip install 'memory-broker[daemon]'")
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     for opt in ("timeout", "wait"):
         if hasattr(a, opt):
             raise CliError(f"--{opt} is for status and adapters, not serve", code=2)
     try:
-        from memory_broker.broker.server.app import serve
         from memory_broker.broker.server.config import build_options, deprecation_notes
-        from memory_broker.broker.server.lock import SocketPathLocked
         from memory_broker.broker.server.logs import configure
     except ImportError as e:
-        raise CliError(
-            f"serve needs the daemon's dependencies ({e}); install them: pip install 'memory-broker[daemon]'"
-        ) from None
+        raise _needs_daemon(e) from None
     try:
         overrides = flag_overrides(a)
         config = getattr(a, "config", None)
@@ -249,6 +249,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         log = configure(opts.log_level, opts.log_format)
     except ValueError as e:
         raise CliError(str(e), code=2) from None
+    try:
+        # Imported once the log is set up: loading the server loads the native cores, and a
+        # core that was not built says so in the log's own format.
+        from memory_broker.broker.server.app import serve
+        from memory_broker.broker.server.lock import SocketPathLocked
+    except ImportError as e:
+        raise _needs_daemon(e) from None
     for note in deprecation_notes():
         log.warning("deprecated_setting", detail=note)
     try:

@@ -8,6 +8,9 @@
   a broker that does not answer is a row saying so.
 
 Only sessionless calls are made (GetArena, GetStats), which the socket's mode gates.
+``adapters register --all`` talks only to sockets in directories that no one but root, the
+caller or the broker's service account (``memory-broker``, the unit's ``User=``) could have
+made or changed (``untrusted_directory``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -135,16 +140,54 @@ def cmd_gpus(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# The user the systemd unit runs each broker as (ops/systemd/memory-broker@.service, User=).
+SERVICE_USER = "memory-broker"
+
+
+def trusted_owners() -> dict[int, str]:
+    """The uids whose directories ``register --all`` trusts: root, the caller, the service user."""
+    owners = {0: "root", os.getuid(): "you"}
+    try:
+        owners.setdefault(pwd.getpwnam(SERVICE_USER).pw_uid, SERVICE_USER)
+    except KeyError:
+        pass
+    return owners
+
+
+def untrusted_directory(path: str) -> str:
+    """Why a socket in directory ``path`` could be anyone's ("" if not): the directory (or a
+    link to it) is owned by someone other than root, the caller or the service user, or its
+    group or everyone may write to it (and so put any socket there)."""
+    owners = trusted_owners()
+    named = ", ".join(sorted(set(owners.values())))
+    try:
+        link, st = os.lstat(path), os.stat(path)
+    except OSError as e:
+        return f"cannot be checked ({e.strerror})"
+    for what, info in (("a link owned", link), ("owned", st)):
+        if (info is st or stat.S_ISLNK(info.st_mode)) and info.st_uid not in owners:
+            return f"is {what} by uid {info.st_uid}, not by {named}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "everyone" if st.st_mode & stat.S_IWOTH else f"group {st.st_gid}"
+        return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
 def register_all(a: argparse.Namespace, register, cli_error: type[Exception]) -> int:
     """``adapters register --all``: ``register`` (the one-broker command) on every broker under
-    the run directory, each one's result reported; a broker that is down is named. Exit 1 unless
-    every broker registered it."""
+    the run directory, each one's result reported; a broker that is down, or whose directory
+    anyone else could have written, is named. Exit 1 unless every broker registered it."""
     brokers = gpu_sockets(a.run_dir)
     if not brokers:
         raise cli_error(f"no per-GPU brokers under {a.run_dir}; without --all, --socket names one broker")
     failed = 0
     for uuid, socket in brokers.items():
         print(f"{uuid}: ", end="", flush=True)
+        why = untrusted_directory(os.path.dirname(socket))
+        if why:
+            print(f"REFUSED: not talking to {socket}: its directory {os.path.dirname(socket)} {why}")
+            failed += 1
+            continue
         if not os.path.exists(socket):
             print(f"DOWN (no socket at {socket}; systemctl start memory-broker@{uuid})")
             failed += 1

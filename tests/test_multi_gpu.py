@@ -252,6 +252,49 @@ def test_adapters_register_all_registers_on_every_broker_and_names_one_down(two_
     assert f"{B}: DOWN" in r.stdout and f"systemctl start memory-broker@{B}" in r.stdout
 
 
+def register_all_in(run_dir: str, capsys) -> tuple[int, str]:
+    """``adapters register ad <dir> --all --run-dir run_dir`` in this process: (exit code, stdout)."""
+    from memory_broker.broker.cli import main
+
+    rc = main(["adapters", "register", "ad", run_dir, "--all", "--run-dir", run_dir, "--timeout", "2"])
+    return rc, capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"), [(0o777, "is writable by everyone (mode 0777)"), (0o775, "is writable by group 0 (mode 0775)")]
+)
+def test_register_all_refuses_a_broker_directory_others_may_write_naming_it(tmp_path, capsys, mode, why):
+    gpu_dir = tmp_path / A
+    gpu_dir.mkdir()
+    os.chown(gpu_dir, os.getuid(), 0)
+    gpu_dir.chmod(mode)
+    rc, out = register_all_in(str(tmp_path), capsys)
+    assert rc == 1
+    assert out.strip() == f"{A}: REFUSED: not talking to {gpu_dir}/broker.sock: its directory {gpu_dir} {why}"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another uid needs root")
+def test_register_all_refuses_a_broker_directory_owned_by_another_user(tmp_path, capsys):
+    gpu_dir = tmp_path / A
+    gpu_dir.mkdir(mode=0o755)
+    os.chown(gpu_dir, 54321, 54321)
+    rc, out = register_all_in(str(tmp_path), capsys)
+    assert rc == 1 and f"its directory {gpu_dir} is owned by uid 54321, not by " in out
+    assert "root" in out and "DOWN" not in out
+
+
+def test_register_all_refuses_a_link_to_a_broker_directory_owned_by_another_user(tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o755)
+    (tmp_path / A).symlink_to(real)
+    if os.getuid() == 0:
+        os.lchown(tmp_path / A, 54321, 54321)
+    else:
+        pytest.skip("giving a link to another uid needs root")
+    rc, out = register_all_in(str(tmp_path), capsys)
+    assert rc == 1 and "is a link owned by uid 54321" in out
+
+
 def test_the_dashboard_has_a_gpu_variable_that_every_panel_filters_on():
     dash = json.load(open(os.path.join(ROOT, "ops", "grafana", "memory-broker.json")))
     var = next(v for v in dash["templating"]["list"] if v["name"] == "gpu_uuid")

@@ -67,6 +67,16 @@ def test_unit_is_a_notify_service_with_watchdog_restart_user_and_runtime_dir():
     assert "socket_mode" in open(os.path.join(ROOT, "ops", "broker.example.yaml")).read()
 
 
+def test_unit_keeps_the_oom_killer_off_the_broker_and_says_how_to_bound_it():
+    text = open(UNIT).read()
+    adjust = [line for line in text.splitlines() if line.startswith("OOMScoreAdjust=")]
+    assert len(adjust) == 1 and int(adjust[0].partition("=")[2]) <= -500
+    assert "MemoryMax=" in text and not any(line.startswith("MemoryHigh=") for line in text.splitlines())
+    guide = open(os.path.join(ROOT, "docs", "operating.md")).read()
+    for words in ("OOMScoreAdjust=-900", "MemoryMax=", "memory.max", "MemAvailable", "RESOURCE_EXHAUSTED"):
+        assert words in guide, words
+
+
 # ----------------------------------------------------------------- notify protocol
 
 
@@ -421,6 +431,73 @@ def test_tcp_listener_on_loopback_serves_the_same_broker(broker_factory):
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         st = broker_pb2_grpc.MemoryBrokerStub(ch).GetStats(pb.GetStatsRequest(), timeout=5)
     assert st.max_pages == 64
+
+
+# Makes the native cores unimportable in a broker's process, as on an install without a compiler.
+UNBUILT_CORES = """
+import sys
+
+class Unbuilt:
+    def find_spec(self, name, path=None, target=None):
+        if name.rpartition(".")[2] in ("_stepcore", "_storecore", "_hotcore"):
+            raise ImportError(f"{name} was not built on this install")
+        return None
+
+sys.meta_path.insert(0, Unbuilt())
+"""
+
+
+def json_lines_only(b) -> list[dict]:
+    """Every line of a broker's output (stdout and stderr), each a JSON event; fails on any other."""
+    lines = b.log().splitlines()
+    assert lines
+    for line in lines:
+        assert line.startswith("{"), f"not a JSON line in a --log-format json stream: {line!r}"
+    return [json.loads(line) for line in lines]
+
+
+def test_the_serving_line_names_the_native_cores_that_run(broker):
+    serving = next(e for e in broker.log_events() if e["event"] == "serving")
+    assert serving["native_cores"] == {"_stepcore": "native", "_storecore": "native", "_hotcore": "native"}
+
+
+def test_a_broker_with_the_native_cores_off_says_so_and_logs_json_only(monkeypatch):
+    monkeypatch.setenv("MEMORY_BROKER_NATIVE", "0")
+    b = start_broker("--log-format", "json")
+    b.stop()
+    serving = next(e for e in json_lines_only(b) if e["event"] == "serving")
+    assert set(serving["native_cores"].values()) == {"off by MEMORY_BROKER_NATIVE=0"}
+    assert "_stepcore" in serving["native_cores"]
+
+
+def test_native_cores_not_built_are_json_warnings_in_a_json_log(monkeypatch, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(UNBUILT_CORES)
+    monkeypatch.delenv("MEMORY_BROKER_NATIVE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    b = start_broker("--log-format", "json")
+    b.stop()
+    events = json_lines_only(b)
+    said = [e for e in events if e.get("logger") == "memory_broker.native"]
+    assert said and all(e["level"] == "warning" and "is not built" in e["event"] for e in said)
+    serving = next(e for e in events if e["event"] == "serving")
+    assert serving["native_cores"]["_stepcore"].startswith("not built: ")
+
+
+def test_python_logging_records_are_rendered_into_the_structured_stream():
+    import io
+    import logging
+
+    from memory_broker.broker.server.logs import configure
+
+    out = io.StringIO()
+    try:
+        configure("info", "json", out)
+        logging.getLogger("memory_broker.somewhere").warning("a plain %s", "warning")
+    finally:
+        configure("info", "json", sys.stdout)
+    event = json.loads(out.getvalue().strip())
+    assert event["event"] == "a plain warning" and event["level"] == "warning"
+    assert event["logger"] == "memory_broker.somewhere" and "timestamp" in event
 
 
 def test_logs_are_json_lines_carrying_the_session_and_rpc(broker):

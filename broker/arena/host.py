@@ -18,6 +18,7 @@ import queue
 import threading
 
 from memory_broker.broker.arena.base import Arena
+from memory_broker.broker.arena.machine import MachineMemory
 from memory_broker.proto.wire.mapping.geometry import ArenaGeometry
 from memory_broker.proto.wire.mapping.host import (
     F_ADD_SEALS,
@@ -46,12 +47,22 @@ class HostArena(Arena):
     (``fallocate`` would not do: shmem defers the zeroing of fallocated pages to first use). A grow returns at once; ``wait_populated`` waits for it. The
     memory is the arena's configured size: slabs grow only as pages are needed (or by
     ``preallocate`` at start), and a slab's pages are backed from its growth on.
+
+    Since every grown page is backed, the machine bounds the arena: a maximum larger than
+    its memory (or its cgroup's ``memory.max``) is refused at construction, and a grow that
+    its memory cannot back now is refused before any slab is made (``machine.py``).
     """
 
     backend = "host"
     fd_unit = "slab"
 
     def __init__(self, geometry: ArenaGeometry, name: str = "memory-broker", *, populate: bool = True) -> None:
+        """A host arena of ``geometry``'s sizes; no slab is made yet.
+
+        Raises:
+            ValueError: the geometry's maximum is more than the machine's memory or its cgroup's limit.
+        """
+        MachineMemory.read().check_pool(geometry.max_slabs * geometry.slab_size)
         super().__init__(geometry, HostArenaView(geometry), name)
         self.populate = populate
         # Slabs whose memfds are populated (in order) and the thread doing it.
@@ -61,6 +72,16 @@ class HostArena(Arena):
         self._populate_thread: threading.Thread | None = None
         self._populate_lock = threading.Lock()
         self._madvise_ok = True
+
+    def grow(self, slabs: int) -> None:
+        """``Arena.grow``, refused first (MemoryError, with the numbers) when the machine or
+        the broker's cgroup cannot back ``slabs`` more slabs now: the populate thread would
+        otherwise take them past physical memory, into the OOM killer."""
+        if slabs > 0:
+            g = self.geometry
+            backed = self._populated if self.populate else 0
+            MachineMemory.read().check_grow(slabs * g.slab_size, len(self._slabs) * g.slab_size, backed * g.slab_size)
+        super().grow(slabs)
 
     @property
     def populated_slabs(self) -> int:

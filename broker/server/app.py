@@ -42,6 +42,7 @@ from memory_broker.broker.store.digests import KeyDigests
 from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import WindowSpace
+from memory_broker.proto.wire import native
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
@@ -498,6 +499,7 @@ def log_serving(self: BrokerServer, why: str, links: list[str]) -> None:
         tcp_port=opts.tcp_port or None,
         arena=self.arena.backend,
         arena_reason=why,
+        native_cores=native.cores(),
         pool=format_size(opts.pool_size),
         page_size=format_size(opts.page_size),
         slab_size=format_size(opts.slab_size),

@@ -3,7 +3,9 @@ renderers: JSON lines where a program reads them (journald, a file, a pipe), ali
 human-readable lines (ConsoleRenderer) on a terminal, or either one forced by ``--log-format``.
 
 Only the process entry point calls ``configure`` (and a reload, to change the level);
-library code takes a bound logger.
+library code takes a bound logger. What libraries (and this project's own library code, such
+as the native-core loader) say through Python's ``logging`` is routed into the same stream and
+rendered the same way, so a ``json`` stream holds JSON lines only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from memory_broker.broker.server.values import LOG_FORMATS
 # The format the last ``configure`` chose ("auto" resolved), kept when a reload changes only
 # the level.
 _format: str | None = None
+# The handler ``configure`` put on the root of Python's logging (replaced by the next call).
+_stdlib_handler: logging.Handler | None = None
 
 
 def resolve_format(fmt: str, stream: TextIO) -> str:
@@ -60,12 +64,13 @@ def configure(
     else:
         renderer = structlog.processors.JSONRenderer()
         exc = [structlog.processors.format_exc_info]
+    stamp = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    route_stdlib(lvl, stream, [structlog.stdlib.add_logger_name, *stamp, *exc], renderer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             merge_call,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *stamp,
             *exc,
             renderer,
         ],
@@ -75,3 +80,23 @@ def configure(
     )
     _format = chosen
     return structlog.get_logger("memory-broker")
+
+
+def route_stdlib(level: int, stream: TextIO, chain: list, renderer) -> None:
+    """Render Python ``logging`` records at ``level`` and above as structlog events on ``stream``
+    (the record's message is the event, its logger name a key), in place of the handler a
+    previous call installed; records sent before the first call went to ``logging``'s default."""
+    global _stdlib_handler
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=chain,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    if _stdlib_handler is not None:
+        root.removeHandler(_stdlib_handler)
+    root.addHandler(handler)
+    root.setLevel(level)
+    _stdlib_handler = handler

@@ -22,6 +22,8 @@ ENV = "MEMORY_BROKER_NATIVE"
 _OFF = {"0", "off", "false", "no"}
 log = logging.getLogger("memory_broker.native")
 _loaded: dict[str, ModuleType | None] = {}
+# Why each module asked for and not in use is not ("off by MEMORY_BROKER_NATIVE=0", "not built: ...").
+_why_off: dict[str, str] = {}
 
 
 def enabled() -> bool:
@@ -38,10 +40,13 @@ def load(name: str) -> ModuleType | None:
     if name in _loaded:
         return _loaded[name]
     module: ModuleType | None = None
-    if enabled():
+    if not enabled():
+        _why_off[name] = f"off by {ENV}={os.environ.get(ENV, '')}"
+    else:
         try:
             module = importlib.import_module(name)
         except ImportError as e:
+            _why_off[name] = f"not built: {e}"
             log.warning(
                 "native step core %s is not built (%s): the pure-Python path runs, correct but slower "
                 "per item; reinstall with a C compiler and Python's headers (pip install -e .) to build it",
@@ -55,3 +60,11 @@ def load(name: str) -> ModuleType | None:
 def status() -> dict[str, bool]:
     """Each native module asked for so far, and whether it is in use."""
     return {name: module is not None for name, module in _loaded.items()}
+
+
+def cores() -> dict[str, str]:
+    """Each native module asked for so far, by its last name: "native", or why the Python path
+    runs in its place (for the broker's ``serving`` line)."""
+    return {
+        name.rpartition(".")[2]: "native" if m is not None else _why_off.get(name, "off") for name, m in _loaded.items()
+    }
