@@ -393,3 +393,91 @@ def test_a_process_that_keeps_one_session_and_cycles_others_leaves_one_watch_beh
             p.wait()
 
     asyncio.run(main())
+
+
+def test_a_reload_that_removes_a_uid_ends_its_sessions_and_their_pins_go():
+    """Issue 48, item 6, the manager's part: proven sessions of a uid the reload dropped are
+    closed (the store releases what each held), the others and unproven ones are not."""
+
+    async def main():
+        store = _Store()
+        m = SessionManager(store, None, allowed_uids=frozenset({ME.uid, ME.uid + 1000}))
+        kept, gone, waiting = m.open("kept", 1), m.open("gone", 2), m.open("waiting", 3)
+        m.authorize_fd_request(kept.token, ME)
+        m.authorize_fd_request(gone.token, PeerCred(ME.pid, ME.uid + 1000, ME.gid))
+        assert m.set_allowed_uids(frozenset({ME.uid})) == [gone.session_id]
+        assert gone.closed and store.ended == [gone.session_id] and not kept.closed and not waiting.closed
+        assert gone.session_id not in m.by_id
+        with pytest.raises(BrokerError) as e:
+            m.from_token(gone.token)
+        assert e.value.code == Code.PERMISSION_DENIED
+        assert m.set_allowed_uids(None) == [] and not kept.closed
+
+    asyncio.run(main())
+
+
+# A process of a uid the broker allows by its config file: it pins pages (one keyed object),
+# writes them, and after the test's reload tries a call and reads its pages again.
+REVOKED = """
+import torch  # before the uid changes: this machine's Python may be unreadable to nobody
+os.setgid(65534)
+os.setuid(65534)
+c = BrokerClient.connect(SOCKET, reconnect_s=0)
+anon, kv = c.allocate([Spec(2, pin=True), Spec(1, pin=True, key=b"revoked-kv")])
+for o in (anon, kv):
+    for t in o.page_tensors(torch.uint8):
+        t.fill_(0x5A)
+out(ready=True)
+sys.stdin.readline()
+try:
+    c.allocate([Spec(1)])
+    out(after="OK")
+except BrokerError as e:
+    out(after=e.code.name, message=e.message)
+out(still_reads=all(bool((t == 0x5A).all()) for o in (anon, kv) for t in o.page_tensors(torch.uint8)))
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="runs a client as another uid: needs root")
+def test_a_uid_removed_by_a_reload_loses_its_sessions_and_pins_at_once(broker_factory, tmp_path):
+    import signal
+    import time
+
+    cfg = tmp_path / "broker.yaml"
+    cfg.write_text(f"security:\n  allowed_uids: [{NOBODY}]\n")
+    b = broker_factory("--config", str(cfg), "--socket-mode", "0666")
+    os.chmod(os.path.dirname(b.socket), 0o711)
+    child = subprocess.Popen(
+        [sys.executable, "-c", child_code(b.socket, REVOKED)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("{"), child.stderr.read()
+        assert json.loads(line) == {"ready": True}
+        with BrokerClient.connect(b.socket) as mine:
+            st = mine.stats()
+            assert st.sessions == 2 and st.pinned_pages == 3
+            cfg.write_text("security:\n  allowed_uids: []\n")
+            b.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 5
+            while mine.stats().sessions != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            st = mine.stats()
+            assert st.sessions == 1 and st.pinned_pages == 0, st
+            # Its keyed committed object stays for others (ownerless, as when a process exits).
+            assert [o.key for o in mine.lookup([b"revoked-kv"])] == [b"revoked-kv"]
+        (revoked,) = [e for e in b.log_events() if e.get("event") == "sessions_revoked"]
+        assert len(revoked["sessions"]) == 1 and NOBODY not in revoked["allowed_uids"]
+        out, err = child.communicate("go\n", timeout=60)
+        got = {k: v for line in out.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
+        assert got["after"] in ("UNAVAILABLE", "PERMISSION_DENIED"), got  # its session is gone
+        # What the broker cannot take back: the pages the process had mapped (docs/security.md).
+        assert got["still_reads"] is True, (got, err)
+    finally:
+        child.kill()
+        child.wait()

@@ -296,9 +296,13 @@ class BrokerServer:
     def _set_uids(self, opts: ServeOptions) -> None:
         """Who may prove a session (at every door) and who may manage adapters."""
         allowed = opts.effective_uids()
-        self.sessions.allowed_uids = self.fd_server.allowed_uids = allowed
+        self.fd_server.allowed_uids = allowed
         if self.step_server is not None:
             self.step_server.allowed_uids = allowed
+        # The sessions of a uid no longer allowed end here, their pins with them (issue 48, item 6).
+        ended = self.sessions.set_allowed_uids(allowed)
+        if ended:
+            self.log.warning("sessions_revoked", sessions=ended, allowed_uids=sorted(allowed))
         self.service.manager_uids = opts.manager_uids()
 
     def _schedule_store_work(self, loop: asyncio.AbstractEventLoop) -> None:

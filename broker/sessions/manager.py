@@ -381,6 +381,21 @@ class SessionManager:
         if session_id in self.by_id:
             self.close(session_id, f"process {pid} exited")
 
+    def set_allowed_uids(self, allowed: frozenset[int] | None) -> list[int]:
+        """Who may prove a session from now on (a reload); every proven session whose owner's
+        uid is no longer among them is ended at once, as if its process had exited (its pins,
+        open transactions and anonymous objects go; its keyed committed objects stay). Returns
+        the ended sessions' ids. What the process already mapped stays mapped until it exits:
+        the broker cannot take a mapping back (docs/security.md)."""
+        self.allowed_uids = allowed
+        if allowed is None:
+            return []
+        gone = [s for s in self.by_id.values() if s.caller is not None and s.caller.uid not in allowed]
+        for s in gone:
+            uid = s.caller.uid if s.caller is not None else None
+            self.close(s.session_id, f"uid {uid} was removed from security.allowed_uids by a reload")
+        return [s.session_id for s in gone]
+
     def close_all(self, reason: str) -> None:
         for sid in list(self.by_id):
             self.close(sid, reason)
