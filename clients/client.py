@@ -389,7 +389,14 @@ class BrokerClient(StepSession):
     def commit(self, txns: Sequence[Transaction | int]) -> list[list[BrokerObject]]:
         ids = self._txn_ids(txns)
         resp = self._call(self._stub.Commit, pb.CommitRequest(transaction_ids=ids))
-        return [[self._object(i) for i in t.objects] for t in resp.transactions]
+        # A committed keyed object is shared content: its creator loses write access too, so
+        # a stray write after the commit faults here instead of changing what others read (a
+        # deduplicated key's existing object is read-only already).
+        out = [[self._object(i) for i in t.objects] for t in resp.transactions]
+        sealed = [p for t in resp.transactions for i in t.objects if i.key and not i.deduplicated for p in i.pages]
+        if sealed:
+            self._set_access(sealed, True)
+        return out
 
     def abort(self, txns: Sequence[Transaction | int]) -> int:
         ids = self._txn_ids(txns)

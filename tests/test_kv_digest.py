@@ -113,16 +113,72 @@ def test_the_background_sample_finds_a_corrupt_object_without_being_asked(tmp_pa
         b.stop()
 
 
-def test_objects_allocated_with_a_key_have_no_digest_and_say_why():
+def test_an_object_allocated_with_a_key_is_digested_at_its_first_check_and_a_later_write_reported():
+    """Issue 48, item 7: every keyed object gets a digest. One made by ``Allocate`` with its
+    key has no commit to take it at (its creator writes it after), so its first VerifyObjects
+    takes it, and a write after that is reported and the object withdrawn."""
     b = start_broker("--kv-digest")
     try:
         c = BrokerClient.connect(b.socket, fast_path=False)
-        c.allocate([Spec(1, key=b"direct")])
-        (check,) = c.verify_objects([b"direct"]).checks
+        (obj,) = c.allocate([Spec(1, key=b"direct")])
+        host_buffer(obj.page_addresses()[0], 16)[:] = b"\x5a" * 16  # its creator writes it
+        (first,) = c.verify_objects([b"direct"]).checks
+        assert not first.checked and first.ok and first.digest.startswith("blake2b:"), first
+        assert "taken now" in first.detail and "Allocate" in first.detail
+        (same,) = c.verify_objects([b"direct"]).checks
+        assert same.checked and same.ok and same.digest == first.digest
+        host_buffer(obj.page_addresses()[0], 16)[:] = b"\xee" * 16  # a write after the digest
+        resp = c.verify_objects([b"direct"])
+        (bad,) = resp.checks
+        assert resp.corrupt == 1 and bad.checked and not bad.ok and "withdrawn" in bad.detail
+        assert c.lookup([b"direct"], pin=False) == []
         c.close()
     finally:
         b.stop()
-    assert not check.checked and check.ok and "Allocate" in check.detail
+
+
+# The creator of a keyed object: it prepares, writes and commits, then writes again through its
+# own mapping (the commit made it read-only: the process dies of SIGSEGV before printing more).
+SEALED = """
+from memory_broker.clients.client import BrokerClient
+from memory_broker.proto.wire.mapping.host import host_buffer
+c = BrokerClient.connect(SOCKET, fast_path=False)
+txn = c.prepare([Spec(1, key=b"sealed"), Spec(1)])
+kv, anon = txn.objects
+for o in (kv, anon):
+    host_buffer(o.page_addresses()[0], 16)[:] = b"\\x5a" * 16
+c.commit([txn])
+ro = c.view.readonly_pages()
+out(kv_readonly=set(kv.pages) <= ro, anon_writable=not set(anon.pages) & ro)
+host_buffer(anon.page_addresses()[0], 16)[:] = b"\\x11" * 16  # its own anonymous object: still its to write
+out(anon_written=True)
+host_buffer(kv.page_addresses()[0], 16)[:] = b"\\xee" * 16
+out(kv_written=True)
+"""
+
+
+def test_the_creator_of_a_keyed_object_loses_write_access_at_commit():
+    """Issue 48, item 7: a committed keyed object is read-only in its creator's process too (its
+    anonymous objects stay writable), so a stray write faults instead of changing shared KV."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_code
+
+    b = start_broker("--kv-digest")
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", child_code(b.socket, SEALED)], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        assert lines[:2] == ['{"kv_readonly": true, "anon_writable": true}', '{"anon_written": true}'], r
+        assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stderr[-2000:])
+        with BrokerClient.connect(b.socket, fast_path=False) as c:
+            check = digested(c, b"sealed")
+            assert check.checked and check.ok  # the write never landed
+    finally:
+        b.stop()
 
 
 def test_a_digest_taken_for_an_object_freed_meanwhile_is_dropped():

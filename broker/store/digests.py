@@ -10,9 +10,11 @@ in the background. An object that no longer matches is withdrawn (``ObjectStore.
 its key stops resolving, so no lookup serves it again, and its pages return with its last
 pin. The adapters' checksums (``broker/adapters/checks.py``) do the same for adapter copies.
 
-What it does not see: bytes changed between the commit and the digest (milliseconds), and
-objects made with a key by ``Allocate`` (visible at once, before they are written: there is
-no moment to take a digest). It imports no gRPC.
+What it does not see: bytes changed between the commit and the digest (milliseconds). Objects
+made with a key by ``Allocate`` are visible at once, before they are written, so there is no
+commit to take a digest at: theirs is taken at their first ``VerifyObjects`` (which says so),
+and later checks compare against it (the background sample checks only digested objects, so it
+never takes a digest while a creator may still be writing). It imports no gRPC.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class KeyDigests:
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._turn = 0
+        # Objects whose commit digest is being taken (a check leaves them to it).
+        self._pending: set[int] = set()
         store.on_commit = self.committed
 
     def start(self) -> asyncio.Task | None:
@@ -111,11 +115,14 @@ class KeyDigests:
         try:
             for obj in objs:
                 if not obj.digest:
-                    self._digest(obj).add_done_callback(lambda f, o=obj: self._taken(o, f))
+                    fut = self._digest(obj)
+                    self._pending.add(obj.object_id)
+                    fut.add_done_callback(lambda f, o=obj: self._taken(o, f))
         except Exception as err:  # noqa: BLE001  (the commit is done: it must not fail for this)
             self.log.warning("object_digest_failed", error=repr(err))
 
     def _taken(self, obj: Allocation, fut: asyncio.Future) -> None:
+        self._pending.discard(obj.object_id)
         if fut.cancelled():
             return
         if fut.exception() is not None:
@@ -142,15 +149,7 @@ class KeyDigests:
     async def check(self, obj: Allocation) -> ObjectCheck:
         key, oid, want = obj.key or b"", obj.object_id, obj.digest
         if not want:
-            return ObjectCheck(
-                key,
-                oid,
-                False,
-                True,
-                "",
-                "no digest: made by Allocate with its key (no commit), committed before digests were on, "
-                "or its digest is still being taken",
-            )
+            return await self._first_digest(obj)
         got = await self._digest(obj)
         self.verifications += 1
         if not self._live(obj):
@@ -170,6 +169,30 @@ class KeyDigests:
             want,
             f"object {oid} hashes to {got}, not the digest taken at commit: withdrawn (its key no longer "
             "resolves; sessions that pin it keep their pins, its pages return with the last)",
+        )
+
+    async def _first_digest(self, obj: Allocation) -> ObjectCheck:
+        """An object with no digest (made by ``Allocate`` with its key, or committed before
+        digests were on): its digest is taken now, so every later check compares against it.
+        One whose commit digest is still being taken is left to that digest."""
+        key, oid = obj.key or b"", obj.object_id
+        if oid in self._pending:
+            return ObjectCheck(key, oid, False, True, "", "its digest, taken at commit, is still being computed")
+        got = await self._digest(obj)
+        if not self._live(obj):
+            return ObjectCheck(key, oid, False, True, "", "freed while its digest was taken")
+        if obj.digest:  # a concurrent check took it first: compare with that one next time
+            return ObjectCheck(key, oid, False, True, obj.digest, "its digest was taken by another check")
+        obj.digest = got
+        self.digests_taken += 1
+        return ObjectCheck(
+            key,
+            oid,
+            False,
+            True,
+            got,
+            "no digest before this check (made by Allocate with its key, which its creator may still be "
+            "writing, or committed before digests were on): taken now; a later change is reported",
         )
 
     async def _sample_loop(self) -> None:
