@@ -76,9 +76,10 @@ test: venv vllm-venv vllm-sources proto-check lint
 	$(PYTEST) -m "(unit or broker) and not fallback"
 
 # Every tier, and the Python fallback runs of the native cores: what CI runs. The engine tier's
-# tests run one after another on one worker (they share the reference engines), beside the rest.
+# modules run one after another on one worker (they share the reference engines), beside the
+# rest (tests/tiers.py, pytest_xdist_make_scheduler).
 test-all: venv vllm-venv vllm-sources proto-check lint
-	$(PYTEST) --dist loadgroup
+	$(PYTEST)
 
 # ruff, configured in pyproject.toml: any finding, or a file the formatter would change, fails.
 lint: venv

@@ -62,6 +62,10 @@ def test_every_collected_test_has_exactly_one_tier_and_every_tier_has_tests(tmp_
     assert all(counts.values()), counts
     # The fallback runs (make test-all only) exist for the modules marked both_cores.
     assert sum(row["fallback"] for row in rows) > 500
+    # Under pytest-xdist every engine-tier test is in the one unit of work that runs on one worker.
+    engine_files = {row["id"].split("::")[0] for row in rows if row["tiers"] == ["engine"]}
+    assert engine_files and all(tiers.engine_module(os.path.join(ROOT, f)) for f in engine_files)
+    assert not tiers.engine_module(os.path.join(TESTS, "test_objects.py"))
 
 
 PLANTED = """
@@ -136,6 +140,6 @@ def test_make_test_runs_unit_and_broker_on_the_native_cores_and_test_all_everyth
     (quick,) = _make("test")
     assert '-m "(unit or broker) and not fallback"' in quick, quick
     (every,) = _make("test-all")
-    assert " -m " not in every and "--dist loadgroup" in every, every
+    assert " -m " not in every and " -n 2" in every, every
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert re.search(r"^make test-all$", f.read(), re.M)

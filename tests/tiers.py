@@ -229,25 +229,64 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fallback_only: run on the fallback alone (the Python path's own internals)")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test gets its tier
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        hand = [m.name for m in item.iter_markers() if m.name in TIERS]
-        uses, text = uses_of(item)
-        tier = tier_of(uses, text)
-        if hand and set(hand) != {tier}:
-            raise pytest.UsageError(
-                f"{item.nodeid}: marked {hand} by hand, but what it uses makes it {tier!r} "
-                "(tests/tiers.py chooses a test's tier; change what it uses or the rules there)"
-            )
-        item.add_marker(getattr(pytest.mark, tier))
-        if tier == "engine":
-            # Under pytest-xdist's loadgroup, the engine tier runs on one worker: its tests share
-            # the session's reference engines (conftest.vllm_shared; a few GB each).
-            item.add_marker(pytest.mark.xdist_group("engine"))
-        item.stash[_TIER] = tier
-        tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
-        COLLECTED[item.nodeid] = (tiers, item.get_closest_marker("fallback") is not None)
+def pytest_itemcollected(item):
+    # Each test's tier, as it is collected: before any hook deselects some (-m).
+    if not isinstance(item, pytest.Function):
+        return
+    hand = [m.name for m in item.iter_markers() if m.name in TIERS]
+    uses, text = uses_of(item)
+    tier = tier_of(uses, text)
+    if hand and set(hand) != {tier}:
+        raise pytest.UsageError(
+            f"{item.nodeid}: marked {hand} by hand, but what it uses makes it {tier!r} "
+            "(tests/tiers.py chooses a test's tier; change what it uses or the rules there)"
+        )
+    item.add_marker(getattr(pytest.mark, tier))
+    item.stash[_TIER] = tier
+    tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
+    COLLECTED[item.nodeid] = (tiers, item.get_closest_marker("fallback") is not None)
+
+
+# ---------------------------------------------------------------- under pytest-xdist
+
+
+def engine_module(path: str) -> bool:
+    """Whether any test of the module at ``path`` reaches the engine tier's names."""
+    ix = _index(path)
+    conftest = _index(os.path.join(os.path.dirname(__file__), "conftest.py"))
+    for name in ix.defs:
+        if name.startswith("test"):
+            todo, seen, names = [ix.defs[name]], set(), set()
+            while todo:
+                more, _ = todo.pop()
+                names |= more
+                for n in more:
+                    for other in (ix, conftest):
+                        _follow(other, n, todo, seen)
+            if names & ENGINE_NAMES:
+                return True
+    return False
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (pytest-xdist's ``load``) with one exception: the modules with engine-tier tests
+    are one unit of work, run in order on one worker (their tests share the session's reference
+    engines, a few GB each, and a module's later tests use what its earlier ones started); the
+    largest unit goes first, so one worker starts on the engines while the others take the rest.
+    (xdist's own ``loadgroup`` does not group under this pytest.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    rootdir = str(config.rootpath)
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            path = os.path.join(rootdir, module)
+            return "engine" if module.endswith(".py") and os.path.exists(path) and engine_module(path) else nodeid
+
+    return TierScheduling(config, log)
 
 
 _TIER = pytest.StashKey[str]()
