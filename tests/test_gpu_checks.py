@@ -436,3 +436,20 @@ def test_the_probe_calls_only_what_the_installed_bindings_have_with_their_arity(
                 if want != len(node.args) or node.keywords:
                     arity.append(f"line {node.lineno}: cu.{f.attr} takes {want}, given {len(node.args)}")
     assert not missing and not arity, (missing, arity)
+
+
+def test_each_unverified_rule_of_the_fake_driver_names_a_question_the_probe_asks():
+    """tests/test_arena_cuda.py's FakeDriver.UNVERIFIED: the fake's guesses (the export error at
+    the fd limit, refusing one unmap over a run of mappings), each with the probe's question."""
+    src = open(os.path.join(ROOT, "tests", "test_arena_cuda.py")).read()
+    fake = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "FakeDriver")
+    table = next(
+        ast.literal_eval(n.value)
+        for n in fake.body
+        if isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["UNVERIFIED"]
+    )
+    assert sorted(table.values()) == ["Q4", "Q8"]
+    assert any("fd limit" in rule and "CUDA_ERROR_OPERATING_SYSTEM" in rule for rule in table)
+    assert any(rule.startswith("cuMemUnmap over a run") for rule in table)
+    asked = re.findall(r'\("(Q\d+) [^"]*", q\d+\)', open(PROBE).read())
+    assert set(table.values()) <= set(asked), asked
