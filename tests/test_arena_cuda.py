@@ -14,6 +14,12 @@ real GPU"): a ``cuMemMap`` of less than a whole allocation (``CUDA_ERROR_NOT_SUP
 fds are open in the process (the first CUDA arena passed 66 tests against a fake that
 accepted all of these, and failed on its first GPU). Every call is counted (``count``). It is
 a model, not the driver: tests/test_gpu_arena.py checks the real thing on a GPU.
+
+Two of its rules are guesses no GPU has settled (``FakeDriver.UNVERIFIED`` names each with the
+question of ops/gpu/vmm_probe4.py that settles it; stage 0 of ops/gpu/run_gpu_checks.sh asks
+them): the error an export returns at the fd limit (``CUDA_ERROR_OPERATING_SYSTEM``, Q8), and
+refusing one ``cuMemUnmap`` over a run of adjacent whole mappings (Q4). When the probe has
+answered, make the fake do what the driver did and take the rule out of the table.
 """
 
 from __future__ import annotations
@@ -103,6 +109,13 @@ class FakeDriver:
     stack, or one whose retains were all released (a call that then needs it fails), is
     accepted.
     """
+
+    # The fake's rules that no GPU has settled: each names the question of ops/gpu/vmm_probe4.py
+    # whose answer settles it (tests/test_gpu_checks.py checks the probe asks each).
+    UNVERIFIED = {
+        "cuMemExportToShareableHandle at the fd limit returns CUDA_ERROR_OPERATING_SYSTEM": "Q8",
+        "cuMemUnmap over a run of adjacent whole mappings is refused (CUDA_ERROR_INVALID_VALUE)": "Q4",
+    }
 
     CUresult = real.CUresult
     CUdevice_attribute = real.CUdevice_attribute
@@ -509,7 +522,8 @@ class FakeDriver:
             now = self.open_fds()
             self.peak_fds = max(self.peak_fds, now)
             if now >= self.fd_limit:
-                return (self._r(R.CUDA_ERROR_OPERATING_SYSTEM), None)  # the OS said EMFILE
+                # The OS said EMFILE; which CUresult the driver makes of it is UNVERIFIED (Q8).
+                return (self._r(R.CUDA_ERROR_OPERATING_SYSTEM), None)
         fd = os.memfd_create("fake-cuda-export")  # not close-on-exec, like the driver's may be
         os.set_inheritable(fd, True)
         self.fd_inodes[os.fstat(fd).st_ino] = self.handles[h]
@@ -606,7 +620,10 @@ class FakeDriver:
         if err:
             return (self._r(err),)
         m = self.mappings.get(va)
-        if m is None or m["size"] != size:  # cuMemUnmap takes whole mappings only
+        # One whole mapping per call. Part of one is refused (the driver's documentation: no
+        # sub-range of a mapped range); a run of adjacent whole mappings in one call is refused
+        # too, which is UNVERIFIED (Q4): the driver may accept it.
+        if m is None or m["size"] != size:
             return (self._r(R.CUDA_ERROR_INVALID_VALUE),)
         self._fault_if_in_use(va, size)  # the driver does not wait: unfinished work faults
         del self.mappings[va]
@@ -1920,6 +1937,7 @@ def test_a_whole_arena_imports_through_the_fd_channel_within_an_fd_limit(fake, t
     a.grow(12)
     n = a.fd_units()
     assert n == 2400 and FD_BUDGET + 200 <= fake.fd_limit
+    # The error's name is the fake's guess (FakeDriver.UNVERIFIED, Q8); the failure is the point.
     with pytest.raises(MemoryError, match="CUDA_ERROR_OPERATING_SYSTEM"):
         a.export_fds(0, n)  # the old design: one open fd per page
     assert fake.open_fds() == 0  # what it made was closed again

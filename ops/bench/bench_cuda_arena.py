@@ -18,7 +18,10 @@ sockets. Tables:
 4. Open fds of this process (broker and client together) before and after: no fd per page.
 
     python ops/bench/bench_cuda_arena.py [--scales 1024,10240,free] [--reps 200] [--copy-size 256MiB]
+        [--tables attach,latency,copy]
 
+Each table row prints as it is measured, so a run stopped by a time limit keeps the rows it
+finished (ops/gpu/run_gpu_checks.sh runs it at 1,024 pages, then at the device's free memory).
 Without a usable CUDA device the CUDA columns say why and only the host arena is measured.
 """
 
@@ -44,10 +47,17 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))]
 
 
-def table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
-    out = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return out + [""]
+class Table:
+    """A Markdown table printed as it is measured: the title and header now, each row as it comes."""
+
+    def __init__(self, title: str, header: list[str]) -> None:
+        print(f"### {title}\n\n| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
+
+    def row(self, cells: list[str]) -> None:
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+    def end(self) -> None:
+        print(flush=True)
 
 
 def open_fds() -> int:
@@ -135,10 +145,12 @@ class Rig:
         self.loop.close()
 
 
-def bench_attach(args, backends: list[str]) -> list[str]:
+def bench_attach(args, backends: list[str]) -> None:
     from memory_broker.clients.client import BrokerClient
 
-    rows = []
+    head = ["arena", "pages", "broker start s", "connect + 1st alloc ms", "loop stall ms"]
+    head += ["map every page ms", "loop stall ms"]
+    t = Table("Attach: connect() to a first allocation, and mapping every page", head)
     for backend in backends:
         for scale in args.scales:
             if scale == "free" and backend != "cuda":
@@ -162,14 +174,12 @@ def bench_attach(args, backends: list[str]) -> list[str]:
             finally:
                 rig.stop()
             label = f"{pages} ({scale})" if scale == "free" else str(pages)
-            rows.append(
+            t.row(
                 [backend, label, f"{start_s:.2f}", f"{first_s * 1e3:.1f}", f"{first_stall * 1e3:.2f}"]
                 + [f"{map_s * 1e3:.1f} ({mapped} pages)" if backend == "cuda" else "- (slabs map whole)"]
                 + [f"{map_stall * 1e3:.2f}"]
             )
-    head = ["arena", "pages", "broker start s", "connect + 1st alloc ms", "loop stall ms"]
-    head += ["map every page ms", "loop stall ms"]
-    return table("Attach: connect() to a first allocation, and mapping every page", head, rows)
+    t.end()
 
 
 def free_pages(args) -> int:
@@ -193,10 +203,12 @@ def _latencies(c, n: int, contiguous: bool, reps: int) -> tuple[list[float], lis
     return alloc, free
 
 
-def bench_latency(args, backends: list[str]) -> list[str]:
+def bench_latency(args, backends: list[str]) -> None:
     from memory_broker.clients.client import BrokerClient
 
-    rows = []
+    head = ["arena", "pages seen", "object", "alloc p50 ms", "alloc p99 ms", "free p50 ms", "free p99 ms"]
+    title = f"Allocate + free ({args.reps} each warm; cold: the first, pages never seen by the client)"
+    t = Table(title, head)
     for backend in backends:
         rig = Rig(backend, args.latency_pages, args.page_size, args.pages_per_slab)
         try:
@@ -208,15 +220,13 @@ def bench_latency(args, backends: list[str]) -> list[str]:
                         for contiguous in (True, False):
                             a, f = _latencies(c, n, contiguous, args.reps if phase == "warm" else 1)
                             kind = "contiguous" if contiguous else "paged"
-                            rows.append(
+                            t.row(
                                 [backend, phase, f"{n} {kind}", *(f"{percentile(a, q) * 1e3:.3f}" for q in (50, 99))]
                                 + [f"{percentile(f, q) * 1e3:.3f}" for q in (50, 99)]
                             )
         finally:
             rig.stop()
-    head = ["arena", "pages seen", "object", "alloc p50 ms", "alloc p99 ms", "free p50 ms", "free p99 ms"]
-    title = f"Allocate + free ({args.reps} each warm; cold: the first, pages never seen by the client)"
-    return table(title, head, rows)
+    t.end()
 
 
 def _time_copy(torch, dst, src, reps: int) -> float:
@@ -235,14 +245,16 @@ def _time_copy(torch, dst, src, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_copy(args) -> list[str]:
+def bench_copy(args, backends: list[str]) -> None:
+    """CUDA only (``backends`` is every table's signature)."""
     import torch
 
     from memory_broker.clients.client import BrokerClient
 
     n = args.copy_size
+    head = ["source", "torch.empty GB/s", "arena tensor GB/s", "arena / plain (target >= 0.9)"]
+    t = Table(f"Copy of {n // MiB} MiB into a contiguous arena object (median of {args.reps})", head)
     rig = Rig("cuda", 2 * n // args.page_size, args.page_size, args.pages_per_slab)
-    rows = []
     try:
         with BrokerClient.connect(rig.socket, client_name="bench", timeout=60) as c:
             obj = c.allocate_one(n // args.page_size, contiguous=True)
@@ -258,14 +270,16 @@ def bench_copy(args) -> list[str]:
                 assert torch.equal(arena[:4096].cpu(), src[:4096].cpu())
                 ratio = t_plain / t_arena
                 flag = "ok" if ratio >= 0.9 else "BELOW TARGET"
-                rows.append([kind, f"{n / t_plain / 1e9:.2f}", f"{n / t_arena / 1e9:.2f}", f"{ratio:.3f} {flag}"])
+                t.row([kind, f"{n / t_plain / 1e9:.2f}", f"{n / t_arena / 1e9:.2f}", f"{ratio:.3f} {flag}"])
             del arena, plain
             torch.cuda.synchronize()
             c.free([obj])
     finally:
         rig.stop()
-    head = ["source", "torch.empty GB/s", "arena tensor GB/s", "arena / plain (target >= 0.9)"]
-    return table(f"Copy of {n // MiB} MiB into a contiguous arena object (median of {args.reps})", head, rows)
+    t.end()
+
+
+TABLES = {"attach": bench_attach, "latency": bench_latency, "copy": bench_copy}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-pages", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--copy-size", type=lambda s: parse_size(s, "copy size"), default=256 * MiB)
+    ap.add_argument("--tables", type=lambda s: s.split(","), default=list(TABLES), help="of " + ",".join(TABLES))
     args = ap.parse_args(argv)
+    if set(args.tables) - set(TABLES):
+        ap.error(
+            f"--tables: {','.join(sorted(set(args.tables) - set(TABLES)))} unknown; choose from {','.join(TABLES)}"
+        )
     ok, why = cuda_usable()
     backends = ["cuda", "host"] if ok else ["host"]
     if not ok:
@@ -291,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device: {torch.cuda.get_device_name(0)}; {why}; torch {torch.__version__}")
     fds0 = open_fds()
     print(f"open fds of this process at start: {fds0}\n")
-    for line in bench_attach(args, backends) + bench_latency(args, backends) + (bench_copy(args) if ok else []):
-        print(line, flush=True)
+    for name in args.tables:
+        if name != "copy" or ok:
+            TABLES[name](args, backends)
     print(f"open fds of this process (broker and client) at the end: {open_fds()} (start: {fds0})")
     return 0
 

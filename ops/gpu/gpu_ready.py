@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """The GPU check's verdicts: whether this machine can run the CUDA arena (``preflight``), and
-whether a pytest run of the GPU tests really ran them (``verdict``). run_gpu_checks.sh calls
-both; either exits 1 with the reason as a sentence, so a run without a GPU, or with a GPU the
-arena cannot use (a cuda-python/driver major mismatch, say), fails instead of passing by
-skipping.
+whether a pytest run of GPU tests really ran them (``verdict``). run_gpu_checks.sh calls both;
+either exits 1 with the reason as a sentence, so a run without a GPU, or with a GPU the arena
+cannot use (a cuda-python/driver major mismatch, say), fails instead of passing by skipping.
 
     python3 ops/gpu/gpu_ready.py preflight
     python3 ops/gpu/gpu_ready.py verdict JUNIT_XML [--must-run tests/test_gpu_arena.py ...]
+        [--label "ARENA VERDICT"] [--cut SECONDS] [--pytest-exit RC]
+
+``verdict`` reads pytest's junit or live_junit.py's (rewritten after every test, so it survives
+a cut run and lists the tests that never ran); with ``--label`` it ends with one line,
+``LABEL: PASS: ...`` or ``LABEL: NOT A PASS: ...``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import os
 import shutil
 import subprocess
 import sys
@@ -125,49 +130,91 @@ def preflight() -> int:
 
 @dataclass
 class Tally:
-    passed: int = 0
-    failed: int = 0
-    skipped: int = 0
-    skips: list[str] = field(default_factory=list)
+    """One test file's results."""
+
+    # (test name, outcome, message), in the run's order; outcome is "passed", "failed" (a failure
+    # or an error), "skipped" or "not run" (collected, not finished when the run ended: a live
+    # junit's <skipped type="notrun">).
+    cases: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def named(self, outcome: str) -> list[str]:
+        """``name: message`` of each test with this outcome."""
+        return [f"{n}: {m}" if m else n for n, o, m in self.cases if o == outcome]
+
+    @property
+    def passed(self) -> int:
+        return sum(o == "passed" for _, o, _ in self.cases)
+
+    @property
+    def failed(self) -> int:
+        return sum(o == "failed" for _, o, _ in self.cases)
+
+    @property
+    def skipped(self) -> int:
+        return sum(o == "skipped" for _, o, _ in self.cases)
+
+    @property
+    def not_run(self) -> int:
+        return sum(o == "not run" for _, o, _ in self.cases)
+
+    @property
+    def skips(self) -> list[str]:
+        return self.named("skipped")
+
+
+def _norm(path: str) -> str:
+    """A test file's path as the tallies key it: relative to the working directory."""
+    return os.path.relpath(os.path.abspath(path))
 
 
 def tally(junit_xml: str) -> dict[str, Tally]:
-    """Per test file (from the testcase's classname), what passed, failed and skipped."""
+    """Per test file (the testcase's ``file``, else from its classname), what passed, failed,
+    skipped and did not run."""
     out: dict[str, Tally] = {}
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
-        cls = case.get("classname", "")
-        path = cls.replace(".", "/")
-        # classname is "tests.test_x" (module) or "tests.test_x.TestClass": cut at the module.
-        parts = cls.split(".")
-        for i in range(len(parts), 0, -1):
-            if parts[i - 1].startswith("test_"):
-                path = "/".join(parts[:i]) + ".py"
-                break
-        t = out.setdefault(path, Tally())
-        if case.find("failure") is not None or case.find("error") is not None:
-            t.failed += 1
-        elif case.find("skipped") is not None:
-            t.skipped += 1
-            s = case.find("skipped")
-            t.skips.append(f"{case.get('name')}: {s.get('message', '')}")
+        if case.get("file"):
+            path = _norm(case.get("file"))
         else:
-            t.passed += 1
+            cls = case.get("classname", "")
+            path = cls.replace(".", "/")
+            # classname is "tests.test_x" (module) or "tests.test_x.TestClass": cut at the module.
+            parts = cls.split(".")
+            for i in range(len(parts), 0, -1):
+                if parts[i - 1].startswith("test_"):
+                    path = "/".join(parts[:i]) + ".py"
+                    break
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        skip = case.find("skipped")
+        if bad is not None:
+            outcome, message = "failed", (bad.get("message") or "").partition("\n")[0]
+        elif skip is not None:
+            outcome = "not run" if skip.get("type") == "notrun" else "skipped"
+            message = skip.get("message", "")
+        else:
+            outcome, message = "passed", ""
+        out.setdefault(path, Tally()).cases.append((case.get("name", ""), outcome, message))
     return out
 
 
-def verdict_problems(counts: dict[str, Tally], must_run: tuple[str, ...] = MUST_RUN) -> list[str]:
-    """Why a run does not count as a pass; empty when it does."""
+def verdict_problems(
+    counts: dict[str, Tally], must_run: tuple[str, ...] = MUST_RUN, cut: str | None = None
+) -> list[str]:
+    """Why a run does not count as a pass; empty when it does. ``cut``: what stopped the run
+    before its end, if something did ("by its 90 s budget")."""
     out = []
-    total = Tally()
-    for t in counts.values():
-        total.passed += t.passed
-        total.failed += t.failed
-        total.skipped += t.skipped
+    total = Tally([c for t in counts.values() for c in t.cases])
+    if cut is not None:
+        first = next(iter(total.named("not run")), None)
+        out.append(f"cut {cut}: {total.not_run} test(s) not run" + (f" (first: {first})" if first else ""))
+    elif total.not_run:
+        out.append(f"{total.not_run} test(s) not run")
     if total.failed:
         out.append(f"{total.failed} test(s) failed or errored")
     if total.passed == 0:
         out.append(f"no test passed ({total.skipped} skipped): nothing ran on the GPU")
-    for path in must_run:
+    for path in map(_norm, must_run):
         t = counts.get(path)
         if t is None or t.passed == 0:
             out.append(
@@ -177,19 +224,43 @@ def verdict_problems(counts: dict[str, Tally], must_run: tuple[str, ...] = MUST_
             out.append(f"{path} skipped {t.skipped} test(s) on a GPU run: {t.skips[0]}")
     for path in NO_SKIP:
         t = counts.get(path)
-        if t is not None and path not in must_run and t.skipped:
+        if t is not None and path not in map(_norm, must_run) and t.skipped:
             out.append(f"{path} skipped {t.skipped} test(s) on a GPU run (CUDA-graph capture): {t.skips[0]}")
     return out
 
 
-def verdict(junit_xml: str, must_run: tuple[str, ...]) -> int:
-    counts = tally(junit_xml)
+def verdict(
+    junit_xml: str,
+    must_run: tuple[str, ...],
+    label: str | None = None,
+    cut: str | None = None,
+    pytest_exit: int | None = None,
+    listing: bool = False,
+) -> int:
+    """Print the tallies per file (each test's outcome with ``listing``, else the failures), the
+    reasons the run is not a pass, and with ``label`` the one verdict line; 1 unless a pass."""
+    if os.path.exists(junit_xml):
+        counts = tally(junit_xml)
+        why = verdict_problems(counts, must_run, cut)
+    else:
+        counts = {}
+        why = [f"pytest wrote no {junit_xml}" + (f" (exit {pytest_exit})" if pytest_exit is not None else "")]
+    if pytest_exit not in (None, 0, 1) and cut is None and counts:
+        why.append(f"pytest exited {pytest_exit}")  # 1 is failed tests, named above; 2-5 are pytest's own
     for path in sorted(counts):
         t = counts[path]
-        print(f"{path}: {t.passed} passed, {t.failed} failed, {t.skipped} skipped")
-    why = verdict_problems(counts, must_run)
+        print(
+            f"{path}: {t.passed} passed, {t.failed} failed, {t.skipped} skipped"
+            + (f", {t.not_run} not run" if t.not_run else "")
+        )
+        for name, outcome, message in t.cases:
+            if listing or outcome == "failed":
+                print(f"  {outcome.upper()} {path}::{name}" + (f": {message}" if message else ""))
     for w in why:
         print(f"NOT A PASS: {w}")
+    if label:
+        passed = sum(t.passed for t in counts.values())
+        print(f"{label}: NOT A PASS: {'; '.join(why)}" if why else f"{label}: PASS: {passed} passed")
     return 1 if why else 0
 
 
@@ -200,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verdict", help="did a pytest run (its --junitxml file) really run the GPU tests?")
     v.add_argument("junit_xml")
     v.add_argument("--must-run", nargs="*", default=list(MUST_RUN))
+    v.add_argument("--label", help="end with one line, 'LABEL: PASS: ...' or 'LABEL: NOT A PASS: ...'")
+    v.add_argument("--cut", metavar="HOW", help="what stopped the run before its end ('by its 90 s budget')")
+    v.add_argument("--pytest-exit", type=int, metavar="RC", help="pytest's exit status")
+    v.add_argument("--list", action="store_true", help="each test's outcome, not only the failures")
     args = ap.parse_args(argv)
     if args.cmd == "preflight":
         return preflight()
-    return verdict(args.junit_xml, tuple(args.must_run))
+    return verdict(args.junit_xml, tuple(args.must_run), args.label, args.cut, args.pytest_exit, args.list)
 
 
 if __name__ == "__main__":
