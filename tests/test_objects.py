@@ -1390,30 +1390,3 @@ def test_a_non_integer_page_count_is_refused():
     h = Harness()
     s = h.store.open_session()
     refused(Code.INVALID_ARGUMENT, h.store.allocate, s, [Spec(1.5)], match="num_pages")
-
-
-def test_a_clients_pin_or_lookup_past_its_reply_room_is_resource_exhausted_and_changes_nothing(h):
-    """``reply`` (a client's request): ids and keys distinct, and the records within the room
-    left of the reply, checked before anything is pinned (the fused lookup gives its pins back)."""
-    s = h.store.open_session()
-    objs = [h.alloc(s, 2, KV, key=b"r%02d" % i) for i in range(8)]
-    keys, ids = [o.key for o in objs], [o.object_id for o in objs]
-    before = snapshot(h.store)
-    for room in ([7, 1 << 20], [8, 8 * 64 + 5 * 16 + 8 * 3 - 1]):
-        for fn, args in ((h.store.pin, (s, ids, room)), (h.store.lookup, (s, keys, True, room))):
-            e = refused(Code.RESOURCE_EXHAUSTED, fn, *args, match="ask for fewer objects per call")
-            assert "8 object records (16 pages" in e.message
-            assert snapshot(h.store) == before
-    refused(
-        Code.INVALID_ARGUMENT,
-        h.store.pin,
-        s,
-        [ids[0], ids[1], ids[0]],
-        [1 << 17, 1 << 23],
-        match="object_ids[2] repeats",
-    )
-    refused(Code.INVALID_ARGUMENT, h.store.lookup, s, [keys[0]] * 3, False, [1 << 17, 1 << 23], match="keys[1] repeats")
-    assert snapshot(h.store) == before
-    room = [8, 8 * 64 + 5 * 16 + 8 * 3]  # exactly enough: taken from the room
-    assert h.store.lookup(s, keys, True, room) == objs and room == [0, 0]
-    h.store.pin(s, [ids[0]] * 3)  # the broker's own pins (no reply) may name an id again

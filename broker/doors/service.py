@@ -25,7 +25,6 @@ from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
 from memory_broker.broker.doors.policy import CALL, POLICY, Rule
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
-from memory_broker.broker.store.object_table import reply_room
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code, invalid
@@ -447,7 +446,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def Pin(self, request, context, session):
         sid = session.session_id
-        objs = self.store.pin(sid, list(request.object_ids), reply_room())
+        objs = self.store.pin(sid, list(request.object_ids))
         return pb.PinResponse(objects=[self._info(o, sid) for o in objs])
 
     @_unary
@@ -459,7 +458,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def Lookup(self, request, context, session):
         sid = session.session_id
-        objs = self.store.lookup(sid, list(request.keys), request.pin, reply_room())
+        objs = self.store.lookup(sid, list(request.keys), request.pin)
         return pb.LookupResponse(objects=[self._info(o, sid) for o in objs])
 
     @_unary

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from operator import attrgetter
 
 from memory_broker.broker.store.eviction import ContentType, EvictionPolicy
 from memory_broker.broker.store.pool import PagePool, WindowSpace
@@ -34,9 +33,6 @@ from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Tally
 from memory_broker.proto.wire.errors import exhausted, invalid, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
-from memory_broker.proto.wire.step import MAX_REPLY_BYTES, MAX_REPLY_RECORDS, REPLY_RECORD_BYTES
-
-_NUM_PAGES, _KEY = attrgetter("num_pages"), attrgetter("key")
 
 
 class ObjectTable:
@@ -299,42 +295,6 @@ def check_unique(ids: Iterable[int], what: str) -> None:
         if i in seen:
             raise invalid(f"{what} lists {i} twice")
         seen.add(i)
-
-
-def check_distinct(items: Sequence, what: str) -> None:
-    """Refuse (INVALID_ARGUMENT, naming it) an item a client's request lists twice: each copy
-    would answer the object's whole record again (a reply many times its request)."""
-    try:
-        if len(set(items)) == len(items):
-            return
-    except TypeError:
-        return  # an item without a hash: the request's own checks say what is wrong
-    seen: set = set()
-    for i, x in enumerate(items):
-        if x in seen:
-            raise invalid(f"{what}[{i}] repeats {x!r}: list each at most once per call")
-        seen.add(x)
-
-
-def check_reply(objs: Sequence[Allocation], room: list[int], what: str) -> None:
-    """Refuse (RESOURCE_EXHAUSTED) a reply of ``objs`` past ``room`` (records, estimated
-    bytes: ``proto/wire/step.py``'s ``MAX_REPLY_*``), and take it from ``room`` otherwise."""
-    n = len(objs)
-    pages = sum(map(_NUM_PAGES, objs))
-    size = n * REPLY_RECORD_BYTES + 5 * pages + sum(map(len, filter(None, map(_KEY, objs))))
-    if n > room[0] or size > room[1]:
-        raise exhausted(
-            f"this {what} would answer {n} object records ({pages} pages, about {size} bytes); "
-            f"{room[0]} records and {room[1]} bytes are left of this reply's {MAX_REPLY_RECORDS} and "
-            f"{MAX_REPLY_BYTES}: ask for fewer objects per call"
-        )
-    room[0] -= n
-    room[1] -= size
-
-
-def reply_room() -> list[int]:
-    """A fresh reply's room, as ``check_reply`` takes it: [records, bytes]."""
-    return [MAX_REPLY_RECORDS, MAX_REPLY_BYTES]
 
 
 def check_key(key: bytes | None, where: str, max_key_bytes: int) -> None:

@@ -27,8 +27,6 @@ from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
 from memory_broker.broker.store.object_table import (
     ObjectTable,
     check_batch,
-    check_distinct,
-    check_reply,
     check_specs,
     check_unique,
 )
@@ -52,7 +50,7 @@ from memory_broker.broker.store.shards import ShardedMap
 from memory_broker.broker.store.stats import Counters, StoreStats, Tally, Usage, read_stats
 from memory_broker.broker.store.transactions import Transactions
 from memory_broker.broker.store.txn_book import TransactionBook
-from memory_broker.proto.wire.errors import BrokerError, denied, not_found, precondition
+from memory_broker.proto.wire.errors import denied, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
 
 # The records callers use come from here too (one import for the store's API).
@@ -380,19 +378,11 @@ class ObjectStore:
                 deferred += n
         return freed, deferred
 
-    def pin(self, session: int, object_ids: Sequence[int], reply: list[int] | None = None) -> list[Allocation]:
-        """Pin committed objects for the session (counts add up).
-
-        ``reply``: a client's request, whose ids must be distinct and whose records must fit
-        the room left of its reply (``check_reply``, which takes them from it); None for the
-        broker's own pins (an adapter's waiters pin one object once each)."""
+    def pin(self, session: int, object_ids: Sequence[int]) -> list[Allocation]:
+        """Pin committed objects for the session (counts add up)."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
-        if reply is not None:
-            check_distinct(object_ids, "object_ids")
         objs = self.table.pinnable_all(session, object_ids)
-        if reply is not None:
-            check_reply(objs, reply, "pin")
         self.ledger.check_limit(s, len(objs))
         self.ledger.pin_all(s, objs)
         return objs
@@ -425,33 +415,18 @@ class ObjectStore:
             objs.append((obj, count))
         self.ledger.unpin_all(s, objs)
 
-    def lookup(
-        self, session: int, keys: Sequence[bytes], pin: bool, reply: list[int] | None = None
-    ) -> list[Allocation]:
-        """The longest prefix of ``keys`` that exist, pinned for the session if asked.
-
-        ``reply``: as ``pin``'s (keys distinct, records within the reply's room)."""
+    def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
+        """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
         s = self.sessions.get(session)
         if s is None or s.pool < 0:
             s = self._session(session)  # raises, saying why
         config = self.config
         if len(keys) > config.max_batch:
             check_batch(len(keys), "keys", config.max_batch)  # raises
-        if reply is not None:
-            check_distinct(keys, "keys")
         if pin and self.ledger.fused is not None:  # find and pin_all in one native call
             if (found := self.ledger.lookup_pin(s, keys, config.max_key_bytes)) is not None:
-                if reply is not None:
-                    try:
-                        check_reply(found, reply, "lookup")
-                    except BrokerError:
-                        # Over the room: the native call pinned them; give each pin back.
-                        self.ledger.unpin_once(s, found)
-                        raise
                 return found
         found = self.table.find(s.pool, keys, config.max_key_bytes)
-        if reply is not None:
-            check_reply(found, reply, "lookup")
         if pin:
             if found:
                 ledger = self.ledger
