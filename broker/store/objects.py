@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
+from memory_broker.broker.store.growth import Growth
 from memory_broker.broker.store.object_table import (
     ObjectTable,
     check_batch,
@@ -98,6 +99,9 @@ class ObjectStore:
     ):
         self.pool = pool
         self.window = window
+        # Grows the shared pool's arena off the loop for calls made through ``grown``; None:
+        # every grow is made in place (``growth.Growth``, set by the process that owns the loop).
+        self.growth: Growth | None = None
         self.policy: EvictionPolicy = policy if policy is not None else PriorityLRU()
         if tenants:
             self.policy = PooledPolicy([self.policy, *(type(self.policy)() for _ in tenants)])
