@@ -324,8 +324,13 @@ class BrokerSession:
 
     def physical_view(self, dtype=None):
         """The whole physical view mapped so far, as one tensor (page p at p * page_size). On a
-        CUDA arena it spans pages not imported yet: index only pages this process was given."""
-        return self.view.physical_tensor(dtype)
+        CUDA arena it spans pages not imported yet: index only pages this process was given.
+        Its base, page 0, is imported first (read-only unless this process was given it): the
+        anchor page, since torch may refuse a tensor whose base address is not mapped."""
+        view = self.view
+        if view.fd_unit == "page" and view.mapped_slabs:
+            self._import_pages([0], True)
+        return view.physical_tensor(dtype)
 
     # ------------------------------------------------------------- events
 

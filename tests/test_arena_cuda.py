@@ -275,6 +275,11 @@ class FakeDriver:
     def names(self):
         return [c[0] for c in self.calls]
 
+    def maps(self, va: int) -> bool:
+        """Whether address ``va`` is in a mapping now."""
+        with self.lock:
+            return any(m <= va < m + d["size"] for m, d in self.mappings.items())
+
     def count(self, name):
         """How many times ``name`` was called (every call is recorded, failed ones too)."""
         return sum(1 for c in self.calls if c[0] == name)
@@ -706,11 +711,24 @@ class FakeTensor:
 
 @pytest.fixture
 def fake_torch(monkeypatch):
-    """torch.as_tensor -> FakeTensor; the view's current stream is ``fake_torch.stream``."""
+    """torch.as_tensor -> FakeTensor; the view's current stream is ``fake_torch.stream``.
+
+    With the fake driver loaded, a tensor whose base address is not mapped is refused, as
+    some torch versions do (they ask the driver about the base's allocation; issue 45,
+    item 7). UNVERIFIED: which torch versions refuse has not been measured here (torch 2.11
+    on the H200 was not asked); kvcached keeps an anchor page mapped for this reason."""
     import torch
 
     state = SimpleNamespace(stream=0)
-    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: FakeTensor(obj, torch.device(device)))
+
+    def as_tensor(obj, device=None):
+        cai = obj.__cuda_array_interface__
+        drv = cu._load_driver()
+        if isinstance(drv, FakeDriver) and cai["shape"][0] and not drv.maps(cai["data"][0]):
+            raise RuntimeError(f"the fake torch: no allocation at the tensor's base {cai['data'][0]:#x} (UNVERIFIED)")
+        return FakeTensor(obj, torch.device(device))
+
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
     monkeypatch.setattr(CudaArenaView, "_current_stream", lambda self: state.stream)
     return state
 
@@ -2245,6 +2263,51 @@ def test_a_grow_runs_off_the_loop_and_the_store_sees_its_pages_once_mapped(fake)
         for cl in (a, b):
             if cl is not None:
                 cl.close()
+        lp.call(srv.stop("test"))
+        lp.stop()
+    assert not fake.allocs
+
+
+def test_the_physical_view_starts_at_an_anchor_page_a_client_imports_first(fake, fake_torch):
+    """Issue 45, item 7: ``physical_tensor`` spans pages a client has not imported, and
+    torch may refuse a tensor whose base is not mapped (the fake torch does: UNVERIFIED).
+    The view refuses one without page 0 attached, naming it; the client's ``physical_view``
+    imports page 0 first (read-only: the anchor), and an object later given on page 0 is
+    writable there."""
+    import structlog
+    from conftest import short_tmpdir
+
+    from memory_broker.broker.server.app import BrokerServer
+    from memory_broker.broker.server.config import build_options
+    from memory_broker.clients.client import BrokerClient
+
+    g = geom(pps=4, slabs=2)
+    v = CudaArenaView(g, "0")
+    v.extend(2)
+    with pytest.raises(ValueError, match="page 0, the physical view's anchor"):
+        v.physical_tensor()
+    v.close()
+    fake.devices[0].memory = 256 * MiB
+    d = short_tmpdir()
+    sock = os.path.join(d, "b.sock")
+    over = {"socket": sock, "state_dir": os.path.join(d, "state"), "arena": "cuda", "page_size": 2 * MiB}
+    over.update(slab_size=8 * MiB, pool_size=64 * MiB, preallocate=32 * MiB)
+    lp = _Loop()
+    srv = BrokerServer(build_options(None, over), structlog.get_logger("test"))
+    lp.call(srv.start())
+    c = None
+    try:
+        c = BrokerClient.connect(sock, client_name="kv-worker", timeout=10)
+        assert c.view.attached_pages == 0
+        t = c.physical_view()
+        assert t.data_ptr() == c.view.phys_base and t.numel() == 16 * 2 * MiB
+        assert c.view.attached_pages == 1 and c.view.readonly_pages() == {0}
+        del t
+        obj = c.allocate_one(2)
+        assert 0 in obj.pages and 0 not in c.view.readonly_pages()  # given page 0: writable now
+    finally:
+        if c is not None:
+            c.close()
         lp.call(srv.stop("test"))
         lp.stop()
     assert not fake.allocs
