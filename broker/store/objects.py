@@ -99,9 +99,7 @@ class ObjectStore:
     ):
         self.pool = pool
         self.window = window
-        # Grows the shared pool's arena off the loop for calls made through ``grown``; None:
-        # every grow is made in place (``growth.Growth``, set by the process that owns the loop).
-        self.growth: Growth | None = None
+        self.growth: Growth | None = None  # grows the arena off the loop for Growth.run's calls; None: in place
         self.policy: EvictionPolicy = policy if policy is not None else PriorityLRU()
         if tenants:
             self.policy = PooledPolicy([self.policy, *(type(self.policy)() for _ in tenants)])
