@@ -323,8 +323,9 @@ class BrokerSession:
         return self.view.tensor(address, nbytes, dtype)
 
     def physical_view(self, dtype=None):
-        """The whole physical view mapped so far, as one tensor (page p at p * page_size). On a
-        CUDA arena it spans pages not imported yet: index only pages this process was given."""
+        """The physical view mapped so far as one tensor (page p at p * page_size); on CUDA it spans pages not
+        imported (index only pages given), its base page 0 imported first: torch may refuse an unmapped base."""
+        self._import_pages([0] if self.view.mapped_slabs else [], True)
         return self.view.physical_tensor(dtype)
 
     # ------------------------------------------------------------- events

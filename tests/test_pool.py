@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from memory_broker.broker.store.pool import FREE, PagePool, WindowSpace
@@ -296,3 +299,52 @@ def test_indexed_placement_matches_a_scan_of_the_free_extents(placement):
             placed.append((got, n))
         assert w.free_pages == sum(ln for _, ln in w.extents())
         assert w.largest_free == max((ln for _, ln in w.extents()), default=0)
+
+
+def _growing_store(grow_arena, background=False):
+    from memory_broker.broker.store.growth import Growth
+    from memory_broker.broker.store.objects import ObjectStore
+
+    growth = Growth(grow_arena, lambda slabs, seconds: None)
+    pool = PagePool(16, 4, 4, grow=growth)
+    growth.pool = pool
+    store = ObjectStore(pool, WindowSpace(64))
+    store.growth = growth
+    if background:
+        store.background = lambda: None
+    return store, growth, threading.get_ident()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_call_that_must_grow_sees_the_new_pages_only_after_the_grow_made_off_its_thread(background):
+    """Growth.run (issue 45, item 4): the store call stops before it changes anything, the
+    arena grows on the grow thread, and only then does the pool hand out the new pages."""
+    from memory_broker.proto.wire.spec import Spec
+
+    seen = []
+
+    def grow_arena(slabs):
+        seen.append((threading.get_ident(), store.pool.capacity_pages, store.stats().used_pages))
+
+    store, growth, me = _growing_store(grow_arena, background)
+    sid = store.open_session()
+    ((obj, _),) = asyncio.run(growth.run(lambda: store.allocate(sid, [Spec(6)])))
+    assert len(obj.pages) == 6 and store.pool.capacity_pages == 8
+    assert [(t != me, cap, used) for t, cap, used in seen] == [(True, 4, 0)]  # one grow, off this thread
+    growth.close()
+
+
+def test_a_failed_grow_off_the_loop_is_resource_exhausted_naming_it():
+    from memory_broker.proto.wire.errors import BrokerError, Code
+    from memory_broker.proto.wire.spec import Spec
+
+    def grow_arena(slabs):
+        raise MemoryError("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY")
+
+    store, growth, _ = _growing_store(grow_arena, background=True)
+    sid = store.open_session()
+    with pytest.raises(BrokerError) as e:
+        asyncio.run(growth.run(lambda: store.allocate(sid, [Spec(6)])))
+    assert e.value.code == Code.RESOURCE_EXHAUSTED and "CUDA_ERROR_OUT_OF_MEMORY" in e.value.message
+    assert store.pool.capacity_pages == 4 and store.stats().used_pages == 0
+    growth.close()

@@ -122,6 +122,15 @@ class TierLoader:
             raise
         return e, obj
 
+    async def _prepare(self, n: int):
+        """Reserve ``n`` pages for a load (any grow of the arena it needs made off the loop)."""
+        store = self.store
+
+        def prepare():
+            return store.prepare(self.system_session, [Spec(n, ContentType.LORA_WEIGHT)], lease_s=self._load_lease_s)
+
+        return prepare() if store.growth is None else await store.growth.run(prepare)
+
     async def _load_hot(self, e: AdapterEntry) -> Allocation:
         """Warm -> hot: reserve pages (PREPARED, invisible), write them in the executor,
         commit. Shared by every acquire waiting on ``e.loading``."""
@@ -133,9 +142,7 @@ class TierLoader:
             n = e.layout.num_pages
             self.hot.make_room(e, n)
             try:
-                txn = self.store.prepare(
-                    self.system_session, [Spec(n, ContentType.LORA_WEIGHT)], lease_s=self._load_lease_s
-                )
+                txn = await self._prepare(n)
             except BrokerError as err:
                 if err.code == Code.RESOURCE_EXHAUSTED:
                     raise exhausted(f"adapter {aid!r} needs {n} pages: {err.message}") from None

@@ -12,8 +12,9 @@ eviction: the page pool above decides which page goes where.
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from memory_broker.proto.wire.mapping.geometry import ArenaGeometry, format_size
@@ -40,9 +41,16 @@ class Arena(abc.ABC):
         # the step channel, which reads it for every reply. The list is never replaced.
         self.count_slabs: Callable[[], int] = self._slabs.__len__
         self._closed = False
-        # Held by ``export_fds`` (the fd channel's export threads) and ``close``, so an export
-        # never reads what a close is releasing.
+        # Guards the bookkeeping the fd channel's export threads read (held only for it, never
+        # across a driver call: exports of several clients overlap) and ``close``'s flag.
         self._lock = threading.Lock()
+        # Exports between their bookkeeping and their last driver call; ``close`` waits for
+        # none before it releases what they export.
+        self._exports_in_flight = 0
+        self._exports_done = threading.Condition(self._lock)
+        # Held across a whole grow (made off the event loop, on the grow thread, or in place)
+        # and by ``close``: one grow at a time, and never a close beside one.
+        self._grow_lock = threading.Lock()
 
     @property
     def num_slabs(self) -> int:
@@ -67,7 +75,11 @@ class Arena(abc.ABC):
                 ``geometry.max_slabs``. Nothing this call created is left behind.
             ValueError: ``slabs`` is negative.
         """
-        self._check_open()
+        with self._grow_lock:
+            self._check_open()
+            self._grow_locked(slabs)
+
+    def _grow_locked(self, slabs: int) -> None:
         g = self.geometry
         if slabs < 0:
             raise ValueError(f"cannot grow by {slabs} slabs")
@@ -102,17 +114,34 @@ class Arena(abc.ABC):
         """
 
     def close(self) -> None:
-        """Unmap the broker's view and close what it keeps of each slab. Idempotent."""
-        with self._lock:
+        """Unmap the broker's view and close what it keeps of each slab, once a grow and the
+        exports in flight are done (later ones are refused). Idempotent."""
+        with self._grow_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._exports_done.wait_for(lambda: self._exports_in_flight == 0)
         try:
             self.view.close()
         finally:
             for rec in self._slabs:
                 self._discard_slab(rec)
             self._slabs.clear()
+
+    @contextlib.contextmanager
+    def _exporting(self, first: int, count: int) -> Iterator[None]:
+        """Hold ``close`` off while the body exports units ``first..first+count-1`` (checked to
+        exist, under the lock); the body runs without the lock."""
+        with self._lock:
+            self._check_open()
+            self._check_units(first, count)
+            self._exports_in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._exports_in_flight -= 1
+                self._exports_done.notify_all()
 
     # ------------------------------------------------------------- per backend
 

@@ -73,12 +73,11 @@ class CudaArena(Arena):
             free, total = check("cuMemGetInfo()", self._drv.cuMemGetInfo(), self._drv)
         return int(free), int(total)
 
-    def grow(self, slabs: int) -> None:
+    def _grow_locked(self, slabs: int) -> None:
         """As ``Arena.grow``, with the device's context current in this thread for the whole
         grow (its creates, and the undoing of a failed one) and this thread's own after it."""
-        self._check_open()
         with self.view.current():
-            super().grow(slabs)
+            super()._grow_locked(slabs)
 
     def _prepare_growth(self) -> object:
         """The allocation properties of every slab (the grow's context is current)."""
@@ -117,10 +116,10 @@ class CudaArena(Arena):
                 names the call (an fd limit shows as the driver's error here).
         """
         out: list[int] = []
-        with self._lock:
-            self._check_open()
-            self._check_units(first, count)
-            view, drv = self.view, self._drv
+        view, drv = self.view, self._drv
+        # The arena's lock covers only the check that the pages exist: the exports themselves
+        # (the slow part) of two clients' threads overlap; close waits for them.
+        with self._exporting(first, count):
             try:
                 with view.current():
                     for p in range(first, first + count):

@@ -290,14 +290,16 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         self.sessions.authorize(method, rule, s, lambda field: getattr(request, field), key=key)
         return s
 
-    def _timed_alloc(self, fn, *args):
-        if self.metrics is None:
-            return fn(*args)
+    async def _timed_alloc(self, fn, *args):
+        """``fn(*args)`` (a store call that may grow the arena: the grow runs off the loop,
+        ``store.growth``), timed with any grow it waited for."""
+        growth = self.store.growth
         t0 = time.perf_counter()
         try:
-            return fn(*args)
+            return fn(*args) if growth is None else await growth.run(lambda: fn(*args))
         finally:
-            self.metrics.allocation_latency.record(time.perf_counter() - t0)
+            if self.metrics is not None:
+                self.metrics.allocation_latency.record(time.perf_counter() - t0)
 
     def _slabs(self) -> int:
         """The slabs behind the pages the store hands out (the arena's, as its page pool
@@ -399,15 +401,15 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         return self.arena_info()
 
     @_unary
-    def Allocate(self, request, context, session):
+    async def Allocate(self, request, context, session):
         sid = session.session_id
-        out = self._timed_alloc(self.store.allocate, sid, self._specs(request.objects))
+        out = await self._timed_alloc(self.store.allocate, sid, self._specs(request.objects))
         return pb.AllocateResponse(objects=[self._info(o, sid, d) for o, d in out])
 
     @_unary
-    def Prepare(self, request, context, session):
+    async def Prepare(self, request, context, session):
         sid = session.session_id
-        t = self._timed_alloc(
+        t = await self._timed_alloc(
             self.store.prepare,
             sid,
             self._specs(request.objects),

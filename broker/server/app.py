@@ -40,6 +40,7 @@ from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import MAX_UNPROVEN, SessionManager
 from memory_broker.broker.store.digests import KeyDigests
 from memory_broker.broker.store.eviction import make_policy
+from memory_broker.broker.store.growth import Growth
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import WindowSpace
 from memory_broker.proto.wire import native
@@ -177,7 +178,11 @@ class BrokerServer:
             window_pages=pages_per_slab * max_slabs * opts.window_factor,
         )
         self.arena, why = make_arena(opts.arena, self.geometry, name=f"memory-broker-{os.getpid()}", device=opts.device)
-        pool, tenants = make_pools(opts, self.arena, grow=self._grow)
+        # The shared pool grows off the loop for Allocate, Prepare and adapter loads (the
+        # tenants' slabs and preallocate are made here, in place, before serving).
+        self.growth = Growth(self.arena.grow, self._grown)
+        pool, tenants = make_pools(opts, self.arena, grow=self.growth)
+        self.growth.pool = pool
         self.store = ObjectStore(
             pool,
             WindowSpace(self.geometry.window_pages, opts.placement),
@@ -191,6 +196,7 @@ class BrokerServer:
             notify=self._route_event,
             tenants=tenants,
         )
+        self.store.growth = self.growth
         # Eviction to the low watermark and the release of a large ended session run in
         # batches between other callbacks of this loop, never as one long stall.
         self._store_work_scheduled = False
@@ -403,12 +409,9 @@ class BrokerServer:
             return
         self.sessions.notify(session_id, event)
 
-    def _grow(self, slabs: int) -> None:
-        t0 = time.perf_counter()
-        self.arena.grow(slabs)
-        self.log.info(
-            "arena_grown", slabs=self.arena.num_slabs, added=slabs, ms=round((time.perf_counter() - t0) * 1e3, 3)
-        )
+    def _grown(self, slabs: int, seconds: float) -> None:
+        """The shared pool gained ``slabs`` slabs (mapped in the broker's view): say so."""
+        self.log.info("arena_grown", slabs=self.arena.num_slabs, added=slabs, ms=round(seconds * 1e3, 3))
         self.sessions.broadcast(ArenaGrown(self.arena.num_slabs))
 
     def _log_event(self, event: str, **kw) -> None:
@@ -472,6 +475,8 @@ class BrokerServer:
             self.watcher.close()
         if getattr(self, "registry", None) is not None:
             self.registry.close()  # every registration is already committed; this closes the file
+        if getattr(self, "growth", None) is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.growth.close)  # a grow in flight ends first
         if getattr(self, "arena", None) is not None:
             self.arena.close()
         if self.metrics is not None:

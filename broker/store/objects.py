@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
+from memory_broker.broker.store.growth import Growth
 from memory_broker.broker.store.object_table import (
     ObjectTable,
     check_batch,
@@ -96,6 +97,7 @@ class ObjectStore:
     ):
         self.pool = pool
         self.window = window
+        self.growth: Growth | None = None  # grows the arena off the loop for Growth.run's calls; None: in place
         self.policy: EvictionPolicy = policy if policy is not None else PriorityLRU()
         if tenants:
             self.policy = PooledPolicy([self.policy, *(type(self.policy)() for _ in tenants)])

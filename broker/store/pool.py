@@ -122,6 +122,12 @@ class PagePool:
         if self.capacity_pages + needed > self.max_pages:
             raise MemoryError(f"arena would need {self.capacity_pages + needed} pages; its maximum is {self.max_pages}")
         self._grow(slabs)
+        self.add_slabs(slabs)
+
+    def add_slabs(self, slabs: int) -> None:
+        """Hand out the pages of ``slabs`` more slabs, which the arena has created and mapped
+        (by ``grow``, or by one made off the loop: ``store.growth.Growth``)."""
+        needed = slabs * self.pages_per_slab
         old = self.capacity_pages
         self.capacity_pages = old + needed
         self.owner.frombytes(bytes(8 * needed))

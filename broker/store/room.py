@@ -103,14 +103,7 @@ class RoomMaker:
         # refuses the request without side effects. (Eviction moves pages from evictable
         # to free within capacity, so once this holds the fallback below always succeeds.)
         unavoidable = total - (pool.free_in_capacity + evictable)
-        if unavoidable > 0:
-            try:
-                pool.grow(-(-unavoidable // pool.pages_per_slab))
-            except MemoryError as e:
-                raise exhausted(
-                    f"{self.label}the arena could not grow ({e}); need {total} pages, {pool.free_in_capacity} free in "
-                    f"{pool.capacity_pages} backed pages, {evictable} evictable"
-                ) from None
+        grow_error = self._grow_first(total, unavoidable, evictable)
         used_after = pool.used_pages + total
         if used_after > self.high_pages:
             self.eviction_active = True
@@ -132,6 +125,8 @@ class RoomMaker:
         short = total - (pool.capacity_pages - pool.used_pages)
         if short > 0:
             try:
+                if grow_error is not None:
+                    raise grow_error
                 pool.grow(-(-short // pool.pages_per_slab))
             except MemoryError as e:
                 # The backend could not grow (device memory taken by others): make room
@@ -144,6 +139,30 @@ class RoomMaker:
                         f"{pool.capacity_pages} backed pages, {policy.evictable_pages - excluded_pages} evictable"
                     ) from None
                 self.evict(policy.select(need + excluded_pages), need, exclude)
+
+    def _grow_first(self, total: int, unavoidable: int, evictable: int) -> MemoryError | None:
+        """Grow before anything else changes: by what the request needs even if every
+        candidate were evicted (refused if that fails), and, where watermark eviction is
+        drained off the request (``background``), by all the growth it will take (known now:
+        nothing is evicted inline for it), so that a grow made off the loop
+        (``growth.Growth``) stops the call here, with no flag or eviction to undo. Returns
+        the failure of a grow that was not unavoidable (the request then makes room inside)."""
+        pool = self.pool
+        early = unavoidable
+        if self.background is not None:
+            early = max(early, min(total - pool.free_in_capacity, pool.max_pages - pool.capacity_pages))
+        if early <= 0:
+            return None
+        try:
+            pool.grow(-(-early // pool.pages_per_slab))
+        except MemoryError as e:
+            if unavoidable > 0:
+                raise exhausted(
+                    f"{self.label}the arena could not grow ({e}); need {total} pages, {pool.free_in_capacity} free in "
+                    f"{pool.capacity_pages} backed pages, {evictable} evictable"
+                ) from None
+            return e
+        return None
 
     def exhausted_message(self, total: int, evictable: int) -> str:
         t = self._tally

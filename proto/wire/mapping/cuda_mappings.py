@@ -206,8 +206,21 @@ class CudaTensors:
         """The physical view of every page the arena has (as far as this view knows), as one
         tensor: page p at p * page_size. Pages are imported lazily, so it may span pages not
         mapped here yet: index only pages of objects this process was given (they are
-        imported before they are handed out); touching another faults the context."""
+        imported before they are handed out); touching another faults the context.
+
+        Its base, page 0, must be attached here (the anchor page: depending on its version,
+        torch asks the driver about a tensor's base address and refuses one not mapped, as
+        kvcached's anchor page avoids; the client imports it first).
+
+        Raises:
+            ValueError: page 0 is not attached in this view.
+        """
         n = self.mapped_slabs * self.geometry.slab_size
+        if n and 0 not in self._handles:
+            raise ValueError(
+                "page 0, the physical view's anchor, is not attached in this view: a tensor's base address "
+                "must be mapped (attach page 0 first; the client's physical_view does)"
+            )
         return self._make_tensor(self._phys_base, n, dtype, holes_ok=True)
 
     def tensor(self, address: int, nbytes: int, dtype=None):
