@@ -889,3 +889,25 @@ def test_transport_without_a_timeout_blocks_with_no_kernel_deadline(step_rig):
             assert pong.error is None and pong.arena_slabs == t.arena_slabs >= 1
         finally:
             t.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 48 item 1, open: the holdings cache (clients/step_holdings.py, by_key) answers a key from "
+    "the object it holds after the owner freed it and the key names a new object; the broker tells the "
+    "holder nothing (a fix needs an event to the sessions pinning a freed keyed object, or a check per hit)",
+)
+def test_a_key_freed_and_used_again_by_another_session_is_not_answered_from_the_cache(step_rig):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
+        (old,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        (seen,) = reader.lookup([b"reused"])
+        reader.unpin([seen])  # idle in the reader's cache, still pinned at the broker
+        assert seen.object_id == old.object_id
+        setup.free([old])  # the key goes; the object stays while the reader's pin does
+        (new,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        (again,) = reader.lookup([b"reused"])
+        assert again.object_id == new.object_id, (
+            f"the key names object {new.object_id}; the cache said {again.object_id}"
+        )
+        reader.unpin([again])
