@@ -37,7 +37,11 @@ def choose_calls(client) -> ChannelCalls | GrpcCalls:
             try:
                 transport = StepTransport(client._step_socket(), client.token, client.timeout, client._refused)
             except StepUnavailable as e:
-                log.info("using gRPC for step calls: %s", e)
+                # Said once a client at WARNING (a step call over gRPC is many times slower,
+                # and nothing else shows it), again at INFO for each later session.
+                first = client.step_fallback is None
+                client.step_fallback = str(e)
+                (log.warning if first else log.info)("step calls go over gRPC for this session: %s", e)
             else:
                 path = StepPath(transport, hold_s=client.hold_s)
                 calls = (ChannelCalls if path.caching else DirectCalls)(client, path, grpc)

@@ -39,6 +39,9 @@ class StepSession(BrokerQueries):
         # The current session's calls (ChannelCalls or GrpcCalls), made on first use.
         self._calls: ChannelCalls | GrpcCalls | None = None
         self._calls_lock = threading.Lock()
+        # Why the step channel could not be used the last time a session fell back to gRPC
+        # (None: it never did); the first fallback is logged at WARNING.
+        self.step_fallback: str | None = None
         super().__init__(*args, **kwargs)
 
     def _session_opened(self) -> None:

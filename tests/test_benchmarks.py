@@ -334,3 +334,11 @@ def test_soak_broker_memory_small_run_prints_both_soaks_and_keeps_every_rule():
     assert "sessions: 6 sessions of one process, 40 step frames each (seed 1)" in out, out
     assert "every refusal deliberate, the books restored each time" in out, out
     assert "FAIL:" not in out, out
+
+
+def test_soak_windows_small_run_checks_every_object_here_and_from_a_fresh_process():
+    out = bench("soak_windows.py", "--ops", "300")
+    assert "soak_windows: 300 operations, two sessions" in out, out
+    assert "wrong objects: 0 (checked after every allocation)" in out, out
+    assert "wrong survivors from a fresh process: 0 of" in out, out
+    assert "FAIL" not in out, out

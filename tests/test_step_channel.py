@@ -4,6 +4,7 @@ refuses strangers and malformed frames without changing anything."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -587,6 +588,61 @@ def test_connections_without_hello_hold_no_memory_and_go_at_the_deadline(broker_
         assert _rss(b.proc.pid) - idle < 64 << 20
 
 
+def test_one_session_holds_at_most_its_cap_and_another_client_still_gets_the_channel(step_rig, caplog):
+    from memory_broker.broker.doors.step_channel import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_SESSION
+    from memory_broker.clients import step_calls
+
+    b, _ = step_rig
+    held: list[socket.socket] = []
+    with BrokerClient.connect(b.socket) as hog:
+        try:
+            for _ in range(MAX_CONNECTIONS // 2 + 1):  # as many as it is let, past half the channel
+                s = raw_conn(hog)
+                kind, r = call(s, w.frame(w.HELLO, hog.token.encode()))
+                if kind != w.OK:
+                    break
+                held.append(s)
+            assert len(held) <= MAX_CONNECTIONS // 2, f"one session holds {len(held)} of {MAX_CONNECTIONS}"
+            assert len(held) == MAX_CONNECTIONS_PER_SESSION
+            assert r.error.code == Code.RESOURCE_EXHAUSTED and "the most one session may hold" in r.error.message
+            assert s.recv(1) == b""  # the refused connection is closed
+            s.close()
+            with BrokerClient.connect(b.socket) as other:  # another engine: the step channel, as ever
+                objs = other.allocate([Spec(1)])
+                other.pin(objs)
+                other.unpin(objs)
+                assert other._step_path() is not None and frames(other) >= 2 and other.step_fallback is None
+            # The hog's own client falls back to gRPC, and says so once, with the reason.
+            with caplog.at_level(logging.INFO, logger=step_calls.__name__):
+                objs = hog.allocate([Spec(1)])
+                for _ in range(3):
+                    hog.pin(objs)
+                    hog.unpin(objs)
+            assert hog._step_path() is None and "the most one session may hold" in hog.step_fallback
+            warned = [x.getMessage() for x in caplog.records if x.levelno == logging.WARNING]
+            assert len(warned) == 1 and "gRPC" in warned[0] and "the most one session may hold" in warned[0], warned
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_past_hello_one_uid_holds_at_most_half_the_channel():
+    from memory_broker.broker.doors.step_channel import StepChannelServer
+
+    server = StepChannelServer("unused", loop=None, store=None, sessions=None, adapters=None, allowed_uids=None)
+    held = server._held
+    assert held.per_uid == server.max_connections // 2 and held.per_session <= held.per_uid
+    for sid in range(held.per_uid // held.per_session):  # one uid's sessions fill its share
+        for _ in range(held.per_session):
+            assert held.over_limit(1000, sid) == ""
+            held.start(1000, sid)
+        assert "the most one session may hold" in held.over_limit(1000, sid)
+    assert "the most one uid may hold" in held.over_limit(1000, 10_000)  # a new session of that uid
+    assert held.over_limit(1001, 10_001) == ""  # another uid's engine still gets one
+    held.stop(1000, 0)
+    assert held.over_limit(1000, 0) == "" and held.over_limit(1000, 10_000) == ""
+
+
 # ------------------------------------------------------------------ one calls object per session
 
 
@@ -832,3 +888,25 @@ def test_transport_without_a_timeout_blocks_with_no_kernel_deadline(step_rig):
             assert pong.error is None and pong.arena_slabs == t.arena_slabs >= 1
         finally:
             t.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 48 item 1, open: the holdings cache (clients/step_holdings.py, by_key) answers a key from "
+    "the object it holds after the owner freed it and the key names a new object; the broker tells the "
+    "holder nothing (a fix needs an event to the sessions pinning a freed keyed object, or a check per hit)",
+)
+def test_a_key_freed_and_used_again_by_another_session_is_not_answered_from_the_cache(step_rig):
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
+        (old,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        (seen,) = reader.lookup([b"reused"])
+        reader.unpin([seen])  # idle in the reader's cache, still pinned at the broker
+        assert seen.object_id == old.object_id
+        setup.free([old])  # the key goes; the object stays while the reader's pin does
+        (new,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        (again,) = reader.lookup([b"reused"])
+        assert again.object_id == new.object_id, (
+            f"the key names object {new.object_id}; the cache said {again.object_id}"
+        )
+        reader.unpin([again])

@@ -32,7 +32,7 @@ from memory_broker.broker.doors.step_thread import StepThread
 from memory_broker.broker.sessions.manager import NO_FIELDS
 from memory_broker.broker.store.records import store_core
 from memory_broker.proto.wire import step as w
-from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
+from memory_broker.proto.wire.errors import BrokerError, Code, denied, exhausted, invalid
 
 # Connections served at once (each is one engine process; more is a client gone wrong).
 MAX_CONNECTIONS = 1024
@@ -42,6 +42,10 @@ MAX_CONNECTIONS = 1024
 MAX_UNAUTHENTICATED = 128
 MAX_UNAUTHENTICATED_PER_UID = 16
 HELLO_DEADLINE_S = 2.0
+# Connections past HELLO one session may hold (a client uses one per session, shared by its
+# threads and its step batch), and one uid at most half the channel's: a process that opens
+# connections in a loop keeps other sessions and other uids' engines off the channel no more.
+MAX_CONNECTIONS_PER_SESSION = 64
 # Acquire reply rows of hot adapter objects kept at most (each a few dozen bytes).
 ROWS_KEPT = 16384
 # An object's id (C-level, over a list of objects).
@@ -145,6 +149,38 @@ class _Waiting:
             del self.by_uid[c.peer.uid]
 
 
+class _Held:
+    """Connections past HELLO: how many by uid and by session, each under its cap."""
+
+    def __init__(self, per_uid: int, per_session: int):
+        self.per_uid, self.per_session = per_uid, per_session
+        self.by_uid: dict[int, int] = {}
+        self.by_session: dict[int, int] = {}
+
+    def over_limit(self, uid: int, sid: int) -> str:
+        """Why one more connection of session ``sid`` (of ``uid``) is refused ("" if it is not)."""
+        if self.by_session.get(sid, 0) >= self.per_session:
+            return (
+                f"session {sid} holds {self.per_session} step connections, the most one session may hold; "
+                "close one (each client needs one) or use gRPC"
+            )
+        if self.by_uid.get(uid, 0) >= self.per_uid:
+            return f"uid {uid} holds {self.per_uid} step connections, the most one uid may hold (half the channel's)"
+        return ""
+
+    def start(self, uid: int, sid: int) -> None:
+        self.by_uid[uid] = self.by_uid.get(uid, 0) + 1
+        self.by_session[sid] = self.by_session.get(sid, 0) + 1
+
+    def stop(self, uid: int, sid: int) -> None:
+        for counts, k in ((self.by_uid, uid), (self.by_session, sid)):
+            left = counts[k] - 1
+            if left:
+                counts[k] = left
+            else:
+                del counts[k]
+
+
 @dataclass(slots=True)
 class StepCounters:
     """What the channel did since start (for tests and the status line)."""
@@ -175,6 +211,7 @@ class StepChannelServer:
         record: Callable[[float, str, str], None] | None = None,
         log: Callable[..., None] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_session: int = MAX_CONNECTIONS_PER_SESSION,
     ):
         """
         Args:
@@ -187,6 +224,8 @@ class StepChannelServer:
             num_slabs: the arena's slab count now (a client maps new slabs before using pages).
             record: ``record(seconds, method, code)`` per op, and per refused frame as
                 method "Step" (the RPC latency metric).
+            max_connections, max_connections_per_session: connections served at once; past
+                HELLO, one session holds at most the second and one uid half the first.
         """
         self.path = path
         self._loop = loop
@@ -202,6 +241,7 @@ class StepChannelServer:
         self._sock: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
         self._waiting = _Waiting()
+        self._held = _Held(max(1, max_connections // 2), min(max_connections_per_session, max(1, max_connections // 2)))
         # Each hot adapter object's row of an acquire reply, by object id (its generation and
         # pages never change): a hot acquire joins them. Cleared when it grows past ROWS_KEPT.
         self._rows: dict[int, bytes] = {}
@@ -278,9 +318,13 @@ class StepChannelServer:
             except OSError:
                 sock.close()
                 continue
-            over = "connection limit" if len(self._conns) >= self.max_connections else self._waiting.over_limit(peer)
+            over = self._waiting.over_limit(peer)
+            if len(self._conns) >= self.max_connections:
+                over = f"{self.max_connections} connections are open, the most it serves"
             if over:
                 self._log("step_channel_refused", pid=peer.pid, uid=peer.uid, reason=over)
+                with contextlib.suppress(OSError):  # the client's HELLO reads why (the buffer is empty)
+                    sock.send(w.error_frame(exhausted(f"the step channel is full: {over}")))
                 sock.close()
                 continue
             c = _Conn(sock, peer)
@@ -299,6 +343,8 @@ class StepChannelServer:
         if self._conns.pop(fd, None) is None:
             return
         self._waiting.stop(c)
+        if c.session is not None:
+            self._held.stop(c.peer.uid, c.session.session_id)
         self._io.remove_reader(fd)
         if c.outbuf:
             self._io.remove_writer(fd)
@@ -517,49 +563,6 @@ class StepChannelServer:
                 return out
         return w.encode_allocations(kind, sid, objs)
 
-    def _acquire(self, sid: int, op: w.Op) -> bytes:
-        """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.
-
-        The manager's acquire does not yield to the loop when every admitted adapter is
-        hot, so it runs to completion right here, between two other callbacks of the loop,
-        like any other core call. One admitted adapter that is not hot (or unknown, or a
-        bad id) and nothing is pinned: the client asks over gRPC, which loads, defers and
-        refuses exactly as it always does."""
-        m = self.adapters
-        if m is None:
-            self.counters.not_hot += 1
-            return w.encode_acquire(w.AcquireOutcome(False))
-        if not op.flags & w.ACQUIRE_PREPARE:
-            objs = m.pin_hot(sid, op.items, op.max_adapters)
-            if objs is not None:
-                return _hot_rows(self._rows, self._core, m, op.items, objs)
-        distinct = list(dict.fromkeys(op.items))
-        admitted = distinct[: op.max_adapters or len(distinct)]
-        is_hot = m.is_hot
-        for aid in admitted:
-            if not (isinstance(aid, str) and is_hot(aid)):
-                self.counters.not_hot += 1
-                return w.encode_acquire(w.AcquireOutcome(False))
-        cap = op.max_adapters or None
-        if op.flags & w.ACQUIRE_PREPARE:
-            coro = m.prepare_acquire(sid, list(op.items), cap, False, (op.lease_ms / 1000.0) or None)
-        else:
-            coro = m.acquire(sid, list(op.items), cap, False)
-        try:
-            coro.send(None)
-        except StopIteration as done:
-            r = done.value
-        else:
-            # It waited on something after all: never leave it half done on this loop.
-            coro.close()
-            self.counters.not_hot += 1
-            return w.encode_acquire(w.AcquireOutcome(False))
-        return w.encode_acquire_rows(
-            r.txn_id,
-            r.deadline_unix,
-            [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
-        )
-
 
 def _frames(self: StepChannelServer, c: _Conn, data: bytes) -> int:
     """``_readable``'s frames: answer each whole frame at the start of ``data`` in order, as its one
@@ -610,7 +613,12 @@ def _hello(self: StepChannelServer, c: _Conn, body) -> bytes:
         c.key = self.sessions.authorize_fd_request(token, c.peer)
     except FdRequestRefused as r:
         raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
-    c.session = self.sessions.from_token(token)
+    session = self.sessions.from_token(token)
+    over = self._held.over_limit(c.peer.uid, session.session_id)
+    if over:
+        raise exhausted(over)
+    self._held.start(c.peer.uid, session.session_id)
+    c.session = session
     self._waiting.stop(c)
     return w.encode_step_reply(self._num_slabs(), ())
 
@@ -677,6 +685,50 @@ def _release(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
     return _RELEASE_DONE
 
 
+def _acquire(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
+    """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.
+
+    The manager's acquire does not yield to the loop when every admitted adapter is
+    hot, so it runs to completion right here, between two other callbacks of the loop,
+    like any other core call. One admitted adapter that is not hot (or unknown, or a
+    bad id) and nothing is pinned: the client asks over gRPC, which loads, defers and
+    refuses exactly as it always does."""
+    m = server.adapters
+    if m is None:
+        server.counters.not_hot += 1
+        return w.encode_acquire(w.AcquireOutcome(False))
+    if not op.flags & w.ACQUIRE_PREPARE:
+        objs = m.pin_hot(sid, op.items, op.max_adapters)
+        if objs is not None:
+            return _hot_rows(server._rows, server._core, m, op.items, objs)
+    distinct = list(dict.fromkeys(op.items))
+    admitted = distinct[: op.max_adapters or len(distinct)]
+    is_hot = m.is_hot
+    for aid in admitted:
+        if not (isinstance(aid, str) and is_hot(aid)):
+            server.counters.not_hot += 1
+            return w.encode_acquire(w.AcquireOutcome(False))
+    cap = op.max_adapters or None
+    if op.flags & w.ACQUIRE_PREPARE:
+        coro = m.prepare_acquire(sid, list(op.items), cap, False, (op.lease_ms / 1000.0) or None)
+    else:
+        coro = m.acquire(sid, list(op.items), cap, False)
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        r = done.value
+    else:
+        # It waited on something after all: never leave it half done on this loop.
+        coro.close()
+        server.counters.not_hot += 1
+        return w.encode_acquire(w.AcquireOutcome(False))
+    return w.encode_acquire_rows(
+        r.txn_id,
+        r.deadline_unix,
+        [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
+    )
+
+
 def _pin(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
     return server._objects(w.OP_PIN, sid, server.store.pin(sid, op.items))
 
@@ -698,7 +750,7 @@ def _abort(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
 HANDLERS: dict[int, Callable[[StepChannelServer, int, w.Op], bytes]] = {
     w.OP_LOOKUP: _lookup,
     w.OP_UNPIN: _unpin,
-    w.OP_ACQUIRE: StepChannelServer._acquire,
+    w.OP_ACQUIRE: _acquire,
     w.OP_RELEASE: _release,
     w.OP_PIN: _pin,
     w.OP_COMMIT: _commit,
