@@ -29,8 +29,9 @@ FOLDERS = {
 }
 
 # The most product modules whose code may run during one BrokerClient.allocate (client and
-# broker together). ARCHITECTURE.md, "One request's path", lists them in order.
-ALLOCATE_MODULE_BUDGET = 15
+# broker together). ARCHITECTURE.md, "One request's path", lists them in order (16 since the
+# arena grows off the event loop: broker/store/growth.py runs each Allocate's store call).
+ALLOCATE_MODULE_BUDGET = 16
 
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 400
@@ -354,7 +355,7 @@ def allocate_path() -> list[str]:
     return out
 
 
-def test_one_allocate_runs_through_at_most_15_product_modules():
+def test_one_allocate_runs_through_at_most_16_product_modules():
     path = allocate_path()
     listing = "\n".join(f"  {i}. {m}" for i, m in enumerate(path, 1))
     # The trace sees both ends: the client's call and the store.

@@ -95,8 +95,7 @@ class ObjectStore:
         clock: Callable[[], float] = time.monotonic,
         tenants: Sequence[TenantPool] = (),
     ):
-        self.pool = pool
-        self.window = window
+        self.pool, self.window = pool, window
         self.growth: Growth | None = None  # grows the arena off the loop for Growth.run's calls; None: in place
         self.policy: EvictionPolicy = policy if policy is not None else PriorityLRU()
         if tenants:
