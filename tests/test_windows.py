@@ -84,3 +84,26 @@ def test_two_sessions_churning_contiguous_and_paged_objects_never_see_each_other
     finally:
         for c in clients:
             c.close()
+
+
+def test_an_object_placed_where_a_freed_one_was_on_the_same_pages_maps_no_window_again(broker, monkeypatch):
+    """Window reuse (on a CUDA arena a window mapping is a cuMemMap per page and one access
+    grant per run): the next allocation at a freed object's placement, on the same pages, maps
+    nothing; one at another placement maps its window once."""
+    v = BrokerClient.connect(broker.socket, client_name="v")
+    try:
+        mapped = []
+        real = v.view.map_window
+        monkeypatch.setattr(v.view, "map_window", lambda w, pages, **kw: (mapped.append(w), real(w, pages, **kw))[1])
+        (a,) = v.allocate([Spec(4, contiguous=True)])
+        a_at, a_pages = a.window_page, list(a.pages)
+        v.free([a])
+        (b,) = v.allocate([Spec(4, contiguous=True)])
+        assert (b.window_page, list(b.pages)) == (a_at, a_pages)  # the broker's first fit
+        assert mapped == [a_at]  # b's window was in place already
+        (c,) = v.allocate([Spec(2, contiguous=True)])
+        assert c.window_page != a_at and mapped == [a_at, c.window_page]
+        b.tensor().view(-1).fill_(7)
+        assert all(int(p.view(-1)[0]) == 7 for p in b.page_tensors())
+    finally:
+        v.close()
