@@ -66,3 +66,19 @@ def inprocess_broker(d: str, sock: str, loop_factory=None) -> dict:
     if not ready.wait(60):
         raise SystemExit("the in-process broker did not start")
     return box
+
+
+def fill(obj, value: int) -> None:
+    """Write ``value`` over a broker object through its own tensor (the window, for a
+    contiguous one; its page tensors otherwise)."""
+    if obj.window_page >= 0:
+        obj.tensor().view(-1).fill_(value)
+    else:
+        for p in obj.page_tensors():
+            p.fill_(value)
+
+
+def wrong(obj, value: int) -> bool:
+    """Whether the object's pages, read through the physical view, hold anything but ``value``
+    (one byte in 4 KiB: a page another object's window reached differs throughout)."""
+    return any(bool((p.view(-1)[::4096] != value).any()) for p in obj.page_tensors())

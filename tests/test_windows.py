@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from rigs import fill, wrong
 
 from memory_broker.clients import BrokerClient, BrokerError, Spec
 
@@ -41,19 +42,6 @@ def test_a_window_mapped_over_part_of_a_remembered_one_is_mapped_again_for_the_n
         w.close()
 
 
-def _fill(obj, value: int) -> None:
-    if obj.window_page >= 0:
-        obj.tensor().view(-1).fill_(value)
-    else:
-        for p in obj.page_tensors():
-            p.fill_(value)
-
-
-def _wrong(obj, value: int) -> bool:
-    # One byte in 4,096 of every page: a page another object's window reached differs throughout.
-    return any(bool((p.view(-1)[::4096] != value).any()) for p in obj.page_tensors())
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed, most_live", [(0, 4), (2, 6), (1, 4)])
 def test_two_sessions_churning_contiguous_and_paged_objects_never_see_each_others_pages(broker, seed, most_live):
@@ -76,10 +64,10 @@ def test_two_sessions_churning_contiguous_and_paged_objects_never_see_each_other
                 continue  # the pool is full: free more first
             value = 1 + step % 250
             contiguous += obj.window_page >= 0
-            _fill(obj, value)
+            fill(obj, value)
             live.append((c, obj, value))
-            wrong = [o.object_id for _, o, v in live if _wrong(o, v)]
-            assert not wrong, f"step {step}: objects whose pages another object's writes reached: {wrong}"
+            reached = [o.object_id for _, o, v in live if wrong(o, v)]
+            assert not reached, f"step {step}: objects whose pages another object's writes reached: {reached}"
         assert contiguous > OPS // 8
     finally:
         for c in clients:

@@ -28,12 +28,13 @@ import sys
 import tempfile
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test helpers in tests/rigs.py
 from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
+from rigs import fill, wrong  # noqa: E402
 
 from memory_broker.clients import BrokerClient, BrokerError, Spec  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The fresh process: connects, maps the arena's slabs, and prints the ids of the objects in
 # argv[2] (a JSON list of [object id, pages, byte]) whose pages do not hold their byte.
@@ -48,21 +49,6 @@ with BrokerClient.connect(sys.argv[1], client_name="soak-fresh") as c:
     bad = [oid for oid, pages, v in survivors if any(bool((whole[p * ps : (p + 1) * ps] != v).any()) for p in pages)]
 print(json.dumps(bad))
 """
-
-
-def fill(obj, value: int) -> None:
-    """Write ``value`` over the object through its own tensor (the window for a contiguous one)."""
-    if obj.window_page >= 0:
-        obj.tensor().view(-1).fill_(value)
-    else:
-        for p in obj.page_tensors():
-            p.fill_(value)
-
-
-def wrong(obj, value: int) -> bool:
-    """Whether the object's pages, read through the physical view, hold anything but ``value``
-    (one byte in 4 KiB: a page another object's window reached differs throughout)."""
-    return any(bool((p.view(-1)[::4096] != value).any()) for p in obj.page_tensors())
 
 
 def churn(sock: str, ops: int, most_live: int, seed: int) -> dict:
