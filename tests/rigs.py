@@ -82,3 +82,22 @@ def wrong(obj, value: int) -> bool:
     """Whether the object's pages, read through the physical view, hold anything but ``value``
     (one byte in 4 KiB: a page another object's window reached differs throughout)."""
     return any(bool((p.view(-1)[::4096] != value).any()) for p in obj.page_tensors())
+
+
+def churn_once(rng, clients, live: list, most_live: int):
+    """One operation of two sessions' churn (test_windows, soak_windows): free a random live
+    ``(client, object, byte)`` (always once ``most_live`` are live), or allocate 1-4 pages,
+    contiguous or paged, in a random session. Returns ``(client, object)`` allocated, or None:
+    freed, or the pool or window space was full (BrokerError)."""
+    from memory_broker.clients import BrokerError, Spec
+
+    if live and (rng.random() < 0.5 or len(live) >= most_live):
+        c, obj, _ = live.pop(rng.randrange(len(live)))
+        c.free([obj])
+        return None
+    c = rng.choice(clients)
+    try:
+        (obj,) = c.allocate([Spec(rng.choice((1, 2, 3, 4)), contiguous=rng.random() < 0.5)])
+    except BrokerError:
+        return None
+    return c, obj

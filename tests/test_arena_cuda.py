@@ -2038,26 +2038,34 @@ def test_a_whole_arena_imports_through_the_fd_channel_within_an_fd_limit(fake, t
     assert not fake.allocs
 
 
-def test_a_client_of_a_cuda_broker_maps_pages_lazily_and_closes_their_fds(fake):
-    """A real broker (in this process, on the fake driver) and a real client: connecting
-    imports no page; an allocation imports exactly its pages (writable), a lookup of another
-    session's object imports its pages read-only from the start; no exported fd stays open."""
+def _cuda_broker(fake):
+    """A broker on the fake driver in this process (a 256 MiB device; 2 MiB pages, 8 MiB slabs,
+    a 64 MiB pool with 32 MiB made at start), served by its own loop: (loop, server, socket)."""
     import structlog
     from conftest import short_tmpdir
 
     from memory_broker.broker.server.app import BrokerServer
     from memory_broker.broker.server.config import build_options
-    from memory_broker.clients.client import BrokerClient
 
     fake.devices[0].memory = 256 * MiB
     d = short_tmpdir()
     sock = os.path.join(d, "b.sock")
     over = {"socket": sock, "state_dir": os.path.join(d, "state"), "arena": "cuda", "page_size": 2 * MiB}
     over.update(slab_size=8 * MiB, pool_size=64 * MiB, preallocate=32 * MiB)
-    opts = build_options(None, over)
     lp = _Loop()
-    srv = BrokerServer(opts, structlog.get_logger("test"))
+    srv = BrokerServer(build_options(None, over), structlog.get_logger("test"))
     lp.call(srv.start())
+    return lp, srv, sock
+
+
+def test_a_client_of_a_cuda_broker_maps_pages_lazily_and_closes_their_fds(fake):
+    """A real broker (in this process, on the fake driver) and a real client: connecting
+    imports no page; an allocation imports exactly its pages (writable), a lookup of another
+    session's object imports its pages read-only from the start; no exported fd stays open."""
+
+    from memory_broker.clients.client import BrokerClient
+
+    lp, srv, sock = _cuda_broker(fake)
     c = w = None
     try:
         assert srv.arena.backend == "cuda" and srv.arena.fd_units() == 16
@@ -2212,22 +2220,10 @@ def test_a_grow_runs_off_the_loop_and_the_store_sees_its_pages_once_mapped(fake)
     runs on a thread of its own, not on the broker's loop: while every ``cuMemCreate`` of
     the grow is held, another session's Allocate is served and the store has none of the
     new pages; once they are created, mapped and granted, the first Allocate gets them."""
-    import structlog
-    from conftest import short_tmpdir
 
-    from memory_broker.broker.server.app import BrokerServer
-    from memory_broker.broker.server.config import build_options
     from memory_broker.clients.client import BrokerClient
 
-    fake.devices[0].memory = 256 * MiB
-    d = short_tmpdir()
-    sock = os.path.join(d, "b.sock")
-    over = {"socket": sock, "state_dir": os.path.join(d, "state"), "arena": "cuda", "page_size": 2 * MiB}
-    over.update(slab_size=8 * MiB, pool_size=64 * MiB, preallocate=32 * MiB)
-    opts = build_options(None, over)
-    lp = _Loop()
-    srv = BrokerServer(opts, structlog.get_logger("test"))
-    lp.call(srv.start())
+    lp, srv, sock = _cuda_broker(fake)
     a = b = None
     gate = fake.create_gate = threading.Event()
     try:
@@ -2274,11 +2270,7 @@ def test_the_physical_view_starts_at_an_anchor_page_a_client_imports_first(fake,
     The view refuses one without page 0 attached, naming it; the client's ``physical_view``
     imports page 0 first (read-only: the anchor), and an object later given on page 0 is
     writable there."""
-    import structlog
-    from conftest import short_tmpdir
 
-    from memory_broker.broker.server.app import BrokerServer
-    from memory_broker.broker.server.config import build_options
     from memory_broker.clients.client import BrokerClient
 
     g = geom(pps=4, slabs=2)
@@ -2287,14 +2279,7 @@ def test_the_physical_view_starts_at_an_anchor_page_a_client_imports_first(fake,
     with pytest.raises(ValueError, match="page 0, the physical view's anchor"):
         v.physical_tensor()
     v.close()
-    fake.devices[0].memory = 256 * MiB
-    d = short_tmpdir()
-    sock = os.path.join(d, "b.sock")
-    over = {"socket": sock, "state_dir": os.path.join(d, "state"), "arena": "cuda", "page_size": 2 * MiB}
-    over.update(slab_size=8 * MiB, pool_size=64 * MiB, preallocate=32 * MiB)
-    lp = _Loop()
-    srv = BrokerServer(build_options(None, over), structlog.get_logger("test"))
-    lp.call(srv.start())
+    lp, srv, sock = _cuda_broker(fake)
     c = None
     try:
         c = BrokerClient.connect(sock, client_name="kv-worker", timeout=10)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from rigs import fill, wrong
+from rigs import churn_once, fill, wrong
 
-from memory_broker.clients import BrokerClient, BrokerError, Spec
+from memory_broker.clients import BrokerClient, Spec
 
 OPS = 800
 
@@ -53,15 +53,9 @@ def test_two_sessions_churning_contiguous_and_paged_objects_never_see_each_other
     contiguous = 0
     try:
         for step in range(OPS):
-            if live and (rng.random() < 0.5 or len(live) >= most_live):
-                c, obj, _ = live.pop(rng.randrange(len(live)))
-                c.free([obj])
-                continue
-            c = rng.choice(clients)
-            try:
-                (obj,) = c.allocate([Spec(rng.choice((1, 2, 3, 4)), contiguous=rng.random() < 0.5)])
-            except BrokerError:
-                continue  # the pool is full: free more first
+            if (got := churn_once(rng, clients, live, most_live)) is None:
+                continue  # freed one, or the pool was full
+            c, obj = got
             value = 1 + step % 250
             contiguous += obj.window_page >= 0
             fill(obj, value)

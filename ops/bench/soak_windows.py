@@ -32,9 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test helpers in tests/rigs.py
 from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
-from rigs import fill, wrong  # noqa: E402
+from rigs import churn_once, fill, wrong  # noqa: E402
 
-from memory_broker.clients import BrokerClient, BrokerError, Spec  # noqa: E402
+from memory_broker.clients import BrokerClient  # noqa: E402
 
 # The fresh process: connects, maps the arena's slabs, and prints the ids of the objects in
 # argv[2] (a JSON list of [object id, pages, byte]) whose pages do not hold their byte.
@@ -60,16 +60,11 @@ def churn(sock: str, ops: int, most_live: int, seed: int) -> dict:
     slabs = 0
     try:
         for op in range(ops):
-            if live and (rng.random() < 0.5 or len(live) >= most_live):
-                c, obj, _ = live.pop(rng.randrange(len(live)))
-                c.free([obj])
+            before = len(live)
+            if (got := churn_once(rng, clients, live, most_live)) is None:
+                full += len(live) == before  # nothing freed: the pool or the window space was full
                 continue
-            c = rng.choice(clients)
-            try:
-                (obj,) = c.allocate([Spec(rng.choice((1, 2, 3, 4)), contiguous=rng.random() < 0.5)])
-            except BrokerError:
-                full += 1  # the pool or the window space is full: the next operations free
-                continue
+            c, obj = got
             # A byte no live object has (at most most_live of 255 are taken).
             taken = {v for _, _, v in live}
             value = next(v for v in range(1 + op % 255, 1 + op % 255 + 256) if (v - 1) % 255 + 1 not in taken)
