@@ -2058,6 +2058,17 @@ def _cuda_broker(fake):
     return lp, srv, sock
 
 
+def _stop_broker(fake, lp, srv, *clients) -> None:
+    """Close ``clients`` (None for one never made), stop ``_cuda_broker``'s broker and loop;
+    every fake allocation is released by then."""
+    for cl in clients:
+        if cl is not None:
+            cl.close()
+    lp.call(srv.stop("test"))
+    lp.stop()
+    assert not fake.allocs
+
+
 def test_a_client_of_a_cuda_broker_maps_pages_lazily_and_closes_their_fds(fake):
     """A real broker (in this process, on the fake driver) and a real client: connecting
     imports no page; an allocation imports exactly its pages (writable), a lookup of another
@@ -2088,12 +2099,7 @@ def test_a_client_of_a_cuda_broker_maps_pages_lazily_and_closes_their_fds(fake):
         # after each sendmsg (on its loop thread, which may run a moment after the client's).
         assert wait_no_fds(fake)
     finally:
-        for cl in (c, w):
-            if cl is not None:
-                cl.close()
-        lp.call(srv.stop("test"))
-        lp.stop()
-    assert not fake.allocs
+        _stop_broker(fake, lp, srv, c, w)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "host"])
@@ -2166,11 +2172,7 @@ def test_a_tenant_pool_session_gets_its_own_pages_and_adapters_only_where_they_c
             c.map_arena()
         assert e.value.code == Code.PERMISSION_DENIED and "the pool of tenant 'teamA'" in e.value.message
     finally:
-        if c is not None:
-            c.close()
-        lp.call(srv.stop("test"))
-        lp.stop()
-    assert not fake.allocs
+        _stop_broker(fake, lp, srv, c)
 
 
 def test_exports_of_two_clients_overlap_and_close_waits_for_them(fake):
@@ -2256,12 +2258,7 @@ def test_a_grow_runs_off_the_loop_and_the_store_sees_its_pages_once_mapped(fake)
         assert lp.thread.ident not in fake.create_threads
     finally:
         gate.set()
-        for cl in (a, b):
-            if cl is not None:
-                cl.close()
-        lp.call(srv.stop("test"))
-        lp.stop()
-    assert not fake.allocs
+        _stop_broker(fake, lp, srv, a, b)
 
 
 def test_the_physical_view_starts_at_an_anchor_page_a_client_imports_first(fake, fake_torch):
@@ -2291,8 +2288,4 @@ def test_the_physical_view_starts_at_an_anchor_page_a_client_imports_first(fake,
         obj = c.allocate_one(2)
         assert 0 in obj.pages and 0 not in c.view.readonly_pages()  # given page 0: writable now
     finally:
-        if c is not None:
-            c.close()
-        lp.call(srv.stop("test"))
-        lp.stop()
-    assert not fake.allocs
+        _stop_broker(fake, lp, srv, c)
