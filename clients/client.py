@@ -264,20 +264,9 @@ class BrokerClient(StepSession):
                         if e.errno == errno.ENOMEM:
                             raise self.mappings.exhausted_error(e, f"object {obj.object_id}") from None
                         raise
-                    self._forget_windows(obj.window_page, len(pages))
-                    self._mapped_windows[obj.window_page] = pages
+                    self._mapped_windows.put(obj.window_page, pages)
                     self.mappings.mapped()
         return obj
-
-    def _forget_windows(self, start: int, count: int) -> None:
-        """Drop every remembered window mapping that window pages ``start .. start + count``
-        overlap: the mapping just made replaced part of it, so it is no longer in place (a
-        window remembered by its start alone once handed a later object at that start another
-        object's pages). Called under ``_map_lock``."""
-        end = start + count
-        stale = [w for w, p in self._mapped_windows.items() if w < end and start < w + len(p)]
-        for w in stale:
-            del self._mapped_windows[w]
 
     def _read_objects(self, infos: Sequence) -> list[BrokerObject]:
         """``_object`` for many objects this process was not given to write (lookups, pins;

@@ -8,11 +8,15 @@ already allocated. ``MappingBudget`` keeps a cheap estimate of the process's map
 the real count from ``/proc/self/maps`` only when the estimate nears the limit, and refuses a
 request that would cross ``limit - headroom`` with an error naming the sysctl. It never maps
 or unmaps anything itself and knows nothing of the broker.
+
+``MappedWindows`` remembers which window mappings are in place in this process, so an object
+placed where an earlier one was, on the same pages, maps nothing again.
 """
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -92,3 +96,31 @@ class MappingBudget:
             f"(vm.max_map_count = {self.limit}, {count_mappings()} in use). Raise it with "
             f"sysctl -w vm.max_map_count={max(4 * self.limit, 262144)}",
         )
+
+
+class MappedWindows:
+    """The window mappings in place in this process: window page -> the physical pages mapped
+    there from it, back to back. A new mapping replaces every remembered one it overlaps (a
+    mapping remembered by its start alone, after a later one had partly replaced it, once
+    handed an object at that start another object's pages), so none overlap and each is found
+    by bisecting the sorted starts. Not thread-safe: the client holds its map lock."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._pages: dict[int, tuple[int, ...]] = {}
+
+    def get(self, start: int) -> tuple[int, ...] | None:
+        """The pages mapped from window page ``start``, if a mapping starts there."""
+        return self._pages.get(start)
+
+    def put(self, start: int, pages: tuple[int, ...]) -> None:
+        """``pages`` are now mapped from ``start``: forget what that range overlapped."""
+        starts = self._starts
+        i = bisect_left(starts, start)
+        if i and starts[i - 1] + len(self._pages[starts[i - 1]]) > start:
+            i -= 1  # the mapping before ``start`` reaches into it
+        j = bisect_left(starts, start + len(pages))
+        for w in starts[i:j]:
+            del self._pages[w]
+        starts[i:j] = [start]
+        self._pages[start] = pages

@@ -22,7 +22,7 @@ from typing import Self
 import grpc
 
 from memory_broker.clients import arena_fds
-from memory_broker.clients.mappings import MappingBudget
+from memory_broker.clients.mappings import MappedWindows, MappingBudget
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping import ArenaGeometry
@@ -68,7 +68,7 @@ class BrokerSession:
         self._channel = grpc.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS)
         self._stub = broker_pb2_grpc.MemoryBrokerStub(self._channel)
         self._map_lock = threading.Lock()
-        self._mapped_windows: dict[int, tuple[int, ...]] = {}
+        self._mapped_windows = MappedWindows()
         # The process's mapping limit (vm.max_map_count), checked before asking for
         # contiguous objects; tests may replace it with a smaller one.
         self.mappings = MappingBudget()
@@ -173,7 +173,7 @@ class BrokerSession:
             self._metadata = session_metadata(self.token, key)
             self._requests = requests
             self._stream = stream
-            self._mapped_windows = {}
+            self._mapped_windows = MappedWindows()
             self._page_access = True
         self._session_opened()
         if old_view is not None:

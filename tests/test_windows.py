@@ -1,5 +1,5 @@
 """A contiguous object's window never shows another object's pages: the client remembers which
-window mappings are in place (``BrokerClient._mapped_windows``) and forgets every one a new
+window mappings are in place (``clients/mappings.py``' ``MappedWindows``) and forgets every one a new
 mapping overlaps. Two sessions churn contiguous and paged objects; every object is written
 through its own tensor (the window for a contiguous one) with a pattern of its own, and every
 live object's pages are read back through the physical view after each step."""
@@ -12,6 +12,7 @@ import pytest
 from rigs import churn_once, fill, wrong
 
 from memory_broker.clients import BrokerClient, Spec
+from memory_broker.clients.mappings import MappedWindows
 
 OPS = 800
 
@@ -89,3 +90,17 @@ def test_an_object_placed_where_a_freed_one_was_on_the_same_pages_maps_no_window
         assert all(int(p.view(-1)[0]) == 7 for p in b.page_tensors())
     finally:
         v.close()
+
+
+def test_mapped_windows_forget_exactly_what_a_new_mapping_overlaps():
+    """``MappedWindows`` (bisect over sorted starts) against the plain rule it keeps: after
+    each mapping, a remembered one survives if and only if the new one does not overlap it."""
+    rng = random.Random(7)
+    memo, model = MappedWindows(), {}
+    for _ in range(5000):
+        start, n = rng.randrange(64), rng.randrange(1, 9)
+        pages = tuple(rng.randrange(1000) for _ in range(n))
+        model = {w: p for w, p in model.items() if not (w < start + n and start < w + len(p))}
+        model[start] = pages
+        memo.put(start, pages)
+        assert {w: memo.get(w) for w in range(80) if memo.get(w) is not None} == model
