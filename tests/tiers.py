@@ -152,6 +152,7 @@ def _refs(node: ast.AST) -> tuple[set[str], set[str]]:
     return names, strings
 
 
+CONFTEST = os.path.join(os.path.dirname(__file__), "conftest.py")
 # Fixtures every test gets, which say nothing of what a test uses.
 NEUTRAL_FIXTURES = {"tier_watch", "native_core"}
 
@@ -172,18 +173,22 @@ def _node_refs(obj) -> tuple[set[str], set[str]]:
 
 def uses_of(item: pytest.Function) -> tuple[Uses, str]:
     """What ``item`` reaches, and its module's text."""
-    module_path = str(item.path)
-    conftest_path = os.path.join(os.path.dirname(__file__), "conftest.py")
-    indexes = [_index(module_path), _index(conftest_path)]
-    uses = Uses()
+    indexes = [_index(str(item.path)), _index(CONFTEST)]
     todo: list[tuple[set[str], set[str]]] = [_node_refs(item.obj)]
     if item.cls is not None:
         todo.append(_node_refs(item.cls))
-    uses.names |= set(item.fixturenames) - NEUTRAL_FIXTURES
     for name, defs in item._fixtureinfo.name2fixturedefs.items():
         if defs and name not in NEUTRAL_FIXTURES:
             todo.append(_node_refs(defs[-1].func))
-    seen: set[tuple[str, str]] = set()
+    uses = _reach(todo, indexes)
+    uses.names |= set(item.fixturenames) - NEUTRAL_FIXTURES
+    return uses, indexes[0].text
+
+
+def _reach(todo: list[tuple[set[str], set[str]]], indexes: list[_Index]) -> Uses:
+    """Everything ``todo``'s names and strings reach through ``indexes``' definitions."""
+    uses = Uses()
+    seen: set[tuple[int, str]] = set()
     while todo:
         names, strings = todo.pop()
         uses.names |= names
@@ -191,7 +196,7 @@ def uses_of(item: pytest.Function) -> tuple[Uses, str]:
         for n in names:
             for ix in indexes:
                 _follow(ix, n, todo, seen)
-    return uses, indexes[0].text
+    return uses
 
 
 def _follow(ix: _Index, name: str, todo: list, seen: set, depth: int = 0) -> None:
@@ -253,19 +258,9 @@ def pytest_itemcollected(item):
 def engine_module(path: str) -> bool:
     """Whether any test of the module at ``path`` reaches the engine tier's names."""
     ix = _index(path)
-    conftest = _index(os.path.join(os.path.dirname(__file__), "conftest.py"))
-    for name in ix.defs:
-        if name.startswith("test"):
-            todo, seen, names = [ix.defs[name]], set(), set()
-            while todo:
-                more, _ = todo.pop()
-                names |= more
-                for n in more:
-                    for other in (ix, conftest):
-                        _follow(other, n, todo, seen)
-            if names & ENGINE_NAMES:
-                return True
-    return False
+    indexes = [ix, _index(CONFTEST)]
+    tests = (refs for name, refs in ix.defs.items() if name.startswith("test"))
+    return any(_reach([refs], indexes).names & ENGINE_NAMES for refs in tests)
 
 
 def pytest_xdist_make_scheduler(config, log):

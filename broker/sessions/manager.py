@@ -392,8 +392,7 @@ class SessionManager:
             return []
         gone = [s for s in self.by_id.values() if s.caller is not None and s.caller.uid not in allowed]
         for s in gone:
-            uid = s.caller.uid if s.caller is not None else None
-            self.close(s.session_id, f"uid {uid} was removed from security.allowed_uids by a reload")
+            self.close(s.session_id, f"uid {s.caller.uid} was removed from security.allowed_uids by a reload")
         return [s.session_id for s in gone]
 
     def close_all(self, reason: str) -> None:
