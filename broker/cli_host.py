@@ -164,9 +164,10 @@ def untrusted_directory(path: str) -> str:
         link, st = os.lstat(path), os.stat(path)
     except OSError as e:
         return f"cannot be checked ({e.strerror})"
-    for what, info in (("a link owned", link), ("owned", st)):
-        if (info is st or stat.S_ISLNK(info.st_mode)) and info.st_uid not in owners:
-            return f"is {what} by uid {info.st_uid}, not by {named}"
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in owners:
+        return f"is a link owned by uid {link.st_uid}, not by {named}"
+    if st.st_uid not in owners:
+        return f"is owned by uid {st.st_uid}, not by {named}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         who = "everyone" if st.st_mode & stat.S_IWOTH else f"group {st.st_gid}"
         return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
