@@ -1,9 +1,9 @@
 """Growing the arena off the event loop: the store sees new pages only once they are mapped.
 
-The store is synchronous and runs on the broker's loop (under the core gate), but an arena's
-grow is seconds of driver work at scale: on the CUDA arena, per 2 MiB page, ``cuMemCreate``
-7-22 us, ``cuMemMap`` ~2 us and a first ``cuMemSetAccess`` 32-39 us (measured on an H200;
-1.3-2 ms per 64 MiB slab, 25-30 ms per GiB). ``Growth`` is the shared pool's grow callback.
+The store is synchronous and runs on the broker's loop (under the core gate), but on the CUDA
+arena a grow creates, maps and first grants access to every new page, milliseconds per slab
+(the costs per page: FIELD-NOTES "CUDA VMM on a real GPU"), which on the
+loop would stall every session. ``Growth`` is the shared pool's grow callback.
 Inside ``Growth.run`` a store call that needs more slabs stops with ``GrowthDeferred`` at the
 point where it would have grown (before anything it does not undo, as RESOURCE_EXHAUSTED
 would); ``run`` has the arena grow on a thread of its own (its pages created, mapped and
