@@ -211,23 +211,6 @@ def _list_options(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------- serve
 
 
-def _run_loop(main, step_thread: bool, log) -> None:
-    """``asyncio.run(main)``; with ``step_thread``, on a loop with a core gate (its callbacks
-    hold it), so the step channel serves its frames from a thread of its own under it (where
-    this Python has what the step thread needs; else from the loop, said once in the log)."""
-    from memory_broker.broker.doors.core_gate import GatedLoop, unsupported
-
-    why = unsupported() if step_thread else ""
-    if why:
-        log.warning("step_thread_off", reason=why, detail="the step channel is served from the event loop")
-    if not step_thread or why:
-        asyncio.run(main)
-        return
-
-    with asyncio.Runner(loop_factory=GatedLoop) as runner:
-        runner.run(main)
-
-
 def _needs_daemon(e: ImportError) -> CliError:
     return CliError(f"serve needs the daemon's dependencies ({e}); install them: pip install 'memory-broker[daemon]'")
 
@@ -259,7 +242,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for note in deprecation_notes():
         log.warning("deprecated_setting", detail=note)
     try:
-        _run_loop(serve(opts, log, overrides), opts.step_thread, log)
+        asyncio.run(serve(opts, log, overrides))
     except SocketPathLocked as e:
         log.error("socket_locked", error=str(e))
         raise CliError(str(e)) from None

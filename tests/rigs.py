@@ -30,10 +30,9 @@ def write_adapter(path: str, seed: int) -> str:
     return path
 
 
-def inprocess_broker(d: str, sock: str, loop_factory=None) -> dict:
+def inprocess_broker(d: str, sock: str) -> dict:
     """A broker (host arena, 512 KiB pages) served by a thread of this process, so the
-    step channel's frame handler can be called directly: {"server", "loop", "thread"};
-    ``loop_factory`` makes its loop (``asyncio.Runner``'s; None: a plain loop)."""
+    step channel's frame handler can be called directly: {"server", "loop", "thread"}."""
     import asyncio
     import threading
 
@@ -58,7 +57,7 @@ def inprocess_broker(d: str, sock: str, loop_factory=None) -> dict:
         await server.wait()
 
     def run() -> None:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        with asyncio.Runner() as runner:
             runner.run(serve())
 
     box["thread"] = t = threading.Thread(target=run, name="inprocess-broker", daemon=True)

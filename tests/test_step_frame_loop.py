@@ -242,3 +242,47 @@ def test_frames_arriving_together_are_each_answered_as_alone_and_in_one_send(rig
     assert server.counters.frames == frames0 + 5 * len(frames)
     assert reply(alone[3]).failed_index == 0 and reply(alone[4]).error.code.name == "INVALID_ARGUMENT"
     s.close()
+
+
+def test_step_frames_are_callbacks_of_the_event_loop_in_turn_with_grpc(rig, monkeypatch):
+    """Issue 48 item 4: a step frame is served by the loop's own thread (one more callback in
+    its queue, in turn with gRPC's calls), not by a thread that takes the core from it (a thread
+    of its own starved a bystander's gRPC: ops/bench/bench_loop_fairness.py)."""
+    import threading
+
+    box, _, _ = rig
+    seen: list[int] = []
+    readable = step_channel.StepChannelServer._readable
+
+    def spy(self, conn):
+        seen.append(threading.get_ident())
+        return readable(self, conn)
+
+    monkeypatch.setattr(step_channel.StepChannelServer, "_readable", spy)
+    with BrokerClient.connect(box["server"].opts.socket, client_name="spy") as s:  # a new connection: the spy serves it
+        for _ in range(5):
+            assert [o.key for o in s.lookup([b"fl-k"], pin=False)] == [b"fl-k"]
+        s.stats()
+    loop_thread = on_loop(box, lambda: asyncio.sleep(0, threading.get_ident()))
+    assert len(seen) >= 5 and set(seen) == {loop_thread}, (set(seen), loop_thread)
+
+
+def test_serve_runs_the_broker_on_asyncios_own_loop_and_still_accepts_no_step_thread(monkeypatch, tmp_path):
+    """``memory-broker serve`` serves on a plain asyncio loop (no lock around the core that a
+    thread could hold against the loop); ``--no-step-thread``, which chose that before, still
+    starts, so command lines and files naming it keep working."""
+    from memory_broker.broker import cli
+    from memory_broker.broker.server import app
+
+    loops = []
+
+    async def fake_serve(opts, log, overrides):
+        loops.append(type(asyncio.get_running_loop()))
+
+    monkeypatch.setattr(app, "serve", fake_serve)
+    base = ["serve", "--socket", str(tmp_path / "b.sock"), "--arena", "host", "--pool-size", "64MiB"]
+    base += ["--state-dir", str(tmp_path / "state"), "--log-level", "warning"]
+    assert cli.main(base) == 0
+    assert cli.main([*base, "--no-step-thread"]) == 0
+    plain = type(asyncio.new_event_loop())
+    assert loops == [plain, plain]

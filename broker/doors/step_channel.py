@@ -1,8 +1,7 @@
 """The step channel, server side: an engine's per-step changes in one compact round trip.
 
 This module owns a Unix socket served straight from the event loop that owns the core
-(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.proto.wire.step``; on a loop
-with a core gate, its connections by a thread of their own under the gate: ``step_thread.py``): each STEP
+(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.proto.wire.step``): each STEP
 frame's ops (release adapters, unpin, pin, commit/abort adapter acquires, acquire hot
 adapters, look up keys) run in order on the same ``ObjectStore`` and ``AdapterManager`` the
 gRPC service uses, as the session that presented its token, so gRPC sees every change and a
@@ -25,10 +24,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from memory_broker.broker.adapters import hotcore
-from memory_broker.broker.doors.core_gate import gate_of
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
 from memory_broker.broker.doors.policy import POLICY
-from memory_broker.broker.doors.step_thread import StepThread
 from memory_broker.broker.sessions.manager import NO_FIELDS
 from memory_broker.broker.store.records import store_core
 from memory_broker.proto.wire import step as w
@@ -216,8 +213,7 @@ class StepChannelServer:
         """
         Args:
             path: the socket path; it must not exist (the caller clears stale ones under its lock).
-            loop: the event loop that owns the core; every callback runs on it (or, where it
-                has a core gate, the connections' on the step thread, holding the gate).
+            loop: the event loop that owns the core; every callback runs on it.
             store, sessions, adapters: the core (``adapters`` may be None: acquire answers
                 "not hot" and gRPC says why).
             allowed_uids: uids that may connect; None allows any.
@@ -249,10 +245,6 @@ class StepChannelServer:
         # in C; None where it is not built (``encode_allocations`` then).
         self._store_core = store_core()
         self._core = hotcore.load()
-        # Who serves the connections' sockets: the loop (``add_reader``), or where the loop has
-        # a core gate, a thread of their own under it (``StepThread``, from ``start``).
-        self._io = loop
-        self._thread: StepThread | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -261,12 +253,6 @@ class StepChannelServer:
         if self._sock is not None:
             raise RuntimeError(f"step channel {self.path} already started")
         self._sock = sock = listen_unix(self.path)
-        gate = gate_of(self._loop)
-        if gate is not None:
-            self._io = self._thread = StepThread(
-                self._loop, gate, name=f"step-channel {self.path}", lazy=(_record_all,)
-            )
-            self._thread.start()
         self._loop.add_reader(sock.fileno(), self._accept)
 
     def close(self) -> None:
@@ -277,13 +263,8 @@ class StepChannelServer:
             self._sock = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        if self._thread is not None:
-            self._thread.stop()
         for c in list(self._conns.values()):
             self._drop(c)
-        if self._thread is not None:
-            self._thread.close()
-            self._io, self._thread = self._loop, None
         k = self.counters
         self._log(
             "step_channel_closed",
@@ -331,7 +312,7 @@ class StepChannelServer:
             self._conns[sock.fileno()] = c
             self._waiting.start(c, self._loop, self._hello_late)
             self.counters.connections += 1
-            self._io.add_reader(sock.fileno(), self._readable, c)
+            self._loop.add_reader(sock.fileno(), self._readable, c)
 
     def _hello_late(self, c: _Conn) -> None:
         if c.session is None and self._conns.get(c.sock.fileno()) is c:
@@ -345,9 +326,9 @@ class StepChannelServer:
         self._waiting.stop(c)
         if c.session is not None:
             self._held.stop(c.peer.uid, c.session.session_id)
-        self._io.remove_reader(fd)
+        self._loop.remove_reader(fd)
         if c.outbuf:
-            self._io.remove_writer(fd)
+            self._loop.remove_writer(fd)
         c.sock.close()
 
     def _readable(self, c: _Conn) -> None:
@@ -405,8 +386,8 @@ class StepChannelServer:
             # A client that does not read its replies: stop reading its requests until it does.
             c.outbuf += data[sent:]
             fd = c.sock.fileno()
-            self._io.remove_reader(fd)
-            self._io.add_writer(fd, self._writable, c)
+            self._loop.remove_reader(fd)
+            self._loop.add_writer(fd, self._writable, c)
         elif c.closing:
             self._drop(c)
 
@@ -421,11 +402,11 @@ class StepChannelServer:
         del c.outbuf[:sent]
         if not c.outbuf:
             fd = c.sock.fileno()
-            self._io.remove_writer(fd)
+            self._loop.remove_writer(fd)
             if c.closing:
                 self._drop(c)
             else:
-                self._io.add_reader(fd, self._readable, c)
+                self._loop.add_reader(fd, self._readable, c)
 
     # ------------------------------------------------------------ frames
 

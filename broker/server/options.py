@@ -492,8 +492,8 @@ class ServeOptions(_Explained):
         kind="bool",
         yaml="listeners.step_thread",
         flag="--no-step-thread",
-        help="serve the step channel's frames from the event loop (add_reader), not from a thread of its own "
-        "under the loop's core gate",
+        help="no effect, kept so that command lines and files naming it still start: the step channel is "
+        "served from the event loop (its thread of its own was removed: it starved the loop's other callers)",
     )
     status_interval_s: float = setting(
         1.0,

@@ -1,6 +1,6 @@
 """Growing the arena off the event loop: the store sees new pages only once they are mapped.
 
-The store is synchronous and runs on the broker's loop (under the core gate), but on the CUDA
+The store is synchronous and runs on the broker's event loop, but on the CUDA
 arena a grow creates, maps and first grants access to every new page, milliseconds per slab
 (the costs per page: FIELD-NOTES "CUDA VMM on a real GPU"), which on the
 loop would stall every session. ``Growth`` is the shared pool's grow callback.

@@ -44,8 +44,7 @@ adapters, the rest KV keys; issue 28's target: a CPU slope between 64 and 512 it
 pure-Python fallback (``--codec python``: the fallback alone); the broker runs in this process,
 so the switch is both sides'. The other rows follow ``MEMORY_BROKER_NATIVE`` (``0``: the
 fallback, in the broker it starts too): run them once each way for an A/B.
-``BENCH_STEP_BROKER_FLAGS`` adds flags to the broker's command line (``--no-step-thread``:
-the step channel served from the loop, for an A/B of the step thread).
+``BENCH_STEP_BROKER_FLAGS`` adds flags to the broker's command line.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 #
 # Tests that need no GPU are not run here: tests/test_arena_cuda.py (the fake driver; it has no
 # GPU-only part), tests/test_kernels_compile.py (sm_90 compiles without a GPU),
-# tests/test_step_thread.py, bench_step.py's CPU rows. They run in the CPU suite.
+# bench_step.py's CPU rows. They run in the CPU suite.
 #
 # RESULTS_FILE defaults to ops/bench/results/<date>-gpu-<device>.md, ready to commit: a
 # `Recorded:` line, the install, software and preflight, then each stage's output and verdict
