@@ -3,15 +3,18 @@
 
     python ops/bench/bench_loop_fairness.py [--clients 8] [--seconds 8] [--rounds 2] [--baseline-tree DIR]
 
-For each broker (this tree's, ``current``; with ``--baseline-tree``, also one run from another
-checkout of the project, ``baseline``, e.g. ``git worktree add /tmp/base e384307``: the last
-commit with the step channel's own thread; its native modules are copied from this tree), in
-rounds that alternate between them, a fresh broker on the host arena; a bystander session calls ``stats()`` over gRPC
-every 5 ms, first with nothing else running (``idle``), then while ``--clients`` processes send
-step frames (a 16-key lookup each, no pin, one frame in flight per process) as fast as the
-broker answers (``load``), then idle again (``idle2``: the A/A control). Prints the bystander's
-p50/p99/max per phase, the load's frames per second, and the ratio of the load's p99 to the
-first idle phase's, beside the same ratio for the second idle phase.
+For each broker tree (this one, ``current``; with ``--baseline-tree``, also another checkout of
+the project, ``baseline``, e.g. ``git worktree add /tmp/base e384307``: the last commit with the
+step channel's own thread; native modules it lacks are copied from this tree), in rounds that
+alternate between them: two fresh brokers of that tree on the host arena. A bystander session of
+the first calls ``stats()`` over gRPC every 5 ms: with nothing else running (``idle``); while
+``--clients`` processes send step frames to its broker (a 16-key lookup each, no pin, one frame
+in flight per process) as fast as it answers (``load``); while the same load goes to the second
+broker instead (``elsewhere``: what the machine's load alone does to the bystander, its broker
+idle); then idle again (``idle2``: the A/A control). Prints the bystander's p50/p99/max per phase,
+the load's frames per second and its broker's CPU (100% is one core: the event loop saturated),
+and the pooled p99 ratios: load / idle, load / elsewhere (what serving the load costs the
+bystander beyond the machine's own contention) and idle2 / idle.
 """
 
 from __future__ import annotations
@@ -88,41 +91,48 @@ def baseline_path(tree: str, d: str) -> str:
 
 
 def one_mode(d: str, name: str, pythonpath: str, a) -> dict:
-    sock = os.path.join(d, name + ".sock")
     old = os.environ.get("PYTHONPATH")
     if pythonpath:
         os.environ["PYTHONPATH"] = pythonpath
     try:
-        p = start_broker(sock, os.path.join(d, name + "-state"), page_size="512KiB", pool="1GiB")
+        socks = [os.path.join(d, f"{name}-{i}.sock") for i in range(2)]
+        brokers = [
+            start_broker(s, os.path.join(d, f"{name}-{i}-state"), page_size="512KiB", pool="1GiB")
+            for i, s in enumerate(socks)
+        ]
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
     try:
-        setup = BrokerClient.connect(sock, client_name="setup")
-        setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in KEYS])
-        by = BrokerClient.connect(sock, client_name="bystander", fast_path=False)
+        setups = [BrokerClient.connect(s, client_name="setup") for s in socks]
+        for setup in setups:
+            setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in KEYS])
+        by = BrokerClient.connect(socks[0], client_name="bystander", fast_path=False)
         bystand(by, 1.0)  # warm
         res = {"idle": bystand(by, a.seconds)}
-        outs = [os.path.join(d, f"{name}-load-{i}") for i in range(a.clients)]
-        procs = [
-            subprocess.Popen([sys.executable, __file__, "--load-child", sock, str(a.seconds + 1.5), o]) for o in outs
-        ]
-        time.sleep(1.0)  # the load's processes start and connect
-        c0, t0 = cpu_s(p.pid), time.monotonic()
-        res["load"] = bystand(by, a.seconds)
-        res["broker_cpu"] = (cpu_s(p.pid) - c0) / (time.monotonic() - t0)
-        for q in procs:
-            q.wait(timeout=60)
-        res["frames_s"] = sum(int(open(o).read()) for o in outs) / (a.seconds + 1.5)
+        for phase, target in (("load", 0), ("elsewhere", 1)):
+            outs = [os.path.join(d, f"{name}-{phase}-{i}") for i in range(a.clients)]
+            cmd = [sys.executable, __file__, "--load-child", socks[target], str(a.seconds + 1.5)]
+            procs = [subprocess.Popen([*cmd, o]) for o in outs]
+            time.sleep(1.0)  # the load's processes start and connect
+            pid = brokers[target].pid
+            c0, t0 = cpu_s(pid), time.monotonic()
+            res[phase] = bystand(by, a.seconds)
+            res[phase + "_cpu"] = (cpu_s(pid) - c0) / (time.monotonic() - t0)
+            for q in procs:
+                q.wait(timeout=60)
+            res[phase + "_frames_s"] = sum(int(open(o).read()) for o in outs) / (a.seconds + 1.5)
         res["idle2"] = bystand(by, a.seconds)
         by.close()
-        setup.close()
+        for setup in setups:
+            setup.close()
         return res
     finally:
-        p.terminate()
-        p.wait(timeout=30)
+        for p in brokers:
+            p.terminate()
+            p.wait(timeout=30)
 
 
 def main() -> None:
@@ -137,9 +147,12 @@ def main() -> None:
         load_main(a.load_child[0], float(a.load_child[1]), a.load_child[2])
         return
     print(f"# {a.clients} load processes, {a.seconds:g} s a phase, {a.rounds} rounds, {os.cpu_count()} CPUs")
-    print("| mode | round | phase | calls | p50 ms | p99 ms | max ms | load frames/s | broker CPU | p99 / idle p99 |")
+    print(
+        "| mode | round | phase | calls | p50 ms | p99 ms | max ms | load frames/s | its broker's CPU | p99 / idle p99 |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     pooled: dict[str, dict[str, list[float]]] = {}
+    phases = ("idle", "load", "elsewhere", "idle2")
     with tempfile.TemporaryDirectory(prefix="mb-fair-") as d:
         modes = {"current": ""}
         if a.baseline_tree:
@@ -148,19 +161,21 @@ def main() -> None:
             for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
                 res = one_mode(d, f"{m}-{r}", modes[m], a)
                 base = pct(res["idle"], 0.99)
-                for ph in ("idle", "load", "idle2"):
+                for ph in phases:
                     xs = res[ph]
                     pooled.setdefault(m, {}).setdefault(ph, []).extend(xs)
-                    fr = f"{res['frames_s']:,.0f} | {res['broker_cpu']:.0%}" if ph == "load" else " | "
+                    fr = f"{res[ph + '_frames_s']:,.0f} | {res[ph + '_cpu']:.0%}" if ph + "_cpu" in res else " | "
                     print(
                         f"| {m} | {r} | {ph} | {len(xs)} | {statistics.median(xs):.2f} | {pct(xs, 0.99):.2f} "
                         f"| {max(xs):.2f} | {fr} | {pct(xs, 0.99) / base:.2f} |"
                     )
-    print("\n| mode | pooled idle p99 | pooled load p99 | load / idle | idle2 / idle (A/A) |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "\n| mode | pooled p99 ms: idle | load | elsewhere | idle2 | load / idle | load / elsewhere | idle2 / idle (A/A) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for m, ph in pooled.items():
-        i, lo, i2 = (pct(ph[k], 0.99) for k in ("idle", "load", "idle2"))
-        print(f"| {m} | {i:.2f} | {lo:.2f} | {lo / i:.2f} | {i2 / i:.2f} |")
+        i, lo, el, i2 = (pct(ph[k], 0.99) for k in phases)
+        print(f"| {m} | {i:.2f} | {lo:.2f} | {el:.2f} | {i2:.2f} | {lo / i:.2f} | {lo / el:.2f} | {i2 / i:.2f} |")
 
 
 if __name__ == "__main__":
