@@ -419,7 +419,9 @@ class BrokerClient(StepSession):
                 self.unpin(got)
 
     def lookup(self, keys: Sequence[bytes], pin: bool = True) -> list[BrokerObject]:
-        """The longest prefix of ``keys`` present (pinned for this session unless pin=False)."""
+        """The longest prefix of ``keys`` present (pinned for this session unless pin=False).
+        A key listed twice is refused (INVALID_ARGUMENT: docs/python-client.md, "Replies are
+        bounded like requests")."""
         return self._step_calls().lookup(keys, pin)
 
     def lookup_many(
@@ -428,7 +430,9 @@ class BrokerClient(StepSession):
         """Unpin ``unpin``, then look up each list of keys (its longest present prefix, pinned
         for this session if ``pin``), all in one round trip on the step channel (an engine's
         step: every waiting request's chain at once; 63 lookups a frame, more take more
-        frames). Over gRPC, one call each. On a refusal nothing stays pinned by it."""
+        frames, as do replies past the broker's reply bound). Over gRPC, one call each. On a
+        refusal nothing stays pinned by it. One list may not name a key twice (INVALID_ARGUMENT);
+        two lists may name the same key (each lookup pins it once)."""
         return self._step_calls().lookup_many([list(k) for k in key_lists], pin, self._ids(unpin))
 
     @contextlib.contextmanager

@@ -37,6 +37,26 @@ def _admitted(ids: list[str], max_adapters: int) -> tuple[list[str], list[str]]:
     return distinct[:n], distinct[n:]
 
 
+def _frame_of_lookups(key_lists: list[list[bytes]], todo: list[int], most: int) -> list[int]:
+    """The lists of ``todo`` (indices into ``key_lists``) that go in one frame of ``lookup_many``,
+    at most ``most`` of them: past the first, no more once the frame's keys take half
+    ``MAX_FRAME_BYTES``, or once its reply, were each key found with one page, would pass the
+    broker's ``MAX_REPLY_RECORDS`` or ``MAX_REPLY_BYTES`` (``ReplyRoom``'s estimate)."""
+    batch: list[int] = []
+    size = records = reply = 0
+    for i in todo[:most]:
+        keys = key_lists[i]
+        n, key_bytes = len(keys), sum(map(len, keys))
+        grown = reply + n * (_w.REPLY_RECORD_BYTES + 5) + key_bytes
+        if batch and (
+            size >= _w.MAX_FRAME_BYTES // 2 or records + n > _w.MAX_REPLY_RECORDS or grown > _w.MAX_REPLY_BYTES
+        ):
+            break
+        batch.append(i)
+        size, records, reply = size + 8 + key_bytes + 2 * n, records + n, grown
+    return batch
+
+
 def _pairs(adapters: list) -> tuple[list, list]:
     """[(adapter id, record)] as (ids, records)."""
     return list(map(_first, adapters)), list(map(_second, adapters))
@@ -177,7 +197,10 @@ class ChannelCalls:
 
     def lookup_many(self, key_lists: list[list[bytes]], pin: bool, unpin_ids: list[int]) -> list[list]:
         """``BrokerClient.lookup_many``: the unpin and every lookup in one frame (more only past
-        ``MAX_OPS`` ops or half ``MAX_FRAME_BYTES``); with the holdings cache, its calls one by one."""
+        ``MAX_OPS`` ops, half ``MAX_FRAME_BYTES``, or a reply the broker would refuse were each
+        key found with one page: ``_frame_of_lookups``); with the holdings cache, its calls one
+        by one. A frame whose reply the broker still finds too large (objects of more pages:
+        RESOURCE_EXHAUSTED at one of its lookups) goes on from that lookup in the next frame."""
         if self.path.caching:  # the cache plans a step's one lookup: no frames of many here
             if unpin_ids:
                 self.unpin(unpin_ids)
@@ -187,11 +210,8 @@ class ChannelCalls:
         ops = [_w.Op(_w.OP_UNPIN, tuple(unpin_ids))] if unpin_ids else []
         pinned: list[int] = []
         while ops or todo:
-            size, batch = 0, []
-            while todo and len(ops) + len(batch) < _w.MAX_OPS and (not batch or size < _w.MAX_FRAME_BYTES // 2):
-                keys = key_lists[todo[0]]
-                size += 8 + sum(len(k) + 2 for k in keys)
-                batch.append(todo.pop(0))
+            batch = _frame_of_lookups(key_lists, todo, _w.MAX_OPS - len(ops))
+            del todo[: len(batch)]
             ops += [_w.Op(_w.OP_LOOKUP, tuple(key_lists[i]), 1 if pin else 0) for i in batch]
             try:
                 reply = self._fast(self.path.send, ops)
@@ -199,13 +219,18 @@ class ChannelCalls:
                 self._unpin_quietly(pinned)  # what earlier frames pinned
                 raise
             base = len(ops) - len(batch)
-            for j, recs in enumerate(reply.results[base:]):
+            answered = reply.results[base:]
+            for j, recs in enumerate(answered):
                 out[batch[j]] = self.records.objects(recs)
                 pinned += [r.object_id for r in recs] if pin else []
-            if reply.error is not None:
-                self._unpin_quietly(pinned)  # nothing the caller sees stays pinned
-                raise reply.error
             ops = []
+            error = reply.error
+            if error is not None:
+                if error.code == Code.RESOURCE_EXHAUSTED and reply.failed_index >= base and (answered or base):
+                    todo[:0] = batch[len(answered) :]  # this frame's reply was full: on in the next
+                    continue
+                self._unpin_quietly(pinned)  # nothing the caller sees stays pinned
+                raise error
         return out
 
     def _unpin_quietly(self, ids: list[int]) -> None:

@@ -102,10 +102,23 @@ class GrpcCalls:
         return self.client._read_objects(resp.objects)
 
     def lookup_many(self, key_lists: list[list[bytes]], pin: bool, unpin_ids: list[int]) -> list[list]:
-        """``BrokerClient.lookup_many``: an Unpin and a Lookup per list (gRPC has no batch of them)."""
+        """``BrokerClient.lookup_many``: an Unpin and a Lookup per list (gRPC has no batch of
+        them); a refused lookup has the earlier ones' pins given back, as on the step channel."""
         if unpin_ids:
             self.unpin(unpin_ids)
-        return [self.lookup(k, pin) if k else [] for k in key_lists]
+        out: list[list] = []
+        try:
+            for k in key_lists:
+                out.append(self.lookup(k, pin) if k else [])
+        except BrokerError:
+            pinned = [o.object_id for g in out for o in g] if pin else []
+            if pinned:
+                try:
+                    self.unpin(pinned)
+                except BrokerError:  # the caller gets the lookup's error
+                    pass
+            raise
+        return out
 
     def pin(self, ids: list[int]) -> list:
         resp = self._rpc("Pin", pb.PinRequest(object_ids=ids))

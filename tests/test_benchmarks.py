@@ -184,6 +184,17 @@ def test_bench_request_flood_small_run_prints_memory_latency_and_answers():
     assert "senders' answers: RESOURCE_EXHAUSTED" in out and "larger than max" in out
 
 
+def test_bench_reply_bounds_small_run_prints_each_part():
+    out = bench(
+        "bench_reply_bounds.py",
+        *("--objects", "40", "--pool-size", "32MiB", "--lookups", "2", "--pins", "20", "--after", "1"),
+    )
+    assert "| 2 x 64 PIN ops x 7,600 copies of one id | 3,891,399 |" in out, out
+    assert "| 2 x 64 LOOKUP ops x 40 distinct 1 KiB keys |" in out, out
+    assert "| step frame | 524,290 | 72 |" in out and "INVALID_ARGUMENT: object_ids[1] repeats" in out, out
+    assert "its answers, read after SIGCONT: INVALID_ARGUMENT: 2, OK: 20" in out, out
+
+
 def test_bench_step_per_item_quick_run_prints_each_side_at_every_size():
     out = bench("bench_step.py", "--per-item", "--quick", "--steps", "80")
     assert "broker CPU us" in out and "client CPU us" in out

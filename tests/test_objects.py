@@ -12,6 +12,7 @@ import pytest
 from store_invariants import check_invariants
 
 from memory_broker.broker.store.eviction import ContentType, PlainLRU
+from memory_broker.broker.store.object_table import ReplyRoom
 from memory_broker.broker.store.objects import (
     ObjectsEvicted,
     ObjectState,
@@ -23,6 +24,7 @@ from memory_broker.broker.store.objects import (
 )
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.proto.wire.errors import BrokerError, Code
+from memory_broker.proto.wire.step import MAX_REPLY_BYTES, MAX_REPLY_RECORDS, REPLY_RECORD_BYTES
 
 # Each test runs on the native cores and on their Python fallback (conftest.native_core).
 pytestmark = pytest.mark.both_cores
@@ -1390,3 +1392,41 @@ def test_a_non_integer_page_count_is_refused():
     h = Harness()
     s = h.store.open_session()
     refused(Code.INVALID_ARGUMENT, h.store.allocate, s, [Spec(1.5)], match="num_pages")
+
+
+def _room(records: int, size: int) -> ReplyRoom:
+    room = ReplyRoom()
+    room.records, room.size = records, size
+    return room
+
+
+def test_a_clients_pin_or_lookup_past_its_reply_room_is_resource_exhausted_and_changes_nothing(h):
+    """``reply`` (a client's request): ids and keys distinct, and the records within the room
+    left of the reply, checked before anything is pinned (the fused lookup gives its pins back)."""
+    s = h.store.open_session()
+    objs = [h.alloc(s, 2, KV, key=b"r%02d" % i) for i in range(8)]
+    keys, ids = [o.key for o in objs], [o.object_id for o in objs]
+    before = snapshot(h.store)
+    exact = 8 * REPLY_RECORD_BYTES + 5 * 16 + 8 * 3  # 8 records, 16 pages, 8 keys of 3 bytes
+    for records, size in ((7, 1 << 20), (8, exact - 1)):
+        for fn, args in (
+            (h.store.pin, (s, ids)),
+            (h.store.lookup, (s, keys, True)),
+            (h.store.lookup, (s, keys, False)),
+        ):
+            room = _room(records, size)
+            e = refused(Code.RESOURCE_EXHAUSTED, fn, *args, room, match="ask for fewer objects per call")
+            assert "8 object records (16 pages" in e.message
+            assert snapshot(h.store) == before and (room.records, room.size) == (records, size)
+    refused(Code.INVALID_ARGUMENT, h.store.pin, s, [ids[0], ids[1], ids[0]], ReplyRoom(), match="object_ids[2] repeats")
+    refused(Code.INVALID_ARGUMENT, h.store.lookup, s, [keys[0]] * 3, True, ReplyRoom(), match="keys[1] repeats")
+    refused(Code.INVALID_ARGUMENT, h.store.lookup, s, [keys[0]] * 3, False, ReplyRoom(), match="keys[1] repeats")
+    assert snapshot(h.store) == before
+    room = _room(8, exact)  # exactly enough: taken from the room
+    assert h.store.lookup(s, keys, True, room) == objs and (room.records, room.size) == (0, 0)
+    room = ReplyRoom()  # one room across calls (a frame's ops): each takes its records
+    h.store.lookup(s, keys[:3], False, room)
+    h.store.pin(s, ids[:2], room)
+    assert MAX_REPLY_RECORDS - room.records == 5
+    assert MAX_REPLY_BYTES - room.size == 5 * REPLY_RECORD_BYTES + 5 * 10 + 5 * 3
+    h.store.pin(s, [ids[0]] * 3)  # the broker's own pins (no reply) may name an id again

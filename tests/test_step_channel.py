@@ -347,7 +347,7 @@ def test_random_steps_keep_the_counts_straight_and_give_everything_back(step_rig
         pending = None
         for _ in range(120):
             ids = rng.sample(["a0", "a1", "a2", "a3"], rng.randint(0, 3))
-            ks = rng.sample(keys, rng.randint(0, 4)) if rng.random() < 0.7 else rng.choices(keys, k=3)
+            ks = rng.sample(keys, rng.randint(0, 4))  # distinct: a key named twice is refused (test_reply_bounds)
             if rng.random() < 0.4:
                 pending = c.step_begin(ids, ks, max_adapters=2, release=prev)
                 cur = pending.result()
@@ -485,9 +485,10 @@ def test_a_reply_larger_than_one_read_arrives_whole(step_rig):
     keys = [b"big-%04d-" % i + b"x" * 100 for i in range(40)]
     setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in keys])
     with BrokerClient.connect(b.socket) as c:
-        # 40 objects x (40 B + a 109 B key) x repeated 12 times: ~70 KiB in one reply.
-        got = c.lookup(keys * 12, pin=False)
-        assert [o.key for o in got] == keys * 12
+        # 40 objects x (40 B + a 109 B key), looked up by 12 ops of one frame: ~70 KiB in one
+        # reply (one op may not name a key twice).
+        kind, r = call(raw_conn(c, c.token), w.encode_step([w.Op(w.OP_LOOKUP, tuple(keys), 0)] * 12))
+        assert kind == w.OK and [[o.key for o in objs] for objs in r.results] == [keys] * 12
 
 
 def test_an_acquire_of_an_adapter_a_begun_step_is_acquiring_leaks_no_pin(step_rig):
@@ -808,11 +809,13 @@ def test_lookup_many_answers_each_list_and_unpins_in_one_frame(step_rig, fast_pa
     with BrokerClient.connect(b.socket, fast_path=fast_path) as c:
         held = c.lookup([b"k0", b"k1"])
         n = frames(c) if fast_path else 0
-        lists = [[b"k0", b"k1", b"nope", b"k2"], [], [b"nope"], [b"k3", b"k4"], [b"k5"] * 2]
+        # k5 in two lists: two lookups, each pinning it once (one list may not name it twice:
+        # test_reply_bounds).
+        lists = [[b"k0", b"k1", b"nope", b"k2"], [], [b"nope"], [b"k3", b"k4"], [b"k5"], [b"k5"]]
         got = c.lookup_many(lists, pin=True, unpin=held)
         if fast_path:
             assert frames(c) == n + 1
-        assert [[o.key for o in g] for g in got] == [[b"k0", b"k1"], [], [], [b"k3", b"k4"], [b"k5", b"k5"]]
+        assert [[o.key for o in g] for g in got] == [[b"k0", b"k1"], [], [], [b"k3", b"k4"], [b"k5"], [b"k5"]]
         pins = {o.key: o.session_pins for o in c.lookup([b"k%d" % i for i in range(6)], pin=False)}
         # k0 and k1: the old pins went, the new ones hold; k5: looked up twice, pinned twice.
         assert pins == {b"k0": 1, b"k1": 1, b"k2": 0, b"k3": 1, b"k4": 1, b"k5": 2}

@@ -184,6 +184,30 @@ def test_reply_records_joined_in_c_are_the_encoders_bytes(picks, owner_pick):
     assert c.encode_rows(w.OP_LOOKUP, sid, chosen, w._wire_parts) == want
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2, 3, 4, 5, 6]), min_size=0, max_size=30))
+def test_a_replys_sums_in_c_are_the_python_ones(picks):
+    """``reply_size``: the pages and key bytes ``ReplyRoom.take`` estimates a reply from, as its
+    Python sums; and a room refuses or takes alike with the core and without."""
+    from memory_broker.broker.store.object_table import ReplyRoom
+
+    c = store_core()
+    store = make_store(True)
+    s = store.open_session()
+    objs = [o for o, _ in store.allocate(s, [Spec(1 + i % 3, key=KEYS[i] * (i + 1)) for i in range(6)])]
+    objs.append(store.allocate(s, [Spec(2)])[0][0])  # no key
+    chosen = [objs[p] for p in picks]
+    want = (sum(o.num_pages for o in chosen), sum(len(o.key or b"") for o in chosen))
+    assert c.reply_size(chosen) == want
+    assert c.reply_size(tuple(chosen)) is None  # not a list: the Python sums
+    rooms = [ReplyRoom(), ReplyRoom()]
+    for room in rooms:
+        room.size = 64 * len(chosen) + 5 * want[0] + want[1]  # exactly enough
+    rooms[0].take(chosen, "lookup", c)
+    rooms[1].take(chosen, "lookup")
+    assert [(r.records, r.size) for r in rooms] == [(ReplyRoom().records - len(chosen), 0)] * 2
+
+
 def test_the_step_channel_answers_with_the_native_rows_where_built():
     from memory_broker.broker.doors.step_channel import StepChannelServer
 
@@ -240,6 +264,7 @@ ODD = st.builds(
                 "owner",
                 "wire_head",
                 "wire_tail",
+                "key",
             ]
         ),
         VALUES,
@@ -269,6 +294,7 @@ ARITY = {
     "pin_remove": 4,
     "lookup_pin": 8,
     "unpin_held": 4,
+    "reply_size": 1,
 }
 
 

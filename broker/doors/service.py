@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 
 import grpc
 
@@ -25,12 +26,14 @@ from memory_broker.broker.arena.base import Arena
 from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
 from memory_broker.broker.doors.policy import CALL, POLICY, Rule
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
+from memory_broker.broker.store.object_table import ReplyRoom
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
 from memory_broker.proto.wire import session as wire_session
 from memory_broker.proto.wire.errors import BrokerError, Code, invalid
 from memory_broker.proto.wire.messages import TIERS, layout_to_proto, spec_from_proto
 from memory_broker.proto.wire.session import SESSION_METADATA, version_mismatch
 from memory_broker.proto.wire.status import STATUS
+from memory_broker.proto.wire.step import MAX_REPLY_BYTES
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 from memory_broker.proto.wire.v1 import broker_pb2_grpc, echo_pb2, echo_pb2_grpc
 
@@ -62,6 +65,7 @@ def _unary(fn):
             session = self._authorize(rule, method, request, context)
             if session is not None:
                 CALL.set((method, session.session_id))
+                self.replies.admit(session.session_id, method)
             result = fn(self, request, context, session)
             if is_async:
                 result = await result
@@ -188,6 +192,75 @@ class RequestGate:
         return handle
 
 
+# The replies of one session that gRPC has not finished sending (its client is not reading
+# them), in bytes: at this many, its next calls are refused until it reads them (issue 48,
+# item 2). Room for two of the largest Pin or Lookup replies (``MAX_REPLY_BYTES`` each).
+REPLY_BACKLOG_BYTES = 2 * MAX_REPLY_BYTES
+# Once a session that had this many bytes of replies unsent has one more sent, the server hands
+# freed memory back (``on_large``).
+LARGE_REPLY = 1 << 20
+# Calls that only give back: served whatever the session's unsent replies (their replies are empty).
+GIVE_BACKS = frozenset({"Unpin", "Free", "Abort", "ReleaseAdapters"})
+# The session of the call being served, set by ``_unary`` (in the call's task) for ``ReplyBacklog``.
+REPLY_TO: ContextVar[int] = ContextVar("memory_broker_reply_to", default=0)
+
+
+class ReplyBacklog:
+    """The bytes of each session's gRPC replies not yet sent, bounded (issue 48, item 2).
+
+    ``handler`` wraps each unary method's handler: its reply is encoded as soon as it returns
+    (an unsent reply then holds its bytes, not the message too) and counts against the call's
+    session until gRPC has sent it or the call ended with its connection (the call's done
+    callback). While a session's unsent replies are at ``max_bytes`` or more, ``admit``
+    refuses its calls (RESOURCE_EXHAUSTED) but those that only give back (``GIVE_BACKS``): a
+    client that stops reading holds at most about ``max_bytes`` plus one reply in the broker,
+    whatever it sends meanwhile (one reply is itself bounded: ``ReplyRoom``, and gRPC's
+    ``max_send_message_length``). ``on_large`` (the server's ``MemoryReturner``) hands the
+    memory back as a large backlog drains. Everything runs on the event loop: no lock."""
+
+    def __init__(self, max_bytes: int = REPLY_BACKLOG_BYTES, on_large: Callable[[], None] | None = None):
+        self.max_bytes = max_bytes
+        self.on_large = on_large
+        self.unsent: dict[int, int] = {}
+        self.refused = 0
+
+    def admit(self, sid: int, method: str) -> None:
+        """Refuse a call of session ``sid`` while its unsent replies are over the bound; else
+        mark the call as the session's (``REPLY_TO``), for ``handler`` to count its reply."""
+        held = self.unsent.get(sid, 0)
+        if held >= self.max_bytes and method not in GIVE_BACKS:
+            self.refused += 1
+            raise BrokerError(
+                Code.RESOURCE_EXHAUSTED,
+                f"session {sid} has {held} bytes of replies the broker could not send yet (its client does not "
+                f"read them); at {self.max_bytes} its calls are refused until it reads them: read, then retry",
+            )
+        REPLY_TO.set(sid)
+
+    def handler(self, behavior, serialize: Callable[[object], bytes]):
+        """``behavior`` answering its reply encoded (register the method with no serializer)."""
+
+        async def handle(request, context) -> bytes:
+            call = behavior(request, context)
+            del request  # a refusal's traceback keeps this frame alive (see ``_unary``): not the request
+            data = serialize(await call)
+            sid = REPLY_TO.get()
+            if sid and data:
+                n = len(data)
+                self.unsent[sid] = self.unsent.get(sid, 0) + n
+                context.add_done_callback(lambda _call: self._sent(sid, n))
+            return data
+
+        return handle
+
+    def _sent(self, sid: int, n: int) -> None:
+        held = self.unsent.pop(sid, 0)
+        if held > n:
+            self.unsent[sid] = held - n
+        if held >= LARGE_REPLY and self.on_large is not None:
+            self.on_large()
+
+
 class Admitted:
     """A request the gate let in, and its size; emptied when its handler returns."""
 
@@ -209,14 +282,17 @@ class _Handlers:
 
 
 def add_to_server(service: MemoryBrokerService, server, gate: RequestGate) -> None:
-    """Register the servicer as the generated code would, its unary requests through ``gate``."""
+    """Register the servicer as the generated code would, its unary requests through ``gate``
+    and their replies counted by the service's ``ReplyBacklog``."""
     got = _Handlers()
     broker_pb2_grpc.add_MemoryBrokerServicer_to_server(service, got)
     handlers = {
         name: h
         if h.request_streaming or h.response_streaming
         else h._replace(
-            unary_unary=gate.handler(h.unary_unary), request_deserializer=gate.deserializer(h.request_deserializer)
+            unary_unary=gate.handler(service.replies.handler(h.unary_unary, h.response_serializer)),
+            request_deserializer=gate.deserializer(h.request_deserializer),
+            response_serializer=None,
         )
         for name, h in got.handlers.items()
     }
@@ -252,6 +328,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         self.inflight = 0
         # KeyDigests (broker/store/digests.py), or None when memory_pool.integrity.kv_digest is off.
         self.digests = None
+        # Each session's replies gRPC has not sent yet, bounded (``add_to_server`` counts them).
+        self.replies = ReplyBacklog()
 
     @property
     def draining(self) -> bool:
@@ -409,6 +487,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     async def Prepare(self, request, context, session):
         sid = session.session_id
+        ReplyRoom.admit(request.pin_object_ids, "pin_object_ids")  # a client's pins: each once, as Pin's
         t = await self._timed_alloc(
             self.store.prepare,
             sid,
@@ -448,7 +527,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def Pin(self, request, context, session):
         sid = session.session_id
-        objs = self.store.pin(sid, list(request.object_ids))
+        objs = self.store.pin(sid, list(request.object_ids), ReplyRoom())
         return pb.PinResponse(objects=[self._info(o, sid) for o in objs])
 
     @_unary
@@ -460,7 +539,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def Lookup(self, request, context, session):
         sid = session.session_id
-        objs = self.store.lookup(sid, list(request.keys), request.pin)
+        objs = self.store.lookup(sid, list(request.keys), request.pin, ReplyRoom())
         return pb.LookupResponse(objects=[self._info(o, sid) for o in objs])
 
     @_unary

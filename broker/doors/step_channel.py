@@ -27,6 +27,7 @@ from memory_broker.broker.adapters import hotcore
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
 from memory_broker.broker.doors.policy import POLICY
 from memory_broker.broker.sessions.manager import NO_FIELDS
+from memory_broker.broker.store.object_table import ReplyRoom
 from memory_broker.broker.store.records import store_core
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code, denied, exhausted, invalid
@@ -52,6 +53,10 @@ _STEP, _PING, _OP_LOOKUP, _Op, _wire_parts = w.STEP, w.PING, w.OP_LOOKUP, w.Op, 
 _acquire_head = functools.lru_cache(maxsize=1024)(w.acquire_head)
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
+# Replies answered at once on one connection before its socket is written: past them, the
+# frames read already wait unanswered until the client has read the replies, and nothing more
+# is read (a connection holds at most about this plus one frame's reply, ``w.MAX_REPLY_BYTES``).
+REPLY_BACKLOG_BYTES = 1 << 20
 
 # The result records of the ops that answer only their kind.
 _UNPIN_DONE, _RELEASE_DONE, _COMMIT_DONE, _ABORT_DONE = (
@@ -245,6 +250,9 @@ class StepChannelServer:
         # in C; None where it is not built (``encode_allocations`` then).
         self._store_core = store_core()
         self._core = hotcore.load()
+        # What is left of the reply of the frame being answered (its object records are
+        # bounded like its request: ``ReplyRoom``, reset per frame).
+        self.room = ReplyRoom()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -362,14 +370,29 @@ class StepChannelServer:
             used = _frames(self, c, data)  # several frames, or part of one: no copy of the whole ones
             if used < len(data) and not c.closing:
                 buf += memoryview(data)[used:]
+                self._buffered(c)  # frames past REPLY_BACKLOG_BYTES of replies, if sent at once
         else:
             buf += data
-            n = w.HEADER.unpack_from(buf)[0] if len(buf) >= 5 else -1
-            limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
-            if n >= 0 and (len(buf) >= 5 + n or n > limit):  # a whole frame, or one to refuse
-                del buf[: _frames(self, c, bytes(buf))]  # one copy, however many frames it holds
+            self._buffered(c)
         if c.closing and not c.outbuf:
             self._drop(c)
+
+    def _buffered(self, c: _Conn) -> None:
+        """Answer the whole frames ``c.inbuf`` holds (one copy of the buffer per
+        ``REPLY_BACKLOG_BYTES`` of replies), for as long as their replies are sent at once:
+        a client that does not read them leaves the rest of its frames unanswered and unread."""
+        buf = c.inbuf
+        while len(buf) >= 5 and not c.outbuf and not c.closing:
+            n = w.HEADER.unpack_from(buf)[0]
+            limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
+            if len(buf) < 5 + n and n <= limit:
+                return  # part of a frame
+            used = _frames(self, c, bytes(buf))
+            if self._conns.get(c.sock.fileno()) is not c:
+                return  # dropped (its socket failed)
+            del buf[:used]
+            if not used:
+                return
 
     def _reply(self, c: _Conn, data: bytes) -> None:
         if c.outbuf:
@@ -403,9 +426,11 @@ class StepChannelServer:
         if not c.outbuf:
             fd = c.sock.fileno()
             self._loop.remove_writer(fd)
-            if c.closing:
+            if not c.closing:
+                self._buffered(c)  # the frames left unanswered while the replies waited
+            if c.closing and not c.outbuf:
                 self._drop(c)
-            else:
+            elif not c.outbuf and self._conns.get(fd) is c:
                 self._loop.add_reader(fd, self._readable, c)
 
     # ------------------------------------------------------------ frames
@@ -481,6 +506,7 @@ class StepChannelServer:
             sessions.check_session(s, "a step")  # raises, saying why
         counters = self.counters
         counters.ops += len(ops)
+        self.room.reset()  # the frame's reply: its records and bytes (the store takes from it)
         if self._record is not None:
             return _step_timed(self, c, s, ops)
         sid = s.session_id
@@ -551,7 +577,7 @@ def _frames(self: StepChannelServer, c: _Conn, data: bytes) -> int:
     their replies in one send; returns the bytes they took. A frame over the size limit
     is refused and ends the connection."""
     view = memoryview(data)
-    pos, end = 0, len(data)
+    pos, end, size = 0, len(data), 0
     replies: list[bytes] = []
     while end - pos >= 5 and not c.closing:
         n, kind = w.HEADER.unpack_from(data, pos)
@@ -564,7 +590,7 @@ def _frames(self: StepChannelServer, c: _Conn, data: bytes) -> int:
             c.closing = True
             break
         stop = pos + 5 + n
-        if stop > end:
+        if stop > end or size >= REPLY_BACKLOG_BYTES:
             break
         if kind == _STEP and session is not None and self._record is None:
             replies.append(self._step_frame(c, view[pos + 5 : stop]))
@@ -573,6 +599,7 @@ def _frames(self: StepChannelServer, c: _Conn, data: bytes) -> int:
             replies.append(w.encode_step_reply(self._num_slabs(), ()))
         else:
             replies.append(self._frame(c, kind, n, view[pos + 5 : stop]))
+        size += len(replies[-1])
         pos = stop
     if replies:
         self._reply(c, replies[0] if len(replies) == 1 else b"".join(replies))
@@ -643,7 +670,7 @@ def _step_timed(self: StepChannelServer, c: _Conn, s, ops: list) -> bytes:
 
 
 def _lookup(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    objs = server.store.lookup(sid, op.items, bool(op.flags))
+    objs = server.store.lookup(sid, op.items, bool(op.flags), server.room)
     core = server._store_core  # ``_objects``, inline
     if core is not None and objs.__class__ is list:
         out = core.encode_rows(_OP_LOOKUP, sid, objs, _wire_parts)
@@ -711,7 +738,7 @@ def _acquire(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
 
 
 def _pin(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    return server._objects(w.OP_PIN, sid, server.store.pin(sid, op.items))
+    return server._objects(w.OP_PIN, sid, server.store.pin(sid, op.items, server.room))
 
 
 def _commit(server: StepChannelServer, sid: int, op: w.Op) -> bytes:

@@ -65,6 +65,16 @@ def step_socket_path(socket_path: str) -> str:
     return socket_path + ".step"
 
 
+# The largest reply gRPC sends: a backstop above every bounded one (a Pin's or Lookup's
+# records stop at MAX_REPLY_BYTES, 8 MiB, before they are encoded; an Allocate's, Prepare's or
+# Commit's are those of objects its own requests made). Larger, the call ends RESOURCE_EXHAUSTED.
+MAX_SEND_BYTES = 64 << 20
+# Streams one connection may have open: each session's Attach stream is one (one process's
+# clients share a connection), so this stays high; what a connection's unread replies hold is
+# bounded per session instead (``ReplyBacklog``, 16 MiB).
+MAX_STREAMS = 1024
+
+
 def server_options(opts: ServeOptions) -> list[tuple[str, int]]:
     """gRPC server settings: message sizes, keepalive, and the idle limit.
 
@@ -74,14 +84,14 @@ def server_options(opts: ServeOptions) -> list[tuple[str, int]]:
     return [
         # Larger requests are refused by gRPC at their header, before it reads them.
         ("grpc.max_receive_message_length", opts.max_request_size),
-        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_send_message_length", MAX_SEND_BYTES),
         ("grpc.max_connection_idle_ms", int(opts.idle_timeout_s * 1000)),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.max_concurrent_streams", 1024),
+        ("grpc.max_concurrent_streams", MAX_STREAMS),
     ]
 
 
@@ -257,6 +267,7 @@ class BrokerServer:
             else None,
         )
         trim = MemoryReturner(loop, lambda: self.gate.large)
+        self.service.replies.on_large = trim.soon  # and once large replies are sent
         self.gate = RequestGate(opts.request_bytes_in_flight, opts.large_requests, trim.soon)
         add_to_server(self.service, self.server, self.gate)
         self.health = HealthServicer()

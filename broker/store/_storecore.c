@@ -24,10 +24,10 @@
 #define Py_READONLY READONLY
 #endif
 
-enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_OWNER, F_HEAD, F_TAIL, NF };
+enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_OWNER, F_HEAD, F_TAIL, F_KEY, NF };
 static const char *const FIELD_NAMES[NF] = {
     "object_id", "pins", "pin_count", "num_pages", "queue_seg", "content_type", "freed", "state",
-    "owner", "wire_head", "wire_tail",
+    "owner", "wire_head", "wire_tail", "key",
 };
 static PyObject *names[NF];          /* interned field names */
 static PyTypeObject *fast_type;      /* the class whose slots are read directly (strong ref) */
@@ -1104,6 +1104,37 @@ unpin_held(PyObject *self, PyObject *args)
     return out;
 }
 
+/* reply_size(objs) -> (pages, key_bytes) | None
+ *
+ * The sums ReplyRoom.take (broker/store/object_table.py) estimates a reply of ``objs`` from:
+ * their num_pages, and the lengths of their keys (None counts 0). None where ``objs`` is not a
+ * list or a key is neither bytes nor None: the caller's Python sums then say what is wrong.
+ */
+static PyObject *
+reply_size(PyObject *self, PyObject *objs)
+{
+    if (!PyList_CheckExact(objs))
+        Py_RETURN_NONE;
+    Py_ssize_t pages = 0, keys = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *o = PyList_GET_ITEM(objs, i);
+        Py_ssize_t n = get_int(o, F_NPAGES);
+        if (n == -1 && PyErr_Occurred())
+            return NULL;
+        PyObject *k = get(o, F_KEY);
+        if (k == NULL)
+            return NULL;
+        int ok = k == Py_None || PyBytes_CheckExact(k);
+        if (ok && k != Py_None)
+            keys += PyBytes_GET_SIZE(k);
+        Py_DECREF(k);
+        if (!ok)
+            Py_RETURN_NONE;
+        pages += n;
+    }
+    return Py_BuildValue("(nn)", pages, keys);
+}
+
 /* ------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
@@ -1120,6 +1151,7 @@ static PyMethodDef methods[] = {
     {"lookup_pin", lookup_pin, METH_VARARGS, "find_keys, pin_all and remove_all in one call"},
     {"unpin_held", unpin_held, METH_VARARGS, "held_once and unpin_once in one call"},
     {"encode_rows", encode_rows, METH_VARARGS, "a step reply's object records, in one allocation"},
+    {"reply_size", reply_size, METH_O, "the pages and key bytes of objects, for a reply's estimate"},
     {NULL, NULL, 0, NULL},
 };
 

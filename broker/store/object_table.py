@@ -10,13 +10,16 @@ Before the store changes anything, the ``check_*`` functions below validate one 
 batch: its length, duplicate ids, key sizes, and each ``Spec`` (pages, content type, key).
 They are pure functions of the request and the limits: they raise ``BrokerError``
 (INVALID_ARGUMENT or RESOURCE_EXHAUSTED) with the numbers that explain the refusal, and never
-read or change the store's objects, sessions or pages.
+read or change the store's objects, sessions or pages. A ``ReplyRoom`` bounds the reply of a
+client's pins and lookups (no id or key twice; records and bytes per frame or call): the
+table's ``pinnable_all`` and ``find`` admit and take from the one they are given.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from operator import attrgetter
 
 from memory_broker.broker.store.eviction import ContentType, EvictionPolicy
 from memory_broker.broker.store.pool import PagePool, WindowSpace
@@ -33,6 +36,9 @@ from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Tally
 from memory_broker.proto.wire.errors import exhausted, invalid, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
+from memory_broker.proto.wire.step import MAX_REPLY_BYTES, MAX_REPLY_RECORDS, REPLY_RECORD_BYTES
+
+_NUM_PAGES, _KEY = attrgetter("num_pages"), attrgetter("key")
 
 
 class ObjectTable:
@@ -172,18 +178,33 @@ class ObjectTable:
             )
         return obj
 
-    def pinnable_all(self, session: int, object_ids: Sequence[int]) -> list[Allocation]:
-        """``pinnable`` of each id, in order: with one pool, the usual case's checks in one C loop."""
+    def pinnable_all(self, session: int, object_ids: Sequence[int], reply: ReplyRoom | None = None) -> list[Allocation]:
+        """``pinnable`` of each id, in order: with one pool, the usual case's checks in one C loop.
+        ``reply``: a client's (``ReplyRoom``): the ids distinct, their records taken from it."""
+        if reply is not None:
+            reply.admit(object_ids, "object_ids")
+        objs = None
         if self.core is not None and len(self.pools) == 1:
             objs = self.core.pinnable_all(self.objects.shards, object_ids, ObjectState.COMMITTED)
-            if objs is not None:
-                return objs
-        pinnable = self.pinnable  # each id checked, saying what is wrong
-        return [pinnable(session, oid) for oid in object_ids]
+        if objs is None:
+            pinnable = self.pinnable  # each id checked, saying what is wrong
+            objs = [pinnable(session, oid) for oid in object_ids]
+        if reply is not None:
+            reply.take(objs, "pin", self.core)
+        return objs
 
-    def find(self, pool: int, keys: Sequence[bytes], most: int) -> list[Allocation]:
+    def find(self, pool: int, keys: Sequence[bytes], most: int, reply: ReplyRoom | None = None) -> list[Allocation]:
         """The objects of the longest prefix of ``keys`` in ``pool``'s key index, each key
-        checked first (1..``most`` bytes: INVALID_ARGUMENT naming the first that is not)."""
+        checked first (1..``most`` bytes: INVALID_ARGUMENT naming the first that is not).
+        ``reply``: a client's (``ReplyRoom``): the keys distinct, the records taken from it."""
+        if reply is not None:
+            reply.admit(keys, "keys")
+        found = self._find(pool, keys, most)
+        if reply is not None:
+            reply.take(found, "lookup", self.core)
+        return found
+
+    def _find(self, pool: int, keys: Sequence[bytes], most: int) -> list[Allocation]:
         if self.core is not None:
             found = self.core.find_keys(self.keys.shards, keys, most, pool)
             if found is not None:  # else a key it leaves to the checks below
@@ -295,6 +316,61 @@ def check_unique(ids: Iterable[int], what: str) -> None:
         if i in seen:
             raise invalid(f"{what} lists {i} twice")
         seen.add(i)
+
+
+class ReplyRoom:
+    """What is left of one reply: the object records a step frame, or one gRPC Pin or Lookup,
+    may still answer, by count and by the broker's estimate of their bytes
+    (``REPLY_RECORD_BYTES`` a record, its key, 5 bytes a page: above what either encoding
+    takes), from ``MAX_REPLY_RECORDS`` and ``MAX_REPLY_BYTES`` (``proto/wire/step.py``).
+
+    A client's pin or lookup is ``admit``ted before anything is found or pinned (an id or key
+    named twice is refused: each copy would answer the object's whole record again) and
+    ``take``s its records before any is encoded (past the room: RESOURCE_EXHAUSTED). The
+    broker's own pins pass no room (an adapter's waiters may pin one object once each)."""
+
+    __slots__ = ("records", "size")
+
+    def __init__(self) -> None:
+        self.records, self.size = MAX_REPLY_RECORDS, MAX_REPLY_BYTES
+
+    def reset(self) -> None:
+        """A new reply (the step channel keeps one room and resets it per frame)."""
+        self.records, self.size = MAX_REPLY_RECORDS, MAX_REPLY_BYTES
+
+    @staticmethod
+    def admit(items: Sequence, what: str) -> None:
+        """Refuse (INVALID_ARGUMENT, naming the first repeat) ``items`` that name one twice."""
+        try:
+            if len(set(items)) == len(items):
+                return
+        except TypeError:
+            return  # an item without a hash: the request's own checks say what is wrong
+        seen: set = set()
+        for i, x in enumerate(items):
+            if x in seen:
+                raise invalid(f"{what}[{i}] repeats {x!r}: list each at most once per call")
+            seen.add(x)
+
+    def take(self, objs: Sequence[Allocation], what: str, core=None) -> None:
+        """Take a reply of ``objs`` from the room, or refuse it (RESOURCE_EXHAUSTED) past it
+        (``core``: the store's native core, which sums their pages and keys in one C loop)."""
+        n = len(objs)
+        if not n:
+            return
+        sums = core.reply_size(objs) if core is not None else None
+        if sums is None:
+            sums = sum(map(_NUM_PAGES, objs)), sum(map(len, filter(None, map(_KEY, objs))))
+        pages = sums[0]
+        size = n * REPLY_RECORD_BYTES + 5 * pages + sums[1]
+        if n > self.records or size > self.size:
+            raise exhausted(
+                f"this {what} would answer {n} object records ({pages} pages, about {size} bytes); "
+                f"{self.records} records and {self.size} bytes are left of this reply's {MAX_REPLY_RECORDS} "
+                f"and {MAX_REPLY_BYTES}: ask for fewer objects per call"
+            )
+        self.records -= n
+        self.size -= size
 
 
 def check_key(key: bytes | None, where: str, max_key_bytes: int) -> None:

@@ -25,12 +25,7 @@ from collections.abc import Callable, Sequence
 from memory_broker.broker.store.context import Notify, StoreContext
 from memory_broker.broker.store.eviction import EvictionPolicy, PriorityLRU
 from memory_broker.broker.store.growth import Growth
-from memory_broker.broker.store.object_table import (
-    ObjectTable,
-    check_batch,
-    check_specs,
-    check_unique,
-)
+from memory_broker.broker.store.object_table import ObjectTable, ReplyRoom, check_batch, check_specs, check_unique
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.pool import PagePool, WindowSpace
 from memory_broker.broker.store.pools import PooledPolicy, PoolMap, TenantPool, pool_rooms, pool_totals
@@ -379,11 +374,11 @@ class ObjectStore:
                 deferred += n
         return freed, deferred
 
-    def pin(self, session: int, object_ids: Sequence[int]) -> list[Allocation]:
-        """Pin committed objects for the session (counts add up)."""
+    def pin(self, session: int, object_ids: Sequence[int], reply: ReplyRoom | None = None) -> list[Allocation]:
+        """Pin committed objects for the session (counts add up); ``reply``: a client's (``ReplyRoom``)."""
         s = self._session(session)
         check_batch(len(object_ids), "object_ids", self.config.max_batch)
-        objs = self.table.pinnable_all(session, object_ids)
+        objs = self.table.pinnable_all(session, object_ids, reply)
         self.ledger.check_limit(s, len(objs))
         self.ledger.pin_all(s, objs)
         return objs
@@ -416,8 +411,10 @@ class ObjectStore:
             objs.append((obj, count))
         self.ledger.unpin_all(s, objs)
 
-    def lookup(self, session: int, keys: Sequence[bytes], pin: bool) -> list[Allocation]:
-        """The longest prefix of ``keys`` that exist, pinned for the session if asked."""
+    def lookup(
+        self, session: int, keys: Sequence[bytes], pin: bool, reply: ReplyRoom | None = None
+    ) -> list[Allocation]:
+        """The longest prefix of ``keys`` that exist, pinned for the session if asked; ``reply``: as ``pin``'s."""
         s = self.sessions.get(session)
         if s is None or s.pool < 0:
             s = self._session(session)  # raises, saying why
@@ -425,9 +422,9 @@ class ObjectStore:
         if len(keys) > config.max_batch:
             check_batch(len(keys), "keys", config.max_batch)  # raises
         if pin and self.ledger.fused is not None:  # find and pin_all in one native call
-            if (found := self.ledger.lookup_pin(s, keys, config.max_key_bytes)) is not None:
+            if (found := self.ledger.lookup_pin(s, keys, config.max_key_bytes, reply)) is not None:
                 return found
-        found = self.table.find(s.pool, keys, config.max_key_bytes)
+        found = self.table.find(s.pool, keys, config.max_key_bytes, reply)
         if pin:
             if found:
                 ledger = self.ledger
@@ -435,12 +432,7 @@ class ObjectStore:
                     ledger.check_limit(s, len(found))
                 ledger.pin_all(s, found)
         else:
-            touch_all = getattr(self.policy, "touch_all", None)  # optional, as add_all
-            if touch_all is None:
-                for obj in found:
-                    self.policy.touch(obj)
-            else:
-                touch_all(found)
+            self.ledger.touch_all(found)
         return found
 
     # ---------------------------------------------------------------- reading

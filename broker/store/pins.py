@@ -2,20 +2,26 @@
 and ``SessionState.pins``), the per-session limit, and the zero crossings that move an object
 out of and back into the eviction candidates.
 
-``PinLedger`` changes only pin counts, the policy's candidate set and the pinned figures of
-the tally; it decides nothing about visibility or ownership (the store checks those first)
-and frees nothing itself: the last pin of a freed object goes to the store's ``drop``.
+``PinLedger`` changes only pin counts, the policy's candidate set (and its order: what a
+lookup without pins found is touched) and the pinned figures of the tally; it decides nothing
+about visibility or ownership (the store checks those first) and frees nothing itself: the
+last pin of a freed object goes to the store's ``drop``. A client's lookup that pins in one
+native call (``lookup_pin``) gives those pins back when its reply's room refuses them.
 """
 
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from memory_broker.broker.store.context import StoreContext
 from memory_broker.broker.store.eviction import PriorityLRU
 from memory_broker.broker.store.records import Allocation, SessionState, store_core
 from memory_broker.broker.store.shards import ShardedMap
-from memory_broker.proto.wire.errors import denied, exhausted, precondition
+from memory_broker.proto.wire.errors import BrokerError, denied, exhausted, precondition
+
+if TYPE_CHECKING:
+    from memory_broker.broker.store.object_table import ReplyRoom
 
 _PAGES, _FREED = attrgetter("num_pages"), attrgetter("freed")
 
@@ -40,9 +46,10 @@ class PinLedger:
         self._internal = ctx.internal_sessions
         self._txns = ctx.txns
         self._drop = ctx.table.drop
-        # Batch forms of the policy's add and remove, where it has them.
+        # Batch forms of the policy's add, remove and touch, where it has them.
         self._add_all = getattr(ctx.policy, "add_all", None)
         self._remove_all = getattr(ctx.policy, "remove_all", None)
+        self._touch_all = getattr(ctx.policy, "touch_all", None)
         # ``add_all`` of a list (what the native unpin hands over): ``PriorityLRU``'s native
         # loop itself where its core is built (``add_all`` would only dispatch to it).
         native_add = getattr(ctx.policy, "_add_all_native", None)
@@ -75,10 +82,23 @@ class PinLedger:
                 f"the limit is {limit} (max_pins_per_session): unpin first"
             )
 
-    def lookup_pin(self, s: SessionState, keys, most: int) -> list[Allocation] | None:
+    def lookup_pin(self, s: SessionState, keys, most: int, reply: ReplyRoom | None = None) -> list[Allocation] | None:
         """``ObjectTable.find`` then ``check_limit`` and ``pin_all`` of what it found, in one
         native call (``self.fused`` set); None where a key is left to the table's checks
-        (nothing changed)."""
+        (nothing changed). ``reply``: a client's (``ReplyRoom``): the keys distinct, and what
+        was found taken from it, or each pin given back and the refusal raised."""
+        if reply is not None:
+            reply.admit(keys, "keys")
+        found = self._lookup_pin(s, keys, most)
+        if reply is not None and found is not None:
+            try:
+                reply.take(found, "lookup", self._core)
+            except BrokerError:
+                self.unpin_once(s, found)  # past the reply's room: nothing stays pinned
+                raise
+        return found
+
+    def _lookup_pin(self, s: SessionState, keys, most: int) -> list[Allocation] | None:
         limit = self._config.max_pins_per_session
         room = -1  # how many pins ``s`` may add now (``check_limit``'s bound), -1: no limit
         if limit and s.session_id not in self._internal:
@@ -153,6 +173,14 @@ class PinLedger:
         sid = s.session_id
         obj.pins[sid] = obj.pins.get(sid, 0) + 1
         s.pins[obj.object_id] = s.pins.get(obj.object_id, 0) + 1
+
+    def touch_all(self, objs: list[Allocation]) -> None:
+        """Objects a lookup without pins found: used now, they move up the eviction order."""
+        if self._touch_all is not None:
+            self._touch_all(objs)
+        else:
+            for obj in objs:
+                self._policy.touch(obj)
 
     def pin_all(self, s: SessionState, objs: list[Allocation]) -> None:
         """``pin`` for each of ``objs`` in order (a step pins hundreds): one loop, and the

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from memory_broker.broker.store.context import StoreContext
-from memory_broker.broker.store.object_table import check_specs
+from memory_broker.broker.store.object_table import check_specs, check_unique
 from memory_broker.broker.store.pins import PinLedger
 from memory_broker.broker.store.records import SessionState, Transaction, TransactionsExpired, TxnState
 from memory_broker.broker.store.room import Allocator
@@ -76,7 +76,9 @@ class Transactions:
 
     def commit(self, s: SessionState, txn_ids: Sequence[int]) -> list[Transaction]:
         """Make prepared batches visible. Committing a committed transaction is a no-op
-        that returns the same result."""
+        that returns the same result (in another call: one lists each transaction once)."""
+        if len(txn_ids) > 1:
+            check_unique(txn_ids, "transaction_ids")  # each would answer all its records again
         txns = [self.book.owned(s.session_id, t) for t in txn_ids]
         now = self._clock()
         late = [t for t in txns if t.state == TxnState.OPEN and t.deadline <= now]

@@ -35,6 +35,15 @@ MAX_FRAME_BYTES = 4 << 20
 MAX_HELLO_BYTES = 1024
 # Ops in one STEP frame (one per kind is the usual step; a few more for batching).
 MAX_OPS = 64
+# A reply is bounded like a request: one frame's (or one gRPC Lookup's or Pin's) object
+# records, at most MAX_REPLY_RECORDS of them and MAX_REPLY_BYTES by the broker's estimate
+# (``REPLY_RECORD_BYTES`` per record, its key, 5 bytes per page: above what either encoding
+# takes). An engine's step asks a few hundred; a lookup of max_batch (65,536) keys of 32
+# bytes with a page each fits. Past either, the op is RESOURCE_EXHAUSTED before it changes
+# anything and before any reply is encoded.
+MAX_REPLY_RECORDS = 1 << 17
+MAX_REPLY_BYTES = 8 << 20
+REPLY_RECORD_BYTES = 64
 
 # Request kinds.
 HELLO, STEP, PING = 1, 2, 3
