@@ -69,9 +69,10 @@ class StepHoldings:
         self.max_idle = max_idle
         self.lock = lock
         self.adapters: dict[str, HeldAdapter] = {}
+        # Object id -> its entry. Held by id only, never answered by key: a key may name
+        # another object by the next lookup (its owner freed this one), and the broker tells
+        # the holder nothing, so every lookup goes to the broker (ids are never reused).
         self.pins: dict[int, HeldPin] = {}
-        # Key -> the entry of the object it names.
-        self.by_key: dict[bytes, HeldPin] = {}
         # Idle holdings (no reference here, still held at the broker), oldest first.
         self.idle_a: dict[str, None] = {}
         self.idle_p: dict[int, None] = {}
@@ -98,10 +99,8 @@ class StepHoldings:
         """Account one broker pin; the entry is idle until a reference is taken."""
         h = self.pins.get(rec.object_id)
         if h is None:
-            h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
+            self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
             self.idle_p[rec.object_id] = None
-            if rec.key:
-                self.by_key[rec.key] = h
         else:
             h.broker_pins += 1
 
@@ -110,9 +109,7 @@ class StepHoldings:
         oid = rec.object_id
         h = self.pins.get(oid)
         if h is None:
-            h = self.pins[oid] = HeldPin(rec, 1, 1, 0.0)
-            if rec.key:
-                self.by_key[rec.key] = h
+            self.pins[oid] = HeldPin(rec, 1, 1, 0.0)
             return
         h.broker_pins += 1
         if h.refs == 0:
@@ -148,8 +145,6 @@ class StepHoldings:
                     continue
                 if h.refs == 0:
                     self.idle_p.pop(oid, None)
-                if h.record.key and self.by_key.get(h.record.key) is h:
-                    del self.by_key[h.record.key]
 
     def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
         """Take a reference on each held object (all or none); None when one is not held."""
@@ -191,8 +186,6 @@ class StepHoldings:
             over -= 1
             del self.pins[oid]
             del self.idle_p[oid]
-            if h.record.key and self.by_key.get(h.record.key) is h:
-                del self.by_key[h.record.key]
         ops = []
         if rel:
             ops.append(w.Op(w.OP_RELEASE, tuple(rel)))

@@ -145,26 +145,32 @@ def test_two_phase_acquire_prepares_the_next_step_and_commits_it_in_one_call(ste
 # ------------------------------------------------------------------ the cache
 
 
-def test_the_cache_makes_a_steady_step_free_and_releases_ride_on_the_next_frame(step_rig):
+def test_the_cache_makes_a_steady_step_of_adapters_free_and_releases_ride_on_the_next_frame(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         n = frames(c)
         s1 = c.step(["a0", "a1"], [b"k0", b"k1"])
         assert frames(c) == n + 1
-        s2 = c.step(["a0", "a1"], [b"k0", b"k1"], release=s1)
-        s3 = c.step(["a1", "a0"], [b"k0"], release=s2)  # a subset: still nothing to ask
-        assert frames(c) == n + 1 and [o.key for o in s3.objects] == [b"k0"]
+        s2 = c.step(["a0", "a1"], release=s1)  # held adapters and no keys: nothing to ask
+        s3 = c.step(["a1", "a0"], release=s2)
+        s3 = c.step(["a1", "a0"], release=s3)  # the same step again: taken over
+        assert frames(c) == n + 1 and s3.objects == [] and s3.adapters.ids == ["a1", "a0"]
         # Released locally, still pinned at the broker: eviction cannot take them.
         assert c.stats().pinned_pages == 4
-        s4 = c.step(["a2"], [b"k0", b"k2"], release=s3)
-        assert frames(c) == n + 2 and s4.adapters.ids == ["a2"] and [o.key for o in s4.objects] == [b"k0", b"k2"]
+        # Keys go to the broker every time, held or not (a key may name another object by now).
+        s4 = c.step(["a0", "a1"], [b"k0", b"k1"], release=s3)
+        assert frames(c) == n + 2 and [o.object_id for o in s4.objects] == [o.object_id for o in s1.objects]
+        s5 = c.step(["a2"], [b"k0", b"k2"], release=s4)
+        assert frames(c) == n + 3 and s5.adapters.ids == ["a2"] and [o.key for o in s5.objects] == [b"k0", b"k2"]
         assert c.stats().pinned_pages == 6
-        s4.release()
-        with c.lookup_pinned([b"k0", b"k1"]) as objs:  # held already: no round trip
+        s5.release()
+        with c.lookup_pinned([b"k0", b"k1"]) as objs:  # held, and looked up all the same
             assert [o.key for o in objs] == [b"k0", b"k1"]
-        assert frames(c) == n + 2
-        assert c.flush_holdings() == 6 and frames(c) == n + 3
+        assert frames(c) == n + 4
+        # Each lookup pinned at the broker once: k0 four times (s1, s4, s5, lookup_pinned), k1
+        # three, k2 once; they go back with the adapters a0, a1, a2, in one frame.
+        assert c.flush_holdings() == 3 + 4 + 3 + 1 and frames(c) == n + 5
         assert c.stats().pinned_pages == 0
 
 
@@ -890,12 +896,6 @@ def test_transport_without_a_timeout_blocks_with_no_kernel_deadline(step_rig):
             t.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 48 item 1, open: the holdings cache (clients/step_holdings.py, by_key) answers a key from "
-    "the object it holds after the owner freed it and the key names a new object; the broker tells the "
-    "holder nothing (a fix needs an event to the sessions pinning a freed keyed object, or a check per hit)",
-)
 def test_a_key_freed_and_used_again_by_another_session_is_not_answered_from_the_cache(step_rig):
     b, setup = step_rig
     with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
@@ -910,3 +910,86 @@ def test_a_key_freed_and_used_again_by_another_session_is_not_answered_from_the_
             f"the key names object {new.object_id}; the cache said {again.object_id}"
         )
         reader.unpin([again])
+
+
+@pytest.mark.parametrize("how", ["step", "batch"])
+def test_a_key_freed_and_used_again_is_not_answered_by_a_steady_step_or_a_batch_change(step_rig, how):
+    """As above, for a step that asks again what the last one held (``release=``: the lease it
+    would take over) and for a step batch's key that left the batch and comes back (the batch
+    change's plan, ``step_delta``, native and Python): the broker's answer, the new object."""
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
+        (old,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        if how == "step":
+            first = reader.step(keys=[b"reused"])
+            seen = first.objects
+        else:
+            batch = reader.step_batch()
+            seen = batch.update(add_keys=[b"reused"]).objects
+            batch.update(drop_keys=[b"reused"])  # idle in the reader's cache, still pinned
+        assert [o.object_id for o in seen] == [old.object_id]
+        setup.free([old])  # the key goes; the object stays while the reader's pin does
+        (new,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        if how == "step":
+            again = reader.step(keys=[b"reused"], release=first)
+            assert [o.object_id for o in again.objects] == [new.object_id]
+            again.release()
+        else:
+            assert [o.object_id for o in batch.update(add_keys=[b"reused"]).objects] == [new.object_id]
+            assert batch.objects[b"reused"].object_id == new.object_id
+            batch.release()
+        assert reader.flush_holdings() == 2
+    assert setup.stats().objects == 7  # the six keyed blocks and the new one: the old one went with its pin
+
+
+@pytest.mark.parametrize("end", ["expire", "close"])
+def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_goes_back(step_rig, monkeypatch, end):
+    """With ``hold_s`` the holdings are by object id and never answer a key: a step that looks
+    up the same key twice, nothing changed in between, sends a LOOKUP each time and gets the
+    same object; the broker holds a pin for each lookup, kept while the cache holds the object
+    idle, and all of them go back when the holding expires (with the next frame) or the client
+    closes."""
+    from memory_broker.clients.step_transport import StepTransport
+
+    b, setup = step_rig
+
+    def pins() -> int:
+        (o,) = setup.lookup([b"k0"], pin=False)
+        return o.total_pins
+
+    with BrokerClient.connect(b.socket, hold_s=0.2 if end == "expire" else 30.0) as c:
+        c.lookup([b"k5"], pin=False)  # the session's channel, once
+        mine = c._step_path().transport
+        sent: list[list[int]] = []  # what went on the wire from c, op by op
+
+        def seen(t, data: bytes) -> None:
+            if t is mine:
+                sent.append([o.kind for o in w.decode_step(data[5:])])
+
+        real_request, real_post = StepTransport.request, StepTransport.post
+        monkeypatch.setattr(
+            StepTransport, "request", lambda self, data: (seen(self, data), real_request(self, data))[1]
+        )
+        monkeypatch.setattr(
+            StepTransport,
+            "post",
+            lambda self, data, ops, own=-1: (seen(self, data), real_post(self, data, ops, own))[1],
+        )
+        n = frames(c)
+        one = c.step(keys=[b"k0"])
+        two = c.step(keys=[b"k0"], release=one)
+        assert frames(c) == n + 2 and sent == [[w.OP_LOOKUP], [w.OP_LOOKUP]]
+        assert [o.key for o in two.objects] == [b"k0"]
+        assert two.objects[0].object_id == one.objects[0].object_id
+        assert pins() == 2  # one pin for each lookup
+        two.release()
+        assert frames(c) == n + 2 and pins() == 2  # idle in the cache: still pinned at the broker
+        if end == "expire":
+            time.sleep(0.3)
+            c.lookup([b"k1"], pin=False)  # its frame carries the expired holding's unpins
+            assert frames(c) == n + 3 and sent[-1] == [w.OP_LOOKUP, w.OP_UNPIN]
+            assert pins() == 0 and c.stats().pinned_pages == 0
+    deadline = time.monotonic() + 5.0
+    while pins() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pins() == 0 and setup.stats().pinned_pages == 0
