@@ -135,7 +135,8 @@ class StepPath:
 
         With the cache, ``release`` and ``unpin`` drop local references (the broker is told
         with a later frame) and a held adapter costs nothing; keys always go to the broker
-        (an object it answers that the cache holds is counted there once more). Raises
+        (the pin it takes on an object the cache holds already goes back with the next
+        frame, ``StepHoldings.surplus``). Raises
         BrokerError for a refused op; ops before it in the frame took effect and are
         accounted for.
 

@@ -114,7 +114,7 @@ def send_delta(
             got = _plan(cache, caching, acquire, release, keys, unpin, now)
         ops, held, missing, acq, look = got
         own = len(ops)
-        if caching and (cache.idle_a or cache.idle_p):
+        if caching and (cache.idle_a or cache.idle_p or cache.surplus):
             ops.extend(cache.flush_ops(now, False))
         p = pending(path, acquire, held, missing, acq, look, own, bool(ops))
         if len(ops) > own:

@@ -164,14 +164,43 @@ def test_the_cache_makes_a_steady_step_of_adapters_free_and_releases_ride_on_the
         s5 = c.step(["a2"], [b"k0", b"k2"], release=s4)
         assert frames(c) == n + 3 and s5.adapters.ids == ["a2"] and [o.key for o in s5.objects] == [b"k0", b"k2"]
         assert c.stats().pinned_pages == 6
+        # A release posts the unpin of each pin a lookup took on an object held already (s5's
+        # of k0; s5's own frame gave back s4's of k0 and k1).
         s5.release()
+        assert frames(c) == n + 4
         with c.lookup_pinned([b"k0", b"k1"]) as objs:  # held, and looked up all the same
             assert [o.key for o in objs] == [b"k0", b"k1"]
-        assert frames(c) == n + 4
-        # Each lookup pinned at the broker once: k0 four times (s1, s4, s5, lookup_pinned), k1
-        # three, k2 once; they go back with the adapters a0, a1, a2, in one frame.
-        assert c.flush_holdings() == 3 + 4 + 3 + 1 and frames(c) == n + 5
+        assert frames(c) == n + 6
+        # One broker pin on each held object (a lookup without pins: a frame of its own).
+        assert [o.session_pins for o in c.lookup([b"k0", b"k1", b"k2"], pin=False)] == [1, 1, 1]
+        assert c.flush_holdings() == 6 and frames(c) == n + 8
         assert c.stats().pinned_pages == 0
+
+
+def test_a_held_key_looked_up_step_after_step_keeps_its_pins_bounded_under_a_pin_limit(broker_factory, caplog):
+    """Keys go to the broker each step; the pin a lookup takes on an object the cache holds
+    already goes back with the next frame, so a session stepping over the same keys holds at
+    most two pins on each between frames (three while a frame's LOOKUP runs, before its
+    UNPIN of the last step's): 200 steps of 6 keys under a limit of 18 pins are all served, and
+    everything goes back with the holdings."""
+    b = broker_factory("--max-pins-per-session", "18")
+    keys = [b"k%d" % i for i in range(6)]
+    with BrokerClient.connect(b.socket, client_name="setup") as setup:
+        setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in keys])
+        with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+            prev = c.step(keys=keys)
+            for _ in range(200):
+                prev = c.step(keys=keys, release=prev)
+                assert [o.key for o in prev.objects] == keys
+            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [2] * 6
+            prev.release()
+            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [1] * 6
+            assert c.flush_holdings() == 6
+            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [0] * 6
+            c.flush()  # no give-back was refused (none unpinned twice)
+            assert c.flush_holdings() == 0
+        assert setup.stats().pinned_pages == 0
+        assert not [r.message for r in caplog.records if "refused" in r.getMessage()]
 
 
 def test_idle_holdings_are_released_after_hold_s_with_the_next_call(step_rig):
@@ -946,8 +975,8 @@ def test_a_key_freed_and_used_again_is_not_answered_by_a_steady_step_or_a_batch_
 def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_goes_back(step_rig, monkeypatch, end):
     """With ``hold_s`` the holdings are by object id and never answer a key: a step that looks
     up the same key twice, nothing changed in between, sends a LOOKUP each time and gets the
-    same object; the broker holds a pin for each lookup, kept while the cache holds the object
-    idle, and all of them go back when the holding expires (with the next frame) or the client
+    same object; the second lookup's pin, on an object held already, goes back with the next
+    frame, the held one when the holding expires (with the frame after that) or the client
     closes."""
     from memory_broker.clients.step_transport import StepTransport
 
@@ -982,12 +1011,14 @@ def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_g
         assert [o.key for o in two.objects] == [b"k0"]
         assert two.objects[0].object_id == one.objects[0].object_id
         assert pins() == 2  # one pin for each lookup
-        two.release()
-        assert frames(c) == n + 2 and pins() == 2  # idle in the cache: still pinned at the broker
+        two.release()  # posts the unpin of the second lookup's pin
+        c.flush()  # its reply read: the broker ran it (``pins`` asks on another session)
+        assert frames(c) == n + 3 and sent[-1] == [w.OP_UNPIN]
+        assert pins() == 1  # idle in the cache: still pinned at the broker
         if end == "expire":
             time.sleep(0.3)
-            c.lookup([b"k1"], pin=False)  # its frame carries the expired holding's unpins
-            assert frames(c) == n + 3 and sent[-1] == [w.OP_LOOKUP, w.OP_UNPIN]
+            c.lookup([b"k1"], pin=False)  # its frame carries the expired holding's unpin
+            assert frames(c) == n + 4 and sent[-1] == [w.OP_LOOKUP, w.OP_UNPIN]
             assert pins() == 0 and c.stats().pinned_pages == 0
     deadline = time.monotonic() + 5.0
     while pins() and time.monotonic() < deadline:

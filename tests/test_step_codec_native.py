@@ -875,6 +875,31 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
         assert rec.found_in == w.TIER_HOT and states[0].adapters[aid].record is rec
 
 
+def test_a_pin_on_an_object_held_already_is_surplus_and_goes_back_with_the_next_frame():
+    """A lookup (or pin) the broker answers with an object the holdings hold already pinned it
+    once more: the entry keeps one broker pin, the other is surplus, unpinned by the next
+    ``flush_ops`` whatever is due (none of it when this session freed the object)."""
+    from memory_broker.clients import step_holdings as sh
+
+    h = sh.StepHoldings(30.0, 64, __import__("threading").RLock())
+    a, b = _found([40, 41])
+    h.add_ref_pin(a)
+    h.add_pin(b, 1.0)
+    assert h.flush_ops(1.0, False) == [] and h.surplus == []
+    h.add_ref_pin(a)  # found again: a reference more, the pin surplus
+    h.add_pin(b, 1.0)
+    assert (h.pins[40].refs, h.pins[40].broker_pins, h.pins[41].broker_pins) == (2, 1, 1)
+    assert h.sweep_due() and h.flush_ops(1.0, False) == [w.Op(w.OP_UNPIN, (40, 41))]
+    assert h.surplus == [] and set(h.pins) == {40, 41} and h.flush_ops(1.0, False) == []
+    h.add_pins([b])
+    h.forget_pins([41])  # freed by this session: its pins went with it
+    assert h.surplus == [] and set(h.pins) == {40}
+    h.add_ref_pin(a)
+    assert h.flush_ops(2.0, True) == [w.Op(w.OP_UNPIN, (40,))]  # the surplus; 40 has references
+    h.drop_pin_refs([40, 40, 40], 3.0)
+    assert h.flush_ops(3.0, True) == [w.Op(w.OP_UNPIN, (40,))] and h.pins == {}
+
+
 def test_the_native_finish_leaves_a_cold_acquire_and_a_held_object_to_the_python_pass():
     """An acquire that was not hot (``_acquire_own`` then acquires over gRPC), a found object
     the holdings pin already (``add_ref_pin``'s other branch), another record class, or not
