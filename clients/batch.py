@@ -262,7 +262,8 @@ class StepBatch:
         add_keys: Sequence[bytes] = (),
         drop_keys: Sequence[bytes] = (),
     ) -> BatchDelta:
-        """Apply one change in one round trip (none when the step cache has all of it)."""
+        """Apply one change in one round trip (none when the batch and the step cache hold all
+        of it: keys new to the batch always go to the broker)."""
         return self.begin(add, drop, add_keys, drop_keys, _inline=True).result()
 
     def begin(

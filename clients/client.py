@@ -204,9 +204,11 @@ class BrokerClient(StepSession):
                 compact binary protocol on a Unix socket, instead of gRPC; same semantics.
                 Falls back to gRPC where the broker has no step channel.
             hold_s: with the fast path, keep what this process releases (adapter leases,
-                pins) held at the broker for up to this long, so acquiring or looking it up
-                again costs no round trip; releases are sent with a later call. 0 (the
-                default): every release is sent at once, as over gRPC.
+                pins) held at the broker for up to this long, so acquiring an adapter or
+                pinning an object by id again costs no round trip; releases are sent with a
+                later call. Keys are looked up at the broker each time (a key may name
+                another object by then). 0 (the default): every release is sent at once, as
+                over gRPC.
             post_give_backs: with the fast path, a give-back (``unpin``,
                 ``release_adapters`` and a lease's ``release()`` without ``dtype``, a
                 ``StepBatch``'s end, ``flush_holdings()``; not ``abort_acquire``) sends its
@@ -458,7 +460,8 @@ class BrokerClient(StepSession):
         commit: AdapterLease | None = None,
         release: StepLease | None = None,
     ) -> StepLease:
-        """An engine step's changes in one round trip (none when ``hold_s`` keeps them all).
+        """An engine step's changes in one round trip (none when ``hold_s`` holds every
+        adapter and there are no keys: keys always go to the broker).
 
         Releases what ``release`` holds (a previous step), commits ``commit`` (a prepared
         lease: prepare the next step's adapters while this one runs, commit it here),

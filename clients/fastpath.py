@@ -278,7 +278,8 @@ class ChannelCalls:
     # ------------------------------------------------------------ steps
 
     def step(self, ids: list[str], keys: list[bytes], max_adapters, prepare, lease_s, commit, release) -> StepLease:
-        """``BrokerClient.step``: at most one frame (none when the cache has it all)."""
+        """``BrokerClient.step``: at most one frame (none when the cache has every adapter and
+        there are no keys)."""
         st = self.path
         same = self._take_over(st, release, ids, keys, max_adapters, prepare, commit)
         if same is not None:
@@ -327,11 +328,13 @@ class ChannelCalls:
         )
 
     def _take_over(self, st: StepPath, release, ids, keys, max_adapters, prepare, commit) -> StepLease | None:
-        """The steady state: a step asking for what ``release`` holds takes it over (the
-        cache's references pass from one lease to the next; nothing to tell the broker)."""
+        """The steady state: a step asking for the adapters ``release`` holds, and no keys,
+        takes it over (the cache's references pass from one lease to the next; nothing to
+        tell the broker). A step with keys looks them up: a key may name another object now."""
         if (
             release is None
             or not st.caching
+            or keys
             or prepare
             or commit is not None
             or not release.same_as(ids, keys, max_adapters)
@@ -343,12 +346,12 @@ class ChannelCalls:
         sl.cache, sl.cached = release.cache, release.cached
         return sl
 
-    def _giving_back(self, release: StepLease | None, st: StepPath) -> tuple[list[str], tuple, tuple[bool, bool]]:
+    def _giving_back(self, release: StepLease | None, st: StepPath) -> tuple[list[str], tuple, bool]:
         """What a step gives back of a previous step's lease: (adapter ids, object ids,
-        whether each part holds references of ``st``'s cache, which can pass over)."""
+        whether its adapters hold references of ``st``'s cache, which can pass over)."""
         rel_ids: list[str] = []
         unpins: tuple = ()
-        carry = (False, False)
+        carry = False
         if release is not None and not release.released:
             if release.cache is st:
                 carry = release.cached
@@ -385,9 +388,9 @@ class ChannelCalls:
         sl = StepLease(self.client, lease, objs, ids, list(keys), max_adapters)
         if st is not None and st.caching:
             # What this lease holds are references of st's cache (adapters: unless gRPC
-            # acquired them, or they are prepared): a next step may carry them over.
+            # acquired them, or they are prepared): a next step may carry its adapters over.
             sl.cache = st
-            sl.cached = (bool(ids) and out.acquire_hot and not prepare, True)
+            sl.cached = bool(ids) and out.acquire_hot and not prepare
         return sl
 
     def change(self, new_ids: list[str], rel: list[str], new_keys: list[bytes], unpin: list[int]):

@@ -6,7 +6,9 @@ process's credentials). ``StepPath`` sits on it for one session: it sends batche
 (``hold_s > 0``), keeps a cache of the adapters and pins this process holds, with local
 reference counts. A release to count 0 is not sent at once: the broker keeps that pin (so
 nothing of it can be evicted) until the release rides along with the next frame, and an
-acquire or lookup of something still held costs no round trip. Idle holdings are released
+acquire of an adapter still held costs no round trip. A lookup always goes to the broker: the
+cache holds objects by id, and a key may name another object by the next lookup (its owner
+freed the one held) without the broker telling this process. Idle holdings are released
 after ``hold_s`` or when more than ``max_idle`` are idle. ``StepPath.delta`` is the lean
 call of a running batch (``clients/batch.py``): its work is proportional to the change. This
 module knows nothing of gRPC, mappings or tensors (``BrokerClient`` turns its records into
@@ -125,17 +127,22 @@ class StepPath:
         acquire: bool = True,
         lookup: bool = True,
         pin_keys: bool = True,
-        carry: tuple[bool, bool] = (False, False),
+        carry: bool = False,
     ) -> StepOutcome:
         """Release and unpin, commit or abort prepared acquires, acquire adapters, look up
-        (and pin) keys: at most one round trip, none when the cache has everything.
+        (and pin) keys: at most one round trip, none when the cache has every adapter and
+        there are no keys.
 
         With the cache, ``release`` and ``unpin`` drop local references (the broker is told
-        with a later frame) and a held adapter or key costs nothing. Raises BrokerError for a
-        refused op; ops before it in the frame took effect and are accounted for.
+        with a later frame) and a held adapter costs nothing; keys always go to the broker
+        (the pin it takes on an object the cache holds already goes back with the next
+        frame, ``StepHoldings.surplus``). Raises
+        BrokerError for a refused op; ops before it in the frame took effect and are
+        accounted for.
 
-        ``carry``: (adapters, pins) of ``release``/``unpin`` were taken from this cache by
-        one earlier step, so what this step takes again passes over without a count change."""
+        ``carry``: the adapters of ``release`` were taken from this cache by one earlier step,
+        so what this step takes again passes over without a count change (objects do not:
+        ``unpin`` drops their references, and what the keys name is the broker's answer)."""
         with self.lock:
             # A begun step's reply first: planned against the cache without it, this step
             # would acquire again what that step is acquiring and count it once.
@@ -176,7 +183,7 @@ class StepPath:
                 kw.pop("release", ()),
                 kw.pop("unpin", ()),
                 kw.pop("pin_keys", True),
-                kw.pop("carry", (False, False)),
+                kw.pop("carry", False),
             )
             if kw:
                 raise TypeError(f"unknown arguments {sorted(kw)}")
@@ -199,11 +206,10 @@ class StepPath:
             distinct = list(dict.fromkeys(ids))
             n = cap or len(distinct)
             admitted, out.deferred = distinct[:n], distinct[n:]
-        carried_a, release = self._carried_adapters(caching, carry[0], release, admitted)
-        carried_o, unpin = self._carried_pins(carry[1], unpin, keys, pin_keys)
+        carried_a, release = self._carried_adapters(caching, carry, release, admitted)
         self._give_back_ops(ops, release, unpin, commit, abort, now)
         acq_index, held, missing_ids = self._acquire_op(ops, ids, admitted, carried_a, caching, prepare, cap, lease_ms)
-        look_index, cached_objs = self._lookup_op(ops, keys, pin_keys, carried_o)
+        look_index = self._lookup_op(ops, keys, pin_keys)
         # Idle holdings past their time ride at the end of this frame (the caller's ops run
         # first whatever becomes of them), or get a frame of their own when there is none.
         own = len(ops)
@@ -218,7 +224,6 @@ class StepPath:
             look_index,
             admitted,
             missing_ids,
-            cached_objs,
             ids,
             keys,
             pin_keys,
@@ -235,26 +240,6 @@ class StepPath:
             if carried_a:
                 release = [a for a in release if a not in carried_a]
         return carried_a, release
-
-    def _carried_pins(self, carry: bool, unpin, keys, pin_keys: bool) -> tuple[dict[int, int], list]:
-        """The objects the previous step unpins and this one looks up again by key, which keep
-        their reference: those objects, and what is still unpinned."""
-        carried_o: dict[int, int] = {}
-        if self.caching and carry and unpin and keys and pin_keys:
-            give = set(unpin)
-            if len(give) == len(unpin):  # each object once (the usual case; else no carry)
-                by_key = self.held.by_key
-                for k in keys:
-                    h = by_key.get(k)
-                    if h is None:
-                        break
-                    oid = h.record.object_id
-                    if oid in give:
-                        give.discard(oid)
-                        carried_o[oid] = 1
-                if carried_o:
-                    unpin = [o for o in unpin if o not in carried_o]
-        return carried_o, unpin
 
     def _give_back_ops(self, ops: list[w.Op], release, unpin, commit, abort, now: float) -> None:
         """The ops that give back (appended to ``ops``): releases and unpins the cache does not
@@ -306,39 +291,17 @@ class StepPath:
                 )
         return acq_index, held, missing_ids
 
-    def _lookup_op(self, ops: list[w.Op], keys, pin_keys: bool, carried_o: dict[int, int]) -> tuple[int, list]:
-        """The lookup op for the keys the cache does not hold (appended to ``ops``): its index
-        (-1: none), and the cached records of the leading keys it does hold."""
-        look_index = -1
-        cached_objs: list[w.ObjectRecord] = []
-        tail_keys: list[bytes] = []
-        if keys is not None:
-            if self.caching and pin_keys:
-                i = 0
-                by_key = self.held.by_key
-                append = cached_objs.append
-                for k in keys:
-                    h = by_key.get(k)
-                    if h is None:
-                        break
-                    if not (carried_o and carried_o.pop(h.record.object_id, 0)):
-                        if h.refs == 0:
-                            self.held.idle_p.pop(h.record.object_id, None)
-                        h.refs += 1
-                        h.idle_since = 0.0
-                    append(h.record)
-                    i += 1
-                tail_keys = list(keys[i:])
-            else:
-                tail_keys = list(keys)
-            if tail_keys:
-                look_index = len(ops)
-                ops.append(w.Op(w.OP_LOOKUP, tuple(tail_keys), 1 if pin_keys else 0))
-        return look_index, cached_objs
+    def _lookup_op(self, ops: list[w.Op], keys, pin_keys: bool) -> int:
+        """The lookup op of ``keys`` (appended to ``ops``): its index (-1: none). Every key goes
+        to the broker, held or not (the cache holds objects by id, never answers a key)."""
+        if not keys:
+            return -1
+        ops.append(w.Op(w.OP_LOOKUP, tuple(keys), 1 if pin_keys else 0))
+        return len(ops) - 1
 
     def _finish(self, plan: _Plan, reply: w.StepReply | None) -> StepOutcome:
         out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
-        admitted, missing_ids, cached_objs = plan.admitted, plan.missing_ids, plan.cached_objs
+        admitted, missing_ids = plan.admitted, plan.missing_ids
         ids, keys, pin_keys = plan.ids, plan.keys, plan.pin_keys
         if reply is not None:
             out.round_trips = 1
@@ -390,9 +353,7 @@ class StepPath:
                 if ok:
                     for rec in new:
                         self.held.ref_pin(rec.object_id)
-                else:
-                    self.held.drop_pin_refs([rec.object_id for rec in cached_objs], now)
-            out.objects = cached_objs + list(new)
+            out.objects = list(new)
         if reply is not None:
             self.raise_error(reply)
         return out

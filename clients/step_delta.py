@@ -27,7 +27,6 @@ class PendingDelta:
         "held",
         "missing",
         "acq",
-        "cached",
         "look",
         "own",
         "idle",
@@ -37,13 +36,13 @@ class PendingDelta:
         "_error",
     )
 
-    def __init__(self, path, acquire, held, missing, acq, cached, look, own, sent):
+    def __init__(self, path, acquire, held, missing, acq, look, own, sent):
         self._path = path
         self.acquire, self.held, self.missing, self.acq = acquire, held, missing, acq
-        self.cached, self.look, self.own = cached, look, own
+        self.look, self.own = look, own
         # The idle holdings' ops that ride at the frame's end (from ``own`` on).
         self.idle: list = []
-        # Whether a frame went out (False: the cache had all of it).
+        # Whether a frame went out (False: the cache held every adapter and there were no keys).
         self.sent: bool = sent
         self._reply_done = not sent
         self._out = None
@@ -89,7 +88,8 @@ def send_delta(
     """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
     ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
     At most one frame, sent now; ``PendingDelta.result()`` reads its reply. The work is
-    proportional to the change (no cap, no prepare, no carry: the batch counts itself)."""
+    proportional to the change (no cap, no prepare, no carry: the batch counts itself).
+    Keys always go to the broker (the holdings are by object id, never answered by key)."""
     cache = path.held
     with path.lock:
         if path._pending is not None:
@@ -104,7 +104,6 @@ def send_delta(
                     cache.idle_a,
                     cache.pins,
                     cache.idle_p,
-                    cache.by_key,
                     acquire,
                     release,
                     keys,
@@ -113,11 +112,11 @@ def send_delta(
                 )
         if got is None:
             got = _plan(cache, caching, acquire, release, keys, unpin, now)
-        ops, held, missing, acq, cached, look = got
+        ops, held, missing, acq, look = got
         own = len(ops)
-        if caching and (cache.idle_a or cache.idle_p):
+        if caching and (cache.idle_a or cache.idle_p or cache.surplus):
             ops.extend(cache.flush_ops(now, False))
-        p = pending(path, acquire, held, missing, acq, cached, look, own, bool(ops))
+        p = pending(path, acquire, held, missing, acq, look, own, bool(ops))
         if len(ops) > own:
             p.idle = ops[own:]
         if ops:
@@ -130,8 +129,8 @@ def send_delta(
 def _plan(cache, caching: bool, acquire, release, keys, unpin, now: float) -> tuple:
     """``send_delta``'s plan against the holdings (``_stepcore.c``'s ``delta_plan`` where the
     native core is there and the path caches): (ops as tuples of their fields, the held
-    adapters' records by id, the ids to acquire, the ACQUIRE op's index, the held records of
-    the keys' longest held prefix, the LOOKUP op's index; -1: no such op)."""
+    adapters' records by id, the ids to acquire, the ACQUIRE op's index, the index of the
+    LOOKUP op of every key; -1: no such op)."""
     ops: list = []
     if release:
         direct = cache.drop_adapter_refs(release, now) if caching else release
@@ -160,24 +159,10 @@ def _plan(cache, caching: bool, acquire, release, keys, unpin, now: float) -> tu
     if missing:
         acq = len(ops)
         ops.append((w.OP_ACQUIRE, tuple(missing)))
-    cached: list[w.ObjectRecord] = []
-    tail = keys
-    if caching and keys:
-        by_key = cache.by_key
-        for k in keys:
-            h = by_key.get(k)
-            if h is None:
-                break
-            if h.refs == 0:
-                cache.idle_p.pop(h.record.object_id, None)
-            h.refs += 1
-            h.idle_since = 0.0
-            cached.append(h.record)
-        tail = keys[len(cached) :]
-    if tail:
+    if keys:
         look = len(ops)
-        ops.append((w.OP_LOOKUP, tuple(tail), 1))
-    return ops, held, missing, acq, cached, look
+        ops.append((w.OP_LOOKUP, tuple(keys), 1))
+    return ops, held, missing, acq, look
 
 
 def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
@@ -232,25 +217,21 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
             for rec in new:
                 if rec.object_id in pins:
                     cache.add_ref_pin(rec)
-                else:  # ``add_ref_pin`` of a key the cache does not hold yet (the usual), inline
-                    h = pins[rec.object_id] = HeldPin(rec, 1, 1, 0.0)
-                    if rec.key:
-                        cache.by_key[rec.key] = h
+                else:  # ``add_ref_pin`` of an object the cache does not hold yet (the usual), inline
+                    pins[rec.object_id] = HeldPin(rec, 1, 1, 0.0)
         else:
             for rec in new:
                 cache.add_pin(rec, now)
-        if not ok and p.cached:
-            cache.drop_pin_refs([rec.object_id for rec in p.cached], now)
     if reply is not None and reply.error is not None:
         raise reply.error
-    return recs, (p.cached + new if p.cached else new), (reply.arena_slabs if reply is not None else 0)
+    return recs, new, (reply.arena_slabs if reply is not None else 0)
 
 
 def _finish_native(cache, p: PendingDelta, reply: w.StepReply):
     """``finish_delta`` of an accepted change on a caching path in one native pass
     (``_stepcore.c``'s ``delta_finish``), or None, having changed nothing: the Python pass's."""
     got = w._core.delta_finish(
-        cache.adapters, cache.pins, cache.by_key, p.acquire, p.held, p.missing, p.acq, p.look, p.cached,
+        cache.adapters, cache.pins, p.acquire, p.held, p.missing, p.acq, p.look,
         reply.results, w.AcquiredRecord, HeldAdapter, HeldPin, w.TIER_HOT,
     )  # fmt: skip
     return None if got is None else (got[0], got[1], reply.arena_slabs)

@@ -32,7 +32,9 @@ class HeldAdapter:
 class HeldPin:
     record: w.ObjectRecord
     refs: int = 0
-    # Pins the broker holds for this entry (each lookup or pin sent adds one).
+    # Pins the broker holds for this entry, given back with it (one: a lookup or pin of an
+    # object held already pins it once more, and that pin goes back with the next frame,
+    # ``StepHoldings.surplus``).
     broker_pins: int = 1
     idle_since: float = 0.0
 
@@ -69,12 +71,17 @@ class StepHoldings:
         self.max_idle = max_idle
         self.lock = lock
         self.adapters: dict[str, HeldAdapter] = {}
+        # Object id -> its entry. Held by id only, never answered by key: a key may name
+        # another object by the next lookup (its owner freed this one), and the broker tells
+        # the holder nothing, so every lookup goes to the broker (ids are never reused).
         self.pins: dict[int, HeldPin] = {}
-        # Key -> the entry of the object it names.
-        self.by_key: dict[bytes, HeldPin] = {}
         # Idle holdings (no reference here, still held at the broker), oldest first.
         self.idle_a: dict[str, None] = {}
         self.idle_p: dict[int, None] = {}
+        # Object ids the broker pinned once more than their entry counts (a lookup, which
+        # always goes to the broker, or a pin, of an object held already): unpinned with the
+        # next frame (``flush_ops``), so a key looked up step after step holds one pin.
+        self.surplus: list[int] = []
         self._next_sweep = 0.0
 
     @property
@@ -95,26 +102,23 @@ class StepHoldings:
         return _drop_refs(self.adapters, self.idle_a, ids, now)
 
     def add_pin(self, rec: w.ObjectRecord, now: float) -> None:
-        """Account one broker pin; the entry is idle until a reference is taken."""
+        """Account one broker pin; the entry is idle until a reference is taken. Of an object
+        held already, the pin is surplus (given back with the next frame)."""
         h = self.pins.get(rec.object_id)
         if h is None:
-            h = self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
+            self.pins[rec.object_id] = HeldPin(rec, 0, 1, now)
             self.idle_p[rec.object_id] = None
-            if rec.key:
-                self.by_key[rec.key] = h
         else:
-            h.broker_pins += 1
+            self.surplus.append(rec.object_id)
 
     def add_ref_pin(self, rec: w.ObjectRecord) -> None:
         """``add_pin`` then ``ref_pin`` in one (a broker pin a reference holds at once)."""
         oid = rec.object_id
         h = self.pins.get(oid)
         if h is None:
-            h = self.pins[oid] = HeldPin(rec, 1, 1, 0.0)
-            if rec.key:
-                self.by_key[rec.key] = h
+            self.pins[oid] = HeldPin(rec, 1, 1, 0.0)
             return
-        h.broker_pins += 1
+        self.surplus.append(oid)
         if h.refs == 0:
             self.idle_p.pop(oid, None)
         h.refs += 1
@@ -148,8 +152,9 @@ class StepHoldings:
                     continue
                 if h.refs == 0:
                     self.idle_p.pop(oid, None)
-                if h.record.key and self.by_key.get(h.record.key) is h:
-                    del self.by_key[h.record.key]
+            if self.surplus:
+                gone = set(oids)
+                self.surplus = [o for o in self.surplus if o not in gone]
 
     def ref_pins(self, oids: Sequence[int]) -> list[w.ObjectRecord] | None:
         """Take a reference on each held object (all or none); None when one is not held."""
@@ -166,33 +171,34 @@ class StepHoldings:
 
     def flush_ops(self, now: float, force: bool) -> list[w.Op]:
         """Release and unpin ops for idle holdings that are due (all of them with ``force``),
-        removed from the cache. Walks the idle entries oldest first: O(what it releases)."""
+        removed from the cache, and the unpins of every surplus pin. Walks the idle entries
+        oldest first: O(what it releases)."""
         idle = self._idle
-        if not idle or (not force and now < self._next_sweep and idle <= self.max_idle):
+        sweep = idle and (force or now >= self._next_sweep or idle > self.max_idle)
+        if not (sweep or self.surplus):
             return []
-        self._next_sweep = now + self.hold_s / 2
-        cutoff = now - self.hold_s
-        over = idle - self.max_idle
+        unp, self.surplus = self.surplus, []
         rel: list[str] = []
-        for aid in list(self.idle_a):
-            h = self.adapters[aid]
-            if not (force or h.idle_since <= cutoff or over > 0):
-                break
-            rel.append(aid)
-            over -= 1
-            del self.adapters[aid]
-            del self.idle_a[aid]
-        unp: list[int] = []
-        for oid in list(self.idle_p):
-            h = self.pins[oid]
-            if not (force or h.idle_since <= cutoff or over > 0):
-                break
-            unp.extend([oid] * h.broker_pins)
-            over -= 1
-            del self.pins[oid]
-            del self.idle_p[oid]
-            if h.record.key and self.by_key.get(h.record.key) is h:
-                del self.by_key[h.record.key]
+        if sweep:
+            self._next_sweep = now + self.hold_s / 2
+            cutoff = now - self.hold_s
+            over = idle - self.max_idle
+            for aid in list(self.idle_a):
+                h = self.adapters[aid]
+                if not (force or h.idle_since <= cutoff or over > 0):
+                    break
+                rel.append(aid)
+                over -= 1
+                del self.adapters[aid]
+                del self.idle_a[aid]
+            for oid in list(self.idle_p):
+                h = self.pins[oid]
+                if not (force or h.idle_since <= cutoff or over > 0):
+                    break
+                unp.extend([oid] * h.broker_pins)
+                over -= 1
+                del self.pins[oid]
+                del self.idle_p[oid]
         ops = []
         if rel:
             ops.append(w.Op(w.OP_RELEASE, tuple(rel)))
@@ -201,8 +207,11 @@ class StepHoldings:
         return ops
 
     def sweep_due(self) -> bool:
-        """Whether idle holdings may be due for release (the next frame would carry them)."""
-        return bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
+        """Whether the next frame would carry unpins of surplus pins, or idle holdings may be
+        due for release."""
+        return bool(self.surplus) or (
+            bool(self._idle) and (time.monotonic() >= self._next_sweep or self._idle > self.max_idle)
+        )
 
     def idle(self) -> int:
         return self._idle

@@ -187,10 +187,10 @@ class StepLease:
         self.epoch = client.epoch
         # What the step asked for (a next step asking the same may take this one's holdings over).
         self._asked = (adapter_ids, keys, max_adapters)
-        # The step cache whose references this lease holds, and for which parts
-        # (adapters, objects); None when it holds broker pins of its own.
+        # The step cache whose references this lease holds (None when it holds broker pins
+        # of its own), and whether its adapters are among them (they can pass to a next step).
         self.cache = None
-        self.cached = (False, False)
+        self.cached = False
         # AdapterLease of the step's adapters, or None when it asked for none.
         self.adapters = adapters
         # The longest present prefix of the step's keys, pinned for this session.

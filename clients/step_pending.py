@@ -41,7 +41,6 @@ class _Plan:
     look_index: int
     admitted: list
     missing_ids: list
-    cached_objs: list
     ids: list | None
     keys: list | None
     pin_keys: bool

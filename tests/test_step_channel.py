@@ -145,27 +145,62 @@ def test_two_phase_acquire_prepares_the_next_step_and_commits_it_in_one_call(ste
 # ------------------------------------------------------------------ the cache
 
 
-def test_the_cache_makes_a_steady_step_free_and_releases_ride_on_the_next_frame(step_rig):
+def test_the_cache_makes_a_steady_step_of_adapters_free_and_releases_ride_on_the_next_frame(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
     with BrokerClient.connect(b.socket, hold_s=30.0) as c:
         n = frames(c)
         s1 = c.step(["a0", "a1"], [b"k0", b"k1"])
         assert frames(c) == n + 1
-        s2 = c.step(["a0", "a1"], [b"k0", b"k1"], release=s1)
-        s3 = c.step(["a1", "a0"], [b"k0"], release=s2)  # a subset: still nothing to ask
-        assert frames(c) == n + 1 and [o.key for o in s3.objects] == [b"k0"]
+        s2 = c.step(["a0", "a1"], release=s1)  # held adapters and no keys: nothing to ask
+        s3 = c.step(["a1", "a0"], release=s2)
+        s3 = c.step(["a1", "a0"], release=s3)  # the same step again: taken over
+        assert frames(c) == n + 1 and s3.objects == [] and s3.adapters.ids == ["a1", "a0"]
         # Released locally, still pinned at the broker: eviction cannot take them.
         assert c.stats().pinned_pages == 4
-        s4 = c.step(["a2"], [b"k0", b"k2"], release=s3)
-        assert frames(c) == n + 2 and s4.adapters.ids == ["a2"] and [o.key for o in s4.objects] == [b"k0", b"k2"]
+        # Keys go to the broker every time, held or not (a key may name another object by now).
+        s4 = c.step(["a0", "a1"], [b"k0", b"k1"], release=s3)
+        assert frames(c) == n + 2 and [o.object_id for o in s4.objects] == [o.object_id for o in s1.objects]
+        s5 = c.step(["a2"], [b"k0", b"k2"], release=s4)
+        assert frames(c) == n + 3 and s5.adapters.ids == ["a2"] and [o.key for o in s5.objects] == [b"k0", b"k2"]
         assert c.stats().pinned_pages == 6
-        s4.release()
-        with c.lookup_pinned([b"k0", b"k1"]) as objs:  # held already: no round trip
+        # A release posts the unpin of each pin a lookup took on an object held already (s5's
+        # of k0; s5's own frame gave back s4's of k0 and k1).
+        s5.release()
+        assert frames(c) == n + 4
+        with c.lookup_pinned([b"k0", b"k1"]) as objs:  # held, and looked up all the same
             assert [o.key for o in objs] == [b"k0", b"k1"]
-        assert frames(c) == n + 2
-        assert c.flush_holdings() == 6 and frames(c) == n + 3
+        assert frames(c) == n + 6
+        # One broker pin on each held object (a lookup without pins: a frame of its own).
+        assert [o.session_pins for o in c.lookup([b"k0", b"k1", b"k2"], pin=False)] == [1, 1, 1]
+        assert c.flush_holdings() == 6 and frames(c) == n + 8
         assert c.stats().pinned_pages == 0
+
+
+def test_a_held_key_looked_up_step_after_step_keeps_its_pins_bounded_under_a_pin_limit(broker_factory, caplog):
+    """Keys go to the broker each step; the pin a lookup takes on an object the cache holds
+    already goes back with the next frame, so a session stepping over the same keys holds at
+    most two pins on each between frames (three while a frame's LOOKUP runs, before its
+    UNPIN of the last step's): 200 steps of 6 keys under a limit of 18 pins are all served, and
+    everything goes back with the holdings."""
+    b = broker_factory("--max-pins-per-session", "18")
+    keys = [b"k%d" % i for i in range(6)]
+    with BrokerClient.connect(b.socket, client_name="setup") as setup:
+        setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in keys])
+        with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+            prev = c.step(keys=keys)
+            for _ in range(200):
+                prev = c.step(keys=keys, release=prev)
+                assert [o.key for o in prev.objects] == keys
+            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [2] * 6
+            prev.release()
+            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [1] * 6
+            assert c.flush_holdings() == 6
+            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [0] * 6
+            c.flush()  # no give-back was refused (none unpinned twice)
+            assert c.flush_holdings() == 0
+        assert setup.stats().pinned_pages == 0
+        assert not [r.message for r in caplog.records if "refused" in r.getMessage()]
 
 
 def test_idle_holdings_are_released_after_hold_s_with_the_next_call(step_rig):
@@ -893,12 +928,6 @@ def test_transport_without_a_timeout_blocks_with_no_kernel_deadline(step_rig):
             t.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 48 item 1, open: the holdings cache (clients/step_holdings.py, by_key) answers a key from "
-    "the object it holds after the owner freed it and the key names a new object; the broker tells the "
-    "holder nothing (a fix needs an event to the sessions pinning a freed keyed object, or a check per hit)",
-)
 def test_a_key_freed_and_used_again_by_another_session_is_not_answered_from_the_cache(step_rig):
     b, setup = step_rig
     with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
@@ -913,3 +942,88 @@ def test_a_key_freed_and_used_again_by_another_session_is_not_answered_from_the_
             f"the key names object {new.object_id}; the cache said {again.object_id}"
         )
         reader.unpin([again])
+
+
+@pytest.mark.parametrize("how", ["step", "batch"])
+def test_a_key_freed_and_used_again_is_not_answered_by_a_steady_step_or_a_batch_change(step_rig, how):
+    """As above, for a step that asks again what the last one held (``release=``: the lease it
+    would take over) and for a step batch's key that left the batch and comes back (the batch
+    change's plan, ``step_delta``, native and Python): the broker's answer, the new object."""
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
+        (old,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        if how == "step":
+            first = reader.step(keys=[b"reused"])
+            seen = first.objects
+        else:
+            batch = reader.step_batch()
+            seen = batch.update(add_keys=[b"reused"]).objects
+            batch.update(drop_keys=[b"reused"])  # idle in the reader's cache, still pinned
+        assert [o.object_id for o in seen] == [old.object_id]
+        setup.free([old])  # the key goes; the object stays while the reader's pin does
+        (new,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
+        if how == "step":
+            again = reader.step(keys=[b"reused"], release=first)
+            assert [o.object_id for o in again.objects] == [new.object_id]
+            again.release()
+        else:
+            assert [o.object_id for o in batch.update(add_keys=[b"reused"]).objects] == [new.object_id]
+            assert batch.objects[b"reused"].object_id == new.object_id
+            batch.release()
+        assert reader.flush_holdings() == 2
+    assert setup.stats().objects == 7  # the six keyed blocks and the new one: the old one went with its pin
+
+
+@pytest.mark.parametrize("end", ["expire", "close"])
+def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_goes_back(step_rig, monkeypatch, end):
+    """With ``hold_s`` the holdings are by object id and never answer a key: a step that looks
+    up the same key twice, nothing changed in between, sends a LOOKUP each time and gets the
+    same object; the second lookup's pin, on an object held already, goes back with the next
+    frame, the held one when the holding expires (with the frame after that) or the client
+    closes."""
+    from memory_broker.clients.step_transport import StepTransport
+
+    b, setup = step_rig
+
+    def pins() -> int:
+        (o,) = setup.lookup([b"k0"], pin=False)
+        return o.total_pins
+
+    with BrokerClient.connect(b.socket, hold_s=0.2 if end == "expire" else 30.0) as c:
+        c.lookup([b"k5"], pin=False)  # the session's channel, once
+        mine = c._step_path().transport
+        sent: list[list[int]] = []  # what went on the wire from c, op by op
+
+        def seen(t, data: bytes) -> None:
+            if t is mine:
+                sent.append([o.kind for o in w.decode_step(data[5:])])
+
+        real_request, real_post = StepTransport.request, StepTransport.post
+        monkeypatch.setattr(
+            StepTransport, "request", lambda self, data: (seen(self, data), real_request(self, data))[1]
+        )
+        monkeypatch.setattr(
+            StepTransport,
+            "post",
+            lambda self, data, ops, own=-1: (seen(self, data), real_post(self, data, ops, own))[1],
+        )
+        n = frames(c)
+        one = c.step(keys=[b"k0"])
+        two = c.step(keys=[b"k0"], release=one)
+        assert frames(c) == n + 2 and sent == [[w.OP_LOOKUP], [w.OP_LOOKUP]]
+        assert [o.key for o in two.objects] == [b"k0"]
+        assert two.objects[0].object_id == one.objects[0].object_id
+        assert pins() == 2  # one pin for each lookup
+        two.release()  # posts the unpin of the second lookup's pin
+        c.flush()  # its reply read: the broker ran it (``pins`` asks on another session)
+        assert frames(c) == n + 3 and sent[-1] == [w.OP_UNPIN]
+        assert pins() == 1  # idle in the cache: still pinned at the broker
+        if end == "expire":
+            time.sleep(0.3)
+            c.lookup([b"k1"], pin=False)  # its frame carries the expired holding's unpin
+            assert frames(c) == n + 4 and sent[-1] == [w.OP_LOOKUP, w.OP_UNPIN]
+            assert pins() == 0 and c.stats().pinned_pages == 0
+    deadline = time.monotonic() + 5.0
+    while pins() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pins() == 0 and setup.stats().pinned_pages == 0

@@ -751,7 +751,8 @@ def test_the_native_fresh_objects_take_only_step_records_with_no_window_and_noth
 
 def _holdings(rng):
     """A caching path's holdings: adapters a0..a4 and objects 0..5 (keys k0..k5; object 5
-    keyless), each with 0-2 references (those with none idle, in a random order)."""
+    keyless), each with 0-2 references (those with none idle, in a random order). Held by id
+    only: no key is answered from them."""
     from memory_broker.clients import step_holdings as sh
 
     h = sh.StepHoldings(1.0, 64, None)
@@ -766,8 +767,6 @@ def _holdings(rng):
             refs = rng.choice([0, 1, 2])
             rec = w.ObjectRecord(i, -1, 0, 0, True, False, 1, 1, [i], b"k%d" % i if i < 5 else b"", 1)
             h.pins[i] = sh.HeldPin(rec, refs, rng.choice([1, 2]), 0.0 if refs else 0.5)
-            if rec.key:
-                h.by_key[rec.key] = h.pins[i]
     idle_a = [a for a, x in h.adapters.items() if x.refs == 0]
     idle_p = [o for o, x in h.pins.items() if x.refs == 0]
     rng.shuffle(idle_a)
@@ -778,16 +777,16 @@ def _holdings(rng):
 
 
 def _held_state(h):
-    return (h.adapters, list(h.idle_a), h.pins, list(h.idle_p), h.by_key)
+    return (h.adapters, list(h.idle_a), h.pins, list(h.idle_p))
 
 
 @FAST
 @given(st.integers(0, 2**32 - 1), st.sampled_from([list, tuple]))
 def test_a_changes_plan_against_the_holdings_is_the_same_in_the_native_core(seed, seq):
     """``delta_plan`` (``send_delta``'s plan: references dropped and the direct give-backs'
-    ops, held adapters taken and the rest acquired, the held prefix of the keys taken and the
-    rest looked up) gives the same ops, records and indexes, and leaves the same holdings
-    (references, idle order, keys), as ``step_delta._plan``'s Python pass."""
+    ops, held adapters taken and the rest acquired, every key looked up, held or not) gives
+    the same ops, records and indexes, and leaves the same holdings (references, idle order),
+    as ``step_delta._plan``'s Python pass."""
     import random
 
     from memory_broker.clients import step_delta
@@ -800,20 +799,24 @@ def test_a_changes_plan_against_the_holdings_is_the_same_in_the_native_core(seed
     keys = seq(rng.choice([b"k0", b"k1", b"k2", b"k3", b"k4", b"zz"]) for _ in range(rng.randint(0, 5)))
     unpin = seq(rng.choice([0, 1, 2, 3, 4, 5, 9]) for _ in range(rng.randint(0, 4)))
     got = CORE.delta_plan(
-        native.adapters, native.idle_a, native.pins, native.idle_p, native.by_key, acquire, release, keys, unpin, 7.0
+        native.adapters, native.idle_a, native.pins, native.idle_p, acquire, release, keys, unpin, 7.0
     )
     want = _run(_with_core(None), step_delta._plan, python, True, acquire, release, keys, unpin, 7.0)
     assert want[0] == "ok" and got is not None
     assert got == want[1]
     assert [type(op[1]) for op in got[0]] == [tuple] * len(got[0])
+    # The keys, held or not, are all looked up: the LOOKUP op is the last and carries them all.
+    look = got[4]
+    assert (look >= 0) == bool(keys) and (not keys or got[0][look] == (w.OP_LOOKUP, tuple(keys), 1))
     assert _held_state(native) == _held_state(python)
 
 
 def test_the_native_plan_leaves_other_sequences_to_the_python_pass():
     h = _holdings(__import__("random").Random(1))
     before = repr(_held_state(h))
-    assert CORE.delta_plan(h.adapters, h.idle_a, h.pins, h.idle_p, h.by_key, iter(["a0"]), [], [], [], 1.0) is None
-    assert CORE.delta_plan(h.adapters, h.idle_a, h.pins, h.idle_p, h.by_key, [], [], [], {1: 2}, 1.0) is None
+    assert CORE.delta_plan(h.adapters, h.idle_a, h.pins, h.idle_p, iter(["a0"]), [], [], [], 1.0) is None
+    assert CORE.delta_plan(h.adapters, h.idle_a, h.pins, h.idle_p, [], [], iter([b"k0"]), [], 1.0) is None
+    assert CORE.delta_plan(h.adapters, h.idle_a, h.pins, h.idle_p, [], [], [], {1: 2}, 1.0) is None
     assert repr(_held_state(h)) == before
 
 
@@ -831,8 +834,8 @@ def _found(oids):
 @given(st.integers(0, 2**32 - 1))
 def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
     """``delta_finish`` (an accepted change's reply accounted on a caching path: each
-    acquired adapter held as found hot, each found object pinned with a reference and found
-    by its key) gives ``finish_delta``'s result and leaves the same holdings as its Python pass."""
+    acquired adapter held as found hot, each found object pinned with a reference, held by its
+    id) gives ``finish_delta``'s result and leaves the same holdings as its Python pass."""
     import random
     from types import SimpleNamespace
 
@@ -847,19 +850,19 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
     outs, results = [], None
     for h in states:
         plan = _run(_with_core(None), step_delta._plan, h, True, new_ids, [], new_keys, [], 3.0)[1]
-        ops, held, missing, acq, cached, look = plan
+        ops, held, missing, acq, look = plan
         results = [None] * len(ops)
         if acq >= 0:
             results[acq] = _outcome(missing)
         if look >= 0:
             results[look] = _found(found_oids)
-        p = step_delta.PendingDelta(None, new_ids, held, missing, acq, cached, look, len(ops), bool(ops))
+        p = step_delta.PendingDelta(None, new_ids, held, missing, acq, look, len(ops), bool(ops))
         path = SimpleNamespace(held=h, hold_s=1.0)
         outs.append((path, p, w.StepReply(4, results)))
     (pn, p_n, r_n), (pp, p_p, r_p) = outs
     h = states[0]
     got = CORE.delta_finish(
-        h.adapters, h.pins, h.by_key, p_n.acquire, p_n.held, p_n.missing, p_n.acq, p_n.look, p_n.cached,
+        h.adapters, h.pins, p_n.acquire, p_n.held, p_n.missing, p_n.acq, p_n.look,
         r_n.results, w.AcquiredRecord, sh.HeldAdapter, sh.HeldPin, w.TIER_HOT,
     )  # fmt: skip
     assert got is not None  # taken: every found object is new to the holdings, the acquire hot
@@ -870,6 +873,31 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
     # Records the adapters are held by are the hot copies, not the reply's (warm) records.
     for aid, rec in got[0] or []:
         assert rec.found_in == w.TIER_HOT and states[0].adapters[aid].record is rec
+
+
+def test_a_pin_on_an_object_held_already_is_surplus_and_goes_back_with_the_next_frame():
+    """A lookup (or pin) the broker answers with an object the holdings hold already pinned it
+    once more: the entry keeps one broker pin, the other is surplus, unpinned by the next
+    ``flush_ops`` whatever is due (none of it when this session freed the object)."""
+    from memory_broker.clients import step_holdings as sh
+
+    h = sh.StepHoldings(30.0, 64, __import__("threading").RLock())
+    a, b = _found([40, 41])
+    h.add_ref_pin(a)
+    h.add_pin(b, 1.0)
+    assert h.flush_ops(1.0, False) == [] and h.surplus == []
+    h.add_ref_pin(a)  # found again: a reference more, the pin surplus
+    h.add_pin(b, 1.0)
+    assert (h.pins[40].refs, h.pins[40].broker_pins, h.pins[41].broker_pins) == (2, 1, 1)
+    assert h.sweep_due() and h.flush_ops(1.0, False) == [w.Op(w.OP_UNPIN, (40, 41))]
+    assert h.surplus == [] and set(h.pins) == {40, 41} and h.flush_ops(1.0, False) == []
+    h.add_pins([b])
+    h.forget_pins([41])  # freed by this session: its pins went with it
+    assert h.surplus == [] and set(h.pins) == {40}
+    h.add_ref_pin(a)
+    assert h.flush_ops(2.0, True) == [w.Op(w.OP_UNPIN, (40,))]  # the surplus; 40 has references
+    h.drop_pin_refs([40, 40, 40], 3.0)
+    assert h.flush_ops(3.0, True) == [w.Op(w.OP_UNPIN, (40,))] and h.pins == {}
 
 
 def test_the_native_finish_leaves_a_cold_acquire_and_a_held_object_to_the_python_pass():
@@ -884,7 +912,7 @@ def test_the_native_finish_leaves_a_cold_acquire_and_a_held_object_to_the_python
     args = (w.AcquiredRecord, sh.HeldAdapter, sh.HeldPin, w.TIER_HOT)
 
     def finish(acquire, missing, acq, look, results):
-        return CORE.delta_finish(h.adapters, h.pins, h.by_key, acquire, {}, missing, acq, look, [], results, *args)
+        return CORE.delta_finish(h.adapters, h.pins, acquire, {}, missing, acq, look, results, *args)
 
     assert finish(["x"], ["x"], 0, -1, [_outcome(["x"], hot=False)]) is None
     assert finish([], [], -1, 0, [_found([30, 31])]) is None
@@ -894,4 +922,6 @@ def test_the_native_finish_leaves_a_cold_acquire_and_a_held_object_to_the_python
     # The usual: taken.
     recs, objs = finish(["x"], ["x"], 0, 1, [_outcome(["x"]), _found([31])])
     assert [a for a, _ in recs] == ["x"] and [o.object_id for o in objs] == [31]
-    assert h.adapters["x"].refs == 1 and h.pins[31].refs == 1 and h.by_key[b"n31"] is h.pins[31]
+    assert h.adapters["x"].refs == 1 and h.pins[31].refs == 1 and h.pins[31].record is objs[0]
+    # Nothing looked up: no records (a list of its own).
+    assert finish([], [], -1, -1, []) == (None, [])

@@ -1091,38 +1091,38 @@ op_tuple(long kind, PyObject *items, int with_flags, long flags)
     return with_flags ? Py_BuildValue("(lNl)", kind, t, flags) : Py_BuildValue("(lN)", kind, t);
 }
 
-/* delta_plan(adapters, idle_a, pins, idle_p, by_key, acquire, release, keys, unpin, now) ->
- * (ops, held, missing, acq, cached, look): step_delta.py's send_delta planned against a
- * caching path's holdings (StepHoldings' dicts), changed as its Python pass changes them: the
- * release and unpin ops of what is held with no reference here (the others' references
- * dropped), the held adapters of `acquire` ({id: record}) and the ACQUIRE op of the rest
- * (`missing`, at op index `acq`, -1: none), the held records of the longest held prefix of
- * `keys` (`cached`) and the LOOKUP op of the rest (at `look`). The idle holdings' ops are the
- * caller's. None, having changed nothing, where a list argument is not a list or tuple. */
+/* delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now) ->
+ * (ops, held, missing, acq, look): step_delta.py's send_delta planned against a caching
+ * path's holdings (StepHoldings' dicts), changed as its Python pass changes them: the release
+ * and unpin ops of what is held with no reference here (the others' references dropped), the
+ * held adapters of `acquire` ({id: record}) and the ACQUIRE op of the rest (`missing`, at op
+ * index `acq`, -1: none), and the LOOKUP op of every key (at `look`, -1: none; the holdings
+ * answer no key). The idle holdings' ops are the caller's. None, having changed nothing,
+ * where a list argument is not a list or tuple. */
 static PyObject *
 delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
-        !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])) {
+    if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[3])) {
         PyErr_SetString(PyExc_TypeError,
-                        "delta_plan(adapters, idle_a, pins, idle_p, by_key, acquire, release, keys, unpin, now)");
+                        "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now)");
         return NULL;
     }
     if (delta_names() < 0) return NULL;
-    PyObject *adapters = args[0], *idle_a = args[1], *pins = args[2], *idle_p = args[3], *by_key = args[4];
-    PyObject *now = args[9];
-    PyObject **acquire, **keys, **unused;
+    PyObject *adapters = args[0], *idle_a = args[1], *pins = args[2], *idle_p = args[3];
+    PyObject *now = args[8];
+    PyObject **acquire, **unused;
     Py_ssize_t n_acq, n_keys, n;
-    if (!seq_items(args[5], &acquire, &n_acq) || !seq_items(args[6], &unused, &n) ||
-        !seq_items(args[7], &keys, &n_keys) || !seq_items(args[8], &unused, &n))
+    if (!seq_items(args[4], &acquire, &n_acq) || !seq_items(args[5], &unused, &n) ||
+        !seq_items(args[6], &unused, &n_keys) || !seq_items(args[7], &unused, &n))
         Py_RETURN_NONE;
-    PyObject *ops = PyList_New(0), *held = PyDict_New(), *missing = NULL, *cached = PyList_New(0);
+    PyObject *ops = PyList_New(0), *held = PyDict_New(), *missing = NULL;
     PyObject *zero = PyFloat_FromDouble(0.0);
     PyObject *dargs[4];
     long acq = -1, look = -1;
-    if (ops == NULL || held == NULL || cached == NULL || zero == NULL) goto fail;
+    if (ops == NULL || held == NULL || zero == NULL) goto fail;
     for (int k = 0; k < 2; k++) { /* release, then unpin: drop_refs, and an op of the direct ones */
-        PyObject *items = args[6 + 2 * k];
+        PyObject *items = args[5 + 2 * k];
         if (PySequence_Fast_GET_SIZE(items) == 0) continue;
         dargs[0] = k ? pins : adapters;
         dargs[1] = k ? idle_p : idle_a;
@@ -1163,45 +1163,22 @@ delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (bad) goto fail;
         }
     } else {
-        missing = args[5]; /* as send_delta: the (empty) acquire itself */
+        missing = args[4]; /* as send_delta: the (empty) acquire itself */
         Py_INCREF(missing);
     }
-    Py_ssize_t c = 0;
-    for (; c < n_keys; c++) {
-        PyObject *h = PyDict_GetItemWithError(by_key, keys[c]);
-        if (h == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            break;
-        }
-        Py_INCREF(h);
-        PyObject *rec = PyObject_GetAttr(h, s_record_), *oid = NULL;
-        int bad = rec == NULL || (oid = PyObject_GetAttr(rec, s_object_id_)) == NULL ||
-                  take_ref(h, idle_p, oid, zero) < 0 || PyList_Append(cached, rec) < 0;
-        Py_XDECREF(oid);
-        Py_XDECREF(rec);
-        Py_DECREF(h);
-        if (bad) goto fail;
-    }
-    if (c < n_keys) {
+    if (n_keys) {
         look = (long)PyList_GET_SIZE(ops);
-        PyObject *tail = PyTuple_New(n_keys - c);
-        if (tail == NULL) goto fail;
-        for (Py_ssize_t i = c; i < n_keys; i++) {
-            Py_INCREF(keys[i]);
-            PyTuple_SET_ITEM(tail, i - c, keys[i]);
-        }
-        PyObject *op = Py_BuildValue("(lNl)", (long)OP_LOOKUP, tail, 1L);
+        PyObject *op = op_tuple(OP_LOOKUP, args[6], 1, 1);
         int bad = op == NULL || PyList_Append(ops, op) < 0;
         Py_XDECREF(op);
         if (bad) goto fail;
     }
     Py_DECREF(zero);
-    return Py_BuildValue("(NNNlNl)", ops, held, missing, acq, cached, look);
+    return Py_BuildValue("(NNNll)", ops, held, missing, acq, look);
 fail:
     Py_XDECREF(ops);
     Py_XDECREF(held);
     Py_XDECREF(missing);
-    Py_XDECREF(cached);
     Py_XDECREF(zero);
     return NULL;
 }
@@ -1232,34 +1209,34 @@ done:
     return o;
 }
 
-/* delta_finish(adapters, pins, by_key, acquire, held, missing, acq, look, cached, results,
- * AcquiredRecord, HeldAdapter, HeldPin, tier_hot) -> (recs, records): step_delta.py's
- * finish_delta of an accepted reply on a caching path: each acquired adapter held (a
- * HeldAdapter of its record as found hot, one reference), `recs` the [(id, record)] of
- * `acquire` in order (None where `acquire` is empty), each looked-up object pinned with a
- * reference (a HeldPin, found by its key), `records` the cached prefix and then the found.
- * None, having changed nothing, where the Python pass must take it: the acquire was not hot,
- * a found object is held already, or a class or result is not of the layout made here. */
+/* delta_finish(adapters, pins, acquire, held, missing, acq, look, results, AcquiredRecord,
+ * HeldAdapter, HeldPin, tier_hot) -> (recs, records): step_delta.py's finish_delta of an
+ * accepted reply on a caching path: each acquired adapter held (a HeldAdapter of its record
+ * as found hot, one reference), `recs` the [(id, record)] of `acquire` in order (None where
+ * `acquire` is empty), each looked-up object pinned with a reference (a HeldPin, by its
+ * object id), `records` the found. None, having changed nothing, where the Python pass must
+ * take it: the acquire was not hot, a found object is held already, or a class or result is
+ * not of the layout made here. */
 static PyObject *
 delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 14 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
-        !PyDict_CheckExact(args[4]) || !PyList_CheckExact(args[8]) || !PyList_CheckExact(args[9])) {
-        PyErr_SetString(PyExc_TypeError, "delta_finish(adapters, pins, by_key, acquire, held, missing, acq, look, "
-                                         "cached, results, AcquiredRecord, HeldAdapter, HeldPin, tier_hot)");
+    if (nargs != 12 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[3]) ||
+        !PyList_CheckExact(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "delta_finish(adapters, pins, acquire, held, missing, acq, look, results, "
+                                         "AcquiredRecord, HeldAdapter, HeldPin, tier_hot)");
         return NULL;
     }
     if (delta_names() < 0) return NULL;
-    PyObject *adapters = args[0], *pins = args[1], *by_key = args[2], *held = args[4], *cached = args[8];
-    PyObject *results = args[9];
+    PyObject *adapters = args[0], *pins = args[1], *held = args[3];
+    PyObject *results = args[7];
     PyObject **acquire, **missing;
     Py_ssize_t n_acq, n_miss;
-    if (!seq_items(args[3], &acquire, &n_acq) || !seq_items(args[5], &missing, &n_miss)) Py_RETURN_NONE;
-    long acq = PyLong_AsLong(args[6]), look = PyLong_AsLong(args[7]);
+    if (!seq_items(args[2], &acquire, &n_acq) || !seq_items(args[4], &missing, &n_miss)) Py_RETURN_NONE;
+    long acq = PyLong_AsLong(args[5]), look = PyLong_AsLong(args[6]);
     if (PyErr_Occurred()) return NULL;
-    if (!slot_layout(args[10], AREC_FIELDS, 5, &arec_fast_type, arec_offsets) ||
-        !slot_layout(args[11], HADAPTER_FIELDS, 3, &hadapter_fast_type, hadapter_offsets) ||
-        !slot_layout(args[12], HPIN_FIELDS, 4, &hpin_fast_type, hpin_offsets)) {
+    if (!slot_layout(args[8], AREC_FIELDS, 5, &arec_fast_type, arec_offsets) ||
+        !slot_layout(args[9], HADAPTER_FIELDS, 3, &hadapter_fast_type, hadapter_offsets) ||
+        !slot_layout(args[10], HPIN_FIELDS, 4, &hpin_fast_type, hpin_offsets)) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
@@ -1288,7 +1265,7 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (!PyList_CheckExact(new) || objrec_fast_type == NULL) goto none;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
             PyObject *rec = PyList_GET_ITEM(new, i);
-            if (Py_TYPE(rec) != objrec_fast_type || RSLOT(rec, 0) == NULL || RSLOT(rec, 9) == NULL) goto none;
+            if (Py_TYPE(rec) != objrec_fast_type || RSLOT(rec, 0) == NULL) goto none;
             int in = PyDict_Contains(pins, RSLOT(rec, 0));
             if (in < 0) goto fail;
             if (in) goto none; /* held already: add_ref_pin's other branch, in Python */
@@ -1304,7 +1281,7 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject **ads = PySequence_Fast_ITEMS(outcome_ads);
         for (Py_ssize_t i = 0; i < n_miss && i < m; i++) {
             PyObject *v[5] = {PyObject_GetAttr(ads[i], s_generation_), PyObject_GetAttr(ads[i], s_object_id_),
-                              Py_NewRef(args[13]), PyObject_GetAttr(ads[i], s_pages_), Py_NewRef(Py_None)};
+                              Py_NewRef(args[11]), PyObject_GetAttr(ads[i], s_pages_), Py_NewRef(Py_None)};
             PyObject *rec = fill_slots(arec_fast_type, arec_offsets, v, 5);
             if (rec == NULL) goto fail_recs;
             PyObject *hv[3] = {Py_NewRef(rec), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
@@ -1337,16 +1314,12 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyObject *h = fill_slots(hpin_fast_type, hpin_offsets, v, 4);
             if (h == NULL) goto fail_recs;
             int bad = PyDict_SetItem(pins, RSLOT(rec, 0), h) < 0;
-            if (!bad) {
-                int keyed = PyObject_IsTrue(RSLOT(rec, 9));
-                bad = keyed < 0 || (keyed && PyDict_SetItem(by_key, RSLOT(rec, 9), h) < 0);
-            }
             Py_DECREF(h);
             if (bad) goto fail_recs;
         }
-        objs = PyList_GET_SIZE(cached) ? PySequence_Concat(cached, new) : Py_NewRef(new);
+        objs = Py_NewRef(new);
     } else {
-        objs = PyList_GetSlice(cached, 0, PY_SSIZE_T_MAX);
+        objs = PyList_New(0);
     }
     if (objs == NULL) goto fail_recs;
     Py_DECREF(got);
@@ -1654,10 +1627,10 @@ static PyMethodDef methods[] = {
     {"step_objects", (PyCFunction)(void (*)(void))step_objects, METH_FASTCALL,
      "step_objects(cls, client, recs, session_id, epoch): (objects, shared pages, own pages), or None"},
     {"delta_plan", (PyCFunction)(void (*)(void))delta_plan, METH_FASTCALL,
-     "delta_plan(adapters, idle_a, pins, idle_p, by_key, acquire, release, keys, unpin, now): "
-     "(ops, held, missing, acq, cached, look), or None"},
+     "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now): "
+     "(ops, held, missing, acq, look), or None"},
     {"delta_finish", (PyCFunction)(void (*)(void))delta_finish, METH_FASTCALL,
-     "delta_finish(adapters, pins, by_key, acquire, held, missing, acq, look, cached, results, "
+     "delta_finish(adapters, pins, acquire, held, missing, acq, look, results, "
      "AcquiredRecord, HeldAdapter, HeldPin, tier_hot): (recs, records), or None"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
      "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
