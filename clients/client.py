@@ -165,7 +165,7 @@ class BrokerClient(StepSession):
     def __init__(self, *args, **kwargs):
         # Adapter id -> its layout (the same for every generation; pages change). Set before
         # the session opens, which clears it.
-        self._layout_cache: dict[str, AdapterLayout] = {}
+        self._layout_cache: dict[str, tuple[int, AdapterLayout]] = {}  # id (+#dtype, #shard) -> (generation, layout)
         super().__init__(*args, **kwargs)
 
     @classmethod

@@ -118,7 +118,7 @@ class SessionRecords:
                 rec.generation,
                 rec.object_id,
                 tuple(rec.pages),
-                self.layout(aid),
+                self.layout(aid, rec.generation),
                 _w.TIER_NAMES.get(rec.found_in, "hot"),
             )
         if rec.found_in != _w.TIER_HOT:
@@ -144,17 +144,22 @@ class SessionRecords:
         # Shared weights: read-only in this mapping before anyone here can touch them.
         client._set_access(a.pages, True)
         if a.HasField("layout"):
-            client._layout_cache[a.adapter_id + suffix] = layout_from_proto(a.layout)
-        layout = self.layout(a.adapter_id, suffix)
+            client._layout_cache[a.adapter_id + suffix] = (a.generation, layout_from_proto(a.layout))
+        layout = self.layout(a.adapter_id, a.generation, suffix)
         return LeasedAdapter(a.adapter_id, a.generation, a.object_id, tuple(a.pages), layout, TIER_NAMES[a.found_in])
 
-    def layout(self, aid: str, suffix: str = ""):
-        """An adapter's layout: cached per adapter id (and asked dtype), else asked for (once)."""
+    def layout(self, aid: str, generation: int, suffix: str = ""):
+        """An adapter's layout of ``generation``: cached per adapter id (and asked dtype) with
+        the generation it came with, else asked for (once per generation: an id unregistered
+        and registered again, by any process, names another adapter, maybe of other ranks)."""
         client = self.client
-        layout = client._layout_cache.get(aid + suffix)
-        if layout is None:
-            # Not seen yet, or the cache was cleared under the request (a reconnect).
-            layout = client._layout_cache[aid + suffix] = layout_from_proto(client.adapter_layout(aid))
+        hit = client._layout_cache.get(aid + suffix)
+        if hit is not None and hit[0] == generation:
+            return hit[1]
+        # Not seen yet, another generation, or the cache was cleared under the request (a reconnect).
+        # (The lease held meanwhile keeps the id from being unregistered: it is this one's.)
+        layout = layout_from_proto(client.adapter_layout(aid))
+        client._layout_cache[aid + suffix] = (generation, layout)
         return layout
 
 

@@ -13,8 +13,8 @@ import os
 import numpy as np
 
 
-def write_adapter(path: str, seed: int) -> str:
-    """A tiny PEFT LoRA directory (rank 4, hidden 64, one layer, q/v)."""
+def write_adapter(path: str, seed: int, rank: int = 4) -> str:
+    """A tiny PEFT LoRA directory (rank 4 unless said, hidden 64, one layer, q/v)."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -22,11 +22,11 @@ def write_adapter(path: str, seed: int) -> str:
     t = {}
     for m in ("q_proj", "v_proj"):
         k = f"base_model.model.model.layers.0.self_attn.{m}"
-        t[f"{k}.lora_A.weight"] = (rng.standard_normal((4, 64)) * 0.02).astype(np.float16)
-        t[f"{k}.lora_B.weight"] = (rng.standard_normal((64, 4)) * 0.02).astype(np.float16)
+        t[f"{k}.lora_A.weight"] = (rng.standard_normal((rank, 64)) * 0.02).astype(np.float16)
+        t[f"{k}.lora_B.weight"] = (rng.standard_normal((64, rank)) * 0.02).astype(np.float16)
     save_file(t, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        f.write('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}')
+        f.write(f'{{"peft_type": "LORA", "r": {rank}, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}')
     return path
 
 

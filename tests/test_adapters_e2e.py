@@ -281,3 +281,26 @@ def test_registered_adapters_are_converted_ahead_and_a_restart_prunes_orphans(pe
         assert wait_images(1)[0].startswith("r8-") and not os.path.exists(orphan)
     finally:
         b2.stop()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step", "grpc"])
+def test_an_adapter_id_registered_again_with_other_ranks_gets_its_own_layout(fast_path, tmp_path):
+    """Issue 48 item 1's audit: a client caches adapters' layouts; an id unregistered and
+    registered again by another process names another adapter (here rank 8, was rank 4), and
+    the lease's layout must be the new one's, not the cached one (it was cached by id alone)."""
+    from rigs import write_adapter
+
+    b = start_broker()
+    try:
+        with BrokerClient.connect(b.socket, fast_path=fast_path) as c, BrokerClient.connect(b.socket) as admin:
+            admin.register_adapter("x", write_adapter(str(tmp_path / "r4"), 1, rank=4))
+            with c.acquire_adapters(["x"]) as lease:
+                assert {m.rank for m in lease["x"].layout.modules} == {4}
+            admin.unregister_adapters(["x"])
+            admin.register_adapter("x", write_adapter(str(tmp_path / "r8"), 2, rank=8))
+            with c.acquire_adapters(["x"]) as lease:
+                got = lease["x"]
+                assert {m.rank for m in got.layout.modules} == {8}, "the layout of the id's old adapter"
+                assert got.layout.num_pages == len(got.pages)
+    finally:
+        b.stop()
