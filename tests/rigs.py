@@ -4,6 +4,8 @@
 * ``write_adapter``: a tiny PEFT LoRA directory, written with numpy (no torch, no PEFT).
 * ``inprocess_broker``: a broker served by a thread of this process, so its step channel's
   frame handler can be called directly.
+* ``fill``, ``wrong``, ``churn_once``: objects written and checked through their own tensors.
+* ``recv_exact``: whole replies read from a raw step-channel socket.
 """
 
 from __future__ import annotations
@@ -100,3 +102,14 @@ def churn_once(rng, clients, live: list, most_live: int):
     except BrokerError:
         return None
     return c, obj
+
+
+def recv_exact(s, n: int) -> bytes:
+    """``n`` bytes from a blocking socket (ConnectionError if it closes first)."""
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        if not got:
+            raise ConnectionError("closed")
+        out += got
+    return out

@@ -2289,3 +2289,60 @@ def test_the_physical_view_starts_at_an_anchor_page_a_client_imports_first(fake,
         assert 0 in obj.pages and 0 not in c.view.readonly_pages()  # given page 0: writable now
     finally:
         _stop_broker(fake, lp, srv, c)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_processes_churning_windows_on_the_fake_map_each_object_over_its_own_pages(fake, fake_torch, seed):
+    """Issue 48 item 1 on the strict fake (tests/test_windows.py is the host arena's): two
+    client views place contiguous objects as the broker does (its ``WindowSpace``, pages from a
+    shared free list), each mapping a window only where its ``MappedWindows`` (the client's
+    record of the mappings in place) says the object's pages are not mapped there already. After
+    every placement the fake's own mappings show the object's window over its pages."""
+    import random
+
+    from memory_broker.broker.store.pool import WindowSpace
+    from memory_broker.clients.mappings import MappedWindows
+
+    rng = random.Random(seed)
+    g = geom(pps=4, slabs=4, window=24)
+    a = CudaArena(g, "0")
+    a.grow(4)
+    views = [CudaArenaView(g, UUID0_STR) for _ in range(2)]
+    ps = g.page_size
+    try:
+        for v in views:
+            v.extend(4)
+            attach(v, a, 0, 16)
+        known = [MappedWindows() for _ in views]
+        space, free = WindowSpace(24), list(range(16))
+        live: list[tuple[int, int, tuple[int, ...]]] = []  # (view, window start, pages)
+        placed = 0
+        for _ in range(400):
+            if live and (rng.random() < 0.5 or len(live) >= 5):
+                _, start, pages = live.pop(rng.randrange(len(live)))
+                space.release(start, len(pages))
+                free.extend(pages)
+                continue
+            n = rng.choice((1, 2, 3, 4))
+            start = space.place(n)
+            if start < 0 or len(free) < n:
+                if start >= 0:
+                    space.release(start, n)
+                continue
+            rng.shuffle(free)
+            pages, free = tuple(free[:n]), free[n:]
+            i = rng.randrange(2)
+            v, mine = views[i], known[i]
+            if mine.get(start) != pages:  # as BrokerClient._place does
+                v.map_window(start, pages)
+                mine.put(start, pages)
+            live.append((i, start, pages))
+            placed += 1
+            for k, p in enumerate(pages):
+                shown = fake.mappings[v.window_address(start + k)]["alloc"]
+                assert shown == fake.mappings[v.phys_base + p * ps]["alloc"], (start, pages, k)
+        assert placed > 100
+    finally:
+        for v in views:
+            v.close()
+        a.close()

@@ -17,6 +17,7 @@ import time
 import pytest
 from conftest import ROOT, read_line, spawn_child, start_broker
 from conftest import step_frames as frames
+from rigs import recv_exact
 
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 from memory_broker.proto.wire import step as w
@@ -271,16 +272,6 @@ def call(s: socket.socket, data: bytes) -> tuple[int, w.StepReply]:
     hdr = recv_exact(s, 5)
     n, kind = w.HEADER.unpack(hdr)
     return kind, w.decode_step_reply(kind, recv_exact(s, n))
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = s.recv(n - len(out))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return out
 
 
 def test_a_wrong_token_or_a_step_before_hello_is_refused_and_the_connection_closed(step_rig):

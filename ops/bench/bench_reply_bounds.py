@@ -41,6 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
 from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path above)
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from rigs import recv_exact as recv  # noqa: E402  (the test helpers in tests/rigs.py)
+
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
 from memory_broker.proto.wire import step as w  # noqa: E402
 from memory_broker.proto.wire.v1 import broker_pb2 as pb  # noqa: E402
@@ -100,16 +103,6 @@ def step_conn(c: BrokerClient) -> so.socket:
     recv(s, n)
     assert kind == w.OK, kind
     return s
-
-
-def recv(s: so.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = s.recv(n - len(out))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return out
 
 
 def held(watch: Watch, idle: float, settle: float = 3.0) -> tuple[float, float]:
