@@ -112,7 +112,7 @@ class StepPath:
 
     # ------------------------------------------------------------ the step
 
-    def step(
+    def step(  # noqa: PLR0913 - the public step call: each part of a step is an optional keyword
         self,
         adapter_ids: Sequence[str] = (),
         keys: Sequence[bytes] = (),
@@ -196,7 +196,7 @@ class StepPath:
                 p._reply_done = True
             return p
 
-    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> _Plan:
+    def _plan(self, ids, keys, cap, prepare, lease_ms, commit, abort, release, unpin, pin_keys, carry) -> _Plan:  # noqa: PLR0913 - step()'s own arguments, passed on
         out = StepOutcome()
         ops: list[w.Op] = []
         caching = self.caching and not prepare
@@ -300,56 +300,18 @@ class StepPath:
         return len(ops) - 1
 
     def _finish(self, plan: _Plan, reply: w.StepReply | None) -> StepOutcome:
-        out, now, caching, acq_index, look_index = plan.out, plan.now, plan.caching, plan.acq_index, plan.look_index
-        admitted, missing_ids = plan.admitted, plan.missing_ids
-        ids, keys, pin_keys = plan.ids, plan.keys, plan.pin_keys
-        if reply is not None:
-            out.round_trips = 1
-            out.arena_slabs = reply.arena_slabs
-            if reply.error is not None and reply.failed_index >= plan.own:
-                # Only the release of idle holdings was refused (what they held is gone
-                # already, e.g. freed): nothing the caller asked for.
-                log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
-                reply = w.StepReply(reply.arena_slabs, reply.results)
-            elif reply.error is not None and len(plan.ops) > plan.own:
-                post_idle(self, plan.ops[plan.own :])
+        out = plan.out
+        reply = self._settle(plan, reply)
         results = reply.results if reply is not None else []
         ok = reply is None or reply.error is None
-        # Adapters.
-        if ids is not None:
-            got: Sequence[w.AcquiredRecord] = ()  # uncached: the records, in admitted order
-            if 0 <= acq_index < len(results):
-                r: w.AcquireOutcome = results[acq_index]
-                out.acquire_hot = r.hot
-                out.txn_id = r.txn_id
-                if r.hot:
-                    if caching:
-                        for aid, rec in zip(missing_ids, r.adapters):
-                            # Held from now on; idle until a lease takes it below.
-                            self.held.adapters[aid] = HeldAdapter(
-                                w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
-                            )
-                            self.held.idle_a[aid] = None
-                    else:
-                        got = r.adapters
-                        if not ok:
-                            self._undo_acquire(admitted, r)
-            if ok and out.acquire_hot:
-                if caching:
-                    held = plan.held
-                    out.adapters = [(aid, held.get(aid) or self.held.lease_record(aid)) for aid in admitted]
-                elif len(got) >= len(admitted):  # a record per admitted id, in order
-                    out.adapters = list(zip(admitted, got))
-                else:
-                    out.adapters = [(aid, dict(zip(admitted, got))[aid]) for aid in admitted]  # KeyError
-            elif plan.held:
-                self.held.drop_adapter_refs(list(plan.held), now)
-        # Keys.
-        if keys is not None:
-            new: list[w.ObjectRecord] = results[look_index] if 0 <= look_index < len(results) else []
-            if self.caching and pin_keys:
+        if plan.ids is not None:
+            self._finish_adapters(plan, results, ok)
+        if plan.keys is not None:
+            look = plan.look_index
+            new: list[w.ObjectRecord] = results[look] if 0 <= look < len(results) else []
+            if self.caching and plan.pin_keys:
                 for rec in new:
-                    self.held.add_pin(rec, now)
+                    self.held.add_pin(rec, plan.now)
                 if ok:
                     for rec in new:
                         self.held.ref_pin(rec.object_id)
@@ -357,6 +319,54 @@ class StepPath:
         if reply is not None:
             self.raise_error(reply)
         return out
+
+    def _settle(self, plan: _Plan, reply: w.StepReply | None) -> w.StepReply | None:
+        """The reply as the caller's ops see it: a refusal of the idle holdings' release alone
+        (ops past ``plan.own``) is logged and dropped; those ops are posted again when an op
+        of the caller's was refused before them."""
+        if reply is None:
+            return None
+        plan.out.round_trips = 1
+        plan.out.arena_slabs = reply.arena_slabs
+        if reply.error is not None and reply.failed_index >= plan.own:
+            # Only the release of idle holdings was refused (what they held is gone
+            # already, e.g. freed): nothing the caller asked for.
+            log.warning("step cache: releasing idle holdings was refused: %s", reply.error)
+            return w.StepReply(reply.arena_slabs, reply.results)
+        if reply.error is not None and len(plan.ops) > plan.own:
+            post_idle(self, plan.ops[plan.own :])
+        return reply
+
+    def _finish_adapters(self, plan: _Plan, results: list, ok: bool) -> None:
+        """The step's adapters into ``plan.out`` (their records in admitted order), the cache
+        told what the acquire took; what a refused frame acquired is given back."""
+        out, now, caching, admitted = plan.out, plan.now, plan.caching, plan.admitted
+        got: Sequence[w.AcquiredRecord] = ()  # uncached: the records, in admitted order
+        if 0 <= plan.acq_index < len(results):
+            r: w.AcquireOutcome = results[plan.acq_index]
+            out.acquire_hot = r.hot
+            out.txn_id = r.txn_id
+            if r.hot and caching:
+                for aid, rec in zip(plan.missing_ids, r.adapters):
+                    # Held from now on; idle until a lease takes it below.
+                    self.held.adapters[aid] = HeldAdapter(
+                        w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
+                    )
+                    self.held.idle_a[aid] = None
+            elif r.hot:
+                got = r.adapters
+                if not ok:
+                    self._undo_acquire(admitted, r)
+        if ok and out.acquire_hot:
+            if caching:
+                held = plan.held
+                out.adapters = [(aid, held.get(aid) or self.held.lease_record(aid)) for aid in admitted]
+            elif len(got) >= len(admitted):  # a record per admitted id, in order
+                out.adapters = list(zip(admitted, got))
+            else:
+                out.adapters = [(aid, dict(zip(admitted, got))[aid]) for aid in admitted]  # KeyError
+        elif plan.held:
+            self.held.drop_adapter_refs(list(plan.held), now)
 
     def give_back(self, release: Sequence[str] = (), unpin: Sequence[int] = (), post: bool = True) -> None:
         """Release adapters and unpin objects: ``step`` with nothing to take, its frame (if

@@ -186,30 +186,7 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
         ok = reply.error is None
     # When a refused change's holdings turn idle (an accepted one's are held: no clock read).
     now = 0.0 if ok else time.monotonic()
-    recs = None
-    if p.acquire:
-        hot = True
-        got: dict = p.held
-        if p.acq >= 0:
-            r = results[p.acq] if p.acq < len(results) else None
-            hot = r is not None and r.hot
-            if hot:
-                if caching:
-                    got = dict(got)
-                    for aid, rec in zip(p.missing, r.adapters):
-                        rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
-                        cache.adapters[aid] = HeldAdapter(rec, 1 if ok else 0, 0.0 if ok else now)
-                        if not ok:
-                            cache.idle_a[aid] = None
-                        got[aid] = rec
-                else:
-                    got = dict(zip(p.missing, r.adapters))
-                    if not ok:
-                        path._undo_acquire(p.missing, r)
-        if ok and hot:
-            recs = [(aid, got[aid]) for aid in p.acquire]
-        elif p.held:
-            cache.drop_adapter_refs(list(p.held), now or time.monotonic())
+    recs = _finish_adapters(path, p, results, ok, now) if p.acquire else None
     new: list = results[p.look] if 0 <= p.look < len(results) else []
     if caching:
         if ok:
@@ -225,6 +202,35 @@ def finish_delta(path, p: PendingDelta, reply: w.StepReply | None):
     if reply is not None and reply.error is not None:
         raise reply.error
     return recs, new, (reply.arena_slabs if reply is not None else 0)
+
+
+def _finish_adapters(path, p: PendingDelta, results: list, ok: bool, now: float):
+    """``finish_delta``'s adapters: their records in ``p.acquire`` order (None: one is not
+    hot, or the change was refused), the cache told what the acquire took; what a refused
+    uncached change acquired is given back."""
+    cache = path.held
+    hot = True
+    got: dict = p.held
+    if p.acq >= 0:
+        r = results[p.acq] if p.acq < len(results) else None
+        hot = r is not None and r.hot
+        if hot and path.hold_s > 0:
+            got = dict(got)
+            for aid, rec in zip(p.missing, r.adapters):
+                rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
+                cache.adapters[aid] = HeldAdapter(rec, 1 if ok else 0, 0.0 if ok else now)
+                if not ok:
+                    cache.idle_a[aid] = None
+                got[aid] = rec
+        elif hot:
+            got = dict(zip(p.missing, r.adapters))
+            if not ok:
+                path._undo_acquire(p.missing, r)
+    if ok and hot:
+        return [(aid, got[aid]) for aid in p.acquire]
+    if p.held:
+        cache.drop_adapter_refs(list(p.held), now or time.monotonic())
+    return None
 
 
 def _finish_native(cache, p: PendingDelta, reply: w.StepReply):

@@ -72,11 +72,10 @@ def choose_backend(device: torch.device | str, backend: BackendChoice = "auto") 
     return chosen
 
 
-def _check_torch_args(x, out, arena, tables: LoraTables, step: LoraStep, slice_offsets, slice_sizes):
-    # The Triton launchers check their own arguments; the torch path gets the same refusals
-    # for what would otherwise fail deep inside an index or silently compute something else.
+def _check_tables(arena, tables: LoraTables) -> tuple[int, int]:
+    """The arena's and the offset tables' shapes and dtypes (``_check_torch_args``): the
+    tables' (num_slots, num_slices)."""
     a_offsets, b_offsets, ranks, scalings = tables
-    token_slot = step.token_slot
     if arena.dim() != 1:
         raise ValueError(f"arena must be a 1-D tensor, got shape {tuple(arena.shape)}")
     if arena.dtype not in DTYPES:
@@ -91,6 +90,15 @@ def _check_torch_args(x, out, arena, tables: LoraTables, step: LoraStep, slice_o
         raise ValueError(f"ranks must be int32 [{num_slots}], got {ranks.dtype} shape {tuple(ranks.shape)}")
     if scalings.dtype != torch.float32 or scalings.shape != (num_slots,):
         raise ValueError(f"scalings must be float32 [{num_slots}], got {scalings.dtype} {tuple(scalings.shape)}")
+    return num_slots, num_slices
+
+
+def _check_torch_args(x, out, arena, tables: LoraTables, step: LoraStep, slice_offsets, slice_sizes):
+    # The Triton launchers check their own arguments; the torch path gets the same refusals
+    # for what would otherwise fail deep inside an index or silently compute something else.
+    num_slots, num_slices = _check_tables(arena, tables)
+    a_offsets, b_offsets, ranks, scalings = tables
+    token_slot = step.token_slot
     if token_slot.dtype != torch.int32 or token_slot.dim() != 1:
         raise ValueError(f"token_slot must be int32 [T], got {token_slot.dtype} shape {tuple(token_slot.shape)}")
     num_tokens = token_slot.shape[0]

@@ -70,7 +70,7 @@ def listen_unix(path: str) -> socket.socket:
 class FdChannelServer:
     """Serves slab fds on a Unix socket from the running event loop; one task per connection."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only settings, each named at the one call site
         self,
         path: str,
         *,

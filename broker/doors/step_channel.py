@@ -200,7 +200,7 @@ class StepCounters:
 class StepChannelServer:
     """Serves STEP frames on a Unix socket from the running event loop."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only settings, each named at the one call site
         self,
         path: str,
         *,
@@ -367,7 +367,7 @@ class StepChannelServer:
                     else:
                         self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
                     return
-            used = _frames(self, c, data)  # several frames, or part of one: no copy of the whole ones
+            used = self._frames(c, data)  # several frames, or part of one: no copy of the whole ones
             if used < len(data) and not c.closing:
                 buf += memoryview(data)[used:]
                 self._buffered(c)  # frames past REPLY_BACKLOG_BYTES of replies, if sent at once
@@ -387,7 +387,7 @@ class StepChannelServer:
             limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
             if len(buf) < 5 + n and n <= limit:
                 return  # part of a frame
-            used = _frames(self, c, bytes(buf))
+            used = self._frames(c, bytes(buf))
             if self._conns.get(c.sock.fileno()) is not c:
                 return  # dropped (its socket failed)
             del buf[:used]
@@ -447,7 +447,7 @@ class StepChannelServer:
             if kind == w.STEP:
                 return self._step(c, body)
             if kind == w.HELLO:
-                return _hello(self, c, body)
+                return self._hello(c, body)
             if kind == w.PING:
                 if c.session is None:
                     raise denied("send HELLO with the session token first")
@@ -508,7 +508,7 @@ class StepChannelServer:
         counters.ops += len(ops)
         self.room.reset()  # the frame's reply: its records and bytes (the store takes from it)
         if self._record is not None:
-            return _step_timed(self, c, s, ops)
+            return self._step_timed(c, s, ops)
         sid = s.session_id
         if len(ops) == 1:  # the usual frame: the loop below for one op, without its bookkeeping
             op = ops[0]
@@ -570,98 +570,95 @@ class StepChannelServer:
                 return out
         return w.encode_allocations(kind, sid, objs)
 
+    def _frames(self, c: _Conn, data: bytes) -> int:
+        """``_readable``'s frames: answer each whole frame at the start of ``data`` in order, as its one
+        frame is (a STEP frame of a session without a recorder straight to ``_step_frame``),
+        their replies in one send; returns the bytes they took. A frame over the size limit
+        is refused and ends the connection."""
+        view = memoryview(data)
+        pos, end, size = 0, len(data), 0
+        replies: list[bytes] = []
+        while end - pos >= 5 and not c.closing:
+            n, kind = w.HEADER.unpack_from(data, pos)
+            session = c.session
+            limit = w.MAX_FRAME_BYTES if session is not None else w.MAX_HELLO_BYTES
+            if n > limit:
+                self._frame(c, kind, n, None)
+                what = "" if session is not None else " before HELLO (send HELLO with the session token first)"
+                replies.append(w.error_frame(invalid(f"frame of {n} bytes{what}; at most {limit}")))
+                c.closing = True
+                break
+            stop = pos + 5 + n
+            if stop > end or size >= REPLY_BACKLOG_BYTES:
+                break
+            if kind == _STEP and session is not None and self._record is None:
+                replies.append(self._step_frame(c, view[pos + 5 : stop]))
+            elif kind == _PING and session is not None:
+                self.counters.frames += 1
+                replies.append(w.encode_step_reply(self._num_slabs(), ()))
+            else:
+                replies.append(self._frame(c, kind, n, view[pos + 5 : stop]))
+            size += len(replies[-1])
+            pos = stop
+        if replies:
+            self._reply(c, replies[0] if len(replies) == 1 else b"".join(replies))
+        return pos
 
-def _frames(self: StepChannelServer, c: _Conn, data: bytes) -> int:
-    """``_readable``'s frames: answer each whole frame at the start of ``data`` in order, as its one
-    frame is (a STEP frame of a session without a recorder straight to ``_step_frame``),
-    their replies in one send; returns the bytes they took. A frame over the size limit
-    is refused and ends the connection."""
-    view = memoryview(data)
-    pos, end, size = 0, len(data), 0
-    replies: list[bytes] = []
-    while end - pos >= 5 and not c.closing:
-        n, kind = w.HEADER.unpack_from(data, pos)
-        session = c.session
-        limit = w.MAX_FRAME_BYTES if session is not None else w.MAX_HELLO_BYTES
-        if n > limit:
-            self._frame(c, kind, n, None)
-            what = "" if session is not None else " before HELLO (send HELLO with the session token first)"
-            replies.append(w.error_frame(invalid(f"frame of {n} bytes{what}; at most {limit}")))
-            c.closing = True
-            break
-        stop = pos + 5 + n
-        if stop > end or size >= REPLY_BACKLOG_BYTES:
-            break
-        if kind == _STEP and session is not None and self._record is None:
-            replies.append(self._step_frame(c, view[pos + 5 : stop]))
-        elif kind == _PING and session is not None:
-            self.counters.frames += 1
-            replies.append(w.encode_step_reply(self._num_slabs(), ()))
-        else:
-            replies.append(self._frame(c, kind, n, view[pos + 5 : stop]))
-        size += len(replies[-1])
-        pos = stop
-    if replies:
-        self._reply(c, replies[0] if len(replies) == 1 else b"".join(replies))
-    return pos
-
-
-def _hello(self: StepChannelServer, c: _Conn, body) -> bytes:
-    """A HELLO frame: binds the connection to the session its token names, as the owner
-    process proves it (the peer's credentials); refused, the connection ends."""
-    if c.session is not None:
-        raise invalid("HELLO twice on one connection")
-    if self.allowed_uids is not None and c.peer.uid not in self.allowed_uids:
-        raise denied(f"uid {c.peer.uid} may not use this broker; allowed uids: {sorted(self.allowed_uids)}")
-    try:
-        token = bytes(body).decode()
-    except UnicodeDecodeError:
-        raise invalid("the session token is not UTF-8") from None
-    try:
-        c.key = self.sessions.authorize_fd_request(token, c.peer)
-    except FdRequestRefused as r:
-        raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
-    session = self.sessions.from_token(token)
-    over = self._held.over_limit(c.peer.uid, session.session_id)
-    if over:
-        raise exhausted(over)
-    self._held.start(c.peer.uid, session.session_id)
-    c.session = session
-    self._waiting.stop(c)
-    return w.encode_step_reply(self._num_slabs(), ())
-
-
-def _step_timed(self: StepChannelServer, c: _Conn, s, ops: list) -> bytes:
-    """``_step``'s ops with a recorder: each op timed, its latency recorded once the reply
-    is out (the metric costs more than most ops), and its seconds counted by kind."""
-    sessions, counters = self.sessions, self.counters
-    sid = s.session_id
-    results: list[bytes] = []
-    spent = counters.op_seconds
-    handlers = HANDLERS
-    done: list = []
-    checked = False
-    clock = time.perf_counter
-    t0 = clock()
-    for i, op in enumerate(ops):
-        k = op.kind
+    def _hello(self, c: _Conn, body) -> bytes:
+        """A HELLO frame: binds the connection to the session its token names, as the owner
+        process proves it (the peer's credentials); refused, the connection ends."""
+        if c.session is not None:
+            raise invalid("HELLO twice on one connection")
+        if self.allowed_uids is not None and c.peer.uid not in self.allowed_uids:
+            raise denied(f"uid {c.peer.uid} may not use this broker; allowed uids: {sorted(self.allowed_uids)}")
         try:
-            if not checked or PER_OP_RULE[k]:
-                sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
-                checked = True
-            results.append(handlers[k](self, sid, op))
-        except BrokerError as e:
-            counters.refused += 1
-            done.append((clock() - t0, METHODS[k], e.code.value))
+            token = bytes(body).decode()
+        except UnicodeDecodeError:
+            raise invalid("the session token is not UTF-8") from None
+        try:
+            c.key = self.sessions.authorize_fd_request(token, c.peer)
+        except FdRequestRefused as r:
+            raise BrokerError(Code[r.code] if r.code in Code.__members__ else Code.INTERNAL, r.message) from None
+        session = self.sessions.from_token(token)
+        over = self._held.over_limit(c.peer.uid, session.session_id)
+        if over:
+            raise exhausted(over)
+        self._held.start(c.peer.uid, session.session_id)
+        c.session = session
+        self._waiting.stop(c)
+        return w.encode_step_reply(self._num_slabs(), ())
+
+    def _step_timed(self, c: _Conn, s, ops: list) -> bytes:
+        """``_step``'s ops with a recorder: each op timed, its latency recorded once the reply
+        is out (the metric costs more than most ops), and its seconds counted by kind."""
+        sessions, counters = self.sessions, self.counters
+        sid = s.session_id
+        results: list[bytes] = []
+        spent = counters.op_seconds
+        handlers = HANDLERS
+        done: list = []
+        checked = False
+        clock = time.perf_counter
+        t0 = clock()
+        for i, op in enumerate(ops):
+            k = op.kind
+            try:
+                if not checked or PER_OP_RULE[k]:
+                    sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
+                    checked = True
+                results.append(handlers[k](self, sid, op))
+            except BrokerError as e:
+                counters.refused += 1
+                done.append((clock() - t0, METHODS[k], e.code.value))
+                self._loop.call_soon(_record_all, self._record, done)
+                return w.encode_step_reply(self._num_slabs(), results, e, i)
+            t1 = clock()
+            spent[k] += t1 - t0
+            done.append((t1 - t0, METHODS[k], "OK"))
+            t0 = t1
+        if done:
             self._loop.call_soon(_record_all, self._record, done)
-            return w.encode_step_reply(self._num_slabs(), results, e, i)
-        t1 = clock()
-        spent[k] += t1 - t0
-        done.append((t1 - t0, METHODS[k], "OK"))
-        t0 = t1
-    if done:
-        self._loop.call_soon(_record_all, self._record, done)
-    return w.encode_step_reply(self._num_slabs(), results)
+        return w.encode_step_reply(self._num_slabs(), results)
 
 
 # Each op kind's handler: (server, session id, op) -> the op's result record, its rule already

@@ -174,7 +174,7 @@ class BrokerServer:
             self.log.warning("adapter_images_census_failed", error=str(err))
         if self.notifier.watchdog_interval_s:
             self._tasks.append(asyncio.ensure_future(self._watchdog_loop()))
-        log_serving(self, why, link_instance(opts, self.gpu))
+        self.log_serving(why, link_instance(opts, self.gpu))
 
     def _build_core(self, loop: asyncio.AbstractEventLoop) -> str:
         """The arena, pool, store, adapter wing and sessions; returns why this arena backend."""
@@ -503,32 +503,31 @@ class BrokerServer:
     async def wait(self) -> None:
         await self._stopped.wait()
 
-
-def log_serving(self: BrokerServer, why: str, links: list[str]) -> None:
-    """The ``serving`` line: everything an operator checks first, once the broker serves."""
-    opts = self.opts
-    self.log.info(
-        "serving",
-        instance=opts.instance or None,
-        gpu_uuid=self.gpu_uuid or None,
-        socket=opts.socket,
-        metrics=f"{opts.metrics_address}:{self.metrics_port}" if self.metrics else None,
-        config=opts.config_path,
-        fd_socket=opts.fd_socket,
-        links=links or None,
-        tcp_port=opts.tcp_port or None,
-        arena=self.arena.backend,
-        arena_reason=why,
-        native_cores=native.cores(),
-        pool=format_size(opts.pool_size),
-        page_size=format_size(opts.page_size),
-        slab_size=format_size(opts.slab_size),
-        slabs=self.arena.num_slabs,
-        fds=f"one per {self.arena.fd_unit}, made on demand, at most {FD_BUDGET} open; RLIMIT_NOFILE {self.fd_limit}",
-        allowed_uids=sorted(opts.effective_uids()),
-        adapters_registered=len(self.registry),
-        pid=os.getpid(),
-    )
+    def log_serving(self, why: str, links: list[str]) -> None:
+        """The ``serving`` line: everything an operator checks first, once the broker serves."""
+        opts = self.opts
+        self.log.info(
+            "serving",
+            instance=opts.instance or None,
+            gpu_uuid=self.gpu_uuid or None,
+            socket=opts.socket,
+            metrics=f"{opts.metrics_address}:{self.metrics_port}" if self.metrics else None,
+            config=opts.config_path,
+            fd_socket=opts.fd_socket,
+            links=links or None,
+            tcp_port=opts.tcp_port or None,
+            arena=self.arena.backend,
+            arena_reason=why,
+            native_cores=native.cores(),
+            pool=format_size(opts.pool_size),
+            page_size=format_size(opts.page_size),
+            slab_size=format_size(opts.slab_size),
+            slabs=self.arena.num_slabs,
+            fds=f"one per {self.arena.fd_unit}, made on demand, at most {FD_BUDGET} open; RLIMIT_NOFILE {self.fd_limit}",
+            allowed_uids=sorted(opts.effective_uids()),
+            adapters_registered=len(self.registry),
+            pid=os.getpid(),
+        )
 
 
 def set_socket_permissions(opts: ServeOptions) -> None:

@@ -38,7 +38,7 @@ from memory_broker.proto.wire.mapping import check_sizes
 _AUTO = "auto"
 
 
-def setting(
+def setting(  # noqa: PLR0913 - a declaration: keyword-only facets of one setting
     default: Any = None,
     *,
     kind: str,
