@@ -47,7 +47,7 @@ def _frame_of_lookups(key_lists: list[list[bytes]], todo: list[int], most: int) 
     for i in todo[:most]:
         keys = key_lists[i]
         n, key_bytes = len(keys), sum(map(len, keys))
-        grown = reply + n * (_w.REPLY_RECORD_BYTES + 5) + key_bytes
+        grown = reply + _w.reply_estimate(n, n, key_bytes)
         if batch and (
             size >= _w.MAX_FRAME_BYTES // 2 or records + n > _w.MAX_REPLY_RECORDS or grown > _w.MAX_REPLY_BYTES
         ):

@@ -36,7 +36,7 @@ from memory_broker.broker.store.shards import MASK, ShardedMap
 from memory_broker.broker.store.stats import Tally
 from memory_broker.proto.wire.errors import exhausted, invalid, not_found, precondition
 from memory_broker.proto.wire.spec import Spec
-from memory_broker.proto.wire.step import MAX_REPLY_BYTES, MAX_REPLY_RECORDS, REPLY_RECORD_BYTES
+from memory_broker.proto.wire.step import MAX_REPLY_BYTES, MAX_REPLY_RECORDS, reply_estimate
 
 _NUM_PAGES, _KEY = attrgetter("num_pages"), attrgetter("key")
 
@@ -362,7 +362,7 @@ class ReplyRoom:
         if sums is None:
             sums = sum(map(_NUM_PAGES, objs)), sum(map(len, filter(None, map(_KEY, objs))))
         pages = sums[0]
-        size = n * REPLY_RECORD_BYTES + 5 * pages + sums[1]
+        size = reply_estimate(n, pages, sums[1])
         if n > self.records or size > self.size:
             raise exhausted(
                 f"this {what} would answer {n} object records ({pages} pages, about {size} bytes); "

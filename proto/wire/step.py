@@ -45,6 +45,14 @@ MAX_REPLY_RECORDS = 1 << 17
 MAX_REPLY_BYTES = 8 << 20
 REPLY_RECORD_BYTES = 64
 
+
+def reply_estimate(records: int, pages: int, key_bytes: int) -> int:
+    """The bytes the broker counts for a reply of ``records`` object records holding ``pages``
+    pages and ``key_bytes`` of keys (its ``ReplyRoom``; the client's ``lookup_many`` plans its
+    frames by it)."""
+    return records * REPLY_RECORD_BYTES + 5 * pages + key_bytes
+
+
 # Request kinds.
 HELLO, STEP, PING = 1, 2, 3
 # Reply kinds.
