@@ -57,10 +57,10 @@ P_BF16 = [SYS + _toks(45), _toks(77), _toks(31), _toks(129)]
 class Engine:
     """One vLLM engine process (its own session, so SIGKILL takes the engine core too)."""
 
-    def __init__(self, name: str, tmp: str, model: str, *args: str):
+    def __init__(self, name: str, tmp: str, model: str, *args: str, env: dict[str, str] | None = None):
         self.name = name
         self.log_path = os.path.join(tmp, f"{name}.log")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", **(env or {}))
         with open(self.log_path, "w") as logf:
             self.proc = subprocess.Popen(
                 [VLLM_PY, HARNESS, "--model", model, *args],
@@ -105,6 +105,14 @@ class Engine:
     def generate(self, prompts: list[list[int]], lora: list | None = None, max_tokens: int = 8) -> list[dict]:
         self.send(prompts, lora, max_tokens)
         return self.result()
+
+    def drain(self) -> None:
+        """Wait until the engine's connector has committed every block it staged (its stores
+        run after the step, on a thread of their own)."""
+        self.wait_ready()
+        self.proc.stdin.write(json.dumps({"op": "drain"}) + "\n")
+        self.proc.stdin.flush()
+        assert self._line(300)["drained"] == [True]
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -182,6 +190,7 @@ def test_two_engines_share_a_prefix_with_identical_greedy_tokens(env):
     out_a = a.generate([P_A, *SHORT])
     assert _tokens(out_a) == [want[0], *want[2:]]
     assert [o["cached"] for o in out_a] == [0] * len(out_a)
+    a.drain()
     assert _kv_objects(env["broker"].socket) > 0, "engine A stored no KV in the broker"
     # Engine B, alive at the same time as A: P_B shares SYS (256 tokens) with A's prompt.
     out_b = b.generate([P_B])
@@ -209,6 +218,7 @@ def test_lora_requests_never_load_base_or_other_adapter_kv(env):
     # P_L2 stored with l1 only: l2 and the base model load none of it.
     out = a.generate([P_L2], lora=["l1"])
     assert out[0]["cached"] == 0 and out[0]["tokens"] == want[2]
+    a.drain()
     b = env["engine"]("B")
     out = b.generate([P_L2, P_L2], lora=["l2", None])
     assert [o["cached"] for o in out] == [0, 0]
@@ -222,7 +232,7 @@ def test_engine_killed_with_sigkill_finds_its_kv_after_restart(env):
     ref = env["ref"]("float32")
     want = _tokens(ref.generate([P_B]))
     b = env["engine"]("B")
-    b.wait_ready()
+    b.drain()
     b.kill()
     assert b.proc.returncode == -signal.SIGKILL
     b2 = env["engine"]("B")  # a new process under the same name
@@ -253,6 +263,7 @@ def test_broker_stopped_mid_run_requests_complete_with_identical_tokens(env):
     time.sleep(3)  # past the connector's retry interval
     later = [_toks(96)]
     assert _tokens(a.generate(later)) == _tokens(ref.generate(later))
+    a.drain()
     assert _kv_objects(env["broker"].socket) > 0, "the connector did not reconnect to the restarted broker"
 
 
@@ -266,6 +277,7 @@ def test_bfloat16_greedy_tokens_identical_with_the_connector(env):
     want = _tokens(ref.generate(P_BF16))
     first = c.generate(P_BF16)
     assert _tokens(first) == want
+    c.drain()
     second = c.generate(P_BF16)
     assert _tokens(second) == want
     assert [o["cached"] for o in second] == [(len(p) - 1) // BLOCK * BLOCK for p in P_BF16]

@@ -14,6 +14,14 @@ import sys
 import time
 
 
+def drain_kv_stores(worker) -> bool:
+    """In a worker (``LLM.collective_rpc``): wait until the connector's saver has committed
+    every staged block (the stores run after the step, on their own thread)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().connector_worker._saver.drain(120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -34,6 +42,8 @@ def main() -> None:
     os.dup2(2, 1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The "drain" and "lora_memory" ops send a function to the workers (LLM.collective_rpc).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -97,6 +107,9 @@ def main() -> None:
 
             every = llm.collective_rpc(lora_memory)  # one per worker (tensor-parallel rank)
             answers.write(json.dumps({"memory": every[0], "ranks": every}) + "\n")
+            continue
+        if cmd.get("op") == "drain":
+            answers.write(json.dumps({"drained": llm.collective_rpc(drain_kv_stores)}) + "\n")
             continue
         if cmd.get("op") == "remove_lora":
             ok = llm.llm_engine.remove_lora(loras[cmd["name"]].lora_int_id)

@@ -83,6 +83,7 @@ def save(rank: int) -> dict:
     for name in LAYERS:
         w.save_kv_layer(meta, name)
     w.wait_for_save()
+    w.shutdown()  # the saver's thread commits what the step staged
     return {"socket": w.broker.socket, "gpu": w.broker.gpu_uuid, "stats": dict(w.stats.data)}
 
 

@@ -38,7 +38,7 @@ from memory_broker.clients.vllm.kv_records import (  # noqa: E402,F401  (STAT_NA
     _ReqState,
 )
 from memory_broker.clients.vllm.kv_scheduler import BrokerKVScheduler  # noqa: E402
-from memory_broker.clients.vllm.kv_worker import BrokerKVWorker  # noqa: E402
+from memory_broker.clients.vllm.kv_worker import DEFAULT_STORE_BUFFER, BrokerKVWorker  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +53,15 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
 
+EXTRA_KEYS = ("socket", "timeout_s", "retry_s", "store_buffer_mb", "store_in_step")
+
+
+def _flag(v: object) -> bool:
+    """A boolean setting given as JSON (true) or as text ("true", "1")."""
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
 
 class MemoryBrokerConnector(KVConnectorBase_V1):
     """KV connector storing prefix KV in the memory broker (see the module docstring).
@@ -61,7 +70,10 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     of per-GPU brokers (``<gpu-uuid>/broker.sock``) where each tensor-parallel rank uses its own
     GPU's broker (default ``$MEMORY_BROKER_SOCKET``, else ``/run/memory-broker`` where it holds
     per-GPU brokers, else ``/tmp/memory-broker.sock``); optional ``timeout_s`` (per broker call,
-    default 5) and ``retry_s`` (between reconnect attempts, default 2).
+    default 5), ``retry_s`` (between reconnect attempts, default 2), ``store_buffer_mb`` (new
+    blocks staged and not yet committed, at most; default 256; a step past it is not stored) and
+    ``store_in_step`` (default false: each step waits until its blocks are committed, as before
+    the stores moved off the request's path; for comparison).
 
     With per-GPU brokers, a worker uses the broker of its device (torch's current device, else
     its local rank's visible device) and the scheduler, which may see no GPU, looks rank r up in
@@ -73,11 +85,11 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         extra = dict(cfg.kv_connector_extra_config or {})
-        unknown = set(extra) - {"socket", "timeout_s", "retry_s"}
+        unknown = set(extra) - set(EXTRA_KEYS)
         if unknown:
             raise ValueError(
                 f"MemoryBrokerConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                "it takes socket, timeout_s and retry_s"
+                f"it takes {', '.join(EXTRA_KEYS)}"
             )
         given = str(extra["socket"]) if extra.get("socket") else None
         from vllm.platforms import current_platform
@@ -115,7 +127,14 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             except (AssertionError, RuntimeError):
                 self.tp_rank = 0
             self.broker = store.worker_broker(given, self.tp_rank, **kw)
-            self.connector_worker = BrokerKVWorker(self.broker, self.tp_rank, kv_cache_config.num_blocks, self.stats)
+            self.connector_worker = BrokerKVWorker(
+                self.broker,
+                self.tp_rank,
+                kv_cache_config.num_blocks,
+                self.stats,
+                store_buffer_bytes=int(float(extra.get("store_buffer_mb", DEFAULT_STORE_BUFFER >> 20)) * (1 << 20)),
+                store_in_step=_flag(extra.get("store_in_step", False)),
+            )
         self.socket = self.broker.socket
         log.info(
             "MemoryBrokerConnector (%s, tp rank %d) on broker %s, block %d tokens",
@@ -181,12 +200,8 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     # ================================================================ both
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.stats.is_empty():
-            return None
         # The halves hold this very object: hand out a copy and zero it.
-        out = BrokerKVStats(data=dict(self.stats.data))
-        self.stats.reset()
-        return out
+        return self.stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -7,6 +7,7 @@ and reads them. Nothing here talks to the broker or touches KV tensors.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,11 @@ STAT_NAMES = (
 )
 
 
+# The worker's saver thread counts too (kv_saver.py): one lock for every stats object (a
+# lock cannot travel with the stats vLLM sends between processes).
+_STATS_LOCK = threading.Lock()
+
+
 @dataclass
 class BrokerKVStats(KVConnectorStats):
     """Counters since the last report; ``reduce`` gives the sums."""
@@ -42,10 +48,20 @@ class BrokerKVStats(KVConnectorStats):
             self.data.setdefault(k, 0)
 
     def add(self, name: str, n: int = 1) -> None:
-        self.data[name] = self.data.get(name, 0) + n
+        with _STATS_LOCK:
+            self.data[name] = self.data.get(name, 0) + n
 
     def reset(self):
         self.data = {k: 0 for k in STAT_NAMES}
+
+    def take(self) -> BrokerKVStats | None:
+        """A copy of the counters, zeroed here; None when all are zero."""
+        with _STATS_LOCK:
+            if self.is_empty():
+                return None
+            out = BrokerKVStats(data=dict(self.data))
+            self.reset()
+        return out
 
     def aggregate(self, other: KVConnectorStats) -> BrokerKVStats:
         for k, v in (other.data or {}).items():

@@ -3,8 +3,9 @@
 ``BrokerKVWorker`` runs in each of vLLM's workers, inside ``MemoryBrokerConnector``
 (``kv_connector.py``), the facade vLLM instantiates. Before the forward pass it copies the
 step's loads (``BrokerKVMetadata.loads``, objects the scheduler pinned) from the broker's pages
-into the KV cache; during it, it stores the step's new blocks in one prepare per step, layer by
-layer as vLLM saves them, committed in ``wait_for_save``. A block object holds a block's bytes
+into the KV cache; during it, it copies the step's new blocks, layer by layer as vLLM saves
+them, into a staging buffer, which ``wait_for_save`` hands to ``KVSaver`` (``kv_saver.py``): a
+thread stores them in batches, off the request's path. A block object holds a block's bytes
 layer after layer, each layer's elements in the KV cache's memory order (``BlockMover``;
 ``identity.KEY_VERSION`` 2). Failures are reported to vLLM as blocks to recompute, or as blocks not stored; never as a failed request.
 """
@@ -28,6 +29,7 @@ from memory_broker.clients.vllm.kv_records import (  # noqa: E402
     BrokerKVWorkerMetadata,
     LoadRequest,
 )
+from memory_broker.clients.vllm.kv_saver import KVSaver, Staged  # noqa: E402
 from memory_broker.proto.wire.errors import BrokerError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -35,11 +37,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.memory_broker.kv_worker")
 
+# Bytes of new blocks staged and not yet committed, at most (``store_buffer_mb``).
+DEFAULT_STORE_BUFFER = 256 << 20
+_UNSET = object()
+
 
 class BrokerKVWorker:
     """The worker half (see the module docstring); ``stats`` is the facade's, shared."""
 
-    def __init__(self, broker: BrokerKV, tp_rank: int, num_blocks: int, stats: BrokerKVStats):
+    def __init__(
+        self,
+        broker: BrokerKV,
+        tp_rank: int,
+        num_blocks: int,
+        stats: BrokerKVStats,
+        *,
+        store_buffer_bytes: int = DEFAULT_STORE_BUFFER,
+        store_in_step: bool = False,
+    ):
         self.broker = broker
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
@@ -51,9 +66,11 @@ class BrokerKVWorker:
         self._layer_nbytes = 0
         self._block_nbytes = 0
         self._enabled = False
-        self._txn = None
-        self._txn_client = None
-        self._step_saves: list[tuple[int, bytes]] | None = None
+        self.store_in_step = store_in_step
+        self._saver = KVSaver(broker, stats, store_buffer_bytes)
+        # This step's staged saves: _UNSET until its first save_kv_layer, None for none.
+        self._staged: Staged | None | object = _UNSET
+        self._staged_blocks: list[int] = []
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()
 
@@ -190,79 +207,70 @@ class BrokerKVWorker:
 
     # ---------------------------------------------------------------- saves
 
-    def _prepare_saves(self, meta: BrokerKVMetadata) -> None:
-        """One prepare for the step's new blocks (a block two requests share, once)."""
-        self._step_saves = []
-        seen: set[bytes] = set()
+    def _stage_saves(self, meta: BrokerKVMetadata) -> None:
+        """Staging for the step's new blocks (a block two requests share, once; one another
+        step staged and the saver has not committed yet, not again). No broker call: the
+        page size is the current session's."""
+        self._staged = None
+        blocks, keys, seen = [], [], set()
         for sr in meta.saves:
             for bid, h in zip(sr.block_ids, sr.chain_hashes):
                 key = identity.block_key(h, self.tp_rank)
                 if key not in seen:
                     seen.add(key)
-                    self._step_saves.append((bid, key))
-        if not self._step_saves:
-            return
-        c = self.broker.client()
+                    blocks.append(bid)
+                    keys.append(key)
+        c = self.broker.client() if keys else None
         if c is None:
-            self.stats.add("store_skipped_blocks", len(self._step_saves))
-            self._step_saves = []
+            self.stats.add("store_skipped_blocks", len(keys))
             return
-        try:
-            specs = store.kv_specs([k for _, k in self._step_saves], self._block_nbytes, c.geometry.page_size)
-            self._txn = c.prepare(specs)
-            self._txn_client = c
-        except BrokerError as e:
-            self.stats.add("store_skipped_blocks", len(self._step_saves))
-            self.stats.add("broker_errors")
-            self.broker.failed(c, e, "prepare")
-            self._step_saves = []
-            self._txn = None
+        page_size = c.geometry.page_size
+        per_block = store.pages_for(self._block_nbytes, page_size)
+        fresh = self._saver.reserve(keys, per_block * page_size)
+        if fresh is None:  # the staging limit: these blocks are not stored
+            self.stats.add("store_skipped_blocks", len(keys))
+            return
+        if not fresh:
+            return
+        device = next(iter(self._kv.values())).device
+        staging = self._saver.buffer(len(fresh) * per_block * page_size, device)
+        self._staged = Staged([keys[i] for i in fresh], staging, page_size, per_block)
+        self._staged_blocks = [blocks[i] for i in fresh]
 
     def save_kv_layer(self, meta: object, layer_name: str) -> None:
         if not self._enabled or layer_name not in self._layers:
             return
         if not isinstance(meta, BrokerKVMetadata) or not meta.saves:
             return
-        if self._step_saves is None:
-            self._prepare_saves(meta)
-        if self._txn is None:
+        if self._staged is _UNSET:
+            self._stage_saves(meta)
+        st = self._staged
+        if st is None:
             return
-        c = self._txn_client
-        li = self._layers[layer_name]
+        k = st.pages_per_block
+        pages = [list(range(i * k, (i + 1) * k)) for i in range(len(st.keys))]
         try:
-            mover = self._mover_for(c.geometry.page_size)
-            blocks = [bid for bid, _ in self._step_saves]
-            mover.save(c.physical_view(), blocks, [obj.pages for obj in self._txn.objects], layer=li)
+            self._mover_for(st.page_size).save(st.staging, self._staged_blocks, pages, layer=self._layers[layer_name])
         except (RuntimeError, ValueError, OSError) as e:
             log.warning(
-                "MemoryBrokerConnector: writing layer %s failed (%s); this step's blocks are not stored", layer_name, e
+                "MemoryBrokerConnector: copying layer %s failed (%s); this step's blocks are not stored", layer_name, e
             )
-            self._abort_saves()
-
-    def _abort_saves(self) -> None:
-        if self._txn is not None:
-            self.stats.add("store_skipped_blocks", len(self._step_saves or ()))
-            try:
-                self._txn.abort()
-            except BrokerError as e:
-                self.broker.failed(self._txn_client, e, "abort")
-        self._txn = None
+            self.stats.add("store_skipped_blocks", len(st.keys))
+            self._saver.release(st.keys, st.nbytes)
+            self._staged = None
 
     def wait_for_save(self) -> None:
-        txn, self._txn = self._txn, None
-        saves, self._step_saves = self._step_saves, None
-        if txn is None:
+        """The step's staged blocks go to the saver's thread; the step does not wait for
+        them (``store_in_step``: it does, the connector's behaviour before the saver)."""
+        st, self._staged = self._staged, _UNSET
+        if st is None or st is _UNSET:
             return
-        try:
-            committed = txn.commit()
-        except BrokerError as e:
-            self.stats.add("store_skipped_blocks", len(saves or ()))
-            self.stats.add("broker_errors")
-            self.broker.failed(self._txn_client, e, "commit")
-            return
-        dedup = sum(1 for o in committed if o.deduplicated)
-        self.stats.add("stored_blocks", len(committed) - dedup)
-        self.stats.add("deduplicated_blocks", dedup)
+        if st.staging.device.type == "cuda":
+            st.ready = torch.cuda.Event()
+            st.ready.record()
+        self._saver.submit(st)
+        if self.store_in_step:
+            self._saver.drain(self.broker.timeout_s * 3)
 
     # ---------------------------------------------------------------- reports
 
@@ -278,5 +286,4 @@ class BrokerKVWorker:
         return out
 
     def shutdown(self) -> None:
-        if self._txn is not None:
-            self._abort_saves()
+        self._saver.close(self.broker.timeout_s)
