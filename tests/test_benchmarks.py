@@ -7,6 +7,7 @@ code it drives would otherwise go unnoticed until the next person tries to measu
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -332,6 +333,42 @@ def test_bench_vllm_kv_report_says_a_run_stopped_early_and_its_setup():
     assert "vLLM's queues spinning 0.05 s after a message" in text and ": fair" in text
     a.vllm_defaults, a.stopped_early = True, ""
     assert "vLLM's own CPU setup" in kv.report(a, [_row("none", 100, 200)], True, 1.0)
+
+
+def test_bench_vllm_kv_pairs_requests_and_bounds_each_ratio_by_bootstrap():
+    # Request i ran in every mode: broker is 0.9x none on every local hit, 1.2x on misses; the A/A
+    # control 1.0x everywhere but for noise of +-2%.
+    rng = random.Random(3)
+    base = [("local", 100 + rng.random() * 50) for _ in range(60)] + [
+        ("miss", 500 + rng.random() * 100) for _ in range(20)
+    ]
+    res = {
+        "none": [{"kind": k, "ttft_s": t} for k, t in base],
+        "none2": [{"kind": k, "ttft_s": t * (1 + rng.uniform(-0.02, 0.02))} for k, t in base],
+        "broker": [{"kind": k, "ttft_s": t * (0.9 if k == "local" else 1.2)} for k, t in base],
+    }
+    local = kv.paired(res, "broker", "none", "local")
+    assert local["n"] == 60 and local["per_request"][0] == pytest.approx(0.9)
+    lo, hi = local["per_request"][1:]
+    assert lo == pytest.approx(0.9) and hi == pytest.approx(0.9)  # every pair says 0.9: no spread
+    aa = kv.paired(res, "none2", "none", "miss")
+    assert aa["median"][1] < 1.0 < aa["median"][2] and aa["median"][2] - aa["median"][1] < 0.1
+    assert kv.paired(res, "lmcache", "none", "miss") is None
+    text = "\n".join(kv.paired_lines(res))
+    assert "| broker / none | miss | 20 | 1.200 [1.20-1.20] |" in text
+    assert "| none2 / none | local | 60 |" in text and "lmcache" not in text
+
+
+def test_bench_vllm_kv_targets_say_met_or_not_and_where_the_a_a_spread_covers_them():
+    rows = [_row("none", 100, 200), _row("none2", 103, 190), _row("broker", 104, 205), _row("lmcache", 110, 200)]
+    rows[2]["cross"] = {"n": 1, "median_ms": 20, "p90_ms": 100}
+    text = "\n".join(kv.target_lines(rows))
+    assert "* broker / none, miss median: 1.040 (target <= 1.05): met; the A/A control is 1.030" in text
+    assert (
+        "* broker / none, local p90: 1.025 (target <= 1.05): met; the A/A control is 0.950, inside its spread" in text
+    )
+    assert "* none / broker, cross p90: 2.000 (target >= 3): NOT met" in text
+    assert "* broker / lmcache, local p90: 1.025 (target <= 1): NOT met" in text
 
 
 def test_soak_broker_memory_small_run_prints_both_soaks_and_keeps_every_rule():

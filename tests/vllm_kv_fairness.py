@@ -15,7 +15,10 @@ import platform
 import random
 import time
 
-BASE_MODES = ("none", "file", "noop", "broker")
+# broker-sync: the broker's connector with each step waiting for its stores (store_in_step),
+# as it did before the stores moved off the request's path; lmcache: LMCache's own connector
+# and multiprocess server (the peer).
+BASE_MODES = ("none", "file", "noop", "broker", "broker-sync", "lmcache")
 
 
 SPIN_ENV = "MB_BENCH_VLLM_SPIN_S"
@@ -77,6 +80,22 @@ def cpu_seconds(pids: list[int]) -> float:
     return sum(st[1] for p in pids if (st := _stat(p)) is not None)
 
 
+def pss_bytes(pids: list[int]) -> int:
+    """Proportional set size of the processes (pages shared between them, such as the broker's
+    arena mapped by its engines, counted once in all)."""
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total
+
+
 KINDS = ("local", "cross", "miss")
 
 
@@ -131,14 +150,14 @@ def cpu_lines(ledger, results: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def report(a, rows: list[dict], same: bool, wall_s: float, ledger=None, results=None) -> str:
+def report(a, rows: list[dict], same: bool, wall_s: float, ledger=None, results=None, extra=()) -> str:
     modes = [r["mode"] for r in rows]
     setup = "vLLM's own CPU setup" if a.vllm_defaults else (
         f"every engine alike: OpenMP on CPUs {engine_env(a)['VLLM_CPU_OMP_THREADS_BIND']}, idle OpenMP threads "
         f"sleeping at once, vLLM's queues spinning {a.queue_spin_s:g} s after a message")  # fmt: skip
     lines = [
         f"### vLLM shared-prefix workload, modes interleaved ({time.strftime('%Y-%m-%d')}, "
-        f"{platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, vLLM CPU backend)",
+        f"{platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, vLLM CPU backend)",
         "",
         f"{a.groups} groups of a {a.prefix}-token system prompt: per group 1 miss (engine 1), 1 cross-engine request "
         f"(engine 2) and {a.hits} local prefix-cache hits (alternating engines), {a.tail}-token tails; each request "
@@ -161,14 +180,114 @@ def report(a, rows: list[dict], same: bool, wall_s: float, ledger=None, results=
     lines += ratio_lines(rows)
     if ledger is not None:
         lines += cpu_lines(ledger, results)
-    by = {r["mode"]: r for r in rows}
-    if "broker" in by and "none" in by:
-        b, n = by["broker"], by["none"]
-        lines += [
-            "",
-            f"Targets: local hits, broker / none: median {b['local']['median_ms'] / n['local']['median_ms']:.3f}, "
-            f"p90 {b['local']['p90_ms'] / n['local']['p90_ms']:.3f} (target <= 1.05); cross-engine, none / broker: "
-            f"median {n['cross']['median_ms'] / b['cross']['median_ms']:.2f}x, p90 "
-            f"{n['cross']['p90_ms'] / b['cross']['p90_ms']:.2f}x (target >= 3x).",
-        ]
+    lines += list(extra)
+    if results is not None:
+        lines += paired_lines(results)
+    lines += target_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """Issue 49's targets, each met or not, and whether its ratio lies inside the A/A
+    control's spread at the same statistic (|ratio - 1| within |none2 / none - 1|)."""
+    by = {r["mode"]: r for r in rows}
+    if "broker" not in by or "none" not in by:
+        return []
+
+    def ratio(m: str, p: str, kind: str, q: str) -> float | None:
+        a, b = by.get(m, {}).get(kind), by.get(p, {}).get(kind)
+        return a[q] / b[q] if a and b else None
+
+    checks = []
+    for kind in ("miss", "local"):
+        for q in ("median_ms", "p90_ms"):
+            checks.append((f"broker / none, {kind} {q[:-3]}", ratio("broker", "none", kind, q), "<=", 1.05, kind, q))
+    for q in ("median_ms", "p90_ms"):
+        r = ratio("broker", "none", "cross", q)
+        checks.append((f"none / broker, cross {q[:-3]}", 1 / r if r else None, ">=", 3.0, None, q))
+    if "lmcache" in by:
+        for kind in KINDS:
+            for q in ("median_ms", "p90_ms"):
+                checks.append((f"broker / lmcache, {kind} {q[:-3]}", ratio("broker", "lmcache", kind, q), "<=", 1.0, kind, q))  # fmt: skip
+    lines = ["", "Targets (issue 49):", ""]
+    for name, v, op, limit, kind, q in checks:
+        if v is None:
+            continue
+        met = v <= limit if op == "<=" else v >= limit
+        aa = ratio("none2", "none", kind, q) if kind else None
+        spread = (
+            f"; the A/A control is {aa:.3f}" + (", inside its spread" if abs(v - 1) <= abs(aa - 1) else "")
+            if aa
+            else ""
+        )
+        lines.append(f"* {name}: {v:.3f} (target {op} {limit:g}): {'met' if met else 'NOT met'}{spread}")
+    return lines
+
+
+# ------------------------------------------------------------- paired ratios
+
+
+def bootstrap(pairs: list[tuple[float, float]], stat, n: int = 2000, seed: int = 7) -> tuple[float, float, float]:
+    """``stat(pairs)`` and its 95% interval, resampling the pairs (requests) with replacement."""
+    rng = random.Random(seed)
+    got = sorted(stat([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(n))
+    return stat(pairs), got[int(0.025 * (n - 1))], got[int(0.975 * (n - 1))]
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def _p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+
+
+def paired(results: dict[str, list[dict]], mode: str, peer: str, kind: str) -> dict | None:
+    """Request by request (each request ran in every mode), ``mode`` against ``peer``: the
+    median of the per-request ratios, and the ratios of the medians and of the p90s, each with
+    its bootstrap interval; None when either mode lacks the kind."""
+    pairs = [
+        (a["ttft_s"], b["ttft_s"]) for a, b in zip(results.get(mode, []), results.get(peer, [])) if a["kind"] == kind
+    ]
+    if not pairs:
+        return None
+    return {
+        "n": len(pairs),
+        "per_request": bootstrap(pairs, lambda ps: _median([x / y for x, y in ps])),
+        "median": bootstrap(pairs, lambda ps: _median([x for x, _ in ps]) / _median([y for _, y in ps])),
+        "p90": bootstrap(pairs, lambda ps: _p90([x for x, _ in ps]) / _p90([y for _, y in ps])),
+    }
+
+
+PAIRS = (("none2", "none"), ("broker", "none"), ("lmcache", "none"), ("broker-sync", "none"),
+         ("broker", "lmcache"), ("broker", "broker-sync"))  # fmt: skip
+
+
+def _ci(t: tuple[float, float, float]) -> str:
+    return f"{t[0]:.3f} [{t[1]:.2f}-{t[2]:.2f}]"
+
+
+def paired_lines(results: dict[str, list[dict]]) -> list[str]:
+    """The paired table (see ``paired``) for every pair of ``PAIRS`` that ran, and where the A/A
+    control ran, whether each ratio lies inside its spread (|ratio - 1| within the A/A's)."""
+    lines = ["", "Paired, request by request (95% bootstrap intervals over requests):", "",
+             "| mode / peer | kind | n | median of per-request ratios | ratio of medians | ratio of p90s |",
+             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    ran = [(m, p) for m, p in PAIRS if results.get(m) and results.get(p)]
+    aa = {k: paired(results, "none2", "none", k) for k in KINDS} if ("none2", "none") in ran else {}
+    for m, p in ran:
+        for kind in KINDS:
+            r = paired(results, m, p, kind)
+            if r is None:
+                continue
+            cells = []
+            for q in ("per_request", "median", "p90"):
+                cell = _ci(r[q])
+                if aa.get(kind) and (m, p) != ("none2", "none") and abs(r[q][0] - 1) <= abs(aa[kind][q][0] - 1):
+                    cell += " (inside A/A)"
+                cells.append(cell)
+            lines.append(f"| {m} / {p} | {kind} | {r['n']} | " + " | ".join(cells) + " |")
+    return lines if ran else []

