@@ -225,3 +225,5 @@ class KVSaver:
             if src.device != phys.device:
                 src = src.to(phys.device)
             phys.index_copy_(0, torch.tensor(dst, dtype=torch.int64, device=phys.device), src)
+        if phys.device.type == "cuda":  # the bytes in place before the Commit shares them
+            torch.cuda.current_stream(phys.device).synchronize()

