@@ -567,7 +567,9 @@ def main() -> None:
         with open(a.out, "a") as f:
             f.write("\n" + text)
     if a.keep:
-        print(f"logs in {tmp}")
+        with open(os.path.join(tmp, "requests.json"), "w") as f:
+            json.dump(results, f)  # every request's time, per mode, in the order sent
+        print(f"logs and requests.json in {tmp}")
     else:
         shutil.rmtree(tmp, ignore_errors=True)
     if not same:
