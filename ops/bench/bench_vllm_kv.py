@@ -515,7 +515,7 @@ def main() -> None:
     ap.add_argument(
         "--lmcache-l1-gb",
         type=float,
-        default=1.0,
+        default=0.5,
         help="the LMCache server's memory for KV (it touches all of it at start; the workload holds under 0.5)",
     )
     ap.add_argument("--groups", type=int, default=10, help="system prompts (a miss and a cross-engine request each)")
