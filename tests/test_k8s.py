@@ -432,13 +432,14 @@ class Node:
     """run-brokers.sh from the ConfigMap as the DaemonSet runs it, on a host arena (flags the
     script passes on), with ``gpus`` standing in for the node's GPUs."""
 
-    def __init__(self, gpus: list[dict], *flags: str):
+    def __init__(self, gpus: list[dict], *flags: str, data: dict[str, str] | None = None):
         objs = manifests()
         self.dir = short_tmpdir()
         self.run_dir = os.path.join(self.dir, "run")
-        for name in ("broker.yaml", "run-brokers.sh"):
+        # The ConfigMap's keys, as files in one directory (/etc/memory-broker in the pod).
+        for name, text in {**config_map(objs), **(data or {})}.items():
             with open(os.path.join(self.dir, name), "w") as f:
-                f.write(config_map(objs)[name])
+                f.write(text)
         with open(os.path.join(self.dir, "gpus.json"), "w") as f:
             json.dump(gpus, f)
         self.probe = container(broker_spec(objs), "broker")["readinessProbe"]["exec"]["command"]
@@ -485,11 +486,18 @@ class Node:
 @pytest.mark.timeout(180)
 def test_the_entrypoint_runs_a_broker_per_gpu_that_the_probe_and_the_metrics_ports_find_and_drains_on_sigterm():
     base = free_ports(2)
-    node = Node(GPUS[:2], "--metrics-port", str(base), "--metrics-address", "127.0.0.1")
+    # A ConfigMap key named after a GPU is that GPU's own settings, over broker.yaml.
+    own = {f"{GPUS[1]['uuid']}.yaml": "memory_pool:\n  page_size: 1MiB\n"}
+    node = Node(GPUS[:2], "--metrics-port", str(base), "--metrics-address", "127.0.0.1", data=own)
     try:
         node.ready()
         brokers = children(node.proc.pid)
         assert len(brokers) == 2
+        r = subprocess.run([*node.probe, "--json"], env=node.env, capture_output=True, text=True, check=True)
+        assert [(b["gpu_uuid"], b["max_pages"]) for b in json.loads(r.stdout)] == [
+            (GPUS[0]["uuid"], 64),
+            (GPUS[1]["uuid"], 128),
+        ]
         for gpu in GPUS[:2]:
             assert os.path.exists(os.path.join(node.run_dir, gpu["uuid"], "broker.sock"))
             with urllib.request.urlopen(f"http://127.0.0.1:{base + gpu['index']}/metrics", timeout=10) as r:
