@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import itertools
 import json
 import os
 import shlex
@@ -376,23 +377,23 @@ def test_each_gpus_metrics_port_is_the_one_the_pod_and_the_node_local_service_na
     assert len(found) == 17 and "internalTrafficPolicy is Cluster" in found[-1], found
 
 
-def test_the_commented_tier_block_loads_once_the_broker_has_the_tier(tmp_path):
-    text = config_map(manifests())["broker.yaml"]
-    lines = text.splitlines()
+def test_the_commented_tier_block_loads_once_the_broker_has_the_tier(short_dir, monkeypatch):
+    objs = manifests()
+    lines = config_map(objs)["broker.yaml"].splitlines()
     start = lines.index("# tier:")
-    block = [lines[start]] + [ln for ln in lines[start + 1 :] if ln.startswith("#   ")]
+    block = [lines[start], *itertools.takewhile(lambda ln: ln.startswith("#   "), lines[start + 1 :])]
     assert [ln.split(":")[0].strip("# ") for ln in block] == [
         "tier",
         *("backend", "valkey_url", "deadline", "queue_depth", "write", "key_prefix"),
     ]
-    config = tmp_path / "broker.yaml"
-    config.write_text(text + "\n".join(ln[2:] for ln in block) + "\n")
+    config_map(objs)["broker.yaml"] += "\n".join(ln[2:] for ln in block) + "\n"
     if "tier.backend" in SCHEMA:
-        assert getattr(build_options(str(config), {}), SCHEMA["tier.backend"].name) == "valkey"
+        opts = broker_options(objs, GPUS[0], short_dir, monkeypatch)
+        assert getattr(opts, SCHEMA["tier.backend"].name) == "valkey"
     else:
         # This broker has no tier: the block must stay a comment, as the ConfigMap says.
         with pytest.raises(ConfigError, match="tier: unknown key"):
-            build_options(str(config), {})
+            broker_options(objs, GPUS[0], short_dir, monkeypatch)
 
 
 # ---------------------------------------------------------------- the entrypoint
