@@ -484,8 +484,29 @@ class Node:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def engine_on(node: Node, gpu: dict) -> str:
+    """The GPU whose broker an engine pod given ``gpu`` reaches with the example pod's environment
+    (its nvidia-smi lists that GPU alone, as device 0): the broker's ``ArenaInfo.device``."""
+    table = os.path.join(node.dir, "engine-gpus.json")
+    with open(table, "w") as f:
+        json.dump([dict(gpu, index=0)], f)
+    pod_env = {e["name"]: e["value"] for e in container(engine_spec(manifests()), "vllm")["env"]}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(MEMORY_BROKER_SOCKET=pod_env["MEMORY_BROKER_SOCKET"].replace("/run/memory-broker", node.run_dir))
+    env[DEVICE_TABLE_ENV] = table
+    code = (
+        "from memory_broker.clients import BrokerClient, Spec\n"
+        "with BrokerClient.connect() as c:\n"
+        "    c.allocate([Spec(1, content_type='kv_cache', key=b'k')])\n"
+        "    print(c.arena.device)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 @pytest.mark.timeout(180)
-def test_the_entrypoint_runs_a_broker_per_gpu_that_the_probe_and_the_metrics_ports_find_and_drains_on_sigterm():
+def test_the_entrypoint_runs_a_broker_per_gpu_that_probe_metrics_and_engine_find_and_drains_on_sigterm():
     base = free_ports(2)
     # A ConfigMap key named after a GPU is that GPU's own settings, over broker.yaml.
     own = {f"{GPUS[1]['uuid']}.yaml": "memory_pool:\n  page_size: 1MiB\n"}
@@ -503,6 +524,7 @@ def test_the_entrypoint_runs_a_broker_per_gpu_that_the_probe_and_the_metrics_por
             assert os.path.exists(os.path.join(node.run_dir, gpu["uuid"], "broker.sock"))
             with urllib.request.urlopen(f"http://127.0.0.1:{base + gpu['index']}/metrics", timeout=10) as r:
                 assert f'gpu_uuid="{gpu["uuid"]}"' in r.read().decode()
+        assert engine_on(node, GPUS[1]) == GPUS[1]["uuid"]
         node.proc.send_signal(signal.SIGTERM)
         assert node.proc.wait(40) == 0, node.output()
         assert all(gone(pid) for pid in brokers)
