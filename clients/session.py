@@ -91,7 +91,7 @@ class BrokerSession:
         self._page_access = True
         # Changes a background step batch has queued whose reply is not in yet (one lock
         # each, held until it is): the session's other calls wait for them, so the broker
-        # sees the calls in the order they were made (clients/batch.py).
+        # sees the calls in the order they were made (clients/step/batch.py).
         self._unsent: list[threading.Lock] = []
         self._requests: queue.Queue | None = None
         self._stream = None

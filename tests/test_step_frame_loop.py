@@ -366,7 +366,7 @@ def test_frames_behind_a_waiting_frame_are_answered_after_it_in_order(gated_load
     its reply, in the order sent; nothing is answered on that connection before the load."""
     import select
 
-    from memory_broker.clients.step_transport import StepTransport
+    from memory_broker.clients.step.transport import StepTransport
 
     box, c, aid, gate, reached = gated_load
     t = StepTransport(c._step_socket(), c.token, None)
@@ -394,7 +394,7 @@ def test_frames_behind_a_waiting_frame_are_answered_after_it_in_order(gated_load
 
 def test_a_connection_that_goes_during_a_load_leaves_nothing_pinned(gated_load):
     """What a load acquires for a connection closed before its reply is given back."""
-    from memory_broker.clients.step_transport import StepTransport
+    from memory_broker.clients.step.transport import StepTransport
 
     box, c, aid, gate, reached = gated_load
     base = _pinned(c)

@@ -319,6 +319,10 @@ def client():
             sys.path.insert(0, os.path.join(root, "tests"))
             from rigs import write_adapter
             c.register_adapter("a0", write_adapter(os.path.join(d, "a0"), 0))
+            images = os.path.join(d, "state", "images")
+            done = lambda: os.path.isdir(images) and [n for n in os.listdir(images) if not n.endswith(".tmp")]
+            while not done():  # converted ahead (its image renamed into place): the load reads it
+                time.sleep(0.05)
             c.lookup([b"nothing"])  # the step channel, connected and used
         time.sleep(0.2)
         sys.setprofile(profile)

@@ -71,7 +71,7 @@ from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path ab
 from rigs import inprocess_broker, write_adapter  # noqa: E402  (other benchmarks use them from here)
 
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
-from memory_broker.clients.batch import POLL_S  # noqa: E402
+from memory_broker.clients.step.batch import POLL_S  # noqa: E402
 from memory_broker.proto.wire import step as step_wire  # noqa: E402
 from memory_broker.proto.wire.session import KEY_METADATA  # noqa: E402
 from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402

@@ -2,12 +2,12 @@
 
 ``ChannelCalls`` has the methods and results of ``grpc_calls.py``'s ``GrpcCalls`` (acquire and
 release adapters, commit or abort an acquire, lookup, pin, unpin, ``step``, ``step_begin``, a
-running batch's ``change``) and sends them over one session's ``StepPath`` (``step.py``).
+running batch's ``change``) and sends them over one session's ``StepPath`` (``path.py``).
 ``BrokerClient`` picks one of the two per session (``_step_calls``). The channel answers every
 acquire itself (one that needs a load waits on the broker for it); only what the wire has no
 field for (an acquire in another dtype or of a rank's shards) and a lookup or an acquire whose
 channel broke (gRPC waits for the reconnect) go to the session's ``GrpcCalls``. Records become leases and objects through the
-session's ``SessionRecords`` (``step_lease.py``), once per placement: later steps reuse them.
+session's ``SessionRecords`` (``lease.py``), once per placement: later steps reuse them.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import logging
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 
-from memory_broker.clients.grpc_calls import GrpcCalls
-from memory_broker.clients.step import StepOutcome, StepPath, StepUnavailable
-from memory_broker.clients.step_delta import send_delta
-from memory_broker.clients.step_lease import PendingStepLease, StepLease
-from memory_broker.clients.step_transport import raise_refused
+from memory_broker.clients.step.delta import send_delta
+from memory_broker.clients.step.grpc_calls import GrpcCalls
+from memory_broker.clients.step.lease import PendingStepLease, StepLease
+from memory_broker.clients.step.path import StepOutcome, StepPath, StepUnavailable
+from memory_broker.clients.step.transport import raise_refused
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -74,7 +74,7 @@ def _pairs(adapters: list) -> tuple[list, list]:
 
 class ChannelCalls:
     """The step calls of one session over its step channel (``client``: a ``BrokerClient``),
-    planned against its holdings cache (``hold_s``; without it, ``step_direct.DirectCalls``)."""
+    planned against its holdings cache (``hold_s``; without it, ``direct.DirectCalls``)."""
 
     def __init__(self, client, path: StepPath, grpc: GrpcCalls):
         self.client = client
@@ -89,7 +89,7 @@ class ChannelCalls:
         # Whether a give-back's frame is posted (its reply read later) or waited for
         # (``connect``'s ``post_give_backs``).
         self.posting: bool = client.post_give_backs
-        # Whether a step batch's change may take the short lane (``step_delta.lane_begin``):
+        # Whether a step batch's change may take the short lane (``delta.lane_begin``):
         # on a caching path (without one, ``DirectCalls``' own ``change``).
         self.lane: bool = path.caching
 
@@ -401,7 +401,7 @@ class ChannelCalls:
 
     def change(self, new_ids: list[str], rel: list[str], new_keys: list[bytes], unpin: list[int]):
         """A running batch's change (``StepBatch``): its frame (if any) goes out now
-        (``step_delta.send_delta`` called directly, its failures mapped by ``_error_of`` as
+        (``delta.send_delta`` called directly, its failures mapped by ``_error_of`` as
         ``_fast`` maps them: one layer fewer on a path a background batch runs cold every step)."""
         try:
             return _ChannelChange(self, send_delta(self.path, new_ids, rel, new_keys, unpin))

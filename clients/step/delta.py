@@ -2,7 +2,7 @@
 and sends it (at most one frame), ``PendingDelta`` reads its reply, ``finish_delta`` accounts it.
 
 The work is proportional to the change (no cap, no prepare, no carry: the batch, ``batch.py``,
-counts itself). The functions take the ``StepPath`` (``step.py``) whose socket and holdings
+counts itself). The functions take the ``StepPath`` (``path.py``) whose socket and holdings
 (``StepPath.held``) the change goes through, under that path's lock.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-from memory_broker.clients.step_holdings import HeldAdapter, HeldPin
-from memory_broker.clients.step_transport import StepUnavailable
+from memory_broker.clients.step.holdings import HeldAdapter, HeldPin
+from memory_broker.clients.step.transport import StepUnavailable
 from memory_broker.proto.wire import step as w
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 ``StepTransport`` connects, says HELLO with the session token (the broker checks it and this
 process's credentials), and sends and receives whole frames of ``memory_broker.proto.wire.step``; one
-call at a time (its caller locks). It knows nothing of what the frames mean (``step.py``).
+call at a time (its caller locks). It knows nothing of what the frames mean (``path.py``).
 
 Replies come in the order the frames went out, so a frame need not wait for its own: a
 *posted* frame (``post``: a give-back, whose reply says only whether it ran) goes out and its

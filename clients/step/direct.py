@@ -1,7 +1,7 @@
 """The step channel's calls without the holdings cache (``hold_s`` 0, the default): each call is
 one frame of its own items, sent straight (no plan against a cache there is not).
 
-``DirectCalls`` is ``ChannelCalls`` (``fastpath.py``) for such a session: ``step_calls.choose_calls`` picks
+``DirectCalls`` is ``ChannelCalls`` (``channel.py``) for such a session: ``calls.choose_calls`` picks
 it. Its calls are the engine's every step (``step``: what the previous step gives back, a
 commit, the acquire and the lookup in one frame; or the generic calls, a frame each), so their
 fixed cost per frame is what this module is about: ops are tuples (the native encoder takes
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memory_broker.clients.fastpath import ChannelCalls, _admitted, not_answered
-from memory_broker.clients.step import StepUnavailable
-from memory_broker.clients.step_lease import PendingStepLease, StepLease
-from memory_broker.clients.step_transport import raise_refused
+from memory_broker.clients.step.channel import ChannelCalls, _admitted, not_answered
+from memory_broker.clients.step.lease import PendingStepLease, StepLease
+from memory_broker.clients.step.path import StepUnavailable
+from memory_broker.clients.step.transport import raise_refused
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard

@@ -1,8 +1,8 @@
 """What a step got (``StepOutcome``), and a step the client sent and has not read the answer of yet: ``StepPath.begin``'s ``PendingStep``
-(with the ``_Plan`` its reply is matched against) (a running batch's ``PendingDelta`` is ``step_delta.py``'s).
+(with the ``_Plan`` its reply is matched against) (a running batch's ``PendingDelta`` is ``delta.py``'s).
 
 Each pending step reads its reply once, under the lock of the ``StepPath`` that sent it
-(``step.py``, passed in as ``path``), and hands it back to that path to account; nothing here
+(``path.py``, passed in as ``path``), and hands it back to that path to account; nothing here
 decides what a reply means.
 """
 
