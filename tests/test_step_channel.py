@@ -1025,3 +1025,26 @@ def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_g
     while pins() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert pins() == 0 and setup.stats().pinned_pages == 0
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 1.0], ids=["direct", "cache"])
+def test_a_lease_says_where_an_adapter_was_found_when_the_channel_loaded_it(step_rig, hold_s):
+    """An adapter the broker loads for a frame is "cold" in that lease (acquire, step and a
+    running batch's change alike), with or without the holdings cache, and "hot" after."""
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+        lease = c.acquire_adapters(["a0"])
+        assert [a.found_in for a in lease.adapters] == ["cold"]
+        lease.release()
+        s = c.step(["a0", "a1"])
+        assert [a.found_in for a in s.adapters.adapters] == ["hot", "cold"]
+        s.release()
+        batch = c.step_batch()
+        batch.update(add=["a2"])
+        assert batch.adapters["a2"].found_in == "cold"
+        batch.update(add=["a0"], drop=["a2"])
+        assert batch.adapters["a0"].found_in == "hot"
+        batch.release()
+        again = c.acquire_adapters(["a2"])
+        assert [a.found_in for a in again.adapters] == ["hot"]
+        again.release()

@@ -820,8 +820,8 @@ def test_the_native_plan_leaves_other_sequences_to_the_python_pass():
     assert repr(_held_state(h)) == before
 
 
-def _outcome(missing, hot=True):
-    ads = tuple(w.AcquiredRecord(3, 200 + i, w.TIER_WARM, (50 + i,)) for i in range(len(missing)))
+def _outcome(missing, hot=True, tier=w.TIER_WARM):
+    ads = tuple(w.AcquiredRecord(3, 200 + i, tier, (50 + i,)) for i in range(len(missing)))
     return w.AcquireOutcome(hot, 9, 0.0, ads)
 
 
@@ -852,8 +852,8 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
         plan = _run(_with_core(None), step_delta._plan, h, True, new_ids, [], new_keys, [], 3.0)[1]
         ops, held, missing, acq, look = plan
         results = [None] * len(ops)
-        if acq >= 0:
-            results[acq] = _outcome(missing)
+        if acq >= 0:  # found hot: the only records the native pass is given (a load's: the Python pass)
+            results[acq] = _outcome(missing, tier=w.TIER_HOT)
         if look >= 0:
             results[look] = _found(found_oids)
         p = step_delta.PendingDelta(None, new_ids, held, missing, acq, look, len(ops), bool(ops))
@@ -870,9 +870,21 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
     want = _run(_with_core(None), step_delta.finish_delta, pp, p_p, r_p)
     assert want == ("ok", got)
     assert _held_state(states[0]) == _held_state(states[1])
-    # Records the adapters are held by are the hot copies, not the reply's (warm) records.
+    # Records the adapters are held by are hot copies of the reply's records.
     for aid, rec in got[0] or []:
         assert rec.found_in == w.TIER_HOT and states[0].adapters[aid].record is rec
+    # A change whose acquire loaded one (found warm or cold) is left to the Python pass, whose
+    # records say so: the native pass is not asked.
+    if missing:
+        h = _holdings(random.Random(seed))
+        plan = _run(_with_core(None), step_delta._plan, h, True, new_ids, [], new_keys, [], 3.0)[1]
+        ops, held, missing, acq, look = plan
+        results = [None] * len(ops)
+        results[acq] = _outcome(missing)
+        if look >= 0:
+            results[look] = _found(found_oids)
+        p = step_delta.PendingDelta(None, new_ids, held, missing, acq, look, len(ops), bool(ops))
+        assert step_delta._finish_native(h, p, w.StepReply(4, results)) is None
 
 
 def test_a_pin_on_an_object_held_already_is_surplus_and_goes_back_with_the_next_frame():

@@ -217,11 +217,12 @@ def _finish_adapters(path, p: PendingDelta, results: list, ok: bool, now: float)
         if hot and path.hold_s > 0:
             got = dict(got)
             for aid, rec in zip(p.missing, r.adapters):
-                rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
-                cache.adapters[aid] = HeldAdapter(rec, 1 if ok else 0, 0.0 if ok else now)
+                # Held hot from now on; this change's lease says where it was found.
+                hot_rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
+                cache.adapters[aid] = HeldAdapter(hot_rec, 1 if ok else 0, 0.0 if ok else now)
                 if not ok:
                     cache.idle_a[aid] = None
-                got[aid] = rec
+                got[aid] = rec if rec.found_in != w.TIER_HOT else hot_rec
         elif hot:
             got = dict(zip(p.missing, r.adapters))
             if not ok:
@@ -236,6 +237,8 @@ def _finish_adapters(path, p: PendingDelta, results: list, ok: bool, now: float)
 def _finish_native(cache, p: PendingDelta, reply: w.StepReply):
     """``finish_delta`` of an accepted change on a caching path in one native pass
     (``_stepcore.c``'s ``delta_finish``), or None, having changed nothing: the Python pass's."""
+    if 0 <= p.acq < len(reply.results) and any(a.found_in != w.TIER_HOT for a in reply.results[p.acq].adapters):
+        return None  # a load: its lease says the tier it was found in (the Python pass)
     got = w._core.delta_finish(
         cache.adapters, cache.pins, p.acquire, p.held, p.missing, p.acq, p.look,
         reply.results, w.AcquiredRecord, HeldAdapter, HeldPin, w.TIER_HOT,

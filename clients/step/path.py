@@ -342,6 +342,7 @@ class StepPath:
         told what the acquire took; what a refused frame acquired is given back."""
         out, now, caching, admitted = plan.out, plan.now, plan.caching, plan.admitted
         got: Sequence[w.AcquiredRecord] = ()  # uncached: the records, in admitted order
+        loaded: dict = {}  # cached: what this frame loaded (not hot when asked), by id
         if 0 <= plan.acq_index < len(results):
             r: w.AcquireOutcome = results[plan.acq_index]
             out.acquire_hot = r.hot
@@ -353,6 +354,8 @@ class StepPath:
                         w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
                     )
                     self.held.idle_a[aid] = None
+                    if rec.found_in != w.TIER_HOT:
+                        loaded[aid] = rec
             elif r.hot:
                 got = r.adapters
                 if not ok:
@@ -361,6 +364,8 @@ class StepPath:
             if caching:
                 held = plan.held
                 out.adapters = [(aid, held.get(aid) or self.held.lease_record(aid)) for aid in admitted]
+                if loaded:  # this step's lease says where they were found; the cache holds them hot
+                    out.adapters = [(aid, loaded.get(aid, rec)) for aid, rec in out.adapters]
             elif len(got) >= len(admitted):  # a record per admitted id, in order
                 out.adapters = list(zip(admitted, got))
             else:
