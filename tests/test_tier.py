@@ -1,0 +1,120 @@
+"""The tier's front (broker/tier/tier.py) over a fake backend: the queue is bounded and never
+blocks a caller, a job past its deadline is a miss, a failure is a miss and backs off, and a
+read whose bytes fail the digest is a miss. The real backends: tests/test_tier_backends.py."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+from memory_broker.broker.tier.base import Block, Meta, digest_parts, write_parts
+from memory_broker.broker.tier.tier import BACKOFF_S, Tier
+
+
+class FakeBackend:
+    """A dict store; ``gate`` (when set) holds every call until it opens; ``fail`` raises."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.metas_: dict[str, Meta] = {}
+        self.gate: threading.Event | None = None
+        self.fail = False
+        self.calls = 0
+        self.resets = 0
+
+    def _call(self):
+        self.calls += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail:
+            raise ConnectionError("refused")
+
+    def put(self, blocks, metas, timeout):
+        self._call()
+        for b, m in zip(blocks, metas):
+            self.values[b.key] = b"".join(ctypes.string_at(a, n) for a, n in b.parts)
+            self.metas_[b.key] = m
+        return [True] * len(blocks)
+
+    def metas(self, keys, timeout):
+        self._call()
+        return [self.metas_.get(k) for k in keys]
+
+    def get_into(self, blocks, timeout):
+        self._call()
+        return [b.key in self.values and write_parts(b.parts, self.values[b.key]) for b in blocks]
+
+    def register(self, address, size):
+        pass
+
+    def reset(self):
+        self.resets += 1
+
+    def close(self):
+        pass
+
+
+def buffer(n: int, fill: int = 0):
+    buf = (ctypes.c_uint8 * n)(*([fill] * n))
+    return buf, Block("k", ((ctypes.addressof(buf), n),))
+
+
+def test_a_full_queue_refuses_and_counts_without_blocking_the_caller():
+    backend = FakeBackend()
+    backend.gate = threading.Event()
+    tier = Tier(backend, deadline_s=5.0, queue_depth=2)
+    first = tier.find(["a"])  # taken by the thread, held at the gate
+    time.sleep(0.05)
+    queued = [tier.find(["b"]), tier.find(["c"])]
+    t0 = time.monotonic()
+    refused = [tier.find(["d"]) for _ in range(100)]
+    assert time.monotonic() - t0 < 0.1
+    assert refused == [None] * 100 and tier.counts.drops == 100 and tier.queued == 2
+    backend.gate.set()
+    assert [f.result(5) for f in (first, *queued)] == [[], [], []]
+    tier.close()
+
+
+def test_a_job_past_its_deadline_is_a_miss_without_a_call():
+    backend = FakeBackend()
+    backend.gate = threading.Event()
+    tier = Tier(backend, deadline_s=0.2, queue_depth=4)
+    held = tier.find(["a"])
+    time.sleep(0.05)
+    late = tier.find(["b"])
+    time.sleep(0.3)
+    backend.gate.set()
+    assert held.result(5) == [] and late.result(5) == []
+    assert tier.counts.timeouts == 2 and backend.calls == 1
+    tier.close()
+
+
+def test_a_failure_is_a_miss_that_backs_off_then_retries():
+    backend = FakeBackend()
+    tier = Tier(backend, deadline_s=1.0, queue_depth=4)
+    buf, block = buffer(64, 3)
+    backend.fail = True
+    assert tier.put([block]).result(5) == [False]
+    assert tier.counts.errors == 1 and backend.resets == 1 and not tier.up
+    assert tier.find(["k"]).result(5) == [] and tier.counts.skipped_down == 1 and backend.calls == 1
+    backend.fail = False
+    time.sleep(BACKOFF_S * 1.5)
+    assert tier.put([block]).result(5) == [True] and tier.up
+    tier.close()
+
+
+def test_a_read_whose_bytes_fail_the_digest_is_a_miss():
+    backend = FakeBackend()
+    tier = Tier(backend, deadline_s=1.0, queue_depth=4)
+    buf, block = buffer(64, 7)
+    assert tier.put([block]).result(5) == [True]
+    assert backend.metas_["k"].digest == digest_parts(block.parts)
+    backend.values["k"] = b"\x08" * 64
+    out, into = buffer(64)
+    metas = tier.find(["k"]).result(5)
+    assert tier.get([into], metas).result(5) == [False]
+    assert tier.counts.corrupt == 1 and tier.counts.misses == 1 and tier.counts.hits == 0
+    tier.close()
