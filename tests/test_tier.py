@@ -118,3 +118,16 @@ def test_a_read_whose_bytes_fail_the_digest_is_a_miss():
     assert tier.get([into], metas).result(5) == [False]
     assert tier.counts.corrupt == 1 and tier.counts.misses == 1 and tier.counts.hits == 0
     tier.close()
+
+
+def test_a_tier_backend_without_its_address_is_refused_naming_the_setting():
+    import pytest
+
+    from memory_broker.broker.server.options import ServeOptions, SettingError
+
+    with pytest.raises(SettingError, match="tier_valkey_url: is not set"):
+        ServeOptions(tier_backend="valkey").validate()
+    with pytest.raises(SettingError, match="tier_mooncake_master: is not set"):
+        ServeOptions(tier_backend="mooncake").validate()
+    with pytest.raises(SettingError, match="needs the host arena"):
+        ServeOptions(tier_backend="valkey", tier_valkey_url="valkey://h:1/0", arena="cuda").validate()

@@ -118,6 +118,18 @@ def test_a_corrupted_value_is_a_miss(rig):
     assert tier.counts.corrupt == 1 and tier.counts.hits == 0
 
 
+def test_a_value_without_its_record_is_a_miss(rig):
+    # A writer killed between a value and its record (the record goes second) leaves a miss.
+    server, tier, mem = rig
+    (name,) = keys(1, "orphan")
+    mem.fill([0, 1], 5)
+    if server.kind == "valkey":
+        tier.backend._client.set(name, mem.read([0, 1]))
+    else:
+        assert tier.backend._connected().put(name, mem.read([0, 1])) == 0
+    assert tier.find([name]).result(10) == []
+
+
 def test_a_stopped_server_is_a_miss_within_the_deadline_and_later_calls_recover(rig):
     server, tier, mem = rig
     names = keys(2, "down")

@@ -20,7 +20,9 @@ from typing import Protocol
 
 # "blake2b:<hex>", as broker/store/digests.py writes an object's digest.
 ALGO = "blake2b"
-_META = struct.Struct("<4sIQ32s")
+_META = struct.Struct("<4sIIQ32s")
+# ``Meta.flags``: the object was contiguous (its pages back to back in the window).
+CONTIGUOUS = 1
 _MAGIC = b"MBT1"
 # Suffix of the key of a value's record.
 META_SUFFIX = "#meta"
@@ -36,6 +38,8 @@ class Block:
     key: str
     # (address, bytes) of each page, in the object's page order.
     parts: tuple[tuple[int, int], ...]
+    # The object asked for a contiguous window range (kept in the record for its reader).
+    contiguous: bool = False
 
     @property
     def size(self) -> int:
@@ -50,17 +54,19 @@ class Meta:
     size: int
     # blake2b (32 bytes) of the value.
     digest: bytes
+    # ``CONTIGUOUS`` or 0.
+    flags: int = 0
 
     def encode(self) -> bytes:
-        return _META.pack(_MAGIC, self.num_pages, self.size, self.digest)
+        return _META.pack(_MAGIC, self.num_pages, self.flags, self.size, self.digest)
 
     @classmethod
     def decode(cls, raw: bytes | None) -> Meta | None:
         """The record, or None for a missing or malformed one (a miss)."""
         if not raw or len(raw) != _META.size:
             return None
-        magic, pages, size, digest = _META.unpack(raw)
-        return cls(pages, size, digest) if magic == _MAGIC and pages > 0 else None
+        magic, pages, flags, size, digest = _META.unpack(raw)
+        return cls(pages, size, digest, flags) if magic == _MAGIC and pages > 0 else None
 
     @property
     def text(self) -> str:

@@ -11,13 +11,16 @@ eviction). Over TCP here; the same calls run over RDMA where the store is set up
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Sequence
 
 from memory_broker.broker.tier.base import META_SUFFIX, Block, Meta, TierError
 
-# Mooncake's error code for a failed RPC to its master (the store is unreachable).
+# Mooncake's error codes for a failed RPC to its master (-900 failed, -901 timed out, ...):
+# the store is unreachable.
 RPC_FAIL = -900
+RPC_ERRORS = range(-999, -899)
 LOCAL_BUFFER = 16 << 20
 
 
@@ -42,7 +45,14 @@ class MooncakeBackend:
 
     name = "mooncake"
 
-    def __init__(self, master: str, metadata: str, segment_size: int, tenant: str = "default"):
+    def __init__(  # noqa: PLR0913 - the tier.mooncake_* settings and the deadline
+        self, master: str, metadata: str, segment_size: int, tenant: str = "default", timeout_s: float = 1.0
+    ):
+        # Every RPC of the client within the tier's deadline (its default is far longer, and
+        # a call that waits on a master that does not answer holds this process's thread).
+        ms = str(max(1, int(timeout_s * 1000)))
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", ms)
+        os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", ms)
         self._config = {
             "local_hostname": local_address(master),
             "metadata_server": metadata,
@@ -71,8 +81,9 @@ class MooncakeBackend:
 
     @staticmethod
     def _check(codes: Sequence[int], what: str) -> None:
-        if any(c == RPC_FAIL for c in codes):
-            raise TierError(f"mooncake: {what} failed: the master is unreachable ({RPC_FAIL})")
+        bad = next((c for c in codes if c in RPC_ERRORS), None)
+        if bad is not None:
+            raise TierError(f"mooncake: {what} failed: the master did not answer ({bad})")
 
     def put(self, blocks: Sequence[Block], metas: Sequence[Meta], timeout: float) -> list[bool]:
         store = self._connected()

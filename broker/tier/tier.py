@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 
-from memory_broker.broker.tier.base import Backend, Block, Meta, TierError, digest_parts
+from memory_broker.broker.tier.base import CONTIGUOUS, Backend, Block, Meta, TierError, digest_parts
 
 BACKOFF_S = 0.05
 BACKOFF_MAX_S = 2.0
@@ -83,6 +83,7 @@ class Tier:
     ):
         self.backend = backend
         self.deadline_s = deadline_s
+        self.queue_depth = queue_depth
         self.counts = TierCounts()
         self._observe = observe
         self._clock = clock
@@ -125,14 +126,15 @@ class Tier:
         """Memory later blocks will name (queued: registration is a backend call)."""
         return self._submit("register", lambda t: self.backend.register(address, size), lambda: None)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread after the jobs queued (those past their deadline answer as misses)."""
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread after the jobs queued (those past their deadline answer as misses);
+        it closes the backend. Waits at most about ``timeout`` seconds: a store that does not
+        answer (Mooncake's client retries its master) must not hold up a broker's exit."""
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
-            pass
+            return
         self._thread.join(timeout)
-        self.backend.close()
 
     def _missed(self, n: int, value: list | None) -> list:
         self.counts.misses += n
@@ -152,6 +154,10 @@ class Tier:
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
             job.future.set_result(self._answer(job))
+        try:
+            self.backend.close()
+        except Exception:  # noqa: BLE001, S110  (closing: nothing left to tell)
+            pass
 
     def _answer(self, job: _Job) -> object:
         now = self._clock()
@@ -186,7 +192,7 @@ class Tier:
             pass
 
     def _put(self, blocks: list[Block], timeout: float) -> list[bool]:
-        metas = [Meta(len(b.parts), b.size, digest_parts(b.parts)) for b in blocks]
+        metas = [Meta(len(b.parts), b.size, digest_parts(b.parts), CONTIGUOUS * b.contiguous) for b in blocks]
         ok = self.backend.put(blocks, metas, timeout)
         c = self.counts
         for b, good in zip(blocks, ok):
@@ -243,5 +249,5 @@ def open_backend(  # noqa: PLR0913 - the tier.* settings of one call site (broke
             raise ValueError("tier.backend is mooncake but tier.mooncake_master is not set (host:port)")
         from memory_broker.broker.tier.mooncake import MooncakeBackend
 
-        return MooncakeBackend(mooncake_master, mooncake_metadata, segment_size)
+        return MooncakeBackend(mooncake_master, mooncake_metadata, segment_size, timeout_s=deadline_s)
     raise ValueError(f"unknown tier backend {kind!r}; one of none, valkey, mooncake")
