@@ -8,6 +8,8 @@ import ctypes
 import threading
 import time
 
+import pytest
+
 from memory_broker.broker.tier.base import Block, Meta, digest_parts, write_parts
 from memory_broker.broker.tier.tier import BACKOFF_S, Tier
 
@@ -121,8 +123,6 @@ def test_a_read_whose_bytes_fail_the_digest_is_a_miss():
 
 
 def test_a_tier_backend_without_its_address_is_refused_naming_the_setting():
-    import pytest
-
     from memory_broker.broker.server.options import ServeOptions, SettingError
 
     with pytest.raises(SettingError, match="tier_valkey_url: is not set"):
@@ -131,3 +131,42 @@ def test_a_tier_backend_without_its_address_is_refused_naming_the_setting():
         ServeOptions(tier_backend="mooncake").validate()
     with pytest.raises(SettingError, match="needs the host arena"):
         ServeOptions(tier_backend="valkey", tier_valkey_url="valkey://h:1/0", arena="cuda").validate()
+
+
+# ---------------------------------------------------------------- the store's hooks for the tier
+
+
+def small_store(max_pages: int):
+    from memory_broker.broker.store.objects import ObjectStore, StoreConfig
+    from memory_broker.broker.store.pool import PagePool, WindowSpace
+
+    pool = PagePool(max_pages, max_pages, max_pages, lambda slabs: None)
+    return ObjectStore(pool, WindowSpace(4 * max_pages), config=StoreConfig(high_watermark=1.0, low_watermark=1.0))
+
+
+@pytest.mark.both_cores
+def test_a_lookup_that_misses_tells_on_miss_what_it_found_pinned_or_not():
+    from memory_broker.broker.store.objects import Spec
+
+    store = small_store(16)
+    s = store.open_session()
+    store.allocate(s, [Spec(1, 1, key=b"a")])
+    seen = []
+    store.on_miss = lambda pool, keys, found: seen.append((pool, list(keys), found))
+    assert len(store.lookup(s, [b"a", b"b", b"c"], pin=True)) == 1
+    assert len(store.lookup(s, (b"a", b"b"), pin=False)) == 1
+    assert len(store.lookup(s, [b"a"], pin=False)) == 1  # nothing missing: not told
+    assert seen == [(0, [b"a", b"b", b"c"], 1), (0, [b"a", b"b"], 1)]
+
+
+def test_an_eviction_shows_its_victims_while_they_still_hold_their_pages():
+    from memory_broker.broker.store.objects import Spec
+
+    store = small_store(4)
+    s = store.open_session()
+    store.allocate(s, [Spec(1, 1, key=b"k%d" % i) for i in range(4)])
+    seen = []
+    store.on_evict = lambda victims: seen.append([(v.key, store.is_live(v), store.pool.free_pages) for v in victims])
+    store.allocate(s, [Spec(2)])
+    assert seen == [[(b"k0", True, 0), (b"k1", True, 0)]]
+    assert store.keys.get(b"k0") is None and store.pool.free_pages == 0
