@@ -134,8 +134,8 @@ class TierLink:
         """The pages' addresses in the broker's view; slabs the tier has not seen are
         registered first (a job queued ahead of the one that names them)."""
         for slab in {p // self.pages_per_slab for p in pages} - self._registered:
-            self.tier.register(self.view.page_address(slab * self.pages_per_slab), self.slab_size)
-            self._registered.add(slab)
+            if self.tier.register(self.view.page_address(slab * self.pages_per_slab), self.slab_size) is not None:
+                self._registered.add(slab)
         ps, address = self.page_size, self.view.page_address
         return tuple((address(p), ps) for p in pages)
 

@@ -90,6 +90,7 @@ class Tier:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_depth)
         self._down_until = 0.0
         self._backoff = 0.0
+        self._healthy = True
         self.last_error = ""
         self._thread = threading.Thread(target=self._serve, name=f"tier-{backend.name}", daemon=True)
         self._thread.start()
@@ -103,8 +104,8 @@ class Tier:
 
     @property
     def up(self) -> bool:
-        """False while a failure's backoff runs."""
-        return self._clock() >= self._down_until
+        """False from a failed call until one succeeds again."""
+        return self._healthy
 
     def put(self, blocks: Sequence[Block]) -> Future | None:
         """Store each block's bytes with their digest; the future: True per block stored."""
@@ -123,8 +124,9 @@ class Tier:
         return self._submit("get", lambda t: self._get(blocks, metas, t), lambda: self._missed(len(blocks), None))
 
     def register(self, address: int, size: int) -> Future | None:
-        """Memory later blocks will name (queued: registration is a backend call)."""
-        return self._submit("register", lambda t: self.backend.register(address, size), lambda: None)
+        """Memory later blocks will name (queued ahead of them: registration is a backend call,
+        made whatever the deadline or the backoff: it is local, and later jobs count on it)."""
+        return self._submit("register", lambda t: self.backend.register(address, size), lambda: None, late=True)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread after the jobs queued (those past their deadline answer as misses);
@@ -140,10 +142,11 @@ class Tier:
         self.counts.misses += n
         return [False] * n if value is None else value
 
-    def _submit(self, op: str, run, miss) -> Future | None:
+    def _submit(self, op: str, run, miss, late: bool = False) -> Future | None:
         fut: Future = Future()
+        deadline = float("inf") if late else self._clock() + self.deadline_s
         try:
-            self._queue.put_nowait(_Job(run, miss, fut, self._clock() + self.deadline_s, op))
+            self._queue.put_nowait(_Job(run, miss, fut, deadline, op))
         except queue.Full:
             self.counts.drops += 1
             return None
@@ -164,7 +167,7 @@ class Tier:
         if now >= job.deadline:
             self.counts.timeouts += 1
             return job.miss()
-        if now < self._down_until:
+        if now < self._down_until and job.deadline != float("inf"):
             self.counts.skipped_down += 1
             return job.miss()
         try:
@@ -179,10 +182,12 @@ class Tier:
             self.counts.timeouts += 1
             return job.miss()
         self._backoff = 0.0
+        self._healthy = True
         return out
 
     def _failed(self, e: Exception) -> None:
         self.counts.errors += 1
+        self._healthy = False
         self.last_error = str(e) if isinstance(e, TierError) else repr(e)
         self._backoff = min(BACKOFF_MAX_S, self._backoff * 2 or BACKOFF_S)
         self._down_until = self._clock() + self._backoff
