@@ -247,8 +247,8 @@ class StepBatch:
         self.objects: dict[bytes, object] = {}
         self._acount: dict[str, int] = {}
         self._kcount: dict[bytes, int] = {}
-        # Adapters held by an AdapterLease of their own (acquired over gRPC: not hot, or no
-        # step channel), released through it.
+        # Adapters held by an AdapterLease of their own (acquired over gRPC: a session without
+        # a step channel), released through it.
         self._own: dict[str, AdapterLease] = {}
         self._pending: PendingBatchStep | None = None
         self.released = False
@@ -459,8 +459,8 @@ class StepBatch:
         return self._account(add, add_keys, new_keys, found, rts)
 
     def _acquire_own(self, ids: list[str], pinned) -> None:
-        """Adapters the step channel cannot give (one needs a load): over gRPC, each under a
-        lease of its own so that each can be released when its last sequence completes."""
+        """Adapters of a session without a step channel: over gRPC, each under a lease of its
+        own so that each can be released when its last sequence completes."""
         client = self.client
         try:
             lease = client.acquire_adapters(ids)

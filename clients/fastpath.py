@@ -3,9 +3,10 @@
 ``ChannelCalls`` has the methods and results of ``grpc_calls.py``'s ``GrpcCalls`` (acquire and
 release adapters, commit or abort an acquire, lookup, pin, unpin, ``step``, ``step_begin``, a
 running batch's ``change``) and sends them over one session's ``StepPath`` (``step.py``).
-``BrokerClient`` picks one of the two per session (``_step_calls``). Where the channel cannot
-serve a call (an adapter needs a load; for a lookup or an acquire, a channel that broke) it
-hands the call to the session's ``GrpcCalls``. Records become leases and objects through the
+``BrokerClient`` picks one of the two per session (``_step_calls``). The channel answers every
+acquire itself (one that needs a load waits on the broker for it); only what the wire has no
+field for (an acquire in another dtype or of a rank's shards) and a lookup or an acquire whose
+channel broke (gRPC waits for the reconnect) go to the session's ``GrpcCalls``. Records become leases and objects through the
 session's ``SessionRecords`` (``step_lease.py``), once per placement: later steps reuse them.
 """
 
@@ -28,6 +29,15 @@ log = logging.getLogger(__name__)
 
 _OBJECT_ID = attrgetter("object_id")
 _first, _second = itemgetter(0), itemgetter(1)
+
+
+def not_answered() -> BrokerError:
+    """An acquire answered "not hot" (a broker older than this client: it loads over gRPC only)."""
+    return BrokerError(
+        Code.FAILED_PRECONDITION,
+        "the broker answered an acquire on its step channel without acquiring (a broker older than this "
+        "client); upgrade the broker, or connect with fast_path=False",
+    )
 
 
 def _admitted(ids: list[str], max_adapters: int) -> tuple[list[str], list[str]]:
@@ -73,6 +83,9 @@ class ChannelCalls:
         self.grpc = grpc
         self.records = grpc.records
         self.epoch = grpc.epoch
+        # The transport's frames whose replies are unread (a deque: its truth says whether
+        # ``settle`` has anything to read, without a call).
+        self.unread = path.transport.unread_frames
         # Whether a give-back's frame is posted (its reply read later) or waited for
         # (``connect``'s ``post_give_backs``).
         self.posting: bool = client.post_give_backs
@@ -131,11 +144,12 @@ class ChannelCalls:
             lease_ms=int(lease_s * 1000),
             lookup=False,
         )
-        if out is not None and out.acquire_hot:
-            ids, recs = _pairs(out.adapters)
-            return self.records.step_lease(ids, recs, out.deferred, out.txn_id, out.arena_slabs)
-        # One needs a load (or the channel broke): gRPC loads, and waits for a reconnect.
-        return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
+        if out is None:  # the channel broke: gRPC waits for a reconnect
+            return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
+        if not out.acquire_hot:
+            raise not_answered()
+        ids, recs = _pairs(out.adapters)
+        return self.records.step_lease(ids, recs, out.deferred, out.txn_id, out.arena_slabs)
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
         if dtype:
@@ -287,16 +301,6 @@ class ChannelCalls:
         out = self._step_frame(st, st.step, ids, keys, max_adapters, prepare, lease_s, commit, release)
         return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys, st)
 
-    def _loaded(self, ids, max_adapters: int, prepare: bool, lease_s: float, objs: list):
-        """A step's adapters over gRPC, which loads one that is not hot (and defers over the
-        cap) as always; on failure the step's ``objs`` are unpinned."""
-        try:
-            return self.grpc.acquire_adapters(ids, max_adapters, prepare, lease_s)
-        except BaseException:
-            if objs:
-                self.client.unpin(objs)
-            raise
-
     def step_begin(self, ids, keys, max_adapters, prepare, lease_s, commit, release) -> PendingStepLease:
         """The frame goes out now; ``result()`` reads the reply."""
         st = self.path
@@ -384,11 +388,13 @@ class ChannelCalls:
         elif out.acquire_hot:
             lease = records.step_lease(*_pairs(out.adapters), out.deferred, out.txn_id, out.arena_slabs)
         else:
-            lease = self._loaded(ids, max_adapters, prepare, lease_s, objs)
+            if objs:
+                self.client.unpin(objs)
+            raise not_answered()
         sl = StepLease(self.client, lease, objs, ids, list(keys), max_adapters)
         if st is not None and st.caching:
-            # What this lease holds are references of st's cache (adapters: unless gRPC
-            # acquired them, or they are prepared): a next step may carry its adapters over.
+            # What this lease holds are references of st's cache (adapters: unless they are
+            # prepared): a next step may carry its adapters over.
             sl.cache = st
             sl.cached = bool(ids) and out.acquire_hot and not prepare
         return sl

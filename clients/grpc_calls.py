@@ -27,6 +27,9 @@ class GrpcCalls:
     # A step batch's short lane is the step channel's (``ChannelCalls.lane``).
     lane = False
 
+    # Frames whose replies are unread (``ChannelCalls.unread``): none without a channel.
+    unread = ()
+
     def __init__(self, client, records: SessionRecords):
         self.client = client
         self.records = records

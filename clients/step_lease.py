@@ -119,7 +119,7 @@ class SessionRecords:
                 rec.object_id,
                 tuple(rec.pages),
                 self.layout(aid, rec.generation),
-                _w.TIER_NAMES.get(rec.found_in, "hot"),
+                "hot",  # what it is from now on; this record's own tier is said below
             )
         if rec.found_in != _w.TIER_HOT:
             la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])

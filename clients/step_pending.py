@@ -18,7 +18,7 @@ class StepOutcome:
     """What one ``StepPath.step`` got: records the client turns into a lease and objects."""
 
     # Admitted adapter ids, in request order, with their records; None when no acquire was
-    # asked. ``acquire_hot`` False: the broker would have to load one; ask over gRPC.
+    # asked. ``acquire_hot`` False: a broker older than this client did not acquire them.
     adapters: list[tuple[str, w.AcquiredRecord]] | None = None
     deferred: list[str] = field(default_factory=list)
     acquire_hot: bool = True

@@ -87,6 +87,9 @@ class StepTransport:
         # as (kind, items, ...) tuples; a refusal of one of the first ``own`` is kept to raise),
         # or None for the awaited one (``send``'s).
         self._queue: deque = deque()
+        # The same deque, read by the session before a gRPC call (``BrokerSession._settle``:
+        # its truth, in C, says whether anything is unread, with no call into this module).
+        self.unread_frames: deque = self._queue
         # Posted frames refused or not answered, as BrokerErrors (the client raises them).
         self.refused: list[BrokerError] = refused if refused is not None else []
         try:

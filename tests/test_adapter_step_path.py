@@ -9,7 +9,7 @@ import pytest
 from adapter_fixtures import AdapterHarness, peft_dirs, run  # noqa: F401  (peft_dirs is a fixture)
 
 from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.doors.step_channel import StepChannelServer
+from memory_broker.broker.doors.step_channel import StepChannelServer, _Load
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -92,8 +92,12 @@ def test_what_the_one_pass_does_not_cover_takes_the_full_path_with_nothing_done_
         assert m.pin_hot(sid, ["r4#float16"]) is None
         assert m.pin_hot(sid, ["r4", "r8"], 1) is None
         assert _books(h, sid) == before
-        # Not hot (a bad id too): the client asks over gRPC, which loads or says why.
-        assert not _acquire(server, sid, ["r4", "r16"]).hot and not _acquire(server, sid, ["r4#float16"]).hot
+        # Not hot (a bad id too): the frame waits for the manager's full acquire, which loads
+        # or says why (``_Load``: the channel runs it in a task); nothing is done first.
+        for ids in (["r4", "r16"], ["r4#float16"]):
+            with pytest.raises(_Load):
+                _acquire(server, sid, ids)
+        assert _books(h, sid) == before
         deferred = _acquire(server, sid, ["r4", "r8"], cap=1)
         assert [a.object_id for a in deferred.adapters] == [m.entries.get("r4").obj.object_id]
         # Release: more than the session holds, an adapter it does not hold.
@@ -107,7 +111,9 @@ def test_what_the_one_pass_does_not_cover_takes_the_full_path_with_nothing_done_
         # path notices it (not hot).
         lost = m.entries.get("r8").obj
         h.store.free(m.system_session, [lost.object_id])
-        assert m.pin_hot(sid, ["r8"]) is None and not _acquire(server, sid, ["r8"]).hot
+        assert m.pin_hot(sid, ["r8"]) is None
+        with pytest.raises(_Load):
+            _acquire(server, sid, ["r8"])
         assert h.store.sessions[sid].pin_total == 0
         await h.close()
 

@@ -74,20 +74,27 @@ def test_calls_act_in_the_order_issued_across_both_paths(step_rig):
         assert c.stats().objects == 6
 
 
-def test_an_adapter_that_is_not_hot_is_acquired_over_grpc_with_the_same_deferral(step_rig):
+def test_an_adapter_that_is_not_hot_is_loaded_on_the_channel_with_grpcs_deferral(step_rig, monkeypatch):
+    """A cold acquire is one frame: the broker loads and answers it (no second transport),
+    admitting and deferring as gRPC does."""
+    from memory_broker.clients.grpc_calls import GrpcCalls
+
     b, _ = step_rig
     with BrokerClient.connect(b.socket) as fast, BrokerClient.connect(b.socket, fast_path=False) as slow:
         n = frames(fast)
-        lease = fast.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
-        assert frames(fast) == n + 1  # asked, told "not hot", then gRPC loaded them
+        with monkeypatch.context() as mp:
+            mp.setattr(GrpcCalls, "acquire_adapters", lambda *a, **kw: pytest.fail("acquired over gRPC"))
+            lease = fast.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
+        assert frames(fast) == n + 1  # one frame: the broker loaded them before it answered
         assert lease.ids == ["a0", "a1"] and lease.deferred == ["a2"]
         assert [a.found_in for a in lease.adapters] == ["cold", "cold"]
         other = slow.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
         assert (other.ids, other.deferred) == (lease.ids, lease.deferred)
-        # Now hot: the step channel admits the same way by itself.
+        # Now hot: the step channel admits the same way without a load.
         again = fast.acquire_adapters(["a1", "a0", "a1", "a2"], max_adapters=2)
         assert frames(fast) == n + 2 and again.ids == ["a1", "a0"] and again.deferred == ["a2"]
         assert [a.generation for a in again.adapters] == [lease["a1"].generation, lease["a0"].generation]
+        assert [a.found_in for a in again.adapters] == ["hot", "hot"]
         for x in (lease, other, again):
             x.release()
         assert fast.stats().pinned_pages == 0

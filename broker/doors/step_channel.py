@@ -6,8 +6,11 @@ frame's ops (release adapters, unpin, pin, commit/abort adapter acquires, acquir
 adapters, look up keys) run in order on the same ``ObjectStore`` and ``AdapterManager`` the
 gRPC service uses, as the session that presented its token, so gRPC sees every change and a
 dead process's pins go with its session. It decides nothing about sessions (``SessionManager``
-authorizes, as on the fd channel) and never loads an adapter: an acquire whose adapters are
-not all hot answers "not hot" and the client asks over gRPC. It must not import gRPC.
+authorizes, as on the fd channel). An acquire whose adapters are all hot is answered in the
+frame's callback; one that needs a load (or a conversion) runs as a task of the loop, and its
+frame's reply, with the frame's later ops, waits for it: the connection reads nothing more
+meanwhile (its replies stay in order), while every other connection and gRPC are served. It
+must not import gRPC.
 """
 
 from __future__ import annotations
@@ -118,6 +121,18 @@ class _Conn:
     closing: bool = False
     # Closes the connection if HELLO has not been accepted in time (cancelled by HELLO).
     deadline: asyncio.TimerHandle | None = None
+    # A frame of this connection waits for an adapter load (``_Load``): nothing more is read
+    # or answered on it until that frame's reply is out.
+    waiting: bool = False
+
+
+class _Load(Exception):
+    """Raised by an acquire op that must wait for a load: ``start()`` makes the manager's
+    acquire coroutine (``prepare``: a two-phase one), which the frame's task awaits."""
+
+    def __init__(self, start: Callable, prepare: bool):
+        super().__init__("an adapter load")
+        self.start, self.prepare = start, prepare
 
 
 class _Waiting:
@@ -191,7 +206,8 @@ class StepCounters:
     frames: int = 0
     ops: int = 0
     refused: int = 0
-    not_hot: int = 0
+    # Acquires whose reply waited for a load or conversion (answered on the channel all the same).
+    loads: int = 0
     # Seconds spent running ops, by op kind (what the store and manager cost per frame), where
     # a recorder is configured (the RPC latency metric: ops are timed for it, and only then).
     op_seconds: defaultdict = field(default_factory=lambda: defaultdict(float))
@@ -219,8 +235,8 @@ class StepChannelServer:
         Args:
             path: the socket path; it must not exist (the caller clears stale ones under its lock).
             loop: the event loop that owns the core; every callback runs on it.
-            store, sessions, adapters: the core (``adapters`` may be None: acquire answers
-                "not hot" and gRPC says why).
+            store, sessions, adapters: the core (``adapters`` may be None: an acquire is
+                refused FAILED_PRECONDITION, as over gRPC).
             allowed_uids: uids that may connect; None allows any.
             num_slabs: the arena's slab count now (a client maps new slabs before using pages).
             record: ``record(seconds, method, code)`` per op, and per refused frame as
@@ -253,6 +269,8 @@ class StepChannelServer:
         # What is left of the reply of the frame being answered (its object records are
         # bounded like its request: ``ReplyRoom``, reset per frame).
         self.room = ReplyRoom()
+        # Frames waiting for an adapter load (``_Load``), one task each; cancelled by ``close``.
+        self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -273,6 +291,8 @@ class StepChannelServer:
                 os.unlink(self.path)
         for c in list(self._conns.values()):
             self._drop(c)
+        for t in list(self._tasks):
+            t.cancel()
         k = self.counters
         self._log(
             "step_channel_closed",
@@ -280,7 +300,7 @@ class StepChannelServer:
             frames=k.frames,
             ops=k.ops,
             refused=k.refused,
-            not_hot=k.not_hot,
+            loads=k.loads,
             op_ms={w.OP_NAMES[o]: round(t * 1e3, 3) for o, t in k.op_seconds.items()},
         )
 
@@ -359,13 +379,17 @@ class StepChannelServer:
                 if len(data) == 5 + n:
                     if kind == _STEP and c.session is not None and self._record is None:
                         # The common case of all: one STEP frame of a session, no recorder.
-                        self._reply(c, self._step_frame(c, memoryview(data)[5:]))
+                        reply = self._step_frame(c, memoryview(data)[5:])
+                        if reply is not None:  # None: it waits for a load (``_wait``)
+                            self._reply(c, reply)
                     elif kind == _PING and c.session is not None:
                         # ``_frame``'s PING past HELLO (it cannot be refused): the slab count.
                         self.counters.frames += 1
                         self._reply(c, w.encode_step_reply(self._num_slabs(), ()))
                     else:
-                        self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
+                        reply = self._frame(c, kind, n, memoryview(data)[5:])
+                        if reply is not None:
+                            self._reply(c, reply)
                     return
             used = self._frames(c, data)  # several frames, or part of one: no copy of the whole ones
             if used < len(data) and not c.closing:
@@ -382,7 +406,7 @@ class StepChannelServer:
         ``REPLY_BACKLOG_BYTES`` of replies), for as long as their replies are sent at once:
         a client that does not read them leaves the rest of its frames unanswered and unread."""
         buf = c.inbuf
-        while len(buf) >= 5 and not c.outbuf and not c.closing:
+        while len(buf) >= 5 and not c.outbuf and not c.closing and not c.waiting:
             n = w.HEADER.unpack_from(buf)[0]
             limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
             if len(buf) < 5 + n and n <= limit:
@@ -426,17 +450,17 @@ class StepChannelServer:
         if not c.outbuf:
             fd = c.sock.fileno()
             self._loop.remove_writer(fd)
-            if not c.closing:
+            if not c.closing and not c.waiting:
                 self._buffered(c)  # the frames left unanswered while the replies waited
-            if c.closing and not c.outbuf:
+            if c.closing and not c.outbuf and not c.waiting:
                 self._drop(c)
-            elif not c.outbuf and self._conns.get(fd) is c:
+            elif not c.outbuf and not c.waiting and self._conns.get(fd) is c:
                 self._loop.add_reader(fd, self._readable, c)
 
     # ------------------------------------------------------------ frames
 
-    def _frame(self, c: _Conn, kind: int, n: int, body) -> bytes:
-        """The reply to one frame; never raises."""
+    def _frame(self, c: _Conn, kind: int, n: int, body) -> bytes | None:
+        """The reply to one frame (None: it waits for a load, ``_wait``); never raises."""
         t0 = time.perf_counter()
         self.counters.frames += 1
         code = "OK"
@@ -469,7 +493,7 @@ class StepChannelServer:
             if self._record is not None and code != "OK":
                 self._record(time.perf_counter() - t0, "Step", code)
 
-    def _step_frame(self, c: _Conn, body) -> bytes:
+    def _step_frame(self, c: _Conn, body) -> bytes | None:
         """``_frame`` of a STEP frame on a connection past HELLO where no recorder is set
         (nothing to time): the same reply and counters, without the rest of the dispatch."""
         counters = self.counters
@@ -487,7 +511,7 @@ class StepChannelServer:
             self._log("step_channel_internal_error", error=repr(e))
             return w.error_frame(BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}"))
 
-    def _step(self, c: _Conn, body) -> bytes:
+    def _step(self, c: _Conn, body) -> bytes | None:
         s = c.session
         if s is None:
             raise denied("send HELLO with the session token first")
@@ -497,9 +521,10 @@ class StepChannelServer:
             raise invalid(f"malformed step frame: {e}") from None
         return self._ops(c, s, ops)
 
-    def _ops(self, c: _Conn, s, ops: list) -> bytes:
+    def _ops(self, c: _Conn, s, ops: list) -> bytes | None:
         """A decoded STEP frame's ops, in order, as ``s`` (the connection's session): the
-        reply, which carries the error of the first op refused (and the results before it)."""
+        reply, which carries the error of the first op refused (and the results before it);
+        None when an op waits for an adapter load (``_wait`` sends the reply)."""
         sessions = self.sessions
         # The frame as a whole: a draining broker or an ended session refuses it before any op.
         if sessions.draining or s.closed:
@@ -519,6 +544,8 @@ class StepChannelServer:
             except BrokerError as e:
                 counters.refused += 1
                 return w.encode_step_reply(self._num_slabs(), (), e, 0)
+            except _Load as load:
+                return self._wait(c, s, ops, 0, [], load)
             core = w._core
             out = None if core is None else core.encode_ok_reply(self._num_slabs(), results)
             return w.encode_step_reply(self._num_slabs(), results) if out is None else out
@@ -541,6 +568,8 @@ class StepChannelServer:
         except BrokerError as e:
             counters.refused += 1
             return w.encode_step_reply(self._num_slabs(), results, e, i)
+        except _Load as load:
+            return self._wait(c, s, ops, i, results, load)
         core = w._core
         if core is not None:  # ``encode_step_reply``'s native case, inline
             out = core.encode_ok_reply(self._num_slabs(), results)
@@ -578,7 +607,7 @@ class StepChannelServer:
         view = memoryview(data)
         pos, end, size = 0, len(data), 0
         replies: list[bytes] = []
-        while end - pos >= 5 and not c.closing:
+        while end - pos >= 5 and not c.closing and not c.waiting:
             n, kind = w.HEADER.unpack_from(data, pos)
             session = c.session
             limit = w.MAX_FRAME_BYTES if session is not None else w.MAX_HELLO_BYTES
@@ -592,14 +621,17 @@ class StepChannelServer:
             if stop > end or size >= REPLY_BACKLOG_BYTES:
                 break
             if kind == _STEP and session is not None and self._record is None:
-                replies.append(self._step_frame(c, view[pos + 5 : stop]))
+                reply = self._step_frame(c, view[pos + 5 : stop])
             elif kind == _PING and session is not None:
                 self.counters.frames += 1
-                replies.append(w.encode_step_reply(self._num_slabs(), ()))
+                reply = w.encode_step_reply(self._num_slabs(), ())
             else:
-                replies.append(self._frame(c, kind, n, view[pos + 5 : stop]))
-            size += len(replies[-1])
+                reply = self._frame(c, kind, n, view[pos + 5 : stop])
             pos = stop
+            if reply is None:  # it waits for a load: the replies before it go now, in order
+                break
+            replies.append(reply)
+            size += len(reply)
         if replies:
             self._reply(c, replies[0] if len(replies) == 1 else b"".join(replies))
         return pos
@@ -652,6 +684,10 @@ class StepChannelServer:
                 done.append((clock() - t0, METHODS[k], e.code.value))
                 self._loop.call_soon(_record_all, self._record, done)
                 return w.encode_step_reply(self._num_slabs(), results, e, i)
+            except _Load as load:
+                # The wait's own latency is the acquire's; the ops after it are not timed.
+                self._loop.call_soon(_record_all, self._record, done)
+                return self._wait(c, s, ops, i, results, load)
             t1 = clock()
             spent[k] += t1 - t0
             done.append((t1 - t0, METHODS[k], "OK"))
@@ -659,6 +695,79 @@ class StepChannelServer:
         if done:
             self._loop.call_soon(_record_all, self._record, done)
         return w.encode_step_reply(self._num_slabs(), results)
+
+    # ------------------------------------------------------------ frames that wait for a load
+
+    def _wait(self, c: _Conn, s, ops: list, i: int, results: list, load: _Load) -> None:
+        """Op ``i`` of a frame needs an adapter load: the frame goes on in a task of the loop
+        (``_after_load``), and the connection is not read until its reply is out."""
+        self.counters.loads += 1
+        c.waiting = True
+        if not c.outbuf:  # with an outbuf, reading stopped already
+            self._loop.remove_reader(c.sock.fileno())
+        task = self._loop.create_task(self._after_load(c, s, ops, i, results, load))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _gone(self, c: _Conn, fd: int) -> bool:
+        """Whether a waiting connection (not read meanwhile) went: dropped, or closed by its
+        client (its end read without taking its bytes); one that went is dropped."""
+        if self._conns.get(fd) is not c:
+            return True
+        try:
+            gone = c.sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            gone = True
+        if gone:
+            self._drop(c)
+        return gone
+
+    async def _after_load(self, c: _Conn, s, ops: list, i: int, results: list, load: _Load) -> None:
+        """The rest of a waiting frame: the acquire's result, then its later ops (a second
+        load waits the same way), its reply, and reading the connection again."""
+        fd, sid = c.sock.fileno(), s.session_id
+        error = None
+        while error is None:
+            try:
+                r = await load.start()
+            except BrokerError as e:
+                error = e
+                break
+            except Exception as e:  # a bug: say so on this connection only
+                self._log("step_channel_internal_error", error=repr(e))
+                error = BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}")
+                break
+            if self._gone(c, fd):  # the connection went meanwhile: nobody holds these
+                _give_back(self.adapters, sid, load, r)
+                return
+            results.append(_acquired(r))
+            i += 1
+            self.room.reset()
+            try:
+                for op in ops[i:]:
+                    k = op.kind
+                    self.sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
+                    results.append(HANDLERS[k](self, sid, op))
+                    i += 1
+                break
+            except _Load as again:
+                load = again
+            except BrokerError as e:
+                error = e
+        if error is not None:
+            self.counters.refused += 1
+        c.waiting = False
+        if self._conns.get(fd) is not c:
+            return
+        self._reply(c, w.encode_step_reply(self._num_slabs(), results, error, i))
+        if self._conns.get(fd) is c and not c.outbuf and not c.waiting:
+            if c.closing:
+                self._drop(c)
+                return
+            self._loop.add_reader(fd, self._readable, c)
+            self._buffered(c)  # frames that arrived while it waited
 
 
 # Each op kind's handler: (server, session id, op) -> the op's result record, its rule already
@@ -691,47 +800,56 @@ def _release(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
 
 
 def _acquire(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.
+    """Pin adapters as ``AdapterManager.acquire`` (or ``prepare_acquire``) does, with its
+    admission, deferral and errors.
 
-    The manager's acquire does not yield to the loop when every admitted adapter is
-    hot, so it runs to completion right here, between two other callbacks of the loop,
-    like any other core call. One admitted adapter that is not hot (or unknown, or a
-    bad id) and nothing is pinned: the client asks over gRPC, which loads, defers and
-    refuses exactly as it always does."""
+    When every admitted adapter is hot the manager's acquire does not yield to the loop, so
+    it runs to completion right here, between two other callbacks of the loop, like any
+    other core call. Otherwise it raises ``_Load``: the frame waits for the load in a task
+    (``StepChannelServer._wait``) and is answered when it is done."""
     m = server.adapters
     if m is None:
-        server.counters.not_hot += 1
-        return w.encode_acquire(w.AcquireOutcome(False))
-    if not op.flags & w.ACQUIRE_PREPARE:
+        m = server._manager()  # raises FAILED_PRECONDITION, as gRPC does
+    prepare = bool(op.flags & w.ACQUIRE_PREPARE)
+    if not prepare:
         objs = m.pin_hot(sid, op.items, op.max_adapters)
         if objs is not None:
             return _hot_rows(server._rows, server._core, m, op.items, objs)
-    distinct = list(dict.fromkeys(op.items))
-    admitted = distinct[: op.max_adapters or len(distinct)]
-    is_hot = m.is_hot
-    for aid in admitted:
-        if not (isinstance(aid, str) and is_hot(aid)):
-            server.counters.not_hot += 1
-            return w.encode_acquire(w.AcquireOutcome(False))
-    cap = op.max_adapters or None
-    if op.flags & w.ACQUIRE_PREPARE:
-        coro = m.prepare_acquire(sid, list(op.items), cap, False, (op.lease_ms / 1000.0) or None)
-    else:
-        coro = m.acquire(sid, list(op.items), cap, False)
+    ids, cap, lease = list(op.items), op.max_adapters or None, (op.lease_ms / 1000.0) or None
+
+    def start():
+        return m.prepare_acquire(sid, ids, cap, False, lease) if prepare else m.acquire(sid, ids, cap, False)
+
+    distinct = list(dict.fromkeys(ids))
+    if not all(isinstance(a, str) and m.is_hot(a) for a in distinct[: cap or len(distinct)]):
+        raise _Load(start, prepare)
+    coro = start()
     try:
         coro.send(None)
     except StopIteration as done:
-        r = done.value
-    else:
-        # It waited on something after all: never leave it half done on this loop.
-        coro.close()
-        server.counters.not_hot += 1
-        return w.encode_acquire(w.AcquireOutcome(False))
+        return _acquired(done.value)
+    # It waited on something after all: never leave it half done; the frame waits for it.
+    coro.close()
+    raise _Load(start, prepare)
+
+
+def _acquired(r) -> bytes:
+    """An ``AcquireResult``'s reply record."""
     return w.encode_acquire_rows(
         r.txn_id,
         r.deadline_unix,
         [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
     )
+
+
+def _give_back(m, sid: int, load: _Load, r) -> None:
+    """What a load acquired for a connection that went before its reply: given back (a session
+    that ended meanwhile has dropped it already, hence the refusals ignored)."""
+    with contextlib.suppress(BrokerError):
+        if load.prepare and r.txn_id:
+            m.abort_acquire(sid, r.txn_id)
+        elif r.adapters:
+            m.release(sid, [a.adapter_id for a in r.adapters])
 
 
 def _pin(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
