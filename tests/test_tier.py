@@ -5,6 +5,7 @@ read whose bytes fail the digest is a miss. The real backends: tests/test_tier_b
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import threading
 import time
 
@@ -129,8 +130,7 @@ def test_a_tier_backend_without_its_address_is_refused_naming_the_setting():
         ServeOptions(tier_backend="valkey").validate()
     with pytest.raises(SettingError, match="tier_mooncake_master: is not set"):
         ServeOptions(tier_backend="mooncake").validate()
-    with pytest.raises(SettingError, match="needs the host arena"):
-        ServeOptions(tier_backend="valkey", tier_valkey_url="valkey://h:1/0", arena="cuda").validate()
+    ServeOptions(tier_backend="valkey", tier_valkey_url="valkey://h:1/0", arena="cuda").validate()
 
 
 # ---------------------------------------------------------------- the store's hooks for the tier
@@ -170,3 +170,88 @@ def test_an_eviction_shows_its_victims_while_they_still_hold_their_pages():
     store.allocate(s, [Spec(2)])
     assert seen == [[(b"k0", True, 0), (b"k1", True, 0)]]
     assert store.keys.get(b"k0") is None and store.pool.free_pages == 0
+
+
+# ---------------------------------------------------------------- the link, in one process
+
+
+class FakeView:
+    """An arena view over an anonymous mapping: page p at base + p * page size; ``tensor``
+    gives CPU tensors over it, as a CUDA view gives device tensors."""
+
+    def __init__(self, pages: int, page_size: int):
+        import mmap
+
+        self.map = mmap.mmap(-1, pages * page_size)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.page_size = page_size
+
+    def page_address(self, p: int) -> int:
+        return self.base + p * self.page_size
+
+    def tensor(self, address: int, nbytes: int):
+        import torch
+
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=address - self.base)
+
+    def page_bytes(self, pages) -> bytes:
+        return b"".join(self.map[p * self.page_size : (p + 1) * self.page_size] for p in pages)
+
+
+class Geometry:
+    page_size = 4096
+    pages_per_slab = 8
+    slab_size = 8 * 4096
+
+
+def linked(backend: FakeBackend, host: bool):
+    from memory_broker.broker.store.tiering import TierLink
+
+    store, view = small_store(32), FakeView(32, Geometry.page_size)
+    tier = Tier(backend, deadline_s=2.0, queue_depth=8)
+    link = TierLink(store, tier, view, Geometry(), "fleet", "commit", [""], log=None, host=host)
+    return store, view, link
+
+
+async def until(check, timeout: float = 5.0) -> None:
+    import asyncio
+
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-pages", "device-through-host-buffers"])
+def test_what_one_store_commits_another_reads_through_with_bytes_and_digest_equal(host):
+    import asyncio
+
+    from memory_broker.broker.store.objects import Spec
+
+    async def run():
+        backend = FakeBackend()
+        a, view_a, link_a = linked(backend, host)
+        b, view_b, link_b = linked(backend, host)
+        sa, sb = a.open_session(), b.open_session()
+        keys = [b"k%d" % i for i in range(3)]
+        txn = a.prepare(sa, [Spec(2, 1, key=k) for k in keys])
+        for i, obj in enumerate(txn.objects):
+            for j, p in enumerate(obj.pages):
+                view_a.map[p * 4096 : (p + 1) * 4096] = bytes([10 * i + j + 1]) * 4096
+        a.commit(sa, [txn.txn_id])
+        await until(lambda: link_a.tier.counts.written == 3)
+        assert a.lookup(sa, keys, pin=False) and all(o.pin_count == 0 for o in txn.objects)  # unpinned again
+        assert b.lookup(sb, keys, pin=False) == []  # answered now; read through behind it
+        await until(lambda: len(b.lookup(sb, keys, pin=False)) == 3)
+        got = b.lookup(sb, keys, pin=False)
+        assert [view_b.page_bytes(o.pages) for o in got] == [view_a.page_bytes(o.pages) for o in txn.objects]
+        want = [
+            "blake2b:" + hashlib.blake2b(view_a.page_bytes(o.pages), digest_size=32).hexdigest() for o in txn.objects
+        ]
+        assert [o.digest for o in got] == want  # the digest KeyDigests takes of A's objects
+        assert link_b.tier.counts.hits == 3 and link_b.staged == 0 and link_a.staged == 0
+        for link in (link_a, link_b):
+            await link.close()
+            link.tier.close()
+
+    asyncio.run(run())

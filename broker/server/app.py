@@ -661,18 +661,12 @@ def make_digests(opts: ServeOptions, store: ObjectStore, arena, log, tasks: list
 
 def make_tier(opts: ServeOptions, store: ObjectStore, arena, geometry, log, observe) -> TierLink | None:
     """With ``tier.backend``, the tier past one host and its link to the store (docs/tier.md);
-    else None. ``observe(op, seconds)``: each tier call's time.
-
-    Raises:
-        ConfigError: the arena is not the host's (the tier reads and writes pages in this
-            process's mapping).
-    """
+    else None. ``observe(op, seconds)``: each tier call's time. A CUDA arena's blocks go
+    through host buffers (``TierLink``'s ``host``)."""
     if opts.tier_backend == "none":
         return None
     from memory_broker.broker.tier.tier import Tier, open_backend
 
-    if arena.backend != "host":
-        raise ConfigError(f"tier.backend {opts.tier_backend} needs the host arena; this broker runs {arena.backend}")
     backend = open_backend(
         opts.tier_backend,
         valkey_url=opts.tier_valkey_url,
@@ -683,7 +677,8 @@ def make_tier(opts: ServeOptions, store: ObjectStore, arena, geometry, log, obse
     )
     tier = Tier(backend, opts.tier_deadline_s, opts.tier_queue_depth, observe=observe)
     names = store.tenancy.names if store.tenancy is not None else [""]
-    return TierLink(store, tier, arena.view, geometry, opts.tier_key_prefix, opts.tier_write, names, log)
+    host = arena.backend == "host"
+    return TierLink(store, tier, arena.view, geometry, opts.tier_key_prefix, opts.tier_write, names, log, host=host)
 
 
 def raise_fd_limit() -> tuple[int, int]:

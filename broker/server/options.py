@@ -610,13 +610,11 @@ class ServeOptions(_Explained):
 
 
 def _check_tier(opts: ServeOptions) -> None:
-    """The tier's address must be set for its backend, and the tier reads host pages."""
+    """The tier's address must be set for its backend."""
     if opts.tier_backend == "valkey" and not opts.tier_valkey_url:
         raise SettingError("tier_valkey_url", "is not set; tier.backend valkey needs it (valkey://host:port/0)")
     if opts.tier_backend == "mooncake" and not opts.tier_mooncake_master:
         raise SettingError("tier_mooncake_master", "is not set; tier.backend mooncake needs it (host:port)")
-    if opts.tier_backend != "none" and opts.arena == "cuda":
-        raise SettingError("tier_backend", f"{opts.tier_backend} needs the host arena (arena.backend: host)")
 
 
 def _check_options(opts: ServeOptions) -> None:

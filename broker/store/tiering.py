@@ -42,6 +42,8 @@ from memory_broker.proto.wire.spec import Spec
 
 # Objects one tier job carries (a write's batch, a chain's read).
 BATCH = 64
+# A device arena's blocks go through host buffers: at most this many bytes of them at once.
+STAGING_BYTES = 256 << 20
 # Object ids known to be in the tier (written, or read from it), remembered for spills.
 REMEMBER = 1 << 16
 # A chain's first missing key that the tier did not serve is not asked for again this soon
@@ -77,16 +79,28 @@ class TierLink:
         store: the core; its ``on_commit`` (chained after any set), ``on_evict`` and
             ``on_miss`` are set here.
         tier: the tier (its thread and queue).
-        view: the broker's arena view (``page_address``); a host arena's.
+        view: the broker's arena view (``page_address``, ``tensor``).
         geometry: the arena's geometry (page and slab sizes).
         prefix: the fleet's key prefix (``tier.key_prefix``).
         write: "commit" (write at commit and spill on eviction) or "evict" (spill only).
         pool_names: each pool's name by number ("" the shared pool).
         log: ``log.warning(event, **fields)``.
+        host: the arena's pages are host memory this process maps (the backends read and
+            write them in place); False (a CUDA arena): each block goes through a host
+            buffer of its own, copied in the tier's thread, at most ``STAGING_BYTES`` at once.
     """
 
     def __init__(  # noqa: PLR0913 - the link's parts and settings, from one call site (app.py)
-        self, store: ObjectStore, tier: Tier, view, geometry, prefix: str, write: str, pool_names: Sequence[str], log
+        self,
+        store: ObjectStore,
+        tier: Tier,
+        view,
+        geometry,
+        prefix: str,
+        write: str,
+        pool_names: Sequence[str],
+        log,
+        host: bool = True,
     ):
         if write not in WRITE_MODES:
             raise ValueError(f"tier.write must be one of {', '.join(WRITE_MODES)}; got {write!r}")
@@ -96,6 +110,8 @@ class TierLink:
         self.slab_size = geometry.slab_size
         self.prefix, self.write = prefix, write
         self.pool_names = list(pool_names)
+        self.host = host
+        self.staged = 0  # bytes of host buffers standing in for device pages now
         self.counts = LinkCounts()
         self._sessions: dict[int, int] = {}  # pool -> the link's session in it
         self._registered: set[int] = set()  # slabs the tier was told of
@@ -139,6 +155,34 @@ class TierLink:
         ps, address = self.page_size, self.view.page_address
         return tuple((address(p), ps) for p in pages)
 
+    def _blocks(self, pool: int, objs: Sequence[Allocation], keys: Sequence[bytes]) -> list[Block] | None:
+        """One block per object (its pages, under its key in the tier); None when a device
+        arena's host buffers would pass ``STAGING_BYTES``."""
+        if self.host:
+            return [Block(self._key(pool, k), self._parts(o.pages), o.window_page >= 0) for o, k in zip(objs, keys)]
+        need = sum(o.num_pages for o in objs) * self.page_size
+        if self.staged + need > STAGING_BYTES:
+            return None
+        self.staged += need
+        out = []
+        for o, k in zip(objs, keys):
+            buf = ctypes.create_string_buffer(o.num_pages * self.page_size)
+            base, ps, pages = ctypes.addressof(buf), self.page_size, list(o.pages)
+            out.append(
+                Block(
+                    self._key(pool, k),
+                    tuple((base + i * ps, ps) for i in range(len(pages))),
+                    o.window_page >= 0,
+                    before=lambda b=buf, p=pages: _pages_to(self.view, p, self.page_size, b),
+                    after=lambda b=buf, p=pages: _to_pages(self.view, p, self.page_size, b),
+                )
+            )
+        return out
+
+    def _unstage(self, objs: Sequence[Allocation]) -> None:
+        if not self.host:
+            self.staged -= sum(o.num_pages for o in objs) * self.page_size
+
     def _remember(self, object_id: int) -> None:
         self._stored[object_id] = None
         if len(self._stored) > REMEMBER:
@@ -178,9 +222,11 @@ class TierLink:
 
     def _write(self, pool: int, objs: list[Allocation]) -> None:
         s = self._session(pool)
-        blocks = [Block(self._key(pool, o.key), self._parts(o.pages), o.window_page >= 0) for o in objs]
-        fut = self.tier.put(blocks)
+        blocks = self._blocks(pool, objs, [o.key for o in objs])
+        fut = self.tier.put(blocks) if blocks is not None else None
         if fut is None:
+            if blocks is not None:
+                self._unstage(objs)
             self.counts.write_dropped += 1
             return
         for o in objs:
@@ -192,6 +238,7 @@ class TierLink:
         try:
             ok = await asyncio.wrap_future(fut)
         finally:
+            self._unstage(objs)
             ledger = self.store.ledger
             for o in objs:
                 ledger.unpin(s, o, 1)
@@ -216,8 +263,11 @@ class TierLink:
         ps, address = self.page_size, self.view.page_address
         for o, buf in copies:
             base = ctypes.addressof(buf)
-            for i, p in enumerate(o.pages):
-                ctypes.memmove(base + i * ps, address(p), ps)
+            if self.host:
+                for i, p in enumerate(o.pages):
+                    ctypes.memmove(base + i * ps, address(p), ps)
+            else:
+                _pages_to(self.view, o.pages, ps, buf)
             parts = tuple((base + i * ps, ps) for i in range(o.num_pages))
             blocks.append(Block(self._key(o.pool, o.key), parts, o.window_page >= 0))
         fut = self.tier.put(blocks)
@@ -278,9 +328,14 @@ class TierLink:
         except BrokerError:
             self.counts.no_room += len(specs)
             return False
-        blocks = [Block(self._key(pool, k), self._parts(t.objects[0].pages)) for k, t in zip(keys, txns)]
-        fut = self.tier.get(blocks, metas)
-        ok = await asyncio.wrap_future(fut) if fut is not None else [False] * len(txns)
+        objs = [t.objects[0] for t in txns]
+        blocks = self._blocks(pool, objs, keys)
+        fut = self.tier.get(blocks, metas) if blocks is not None else None
+        try:
+            ok = await asyncio.wrap_future(fut) if fut is not None else [False] * len(txns)
+        finally:
+            if blocks is not None:
+                self._unstage(objs)
         good = [t for t, g in zip(txns, ok) if g]
         bad = [t.txn_id for t, g in zip(txns, ok) if not g]
         if bad:
@@ -334,6 +389,24 @@ class TierLink:
             "backend": tier.backend.name,
             "last_error": tier.last_error,
         }
+
+
+def _pages_to(view, pages: Sequence[int], page_size: int, buf) -> None:
+    """Copy device ``pages`` into the host buffer ``buf``, in order."""
+    import torch
+
+    host = torch.frombuffer(buf, dtype=torch.uint8)
+    for i, p in enumerate(pages):
+        host[i * page_size : (i + 1) * page_size].copy_(view.tensor(view.page_address(p), page_size))
+
+
+def _to_pages(view, pages: Sequence[int], page_size: int, buf) -> None:
+    """Copy the host buffer ``buf`` over device ``pages``, in order."""
+    import torch
+
+    host = torch.frombuffer(buf, dtype=torch.uint8)
+    for i, p in enumerate(pages):
+        view.tensor(view.page_address(p), page_size).copy_(host[i * page_size : (i + 1) * page_size])
 
 
 def _leading(metas: list[Meta], page_size: int):

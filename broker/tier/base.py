@@ -14,8 +14,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 # "blake2b:<hex>", as broker/store/digests.py writes an object's digest.
@@ -40,6 +40,11 @@ class Block:
     parts: tuple[tuple[int, int], ...]
     # The object asked for a contiguous window range (kept in the record for its reader).
     contiguous: bool = False
+    # Where ``parts`` stand in for pages the store cannot reach (a device arena's): called in
+    # the tier's thread before a write reads ``parts``, and after a read filled them and its
+    # digest matched (copies between the pages and ``parts``).
+    before: Callable[[], None] | None = field(default=None, repr=False)
+    after: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:

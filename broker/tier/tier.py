@@ -197,6 +197,9 @@ class Tier:
             pass
 
     def _put(self, blocks: list[Block], timeout: float) -> list[bool]:
+        for b in blocks:
+            if b.before is not None:
+                b.before()
         metas = [Meta(len(b.parts), b.size, digest_parts(b.parts), CONTIGUOUS * b.contiguous) for b in blocks]
         ok = self.backend.put(blocks, metas, timeout)
         c = self.counts
@@ -225,6 +228,8 @@ class Tier:
             good = got and b.size == m.size and digest_parts(b.parts) == m.digest
             if got and not good:
                 c.corrupt += 1
+            if good and b.after is not None:
+                b.after()
             if good:
                 c.hits += 1
                 c.bytes_read += b.size
