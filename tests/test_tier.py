@@ -50,6 +50,9 @@ class FakeBackend:
         self._call()
         return [b.key in self.values and write_parts(b.parts, self.values[b.key]) for b in blocks]
 
+    def connect(self):
+        pass
+
     def register(self, address, size):
         pass
 

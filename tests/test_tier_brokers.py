@@ -198,7 +198,7 @@ def test_the_tier_stopped_mid_run_is_a_miss_and_b_keeps_serving(two):
     tier.stop()
     t0 = time.monotonic()
     assert cb.lookup(later, pin=False) == []
-    assert time.monotonic() - t0 < 0.5  # the lookup never waits on the tier
+    assert time.monotonic() - t0 < 1.0  # the lookup never waits on the tier (its deadline: 1 s)
     time.sleep(1.5)
     assert cb.lookup(later, pin=False) == []
     assert len(cb.lookup(keys, pin=False)) == 2  # what B holds it still serves

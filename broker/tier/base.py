@@ -129,6 +129,11 @@ class Backend(Protocol):
         """Read each value over its block's parts; True per block read whole."""
         ...
 
+    def connect(self) -> None:
+        """Set up the client ahead of the first job (Mooncake's setup takes longer than a
+        deadline on a busy machine); a failure here is retried by the next call."""
+        ...
+
     def register(self, address: int, size: int) -> None:
         """Memory later blocks will name (the arena's slabs): zero copy where the store allows."""
         ...

@@ -94,6 +94,8 @@ class Tier:
         self.last_error = ""
         self._thread = threading.Thread(target=self._serve, name=f"tier-{backend.name}", daemon=True)
         self._thread.start()
+        # The client set up ahead, outside any job's deadline.
+        self._submit("connect", lambda t: backend.connect(), lambda: None, late=True)
 
     # ------------------------------------------------------------------ callers
 

@@ -57,6 +57,9 @@ class ValkeyBackend:
             raise TierError(f"valkey: {e}") from None
         return [v is not None and write_parts(b.parts, v) for b, v in zip(blocks, values)]
 
+    def connect(self) -> None:
+        """Nothing ahead: the client connects at its first command."""
+
     def register(self, address: int, size: int) -> None:
         """Nothing to register: Valkey copies."""
 
