@@ -62,8 +62,8 @@ class LinkCounts:
     spill_dropped: int = 0
     # Write batches the tier's queue refused.
     write_dropped: int = 0
-    # Read-through: chains asked, objects committed from the tier, objects whose pages
-    # could not be reserved.
+    # Read-through: chains asked, objects committed from the tier, objects whose pages (or,
+    # on a device arena, host buffers) could not be reserved.
     chains: int = 0
     filled: int = 0
     no_room: int = 0
@@ -330,6 +330,8 @@ class TierLink:
             return False
         objs = [t.objects[0] for t in txns]
         blocks = self._blocks(pool, objs, keys)
+        if blocks is None:  # a device arena's host buffers are all in use
+            self.counts.no_room += len(objs)
         fut = self.tier.get(blocks, metas) if blocks is not None else None
         try:
             ok = await asyncio.wrap_future(fut) if fut is not None else [False] * len(txns)
