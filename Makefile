@@ -17,7 +17,7 @@ VLLM_NEXT ?= 0.33.0
 VLLM_SOURCES ?= .vllm-sources
 SERVE_ARGS ?=
 
-.PHONY: serve test test-all tier-deps lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
+.PHONY: serve test test-all test-sanitize tier-deps lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -82,9 +82,19 @@ test: venv vllm-venv vllm-sources proto-check lint tier-deps
 
 # Every tier, and the Python fallback runs of the native cores: what CI runs. The engine tier's
 # modules run one after another on one worker (they share the reference engines), beside the
-# rest (tests/tiers.py, pytest_xdist_make_scheduler).
+# rest (tests/tiers.py, pytest_xdist_make_scheduler). Then test-sanitize.
 test-all: venv vllm-venv vllm-sources proto-check lint tier-deps
 	$(PYTEST)
+	$(MAKE) --no-print-directory test-sanitize
+
+# The native cores built with AddressSanitizer and UndefinedBehaviorSanitizer
+# (ops/dev/sanitized_cores.py), and the tests that hold them to their Python fallback run on
+# them: the first invalid access or undefined behaviour aborts the run with its report.
+SANITIZED ?= build/sanitized
+SANITIZE_TESTS ?= tests/test_native.py tests/test_store_native.py tests/test_native_hot_adapters.py tests/test_step_codec_native.py tests/test_step_wire.py
+test-sanitize: venv
+	$(PY) ops/dev/sanitized_cores.py build $(SANITIZED)
+	$(PY) ops/dev/sanitized_cores.py run $(SANITIZED) -- $(VENV)/bin/pytest -q -n 2 -m "not fallback" $(SANITIZE_TESTS)
 
 # ruff, configured in pyproject.toml: any finding, or a file the formatter would change, fails.
 lint: venv

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from memory_broker.broker.doors import step_channel
+from memory_broker.broker.doors import step_channel, step_ops
 from memory_broker.clients import BrokerClient, Spec
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.session import KEY_METADATA
@@ -68,13 +68,13 @@ def test_a_frame_checks_its_session_once_and_each_pin_its_ids(rig, monkeypatch):
 
     async def run():
         conn = conn_of(server, c)
-        r = reply(server._step(conn, w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 1)])[5:]))
+        r = reply(server.ops.step(conn, w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 1)])[5:]))
         assert r.error is None
         oid = r.results[1][0].object_id
         checked_plain = list(calls)
         calls.clear()
         ops = [w.Op(w.OP_UNPIN, (oid,)), w.Op(w.OP_PIN, (oid,)), w.Op(w.OP_UNPIN, (oid,)), w.Op(w.OP_PIN, (anon,))]
-        r = reply(server._step(conn, w.encode_step(ops)[5:]))
+        r = reply(server.ops.step(conn, w.encode_step(ops)[5:]))
         return checked_plain, list(calls), r
 
     plain, pins, r = on_loop(box, run)
@@ -88,12 +88,12 @@ def test_each_ops_latency_is_recorded_after_the_reply(rig, monkeypatch):
     box, c, _ = rig
     server = box["server"].step_server
     got = []
-    monkeypatch.setattr(server, "_record", lambda s, method, code: got.append((method, code, s >= 0)))
+    monkeypatch.setattr(server.ops, "_record", lambda s, method, code: got.append((method, code, s >= 0)))
 
     async def run():
         conn = conn_of(server, c)
         ops = [w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"none",), 0), w.Op(w.OP_COMMIT, (12345,))]
-        r = reply(server._step(conn, w.encode_step(ops)[5:]))
+        r = reply(server.ops.step(conn, w.encode_step(ops)[5:]))
         before = list(got)
         await asyncio.sleep(0)
         return r, before, list(got)
@@ -112,18 +112,18 @@ def test_every_op_kind_has_a_handler_and_ops_are_timed_only_for_a_recorder(rig, 
 
     box, c, _ = rig
     server = box["server"].step_server
-    assert set(step_channel.HANDLERS) == set(w.OP_NAMES)
+    assert set(step_ops.HANDLERS) == set(w.OP_NAMES)
     body = w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 0)])[5:]
 
     async def run(record):
-        monkeypatch.setattr(server, "_record", record)
+        monkeypatch.setattr(server.ops, "_record", record)
         conn = conn_of(server, c)
         spent = dict(server.counters.op_seconds)
-        r = reply(server._step(conn, body))
+        r = reply(server.ops.step(conn, body))
         await asyncio.sleep(0)
         grew = {k for k, t in server.counters.op_seconds.items() if t > spent.get(k, 0.0)}
         try:
-            server._op(conn.session.session_id, w.Op(99, ()))
+            server.ops.op(conn.session.session_id, w.Op(99, ()))
         except BrokerError as e:
             return r, grew, e
         return r, grew, None
@@ -147,7 +147,7 @@ def test_a_whole_step_or_ping_frame_skips_the_dispatch_and_answers_as_it_would(r
     server = box["server"].step_server
     if codec == "python":
         monkeypatch.setattr(w, "_core", None)
-    monkeypatch.setattr(server, "_record", None)
+    monkeypatch.setattr(server.ops, "_record", None)
     t = c._step_path().transport
     assert t.request(w.frame(w.PING)).error is None  # connected: HELLO sent
     dispatched = []
@@ -170,7 +170,8 @@ def test_a_whole_step_or_ping_frame_skips_the_dispatch_and_answers_as_it_would(r
     async def run():
         conn = conn_of(server, c)
         return [
-            (server._step_frame(conn, memoryview(b)), real_frame(conn, w.STEP, len(b), memoryview(b))) for b in bodies
+            (server.ops.step_frame(conn, memoryview(b)), real_frame(conn, w.STEP, len(b), memoryview(b)))
+            for b in bodies
         ]
 
     for fast, slow in on_loop(box, run):
@@ -203,7 +204,7 @@ def test_frames_arriving_together_are_each_answered_as_alone_and_in_one_send(rig
     server = box["server"].step_server
     if codec == "python":
         monkeypatch.setattr(w, "_core", None)
-    monkeypatch.setattr(server, "_record", None)
+    monkeypatch.setattr(server.ops, "_record", None)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
     s.connect(server.path)
@@ -304,7 +305,7 @@ def gated_load(rig, monkeypatch):
     server = box["server"]
     aid = f"gate-{next(_GATES)}"
     c.register_adapter(aid, write_adapter(os.path.join(tempfile.mkdtemp(dir="/tmp"), aid), 7))
-    m = server.step_server.adapters
+    m = server.step_server.ops.adapters
     gate, reached = threading.Event(), []
     real = m.acquire
 
@@ -407,9 +408,9 @@ def test_a_connection_that_goes_during_a_load_leaves_nothing_pinned(gated_load):
     time.sleep(0.1)
     gate.set()
     deadline = time.monotonic() + 10
-    while box["server"].step_server._tasks and time.monotonic() < deadline:
+    while box["server"].step_server.ops._tasks and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not box["server"].step_server._tasks
+    assert not box["server"].step_server.ops._tasks
     assert _pinned(c) == base and c.stats().adapters.hot >= 1  # loaded, kept as a cache, unpinned
 
 
