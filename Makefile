@@ -17,7 +17,7 @@ VLLM_NEXT ?= 0.33.0
 VLLM_SOURCES ?= .vllm-sources
 SERVE_ARGS ?=
 
-.PHONY: serve test test-all test-sanitize lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
+.PHONY: serve test test-all test-sanitize tier-deps lint fmt venv vllm-venv vllm-sources proto proto-check bench bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,14 +71,19 @@ serve: venv
 # engines in $(VLLM_VENV)'s python; there they must run, not skip.
 PYTEST := MEMORY_BROKER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python MEMORY_BROKER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -n 2
 
+# The Debian packages the tier's backends load (libibverbs1 for Mooncake Store): installed
+# when missing (as root, without a prompt), else nothing.
+tier-deps:
+	bash ops/dev/install_tier_deps.sh
+
 # Before a change: lint, then the unit and broker tiers on the native cores (a few minutes).
-test: venv vllm-venv vllm-sources proto-check lint
+test: venv vllm-venv vllm-sources proto-check lint tier-deps
 	$(PYTEST) -m "(unit or broker) and not fallback"
 
 # Every tier, and the Python fallback runs of the native cores: what CI runs. The engine tier's
 # modules run one after another on one worker (they share the reference engines), beside the
 # rest (tests/tiers.py, pytest_xdist_make_scheduler). Then test-sanitize.
-test-all: venv vllm-venv vllm-sources proto-check lint
+test-all: venv vllm-venv vllm-sources proto-check lint tier-deps
 	$(PYTEST)
 	$(MAKE) --no-print-directory test-sanitize
 

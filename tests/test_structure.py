@@ -186,6 +186,19 @@ def test_the_wire_imports_neither_side_and_the_client_not_the_daemon():
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
+def test_the_tier_imports_nothing_of_the_broker_and_no_grpc():
+    # broker/tier/ sits below the store (ARCHITECTURE.md, "Layers"): the store may call it, it
+    # calls nothing of the project, and stays free of gRPC.
+    graph, why = package_graph(module_graph())
+    tier = "memory_broker.broker.tier"
+    assert graph[tier] == set(), why
+    for name, path in ((_module_name(p), p) for p in product_files()):
+        if name.startswith(tier + "."):
+            with open(os.path.join(ROOT, path)) as f:
+                found = _imported_modules(ast.parse(f.read(), path), name, False)
+            assert not [m for m in found if m.split(".")[0] in ("grpc", "google")], (name, found)
+
+
 def test_a_planted_cycle_is_found_and_named_by_its_module_edges():
     # The check can fail: a type-only import back from the store into the doors closes a loop.
     modules = module_graph()
