@@ -21,7 +21,7 @@ LMCACHE_VENV ?= .venv-lmcache
 LMCACHE_SPEC ?= lmcache==0.5.6
 SERVE_ARGS ?=
 
-.PHONY: serve test test-all lint fmt venv vllm-venv lmcache-venv vllm-sources proto proto-check bench bench-vllm bench-vllm-lmcache clean
+.PHONY: serve test test-all test-sanitize tier-deps lint fmt venv vllm-venv lmcache-venv vllm-sources proto proto-check bench bench-vllm bench-vllm-lmcache clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -88,15 +88,30 @@ serve: venv
 # engines in $(VLLM_VENV)'s python; there they must run, not skip.
 PYTEST := MEMORY_BROKER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python MEMORY_BROKER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -n 2
 
+# The Debian packages the tier's backends load (libibverbs1 for Mooncake Store): installed
+# when missing (as root, without a prompt), else nothing.
+tier-deps:
+	bash ops/dev/install_tier_deps.sh
+
 # Before a change: lint, then the unit and broker tiers on the native cores (a few minutes).
-test: venv vllm-venv vllm-sources proto-check lint
+test: venv vllm-venv vllm-sources proto-check lint tier-deps
 	$(PYTEST) -m "(unit or broker) and not fallback"
 
 # Every tier, and the Python fallback runs of the native cores: what CI runs. The engine tier's
 # modules run one after another on one worker (they share the reference engines), beside the
-# rest (tests/tiers.py, pytest_xdist_make_scheduler).
-test-all: venv vllm-venv vllm-sources proto-check lint
+# rest (tests/tiers.py, pytest_xdist_make_scheduler). Then test-sanitize.
+test-all: venv vllm-venv vllm-sources proto-check lint tier-deps
 	$(PYTEST)
+	$(MAKE) --no-print-directory test-sanitize
+
+# The native cores built with AddressSanitizer and UndefinedBehaviorSanitizer
+# (ops/dev/sanitized_cores.py), and the tests that hold them to their Python fallback run on
+# them: the first invalid access or undefined behaviour aborts the run with its report.
+SANITIZED ?= build/sanitized
+SANITIZE_TESTS ?= tests/test_native.py tests/test_store_native.py tests/test_native_hot_adapters.py tests/test_step_codec_native.py tests/test_step_wire.py
+test-sanitize: venv
+	$(PY) ops/dev/sanitized_cores.py build $(SANITIZED)
+	$(PY) ops/dev/sanitized_cores.py run $(SANITIZED) -- $(VENV)/bin/pytest -q -n 2 -m "not fallback" $(SANITIZE_TESTS)
 
 # ruff, configured in pyproject.toml: any finding, or a file the formatter would change, fails.
 lint: venv

@@ -381,6 +381,16 @@ def _as_dict(m) -> dict:
     return MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def _tier_line(t) -> str:
+    """The tier past one host in one line: up or down, reads, writes, what was dropped."""
+    state = "up" if t.up else f"DOWN ({t.last_error})"
+    return (
+        f"{t.backend} {state}: {t.hits} hits, {t.misses} misses ({t.corrupt} corrupt), {t.filled} read in; "
+        f"{t.written} written ({format_size(t.bytes_written)}), {t.spilled} spilled; "
+        f"{t.drops + t.spill_dropped} dropped, {t.errors} errors, {t.timeouts} timeouts; {t.queue_depth} queued"
+    )
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     import grpc
 
@@ -440,6 +450,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         f"  totals     {st.allocations_total} allocations, {st.deduplicated_total} deduplicated, "
         f"{st.allocation_failures} failed"
     )
+    if st.HasField("tier"):
+        print(f"  tier       {_tier_line(st.tier)}")
     if st.HasField("adapters") and st.adapters.convert_queued:
         print(f"  adapters   {_backlog(st.adapters.convert_queued)}")
     return 0

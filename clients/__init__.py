@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memory_broker.clients.adapters import AdapterLease, AdapterTables, LeasedAdapter
 from memory_broker.clients.client import BrokerClient, BrokerObject, Transaction
+from memory_broker.clients.step.adapters import AdapterLease, AdapterTables, LeasedAdapter
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.spec import Spec
 

@@ -19,11 +19,11 @@ import errno
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from memory_broker.clients.adapters import AdapterLease
-from memory_broker.clients.batch import POLL_S, StepBatch
 from memory_broker.clients.discovery import check_device, find_socket
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST
-from memory_broker.clients.step_lease import PendingStepLease, StepLease
+from memory_broker.clients.step.adapters import AdapterLease
+from memory_broker.clients.step.batch import POLL_S, StepBatch
+from memory_broker.clients.step.lease import PendingStepLease, StepLease
 from memory_broker.clients.step_session import StepSession
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import AdapterLayout, ModuleShard
@@ -156,8 +156,8 @@ class BrokerClient(StepSession):
 
     The step calls (acquire and release adapters, lookup, pin, unpin, ``step``,
     ``step_begin``, a step batch's changes) go through one calls object per session, chosen
-    when the session first makes one: ``ChannelCalls`` (clients/fastpath.py) over the
-    broker's step channel, or ``GrpcCalls`` (clients/grpc_calls.py); same methods, same results."""
+    when the session first makes one: ``ChannelCalls`` (clients/step/channel.py) over the
+    broker's step channel, or ``GrpcCalls`` (clients/step/grpc_calls.py); same methods, same results."""
 
     # What its objects are (``SessionRecords`` hands it to the native core that builds them).
     object_type = BrokerObject

@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
+from memory_broker.clients.step.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels.batch_plan import DEFAULT_BLOCK_M, BatchPlan, PathChoice, plan_batch
 from memory_broker.kernels.devices import same_device
 from memory_broker.kernels.dispatch import Backend, BackendChoice, choose_backend, lora_apply
 from memory_broker.kernels.records import LoraStep, LoraTables
 
 if TYPE_CHECKING:
-    from memory_broker.clients.adapters import AdapterLease
     from memory_broker.clients.client import BrokerClient
+    from memory_broker.clients.step.adapters import AdapterLease
 
 # The linear layers of a Llama-style decoder layer that PEFT adapters target.
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

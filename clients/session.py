@@ -91,7 +91,7 @@ class BrokerSession:
         self._page_access = True
         # Changes a background step batch has queued whose reply is not in yet (one lock
         # each, held until it is): the session's other calls wait for them, so the broker
-        # sees the calls in the order they were made (clients/batch.py).
+        # sees the calls in the order they were made (clients/step/batch.py).
         self._unsent: list[threading.Lock] = []
         self._requests: queue.Queue | None = None
         self._stream = None
@@ -409,9 +409,10 @@ class BrokerSession:
     def _settle(self) -> None:
         """Called before a call goes over gRPC or the fd channel: the frames the session
         posted on its step channel are answered first (the broker has run them, so the call
-        sees what they gave back). ``_calls``: the session's step calls (``step_session.py``)."""
+        sees what they gave back). ``_calls``: the session's step calls (``step_session.py``);
+        with nothing unread (``unread``, a deque's truth), no call into the step path at all."""
         calls = self._calls
-        if calls is not None and calls.epoch == self.epoch:
+        if calls is not None and calls.unread and calls.epoch == self.epoch:
             calls.settle()
 
     # ------------------------------------------------------------- lifecycle

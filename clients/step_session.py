@@ -1,7 +1,7 @@
 """A session's step calls: one calls object per session, and the give-backs it posts.
 
 ``StepSession`` sits between the session's asking RPCs (``queries.py``) and ``BrokerClient``
-(``client.py``): it keeps the current session's calls object (``step_calls.choose_calls``:
+(``client.py``): it keeps the current session's calls object (``calls.choose_calls``:
 ``ChannelCalls``, ``DirectCalls`` or ``GrpcCalls``), chosen on first use and again for a new
 session or a broken step channel, and what the step channel's posted give-backs need of the
 session: a call over another channel (gRPC, the fd channel) first reads their replies
@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import threading
 
-from memory_broker.clients.fastpath import ChannelCalls
-from memory_broker.clients.grpc_calls import GrpcCalls
 from memory_broker.clients.queries import BrokerQueries
-from memory_broker.clients.step import StepPath
-from memory_broker.clients.step_calls import choose_calls
-from memory_broker.clients.step_transport import raise_refused
+from memory_broker.clients.step.calls import choose_calls
+from memory_broker.clients.step.channel import ChannelCalls
+from memory_broker.clients.step.grpc_calls import GrpcCalls
+from memory_broker.clients.step.path import StepPath
+from memory_broker.clients.step.transport import raise_refused
 from memory_broker.proto.wire.errors import BrokerError
 
 
@@ -29,7 +29,7 @@ class StepSession(BrokerQueries):
 
     def __init__(self, *args, fast_path: bool = True, hold_s: float = 0.0, post_give_backs: bool = True, **kwargs):
         # Step calls over the step channel when the broker has one; ``hold_s`` > 0 also
-        # keeps released holdings that long (see clients/step.py).
+        # keeps released holdings that long (see clients/step/path.py).
         self.fast_path = fast_path
         self.hold_s = hold_s
         # Give-backs on the step channel sent without waiting for the broker's answer, and
@@ -50,7 +50,7 @@ class StepSession(BrokerQueries):
         self._refused = []
 
     def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
-        """The current session's step calls (``step_calls.choose_calls``: chosen on first use,
+        """The current session's step calls (``calls.choose_calls``: chosen on first use,
         again for a new session or a broken step channel). First waits for the changes a
         background step batch queued (``wait_sent``; its own worker does not)."""
         if wait_sent and self._unsent:

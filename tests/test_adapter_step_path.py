@@ -9,7 +9,7 @@ import pytest
 from adapter_fixtures import AdapterHarness, peft_dirs, run  # noqa: F401  (peft_dirs is a fixture)
 
 from memory_broker.broker.adapters.config import AdapterConfig
-from memory_broker.broker.doors.step_channel import StepChannelServer
+from memory_broker.broker.doors.step_ops import StepOps, _Load
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -24,14 +24,12 @@ def _rig(state_dir: str, peft_dirs: dict, **config):
     h = AdapterHarness(state_dir, config=AdapterConfig(dtype="float32", **config))
     for aid in IDS:
         h.registry.register(aid, peft_dirs[aid])
-    server = StepChannelServer(
-        state_dir + "/step.sock", loop=None, store=h.store, sessions=None, adapters=h.manager, allowed_uids=None
-    )
+    server = StepOps(loop=None, store=h.store, sessions=None, adapters=h.manager)
     return h, server
 
 
 def _acquire(server, sid: int, ids, cap: int = 0) -> w.AcquireOutcome:
-    body = server._op(sid, w.Op(w.OP_ACQUIRE, tuple(ids), 0, cap))
+    body = server.op(sid, w.Op(w.OP_ACQUIRE, tuple(ids), 0, cap))
     return w.decode_step_reply(w.OK, w.encode_step_reply(0, [body])[5:]).results[0]
 
 
@@ -65,14 +63,14 @@ def test_a_hot_acquire_and_its_release_take_one_pass_and_reply_as_the_full_path(
         with monkeypatch.context() as mp:
             _no_full_path(h, mp)
             for _ in range(2):  # the second reply is joined from the rows kept by the first
-                got = server._op(sid, w.Op(w.OP_ACQUIRE, ("r4", "r8", "r4", "r16")))
+                got = server.op(sid, w.Op(w.OP_ACQUIRE, ("r4", "r8", "r4", "r16")))
                 assert got == expected
             assert {aid: h.manager.entries.get(aid).obj.pins[sid] for aid in IDS} == dict.fromkeys(IDS, 2)
             assert h.manager.counters.hot_hits == hits + 6
             # Release by id, one listed twice: one pin dropped per listing.
-            server._op(sid, w.Op(w.OP_RELEASE, ("r4", "r4", "r8")))
+            server.op(sid, w.Op(w.OP_RELEASE, ("r4", "r4", "r8")))
             assert [h.manager.entries.get(a).obj.pins.get(sid, 0) for a in IDS] == [0, 1, 2]
-            server._op(sid, w.Op(w.OP_RELEASE, ("r8", "r16", "r16")))
+            server.op(sid, w.Op(w.OP_RELEASE, ("r8", "r16", "r16")))
         assert h.store.sessions[sid].pin_total == 0
         h.manager.release(full_sid, IDS)
         await h.close()
@@ -92,14 +90,18 @@ def test_what_the_one_pass_does_not_cover_takes_the_full_path_with_nothing_done_
         assert m.pin_hot(sid, ["r4#float16"]) is None
         assert m.pin_hot(sid, ["r4", "r8"], 1) is None
         assert _books(h, sid) == before
-        # Not hot (a bad id too): the client asks over gRPC, which loads or says why.
-        assert not _acquire(server, sid, ["r4", "r16"]).hot and not _acquire(server, sid, ["r4#float16"]).hot
+        # Not hot (a bad id too): the frame waits for the manager's full acquire, which loads
+        # or says why (``_Load``: the channel runs it in a task); nothing is done first.
+        for ids in (["r4", "r16"], ["r4#float16"]):
+            with pytest.raises(_Load):
+                _acquire(server, sid, ids)
+        assert _books(h, sid) == before
         deferred = _acquire(server, sid, ["r4", "r8"], cap=1)
         assert [a.object_id for a in deferred.adapters] == [m.entries.get("r4").obj.object_id]
         # Release: more than the session holds, an adapter it does not hold.
         assert not m.release_hot(sid, ["r4", "r4"]) and not m.release_hot(sid, ["r8"])
         with pytest.raises(BrokerError) as e:
-            server._op(sid, w.Op(w.OP_RELEASE, ("r4", "r4")))
+            server.op(sid, w.Op(w.OP_RELEASE, ("r4", "r4")))
         assert e.value.code == Code.FAILED_PRECONDITION
         assert m.entries.get("r4").obj.pins[sid] == 1
         assert m.release_hot(sid, ["r4"])
@@ -107,7 +109,9 @@ def test_what_the_one_pass_does_not_cover_takes_the_full_path_with_nothing_done_
         # path notices it (not hot).
         lost = m.entries.get("r8").obj
         h.store.free(m.system_session, [lost.object_id])
-        assert m.pin_hot(sid, ["r8"]) is None and not _acquire(server, sid, ["r8"]).hot
+        assert m.pin_hot(sid, ["r8"]) is None
+        with pytest.raises(_Load):
+            _acquire(server, sid, ["r8"])
         assert h.store.sessions[sid].pin_total == 0
         await h.close()
 
@@ -134,7 +138,7 @@ def test_with_another_copy_hot_release_takes_the_full_path(peft_dirs, tmp_path, 
         own = _acquire(server, sid, ["r4"]).adapters[0]
         assert own.object_id != copy.object_id
         assert not h.manager.release_hot(sid, ["r4"])
-        server._op(sid, w.Op(w.OP_RELEASE, ("r4", "r4")))  # the full path: both copies
+        server.op(sid, w.Op(w.OP_RELEASE, ("r4", "r4")))  # the full path: both copies
         assert h.store.sessions[sid].pin_total == 0
         await h.close()
 
@@ -147,14 +151,14 @@ def test_a_reloaded_adapter_replies_with_its_new_object_and_generation(peft_dirs
         await h.manager.prefetch(["r4"], "hot")
         sid = h.store.open_session()
         first = _acquire(server, sid, ["r4"]).adapters[0]
-        server._op(sid, w.Op(w.OP_RELEASE, ("r4",)))
+        server.op(sid, w.Op(w.OP_RELEASE, ("r4",)))
         h.manager.demote("r4")
         await h.manager.prefetch(["r4"], "hot")
         again = _acquire(server, sid, ["r4"]).adapters[0]
         e = h.manager.entries.get("r4")
         assert (again.generation, again.object_id, list(again.pages)) == (e.generation, e.obj.object_id, e.obj.pages)
         assert again.generation > first.generation and again.object_id != first.object_id
-        server._op(sid, w.Op(w.OP_RELEASE, ("r4",)))
+        server.op(sid, w.Op(w.OP_RELEASE, ("r4",)))
         await h.close()
 
     run(main())
@@ -167,13 +171,13 @@ def test_a_pinned_adapter_is_never_the_hot_tiers_victim_after_one_pass_acquires(
         sid = h.store.open_session()
         for _ in range(5):  # r8 is used far more: the policy would keep it over r4
             _acquire(server, sid, ["r8"])
-            server._op(sid, w.Op(w.OP_RELEASE, ("r8",)))
+            server.op(sid, w.Op(w.OP_RELEASE, ("r8",)))
         _acquire(server, sid, ["r4"])  # r4 pinned
         assert h.manager.hot.policy.pending == 2  # both keys' uses wait, counted
         await h.manager.prefetch(["r16"], "hot")  # room: r8 goes (idle), not the pinned r4
         assert h.manager.describe("r4").tier.value == "hot" and h.manager.describe("r8").tier.value != "hot"
         assert h.manager.hot.policy.pending == 0
-        server._op(sid, w.Op(w.OP_RELEASE, ("r4",)))
+        server.op(sid, w.Op(w.OP_RELEASE, ("r4",)))
         await h.close()
 
     run(main())

@@ -196,6 +196,13 @@ def test_bench_reply_bounds_small_run_prints_each_part():
     assert "its answers, read after SIGCONT: INVALID_ARGUMENT: 2, OK: 20" in out, out
 
 
+@pytest.mark.parametrize("backend", ["valkey", "mooncake"])
+def test_bench_tier_small_run_reads_a_chain_through_and_times_commits(backend):
+    out = bench("bench_tier.py", "--backend", backend, "--blocks", "4", "--commits", "10", "--rounds", "1")
+    assert "| B: fresh broker, through the tier | 1 |" in out and "| B' (A/A control)" in out, out
+    assert f"| tier {backend}, write: commit | 1 |" in out and "| no tier again (A/A control) | 1 |" in out, out
+
+
 def test_bench_step_per_item_quick_run_prints_each_side_at_every_size():
     out = bench("bench_step.py", "--per-item", "--quick", "--steps", "80")
     assert "broker CPU us" in out and "client CPU us" in out

@@ -11,7 +11,7 @@ import pytest
 from conftest import step_frames as frames
 
 from memory_broker.broker.doors.policy import POLICY
-from memory_broker.broker.doors.step_channel import METHODS, RULES
+from memory_broker.broker.doors.step_ops import METHODS, RULES
 from memory_broker.broker.sessions.manager import SessionManager
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 from memory_broker.proto.wire import step as w
@@ -186,7 +186,7 @@ def test_visible_fields_are_asked_of_the_store_and_its_refusal_passes_through():
         assert e.value.code == Code.NOT_FOUND
     assert store.asked and all(sid == 5 for sid, _ in store.asked)
     # The step channel names its PIN items as PinRequest.object_ids.
-    from memory_broker.broker.doors.step_channel import op_ids
+    from memory_broker.broker.doors.step_ops import op_ids
 
     assert list(op_ids(w.Op(w.OP_PIN, (4, 5)))("object_ids")) == [4, 5]
     assert list(op_ids(w.Op(w.OP_UNPIN, (4,)))("object_ids")) == []

@@ -12,7 +12,7 @@ from conftest import run_child, start_broker
 
 from memory_broker.broker.store.digests import KeyDigests
 from memory_broker.clients.client import BrokerClient
-from memory_broker.proto.wire.errors import BrokerError
+from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.mapping.host import host_buffer
 from memory_broker.proto.wire.spec import Spec
 
@@ -65,6 +65,11 @@ def test_an_object_overwritten_through_a_mapping_made_writable_is_reported_and_n
         assert first.object_id == obj.object_id
         # Another process, which may only read the object, writes over it anyway.
         assert run_child(b.socket, OVERWRITE.format(key=KEY)) == [{"wrote": True}]
+        # A key listed twice is refused before anything is digested (each copy would hash the
+        # whole object again); nothing is checked or withdrawn.
+        with pytest.raises(BrokerError) as e:
+            owner.verify_objects([KEY, b"no-such-key", KEY])
+        assert e.value.code == Code.INVALID_ARGUMENT and "keys[2] repeats" in e.value.message
         resp = owner.verify_objects([KEY, b"no-such-key"])
         bad, missing = resp.checks
         assert resp.corrupt == 1

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from memory_broker.broker.adapters.layout import LoraModuleSpec, plan_layout, row_offsets
-from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
 from memory_broker.clients.lora import LoraBatch, LoraContext, LoRALinear, Segment, admitted_sequences, wrap_model
+from memory_broker.clients.step.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels import reference
 
 CUDA = torch.cuda.is_available()
@@ -415,7 +415,7 @@ def test_generate_refuses_bad_arguments_before_running_anything(packed):
 def test_cuda_without_an_index_is_the_current_device(monkeypatch):
     """The 17 GPU failures "the offset tables live on cuda but the arena on cuda:0": tables
     made for ``cuda`` and an arena tensor on ``cuda:0`` are one device, and compare so."""
-    from memory_broker.clients.adapters import AdapterTables
+    from memory_broker.clients.step.adapters import AdapterTables
     from memory_broker.kernels.devices import device_key, same_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)

@@ -22,8 +22,8 @@ if not CUDA:
 import pytest  # noqa: E402
 from test_lora_batch import DEVICE, KV, Q, build, linear, pack, tokens  # noqa: E402
 
-from memory_broker.clients.adapters import AdapterTables  # noqa: E402
 from memory_broker.clients.lora import LoraContext, LoRALinear, StaticLoraBatch  # noqa: E402
+from memory_broker.clients.step.adapters import AdapterTables  # noqa: E402
 
 # Decode steps of up to 6 sequences; adapters come and go between them.
 STEPS = [

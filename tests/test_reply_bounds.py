@@ -142,7 +142,7 @@ def test_lookup_many_splits_its_frames_by_the_reply_they_would_get():
     """``_frame_of_lookups``: past the first list, a frame takes no more once its reply (each
     key found with one page: ``ReplyRoom``'s estimate) would pass ``MAX_REPLY_RECORDS`` or
     ``MAX_REPLY_BYTES``, nor once its keys take half ``MAX_FRAME_BYTES``."""
-    from memory_broker.clients.fastpath import _frame_of_lookups
+    from memory_broker.clients.step.channel import _frame_of_lookups
 
     short = [[b"%04d" % i for i in range(2000)]] * 63  # 126,000 keys of 4 bytes: 756 KB of request
     one = w.REPLY_RECORD_BYTES + 5 + 4

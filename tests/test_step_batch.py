@@ -133,8 +133,8 @@ def test_a_change_on_a_caching_channel_takes_the_short_lane_where_the_core_is_bu
     in one object (``step_delta.LaneChange``); without the core, or without the cache, through
     ``ChannelCalls.change`` (``PendingBatchStep``). Both give the same result (the rest of this
     module runs every change both ways)."""
-    from memory_broker.clients.batch import PendingBatchStep
-    from memory_broker.clients.step_delta import LaneChange
+    from memory_broker.clients.step.batch import PendingBatchStep
+    from memory_broker.clients.step.delta import LaneChange
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
@@ -247,7 +247,7 @@ def test_a_background_change_is_what_begin_was_given_though_the_caller_reuses_it
 
 @pytest.mark.parametrize("poll_s", [0.0, 0.0002])
 def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step_rig, poll_s):
-    from memory_broker.clients import batch as batch_mod
+    from memory_broker.clients.step import batch as batch_mod
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
@@ -269,7 +269,7 @@ def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step
 def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall(monkeypatch, poll_s):
     # Puts land while the worker runs, looks, is about to sleep, and sleeps (a short linger
     # makes every case frequent); none may be lost, run twice or out of order.
-    from memory_broker.clients import batch as batch_mod
+    from memory_broker.clients.step import batch as batch_mod
 
     monkeypatch.setattr(batch_mod, "LINGER_S", 0.002)
     jobs = batch_mod._Jobs(poll_s)
@@ -302,7 +302,7 @@ def test_between_steady_changes_the_worker_wakes_once_a_change(monkeypatch):
     # CPU on the 2-core VM).
     import types
 
-    from memory_broker.clients import batch as batch_mod
+    from memory_broker.clients.step import batch as batch_mod
 
     waits = [0]
 
@@ -360,7 +360,7 @@ def test_between_steady_changes_the_worker_wakes_once_a_change(monkeypatch):
 def test_result_gives_up_on_a_worker_that_does_not_finish(step_rig, monkeypatch):
     # The worker is stuck in a change (a broker that does not answer): result() says so
     # after its wait (it used to raise AttributeError: a status code that does not exist).
-    from memory_broker.clients import batch as batch_mod
+    from memory_broker.clients.step import batch as batch_mod
 
     stuck = threading.Event()
     finish = batch_mod.StepBatch._finish

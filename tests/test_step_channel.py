@@ -74,20 +74,27 @@ def test_calls_act_in_the_order_issued_across_both_paths(step_rig):
         assert c.stats().objects == 6
 
 
-def test_an_adapter_that_is_not_hot_is_acquired_over_grpc_with_the_same_deferral(step_rig):
+def test_an_adapter_that_is_not_hot_is_loaded_on_the_channel_with_grpcs_deferral(step_rig, monkeypatch):
+    """A cold acquire is one frame: the broker loads and answers it (no second transport),
+    admitting and deferring as gRPC does."""
+    from memory_broker.clients.step.grpc_calls import GrpcCalls
+
     b, _ = step_rig
     with BrokerClient.connect(b.socket) as fast, BrokerClient.connect(b.socket, fast_path=False) as slow:
         n = frames(fast)
-        lease = fast.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
-        assert frames(fast) == n + 1  # asked, told "not hot", then gRPC loaded them
+        with monkeypatch.context() as mp:
+            mp.setattr(GrpcCalls, "acquire_adapters", lambda *a, **kw: pytest.fail("acquired over gRPC"))
+            lease = fast.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
+        assert frames(fast) == n + 1  # one frame: the broker loaded them before it answered
         assert lease.ids == ["a0", "a1"] and lease.deferred == ["a2"]
         assert [a.found_in for a in lease.adapters] == ["cold", "cold"]
         other = slow.acquire_adapters(["a0", "a1", "a2"], max_adapters=2)
         assert (other.ids, other.deferred) == (lease.ids, lease.deferred)
-        # Now hot: the step channel admits the same way by itself.
+        # Now hot: the step channel admits the same way without a load.
         again = fast.acquire_adapters(["a1", "a0", "a1", "a2"], max_adapters=2)
         assert frames(fast) == n + 2 and again.ids == ["a1", "a0"] and again.deferred == ["a2"]
         assert [a.generation for a in again.adapters] == [lease["a1"].generation, lease["a0"].generation]
+        assert [a.found_in for a in again.adapters] == ["hot", "hot"]
         for x in (lease, other, again):
             x.release()
         assert fast.stats().pinned_pages == 0
@@ -617,7 +624,7 @@ def test_connections_without_hello_hold_no_memory_and_go_at_the_deadline(broker_
 
 def test_one_session_holds_at_most_its_cap_and_another_client_still_gets_the_channel(step_rig, caplog):
     from memory_broker.broker.doors.step_channel import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_SESSION
-    from memory_broker.clients import step_calls
+    from memory_broker.clients.step import calls as step_calls
 
     b, _ = step_rig
     held: list[socket.socket] = []
@@ -678,9 +685,9 @@ def test_both_transports_calls_objects_offer_the_same_calls():
     the same public methods, with the same parameters."""
     import inspect
 
-    from memory_broker.clients.fastpath import ChannelCalls
-    from memory_broker.clients.grpc_calls import GrpcCalls
-    from memory_broker.clients.step_direct import DirectCalls
+    from memory_broker.clients.step.channel import ChannelCalls
+    from memory_broker.clients.step.direct import DirectCalls
+    from memory_broker.clients.step.grpc_calls import GrpcCalls
 
     def calls(cls) -> dict:
         return {
@@ -731,8 +738,8 @@ def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig
     """acquire_adapters, lookup, pin, unpin and release cost what one frame of their items
     costs: one frame each, one op in it, nothing planned against a step cache there is not
     (``StepPath.step``'s planning is for a whole step, and for ``hold_s``)."""
-    from memory_broker.clients.step import StepPath
-    from memory_broker.clients.step_transport import StepTransport
+    from memory_broker.clients.step.path import StepPath
+    from memory_broker.clients.step.transport import StepTransport
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
@@ -784,8 +791,8 @@ def test_a_step_without_the_cache_is_one_frame_of_its_ops_and_a_refusal_gives_it
     """``client.step`` without ``hold_s`` sends what the previous step gives back, the acquire and
     the lookup in one frame, in that order, and plans nothing against a cache there is not; an
     op refused after the acquire leaves nothing of the step pinned, and the error is the broker's."""
-    from memory_broker.clients.step import StepPath
-    from memory_broker.clients.step_transport import StepTransport
+    from memory_broker.clients.step.path import StepPath
+    from memory_broker.clients.step.transport import StepTransport
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
@@ -869,7 +876,7 @@ def test_transport_times_out_a_silent_broker_in_the_kernel_with_a_clear_error(tm
     StepUnavailable naming the wait, within about the timeout, not a hang."""
     import threading
 
-    from memory_broker.clients.step_transport import StepTransport, StepUnavailable
+    from memory_broker.clients.step.transport import StepTransport, StepUnavailable
 
     path = str(tmp_path / "silent.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -904,7 +911,7 @@ def test_transport_times_out_a_silent_broker_in_the_kernel_with_a_clear_error(tm
 def test_transport_without_a_timeout_blocks_with_no_kernel_deadline(step_rig):
     """``timeout=None`` (no deadline, as the client's RPCs take it) leaves the socket blocking
     with no SO_RCVTIMEO, and the channel works."""
-    from memory_broker.clients.step_transport import StepTransport
+    from memory_broker.clients.step.transport import StepTransport
 
     b, _setup = step_rig
     with BrokerClient.connect(b.socket) as c:
@@ -972,7 +979,7 @@ def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_g
     same object; the second lookup's pin, on an object held already, goes back with the next
     frame, the held one when the holding expires (with the frame after that) or the client
     closes."""
-    from memory_broker.clients.step_transport import StepTransport
+    from memory_broker.clients.step.transport import StepTransport
 
     b, setup = step_rig
 
@@ -1018,3 +1025,26 @@ def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_g
     while pins() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert pins() == 0 and setup.stats().pinned_pages == 0
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 1.0], ids=["direct", "cache"])
+def test_a_lease_says_where_an_adapter_was_found_when_the_channel_loaded_it(step_rig, hold_s):
+    """An adapter the broker loads for a frame is "cold" in that lease (acquire, step and a
+    running batch's change alike), with or without the holdings cache, and "hot" after."""
+    b, setup = step_rig
+    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+        lease = c.acquire_adapters(["a0"])
+        assert [a.found_in for a in lease.adapters] == ["cold"]
+        lease.release()
+        s = c.step(["a0", "a1"])
+        assert [a.found_in for a in s.adapters.adapters] == ["hot", "cold"]
+        s.release()
+        batch = c.step_batch()
+        batch.update(add=["a2"])
+        assert batch.adapters["a2"].found_in == "cold"
+        batch.update(add=["a0"], drop=["a2"])
+        assert batch.adapters["a0"].found_in == "hot"
+        batch.release()
+        again = c.acquire_adapters(["a2"])
+        assert [a.found_in for a in again.adapters] == ["hot"]
+        again.release()

@@ -548,7 +548,7 @@ def _batch(core):
     """A StepBatch with no session (its counts only), whose passes run with ``core``."""
     from types import SimpleNamespace
 
-    from memory_broker.clients.batch import StepBatch
+    from memory_broker.clients.step.batch import StepBatch
 
     b = StepBatch(SimpleNamespace(epoch=0))
     b.core = core
@@ -626,7 +626,7 @@ def test_the_native_batch_passes_take_no_bad_change():
 def test_the_step_caches_reference_drops_are_the_same_in_the_native_core(rng, seq):
     """``drop_refs`` (the step cache's references dropped, an entry whose last goes turning
     idle) gives the same ids back and leaves the same entries and idle order as the Python pass."""
-    from memory_broker.clients import step_holdings as sh
+    from memory_broker.clients.step import holdings as sh
 
     def fresh():
         held = {
@@ -753,7 +753,7 @@ def _holdings(rng):
     """A caching path's holdings: adapters a0..a4 and objects 0..5 (keys k0..k5; object 5
     keyless), each with 0-2 references (those with none idle, in a random order). Held by id
     only: no key is answered from them."""
-    from memory_broker.clients import step_holdings as sh
+    from memory_broker.clients.step import holdings as sh
 
     h = sh.StepHoldings(1.0, 64, None)
     for i in range(5):
@@ -789,7 +789,7 @@ def test_a_changes_plan_against_the_holdings_is_the_same_in_the_native_core(seed
     as ``step_delta._plan``'s Python pass."""
     import random
 
-    from memory_broker.clients import step_delta
+    from memory_broker.clients.step import delta as step_delta
 
     rng = random.Random(seed)
     native, python = _holdings(random.Random(seed)), _holdings(random.Random(seed))
@@ -820,8 +820,8 @@ def test_the_native_plan_leaves_other_sequences_to_the_python_pass():
     assert repr(_held_state(h)) == before
 
 
-def _outcome(missing, hot=True):
-    ads = tuple(w.AcquiredRecord(3, 200 + i, w.TIER_WARM, (50 + i,)) for i in range(len(missing)))
+def _outcome(missing, hot=True, tier=w.TIER_WARM):
+    ads = tuple(w.AcquiredRecord(3, 200 + i, tier, (50 + i,)) for i in range(len(missing)))
     return w.AcquireOutcome(hot, 9, 0.0, ads)
 
 
@@ -839,8 +839,8 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
     import random
     from types import SimpleNamespace
 
-    from memory_broker.clients import step_delta
-    from memory_broker.clients import step_holdings as sh
+    from memory_broker.clients.step import delta as step_delta
+    from memory_broker.clients.step import holdings as sh
 
     rng = random.Random(seed)
     states = [_holdings(random.Random(seed)), _holdings(random.Random(seed))]
@@ -852,8 +852,8 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
         plan = _run(_with_core(None), step_delta._plan, h, True, new_ids, [], new_keys, [], 3.0)[1]
         ops, held, missing, acq, look = plan
         results = [None] * len(ops)
-        if acq >= 0:
-            results[acq] = _outcome(missing)
+        if acq >= 0:  # found hot: the only records the native pass is given (a load's: the Python pass)
+            results[acq] = _outcome(missing, tier=w.TIER_HOT)
         if look >= 0:
             results[look] = _found(found_oids)
         p = step_delta.PendingDelta(None, new_ids, held, missing, acq, look, len(ops), bool(ops))
@@ -870,16 +870,28 @@ def test_an_accepted_changes_finish_is_the_same_in_the_native_core(seed):
     want = _run(_with_core(None), step_delta.finish_delta, pp, p_p, r_p)
     assert want == ("ok", got)
     assert _held_state(states[0]) == _held_state(states[1])
-    # Records the adapters are held by are the hot copies, not the reply's (warm) records.
+    # Records the adapters are held by are hot copies of the reply's records.
     for aid, rec in got[0] or []:
         assert rec.found_in == w.TIER_HOT and states[0].adapters[aid].record is rec
+    # A change whose acquire loaded one (found warm or cold) is left to the Python pass, whose
+    # records say so: the native pass is not asked.
+    if missing:
+        h = _holdings(random.Random(seed))
+        plan = _run(_with_core(None), step_delta._plan, h, True, new_ids, [], new_keys, [], 3.0)[1]
+        ops, held, missing, acq, look = plan
+        results = [None] * len(ops)
+        results[acq] = _outcome(missing)
+        if look >= 0:
+            results[look] = _found(found_oids)
+        p = step_delta.PendingDelta(None, new_ids, held, missing, acq, look, len(ops), bool(ops))
+        assert step_delta._finish_native(h, p, w.StepReply(4, results)) is None
 
 
 def test_a_pin_on_an_object_held_already_is_surplus_and_goes_back_with_the_next_frame():
     """A lookup (or pin) the broker answers with an object the holdings hold already pinned it
     once more: the entry keeps one broker pin, the other is surplus, unpinned by the next
     ``flush_ops`` whatever is due (none of it when this session freed the object)."""
-    from memory_broker.clients import step_holdings as sh
+    from memory_broker.clients.step import holdings as sh
 
     h = sh.StepHoldings(30.0, 64, __import__("threading").RLock())
     a, b = _found([40, 41])
@@ -904,7 +916,7 @@ def test_the_native_finish_leaves_a_cold_acquire_and_a_held_object_to_the_python
     """An acquire that was not hot (``_acquire_own`` then acquires over gRPC), a found object
     the holdings pin already (``add_ref_pin``'s other branch), another record class, or not
     lists: None, and the holdings unchanged."""
-    from memory_broker.clients import step_holdings as sh
+    from memory_broker.clients.step import holdings as sh
 
     h = _holdings(__import__("random").Random(2))
     h.pins[30] = sh.HeldPin(_found([30])[0], 1, 1, 0.0)

@@ -5,13 +5,14 @@ reaches the metric after the reply, not before it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import tempfile
 import time
 
 import pytest
 
-from memory_broker.broker.doors import step_channel
+from memory_broker.broker.doors import step_channel, step_ops
 from memory_broker.clients import BrokerClient, Spec
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.session import KEY_METADATA
@@ -67,13 +68,13 @@ def test_a_frame_checks_its_session_once_and_each_pin_its_ids(rig, monkeypatch):
 
     async def run():
         conn = conn_of(server, c)
-        r = reply(server._step(conn, w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 1)])[5:]))
+        r = reply(server.ops.step(conn, w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 1)])[5:]))
         assert r.error is None
         oid = r.results[1][0].object_id
         checked_plain = list(calls)
         calls.clear()
         ops = [w.Op(w.OP_UNPIN, (oid,)), w.Op(w.OP_PIN, (oid,)), w.Op(w.OP_UNPIN, (oid,)), w.Op(w.OP_PIN, (anon,))]
-        r = reply(server._step(conn, w.encode_step(ops)[5:]))
+        r = reply(server.ops.step(conn, w.encode_step(ops)[5:]))
         return checked_plain, list(calls), r
 
     plain, pins, r = on_loop(box, run)
@@ -87,12 +88,12 @@ def test_each_ops_latency_is_recorded_after_the_reply(rig, monkeypatch):
     box, c, _ = rig
     server = box["server"].step_server
     got = []
-    monkeypatch.setattr(server, "_record", lambda s, method, code: got.append((method, code, s >= 0)))
+    monkeypatch.setattr(server.ops, "_record", lambda s, method, code: got.append((method, code, s >= 0)))
 
     async def run():
         conn = conn_of(server, c)
         ops = [w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"none",), 0), w.Op(w.OP_COMMIT, (12345,))]
-        r = reply(server._step(conn, w.encode_step(ops)[5:]))
+        r = reply(server.ops.step(conn, w.encode_step(ops)[5:]))
         before = list(got)
         await asyncio.sleep(0)
         return r, before, list(got)
@@ -111,18 +112,18 @@ def test_every_op_kind_has_a_handler_and_ops_are_timed_only_for_a_recorder(rig, 
 
     box, c, _ = rig
     server = box["server"].step_server
-    assert set(step_channel.HANDLERS) == set(w.OP_NAMES)
+    assert set(step_ops.HANDLERS) == set(w.OP_NAMES)
     body = w.encode_step([w.Op(w.OP_UNPIN, ()), w.Op(w.OP_LOOKUP, (b"fl-k",), 0)])[5:]
 
     async def run(record):
-        monkeypatch.setattr(server, "_record", record)
+        monkeypatch.setattr(server.ops, "_record", record)
         conn = conn_of(server, c)
         spent = dict(server.counters.op_seconds)
-        r = reply(server._step(conn, body))
+        r = reply(server.ops.step(conn, body))
         await asyncio.sleep(0)
         grew = {k for k, t in server.counters.op_seconds.items() if t > spent.get(k, 0.0)}
         try:
-            server._op(conn.session.session_id, w.Op(99, ()))
+            server.ops.op(conn.session.session_id, w.Op(99, ()))
         except BrokerError as e:
             return r, grew, e
         return r, grew, None
@@ -146,7 +147,7 @@ def test_a_whole_step_or_ping_frame_skips_the_dispatch_and_answers_as_it_would(r
     server = box["server"].step_server
     if codec == "python":
         monkeypatch.setattr(w, "_core", None)
-    monkeypatch.setattr(server, "_record", None)
+    monkeypatch.setattr(server.ops, "_record", None)
     t = c._step_path().transport
     assert t.request(w.frame(w.PING)).error is None  # connected: HELLO sent
     dispatched = []
@@ -169,7 +170,8 @@ def test_a_whole_step_or_ping_frame_skips_the_dispatch_and_answers_as_it_would(r
     async def run():
         conn = conn_of(server, c)
         return [
-            (server._step_frame(conn, memoryview(b)), real_frame(conn, w.STEP, len(b), memoryview(b))) for b in bodies
+            (server.ops.step_frame(conn, memoryview(b)), real_frame(conn, w.STEP, len(b), memoryview(b)))
+            for b in bodies
         ]
 
     for fast, slow in on_loop(box, run):
@@ -202,7 +204,7 @@ def test_frames_arriving_together_are_each_answered_as_alone_and_in_one_send(rig
     server = box["server"].step_server
     if codec == "python":
         monkeypatch.setattr(w, "_core", None)
-    monkeypatch.setattr(server, "_record", None)
+    monkeypatch.setattr(server.ops, "_record", None)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
     s.connect(server.path)
@@ -286,3 +288,141 @@ def test_serve_runs_the_broker_on_asyncios_own_loop_and_still_accepts_no_step_th
     assert cli.main([*base, "--no-step-thread"]) == 0
     plain = type(asyncio.new_event_loop())
     assert loops == [plain, plain]
+
+
+# ------------------------------------------------------------------ a frame that waits for a load
+
+
+@pytest.fixture
+def gated_load(rig, monkeypatch):
+    """The rig's broker with an adapter ``gate-N`` registered (cold) and its manager's loads
+    held at a gate: (box, client, adapter id, the gate, the acquires that reached it)."""
+    import threading
+
+    from rigs import write_adapter
+
+    box, c, _ = rig
+    server = box["server"]
+    aid = f"gate-{next(_GATES)}"
+    c.register_adapter(aid, write_adapter(os.path.join(tempfile.mkdtemp(dir="/tmp"), aid), 7))
+    m = server.step_server.ops.adapters
+    gate, reached = threading.Event(), []
+    real = m.acquire
+
+    async def held(*a, **kw):
+        reached.append(a[1])
+        while not gate.is_set():
+            await asyncio.sleep(0.005)
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(m, "acquire", held)
+    yield box, c, aid, gate, reached
+    gate.set()
+
+
+_GATES = itertools.count()
+
+
+def _pinned(c) -> int:
+    return c.stats().pinned_pages
+
+
+def test_a_cold_acquire_is_answered_on_the_channel_and_holds_up_no_other_session(gated_load):
+    """An acquire that needs a load is one frame: the broker loads and answers when it is
+    done; meanwhile another session's frames (and gRPC) are answered as usual."""
+    import threading
+
+    box, c, aid, gate, reached = gated_load
+    server = box["server"].step_server
+    other = BrokerClient.connect(c.socket_path, client_name="other")
+    try:
+        n, loads, base = c._step_path().frames, server.counters.loads, _pinned(other)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(c.acquire_adapters([aid])))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not reached and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reached == [[aid]] and not got  # waiting at the gate, on the broker
+        for _ in range(3):  # another session's step frames and a gRPC call, answered meanwhile
+            assert [o.key for o in other.lookup([b"fl-k"], pin=False)] == [b"fl-k"]
+            assert other.stats().pinned_pages == base
+        assert not got
+        gate.set()
+        t.join(30)
+        (lease,) = got
+        assert lease.ids == [aid] and lease.adapters[0].found_in in ("cold", "warm")
+        assert c._step_path().frames == n + 1 and server.counters.loads == loads + 1
+        assert _pinned(other) > base
+        lease.release()
+        c.flush()
+        assert _pinned(other) == base
+    finally:
+        other.close()
+
+
+def test_frames_behind_a_waiting_frame_are_answered_after_it_in_order(gated_load):
+    """A connection's frames sent behind one that waits for a load get their replies after
+    its reply, in the order sent; nothing is answered on that connection before the load."""
+    import select
+
+    from memory_broker.clients.step.transport import StepTransport
+
+    box, c, aid, gate, reached = gated_load
+    t = StepTransport(c._step_socket(), c.token, None)
+    try:
+        assert t.request(w.frame(w.PING)).error is None
+        t._sock.sendall(
+            w.encode_step([w.Op(w.OP_ACQUIRE, (aid,), 0, 0, 0)])
+            + w.encode_step([w.Op(w.OP_LOOKUP, (b"fl-k",), 0)])
+            + w.frame(w.PING)
+        )
+        deadline = time.monotonic() + 10
+        while not reached and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reached and select.select([t._sock], [], [], 0.3)[0] == []  # nothing answered yet
+        gate.set()
+        t._sock.settimeout(30)
+        first, second, third = (reply(f) for f in _read_frames_upto(t._sock, 3))
+        assert first.error is None and first.results[0].hot and first.results[0].adapters
+        assert second.error is None and [o.key for o in second.results[0]] == [b"fl-k"]
+        assert third.error is None
+        t.request(w.encode_step([w.Op(w.OP_RELEASE, (aid,))]))
+    finally:
+        t.close()
+
+
+def test_a_connection_that_goes_during_a_load_leaves_nothing_pinned(gated_load):
+    """What a load acquires for a connection closed before its reply is given back."""
+    from memory_broker.clients.step.transport import StepTransport
+
+    box, c, aid, gate, reached = gated_load
+    base = _pinned(c)
+    t = StepTransport(c._step_socket(), c.token, None)
+    assert t.request(w.frame(w.PING)).error is None
+    t._sock.sendall(w.encode_step([w.Op(w.OP_ACQUIRE, (aid,), 0, 0, 0)]))
+    deadline = time.monotonic() + 10
+    while not reached and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t.close()
+    time.sleep(0.1)
+    gate.set()
+    deadline = time.monotonic() + 10
+    while box["server"].step_server.ops._tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not box["server"].step_server.ops._tasks
+    assert _pinned(c) == base and c.stats().adapters.hot >= 1  # loaded, kept as a cache, unpinned
+
+
+def _read_frames_upto(sock, k: int) -> list[bytes]:
+    """``k`` whole frames off a socket with a timeout."""
+    out, buf = [], b""
+    while len(out) < k:
+        while len(buf) < 5 or len(buf) < 5 + w.HEADER.unpack_from(buf)[0]:
+            got = sock.recv(1 << 16)
+            assert got, "the broker closed the connection"
+            buf += got
+        n = 5 + w.HEADER.unpack_from(buf)[0]
+        out.append(buf[:n])
+        buf = buf[n:]
+    return out

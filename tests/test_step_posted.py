@@ -18,9 +18,9 @@ from conftest import short_tmpdir
 from conftest import step_frames as frames
 
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
-from memory_broker.clients.step import StepPath
-from memory_broker.clients.step_direct import _SentStep
-from memory_broker.clients.step_transport import BUFFER_BYTES, POST_LIMIT, StepTransport, StepUnavailable
+from memory_broker.clients.step.direct import _SentStep
+from memory_broker.clients.step.path import StepPath
+from memory_broker.clients.step.transport import BUFFER_BYTES, POST_LIMIT, StepTransport, StepUnavailable
 from memory_broker.proto.wire import step as w
 
 # Each test runs on the native cores and on their Python fallback (conftest.native_core).

@@ -209,13 +209,13 @@ def test_a_replys_sums_in_c_are_the_python_ones(picks):
 
 
 def test_the_step_channel_answers_with_the_native_rows_where_built():
-    from memory_broker.broker.doors.step_channel import StepChannelServer
+    from memory_broker.broker.doors.step_ops import StepOps
 
     store = make_store(True)
     s = store.open_session()
     store.allocate(s, [Spec(1, key=k) for k in KEYS[:4]])
     objs = store.lookup(s, KEYS[:4], True)
-    server = StepChannelServer.__new__(StepChannelServer)
+    server = StepOps.__new__(StepOps)
     server._store_core = store_core()
     assert server._objects(w.OP_LOOKUP, s, objs) == w.encode_allocations(w.OP_LOOKUP, s, objs)
     server._store_core = None

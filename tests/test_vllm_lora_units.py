@@ -14,7 +14,7 @@ from conftest import short_tmpdir, start_broker
 from safetensors.torch import load_file
 
 from memory_broker.clients import BrokerClient
-from memory_broker.clients.adapters import AdapterTables
+from memory_broker.clients.step.adapters import AdapterTables
 from memory_broker.clients.vllm import identity, lora_patches, lora_plugin, tiny_model
 from memory_broker.clients.vllm.lora_source import BrokerAdapters
 from memory_broker.clients.vllm.lora_zero_copy import LayerAddress, StaticStepBuffers, StepHolder, ZeroCopyStep

@@ -33,6 +33,11 @@ class ShuttingDown:
         self.reason = reason
 
 
+def tier_stats_message(t: dict) -> pb.TierStats:
+    """The tier's figures (``TierLink.stats``) as GetStats carries them."""
+    return pb.TierStats(**{f.name: t[f.name] for f in pb.TierStats.DESCRIPTOR.fields})
+
+
 def stats_message(
     st: StoreStats,
     backend: str,

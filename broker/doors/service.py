@@ -23,7 +23,13 @@ from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.layout import ModuleShard
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
-from memory_broker.broker.doors.messages import adapter_message, adapter_stats_message, event_message, stats_message
+from memory_broker.broker.doors.messages import (
+    adapter_message,
+    adapter_stats_message,
+    event_message,
+    stats_message,
+    tier_stats_message,
+)
 from memory_broker.broker.doors.policy import CALL, POLICY, Rule
 from memory_broker.broker.sessions.manager import CLOSED, Session, SessionManager
 from memory_broker.broker.store.object_table import ReplyRoom
@@ -328,6 +334,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         self.inflight = 0
         # KeyDigests (broker/store/digests.py), or None when memory_pool.integrity.kv_digest is off.
         self.digests = None
+        # TierLink (broker/store/tiering.py), or None without tier.backend.
+        self.tier = None
         # Each session's replies gRPC has not sent yet, bounded (``add_to_server`` counts them).
         self.replies = ReplyBacklog()
 
@@ -546,7 +554,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     def GetStats(self, request, context, session):
         adapters = adapter_stats_message(self.adapters.stats()) if self.adapters is not None else None
         by_owner = [self._owner_stats(sid, ct, n, p) for (sid, ct), (n, p) in self.store.objects_by_owner().items()]
-        return stats_message(
+        msg = stats_message(
             self.store.stats(),
             self.arena.backend,
             self.arena.geometry.page_size,
@@ -554,6 +562,9 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             adapters,
             by_owner,
         )
+        if self.tier is not None:
+            msg.tier.CopyFrom(tier_stats_message(self.tier.stats()))
+        return msg
 
     def _owner_stats(self, sid: int, ct: int, n: int, p: int) -> pb.OwnerStats:
         s = self.sessions.by_id.get(sid)

@@ -1,34 +1,26 @@
 """The step channel, server side: an engine's per-step changes in one compact round trip.
 
-This module owns a Unix socket served straight from the event loop that owns the core
-(``add_reader`` on non-blocking sockets, the ``struct`` codec of ``memory_broker.proto.wire.step``): each STEP
-frame's ops (release adapters, unpin, pin, commit/abort adapter acquires, acquire hot
-adapters, look up keys) run in order on the same ``ObjectStore`` and ``AdapterManager`` the
-gRPC service uses, as the session that presented its token, so gRPC sees every change and a
-dead process's pins go with its session. It decides nothing about sessions (``SessionManager``
-authorizes, as on the fd channel) and never loads an adapter: an acquire whose adapters are
-not all hot answers "not hot" and the client asks over gRPC. It must not import gRPC.
+This module owns the channel's Unix socket and its connections, served straight from the event
+loop that owns the core (``add_reader`` on non-blocking sockets, the framing of
+``memory_broker.proto.wire.step``): accepting under per-uid and per-session caps, HELLO (the
+connection bound to the session its token names, as the peer's credentials prove), reading
+frames and writing replies in order, and stopping a connection's reads while its replies wait.
+Each STEP frame's ops run in ``step_ops.StepOps``. It decides nothing about sessions
+(``SessionManager`` authorizes, as on the fd channel) and must not import gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import socket
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import attrgetter
 
-from memory_broker.broker.adapters import hotcore
 from memory_broker.broker.doors.fd_channel import FdRequestRefused, PeerCred, listen_unix, peer_cred
-from memory_broker.broker.doors.policy import POLICY
-from memory_broker.broker.sessions.manager import NO_FIELDS
-from memory_broker.broker.store.object_table import ReplyRoom
-from memory_broker.broker.store.records import store_core
+from memory_broker.broker.doors.step_ops import StepCounters, StepOps
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code, denied, exhausted, invalid
 
@@ -44,61 +36,13 @@ HELLO_DEADLINE_S = 2.0
 # threads and its step batch), and one uid at most half the channel's: a process that opens
 # connections in a loop keeps other sessions and other uids' engines off the channel no more.
 MAX_CONNECTIONS_PER_SESSION = 64
-# Acquire reply rows of hot adapter objects kept at most (each a few dozen bytes).
-ROWS_KEPT = 16384
-# An object's id (C-level, over a list of objects).
-_OID = attrgetter("object_id")
-_STEP, _PING, _OP_LOOKUP, _Op, _wire_parts = w.STEP, w.PING, w.OP_LOOKUP, w.Op, w._wire_parts
-# An acquire reply's head by adapter count (C-level cache: no Python frame when it hits).
-_acquire_head = functools.lru_cache(maxsize=1024)(w.acquire_head)
+_STEP, _PING = w.STEP, w.PING
 # Read size per readable callback: a step frame is a few hundred bytes.
 RECV_BYTES = 1 << 16
 # Replies answered at once on one connection before its socket is written: past them, the
 # frames read already wait unanswered until the client has read the replies, and nothing more
 # is read (a connection holds at most about this plus one frame's reply, ``w.MAX_REPLY_BYTES``).
 REPLY_BACKLOG_BYTES = 1 << 20
-
-# The result records of the ops that answer only their kind.
-_UNPIN_DONE, _RELEASE_DONE, _COMMIT_DONE, _ABORT_DONE = (
-    bytes((k,)) for k in (w.OP_UNPIN, w.OP_RELEASE, w.OP_COMMIT, w.OP_ABORT)
-)
-
-_TIERS = {"hot": w.TIER_HOT, "warm": w.TIER_WARM, "cold": w.TIER_COLD}
-# Each op is recorded in the RPC latency metric under the gRPC method it stands for, so
-# dashboards and alerts count fast-path work as they count RPCs; refused frames as "Step".
-METHODS = {
-    w.OP_RELEASE: "ReleaseAdapters",
-    w.OP_UNPIN: "Unpin",
-    w.OP_PIN: "Pin",
-    w.OP_COMMIT: "Commit",
-    w.OP_ABORT: "Abort",
-    w.OP_ACQUIRE: "AcquireAdapters",
-    w.OP_LOOKUP: "Lookup",
-}
-
-# The rule of the RPC each op stands for: the step channel authorizes ops as gRPC calls.
-RULES = {op: POLICY[method] for op, method in METHODS.items()}
-# Whether an op's rule asks more than a session and its proof (the frame's first op checks
-# those for every op of the frame): it names ids the session must see, or needs a manager.
-PER_OP_RULE = {op: bool(r.visible or r.manage or not r.session) for op, r in RULES.items()}
-# Whether an op's rule looks at the ids it names (only then are they gathered for it).
-VISIBLE = {op: bool(r.visible) for op, r in RULES.items()}
-
-
-def _record_all(record: Callable[[float, str, str], None], done: list) -> None:
-    """Each op's latency into the metric, called soon after the frame (so after its reply is
-    sent): ``done`` is (seconds, method, code) per op that ran or was refused."""
-    for seconds, method, code in done:
-        record(seconds, method, code)
-
-
-def op_ids(op: w.Op):
-    """The ids an op names, by the request field of the RPC it stands for (``POLICY``'s
-    ``visible`` fields): a PIN's items are ``PinRequest.object_ids``."""
-    if op.kind == w.OP_PIN:
-        items = op.items
-        return lambda field: items
-    return NO_FIELDS
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +62,9 @@ class _Conn:
     closing: bool = False
     # Closes the connection if HELLO has not been accepted in time (cancelled by HELLO).
     deadline: asyncio.TimerHandle | None = None
+    # A frame of this connection waits for an adapter load (``_Load``): nothing more is read
+    # or answered on it until that frame's reply is out.
+    waiting: bool = False
 
 
 class _Waiting:
@@ -183,20 +130,6 @@ class _Held:
                 del counts[k]
 
 
-@dataclass(slots=True)
-class StepCounters:
-    """What the channel did since start (for tests and the status line)."""
-
-    connections: int = 0
-    frames: int = 0
-    ops: int = 0
-    refused: int = 0
-    not_hot: int = 0
-    # Seconds spent running ops, by op kind (what the store and manager cost per frame), where
-    # a recorder is configured (the RPC latency metric: ops are timed for it, and only then).
-    op_seconds: defaultdict = field(default_factory=lambda: defaultdict(float))
-
-
 class StepChannelServer:
     """Serves STEP frames on a Unix socket from the running event loop."""
 
@@ -219,8 +152,8 @@ class StepChannelServer:
         Args:
             path: the socket path; it must not exist (the caller clears stale ones under its lock).
             loop: the event loop that owns the core; every callback runs on it.
-            store, sessions, adapters: the core (``adapters`` may be None: acquire answers
-                "not hot" and gRPC says why).
+            store, sessions, adapters: the core (``adapters`` may be None: an acquire is
+                refused FAILED_PRECONDITION, as over gRPC).
             allowed_uids: uids that may connect; None allows any.
             num_slabs: the arena's slab count now (a client maps new slabs before using pages).
             record: ``record(seconds, method, code)`` per op, and per refused frame as
@@ -232,27 +165,27 @@ class StepChannelServer:
         self._loop = loop
         self.store = store
         self.sessions = sessions
-        self.adapters = adapters
         self.allowed_uids = allowed_uids
         self._num_slabs = num_slabs
-        self._record = record
         self._log = log or (lambda event, **kw: None)
         self.max_connections = max_connections
         self.counters = StepCounters()
+        # Each STEP frame's ops (and a frame that waits for a load: ``pause``, ``resume``).
+        self.ops = StepOps(
+            loop=loop,
+            store=store,
+            sessions=sessions,
+            adapters=adapters,
+            num_slabs=num_slabs,
+            record=record,
+            log=self._log,
+            counters=self.counters,
+            links=self,
+        )
         self._sock: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
         self._waiting = _Waiting()
         self._held = _Held(max(1, max_connections // 2), min(max_connections_per_session, max(1, max_connections // 2)))
-        # Each hot adapter object's row of an acquire reply, by object id (its generation and
-        # pages never change): a hot acquire joins them. Cleared when it grows past ROWS_KEPT.
-        self._rows: dict[int, bytes] = {}
-        # The store's native core (``_storecore.c``): a lookup's or pin's reply records joined
-        # in C; None where it is not built (``encode_allocations`` then).
-        self._store_core = store_core()
-        self._core = hotcore.load()
-        # What is left of the reply of the frame being answered (its object records are
-        # bounded like its request: ``ReplyRoom``, reset per frame).
-        self.room = ReplyRoom()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -273,6 +206,7 @@ class StepChannelServer:
                 os.unlink(self.path)
         for c in list(self._conns.values()):
             self._drop(c)
+        self.ops.close()
         k = self.counters
         self._log(
             "step_channel_closed",
@@ -280,7 +214,7 @@ class StepChannelServer:
             frames=k.frames,
             ops=k.ops,
             refused=k.refused,
-            not_hot=k.not_hot,
+            loads=k.loads,
             op_ms={w.OP_NAMES[o]: round(t * 1e3, 3) for o, t in k.op_seconds.items()},
         )
 
@@ -357,15 +291,19 @@ class StepChannelServer:
             if len(data) >= 5:
                 n, kind = w.HEADER.unpack_from(data)
                 if len(data) == 5 + n:
-                    if kind == _STEP and c.session is not None and self._record is None:
+                    if kind == _STEP and c.session is not None and self.ops._record is None:
                         # The common case of all: one STEP frame of a session, no recorder.
-                        self._reply(c, self._step_frame(c, memoryview(data)[5:]))
+                        reply = self.ops.step_frame(c, memoryview(data)[5:])
+                        if reply is not None:  # None: it waits for a load (``_wait``)
+                            self._reply(c, reply)
                     elif kind == _PING and c.session is not None:
                         # ``_frame``'s PING past HELLO (it cannot be refused): the slab count.
                         self.counters.frames += 1
                         self._reply(c, w.encode_step_reply(self._num_slabs(), ()))
                     else:
-                        self._reply(c, self._frame(c, kind, n, memoryview(data)[5:]))
+                        reply = self._frame(c, kind, n, memoryview(data)[5:])
+                        if reply is not None:
+                            self._reply(c, reply)
                     return
             used = self._frames(c, data)  # several frames, or part of one: no copy of the whole ones
             if used < len(data) and not c.closing:
@@ -382,7 +320,7 @@ class StepChannelServer:
         ``REPLY_BACKLOG_BYTES`` of replies), for as long as their replies are sent at once:
         a client that does not read them leaves the rest of its frames unanswered and unread."""
         buf = c.inbuf
-        while len(buf) >= 5 and not c.outbuf and not c.closing:
+        while len(buf) >= 5 and not c.outbuf and not c.closing and not c.waiting:
             n = w.HEADER.unpack_from(buf)[0]
             limit = w.MAX_FRAME_BYTES if c.session is not None else w.MAX_HELLO_BYTES
             if len(buf) < 5 + n and n <= limit:
@@ -426,17 +364,17 @@ class StepChannelServer:
         if not c.outbuf:
             fd = c.sock.fileno()
             self._loop.remove_writer(fd)
-            if not c.closing:
+            if not c.closing and not c.waiting:
                 self._buffered(c)  # the frames left unanswered while the replies waited
-            if c.closing and not c.outbuf:
+            if c.closing and not c.outbuf and not c.waiting:
                 self._drop(c)
-            elif not c.outbuf and self._conns.get(fd) is c:
+            elif not c.outbuf and not c.waiting and self._conns.get(fd) is c:
                 self._loop.add_reader(fd, self._readable, c)
 
     # ------------------------------------------------------------ frames
 
-    def _frame(self, c: _Conn, kind: int, n: int, body) -> bytes:
-        """The reply to one frame; never raises."""
+    def _frame(self, c: _Conn, kind: int, n: int, body) -> bytes | None:
+        """The reply to one frame (None: it waits for a load, ``_wait``); never raises."""
         t0 = time.perf_counter()
         self.counters.frames += 1
         code = "OK"
@@ -445,7 +383,7 @@ class StepChannelServer:
                 code = "INVALID_ARGUMENT"
                 return b""
             if kind == w.STEP:
-                return self._step(c, body)
+                return self.ops.step(c, body)
             if kind == w.HELLO:
                 return self._hello(c, body)
             if kind == w.PING:
@@ -466,119 +404,19 @@ class StepChannelServer:
             self._log("step_channel_internal_error", error=repr(e))
             return w.error_frame(BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}"))
         finally:
-            if self._record is not None and code != "OK":
-                self._record(time.perf_counter() - t0, "Step", code)
-
-    def _step_frame(self, c: _Conn, body) -> bytes:
-        """``_frame`` of a STEP frame on a connection past HELLO where no recorder is set
-        (nothing to time): the same reply and counters, without the rest of the dispatch."""
-        counters = self.counters
-        counters.frames += 1
-        try:
-            core = w._core  # read per frame: the codec may be switched (tests, benchmarks)
-            ops = None if core is None else core.decode_step(body, _Op)
-            if ops is None:  # the pure-Python codec, or a body the native pass leaves to it
-                return self._step(c, body)
-            return self._ops(c, c.session, ops)
-        except BrokerError as e:
-            counters.refused += 1
-            return w.error_frame(e)
-        except Exception as e:  # a bug: say so on this connection only
-            self._log("step_channel_internal_error", error=repr(e))
-            return w.error_frame(BrokerError(Code.INTERNAL, f"internal error in the step channel: {e!r}"))
-
-    def _step(self, c: _Conn, body) -> bytes:
-        s = c.session
-        if s is None:
-            raise denied("send HELLO with the session token first")
-        try:
-            ops = w.decode_step(body)
-        except w.WireError as e:
-            raise invalid(f"malformed step frame: {e}") from None
-        return self._ops(c, s, ops)
-
-    def _ops(self, c: _Conn, s, ops: list) -> bytes:
-        """A decoded STEP frame's ops, in order, as ``s`` (the connection's session): the
-        reply, which carries the error of the first op refused (and the results before it)."""
-        sessions = self.sessions
-        # The frame as a whole: a draining broker or an ended session refuses it before any op.
-        if sessions.draining or s.closed:
-            sessions.check_session(s, "a step")  # raises, saying why
-        counters = self.counters
-        counters.ops += len(ops)
-        self.room.reset()  # the frame's reply: its records and bytes (the store takes from it)
-        if self._record is not None:
-            return self._step_timed(c, s, ops)
-        sid = s.session_id
-        if len(ops) == 1:  # the usual frame: the loop below for one op, without its bookkeeping
-            op = ops[0]
-            k = op.kind
-            try:
-                sessions.authorize_open(METHODS[k], RULES[k], s, op_ids(op) if VISIBLE[k] else NO_FIELDS, key=c.key)
-                results = [HANDLERS[k](self, sid, op)]
-            except BrokerError as e:
-                counters.refused += 1
-                return w.encode_step_reply(self._num_slabs(), (), e, 0)
-            core = w._core
-            out = None if core is None else core.encode_ok_reply(self._num_slabs(), results)
-            return w.encode_step_reply(self._num_slabs(), results) if out is None else out
-        results = []
-        append = results.append
-        i = 0
-        try:
-            for op in ops:
-                k = op.kind
-                # An op's whole rule once per frame (the session and its proof cannot change
-                # between two ops of one frame: they run in one callback of the loop; the
-                # session itself was checked just above); then only the rules that look at
-                # the op's own ids (Pin's visibility) again.
-                if not i:
-                    sessions.authorize_open(METHODS[k], RULES[k], s, op_ids(op) if VISIBLE[k] else NO_FIELDS, key=c.key)
-                elif PER_OP_RULE[k]:
-                    sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
-                append(HANDLERS[k](self, sid, op))
-                i += 1
-        except BrokerError as e:
-            counters.refused += 1
-            return w.encode_step_reply(self._num_slabs(), results, e, i)
-        core = w._core
-        if core is not None:  # ``encode_step_reply``'s native case, inline
-            out = core.encode_ok_reply(self._num_slabs(), results)
-            if out is not None:
-                return out
-        return w.encode_step_reply(self._num_slabs(), results)
-
-    def _op(self, sid: int, op: w.Op) -> bytes:
-        """One op's result record (its rule already enforced)."""
-        handler = HANDLERS.get(op.kind)
-        if handler is None:
-            raise invalid(f"unknown op kind {op.kind}")  # decode_step lets none through
-        return handler(self, sid, op)
-
-    def _manager(self):
-        if self.adapters is None:
-            raise BrokerError(Code.FAILED_PRECONDITION, "adapters are not enabled on this broker")
-        return self.adapters
-
-    def _objects(self, kind: int, sid: int, objs) -> bytes:
-        """A lookup's or pin's reply: the objects' records for ``sid``, joined by the store's
-        native core where it is built (the same bytes as ``encode_allocations``)."""
-        core = self._store_core
-        if core is not None and objs.__class__ is list:
-            out = core.encode_rows(kind, sid, objs, w._wire_parts)
-            if out is not None:
-                return out
-        return w.encode_allocations(kind, sid, objs)
+            record = self.ops._record
+            if record is not None and code != "OK":
+                record(time.perf_counter() - t0, "Step", code)
 
     def _frames(self, c: _Conn, data: bytes) -> int:
         """``_readable``'s frames: answer each whole frame at the start of ``data`` in order, as its one
-        frame is (a STEP frame of a session without a recorder straight to ``_step_frame``),
+        frame is (a STEP frame of a session without a recorder straight to ``StepOps.step_frame``),
         their replies in one send; returns the bytes they took. A frame over the size limit
         is refused and ends the connection."""
         view = memoryview(data)
         pos, end, size = 0, len(data), 0
         replies: list[bytes] = []
-        while end - pos >= 5 and not c.closing:
+        while end - pos >= 5 and not c.closing and not c.waiting:
             n, kind = w.HEADER.unpack_from(data, pos)
             session = c.session
             limit = w.MAX_FRAME_BYTES if session is not None else w.MAX_HELLO_BYTES
@@ -591,15 +429,18 @@ class StepChannelServer:
             stop = pos + 5 + n
             if stop > end or size >= REPLY_BACKLOG_BYTES:
                 break
-            if kind == _STEP and session is not None and self._record is None:
-                replies.append(self._step_frame(c, view[pos + 5 : stop]))
+            if kind == _STEP and session is not None and self.ops._record is None:
+                reply = self.ops.step_frame(c, view[pos + 5 : stop])
             elif kind == _PING and session is not None:
                 self.counters.frames += 1
-                replies.append(w.encode_step_reply(self._num_slabs(), ()))
+                reply = w.encode_step_reply(self._num_slabs(), ())
             else:
-                replies.append(self._frame(c, kind, n, view[pos + 5 : stop]))
-            size += len(replies[-1])
+                reply = self._frame(c, kind, n, view[pos + 5 : stop])
             pos = stop
+            if reply is None:  # it waits for a load: the replies before it go now, in order
+                break
+            replies.append(reply)
+            size += len(reply)
         if replies:
             self._reply(c, replies[0] if len(replies) == 1 else b"".join(replies))
         return pos
@@ -628,155 +469,38 @@ class StepChannelServer:
         self._waiting.stop(c)
         return w.encode_step_reply(self._num_slabs(), ())
 
-    def _step_timed(self, c: _Conn, s, ops: list) -> bytes:
-        """``_step``'s ops with a recorder: each op timed, its latency recorded once the reply
-        is out (the metric costs more than most ops), and its seconds counted by kind."""
-        sessions, counters = self.sessions, self.counters
-        sid = s.session_id
-        results: list[bytes] = []
-        spent = counters.op_seconds
-        handlers = HANDLERS
-        done: list = []
-        checked = False
-        clock = time.perf_counter
-        t0 = clock()
-        for i, op in enumerate(ops):
-            k = op.kind
-            try:
-                if not checked or PER_OP_RULE[k]:
-                    sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
-                    checked = True
-                results.append(handlers[k](self, sid, op))
-            except BrokerError as e:
-                counters.refused += 1
-                done.append((clock() - t0, METHODS[k], e.code.value))
-                self._loop.call_soon(_record_all, self._record, done)
-                return w.encode_step_reply(self._num_slabs(), results, e, i)
-            t1 = clock()
-            spent[k] += t1 - t0
-            done.append((t1 - t0, METHODS[k], "OK"))
-            t0 = t1
-        if done:
-            self._loop.call_soon(_record_all, self._record, done)
-        return w.encode_step_reply(self._num_slabs(), results)
+    # ------------------------------------------------------------ a frame that waits for a load
 
+    def pause(self, c: _Conn) -> None:
+        """``c``'s frame waits for a load (``StepOps``): nothing more is read or answered on it."""
+        c.waiting = True
+        if not c.outbuf:  # with an outbuf, reading stopped already
+            self._loop.remove_reader(c.sock.fileno())
 
-# Each op kind's handler: (server, session id, op) -> the op's result record, its rule already
-# enforced (decode_step lets no other kind through). The store and the manager take the op's
-# items as decoded (a tuple: they read it, never keep or change it).
+    def resume(self, c: _Conn, fd: int, reply: bytes) -> None:
+        """``c``'s waiting frame is answered: its reply out, then the frames that arrived meanwhile."""
+        c.waiting = False
+        if self._conns.get(fd) is not c:
+            return
+        self._reply(c, reply)
+        if self._conns.get(fd) is c and not c.outbuf and not c.waiting:
+            if c.closing:
+                self._drop(c)
+                return
+            self._loop.add_reader(fd, self._readable, c)
+            self._buffered(c)
 
-
-def _lookup(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    objs = server.store.lookup(sid, op.items, bool(op.flags), server.room)
-    core = server._store_core  # ``_objects``, inline
-    if core is not None and objs.__class__ is list:
-        out = core.encode_rows(_OP_LOOKUP, sid, objs, _wire_parts)
-        if out is not None:
-            return out
-    return w.encode_allocations(_OP_LOOKUP, sid, objs)
-
-
-def _unpin(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    server.store.unpin(sid, op.items)
-    return _UNPIN_DONE
-
-
-def _release(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    m = server.adapters
-    if m is None:
-        m = server._manager()  # raises
-    if not m.release_hot(sid, op.items):
-        m.release(sid, list(op.items))
-    return _RELEASE_DONE
-
-
-def _acquire(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    """Pin hot adapters now, as ``AdapterManager.acquire`` does; "not hot" otherwise.
-
-    The manager's acquire does not yield to the loop when every admitted adapter is
-    hot, so it runs to completion right here, between two other callbacks of the loop,
-    like any other core call. One admitted adapter that is not hot (or unknown, or a
-    bad id) and nothing is pinned: the client asks over gRPC, which loads, defers and
-    refuses exactly as it always does."""
-    m = server.adapters
-    if m is None:
-        server.counters.not_hot += 1
-        return w.encode_acquire(w.AcquireOutcome(False))
-    if not op.flags & w.ACQUIRE_PREPARE:
-        objs = m.pin_hot(sid, op.items, op.max_adapters)
-        if objs is not None:
-            return _hot_rows(server._rows, server._core, m, op.items, objs)
-    distinct = list(dict.fromkeys(op.items))
-    admitted = distinct[: op.max_adapters or len(distinct)]
-    is_hot = m.is_hot
-    for aid in admitted:
-        if not (isinstance(aid, str) and is_hot(aid)):
-            server.counters.not_hot += 1
-            return w.encode_acquire(w.AcquireOutcome(False))
-    cap = op.max_adapters or None
-    if op.flags & w.ACQUIRE_PREPARE:
-        coro = m.prepare_acquire(sid, list(op.items), cap, False, (op.lease_ms / 1000.0) or None)
-    else:
-        coro = m.acquire(sid, list(op.items), cap, False)
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        r = done.value
-    else:
-        # It waited on something after all: never leave it half done on this loop.
-        coro.close()
-        server.counters.not_hot += 1
-        return w.encode_acquire(w.AcquireOutcome(False))
-    return w.encode_acquire_rows(
-        r.txn_id,
-        r.deadline_unix,
-        [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
-    )
-
-
-def _pin(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    return server._objects(w.OP_PIN, sid, server.store.pin(sid, op.items, server.room))
-
-
-def _commit(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    m = server._manager()
-    for t in op.items:
-        m.commit_acquire(sid, t)
-    return _COMMIT_DONE
-
-
-def _abort(server: StepChannelServer, sid: int, op: w.Op) -> bytes:
-    m = server._manager()
-    for t in op.items:
-        m.abort_acquire(sid, t)
-    return _ABORT_DONE
-
-
-HANDLERS: dict[int, Callable[[StepChannelServer, int, w.Op], bytes]] = {
-    w.OP_LOOKUP: _lookup,
-    w.OP_UNPIN: _unpin,
-    w.OP_ACQUIRE: _acquire,
-    w.OP_RELEASE: _release,
-    w.OP_PIN: _pin,
-    w.OP_COMMIT: _commit,
-    w.OP_ABORT: _abort,
-}
-
-
-def _hot_rows(kept: dict[int, bytes], core, m, items, objs: list) -> bytes:
-    """The reply to an acquire ``pin_hot`` made: each object's row, kept from the last time
-    (joined in one C call with the native core)."""
-    if core is not None:
-        joined = core.join_rows(_acquire_head(len(objs)), kept, objs)
-        if joined is not None:
-            return joined
-    rows = list(map(kept.get, map(_OID, objs)))
-    if None in rows:
-        if len(kept) > ROWS_KEPT:
-            kept.clear()
-        own = m.hot.own
-        for i, aid in enumerate(dict.fromkeys(items)):
-            if rows[i] is None:
-                o = objs[i]
-                rows[i] = kept[o.object_id] = w.acquire_row(own[aid].generation, o.object_id, w.TIER_HOT, o.pages)
-    return w.encode_acquire_joined(rows)
+    def gone(self, c: _Conn, fd: int) -> bool:
+        """Whether a waiting connection (not read meanwhile) went: dropped, or closed by its
+        client (its end read without taking its bytes); one that went is dropped."""
+        if self._conns.get(fd) is not c:
+            return True
+        try:
+            gone = c.sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            gone = True
+        if gone:
+            self._drop(c)
+        return gone

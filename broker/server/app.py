@@ -43,6 +43,7 @@ from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.growth import Growth
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import WindowSpace
+from memory_broker.broker.store.tiering import TierLink
 from memory_broker.proto.wire import native
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
@@ -135,6 +136,8 @@ class BrokerServer:
         self.overrides = dict(overrides or {})
         self.notifier = Notifier()
         self.metrics: BrokerMetrics | None = None
+        # The tier past one host and its link to the store (tier.backend), or None.
+        self.tier: TierLink | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
@@ -220,6 +223,8 @@ class BrokerServer:
             log=self.log,
         )
         self.digests = make_digests(opts, self.store, self.arena, self.log, self._tasks)
+        # After the digests: the link chains its write-behind after theirs on commit.
+        self.tier = make_tier(opts, self.store, self.arena, self.geometry, self.log, self._tier_latency)
         # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
         self.store.mark_internal(self.adapters.system_session)
         self.watcher = PidWatcher(loop)
@@ -243,6 +248,7 @@ class BrokerServer:
             self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
         )
         self.service.digests = self.digests
+        self.service.tier = self.tier
         self.service.manager_uids = opts.manager_uids()
         self.service.debug_rpcs = opts.log_level == "debug"
 
@@ -342,10 +348,14 @@ class BrokerServer:
     def status_line(self, st: StoreStats | None = None) -> str:
         """One line on the pool for systemd's STATUS (``st``: a store.stats() already taken)."""
         st = self.store.stats() if st is None else st
-        return (
+        line = (
             f"{st.used_pages}/{st.max_pages} pages used ({st.utilization:.0%}), "
             f"{st.pinned_pages} pinned, {st.sessions} sessions, {st.evicted_pages} pages evicted"
         )
+        if self.tier is not None:
+            t = self.tier.stats()
+            line += f"; tier {'up' if t['up'] else 'DOWN'}, {t['hits']} hits, {t['written']} written"
+        return line
 
     def _refresh(self) -> StoreStats:
         """One reading of the store per tick: metric snapshots, and the stats for STATUS."""
@@ -353,6 +363,7 @@ class BrokerServer:
         if self.metrics is not None:
             self.metrics.snapshot = st
             self.metrics.adapter_snapshot = self.adapters.stats()
+            self.metrics.tier_snapshot = self.tier.stats() if self.tier is not None else None
         return st
 
     async def _status_loop(self) -> None:
@@ -475,9 +486,17 @@ class BrokerServer:
         self.log.info("stopped", reason=reason)
         self._stopped.set()
 
+    def _tier_latency(self, op: str, seconds: float) -> None:
+        """Each tier call's time, from the tier's thread (its only recorder) into the metrics."""
+        if self.metrics is not None:
+            self.metrics.tier_latency.record(seconds, op)
+
     async def _release(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if getattr(self, "tier", None) is not None:
+            await self.tier.close()
+            await asyncio.get_running_loop().run_in_executor(None, self.tier.tier.close)
         if getattr(self, "fd_server", None) is not None:
             await self.fd_server.close()
         if getattr(self, "step_server", None) is not None:
@@ -638,6 +657,28 @@ def make_digests(opts: ServeOptions, store: ObjectStore, arena, log, tasks: list
     if task is not None:
         tasks.append(task)
     return digests
+
+
+def make_tier(opts: ServeOptions, store: ObjectStore, arena, geometry, log, observe) -> TierLink | None:
+    """With ``tier.backend``, the tier past one host and its link to the store (docs/tier.md);
+    else None. ``observe(op, seconds)``: each tier call's time. A CUDA arena's blocks go
+    through host buffers (``TierLink``'s ``host``)."""
+    if opts.tier_backend == "none":
+        return None
+    from memory_broker.broker.tier.tier import Tier, open_backend
+
+    backend = open_backend(
+        opts.tier_backend,
+        valkey_url=opts.tier_valkey_url,
+        mooncake_master=opts.tier_mooncake_master,
+        mooncake_metadata=opts.tier_mooncake_metadata,
+        segment_size=opts.tier_mooncake_segment_size,
+        deadline_s=opts.tier_deadline_s,
+    )
+    tier = Tier(backend, opts.tier_deadline_s, opts.tier_queue_depth, observe=observe)
+    names = store.tenancy.names if store.tenancy is not None else [""]
+    host = arena.backend == "host"
+    return TierLink(store, tier, arena.view, geometry, opts.tier_key_prefix, opts.tier_write, names, log, host=host)
 
 
 def raise_fd_limit() -> tuple[int, int]:

@@ -76,10 +76,13 @@ class BrokerMetrics:
         self.snapshot: StoreStats | None = None
         # The adapter wing's figures, once the server has taken them (None: adapters off or not yet).
         self.adapter_snapshot: AdapterStats | None = None
+        # The tier's figures (store/tiering.TierLink.stats), or None: no tier.
+        self.tier_snapshot: dict | None = None
         self._http = None
 
         self._add_store_instruments(meter)
         self._add_adapter_instruments(meter)
+        self._add_tier_instruments(meter)
         # ``record(seconds)``.
         self.allocation_latency = LatencyHistogram(
             f"{PREFIX}_allocation_latency_seconds", "time to serve an Allocate or Prepare in the core"
@@ -88,8 +91,13 @@ class BrokerMetrics:
         self.rpc_latency = LatencyHistogram(
             f"{PREFIX}_rpc_latency_seconds", "time to handle an RPC, by method and status", ("method", "code")
         )
+        # ``record(seconds, op)``, from the tier's thread (its only recorder).
+        self.tier_latency = LatencyHistogram(
+            f"{PREFIX}_tier_latency_seconds", "time of one batched call to the tier, by op", ("op",)
+        )
         inner.register(self.allocation_latency)
         inner.register(self.rpc_latency)
+        inner.register(self.tier_latency)
 
     def _add_store_instruments(self, meter) -> None:
         """Gauges and counters read from the store's snapshot."""
@@ -204,6 +212,49 @@ class BrokerMetrics:
             ],
             description="share of adapter acquires that found the adapter hot",
         )
+
+    def _add_tier_instruments(self, meter) -> None:
+        """The tier past one host (present with tier.backend)."""
+
+        def tier(name: str, desc: str, pairs: tuple[tuple[str, str, str], ...], gauge: bool = False):
+            def observe(_o):
+                t = self.tier_snapshot
+                return (
+                    [Observation(int(t[key]), {label: value} if label else {}) for key, label, value in pairs]
+                    if t
+                    else []
+                )
+
+            make = meter.create_observable_gauge if gauge else meter.create_observable_counter
+            make(f"{PREFIX}_{name}", callbacks=[observe], description=desc)
+
+        tier(
+            "tier_blocks_total",
+            "blocks asked of the tier, by result (a corrupt one is also a miss)",
+            (("hits", "result", "hit"), ("misses", "result", "miss"), ("corrupt", "result", "corrupt")),
+        )
+        tier(
+            "tier_writes_total",
+            "blocks written to the tier, by result",
+            (("written", "result", "stored"), ("write_failed", "result", "failed")),
+        )
+        tier(
+            "tier_bytes_total",
+            "bytes moved to and from the tier",
+            (("bytes_written", "direction", "written"), ("bytes_read", "direction", "read")),
+        )
+        tier(
+            "tier_errors_total",
+            "tier calls that failed or missed their deadline",
+            (("errors", "kind", "error"), ("timeouts", "kind", "timeout"), ("skipped_down", "kind", "down")),
+        )
+        tier(
+            "tier_drops_total",
+            "work the tier had no room for: jobs its queue refused, evicted objects not spilled",
+            (("drops", "what", "job"), ("spill_dropped", "what", "spill")),
+        )
+        tier("tier_queue_depth", "tier jobs waiting", (("queue_depth", "", ""),), gauge=True)
+        tier("tier_up", "1 while the tier answers, 0 during a failure's backoff", (("up", "", ""),), gauge=True)
 
     def _per_tier(self, key: str):
         """A callback: one observation per tier of the adapter figures' record ``key``."""

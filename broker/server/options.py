@@ -435,6 +435,77 @@ class ServeOptions(_Explained):
         unit="seconds",
         help="with --kv-digest, check one digested object this often in the background (0: off)",
     )
+    tier_backend: Literal["none", "valkey", "mooncake"] = setting(
+        "none",
+        kind="choice",
+        yaml="tier.backend",
+        help="the tier past one host (docs/tier.md): keyed KV written behind to it, lookups' misses read through",
+    )
+    tier_valkey_url: str = setting(
+        "",
+        kind="str",
+        yaml="tier.valkey_url",
+        metavar="URL",
+        shown="none",
+        help="with tier.backend valkey: the server (valkey://host:port/0)",
+    )
+    tier_mooncake_master: str = setting(
+        "",
+        kind="str",
+        yaml="tier.mooncake_master",
+        metavar="HOST:PORT",
+        shown="none",
+        help="with tier.backend mooncake: the Mooncake Store master's RPC address",
+    )
+    tier_mooncake_metadata: str = setting(
+        "P2PHANDSHAKE",
+        kind="str",
+        yaml="tier.mooncake_metadata",
+        metavar="ADDR",
+        help="Mooncake's metadata service (P2PHANDSHAKE: none, peers meet through the master)",
+    )
+    tier_mooncake_segment_size: int = setting(
+        1 << 30,
+        kind="size",
+        yaml="tier.mooncake_segment_size",
+        metavar="SIZE",
+        ge=1 << 20,
+        help="host memory this broker contributes to the Mooncake Store (its share of the fleet's tier)",
+    )
+    tier_deadline_s: float = setting(
+        1.0,
+        kind="duration",
+        yaml="tier.deadline",
+        flag="--tier-deadline",
+        metavar="T",
+        ge=0.001,
+        le=60.0,
+        unit="seconds",
+        help="every tier call's answer within this, queueing included; later is a miss",
+    )
+    tier_queue_depth: int = setting(
+        64,
+        kind="int",
+        yaml="tier.queue_depth",
+        metavar="N",
+        ge=1,
+        le=65536,
+        help="tier jobs (batches) that may wait; one more is dropped and counted",
+    )
+    tier_write: Literal["commit", "evict"] = setting(
+        "commit",
+        kind="choice",
+        yaml="tier.write",
+        help="what is written to the tier: commit (keyed KV at commit, and at eviction if not yet written) "
+        "or evict (at eviction only)",
+    )
+    tier_key_prefix: str = setting(
+        "mb",
+        kind="str",
+        yaml="tier.key_prefix",
+        metavar="TEXT",
+        help="the fleet's prefix of every tier key (then the tenant pool, then the block key)",
+    )
     max_request_size: int = setting(
         4 << 20,
         kind="size",
@@ -538,6 +609,14 @@ class ServeOptions(_Explained):
         _check_options(self)
 
 
+def _check_tier(opts: ServeOptions) -> None:
+    """The tier's address must be set for its backend."""
+    if opts.tier_backend == "valkey" and not opts.tier_valkey_url:
+        raise SettingError("tier_valkey_url", "is not set; tier.backend valkey needs it (valkey://host:port/0)")
+    if opts.tier_backend == "mooncake" and not opts.tier_mooncake_master:
+        raise SettingError("tier_mooncake_master", "is not set; tier.backend mooncake needs it (host:port)")
+
+
 def _check_options(opts: ServeOptions) -> None:
     """ServeOptions.validate's checks. Types and single-setting bounds were checked on
     construction; these are the checks that span settings or ask the machine. The arena
@@ -566,6 +645,7 @@ def _check_options(opts: ServeOptions) -> None:
             " the largest request could never be served",
         )
     _check_tenants(opts)
+    _check_tier(opts)
     _check_socket_dir(opts.socket)
     for root in opts.adapter_allowed_roots:
         if not root.startswith("/") or "\x00" in root:

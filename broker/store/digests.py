@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from memory_broker.broker.store.object_table import ReplyRoom
 from memory_broker.broker.store.objects import ObjectStore
 from memory_broker.broker.store.records import Allocation
 from memory_broker.proto.wire.errors import BrokerError, Code
@@ -137,6 +138,7 @@ class KeyDigests:
         limits = self.store.limits
         if len(keys) > limits.max_batch:
             raise BrokerError(Code.INVALID_ARGUMENT, f"keys has {len(keys)} items; at most {limits.max_batch} per call")
+        ReplyRoom.admit(keys, "keys")  # a key twice would digest its object twice
         out = []
         for key in keys:
             obj = self.store.keys.get(key)

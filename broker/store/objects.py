@@ -144,6 +144,9 @@ class ObjectStore:
         self.work_batch = 128
         # Called with the keyed objects each commit makes visible (digests.KeyDigests), or None.
         self.on_commit: Callable[[list[Allocation]], None] | None = None
+        # Called by a lookup that found fewer than the keys it was given: (the session's pool,
+        # the keys, how many leading ones were found); tiering.TierLink reads the rest through.
+        self.on_miss: Callable[[int, Sequence[bytes], int], None] | None = None
 
     # ------------------------------------------------ the narrow interface
 
@@ -226,6 +229,17 @@ class ObjectStore:
     def background(self, callback: Callable[[], None] | None) -> None:
         for room in self.rooms:
             room.background = callback
+
+    @property
+    def on_evict(self) -> Callable[[list[Allocation]], None] | None:
+        """Set by a host: called with each eviction's victims before their pages return
+        (tiering.TierLink spills the ones not yet in the tier)."""
+        return self.room.on_evict
+
+    @on_evict.setter
+    def on_evict(self, callback: Callable[[list[Allocation]], None] | None) -> None:
+        for room in self.rooms:
+            room.on_evict = callback
 
     @property
     def eviction_active(self) -> bool:
@@ -423,6 +437,8 @@ class ObjectStore:
             check_batch(len(keys), "keys", config.max_batch)  # raises
         if pin and self.ledger.fused is not None:  # find and pin_all in one native call
             if (found := self.ledger.lookup_pin(s, keys, config.max_key_bytes, reply)) is not None:
+                if len(found) < len(keys) and self.on_miss is not None:
+                    self.on_miss(s.pool, keys, len(found))
                 return found
         found = self.table.find(s.pool, keys, config.max_key_bytes, reply)
         if pin:
@@ -433,6 +449,8 @@ class ObjectStore:
                 ledger.pin_all(s, found)
         else:
             self.ledger.touch_all(found)
+        if len(found) < len(keys) and self.on_miss is not None:
+            self.on_miss(s.pool, keys, len(found))
         return found
 
     # ---------------------------------------------------------------- reading

@@ -49,6 +49,8 @@ class RoomMaker:
         self.eviction_active = False
         # Set by a host that drains eviction off the request path (see ObjectStore.background).
         self.background: Callable[[], None] | None = None
+        # Set by a host: called with each eviction's victims before they are dropped (ObjectStore.on_evict).
+        self.on_evict: Callable[[list[Allocation]], None] | None = None
         # Starts its RESOURCE_EXHAUSTED messages: a tenant pool's name and setting (pools.py).
         self.label = ""
         self.set_watermarks(ctx.config.high_watermark, ctx.config.low_watermark)
@@ -174,6 +176,9 @@ class RoomMaker:
 
     def evict(self, victims: list, need: int, exclude: Collection[int]) -> None:
         """Evict victims in order until ``need`` pages are freed; tell each owner once."""
+        if self.on_evict is not None:
+            victims = self._taken(victims, need, exclude)
+            self.on_evict(victims)
         freed = 0
         told: dict[int, tuple[list[int], list[bytes]]] = {}
         counters = self._counters
@@ -194,6 +199,18 @@ class RoomMaker:
             counters.evicted_pages += obj.num_pages
         for sid, (ids, keys) in told.items():
             self._notify(sid, ObjectsEvicted(ids, keys))
+
+    @staticmethod
+    def _taken(victims: list, need: int, exclude: Collection[int]) -> list:
+        """The victims ``evict`` will drop: in order, until ``need`` pages."""
+        out, freed = [], 0
+        for obj in victims:
+            if freed >= need:
+                break
+            if obj.object_id not in exclude:
+                out.append(obj)
+                freed += obj.num_pages
+        return out
 
     @staticmethod
     def is_evictable(obj: Allocation) -> bool:

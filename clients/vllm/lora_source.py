@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from memory_broker.clients import discovery
-from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
 from memory_broker.clients.client import BrokerClient
+from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
 from memory_broker.kernels.reference import gather_rows
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard

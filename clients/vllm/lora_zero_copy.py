@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memory_broker.clients.adapters import AdapterTables, LeasedAdapter
+from memory_broker.clients.step.adapters import AdapterTables, LeasedAdapter
 from memory_broker.kernels import reference
 from memory_broker.kernels.batch_plan import BatchPlan
 from memory_broker.kernels.dispatch import choose_backend, lora_apply

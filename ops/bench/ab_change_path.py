@@ -37,8 +37,8 @@ from memory_broker.clients import (  # noqa: E402
     step_lease,
 )
 from memory_broker.clients import client as clmod  # noqa: E402
-from memory_broker.clients import step as stepmod  # noqa: E402
 from memory_broker.clients.client import BrokerClient  # noqa: E402
+from memory_broker.clients.step import path as stepmod  # noqa: E402
 
 
 def _load(name: str, path: str):

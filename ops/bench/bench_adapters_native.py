@@ -57,7 +57,7 @@ def _broker(d: str, hot: int, fallback: bool):
         setup.register_adapter(aid, b.write_adapter(os.path.join(d, "ad", aid), i))
     setup.prefetch_adapters(ids, "hot")
     c = BrokerClient.connect(sock, client_name="engine")
-    core = box["server"].step_server._core
+    core = box["server"].step_server.ops._core
     return box, c.token, dict(c.metadata)[KEY_METADATA], core is not None
 
 

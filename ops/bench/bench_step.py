@@ -71,7 +71,7 @@ from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path ab
 from rigs import inprocess_broker, write_adapter  # noqa: E402  (other benchmarks use them from here)
 
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
-from memory_broker.clients.batch import POLL_S  # noqa: E402
+from memory_broker.clients.step.batch import POLL_S  # noqa: E402
 from memory_broker.proto.wire import step as step_wire  # noqa: E402
 from memory_broker.proto.wire.session import KEY_METADATA  # noqa: E402
 from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
@@ -494,7 +494,7 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[f
         conn.key = key  # what the step channel's HELLO took from the session's proof
 
         def frame(ops) -> tuple[int, list]:
-            reply = server._step(conn, w.encode_step(ops)[5:])
+            reply = server.ops.step(conn, w.encode_step(ops)[5:])
             size, kind = w.HEADER.unpack_from(reply)
             r = w.decode_step_reply(kind, reply[5:])
             if r.error is not None:
@@ -520,7 +520,7 @@ def broker_side(box: dict, token: str, key: str, n: int, cycles: int) -> tuple[f
         for i in range(cycles):
             body = to_a if i % 2 == 0 else to_b
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-            server._step(conn, body)
+            server.ops.step(conn, body)
             out.append((time.perf_counter_ns() - t0) / 1000)
             cpu.append((time.thread_time_ns() - c0) / 1000)
         # Held now: A if cycles is odd, else B. Give it back.

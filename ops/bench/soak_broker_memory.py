@@ -41,7 +41,7 @@ from memory_broker.broker.store.objects import ObjectStore, Spec, StoreConfig  #
 from memory_broker.broker.store.pool import PagePool, WindowSpace  # noqa: E402
 from memory_broker.clients import BrokerClient  # noqa: E402
 from memory_broker.clients import Spec as ClientSpec  # noqa: E402
-from memory_broker.clients.step_transport import StepTransport, StepUnavailable  # noqa: E402
+from memory_broker.clients.step.transport import StepTransport, StepUnavailable  # noqa: E402
 from memory_broker.proto.wire import step as w  # noqa: E402
 from memory_broker.proto.wire.errors import Code  # noqa: E402
 

@@ -9,16 +9,22 @@ The two are the same protocol and the same results: the tests run both.
 
 ``MEMORY_BROKER_NATIVE=0`` (or ``off``/``false``/``no``) turns every native module off, so the
 Python path runs; a native module that was not built is said once, in the log, per process.
+``MEMORY_BROKER_NATIVE_DIR=DIR`` loads each module from ``DIR/<last name>.so`` instead of the
+installed build: ``make test-sanitize`` builds them there with AddressSanitizer and
+UndefinedBehaviorSanitizer and runs the native-against-fallback tests on them.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
+import sys
 from types import ModuleType
 
 ENV = "MEMORY_BROKER_NATIVE"
+DIR_ENV = "MEMORY_BROKER_NATIVE_DIR"
 _OFF = {"0", "off", "false", "no"}
 log = logging.getLogger("memory_broker.native")
 _loaded: dict[str, ModuleType | None] = {}
@@ -44,7 +50,7 @@ def load(name: str) -> ModuleType | None:
         _why_off[name] = f"off by {ENV}={os.environ.get(ENV, '')}"
     else:
         try:
-            module = importlib.import_module(name)
+            module = _import(name)
         except ImportError as e:
             _why_off[name] = f"not built: {e}"
             log.warning(
@@ -54,6 +60,21 @@ def load(name: str) -> ModuleType | None:
                 e,
             )
     _loaded[name] = module
+    return module
+
+
+def _import(name: str) -> ModuleType:
+    """The installed module ``name``, or with ``MEMORY_BROKER_NATIVE_DIR`` its build there."""
+    where = os.environ.get(DIR_ENV, "")
+    if not where or name in sys.modules:
+        return importlib.import_module(name)
+    path = os.path.join(where, name.rpartition(".")[2] + ".so")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not os.path.exists(path):
+        raise ImportError(f"no {path} ({DIR_ENV}={where})")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
     return module
 
 

@@ -1,7 +1,7 @@
 """The step channel's wire format: one definition of its frames, used by the daemon and the client.
 
 This module owns the byte layout of the fast path (``broker/doors/step_channel.py`` serves
-it, ``clients/step.py`` speaks it): frame headers, operation and result records, limits and
+it, ``clients/step/path.py`` speaks it): frame headers, operation and result records, limits and
 error codes. It is plain ``struct`` code with no I/O and no state; it must not import gRPC
 or anything of the daemon (it belongs with the shared wire types).
 
@@ -113,14 +113,14 @@ _CORE_PASSES = (
     "decode_frame",
     "encode_ok_reply",
     "object_record",
-    # A step batch's counts (``clients/batch.py``), which its module reads as ``_core`` here.
+    # A step batch's counts (``clients/step/batch.py``), which its module reads as ``_core`` here.
     "batch_take",
     "batch_account",
-    # The step cache's reference drops (``clients/step_holdings.py``).
+    # The step cache's reference drops (``clients/step/holdings.py``).
     "drop_refs",
-    # A step reply's fresh objects (``clients/step_lease.py``'s ``SessionRecords._fresh``).
+    # A step reply's fresh objects (``clients/step/lease.py``'s ``SessionRecords._fresh``).
     "step_objects",
-    # A running batch's change planned and accounted (``clients/step_delta.py``).
+    # A running batch's change planned and accounted (``clients/step/delta.py``).
     "delta_plan",
     "delta_finish",
 )
@@ -778,7 +778,7 @@ def decode_step_reply(kind: int, body: bytes) -> StepReply:
 # steps mostly get back what the last ones got: ``ReplyDecoder`` (one per step connection)
 # cuts a reply's records out as bytes, in one pass where they are all of one size, and hands
 # back the record it made before from the same bytes (records are read-only), so the client's
-# caches of what it built from a record (``clients/step_lease.py``) hit. Anything its passes
+# caches of what it built from a record (``clients/step/lease.py``) hit. Anything its passes
 # do not take (an ERROR reply, a cut or malformed one) is decoded by ``decode_step_reply``,
 # which says what is wrong: both accept and refuse the same bytes, with equal results.
 

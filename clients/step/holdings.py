@@ -1,6 +1,6 @@
 """The step path's holdings cache: what this process holds at the broker, with local counts.
 
-``StepHoldings`` is the bookkeeping part of a ``StepPath`` (``step.py``, which owns one as
+``StepHoldings`` is the bookkeeping part of a ``StepPath`` (``path.py``, which owns one as
 ``StepPath.held``): adapters and pins held
 for this session, their local reference counts, which of them are idle (no reference here,
 still pinned at the broker, so nothing of them can be evicted), and the release ops an idle

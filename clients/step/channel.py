@@ -2,11 +2,12 @@
 
 ``ChannelCalls`` has the methods and results of ``grpc_calls.py``'s ``GrpcCalls`` (acquire and
 release adapters, commit or abort an acquire, lookup, pin, unpin, ``step``, ``step_begin``, a
-running batch's ``change``) and sends them over one session's ``StepPath`` (``step.py``).
-``BrokerClient`` picks one of the two per session (``_step_calls``). Where the channel cannot
-serve a call (an adapter needs a load; for a lookup or an acquire, a channel that broke) it
-hands the call to the session's ``GrpcCalls``. Records become leases and objects through the
-session's ``SessionRecords`` (``step_lease.py``), once per placement: later steps reuse them.
+running batch's ``change``) and sends them over one session's ``StepPath`` (``path.py``).
+``BrokerClient`` picks one of the two per session (``_step_calls``). The channel answers every
+acquire itself (one that needs a load waits on the broker for it); only what the wire has no
+field for (an acquire in another dtype or of a rank's shards) and a lookup or an acquire whose
+channel broke (gRPC waits for the reconnect) go to the session's ``GrpcCalls``. Records become leases and objects through the
+session's ``SessionRecords`` (``lease.py``), once per placement: later steps reuse them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import logging
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 
-from memory_broker.clients.grpc_calls import GrpcCalls
-from memory_broker.clients.step import StepOutcome, StepPath, StepUnavailable
-from memory_broker.clients.step_delta import send_delta
-from memory_broker.clients.step_lease import PendingStepLease, StepLease
-from memory_broker.clients.step_transport import raise_refused
+from memory_broker.clients.step.delta import send_delta
+from memory_broker.clients.step.grpc_calls import GrpcCalls
+from memory_broker.clients.step.lease import PendingStepLease, StepLease
+from memory_broker.clients.step.path import StepOutcome, StepPath, StepUnavailable
+from memory_broker.clients.step.transport import raise_refused
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -28,6 +29,15 @@ log = logging.getLogger(__name__)
 
 _OBJECT_ID = attrgetter("object_id")
 _first, _second = itemgetter(0), itemgetter(1)
+
+
+def not_answered() -> BrokerError:
+    """An acquire answered "not hot" (a broker older than this client: it loads over gRPC only)."""
+    return BrokerError(
+        Code.FAILED_PRECONDITION,
+        "the broker answered an acquire on its step channel without acquiring (a broker older than this "
+        "client); upgrade the broker, or connect with fast_path=False",
+    )
 
 
 def _admitted(ids: list[str], max_adapters: int) -> tuple[list[str], list[str]]:
@@ -64,7 +74,7 @@ def _pairs(adapters: list) -> tuple[list, list]:
 
 class ChannelCalls:
     """The step calls of one session over its step channel (``client``: a ``BrokerClient``),
-    planned against its holdings cache (``hold_s``; without it, ``step_direct.DirectCalls``)."""
+    planned against its holdings cache (``hold_s``; without it, ``direct.DirectCalls``)."""
 
     def __init__(self, client, path: StepPath, grpc: GrpcCalls):
         self.client = client
@@ -73,10 +83,13 @@ class ChannelCalls:
         self.grpc = grpc
         self.records = grpc.records
         self.epoch = grpc.epoch
+        # The transport's frames whose replies are unread (a deque: its truth says whether
+        # ``settle`` has anything to read, without a call).
+        self.unread = path.transport.unread_frames
         # Whether a give-back's frame is posted (its reply read later) or waited for
         # (``connect``'s ``post_give_backs``).
         self.posting: bool = client.post_give_backs
-        # Whether a step batch's change may take the short lane (``step_delta.lane_begin``):
+        # Whether a step batch's change may take the short lane (``delta.lane_begin``):
         # on a caching path (without one, ``DirectCalls``' own ``change``).
         self.lane: bool = path.caching
 
@@ -131,11 +144,12 @@ class ChannelCalls:
             lease_ms=int(lease_s * 1000),
             lookup=False,
         )
-        if out is not None and out.acquire_hot:
-            ids, recs = _pairs(out.adapters)
-            return self.records.step_lease(ids, recs, out.deferred, out.txn_id, out.arena_slabs)
-        # One needs a load (or the channel broke): gRPC loads, and waits for a reconnect.
-        return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
+        if out is None:  # the channel broke: gRPC waits for a reconnect
+            return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s)
+        if not out.acquire_hot:
+            raise not_answered()
+        ids, recs = _pairs(out.adapters)
+        return self.records.step_lease(ids, recs, out.deferred, out.txn_id, out.arena_slabs)
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
         if dtype:
@@ -287,16 +301,6 @@ class ChannelCalls:
         out = self._step_frame(st, st.step, ids, keys, max_adapters, prepare, lease_s, commit, release)
         return self._step_lease(out, ids, max_adapters, prepare, lease_s, keys, st)
 
-    def _loaded(self, ids, max_adapters: int, prepare: bool, lease_s: float, objs: list):
-        """A step's adapters over gRPC, which loads one that is not hot (and defers over the
-        cap) as always; on failure the step's ``objs`` are unpinned."""
-        try:
-            return self.grpc.acquire_adapters(ids, max_adapters, prepare, lease_s)
-        except BaseException:
-            if objs:
-                self.client.unpin(objs)
-            raise
-
     def step_begin(self, ids, keys, max_adapters, prepare, lease_s, commit, release) -> PendingStepLease:
         """The frame goes out now; ``result()`` reads the reply."""
         st = self.path
@@ -384,18 +388,20 @@ class ChannelCalls:
         elif out.acquire_hot:
             lease = records.step_lease(*_pairs(out.adapters), out.deferred, out.txn_id, out.arena_slabs)
         else:
-            lease = self._loaded(ids, max_adapters, prepare, lease_s, objs)
+            if objs:
+                self.client.unpin(objs)
+            raise not_answered()
         sl = StepLease(self.client, lease, objs, ids, list(keys), max_adapters)
         if st is not None and st.caching:
-            # What this lease holds are references of st's cache (adapters: unless gRPC
-            # acquired them, or they are prepared): a next step may carry its adapters over.
+            # What this lease holds are references of st's cache (adapters: unless they are
+            # prepared): a next step may carry its adapters over.
             sl.cache = st
             sl.cached = bool(ids) and out.acquire_hot and not prepare
         return sl
 
     def change(self, new_ids: list[str], rel: list[str], new_keys: list[bytes], unpin: list[int]):
         """A running batch's change (``StepBatch``): its frame (if any) goes out now
-        (``step_delta.send_delta`` called directly, its failures mapped by ``_error_of`` as
+        (``delta.send_delta`` called directly, its failures mapped by ``_error_of`` as
         ``_fast`` maps them: one layer fewer on a path a background batch runs cold every step)."""
         try:
             return _ChannelChange(self, send_delta(self.path, new_ids, rel, new_keys, unpin))

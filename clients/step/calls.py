@@ -1,17 +1,17 @@
 """Which step calls a session uses: gRPC's (``grpc_calls.GrpcCalls``), the step channel's
-planned against the holdings cache (``fastpath.ChannelCalls``, with ``hold_s``), or the step
-channel's sent straight (``step_direct.DirectCalls``, without it: the default). Its own module,
+planned against the holdings cache (``channel.ChannelCalls``, with ``hold_s``), or the step
+channel's sent straight (``direct.DirectCalls``, without it: the default). Its own module,
 so none of those imports another to choose."""
 
 from __future__ import annotations
 
 import logging
 
-from memory_broker.clients.fastpath import ChannelCalls
-from memory_broker.clients.grpc_calls import GrpcCalls
-from memory_broker.clients.step import StepPath, StepTransport, StepUnavailable
-from memory_broker.clients.step_direct import DirectCalls
-from memory_broker.clients.step_lease import SessionRecords
+from memory_broker.clients.step.channel import ChannelCalls
+from memory_broker.clients.step.direct import DirectCalls
+from memory_broker.clients.step.grpc_calls import GrpcCalls
+from memory_broker.clients.step.lease import SessionRecords
+from memory_broker.clients.step.path import StepPath, StepTransport, StepUnavailable
 from memory_broker.proto.wire.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ step channel's ``ObjectRecord`` a ``BrokerObject`` (through ``BrokerClient._obje
 ``ObjectInfo`` does). A record handed out again (the same record object: the step cache's, or
 the step transport's decoder's for the same bytes, ``ReplyDecoder``) gets what was built from
 it before, so a step that gets back what an earlier one got builds nothing.
-Both calls objects of a session (``grpc_calls.py``, ``fastpath.py``) share one.
+Both calls objects of a session (``grpc_calls.py``, ``channel.py``) share one.
 
 ``StepLease`` is what one ``BrokerClient.step`` holds; ``PendingStepLease`` one sent by
 ``step_begin``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
+from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
 
@@ -119,7 +119,7 @@ class SessionRecords:
                 rec.object_id,
                 tuple(rec.pages),
                 self.layout(aid, rec.generation),
-                _w.TIER_NAMES.get(rec.found_in, "hot"),
+                "hot",  # what it is from now on; this record's own tier is said below
             )
         if rec.found_in != _w.TIER_HOT:
             la = LeasedAdapter(aid, la.generation, la.object_id, la.pages, la.layout, _w.TIER_NAMES[rec.found_in])

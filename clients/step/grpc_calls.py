@@ -1,18 +1,18 @@
 """The step calls over gRPC: one RPC per call, for a session without a usable step channel.
 
-``GrpcCalls`` has the methods and results of ``fastpath.py``'s ``ChannelCalls`` (acquire and
+``GrpcCalls`` has the methods and results of ``channel.py``'s ``ChannelCalls`` (acquire and
 release adapters, commit or abort an acquire, lookup, pin, unpin, ``step``, ``step_begin``, a
 running batch's ``change``), so ``BrokerClient`` picks one of the two per session and never
 asks which it has. The step channel's calls also fall back to this one where the channel
 cannot serve a call (an adapter that needs a load, a channel that broke). Records become
-leases and objects through the session's ``SessionRecords`` (``step_lease.py``).
+leases and objects through the session's ``SessionRecords`` (``lease.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memory_broker.clients.step_lease import PendingStepLease, SessionRecords, StepLease
+from memory_broker.clients.step.lease import PendingStepLease, SessionRecords, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard, shards_text
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
@@ -26,6 +26,9 @@ class GrpcCalls:
 
     # A step batch's short lane is the step channel's (``ChannelCalls.lane``).
     lane = False
+
+    # Frames whose replies are unread (``ChannelCalls.unread``): none without a channel.
+    unread = ()
 
     def __init__(self, client, records: SessionRecords):
         self.client = client

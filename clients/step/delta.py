@@ -2,7 +2,7 @@
 and sends it (at most one frame), ``PendingDelta`` reads its reply, ``finish_delta`` accounts it.
 
 The work is proportional to the change (no cap, no prepare, no carry: the batch, ``batch.py``,
-counts itself). The functions take the ``StepPath`` (``step.py``) whose socket and holdings
+counts itself). The functions take the ``StepPath`` (``path.py``) whose socket and holdings
 (``StepPath.held``) the change goes through, under that path's lock.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-from memory_broker.clients.step_holdings import HeldAdapter, HeldPin
-from memory_broker.clients.step_transport import StepUnavailable
+from memory_broker.clients.step.holdings import HeldAdapter, HeldPin
+from memory_broker.clients.step.transport import StepUnavailable
 from memory_broker.proto.wire import step as w
 
 log = logging.getLogger(__name__)
@@ -217,11 +217,12 @@ def _finish_adapters(path, p: PendingDelta, results: list, ok: bool, now: float)
         if hot and path.hold_s > 0:
             got = dict(got)
             for aid, rec in zip(p.missing, r.adapters):
-                rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
-                cache.adapters[aid] = HeldAdapter(rec, 1 if ok else 0, 0.0 if ok else now)
+                # Held hot from now on; this change's lease says where it was found.
+                hot_rec = w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages)
+                cache.adapters[aid] = HeldAdapter(hot_rec, 1 if ok else 0, 0.0 if ok else now)
                 if not ok:
                     cache.idle_a[aid] = None
-                got[aid] = rec
+                got[aid] = rec if rec.found_in != w.TIER_HOT else hot_rec
         elif hot:
             got = dict(zip(p.missing, r.adapters))
             if not ok:
@@ -236,6 +237,8 @@ def _finish_adapters(path, p: PendingDelta, results: list, ok: bool, now: float)
 def _finish_native(cache, p: PendingDelta, reply: w.StepReply):
     """``finish_delta`` of an accepted change on a caching path in one native pass
     (``_stepcore.c``'s ``delta_finish``), or None, having changed nothing: the Python pass's."""
+    if 0 <= p.acq < len(reply.results) and any(a.found_in != w.TIER_HOT for a in reply.results[p.acq].adapters):
+        return None  # a load: its lease says the tier it was found in (the Python pass)
     got = w._core.delta_finish(
         cache.adapters, cache.pins, p.acquire, p.held, p.missing, p.acq, p.look,
         reply.results, w.AcquiredRecord, HeldAdapter, HeldPin, w.TIER_HOT,

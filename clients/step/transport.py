@@ -2,7 +2,7 @@
 
 ``StepTransport`` connects, says HELLO with the session token (the broker checks it and this
 process's credentials), and sends and receives whole frames of ``memory_broker.proto.wire.step``; one
-call at a time (its caller locks). It knows nothing of what the frames mean (``step.py``).
+call at a time (its caller locks). It knows nothing of what the frames mean (``path.py``).
 
 Replies come in the order the frames went out, so a frame need not wait for its own: a
 *posted* frame (``post``: a give-back, whose reply says only whether it ran) goes out and its
@@ -87,6 +87,9 @@ class StepTransport:
         # as (kind, items, ...) tuples; a refusal of one of the first ``own`` is kept to raise),
         # or None for the awaited one (``send``'s).
         self._queue: deque = deque()
+        # The same deque, read by the session before a gRPC call (``BrokerSession._settle``:
+        # its truth, in C, says whether anything is unread, with no call into this module).
+        self.unread_frames: deque = self._queue
         # Posted frames refused or not answered, as BrokerErrors (the client raises them).
         self.refused: list[BrokerError] = refused if refused is not None else []
         try:

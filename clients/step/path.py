@@ -1,6 +1,6 @@
 """The client's step path: one compact round trip per engine step, none when nothing changed.
 
-``StepTransport`` (``step_transport.py``) is a blocking Unix socket to the broker's step
+``StepTransport`` (``transport.py``) is a blocking Unix socket to the broker's step
 channel (the frames of ``memory_broker.proto.wire.step``, authenticated by the session token and this
 process's credentials). ``StepPath`` sits on it for one session: it sends batches of ops and, when asked to
 (``hold_s > 0``), keeps a cache of the adapters and pins this process holds, with local
@@ -10,9 +10,9 @@ acquire of an adapter still held costs no round trip. A lookup always goes to th
 cache holds objects by id, and a key may name another object by the next lookup (its owner
 freed the one held) without the broker telling this process. Idle holdings are released
 after ``hold_s`` or when more than ``max_idle`` are idle. ``StepPath.delta`` is the lean
-call of a running batch (``clients/batch.py``): its work is proportional to the change. This
+call of a running batch (``clients/step/batch.py``): its work is proportional to the change. This
 module knows nothing of gRPC, mappings or tensors (``BrokerClient`` turns its records into
-leases and objects). The holdings cache's bookkeeping is ``StepHoldings`` (``step_holdings.py``).
+leases and objects). The holdings cache's bookkeeping is ``StepHoldings`` (``holdings.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from memory_broker.clients.step_delta import PendingDelta, post_idle, send_delta
-from memory_broker.clients.step_holdings import HeldAdapter, HeldPin, StepHoldings
-from memory_broker.clients.step_pending import PendingStep, StepOutcome, _Plan
-from memory_broker.clients.step_transport import StepTransport, StepUnavailable
+from memory_broker.clients.step.delta import PendingDelta, post_idle, send_delta
+from memory_broker.clients.step.holdings import HeldAdapter, HeldPin, StepHoldings
+from memory_broker.clients.step.pending import PendingStep, StepOutcome, _Plan
+from memory_broker.clients.step.transport import StepTransport, StepUnavailable
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError
 
@@ -45,7 +45,7 @@ class StepPath:
         self.caching = hold_s > 0
         # Reentrant: a step holds it while it sends; one caller at a time on the socket.
         self.lock = threading.RLock()
-        # What this process holds at the broker, with local counts (``step_holdings.py``).
+        # What this process holds at the broker, with local counts (``holdings.py``).
         self.held = StepHoldings(hold_s, max_idle, self.lock)
         # Frames sent (what tests and the benchmark count round trips by).
         self.frames = 0
@@ -70,7 +70,7 @@ class StepPath:
     def delta(self, acquire: list[str], release: list[str], keys: list[bytes], unpin: list[int]) -> PendingDelta:
         """A running batch's change (``StepBatch``): hold ``acquire`` (distinct ids), give back
         ``release``, look up and pin the longest present prefix of ``keys``, unpin ``unpin``.
-        At most one frame, sent now; ``PendingDelta.result()`` reads its reply (``step_delta.py``)."""
+        At most one frame, sent now; ``PendingDelta.result()`` reads its reply (``delta.py``)."""
         return send_delta(self, acquire, release, keys, unpin)
 
     # ------------------------------------------------------------ one round trip
@@ -342,6 +342,7 @@ class StepPath:
         told what the acquire took; what a refused frame acquired is given back."""
         out, now, caching, admitted = plan.out, plan.now, plan.caching, plan.admitted
         got: Sequence[w.AcquiredRecord] = ()  # uncached: the records, in admitted order
+        loaded: dict = {}  # cached: what this frame loaded (not hot when asked), by id
         if 0 <= plan.acq_index < len(results):
             r: w.AcquireOutcome = results[plan.acq_index]
             out.acquire_hot = r.hot
@@ -353,6 +354,8 @@ class StepPath:
                         w.AcquiredRecord(rec.generation, rec.object_id, w.TIER_HOT, rec.pages), 0, now
                     )
                     self.held.idle_a[aid] = None
+                    if rec.found_in != w.TIER_HOT:
+                        loaded[aid] = rec
             elif r.hot:
                 got = r.adapters
                 if not ok:
@@ -361,6 +364,8 @@ class StepPath:
             if caching:
                 held = plan.held
                 out.adapters = [(aid, held.get(aid) or self.held.lease_record(aid)) for aid in admitted]
+                if loaded:  # this step's lease says where they were found; the cache holds them hot
+                    out.adapters = [(aid, loaded.get(aid, rec)) for aid, rec in out.adapters]
             elif len(got) >= len(admitted):  # a record per admitted id, in order
                 out.adapters = list(zip(admitted, got))
             else:

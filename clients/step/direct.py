@@ -1,7 +1,7 @@
 """The step channel's calls without the holdings cache (``hold_s`` 0, the default): each call is
 one frame of its own items, sent straight (no plan against a cache there is not).
 
-``DirectCalls`` is ``ChannelCalls`` (``fastpath.py``) for such a session: ``step_calls.choose_calls`` picks
+``DirectCalls`` is ``ChannelCalls`` (``channel.py``) for such a session: ``calls.choose_calls`` picks
 it. Its calls are the engine's every step (``step``: what the previous step gives back, a
 commit, the acquire and the lookup in one frame; or the generic calls, a frame each), so their
 fixed cost per frame is what this module is about: ops are tuples (the native encoder takes
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memory_broker.clients.fastpath import ChannelCalls, _admitted
-from memory_broker.clients.step import StepUnavailable
-from memory_broker.clients.step_lease import PendingStepLease, StepLease
-from memory_broker.clients.step_transport import raise_refused
+from memory_broker.clients.step.channel import ChannelCalls, _admitted, not_answered
+from memory_broker.clients.step.lease import PendingStepLease, StepLease
+from memory_broker.clients.step.path import StepUnavailable
+from memory_broker.clients.step.transport import raise_refused
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -54,8 +54,8 @@ class DirectCalls(ChannelCalls):
         dtype: str = "",
         shards: Sequence[ModuleShard] = (),
     ):
-        # The step channel acquires whole copies in the broker's dtype; others are gRPC's, as
-        # is an acquire that needs a load (or whose channel broke: gRPC waits for a reconnect).
+        # The step channel acquires whole copies in the broker's dtype (loading them if need
+        # be); others are gRPC's, as is an acquire whose channel broke (gRPC waits for a reconnect).
         if not (dtype or shards) and not isinstance(adapter_ids, str):  # gRPC refuses a str, saying why
             # (The caller's list as it is: it is encoded now, and ``_admitted`` keeps a copy.)
             ids = adapter_ids if type(adapter_ids) is list else list(adapter_ids)
@@ -63,9 +63,10 @@ class DirectCalls(ChannelCalls):
             reply = self._frame([op], True)
             if reply is not None:
                 r: _w.AcquireOutcome = reply.results[0]
-                if r.hot:
-                    admitted, deferred = self._admitted(ids, max_adapters)
-                    return self.records.step_lease(admitted, r.adapters, deferred, r.txn_id, reply.arena_slabs)
+                if not r.hot:
+                    raise not_answered()
+                admitted, deferred = self._admitted(ids, max_adapters)
+                return self.records.step_lease(admitted, r.adapters, deferred, r.txn_id, reply.arena_slabs)
         return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype, shards)
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
@@ -187,7 +188,9 @@ class DirectCalls(ChannelCalls):
                 raise BrokerError(Code.INTERNAL, f"the step channel acquired {len(got)} of {len(admitted)} adapters")
             lease = self.records.step_lease(admitted, got, deferred, r.txn_id, reply.arena_slabs)
         else:
-            lease = self._loaded(ids, max_adapters, prepare, lease_s, objs)
+            if objs:
+                self.client.unpin(objs)
+            raise not_answered()
         return StepLease(self.client, lease, objs, ids, keys, max_adapters)
 
 

@@ -1,7 +1,7 @@
 """The client's step batch: an engine's running batch, told only its arrivals and completions.
 
 ``StepBatch`` (made by ``BrokerClient.step_batch()``) keeps per-adapter and per-key counts of
-the batch's sequences and sends the step path (``clients/step.py``'s ``StepPath.delta``) only
+the batch's sequences and sends the step path (``clients/step/path.py``'s ``StepPath.delta``) only
 the first hold and the last drop of each, so a change costs what changed, not the batch's
 size; ``begin``/``result`` overlap the round trip with the model's work, and a background
 batch's worker thread runs each change while the engine waits. It owns no session state beyond its
@@ -18,8 +18,8 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 
-from memory_broker.clients.adapters import AdapterLease, LeasedAdapter
-from memory_broker.clients.step_delta import lane_begin
+from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
+from memory_broker.clients.step.delta import lane_begin
 from memory_broker.proto.wire import step as _wire
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -247,8 +247,8 @@ class StepBatch:
         self.objects: dict[bytes, object] = {}
         self._acount: dict[str, int] = {}
         self._kcount: dict[bytes, int] = {}
-        # Adapters held by an AdapterLease of their own (acquired over gRPC: not hot, or no
-        # step channel), released through it.
+        # Adapters held by an AdapterLease of their own (acquired over gRPC: a session without
+        # a step channel), released through it.
         self._own: dict[str, AdapterLease] = {}
         self._pending: PendingBatchStep | None = None
         self.released = False
@@ -459,8 +459,8 @@ class StepBatch:
         return self._account(add, add_keys, new_keys, found, rts)
 
     def _acquire_own(self, ids: list[str], pinned) -> None:
-        """Adapters the step channel cannot give (one needs a load): over gRPC, each under a
-        lease of its own so that each can be released when its last sequence completes."""
+        """Adapters of a session without a step channel: over gRPC, each under a lease of its
+        own so that each can be released when its last sequence completes."""
         client = self.client
         try:
             lease = client.acquire_adapters(ids)

@@ -1,8 +1,8 @@
 """What a step got (``StepOutcome``), and a step the client sent and has not read the answer of yet: ``StepPath.begin``'s ``PendingStep``
-(with the ``_Plan`` its reply is matched against) (a running batch's ``PendingDelta`` is ``step_delta.py``'s).
+(with the ``_Plan`` its reply is matched against) (a running batch's ``PendingDelta`` is ``delta.py``'s).
 
 Each pending step reads its reply once, under the lock of the ``StepPath`` that sent it
-(``step.py``, passed in as ``path``), and hands it back to that path to account; nothing here
+(``path.py``, passed in as ``path``), and hands it back to that path to account; nothing here
 decides what a reply means.
 """
 
@@ -18,7 +18,7 @@ class StepOutcome:
     """What one ``StepPath.step`` got: records the client turns into a lease and objects."""
 
     # Admitted adapter ids, in request order, with their records; None when no acquire was
-    # asked. ``acquire_hot`` False: the broker would have to load one; ask over gRPC.
+    # asked. ``acquire_hot`` False: a broker older than this client did not acquire them.
     adapters: list[tuple[str, w.AcquiredRecord]] | None = None
     deferred: list[str] = field(default_factory=list)
     acquire_hot: bool = True
