@@ -139,7 +139,8 @@ def _make(target: str) -> list[str]:
 def test_make_test_runs_unit_and_broker_on_the_native_cores_and_test_all_everything():
     (quick,) = _make("test")
     assert '-m "(unit or broker) and not fallback"' in quick, quick
-    (every,) = _make("test-all")
+    every, sanitized = _make("test-all")  # the whole suite, then test-sanitize's run
     assert " -m " not in every and " -n 2" in every, every
+    assert "sanitized_cores.py run" in sanitized and "test_store_native.py" in sanitized, sanitized
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert re.search(r"^make test-all$", f.read(), re.M)
