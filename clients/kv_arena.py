@@ -209,11 +209,14 @@ class KvGroups:
         with self._lock:
             self._retiring.extend((self.step, s) for s in slots if s in self.backed)
 
-    def step_done(self) -> int:
-        """One engine step finished: unmap and give back what no step can read any more;
-        returns pages given back."""
+    def step_done(self, idle: bool = False) -> int:
+        """One engine step finished: unmap and give back what no step can read any more (with
+        ``idle``, no request holds a block and nothing runs: everything retired); returns
+        pages given back."""
         with self._lock:
             self.step += 1
+            if idle:
+                self.step += RETIRE_STEPS
             due = [s for at, s in self._retiring if self.step - at >= RETIRE_STEPS]
             if not due:
                 return 0

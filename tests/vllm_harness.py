@@ -35,6 +35,14 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=0, help="default: one more than the adapters named")
     ap.add_argument("--max-lora-rank", type=int, default=8)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (workers in processes)")
+    ap.add_argument("--kv-bytes", type=int, default=0, help="kv_cache_memory_bytes (0: VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument(
+        "--engine-pool", default="", help="the connector's engine_pool config, JSON (needs --connector broker)"
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument(
+        "--uni", action="store_true", help="engine core and worker in this process (the engine pool's need)"
+    )
     a = ap.parse_args()
 
     # Answers go to the real stdout; everything vLLM prints goes to stderr.
@@ -53,6 +61,8 @@ def main() -> None:
     kw: dict = {}
     if a.connector == "broker":
         extra = {"socket": a.socket} if a.socket else {}
+        if a.engine_pool:
+            extra["engine_pool"] = json.loads(a.engine_pool)
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="MemoryBrokerConnector",
             kv_connector_module_path="memory_broker.clients.vllm.kv_connector",
@@ -79,6 +89,11 @@ def main() -> None:
         # By default one slot more than needed: the CPU backend gives base rows the last slot's
         # adapter when every slot is taken (FIELD-NOTES).
         kw.update(enable_lora=True, max_loras=a.max_loras or len(loras) + 1, max_lora_rank=a.max_lora_rank)
+    if a.kv_bytes:
+        kw["kv_cache_memory_bytes"] = a.kv_bytes
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would replace kv_cache_memory_bytes on the CPU
+    if a.uni:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t0 = time.monotonic()
     llm = LLM(
         model=a.model,
@@ -86,12 +101,12 @@ def main() -> None:
         enforce_eager=True,
         block_size=32,
         max_model_len=a.max_model_len,
-        max_num_seqs=16,
+        max_num_seqs=a.max_num_seqs,
         seed=0,
         enable_prefix_caching=not a.no_prefix_caching,
         disable_hybrid_kv_cache_manager=True,
         tensor_parallel_size=a.tp,
-        distributed_executor_backend="mp" if a.tp > 1 else None,
+        distributed_executor_backend="mp" if a.tp > 1 else ("uni" if a.uni else None),
         **kw,
     )
     answers.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0, "pid": os.getpid()}) + "\n")

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
-from memory_broker.clients.vllm import identity, store  # noqa: E402
+from memory_broker.clients.vllm import engine_pool, identity, store  # noqa: E402
 from memory_broker.clients.vllm.kv_records import (  # noqa: E402,F401  (STAT_NAMES, the records: imported from here too)
     STAT_NAMES,
     BrokerKVMetadata,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
 
-EXTRA_KEYS = ("socket", "timeout_s", "retry_s", "store_buffer_mb", "store_in_step")
+EXTRA_KEYS = ("socket", "timeout_s", "retry_s", "store_buffer_mb", "store_in_step", "engine_pool")
 
 
 def _flag(v: object) -> bool:
@@ -136,6 +136,8 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 store_in_step=_flag(extra.get("store_in_step", False)),
             )
         self.socket = self.broker.socket
+        # The engine's own KV cache on the broker's pages (engine_pool.py), when asked for.
+        self._engine_pool_conf = extra.get("engine_pool")
         log.info(
             "MemoryBrokerConnector (%s, tp rank %d) on broker %s, block %d tokens",
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
@@ -164,15 +166,32 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        eng = engine_pool.current() if self._engine_pool_conf is not None else None
+        if eng is not None:
+            eng.after_schedule()
         return self._sched().build_connector_meta(scheduler_output, self._kv_cache_manager)
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         self._sched().update_connector_output(connector_output)
+        eng = engine_pool.current() if self._engine_pool_conf is not None else None
+        if eng is not None:
+            eng.after_step()
+
+    def bind_kv_cache_manager(self, kv_cache_manager):
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._engine_pool_conf is not None:
+            engine_pool.bind(kv_cache_manager)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
     # ================================================================ worker side
+
+    def get_mem_pool_context(self):
+        if self._engine_pool_conf is None:
+            return None
+        conf = self._engine_pool_conf if isinstance(self._engine_pool_conf, dict) else {}
+        return engine_pool.start(self.socket, conf, self._kv_cache_config, self._vllm_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker().register_kv_caches(kv_caches)
