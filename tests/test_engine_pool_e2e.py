@@ -187,3 +187,30 @@ def test_status_and_metrics_show_each_engine(broker_factory):
         assert "memory_broker_engine_kv_grow_latency_seconds_count" in text
     finally:
         c.close()
+
+
+def test_a_grow_evicts_the_unpinned_prefix_and_never_the_held_adapter(broker, tmp_path):
+    from rigs import write_adapter
+
+    from memory_broker.clients import Spec
+
+    other = BrokerClient.connect(broker.socket, client_name="prefix-and-adapter")
+    a, akv = engine(broker, "a")
+    try:
+        other.register_adapter("held", write_adapter(str(tmp_path / "held"), 1))
+        with other.acquire_adapters(["held"]):
+            other.allocate([Spec(8, content_type="kv_cache", key=b"prefix")])  # unpinned shared KV
+            lora_pages = sum(x.pages for x in other.stats().by_content if x.content_type == 2)
+            assert lora_pages >= 1
+            free = 64 - 8 - lora_pages
+            akv.grow(free // GROUP + 1)  # one group more than is free: the prefix goes
+            assert other.lookup([b"prefix"], pin=False) == []
+            st = other.stats()
+            assert sum(x.pages for x in st.by_content if x.content_type == 2) == lora_pages
+            with pytest.raises(BrokerError) as e:  # what is left is the held adapter's
+                akv.grow(2)
+            assert e.value.code == Code.RESOURCE_EXHAUSTED
+            assert sum(x.pages for x in other.stats().by_content if x.content_type == 2) == lora_pages
+    finally:
+        a.close()
+        other.close()

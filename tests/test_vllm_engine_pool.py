@@ -156,3 +156,30 @@ def test_two_engines_share_one_budget_and_the_second_grows_into_what_the_first_g
     assert sampler.most_total <= 12  # never over the budget
     assert sampler.most["a"] + sampler.most["b"] > 12  # so b grew into pages a gave back
     assert sa.given_pages > 0 and sampler.most["b"] >= 8, (sa, sb, sampler.most)
+
+
+def test_an_engine_killed_mid_burst_returns_its_pages_within_a_second_and_the_other_grows_into_them(env, stock):
+    b = start_broker("--pool-size", "6MiB", *BROKER)
+    pool = {"reserve_groups": 0}
+    a = env["engine"]("pool-a3", b, {"name": "a", **pool})
+    c = env["engine"]("pool-b3", b, {"name": "b", **pool})
+    a.wait_ready()
+    c.wait_ready()
+    sampler = Sampler(b)
+    try:
+        a.send(BIG, max_tokens=200)
+        deadline = time.monotonic() + 120
+        while sampler.most.get("a", 0) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sampler.most.get("a", 0) >= 8, sampler.most
+        a.kill()
+        t0 = time.monotonic()
+        while engine_stats(b, "a")[0] is not None:
+            assert time.monotonic() - t0 < 1.0, "the killed engine's KV pages did not return within 1 s"
+            time.sleep(0.02)
+        assert [o["tokens"] for o in c.generate(BIG, max_tokens=24)] == stock[1]
+    finally:
+        sampler.stop()
+        c.stop()
+        b.stop(signal.SIGKILL)
+    assert sampler.most["b"] >= 8 and sampler.most_total <= 12, sampler.most
