@@ -216,3 +216,13 @@ def test_stats_report_each_engine():
     (s,) = r.engines.stats()
     assert (s.name, s.floor, s.ceiling, s.weight, s.held_pages) == ("a", 4, 32, 2.0, 4)
     assert (s.grows, s.grown_pages, s.give_backs, s.given_pages, s.grow_seconds_max) == (1, 8, 1, 4, 0.002)
+
+
+def test_a_group_freed_with_a_plain_free_leaves_the_figures_true():
+    r = Rig()
+    a = r.engine("a", group_pages=4)
+    g = r.engines.grow(a, 2)
+    r.store.free(a, [g[0].object_id])
+    (s,) = r.engines.stats()
+    assert s.held_pages == 4
+    assert r.engines.shortfall(a, 15) == 0  # 60 of 64 pages: the freed group's pages count as free

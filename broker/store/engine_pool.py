@@ -174,7 +174,14 @@ class EnginePool:
         eng = self.engines.get(session)
         if eng is None:
             raise precondition(f"session {session} is not an engine; call EngineKvRegister first")
+        self._prune(eng)
         return eng
+
+    def _prune(self, eng: Engine) -> None:
+        """Forget groups freed another way (a plain Free of one): the figures stay true."""
+        gone = [oid for oid, obj in eng.groups.items() if not self.store.is_live(obj)]
+        for oid in gone:
+            eng.held_pages -= eng.groups.pop(oid).num_pages
 
     def session_ended(self, session: int) -> None:
         """The engine's session ended: the store frees its groups; waiting grows retry."""
@@ -298,6 +305,8 @@ class EnginePool:
     # ------------------------------------------------------------ figures
 
     def stats(self) -> list[EngineStats]:
+        for e in self.engines.values():
+            self._prune(e)
         names = [f.name for f in fields(EngineStats)]
         return [EngineStats(*(getattr(e, n) for n in names)) for e in self.engines.values()]
 
