@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument(
         "--uni", action="store_true", help="engine core and worker in this process (the engine pool's need)"
     )
+    ap.add_argument("--stats", action="store_true", help="keep vLLM's stats: per-request TTFT, the 'metrics' op")
     a = ap.parse_args()
 
     # Answers go to the real stdout; everything vLLM prints goes to stderr.
@@ -102,6 +103,7 @@ def main() -> None:
         block_size=32,
         max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs,
+        disable_log_stats=not a.stats,
         seed=0,
         enable_prefix_caching=not a.no_prefix_caching,
         disable_hybrid_kv_cache_manager=True,
@@ -123,6 +125,10 @@ def main() -> None:
             every = llm.collective_rpc(lora_memory)  # one per worker (tensor-parallel rank)
             answers.write(json.dumps({"memory": every[0], "ranks": every}) + "\n")
             continue
+        if cmd.get("op") == "metrics":
+            found = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
+            answers.write(json.dumps({"metrics": found}) + "\n")
+            continue
         if cmd.get("op") == "drain":
             answers.write(json.dumps({"drained": llm.collective_rpc(drain_kv_stores)}) + "\n")
             continue
@@ -135,7 +141,14 @@ def main() -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)
         t = time.monotonic()
         outs = llm.generate(prompts, sp, lora_request=[loras[n] if n else None for n in names], use_tqdm=False)
-        res = [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs]
+        res = [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "cached": o.num_cached_tokens or 0,
+                "ttft_s": getattr(o.metrics, "first_token_latency", None) if o.metrics is not None else None,
+            }
+            for o in outs
+        ]
         answers.write(json.dumps({"outputs": res, "s": time.monotonic() - t}) + "\n")
     answers.write(json.dumps({"bye": True}) + "\n")
 

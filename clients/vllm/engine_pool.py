@@ -27,6 +27,9 @@ log = logging.getLogger("vllm.memory_broker.engine_pool")
 # kv_connector_extra_config["engine_pool"]: these keys (all optional).
 KEYS = ("name", "floor_mb", "ceiling_mb", "weight", "reserve_groups", "start_groups", "batch_groups")
 
+# How long a grow made on the step (an allocation that would fail) waits for give-backs.
+SYNC_WAIT_MS = 20
+
 # The engine of this process (TP=1: the worker's half sets it, the scheduler's half uses it).
 _ENGINE: EngineOnPool | None = None
 
@@ -80,7 +83,8 @@ class EngineOnPool:
             self.client,
             self.name,
             layers,
-            floor_pages=-(-int(float(conf.get("floor_mb", 0)) * mb) // ps),
+            # At least group 0, which holds vLLM's null block and is never given back.
+            floor_pages=max(layers, -(-int(float(conf.get("floor_mb", 0)) * mb) // ps)),
             ceiling_pages=int(float(conf.get("ceiling_mb", 0)) * mb) // ps,
             weight=float(conf.get("weight", 0.0)),
         )
@@ -149,10 +153,12 @@ class EngineOnPool:
         """Map groups now (on the step: nothing spare was left); True if any came."""
         groups = min(max(1, -(-need_blocks // self.blocks_per_group)), self.groups.batch)
         try:
-            slots = self.groups.grow_now(groups)
+            # On the step: wait briefly for other engines' give-backs (an idle one answers at
+            # its next step), then preempt; the background grower waits longer.
+            slots = self.groups.grow_now(groups, SYNC_WAIT_MS)
         except BrokerError as e:
             try:  # a whole batch may not fit where one group does
-                slots = self.groups.grow_now(1) if groups > 1 else []
+                slots = self.groups.grow_now(1, SYNC_WAIT_MS) if groups > 1 else []
             except BrokerError:
                 slots = []
             if not slots:
