@@ -92,6 +92,19 @@ def test_one_engine_on_the_pool_gives_stock_vllms_tokens(env, reference):
         b.stop(signal.SIGKILL)
 
 
+def test_an_engine_on_the_pool_alone_without_shared_prefixes_gives_stock_vllms_tokens(env, reference):
+    b = start_broker("--pool-size", "16MiB", *BROKER)
+    e = env["engine"]("pool-only", b, {"name": "only"}, "--no-share-prefixes").wait_ready()
+    try:
+        assert [o["tokens"] for o in e.generate(BURST, max_tokens=24)] == reference
+        s, st = engine_stats(b, "only")
+        assert s.grows >= 1
+        assert st.keyed_objects == 0  # no prefix KV stored
+    finally:
+        e.stop()
+        b.stop(signal.SIGKILL)
+
+
 def test_a_budget_below_one_burst_preempts_and_keeps_the_tokens(env, reference):
     # 1 MiB: 2 pages, 1 group, 32 blocks (31 usable besides the null block): the burst needs 60.
     b = start_broker("--pool-size", "1MiB", *BROKER)

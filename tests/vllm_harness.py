@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument(
         "--uni", action="store_true", help="engine core and worker in this process (the engine pool's need)"
     )
+    ap.add_argument("--no-share-prefixes", action="store_true", help="the connector's engine pool only")
     ap.add_argument("--stats", action="store_true", help="keep vLLM's stats: per-request TTFT, the 'metrics' op")
     a = ap.parse_args()
 
@@ -64,6 +65,8 @@ def main() -> None:
         extra = {"socket": a.socket} if a.socket else {}
         if a.engine_pool:
             extra["engine_pool"] = json.loads(a.engine_pool)
+        if a.no_share_prefixes:
+            extra["share_prefixes"] = False
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="MemoryBrokerConnector",
             kv_connector_module_path="memory_broker.clients.vllm.kv_connector",

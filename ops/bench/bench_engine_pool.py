@@ -6,7 +6,9 @@ burst needs about two thirds of the budget) and a ``steady`` mix (both engines g
 at once, every round). ``elastic``: both on one broker whose pool is the budget (the engine
 pool, reserve 0). ``static``: stock vLLM, each with half the budget as its own KV cache.
 Control: one engine on the pool (the whole budget, alone) against stock vLLM with the same KV
-bytes, beside an A/A pair of two stock engines, on the same burst, interleaved.
+bytes, beside an A/A pair of two stock engines, on the same burst, interleaved. The pool engines
+run the connector with ``share_prefixes`` off (as the stock engines, no shared prefix KV) unless
+``--share-prefixes``.
 
 Prints per configuration and workload: requests, TTFT mean and p99 (vLLM's per-request
 first-token latency), preemptions (vLLM's counter), the pages the engines gave back and the
@@ -36,6 +38,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VLLM_PY = os.environ.get("MEMORY_BROKER_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 HARNESS = os.path.join(ROOT, "tests", "vllm_harness.py")
 PAGE = 512 << 10
+# The pool engines' connector flags: the engine pool only (set by --share-prefixes to include the
+# connector's shared prefix KV, which the stock engines do not have).
+SHARE = ["--no-share-prefixes"]
 
 
 class Engine:
@@ -158,7 +163,7 @@ def p99(xs: list[float]) -> float:
 def elastic(tmp: str, model: str, budget: int, work: dict) -> tuple[dict, dict]:
     proc, sock, port = start_broker(tmp, budget)
     pool = json.dumps({"reserve_groups": 0})
-    kv = ["--kv-bytes", str(budget), "--connector", "broker", "--socket", sock]
+    kv = ["--kv-bytes", str(budget), "--connector", "broker", "--socket", sock, *SHARE]
     a = Engine("elastic-a", tmp, model, *kv, "--engine-pool", pool.replace("{", '{"name": "a", ', 1))
     b = Engine("elastic-b", tmp, model, *kv, "--engine-pool", pool.replace("{", '{"name": "b", ', 1))
     try:
@@ -200,7 +205,7 @@ def control(tmp: str, model: str, budget: int, burst: list, repeats: int) -> dic
     out: dict[str, list[float]] = {"pool": [], "stock": [], "stock-a": [], "stock-b": []}
     proc, sock, _ = start_broker(tmp, budget)
     pool = Engine("control-pool", tmp, model, "--kv-bytes", str(budget), "--connector", "broker", "--socket", sock,
-                  "--engine-pool", json.dumps({"name": "control"}))  # fmt: skip
+                  *SHARE, "--engine-pool", json.dumps({"name": "control"}))  # fmt: skip
     stock = Engine("control-stock", tmp, model, "--kv-bytes", str(budget))
     try:
         pool.wait(), stock.wait()
@@ -233,7 +238,10 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, default=6, help="the KV budget of both engines (whole MiB, even)")
     ap.add_argument("--repeats", type=int, default=3, help="control bursts per engine")
     ap.add_argument("--control-only", action="store_true", help="run the control (pool vs stock, A/A) alone")
+    ap.add_argument("--share-prefixes", action="store_true", help="pool engines also store and load shared prefix KV")
     a = ap.parse_args()
+    if a.share_prefixes:
+        SHARE.clear()
     budget = a.budget_mib << 20
     tmp = tempfile.mkdtemp(prefix="mb-bench-pool-", dir="/tmp")
     model = os.path.join(tmp, "model")
