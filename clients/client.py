@@ -203,15 +203,11 @@ class BrokerClient(StepSession):
                 unpin, commit/abort of adapter acquires) over the broker's step channel, a
                 compact binary protocol on a Unix socket, instead of gRPC; same semantics.
                 Falls back to gRPC where the broker has no step channel.
-            hold_s: with the fast path, keep what this process releases (adapter leases,
-                pins) held at the broker for up to this long, so acquiring an adapter or
-                pinning an object by id again costs no round trip; releases are sent with a
-                later call. Keys are looked up at the broker each time (a key may name
-                another object by then). 0 (the default): every release is sent at once, as
-                over gRPC.
+            hold_s: no longer used (the step path's holdings cache is gone: its gain did not
+                show in an engine's step); a value above 0 is logged once and ignored.
             post_give_backs: with the fast path, a give-back (``unpin``,
                 ``release_adapters`` and a lease's ``release()`` without ``dtype``, a
-                ``StepBatch``'s end, ``flush_holdings()``; not ``abort_acquire``) sends its
+                ``StepBatch``'s end; not ``abort_acquire``) sends its
                 frame, if it has one, and returns without waiting for the broker's answer; the broker runs it before anything the session sends later, over
                 any channel. A refusal is logged at WARNING and raised by the session's next
                 give-back (after that one's own frame went out) or by ``flush()``. False:
@@ -397,9 +393,6 @@ class BrokerClient(StepSession):
         """Free owned objects; returns (pages freed now, pages freed when others unpin)."""
         ids = self._ids(objs)
         resp = self._call(self._stub.Free, pb.FreeRequest(object_ids=ids))
-        calls = self._calls
-        if calls is not None and calls.epoch == self.epoch:
-            calls.forget_pins(ids)
         return resp.freed_pages, resp.deferred_pages
 
     def pin(self, objs: Iterable[BrokerObject | int]) -> list[BrokerObject]:
@@ -460,8 +453,7 @@ class BrokerClient(StepSession):
         commit: AdapterLease | None = None,
         release: StepLease | None = None,
     ) -> StepLease:
-        """An engine step's changes in one round trip (none when ``hold_s`` holds every
-        adapter and there are no keys: keys always go to the broker).
+        """An engine step's changes in one round trip (none when it asks for nothing).
 
         Releases what ``release`` holds (a previous step), commits ``commit`` (a prepared
         lease: prepare the next step's adapters while this one runs, commit it here),

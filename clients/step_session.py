@@ -2,7 +2,7 @@
 
 ``StepSession`` sits between the session's asking RPCs (``queries.py``) and ``BrokerClient``
 (``client.py``): it keeps the current session's calls object (``calls.choose_calls``:
-``ChannelCalls``, ``DirectCalls`` or ``GrpcCalls``), chosen on first use and again for a new
+``ChannelCalls`` or ``GrpcCalls``), chosen on first use and again for a new
 session or a broken step channel, and what the step channel's posted give-backs need of the
 session: a call over another channel (gRPC, the fd channel) first reads their replies
 (``BrokerSession._settle``, through ``_calls``), ``flush()`` waits for them and raises a refusal, and a new session forgets the
@@ -11,6 +11,7 @@ old one's refusals.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -22,16 +23,20 @@ from memory_broker.clients.step.path import StepPath
 from memory_broker.clients.step.transport import raise_refused
 from memory_broker.proto.wire.errors import BrokerError
 
+log = logging.getLogger(__name__)
+# Whether ``hold_s`` was said to be ignored (once a process).
+_said_hold_s = False
+
 
 class StepSession(BrokerQueries):
     """A session's step calls (``BrokerClient`` is one; its ``connect`` says what the
     keywords do)."""
 
     def __init__(self, *args, fast_path: bool = True, hold_s: float = 0.0, post_give_backs: bool = True, **kwargs):
-        # Step calls over the step channel when the broker has one; ``hold_s`` > 0 also
-        # keeps released holdings that long (see clients/step/path.py).
+        # Step calls over the step channel when the broker has one.
         self.fast_path = fast_path
-        self.hold_s = hold_s
+        if hold_s > 0:
+            _ignore_hold_s(hold_s)
         # Give-backs on the step channel sent without waiting for the broker's answer, and
         # the refusals of those not raised yet (the step transports append to it).
         self.post_give_backs = post_give_backs
@@ -80,15 +85,18 @@ class StepSession(BrokerQueries):
         if self._refused:
             raise_refused(self._refused)
 
-    def flush_holdings(self) -> int:
-        """Release now every holding the step cache keeps idle (``hold_s``); returns how many.
-        Posted (``post_give_backs``): a refusal is raised by the next give-back or ``flush()``."""
-        calls = self._calls
-        if calls is None or calls.epoch != self.epoch:
-            return 0
-        return calls.flush()
-
     def _end_session(self) -> None:
         if self._calls is not None:
             self._calls.close()  # reads what it posted first (a refusal is logged)
         super()._end_session()
+
+
+def _ignore_hold_s(hold_s: float) -> None:
+    global _said_hold_s
+    if not _said_hold_s:
+        _said_hold_s = True
+        log.warning(
+            "connect(hold_s=%s) is ignored: the step path's holdings cache was removed (each step call is one "
+            "frame to the broker; the cache's gain did not show in an engine's step)",
+            hold_s,
+        )

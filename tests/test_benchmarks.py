@@ -118,10 +118,9 @@ def test_bench_step_quick_run_prints_every_path_and_both_targets():
         "gRPC Echo",
         "gRPC, 4 calls (old path)",
         "step channel, client.step()",
-        "cache, client.step()",
-        "cache, step_begin (pipelined)",
-        "cache, StepBatch.update() (blocking)",
-        "cache, StepBatch begin+result (overlap)",
+        "step channel, step_begin (pipelined)",
+        "step channel, StepBatch.update()",
+        "step channel, StepBatch begin+result (overlap)",
     ):
         assert row in out, out
     assert "target steady:" in out and "target trace, blocking" in out and "target trace, overlapped" in out

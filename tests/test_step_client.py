@@ -206,7 +206,7 @@ def test_requests_encode_as_documented_however_the_items_sizes_fall():
 def test_a_step_that_gets_back_what_an_earlier_one_got_builds_nothing_new(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    with BrokerClient.connect(b.socket) as c:  # default: hold_s 0, every step is a frame
+    with BrokerClient.connect(b.socket) as c:  # every step is a frame
         # Records built into objects: by the session's records (``_fresh``: the native core's
         # ``step_objects`` or ``_read_objects``), or by ``_read_objects`` for some of a list.
         built, inside = [], []
@@ -295,7 +295,7 @@ def test_a_replys_fresh_objects_are_built_in_one_native_call_and_read_only_as_be
     core = native_core
     if core == "native" and w._core is None:
         pytest.skip("the native step core is not built")
-    with BrokerClient.connect(b.socket, hold_s=1.0) as c:
+    with BrokerClient.connect(b.socket) as c:
         built = []
         read_objects = c._read_objects
         c._read_objects = lambda infos: built.extend(infos) or read_objects(infos)

@@ -18,7 +18,6 @@ from conftest import short_tmpdir
 from conftest import step_frames as frames
 
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
-from memory_broker.clients.step.direct import _SentStep
 from memory_broker.clients.step.path import StepPath
 from memory_broker.clients.step.transport import BUFFER_BYTES, POST_LIMIT, StepTransport, StepUnavailable
 from memory_broker.proto.wire import step as w
@@ -244,8 +243,7 @@ def test_at_the_bound_the_oldest_reply_is_read_first_a_begun_step_s_for_it(fake)
         answered.set()
 
     threading.Thread(target=answer, daemon=True).start()
-    sent = _SentStep(path)
-    sent.send([(w.OP_RELEASE, ("a0",))])  # awaited, first in the queue
+    sent = path.begin([(w.OP_RELEASE, ("a0",))])  # awaited, first in the queue
     most = 0
     for i in range(2 * POST_LIMIT):
         path.post([(w.OP_UNPIN, [i])])
@@ -394,7 +392,7 @@ def test_a_posted_frame_of_several_ops_names_the_refused_one_and_keeps_only_its_
     t = fake.transport
     ops = [(w.OP_RELEASE, ("a0",)), (w.OP_UNPIN, (5, 6))]
     t.post(w.encode_step(ops), ops)  # both the caller's: a refusal is kept
-    t.post(w.encode_step(ops), ops, own=1)  # the unpin rides along (idle holdings): logged only
+    t.post(w.encode_step(ops), ops, own=1)  # the unpin rides along (nobody asked for it): logged only
     fake.frames_in(2)
     refused_at_1 = w.encode_step_reply(3, [bytes((w.OP_RELEASE,))], BrokerError(Code.NOT_FOUND, "no object 5"), 1)
     fake.peer.sendall(refused_at_1 + refused_at_1)
@@ -434,63 +432,6 @@ def test_lookup_many_s_cleanup_unpin_waits_without_posting(step_rig):
             c.lookup_many([[b"k0"], [b"k" * 2000]], pin=True)
         assert c._step_path().transport.unread() == 0
         assert c.lookup([b"k0"], pin=False)[0].session_pins == 0
-
-
-def test_with_the_cache_a_give_back_s_frame_is_posted_and_refused_later(step_rig):
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=5.0) as c:
-        (obj,) = c.lookup([b"k0"])
-        n = frames(c)
-        c.unpin([obj])  # the cache keeps it, idle: no frame
-        assert frames(c) == n
-        c.unpin([999])  # not held by the cache: unpinned at the broker, posted
-        t = c._step_path().transport
-        assert frames(c) == n + 1 and t.unread() == 1
-        with pytest.raises(BrokerError) as e:
-            c.flush()
-        assert (
-            e.value.code == Code.NOT_FOUND and e.value.message == "a posted unpin of [999] was refused: no object 999"
-        )
-
-
-def test_the_cache_s_flush_is_posted_then_applied_before_a_grpc_call_and_its_refusal_raised(step_rig):
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=5.0) as c:
-        obj = c.allocate([Spec(1)])[0]
-        c.pin([obj])
-        c.unpin([obj])  # idle in the cache, still pinned at the broker
-        t = c._step_path().transport
-        assert c.flush_holdings() == 1 and t.unread() == 1  # posted
-        assert c.free([obj]) == (1, 0)  # over gRPC: the flush ran first, nothing holds it
-        # A flush the broker refuses (an idle pin the broker does not know): raised by flush().
-        path = c._step_path()
-        path.held.add_pin(w.ObjectRecord(999, -1, 2, 1, True, False, 1, 1, [0], b"", 3), 0.0)
-        assert c.flush_holdings() == 1
-        with pytest.raises(BrokerError) as e:
-            c.flush()
-        assert (
-            e.value.code == Code.NOT_FOUND and e.value.message == "a posted unpin of [999] was refused: no object 999"
-        )
-
-
-def test_idle_holdings_due_with_a_posted_give_back_are_refused_quietly(step_rig, caplog):
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
-        (obj,) = c.lookup([b"k0"])
-        path = c._step_path()
-        path.held.add_pin(w.ObjectRecord(999, -1, 2, 1, True, False, 1, 1, [0], b"", 3), 0.0)
-        time.sleep(0.1)
-        with caplog.at_level(logging.WARNING):
-            c.unpin([998])  # the due idle holdings' unpin of 999 goes too, in a frame of its own
-            with pytest.raises(BrokerError) as e:
-                c.flush()
-        assert e.value.message == "a posted unpin of [998] was refused: no object 998"  # not 999's
-        assert "a posted unpin of [999] was refused: no object 999 (not raised" in caplog.text
-        assert 999 not in path.pins and not path.transport.refused
-        c.unpin([obj])
-        c.flush_holdings()
-        c.flush()
-        assert c.stats().pinned_pages == 0
 
 
 # ------------------------------------------------------------------ the fd channel's fetches
@@ -562,44 +503,3 @@ def test_a_posted_reply_s_slab_count_is_not_needed_the_next_awaited_reply_carrie
         assert int(got.page_tensors()[-1][:8].sum()) == 56
         c.unpin([got])
         c.flush()
-
-
-def _idle_due(c):
-    """``c`` (hold_s 0.05) holds k0's pin idle in its cache, due for release; returns the
-    broker's pinned pages with it still pinned."""
-    c.unpin(c.lookup([b"k0"]))  # idle in the cache, pinned at the broker
-    pinned = c.stats().pinned_pages
-    assert pinned >= 1
-    time.sleep(0.1)  # past hold_s: the next frame carries its unpin at its end
-    return pinned
-
-
-def test_idle_holdings_behind_a_refused_step_op_are_sent_again(step_rig):
-    """A step frame refused at one of the caller's ops stops there: the idle holdings' ops
-    at its end did not run, and they have left the cache. They go again in a frame of
-    their own, so the broker does not keep them until the session ends."""
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
-        pinned = _idle_due(c)
-        path = c._step_path()
-        with pytest.raises(BrokerError) as e:
-            path.step(unpin=[99999], acquire=False, lookup=False)
-        assert e.value.code == Code.NOT_FOUND
-        assert not path.held.pins  # the idle pin left the cache with the refused frame
-        c.flush()  # the idle unpin's frame was posted: its reply read, nothing refused
-        assert c.stats().pinned_pages == pinned - 1
-
-
-def test_idle_holdings_behind_a_refused_batch_change_are_sent_again(step_rig):
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
-        pinned = _idle_due(c)
-        path = c._step_path()
-        batch = c.step_batch()
-        with pytest.raises(BrokerError) as e:
-            batch.update(add=["no-such-adapter"])
-        assert e.value.code == Code.NOT_FOUND
-        assert not path.held.pins
-        c.flush()
-        assert c.stats().pinned_pages == pinned - 1
-        batch.release()

@@ -19,7 +19,6 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
-from memory_broker.clients.step.delta import lane_begin
 from memory_broker.proto.wire import step as _wire
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -35,7 +34,7 @@ class BatchDelta:
     def __init__(self, adapters: list, objects: list, round_trips: int):
         self.adapters: list[LeasedAdapter] = adapters
         self.objects: list = objects
-        # Frames this change took (0: the step cache had all of it).
+        # Frames this change took (0: it asked nothing of the broker).
         self.round_trips = round_trips
 
 
@@ -211,8 +210,7 @@ class StepBatch:
     to overlap the round trip with the model's work) names what arrives (``add`` adapter ids,
     ``add_keys`` KV keys) and what completes (``drop``, ``drop_keys``); the batch keeps
     per-id and per-key counts, so an id or key already held costs a dict update, and only
-    the first hold and the last drop of one reach the step path (and, through its cache,
-    the broker). The cost of a change is proportional to the change, not to the batch.
+    the first hold and the last drop of one reach the broker. The cost of a change is proportional to the change, not to the batch.
 
     ``add_keys`` is looked up like ``lookup``: the longest present prefix (keys the batch
     holds count as present) is pinned; the keys after it are counted but hold nothing.
@@ -235,7 +233,7 @@ class StepBatch:
         self.client = client
         self.epoch = client.epoch
         # Background: ``begin`` only queues the change for a thread of this batch, which
-        # checks and counts it, sends it, reads the reply and accounts it (cache, leases,
+        # checks and counts it, sends it, reads the reply and accounts it (leases,
         # objects) while the engine thread waits for its model; ``result()`` then finds it
         # done. The work moves to that thread (it takes the GIL when the engine thread is
         # not running Python); it is not removed.
@@ -262,7 +260,7 @@ class StepBatch:
         add_keys: Sequence[bytes] = (),
         drop_keys: Sequence[bytes] = (),
     ) -> BatchDelta:
-        """Apply one change in one round trip (none when the batch and the step cache hold all
+        """Apply one change in one round trip (none when the batch holds all
         of it: keys new to the batch always go to the broker)."""
         return self.begin(add, drop, add_keys, drop_keys, _inline=True).result()
 
@@ -299,15 +297,6 @@ class StepBatch:
             # Copies: the caller may reuse its lists before the worker reads them.
             pending = self._hand_over(tuple(add), tuple(drop), tuple(add_keys), tuple(drop_keys))
         else:
-            calls = client._calls
-            if calls is not None and calls.lane and not client._unsent and calls.current(self.epoch):
-                # The usual change on a caching step channel: one object from here to the socket.
-                pending = lane_begin(calls, self, add, drop, add_keys, drop_keys)
-                if pending is not None:
-                    self._pending = pending
-                    for lease in pending.own_leases:
-                        lease.release()
-                    return pending
             rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
             for lease in own:
                 lease.release()
@@ -397,20 +386,10 @@ class StepBatch:
         client = self.client
         try:
             try:
-                own = ()
-                lane = None
-                calls = client._calls
-                if calls is not None and calls.lane and calls.current(self.epoch):
-                    # The short lane (``StepBatch.begin``'s), this worker's gate aside.
-                    lane = lane_begin(calls, self, add, drop, add_keys, drop_keys)
-                if lane is not None:
-                    own = lane.own_leases
-                    lane.collect()  # the reply read (``lane.result()`` raises its failure, mapped)
-                else:
-                    rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
-                    sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
-                    if sent.sent:
-                        sent.collect()  # the broker has it: the session's other calls may follow
+                rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
+                sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
+                if sent.sent:
+                    sent.collect()  # the broker has it: the session's other calls may follow
             finally:
                 # The session's other calls may go now (this thread's own gRPC calls below
                 # would otherwise wait for this very gate).
@@ -419,10 +398,7 @@ class StepBatch:
             for lease in own:  # over gRPC: after the gate, or this thread would wait for itself
                 lease.release()
             # Over gRPC the change's calls are made here (after the gate, or they would wait for it).
-            if lane is not None:
-                pending._delta = lane.result()
-            else:
-                pending._delta = self._finish(sent.result(), add, new_ids, add_keys, new_keys)
+            pending._delta = self._finish(sent.result(), add, new_ids, add_keys, new_keys)
         except BaseException as e:
             pending._error = e
         finally:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An engine step's control-plane cost at the client: gRPC, the step channel, its cache.
+"""An engine step's control-plane cost at the client: gRPC and the step channel.
 
     python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT] [--poll-s S]
     python ops/bench/bench_step.py --per-item | --keys-only | --adapters-only [--steps N]
@@ -13,8 +13,8 @@ adapters and pinning one KV block key per sequence, and giving back the previous
   a KV key per arrival never seen before in the run, so every step has something to ask).
 Each runs through every client path: gRPC (the old path, 4 RPCs per step), the step channel
 with the same four calls (its two give-backs posted, as the client sends them by default; and
-again with ``post_give_backs=False``, each frame waited for), one ``client.step()`` call, and both again with the holdings cache
-(``hold_s``); with the cache also pipelined (``step_begin`` sent when the next batch is known,
+again with ``post_give_backs=False``, each frame waited for), one ``client.step()`` call, and
+pipelined (``step_begin`` sent when the next batch is known,
 the reply collected after a simulated 2 ms of model work (a sleep, as a CPU waiting on
 its GPU; a tenth of a 20 ms decode step), which is not counted). The ``StepBatch`` rows
 tell the broker only each step's arrivals and completions (``client.step_batch()``):
@@ -297,16 +297,13 @@ def batch_background(c: BrokerClient, work):
 
 PATHS = [
     ("gRPC, 4 calls (old path)", dict(fast_path=False), old_api),
-    ("step channel, same 4 calls", dict(hold_s=0.0), old_api),
-    ("step channel, 4 calls, give-backs waited", dict(hold_s=0.0, post_give_backs=False), old_api),
-    ("step channel, client.step()", dict(hold_s=0.0), step_api),
-    ("cache, same 4 calls", dict(hold_s=1.0), old_api),
-    ("cache, client.step()", dict(hold_s=1.0), step_api),
-    ("cache, step_begin (pipelined)", dict(hold_s=1.0), pipelined),
-    ("step channel, StepBatch.update()", dict(hold_s=0.0), batch_api),
-    ("cache, StepBatch.update() (blocking)", dict(hold_s=1.0), batch_api),
-    ("cache, StepBatch begin+result (overlap)", dict(hold_s=1.0), batch_overlapped),
-    ("cache, StepBatch background (overlap)", dict(hold_s=1.0), batch_background),
+    ("step channel, same 4 calls", dict(), old_api),
+    ("step channel, 4 calls, give-backs waited", dict(post_give_backs=False), old_api),
+    ("step channel, client.step()", dict(), step_api),
+    ("step channel, step_begin (pipelined)", dict(), pipelined),
+    ("step channel, StepBatch.update()", dict(), batch_api),
+    ("step channel, StepBatch begin+result (overlap)", dict(), batch_overlapped),
+    ("step channel, StepBatch background (overlap)", dict(), batch_background),
 ]
 
 
@@ -871,13 +868,13 @@ def run(d: str, sock: str, steps: int) -> None:
         print(f"{name:<44}{statistics.median(xs):>10.1f}{pct(xs, 0.99):>10.1f}{statistics.median(xs) / raw_us:>8.2f}")
     print()
     print(
-        f"{'path':<42}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}"
+        f"{'path':<48}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}"
         f"{'CPU us':>8}"
     )
     for (name, wl), (xs, rts, pcpu) in results.items():
         med, p99 = statistics.median(xs), pct(xs, 0.99)
         print(
-            f"{name:<42}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}{pcpu:>8.1f}"
+            f"{name:<48}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}{pcpu:>8.1f}"
         )
     print(
         "(x raw = per-step median or p99 / the fastest raw ping-pong median of this run: on one CPU, or of "
@@ -907,18 +904,18 @@ def run(d: str, sock: str, steps: int) -> None:
                     f"a raw send before the model's wait and the receive after it, one thread: {o:.1f} us "
                     f"(the least a changed step's round trip costs the process here, in any design)"
                 )
-    cached = [n for n, _, _ in PATHS if n.startswith("cache")]
-    if not cached:
+    channel = [n for n, _, _ in PATHS if n.startswith("step channel") and (n, "steady") in results]
+    if not channel:
         setup.close()
         return
-    best_steady = min(statistics.median(results[(n, "steady")][0]) for n in cached)
+    best_steady = min(statistics.median(results[(n, "steady")][0]) for n in channel)
     ok1 = best_steady <= 2 * raw_us
     print(f"\ntarget steady: median <= 2x raw: {best_steady / raw_us:.2f}x -> {'MET' if ok1 else 'NOT MET'}")
     # The trace target, for the best blocking path and for the overlapped one apart: the
     # overlapped row counts only the engine thread's time in the client (the round trip
     # runs during the model's work), so it is not a round trip's latency.
-    blocking = [n for n in cached if "overlap" not in n and "pipelined" not in n]
-    for label, names in (("blocking", blocking), ("overlapped", [n for n in cached if "overlap" in n])):
+    blocking = [n for n in channel if "overlap" not in n and "pipelined" not in n]
+    for label, names in (("blocking", blocking), ("overlapped", [n for n in channel if "overlap" in n])):
         if not names:
             continue
         best = min(names, key=lambda n: statistics.median(results[(n, "trace")][0]))

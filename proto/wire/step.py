@@ -116,13 +116,8 @@ _CORE_PASSES = (
     # A step batch's counts (``clients/step/batch.py``), which its module reads as ``_core`` here.
     "batch_take",
     "batch_account",
-    # The step cache's reference drops (``clients/step/holdings.py``).
-    "drop_refs",
     # A step reply's fresh objects (``clients/step/lease.py``'s ``SessionRecords._fresh``).
     "step_objects",
-    # A running batch's change planned and accounted (``clients/step/delta.py``).
-    "delta_plan",
-    "delta_finish",
 )
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
