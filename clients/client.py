@@ -205,13 +205,9 @@ class BrokerClient(StepSession):
                 Falls back to gRPC where the broker has no step channel.
             hold_s: no longer used (the step path's holdings cache is gone: its gain did not
                 show in an engine's step); a value above 0 is logged once and ignored.
-            post_give_backs: with the fast path, a give-back (``unpin``,
-                ``release_adapters`` and a lease's ``release()`` without ``dtype``, a
-                ``StepBatch``'s end; not ``abort_acquire``) sends its
-                frame, if it has one, and returns without waiting for the broker's answer; the broker runs it before anything the session sends later, over
-                any channel. A refusal is logged at WARNING and raised by the session's next
-                give-back (after that one's own frame went out) or by ``flush()``. False:
-                each give-back waits for its answer and raises its own refusal.
+            post_give_backs: no longer used: every give-back (``unpin``, ``release_adapters``,
+                a lease's ``release()``) waits for the broker's answer and raises its own
+                refusal (posting them saved a round trip that no engine's step showed).
         """
         socket_path, gpu_uuid = find_socket(socket_path)
         client = cls(
@@ -399,8 +395,7 @@ class BrokerClient(StepSession):
         return self._step_calls().pin(self._ids(objs))
 
     def unpin(self, objs: Iterable[BrokerObject | int]) -> None:
-        """Drop this session's pin on each object (on the step channel, posted: see
-        ``connect``'s ``post_give_backs``)."""
+        """Drop this session's pin on each object."""
         self._step_calls().unpin(self._ids(objs))
 
     @contextlib.contextmanager

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.both_cores
 def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
-    with BrokerClient.connect(b.socket, post_give_backs=False) as c:
+    with BrokerClient.connect(b.socket) as c:
         batch = c.step_batch()
         n = frames(c)
         d = batch.update(["a0", "a1", "a0"], (), [b"k0", b"k1"])

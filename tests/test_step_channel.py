@@ -100,23 +100,19 @@ def test_an_adapter_that_is_not_hot_is_loaded_on_the_channel_with_grpcs_deferral
         assert fast.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("post", [True, False], ids=["posted", "blocking"])
-def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(step_rig, post):
-    """As over gRPC; a give-back posted (``post_give_backs``, the default) has its refusal
-    raised by ``flush()``, a blocking one by the call itself."""
+def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(step_rig):
+    """As over gRPC: a give-back's refusal is raised by the call itself."""
     b, setup = step_rig
-    with BrokerClient.connect(b.socket, post_give_backs=post) as c:
+    with BrokerClient.connect(b.socket) as c:
         before = books(c)
         with pytest.raises(BrokerError) as e:
             c.acquire_adapters(["no-such"])
         assert e.value.code == Code.NOT_FOUND
         with pytest.raises(BrokerError) as e:
             c.release_adapters(["a0"])
-            c.flush()
         assert e.value.code in (Code.FAILED_PRECONDITION, Code.NOT_FOUND)
         with pytest.raises(BrokerError) as e:
             c.unpin([999])
-            c.flush()
         assert e.value.code == Code.NOT_FOUND
         anon = setup.allocate([Spec(1)])[0]
         with pytest.raises(BrokerError) as e:
@@ -634,19 +630,11 @@ def test_a_generic_call_is_one_frame_of_its_own_items(step_rig, monkeypatch):
     with BrokerClient.connect(b.socket) as c:
         c.acquire_adapters(["a0"]).release()  # the session's channel, and a0's layout, once
         sent: list[list[int]] = []
-        real_request, real_post = StepTransport.request, StepTransport.post
+        real_request = StepTransport.request
         monkeypatch.setattr(  # what went on the wire, op by op
             StepTransport,
             "request",
             lambda self, data: (sent.append([o.kind for o in w.decode_step(data[5:])]), real_request(self, data))[1],
-        )
-        monkeypatch.setattr(  # the give-backs' frames, posted
-            StepTransport,
-            "post",
-            lambda self, data, ops, own=-1: (
-                sent.append([o.kind for o in w.decode_step(data[5:])]),
-                real_post(self, data, ops, own),
-            )[1],
         )
         n = frames(c)
         base = c.stats().pinned_pages
@@ -662,11 +650,9 @@ def test_a_generic_call_is_one_frame_of_its_own_items(step_rig, monkeypatch):
         assert sent == [[w.OP_ACQUIRE], [w.OP_LOOKUP], [w.OP_PIN], [w.OP_UNPIN], [w.OP_RELEASE]]
         # Nothing to send: no frame.
         assert c.lookup([]) == [] and c.unpin([]) is None and frames(c) == n + 5
-        # A refusal is the broker's, as before, and the call's one frame (posted: raised by flush).
-        c.unpin([objs[0]])
-        assert frames(c) == n + 6
+        # A refusal is the broker's, as before, raised by the call's one frame.
         with pytest.raises(BrokerError) as e:
-            c.flush()
+            c.unpin([objs[0]])
         assert e.value.code == Code.FAILED_PRECONDITION and frames(c) == n + 6
 
 

@@ -33,7 +33,7 @@ def choose_calls(client) -> ChannelCalls | GrpcCalls:
         calls = grpc
         if client.fast_path:
             try:
-                transport = StepTransport(client._step_socket(), client.token, client.timeout, client._refused)
+                transport = StepTransport(client._step_socket(), client.token, client.timeout)
             except StepUnavailable as e:
                 # Said once a client at WARNING (a step call over gRPC is many times slower,
                 # and nothing else shows it), again at INFO for each later session.

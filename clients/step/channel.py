@@ -20,7 +20,6 @@ from memory_broker.clients.step.delta import send_delta
 from memory_broker.clients.step.grpc_calls import GrpcCalls
 from memory_broker.clients.step.lease import PendingStepLease, StepLease
 from memory_broker.clients.step.path import StepPath, StepUnavailable, not_answered
-from memory_broker.clients.step.transport import raise_refused
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard
@@ -70,9 +69,6 @@ class ChannelCalls:
         # The transport's frames whose replies are unread (a deque: its truth says whether
         # ``settle`` has anything to read, without a call).
         self.unread = path.transport.unread_frames
-        # Whether a give-back's frame is posted (its reply read later) or waited for
-        # (``connect``'s ``post_give_backs``).
-        self.posting: bool = client.post_give_backs
         # The last acquire's ids (a copy), its cap and their split (admitted, deferred): the
         # lists are shared by the leases made from them and never changed.
         self._split: tuple[list[str], int, tuple[list[str], list[str]]] = ([], -1, ([], []))
@@ -151,9 +147,9 @@ class ChannelCalls:
         self._frame([(_COMMIT, (transaction_id,))])
 
     def abort_acquire(self, transaction_id: int) -> None:
-        # Waited for, not posted: its answer is what ``AdapterLease.release`` decides by (a
-        # transaction committed meanwhile is refused FAILED_PRECONDITION, and then its
-        # adapters are released instead), and a caller's own abort refused is raised to it.
+        # Its answer is what ``AdapterLease.release`` decides by (a transaction committed
+        # meanwhile is refused FAILED_PRECONDITION, and then its adapters are released
+        # instead), and a caller's own abort refused is raised to it.
         self._frame([(_w.OP_ABORT, (transaction_id,))])
 
     # ------------------------------------------------------------ objects
@@ -203,17 +199,14 @@ class ChannelCalls:
         return out
 
     def _unpin_quietly(self, ids: list[int]) -> None:
-        """Unpin what a failed ``lookup_many`` pinned: posted (``posting``), its refusal only
-        logged (nobody asked for this unpin: the caller gets the lookup's error), or waited."""
+        """Unpin what a failed ``lookup_many`` pinned, its refusal only logged (nobody asked
+        for this unpin: the caller gets the lookup's error)."""
         if not ids:
             return
         try:
-            if self.posting:
-                self.path.post([(_UNPIN, tuple(ids))], own=0)
-            else:
-                self._frame([(_UNPIN, tuple(ids))], True)
-        except (BrokerError, StepUnavailable) as e:
-            log.debug("unpinning after a failed lookup: %s", e)
+            self._frame([(_UNPIN, tuple(ids))], True)
+        except BrokerError as e:
+            log.warning("unpinning after a failed lookup was refused: %s", e)
 
     def pin(self, ids: list[int]) -> list:
         reply = self._frame([(_w.OP_PIN, tuple(ids))])
@@ -224,20 +217,9 @@ class ChannelCalls:
             self._give_back([(_UNPIN, tuple(ids))])
 
     def _give_back(self, ops: list) -> None:
-        """Give-backs (releases, unpins) in a frame of their own: posted (``StepPath.post``:
-        sent, its reply read later; ``connect``'s ``post_give_backs``), or sent and waited for.
-        Bad input is refused here, before anything is sent. Then the refusal of an earlier
-        posted give-back, if one was read, is raised (this one's frame went out)."""
-        if not self.posting:
-            self._frame(ops)
-            return
-        path = self.path
-        try:
-            path.post(ops)
-        except (_w.WireError, StepUnavailable) as e:
-            raise self._error_of(e) from None
-        if path.transport.refused:
-            raise_refused(path.transport.refused)
+        """Give-backs (releases, unpins) in a frame of their own, waited for: a refusal is
+        raised here, the broker's, after the ops before it ran."""
+        self._frame(ops)
 
     # ------------------------------------------------------------ steps
 
@@ -344,18 +326,17 @@ class ChannelCalls:
             self._give_back(ops)
 
     def settle(self) -> None:
-        """Read every unread reply of the channel (a call over another channel first does:
-        what was posted before it has run). A channel that breaks meanwhile has reported
-        its unanswered give-backs (``StepTransport.refused``); nothing is raised here."""
+        """Read a begun step's reply now (a call over another channel first does: the broker
+        has then run it), kept for its ``result()``."""
         if self.path.transport.unread():
             try:
                 self.path.settle()
             except StepUnavailable as e:
-                log.debug("the step channel broke while its replies were read: %s", e)
+                log.debug("the step channel broke while a reply was read: %s", e)
 
     def close(self) -> None:
-        """Read what is unread (posted give-backs: a refusal is logged), then close; a
-        session that ended (a reconnect replaced it) took its pins with it: nothing to read."""
+        """Read what is unread (a begun step's reply), then close; a session that ended (a
+        reconnect replaced it) took its pins with it: nothing to read."""
         if not self.path.transport.closed and self.epoch == self.client.epoch:
             self.settle()
         self.path.transport.close()

@@ -128,7 +128,7 @@ class GrpcCalls:
         self._rpc("Unpin", pb.UnpinRequest(object_ids=ids))
 
     def settle(self) -> None:
-        """Nothing is posted over gRPC: every call waited for its answer."""
+        """Nothing is begun over gRPC: every call waited for its answer."""
 
     # ------------------------------------------------------------ steps
 

@@ -197,8 +197,7 @@ class StepLease:
             if self.adapters is not None:
                 self.adapters.release()
         finally:
-            # Even when the release raised (an earlier posted give-back's refusal, raised
-            # after this one's frame went out): the pins go back too.
+            # Even when the release raised (refused): the pins go back too.
             if self.objects and self.epoch == self.client.epoch and not self.client.closed:
                 self.client.unpin(self.objects)
 

@@ -3,10 +3,9 @@
 ``StepTransport`` (``transport.py``) is a blocking Unix socket to the broker's step channel
 (the frames of ``memory_broker.proto.wire.step``, authenticated by the session token and this
 process's credentials). ``StepPath`` sits on it for one session: it sends frames of ops (tuples
-of an ``Op``'s fields, or ``Op``s) and reads their replies in order: awaited (``send``), begun
-and read later (``begin``: at most one at a time), or posted (``post``: give-backs, whose
-replies only say whether they ran). Every step call is one frame to the broker: nothing is
-kept here between calls. This module knows nothing of gRPC, mappings or tensors
+of an ``Op``'s fields, or ``Op``s) and reads their replies: awaited (``send``), or begun and
+read later (``begin``: at most one at a time, read before the next frame). Every step call is
+one frame to the broker: nothing is kept here between calls. This module knows nothing of gRPC, mappings or tensors
 (``channel.py``'s ``ChannelCalls`` turns records into leases and objects).
 """
 
@@ -64,26 +63,11 @@ class StepPath:
             self._pending = sent
         return sent
 
-    def post(self, ops: list, own: int = -1) -> None:
-        """A give-back's frame sent without waiting for its reply (``StepTransport.post``: read
-        before the next awaited one; the refusal of one of its first ``own`` ops, all by
-        default, kept in ``transport.refused``, of a later one only logged); at
-        ``POST_LIMIT`` unread, the oldest is read first."""
-        data = w.encode_step(ops)
-        with self.lock:
-            transport = self.transport
-            while transport.full():
-                if not transport.read_oldest():
-                    self._pending._collect()  # a begun frame's reply is the oldest: kept for it
-            self.frames += 1
-            transport.post(data, ops, own)
-
     def settle(self) -> None:
-        """Read every unread reply: the posted frames', and a begun frame's (kept for it)."""
+        """Read a begun frame's reply now (kept for it)."""
         with self.lock:
             if self._pending is not None:
                 self._pending._collect()
-            self.transport.settle()
 
     def undo_acquire(self, admitted: list[str], r: w.AcquireOutcome) -> None:
         """A later op of the frame failed: give back what its acquire took (the caller gets

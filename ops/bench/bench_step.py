@@ -12,8 +12,7 @@ adapters and pinning one KV block key per sequence, and giving back the previous
   size drifting within 8..32 sequences, at least one arrival and one completion per step,
   a KV key per arrival never seen before in the run, so every step has something to ask).
 Each runs through every client path: gRPC (the old path, 4 RPCs per step), the step channel
-with the same four calls (its two give-backs posted, as the client sends them by default; and
-again with ``post_give_backs=False``, each frame waited for), one ``client.step()`` call, and
+with the same four calls (four frames, each waited for), one ``client.step()`` call, and
 pipelined (``step_begin`` sent when the next batch is known,
 the reply collected after a simulated 2 ms of model work (a sleep, as a CPU waiting on
 its GPU; a tenth of a 20 ms decode step), which is not counted). The ``StepBatch`` rows
@@ -298,7 +297,6 @@ def batch_background(c: BrokerClient, work):
 PATHS = [
     ("gRPC, 4 calls (old path)", dict(fast_path=False), old_api),
     ("step channel, same 4 calls", dict(), old_api),
-    ("step channel, 4 calls, give-backs waited", dict(post_give_backs=False), old_api),
     ("step channel, client.step()", dict(), step_api),
     ("step channel, step_begin (pipelined)", dict(), pipelined),
     ("step channel, StepBatch.update()", dict(), batch_api),
@@ -553,16 +551,6 @@ class _Replay:
                 return reply
         return self.decode(kind, body)
 
-    # A give-back posted (``StepTransport.post``): sent, its reply read later by a header
-    # check alone (no decode; the recording saw none), so the replay has nothing to charge.
-    refused: list = []
-
-    def full(self) -> bool:
-        return False
-
-    def post(self, data: bytes, ops: list, own: int = -1) -> None:
-        pass
-
     def unread(self) -> int:
         return 0
 
@@ -724,12 +712,10 @@ def issue_targets(results: dict, raw_us: float, ping_us: float, loop_us: float) 
     one ``client.step()`` frame under 5x raw, the generic calls under 8x; each beside its
     floor in this run: as many round trips to the bare asyncio loop (the broker's loop with
     no Python of its own) and as many step-channel PINGs (a frame with no ops) as the row
-    waits for. The generic calls' give-backs are posted (two of the four frames are not
-    waited for); the row with them waited is printed beside it, as the same floors' four."""
+    waits for."""
     rows = (
         ("step channel, client.step()", 5, 1),
-        ("step channel, same 4 calls", 8, 2),
-        ("step channel, 4 calls, give-backs waited", 8, 4),
+        ("step channel, same 4 calls", 8, 4),
     )
     for name, limit, frames in rows:
         got = results.get((name, "steady"))
