@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from memory_broker.clients.discovery import check_device, find_socket
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST
 from memory_broker.clients.step.adapters import AdapterLease
-from memory_broker.clients.step.batch import POLL_S, StepBatch
+from memory_broker.clients.step.batch import StepBatch
 from memory_broker.clients.step.lease import PendingStepLease, StepLease
 from memory_broker.clients.step_session import StepSession
 from memory_broker.proto.wire.errors import BrokerError, Code
@@ -480,12 +480,14 @@ class BrokerClient(StepSession):
         calls = self._step_calls()
         return calls.step_begin(list(adapter_ids), list(keys), max_adapters, prepare, lease_s, commit, release)
 
-    def step_batch(self, background: bool = False, poll_s: float = POLL_S) -> StepBatch:
+    def step_batch(self, background: bool = False, poll_s: float | None = None) -> StepBatch:
         """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
         completions (a change costs what changed, not the batch's size). ``background``: a
-        thread of the batch runs each ``begin``'s change while the caller goes on; it looks
-        for the next change every ``poll_s`` for a while after one (0: never; see StepBatch)."""
-        return StepBatch(self, background, poll_s)
+        thread of the batch runs each ``begin``'s change while the caller goes on.
+        ``poll_s`` is no longer used (the worker sleeps until a change comes)."""
+        if poll_s is not None and poll_s < 0:
+            raise ValueError(f"poll_s must be >= 0 seconds, not {poll_s!r}")
+        return StepBatch(self, background)
 
     # ------------------------------------------------------------- adapters
 

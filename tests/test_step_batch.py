@@ -5,7 +5,6 @@ books follow every change, bad drops change nothing, and releasing gives everyth
 from __future__ import annotations
 
 import gc
-import queue
 import random
 import threading
 import time
@@ -145,7 +144,7 @@ def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(step_rig
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("mode", ["step", "grpc", "worker-thread", "worker-thread-no-poll"])
+@pytest.mark.parametrize("mode", ["step", "grpc", "worker-thread"])
 def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_rig, mode, monkeypatch):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
@@ -154,7 +153,7 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_r
     keys = [b"k%d" % i for i in range(6)] + [b"absent"]
     rng = random.Random(11)
     with BrokerClient.connect(b.socket) as c:
-        batch = c.step_batch(background="thread" in mode, poll_s=0.0 if mode.endswith("no-poll") else 0.0002)
+        batch = c.step_batch(background="thread" in mode)
         seqs: list[tuple[str, bytes]] = []
         for _ in range(150):
             done = rng.sample(seqs, rng.randint(0, min(3, len(seqs))))
@@ -215,18 +214,14 @@ def test_a_background_change_is_what_begin_was_given_though_the_caller_reuses_it
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("poll_s", [0.0, 0.0002])
-def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step_rig, poll_s):
-    from memory_broker.clients.step import batch as batch_mod
-
+def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket) as c:
-        batch = c.step_batch(background=True, poll_s=poll_s)
+        batch = c.step_batch(background=True, poll_s=0.0002)  # poll_s: accepted, unused
         for i in range(3):
             batch.begin(["a0"], (), [b"k%d" % i]).result()
-            time.sleep(batch_mod.LINGER_S * 2)  # the worker stops looking and sleeps
-            # Between the worker's last look and its sleep, or well after: either way woken.
+            time.sleep(0.05)  # the worker sleeps
             d = batch.begin((), ["a0"], (), [b"k%d" % i]).result()
             assert d.adapters == [] and batch.objects == {}
         batch.release()
@@ -235,14 +230,12 @@ def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step
             c.step_batch(background=True, poll_s=-1)
 
 
-@pytest.mark.parametrize("poll_s", [0.0, 0.0002])
-def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall(monkeypatch, poll_s):
-    # Puts land while the worker runs, looks, is about to sleep, and sleeps (a short linger
-    # makes every case frequent); none may be lost, run twice or out of order.
+def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall():
+    # Puts land while the worker runs and while it sleeps; none may be lost, run twice or
+    # out of order.
     from memory_broker.clients.step import batch as batch_mod
 
-    monkeypatch.setattr(batch_mod, "LINGER_S", 0.002)
-    jobs = batch_mod._Jobs(poll_s)
+    jobs = batch_mod._Jobs()
     t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
     t.start()
     ran: list[int] = []
@@ -262,69 +255,6 @@ def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall
     jobs.stop()
     t.join(10)
     assert not t.is_alive() and stolen == [1]
-
-
-def test_between_steady_changes_the_worker_wakes_once_a_change(monkeypatch):
-    # Changes every 10 ms (an engine's steps): the worker used to look every poll_s through
-    # the gap (50 wake-ups a change), then to nap through three quarters of it and look every
-    # poll_s in the rest (about 13); it now sleeps until just after the next change is due
-    # and finds it queued: one wake-up a change (each costs a thread that slept 10-40 us of
-    # CPU on the 2-core VM).
-    import types
-
-    from memory_broker.clients.step import batch as batch_mod
-
-    waits = [0]
-
-    def sleep(s):
-        waits[0] += 1
-        time.sleep(s)
-
-    class Wake:
-        def __init__(self):
-            self.q = queue.SimpleQueue()
-
-        def get(self, *a, **k):
-            waits[0] += 1
-            return self.q.get(*a, **k)
-
-        def put(self, x):
-            self.q.put(x)
-
-    monkeypatch.setattr(batch_mod, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
-    jobs = batch_mod._Jobs(0.0002)
-    jobs.wake = Wake()
-    t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
-    t.start()
-    ran: list[int] = []
-    pace = 0.01
-    per_change = []
-    for i in range(40):
-        before = waits[0]
-        jobs.put([lambda i=i: ran.append(i)])
-        time.sleep(pace)
-        if i >= 10:  # the pace is learnt by now
-            per_change.append(waits[0] - before)
-    jobs.stop()
-    t.join(10)
-    assert ran == list(range(40))
-    # The median change (a loaded machine's late sleeps make a few look more).
-    assert sorted(per_change)[len(per_change) // 2] <= 1, f"the worker waited {per_change} times a change"
-    # A change that comes sooner than the usual gap is run at once all the same (it wakes the nap).
-    jobs = batch_mod._Jobs(0.0002)
-    t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
-    t.start()
-    done = threading.Event()
-    for _ in range(5):
-        jobs.put([lambda: None])
-        time.sleep(0.02)
-    t0 = time.perf_counter()
-    jobs.put([done.set])
-    assert done.wait(5)
-    woke = time.perf_counter() - t0
-    jobs.stop()
-    t.join(10)
-    assert woke < 0.01, f"a change that came early waited {woke * 1e3:.1f} ms"
 
 
 def test_result_gives_up_on_a_worker_that_does_not_finish(step_rig, monkeypatch):

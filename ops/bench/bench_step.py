@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An engine step's control-plane cost at the client: gRPC and the step channel.
 
-    python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT] [--poll-s S]
+    python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT]
     python ops/bench/bench_step.py --per-item | --keys-only | --adapters-only [--steps N]
 
 Starts a broker (host arena, --enable-echo) in a subprocess, registers 200 tiny adapters and
@@ -70,7 +70,6 @@ from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path ab
 from rigs import inprocess_broker, write_adapter  # noqa: E402  (other benchmarks use them from here)
 
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
-from memory_broker.clients.step.batch import POLL_S  # noqa: E402
 from memory_broker.proto.wire import step as step_wire  # noqa: E402
 from memory_broker.proto.wire.session import KEY_METADATA  # noqa: E402
 from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
@@ -269,7 +268,7 @@ def batch_overlapped(c: BrokerClient, work, background: bool = False):
     completions of step i-1 (what step i no longer reads); the reply is collected after the
     work. Counted: the time this thread spends in ``begin`` and ``result`` (not the work)."""
     d = deltas(work)
-    b = c.step_batch(background=background, poll_s=POLL_S) if background else c.step_batch()
+    b = c.step_batch(background=background)
     b.update(d[0][0], (), d[0][2], ())
     for i in range(len(d)):
         nxt = d[i + 1] if i + 1 < len(d) else ((), (), (), ())
@@ -735,9 +734,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="at most 200 steps (a smoke run)")
     ap.add_argument("--only", default="", help="run only the paths whose name contains this (a quick look)")
     ap.add_argument(
-        "--poll-s", type=float, default=None, help="the background batch's poll_s (default: the client's, POLL_S)"
-    )
-    ap.add_argument(
         "--per-item", action="store_true", help="only the per-item rows: each side's cost at 1, 8, 64, 512 items"
     )
     mix = ap.add_mutually_exclusive_group()
@@ -769,9 +765,6 @@ def main() -> None:
         global ITEM_MIX
         ITEM_MIX = "keys" if a.keys_only else "adapters"
         a.per_item = True
-    if a.poll_s is not None:
-        global POLL_S
-        POLL_S = a.poll_s
     if a.only:
         PATHS[:] = [p for p in PATHS if a.only in p[0]]
     steps = min(a.steps, 200) if a.quick else a.steps
