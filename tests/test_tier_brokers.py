@@ -95,6 +95,47 @@ def test_what_a_commits_b_reads_through_the_tier_with_bytes_and_digest_equal(two
     assert st.hits == 4 and st.corrupt == 0 and st.up
 
 
+def test_a_lookup_asking_the_tier_says_how_far_it_holds_the_rest_and_never_waits(two):
+    tier, a, b, ca, cb = two
+    keys = commit_chain(ca, b"probe", 5)
+    written(ca, 5)
+    t0 = time.monotonic()
+    answers = [cb.probe_tier(keys)]
+    while answers[-1][0] < 5:
+        assert time.monotonic() - t0 < 10, answers
+        time.sleep(0.002)
+        answers.append(cb.probe_tier(keys))
+    # Asking (-1), then reading all 5 in, then found here; never more than the tier holds.
+    assert answers[0] in ((0, -1), (0, 5)), answers
+    assert {x for x in answers} <= {(0, -1), (0, 5), (5, 0)}, answers
+    assert answers[-1] == (5, 0)
+    # A chain the tier lacks: asked, then none; B's own head, then none of the tail.
+    absent = [b"absent-%d" % i for i in range(3)]
+    commit_chain(cb, b"absent", 1)
+    end = time.monotonic() + 10
+    while (got := cb.probe_tier(absent)) != (1, 0):
+        assert got == (1, -1) and time.monotonic() < end, got
+        time.sleep(0.01)
+    # A broker without a tier always says none, as a lookup without the question does.
+    plain = start_broker()
+    try:
+        with BrokerClient.connect(plain.socket, client_name="plain") as cp:
+            assert cp.probe_tier(keys) == (0, 0) and not cp.stats().tier.backend
+    finally:
+        plain.stop()
+
+
+def test_the_tier_stopped_answers_none_within_its_deadline(two):
+    tier, a, b, ca, cb = two
+    keys = commit_chain(ca, b"gone", 2)
+    written(ca, 2)
+    tier.stop()
+    t0 = time.monotonic()
+    while (got := cb.probe_tier(keys)) != (0, 0):
+        assert got == (0, -1) and time.monotonic() - t0 < 2.5, got  # the deadline is 1 s
+        time.sleep(0.01)
+
+
 def sample(port: int, name: str, **labels) -> float:
     """One sample of the broker's Prometheus endpoint (the metrics refresh each second)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

@@ -183,8 +183,9 @@ class Tier:
         if self._clock() > job.deadline:
             self.counts.timeouts += 1
             return job.miss()
-        self._backoff = 0.0
-        self._healthy = True
+        if job.op != "register":  # a local call: it says nothing of the store
+            self._backoff = 0.0
+            self._healthy = True
         return out
 
     def _failed(self, e: Exception) -> None:
