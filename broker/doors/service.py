@@ -553,8 +553,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def Lookup(self, request, context, session):
         sid = session.session_id
-        objs = self.store.lookup(sid, list(request.keys), request.pin, ReplyRoom())
-        return pb.LookupResponse(objects=[self._info(o, sid) for o in objs])
+        keys = list(request.keys)
+        objs = self.store.lookup(sid, keys, request.pin, ReplyRoom())
+        tier = 0
+        if request.tier and self.tier is not None:
+            tier = self.tier.probe(self.store.sessions[sid].pool, keys, len(objs))
+        return pb.LookupResponse(objects=[self._info(o, sid) for o in objs], tier_blocks=tier)
 
     @_unary
     def GetStats(self, request, context, session):

@@ -691,6 +691,7 @@ def make_tier(opts: ServeOptions, store: ObjectStore, arena, geometry, log, obse
         mooncake_metadata=opts.tier_mooncake_metadata,
         segment_size=opts.tier_mooncake_segment_size,
         deadline_s=opts.tier_deadline_s,
+        mooncake_tenants=opts.tier_mooncake_tenants,
     )
     tier = Tier(backend, opts.tier_deadline_s, opts.tier_queue_depth, observe=observe)
     names = store.tenancy.names if store.tenancy is not None else [""]

@@ -490,6 +490,14 @@ class ServeOptions(_Explained):
         ge=1 << 20,
         help="host memory this broker contributes to the Mooncake Store (its share of the fleet's tier)",
     )
+    tier_mooncake_tenants: bool = setting(
+        False,
+        kind="bool",
+        yaml="tier.mooncake_tenants",
+        help="with tier.backend mooncake: each tenant pool's blocks as a Mooncake tenant named after the pool "
+        "(the shared pool: default), in its namespace and under its quota on a master started with "
+        "-enable_multi_tenants",
+    )
     tier_deadline_s: float = setting(
         1.0,
         kind="duration",

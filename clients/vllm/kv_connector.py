@@ -222,6 +222,10 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Nothing is sent asynchronously; loads from the broker's tier are received so.
+        return None, self._worker().get_finished()
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.connector_worker is None:
             return None

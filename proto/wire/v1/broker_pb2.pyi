@@ -340,18 +340,22 @@ class UnpinResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "pin")
+    __slots__ = ("keys", "pin", "tier")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pin: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ...) -> None: ...
+    tier: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ..., tier: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("objects",)
+    __slots__ = ("objects", "tier_blocks")
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+    tier_blocks: int
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., tier_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
