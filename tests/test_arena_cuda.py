@@ -2168,6 +2168,12 @@ def test_a_tenant_pool_session_gets_its_own_pages_and_adapters_only_where_they_c
             with pytest.raises(FdChannelError) as e:
                 fetch(page, 1)
             assert e.value.code == "PERMISSION_DENIED" and "security.tenants" in e.value.message
+        # The client hears of the shared pool's new slab on its event stream (``arena_grown``),
+        # on a thread of its own: map_arena maps what it knows of, so wait for it first.
+        deadline = time.monotonic() + 10
+        while c.view.mapped_slabs < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.view.mapped_slabs == 3
         with pytest.raises(BrokerError) as e:
             c.map_arena()
         assert e.value.code == Code.PERMISSION_DENIED and "the pool of tenant 'teamA'" in e.value.message
