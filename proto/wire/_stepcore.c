@@ -82,6 +82,27 @@ static inline int out_u64(Out *o, uint64_t v) { return out_put(o, &v, 8); }
 
 static void out_free(Out *o) { PyMem_Free(o->p); o->p = NULL; o->len = o->cap = 0; }
 
+/* ------------------------------------------------------------------ the module's state */
+
+/* One per module object (multi-phase init): nothing process-global. The classes whose slots
+ * are filled or read directly (strong references; NULL until first seen) and their offsets. */
+enum { N_REFS, N_IDLE_SINCE, N_RECORD, N_OBJECT_ID, N_HOT, N_ADAPTERS, N_KEY, N_GENERATION, N_PAGES, NNAMES };
+static const char *const NAMES[NNAMES] = {"refs", "idle_since", "record", "object_id", "hot",
+                                          "adapters", "key", "generation", "pages"};
+typedef struct {
+    PyObject *names[NNAMES]; /* interned attribute names */
+    PyTypeObject *op_fast_type, *objrec_fast_type, *bobj_fast_type, *reply_fast_type;
+    PyTypeObject *arec_fast_type, *hadapter_fast_type, *hpin_fast_type;
+    Py_ssize_t op_offsets[5], objrec_offsets[12], bobj_offsets[13], reply_offsets[4];
+    Py_ssize_t arec_offsets[5], hadapter_offsets[3], hpin_offsets[4];
+} State;
+
+static inline State *
+state_of(PyObject *module)
+{
+    return (State *)PyModule_GetState(module);
+}
+
 /* ------------------------------------------------------------------ decode_step (broker) */
 
 /* `count` length-prefixed strings from *pos (not past `end`): a tuple of bytes (text=0) or
@@ -126,8 +147,6 @@ malformed:
  * five fields; NULL until decode_step first sees a class with that layout. Op is a plain
  * slotted record (step.py: no __init__ logic but assignment), so filling its slots is what
  * calling it does, without running a Python __init__ per op. */
-static PyTypeObject *op_fast_type;
-static Py_ssize_t op_offsets[5];
 static const char *const OP_FIELDS[5] = {"kind", "items", "flags", "max_adapters", "lease_ms"};
 
 /* Whether `cls` is a class whose `n` fields (named by `fields`) are writable object slots,
@@ -164,18 +183,18 @@ slot_layout(PyObject *cls, const char *const *fields, int n, PyTypeObject **fast
     return 1;
 }
 
-/* Whether `cls` has Op's five fields as writable object slots (then op_fast_type is it). */
+/* Whether `cls` has Op's five fields as writable object slots (then st->op_fast_type is it). */
 static int
-op_layout(PyObject *cls)
+op_layout(State *st, PyObject *cls)
 {
-    return slot_layout(cls, OP_FIELDS, 5, &op_fast_type, op_offsets);
+    return slot_layout(cls, OP_FIELDS, 5, &st->op_fast_type, st->op_offsets);
 }
 
 static PyObject *
-make_op(PyObject *op_type, int fast, long kind, PyObject *items, long flags, long cap, unsigned long lease)
+make_op(State *st, PyObject *op_type, int fast, long kind, PyObject *items, long flags, long cap, unsigned long lease)
 {
     /* Op(kind, items, flags, max_adapters, lease_ms); steals `items`. `fast`: op_type is
-     * op_fast_type (its slots are filled; otherwise it is called). */
+     * st->op_fast_type (its slots are filled; otherwise it is called). */
     PyObject *args[5];
     args[0] = PyLong_FromLong(kind);
     args[1] = items;
@@ -190,7 +209,7 @@ make_op(PyObject *op_type, int fast, long kind, PyObject *items, long flags, lon
             if (op != NULL) {
                 for (int i = 0; i < 5; i++) {
                     /* the slots of a fresh object are NULL: each takes our reference */
-                    *(PyObject **)((char *)op + op_offsets[i]) = args[i];
+                    *(PyObject **)((char *)op + st->op_offsets[i]) = args[i];
                     args[i] = NULL;
                 }
             }
@@ -207,12 +226,13 @@ make_op(PyObject *op_type, int fast, long kind, PyObject *items, long flags, lon
 static PyObject *
 decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "decode_step(body, Op)");
         return NULL;
     }
     PyObject *op_type = args[1];
-    int fast = op_layout(op_type);
+    int fast = op_layout(st, op_type);
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
@@ -271,7 +291,7 @@ decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred()) goto fail;
             goto malformed;
         }
-        PyObject *op = make_op(op_type, fast, k, items, flags, cap, lease);
+        PyObject *op = make_op(st, op_type, fast, k, items, flags, cap, lease);
         if (op == NULL) goto fail;
         PyList_SET_ITEM(ops, i, op);
     }
@@ -681,6 +701,7 @@ fail:
 static PyObject *
 batch_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
         !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])) {
         PyErr_SetString(PyExc_TypeError,
@@ -723,7 +744,7 @@ batch_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred()) goto fail;
             continue;
         }
-        PyObject *oid = PyObject_GetAttrString(o, "object_id");
+        PyObject *oid = PyObject_GetAttr(o, st->names[N_OBJECT_ID]);
         if (oid == NULL) goto fail;
         int bad = PyList_Append(unpin, oid) < 0 || PyDict_DelItem(objects, k) < 0;
         Py_DECREF(oid);
@@ -828,13 +849,11 @@ fail:
 static PyObject *
 drop_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    static PyObject *s_refs, *s_idle_since;
+    State *st = state_of(self);
     if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
         PyErr_SetString(PyExc_TypeError, "drop_refs(held, idle, ids, now)");
         return NULL;
     }
-    if (s_refs == NULL && (s_refs = PyUnicode_InternFromString("refs")) == NULL) return NULL;
-    if (s_idle_since == NULL && (s_idle_since = PyUnicode_InternFromString("idle_since")) == NULL) return NULL;
     PyObject *held = args[0], *idle = args[1], *now = args[3];
     PyObject **ids;
     Py_ssize_t n;
@@ -848,7 +867,7 @@ drop_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         Py_INCREF(h);
-        PyObject *r = PyObject_GetAttr(h, s_refs);
+        PyObject *r = PyObject_GetAttr(h, st->names[N_REFS]);
         long refs = r == NULL ? -1 : PyLong_AsLong(r);
         Py_XDECREF(r);
         int bad = PyErr_Occurred() != NULL;
@@ -856,10 +875,10 @@ drop_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             bad = PyList_Append(direct, ids[i]) < 0;
         } else if (!bad) {
             PyObject *v = PyLong_FromLong(refs - 1);
-            bad = v == NULL || PyObject_SetAttr(h, s_refs, v) < 0;
+            bad = v == NULL || PyObject_SetAttr(h, st->names[N_REFS], v) < 0;
             Py_XDECREF(v);
             if (!bad && refs == 1)
-                bad = PyObject_SetAttr(h, s_idle_since, now) < 0 || PyDict_SetItem(idle, ids[i], Py_None) < 0;
+                bad = PyObject_SetAttr(h, st->names[N_IDLE_SINCE], now) < 0 || PyDict_SetItem(idle, ids[i], Py_None) < 0;
         }
         Py_DECREF(h);
         if (bad) goto fail;
@@ -875,8 +894,6 @@ fail:
 /* The ObjectRecord class whose slots object_record fills directly (a strong reference), and
  * the offsets of its twelve fields; NULL until object_record first sees a class with that
  * layout (step.py's ObjectRecord: a plain slotted record). */
-static PyTypeObject *objrec_fast_type;
-static Py_ssize_t objrec_offsets[12];
 static const char *const OBJREC_FIELDS[12] = {"object_id", "window_page", "state", "content_type",
                                               "owned", "deduplicated", "session_pins", "total_pins",
                                               "pages", "key", "arena_slabs", "made"};
@@ -888,6 +905,7 @@ static const char *const OBJREC_FIELDS[12] = {"object_id", "window_page", "state
 static PyObject *
 object_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 3 || !PyBytes_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "object_record(cls, arena_slabs, raw: bytes)");
         return NULL;
@@ -925,13 +943,13 @@ object_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (pg == NULL) goto done;
         PyList_SET_ITEM(v[8], i, pg);
     }
-    if (slot_layout(cls, OBJREC_FIELDS, 12, &objrec_fast_type, objrec_offsets)) {
+    if (slot_layout(cls, OBJREC_FIELDS, 12, &st->objrec_fast_type, st->objrec_offsets)) {
         PyTypeObject *t = (PyTypeObject *)cls;
         rec = t->tp_alloc(t, 0);
         if (rec != NULL) {
             for (int i = 0; i < 12; i++) {
                 /* the slots of a fresh object are NULL: each takes our reference */
-                *(PyObject **)((char *)rec + objrec_offsets[i]) = v[i];
+                *(PyObject **)((char *)rec + st->objrec_offsets[i]) = v[i];
                 v[i] = NULL;
             }
         }
@@ -951,13 +969,11 @@ short_raw:
 
 /* The BrokerObject class (clients/client.py) whose slots step_objects fills (a strong
  * reference), and the offsets of its thirteen fields; NULL until step_objects first sees it. */
-static PyTypeObject *bobj_fast_type;
-static Py_ssize_t bobj_offsets[13];
 static const char *const BOBJ_FIELDS[13] = {"client", "object_id", "pages", "window_page", "key",
                                             "content_type", "state", "deduplicated", "owned",
                                             "session_pins", "total_pins", "session_id", "epoch"};
 
-#define RSLOT(rec, i) (*(PyObject **)((char *)(rec) + objrec_offsets[i]))
+#define RSLOT(rec, i) (*(PyObject **)((char *)(rec) + st->objrec_offsets[i]))
 
 /* step_objects(cls, client, recs, session_id, epoch) -> (objects, shared pages, own pages):
  * a BrokerObject per record, each as BrokerObject(client, rec) makes it (client.py's __init__:
@@ -969,6 +985,7 @@ static const char *const BOBJ_FIELDS[13] = {"client", "object_id", "pages", "win
 static PyObject *
 step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "step_objects(cls, client, recs, session_id, epoch)");
         return NULL;
@@ -977,10 +994,10 @@ step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyList_CheckExact(recs)) Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(recs);
     if (n == 0) return Py_BuildValue("([][][])");
-    if (objrec_fast_type == NULL) Py_RETURN_NONE;
+    if (st->objrec_fast_type == NULL) Py_RETURN_NONE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *rec = PyList_GET_ITEM(recs, i);
-        if (Py_TYPE(rec) != objrec_fast_type) Py_RETURN_NONE;
+        if (Py_TYPE(rec) != st->objrec_fast_type) Py_RETURN_NONE;
         PyObject *wp = RSLOT(rec, 1), *made = RSLOT(rec, 11), *pages = RSLOT(rec, 8);
         if (wp == NULL || made != Py_None || pages == NULL || !PyList_CheckExact(pages)) Py_RETURN_NONE;
         if (!PyLong_CheckExact(wp)) Py_RETURN_NONE;
@@ -991,7 +1008,7 @@ step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         for (int f = 0; f < 12; f++)
             if (RSLOT(rec, f) == NULL) Py_RETURN_NONE;
     }
-    if (!slot_layout(cls, BOBJ_FIELDS, 13, &bobj_fast_type, bobj_offsets)) {
+    if (!slot_layout(cls, BOBJ_FIELDS, 13, &st->bobj_fast_type, st->bobj_offsets)) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
@@ -1016,7 +1033,7 @@ step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                            RSLOT(rec, 6), RSLOT(rec, 7), args[3], args[4]};
         for (int f = 0; f < 13; f++) {
             if (f != 2) Py_INCREF(v[f]);  /* pages: ours already */
-            *(PyObject **)((char *)obj + bobj_offsets[f]) = v[f];
+            *(PyObject **)((char *)obj + st->bobj_offsets[f]) = v[f];
         }
         PyList_SET_ITEM(objs, i, obj);
     }
@@ -1041,32 +1058,13 @@ fail:
 
 /* ------------------------------------------------------------------ a batch change's plan and finish (client) */
 
-static PyObject *s_refs_, *s_idle_since_, *s_record_, *s_object_id_, *s_hot_, *s_adapters_, *s_key_,
-    *s_generation_, *s_pages_;
-
-static int
-delta_names(void)
-{
-    if (s_pages_ != NULL) return 0;
-    if ((s_refs_ = PyUnicode_InternFromString("refs")) == NULL ||
-        (s_idle_since_ = PyUnicode_InternFromString("idle_since")) == NULL ||
-        (s_record_ = PyUnicode_InternFromString("record")) == NULL ||
-        (s_object_id_ = PyUnicode_InternFromString("object_id")) == NULL ||
-        (s_hot_ = PyUnicode_InternFromString("hot")) == NULL ||
-        (s_adapters_ = PyUnicode_InternFromString("adapters")) == NULL ||
-        (s_key_ = PyUnicode_InternFromString("key")) == NULL ||
-        (s_generation_ = PyUnicode_InternFromString("generation")) == NULL ||
-        (s_pages_ = PyUnicode_InternFromString("pages")) == NULL)
-        return -1;
-    return 0;
-}
 
 /* A holding `h` (HeldAdapter or HeldPin) taken once more: refs + 1, idle_since 0.0, and
  * out of `idle` (under `idle_key`) where it had no reference. 0, or -1 on error. */
 static int
-take_ref(PyObject *h, PyObject *idle, PyObject *idle_key, PyObject *zero)
+take_ref(State *st, PyObject *h, PyObject *idle, PyObject *idle_key, PyObject *zero)
 {
-    PyObject *r = PyObject_GetAttr(h, s_refs_);
+    PyObject *r = PyObject_GetAttr(h, st->names[N_REFS]);
     if (r == NULL) return -1;
     long refs = PyLong_AsLong(r);
     Py_DECREF(r);
@@ -1077,7 +1075,7 @@ take_ref(PyObject *h, PyObject *idle, PyObject *idle_key, PyObject *zero)
     }
     PyObject *v = PyLong_FromLong(refs + 1);
     if (v == NULL) return -1;
-    int bad = PyObject_SetAttr(h, s_refs_, v) < 0 || PyObject_SetAttr(h, s_idle_since_, zero) < 0;
+    int bad = PyObject_SetAttr(h, st->names[N_REFS], v) < 0 || PyObject_SetAttr(h, st->names[N_IDLE_SINCE], zero) < 0;
     Py_DECREF(v);
     return bad ? -1 : 0;
 }
@@ -1102,13 +1100,13 @@ op_tuple(long kind, PyObject *items, int with_flags, long flags)
 static PyObject *
 delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
         !PyDict_CheckExact(args[3])) {
         PyErr_SetString(PyExc_TypeError,
                         "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now)");
         return NULL;
     }
-    if (delta_names() < 0) return NULL;
     PyObject *adapters = args[0], *idle_a = args[1], *pins = args[2], *idle_p = args[3];
     PyObject *now = args[8];
     PyObject **acquire, **unused;
@@ -1128,7 +1126,7 @@ delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         dargs[1] = k ? idle_p : idle_a;
         dargs[2] = items;
         dargs[3] = now;
-        PyObject *direct = drop_refs(NULL, dargs, 4);
+        PyObject *direct = drop_refs(self, dargs, 4);
         if (direct == NULL) goto fail;
         if (PyList_GET_SIZE(direct)) {
             PyObject *op = op_tuple(k ? OP_UNPIN : OP_RELEASE, direct, 0, 0);
@@ -1149,7 +1147,7 @@ delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             Py_INCREF(h);
             PyObject *rec = NULL;
-            int bad = take_ref(h, idle_a, acquire[i], zero) < 0 || (rec = PyObject_GetAttr(h, s_record_)) == NULL ||
+            int bad = take_ref(st, h, idle_a, acquire[i], zero) < 0 || (rec = PyObject_GetAttr(h, st->names[N_RECORD])) == NULL ||
                       PyDict_SetItem(held, acquire[i], rec) < 0;
             Py_XDECREF(rec);
             Py_DECREF(h);
@@ -1184,8 +1182,6 @@ fail:
 }
 
 /* The classes delta_finish fills by their slots (strong references; NULL until first seen). */
-static PyTypeObject *arec_fast_type, *hadapter_fast_type, *hpin_fast_type;
-static Py_ssize_t arec_offsets[5], hadapter_offsets[3], hpin_offsets[4];
 static const char *const AREC_FIELDS[5] = {"generation", "object_id", "found_in", "pages", "made"};
 static const char *const HADAPTER_FIELDS[3] = {"record", "refs", "idle_since"};
 static const char *const HPIN_FIELDS[4] = {"record", "refs", "broker_pins", "idle_since"};
@@ -1220,13 +1216,13 @@ done:
 static PyObject *
 delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 12 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[3]) ||
         !PyList_CheckExact(args[7])) {
         PyErr_SetString(PyExc_TypeError, "delta_finish(adapters, pins, acquire, held, missing, acq, look, results, "
                                          "AcquiredRecord, HeldAdapter, HeldPin, tier_hot)");
         return NULL;
     }
-    if (delta_names() < 0) return NULL;
     PyObject *adapters = args[0], *pins = args[1], *held = args[3];
     PyObject *results = args[7];
     PyObject **acquire, **missing;
@@ -1234,9 +1230,9 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!seq_items(args[2], &acquire, &n_acq) || !seq_items(args[4], &missing, &n_miss)) Py_RETURN_NONE;
     long acq = PyLong_AsLong(args[5]), look = PyLong_AsLong(args[6]);
     if (PyErr_Occurred()) return NULL;
-    if (!slot_layout(args[8], AREC_FIELDS, 5, &arec_fast_type, arec_offsets) ||
-        !slot_layout(args[9], HADAPTER_FIELDS, 3, &hadapter_fast_type, hadapter_offsets) ||
-        !slot_layout(args[10], HPIN_FIELDS, 4, &hpin_fast_type, hpin_offsets)) {
+    if (!slot_layout(args[8], AREC_FIELDS, 5, &st->arec_fast_type, st->arec_offsets) ||
+        !slot_layout(args[9], HADAPTER_FIELDS, 3, &st->hadapter_fast_type, st->hadapter_offsets) ||
+        !slot_layout(args[10], HPIN_FIELDS, 4, &st->hpin_fast_type, st->hpin_offsets)) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
@@ -1247,12 +1243,12 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (n_acq && acq >= 0) {
         if (acq >= n_res) Py_RETURN_NONE;
         outcome = PyList_GET_ITEM(results, acq);
-        PyObject *hot = PyObject_GetAttr(outcome, s_hot_);
+        PyObject *hot = PyObject_GetAttr(outcome, st->names[N_HOT]);
         if (hot == NULL) return NULL;
         int is_hot = hot == Py_True;
         Py_DECREF(hot);
         if (!is_hot) Py_RETURN_NONE;
-        outcome_ads = PyObject_GetAttr(outcome, s_adapters_);
+        outcome_ads = PyObject_GetAttr(outcome, st->names[N_ADAPTERS]);
         if (outcome_ads == NULL) return NULL;
         if (!PyTuple_CheckExact(outcome_ads) && !PyList_CheckExact(outcome_ads)) {
             Py_DECREF(outcome_ads);
@@ -1262,10 +1258,10 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *new = NULL;
     if (look >= 0 && look < n_res) {
         new = PyList_GET_ITEM(results, look);
-        if (!PyList_CheckExact(new) || objrec_fast_type == NULL) goto none;
+        if (!PyList_CheckExact(new) || st->objrec_fast_type == NULL) goto none;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
             PyObject *rec = PyList_GET_ITEM(new, i);
-            if (Py_TYPE(rec) != objrec_fast_type || RSLOT(rec, 0) == NULL) goto none;
+            if (Py_TYPE(rec) != st->objrec_fast_type || RSLOT(rec, 0) == NULL) goto none;
             int in = PyDict_Contains(pins, RSLOT(rec, 0));
             if (in < 0) goto fail;
             if (in) goto none; /* held already: add_ref_pin's other branch, in Python */
@@ -1280,12 +1276,12 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t m = PySequence_Fast_GET_SIZE(outcome_ads);
         PyObject **ads = PySequence_Fast_ITEMS(outcome_ads);
         for (Py_ssize_t i = 0; i < n_miss && i < m; i++) {
-            PyObject *v[5] = {PyObject_GetAttr(ads[i], s_generation_), PyObject_GetAttr(ads[i], s_object_id_),
-                              Py_NewRef(args[11]), PyObject_GetAttr(ads[i], s_pages_), Py_NewRef(Py_None)};
-            PyObject *rec = fill_slots(arec_fast_type, arec_offsets, v, 5);
+            PyObject *v[5] = {PyObject_GetAttr(ads[i], st->names[N_GENERATION]), PyObject_GetAttr(ads[i], st->names[N_OBJECT_ID]),
+                              Py_NewRef(args[11]), PyObject_GetAttr(ads[i], st->names[N_PAGES]), Py_NewRef(Py_None)};
+            PyObject *rec = fill_slots(st->arec_fast_type, st->arec_offsets, v, 5);
             if (rec == NULL) goto fail_recs;
             PyObject *hv[3] = {Py_NewRef(rec), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = fill_slots(hadapter_fast_type, hadapter_offsets, hv, 3);
+            PyObject *h = fill_slots(st->hadapter_fast_type, st->hadapter_offsets, hv, 3);
             int bad = h == NULL || PyDict_SetItem(adapters, missing[i], h) < 0 ||
                       PyDict_SetItem(got, missing[i], rec) < 0;
             Py_XDECREF(h);
@@ -1311,7 +1307,7 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
             PyObject *rec = PyList_GET_ITEM(new, i);
             PyObject *v[4] = {Py_NewRef(rec), PyLong_FromLong(1), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = fill_slots(hpin_fast_type, hpin_offsets, v, 4);
+            PyObject *h = fill_slots(st->hpin_fast_type, st->hpin_offsets, v, 4);
             if (h == NULL) goto fail_recs;
             int bad = PyDict_SetItem(pins, RSLOT(rec, 0), h) < 0;
             Py_DECREF(h);
@@ -1518,31 +1514,29 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* The StepReply class whose slots decode_frame fills directly (a strong reference), and the
  * offsets of its four fields; NULL until decode_frame first sees a class with that layout
  * (a plain slotted record, as Op: filling its slots is what calling it does). */
-static PyTypeObject *reply_fast_type;
-static Py_ssize_t reply_offsets[4];
 static const char *const REPLY_FIELDS[4] = {"arena_slabs", "results", "error", "failed_index"};
 
-/* Whether `cls` is such a class (then reply_fast_type is it); 0: the caller calls it. */
+/* Whether `cls` is such a class (then st->reply_fast_type is it); 0: the caller calls it. */
 static int
-reply_layout(PyObject *cls)
+reply_layout(State *st, PyObject *cls)
 {
-    return slot_layout(cls, REPLY_FIELDS, 4, &reply_fast_type, reply_offsets);
+    return slot_layout(cls, REPLY_FIELDS, 4, &st->reply_fast_type, st->reply_offsets);
 }
 
 /* reply(slabs, results): its slots filled where reply_layout takes the class (error None,
  * failed_index -1, as StepReply's defaults), else called with the two. Steals both. */
 static PyObject *
-make_reply(PyObject *cls, PyObject *slabs, PyObject *results)
+make_reply(State *st, PyObject *cls, PyObject *slabs, PyObject *results)
 {
     PyObject *r = NULL;
-    if (reply_layout(cls)) {
+    if (reply_layout(st, cls)) {
         PyTypeObject *t = (PyTypeObject *)cls;
         PyObject *minus = PyLong_FromLong(-1);
         if (minus != NULL) r = t->tp_alloc(t, 0);
         if (r != NULL) {
             PyObject *v[4] = {slabs, results, Py_None, minus};
             Py_INCREF(Py_None);
-            for (int i = 0; i < 4; i++) *(PyObject **)((char *)r + reply_offsets[i]) = v[i];
+            for (int i = 0; i < 4; i++) *(PyObject **)((char *)r + st->reply_offsets[i]) = v[i];
             return r;
         }
         Py_XDECREF(minus);
@@ -1565,6 +1559,7 @@ make_reply(PyObject *cls, PyObject *slabs, PyObject *results)
 static PyObject *
 decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 12 || !PyDict_Check(args[0]) || !PyDict_Check(args[2]) || !PyList_CheckExact(args[10]) ||
         !PyList_CheckExact(args[11])) {
         PyErr_SetString(PyExc_TypeError, "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, "
@@ -1593,7 +1588,7 @@ decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *s = PyLong_FromUnsignedLong(slabs);
     if (s != NULL) {
-        res = make_reply(args[6], s, results);
+        res = make_reply(st, args[6], s, results);
     } else {
         Py_DECREF(results);
     }
@@ -1639,20 +1634,78 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int
+exec_module(PyObject *module)
+{
+#if PY_BIG_ENDIAN
+    PyErr_SetString(PyExc_ImportError, "the native step core assumes a little-endian machine");
+    return -1;
+#endif
+    State *st = state_of(module);
+    for (int i = 0; i < NNAMES; i++)
+        if ((st->names[i] = PyUnicode_InternFromString(NAMES[i])) == NULL)
+            return -1;
+    return 0;
+}
+
+static int
+traverse(PyObject *module, visitproc visit, void *arg)
+{
+    State *st = state_of(module);
+    Py_VISIT(st->op_fast_type);
+    Py_VISIT(st->objrec_fast_type);
+    Py_VISIT(st->bobj_fast_type);
+    Py_VISIT(st->reply_fast_type);
+    Py_VISIT(st->arec_fast_type);
+    Py_VISIT(st->hadapter_fast_type);
+    Py_VISIT(st->hpin_fast_type);
+    return 0;
+}
+
+static int
+clear(PyObject *module)
+{
+    State *st = state_of(module);
+    for (int i = 0; i < NNAMES; i++)
+        Py_CLEAR(st->names[i]);
+    Py_CLEAR(st->op_fast_type);
+    Py_CLEAR(st->objrec_fast_type);
+    Py_CLEAR(st->bobj_fast_type);
+    Py_CLEAR(st->reply_fast_type);
+    Py_CLEAR(st->arec_fast_type);
+    Py_CLEAR(st->hadapter_fast_type);
+    Py_CLEAR(st->hpin_fast_type);
+    return 0;
+}
+
+static void
+free_module(void *module)
+{
+    clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_stepcore",
     .m_doc = "The step wire's native core.",
-    .m_size = -1,
+    .m_size = sizeof(State),
     .m_methods = methods,
+    .m_slots = slots,
+    .m_traverse = traverse,
+    .m_clear = clear,
+    .m_free = free_module,
 };
 
 PyMODINIT_FUNC
 PyInit__stepcore(void)
 {
-#if PY_BIG_ENDIAN
-    PyErr_SetString(PyExc_ImportError, "the native step core assumes a little-endian machine");
-    return NULL;
-#endif
-    return PyModule_Create(&module);
+    return PyModuleDef_Init(&module);
 }
