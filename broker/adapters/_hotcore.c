@@ -10,23 +10,16 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <string.h>
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
 
-/* The slots read per adapter: an entry's object, and that object's fields. An entry or an
- * object of exactly the class `layout` was given is read at its slot's offset, without an
- * attribute lookup; anything else through ordinary getattr. */
+/* The fields read per adapter: an entry's object, and that object's fields, through ordinary
+ * attribute access by names interned once in the module's state. */
 enum { A_OBJ, A_ID, A_FREED, A_STATE, A_PINS, NA };
 static const char *const FIELD_NAMES[NA] = {"obj", "object_id", "freed", "state", "pins"};
 
 /* The module's state (multi-phase init: one per module object, nothing process-global). */
 typedef struct {
-    PyObject *names[NA];             /* interned field names */
-    PyTypeObject *fast_types[NA];    /* the class each field is read directly from (strong refs) */
-    Py_ssize_t offsets[NA];
+    PyObject *names[NA]; /* interned field names */
 } State;
 
 static inline State *
@@ -35,59 +28,11 @@ state_of(PyObject *module)
     return (State *)PyModule_GetState(module);
 }
 
-/* o.<field>, a new reference (NULL and an exception if unset). */
+/* o.<field>, a new reference (NULL and an exception if it has none). */
 static inline PyObject *
 get(State *st, PyObject *o, int f)
 {
-    if (Py_TYPE(o) == st->fast_types[f]) {
-        PyObject *v = *(PyObject **)((char *)o + st->offsets[f]);
-        if (v == NULL) {
-            PyErr_SetObject(PyExc_AttributeError, st->names[f]);
-            return NULL;
-        }
-        return Py_NewRef(v);
-    }
     return PyObject_GetAttr(o, st->names[f]);
-}
-
-/* The offset of `cls`'s object slot `name`, or -1 with an exception set. */
-static Py_ssize_t
-slot_offset(PyObject *cls, PyObject *name)
-{
-    PyObject *d = PyObject_GetAttr(cls, name);
-    if (d == NULL)
-        return -1;
-    Py_ssize_t off = -1;
-    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-        PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-        if (m->d_member->type == Py_T_OBJECT_EX && PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type))
-            off = m->d_member->offset;
-    }
-    Py_DECREF(d);
-    if (off < 0)
-        PyErr_Format(PyExc_ValueError, "%R.%U is not an object slot", cls, name);
-    return off;
-}
-
-/* layout(entry_cls, obj_cls): read where `entry_cls` keeps `obj` and `obj_cls` keeps
- * object_id, freed, state and pins (slotted classes: the hot tier's entries, the store's
- * objects), so that the passes below read those of exactly these classes directly. */
-static PyObject *
-layout(PyObject *self, PyObject *args)
-{
-    PyObject *entry_cls, *obj_cls;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &entry_cls, &PyType_Type, &obj_cls))
-        return NULL;
-    State *st = state_of(self);
-    Py_ssize_t offs[NA];
-    for (int f = 0; f < NA; f++)
-        if ((offs[f] = slot_offset(f == A_OBJ ? entry_cls : obj_cls, st->names[f])) < 0)
-            return NULL;
-    for (int f = 0; f < NA; f++) {
-        st->offsets[f] = offs[f];
-        Py_XSETREF(st->fast_types[f], (PyTypeObject *)Py_NewRef(f == A_OBJ ? entry_cls : obj_cls));
-    }
-    Py_RETURN_NONE;
 }
 
 /* `own[aid].obj` (a new reference), or NULL: with no exception set when `aid` is not in
@@ -536,7 +481,6 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"layout", layout, METH_VARARGS, "read the slots of the hot entries' and the store objects' classes"},
     {"pin_plan", pin_plan, METH_VARARGS, "distinct ids and their live hot objects, or None"},
     {"release_plan", release_plan, METH_VARARGS, "hot objects and counts a session may release, or None"},
     {"record_run", record_run, METH_VARARGS, "one use of a run of keys, in order; returns the next seq"},
@@ -559,7 +503,7 @@ traverse(PyObject *module, visitproc visit, void *arg)
 {
     State *st = state_of(module);
     for (int f = 0; f < NA; f++)
-        Py_VISIT(st->fast_types[f]);
+        Py_VISIT(st->names[f]);
     return 0;
 }
 
@@ -569,7 +513,6 @@ clear(PyObject *module)
     State *st = state_of(module);
     for (int f = 0; f < NA; f++) {
         Py_CLEAR(st->names[f]);
-        Py_CLEAR(st->fast_types[f]);
     }
     return 0;
 }

@@ -4,36 +4,24 @@
  * each function here is one loop of the store's Python code over a batch (ObjectStore.lookup,
  * ObjectTable.held_once, PinLedger.pin_all / unpin_once, PriorityLRU.add_all / remove_all) and
  * does what that loop does, in the same order, to the same Python objects: the shard dicts,
- * the objects' pins dicts and the session's pins dict. Nothing is kept here but the layout of
- * the store's object class (``layout``): the slot offsets of the fields read per object, so an
- * object of that exact class is read and written without an attribute lookup; any other
- * object goes through ordinary getattr/setattr. A function that meets what its Python loop
+ * the objects' pins dicts and the session's pins dict. Nothing is kept here: an object's fields
+ * are read and written through ordinary attribute access, by names interned once in the
+ * module's state. A function that meets what its Python loop
  * would refuse or treat specially returns None (the caller then runs the Python path, which
  * says what is wrong) or raises what the Python loop would raise (KeyError, TypeError).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
-#ifndef Py_READONLY
-#define Py_READONLY READONLY
-#endif
-
-enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_OWNER, F_HEAD, F_TAIL, F_KEY, NF };
+enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_KEY, NF };
 static const char *const FIELD_NAMES[NF] = {
-    "object_id", "pins", "pin_count", "num_pages", "queue_seg", "content_type", "freed", "state",
-    "owner", "wire_head", "wire_tail", "key",
+    "object_id", "pins", "pin_count", "num_pages", "queue_seg", "content_type", "freed", "state", "key",
 };
 /* The module's state (multi-phase init: one per module object, nothing process-global). */
 typedef struct {
-    PyObject *names[NF];          /* interned field names */
-    PyTypeObject *fast_type;      /* the class whose slots are read directly (strong ref) */
-    Py_ssize_t offsets[NF];
+    PyObject *names[NF]; /* interned field names */
 } State;
 
 static inline State *
@@ -48,15 +36,6 @@ state_of(PyObject *module)
 static inline PyObject *
 get(State *st, PyObject *o, int f)
 {
-    if (Py_TYPE(o) == st->fast_type) {
-        PyObject *v = *(PyObject **)((char *)o + st->offsets[f]);
-        if (v == NULL) {
-            PyErr_SetObject(PyExc_AttributeError, st->names[f]);
-            return NULL;
-        }
-        Py_INCREF(v);
-        return v;
-    }
     return PyObject_GetAttr(o, st->names[f]);
 }
 
@@ -64,14 +43,6 @@ get(State *st, PyObject *o, int f)
 static inline int
 set(State *st, PyObject *o, int f, PyObject *v)
 {
-    if (Py_TYPE(o) == st->fast_type) {
-        PyObject **p = (PyObject **)((char *)o + st->offsets[f]);
-        PyObject *old = *p;
-        Py_INCREF(v);
-        *p = v;
-        Py_XDECREF(old);
-        return 0;
-    }
     return PyObject_SetAttr(o, st->names[f], v);
 }
 
@@ -188,40 +159,6 @@ shard_at(PyObject *shards, Py_hash_t h)
         return NULL;
     }
     return d;
-}
-
-/* ------------------------------------------------------------------ layout */
-
-static PyObject *
-layout(PyObject *self, PyObject *cls)
-{
-    State *st = state_of(self);
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "layout takes the store's object class");
-        return NULL;
-    }
-    Py_ssize_t offs[NF];
-    for (int f = 0; f < NF; f++) {
-        PyObject *d = PyObject_GetAttr(cls, st->names[f]);
-        if (d == NULL)
-            return NULL;
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
-        if (ok) {
-            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
-                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
-            offs[f] = m->d_member->offset;
-        }
-        Py_DECREF(d);
-        if (!ok) {
-            PyErr_Format(PyExc_ValueError, "%R.%U is not a writable object slot", cls, st->names[f]);
-            return NULL;
-        }
-    }
-    memcpy(st->offsets, offs, sizeof offs);
-    Py_INCREF(cls);
-    Py_XSETREF(st->fast_type, (PyTypeObject *)cls);
-    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ lookup */
@@ -883,143 +820,6 @@ touch_run(PyObject *self, PyObject *args)
     return Py_BuildValue("nN", i, emptied);
 }
 
-/* ------------------------------------------------------------------ reply rows */
-
-/* encode_rows(kind, sid, objs, parts) -> bytes | None
- *
- * proto/wire/step.py's encode_allocations for the store's objects, in one allocation: the
- * ``<BH`` head (kind, count), then per object its fixed head (``wire_head``), its changing
- * fields for session ``sid`` (``<BII``: owned, sid's pins, all pins) and its fixed tail
- * (``wire_tail``). An object whose parts are not kept yet gets them from ``parts(obj)`` (which
- * keeps them once the object is committed). None where the Python encoder would refuse the
- * counts (more than 65535 objects, a kind past 255): the caller's encoder then says so.
- */
-typedef struct {
-    PyObject *head, *tail;
-    uint32_t pins, count;
-    unsigned char owned;
-} Row;
-
-static int
-row_of(State *st, PyObject *obj, PyObject *sid, PyObject *parts, Row *r)
-{
-    PyObject *v;
-    r->head = get(st, obj, F_HEAD);
-    if (r->head == NULL)
-        return -1;
-    if (r->head == Py_None) {
-        Py_CLEAR(r->head);
-        PyObject *t = PyObject_CallOneArg(parts, obj);
-        if (t == NULL)
-            return -1;
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
-            Py_DECREF(t);
-            PyErr_SetString(PyExc_TypeError, "parts(obj) must give (head, tail)");
-            return -1;
-        }
-        r->head = Py_NewRef(PyTuple_GET_ITEM(t, 0));
-        r->tail = Py_NewRef(PyTuple_GET_ITEM(t, 1));
-        Py_DECREF(t);
-    }
-    else if ((r->tail = get(st, obj, F_TAIL)) == NULL)
-        return -1;
-    if (!PyBytes_Check(r->head) || !PyBytes_Check(r->tail)) {
-        PyErr_SetString(PyExc_TypeError, "an object's wire parts must be bytes");
-        return -1;
-    }
-    if ((v = get(st, obj, F_OWNER)) == NULL)
-        return -1;
-    int owned = PyObject_RichCompareBool(v, sid, Py_EQ);
-    Py_DECREF(v);
-    if (owned < 0)
-        return -1;
-    r->owned = (unsigned char)owned;
-    PyObject *pins = get_pins(st, obj);
-    if (pins == NULL)
-        return -1;
-    Py_ssize_t held, count;
-    int bad = dict_int(pins, sid, 0, &held);
-    Py_DECREF(pins);
-    if (bad < 0)
-        return -1;
-    count = get_int(st, obj, F_COUNT);
-    if (count == -1 && PyErr_Occurred())
-        return -1;
-    if (held < 0 || count < 0 || (unsigned long long)held > 0xFFFFFFFFull ||
-        (unsigned long long)count > 0xFFFFFFFFull) {
-        PyErr_SetString(PyExc_OverflowError, "a pin count does not fit the record's u32");
-        return -1;
-    }
-    r->pins = (uint32_t)held;
-    r->count = (uint32_t)count;
-    return 0;
-}
-
-static inline void
-put_u32(char *p, uint32_t v)
-{
-    memcpy(p, &v, 4); /* little-endian machines only: the module refuses to load elsewhere */
-}
-
-static PyObject *
-encode_rows(PyObject *self, PyObject *args)
-{
-    State *st = state_of(self);
-    PyObject *sid, *objs, *parts, *out = NULL;
-    Py_ssize_t kind;
-    if (!PyArg_ParseTuple(args, "nOOO", &kind, &sid, &objs, &parts))
-        return NULL;
-    if (check_list(objs, "objs") < 0)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(objs);
-    if (n > 0xFFFF || kind < 0 || kind > 0xFF)
-        Py_RETURN_NONE;
-    Row *rows = PyMem_Calloc(n ? n : 1, sizeof(Row));
-    if (rows == NULL)
-        return PyErr_NoMemory();
-    Py_ssize_t total = 3, done = 0;
-    for (; done < n && done < PyList_GET_SIZE(objs); done++) {
-        PyObject *obj = PyList_GET_ITEM(objs, done);
-        Py_INCREF(obj);
-        int r = row_of(st, obj, sid, parts, &rows[done]);
-        Py_DECREF(obj);
-        if (r < 0) {
-            done++; /* its parts are released below */
-            goto end;
-        }
-        total += PyBytes_GET_SIZE(rows[done].head) + 9 + PyBytes_GET_SIZE(rows[done].tail);
-    }
-    if (done != n) { /* parts(obj) shortened the list */
-        PyErr_SetString(PyExc_RuntimeError, "objs changed while encoding");
-        goto end;
-    }
-    if ((out = PyBytes_FromStringAndSize(NULL, total)) == NULL)
-        goto end;
-    char *p = PyBytes_AS_STRING(out);
-    uint16_t count = (uint16_t)n;
-    *p++ = (char)kind;
-    memcpy(p, &count, 2);
-    p += 2;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Row *r = &rows[i];
-        memcpy(p, PyBytes_AS_STRING(r->head), PyBytes_GET_SIZE(r->head));
-        p += PyBytes_GET_SIZE(r->head);
-        *p++ = (char)r->owned;
-        put_u32(p, r->pins);
-        put_u32(p + 4, r->count);
-        p += 8;
-        memcpy(p, PyBytes_AS_STRING(r->tail), PyBytes_GET_SIZE(r->tail));
-        p += PyBytes_GET_SIZE(r->tail);
-    }
-end:
-    for (Py_ssize_t i = 0; i < done; i++) {
-        Py_XDECREF(rows[i].head);
-        Py_XDECREF(rows[i].tail);
-    }
-    PyMem_Free(rows);
-    return out;
-}
-
 /* ------------------------------------------------------------------ fused passes */
 
 /* pin_all, then remove_all of the objects that had no pin: a new tuple of 5 with its first
@@ -1160,7 +960,6 @@ reply_size(PyObject *self, PyObject *objs)
 /* ------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
-    {"layout", layout, METH_O, "read the slot offsets of the store's object class"},
     {"find_keys", find_keys, METH_VARARGS, "the objects of the longest prefix of keys in the key index"},
     {"pin_all", pin_all, METH_VARARGS, "one more pin of a session on each object"},
     {"held_once", held_once, METH_VARARGS, "the objects of ids when each is named once and pinned by the session"},
@@ -1172,7 +971,6 @@ static PyMethodDef methods[] = {
     {"pin_remove", pin_remove, METH_VARARGS, "pin_all and remove_all in one call"},
     {"lookup_pin", lookup_pin, METH_VARARGS, "find_keys, pin_all and remove_all in one call"},
     {"unpin_held", unpin_held, METH_VARARGS, "held_once and unpin_once in one call"},
-    {"encode_rows", encode_rows, METH_VARARGS, "a step reply's object records, in one allocation"},
     {"reply_size", reply_size, METH_O, "the pages and key bytes of objects, for a reply's estimate"},
     {NULL, NULL, 0, NULL},
 };
@@ -1180,10 +978,6 @@ static PyMethodDef methods[] = {
 static int
 exec_module(PyObject *module)
 {
-#if PY_BIG_ENDIAN
-    PyErr_SetString(PyExc_ImportError, "the store's native core assumes a little-endian machine");
-    return -1;
-#endif
     State *st = state_of(module);
     for (int f = 0; f < NF; f++)
         if ((st->names[f] = PyUnicode_InternFromString(FIELD_NAMES[f])) == NULL)
@@ -1194,7 +988,9 @@ exec_module(PyObject *module)
 static int
 traverse(PyObject *module, visitproc visit, void *arg)
 {
-    Py_VISIT(state_of(module)->fast_type);
+    State *st = state_of(module);
+    for (int f = 0; f < NF; f++)
+        Py_VISIT(st->names[f]);
     return 0;
 }
 
@@ -1204,7 +1000,6 @@ clear(PyObject *module)
     State *st = state_of(module);
     for (int f = 0; f < NF; f++)
         Py_CLEAR(st->names[f]);
-    Py_CLEAR(st->fast_type);
     return 0;
 }
 

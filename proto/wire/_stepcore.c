@@ -11,17 +11,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
-#ifndef Py_READONLY
-#define Py_READONLY READONLY
-#endif
 
+/* The wire's numbers, as proto/wire/step.py defines them (tests/test_step_codec_native.py
+ * reads every #define here and checks it against step.py's value). */
 #define MAX_OPS 64
 #define OP_RELEASE 1
 #define OP_UNPIN 2
@@ -33,6 +28,15 @@
 #define ACQUIRE_PREPARE 1
 #define OK_KIND 0x80
 #define STEP_KIND 2
+#define HEADER_SIZE 5          /* <IB>: body length, kind */
+#define REPLY_HEAD_SIZE 6      /* <IH>: arena slabs, result count */
+#define OBJ_HEAD_SIZE 31       /* <QqBBBIII>: an object record's head */
+#define OBJ_NPAGES_AT 27       /* its page count */
+#define OBJ_OWNED 1            /* its flags */
+#define OBJ_DEDUP 2
+#define ACQ_RESULT_HEAD_SIZE 20 /* <BBQdH>: an acquire result's head */
+#define ACQ_ADAPTER_SIZE 21    /* <QQBI>: an acquired adapter's record */
+#define ACQ_NPAGES_AT 17       /* its page count */
 
 /* ------------------------------------------------------------------ little-endian reads */
 
@@ -84,17 +88,13 @@ static void out_free(Out *o) { PyMem_Free(o->p); o->p = NULL; o->len = o->cap = 
 
 /* ------------------------------------------------------------------ the module's state */
 
-/* One per module object (multi-phase init): nothing process-global. The classes whose slots
- * are filled or read directly (strong references; NULL until first seen) and their offsets. */
+/* One per module object (multi-phase init): nothing process-global. The attribute names read
+ * and written on the objects the Python side passes in, interned once. */
 enum { N_REFS, N_IDLE_SINCE, N_RECORD, N_OBJECT_ID, N_HOT, N_ADAPTERS, N_KEY, N_GENERATION, N_PAGES, NNAMES };
 static const char *const NAMES[NNAMES] = {"refs", "idle_since", "record", "object_id", "hot",
                                           "adapters", "key", "generation", "pages"};
 typedef struct {
     PyObject *names[NNAMES]; /* interned attribute names */
-    PyTypeObject *op_fast_type, *objrec_fast_type, *bobj_fast_type, *reply_fast_type;
-    PyTypeObject *arec_fast_type, *hadapter_fast_type, *hpin_fast_type;
-    Py_ssize_t op_offsets[5], objrec_offsets[12], bobj_offsets[13], reply_offsets[4];
-    Py_ssize_t arec_offsets[5], hadapter_offsets[3], hpin_offsets[4];
 } State;
 
 static inline State *
@@ -143,80 +143,15 @@ malformed:
     return NULL;
 }
 
-/* The Op class whose slots make_op fills directly (a strong reference), and the offsets of its
- * five fields; NULL until decode_step first sees a class with that layout. Op is a plain
- * slotted record (step.py: no __init__ logic but assignment), so filling its slots is what
- * calling it does, without running a Python __init__ per op. */
-static const char *const OP_FIELDS[5] = {"kind", "items", "flags", "max_adapters", "lease_ms"};
-
-/* Whether `cls` is a class whose `n` fields (named by `fields`) are writable object slots,
- * with object's own __new__ and no __post_init__ (an __init__ that does more than assign:
- * called, not filled). Then *fast (a strong reference) becomes it and `offsets` its fields'
- * offsets; 0 otherwise: the caller calls it. The one check for Op's and StepReply's layouts. */
-static int
-slot_layout(PyObject *cls, const char *const *fields, int n, PyTypeObject **fast, Py_ssize_t *offsets)
-{
-    if ((PyTypeObject *)cls == *fast) return 1;
-    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
-    if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
-    Py_ssize_t offs[16];
-    if (n > 16) return 0;
-    for (int f = 0; f < n; f++) {
-        PyObject *d = PyObject_GetAttrString(cls, fields[f]);
-        if (d == NULL) {
-            PyErr_Clear();
-            return 0;
-        }
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
-        if (ok) {
-            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
-                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
-            offs[f] = m->d_member->offset;
-        }
-        Py_DECREF(d);
-        if (!ok) return 0;
-    }
-    memcpy(offsets, offs, n * sizeof offs[0]);
-    Py_INCREF(cls);
-    Py_XSETREF(*fast, (PyTypeObject *)cls);
-    return 1;
-}
-
-/* Whether `cls` has Op's five fields as writable object slots (then st->op_fast_type is it). */
-static int
-op_layout(State *st, PyObject *cls)
-{
-    return slot_layout(cls, OP_FIELDS, 5, &st->op_fast_type, st->op_offsets);
-}
-
+/* Op(kind, items, flags, max_adapters, lease_ms), by calling `op_type`; steals `items`. */
 static PyObject *
-make_op(State *st, PyObject *op_type, int fast, long kind, PyObject *items, long flags, long cap, unsigned long lease)
+make_op(PyObject *op_type, long kind, PyObject *items, long flags, long cap, unsigned long lease)
 {
-    /* Op(kind, items, flags, max_adapters, lease_ms); steals `items`. `fast`: op_type is
-     * st->op_fast_type (its slots are filled; otherwise it is called). */
-    PyObject *args[5];
-    args[0] = PyLong_FromLong(kind);
-    args[1] = items;
-    args[2] = PyLong_FromLong(flags);
-    args[3] = PyLong_FromLong(cap);
-    args[4] = PyLong_FromUnsignedLong(lease);
+    PyObject *args[5] = {PyLong_FromLong(kind), items, PyLong_FromLong(flags), PyLong_FromLong(cap),
+                         PyLong_FromUnsignedLong(lease)};
     PyObject *op = NULL;
-    if (args[0] && args[2] && args[3] && args[4]) {
-        if (fast) {
-            PyTypeObject *t = (PyTypeObject *)op_type;
-            op = t->tp_alloc(t, 0);
-            if (op != NULL) {
-                for (int i = 0; i < 5; i++) {
-                    /* the slots of a fresh object are NULL: each takes our reference */
-                    *(PyObject **)((char *)op + st->op_offsets[i]) = args[i];
-                    args[i] = NULL;
-                }
-            }
-        } else {
-            op = PyObject_Vectorcall(op_type, args, 5, NULL);
-        }
-    }
+    if (args[0] && args[2] && args[3] && args[4])
+        op = PyObject_Vectorcall(op_type, args, 5, NULL);
     for (int i = 0; i < 5; i++) Py_XDECREF(args[i]);
     return op;
 }
@@ -226,13 +161,11 @@ make_op(State *st, PyObject *op_type, int fast, long kind, PyObject *items, long
 static PyObject *
 decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    State *st = state_of(self);
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "decode_step(body, Op)");
         return NULL;
     }
     PyObject *op_type = args[1];
-    int fast = op_layout(st, op_type);
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
@@ -291,7 +224,7 @@ decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred()) goto fail;
             goto malformed;
         }
-        PyObject *op = make_op(st, op_type, fast, k, items, flags, cap, lease);
+        PyObject *op = make_op(op_type, k, items, flags, cap, lease);
         if (op == NULL) goto fail;
         PyList_SET_ITEM(ops, i, op);
     }
@@ -330,14 +263,14 @@ encode_ok_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t n = PyList_GET_SIZE(results);
     if (slabs > 0xFFFFFFFFUL || n > 0xFFFF) Py_RETURN_NONE;
-    Py_ssize_t size = 6;
+    Py_ssize_t size = REPLY_HEAD_SIZE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *r = PyList_GET_ITEM(results, i);
         if (!PyBytes_CheckExact(r)) Py_RETURN_NONE;
         size += PyBytes_GET_SIZE(r);
         if (size > 0xFFFFFFFFL) Py_RETURN_NONE;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + size);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, HEADER_SIZE + size);
     if (out == NULL) return NULL;
     unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
     uint32_t v = (uint32_t)size;
@@ -347,7 +280,7 @@ encode_ok_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     memcpy(p + 5, &v, 4);
     p[9] = (unsigned char)n;
     p[10] = (unsigned char)(n >> 8);
-    p += 11;
+    p += HEADER_SIZE + REPLY_HEAD_SIZE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *r = PyList_GET_ITEM(results, i);
         Py_ssize_t k = PyBytes_GET_SIZE(r);
@@ -576,8 +509,8 @@ encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject **ops = PySequence_Fast_ITEMS(seq);
     Out o = {0};
     /* The header is written last: body length, kind. */
-    if (out_reserve(&o, 5 + 2) < 0) goto fail;
-    o.len = 5;
+    if (out_reserve(&o, HEADER_SIZE + 2) < 0) goto fail;
+    o.len = HEADER_SIZE;
     out_u16(&o, (unsigned)n);
     for (Py_ssize_t i = 0; i < n; i++) {
         long k = 0;
@@ -590,8 +523,8 @@ encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(seq);
-    if (o.len - 5 > 0xFFFFFFFFLL) { out_free(&o); Py_RETURN_NONE; }
-    uint32_t body = (uint32_t)(o.len - 5);
+    if (o.len - HEADER_SIZE > 0xFFFFFFFFLL) { out_free(&o); Py_RETURN_NONE; }
+    uint32_t body = (uint32_t)(o.len - HEADER_SIZE);
     memcpy(o.p, &body, 4);
     o.p[4] = STEP_KIND;
     PyObject *res = PyBytes_FromStringAndSize(o.p, o.len);
@@ -891,13 +824,6 @@ fail:
 
 /* ------------------------------------------------------------------ object_record (client) */
 
-/* The ObjectRecord class whose slots object_record fills directly (a strong reference), and
- * the offsets of its twelve fields; NULL until object_record first sees a class with that
- * layout (step.py's ObjectRecord: a plain slotted record). */
-static const char *const OBJREC_FIELDS[12] = {"object_id", "window_page", "state", "content_type",
-                                              "owned", "deduplicated", "session_pins", "total_pins",
-                                              "pages", "key", "arena_slabs", "made"};
-
 /* object_record(cls, arena_slabs, raw) -> cls(...) of one object record's bytes, as step.py's
  * _object_record(raw, arena_slabs) makes it (<QqBBBIII>, the pages <I>, then <H> and the key:
  * the key is what follows the two length bytes). ValueError where raw is too short for its
@@ -905,7 +831,6 @@ static const char *const OBJREC_FIELDS[12] = {"object_id", "window_page", "state
 static PyObject *
 object_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    State *st = state_of(self);
     if (nargs != 3 || !PyBytes_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "object_record(cls, arena_slabs, raw: bytes)");
         return NULL;
@@ -913,146 +838,40 @@ object_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *cls = args[0], *slabs = args[1];
     const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(args[2]);
     Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
-    if (size < 31) goto short_raw;
-    Py_ssize_t npages = rd32(b + 27);
-    if ((size - 31) / 4 < npages) goto short_raw;
-    Py_ssize_t at = 31 + 4 * npages;
+    if (size < OBJ_HEAD_SIZE) goto short_raw;
+    Py_ssize_t npages = rd32(b + OBJ_NPAGES_AT);
+    if ((size - OBJ_HEAD_SIZE) / 4 < npages) goto short_raw;
+    Py_ssize_t at = OBJ_HEAD_SIZE + 4 * npages;
     if (size - at < 2) goto short_raw;
-    PyObject *v[12] = {NULL};
+    PyObject *v[11] = {NULL};
     int64_t wp;
     memcpy(&wp, b + 8, 8);
     v[0] = PyLong_FromUnsignedLongLong(rd64(b));
     v[1] = PyLong_FromLongLong(wp);
     v[2] = PyLong_FromLong(b[16]);
     v[3] = PyLong_FromLong(b[17]);
-    v[4] = PyBool_FromLong(b[18] & 1);
-    v[5] = PyBool_FromLong(b[18] & 2);
+    v[4] = PyBool_FromLong(b[18] & OBJ_OWNED);
+    v[5] = PyBool_FromLong(b[18] & OBJ_DEDUP);
     v[6] = PyLong_FromUnsignedLong(rd32(b + 19));
     v[7] = PyLong_FromUnsignedLong(rd32(b + 23));
     v[8] = PyList_New(npages);
     v[9] = PyBytes_FromStringAndSize((const char *)b + at + 2, size - at - 2);
-    Py_INCREF(slabs);
-    v[10] = slabs;
-    Py_INCREF(Py_None);
-    v[11] = Py_None;
+    v[10] = Py_NewRef(slabs);
     PyObject *rec = NULL;
-    for (int i = 0; i < 12; i++)
+    for (int i = 0; i < 11; i++)
         if (v[i] == NULL) goto done;
     for (Py_ssize_t i = 0; i < npages; i++) {
-        PyObject *pg = PyLong_FromUnsignedLong(rd32(b + 31 + 4 * i));
+        PyObject *pg = PyLong_FromUnsignedLong(rd32(b + OBJ_HEAD_SIZE + 4 * i));
         if (pg == NULL) goto done;
         PyList_SET_ITEM(v[8], i, pg);
     }
-    if (slot_layout(cls, OBJREC_FIELDS, 12, &st->objrec_fast_type, st->objrec_offsets)) {
-        PyTypeObject *t = (PyTypeObject *)cls;
-        rec = t->tp_alloc(t, 0);
-        if (rec != NULL) {
-            for (int i = 0; i < 12; i++) {
-                /* the slots of a fresh object are NULL: each takes our reference */
-                *(PyObject **)((char *)rec + st->objrec_offsets[i]) = v[i];
-                v[i] = NULL;
-            }
-        }
-    } else if (!PyErr_Occurred()) {
-        rec = PyObject_Vectorcall(cls, v, 11, NULL);
-    }
+    rec = PyObject_Vectorcall(cls, v, 11, NULL);
 done:
-    for (int i = 0; i < 12; i++) Py_XDECREF(v[i]);
+    for (int i = 0; i < 11; i++) Py_XDECREF(v[i]);
     return rec;
 short_raw:
     PyErr_Format(PyExc_ValueError, "an object record of %zd bytes is shorter than its head, pages and key length",
                  size);
-    return NULL;
-}
-
-/* ------------------------------------------------------------------ step_objects (client) */
-
-/* The BrokerObject class (clients/client.py) whose slots step_objects fills (a strong
- * reference), and the offsets of its thirteen fields; NULL until step_objects first sees it. */
-static const char *const BOBJ_FIELDS[13] = {"client", "object_id", "pages", "window_page", "key",
-                                            "content_type", "state", "deduplicated", "owned",
-                                            "session_pins", "total_pins", "session_id", "epoch"};
-
-#define RSLOT(rec, i) (*(PyObject **)((char *)(rec) + st->objrec_offsets[i]))
-
-/* step_objects(cls, client, recs, session_id, epoch) -> (objects, shared pages, own pages):
- * a BrokerObject per record, each as BrokerObject(client, rec) makes it (client.py's __init__:
- * the record's fields, its pages copied to a list, an empty key as None, the session's id and
- * epoch), each record's `made` set to its object, and the records' pages split as
- * BrokerClient._read_objects splits them (shared: deduplicated or not owned). None (nothing
- * made, nothing changed) unless `recs` is a list of ObjectRecords (object_record's layout)
- * with no window (window_page < 0) and nothing made yet, and `cls` has BrokerObject's slots. */
-static PyObject *
-step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    State *st = state_of(self);
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "step_objects(cls, client, recs, session_id, epoch)");
-        return NULL;
-    }
-    PyObject *cls = args[0], *client = args[1], *recs = args[2];
-    if (!PyList_CheckExact(recs)) Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(recs);
-    if (n == 0) return Py_BuildValue("([][][])");
-    if (st->objrec_fast_type == NULL) Py_RETURN_NONE;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(recs, i);
-        if (Py_TYPE(rec) != st->objrec_fast_type) Py_RETURN_NONE;
-        PyObject *wp = RSLOT(rec, 1), *made = RSLOT(rec, 11), *pages = RSLOT(rec, 8);
-        if (wp == NULL || made != Py_None || pages == NULL || !PyList_CheckExact(pages)) Py_RETURN_NONE;
-        if (!PyLong_CheckExact(wp)) Py_RETURN_NONE;
-        int overflow;
-        long long w = PyLong_AsLongLongAndOverflow(wp, &overflow);
-        if (w == -1 && PyErr_Occurred()) return NULL;
-        if (overflow || w >= 0) Py_RETURN_NONE;
-        for (int f = 0; f < 12; f++)
-            if (RSLOT(rec, f) == NULL) Py_RETURN_NONE;
-    }
-    if (!slot_layout(cls, BOBJ_FIELDS, 13, &st->bobj_fast_type, st->bobj_offsets)) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
-    }
-    PyTypeObject *t = (PyTypeObject *)cls;
-    PyObject *objs = PyList_New(n), *shared = PyList_New(0), *own = PyList_New(0);
-    if (objs == NULL || shared == NULL || own == NULL) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(recs, i);
-        PyObject *pages = PyList_GetSlice(RSLOT(rec, 8), 0, PY_SSIZE_T_MAX);
-        if (pages == NULL) goto fail;
-        int keyed = PyObject_IsTrue(RSLOT(rec, 9));
-        int dedup = PyObject_IsTrue(RSLOT(rec, 5));
-        int owned = PyObject_IsTrue(RSLOT(rec, 4));
-        if (keyed < 0 || dedup < 0 || owned < 0) { Py_DECREF(pages); goto fail; }
-        PyObject *into = dedup || !owned ? shared : own;
-        Py_ssize_t at = PyList_GET_SIZE(into);
-        if (PyList_SetSlice(into, at, at, pages) < 0) { Py_DECREF(pages); goto fail; }
-        PyObject *obj = t->tp_alloc(t, 0);
-        if (obj == NULL) { Py_DECREF(pages); goto fail; }
-        PyObject *v[13] = {client, RSLOT(rec, 0), pages, RSLOT(rec, 1), keyed ? RSLOT(rec, 9) : Py_None,
-                           RSLOT(rec, 3), RSLOT(rec, 2), RSLOT(rec, 5), RSLOT(rec, 4),
-                           RSLOT(rec, 6), RSLOT(rec, 7), args[3], args[4]};
-        for (int f = 0; f < 13; f++) {
-            if (f != 2) Py_INCREF(v[f]);  /* pages: ours already */
-            *(PyObject **)((char *)obj + st->bobj_offsets[f]) = v[f];
-        }
-        PyList_SET_ITEM(objs, i, obj);
-    }
-    PyObject *out = PyTuple_Pack(3, objs, shared, own);
-    if (out == NULL) goto fail;
-    /* Kept on the records last: nothing is changed unless the result is returned. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(recs, i), *obj = PyList_GET_ITEM(objs, i);
-        Py_INCREF(obj);
-        Py_SETREF(RSLOT(rec, 11), obj);
-    }
-    Py_DECREF(objs);
-    Py_DECREF(shared);
-    Py_DECREF(own);
-    return out;
-fail:
-    Py_XDECREF(objs);
-    Py_XDECREF(shared);
-    Py_XDECREF(own);
     return NULL;
 }
 
@@ -1181,26 +1000,16 @@ fail:
     return NULL;
 }
 
-/* The classes delta_finish fills by their slots (strong references; NULL until first seen). */
-static const char *const AREC_FIELDS[5] = {"generation", "object_id", "found_in", "pages", "made"};
-static const char *const HADAPTER_FIELDS[3] = {"record", "refs", "idle_since"};
-static const char *const HPIN_FIELDS[4] = {"record", "refs", "broker_pins", "idle_since"};
-
-/* A new object of the slotted class `t` (laid out by slot_layout: `offsets`), its `n`
- * fields the values `v` (new references each, taken). NULL on error (the values released). */
+/* cls(*v) of `n` values (new references each, released): a new reference, or NULL. */
 static PyObject *
-fill_slots(PyTypeObject *t, const Py_ssize_t *offsets, PyObject **v, int n)
+call_with(PyObject *cls, PyObject **v, int n)
 {
     PyObject *o = NULL;
+    int ok = 1;
     for (int i = 0; i < n; i++)
-        if (v[i] == NULL) goto done;
-    o = t->tp_alloc(t, 0);
-    if (o != NULL)
-        for (int i = 0; i < n; i++) {
-            *(PyObject **)((char *)o + offsets[i]) = v[i];
-            v[i] = NULL;
-        }
-done:
+        ok &= v[i] != NULL;
+    if (ok)
+        o = PyObject_Vectorcall(cls, v, n, NULL);
     for (int i = 0; i < n; i++) Py_XDECREF(v[i]);
     return o;
 }
@@ -1211,8 +1020,8 @@ done:
  * as found hot, one reference), `recs` the [(id, record)] of `acquire` in order (None where
  * `acquire` is empty), each looked-up object pinned with a reference (a HeldPin, by its
  * object id), `records` the found. None, having changed nothing, where the Python pass must
- * take it: the acquire was not hot, a found object is held already, or a class or result is
- * not of the layout made here. */
+ * take it: the acquire was not hot, a found object is held already, or a result is not of
+ * the shape made here. The records and holdings are made by calling the classes given. */
 static PyObject *
 delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1230,12 +1039,6 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!seq_items(args[2], &acquire, &n_acq) || !seq_items(args[4], &missing, &n_miss)) Py_RETURN_NONE;
     long acq = PyLong_AsLong(args[5]), look = PyLong_AsLong(args[6]);
     if (PyErr_Occurred()) return NULL;
-    if (!slot_layout(args[8], AREC_FIELDS, 5, &st->arec_fast_type, st->arec_offsets) ||
-        !slot_layout(args[9], HADAPTER_FIELDS, 3, &st->hadapter_fast_type, st->hadapter_offsets) ||
-        !slot_layout(args[10], HPIN_FIELDS, 4, &st->hpin_fast_type, st->hpin_offsets)) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
-    }
     Py_ssize_t n_res = PyList_GET_SIZE(results);
     /* Check everything first: nothing changes unless the whole of it is taken here. */
     PyObject *outcome_ads = NULL; /* the acquire's records (a tuple), borrowed from the outcome */
@@ -1255,14 +1058,20 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_RETURN_NONE;
         }
     }
-    PyObject *new = NULL;
+    PyObject *new = NULL, *oids = NULL; /* the found records and their object ids (tuples) */
     if (look >= 0 && look < n_res) {
-        new = PyList_GET_ITEM(results, look);
-        if (!PyList_CheckExact(new) || st->objrec_fast_type == NULL) goto none;
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
-            PyObject *rec = PyList_GET_ITEM(new, i);
-            if (Py_TYPE(rec) != st->objrec_fast_type || RSLOT(rec, 0) == NULL) goto none;
-            int in = PyDict_Contains(pins, RSLOT(rec, 0));
+        if (!PyList_CheckExact(PyList_GET_ITEM(results, look))) goto none;
+        new = PyList_AsTuple(PyList_GET_ITEM(results, look));
+        if (new == NULL || (oids = PyTuple_New(PyTuple_GET_SIZE(new))) == NULL) goto fail;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(new); i++) {
+            PyObject *oid = PyObject_GetAttr(PyTuple_GET_ITEM(new, i), st->names[N_OBJECT_ID]);
+            if (oid == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto fail;
+                PyErr_Clear(); /* not a record: the Python pass says what it is */
+                goto none;
+            }
+            PyTuple_SET_ITEM(oids, i, oid);
+            int in = PyDict_Contains(pins, oid);
             if (in < 0) goto fail;
             if (in) goto none; /* held already: add_ref_pin's other branch, in Python */
         }
@@ -1276,12 +1085,13 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t m = PySequence_Fast_GET_SIZE(outcome_ads);
         PyObject **ads = PySequence_Fast_ITEMS(outcome_ads);
         for (Py_ssize_t i = 0; i < n_miss && i < m; i++) {
-            PyObject *v[5] = {PyObject_GetAttr(ads[i], st->names[N_GENERATION]), PyObject_GetAttr(ads[i], st->names[N_OBJECT_ID]),
-                              Py_NewRef(args[11]), PyObject_GetAttr(ads[i], st->names[N_PAGES]), Py_NewRef(Py_None)};
-            PyObject *rec = fill_slots(st->arec_fast_type, st->arec_offsets, v, 5);
+            PyObject *v[4] = {PyObject_GetAttr(ads[i], st->names[N_GENERATION]),
+                              PyObject_GetAttr(ads[i], st->names[N_OBJECT_ID]), Py_NewRef(args[11]),
+                              PyObject_GetAttr(ads[i], st->names[N_PAGES])};
+            PyObject *rec = call_with(args[8], v, 4);
             if (rec == NULL) goto fail_recs;
             PyObject *hv[3] = {Py_NewRef(rec), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = fill_slots(st->hadapter_fast_type, st->hadapter_offsets, hv, 3);
+            PyObject *h = call_with(args[9], hv, 3);
             int bad = h == NULL || PyDict_SetItem(adapters, missing[i], h) < 0 ||
                       PyDict_SetItem(got, missing[i], rec) < 0;
             Py_XDECREF(h);
@@ -1304,22 +1114,24 @@ delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (new != NULL) {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
-            PyObject *rec = PyList_GET_ITEM(new, i);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(new); i++) {
+            PyObject *rec = PyTuple_GET_ITEM(new, i);
             PyObject *v[4] = {Py_NewRef(rec), PyLong_FromLong(1), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = fill_slots(st->hpin_fast_type, st->hpin_offsets, v, 4);
+            PyObject *h = call_with(args[10], v, 4);
             if (h == NULL) goto fail_recs;
-            int bad = PyDict_SetItem(pins, RSLOT(rec, 0), h) < 0;
+            int bad = PyDict_SetItem(pins, PyTuple_GET_ITEM(oids, i), h) < 0;
             Py_DECREF(h);
             if (bad) goto fail_recs;
         }
-        objs = Py_NewRef(new);
+        objs = Py_NewRef(PyList_GET_ITEM(results, look));
     } else {
         objs = PyList_New(0);
     }
     if (objs == NULL) goto fail_recs;
     Py_DECREF(got);
     Py_XDECREF(outcome_ads);
+    Py_XDECREF(new);
+    Py_XDECREF(oids);
     return Py_BuildValue("(NN)", recs, objs);
 fail_recs:
     Py_XDECREF(got);
@@ -1327,9 +1139,13 @@ fail_recs:
     goto fail;
 none:
     Py_XDECREF(outcome_ads);
+    Py_XDECREF(new);
+    Py_XDECREF(oids);
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(outcome_ads);
+    Py_XDECREF(new);
+    Py_XDECREF(oids);
     return NULL;
 }
 
@@ -1400,10 +1216,10 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
 {
     PyObject *objects = args[0], *make_object = args[1], *adapters = args[2], *make_adapter = args[3];
     PyObject *outcome = args[4];
-    Py_ssize_t pos = 6, n_objects = 0, n_adapters = 0;
+    Py_ssize_t pos = REPLY_HEAD_SIZE, n_objects = 0, n_adapters = 0;
     PyObject *results = NULL;
     *malformed = 0;
-    if (end < 6) goto malformed;
+    if (end < REPLY_HEAD_SIZE) goto malformed;
     Py_ssize_t n = rd16(b + 4);
     results = PyList_New(n);
     if (results == NULL) goto fail;
@@ -1419,10 +1235,10 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
             if (item == NULL) goto fail;
             for (Py_ssize_t j = 0; j < count; j++) {
                 /* <QqBBBIII>: 31 bytes, page count at 27; then the pages, then <H> key. */
-                if (end - pos < 31) { Py_DECREF(item); goto malformed; }
-                Py_ssize_t npages = rd32(b + pos + 27);
-                if ((end - pos - 31) / 4 < npages) { Py_DECREF(item); goto malformed; }
-                Py_ssize_t at = 31 + 4 * npages;
+                if (end - pos < OBJ_HEAD_SIZE) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t npages = rd32(b + pos + OBJ_NPAGES_AT);
+                if ((end - pos - OBJ_HEAD_SIZE) / 4 < npages) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t at = OBJ_HEAD_SIZE + 4 * npages;
                 if (end - pos - at < 2) { Py_DECREF(item); goto malformed; }
                 Py_ssize_t klen = rd16(b + pos + at);
                 if (end - pos - at - 2 < klen) { Py_DECREF(item); goto malformed; }
@@ -1434,20 +1250,20 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
             }
         } else if (k == OP_ACQUIRE) {
             /* <BBQdH>: 20 bytes; then records <QQBI> (21 bytes, page count at 17) and pages. */
-            if (end - pos < 20) goto malformed;
+            if (end - pos < ACQ_RESULT_HEAD_SIZE) goto malformed;
             int hot = b[pos + 1];
             uint64_t txn = rd64(b + pos + 2);
             double deadline;
             memcpy(&deadline, b + pos + 10, 8);
             Py_ssize_t count = rd16(b + pos + 18);
-            pos += 20;
+            pos += ACQ_RESULT_HEAD_SIZE;
             PyObject *recs = PyTuple_New(count);
             if (recs == NULL) goto fail;
             for (Py_ssize_t j = 0; j < count; j++) {
-                if (end - pos < 21) { Py_DECREF(recs); goto malformed; }
-                Py_ssize_t npages = rd32(b + pos + 17);
-                if ((end - pos - 21) / 4 < npages) { Py_DECREF(recs); goto malformed; }
-                Py_ssize_t size = 21 + 4 * npages;
+                if (end - pos < ACQ_ADAPTER_SIZE) { Py_DECREF(recs); goto malformed; }
+                Py_ssize_t npages = rd32(b + pos + ACQ_NPAGES_AT);
+                if ((end - pos - ACQ_ADAPTER_SIZE) / 4 < npages) { Py_DECREF(recs); goto malformed; }
+                Py_ssize_t size = ACQ_ADAPTER_SIZE + 4 * npages;
                 PyObject *rec = record_at(adapters, b + pos, size, make_adapter, limit, last_adapters, n_adapters++);
                 if (rec == NULL) { Py_DECREF(recs); goto fail; }
                 PyTuple_SET_ITEM(recs, j, rec);
@@ -1511,42 +1327,13 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return res;
 }
 
-/* The StepReply class whose slots decode_frame fills directly (a strong reference), and the
- * offsets of its four fields; NULL until decode_frame first sees a class with that layout
- * (a plain slotted record, as Op: filling its slots is what calling it does). */
-static const char *const REPLY_FIELDS[4] = {"arena_slabs", "results", "error", "failed_index"};
-
-/* Whether `cls` is such a class (then st->reply_fast_type is it); 0: the caller calls it. */
-static int
-reply_layout(State *st, PyObject *cls)
-{
-    return slot_layout(cls, REPLY_FIELDS, 4, &st->reply_fast_type, st->reply_offsets);
-}
-
-/* reply(slabs, results): its slots filled where reply_layout takes the class (error None,
- * failed_index -1, as StepReply's defaults), else called with the two. Steals both. */
+/* reply(slabs, results), by calling the class `cls` (error and failed_index its defaults).
+ * Steals both. */
 static PyObject *
-make_reply(State *st, PyObject *cls, PyObject *slabs, PyObject *results)
+make_reply(PyObject *cls, PyObject *slabs, PyObject *results)
 {
-    PyObject *r = NULL;
-    if (reply_layout(st, cls)) {
-        PyTypeObject *t = (PyTypeObject *)cls;
-        PyObject *minus = PyLong_FromLong(-1);
-        if (minus != NULL) r = t->tp_alloc(t, 0);
-        if (r != NULL) {
-            PyObject *v[4] = {slabs, results, Py_None, minus};
-            Py_INCREF(Py_None);
-            for (int i = 0; i < 4; i++) *(PyObject **)((char *)r + st->reply_offsets[i]) = v[i];
-            return r;
-        }
-        Py_XDECREF(minus);
-    } else if (!PyErr_Occurred()) {
-        PyObject *a[2] = {slabs, results};
-        r = PyObject_Vectorcall(cls, a, 2, NULL);
-    }
-    Py_DECREF(slabs);
-    Py_DECREF(results);
-    return r;
+    PyObject *a[2] = {slabs, results};
+    return call_with(cls, a, 2);
 }
 
 /* decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs,
@@ -1559,7 +1346,6 @@ make_reply(State *st, PyObject *cls, PyObject *slabs, PyObject *results)
 static PyObject *
 decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    State *st = state_of(self);
     if (nargs != 12 || !PyDict_Check(args[0]) || !PyDict_Check(args[2]) || !PyList_CheckExact(args[10]) ||
         !PyList_CheckExact(args[11])) {
         PyErr_SetString(PyExc_TypeError, "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, "
@@ -1576,11 +1362,13 @@ decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[8], &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
     PyObject *res = NULL;
-    if (got < 11 || got > view.len || (Py_ssize_t)rd32(b) != got - 5 || b[4] != OK_KIND) goto none;
-    uint32_t slabs = rd32(b + 5);
+    if (got < HEADER_SIZE + REPLY_HEAD_SIZE || got > view.len || (Py_ssize_t)rd32(b) != got - HEADER_SIZE ||
+        b[4] != OK_KIND)
+        goto none;
+    uint32_t slabs = rd32(b + HEADER_SIZE);
     if ((long long)slabs != want && rd16(b + 9) != 0) goto none;
     int malformed;
-    PyObject *results = decode_results(b + 5, got - 5, args, limit, args[10], args[11], &malformed);
+    PyObject *results = decode_results(b + HEADER_SIZE, got - HEADER_SIZE, args, limit, args[10], args[11], &malformed);
     if (results == NULL) {
         if (malformed) goto none;
         PyBuffer_Release(&view);
@@ -1588,7 +1376,7 @@ decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *s = PyLong_FromUnsignedLong(slabs);
     if (s != NULL) {
-        res = make_reply(st, args[6], s, results);
+        res = make_reply(args[6], s, results);
     } else {
         Py_DECREF(results);
     }
@@ -1619,8 +1407,6 @@ static PyMethodDef methods[] = {
      "drop_refs(held, idle, ids, now): the ids held with no reference here, or None"},
     {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
      "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
-    {"step_objects", (PyCFunction)(void (*)(void))step_objects, METH_FASTCALL,
-     "step_objects(cls, client, recs, session_id, epoch): (objects, shared pages, own pages), or None"},
     {"delta_plan", (PyCFunction)(void (*)(void))delta_plan, METH_FASTCALL,
      "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now): "
      "(ops, held, missing, acq, look), or None"},
@@ -1652,13 +1438,8 @@ static int
 traverse(PyObject *module, visitproc visit, void *arg)
 {
     State *st = state_of(module);
-    Py_VISIT(st->op_fast_type);
-    Py_VISIT(st->objrec_fast_type);
-    Py_VISIT(st->bobj_fast_type);
-    Py_VISIT(st->reply_fast_type);
-    Py_VISIT(st->arec_fast_type);
-    Py_VISIT(st->hadapter_fast_type);
-    Py_VISIT(st->hpin_fast_type);
+    for (int i = 0; i < NNAMES; i++)
+        Py_VISIT(st->names[i]);
     return 0;
 }
 
@@ -1668,13 +1449,6 @@ clear(PyObject *module)
     State *st = state_of(module);
     for (int i = 0; i < NNAMES; i++)
         Py_CLEAR(st->names[i]);
-    Py_CLEAR(st->op_fast_type);
-    Py_CLEAR(st->objrec_fast_type);
-    Py_CLEAR(st->bobj_fast_type);
-    Py_CLEAR(st->reply_fast_type);
-    Py_CLEAR(st->arec_fast_type);
-    Py_CLEAR(st->hadapter_fast_type);
-    Py_CLEAR(st->hpin_fast_type);
     return 0;
 }
 

@@ -118,8 +118,6 @@ _CORE_PASSES = (
     "batch_account",
     # The step cache's reference drops (``clients/step/holdings.py``).
     "drop_refs",
-    # A step reply's fresh objects (``clients/step/lease.py``'s ``SessionRecords._fresh``).
-    "step_objects",
     # A running batch's change planned and accounted (``clients/step/delta.py``).
     "delta_plan",
     "delta_finish",
@@ -148,8 +146,6 @@ class WireError(ValueError):
 
 @dataclass(slots=True)
 class Op:
-    # A plain record: the native ``decode_step`` fills its slots without calling ``__init__``
-    # (it calls the class instead if it ever gains a ``__post_init__`` or its own ``__new__``).
     kind: int
     # Adapter ids (release, acquire), object or transaction ids (unpin, pin, commit,
     # abort), or keys (lookup).
@@ -876,8 +872,8 @@ def _object_record(raw: bytes, slabs: int) -> ObjectRecord:
 
 def _object_maker(slabs: int):
     """``_object_record`` of an arena of ``slabs`` slabs, as one call of ``raw``: the native
-    core's (which fills the record's slots in C: a fresh key's record is made on every step
-    that looks it up) where it is there, else the Python one."""
+    core's (which reads the record's fields in C and calls ``ObjectRecord`` with them: a fresh
+    key's record is made on every step that looks it up) where it is there, else the Python one."""
     if _core is not None:
         return functools.partial(_core.object_record, ObjectRecord, slabs)
     return lambda raw: _object_record(raw, slabs)
