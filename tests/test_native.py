@@ -12,7 +12,7 @@ import pytest
 
 from memory_broker.proto.wire import native
 
-STEPCORE = "memory_broker.proto.wire._stepcore"
+STEPCORE = native.STEPCORE
 
 
 def test_the_native_core_is_built_by_the_projects_install():
@@ -46,8 +46,8 @@ def test_env_switch_reaches_a_fresh_process():
     assert out.stdout.strip() == "True"
 
 
-CORES = (STEPCORE, "memory_broker.broker.store._storecore", "memory_broker.broker.adapters._hotcore")
-SOURCES = ("proto/wire/_stepcore.c", "broker/store/_storecore.c", "broker/adapters/_hotcore.c")
+CORES = (native.STEPCORE, native.STORECORE, native.HOTCORE)
+SOURCES = ("native/_stepcore.c", "native/_storecore.c", "native/_hotcore.c")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

@@ -1,4 +1,4 @@
-"""The adapter wing's native core (``broker/adapters/_hotcore.c``) against its Python fallback.
+"""The adapter wing's native core (``native/_hotcore.c``) against its Python fallback.
 
 A step's hot acquire and release (``AdapterPins.pin_hot`` / ``release_hot``), the tier
 policies' batched record of uses and the acquire reply's kept rows each have a C pass and a

@@ -1,4 +1,4 @@
-"""The step wire's native codec (``proto/wire/_stepcore.c``) against its Python fallback:
+"""The step wire's native codec (``native/_stepcore.c``) against its Python fallback:
 for random and malformed frames, ops and objects, the same bytes, the same results and the
 same errors (type and message); and no input makes the C crash."""
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from memory_broker.proto.wire import native
 from memory_broker.proto.wire import step as w
 
-CORE = native.load("memory_broker.proto.wire._stepcore")
+CORE = native.load(native.STEPCORE)
 pytestmark = pytest.mark.skipif(CORE is None, reason="the native step core is not built (test_native says so)")
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -457,9 +457,9 @@ def test_a_core_built_from_an_older_source_is_not_used_and_said():
     code = (
         "import logging, sys, types\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "old = types.ModuleType('memory_broker.proto.wire._stepcore')\n"
+        "old = types.ModuleType('memory_broker._native._stepcore')\n"
         "old.decode_step = lambda *a: None\n"
-        "sys.modules['memory_broker.proto.wire._stepcore'] = old\n"
+        "sys.modules['memory_broker._native._stepcore'] = old\n"
         "from memory_broker.proto.wire import step\n"
         "print(step._core is None, step.decode_step(step.encode_step([step.Op(2, (1,))])[5:]))\n"
     )
@@ -863,7 +863,7 @@ def test_the_native_finish_leaves_a_cold_acquire_and_a_held_object_to_the_python
 def test_every_number_the_c_defines_is_step_pys():
     """``_stepcore.c``'s ``#define``s are the wire's constants and record sizes as ``step.py``
     defines them: a change on one side only fails here, not as a misread frame."""
-    src = (pathlib.Path(__file__).resolve().parent.parent / "proto/wire/_stepcore.c").read_text()
+    src = (pathlib.Path(__file__).resolve().parent.parent / "native/_stepcore.c").read_text()
     defined = {m[1]: int(m[2], 0) for m in re.finditer(r"^#define ([A-Z][A-Z0-9_]*) (0x[0-9A-Fa-f]+|\d+)\b", src, re.M)}
     want = {
         "MAX_OPS": w.MAX_OPS,

@@ -1,4 +1,4 @@
-"""The store's native core (``broker/store/_storecore.c``) against its Python fallback.
+"""The store's native core (``native/_storecore.c``) against its Python fallback.
 
 Random runs of lookups, pins, unpins, frees, allocations that evict, and ended sessions go
 through two stores, one with the native core and one with ``MEMORY_BROKER_NATIVE=0``: every

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from memory_broker.proto.wire import native
 
-NAME = "memory_broker.broker.adapters._hotcore"
+NAME = native.HOTCORE
 
 
 def load() -> ModuleType | None:

@@ -104,7 +104,7 @@ OBJ_OWNED, OBJ_DEDUP = 1, 2
 # ``MEMORY_BROKER_NATIVE=0``). Each C pass returns what its Python pass returns, or None for
 # anything it does not take, and the Python pass then runs: it gives the result or raises the
 # error that names the fault, so errors are always the Python ones. Tests switch it off here.
-_core = native.load("memory_broker.proto.wire._stepcore")
+_core = native.load(native.STEPCORE)
 _CORE_PASSES = (
     "decode_step",
     "encode_allocations",
