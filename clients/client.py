@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from memory_broker.clients.discovery import check_device, find_socket
 from memory_broker.clients.session import CHANNEL_OPTIONS, LOST
 from memory_broker.clients.step.adapters import AdapterLease
-from memory_broker.clients.step.batch import POLL_S, StepBatch
+from memory_broker.clients.step.batch import StepBatch
 from memory_broker.clients.step.lease import PendingStepLease, StepLease
 from memory_broker.clients.step_session import StepSession
 from memory_broker.proto.wire.errors import BrokerError, Code
@@ -198,19 +198,11 @@ class BrokerClient(StepSession):
                 unpin, commit/abort of adapter acquires) over the broker's step channel, a
                 compact binary protocol on a Unix socket, instead of gRPC; same semantics.
                 Falls back to gRPC where the broker has no step channel.
-            hold_s: with the fast path, keep what this process releases (adapter leases,
-                pins) held at the broker for up to this long, so acquiring an adapter or
-                pinning an object by id again costs no round trip; releases are sent with a
-                later call. Keys are looked up at the broker each time (a key may name
-                another object by then). 0 (the default): every release is sent at once, as
-                over gRPC.
-            post_give_backs: with the fast path, a give-back (``unpin``,
-                ``release_adapters`` and a lease's ``release()`` without ``dtype``, a
-                ``StepBatch``'s end, ``flush_holdings()``; not ``abort_acquire``) sends its
-                frame, if it has one, and returns without waiting for the broker's answer; the broker runs it before anything the session sends later, over
-                any channel. A refusal is logged at WARNING and raised by the session's next
-                give-back (after that one's own frame went out) or by ``flush()``. False:
-                each give-back waits for its answer and raises its own refusal.
+            hold_s: no longer used (the step path's holdings cache is gone: its gain did not
+                show in an engine's step); a value above 0 is logged once and ignored.
+            post_give_backs: no longer used: every give-back (``unpin``, ``release_adapters``,
+                a lease's ``release()``) waits for the broker's answer and raises its own
+                refusal (posting them saved a round trip that no engine's step showed).
         """
         socket_path, gpu_uuid = find_socket(socket_path)
         client = cls(
@@ -392,17 +384,13 @@ class BrokerClient(StepSession):
         """Free owned objects; returns (pages freed now, pages freed when others unpin)."""
         ids = self._ids(objs)
         resp = self._call(self._stub.Free, pb.FreeRequest(object_ids=ids))
-        calls = self._calls
-        if calls is not None and calls.epoch == self.epoch:
-            calls.forget_pins(ids)
         return resp.freed_pages, resp.deferred_pages
 
     def pin(self, objs: Iterable[BrokerObject | int]) -> list[BrokerObject]:
         return self._step_calls().pin(self._ids(objs))
 
     def unpin(self, objs: Iterable[BrokerObject | int]) -> None:
-        """Drop this session's pin on each object (on the step channel, posted: see
-        ``connect``'s ``post_give_backs``)."""
+        """Drop this session's pin on each object."""
         self._step_calls().unpin(self._ids(objs))
 
     @contextlib.contextmanager
@@ -455,8 +443,7 @@ class BrokerClient(StepSession):
         commit: AdapterLease | None = None,
         release: StepLease | None = None,
     ) -> StepLease:
-        """An engine step's changes in one round trip (none when ``hold_s`` holds every
-        adapter and there are no keys: keys always go to the broker).
+        """An engine step's changes in one round trip (none when it asks for nothing).
 
         Releases what ``release`` holds (a previous step), commits ``commit`` (a prepared
         lease: prepare the next step's adapters while this one runs, commit it here),
@@ -488,12 +475,14 @@ class BrokerClient(StepSession):
         calls = self._step_calls()
         return calls.step_begin(list(adapter_ids), list(keys), max_adapters, prepare, lease_s, commit, release)
 
-    def step_batch(self, background: bool = False, poll_s: float = POLL_S) -> StepBatch:
+    def step_batch(self, background: bool = False, poll_s: float | None = None) -> StepBatch:
         """An empty ``StepBatch``: the engine's running batch, changed by its arrivals and
         completions (a change costs what changed, not the batch's size). ``background``: a
-        thread of the batch runs each ``begin``'s change while the caller goes on; it looks
-        for the next change every ``poll_s`` for a while after one (0: never; see StepBatch)."""
-        return StepBatch(self, background, poll_s)
+        thread of the batch runs each ``begin``'s change while the caller goes on.
+        ``poll_s`` is no longer used (the worker sleeps until a change comes)."""
+        if poll_s is not None and poll_s < 0:
+            raise ValueError(f"poll_s must be >= 0 seconds, not {poll_s!r}")
+        return StepBatch(self, background)
 
     # ------------------------------------------------------------- adapters
 

@@ -407,9 +407,9 @@ class BrokerSession:
         """Called once a new session is published (the first, and each reconnect)."""
 
     def _settle(self) -> None:
-        """Called before a call goes over gRPC or the fd channel: the frames the session
-        posted on its step channel are answered first (the broker has run them, so the call
-        sees what they gave back). ``_calls``: the session's step calls (``step_session.py``);
+        """Called before a call goes over gRPC or the fd channel: a step the session began on
+        its step channel is answered first (the broker has run it, so the call sees what it
+        gave back). ``_calls``: the session's step calls (``step_session.py``);
         with nothing unread (``unread``, a deque's truth), no call into the step path at all."""
         calls = self._calls
         if calls is not None and calls.unread and calls.epoch == self.epoch:

@@ -2,15 +2,14 @@
 
 ``StepSession`` sits between the session's asking RPCs (``queries.py``) and ``BrokerClient``
 (``client.py``): it keeps the current session's calls object (``calls.choose_calls``:
-``ChannelCalls``, ``DirectCalls`` or ``GrpcCalls``), chosen on first use and again for a new
-session or a broken step channel, and what the step channel's posted give-backs need of the
-session: a call over another channel (gRPC, the fd channel) first reads their replies
-(``BrokerSession._settle``, through ``_calls``), ``flush()`` waits for them and raises a refusal, and a new session forgets the
-old one's refusals.
+``ChannelCalls`` or ``GrpcCalls``), chosen on first use and again for a new
+session or a broken step channel. A call over another channel (gRPC, the fd channel) first
+reads a begun step's reply (``BrokerSession._settle``, through ``_calls``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -19,8 +18,10 @@ from memory_broker.clients.step.calls import choose_calls
 from memory_broker.clients.step.channel import ChannelCalls
 from memory_broker.clients.step.grpc_calls import GrpcCalls
 from memory_broker.clients.step.path import StepPath
-from memory_broker.clients.step.transport import raise_refused
-from memory_broker.proto.wire.errors import BrokerError
+
+log = logging.getLogger(__name__)
+# Whether ``hold_s`` was said to be ignored (once a process).
+_said_hold_s = False
 
 
 class StepSession(BrokerQueries):
@@ -28,14 +29,11 @@ class StepSession(BrokerQueries):
     keywords do)."""
 
     def __init__(self, *args, fast_path: bool = True, hold_s: float = 0.0, post_give_backs: bool = True, **kwargs):
-        # Step calls over the step channel when the broker has one; ``hold_s`` > 0 also
-        # keeps released holdings that long (see clients/step/path.py).
+        # Step calls over the step channel when the broker has one.
         self.fast_path = fast_path
-        self.hold_s = hold_s
-        # Give-backs on the step channel sent without waiting for the broker's answer, and
-        # the refusals of those not raised yet (the step transports append to it).
-        self.post_give_backs = post_give_backs
-        self._refused: list[BrokerError] = []
+        if hold_s > 0:
+            _ignore_hold_s(hold_s)
+        # (``post_give_backs`` is no longer used: every give-back waits for its answer.)
         # The current session's calls (ChannelCalls or GrpcCalls), made on first use.
         self._calls: ChannelCalls | GrpcCalls | None = None
         self._calls_lock = threading.Lock()
@@ -43,11 +41,6 @@ class StepSession(BrokerQueries):
         # (None: it never did); the first fallback is logged at WARNING.
         self.step_fallback: str | None = None
         super().__init__(*args, **kwargs)
-
-    def _session_opened(self) -> None:
-        # A list of the new session's own: an old session's refused give-backs went with it
-        # (they were logged), and its transport, if it reports one late, reports it there.
-        self._refused = []
 
     def _step_calls(self, wait_sent: bool = True) -> ChannelCalls | GrpcCalls:
         """The current session's step calls (``calls.choose_calls``: chosen on first use,
@@ -71,24 +64,23 @@ class StepSession(BrokerQueries):
         return os.path.abspath(self.socket_path) + ".step"
 
     def flush(self) -> None:
-        """Wait for the broker's answer to every give-back this session posted on its step
-        channel (``post_give_backs``; a begun step's reply is read too, kept for its
-        ``result()``), and raise the refusal of any not raised yet: a BrokerError with the
-        broker's code, naming the give-back (UNAVAILABLE: the channel broke before the
-        broker answered it). Nothing waits over gRPC or with ``post_give_backs=False``."""
+        """Wait until the broker has answered everything this session sent on its step
+        channel (a begun step's reply is read, kept for its ``result()``). Every give-back
+        waits for its own answer, so there is nothing else to wait for."""
         self._settle()
-        if self._refused:
-            raise_refused(self._refused)
-
-    def flush_holdings(self) -> int:
-        """Release now every holding the step cache keeps idle (``hold_s``); returns how many.
-        Posted (``post_give_backs``): a refusal is raised by the next give-back or ``flush()``."""
-        calls = self._calls
-        if calls is None or calls.epoch != self.epoch:
-            return 0
-        return calls.flush()
 
     def _end_session(self) -> None:
         if self._calls is not None:
-            self._calls.close()  # reads what it posted first (a refusal is logged)
+            self._calls.close()  # reads a begun step's reply first
         super()._end_session()
+
+
+def _ignore_hold_s(hold_s: float) -> None:
+    global _said_hold_s
+    if not _said_hold_s:
+        _said_hold_s = True
+        log.warning(
+            "connect(hold_s=%s) is ignored: the step path's holdings cache was removed (each step call is one "
+            "frame to the broker; the cache's gain did not show in an engine's step)",
+            hold_s,
+        )

@@ -90,9 +90,8 @@ static void out_free(Out *o) { PyMem_Free(o->p); o->p = NULL; o->len = o->cap = 
 
 /* One per module object (multi-phase init): nothing process-global. The attribute names read
  * and written on the objects the Python side passes in, interned once. */
-enum { N_REFS, N_IDLE_SINCE, N_RECORD, N_OBJECT_ID, N_HOT, N_ADAPTERS, N_KEY, N_GENERATION, N_PAGES, NNAMES };
-static const char *const NAMES[NNAMES] = {"refs", "idle_since", "record", "object_id", "hot",
-                                          "adapters", "key", "generation", "pages"};
+enum { N_OBJECT_ID, NNAMES };
+static const char *const NAMES[NNAMES] = {"object_id"};
 typedef struct {
     PyObject *names[NNAMES]; /* interned attribute names */
 } State;
@@ -775,53 +774,6 @@ fail:
     return NULL;
 }
 
-/* drop_refs(held, idle, ids, now) -> the ids held with no reference here: step_holdings.py's
- * _drop_refs (one local reference off each of ids' entries in `held`, an entry whose last goes
- * idle since `now`, added to `idle`), changing them as it does; None where ids is not a list
- * or tuple (the Python pass takes it). */
-static PyObject *
-drop_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    State *st = state_of(self);
-    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "drop_refs(held, idle, ids, now)");
-        return NULL;
-    }
-    PyObject *held = args[0], *idle = args[1], *now = args[3];
-    PyObject **ids;
-    Py_ssize_t n;
-    if (!seq_items(args[2], &ids, &n)) Py_RETURN_NONE;
-    PyObject *direct = PyList_New(0);
-    if (direct == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyDict_GetItemWithError(held, ids[i]);
-        if (h == NULL) {
-            if (PyErr_Occurred() || PyList_Append(direct, ids[i]) < 0) goto fail;
-            continue;
-        }
-        Py_INCREF(h);
-        PyObject *r = PyObject_GetAttr(h, st->names[N_REFS]);
-        long refs = r == NULL ? -1 : PyLong_AsLong(r);
-        Py_XDECREF(r);
-        int bad = PyErr_Occurred() != NULL;
-        if (!bad && refs <= 0) {
-            bad = PyList_Append(direct, ids[i]) < 0;
-        } else if (!bad) {
-            PyObject *v = PyLong_FromLong(refs - 1);
-            bad = v == NULL || PyObject_SetAttr(h, st->names[N_REFS], v) < 0;
-            Py_XDECREF(v);
-            if (!bad && refs == 1)
-                bad = PyObject_SetAttr(h, st->names[N_IDLE_SINCE], now) < 0 || PyDict_SetItem(idle, ids[i], Py_None) < 0;
-        }
-        Py_DECREF(h);
-        if (bad) goto fail;
-    }
-    return direct;
-fail:
-    Py_DECREF(direct);
-    return NULL;
-}
-
 /* ------------------------------------------------------------------ object_record (client) */
 
 /* object_record(cls, arena_slabs, raw) -> cls(...) of one object record's bytes, as step.py's
@@ -875,131 +827,6 @@ short_raw:
     return NULL;
 }
 
-/* ------------------------------------------------------------------ a batch change's plan and finish (client) */
-
-
-/* A holding `h` (HeldAdapter or HeldPin) taken once more: refs + 1, idle_since 0.0, and
- * out of `idle` (under `idle_key`) where it had no reference. 0, or -1 on error. */
-static int
-take_ref(State *st, PyObject *h, PyObject *idle, PyObject *idle_key, PyObject *zero)
-{
-    PyObject *r = PyObject_GetAttr(h, st->names[N_REFS]);
-    if (r == NULL) return -1;
-    long refs = PyLong_AsLong(r);
-    Py_DECREF(r);
-    if (refs == -1 && PyErr_Occurred()) return -1;
-    if (refs == 0 && idle_key != NULL) {
-        int in = PyDict_Contains(idle, idle_key);
-        if (in < 0 || (in && PyDict_DelItem(idle, idle_key) < 0)) return -1;
-    }
-    PyObject *v = PyLong_FromLong(refs + 1);
-    if (v == NULL) return -1;
-    int bad = PyObject_SetAttr(h, st->names[N_REFS], v) < 0 || PyObject_SetAttr(h, st->names[N_IDLE_SINCE], zero) < 0;
-    Py_DECREF(v);
-    return bad ? -1 : 0;
-}
-
-/* An op tuple (kind, tuple(items)[, flags]): a new reference, or NULL. */
-static PyObject *
-op_tuple(long kind, PyObject *items, int with_flags, long flags)
-{
-    PyObject *t = PySequence_Tuple(items);
-    if (t == NULL) return NULL;
-    return with_flags ? Py_BuildValue("(lNl)", kind, t, flags) : Py_BuildValue("(lN)", kind, t);
-}
-
-/* delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now) ->
- * (ops, held, missing, acq, look): step_delta.py's send_delta planned against a caching
- * path's holdings (StepHoldings' dicts), changed as its Python pass changes them: the release
- * and unpin ops of what is held with no reference here (the others' references dropped), the
- * held adapters of `acquire` ({id: record}) and the ACQUIRE op of the rest (`missing`, at op
- * index `acq`, -1: none), and the LOOKUP op of every key (at `look`, -1: none; the holdings
- * answer no key). The idle holdings' ops are the caller's. None, having changed nothing,
- * where a list argument is not a list or tuple. */
-static PyObject *
-delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    State *st = state_of(self);
-    if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
-        !PyDict_CheckExact(args[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now)");
-        return NULL;
-    }
-    PyObject *adapters = args[0], *idle_a = args[1], *pins = args[2], *idle_p = args[3];
-    PyObject *now = args[8];
-    PyObject **acquire, **unused;
-    Py_ssize_t n_acq, n_keys, n;
-    if (!seq_items(args[4], &acquire, &n_acq) || !seq_items(args[5], &unused, &n) ||
-        !seq_items(args[6], &unused, &n_keys) || !seq_items(args[7], &unused, &n))
-        Py_RETURN_NONE;
-    PyObject *ops = PyList_New(0), *held = PyDict_New(), *missing = NULL;
-    PyObject *zero = PyFloat_FromDouble(0.0);
-    PyObject *dargs[4];
-    long acq = -1, look = -1;
-    if (ops == NULL || held == NULL || zero == NULL) goto fail;
-    for (int k = 0; k < 2; k++) { /* release, then unpin: drop_refs, and an op of the direct ones */
-        PyObject *items = args[5 + 2 * k];
-        if (PySequence_Fast_GET_SIZE(items) == 0) continue;
-        dargs[0] = k ? pins : adapters;
-        dargs[1] = k ? idle_p : idle_a;
-        dargs[2] = items;
-        dargs[3] = now;
-        PyObject *direct = drop_refs(self, dargs, 4);
-        if (direct == NULL) goto fail;
-        if (PyList_GET_SIZE(direct)) {
-            PyObject *op = op_tuple(k ? OP_UNPIN : OP_RELEASE, direct, 0, 0);
-            int bad = op == NULL || PyList_Append(ops, op) < 0;
-            Py_XDECREF(op);
-            if (bad) { Py_DECREF(direct); goto fail; }
-        }
-        Py_DECREF(direct);
-    }
-    if (n_acq) {
-        missing = PyList_New(0);
-        if (missing == NULL) goto fail;
-        for (Py_ssize_t i = 0; i < n_acq; i++) {
-            PyObject *h = PyDict_GetItemWithError(adapters, acquire[i]);
-            if (h == NULL) {
-                if (PyErr_Occurred() || PyList_Append(missing, acquire[i]) < 0) goto fail;
-                continue;
-            }
-            Py_INCREF(h);
-            PyObject *rec = NULL;
-            int bad = take_ref(st, h, idle_a, acquire[i], zero) < 0 || (rec = PyObject_GetAttr(h, st->names[N_RECORD])) == NULL ||
-                      PyDict_SetItem(held, acquire[i], rec) < 0;
-            Py_XDECREF(rec);
-            Py_DECREF(h);
-            if (bad) goto fail;
-        }
-        if (PyList_GET_SIZE(missing)) {
-            acq = (long)PyList_GET_SIZE(ops);
-            PyObject *op = op_tuple(OP_ACQUIRE, missing, 0, 0);
-            int bad = op == NULL || PyList_Append(ops, op) < 0;
-            Py_XDECREF(op);
-            if (bad) goto fail;
-        }
-    } else {
-        missing = args[4]; /* as send_delta: the (empty) acquire itself */
-        Py_INCREF(missing);
-    }
-    if (n_keys) {
-        look = (long)PyList_GET_SIZE(ops);
-        PyObject *op = op_tuple(OP_LOOKUP, args[6], 1, 1);
-        int bad = op == NULL || PyList_Append(ops, op) < 0;
-        Py_XDECREF(op);
-        if (bad) goto fail;
-    }
-    Py_DECREF(zero);
-    return Py_BuildValue("(NNNll)", ops, held, missing, acq, look);
-fail:
-    Py_XDECREF(ops);
-    Py_XDECREF(held);
-    Py_XDECREF(missing);
-    Py_XDECREF(zero);
-    return NULL;
-}
-
 /* cls(*v) of `n` values (new references each, released): a new reference, or NULL. */
 static PyObject *
 call_with(PyObject *cls, PyObject **v, int n)
@@ -1012,141 +839,6 @@ call_with(PyObject *cls, PyObject **v, int n)
         o = PyObject_Vectorcall(cls, v, n, NULL);
     for (int i = 0; i < n; i++) Py_XDECREF(v[i]);
     return o;
-}
-
-/* delta_finish(adapters, pins, acquire, held, missing, acq, look, results, AcquiredRecord,
- * HeldAdapter, HeldPin, tier_hot) -> (recs, records): step_delta.py's finish_delta of an
- * accepted reply on a caching path: each acquired adapter held (a HeldAdapter of its record
- * as found hot, one reference), `recs` the [(id, record)] of `acquire` in order (None where
- * `acquire` is empty), each looked-up object pinned with a reference (a HeldPin, by its
- * object id), `records` the found. None, having changed nothing, where the Python pass must
- * take it: the acquire was not hot, a found object is held already, or a result is not of
- * the shape made here. The records and holdings are made by calling the classes given. */
-static PyObject *
-delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    State *st = state_of(self);
-    if (nargs != 12 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[3]) ||
-        !PyList_CheckExact(args[7])) {
-        PyErr_SetString(PyExc_TypeError, "delta_finish(adapters, pins, acquire, held, missing, acq, look, results, "
-                                         "AcquiredRecord, HeldAdapter, HeldPin, tier_hot)");
-        return NULL;
-    }
-    PyObject *adapters = args[0], *pins = args[1], *held = args[3];
-    PyObject *results = args[7];
-    PyObject **acquire, **missing;
-    Py_ssize_t n_acq, n_miss;
-    if (!seq_items(args[2], &acquire, &n_acq) || !seq_items(args[4], &missing, &n_miss)) Py_RETURN_NONE;
-    long acq = PyLong_AsLong(args[5]), look = PyLong_AsLong(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    Py_ssize_t n_res = PyList_GET_SIZE(results);
-    /* Check everything first: nothing changes unless the whole of it is taken here. */
-    PyObject *outcome_ads = NULL; /* the acquire's records (a tuple), borrowed from the outcome */
-    PyObject *outcome = NULL;
-    if (n_acq && acq >= 0) {
-        if (acq >= n_res) Py_RETURN_NONE;
-        outcome = PyList_GET_ITEM(results, acq);
-        PyObject *hot = PyObject_GetAttr(outcome, st->names[N_HOT]);
-        if (hot == NULL) return NULL;
-        int is_hot = hot == Py_True;
-        Py_DECREF(hot);
-        if (!is_hot) Py_RETURN_NONE;
-        outcome_ads = PyObject_GetAttr(outcome, st->names[N_ADAPTERS]);
-        if (outcome_ads == NULL) return NULL;
-        if (!PyTuple_CheckExact(outcome_ads) && !PyList_CheckExact(outcome_ads)) {
-            Py_DECREF(outcome_ads);
-            Py_RETURN_NONE;
-        }
-    }
-    PyObject *new = NULL, *oids = NULL; /* the found records and their object ids (tuples) */
-    if (look >= 0 && look < n_res) {
-        if (!PyList_CheckExact(PyList_GET_ITEM(results, look))) goto none;
-        new = PyList_AsTuple(PyList_GET_ITEM(results, look));
-        if (new == NULL || (oids = PyTuple_New(PyTuple_GET_SIZE(new))) == NULL) goto fail;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(new); i++) {
-            PyObject *oid = PyObject_GetAttr(PyTuple_GET_ITEM(new, i), st->names[N_OBJECT_ID]);
-            if (oid == NULL) {
-                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto fail;
-                PyErr_Clear(); /* not a record: the Python pass says what it is */
-                goto none;
-            }
-            PyTuple_SET_ITEM(oids, i, oid);
-            int in = PyDict_Contains(pins, oid);
-            if (in < 0) goto fail;
-            if (in) goto none; /* held already: add_ref_pin's other branch, in Python */
-        }
-    }
-    PyObject *got = held, *recs = Py_None, *objs = NULL;
-    Py_INCREF(got);
-    Py_INCREF(recs);
-    if (outcome_ads != NULL) {
-        Py_SETREF(got, PyDict_Copy(held));
-        if (got == NULL) goto fail_recs;
-        Py_ssize_t m = PySequence_Fast_GET_SIZE(outcome_ads);
-        PyObject **ads = PySequence_Fast_ITEMS(outcome_ads);
-        for (Py_ssize_t i = 0; i < n_miss && i < m; i++) {
-            PyObject *v[4] = {PyObject_GetAttr(ads[i], st->names[N_GENERATION]),
-                              PyObject_GetAttr(ads[i], st->names[N_OBJECT_ID]), Py_NewRef(args[11]),
-                              PyObject_GetAttr(ads[i], st->names[N_PAGES])};
-            PyObject *rec = call_with(args[8], v, 4);
-            if (rec == NULL) goto fail_recs;
-            PyObject *hv[3] = {Py_NewRef(rec), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = call_with(args[9], hv, 3);
-            int bad = h == NULL || PyDict_SetItem(adapters, missing[i], h) < 0 ||
-                      PyDict_SetItem(got, missing[i], rec) < 0;
-            Py_XDECREF(h);
-            Py_DECREF(rec);
-            if (bad) goto fail_recs;
-        }
-    }
-    if (n_acq) {
-        Py_SETREF(recs, PyList_New(n_acq));
-        if (recs == NULL) goto fail_recs;
-        for (Py_ssize_t i = 0; i < n_acq; i++) {
-            PyObject *rec = PyDict_GetItemWithError(got, acquire[i]);
-            if (rec == NULL) {
-                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, acquire[i]);
-                goto fail_recs;
-            }
-            PyObject *pair = PyTuple_Pack(2, acquire[i], rec);
-            if (pair == NULL) goto fail_recs;
-            PyList_SET_ITEM(recs, i, pair);
-        }
-    }
-    if (new != NULL) {
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(new); i++) {
-            PyObject *rec = PyTuple_GET_ITEM(new, i);
-            PyObject *v[4] = {Py_NewRef(rec), PyLong_FromLong(1), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = call_with(args[10], v, 4);
-            if (h == NULL) goto fail_recs;
-            int bad = PyDict_SetItem(pins, PyTuple_GET_ITEM(oids, i), h) < 0;
-            Py_DECREF(h);
-            if (bad) goto fail_recs;
-        }
-        objs = Py_NewRef(PyList_GET_ITEM(results, look));
-    } else {
-        objs = PyList_New(0);
-    }
-    if (objs == NULL) goto fail_recs;
-    Py_DECREF(got);
-    Py_XDECREF(outcome_ads);
-    Py_XDECREF(new);
-    Py_XDECREF(oids);
-    return Py_BuildValue("(NN)", recs, objs);
-fail_recs:
-    Py_XDECREF(got);
-    Py_XDECREF(recs);
-    goto fail;
-none:
-    Py_XDECREF(outcome_ads);
-    Py_XDECREF(new);
-    Py_XDECREF(oids);
-    Py_RETURN_NONE;
-fail:
-    Py_XDECREF(outcome_ads);
-    Py_XDECREF(new);
-    Py_XDECREF(oids);
-    return NULL;
 }
 
 /* ------------------------------------------------------------------ decode_ok (client) */
@@ -1403,16 +1095,8 @@ static PyMethodDef methods[] = {
      "(rel, unpin, new_ids, new_keys, own_leases), or None"},
     {"batch_account", (PyCFunction)(void (*)(void))batch_account, METH_FASTCALL,
      "batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found): (adapters, objects), or None"},
-    {"drop_refs", (PyCFunction)(void (*)(void))drop_refs, METH_FASTCALL,
-     "drop_refs(held, idle, ids, now): the ids held with no reference here, or None"},
     {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
      "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
-    {"delta_plan", (PyCFunction)(void (*)(void))delta_plan, METH_FASTCALL,
-     "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now): "
-     "(ops, held, missing, acq, look), or None"},
-    {"delta_finish", (PyCFunction)(void (*)(void))delta_finish, METH_FASTCALL,
-     "delta_finish(adapters, pins, acquire, held, missing, acq, look, results, "
-     "AcquiredRecord, HeldAdapter, HeldPin, tier_hot): (recs, records), or None"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
      "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
      "last_objects, last_adapters): "

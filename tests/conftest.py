@@ -61,7 +61,8 @@ class Broker:
 # the adapter wing's cores) each have a pure-Python fallback. A module, class or test marked
 # ``both_cores`` runs twice, in the style of CPython's PEP 399 tests: once on the native cores and
 # once on the fallback (``MEMORY_BROKER_NATIVE=0`` in this process and in the brokers and clients
-# it starts). ``fallback_only`` runs only the second (tests of the Python path's own internals).
+# it starts). ``fallback_only`` runs only the second (tests of the Python path's own internals),
+# ``native_only`` only the first (what only the native cores do, e.g. reuse a reply's records).
 # The fallback runs carry the ``fallback`` marker: ``make test-all`` runs them, ``make test`` not.
 
 
@@ -87,6 +88,8 @@ def pytest_generate_tests(metafunc):
     # replace this one (test_structure checks the fallback runs are collected).
     if metafunc.definition.get_closest_marker("fallback_only"):
         modes = ["fallback"]
+    elif metafunc.definition.get_closest_marker("native_only"):
+        modes = ["native"]
     elif metafunc.definition.get_closest_marker("both_cores"):
         modes = ["native", "fallback"]
     else:

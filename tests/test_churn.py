@@ -254,9 +254,7 @@ print(json.dumps({"started": started, "killed": killed, "ops_seen": ops_seen, "s
 
 # How the clients reach the broker: gRPC only, the step channel (the default), and the step
 # channel with its holdings cache (releases held back, sent with later frames).
-PATHS = pytest.mark.parametrize(
-    "connect", [{"fast_path": False}, {}, {"hold_s": 0.05}], ids=["grpc", "step", "step-cache"]
-)
+PATHS = pytest.mark.parametrize("connect", [{"fast_path": False}, {}], ids=["grpc", "step"])
 
 
 @PATHS

@@ -1,11 +1,10 @@
 """StepBatch: an engine's running batch changed by its arrivals and completions. A change
-costs a round trip only for what the batch (and the step cache) does not hold, the broker's
+costs a round trip only for what the batch does not hold, the broker's
 books follow every change, bad drops change nothing, and releasing gives everything back."""
 
 from __future__ import annotations
 
 import gc
-import queue
 import random
 import threading
 import time
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.both_cores
 def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+    with BrokerClient.connect(b.socket) as c:
         batch = c.step_batch()
         n = frames(c)
         d = batch.update(["a0", "a1", "a0"], (), [b"k0", b"k1"])
@@ -31,18 +30,21 @@ def test_a_change_asks_the_broker_only_for_what_the_batch_does_not_hold(step_rig
         assert [a.adapter_id for a in d.adapters] == ["a0", "a1", "a0"] and [o.key for o in d.objects] == [b"k0", b"k1"]
         assert set(batch.adapters) == {"a0", "a1"} and set(batch.objects) == {b"k0", b"k1"}
         assert c.stats().pinned_pages == 4
-        # Another sequence of a0 on k0 arrives, one of a0 on k1 completes: nothing to ask.
-        d = batch.update(["a0"], ["a0"], [b"k0"], [b"k1"])
+        # Another sequence of a0 on k0 arrives: nothing to ask.
+        d = batch.update(["a0"], (), [b"k0"])
         assert frames(c) == n + 1 and d.round_trips == 0 and [o.key for o in d.objects] == [b"k0"]
-        assert set(batch.objects) == {b"k0"}  # k1's last sequence completed
-        # A new adapter and key: one frame carrying only them.
+        # One of a0 on k1 completes: k1's last sequence, unpinned in one frame.
+        d = batch.update((), ["a0"], (), [b"k1"])
+        assert frames(c) == n + 2 and d.round_trips == 1
+        assert set(batch.objects) == {b"k0"}
+        # A new adapter and key: one frame carrying only them and a1's release.
         d = batch.update(["a2"], ["a1"], [b"k2"])
-        assert frames(c) == n + 2 and d.adapters[0].adapter_id == "a2"
+        assert frames(c) == n + 3 and d.adapters[0].adapter_id == "a2"
         assert set(batch.adapters) == {"a0", "a2"} and set(batch.objects) == {b"k0", b"k2"}
-        # What was dropped stays pinned in the cache (eviction cannot take it) until flushed.
-        assert c.stats().pinned_pages == 6
+        # What was dropped went back with the change that dropped it.
+        assert c.stats().pinned_pages == 4
         batch.release()
-        assert c.flush_holdings() == 6 and c.stats().pinned_pages == 0
+        assert c.stats().pinned_pages == 0
 
 
 def test_a_bad_drop_is_refused_and_changes_nothing(step_rig):
@@ -103,12 +105,10 @@ def test_a_background_batchs_worker_ends_with_the_batch_released_or_dropped(step
             assert _workers() == before
 
 
-@pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["direct", "cache"])
-def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig, hold_s):
-    # With the cache (and the native core) the change takes the short lane (``lane_begin``).
+def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+    with BrokerClient.connect(b.socket) as c:
         batch = c.step_batch()
         batch.update(["a0"], (), [b"k0"])
         p = batch.begin(["nope"], ["a0"], [b"k1"], [b"k0"])
@@ -119,46 +119,18 @@ def test_a_refused_change_keeps_its_drops_and_takes_none_of_its_adds(step_rig, h
             p.result()
         assert again.value is e.value
         assert batch.adapters == {} and batch.objects == {}
-        c.flush_holdings()  # what the cache keeps of the drops (nothing without it)
         assert c.stats().pinned_pages == 0
         batch.update(["a1"], (), [b"k1"])  # the batch goes on
         assert set(batch.adapters) == {"a1"} and c.stats().pinned_pages == 2
         batch.release()
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
-
-
-def test_a_change_on_a_caching_channel_takes_the_short_lane_where_the_core_is_built(step_rig, native_core):
-    """With the holdings cache and the native core, a change goes from ``begin`` to the socket
-    in one object (``step_delta.LaneChange``); without the core, or without the cache, through
-    ``ChannelCalls.change`` (``PendingBatchStep``). Both give the same result (the rest of this
-    module runs every change both ways)."""
-    from memory_broker.clients.step.batch import PendingBatchStep
-    from memory_broker.clients.step.delta import LaneChange
-
-    b, setup = step_rig
-    setup.prefetch_adapters(["a0", "a1"], "hot")
-    for hold_s, lane in ((30.0, native_core == "native"), (0.0, False)):
-        with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
-            batch = c.step_batch()
-            batch.update(["a0"], (), [b"k0"])  # the session's calls chosen
-            p = batch.begin(["a1"], ["a0"], [b"k1", b"k2"], [b"k0"])
-            assert type(p) is (LaneChange if lane else PendingBatchStep)
-            assert not p.settled
-            d = p.result()
-            assert p.settled and p.result() is d
-            assert [a.adapter_id for a in d.adapters] == ["a1"] and [o.key for o in d.objects] == [b"k1", b"k2"]
-            assert set(batch.adapters) == {"a1"} and set(batch.objects) == {b"k1", b"k2"}
-            batch.release()
-            c.flush_holdings()
-            assert c.stats().pinned_pages == 0
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["caller", "worker-thread"])
 def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(step_rig, background):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+    with BrokerClient.connect(b.socket) as c:
         batch = c.step_batch(background=background)
         p1 = batch.begin(["a0"], (), [b"k0"])
         assert c.stats().pinned_pages == 2  # a gRPC call between begin and result: in order
@@ -169,11 +141,10 @@ def test_begin_overlaps_and_the_next_change_collects_an_uncollected_one(step_rig
         batch.release()
         with pytest.raises(BrokerError, match="released"):
             batch.update(["a0"])
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("mode", ["no-cache", "cache", "grpc", "cache-worker-thread", "cache-worker-thread-no-poll"])
+@pytest.mark.parametrize("mode", ["step", "grpc", "worker-thread"])
 def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_rig, mode, monkeypatch):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
@@ -181,8 +152,8 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_r
         monkeypatch.setattr(BrokerClient, "_step_socket", lambda self: "/nonexistent/step")
     keys = [b"k%d" % i for i in range(6)] + [b"absent"]
     rng = random.Random(11)
-    with BrokerClient.connect(b.socket, hold_s=30.0 if mode.startswith("cache") else 0.0) as c:
-        batch = c.step_batch(background="thread" in mode, poll_s=0.0 if mode.endswith("no-poll") else 0.0002)
+    with BrokerClient.connect(b.socket) as c:
+        batch = c.step_batch(background="thread" in mode)
         seqs: list[tuple[str, bytes]] = []
         for _ in range(150):
             done = rng.sample(seqs, rng.randint(0, min(3, len(seqs))))
@@ -203,14 +174,13 @@ def test_random_changes_keep_the_counts_straight_and_give_everything_back(step_r
             # The broker pins at least what the batch holds.
             assert c.stats().pinned_pages >= len(batch.adapters) + len(batch.objects)
         batch.release()
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
 
 
 def test_a_worker_thread_runs_the_change_while_the_caller_waits_and_calls_in_between_stay_in_order(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+    with BrokerClient.connect(b.socket) as c:
         batch = c.step_batch(background=True)
         p = batch.begin(["a0"], (), [b"k0", b"k1"])
         deadline = time.monotonic() + 5
@@ -225,7 +195,6 @@ def test_a_worker_thread_runs_the_change_while_the_caller_waits_and_calls_in_bet
             batch.begin(["nope"]).result()  # a refused change raises from result()
         assert e.value.code == Code.NOT_FOUND
         batch.release()
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
 
 
@@ -245,18 +214,14 @@ def test_a_background_change_is_what_begin_was_given_though_the_caller_reuses_it
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("poll_s", [0.0, 0.0002])
-def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step_rig, poll_s):
-    from memory_broker.clients.step import batch as batch_mod
-
+def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
     with BrokerClient.connect(b.socket) as c:
-        batch = c.step_batch(background=True, poll_s=poll_s)
+        batch = c.step_batch(background=True, poll_s=0.0002)  # poll_s: accepted, unused
         for i in range(3):
             batch.begin(["a0"], (), [b"k%d" % i]).result()
-            time.sleep(batch_mod.LINGER_S * 2)  # the worker stops looking and sleeps
-            # Between the worker's last look and its sleep, or well after: either way woken.
+            time.sleep(0.05)  # the worker sleeps
             d = batch.begin((), ["a0"], (), [b"k%d" % i]).result()
             assert d.adapters == [] and batch.objects == {}
         batch.release()
@@ -265,14 +230,12 @@ def test_a_background_worker_that_went_to_sleep_is_woken_by_the_next_change(step
             c.step_batch(background=True, poll_s=-1)
 
 
-@pytest.mark.parametrize("poll_s", [0.0, 0.0002])
-def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall(monkeypatch, poll_s):
-    # Puts land while the worker runs, looks, is about to sleep, and sleeps (a short linger
-    # makes every case frequent); none may be lost, run twice or out of order.
+def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall():
+    # Puts land while the worker runs and while it sleeps; none may be lost, run twice or
+    # out of order.
     from memory_broker.clients.step import batch as batch_mod
 
-    monkeypatch.setattr(batch_mod, "LINGER_S", 0.002)
-    jobs = batch_mod._Jobs(poll_s)
+    jobs = batch_mod._Jobs()
     t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
     t.start()
     ran: list[int] = []
@@ -292,69 +255,6 @@ def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall
     jobs.stop()
     t.join(10)
     assert not t.is_alive() and stolen == [1]
-
-
-def test_between_steady_changes_the_worker_wakes_once_a_change(monkeypatch):
-    # Changes every 10 ms (an engine's steps): the worker used to look every poll_s through
-    # the gap (50 wake-ups a change), then to nap through three quarters of it and look every
-    # poll_s in the rest (about 13); it now sleeps until just after the next change is due
-    # and finds it queued: one wake-up a change (each costs a thread that slept 10-40 us of
-    # CPU on the 2-core VM).
-    import types
-
-    from memory_broker.clients.step import batch as batch_mod
-
-    waits = [0]
-
-    def sleep(s):
-        waits[0] += 1
-        time.sleep(s)
-
-    class Wake:
-        def __init__(self):
-            self.q = queue.SimpleQueue()
-
-        def get(self, *a, **k):
-            waits[0] += 1
-            return self.q.get(*a, **k)
-
-        def put(self, x):
-            self.q.put(x)
-
-    monkeypatch.setattr(batch_mod, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
-    jobs = batch_mod._Jobs(0.0002)
-    jobs.wake = Wake()
-    t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
-    t.start()
-    ran: list[int] = []
-    pace = 0.01
-    per_change = []
-    for i in range(40):
-        before = waits[0]
-        jobs.put([lambda i=i: ran.append(i)])
-        time.sleep(pace)
-        if i >= 10:  # the pace is learnt by now
-            per_change.append(waits[0] - before)
-    jobs.stop()
-    t.join(10)
-    assert ran == list(range(40))
-    # The median change (a loaded machine's late sleeps make a few look more).
-    assert sorted(per_change)[len(per_change) // 2] <= 1, f"the worker waited {per_change} times a change"
-    # A change that comes sooner than the usual gap is run at once all the same (it wakes the nap).
-    jobs = batch_mod._Jobs(0.0002)
-    t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
-    t.start()
-    done = threading.Event()
-    for _ in range(5):
-        jobs.put([lambda: None])
-        time.sleep(0.02)
-    t0 = time.perf_counter()
-    jobs.put([done.set])
-    assert done.wait(5)
-    woke = time.perf_counter() - t0
-    jobs.stop()
-    t.join(10)
-    assert woke < 0.01, f"a change that came early waited {woke * 1e3:.1f} ms"
 
 
 def test_result_gives_up_on_a_worker_that_does_not_finish(step_rig, monkeypatch):

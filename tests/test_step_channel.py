@@ -1,5 +1,5 @@
 """The step channel end to end: the client's step calls go over it with gRPC's semantics, the
-broker's books (GetStats) see them, the cache holds what it says it holds, and the channel
+broker's books (GetStats) see them, and the channel
 refuses strangers and malformed frames without changing anything."""
 
 from __future__ import annotations
@@ -100,23 +100,19 @@ def test_an_adapter_that_is_not_hot_is_loaded_on_the_channel_with_grpcs_deferral
         assert fast.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("post", [True, False], ids=["posted", "blocking"])
-def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(step_rig, post):
-    """As over gRPC; a give-back posted (``post_give_backs``, the default) has its refusal
-    raised by ``flush()``, a blocking one by the call itself."""
+def test_unknown_adapters_and_bad_ids_are_refused_as_over_grpc(step_rig):
+    """As over gRPC: a give-back's refusal is raised by the call itself."""
     b, setup = step_rig
-    with BrokerClient.connect(b.socket, post_give_backs=post) as c:
+    with BrokerClient.connect(b.socket) as c:
         before = books(c)
         with pytest.raises(BrokerError) as e:
             c.acquire_adapters(["no-such"])
         assert e.value.code == Code.NOT_FOUND
         with pytest.raises(BrokerError) as e:
             c.release_adapters(["a0"])
-            c.flush()
         assert e.value.code in (Code.FAILED_PRECONDITION, Code.NOT_FOUND)
         with pytest.raises(BrokerError) as e:
             c.unpin([999])
-            c.flush()
         assert e.value.code == Code.NOT_FOUND
         anon = setup.allocate([Spec(1)])[0]
         with pytest.raises(BrokerError) as e:
@@ -150,98 +146,12 @@ def test_two_phase_acquire_prepares_the_next_step_and_commits_it_in_one_call(ste
         assert c.stats().pinned_pages == 0 and c.stats().open_transactions == 0
 
 
-# ------------------------------------------------------------------ the cache
-
-
-def test_the_cache_makes_a_steady_step_of_adapters_free_and_releases_ride_on_the_next_frame(step_rig):
-    b, setup = step_rig
-    setup.prefetch_adapters(["a0", "a1", "a2"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
-        n = frames(c)
-        s1 = c.step(["a0", "a1"], [b"k0", b"k1"])
-        assert frames(c) == n + 1
-        s2 = c.step(["a0", "a1"], release=s1)  # held adapters and no keys: nothing to ask
-        s3 = c.step(["a1", "a0"], release=s2)
-        s3 = c.step(["a1", "a0"], release=s3)  # the same step again: taken over
-        assert frames(c) == n + 1 and s3.objects == [] and s3.adapters.ids == ["a1", "a0"]
-        # Released locally, still pinned at the broker: eviction cannot take them.
-        assert c.stats().pinned_pages == 4
-        # Keys go to the broker every time, held or not (a key may name another object by now).
-        s4 = c.step(["a0", "a1"], [b"k0", b"k1"], release=s3)
-        assert frames(c) == n + 2 and [o.object_id for o in s4.objects] == [o.object_id for o in s1.objects]
-        s5 = c.step(["a2"], [b"k0", b"k2"], release=s4)
-        assert frames(c) == n + 3 and s5.adapters.ids == ["a2"] and [o.key for o in s5.objects] == [b"k0", b"k2"]
-        assert c.stats().pinned_pages == 6
-        # A release posts the unpin of each pin a lookup took on an object held already (s5's
-        # of k0; s5's own frame gave back s4's of k0 and k1).
-        s5.release()
-        assert frames(c) == n + 4
-        with c.lookup_pinned([b"k0", b"k1"]) as objs:  # held, and looked up all the same
-            assert [o.key for o in objs] == [b"k0", b"k1"]
-        assert frames(c) == n + 6
-        # One broker pin on each held object (a lookup without pins: a frame of its own).
-        assert [o.session_pins for o in c.lookup([b"k0", b"k1", b"k2"], pin=False)] == [1, 1, 1]
-        assert c.flush_holdings() == 6 and frames(c) == n + 8
-        assert c.stats().pinned_pages == 0
-
-
-def test_a_held_key_looked_up_step_after_step_keeps_its_pins_bounded_under_a_pin_limit(broker_factory, caplog):
-    """Keys go to the broker each step; the pin a lookup takes on an object the cache holds
-    already goes back with the next frame, so a session stepping over the same keys holds at
-    most two pins on each between frames (three while a frame's LOOKUP runs, before its
-    UNPIN of the last step's): 200 steps of 6 keys under a limit of 18 pins are all served, and
-    everything goes back with the holdings."""
-    b = broker_factory("--max-pins-per-session", "18")
-    keys = [b"k%d" % i for i in range(6)]
-    with BrokerClient.connect(b.socket, client_name="setup") as setup:
-        setup.allocate([Spec(1, content_type="kv_cache", key=k) for k in keys])
-        with BrokerClient.connect(b.socket, hold_s=30.0) as c:
-            prev = c.step(keys=keys)
-            for _ in range(200):
-                prev = c.step(keys=keys, release=prev)
-                assert [o.key for o in prev.objects] == keys
-            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [2] * 6
-            prev.release()
-            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [1] * 6
-            assert c.flush_holdings() == 6
-            assert [o.session_pins for o in c.lookup(keys, pin=False)] == [0] * 6
-            c.flush()  # no give-back was refused (none unpinned twice)
-            assert c.flush_holdings() == 0
-        assert setup.stats().pinned_pages == 0
-        assert not [r.message for r in caplog.records if "refused" in r.getMessage()]
-
-
-def test_idle_holdings_are_released_after_hold_s_with_the_next_call(step_rig):
-    b, setup = step_rig
-    setup.prefetch_adapters(["a0"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=0.2) as c:
-        c.acquire_adapters(["a0"]).release()
-        c.lookup([b"k0"])  # pinned, held by the caller
-        assert c.stats().pinned_pages == 2
-        time.sleep(0.3)
-        c.lookup([b"k1"])  # this frame carries the release of a0
-        assert c.stats().pinned_pages == 2  # k0 and k1, held by the caller
-
-
-def test_eviction_never_takes_what_the_cache_holds(step_rig):
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
-        with c.lookup_pinned([b"k0", b"k1"]):
-            pass  # released here, held by the cache
-        # Fill the pool: every unpinned page of the broker may be evicted for this.
-        free = setup.stats().free_pages
-        setup.allocate([Spec(free + 4)])
-        assert [o.key for o in setup.lookup([b"k0", b"k1"], pin=False)] == [b"k0", b"k1"]
-        assert setup.lookup([b"k2"], pin=False) == []  # not held: evicted
-
-
-def test_a_dead_process_loses_its_cached_pins_and_leases_within_a_second(step_rig):
+def test_a_dead_process_loses_its_pins_and_leases_within_a_second(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     body = """
-c = BrokerClient.connect(SOCKET, hold_s=30.0)
+c = BrokerClient.connect(SOCKET)
 s = c.step(["a0", "a1"], [b"k0", b"k1", b"k2"])
-s.release()
 out(held=len(s.objects))
 time.sleep(60)
 """
@@ -369,13 +279,12 @@ def test_a_broker_without_the_channel_is_served_over_grpc(step_rig, monkeypatch)
         assert c.stats().pinned_pages == 0
 
 
-@pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["no-cache", "cache"])
-def test_random_steps_keep_the_counts_straight_and_give_everything_back(step_rig, hold_s):
+def test_random_steps_keep_the_counts_straight_and_give_everything_back(step_rig):
     b, setup = step_rig
-    setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: gRPC loads them
+    setup.prefetch_adapters(["a0", "a1"], "hot")  # a2, a3 start cold: the step loads them
     keys = [b"k%d" % i for i in range(6)] + [b"absent"]
     rng = random.Random(9)
-    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+    with BrokerClient.connect(b.socket) as c:
         prev = None
         pending = None
         for _ in range(120):
@@ -394,22 +303,7 @@ def test_random_steps_keep_the_counts_straight_and_give_everything_back(step_rig
             assert c.stats().pinned_pages >= len(want) + len(set(found))
             prev = cur
         prev.release()
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
-        st = c._step_path()
-        assert st.idle() == 0 and not st.adapters and not st.pins
-
-
-def test_freeing_an_object_the_cache_holds_drops_it_from_the_cache(step_rig):
-    b, _ = step_rig
-    with BrokerClient.connect(b.socket, hold_s=0.1) as c:
-        (mine,) = c.allocate([Spec(1, content_type="kv_cache", key=b"own")])
-        c.unpin(c.lookup([b"own"]))  # idle in the cache, pinned at the broker
-        assert c.stats().pinned_pages == 1
-        assert c.free([mine]) == (1, 0)  # the owner's own pins go with the object
-        time.sleep(0.2)
-        assert [o.key for o in c.lookup([b"k0"])] == [b"k0"]  # a frame that would release it: no error
-        assert c.stats().pinned_pages == 1
 
 
 def test_arguments_the_frame_cannot_carry_are_invalid_and_change_nothing(step_rig):
@@ -442,7 +336,7 @@ def test_threads_sharing_a_client_each_get_their_own_answers(step_rig):
 
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=0.05) as c:
+    with BrokerClient.connect(b.socket) as c:
         errors = []
 
         def worker(i: int) -> None:
@@ -461,7 +355,6 @@ def test_threads_sharing_a_client_each_get_their_own_answers(step_rig):
         for t in threads:
             t.join(60)
         assert not errors, errors
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
 
 
@@ -471,7 +364,7 @@ def test_the_step_path_follows_the_client_across_a_broker_restart():
     sock = os.path.join(short_tmpdir(), "b.sock")
     b1 = start_broker(socket=sock)
     b2 = None
-    c = BrokerClient.connect(sock, timeout=10, hold_s=30.0)
+    c = BrokerClient.connect(sock, timeout=10)
     try:
         c.allocate([Spec(1, content_type="kv_cache", key=b"r")])
         assert [o.key for o in c.lookup([b"r"])] == [b"r"]
@@ -482,9 +375,9 @@ def test_the_step_path_follows_the_client_across_a_broker_restart():
         deadline = time.monotonic() + 20
         while c.reconnects == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        # The old session's cache is gone with it; the new session gets a step path of its own.
+        # The old session's pins are gone with it; the new session gets a step path of its own.
         assert c.lookup([b"r"]) == []
-        assert c._step_path() is not first and not c._step_path().pins
+        assert c._step_path() is not first
         c.allocate([Spec(1, content_type="kv_cache", key=b"r")])
         n = frames(c)
         assert [o.key for o in c.lookup([b"r"])] == [b"r"] and frames(c) == n + 1
@@ -496,11 +389,10 @@ def test_the_step_path_follows_the_client_across_a_broker_restart():
                 b.stop(signal.SIGKILL)
 
 
-@pytest.mark.parametrize("hold_s", [0.0, 30.0], ids=["no-cache", "cache"])
-def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(step_rig, hold_s):
+def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(step_rig):
     b, setup = step_rig
     setup.prefetch_adapters(["a0"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+    with BrokerClient.connect(b.socket) as c:
         n = frames(c)
         pending = c.step_begin(["a0"], [b"k0", b"k1"])
         assert frames(c) == n + 1  # sent at begin
@@ -509,7 +401,6 @@ def test_a_call_made_between_begin_and_result_reads_the_begun_reply_first(step_r
         assert s.adapters.ids == ["a0"] and [o.key for o in s.objects] == [b"k0", b"k1"]
         assert pending.result() is s
         s.release()
-        c.flush_holdings()
         assert c.stats().pinned_pages == 1  # k2, still the caller's
 
 
@@ -525,19 +416,17 @@ def test_a_reply_larger_than_one_read_arrives_whole(step_rig):
 
 
 def test_an_acquire_of_an_adapter_a_begun_step_is_acquiring_leaks_no_pin(step_rig):
-    # Step 2 is planned while step 1's acquire of a0 is in flight: step 2 must see step 1's
-    # reply first, or the cache holds a0 once and the broker twice (one pin never released).
+    # Step 2 is sent while step 1's acquire of a0 is in flight: each gets its own reply, and
+    # each pin it took goes back with its lease.
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
-    with BrokerClient.connect(b.socket, hold_s=30.0) as c:
+    with BrokerClient.connect(b.socket) as c:
         pending = c.step_begin(["a0"], [b"k0"])
         both = c.step(["a0", "a1"], [b"k0", b"k1"])
         first = pending.result()
         assert first.adapters.ids == ["a0"] and both.adapters.ids == ["a0", "a1"]
         first.release()
-        assert c.flush_holdings() == 0  # `both` still holds a0 and k0: nothing is idle
         both.release()
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
         batch = c.step_batch()
         p = batch.begin(["a0"], (), [b"k2"])
@@ -545,7 +434,6 @@ def test_an_acquire_of_an_adapter_a_begun_step_is_acquiring_leaks_no_pin(step_ri
             assert [o.key for o in objs] == [b"k2"]
         p.result()
         batch.release()
-        c.flush_holdings()
         assert c.stats().pinned_pages == 0
 
 
@@ -686,7 +574,6 @@ def test_both_transports_calls_objects_offer_the_same_calls():
     import inspect
 
     from memory_broker.clients.step.channel import ChannelCalls
-    from memory_broker.clients.step.direct import DirectCalls
     from memory_broker.clients.step.grpc_calls import GrpcCalls
 
     def calls(cls) -> dict:
@@ -696,7 +583,7 @@ def test_both_transports_calls_objects_offer_the_same_calls():
             if not n.startswith("_")
         }
 
-    assert calls(ChannelCalls) == calls(GrpcCalls) == calls(DirectCalls)
+    assert calls(ChannelCalls) == calls(GrpcCalls)
     assert {"lookup", "pin", "unpin", "acquire_adapters", "release_adapters", "step", "change"} <= set(calls(GrpcCalls))
 
 
@@ -705,8 +592,7 @@ def test_a_session_chooses_its_calls_once_and_again_after_its_channel_breaks(ste
     b, _ = step_rig
     with BrokerClient.connect(b.socket, fast_path=fast_path) as c:
         first = c._step_calls()
-        # Without hold_s (the default), the step channel's calls without the cache.
-        assert type(first).__name__ == ("DirectCalls" if fast_path else "GrpcCalls")
+        assert type(first).__name__ == ("ChannelCalls" if fast_path else "GrpcCalls")
         assert c._step_calls() is first and [o.key for o in c.lookup([b"k0"])] == [b"k0"]
         if fast_path:
             first.path.transport.close()  # the channel broke: the next call chooses again
@@ -734,11 +620,9 @@ def test_a_lookup_changes_page_access_once_for_all_its_objects(step_rig, fast_pa
         c.unpin(objs)
 
 
-def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig, monkeypatch):
+def test_a_generic_call_is_one_frame_of_its_own_items(step_rig, monkeypatch):
     """acquire_adapters, lookup, pin, unpin and release cost what one frame of their items
-    costs: one frame each, one op in it, nothing planned against a step cache there is not
-    (``StepPath.step``'s planning is for a whole step, and for ``hold_s``)."""
-    from memory_broker.clients.step.path import StepPath
+    costs: one frame each, one op in it."""
     from memory_broker.clients.step.transport import StepTransport
 
     b, setup = step_rig
@@ -746,25 +630,12 @@ def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig
     with BrokerClient.connect(b.socket) as c:
         c.acquire_adapters(["a0"]).release()  # the session's channel, and a0's layout, once
         sent: list[list[int]] = []
-        real_request, real_post = StepTransport.request, StepTransport.post
+        real_request = StepTransport.request
         monkeypatch.setattr(  # what went on the wire, op by op
             StepTransport,
             "request",
             lambda self, data: (sent.append([o.kind for o in w.decode_step(data[5:])]), real_request(self, data))[1],
         )
-        monkeypatch.setattr(  # the give-backs' frames, posted
-            StepTransport,
-            "post",
-            lambda self, data, ops, own=-1: (
-                sent.append([o.kind for o in w.decode_step(data[5:])]),
-                real_post(self, data, ops, own),
-            )[1],
-        )
-
-        def no_plan(*a, **kw):
-            raise AssertionError("a generic call planned a whole step")
-
-        monkeypatch.setattr(StepPath, "_plan", no_plan)
         n = frames(c)
         base = c.stats().pinned_pages
         lease = c.acquire_adapters(["a0", "a1", "a0"], max_adapters=1)
@@ -779,19 +650,16 @@ def test_a_generic_call_without_the_cache_is_one_frame_of_its_own_items(step_rig
         assert sent == [[w.OP_ACQUIRE], [w.OP_LOOKUP], [w.OP_PIN], [w.OP_UNPIN], [w.OP_RELEASE]]
         # Nothing to send: no frame.
         assert c.lookup([]) == [] and c.unpin([]) is None and frames(c) == n + 5
-        # A refusal is the broker's, as before, and the call's one frame (posted: raised by flush).
-        c.unpin([objs[0]])
-        assert frames(c) == n + 6
+        # A refusal is the broker's, as before, raised by the call's one frame.
         with pytest.raises(BrokerError) as e:
-            c.flush()
+            c.unpin([objs[0]])
         assert e.value.code == Code.FAILED_PRECONDITION and frames(c) == n + 6
 
 
-def test_a_step_without_the_cache_is_one_frame_of_its_ops_and_a_refusal_gives_its_acquire_back(step_rig, monkeypatch):
-    """``client.step`` without ``hold_s`` sends what the previous step gives back, the acquire and
-    the lookup in one frame, in that order, and plans nothing against a cache there is not; an
-    op refused after the acquire leaves nothing of the step pinned, and the error is the broker's."""
-    from memory_broker.clients.step.path import StepPath
+def test_a_step_is_one_frame_of_its_ops_and_a_refusal_gives_its_acquire_back(step_rig, monkeypatch):
+    """``client.step`` sends what the previous step gives back, the acquire and the lookup in one
+    frame, in that order; an op refused after the acquire leaves nothing of the step pinned,
+    and the error is the broker's."""
     from memory_broker.clients.step.transport import StepTransport
 
     b, setup = step_rig
@@ -808,11 +676,6 @@ def test_a_step_without_the_cache_is_one_frame_of_its_ops_and_a_refusal_gives_it
                 real_request(self, data),
             )[1],
         )
-
-        def no_plan(*a, **kw):
-            raise AssertionError("a step without the cache planned against one")
-
-        monkeypatch.setattr(StepPath, "_plan", no_plan)
         n, base = frames(c), books(c)
         one = c.step(["a0", "a1", "a0"], [b"k0", b"k1", b"nope"], max_adapters=1)
         assert one.adapters.ids == ["a0"] and one.adapters.deferred == ["a1"]
@@ -926,113 +789,11 @@ def test_transport_without_a_timeout_blocks_with_no_kernel_deadline(step_rig):
             t.close()
 
 
-def test_a_key_freed_and_used_again_by_another_session_is_not_answered_from_the_cache(step_rig):
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
-        (old,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
-        (seen,) = reader.lookup([b"reused"])
-        reader.unpin([seen])  # idle in the reader's cache, still pinned at the broker
-        assert seen.object_id == old.object_id
-        setup.free([old])  # the key goes; the object stays while the reader's pin does
-        (new,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
-        (again,) = reader.lookup([b"reused"])
-        assert again.object_id == new.object_id, (
-            f"the key names object {new.object_id}; the cache said {again.object_id}"
-        )
-        reader.unpin([again])
-
-
-@pytest.mark.parametrize("how", ["step", "batch"])
-def test_a_key_freed_and_used_again_is_not_answered_by_a_steady_step_or_a_batch_change(step_rig, how):
-    """As above, for a step that asks again what the last one held (``release=``: the lease it
-    would take over) and for a step batch's key that left the batch and comes back (the batch
-    change's plan, ``step_delta``, native and Python): the broker's answer, the new object."""
-    b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=30.0) as reader:
-        (old,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
-        if how == "step":
-            first = reader.step(keys=[b"reused"])
-            seen = first.objects
-        else:
-            batch = reader.step_batch()
-            seen = batch.update(add_keys=[b"reused"]).objects
-            batch.update(drop_keys=[b"reused"])  # idle in the reader's cache, still pinned
-        assert [o.object_id for o in seen] == [old.object_id]
-        setup.free([old])  # the key goes; the object stays while the reader's pin does
-        (new,) = setup.allocate([Spec(1, content_type="kv_cache", key=b"reused")])
-        if how == "step":
-            again = reader.step(keys=[b"reused"], release=first)
-            assert [o.object_id for o in again.objects] == [new.object_id]
-            again.release()
-        else:
-            assert [o.object_id for o in batch.update(add_keys=[b"reused"]).objects] == [new.object_id]
-            assert batch.objects[b"reused"].object_id == new.object_id
-            batch.release()
-        assert reader.flush_holdings() == 2
-    assert setup.stats().objects == 7  # the six keyed blocks and the new one: the old one went with its pin
-
-
-@pytest.mark.parametrize("end", ["expire", "close"])
-def test_a_key_looked_up_twice_with_the_cache_is_asked_each_time_and_every_pin_goes_back(step_rig, monkeypatch, end):
-    """With ``hold_s`` the holdings are by object id and never answer a key: a step that looks
-    up the same key twice, nothing changed in between, sends a LOOKUP each time and gets the
-    same object; the second lookup's pin, on an object held already, goes back with the next
-    frame, the held one when the holding expires (with the frame after that) or the client
-    closes."""
-    from memory_broker.clients.step.transport import StepTransport
-
-    b, setup = step_rig
-
-    def pins() -> int:
-        (o,) = setup.lookup([b"k0"], pin=False)
-        return o.total_pins
-
-    with BrokerClient.connect(b.socket, hold_s=0.2 if end == "expire" else 30.0) as c:
-        c.lookup([b"k5"], pin=False)  # the session's channel, once
-        mine = c._step_path().transport
-        sent: list[list[int]] = []  # what went on the wire from c, op by op
-
-        def seen(t, data: bytes) -> None:
-            if t is mine:
-                sent.append([o.kind for o in w.decode_step(data[5:])])
-
-        real_request, real_post = StepTransport.request, StepTransport.post
-        monkeypatch.setattr(
-            StepTransport, "request", lambda self, data: (seen(self, data), real_request(self, data))[1]
-        )
-        monkeypatch.setattr(
-            StepTransport,
-            "post",
-            lambda self, data, ops, own=-1: (seen(self, data), real_post(self, data, ops, own))[1],
-        )
-        n = frames(c)
-        one = c.step(keys=[b"k0"])
-        two = c.step(keys=[b"k0"], release=one)
-        assert frames(c) == n + 2 and sent == [[w.OP_LOOKUP], [w.OP_LOOKUP]]
-        assert [o.key for o in two.objects] == [b"k0"]
-        assert two.objects[0].object_id == one.objects[0].object_id
-        assert pins() == 2  # one pin for each lookup
-        two.release()  # posts the unpin of the second lookup's pin
-        c.flush()  # its reply read: the broker ran it (``pins`` asks on another session)
-        assert frames(c) == n + 3 and sent[-1] == [w.OP_UNPIN]
-        assert pins() == 1  # idle in the cache: still pinned at the broker
-        if end == "expire":
-            time.sleep(0.3)
-            c.lookup([b"k1"], pin=False)  # its frame carries the expired holding's unpin
-            assert frames(c) == n + 4 and sent[-1] == [w.OP_LOOKUP, w.OP_UNPIN]
-            assert pins() == 0 and c.stats().pinned_pages == 0
-    deadline = time.monotonic() + 5.0
-    while pins() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pins() == 0 and setup.stats().pinned_pages == 0
-
-
-@pytest.mark.parametrize("hold_s", [0.0, 1.0], ids=["direct", "cache"])
-def test_a_lease_says_where_an_adapter_was_found_when_the_channel_loaded_it(step_rig, hold_s):
+def test_a_lease_says_where_an_adapter_was_found_when_the_channel_loaded_it(step_rig):
     """An adapter the broker loads for a frame is "cold" in that lease (acquire, step and a
-    running batch's change alike), with or without the holdings cache, and "hot" after."""
+    running batch's change alike), and "hot" after."""
     b, setup = step_rig
-    with BrokerClient.connect(b.socket, hold_s=hold_s) as c:
+    with BrokerClient.connect(b.socket) as c:
         lease = c.acquire_adapters(["a0"])
         assert [a.found_in for a in lease.adapters] == ["cold"]
         lease.release()
@@ -1048,3 +809,20 @@ def test_a_lease_says_where_an_adapter_was_found_when_the_channel_loaded_it(step
         again = c.acquire_adapters(["a2"])
         assert [a.found_in for a in again.adapters] == ["hot"]
         again.release()
+
+
+def test_hold_s_is_said_once_to_be_ignored_and_every_call_is_a_frame(step_rig, caplog, monkeypatch):
+    """``connect(hold_s=...)`` of a client from before the holdings cache went: it still
+    connects, says once (a WARNING) that it is ignored, and each give-back is a frame."""
+    from memory_broker.clients import step_session
+
+    monkeypatch.setattr(step_session, "_said_hold_s", False)
+    b, setup = step_rig
+    with caplog.at_level(logging.WARNING, logger="memory_broker.clients.step_session"):
+        with BrokerClient.connect(b.socket, hold_s=5.0) as c, BrokerClient.connect(b.socket, hold_s=5.0):
+            objs = c.lookup([b"k0"])
+            n = frames(c)
+            c.unpin(objs)
+            assert frames(c) == n + 1 and c.stats().pinned_pages == 0
+    said = [r for r in caplog.records if "hold_s" in r.getMessage()]
+    assert len(said) == 1 and "ignored" in said[0].getMessage()

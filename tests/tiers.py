@@ -232,6 +232,7 @@ def pytest_configure(config):
         "markers", "both_cores: run on the native cores and on their fallback (conftest.native_core)"
     )
     config.addinivalue_line("markers", "fallback_only: run on the fallback alone (the Python path's own internals)")
+    config.addinivalue_line("markers", "native_only: run on the native cores alone (what only they do)")
 
 
 def pytest_itemcollected(item):

@@ -191,49 +191,62 @@ class StepOps:
         # The frame as a whole: a draining broker or an ended session refuses it before any op.
         if sessions.draining or s.closed:
             sessions.check_session(s, "a step")  # raises, saying why
-        counters = self.counters
-        counters.ops += len(ops)
+        self.counters.ops += len(ops)
         self.room.reset()  # the frame's reply: its records and bytes (the store takes from it)
-        if self._record is not None:
-            return self._step_timed(c, s, ops)
-        sid = s.session_id
-        if len(ops) == 1:  # the usual frame: the loop below for one op, without its bookkeeping
-            op = ops[0]
-            k = op.kind
-            try:
-                sessions.authorize_open(METHODS[k], RULES[k], s, op_ids(op) if VISIBLE[k] else NO_FIELDS, key=c.key)
-                results = [HANDLERS[k](self, sid, op)]
-            except BrokerError as e:
-                counters.refused += 1
-                return w.encode_step_reply(self._num_slabs(), (), e, 0)
-            except _Load as load:
-                return self._wait(c, s, ops, 0, [], load)
-            core = w._core
-            out = None if core is None else core.encode_ok_reply(self._num_slabs(), results)
-            return w.encode_step_reply(self._num_slabs(), results) if out is None else out
-        results = []
-        append = results.append
-        i = 0
-        try:
-            for op in ops:
-                k = op.kind
-                # An op's whole rule once per frame (the session and its proof cannot change
-                # between two ops of one frame: they run in one callback of the loop; the
-                # session itself was checked just above); then only the rules that look at
-                # the op's own ids (Pin's visibility) again.
-                if not i:
-                    sessions.authorize_open(METHODS[k], RULES[k], s, op_ids(op) if VISIBLE[k] else NO_FIELDS, key=c.key)
-                elif PER_OP_RULE[k]:
-                    sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
-                append(HANDLERS[k](self, sid, op))
-                i += 1
-        except BrokerError as e:
-            counters.refused += 1
-            return w.encode_step_reply(self._num_slabs(), results, e, i)
-        except _Load as load:
+        results: list[bytes] = []
+        i, error, load = self._run(c, s, ops, 0, results, sessions.authorize_open)
+        if load is not None:
             return self._wait(c, s, ops, i, results, load)
+        return self._reply(results, error, i)
+
+    def _run(self, c, s, ops: list, i: int, results: list, check_first) -> tuple[int, BrokerError | None, _Load | None]:
+        """``ops[i:]`` in order as session ``s``, each op's record appended to ``results``:
+        the first op's whole rule through ``check_first`` (``authorize_open`` in the callback
+        that checked the session, ``authorize`` after a wait), later ones only the rules that
+        look at the op's own ids (the session and its proof cannot change between two ops of
+        one callback). Returns where it stopped: (the index of the op that stopped it, or
+        ``len(ops)``; that op's refusal; the load it waits for). With a recorder, each op is
+        timed and its latency recorded once the reply is out (the metric costs more than
+        most ops)."""
+        sid, key, sessions = s.session_id, c.key, self.sessions
+        record = self._record
+        done: list | None = None if record is None else []
+        spent = self.counters.op_seconds
+        clock = time.perf_counter
+        t0 = clock() if done is not None else 0.0
+        first, k = i, 0
+        try:
+            for op in ops[i:] if i else ops:
+                k = op.kind
+                if i == first:
+                    check_first(METHODS[k], RULES[k], s, op_ids(op) if VISIBLE[k] else NO_FIELDS, key=key)
+                elif PER_OP_RULE[k]:
+                    sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=key)
+                results.append(HANDLERS[k](self, sid, op))
+                i += 1
+                if done is not None:
+                    t1 = clock()
+                    spent[k] += t1 - t0
+                    done.append((t1 - t0, METHODS[k], "OK"))
+                    t0 = t1
+        except BrokerError as e:
+            if done is not None:
+                done.append((clock() - t0, METHODS[k], e.code.value))
+            return i, e, None
+        except _Load as load:
+            return i, None, load  # the wait's own latency is the acquire's
+        finally:
+            if done:
+                self._loop.call_soon(_record_all, record, done)
+        return i, None, None
+
+    def _reply(self, results: list, error: BrokerError | None, i: int) -> bytes:
+        """A frame's reply: its results, and the refusal of op ``i`` if one was refused."""
+        if error is not None:
+            self.counters.refused += 1
+            return w.encode_step_reply(self._num_slabs(), results, error, i)
         core = w._core
-        if core is not None:  # ``encode_step_reply``'s native case, inline
+        if core is not None:  # ``encode_step_reply``'s native case
             out = core.encode_ok_reply(self._num_slabs(), results)
             if out is not None:
                 return out
@@ -255,42 +268,6 @@ class StepOps:
         """A lookup's or pin's reply: the objects' records for ``sid``."""
         return w.encode_allocations(kind, sid, objs)
 
-    def _step_timed(self, c, s, ops: list) -> bytes:
-        """``_step``'s ops with a recorder: each op timed, its latency recorded once the reply
-        is out (the metric costs more than most ops), and its seconds counted by kind."""
-        sessions, counters = self.sessions, self.counters
-        sid = s.session_id
-        results: list[bytes] = []
-        spent = counters.op_seconds
-        handlers = HANDLERS
-        done: list = []
-        checked = False
-        clock = time.perf_counter
-        t0 = clock()
-        for i, op in enumerate(ops):
-            k = op.kind
-            try:
-                if not checked or PER_OP_RULE[k]:
-                    sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
-                    checked = True
-                results.append(handlers[k](self, sid, op))
-            except BrokerError as e:
-                counters.refused += 1
-                done.append((clock() - t0, METHODS[k], e.code.value))
-                self._loop.call_soon(_record_all, self._record, done)
-                return w.encode_step_reply(self._num_slabs(), results, e, i)
-            except _Load as load:
-                # The wait's own latency is the acquire's; the ops after it are not timed.
-                self._loop.call_soon(_record_all, self._record, done)
-                return self._wait(c, s, ops, i, results, load)
-            t1 = clock()
-            spent[k] += t1 - t0
-            done.append((t1 - t0, METHODS[k], "OK"))
-            t0 = t1
-        if done:
-            self._loop.call_soon(_record_all, self._record, done)
-        return w.encode_step_reply(self._num_slabs(), results)
-
     # ------------------------------------------------------------ frames that wait for a load
 
     def _wait(self, c, s, ops: list, i: int, results: list, load: _Load) -> None:
@@ -302,12 +279,12 @@ class StepOps:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _after_load(self, c, s, ops: list, i: int, results: list, load: _Load) -> None:
+    async def _after_load(self, c, s, ops: list, i: int, results: list, load: _Load | None) -> None:
         """The rest of a waiting frame: the acquire's result, then its later ops (a second
         load waits the same way), its reply, and reading the connection again."""
         fd, sid = c.sock.fileno(), s.session_id
         error = None
-        while error is None:
+        while load is not None:
             try:
                 r = await load.start()
             except BrokerError as e:
@@ -321,22 +298,9 @@ class StepOps:
                 _give_back(self.adapters, sid, load, r)
                 return
             results.append(_acquired(r))
-            i += 1
             self.room.reset()
-            try:
-                for op in ops[i:]:
-                    k = op.kind
-                    self.sessions.authorize(METHODS[k], RULES[k], s, op_ids(op), key=c.key)
-                    results.append(HANDLERS[k](self, sid, op))
-                    i += 1
-                break
-            except _Load as again:
-                load = again
-            except BrokerError as e:
-                error = e
-        if error is not None:
-            self.counters.refused += 1
-        self.links.resume(c, fd, w.encode_step_reply(self._num_slabs(), results, error, i))
+            i, error, load = self._run(c, s, ops, i + 1, results, self.sessions.authorize)
+        self.links.resume(c, fd, self._reply(results, error, i))
 
 
 # Each op kind's handler: (server, session id, op) -> the op's result record, its rule already

@@ -10,16 +10,13 @@ counts and never talks gRPC itself (its fallbacks are ``BrokerClient``'s calls).
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 
 from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
-from memory_broker.clients.step.delta import lane_begin
 from memory_broker.proto.wire import step as _wire
 from memory_broker.proto.wire.errors import BrokerError, Code
 
@@ -35,7 +32,7 @@ class BatchDelta:
     def __init__(self, adapters: list, objects: list, round_trips: int):
         self.adapters: list[LeasedAdapter] = adapters
         self.objects: list = objects
-        # Frames this change took (0: the step cache had all of it).
+        # Frames this change took (0: it asked nothing of the broker).
         self.round_trips = round_trips
 
 
@@ -96,112 +93,34 @@ class PendingBatchStep:
         return self._delta
 
 
-# After a change, a background batch's worker looks for the next one for LINGER_S before it
-# sleeps until woken: an engine begins a change every step (every few ms), and a change queued
-# while the worker is looking costs the engine thread no wake-up (a futex wake and often an
-# IPI: 3.5-7 us of the 15-28 us a begin + result cost without it on the 2-core VM; keeping the
-# CPU out of deep idle helps too). Changes that come at a steady pace (an engine's steps) teach
-# the worker the usual interval between them: it sleeps once, until poll_s/2 after the next
-# one is due, and usually finds it queued (one wake-up a change, its own; on the 2-core VM,
-# loaded, a thread's timed sleep and wake-up cost it 24-36 us of CPU: bench_step.py's floor
-# line). Until it has learnt the pace, or when a change is late, it looks every ``poll_s``
-# (default POLL_S). A change queued while the worker sleeps wakes it (the engine thread pays
-# that wake-up) only if the sleep would otherwise hold it more than ``poll_s`` or, at a learnt
-# pace, WAIT_SHARE of it (an engine's steps jitter by more than poll_s on a loaded machine).
-POLL_S = 0.0002
-LINGER_S = 0.05
-WAIT_SHARE = 0.125
-# Weight of the newest interval in the learnt pace (a moving average).
-PACE_WEIGHT = 0.25
-_NEVER = float("inf")
-
-
 class _Jobs:
     """A background batch's queue: changes (one-item lists, taken by ``pop``: the worker
     or a ``result()`` that finds it not begun) and None to stop. Holds no batch."""
 
-    __slots__ = ("items", "wake", "sleeping", "poll_s", "due", "patience", "last")
+    __slots__ = ("items",)
 
-    def __init__(self, poll_s: float) -> None:
-        self.poll_s = poll_s
-        self.items: collections.deque = collections.deque()
-        self.wake: queue.SimpleQueue = queue.SimpleQueue()
-        # The worker is (about to be) asleep until ``due`` (monotonic seconds; inf: until
-        # woken): a new item that must not wait that long wakes it.
-        self.sleeping = True
-        self.due = _NEVER
-        # The longest a new item may wait for the worker's sleep to end without waking it.
-        self.patience = poll_s
-        # When the newest item was queued (the worker learns the pace of changes from it).
-        self.last = 0.0
+    def __init__(self) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
 
     def put(self, item) -> None:
-        self.items.append(item)
-        now = self.last = time.monotonic()
-        if self.sleeping and self.due - now > self.patience:
-            self.sleeping = False
-            self.wake.put(None)
+        self.items.put(item)
 
     def stop(self) -> None:
-        self.items.append(None)
-        self.sleeping = False
-        self.wake.put(None)
-
-
-def _doze(jobs: _Jobs, due: float, now: float, patience: float = 0.0) -> None:
-    """Sleep until ``due`` (inf: until woken), woken sooner by an item queued meanwhile that
-    the sleep would hold more than ``patience`` (``_Jobs.put``)."""
-    jobs.patience = patience
-    jobs.due = due
-    jobs.sleeping = True
-    if jobs.items:  # queued after the look: it may have sent no wake-up
-        jobs.sleeping = False
-        return
-    try:
-        if due == _NEVER:
-            jobs.wake.get()
-        else:
-            jobs.wake.get(timeout=due - now)
-    except queue.Empty:
-        pass
-    # A put that saw ``sleeping`` may leave a wake-up behind: the next wait just returns early.
-    jobs.sleeping = False
+        self.items.put(None)
 
 
 def _worker(jobs: _Jobs) -> None:
     """A background batch's thread: run each begun change (send, read the reply, account
-    it) while the engine thread waits for its model. Ends at None (the batch released or
-    collected). Holds the queue only, not the batch."""
-    items, poll_s = jobs.items, jobs.poll_s
-    done = time.monotonic()
-    # When the last change run was queued, and the usual interval between changes (a moving
-    # average of those shorter than LINGER_S; 0 until one is seen).
-    seen = pace = 0.0
-    while True:
-        if not items:
-            now = time.monotonic()
-            if poll_s > 0 and now - done < LINGER_S:
-                # Asleep until poll_s/2 after the next change is due, or poll_s from now.
-                _doze(jobs, max(seen + pace + poll_s / 2, now + poll_s), now, max(poll_s, WAIT_SHARE * pace))
-            else:
-                _doze(jobs, _NEVER, now)
-            continue
-        box = items.popleft()
-        if box is None:
-            return
+    it) while the engine thread waits for its model; asleep until the next one comes. Ends
+    at None (the batch released or collected). Holds the queue only, not the batch."""
+    get = jobs.items.get
+    while (box := get()) is not None:
         try:
             job = box.pop()
         except IndexError:  # a result() ran it
             continue
-        arrived = jobs.last
-        if arrived > seen:
-            gap = arrived - seen
-            if gap < LINGER_S:
-                pace = gap if pace == 0.0 else (1 - PACE_WEIGHT) * pace + PACE_WEIGHT * gap
-            seen = arrived
         job()
         del job, box  # they hold the batch: not past the change
-        done = time.monotonic()
 
 
 class StepBatch:
@@ -211,8 +130,7 @@ class StepBatch:
     to overlap the round trip with the model's work) names what arrives (``add`` adapter ids,
     ``add_keys`` KV keys) and what completes (``drop``, ``drop_keys``); the batch keeps
     per-id and per-key counts, so an id or key already held costs a dict update, and only
-    the first hold and the last drop of one reach the step path (and, through its cache,
-    the broker). The cost of a change is proportional to the change, not to the batch.
+    the first hold and the last drop of one reach the broker. The cost of a change is proportional to the change, not to the batch.
 
     ``add_keys`` is looked up like ``lookup``: the longest present prefix (keys the batch
     holds count as present) is pinned; the keys after it are counted but hold nothing.
@@ -224,18 +142,13 @@ class StepBatch:
     ValueError and change nothing.
     """
 
-    def __init__(self, client, background: bool = False, poll_s: float = POLL_S):
+    def __init__(self, client, background: bool = False):
         """``client``: the ``BrokerClient`` whose session holds the batch (not imported here:
-        the client module imports this one). ``poll_s``: how often a background batch's
-        worker looks for the next change in the LINGER_S after one (0: it sleeps until woken,
-        and each ``begin`` pays the wake-up)."""
-        if poll_s < 0:
-            raise ValueError(f"poll_s must be >= 0 seconds, not {poll_s!r}")
-        self.poll_s = poll_s
+        the client module imports this one)."""
         self.client = client
         self.epoch = client.epoch
         # Background: ``begin`` only queues the change for a thread of this batch, which
-        # checks and counts it, sends it, reads the reply and accounts it (cache, leases,
+        # checks and counts it, sends it, reads the reply and accounts it (leases,
         # objects) while the engine thread waits for its model; ``result()`` then finds it
         # done. The work moves to that thread (it takes the GIL when the engine thread is
         # not running Python); it is not removed.
@@ -262,7 +175,7 @@ class StepBatch:
         add_keys: Sequence[bytes] = (),
         drop_keys: Sequence[bytes] = (),
     ) -> BatchDelta:
-        """Apply one change in one round trip (none when the batch and the step cache hold all
+        """Apply one change in one round trip (none when the batch holds all
         of it: keys new to the batch always go to the broker)."""
         return self.begin(add, drop, add_keys, drop_keys, _inline=True).result()
 
@@ -299,15 +212,6 @@ class StepBatch:
             # Copies: the caller may reuse its lists before the worker reads them.
             pending = self._hand_over(tuple(add), tuple(drop), tuple(add_keys), tuple(drop_keys))
         else:
-            calls = client._calls
-            if calls is not None and calls.lane and not client._unsent and calls.current(self.epoch):
-                # The usual change on a caching step channel: one object from here to the socket.
-                pending = lane_begin(calls, self, add, drop, add_keys, drop_keys)
-                if pending is not None:
-                    self._pending = pending
-                    for lease in pending.own_leases:
-                        lease.release()
-                    return pending
             rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
             for lease in own:
                 lease.release()
@@ -375,7 +279,7 @@ class StepBatch:
         client = self.client
         jobs = self._jobs
         if jobs is None:
-            jobs = self._jobs = _Jobs(self.poll_s)
+            jobs = self._jobs = _Jobs()
             threading.Thread(target=_worker, args=(jobs,), name="step-batch-worker", daemon=True).start()
             # A batch dropped without release() still ends its thread.
             weakref.finalize(self, jobs.stop)
@@ -397,20 +301,10 @@ class StepBatch:
         client = self.client
         try:
             try:
-                own = ()
-                lane = None
-                calls = client._calls
-                if calls is not None and calls.lane and calls.current(self.epoch):
-                    # The short lane (``StepBatch.begin``'s), this worker's gate aside.
-                    lane = lane_begin(calls, self, add, drop, add_keys, drop_keys)
-                if lane is not None:
-                    own = lane.own_leases
-                    lane.collect()  # the reply read (``lane.result()`` raises its failure, mapped)
-                else:
-                    rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
-                    sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
-                    if sent.sent:
-                        sent.collect()  # the broker has it: the session's other calls may follow
+                rel, unpin, new_ids, new_keys, own = self._take_drops(add, drop, add_keys, drop_keys)
+                sent = client._step_calls(wait_sent=False).change(new_ids, rel, new_keys, unpin)
+                if sent.sent:
+                    sent.collect()  # the broker has it: the session's other calls may follow
             finally:
                 # The session's other calls may go now (this thread's own gRPC calls below
                 # would otherwise wait for this very gate).
@@ -419,10 +313,7 @@ class StepBatch:
             for lease in own:  # over gRPC: after the gate, or this thread would wait for itself
                 lease.release()
             # Over gRPC the change's calls are made here (after the gate, or they would wait for it).
-            if lane is not None:
-                pending._delta = lane.result()
-            else:
-                pending._delta = self._finish(sent.result(), add, new_ids, add_keys, new_keys)
+            pending._delta = self._finish(sent.result(), add, new_ids, add_keys, new_keys)
         except BaseException as e:
             pending._error = e
         finally:

@@ -1,14 +1,12 @@
-"""Which step calls a session uses: gRPC's (``grpc_calls.GrpcCalls``), the step channel's
-planned against the holdings cache (``channel.ChannelCalls``, with ``hold_s``), or the step
-channel's sent straight (``direct.DirectCalls``, without it: the default). Its own module,
-so none of those imports another to choose."""
+"""Which step calls a session uses: the step channel's (``channel.ChannelCalls``) where the
+broker has one, else gRPC's (``grpc_calls.GrpcCalls``). Its own module, so neither imports
+the other to choose."""
 
 from __future__ import annotations
 
 import logging
 
 from memory_broker.clients.step.channel import ChannelCalls
-from memory_broker.clients.step.direct import DirectCalls
 from memory_broker.clients.step.grpc_calls import GrpcCalls
 from memory_broker.clients.step.lease import SessionRecords
 from memory_broker.clients.step.path import StepPath, StepTransport, StepUnavailable
@@ -35,7 +33,7 @@ def choose_calls(client) -> ChannelCalls | GrpcCalls:
         calls = grpc
         if client.fast_path:
             try:
-                transport = StepTransport(client._step_socket(), client.token, client.timeout, client._refused)
+                transport = StepTransport(client._step_socket(), client.token, client.timeout)
             except StepUnavailable as e:
                 # Said once a client at WARNING (a step call over gRPC is many times slower,
                 # and nothing else shows it), again at INFO for each later session.
@@ -43,7 +41,6 @@ def choose_calls(client) -> ChannelCalls | GrpcCalls:
                 client.step_fallback = str(e)
                 (log.warning if first else log.info)("step calls go over gRPC for this session: %s", e)
             else:
-                path = StepPath(transport, hold_s=client.hold_s)
-                calls = (ChannelCalls if path.caching else DirectCalls)(client, path, grpc)
+                calls = ChannelCalls(client, StepPath(transport), grpc)
         client._calls = calls
         return calls

@@ -4,7 +4,7 @@
 release adapters, commit or abort an acquire, lookup, pin, unpin, ``step``, ``step_begin``, a
 running batch's ``change``), so ``BrokerClient`` picks one of the two per session and never
 asks which it has. The step channel's calls also fall back to this one where the channel
-cannot serve a call (an adapter that needs a load, a channel that broke). Records become
+cannot serve a call (an acquire in another dtype or of a rank's shards, a channel that broke). Records become
 leases and objects through the session's ``SessionRecords`` (``lease.py``).
 """
 
@@ -23,9 +23,6 @@ class GrpcCalls:
 
     # No step channel: nothing to count frames on.
     path = None
-
-    # A step batch's short lane is the step channel's (``ChannelCalls.lane``).
-    lane = False
 
     # Frames whose replies are unread (``ChannelCalls.unread``): none without a channel.
     unread = ()
@@ -130,14 +127,8 @@ class GrpcCalls:
     def unpin(self, ids: list[int]) -> None:
         self._rpc("Unpin", pb.UnpinRequest(object_ids=ids))
 
-    def forget_pins(self, ids: Sequence[int]) -> None:
-        """Objects this session freed (nothing is cached here)."""
-
-    def flush(self) -> int:
-        return 0
-
     def settle(self) -> None:
-        """Nothing is posted over gRPC: every call waited for its answer."""
+        """Nothing is begun over gRPC: every call waited for its answer."""
 
     # ------------------------------------------------------------ steps
 
@@ -150,7 +141,7 @@ class GrpcCalls:
         client = self.client
         lease = self.acquire_adapters(ids, max_adapters, prepare, lease_s) if ids else None
         objs = self.lookup(keys, True) if keys else []
-        return StepLease(client, lease, objs, ids, list(keys), max_adapters)
+        return StepLease(client, lease, objs)
 
     def step_begin(self, ids, keys, max_adapters, prepare, lease_s, commit, release) -> PendingStepLease:
         """Nothing goes out until ``result()``, which makes the calls."""

@@ -15,7 +15,7 @@ Both calls objects of a session (``grpc_calls.py``, ``channel.py``) share one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
@@ -160,42 +160,14 @@ class PendingStepLease:
 class StepLease:
     """What one ``BrokerClient.step`` holds: an adapter lease (or None) and pinned objects."""
 
-    def __init__(
-        self,
-        client,
-        adapters,
-        objects: list,
-        adapter_ids: list[str] = (),
-        keys: Sequence[bytes] = (),
-        max_adapters: int = 0,
-    ):
+    def __init__(self, client, adapters, objects: list):
         self.client = client
         self.epoch = client.epoch
-        # What the step asked for (a next step asking the same may take this one's holdings over).
-        self._asked = (adapter_ids, keys, max_adapters)
-        # The step cache whose references this lease holds (None when it holds broker pins
-        # of its own), and whether its adapters are among them (they can pass to a next step).
-        self.cache = None
-        self.cached = False
         # AdapterLease of the step's adapters, or None when it asked for none.
         self.adapters = adapters
         # The longest present prefix of the step's keys, pinned for this session.
         self.objects = objects
         self.released = False
-
-    def same_as(self, adapter_ids: list[str], keys: Sequence[bytes], max_adapters: int) -> bool:
-        """Whether a step asking for this would get exactly what this lease holds (all its
-        keys were found; its adapters were acquired outright, not prepared)."""
-        return (
-            not self.released
-            and self.epoch == self.client.epoch
-            and self._asked[0] == adapter_ids
-            and self._asked[2] == max_adapters
-            and len(self.objects) == len(keys)
-            and self._asked[1] == keys
-            and (self.adapters is None or not self.adapters.transaction_id)
-            and (self.adapters is not None) == bool(adapter_ids)
-        )
 
     def release(self) -> None:
         """Release the adapters and unpin the objects (once)."""
@@ -206,8 +178,7 @@ class StepLease:
             if self.adapters is not None:
                 self.adapters.release()
         finally:
-            # Even when the release raised (an earlier posted give-back's refusal, raised
-            # after this one's frame went out): the pins go back too.
+            # Even when the release raised (refused): the pins go back too.
             if self.objects and self.epoch == self.client.epoch and not self.client.closed:
                 self.client.unpin(self.objects)
 

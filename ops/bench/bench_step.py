@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""An engine step's control-plane cost at the client: gRPC, the step channel, its cache.
+"""An engine step's control-plane cost at the client: gRPC and the step channel.
 
-    python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT] [--poll-s S]
+    python ops/bench/bench_step.py [--steps 2000] [--quick] [--only TEXT]
     python ops/bench/bench_step.py --per-item | --keys-only | --adapters-only [--steps N]
 
 Starts a broker (host arena, --enable-echo) in a subprocess, registers 200 tiny adapters and
@@ -12,9 +12,8 @@ adapters and pinning one KV block key per sequence, and giving back the previous
   size drifting within 8..32 sequences, at least one arrival and one completion per step,
   a KV key per arrival never seen before in the run, so every step has something to ask).
 Each runs through every client path: gRPC (the old path, 4 RPCs per step), the step channel
-with the same four calls (its two give-backs posted, as the client sends them by default; and
-again with ``post_give_backs=False``, each frame waited for), one ``client.step()`` call, and both again with the holdings cache
-(``hold_s``); with the cache also pipelined (``step_begin`` sent when the next batch is known,
+with the same four calls (four frames, each waited for), one ``client.step()`` call, and
+pipelined (``step_begin`` sent when the next batch is known,
 the reply collected after a simulated 2 ms of model work (a sleep, as a CPU waiting on
 its GPU; a tenth of a 20 ms decode step), which is not counted). The ``StepBatch`` rows
 tell the broker only each step's arrivals and completions (``client.step_batch()``):
@@ -71,7 +70,6 @@ from bench_rpc import start_broker  # noqa: E402  (this folder is on sys.path ab
 from rigs import inprocess_broker, write_adapter  # noqa: E402  (other benchmarks use them from here)
 
 from memory_broker.clients import BrokerClient, Spec  # noqa: E402
-from memory_broker.clients.step.batch import POLL_S  # noqa: E402
 from memory_broker.proto.wire import step as step_wire  # noqa: E402
 from memory_broker.proto.wire.session import KEY_METADATA  # noqa: E402
 from memory_broker.proto.wire.v1 import echo_pb2, echo_pb2_grpc  # noqa: E402
@@ -270,7 +268,7 @@ def batch_overlapped(c: BrokerClient, work, background: bool = False):
     completions of step i-1 (what step i no longer reads); the reply is collected after the
     work. Counted: the time this thread spends in ``begin`` and ``result`` (not the work)."""
     d = deltas(work)
-    b = c.step_batch(background=background, poll_s=POLL_S) if background else c.step_batch()
+    b = c.step_batch(background=background)
     b.update(d[0][0], (), d[0][2], ())
     for i in range(len(d)):
         nxt = d[i + 1] if i + 1 < len(d) else ((), (), (), ())
@@ -297,16 +295,12 @@ def batch_background(c: BrokerClient, work):
 
 PATHS = [
     ("gRPC, 4 calls (old path)", dict(fast_path=False), old_api),
-    ("step channel, same 4 calls", dict(hold_s=0.0), old_api),
-    ("step channel, 4 calls, give-backs waited", dict(hold_s=0.0, post_give_backs=False), old_api),
-    ("step channel, client.step()", dict(hold_s=0.0), step_api),
-    ("cache, same 4 calls", dict(hold_s=1.0), old_api),
-    ("cache, client.step()", dict(hold_s=1.0), step_api),
-    ("cache, step_begin (pipelined)", dict(hold_s=1.0), pipelined),
-    ("step channel, StepBatch.update()", dict(hold_s=0.0), batch_api),
-    ("cache, StepBatch.update() (blocking)", dict(hold_s=1.0), batch_api),
-    ("cache, StepBatch begin+result (overlap)", dict(hold_s=1.0), batch_overlapped),
-    ("cache, StepBatch background (overlap)", dict(hold_s=1.0), batch_background),
+    ("step channel, same 4 calls", dict(), old_api),
+    ("step channel, client.step()", dict(), step_api),
+    ("step channel, step_begin (pipelined)", dict(), pipelined),
+    ("step channel, StepBatch.update()", dict(), batch_api),
+    ("step channel, StepBatch begin+result (overlap)", dict(), batch_overlapped),
+    ("step channel, StepBatch background (overlap)", dict(), batch_background),
 ]
 
 
@@ -556,16 +550,6 @@ class _Replay:
                 return reply
         return self.decode(kind, body)
 
-    # A give-back posted (``StepTransport.post``): sent, its reply read later by a header
-    # check alone (no decode; the recording saw none), so the replay has nothing to charge.
-    refused: list = []
-
-    def full(self) -> bool:
-        return False
-
-    def post(self, data: bytes, ops: list, own: int = -1) -> None:
-        pass
-
     def unread(self) -> int:
         return 0
 
@@ -727,12 +711,10 @@ def issue_targets(results: dict, raw_us: float, ping_us: float, loop_us: float) 
     one ``client.step()`` frame under 5x raw, the generic calls under 8x; each beside its
     floor in this run: as many round trips to the bare asyncio loop (the broker's loop with
     no Python of its own) and as many step-channel PINGs (a frame with no ops) as the row
-    waits for. The generic calls' give-backs are posted (two of the four frames are not
-    waited for); the row with them waited is printed beside it, as the same floors' four."""
+    waits for."""
     rows = (
         ("step channel, client.step()", 5, 1),
-        ("step channel, same 4 calls", 8, 2),
-        ("step channel, 4 calls, give-backs waited", 8, 4),
+        ("step channel, same 4 calls", 8, 4),
     )
     for name, limit, frames in rows:
         got = results.get((name, "steady"))
@@ -751,9 +733,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per path and workload")
     ap.add_argument("--quick", action="store_true", help="at most 200 steps (a smoke run)")
     ap.add_argument("--only", default="", help="run only the paths whose name contains this (a quick look)")
-    ap.add_argument(
-        "--poll-s", type=float, default=None, help="the background batch's poll_s (default: the client's, POLL_S)"
-    )
     ap.add_argument(
         "--per-item", action="store_true", help="only the per-item rows: each side's cost at 1, 8, 64, 512 items"
     )
@@ -786,9 +765,6 @@ def main() -> None:
         global ITEM_MIX
         ITEM_MIX = "keys" if a.keys_only else "adapters"
         a.per_item = True
-    if a.poll_s is not None:
-        global POLL_S
-        POLL_S = a.poll_s
     if a.only:
         PATHS[:] = [p for p in PATHS if a.only in p[0]]
     steps = min(a.steps, 200) if a.quick else a.steps
@@ -871,13 +847,13 @@ def run(d: str, sock: str, steps: int) -> None:
         print(f"{name:<44}{statistics.median(xs):>10.1f}{pct(xs, 0.99):>10.1f}{statistics.median(xs) / raw_us:>8.2f}")
     print()
     print(
-        f"{'path':<42}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}"
+        f"{'path':<48}{'workload':<9}{'median us':>10}{'p99 us':>10}{'x raw':>8}{'p99 x raw':>10}{'RT/step':>9}"
         f"{'CPU us':>8}"
     )
     for (name, wl), (xs, rts, pcpu) in results.items():
         med, p99 = statistics.median(xs), pct(xs, 0.99)
         print(
-            f"{name:<42}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}{pcpu:>8.1f}"
+            f"{name:<48}{wl:<9}{med:>10.1f}{p99:>10.1f}{med / raw_us:>8.2f}{p99 / raw_us:>10.2f}{rts:>9.2f}{pcpu:>8.1f}"
         )
     print(
         "(x raw = per-step median or p99 / the fastest raw ping-pong median of this run: on one CPU, or of "
@@ -907,18 +883,18 @@ def run(d: str, sock: str, steps: int) -> None:
                     f"a raw send before the model's wait and the receive after it, one thread: {o:.1f} us "
                     f"(the least a changed step's round trip costs the process here, in any design)"
                 )
-    cached = [n for n, _, _ in PATHS if n.startswith("cache")]
-    if not cached:
+    channel = [n for n, _, _ in PATHS if n.startswith("step channel") and (n, "steady") in results]
+    if not channel:
         setup.close()
         return
-    best_steady = min(statistics.median(results[(n, "steady")][0]) for n in cached)
+    best_steady = min(statistics.median(results[(n, "steady")][0]) for n in channel)
     ok1 = best_steady <= 2 * raw_us
     print(f"\ntarget steady: median <= 2x raw: {best_steady / raw_us:.2f}x -> {'MET' if ok1 else 'NOT MET'}")
     # The trace target, for the best blocking path and for the overlapped one apart: the
     # overlapped row counts only the engine thread's time in the client (the round trip
     # runs during the model's work), so it is not a round trip's latency.
-    blocking = [n for n in cached if "overlap" not in n and "pipelined" not in n]
-    for label, names in (("blocking", blocking), ("overlapped", [n for n in cached if "overlap" in n])):
+    blocking = [n for n in channel if "overlap" not in n and "pipelined" not in n]
+    for label, names in (("blocking", blocking), ("overlapped", [n for n in channel if "overlap" in n])):
         if not names:
             continue
         best = min(names, key=lambda n: statistics.median(results[(n, "trace")][0]))

@@ -19,7 +19,6 @@ import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
 from memory_broker.proto.wire import native
 from memory_broker.proto.wire.errors import BrokerError, Code
@@ -116,11 +115,6 @@ _CORE_PASSES = (
     # A step batch's counts (``clients/step/batch.py``), which its module reads as ``_core`` here.
     "batch_take",
     "batch_account",
-    # The step cache's reference drops (``clients/step/holdings.py``).
-    "drop_refs",
-    # A running batch's change planned and accounted (``clients/step/delta.py``).
-    "delta_plan",
-    "delta_finish",
 )
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
@@ -221,25 +215,8 @@ def _str16(b: bytes, what: str) -> bytes:
 
 
 def _strs16_out(parts: list, raw: list[bytes], what: str) -> None:
-    """Append each of ``raw`` length-prefixed (``_str16``'s, one length check for all), in
-    one pass of C: strings of one length joined on their shared prefix; else the lengths
-    packed at once and interleaved with the strings."""
-    n = len(raw)
-    if not n:
-        return
-    lens = list(map(len, raw))
-    first = lens[0]
-    if lens.count(first) == n:
-        if first > 0xFFFF:
-            _str16(raw[0], what)  # raises, naming the size
-        head = _U16.pack(first)
-        parts.append(head + head.join(raw))
-        return
-    if max(lens) > 0xFFFF:
-        for b in raw:
-            _str16(b, what)  # raises, naming the size
-    heads = _cut(struct.pack("<%dH" % n, *lens), 0, n, 2)
-    parts.append(b"".join(chain.from_iterable(zip(heads, raw))))
+    """Append each of ``raw`` length-prefixed (``_str16``'s)."""
+    parts.append(b"".join([_str16(b, what) for b in raw]))
 
 
 # Adapter id -> its UTF-8, length-prefixed (an engine names the same adapters step after step).
@@ -379,105 +356,13 @@ def _text(b: bytes, what: str) -> str:
 def decode_step(body: bytes) -> list[Op]:
     """The ops of a STEP body. Raises WireError (nothing may run then).
 
-    A well-formed body is read in one pass at a running offset (the broker decodes every
-    frame of every engine step); anything the pass does not accept is read again by the
-    checked reader, which says what is wrong and where."""
+    The native core reads a well-formed body in one pass; anything it does not take (and
+    every body, without it) is read field by field, which says what is wrong and where."""
     if _core is not None:
         ops = _core.decode_step(body, Op)
         if ops is not None:
             return ops
-        return _decode_step_checked(body)
-    try:
-        return _decode_step_fast(body if isinstance(body, bytes) else bytes(body))
-    except Exception:  # noqa: BLE001 (malformed: the checked reader names the fault)
-        pass
     return _decode_step_checked(body)
-
-
-class _Malformed(Exception):
-    """What the one-pass reader raises on anything it does not accept."""
-
-
-def _strs16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple[bytes, ...], int]:
-    """``count`` length-prefixed byte strings from ``pos``: (the strings, the offset after
-    them). The end is checked once: a slice past it is cut short, and then ``pos`` is past it
-    too. Raises on anything short."""
-    u16 = _U16.unpack_from
-    out = []
-    append = out.append
-    for _ in range(count):
-        (n,) = u16(body, pos)
-        pos += 2
-        append(body[pos : pos + n])
-        pos += n
-    if pos > end:
-        raise _Malformed
-    return tuple(out), pos
-
-
-# Structs that read ``count`` keys of ``length`` bytes each, by (length, count): the few a
-# broker's engines send (their keys are digests of one size), at most _KEY_RUNS_MAX of them.
-_KEY_RUNS: dict[tuple[int, int], struct.Struct] = {}
-_KEY_RUNS_MAX = 32
-
-
-def _keys16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple, int]:
-    """``_strs16`` of keys: when all ``count`` keys have the first one's length (an engine's
-    keys are digests of one size), read in one ``struct`` call after checking every length
-    prefix with two byte slices; otherwise key by key."""
-    if count > 1 and pos + 2 <= end:
-        n = body[pos] | body[pos + 1] << 8
-        stride = n + 2
-        e = pos + stride * count
-        if (
-            e <= end
-            and body[pos:e:stride] == bytes((n & 0xFF,)) * count
-            and body[pos + 1 : e : stride] == bytes((n >> 8,)) * count
-        ):
-            st = _KEY_RUNS.get((n, count))
-            if st is None:
-                if len(_KEY_RUNS) >= _KEY_RUNS_MAX:
-                    _KEY_RUNS.clear()
-                st = _KEY_RUNS[n, count] = struct.Struct("<" + ("2x%ds" % n) * count)
-            return st.unpack_from(body, pos), e
-    return _strs16(body, pos, count, end)
-
-
-def _decode_step_fast(body: bytes) -> list[Op]:
-    end = len(body)
-    (n,) = _U16.unpack_from(body, 0)
-    if n > MAX_OPS:
-        raise _Malformed
-    pos = 2
-    ops = []
-    for _ in range(n):
-        k = body[pos]
-        pos += 1
-        if k == OP_LOOKUP:
-            pin, count = _LOOKUP_HEAD.unpack_from(body, pos)
-            if pin > 1:
-                raise _Malformed
-            items, pos = _keys16(body, pos + 3, count, end)
-            ops.append(Op(k, items, pin))
-        elif k == OP_ACQUIRE:
-            flags, cap, lease_ms, count = _ACQ_HEAD.unpack_from(body, pos)
-            if flags & ~ACQUIRE_PREPARE:
-                raise _Malformed
-            items, pos = _texts16(body, pos + _ACQ_HEAD.size, count, end)
-            ops.append(Op(k, items, flags, cap, lease_ms))
-        elif k == OP_RELEASE:
-            (count,) = _U16.unpack_from(body, pos)
-            items, pos = _texts16(body, pos + 2, count, end)
-            ops.append(Op(k, items))
-        elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
-            (count,) = _U16.unpack_from(body, pos)
-            ops.append(Op(k, struct.unpack_from("<%dQ" % count, body, pos + 2)))
-            pos += 2 + 8 * count
-        else:
-            raise _Malformed
-    if pos != end:
-        raise _Malformed
-    return ops
 
 
 def _decode_step_checked(body: bytes) -> list[Op]:
@@ -510,12 +395,6 @@ def _decode_step_checked(body: bytes) -> list[Op]:
             raise WireError(f"op {i} has unknown kind {k}; known: {sorted(OP_NAMES)}")
     r.done()
     return ops
-
-
-def _texts16(body: bytes, pos: int, count: int, end: int) -> tuple[tuple[str, ...], int]:
-    """``_strs16`` of adapter ids, decoded as UTF-8 in one C-level pass."""
-    raw, pos = _strs16(body, pos, count, end)
-    return tuple(map(bytes.decode, raw)), pos
 
 
 _U8 = struct.Struct("<B")
@@ -772,93 +651,14 @@ def decode_step_reply(kind: int, body: bytes) -> StepReply:
 #
 # ``decode_step_reply`` builds a record per adapter and per object, every reply. An engine's
 # steps mostly get back what the last ones got: ``ReplyDecoder`` (one per step connection)
-# cuts a reply's records out as bytes, in one pass where they are all of one size, and hands
-# back the record it made before from the same bytes (records are read-only), so the client's
-# caches of what it built from a record (``clients/step/lease.py``) hit. Anything its passes
-# do not take (an ERROR reply, a cut or malformed one) is decoded by ``decode_step_reply``,
-# which says what is wrong: both accept and refuse the same bytes, with equal results.
+# hands back, through the native core, the record it made before from the same bytes (records
+# are read-only), so the client's caches of what it built from a record
+# (``clients/step/lease.py``) hit. Anything the core does not take (an ERROR reply, a cut or
+# malformed one), and every reply without it, is decoded by ``decode_step_reply``, which says
+# what is wrong.
 
 # Records kept per decoder (cleared beyond this: they are made again on demand).
 _MEMO_LIMIT = 16384
-# Where a record's page count sits: after ``<QqBBBII`` (object) or ``<QQB`` (adapter).
-_OBJ_NPAGES_AT = 27
-_ACQ_NPAGES_AT = 17
-_U32 = struct.Struct("<I")
-# (record size, count) -> the struct that cuts ``count`` records of that size out as bytes.
-_CUTS: dict[tuple[int, int], struct.Struct] = {}
-_CUT_MAX = 256
-
-
-def _cut(body: bytes, pos: int, n: int, size: int) -> list:
-    """``n`` records of ``size`` bytes from ``pos``, each as its bytes (a few ``unpack_from``
-    of ``{size}s`` repeated: power-of-two counts, so few structs are ever compiled)."""
-    out: list = []
-    while n:
-        k = min(_CUT_MAX, 1 << (n.bit_length() - 1))
-        st = _CUTS.get((size, k))
-        if st is None:
-            if len(_CUTS) > 512:
-                _CUTS.clear()
-            st = _CUTS[(size, k)] = struct.Struct("<" + f"{size}s" * k)
-        out += st.unpack_from(body, pos)
-        pos += k * size
-        n -= k
-    return out
-
-
-def _object_fields(body: bytes, pos: int) -> tuple[int, tuple]:
-    """The object record at ``pos``: its size, and where its lengths sit ((offset, their
-    bytes) of its page count and of its key's length)."""
-    npages = _U32.unpack_from(body, pos + _OBJ_NPAGES_AT)[0]
-    at = _OBJ_HEAD.size + 4 * npages
-    klen = _U16.unpack_from(body, pos + at)[0]
-    return at + 2 + klen, ((_OBJ_NPAGES_AT, body[pos + 27 : pos + 31]), (at, body[pos + at : pos + at + 2]))
-
-
-def _adapter_fields(body: bytes, pos: int) -> tuple[int, tuple]:
-    """The adapter record at ``pos``, as ``_object_fields`` (one length: its page count)."""
-    npages = _U32.unpack_from(body, pos + _ACQ_NPAGES_AT)[0]
-    return _ACQ_ADAPTER.size + 4 * npages, ((_ACQ_NPAGES_AT, body[pos + 17 : pos + 21]),)
-
-
-def _same_size_run(body: bytes, pos: int, n: int, size: int, fields: tuple) -> int:
-    """How many of the ``n`` records from ``pos`` (the first one ``size`` bytes) have the
-    length fields of the first one, so ``size`` bytes each: every byte of those fields read
-    as one strided slice across the records (no per-record work in Python)."""
-    end = pos + n * size
-    for off, want in fields:
-        for j in range(len(want)):
-            col = body[pos + off + j : end : size]
-            b = col[:1]
-            lead = n - len(col.lstrip(b))
-            if lead < n:
-                n = lead
-                end = pos + n * size
-    return n
-
-
-def _record_slices(body: bytes, pos: int, count: int, fields_at) -> tuple[list, int]:
-    """``count`` records from ``pos``, each as its bytes, and the offset after them;
-    ``fields_at(body, pos)`` reads the size of the record at ``pos`` and where its length
-    fields are (``_object_fields``, ``_adapter_fields``). Records of one size are cut out
-    together; after a record of another size, the next run is looked for in a window twice
-    the last run's length, doubling while it lasts (so records of ever-changing sizes cost
-    O(count) in all, not O(count**2)). Raises
-    on anything short (the caller decodes the reply again, with the reference decoder)."""
-    out: list = []
-    end = len(body)
-    window = count
-    while count:
-        size, fields = fields_at(body, pos)
-        n = min(count, window, (end - pos) // size)
-        if n <= 0:
-            raise _Malformed
-        got = _same_size_run(body, pos, n, size, fields)
-        window = window * 2 if got == n else 2 * got + 16
-        out += _cut(body, pos, got, size)
-        pos += got * size
-        count -= got
-    return out, pos
 
 
 def _object_record(raw: bytes, slabs: int) -> ObjectRecord:
@@ -884,23 +684,6 @@ def _adapter_record(raw: bytes) -> AcquiredRecord:
     return AcquiredRecord(gen, oid, tier, struct.unpack_from("<%dI" % npages, raw, _ACQ_ADAPTER.size))
 
 
-def _memo_records(memo: dict, raws: list, make) -> list:
-    """The records of ``raws`` (each record's bytes): those made before from the same bytes,
-    the rest made now (``make(raw)``) and kept."""
-    hits = list(filter(None, map(memo.get, raws)))
-    if len(hits) == len(raws):
-        return hits
-    if len(memo) + len(raws) > _MEMO_LIMIT:
-        memo.clear()
-    out = []
-    for raw in raws:
-        rec = memo.get(raw)
-        if rec is None:
-            rec = memo[raw] = make(raw)
-        out.append(rec)
-    return out
-
-
 class ReplyDecoder:
     """``decode_step_reply`` for one client connection, with equal results; a record is the
     one it made before from the same bytes (and the same arena size), not a new one."""
@@ -920,10 +703,8 @@ class ReplyDecoder:
         self._make_object = _object_record
 
     def __call__(self, kind: int, body: bytes) -> StepReply:
-        if kind == OK:
+        if kind == OK and _core is not None:
             try:
-                if _core is None:
-                    return self._decode_ok(body)
                 # The native pass, inline (one call a frame less on every round trip).
                 slabs, n = _STEP_REPLY_HEAD.unpack_from(body)
                 if slabs != self._slabs and n:
@@ -967,33 +748,3 @@ class ReplyDecoder:
         self._last_objects.clear()
         self._slabs = slabs
         self._make_object = _object_maker(slabs)
-
-    def _decode_ok(self, body: bytes) -> StepReply:
-        slabs, n = _STEP_REPLY_HEAD.unpack_from(body, 0)
-        if slabs != self._slabs and n:
-            self._new_arena(slabs)
-        pos = _STEP_REPLY_HEAD.size
-        results: list = []
-        for _ in range(n):
-            k = body[pos]
-            if k == OP_PIN or k == OP_LOOKUP:
-                (count,) = _U16.unpack_from(body, pos + 1)
-                raws, pos = _record_slices(body, pos + 3, count, _object_fields)
-                results.append(_memo_records(self._objects, raws, lambda raw: _object_record(raw, slabs)))
-            elif k == OP_ACQUIRE:
-                _, hot, txn, deadline, count = _ACQ_RESULT_HEAD.unpack_from(body, pos)
-                pos += _ACQ_RESULT_HEAD.size
-                raws, pos = _record_slices(body, pos, count, _adapter_fields)
-                results.append(
-                    AcquireOutcome(
-                        bool(hot), txn, deadline, tuple(_memo_records(self._adapters, raws, _adapter_record))
-                    )
-                )
-            elif k in OP_NAMES:
-                pos += 1
-                results.append(None)
-            else:
-                raise _Malformed
-        if pos != len(body):
-            raise _Malformed
-        return StepReply(slabs, results)
