@@ -391,6 +391,17 @@ def _tier_line(t) -> str:
     )
 
 
+def _engine_line(e) -> str:
+    """One engine's own KV cache on the pool: held within floor and ceiling, and its traffic."""
+    mean = e.grow_seconds / e.grows * 1e3 if e.grows else 0.0
+    return (
+        f"{e.name} (session {e.session_id}): {e.held_pages} KV pages, floor {e.floor_pages}, "
+        f"ceiling {e.ceiling_pages}, weight {e.weight:g}; {e.grows} grows ({e.grown_pages} pages, "
+        f"{mean:.1f} ms mean, {e.grow_seconds_max * 1e3:.1f} ms max), {e.give_backs} give-backs "
+        f"({e.given_pages} pages), {e.refusals} refused, asked back {e.asked_pages} pages"
+    )
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     import grpc
 
@@ -452,6 +463,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     )
     if st.HasField("tier"):
         print(f"  tier       {_tier_line(st.tier)}")
+    for e in st.engines:
+        print(f"  engine     {_engine_line(e)}")
     if st.HasField("adapters") and st.adapters.convert_queued:
         print(f"  adapters   {_backlog(st.adapters.convert_queued)}")
     return 0

@@ -61,6 +61,14 @@ class BrokerQueries(BrokerSession):
         withdrawn: its key stops resolving; ``response.corrupt`` counts them."""
         return self._call(self._stub.VerifyObjects, pb.VerifyObjectsRequest(keys=list(keys)), retry=True)
 
+    def probe_tier(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """(keys found here, in order from the first; what the broker's tier answers for the
+        rest): the tier's figure is -1 while the broker asks it, n > 0 while it reads the next
+        n keys into its pages (a later lookup finds them), 0 for none, a failed tier or no
+        tier. Pins nothing and never waits on the tier (docs/tier.md)."""
+        resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys), tier=True), retry=True)
+        return len(resp.objects), resp.tier_blocks
+
     def stats(self) -> pb.Stats:
         return self._call(self._stub.GetStats, pb.GetStatsRequest(), retry=True)
 

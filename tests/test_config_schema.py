@@ -101,6 +101,10 @@ SAMPLES = {
         ],
         ["teamA:uids=1001,1002:bytes=64MiB", "teamB:gids=2000:bytes=32MiB"],
     ),
+    "engines": (
+        [{"name": "llama", "floor": "16MiB", "ceiling": "64MiB", "weight": 2}, {"name": "canary"}],
+        ["llama:floor=16MiB:ceiling=64MiB:weight=2", "canary"],
+    ),
 }
 
 

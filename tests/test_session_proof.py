@@ -58,6 +58,9 @@ def _requests(anon: int, keyed: int, txn: int, adapter_path: str) -> dict[str, o
         "ReleaseAdapters": pb.ReleaseAdaptersRequest(adapter_ids=["r4"]),
         "VerifyAdapters": pb.VerifyAdaptersRequest(adapter_ids=["r4"]),
         "VerifyObjects": pb.VerifyObjectsRequest(keys=[b"victim"]),
+        "EngineKvRegister": pb.EngineKvRegisterRequest(name="squat", group_pages=1),
+        "EngineKvGrow": pb.EngineKvGrowRequest(groups=1),
+        "EngineKvShrink": pb.EngineKvShrinkRequest(object_ids=[anon]),
     }
 
 

@@ -53,9 +53,9 @@ def test_stats_is_a_frozen_typed_record_with_usage_pairs():
 
 def test_every_pool_figure_of_the_wire_stats_has_a_field_in_the_store_record():
     # The service fills pb.Stats field by field from StoreStats; the rest comes from the
-    # arena (backend, page size, slabs), the adapter wing, the sessions (by owner) and the
-    # tier past one host (broker/store/tiering.py).
-    from_elsewhere = {"backend", "page_size", "num_slabs", "adapters", "by_owner", "tier"}
+    # arena (backend, page size, slabs), the adapter wing, the sessions (by owner), the
+    # tier past one host (broker/store/tiering.py) and the engine pool (broker/store/engine_pool.py).
+    from_elsewhere = {"backend", "page_size", "num_slabs", "adapters", "by_owner", "tier", "engines"}
     wire = {f.name for f in pb.Stats.DESCRIPTOR.fields} - from_elsewhere
     record = {f.name for f in dataclasses.fields(StoreStats)}
     assert wire - record == set()

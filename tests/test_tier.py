@@ -112,6 +112,16 @@ def test_a_failure_is_a_miss_that_backs_off_then_retries():
     tier.close()
 
 
+def test_registering_memory_does_not_mark_a_failed_tier_up():
+    backend = FakeBackend()
+    tier = Tier(backend, deadline_s=1.0, queue_depth=4)
+    backend.fail = True
+    assert tier.find(["k"]).result(5) == [] and not tier.up
+    tier.register(0x1000, 4096).result(5)  # a local call, made whatever the backoff
+    assert not tier.up and tier.last_error
+    tier.close()
+
+
 def test_a_read_whose_bytes_fail_the_digest_is_a_miss():
     backend = FakeBackend()
     tier = Tier(backend, deadline_s=1.0, queue_depth=4)

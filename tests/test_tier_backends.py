@@ -154,3 +154,55 @@ def test_a_stopped_server_is_a_miss_within_the_deadline_and_later_calls_recover(
         time.sleep(0.2)
     assert tier.find([names[1]]).result(10), tier.last_error
     assert tier.up
+
+
+POLICY = """version: 1
+
+tenants:
+  - name: "default"
+    quota: 268435456
+  - name: "teamA"
+    quota: 1048576
+  - name: "teamB"
+    quota: 268435456
+"""
+
+
+def test_mooncake_tenants_keep_pools_apart_each_under_its_own_quota(tmp_path):
+    from memory_broker.broker.tier.mooncake import MooncakeBackend
+
+    policy = tmp_path / "quota.yaml"
+    policy.write_text(POLICY)
+    flags = ("-enable_multi_tenants", "-tenant_quota_connector_type=file", f"-tenant_quota_connector_uri={policy}")
+    server = start_tier_server("mooncake", extra=flags)
+    mem = Memory(96)
+    tier = Tier(MooncakeBackend(server.address, "P2PHANDSHAKE", 64 << 20, DEADLINE, tenants=True), DEADLINE, 64)
+    plain = Tier(MooncakeBackend(server.address, "P2PHANDSHAKE", 16 << 20, DEADLINE), DEADLINE, 64)
+    try:
+        for t in (tier, plain):
+            t.register(mem.base, len(mem.map))
+        # One block key in the shared pool, teamA and teamB: three values under three tenants.
+        keys = {pool: tier_key("mb", pool, b"k") for pool in ("", "teamA", "teamB")}
+        for i in range(len(keys)):
+            mem.fill([i], 40 + i)
+        assert tier.put([mem.block(k, [i]) for i, k in enumerate(keys.values())]).result(SLACK) == [True] * 3
+        for i, k in enumerate(keys.values()):
+            metas = tier.find([k]).result(SLACK)
+            assert tier.get([mem.block(k, [10 + i])], metas).result(SLACK) == [True]
+            assert mem.read([10 + i]) == mem.read([i])
+        # A client of the default tenant sees the shared pool's value and none of the teams'.
+        assert [len(plain.find([k]).result(SLACK)) for k in keys.values()] == [1, 0, 0]
+        # 1.5 MiB for each team: teamA's quota is 1 MiB, teamB's 256 MiB. Mooncake refuses
+        # teamA's puts past its quota (failed writes, a miss later); teamB's all go in.
+        held = {}
+        for pool, first in (("teamA", 20), ("teamB", 50)):
+            blocks = [mem.block(tier_key("mb", pool, b"q%d" % i), [first + i]) for i in range(24)]
+            ok = tier.put(blocks).result(SLACK)
+            held[pool] = sum(1 for b in blocks if tier.find([b.key]).result(SLACK))
+            assert held[pool] == ok.count(True)
+        assert held["teamB"] == 24 and held["teamA"] * PAGE <= 1 << 20
+        assert tier.counts.write_failed == 24 - held["teamA"] and tier.counts.errors == 0
+    finally:
+        tier.close(10)
+        plain.close(10)
+        server.stop()

@@ -5,13 +5,17 @@ a miss; the tier stopped mid-run is a miss and B keeps serving (docs/tier.md).""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+import torch
 from conftest import start_broker
 from tier_servers import KINDS, free_port, start_tier_server
 
@@ -93,6 +97,47 @@ def test_what_a_commits_b_reads_through_the_tier_with_bytes_and_digest_equal(two
     assert da == db and all(v.startswith("blake2b:") for v in da.values())
     st = cb.stats().tier
     assert st.hits == 4 and st.corrupt == 0 and st.up
+
+
+def test_a_lookup_asking_the_tier_says_how_far_it_holds_the_rest_and_never_waits(two):
+    tier, a, b, ca, cb = two
+    keys = commit_chain(ca, b"probe", 5)
+    written(ca, 5)
+    t0 = time.monotonic()
+    answers = [cb.probe_tier(keys)]
+    while answers[-1][0] < 5:
+        assert time.monotonic() - t0 < 10, answers
+        time.sleep(0.002)
+        answers.append(cb.probe_tier(keys))
+    # Asking (-1), then reading all 5 in, then found here; never more than the tier holds.
+    assert answers[0] in ((0, -1), (0, 5)), answers
+    assert {x for x in answers} <= {(0, -1), (0, 5), (5, 0)}, answers
+    assert answers[-1] == (5, 0)
+    # A chain the tier lacks: asked, then none; B's own head, then none of the tail.
+    absent = [b"absent-%d" % i for i in range(3)]
+    commit_chain(cb, b"absent", 1)
+    end = time.monotonic() + 10
+    while (got := cb.probe_tier(absent)) != (1, 0):
+        assert got == (1, -1) and time.monotonic() < end, got
+        time.sleep(0.01)
+    # A broker without a tier always says none, as a lookup without the question does.
+    plain = start_broker()
+    try:
+        with BrokerClient.connect(plain.socket, client_name="plain") as cp:
+            assert cp.probe_tier(keys) == (0, 0) and not cp.stats().tier.backend
+    finally:
+        plain.stop()
+
+
+def test_the_tier_stopped_answers_none_within_its_deadline(two):
+    tier, a, b, ca, cb = two
+    keys = commit_chain(ca, b"gone", 2)
+    written(ca, 2)
+    tier.stop()
+    t0 = time.monotonic()
+    while (got := cb.probe_tier(keys)) != (0, 0):
+        assert got == (0, -1) and time.monotonic() - t0 < 2.5, got  # the deadline is 1 s
+        time.sleep(0.01)
 
 
 def sample(port: int, name: str, **labels) -> float:
@@ -217,3 +262,120 @@ def test_the_tier_stopped_mid_run_is_a_miss_and_b_keeps_serving(two):
     else:
         raise AssertionError(f"the tier did not come back: {cb.stats().tier}")
     assert cb.stats().tier.up
+
+
+def _page(key: bytes, j: int, n: int) -> bytes:
+    """Page ``j`` of ``key``'s block: bytes no other page or key has."""
+    return hashlib.shake_256(key + b"#%d" % j).digest(n)
+
+
+class Peek:
+    """Reads the tier's store directly (not through a broker): which values and records it holds."""
+
+    def __init__(self, tier):
+        self.kind = tier.kind
+        if tier.kind == "valkey":
+            import valkey
+
+            self.c = valkey.Valkey(host="127.0.0.1", port=tier.port)
+        else:
+            from memory_broker.broker.tier.mooncake import MooncakeBackend
+
+            self.m = MooncakeBackend(tier.address, "P2PHANDSHAKE", 16 << 20)
+            self.c = self.m._connected()
+
+    def _get(self, names: list[str]) -> list:
+        if self.kind == "valkey":
+            return self.c.mget(names)
+        return [self.c.get(n) if e == 1 else None for n, e in zip(names, self.c.batch_is_exist(names))]
+
+    def values(self, keys: list[bytes]) -> set[bytes]:
+        names = [f"mb/shared/{k.hex()}" for k in keys]
+        if self.kind == "valkey":
+            return {k for k, n in zip(keys, names) if self.c.exists(n)}
+        return {k for k, e in zip(keys, self.c.batch_is_exist(names)) if e == 1}
+
+    def records(self, keys: list[bytes]) -> set[bytes]:
+        from memory_broker.broker.tier.base import META_SUFFIX, Meta
+
+        raw = self._get([f"mb/shared/{k.hex()}{META_SUFFIX}" for k in keys])
+        return {k for k, r in zip(keys, raw) if Meta.decode(r) is not None}
+
+    def close(self) -> None:
+        (self.c if self.kind == "valkey" else self.m).close()
+
+
+def _settled(c: BrokerClient, key: bytes, timeout: float = 15.0) -> list:
+    """What ``c`` finds of ``key`` once its tier has answered (read in, or none)."""
+    end = time.monotonic() + timeout
+    while (got := c.probe_tier([key])) not in ((1, 0), (0, 0)):
+        assert time.monotonic() < end, got
+        time.sleep(0.005)
+    return c.lookup([key], pin=True)
+
+
+def test_a_broker_killed_mid_write_leaves_nothing_b_reads_as_valid(tier):
+    big = ["--pool-size", "512MiB", "--slab-size", "16MiB", "--tier-deadline", "10s"]
+    seg = ["--tier-mooncake-segment-size", "512MiB"]
+    a = start_broker(*tier.flags(), *TIER, *big, *seg)
+    b = start_broker(*tier.flags(), *TIER, *big, *seg)
+    ca = BrokerClient.connect(a.socket, client_name="a")
+    cb = BrokerClient.connect(b.socket, client_name="b")
+    peek = Peek(tier)
+    page = 512 << 10
+    # 8 blocks written, then 80 in flight. Valkey's blocks are one page each: a few of them
+    # fit in the loopback socket's buffers when the pipeline stops.
+    per = 1 if tier.kind == "valkey" else 4
+    keys = [b"killed-%d" % i for i in range(88)]
+
+    def commit(some: list[bytes]) -> None:
+        with ca.prepare([Spec(per, "kv_cache", key=k) for k in some]) as txn:
+            for k, obj in zip(some, txn.objects):
+                for j, t in enumerate(obj.page_tensors()):
+                    t.view(-1).copy_(torch.frombuffer(bytearray(_page(k, j, page)), dtype=torch.uint8))
+
+    try:
+        commit(keys[:8])
+        written(ca, 8)
+        if tier.kind == "valkey":
+            # Valkey takes a batch as one pipeline, records last: A is killed while its
+            # pipeline is stuck half sent (the server stopped), then the server goes on.
+            os.kill(tier.proc.pid, signal.SIGSTOP)
+            commit(keys[8:])
+            ca.close()
+            time.sleep(1.5)
+            a.stop(signal.SIGKILL)
+            os.kill(tier.proc.pid, signal.SIGCONT)
+            time.sleep(0.5)
+        else:
+            # Mooncake puts the batch's values, then their records: A is killed once the store
+            # has some of the values.
+            commit(keys[8:])
+            ca.close()
+            end = time.monotonic() + 30
+            while not peek.values(keys[8:]):
+                assert time.monotonic() < end, "A wrote none of the 80 blocks"
+            a.stop(signal.SIGKILL)
+        orphans = peek.values(keys[8:]) - peek.records(keys[8:])
+        held = peek.records(keys)
+        assert orphans, "A finished its batch before it was killed: nothing was tested"
+        found = {}
+        for k in keys:
+            got = _settled(cb, k)
+            if got:
+                found[k] = content(cb, got)[0]
+                cb.unpin(got)
+        # B reads only values whose writer finished them (their record is there), each byte
+        # as A wrote it; a value without its record is a miss.
+        assert set(found) <= held and not set(found) & orphans
+        assert all(v == b"".join(_page(k, j, page) for j in range(per)) for k, v in found.items())
+        assert cb.stats().tier.corrupt == 0
+        if tier.kind == "valkey":
+            assert set(found) == held == set(keys[:8])
+        # On Mooncake, values A's own segment held went with A: misses too.
+    finally:
+        peek.close()
+        ca.close()
+        cb.close()
+        a.stop(signal.SIGKILL)
+        b.stop()

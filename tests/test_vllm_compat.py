@@ -59,6 +59,24 @@ def test_every_patch_point_and_connector_method_holds(release):
     assert check_vllm_version(("vllm", v), root=root) == v
 
 
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+def test_the_engine_pools_patch_points_hold(release):
+    root = _tree(release)
+    assert compat.engine_pool_problems(root) == []
+    assert {"get_mem_pool_context", "bind_kv_cache_manager"} <= set(compat.connector_methods())
+
+
+def test_an_engine_pool_point_that_moved_is_named_and_refuses_nothing_else(tmp_path):
+    root = _tree("0.32")
+    dst = str(tmp_path / "vllm")
+    for p in compat.ENGINE_POOL_POINTS:
+        os.makedirs(os.path.dirname(os.path.join(dst, p.path)), exist_ok=True)
+        shutil.copy(os.path.join(root, p.path), os.path.join(dst, p.path))
+    _edit(os.path.join(dst, "v1/core/kv_cache_utils.py"), "    def append_n(self, blocks", "    def add_n(self, blocks")
+    (why,) = compat.engine_pool_problems(dst)
+    assert "FreeKVCacheBlockQueue.append_n" in why and "gone" in why
+
+
 def _copy(root: str, dst: str) -> str:
     """The files the checks read, copied (so one can be edited)."""
     paths = {p.path for p in compat.LORA_PATCH_POINTS} | {compat.CONNECTOR_BASE[0]}

@@ -54,6 +54,8 @@ SCRIPT = textwrap.dedent(
             return [self.c.lookup(k, pin) for k in key_lists]
         def failed(self, c, e, what):
             raise AssertionError(what)
+        def tiered(self, c):
+            return False
 
     def step_output(*reqs):
         new = [SimpleNamespace(req_id=r, num_computed_tokens=0) for r in reqs]
@@ -118,6 +120,95 @@ SCRIPT = textwrap.dedent(
 
 def test_a_local_hit_costs_one_lookup_and_no_pins_and_a_cross_hit_pins_what_it_loads():
     r = subprocess.run([VLLM_PY, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+TIER_SCRIPT = SCRIPT.split("    # The broker holds the first 32 blocks")[0] + textwrap.dedent(
+    """
+    from memory_broker.clients.vllm import kv_scheduler
+
+    kv_scheduler.TIER_POLL_S = 0
+
+    class TierClient(Client):
+        # The broker holds ``stored``; its tier answers ``tier`` for the rest (-1 asking, n > 0
+        # reading n in, 0 none), as BrokerClient.probe_tier does.
+        tier = -1
+        def probe_tier(self, keys):
+            self.calls.append(("probe", len(keys)))
+            n = len(self.lookup(keys, False))
+            return n, (self.tier if n < len(keys) else 0)
+
+    class TierBroker(Broker):
+        def tiered(self, c):
+            return True
+
+    def chain_of(rid, k):
+        t = [1000 * k + i for i in range(10 * BS + 5)]  # 10 full blocks and a partial one
+        r = SimpleNamespace(request_id=rid, prompt_token_ids=t, lora_request=None, mm_features=None,
+                            prompt_embeds=None, cache_salt=None)
+        return r, [identity.block_key(h, 0) for h in identity.chain_hashes(identity.chain_root(fp), t, BS)]
+
+    c = TierClient(set())
+    stats = BrokerKVStats()
+    s = BrokerKVScheduler(TierBroker(c), fp, BS, 1, stats)
+    r, keys = chain_of("r", 1)
+    # While the broker asks its tier, vLLM is told to ask again (the step goes on without it).
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert s.build_connector_meta(step_output(), Mgr()).loads == []
+    # The tier holds the chain: an asynchronous external hit of every loadable block.
+    c.tier = 10
+    assert s.get_num_new_matched_tokens(r, 0) == (10 * BS, True)
+    s.update_state_after_alloc(r, None, 10 * BS)
+    assert s.build_connector_meta(step_output(), Mgr()).loads == []  # not in the broker yet
+    c.stored |= set(keys)
+    lr = s.build_connector_meta(step_output(), Mgr()).loads[0]
+    assert lr.tier and lr.block_ids == list(range(100, 110)) and lr.failed_block_ids == [], lr
+    assert stats.data["tier_hit_tokens"] == 10 * BS and stats.data["hit_tokens"] == 10 * BS
+
+    # A read that stops short (4 blocks came in, the tier has no more): the rest is recomputed.
+    c.tier = 10
+    r2, keys2 = chain_of("r2", 2)
+    assert s.get_num_new_matched_tokens(r2, 0) == (10 * BS, True)
+    s.update_state_after_alloc(r2, None, 10 * BS)
+    c.stored |= set(keys2[:4])
+    c.tier = 0
+    lr = s.build_connector_meta(step_output(), Mgr()).loads[0]
+    assert lr.tier and lr.block_ids == list(range(100, 104)) and lr.failed_block_ids == list(range(104, 110))
+
+    # Finished while waiting: the workers report it received, with nothing loaded.
+    c.tier = 10
+    r3, _ = chain_of("r3", 3)
+    assert s.get_num_new_matched_tokens(r3, 0) == (10 * BS, True)
+    s.update_state_after_alloc(r3, None, 10 * BS)
+    s.request_finished(r3, [])
+    (lr,) = s.build_connector_meta(step_output(), Mgr()).loads
+    assert (lr.req_id, lr.tier, lr.block_ids, lr.failed_block_ids) == ("r3", True, [], [])
+
+    # A tier that never answers: past TIER_WAIT_S the request is computed, and not asked again.
+    kv_scheduler.TIER_WAIT_S = 0.05
+    c.tier = -1
+    r4, _ = chain_of("r4", 4)
+    assert s.get_num_new_matched_tokens(r4, 0) == (None, False)
+    time.sleep(0.06)
+    assert s.get_num_new_matched_tokens(r4, 0) == (0, False)
+    c.calls.clear()
+    assert s.get_num_new_matched_tokens(r4, 0) == (0, False)
+    assert not [x for x in c.calls if x[0] == "probe"], c.calls
+
+    # A broker without a tier is never asked about one.
+    c2 = TierClient(set())
+    s5 = BrokerKVScheduler(Broker(c2), fp, BS, 1, BrokerKVStats())
+    assert s5.get_num_new_matched_tokens(chain_of("r5", 5)[0], 0) == (0, False)
+    assert c2.calls == [("lookup", 10, False)], c2.calls
+    print("OK")
+    """
+)
+
+
+def test_a_chain_in_the_brokers_tier_is_an_asynchronous_load_that_waits_only_on_its_request():
+    r = subprocess.run(
+        [VLLM_PY, "-c", "import time\n" + TIER_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
 
 

@@ -81,7 +81,8 @@ def _mooncake_args(port: int) -> list[str]:
 KINDS = {"valkey": _valkey_args, "mooncake": _mooncake_args}
 
 
-def start_tier_server(kind: str, spawn=subprocess.Popen) -> TierServer:
-    """A ``kind`` server (valkey or mooncake), as a child process on a free loopback port."""
+def start_tier_server(kind: str, spawn=subprocess.Popen, extra: tuple[str, ...] = ()) -> TierServer:
+    """A ``kind`` server (valkey or mooncake), as a child process on a free loopback port;
+    ``extra``: more of its flags."""
     port = free_port()
-    return TierServer(kind, port, KINDS[kind](port)).start(spawn)
+    return TierServer(kind, port, [*KINDS[kind](port), *extra]).start(spawn)

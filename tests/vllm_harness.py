@@ -35,6 +35,16 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=0, help="default: one more than the adapters named")
     ap.add_argument("--max-lora-rank", type=int, default=8)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (workers in processes)")
+    ap.add_argument("--kv-bytes", type=int, default=0, help="kv_cache_memory_bytes (0: VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument(
+        "--engine-pool", default="", help="the connector's engine_pool config, JSON (needs --connector broker)"
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument(
+        "--uni", action="store_true", help="engine core and worker in this process (the engine pool's need)"
+    )
+    ap.add_argument("--no-share-prefixes", action="store_true", help="the connector's engine pool only")
+    ap.add_argument("--stats", action="store_true", help="keep vLLM's stats: per-request TTFT, the 'metrics' op")
     a = ap.parse_args()
 
     # Answers go to the real stdout; everything vLLM prints goes to stderr.
@@ -53,6 +63,10 @@ def main() -> None:
     kw: dict = {}
     if a.connector == "broker":
         extra = {"socket": a.socket} if a.socket else {}
+        if a.engine_pool:
+            extra["engine_pool"] = json.loads(a.engine_pool)
+        if a.no_share_prefixes:
+            extra["share_prefixes"] = False
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="MemoryBrokerConnector",
             kv_connector_module_path="memory_broker.clients.vllm.kv_connector",
@@ -79,6 +93,11 @@ def main() -> None:
         # By default one slot more than needed: the CPU backend gives base rows the last slot's
         # adapter when every slot is taken (FIELD-NOTES).
         kw.update(enable_lora=True, max_loras=a.max_loras or len(loras) + 1, max_lora_rank=a.max_lora_rank)
+    if a.kv_bytes:
+        kw["kv_cache_memory_bytes"] = a.kv_bytes
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would replace kv_cache_memory_bytes on the CPU
+    if a.uni:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t0 = time.monotonic()
     llm = LLM(
         model=a.model,
@@ -86,12 +105,13 @@ def main() -> None:
         enforce_eager=True,
         block_size=32,
         max_model_len=a.max_model_len,
-        max_num_seqs=16,
+        max_num_seqs=a.max_num_seqs,
+        disable_log_stats=not a.stats,
         seed=0,
         enable_prefix_caching=not a.no_prefix_caching,
         disable_hybrid_kv_cache_manager=True,
         tensor_parallel_size=a.tp,
-        distributed_executor_backend="mp" if a.tp > 1 else None,
+        distributed_executor_backend="mp" if a.tp > 1 else ("uni" if a.uni else None),
         **kw,
     )
     answers.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0, "pid": os.getpid()}) + "\n")
@@ -108,6 +128,10 @@ def main() -> None:
             every = llm.collective_rpc(lora_memory)  # one per worker (tensor-parallel rank)
             answers.write(json.dumps({"memory": every[0], "ranks": every}) + "\n")
             continue
+        if cmd.get("op") == "metrics":
+            found = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
+            answers.write(json.dumps({"metrics": found}) + "\n")
+            continue
         if cmd.get("op") == "drain":
             answers.write(json.dumps({"drained": llm.collective_rpc(drain_kv_stores)}) + "\n")
             continue
@@ -120,7 +144,14 @@ def main() -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)
         t = time.monotonic()
         outs = llm.generate(prompts, sp, lora_request=[loras[n] if n else None for n in names], use_tqdm=False)
-        res = [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs]
+        res = [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "cached": o.num_cached_tokens or 0,
+                "ttft_s": getattr(o.metrics, "first_token_latency", None) if o.metrics is not None else None,
+            }
+            for o in outs
+        ]
         answers.write(json.dumps({"outputs": res, "s": time.monotonic() - t}) + "\n")
     answers.write(json.dumps({"bye": True}) + "\n")
 

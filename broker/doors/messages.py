@@ -11,6 +11,7 @@ from __future__ import annotations
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.adapters.records import AdapterCorrupted
 from memory_broker.broker.adapters.stats import AdapterStats
+from memory_broker.broker.store.engine_pool import EngineKvReclaim
 from memory_broker.broker.store.objects import ObjectsEvicted, TransactionsExpired
 from memory_broker.broker.store.stats import StoreStats
 from memory_broker.proto.wire.messages import TIERS
@@ -146,6 +147,10 @@ def event_message(ev) -> pb.SessionEvent | None:
         return pb.SessionEvent(arena_grown=pb.ArenaGrown(num_slabs=ev.num_slabs))
     if isinstance(ev, ShuttingDown):
         return pb.SessionEvent(shutting_down=pb.ShuttingDown(reason=ev.reason))
+    if isinstance(ev, EngineKvReclaim):
+        return pb.SessionEvent(
+            engine_kv_reclaim=pb.EngineKvReclaim(pages=ev.pages, deadline_unix_ms=int(ev.deadline_unix * 1000))
+        )
     if isinstance(ev, AdapterCorrupted):
         return pb.SessionEvent(
             adapter_corrupted=pb.AdapterCorrupted(

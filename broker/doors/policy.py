@@ -59,6 +59,10 @@ POLICY: dict[str, Rule] = {
     # Any session: it only drops copies that fail their checksum (reloaded on next acquire).
     "VerifyAdapters": Rule(session=True, writes=True),
     "VerifyObjects": Rule(session=True, writes=True),
+    # Engines' own KV cache (engine_rpcs.py): the engine's own groups only.
+    "EngineKvRegister": Rule(session=True, writes=True),
+    "EngineKvGrow": Rule(session=True, writes=True),
+    "EngineKvShrink": Rule(session=True, writes=True, owns="groups (its own)"),
 }
 
 

@@ -23,6 +23,7 @@ from memory_broker.broker.adapters.access import check_path_text
 from memory_broker.broker.adapters.layout import ModuleShard
 from memory_broker.broker.adapters.peft import AdapterInfo
 from memory_broker.broker.arena.base import Arena
+from memory_broker.broker.doors import engine_rpcs
 from memory_broker.broker.doors.messages import (
     adapter_message,
     adapter_stats_message,
@@ -338,6 +339,11 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         self.tier = None
         # Each session's replies gRPC has not sent yet, bounded (``add_to_server`` counts them).
         self.replies = ReplyBacklog()
+        # Engines' KV groups (broker/store/engine_pool.py), or None: no engine pool; waiting
+        # grows wake on engine_changes; a grow waits engine_reclaim_wait_s for give-backs.
+        self.engine_pool = None
+        self.engine_changes = engine_rpcs.Changes()
+        self.engine_reclaim_wait_s = 0.5
 
     @property
     def draining(self) -> bool:
@@ -547,8 +553,12 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def Lookup(self, request, context, session):
         sid = session.session_id
-        objs = self.store.lookup(sid, list(request.keys), request.pin, ReplyRoom())
-        return pb.LookupResponse(objects=[self._info(o, sid) for o in objs])
+        keys = list(request.keys)
+        objs = self.store.lookup(sid, keys, request.pin, ReplyRoom())
+        tier = 0
+        if request.tier and self.tier is not None:
+            tier = self.tier.probe(self.store.sessions[sid].pool, keys, len(objs))
+        return pb.LookupResponse(objects=[self._info(o, sid) for o in objs], tier_blocks=tier)
 
     @_unary
     def GetStats(self, request, context, session):
@@ -564,6 +574,8 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
         )
         if self.tier is not None:
             msg.tier.CopyFrom(tier_stats_message(self.tier.stats()))
+        if self.engine_pool is not None:
+            msg.engines.extend(engine_rpcs.engine_stats_message(e) for e in self.engine_pool.stats())
         return msg
 
     def _owner_stats(self, sid: int, ct: int, n: int, p: int) -> pb.OwnerStats:
@@ -707,6 +719,11 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
             ],
             corrupt=sum(1 for c in checks if not c.ok),
         )
+
+    # Engines' own KV cache on the pool's pages (engine_rpcs.py; docs/engine-pool.md).
+    EngineKvRegister = _unary(engine_rpcs.EngineKvRegister)
+    EngineKvGrow = _unary(engine_rpcs.EngineKvGrow)
+    EngineKvShrink = _unary(engine_rpcs.EngineKvShrink)
 
 
 class EchoService(echo_pb2_grpc.EchoServicer):

@@ -34,11 +34,18 @@ from memory_broker.broker.server.gpu_layout import link_instance, serving_gpu
 from memory_broker.broker.server.lock import SocketLock
 from memory_broker.broker.server.metrics import BrokerMetrics
 from memory_broker.broker.server.notify import Notifier
-from memory_broker.broker.server.options import ServeOptions, adapter_config, adapter_size_limit, socket_mode
+from memory_broker.broker.server.options import (
+    ServeOptions,
+    adapter_config,
+    adapter_size_limit,
+    engine_limits,
+    socket_mode,
+)
 from memory_broker.broker.server.tenancy import fd_authorize, fd_scope, make_pools
 from memory_broker.broker.sessions.liveness import PidWatcher
 from memory_broker.broker.sessions.manager import MAX_UNPROVEN, SessionManager
 from memory_broker.broker.store.digests import KeyDigests
+from memory_broker.broker.store.engine_pool import EnginePool
 from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.growth import Growth
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
@@ -225,6 +232,9 @@ class BrokerServer:
         self.digests = make_digests(opts, self.store, self.arena, self.log, self._tasks)
         # After the digests: the link chains its write-behind after theirs on commit.
         self.tier = make_tier(opts, self.store, self.arena, self.geometry, self.log, self._tier_latency)
+        # Engines' own KV cache on the pool's pages (docs/engine-pool.md).
+        self.engine_pool = EnginePool(self.store, engine_limits(opts))
+        self.store.on_session_end = self.engine_pool.session_ended
         # The adapter manager holds one pin per acquire in flight: no per-session limit for it.
         self.store.mark_internal(self.adapters.system_session)
         self.watcher = PidWatcher(loop)
@@ -248,6 +258,9 @@ class BrokerServer:
             self.store, self.sessions, self.arena, self.arena_info, self.log, self.metrics, self.adapters
         )
         self.service.digests = self.digests
+        self.service.engine_pool = self.engine_pool
+        self.service.engine_reclaim_wait_s = opts.engine_reclaim_wait_s
+        self.engine_pool.on_change = self.service.engine_changes.fire
         self.service.tier = self.tier
         self.service.manager_uids = opts.manager_uids()
         self.service.debug_rpcs = opts.log_level == "debug"
@@ -355,6 +368,9 @@ class BrokerServer:
         if self.tier is not None:
             t = self.tier.stats()
             line += f"; tier {'up' if t['up'] else 'DOWN'}, {t['hits']} hits, {t['written']} written"
+        engines = getattr(self, "engine_pool", None)
+        if engines is not None and engines.engines:
+            line += f"; {len(engines.engines)} engines hold {engines.held_pages()} KV pages"
         return line
 
     def _refresh(self) -> StoreStats:
@@ -364,6 +380,7 @@ class BrokerServer:
             self.metrics.snapshot = st
             self.metrics.adapter_snapshot = self.adapters.stats()
             self.metrics.tier_snapshot = self.tier.stats() if self.tier is not None else None
+            self.metrics.engine_snapshot = self.engine_pool.stats()
         return st
 
     async def _status_loop(self) -> None:
@@ -674,6 +691,7 @@ def make_tier(opts: ServeOptions, store: ObjectStore, arena, geometry, log, obse
         mooncake_metadata=opts.tier_mooncake_metadata,
         segment_size=opts.tier_mooncake_segment_size,
         deadline_s=opts.tier_deadline_s,
+        mooncake_tenants=opts.tier_mooncake_tenants,
     )
     tier = Tier(backend, opts.tier_deadline_s, opts.tier_queue_depth, observe=observe)
     names = store.tenancy.names if store.tenancy is not None else [""]

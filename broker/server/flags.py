@@ -26,7 +26,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
             kw = {"choices": s.choices, "help": kw["help"]}
         elif s.kind in ("int", "float", "uids"):
             kw["type"] = float if s.kind == "float" else int
-        if s.kind in ("uids", "paths", "tenants"):
+        if s.kind in ("uids", "paths", "tenants", "engines"):
             kw["action"] = "append"
         p.add_argument(s.flag, **kw)
     for flag, (_, _, help) in SHORTHANDS.items():
@@ -55,7 +55,7 @@ def flag_overrides(a: argparse.Namespace) -> dict:
             v = not s.flag.startswith("--no-")  # store_true: given means on, or off for --no-X
         elif s.kind == "uids":
             v = tuple(v)
-        elif s.kind in ("size", "duration", "mode", "paths", "tenants"):
+        elif s.kind in ("size", "duration", "mode", "paths", "tenants", "engines"):
             v = read(s.kind, v, s.flag)
         out[s.name] = v
     if getattr(a, "json", False):

@@ -83,6 +83,13 @@ class BrokerMetrics:
         self._add_store_instruments(meter)
         self._add_adapter_instruments(meter)
         self._add_tier_instruments(meter)
+        # Engines' KV figures (engine_pool.EnginePool.stats), taken with the snapshot.
+        self.engine_snapshot: list = []
+        self._add_engine_instruments(meter)
+        # ``record(seconds)``: one granted EngineKvGrow, asking back and zeroing included.
+        self.engine_grow_latency = LatencyHistogram(
+            f"{PREFIX}_engine_kv_grow_latency_seconds", "time to grant an engine's KV grow"
+        )
         # ``record(seconds)``.
         self.allocation_latency = LatencyHistogram(
             f"{PREFIX}_allocation_latency_seconds", "time to serve an Allocate or Prepare in the core"
@@ -98,6 +105,7 @@ class BrokerMetrics:
         inner.register(self.allocation_latency)
         inner.register(self.rpc_latency)
         inner.register(self.tier_latency)
+        inner.register(self.engine_grow_latency)
 
     def _add_store_instruments(self, meter) -> None:
         """Gauges and counters read from the store's snapshot."""
@@ -255,6 +263,26 @@ class BrokerMetrics:
         )
         tier("tier_queue_depth", "tier jobs waiting", (("queue_depth", "", ""),), gauge=True)
         tier("tier_up", "1 while the tier answers, 0 during a failure's backoff", (("up", "", ""),), gauge=True)
+
+    def _add_engine_instruments(self, meter) -> None:
+        """Per engine (label ``engine``): KV pages held, and its grows, give-backs, refusals."""
+
+        def engine(name: str, desc: str, field: str, gauge: bool = False):
+            def observe(_o):
+                return [Observation(getattr(e, field), {"engine": e.name}) for e in self.engine_snapshot]
+
+            make = meter.create_observable_gauge if gauge else meter.create_observable_counter
+            make(f"{PREFIX}_{name}", callbacks=[observe], description=desc)
+
+        engine("engine_kv_pages", "pages of an engine's own KV cache", "held_pages", gauge=True)
+        engine("engine_kv_floor_pages", "an engine's floor (pages never asked back)", "floor", gauge=True)
+        engine("engine_kv_ceiling_pages", "an engine's ceiling (most pages it may hold)", "ceiling", gauge=True)
+        engine("engine_kv_grows_total", "an engine's granted KV grows", "grows")
+        engine("engine_kv_grown_pages_total", "pages granted to an engine's KV cache", "grown_pages")
+        engine("engine_kv_give_backs_total", "an engine's give-backs of KV groups", "give_backs")
+        engine("engine_kv_given_pages_total", "pages an engine gave back", "given_pages")
+        engine("engine_kv_refusals_total", "an engine's KV grows refused (it preempts)", "refusals")
+        engine("engine_kv_asked_pages_total", "pages an engine was asked to give back", "asked_pages")
 
     def _per_tier(self, key: str):
         """A callback: one observation per tier of the adapter figures' record ``key``."""

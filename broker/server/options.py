@@ -240,6 +240,24 @@ class ServeOptions(_Explained):
         shown="none: one shared pool",
         help="a tenant pool of whole slabs for the sessions of these uids/gids (repeat)",
     )
+    engines: tuple[tuple[str, int, int, float], ...] = setting(
+        (),
+        kind="engines",
+        yaml="engine_pool.engines",
+        flag="--engine",
+        metavar="NAME:floor=SIZE:ceiling=SIZE:weight=W",
+        shown="none: any engine, no floor, the whole pool as ceiling, weight 1",
+        help="an engine's own KV cache limits on the pool, by engine or tenant pool name (repeat)",
+    )
+    engine_reclaim_wait_s: float = setting(
+        0.5,
+        kind="duration",
+        yaml="engine_pool.reclaim_wait",
+        metavar="S",
+        gt=0.0,
+        le=10.0,
+        help="how long an engine's KV grow waits for other engines' give-backs before it is refused",
+    )
     enable_echo: bool = setting(False, kind="bool", yaml=None, help="serve the bare Echo service (benchmarks)")
     grace_s: float = setting(
         10.0,
@@ -471,6 +489,14 @@ class ServeOptions(_Explained):
         metavar="SIZE",
         ge=1 << 20,
         help="host memory this broker contributes to the Mooncake Store (its share of the fleet's tier)",
+    )
+    tier_mooncake_tenants: bool = setting(
+        False,
+        kind="bool",
+        yaml="tier.mooncake_tenants",
+        help="with tier.backend mooncake: each tenant pool's blocks as a Mooncake tenant named after the pool "
+        "(the shared pool: default), in its namespace and under its quota on a master started with "
+        "-enable_multi_tenants",
     )
     tier_deadline_s: float = setting(
         1.0,
@@ -842,6 +868,15 @@ def adapter_size_limit(opts: ServeOptions) -> int:
         return opts.adapter_max_bytes
     hot = opts.hot_tier_pages * opts.page_size if opts.hot_tier_pages else opts.pool_size
     return min(hot, opts.pool_size)
+
+
+def engine_limits(opts: ServeOptions) -> dict:
+    """``engine_pool.engines`` as the engine pool's limits in pages (a floor rounds up, a
+    ceiling down, to whole pages)."""
+    from memory_broker.broker.store.engine_pool import EngineLimits
+
+    ps = opts.page_size
+    return {n: EngineLimits(-(-f // ps), c // ps, w) for n, f, c, w in opts.engines}
 
 
 def adapter_config(opts: ServeOptions) -> Any:

@@ -189,6 +189,58 @@ def _tenants(v: Any, where: str) -> tuple[Tenant, ...]:
     return tuple(out)
 
 
+# An engine's limits as the schema holds them: (name, floor bytes, ceiling bytes, weight).
+EngineEntry = tuple[str, int, int, float]
+_ENGINE_KEYS = ("name", "floor", "ceiling", "weight")
+
+
+def _engine_fields(v: Any, where: str) -> dict:
+    """One engine's fields from a YAML mapping or a flag's ``NAME:floor=1GiB:ceiling=6GiB:weight=2``."""
+    if isinstance(v, dict):
+        return v
+    if not isinstance(v, str):
+        raise ConfigError(f"{where}: expected an engine like {{name: llama, floor: 1GiB, ceiling: 6GiB}}, got {v!r}")
+    name, *parts = v.split(":")
+    out: dict[str, Any] = {"name": name}
+    for part in parts:
+        key, eq, text = part.partition("=")
+        if not eq or key not in _ENGINE_KEYS[1:]:
+            raise ConfigError(f"{where}: {part!r} in {v!r}; write NAME:floor=1GiB:ceiling=6GiB:weight=1")
+        out[key] = text
+    return out
+
+
+def _engines(v: Any, where: str) -> tuple[EngineEntry, ...]:
+    """Engines' KV limits (engine_pool.engines): a YAML list of mappings, or a repeated flag's texts."""
+    if not isinstance(v, list):
+        raise ConfigError(f"{where}: expected a list of engines (name, floor, ceiling, weight), got {v!r}")
+    out: list[EngineEntry] = []
+    for i, item in enumerate(v):
+        f = _engine_fields(item, f"{where}[{i}]")
+        name = f.get("name")
+        at = f"{where}[{name if isinstance(name, str) and name else i}]"
+        if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
+            raise ConfigError(f"{at}.name: expected 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+        if name in (e[0] for e in out):
+            raise ConfigError(f"{at}.name: engine {name!r} is named twice")
+        if set(f) - set(_ENGINE_KEYS):
+            raise ConfigError(f"{at}: unknown keys {sorted(set(f) - set(_ENGINE_KEYS))}; an engine has {_ENGINE_KEYS}")
+        floor = _size(f.get("floor", 0), f"{at}.floor")
+        ceiling = _size(f.get("ceiling", 0), f"{at}.ceiling")
+        w = f.get("weight", 1.0)
+        try:
+            w = float(w) if isinstance(w, str) else w
+        except ValueError:
+            raise ConfigError(f"{at}.weight: expected a number, got {w!r}") from None
+        weight = _float(w, f"{at}.weight")
+        if ceiling and floor > ceiling:
+            raise ConfigError(f"{at}: floor {format_size(floor)} is above ceiling {format_size(ceiling)}")
+        if not weight > 0:
+            raise ConfigError(f"{at}.weight: must be > 0, got {weight}")
+        out.append((name, floor, ceiling, weight))
+    return tuple(out)
+
+
 def _mode(v: Any, where: str) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         # YAML reads 0660 as octal-looking decimal 660 only if quoted oddly; accept ints < 0o1000.
@@ -211,6 +263,7 @@ _READERS = {
     "paths": _paths,
     "mode": _mode,
     "tenants": _tenants,
+    "engines": _engines,
 }
 KINDS = frozenset({*_READERS, "choice"})
 
@@ -244,6 +297,15 @@ def show(kind: str, v: Any) -> str:
             "["
             + ", ".join(
                 f"{{name: {n}, uids: {list(u)}, gids: {list(g)}, bytes: {show('size', b)}}}" for n, u, g, b in v
+            )
+            + "]"
+        )
+    if kind == "engines":
+        return (
+            "["
+            + ", ".join(
+                f"{{name: {n}, floor: {show('size', f)}, ceiling: {show('size', c)}, weight: {w:g}}}"
+                for n, f, c, w in v
             )
             + "]"
         )

@@ -147,6 +147,8 @@ class ObjectStore:
         # Called by a lookup that found fewer than the keys it was given: (the session's pool,
         # the keys, how many leading ones were found); tiering.TierLink reads the rest through.
         self.on_miss: Callable[[int, Sequence[bytes], int], None] | None = None
+        # Called with each ended session's id after its holdings were let go (engine_pool.EnginePool).
+        self.on_session_end: Callable[[int], None] | None = None
 
     # ------------------------------------------------ the narrow interface
 
@@ -272,6 +274,8 @@ class ObjectStore:
         background = self.room.background
         if not self._release_holdings(s, self.work_batch if background is not None else None):
             background()
+        if self.on_session_end is not None:
+            self.on_session_end(session)
 
     def _release_holdings(self, s: SessionState, budget: int | None) -> bool:
         """Drop up to ``budget`` of an ended session's pins and objects; True when done."""

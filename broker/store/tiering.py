@@ -19,6 +19,8 @@ tasks that wait on the tier's futures, so no store call waits for the tier:
   bad digest of the tier only means nothing is committed: never a wrong block, never a wait
   in a store call. The step path stays one synchronous pass (the reason for answering now
   rather than waiting on the tier inside a lookup): an engine asks again at its next step.
+  ``probe`` tells a lookup that asked (``LookupRequest.tier``) how that read stands, so the
+  vLLM connector can count the blocks being read in as an asynchronous external hit.
 
 It imports no gRPC; the tier is below it (ARCHITECTURE.md, "Layers").
 """
@@ -116,7 +118,9 @@ class TierLink:
         self._sessions: dict[int, int] = {}  # pool -> the link's session in it
         self._registered: set[int] = set()  # slabs the tier was told of
         self._stored: OrderedDict[int, None] = OrderedDict()  # object ids known to be in the tier
-        self._asking: set[tuple[int, bytes]] = set()  # (pool, first missing key) being read
+        # (pool, first missing key) being read -> None while the tier is asked, then how
+        # many keys from there it holds (``probe``'s answer) until they are committed.
+        self._reading: dict[tuple[int, bytes], int | None] = {}
         self._missed: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # ... not served, since when
         self._tasks: set[asyncio.Task] = set()
         self._pending: list[Allocation] = []
@@ -282,12 +286,22 @@ class TierLink:
     def missed(self, pool: int, keys: Sequence[bytes], found: int) -> None:
         """On the loop, from a lookup that found ``found`` of ``keys``: read the rest through."""
         first = (pool, keys[found])
-        if first in self._asking or len(self._asking) >= self.tier.queue_depth or self._recently_missed(first):
+        if first in self._reading or len(self._reading) >= self.tier.queue_depth or self._recently_missed(first):
             return
         tail = list(keys[found : found + BATCH])
-        self._asking.add(first)
+        self._reading[first] = None
         self.counts.chains += 1
         self._spawn(self._read_through(pool, tail, first))
+
+    def probe(self, pool: int, keys: Sequence[bytes], found: int) -> int:
+        """After a lookup of ``keys`` in ``pool`` found ``found`` (its ``missed`` ran): -1
+        while the tier is asked about the rest, n > 0 while the n keys after ``found`` are
+        read in from it (a later lookup finds them committed), 0 when it holds none of them
+        or failed (a miss). Never waits: an engine asks again at its next step."""
+        if found >= len(keys):
+            return 0
+        n = self._reading.get((pool, keys[found]), 0)
+        return -1 if n is None else n
 
     def _recently_missed(self, first: tuple[int, bytes]) -> bool:
         missed = self._missed
@@ -302,12 +316,13 @@ class TierLink:
             fut = self.tier.find([self._key(pool, k) for k in keys])
             metas: list[Meta] = await asyncio.wrap_future(fut) if fut is not None else []
             metas = [m for m in _leading(metas, self.page_size)]
+            self._reading[first] = len(metas)
             if metas:
                 served = await self._fill(pool, keys[: len(metas)], metas)
         except Exception as e:  # noqa: BLE001  (a read-through is a miss, never the lookup's failure)
             self.log.warning("tier_read_failed", error=repr(e))
         finally:
-            self._asking.discard(first)
+            self._reading.pop(first, None)
             if not served:
                 self._missed[first] = time.monotonic()
                 self._missed.move_to_end(first)

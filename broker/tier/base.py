@@ -110,6 +110,12 @@ def tier_key(prefix: str, pool: str, key: bytes) -> str:
     return f"{prefix}/{pool or 'shared'}/{key.hex()}"
 
 
+def key_pool(key: str) -> str:
+    """The tenant pool's name in a tier key (``tier_key``'s second part from the end)."""
+    parts = key.rsplit("/", 2)
+    return parts[-2] if len(parts) == 3 else "shared"
+
+
 class Backend(Protocol):
     """A distributed store the tier's thread calls, one call at a time. Every call raises
     ``TierError`` on a failure of the store (never for a plain miss) and returns within about

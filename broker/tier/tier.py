@@ -183,8 +183,9 @@ class Tier:
         if self._clock() > job.deadline:
             self.counts.timeouts += 1
             return job.miss()
-        self._backoff = 0.0
-        self._healthy = True
+        if job.op != "register":  # a local call: it says nothing of the store
+            self._backoff = 0.0
+            self._healthy = True
         return out
 
     def _failed(self, e: Exception) -> None:
@@ -242,7 +243,14 @@ class Tier:
 
 
 def open_backend(  # noqa: PLR0913 - the tier.* settings of one call site (broker/server/app.py)
-    kind: str, *, valkey_url: str, mooncake_master: str, mooncake_metadata: str, segment_size: int, deadline_s: float
+    kind: str,
+    *,
+    valkey_url: str,
+    mooncake_master: str,
+    mooncake_metadata: str,
+    segment_size: int,
+    deadline_s: float,
+    mooncake_tenants: bool = False,
 ) -> Backend:
     """The backend ``tier.backend`` names ("valkey" or "mooncake"); nothing connects yet for
     Mooncake (its first call does, in the tier's thread).
@@ -261,5 +269,7 @@ def open_backend(  # noqa: PLR0913 - the tier.* settings of one call site (broke
             raise ValueError("tier.backend is mooncake but tier.mooncake_master is not set (host:port)")
         from memory_broker.broker.tier.mooncake import MooncakeBackend
 
-        return MooncakeBackend(mooncake_master, mooncake_metadata, segment_size, timeout_s=deadline_s)
+        return MooncakeBackend(
+            mooncake_master, mooncake_metadata, segment_size, timeout_s=deadline_s, tenants=mooncake_tenants
+        )
     raise ValueError(f"unknown tier backend {kind!r}; one of none, valkey, mooncake")

@@ -112,6 +112,24 @@ LORA_PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("model_executor/layers/linear.py", "QKVParallelLinear", "num_kv_head_replicas", attr=True),
 )
 
+# What the engine pool (engine_pool.py) uses of vLLM's block pool and KV allocation. A failed
+# check leaves vLLM's own KV cache in place (one log line), never refuses the package.
+_BP, _KU = "v1/core/block_pool.py", "v1/core/kv_cache_utils.py"
+ENGINE_POOL_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(_BP, "BlockPool", "blocks", attr=True),
+    PatchPoint(_BP, "BlockPool", "free_block_queue", attr=True),
+    PatchPoint(_BP, "BlockPool", "null_block", attr=True),
+    PatchPoint(_BP, "BlockPool", "num_gpu_blocks", attr=True),
+    PatchPoint(_BP, "BlockPool", "get_num_free_blocks", ("self",)),
+    PatchPoint(_BP, "BlockPool", "_maybe_evict_cached_block", ("self", "block")),
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "remove", ("self", "block")),
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "append_n", ("self", "blocks")),
+    # Wrapped on the instance, called with what it was called with: only that it exists.
+    PatchPoint("v1/core/kv_cache_manager.py", "KVCacheManager", "allocate_slots"),
+    PatchPoint("v1/core/kv_cache_manager.py", "KVCacheManager", "block_pool", attr=True),
+    PatchPoint("v1/worker/utils.py", "", "allocate_kv_cache", ("kv_cache_config", "device", "layout")),
+)
+
 # The connector's base class, where the methods it implements are declared.
 CONNECTOR_BASE = ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1")
 
@@ -283,6 +301,17 @@ def problems(root: str, package: str = _HERE) -> list[str]:
     ``root`` (the directory of the ``vllm`` package); empty: this release serves the broker."""
     out = [why for why in (_check_point(root, p) for p in LORA_PATCH_POINTS) if why]
     return out + _connector_problems(root, connector_methods(package))
+
+
+def engine_pool_problems(root: str) -> list[str]:
+    """What the engine pool needs that the vLLM tree at ``root`` lacks (empty: it can run)."""
+    return [why for why in (_check_point(root, p) for p in ENGINE_POOL_POINTS) if why]
+
+
+@functools.lru_cache(maxsize=1)
+def engine_pool_problems_installed() -> tuple[str, ...]:
+    root = installed_root()
+    return tuple(engine_pool_problems(root)) if root is not None else ("vLLM is not installed",)
 
 
 def installed_root() -> str | None:

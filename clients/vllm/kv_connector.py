@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
-from memory_broker.clients.vllm import identity, store  # noqa: E402
+from memory_broker.clients.vllm import engine_pool, identity, store  # noqa: E402
 from memory_broker.clients.vllm.kv_records import (  # noqa: E402,F401  (STAT_NAMES, the records: imported from here too)
     STAT_NAMES,
     BrokerKVMetadata,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
 
-EXTRA_KEYS = ("socket", "timeout_s", "retry_s", "store_buffer_mb", "store_in_step")
+EXTRA_KEYS = ("socket", "timeout_s", "retry_s", "store_buffer_mb", "store_in_step", "engine_pool", "share_prefixes")
 
 
 def _flag(v: object) -> bool:
@@ -136,6 +136,10 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 store_in_step=_flag(extra.get("store_in_step", False)),
             )
         self.socket = self.broker.socket
+        # The engine's own KV cache on the broker's pages (engine_pool.py), when asked for.
+        self._engine_pool_conf = extra.get("engine_pool")
+        # False: only the engine pool; no prefix KV is looked up, loaded or stored.
+        self._share = _flag(extra.get("share_prefixes", True))
         log.info(
             "MemoryBrokerConnector (%s, tp rank %d) on broker %s, block %d tokens",
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
@@ -155,24 +159,50 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     # ================================================================ scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._share:
+            return 0, False
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
-        self._sched().on_new_request(request)
+        if self._share:
+            self._sched().on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
-        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._share:
+            self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        eng = engine_pool.current() if self._engine_pool_conf is not None else None
+        if eng is not None:
+            eng.after_schedule()
+        if not self._share:
+            return BrokerKVMetadata()
         return self._sched().build_connector_meta(scheduler_output, self._kv_cache_manager)
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
-        self._sched().update_connector_output(connector_output)
+        if self._share:
+            self._sched().update_connector_output(connector_output)
+        eng = engine_pool.current() if self._engine_pool_conf is not None else None
+        if eng is not None:
+            eng.after_step()
+
+    def bind_kv_cache_manager(self, kv_cache_manager):
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._engine_pool_conf is not None:
+            engine_pool.bind(kv_cache_manager)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if not self._share:
+            return False, None
         return self._sched().request_finished(request, block_ids)
 
     # ================================================================ worker side
+
+    def get_mem_pool_context(self):
+        if self._engine_pool_conf is None:
+            return None
+        conf = self._engine_pool_conf if isinstance(self._engine_pool_conf, dict) else {}
+        return engine_pool.start(self.socket, conf, self._kv_cache_config, self._vllm_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker().register_kv_caches(kv_caches)
@@ -191,6 +221,10 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Nothing is sent asynchronously; loads from the broker's tier are received so.
+        return None, self._worker().get_finished()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.connector_worker is None:

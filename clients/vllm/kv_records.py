@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 STAT_NAMES = (
     "lookups",  # requests looked up in the broker
     "hit_tokens",  # tokens the broker held for them (what vLLM will not compute)
+    "tier_hit_tokens",  # of those, tokens its tier past the host held (loaded asynchronously)
     "loaded_blocks",  # blocks copied from the broker into vLLM's cache
     "stored_blocks",  # blocks committed by this engine
     "deduplicated_blocks",  # blocks another engine committed first (pages given back)
@@ -88,6 +89,9 @@ class LoadRequest:
     # Blocks of the request the broker no longer held when the step pinned them: the worker
     # reports them to vLLM, which recomputes them.
     failed_block_ids: list[int] = field(default_factory=list)
+    # An asynchronous load (blocks read in from the broker's tier): the worker reports the
+    # request's receive finished (``get_finished``) whether or not every block loaded.
+    tier: bool = False
 
 
 @dataclass
@@ -132,3 +136,12 @@ class _ReqState:
     load_ok: int = 0
     # First prompt block not known to be in the broker.
     next_save: int = 0
+    # Blocks after the broker's hits that its tier held at the lookup (an asynchronous load).
+    tier_blocks: int = 0
+    # When the request began waiting on the tier (monotonic seconds; 0: not waiting), and
+    # when the tier is asked about it next.
+    tier_since: float = 0.0
+    tier_next: float = 0.0
+    # The tier was asked for this request and answered (it is not asked again: a load that
+    # failed is recomputed, never retried).
+    tier_tried: bool = False

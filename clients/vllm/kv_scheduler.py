@@ -10,11 +10,17 @@ workers which blocks to load (with the pinned objects' pages) and which to store
 (``BrokerKVMetadata``). Pins go, in one frame per step, when the workers report the load
 done, when a request is not scheduled after all, or when it finishes. A broker that is away
 or fails costs a recompute, never a failed request. It never touches KV tensors.
+
+A broker with a tier past the host (docs/tier.md) may hold more of a chain there: the
+request is then asked about (``BrokerClient.probe_tier``) and, once the tier has answered,
+answered to vLLM as an asynchronous external hit; its load goes to the workers when the
+broker has read the blocks in (``_tier_loads``). No step waits on the tier.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +61,13 @@ def _keyable(request: Any) -> bool:
 # ones (in arrival order) up to this many in all, so the rest of the step's asks are answered
 # from that frame. A step frame holds 64 ops: one unpin and 63 lookups (per rank).
 PREFETCH = 63
+# A request waits at most this long on its broker's tier past the host (asked, then read into
+# the broker's pages) before vLLM computes what was not read; the broker's own deadline
+# (tier.deadline, per tier call) normally ends the wait long before.
+TIER_WAIT_S = 5.0
+# A request waiting on the tier is asked about at most this often (vLLM's steps come back to
+# back while nothing else runs).
+TIER_POLL_S = 0.002
 
 
 class _Away(Exception):
@@ -98,6 +111,11 @@ class BrokerKVScheduler:
         self._found: dict[str, int] = {}
         # Pins let go and not yet unpinned: id(broker) -> [(incarnation, objects)].
         self._releases: dict[int, list] = {}
+        # Asynchronous loads from the tier: requests waiting until their blocks are read into
+        # the broker, and requests that finished while waiting (their receive still has to be
+        # reported finished by the workers, or vLLM keeps their blocks).
+        self._tier_waiting: dict[str, _ReqState] = {}
+        self._tier_cancelled: list[str] = []
 
     def _state(self, request: Request) -> _ReqState | None:
         st = self._reqs.get(request.request_id)
@@ -191,11 +209,59 @@ class BrokerKVScheduler:
             # A rank's broker away: no rank can load (vLLM recomputes the whole prefix).
             st.next_save = max(st.next_save, num_computed_tokens // self.block_size)
             return 0, False
-        self.stats.add("lookups")
         # Pinned in build_connector_meta, with the step's other loads (one frame).
         st.hit_blocks = min(stored, loadable)
+        st.tier_blocks = 0
+        if st.hit_blocks < loadable and not st.tier_tried:
+            more = self._tier_tail(st, st.hit_blocks, loadable)
+            if more is None:
+                return None, False  # the broker is asking its tier: vLLM asks again next step
+            if more and (st.hit_blocks + more) * self.block_size > num_computed_tokens:
+                # Read into the broker by its tier: an asynchronous load (build_connector_meta
+                # hands it to the workers once the blocks are in the broker).
+                self.stats.add("lookups")
+                st.tier_blocks = more
+                st.hit_blocks += more
+                st.next_save = max(st.next_save, st.hit_blocks)
+                return st.hit_blocks * self.block_size - num_computed_tokens, True
+        self.stats.add("lookups")
         st.next_save = max(st.next_save, stored)
         return max(0, st.hit_blocks * self.block_size - num_computed_tokens), False
+
+    def _tier_tail(self, st: _ReqState, hit: int, loadable: int) -> int | None:
+        """Blocks of ``st.chain[hit:loadable]`` every rank's broker has or is reading in from
+        its tier (0: none, no tier, or a failure: vLLM computes them); None while a broker is
+        still asking its tier (never waited for here)."""
+        now = time.monotonic()
+        st.tier_since = st.tier_since or now
+        if now - st.tier_since > TIER_WAIT_S:
+            st.tier_tried = True
+            return 0
+        more = loadable - hit
+        for rank in range(self.tp_size):
+            n = self._tier_probe(rank, st.chain[hit:loadable])
+            if n is None:
+                return None
+            more = min(more, n)
+            if not more:
+                break
+        st.tier_tried = True
+        return more
+
+    def _tier_probe(self, rank: int, chain: list[bytes]) -> int | None:
+        """How many of ``chain``'s blocks rank ``rank``'s broker holds or is reading in from its
+        tier (``BrokerClient.probe_tier``); None while it asks the tier."""
+        b = self.brokers[rank]
+        c = b.client()
+        if c is None or not b.tiered(c):
+            return 0
+        try:
+            found, tier = c.probe_tier([identity.block_key(h, rank) for h in chain])
+        except BrokerError as e:
+            b.failed(c, e, "tier lookup")
+            self.stats.add("broker_errors")
+            return 0
+        return None if tier < 0 else found + tier
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self._waiting.pop(request.request_id, None)
@@ -208,8 +274,14 @@ class BrokerKVScheduler:
         start = st.local_tokens // self.block_size
         end = (st.local_tokens + num_external_tokens) // self.block_size
         st.load = (start, end)
-        self._to_load.add(request.request_id)
         self.stats.add("hit_tokens", num_external_tokens)
+        if st.tier_blocks:
+            # An asynchronous load: it waits until the broker has the blocks.
+            self._tier_waiting[request.request_id] = st
+            st.tier_since = st.tier_next = time.monotonic()
+            self.stats.add("tier_hit_tokens", st.tier_blocks * self.block_size)
+            return
+        self._to_load.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, mgr: KVCacheManager | None) -> BrokerKVMetadata:
         meta = BrokerKVMetadata()
@@ -222,6 +294,8 @@ class BrokerKVScheduler:
         for i, req_id in enumerate(cached.req_ids):
             progress.append((req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0)))
         loads = [rid for rid, _ in progress if rid in self._to_load and self._reqs[rid].load is not None]
+        if mgr is not None:
+            self._tier_loads(meta, mgr)
         if loads and mgr is not None:
             self._pin_loads(loads)
         for req_id, done_tokens in progress:
@@ -250,6 +324,46 @@ class BrokerKVScheduler:
         self._flush()
         return meta
 
+    def _tier_loads(self, meta: BrokerKVMetadata, mgr: KVCacheManager) -> None:
+        """The asynchronous loads whose wait is over go to the workers (pinned as the step's
+        other loads): every block is in the broker, or its tier answered that no more are
+        coming, or ``TIER_WAIT_S`` passed (what is missing then is reported for recompute);
+        requests that finished while waiting are reported received, with nothing loaded."""
+        for req_id in self._tier_cancelled:
+            meta.loads.append(LoadRequest(req_id, [], [], tier=True))
+        self._tier_cancelled = []
+        ready = [rid for rid, st in self._tier_waiting.items() if self._tier_done(st)]
+        if not ready:
+            return
+        self._pin_loads(ready)
+        for req_id in ready:
+            st = self._tier_waiting.pop(req_id)
+            meta.loads.append(self._load_request(req_id, st, mgr.get_block_ids(req_id)[0], tier=True))
+
+    def _tier_done(self, st: _ReqState) -> bool:
+        """Whether the wait of ``st``'s asynchronous load is over (module docstring)."""
+        now = time.monotonic()
+        if now - st.tier_since > TIER_WAIT_S:
+            return True
+        if now < st.tier_next:
+            return False
+        st.tier_next = now + TIER_POLL_S
+        start, end = st.load
+        for rank in range(self.tp_size):
+            b = self.brokers[rank]
+            c = b.client()
+            if c is None:
+                return True
+            try:
+                found, tier = c.probe_tier([identity.block_key(h, rank) for h in st.chain[start:end]])
+            except BrokerError as e:
+                b.failed(c, e, "tier lookup")
+                self.stats.add("broker_errors")
+                return True
+            if found < end - start and tier != 0:
+                return False  # still read in
+        return True
+
     def _pin_loads(self, req_ids: list[str]) -> None:
         """Pin, on every rank, the blocks each of ``req_ids`` loads this step: one frame per
         broker. A block no longer held (evicted since the step's lookup), and every block
@@ -277,7 +391,7 @@ class BrokerKVScheduler:
                 self.brokers[rank].hold(incs[rank], len(objs))
             st.load_ok = min(len(objs) for objs in per_rank)
 
-    def _load_request(self, req_id: str, st: _ReqState, block_ids: list[int]) -> LoadRequest:
+    def _load_request(self, req_id: str, st: _ReqState, block_ids: list[int], tier: bool = False) -> LoadRequest:
         """The workers' order to load ``st.load``'s pinned blocks (and to report the rest
         for recompute); the request moves to loading."""
         start, end = st.load
@@ -294,6 +408,7 @@ class BrokerKVScheduler:
             objs,
             st.incarnation,
             failed_block_ids=[block_ids[b] for b in range(ok, end)],
+            tier=tier,
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
@@ -311,6 +426,8 @@ class BrokerKVScheduler:
         self._waiting.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._to_load.discard(request.request_id)
+        if self._tier_waiting.pop(request.request_id, None) is not None:
+            self._tier_cancelled.append(request.request_id)
         if st is not None:
             self._release(st)
         return False, None

@@ -73,6 +73,8 @@ class BrokerKVWorker:
         self._staged_blocks: list[int] = []
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()
+        # Asynchronous loads (from the broker's tier) done this step, loaded or not.
+        self._received: set[str] = set()
 
     # ---------------------------------------------------------------- the KV cache
 
@@ -128,6 +130,10 @@ class BrokerKVWorker:
     # ---------------------------------------------------------------- loads
 
     def start_load_kv(self, meta: object) -> None:
+        if isinstance(meta, BrokerKVMetadata):
+            # vLLM holds an asynchronous load's request until it hears it received, whatever
+            # became of its blocks (those that fail are reported with them, this step).
+            self._received.update(lr.req_id for lr in meta.loads if lr.tier)
         if not isinstance(meta, BrokerKVMetadata) or not meta.loads or not self._enabled:
             if isinstance(meta, BrokerKVMetadata):
                 for lr in meta.loads:  # connector off on this worker: vLLM recomputes
@@ -277,6 +283,11 @@ class BrokerKVWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def get_finished(self) -> set[str] | None:
+        """The asynchronous loads done since the last call (vLLM's ``get_finished``)."""
+        out, self._received = self._received, set()
+        return out or None
 
     def build_connector_worker_meta(self) -> BrokerKVWorkerMetadata | None:
         if not self._loaded:

@@ -86,6 +86,8 @@ class BrokerKV:
         self._down_since: float | None = None
         self.errors = 0
         self.connects = 0
+        # Whether the broker has a tier past the host, asked once per session (incarnation).
+        self._tier: tuple[str, bool] = ("", False)
 
     # ------------------------------------------------------------- session
 
@@ -132,6 +134,20 @@ class BrokerKV:
                 )
                 self._down_since = None
             return c
+
+    def tiered(self, client: BrokerClient) -> bool:
+        """Whether this broker has a tier past the host (docs/tier.md): asked once per
+        session; a failed ask is a no (and recorded)."""
+        with self._lock:
+            inc = self.incarnation
+            if self._tier[0] != inc:
+                try:
+                    has = bool(client.stats().tier.backend)
+                except BrokerError as e:
+                    self.failed(client, e, "stats")
+                    return False
+                self._tier = (inc, has)
+            return self._tier[1]
 
     def _outage(self, why: str) -> None:
         self.errors += 1

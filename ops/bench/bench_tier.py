@@ -17,16 +17,28 @@ and the tier's own work.
    by the client after ``WARMUP`` untimed ones, on a broker with the tier and on one without
    (and again on a second one without: the A/A control); p50 and p99 and the ratio to the
    broker without.
+3. **The second host's first token** (``--ttft N``: N groups; vLLM CPU engines from
+   ``--vllm-python``, ``tiny_model.SMALL``, each engine set up alike as bench_vllm_kv.py's).
+   Engine A, with the broker's connector on broker A (with the tier), computes a group's long
+   prompt (``--prefix`` tokens and a tail) and its blocks go to the tier; then engine B, on
+   broker B (with the tier, holding nothing of it: the second host), gets the prefix and a new
+   tail as its first request, and two engines without a connector (the peer, recomputing it,
+   and the A/A control) get the same prompt, in a new random order per group. TTFT is the
+   engine's time for a one-token ``generate``; the table has each group's times, B's tokens
+   not computed (vLLM's ``num_cached_tokens``), the ratios to the peer, and whether every
+   first token is the peer's. An untimed group goes first.
 
     python ops/bench/bench_tier.py [--backend valkey|mooncake] [--blocks 64] [--pages 2]
-        [--commits 300] [--rounds 2]
+        [--commits 300] [--rounds 2] [--ttft 0] [--prefix 1984] [--sections 1,2,3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -176,6 +188,90 @@ def write_cost(tier_flags: list[str], a: argparse.Namespace) -> None:
             )
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tier_engine(python: str, model: str, tmp: str, name: str, socket: str, env: dict):
+    """A vLLM engine (bench_vllm_kv.py's engine process): the broker's connector on ``socket``,
+    or none without one. Started, not yet ready (``line()`` waits)."""
+    from bench_vllm_kv import Engine
+
+    mode = ["--mode", "broker", "--socket", socket] if socket else ["--mode", "none"]
+    return Engine(["--model", model, *mode], os.path.join(tmp, f"{name}.log"), env, python)
+
+
+def wait_written(c: BrokerClient, n: int) -> None:
+    end = time.monotonic() + 120
+    while (st := c.stats().tier).written < n or st.queue_depth:
+        if time.monotonic() > end:
+            raise SystemExit(f"broker A did not write {n} blocks in 120 s: {st}")
+        time.sleep(0.02)
+
+
+def first_token(tier_flags: list[str], a: argparse.Namespace) -> None:
+    """Section 3 (module docstring)."""
+    from vllm_kv_fairness import engine_env
+
+    tmp = tempfile.mkdtemp(prefix="mb-tier-ttft-", dir="/tmp")
+    model = os.path.join(tmp, "model")
+    build = "import sys; from memory_broker.clients.vllm import tiny_model as t; t.build(sys.argv[1], config=t.SMALL)"
+    subprocess.run([a.vllm_python, "-c", build, model], check=True, capture_output=True, timeout=600)
+    env = engine_env(argparse.Namespace(vllm_defaults=False, omp_cpus="", queue_spin_s=0.05))
+    flags = [*tier_flags, "--tier-deadline", a.tier_deadline]
+    (pa, ca), (pb, cb) = broker(flags), broker(flags)
+    engines = {
+        "A": tier_engine(a.vllm_python, model, tmp, "A", ca.socket_path, env),
+        "B": tier_engine(a.vllm_python, model, tmp, "B", cb.socket_path, env),
+        "peer": tier_engine(a.vllm_python, model, tmp, "peer", "", env),
+        "peer2": tier_engine(a.vllm_python, model, tmp, "peer2", "", env),
+    }
+    rng = random.Random(47)
+    rows = []
+    try:
+        for e in engines.values():
+            e.line()  # ready
+        written = 0
+        for g in range(a.ttft + 1):  # group 0: untimed
+            prefix = [rng.randrange(3, 512) for _ in range(a.prefix)]
+            engines["A"].run([prefix + [rng.randrange(3, 512) for _ in range(16)]])
+            written += a.prefix // 32
+            wait_written(ca, written)
+            prompt = prefix + [rng.randrange(3, 512) for _ in range(16)]
+            order = ["B", "peer", "peer2"]
+            rng.shuffle(order)
+            got = {name: engines[name].run([prompt])[0] for name in order}
+            if g:
+                rows.append(got)
+        print(f"\n## 3. The second host's first token: {a.prefix}-token prefix + 16, {a.ttft} groups\n")
+        print(
+            "| group | B: second host, tier ms | B's tokens not computed | peer: recompute ms | A/A: recompute ms "
+            "| peer / B | A/A / peer | first tokens equal |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|---|")
+        for i, r in enumerate(rows):
+            b, p, p2 = r["B"]["ttft_s"], r["peer"]["ttft_s"], r["peer2"]["ttft_s"]
+            same = r["B"]["token"] == r["peer"]["token"] == r["peer2"]["token"]
+            print(
+                f"| {i + 1} | {b * 1e3:.0f} | {r['B']['cached']} | {p * 1e3:.0f} | {p2 * 1e3:.0f} | {p / b:.2f}x "
+                f"| {p2 / p:.2f}x | {'yes' if same else 'NO'} |"
+            )
+        med = {k: statistics.median(r[k]["ttft_s"] for r in rows) for k in ("B", "peer", "peer2")}
+        print(
+            f"| median | {med['B'] * 1e3:.0f} | | {med['peer'] * 1e3:.0f} | {med['peer2'] * 1e3:.0f} "
+            f"| {med['peer'] / med['B']:.2f}x | {med['peer2'] / med['peer']:.2f}x | |"
+        )
+        print(f"\nbroker B's tier: {' '.join(str(cb.stats().tier).split())}")
+        met = med["peer"] / med["B"] >= 3
+        print(
+            f"target (second host's first token >= 3x faster than recomputing, median): {'met' if met else 'NOT met'}"
+        )
+    finally:
+        for e in engines.values():
+            e.stop()
+        stop(pa, ca)
+        stop(pb, cb)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("valkey", "mooncake"), default="valkey")
@@ -183,13 +279,23 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=2)
     ap.add_argument("--commits", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sections", default="1,2,3", help="which of the sections to run (3 only with --ttft)")
+    ap.add_argument("--ttft", type=int, default=0, help="section 3's groups (0: not run)")
+    ap.add_argument("--prefix", type=int, default=1984, help="section 3's shared prefix, in tokens")
+    ap.add_argument("--tier-deadline", default="5s", help="section 3's brokers' tier.deadline")
+    ap.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     server = start_tier_server(a.backend)
     try:
         flags = [*server.flags(), "--tier-mooncake-segment-size", "512MiB"]
         print(f"# bench_tier: {a.backend} on {server.address}, 512 KiB pages")
-        second_host(flags, a)
-        write_cost(flags, a)
+        if "1" in sections:
+            second_host(flags, a)
+        if "2" in sections:
+            write_cost(flags, a)
+        if "3" in sections and a.ttft:
+            first_token(flags, a)
     finally:
         server.stop()
 

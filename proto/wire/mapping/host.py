@@ -171,6 +171,11 @@ class HostArenaView(ArenaView):
             raise
         self._slabs.append(_AttachedSlab(own_fd, readonly))
 
+    def slab_fd(self, slab_index: int) -> int:
+        """This view's fd of an attached slab (the view keeps and closes it), e.g. to map one
+        of its pages elsewhere (clients/kv_arena.py); -1 for another pool's slab."""
+        return self._slabs[slab_index].fd
+
     def attach_hole(self, slab_index: int) -> None:
         """Slab ``slab_index`` exists but is not this process's to map (another tenant pool's,
         ``security.tenants``): its place in the physical view stays reserved and inaccessible,

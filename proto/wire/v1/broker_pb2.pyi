@@ -146,7 +146,7 @@ class Detach(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired", "reconnected", "adapter_corrupted")
+    __slots__ = ("opened", "evicted", "arena_grown", "shutting_down", "transactions_expired", "reconnected", "adapter_corrupted", "engine_kv_reclaim")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     ARENA_GROWN_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class SessionEvent(_message.Message):
     TRANSACTIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     RECONNECTED_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CORRUPTED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_KV_RECLAIM_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     evicted: ObjectsEvicted
     arena_grown: ArenaGrown
@@ -161,7 +162,16 @@ class SessionEvent(_message.Message):
     transactions_expired: TransactionsExpired
     reconnected: Reconnected
     adapter_corrupted: AdapterCorrupted
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ..., adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ...) -> None: ...
+    engine_kv_reclaim: EngineKvReclaim
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[ObjectsEvicted, _Mapping]] = ..., arena_grown: _Optional[_Union[ArenaGrown, _Mapping]] = ..., shutting_down: _Optional[_Union[ShuttingDown, _Mapping]] = ..., transactions_expired: _Optional[_Union[TransactionsExpired, _Mapping]] = ..., reconnected: _Optional[_Union[Reconnected, _Mapping]] = ..., adapter_corrupted: _Optional[_Union[AdapterCorrupted, _Mapping]] = ..., engine_kv_reclaim: _Optional[_Union[EngineKvReclaim, _Mapping]] = ...) -> None: ...
+
+class EngineKvReclaim(_message.Message):
+    __slots__ = ("pages", "deadline_unix_ms")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    deadline_unix_ms: int
+    def __init__(self, pages: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "token", "arena", "protocol_version")
@@ -330,18 +340,22 @@ class UnpinResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "pin")
+    __slots__ = ("keys", "pin", "tier")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pin: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ...) -> None: ...
+    tier: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ..., tier: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("objects",)
+    __slots__ = ("objects", "tier_blocks")
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+    tier_blocks: int
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., tier_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -666,7 +680,7 @@ class AdapterStats(_message.Message):
     def __init__(self, registered: _Optional[int] = ..., hot: _Optional[int] = ..., warm: _Optional[int] = ..., cold: _Optional[int] = ..., hot_pages: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., found_hot: _Optional[int] = ..., found_warm: _Optional[int] = ..., found_cold: _Optional[int] = ..., loads_hot: _Optional[int] = ..., loads_warm: _Optional[int] = ..., bytes_loaded_hot: _Optional[int] = ..., bytes_loaded_warm: _Optional[int] = ..., hit_rate: _Optional[float] = ..., deferred: _Optional[int] = ..., shared_loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., image_count: _Optional[int] = ..., image_bytes: _Optional[int] = ..., image_budget_bytes: _Optional[int] = ..., image_hits: _Optional[int] = ..., image_misses: _Optional[int] = ..., converted_ahead: _Optional[int] = ..., convert_queued: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("backend", "page_size", "max_pages", "capacity_pages", "num_slabs", "free_pages", "used_pages", "prepared_pages", "pinned_pages", "evictable_pages", "utilization", "high_watermark", "low_watermark", "eviction_active", "eviction_runs", "evicted_objects", "evicted_pages", "objects", "keyed_objects", "sessions", "open_transactions", "by_content", "window_free_pages", "window_free_extents", "window_largest_free", "window_fragmentation", "allocations_total", "deduplicated_total", "allocation_failures", "adapters", "by_owner", "tier")
+    __slots__ = ("backend", "page_size", "max_pages", "capacity_pages", "num_slabs", "free_pages", "used_pages", "prepared_pages", "pinned_pages", "evictable_pages", "utilization", "high_watermark", "low_watermark", "eviction_active", "eviction_runs", "evicted_objects", "evicted_pages", "objects", "keyed_objects", "sessions", "open_transactions", "by_content", "window_free_pages", "window_free_extents", "window_largest_free", "window_fragmentation", "allocations_total", "deduplicated_total", "allocation_failures", "adapters", "by_owner", "tier", "engines")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -699,6 +713,7 @@ class Stats(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     BY_OWNER_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     page_size: int
     max_pages: int
@@ -731,7 +746,44 @@ class Stats(_message.Message):
     adapters: AdapterStats
     by_owner: _containers.RepeatedCompositeFieldContainer[OwnerStats]
     tier: TierStats
-    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., max_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., num_slabs: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., prepared_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., utilization: _Optional[float] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., eviction_active: _Optional[bool] = ..., eviction_runs: _Optional[int] = ..., evicted_objects: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., objects: _Optional[int] = ..., keyed_objects: _Optional[int] = ..., sessions: _Optional[int] = ..., open_transactions: _Optional[int] = ..., by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ..., window_free_pages: _Optional[int] = ..., window_free_extents: _Optional[int] = ..., window_largest_free: _Optional[int] = ..., window_fragmentation: _Optional[float] = ..., allocations_total: _Optional[int] = ..., deduplicated_total: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., adapters: _Optional[_Union[AdapterStats, _Mapping]] = ..., by_owner: _Optional[_Iterable[_Union[OwnerStats, _Mapping]]] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineKvStats]
+    def __init__(self, backend: _Optional[str] = ..., page_size: _Optional[int] = ..., max_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., num_slabs: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., prepared_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., utilization: _Optional[float] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., eviction_active: _Optional[bool] = ..., eviction_runs: _Optional[int] = ..., evicted_objects: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., objects: _Optional[int] = ..., keyed_objects: _Optional[int] = ..., sessions: _Optional[int] = ..., open_transactions: _Optional[int] = ..., by_content: _Optional[_Iterable[_Union[ContentStats, _Mapping]]] = ..., window_free_pages: _Optional[int] = ..., window_free_extents: _Optional[int] = ..., window_largest_free: _Optional[int] = ..., window_fragmentation: _Optional[float] = ..., allocations_total: _Optional[int] = ..., deduplicated_total: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., adapters: _Optional[_Union[AdapterStats, _Mapping]] = ..., by_owner: _Optional[_Iterable[_Union[OwnerStats, _Mapping]]] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineKvStats, _Mapping]]] = ...) -> None: ...
+
+class EngineKvStats(_message.Message):
+    __slots__ = ("session_id", "name", "group_pages", "floor_pages", "ceiling_pages", "weight", "held_pages", "grows", "grown_pages", "give_backs", "given_pages", "refusals", "asked", "asked_pages", "grow_seconds", "grow_seconds_max")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CEILING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GROWS_FIELD_NUMBER: _ClassVar[int]
+    GROWN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GIVE_BACKS_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    ASKED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GROW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROW_SECONDS_MAX_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    name: str
+    group_pages: int
+    floor_pages: int
+    ceiling_pages: int
+    weight: float
+    held_pages: int
+    grows: int
+    grown_pages: int
+    give_backs: int
+    given_pages: int
+    refusals: int
+    asked: int
+    asked_pages: int
+    grow_seconds: float
+    grow_seconds_max: float
+    def __init__(self, session_id: _Optional[int] = ..., name: _Optional[str] = ..., group_pages: _Optional[int] = ..., floor_pages: _Optional[int] = ..., ceiling_pages: _Optional[int] = ..., weight: _Optional[float] = ..., held_pages: _Optional[int] = ..., grows: _Optional[int] = ..., grown_pages: _Optional[int] = ..., give_backs: _Optional[int] = ..., given_pages: _Optional[int] = ..., refusals: _Optional[int] = ..., asked: _Optional[int] = ..., asked_pages: _Optional[int] = ..., grow_seconds: _Optional[float] = ..., grow_seconds_max: _Optional[float] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("backend", "up", "last_error", "hits", "misses", "corrupt", "written", "write_failed", "bytes_written", "bytes_read", "errors", "timeouts", "skipped_down", "drops", "spill_dropped", "spilled", "filled", "queue_depth")
@@ -788,6 +840,46 @@ class OwnerStats(_message.Message):
     objects: int
     pages: int
     def __init__(self, session_id: _Optional[int] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., content_type: _Optional[_Union[ContentType, str]] = ..., objects: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class EngineKvRegisterRequest(_message.Message):
+    __slots__ = ("name", "group_pages", "floor_pages", "ceiling_pages", "weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CEILING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    group_pages: int
+    floor_pages: int
+    ceiling_pages: int
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., group_pages: _Optional[int] = ..., floor_pages: _Optional[int] = ..., ceiling_pages: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class EngineKvGrowRequest(_message.Message):
+    __slots__ = ("groups", "wait_ms")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    groups: int
+    wait_ms: int
+    def __init__(self, groups: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class EngineKvGrowResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
+    def __init__(self, groups: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
+
+class EngineKvShrinkRequest(_message.Message):
+    __slots__ = ("object_ids",)
+    OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
+    object_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EngineKvShrinkResponse(_message.Message):
+    __slots__ = ("freed_pages",)
+    FREED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    freed_pages: int
+    def __init__(self, freed_pages: _Optional[int] = ...) -> None: ...
 
 class VerifyAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids",)

@@ -134,6 +134,21 @@ class MemoryBrokerStub:
                 request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsRequest.SerializeToString,
                 response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsResponse.FromString,
                 _registered_method=True)
+        self.EngineKvRegister = channel.unary_unary(
+                '/broker.v1.MemoryBroker/EngineKvRegister',
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvRegisterRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvStats.FromString,
+                _registered_method=True)
+        self.EngineKvGrow = channel.unary_unary(
+                '/broker.v1.MemoryBroker/EngineKvGrow',
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvGrowRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvGrowResponse.FromString,
+                _registered_method=True)
+        self.EngineKvShrink = channel.unary_unary(
+                '/broker.v1.MemoryBroker/EngineKvShrink',
+                request_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvShrinkRequest.SerializeToString,
+                response_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvShrinkResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryBrokerServicer:
@@ -272,6 +287,29 @@ class MemoryBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EngineKvRegister(self, request, context):
+        """Engines' own KV cache on the pool's pages (docs/engine-pool.md). Register makes the
+        session an engine with a group size (pages per group of blocks) and its floor, ceiling
+        and weight within what engine_pool.engines allows; Grow takes zeroed groups, owned and
+        pinned by the session (evicting unpinned content, then asking other engines back, then
+        RESOURCE_EXHAUSTED); Shrink gives groups back. The session's end frees its groups.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EngineKvGrow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EngineKvShrink(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -374,6 +412,21 @@ def add_MemoryBrokerServicer_to_server(servicer, server):
                     servicer.VerifyObjects,
                     request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsRequest.FromString,
                     response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsResponse.SerializeToString,
+            ),
+            'EngineKvRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.EngineKvRegister,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvRegisterRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvStats.SerializeToString,
+            ),
+            'EngineKvGrow': grpc.unary_unary_rpc_method_handler(
+                    servicer.EngineKvGrow,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvGrowRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvGrowResponse.SerializeToString,
+            ),
+            'EngineKvShrink': grpc.unary_unary_rpc_method_handler(
+                    servicer.EngineKvShrink,
+                    request_deserializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvShrinkRequest.FromString,
+                    response_serializer=memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvShrinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -916,6 +969,87 @@ class MemoryBroker:
             '/broker.v1.MemoryBroker/VerifyObjects',
             memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsRequest.SerializeToString,
             memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.VerifyObjectsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineKvRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/EngineKvRegister',
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvRegisterRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineKvGrow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/EngineKvGrow',
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvGrowRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvGrowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineKvShrink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/broker.v1.MemoryBroker/EngineKvShrink',
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvShrinkRequest.SerializeToString,
+            memory__broker_dot_proto_dot_wire_dot_v1_dot_broker__pb2.EngineKvShrinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

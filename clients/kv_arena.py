@@ -1,0 +1,245 @@
+"""An engine's KV cache as a range it reserves once and never moves, with broker pages mapped in
+by group as the engine grows, and unmapped when a whole group is free (docs/engine-pool.md).
+
+``HostKvRange`` owns the address range (host arena: a ``PROT_NONE`` reservation; a group's page
+for layer ``l`` is mapped ``MAP_SHARED|MAP_FIXED`` from the slab's memfd at ``l * layer_stride +
+group * page_size``, and unmapped by mapping ``PROT_NONE`` anonymous memory over it).
+``KvGroups`` owns which group slot holds which broker group: growth asked for ahead of need by a
+background thread, in batches, off the engine's step (``want``/``take_ready``), or at once when the
+step has nothing left (``grow_now``); and the retirement of a free group, unmapped and given back
+only after the last step that could read it finished (``retire``/``step_done``). Which blocks are
+free is the engine's (``clients/vllm/engine_pool.py``); the broker's arbitration is
+``broker/store/engine_pool.py``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from memory_broker.clients.engine_kv import EngineKvSession
+from memory_broker.proto.wire.errors import BrokerError
+from memory_broker.proto.wire.mapping.host import (
+    _RESERVE_FLAGS,
+    MAP_FIXED,
+    MAP_POPULATE,
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
+    _mmap,
+    _munmap,
+    host_buffer,
+)
+
+log = logging.getLogger(__name__)
+
+# A retired group is unmapped once this many steps finished after it was retired: the step
+# that was being scheduled when it was retired, and one in flight beside it (asynchronous
+# scheduling reads a batch's block table one step behind).
+RETIRE_STEPS = 2
+
+
+class HostKvRange:
+    """``nbytes`` of address space (``num_layers`` layers of ``layer_stride`` bytes), reserved
+    once; group ``g`` is ``page_size`` bytes at ``l * layer_stride + g * page_size`` per layer.
+
+    Raises:
+        ValueError: the layer stride is not whole pages, or the size not whole layers.
+    """
+
+    def __init__(self, nbytes: int, layer_stride: int, page_size: int):
+        if layer_stride <= 0 or layer_stride % page_size or nbytes % layer_stride:
+            raise ValueError(
+                f"a KV cache of {nbytes} bytes in layers of {layer_stride} bytes cannot be mapped in "
+                f"pages of {page_size} bytes (each layer must be whole pages)"
+            )
+        self.nbytes, self.layer_stride, self.page_size = nbytes, layer_stride, page_size
+        self.num_layers = nbytes // layer_stride
+        self.num_groups = layer_stride // page_size
+        self.base = _mmap(None, nbytes, PROT_NONE, _RESERVE_FLAGS, -1, 0)
+        self._closed = False
+
+    def addresses(self, group: int) -> list[int]:
+        """Where group ``group``'s page of each layer is mapped."""
+        if not 0 <= group < self.num_groups:
+            raise IndexError(f"group {group} is outside 0..{self.num_groups - 1}")
+        return [self.base + layer * self.layer_stride + group * self.page_size for layer in range(self.num_layers)]
+
+    def map_group(self, group: int, places: Sequence[tuple[int, int]]) -> None:
+        """Map one page per layer: ``places[l]`` is (memfd, offset) of layer ``l``'s page."""
+        if len(places) != self.num_layers:
+            raise ValueError(f"a group has {self.num_layers} pages (one per layer), got {len(places)}")
+        flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE
+        for addr, (fd, offset) in zip(self.addresses(group), places):
+            _mmap(addr, self.page_size, PROT_READ | PROT_WRITE, flags, fd, offset)
+
+    def unmap_group(self, group: int) -> None:
+        """Put the reservation back over the group's pages (a touch then faults)."""
+        for addr in self.addresses(group):
+            _mmap(addr, self.page_size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED, -1, 0)
+
+    def tensor(self):
+        """The whole range as one int8 tensor (what vLLM's ``torch.zeros`` for the KV cache
+        is answered with). Reading an unmapped group faults: the block pool never hands one out."""
+        import torch
+
+        return torch.frombuffer(host_buffer(self.base, self.nbytes), dtype=torch.int8)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _munmap(self.base, self.nbytes)
+
+
+class KvGroups:
+    """Group slots of a ``HostKvRange`` and the broker groups mapped into them.
+
+    Args:
+        kv: the engine's broker registration (its ``group_pages`` is the range's layers).
+        rng: the reserved range.
+        place: broker page -> (memfd, offset) in this process.
+        batch: groups one background grow asks for at most.
+    """
+
+    def __init__(
+        self,
+        kv: EngineKvSession,
+        rng: HostKvRange,
+        place: Callable[[int], tuple[int, int]],
+        batch: int = 4,
+    ):
+        if kv.group_pages != rng.num_layers:
+            raise ValueError(
+                f"the engine registered {kv.group_pages} pages a group; the range has {rng.num_layers} layers"
+            )
+        self.kv, self.rng, self._place, self.batch = kv, rng, place, batch
+        self._lock = threading.Lock()
+        # Slot -> the broker group (object id) mapped there.
+        self.backed: dict[int, int] = {}
+        # Slots mapped by the background grower, not yet taken by the engine.
+        self._ready: list[int] = []
+        # (step retired at, slot) waiting for RETIRE_STEPS finished steps.
+        self._retiring: list[tuple[int, int]] = []
+        self.step = 0
+        # Figures: groups mapped and given back; grows refused.
+        self.grown = self.given = self.refused = 0
+        self._want = 0
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ growth
+
+    def _free_slots(self, n: int) -> list[int]:
+        retiring = {s for _, s in self._retiring}
+        out = []
+        for slot in range(self.rng.num_groups):
+            if slot not in self.backed and slot not in retiring:
+                out.append(slot)
+                if len(out) == n:
+                    break
+        return out
+
+    def grow_now(self, groups: int, wait_ms: int = 0) -> list[int]:
+        """Take and map ``groups`` groups now; the slots (fewer when the range is full).
+
+        Raises:
+            BrokerError: refused (RESOURCE_EXHAUSTED: the engine preempts).
+        """
+        with self._lock:
+            groups = min(groups, len(self._free_slots(groups)))
+        if groups <= 0:
+            return []
+        try:
+            infos = self.kv.grow(groups, wait_ms)
+        except BrokerError:
+            self.refused += 1
+            raise
+        with self._lock:
+            slots = self._free_slots(len(infos))
+            for slot, info in zip(slots, infos):
+                self.rng.map_group(slot, [self._place(p) for p in info.pages])
+                self.backed[slot] = info.object_id
+            self.grown += len(slots)
+        if len(infos) > len(slots):  # another grow took the last slots meanwhile
+            self.kv.shrink([i.object_id for i in infos[len(slots) :]])
+        return slots
+
+    def want(self, groups: int) -> None:
+        """Ask the background grower for ``groups`` more (it batches; ``take_ready`` collects)."""
+        with self._lock:
+            self._want = max(self._want, groups)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._grow_loop, name="engine-kv-grow", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def take_ready(self) -> list[int]:
+        """Slots the background grower mapped since the last call."""
+        with self._lock:
+            out, self._ready = self._ready, []
+        return out
+
+    def _grow_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._want and not self._stop:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                n, self._want = min(self._want, self.batch), 0
+            try:
+                slots = self.grow_now(n)
+            except BrokerError as e:
+                log.debug("engine KV grow of %d groups refused: %s", n, e.message)
+                continue
+            except Exception:
+                log.exception("engine KV grow failed")
+                continue
+            with self._lock:
+                self._ready.extend(slots)
+
+    # ------------------------------------------------------------ give-back
+
+    def retire(self, slots: Sequence[int]) -> None:
+        """The engine stopped handing these groups out (all their blocks free): unmap and give
+        them back once ``RETIRE_STEPS`` more steps finished."""
+        with self._lock:
+            self._retiring.extend((self.step, s) for s in slots if s in self.backed)
+
+    def step_done(self, idle: bool = False) -> int:
+        """One engine step finished: unmap and give back what no step can read any more (with
+        ``idle``, no request holds a block and nothing runs: everything retired); returns
+        pages given back."""
+        with self._lock:
+            self.step += 1
+            if idle:
+                self.step += RETIRE_STEPS
+            due = [s for at, s in self._retiring if self.step - at >= RETIRE_STEPS]
+            if not due:
+                return 0
+            self._retiring = [(at, s) for at, s in self._retiring if self.step - at < RETIRE_STEPS]
+            for s in due:
+                self.rng.unmap_group(s)
+            ids = [self.backed.pop(s) for s in due]
+        freed = self.kv.shrink(ids)
+        self.given += len(ids)
+        return freed
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+def host_place(view, page_size: int, pages_per_slab: int) -> Callable[[int], tuple[int, int]]:
+    """Broker page -> (this process's memfd of its slab, offset) on a host arena."""
+
+    def place(page: int) -> tuple[int, int]:
+        return view.slab_fd(page // pages_per_slab), (page % pages_per_slab) * page_size
+
+    return place

@@ -1,0 +1,274 @@
+"""vLLM's own KV cache on broker pages (docs/engine-pool.md), entered through the KV connector.
+
+The worker's half answers vLLM's one ``torch.zeros`` for the KV cache (``allocate_kv_cache``,
+inside the connector's ``get_mem_pool_context()``) with a view over a range the engine reserves
+once (``clients/kv_arena.py``), with the first groups mapped. The scheduler's half, handed the
+block pool by ``bind_kv_cache_manager``, keeps the blocks of unmapped groups out of vLLM's free
+queue and appends them when their pages come (asked for ahead of need by a background thread;
+at once when an allocation would otherwise fail); it takes whole free groups back out, beyond a
+reserve, or when the broker asks, and they are unmapped and given back two steps later. With
+tensor parallelism 1 both halves live in the engine-core process and meet in ``_ENGINE``.
+
+Every vLLM internal used here is checked per release (``compat.engine_pool_problems``); a failed
+check, another layout or TP > 1 leaves vLLM's own KV cache in place, said in one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any
+
+from memory_broker.proto.wire.errors import BrokerError
+
+log = logging.getLogger("vllm.memory_broker.engine_pool")
+
+# kv_connector_extra_config["engine_pool"]: these keys (all optional).
+KEYS = ("name", "floor_mb", "ceiling_mb", "weight", "reserve_groups", "start_groups", "batch_groups")
+
+# How long a grow made on the step (an allocation that would fail) waits for give-backs.
+SYNC_WAIT_MS = 20
+
+# The engine of this process (TP=1: the worker's half sets it, the scheduler's half uses it).
+_ENGINE: EngineOnPool | None = None
+
+
+def current() -> EngineOnPool | None:
+    return _ENGINE
+
+
+class EngineOnPool:
+    """One engine's KV cache on broker pages: the range, its groups, and the block pool's view
+    of them.
+
+    Args:
+        socket: the broker's socket.
+        conf: ``kv_connector_extra_config["engine_pool"]``.
+        tensor: vLLM's one ``KVCacheTensor`` (size, layer_stride, block_stride, offset).
+        model: a name for the engine when ``conf`` gives none.
+    """
+
+    def __init__(self, socket: str, conf: dict, tensor: Any, model: str):
+        from memory_broker.clients import BrokerClient
+        from memory_broker.clients.engine_kv import EngineKvSession
+        from memory_broker.clients.kv_arena import HostKvRange, KvGroups, host_place
+
+        unknown = set(conf) - set(KEYS)
+        if unknown:
+            raise ValueError(f"engine_pool: unknown keys {sorted(unknown)}; it takes {', '.join(KEYS)}")
+        if tensor.offset:
+            raise ValueError(f"the KV cache starts at offset {tensor.offset} of its allocation; the pool maps from 0")
+        self.name = str(conf.get("name") or os.path.basename(str(model).rstrip("/")) or "engine")
+        self.reserve = int(conf.get("reserve_groups", 2))
+        start = max(1, int(conf.get("start_groups", 1)))
+        self.kv = None
+        self.client = BrokerClient.connect(
+            socket, client_name=f"vllm-engine-kv:{self.name}:{os.getpid()}", on_event=self._event
+        )
+        if self.client.arena.backend != "host":
+            self.client.close()
+            raise ValueError(
+                f"the broker's arena is {self.client.arena.backend!r}; the engine pool runs on a host arena"
+            )
+        ps = self.client.arena.page_size
+        if ps % tensor.block_stride:
+            self.client.close()
+            raise ValueError(f"a broker page ({ps} bytes) is not whole KV blocks of {tensor.block_stride} bytes")
+        self.rng = HostKvRange(tensor.size, tensor.layer_stride, ps)
+        self.blocks_per_group = ps // tensor.block_stride
+        mb = 1 << 20
+        layers = self.rng.num_layers
+        self.kv = EngineKvSession(
+            self.client,
+            self.name,
+            layers,
+            # At least group 0, which holds vLLM's null block and is never given back.
+            floor_pages=max(layers, -(-int(float(conf.get("floor_mb", 0)) * mb) // ps)),
+            ceiling_pages=int(float(conf.get("ceiling_mb", 0)) * mb) // ps,
+            weight=float(conf.get("weight", 0.0)),
+        )
+        g = self.client.arena
+        self.groups = KvGroups(self.kv, self.rng, host_place(self.client.view, ps, g.pages_per_slab))
+        self.groups.batch = max(1, int(conf.get("batch_groups", 4)))
+        self.groups.grow_now(min(start, self.rng.num_groups))  # group 0 holds vLLM's null block
+        self.pool = None  # vLLM's BlockPool, once bound
+        # Slots whose blocks are in vLLM's free queue or held by requests.
+        self.live: set[int] = set()
+        # Grows refused (vLLM preempted) and grows made on the step.
+        self.preemptions = self.sync_grows = 0
+
+    def _event(self, ev) -> None:
+        if self.kv is not None:
+            self.kv.on_event(ev)
+
+    # ------------------------------------------------------------ worker side
+
+    @contextmanager
+    def allocation_context(self, size: int):
+        """Answer ``torch.zeros(size, dtype=torch.int8)`` with the range's tensor."""
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        rng = self.rng
+
+        class Answer(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is torch.zeros and kwargs.get("dtype") is torch.int8 and tuple(args) in ((size,), ((size,),)):
+                    dev = kwargs.get("device")
+                    if dev is None or torch.device(dev).type == "cpu":
+                        return rng.tensor()
+                return func(*args, **kwargs)
+
+        with Answer():
+            yield
+
+    # ------------------------------------------------------------ scheduler side
+
+    def group_blocks(self, slot: int) -> list:
+        bpg = self.blocks_per_group
+        return self.pool.blocks[slot * bpg : (slot + 1) * bpg]
+
+    def bind(self, pool) -> None:
+        """Hold the blocks of unmapped groups out of vLLM's free queue."""
+        self.pool = pool
+        bpg = self.blocks_per_group
+        if pool.num_gpu_blocks != self.rng.num_groups * bpg:
+            raise ValueError(f"vLLM has {pool.num_gpu_blocks} blocks; the range holds {self.rng.num_groups * bpg}")
+        backed = set(self.groups.backed)
+        for b in pool.blocks:
+            if b.block_id // bpg not in backed and not b.is_null:
+                pool.free_block_queue.remove(b)
+        self.live = backed
+
+    def add(self, slots) -> None:
+        """Mapped groups: their blocks join vLLM's free queue."""
+        for slot in slots:
+            if slot not in self.live:
+                self.live.add(slot)
+                self.pool.free_block_queue.append_n([b for b in self.group_blocks(slot) if not b.is_null])
+
+    def grow_for(self, need_blocks: int) -> bool:
+        """Map groups now (on the step: nothing spare was left); True if any came."""
+        groups = min(max(1, -(-need_blocks // self.blocks_per_group)), self.groups.batch)
+        try:
+            # On the step: wait briefly for other engines' give-backs (an idle one answers at
+            # its next step), then preempt; the background grower waits longer.
+            slots = self.groups.grow_now(groups, SYNC_WAIT_MS)
+        except BrokerError as e:
+            try:  # a whole batch may not fit where one group does
+                slots = self.groups.grow_now(1, SYNC_WAIT_MS) if groups > 1 else []
+            except BrokerError:
+                slots = []
+            if not slots:
+                log.debug("engine pool: grow refused (%s); vLLM preempts", e.message)
+                self.preemptions += 1
+                return False
+        self.sync_grows += 1
+        self.add(slots)
+        return bool(slots)
+
+    def _free_groups(self) -> list[int]:
+        """Slots whose every block is free (not the null block's), fullest-numbered last."""
+        out = []
+        for slot in sorted(self.live):
+            blocks = self.group_blocks(slot)
+            if all(b.ref_cnt == 0 and not b.is_null for b in blocks):
+                out.append(slot)
+        return out
+
+    def take_back(self, slots) -> None:
+        """Take whole free groups out of vLLM's free queue (evicting their cached prefixes)."""
+        pool = self.pool
+        for slot in slots:
+            for b in self.group_blocks(slot):
+                pool._maybe_evict_cached_block(b)
+                pool.free_block_queue.remove(b)
+            self.live.discard(slot)
+        self.groups.retire(slots)
+
+    def after_schedule(self) -> None:
+        """Once per step, after scheduling: new groups in; more asked for when spare is low."""
+        self.add(self.groups.take_ready())
+        spare = self.pool.get_num_free_blocks()
+        if spare < self.reserve * self.blocks_per_group and len(self.live) < self.rng.num_groups:
+            self.groups.want(self.groups.batch)
+
+    def after_step(self) -> None:
+        """Once per step, after its output: give back free groups beyond the reserve (all
+        the broker asks for, floor kept), and unmap what no step can read any more."""
+        free = self._free_groups()
+        r = self.kv.take_reclaim()
+        keep = self.reserve
+        if r is not None:
+            keep = 0
+            log.debug("engine pool: asked for %d pages back", r.pages)
+        floor_groups = -(-self.kv.registered.floor_pages // max(1, self.kv.group_pages))
+        most = max(0, len(self.live) - floor_groups)
+        give = free[keep:] if r is None else free[: -(-r.pages // self.kv.group_pages)]
+        give = [s for s in give if s != 0][:most]
+        if give:
+            self.take_back(give)
+        # No request holds a block (and the CPU schedules synchronously): nothing in flight can
+        # read a retired group, so it goes now rather than after steps an idle engine never takes.
+        idle = not any(b.ref_cnt for b in self.pool.blocks if not b.is_null)
+        self.groups.step_done(idle)
+
+    def close(self) -> None:
+        self.groups.close()
+        self.client.close()
+
+
+def start(socket: str, conf: dict, kv_cache_config: Any, vllm_config: Any):
+    """The worker's half: the engine on the pool and its allocation context, or None (one log
+    line says why vLLM keeps its own KV cache)."""
+    global _ENGINE
+    from memory_broker.clients.vllm import compat
+
+    why = compat.engine_pool_problems_installed()
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", []) or [])
+    if not why and vllm_config.parallel_config.tensor_parallel_size != 1:
+        why = ("tensor parallelism > 1 (the scheduler and worker are not one process)",)
+    if not why and vllm_config.parallel_config.distributed_executor_backend != "uni":
+        why = (
+            "the worker runs apart from the scheduler (distributed_executor_backend="
+            f"{vllm_config.parallel_config.distributed_executor_backend!r}; the pool needs 'uni', and on the CPU "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+        )
+    if not why and len(tensors) != 1:
+        why = (f"{len(tensors)} KV cache tensors (the pool maps one)",)
+    if why:
+        log.warning("engine pool off, vLLM keeps its own KV cache: %s", "; ".join(why))
+        return None
+    try:
+        _ENGINE = EngineOnPool(socket, conf, tensors[0], vllm_config.model_config.model)
+    except (ValueError, BrokerError, OSError) as e:
+        log.warning("engine pool off, vLLM keeps its own KV cache: %s", e)
+        return None
+    log.info(
+        "engine pool: KV cache of %d groups x %d blocks on broker %s as %r, %d groups mapped",
+        _ENGINE.rng.num_groups,
+        _ENGINE.blocks_per_group,
+        socket,
+        _ENGINE.name,
+        len(_ENGINE.groups.backed),
+    )
+    return _ENGINE.allocation_context(tensors[0].size)
+
+
+def bind(kv_cache_manager) -> None:
+    """The scheduler's half: the block pool, and allocations that grow the pool before they fail."""
+    eng = _ENGINE
+    if eng is None:
+        return
+    eng.bind(kv_cache_manager.block_pool)
+    allocate = kv_cache_manager.allocate_slots
+
+    def allocate_slots(*args, **kwargs):
+        out = allocate(*args, **kwargs)
+        if out is None and len(eng.live) < eng.rng.num_groups and eng.grow_for(eng.groups.batch * eng.blocks_per_group):
+            out = allocate(*args, **kwargs)
+        return out
+
+    kv_cache_manager.allocate_slots = allocate_slots

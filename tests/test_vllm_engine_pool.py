@@ -1,0 +1,198 @@
+"""vLLM's own KV cache on the broker's pages (the engine pool), with real vLLM CPU engines.
+
+An engine on the pool gives the same greedy tokens as stock vLLM with the same KV bytes; with a
+budget below one burst it preempts (its grows are refused) and still gives the same tokens; two
+engines on one broker share one budget, the second growing into pages the first gave back. The
+engines run as tests/test_vllm_kv.py's do (tests/vllm_harness.py under .venv-vllm).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+
+import pytest
+from conftest import short_tmpdir, start_broker
+from test_vllm_kv import Engine
+
+from memory_broker.clients import BrokerClient
+
+pytestmark = pytest.mark.timeout(3600)
+
+rng = random.Random(46)
+# The tiny model's KV: 16 KiB per 32-token block per layer, 2 layers. A 512 KiB broker page holds
+# 32 blocks of a layer: a group is 2 pages (one per layer), 32 blocks. 8 MiB of KV: 256 blocks,
+# 8 groups. The engine core and worker share a process (--uni: the pool's need on the CPU).
+KV_BYTES = 8 << 20
+BROKER = ("--page-size", "512KiB", "--slab-size", "1MiB")
+
+
+def _toks(n: int) -> list[int]:
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+BURST = [_toks(150 + 13 * i) for i in range(8)]  # about 60 blocks: 2 groups
+BIG = [_toks(290 + 7 * i) for i in range(12)]  # about 125 blocks: 4 groups and more
+
+
+@pytest.fixture(scope="module")
+def env(vllm_shared):
+    shared = vllm_shared.build()
+    state = {"tmp": short_tmpdir(), "model": shared.model, "engines": []}
+
+    def engine(name: str, broker=None, pool: dict | None = None, *args: str) -> Engine:
+        extra = ["--kv-bytes", str(KV_BYTES), "--max-model-len", "1024", "--uni", *args]
+        if broker is not None:
+            extra += ["--connector", "broker", "--socket", broker.socket]
+            extra += ["--engine-pool", json.dumps(pool or {})]
+        e = Engine(name, state["tmp"], state["model"], *extra)
+        state["engines"].append(e)
+        return e
+
+    state["engine"] = engine
+    yield state
+    for e in state["engines"]:
+        e.stop()
+
+
+def engine_stats(broker, name: str):
+    with BrokerClient.connect(broker.socket, client_name="test") as c:
+        st = c.stats()
+    return next((e for e in st.engines if e.name == name), None), st
+
+
+@pytest.fixture(scope="module")
+def stock(env):
+    """Stock vLLM's tokens with the same KV bytes: (BURST's, BIG's)."""
+    e = env["engine"]("stock").wait_ready()
+    out = [o["tokens"] for o in e.generate(BURST, max_tokens=24)], [o["tokens"] for o in e.generate(BIG, max_tokens=24)]
+    e.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(stock):
+    return stock[0]
+
+
+def test_one_engine_on_the_pool_gives_stock_vllms_tokens(env, reference):
+    b = start_broker("--pool-size", "16MiB", *BROKER)
+    e = env["engine"]("pool-a", b, {"name": "a"}).wait_ready()
+    try:
+        assert "engine pool: KV cache of 8 groups x 32 blocks" in e.log(), e.log()[-3000:]
+        assert [o["tokens"] for o in e.generate(BURST, max_tokens=24)] == reference
+        s, st = engine_stats(b, "a")
+        assert s is not None and s.grows >= 1 and s.held_pages >= 2
+        assert s.refusals == 0
+    finally:
+        e.stop()
+        b.stop(signal.SIGKILL)
+
+
+def test_an_engine_on_the_pool_alone_without_shared_prefixes_gives_stock_vllms_tokens(env, reference):
+    b = start_broker("--pool-size", "16MiB", *BROKER)
+    e = env["engine"]("pool-only", b, {"name": "only"}, "--no-share-prefixes").wait_ready()
+    try:
+        assert [o["tokens"] for o in e.generate(BURST, max_tokens=24)] == reference
+        s, st = engine_stats(b, "only")
+        assert s.grows >= 1
+        assert st.keyed_objects == 0  # no prefix KV stored
+    finally:
+        e.stop()
+        b.stop(signal.SIGKILL)
+
+
+def test_a_budget_below_one_burst_preempts_and_keeps_the_tokens(env, reference):
+    # 1 MiB: 2 pages, 1 group, 32 blocks (31 usable besides the null block): the burst needs 60.
+    b = start_broker("--pool-size", "1MiB", *BROKER)
+    e = env["engine"]("pool-small", b, {"name": "small"}).wait_ready()
+    try:
+        assert [o["tokens"] for o in e.generate(BURST, max_tokens=24)] == reference
+        s, st = engine_stats(b, "small")
+        assert s.refusals >= 1  # grows refused: vLLM preempted
+        assert s.held_pages <= 2 and st.used_pages <= 2
+        assert "Traceback" not in e.log()
+    finally:
+        e.stop()
+        b.stop(signal.SIGKILL)
+
+
+class Sampler:
+    """Samples the engines' KV pages at the broker while bursts run: the most seen at once, and
+    each engine's most."""
+
+    def __init__(self, broker):
+        self.client = BrokerClient.connect(broker.socket, client_name="sampler")
+        self.most_total = 0
+        self.most: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            st = self.client.stats()
+            self.most_total = max(self.most_total, sum(e.held_pages for e in st.engines))
+            for e in st.engines:
+                self.most[e.name] = max(self.most.get(e.name, 0), e.held_pages)
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.client.close()
+
+
+def test_two_engines_share_one_budget_and_the_second_grows_into_what_the_first_gave_back(env, stock):
+    # 6 MiB: 12 pages, 6 groups. BIG alone takes 4-5 groups of one engine: the sum of the two
+    # engines' peaks is more than the budget, one peak is not.
+    b = start_broker("--pool-size", "6MiB", *BROKER)
+    pool = {"reserve_groups": 0}
+    a = env["engine"]("pool-a2", b, {"name": "a", **pool})
+    c = env["engine"]("pool-b2", b, {"name": "b", **pool})
+    a.wait_ready()
+    c.wait_ready()
+    sampler = Sampler(b)
+    try:
+        assert [o["tokens"] for o in a.generate(BIG, max_tokens=24)] == stock[1]
+        assert [o["tokens"] for o in c.generate(BIG, max_tokens=24)] == stock[1]
+        sa, _ = engine_stats(b, "a")
+        sb, _ = engine_stats(b, "b")
+    finally:
+        sampler.stop()
+        a.stop()
+        c.stop()
+        b.stop(signal.SIGKILL)
+    assert sampler.most_total <= 12  # never over the budget
+    assert sampler.most["a"] + sampler.most["b"] > 12  # so b grew into pages a gave back
+    assert sa.given_pages > 0 and sampler.most["b"] >= 8, (sa, sb, sampler.most)
+
+
+def test_an_engine_killed_mid_burst_returns_its_pages_within_a_second_and_the_other_grows_into_them(env, stock):
+    b = start_broker("--pool-size", "6MiB", *BROKER)
+    pool = {"reserve_groups": 0}
+    a = env["engine"]("pool-a3", b, {"name": "a", **pool})
+    c = env["engine"]("pool-b3", b, {"name": "b", **pool})
+    a.wait_ready()
+    c.wait_ready()
+    sampler = Sampler(b)
+    try:
+        a.send(BIG, max_tokens=200)
+        deadline = time.monotonic() + 120
+        while sampler.most.get("a", 0) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sampler.most.get("a", 0) >= 8, sampler.most
+        a.kill()
+        t0 = time.monotonic()
+        while engine_stats(b, "a")[0] is not None:
+            assert time.monotonic() - t0 < 1.0, "the killed engine's KV pages did not return within 1 s"
+            time.sleep(0.02)
+        assert [o["tokens"] for o in c.generate(BIG, max_tokens=24)] == stock[1]
+    finally:
+        sampler.stop()
+        c.stop()
+        b.stop(signal.SIGKILL)
+    assert sampler.most["b"] >= 8 and sampler.most_total <= 12, sampler.most
