@@ -63,8 +63,6 @@ class BrokerObject:
     )
 
     def __init__(self, client: BrokerClient, info: pb.ObjectInfo):
-        # ``_stepcore.c``'s ``step_objects`` fills these slots as this does (a step reply's
-        # fresh records): change both (``tests/test_step_codec_native.py`` compares them).
         self.client = client
         self.object_id: int = info.object_id
         self.pages: list[int] = list(info.pages)
@@ -158,9 +156,6 @@ class BrokerClient(StepSession):
     ``step_begin``, a step batch's changes) go through one calls object per session, chosen
     when the session first makes one: ``ChannelCalls`` (clients/step/channel.py) over the
     broker's step channel, or ``GrpcCalls`` (clients/step/grpc_calls.py); same methods, same results."""
-
-    # What its objects are (``SessionRecords`` hands it to the native core that builds them).
-    object_type = BrokerObject
 
     def __init__(self, *args, **kwargs):
         # Adapter id -> its layout (the same for every generation; pages change). Set before

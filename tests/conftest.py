@@ -98,7 +98,7 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("native_core", params, indirect=True)
 
 
-STORE_CORE = "memory_broker.broker.store._storecore"
+STORE_CORE = "memory_broker._native._storecore"  # native.STORECORE (imported late, as the fixture does)
 
 
 def short_tmpdir() -> str:

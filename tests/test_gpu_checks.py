@@ -217,7 +217,7 @@ def test_a_wheel_built_for_another_python_loses_its_native_core_and_installs_any
     # cp311 wheel, so the native step core goes (its Python path runs) and the wheel is pure.
     built = tmp_path / "memory_broker-0.1.0-cp311-cp311-linux_x86_64.whl"
     info = "memory_broker-0.1.0.dist-info"
-    so = "memory_broker/proto/wire/_stepcore.cpython-311-x86_64-linux-gnu.so"
+    so = "memory_broker/_native/_stepcore.cpython-311-x86_64-linux-gnu.so"
     with zipfile.ZipFile(built, "w") as z:
         z.writestr("memory_broker/proto/wire/native.py", "x = 1\n")
         z.writestr(so, b"\x7fELF")

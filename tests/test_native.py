@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import pathlib
+import re
 import subprocess
 import sys
 
+import pytest
+
 from memory_broker.proto.wire import native
 
-STEPCORE = "memory_broker.proto.wire._stepcore"
+STEPCORE = native.STEPCORE
 
 
 def test_the_native_core_is_built_by_the_projects_install():
@@ -40,3 +44,45 @@ def test_env_switch_reaches_a_fresh_process():
         check=True,
     )
     assert out.stdout.strip() == "True"
+
+
+CORES = (native.STEPCORE, native.STORECORE, native.HOTCORE)
+SOURCES = ("native/_stepcore.c", "native/_storecore.c", "native/_hotcore.c")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_each_core_keeps_its_objects_in_module_state_not_in_process_globals():
+    # Multi-phase init: a module object per import (per interpreter), its names and caches in
+    # its state, released with it; a `static PyObject *` would be shared by every interpreter.
+    for src in SOURCES:
+        text = (ROOT / src).read_text()
+        assert "PyModuleDef_Init(" in text and "PyModule_Create(" not in text, src
+        assert "Py_mod_exec" in text and ".m_traverse" in text and ".m_clear" in text, src
+        globals_ = re.findall(r"^\s*static\s+(?:PyObject|PyTypeObject)\s*\*\s*\w+\s*[;,=\[]", text, re.M)
+        assert not globals_, (src, globals_)
+
+
+SUBINTERPRETER = f"""
+import _xxsubinterpreters as interpreters
+code = '''
+from memory_broker.proto.wire import native
+mods = [native.load(n) for n in {CORES!r}]
+assert all(m is not None for m in mods), mods
+assert mods[0].encode_ok_reply(3, [b"ab"]) == bytes([8, 0, 0, 0, 0x80, 3, 0, 0, 0, 1, 0]) + b"ab"
+'''
+for _ in range(2):  # a second interpreter after the first is gone: nothing of it is left behind
+    i = interpreters.create()
+    try:
+        interpreters.run_string(i, code)
+    finally:
+        interpreters.destroy(i)
+exec(code)
+print("ok")
+"""
+
+
+def test_the_cores_load_and_run_in_sub_interpreters_beside_the_main_one():
+    if not all(native.load(n) for n in CORES):
+        pytest.skip("the native cores are off or not built here")
+    out = subprocess.run([sys.executable, "-c", SUBINTERPRETER], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

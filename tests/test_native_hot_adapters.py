@@ -1,4 +1,4 @@
-"""The adapter wing's native core (``broker/adapters/_hotcore.c``) against its Python fallback.
+"""The adapter wing's native core (``native/_hotcore.c``) against its Python fallback.
 
 A step's hot acquire and release (``AdapterPins.pin_hot`` / ``release_hot``), the tier
 policies' batched record of uses and the acquire reply's kept rows each have a C pass and a
@@ -209,7 +209,7 @@ def test_the_c_passes_refuse_bad_input_with_python_errors_and_answer_none_where_
     assert core.join_rows(b"h", {5: b"1"}, [b]) is None
 
 
-def test_the_laid_out_classes_are_read_at_their_slots_with_the_same_answers():
+def test_slotted_classes_are_read_by_their_attributes_with_the_same_answers():
     @dataclasses.dataclass(slots=True, eq=False)
     class Entry:
         obj: object = None
@@ -222,29 +222,21 @@ def test_the_laid_out_classes_are_read_at_their_slots_with_the_same_answers():
         state: int = 2
 
     core = _core()
+    shards = [{} for _ in range(4)]
+    a, b = Obj(5, {7: 2}), Obj(6, {7: 1})
+    shards[1][5], shards[2][6] = a, b
+    own = {"a": Entry(a), "b": Entry(b), "none": Entry(None), "plain": _Entry(_Obj(9))}
+    assert core.pin_plan(own, ("a", "b", "a"), 0, shards, 2) == (["a", "b"], [a, b], True)
+    assert core.pin_plan(own, ["none"], 0, shards, 2) is None
+    assert core.pin_plan(own, ["plain"], 0, shards, 2) == (["plain"], [own["plain"].obj], False)
+    a.freed = True
+    assert core.pin_plan(own, ["b", "a"], 0, shards, 2) == (["b", "a"], [b, a], False)
+    assert core.release_plan(own, ("a", "a", "b"), 7, shards) == ([a, b], [2, 1])
+    assert core.release_plan(own, ("b", "b"), 7, shards) is None
+    assert core.join_rows(b"h", {5: b"1", 6: b"22"}, [b, a]) == b"h221"
+    del b.pins  # an unset slot: what getattr raises
     with pytest.raises(AttributeError):
-        core.layout(_Entry, Obj)  # no slots (nor a class attribute): nothing changes
-    with pytest.raises(ValueError):
-        core.layout(type("Plain", (), {"obj": None}), Obj)  # a class attribute, not an object slot
-    try:
-        core.layout(Entry, Obj)
-        shards = [{} for _ in range(4)]
-        a, b = Obj(5, {7: 2}), Obj(6, {7: 1})
-        shards[1][5], shards[2][6] = a, b
-        own = {"a": Entry(a), "b": Entry(b), "none": Entry(None), "plain": _Entry(_Obj(9))}
-        assert core.pin_plan(own, ("a", "b", "a"), 0, shards, 2) == (["a", "b"], [a, b], True)
-        assert core.pin_plan(own, ["none"], 0, shards, 2) is None
-        assert core.pin_plan(own, ["plain"], 0, shards, 2) == (["plain"], [own["plain"].obj], False)  # by getattr
-        a.freed = True
-        assert core.pin_plan(own, ["b", "a"], 0, shards, 2) == (["b", "a"], [b, a], False)
-        assert core.release_plan(own, ("a", "a", "b"), 7, shards) == ([a, b], [2, 1])
-        assert core.release_plan(own, ("b", "b"), 7, shards) is None
-        assert core.join_rows(b"h", {5: b"1", 6: b"22"}, [b, a]) == b"h221"
-        del b.pins  # an unset slot: what getattr raises
-        with pytest.raises(AttributeError):
-            core.release_plan(own, ("b",), 7, shards)
-    finally:
-        hotcore.load()  # the broker's own classes again
+        core.release_plan(own, ("b",), 7, shards)
 
 
 def test_the_c_passes_leak_no_reference_and_no_memory_over_a_long_run():

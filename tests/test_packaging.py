@@ -13,6 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {
+    "native": "memory_broker._native",
     "broker": "memory_broker.broker",
     "clients": "memory_broker.clients",
     "kernels": "memory_broker.kernels",

@@ -210,8 +210,8 @@ def test_a_step_that_gets_back_what_an_earlier_one_got_builds_nothing_new(step_r
     b, setup = step_rig
     setup.prefetch_adapters(["a0", "a1"], "hot")
     with BrokerClient.connect(b.socket) as c:  # every step is a frame
-        # Records built into objects: by the session's records (``_fresh``: the native core's
-        # ``step_objects`` or ``_read_objects``), or by ``_read_objects`` for some of a list.
+        # Records built into objects: by the session's records (``_fresh``, all of a list
+        # together), or by ``_read_objects`` for some of a list.
         built, inside = [], []
         records = c._step_calls().records
         read_objects, make_fresh = c._read_objects, records._fresh
@@ -290,11 +290,10 @@ def test_reused_objects_read_what_the_arena_holds_now(step_rig):
         again.release()
 
 
-def test_a_replys_fresh_objects_are_built_in_one_native_call_and_read_only_as_before(step_rig, native_core):
-    """A batch's fresh keys: their objects made by the native core (``step_objects``; not
-    ``_read_objects``) where it is there, kept on their records, their pages read-only (another
-    session's objects) as ``_read_objects`` leaves them; the same objects without the core
-    (``native_core``'s fallback run turns it off)."""
+def test_a_replys_fresh_objects_are_built_together_and_read_only_as_before(step_rig, native_core):
+    """A batch's fresh keys: their objects built in one ``_read_objects`` call (one mapping
+    check, one page-access change), kept on their records, their pages read-only (another
+    session's objects); the same with the native core and without (``native_core``)."""
     b, setup = step_rig
     core = native_core
     if core == "native" and w._core is None:
@@ -305,7 +304,7 @@ def test_a_replys_fresh_objects_are_built_in_one_native_call_and_read_only_as_be
         c._read_objects = lambda infos: built.extend(infos) or read_objects(infos)
         with c.step_batch() as batch:
             got = batch.update((), (), [b"k0", b"k1"], ())
-            assert bool(built) == (core == "fallback")  # the native core built them, not _read_objects
+            assert len(built) == 2  # both in one call
             theirs = setup.lookup([b"k0", b"k1"])
             assert [(o.object_id, o.pages, o.key, o.owned, o.epoch) for o in got.objects] == [
                 (t.object_id, t.pages, t.key, False, c.epoch) for t in theirs
@@ -314,4 +313,4 @@ def test_a_replys_fresh_objects_are_built_in_one_native_call_and_read_only_as_be
             if c.view.fd_unit != "page":
                 assert set(c.view.readonly_pages()) >= {p for o in got.objects for p in o.pages}
             again = batch.update((), (), [b"k0"], ())  # held: the same object, nothing built
-            assert again.objects[0] is got.objects[0] and len(built) == (2 if core == "fallback" else 0)
+            assert again.objects[0] is got.objects[0] and len(built) == 2

@@ -1,10 +1,12 @@
-"""The step wire's native codec (``proto/wire/_stepcore.c``) against its Python fallback:
+"""The step wire's native codec (``native/_stepcore.c``) against its Python fallback:
 for random and malformed frames, ops and objects, the same bytes, the same results and the
 same errors (type and message); and no input makes the C crash."""
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 import struct
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from memory_broker.proto.wire import native
 from memory_broker.proto.wire import step as w
 
-CORE = native.load("memory_broker.proto.wire._stepcore")
+CORE = native.load(native.STEPCORE)
 pytestmark = pytest.mark.skipif(CORE is None, reason="the native step core is not built (test_native says so)")
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -162,9 +164,9 @@ def test_decode_step_native_refuses_every_cut_and_names_it_as_python_does(cut):
     assert CORE.decode_step(GOOD_BODY[:cut], w.Op) is None
 
 
-def test_decode_step_native_fills_ops_and_calls_a_class_that_does_more_than_assign():
-    """The C fills a plain record's slots (no ``__init__`` per op); a class with a
-    ``__post_init__`` or its own ``__new__`` is called, so what it does still happens."""
+def test_decode_step_native_makes_each_op_by_calling_the_class_it_is_given():
+    """The C calls the class per op (it knows no class's layout), so a ``__post_init__`` or
+    a ``__new__`` of its own still runs."""
     import dataclasses
 
     seen = []
@@ -351,7 +353,7 @@ def test_decode_frame_takes_the_usual_reply_and_hands_back_the_rest():
     assert d.frame(other, len(other)) is None  # another arena's size: __call__ makes the records anew
     ping = bytearray(w.encode_step_reply(3, ()))
     assert d.frame(ping, len(ping)) == w.StepReply(3, [])  # no records: any arena size
-    # The reply's slots are filled (a plain record); a class that does more is called.
+    # The reply is made by calling the class given, so what it does still happens.
     seen = []
 
     @dataclasses.dataclass(slots=True)
@@ -455,9 +457,9 @@ def test_a_core_built_from_an_older_source_is_not_used_and_said():
     code = (
         "import logging, sys, types\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "old = types.ModuleType('memory_broker.proto.wire._stepcore')\n"
+        "old = types.ModuleType('memory_broker._native._stepcore')\n"
         "old.decode_step = lambda *a: None\n"
-        "sys.modules['memory_broker.proto.wire._stepcore'] = old\n"
+        "sys.modules['memory_broker._native._stepcore'] = old\n"
         "from memory_broker.proto.wire import step\n"
         "print(step._core is None, step.decode_step(step.encode_step([step.Op(2, (1,))])[5:]))\n"
     )
@@ -507,8 +509,9 @@ def test_a_short_object_record_is_refused_not_read_past_its_end():
         CORE.object_record(w.ObjectRecord, 1, bytearray(raw))
 
 
-def test_object_record_calls_a_class_it_cannot_fill():
-    """A record class that is not a plain slotted one is called (as the decoder's ``make``)."""
+def test_object_record_calls_the_record_class_it_is_given():
+    """Any record class, slotted or not, is called with the record's fields (as the decoder's
+    ``make``)."""
 
     @dataclasses.dataclass
     class Rec:
@@ -621,85 +624,34 @@ def test_the_native_batch_passes_take_no_bad_change():
     assert counts == {}
 
 
-class _Client:
-    """What ``BrokerObject.__init__`` reads of a client."""
-
-    session_id = 7
-    epoch = 3
+# ------------------------------------------------------------------ the C's numbers are the wire's
 
 
-def _fields(obj) -> dict:
-    from memory_broker.clients.client import BrokerObject
-
-    return {f: getattr(obj, f) for f in BrokerObject.__slots__}
-
-
-@FAST
-@given(
-    st.lists(
-        st.tuples(
-            st.integers(0, 2**64 - 1),
-            st.integers(0, 255),
-            st.integers(0, 255),
-            st.integers(0, 3),
-            st.integers(0, 2**32 - 1),
-            st.integers(0, 2**32 - 1),
-            st.lists(st.integers(0, 2**32 - 1), max_size=5),
-            st.binary(max_size=6),
-        ),
-        max_size=5,
-    )
-)
-def test_a_replys_fresh_objects_are_built_in_the_native_core_as_broker_object_builds_them(raw):
-    """``step_objects`` makes each record's BrokerObject with every field ``BrokerObject(client,
-    rec)`` gives it (pages copied, an empty key None, the session's id and epoch), keeps it on
-    the record (``made``), and splits the pages as ``_read_objects`` does (shared: deduplicated
-    or not owned)."""
-    from memory_broker.clients.client import BrokerObject
-
-    def recs():
-        out = []
-        for oid, state, ctype, flags, spins, tpins, pages, key in raw:
-            body = struct.pack("<QqBBBIII", oid, -1, state, ctype, flags, spins, tpins, len(pages))
-            body += struct.pack(f"<{len(pages)}I", *pages) + struct.pack("<H", len(key)) + key
-            out.append(CORE.object_record(w.ObjectRecord, 2, body))
-        return out
-
-    client = _Client()
-    CORE.object_record(w.ObjectRecord, 2, struct.pack("<QqBBBIIIH", 1, -1, 0, 0, 0, 0, 0, 0, 0))  # its layout learnt
-    native, python = recs(), recs()
-    got = CORE.step_objects(BrokerObject, client, native, client.session_id, client.epoch)
-    assert got is not None
-    objs, shared, own = got
-    want = [BrokerObject(client, r) for r in python]
-    assert [_fields(o) for o in objs] == [_fields(o) for o in want]
-    assert all(type(o) is BrokerObject for o in objs)
-    assert [r.made for r in native] == objs and all(r.made is o for r, o in zip(native, objs))
-    assert all(o.pages is not r.pages for o, r in zip(objs, native))
-    assert shared == [p for r in python if r.deduplicated or not r.owned for p in r.pages]
-    assert own == [p for r in python if not (r.deduplicated or not r.owned) for p in r.pages]
-
-
-def test_the_native_fresh_objects_take_only_step_records_with_no_window_and_nothing_made():
-    """A record with a window, one something was built from, another record class, or not a
-    list: None, and nothing made (``SessionRecords._fresh`` then runs ``_read_objects``)."""
-    from memory_broker.clients.client import BrokerObject
-
-    def rec(window: int = -1):
-        return w.ObjectRecord(1, window, 0, 0, True, False, 1, 1, [4, 5], b"k", 2)
-
-    client = _Client()
-    for recs in ([rec(), rec(0)], (rec(),), [rec(), object()]):
-        assert CORE.step_objects(BrokerObject, client, recs, 7, 3) is None
-        assert all(getattr(r, "made", None) is None for r in recs)
-    made = rec()
-    made.made = "built"
-    fresh = rec()
-    assert CORE.step_objects(BrokerObject, client, [fresh, made], 7, 3) is None
-    assert fresh.made is None and made.made == "built"
-
-    class Other:
-        __slots__ = ("client",)
-
-    assert CORE.step_objects(Other, client, [fresh], 7, 3) is None and fresh.made is None
-    assert CORE.step_objects(BrokerObject, client, [], 7, 3) == ([], [], [])
+def test_every_number_the_c_defines_is_step_pys():
+    """``_stepcore.c``'s ``#define``s are the wire's constants and record sizes as ``step.py``
+    defines them: a change on one side only fails here, not as a misread frame."""
+    src = (pathlib.Path(__file__).resolve().parent.parent / "native/_stepcore.c").read_text()
+    defined = {m[1]: int(m[2], 0) for m in re.finditer(r"^#define ([A-Z][A-Z0-9_]*) (0x[0-9A-Fa-f]+|\d+)\b", src, re.M)}
+    want = {
+        "MAX_OPS": w.MAX_OPS,
+        "OP_RELEASE": w.OP_RELEASE,
+        "OP_UNPIN": w.OP_UNPIN,
+        "OP_PIN": w.OP_PIN,
+        "OP_COMMIT": w.OP_COMMIT,
+        "OP_ABORT": w.OP_ABORT,
+        "OP_ACQUIRE": w.OP_ACQUIRE,
+        "OP_LOOKUP": w.OP_LOOKUP,
+        "ACQUIRE_PREPARE": w.ACQUIRE_PREPARE,
+        "OK_KIND": w.OK,
+        "STEP_KIND": w.STEP,
+        "HEADER_SIZE": w.HEADER.size,
+        "REPLY_HEAD_SIZE": w._STEP_REPLY_HEAD.size,
+        "OBJ_HEAD_SIZE": w._OBJ_HEAD.size,
+        "OBJ_NPAGES_AT": w._OBJ_HEAD.size - 4,  # the head's last field, <I>
+        "OBJ_OWNED": w.OBJ_OWNED,
+        "OBJ_DEDUP": w.OBJ_DEDUP,
+        "ACQ_RESULT_HEAD_SIZE": w._ACQ_RESULT_HEAD.size,
+        "ACQ_ADAPTER_SIZE": w._ACQ_ADAPTER.size,
+        "ACQ_NPAGES_AT": w._ACQ_ADAPTER.size - 4,  # the record's last field, <I>
+    }
+    assert defined == want

@@ -1,4 +1,4 @@
-"""The store's native core (``broker/store/_storecore.c``) against its Python fallback.
+"""The store's native core (``native/_storecore.c``) against its Python fallback.
 
 Random runs of lookups, pins, unpins, frees, allocations that evict, and ended sessions go
 through two stores, one with the native core and one with ``MEMORY_BROKER_NATIVE=0``: every
@@ -166,25 +166,6 @@ def test_random_runs_give_the_same_replies_books_and_order_native_or_not(ops, pi
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from([0, 1, 2, 3, 4, 5]), min_size=0, max_size=30), st.integers(1, 3))
-def test_reply_records_joined_in_c_are_the_encoders_bytes(picks, owner_pick):
-    c = store_core()
-    store = make_store(True)
-    owner, other = store.open_session(), store.open_session()
-    objs = [o for o, _ in store.allocate(owner, [Spec(1 + i % 3, key=KEYS[i]) for i in range(6)])]
-    anon = store.allocate(owner, [Spec(2)])[0][0]
-    store.pin(other, [objs[1].object_id, objs[1].object_id, objs[2].object_id])
-    chosen = [(objs + [anon])[p] for p in picks]
-    sid = (owner, other, 424242)[owner_pick - 1]
-    for o in chosen[::2]:
-        o.wire_head = o.wire_tail = None  # parts not kept yet: made by the encoder's function
-    want = w.encode_allocations(w.OP_LOOKUP, sid, list(chosen))
-    for o in chosen[::2]:
-        o.wire_head = o.wire_tail = None
-    assert c.encode_rows(w.OP_LOOKUP, sid, chosen, w._wire_parts) == want
-
-
-@settings(max_examples=100, deadline=None)
 @given(st.lists(st.sampled_from([0, 1, 2, 3, 4, 5, 6]), min_size=0, max_size=30))
 def test_a_replys_sums_in_c_are_the_python_ones(picks):
     """``reply_size``: the pages and key bytes ``ReplyRoom.take`` estimates a reply from, as its
@@ -206,20 +187,6 @@ def test_a_replys_sums_in_c_are_the_python_ones(picks):
     rooms[0].take(chosen, "lookup", c)
     rooms[1].take(chosen, "lookup")
     assert [(r.records, r.size) for r in rooms] == [(ReplyRoom().records - len(chosen), 0)] * 2
-
-
-def test_the_step_channel_answers_with_the_native_rows_where_built():
-    from memory_broker.broker.doors.step_ops import StepOps
-
-    store = make_store(True)
-    s = store.open_session()
-    store.allocate(s, [Spec(1, key=k) for k in KEYS[:4]])
-    objs = store.lookup(s, KEYS[:4], True)
-    server = StepOps.__new__(StepOps)
-    server._store_core = store_core()
-    assert server._objects(w.OP_LOOKUP, s, objs) == w.encode_allocations(w.OP_LOOKUP, s, objs)
-    server._store_core = None
-    assert server._objects(w.OP_LOOKUP, s, objs) == w.encode_allocations(w.OP_LOOKUP, s, objs)
 
 
 # ------------------------------------------------------------------ inputs the store never gives
@@ -261,9 +228,6 @@ ODD = st.builds(
                 "content_type",
                 "freed",
                 "state",
-                "owner",
-                "wire_head",
-                "wire_tail",
                 "key",
             ]
         ),
@@ -290,7 +254,6 @@ ARITY = {
     "pinnable_all": 3,
     "remove_all": 2,
     "fill": 6,
-    "encode_rows": 4,
     "pin_remove": 4,
     "lookup_pin": 8,
     "unpin_held": 4,
@@ -311,29 +274,6 @@ def test_the_c_functions_raise_or_decline_on_any_input_and_never_crash(name, arg
         fn(*args[: ARITY[name] - 1])
 
 
-def test_layout_refuses_a_class_without_the_slots_and_another_class_is_read_by_getattr():
-    c = store_core()
-    with pytest.raises(TypeError):
-        c.layout(5)
-    with pytest.raises(AttributeError):
-        c.layout(Odd)  # no such fields at all
-    with pytest.raises(ValueError):
-        c.layout(type("Plain", (), dict.fromkeys(Allocation.__slots__, 0)))  # fields, but not slots
-    store = make_store(True)
-    s = store.open_session()
-    store.allocate(s, [Spec(1, key=k) for k in KEYS[:3]])
-    # A slotted class of the same fields takes the fast reads; Allocation then goes by getattr.
-    slotted = type("Slotted", (), {"__slots__": tuple(n for n in Allocation.__slots__)})
-    c.layout(slotted)
-    try:
-        assert [o.key for o in store.lookup(s, KEYS[:3], True)] == KEYS[:3]
-        store.unpin(s, [o.object_id for o in store.objects.values()])
-        check_invariants(store)
-    finally:
-        store_core()  # Allocation's layout again
-    assert [o.key for o in store.lookup(s, KEYS[:3], True)] == KEYS[:3]
-
-
 def test_an_unset_slot_is_an_attribute_error_not_a_crash():
     c = store_core()
     bare = Allocation.__new__(Allocation)  # no field set
@@ -343,8 +283,6 @@ def test_an_unset_slot_is_an_attribute_error_not_a_crash():
         c.unpin_once([bare], 1, {})
     with pytest.raises(AttributeError):
         c.remove_all([bare], {})
-    with pytest.raises(AttributeError):
-        c.encode_rows(3, 1, [bare], w._wire_parts)
 
 
 def test_a_long_run_leaks_no_reference_and_no_memory():
@@ -359,7 +297,7 @@ def test_a_long_run_leaks_no_reference_and_no_memory():
     def cycle():
         found = store.lookup(s, keys, True)
         ids = [o.object_id for o in found]
-        c.encode_rows(w.OP_LOOKUP, s, found, w._wire_parts)
+        w.encode_allocations(w.OP_LOOKUP, s, found)
         store.pin(s, ids)
         store.unpin(s, ids)
         for bad in (ids + ids[:1], ids[:3] + [10**12], ids[:2] + [2**80]):

@@ -23,6 +23,7 @@ from conftest import ROOT, SMALL
 
 # Each top-level product folder and its import name (pyproject's package-dir).
 FOLDERS = {
+    "native": "memory_broker._native",
     "broker": "memory_broker.broker",
     "clients": "memory_broker.clients",
     "kernels": "memory_broker.kernels",

@@ -12,16 +12,9 @@ from types import ModuleType
 
 from memory_broker.proto.wire import native
 
-NAME = "memory_broker.broker.adapters._hotcore"
+NAME = native.HOTCORE
 
 
 def load() -> ModuleType | None:
-    """The C module with the hot entries' and the store objects' slots read into it
-    (``layout``: their fields are read without an attribute lookup), or None."""
-    core = native.load(NAME)
-    if core is not None:
-        from memory_broker.broker.adapters.entry import AdapterEntry  # noqa: PLC0415 (not at import: a cycle)
-        from memory_broker.broker.store.records import Allocation  # noqa: PLC0415
-
-        core.layout(AdapterEntry, Allocation)
-    return core
+    """The C module, or None."""
+    return native.load(NAME)

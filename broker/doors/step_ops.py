@@ -26,7 +26,6 @@ from memory_broker.broker.adapters import hotcore
 from memory_broker.broker.doors.policy import POLICY
 from memory_broker.broker.sessions.manager import NO_FIELDS
 from memory_broker.broker.store.object_table import ReplyRoom
-from memory_broker.broker.store.records import store_core
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
 
@@ -34,7 +33,7 @@ from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
 ROWS_KEPT = 16384
 # An object's id (C-level, over a list of objects).
 _OID = attrgetter("object_id")
-_STEP, _PING, _OP_LOOKUP, _Op, _wire_parts = w.STEP, w.PING, w.OP_LOOKUP, w.Op, w._wire_parts
+_STEP, _PING, _OP_LOOKUP, _Op, _encode_allocations = w.STEP, w.PING, w.OP_LOOKUP, w.Op, w.encode_allocations
 # An acquire reply's head by adapter count (C-level cache: no Python frame when it hits).
 _acquire_head = functools.lru_cache(maxsize=1024)(w.acquire_head)
 
@@ -144,9 +143,6 @@ class StepOps:
         # Each hot adapter object's row of an acquire reply, by object id (its generation and
         # pages never change): a hot acquire joins them. Cleared when it grows past ROWS_KEPT.
         self._rows: dict[int, bytes] = {}
-        # The store's native core (``_storecore.c``): a lookup's or pin's reply records joined
-        # in C; None where it is not built (``encode_allocations`` then).
-        self._store_core = store_core()
         self._core = hotcore.load()
         # What is left of the reply of the frame being answered (its object records are
         # bounded like its request: ``ReplyRoom``, reset per frame).
@@ -269,13 +265,7 @@ class StepOps:
         return self.adapters
 
     def _objects(self, kind: int, sid: int, objs) -> bytes:
-        """A lookup's or pin's reply: the objects' records for ``sid``, joined by the store's
-        native core where it is built (the same bytes as ``encode_allocations``)."""
-        core = self._store_core
-        if core is not None and objs.__class__ is list:
-            out = core.encode_rows(kind, sid, objs, w._wire_parts)
-            if out is not None:
-                return out
+        """A lookup's or pin's reply: the objects' records for ``sid``."""
         return w.encode_allocations(kind, sid, objs)
 
     # ------------------------------------------------------------ frames that wait for a load
@@ -319,13 +309,7 @@ class StepOps:
 
 
 def _lookup(server: StepOps, sid: int, op: w.Op) -> bytes:
-    objs = server.store.lookup(sid, op.items, bool(op.flags), server.room)
-    core = server._store_core  # ``_objects``, inline
-    if core is not None and objs.__class__ is list:
-        out = core.encode_rows(_OP_LOOKUP, sid, objs, _wire_parts)
-        if out is not None:
-            return out
-    return w.encode_allocations(_OP_LOOKUP, sid, objs)
+    return _encode_allocations(_OP_LOOKUP, sid, server.store.lookup(sid, op.items, bool(op.flags), server.room))
 
 
 def _unpin(server: StepOps, sid: int, op: w.Op) -> bytes:

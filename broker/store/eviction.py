@@ -18,7 +18,7 @@ from typing import Protocol
 from memory_broker.proto.wire import native
 
 # The store's native core: a step's per-key loops in C (``_storecore.c``; ``records.store_core``).
-STORE_CORE = "memory_broker.broker.store._storecore"
+STORE_CORE = native.STORECORE
 
 
 class ContentType(IntEnum):

@@ -215,14 +215,11 @@ class Recent:
 
 
 def store_core():
-    """The store's native core with ``Allocation``'s slot layout read into it, or None (not
-    built, or ``MEMORY_BROKER_NATIVE=0``): the store's parts then run their Python loops.
+    """The store's native core, or None (not built, or ``MEMORY_BROKER_NATIVE=0``): the
+    store's parts then run their Python loops.
 
     Each part asks once, when it is made, so a store keeps the path it started with."""
-    core = native.load(STORE_CORE)
-    if core is not None:
-        core.layout(Allocation)
-    return core
+    return native.load(STORE_CORE)
 
 
 def pages_at(fraction: float, max_pages: int) -> int:

@@ -35,9 +35,6 @@ class SessionRecords:
         # step whose reply says no more needs no look at the view).
         self._view = None
         self._mapped = 0
-        # What the native core builds (``_fresh``): the client's objects' class (None: the
-        # client's ``_read_objects`` builds them).
-        self._object_type = getattr(client, "object_type", None)
         # What was built from a step record is kept on the record (``made``: an object
         # record's BrokerObject, a hot adapter record's LeasedAdapter). The step transport's
         # decoder (one per session's channel, as this) hands out the record it made before for
@@ -62,27 +59,11 @@ class SessionRecords:
 
     def _fresh(self, recs) -> list:
         """BrokerObjects for records nothing was built from yet, kept on them (``made``): the
-        client's ``_read_objects``, or where the native core takes them (``_stepcore.c``'s
-        ``step_objects``: step records with no window) one call of it that makes them all and
-        says their pages, whose access is then set as ``_read_objects`` sets it."""
-        client = self.client
-        core = _w._core
-        got = None
-        if core is not None and self._object_type is not None:
-            client._slabs_for(recs)
-            got = core.step_objects(self._object_type, client, recs, client.session_id, client.epoch)
-        if got is None:
-            out = client._read_objects(recs)
-            for r, obj in zip(recs, out):
-                r.made = obj
-            return out
-        out, shared, own = got
-        try:
-            client._read_access(shared, own)
-        except BaseException:
-            for r in recs:  # not handed out: built again next time
-                r.made = None
-            raise
+        client's ``_read_objects``, which builds them together (one mapping check, one
+        page-access change)."""
+        out = self.client._read_objects(recs)
+        for r, obj in zip(recs, out):
+            r.made = obj
         return out
 
     def step_lease(self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:

@@ -3,7 +3,7 @@
     python ops/bench/bench_adapters_native.py [--frames 200] [--rounds 3] [--sizes 64,512]
 
 Two in-process brokers (host arena, as ``bench_step.py --adapters-only``'s broker row), the
-first with the native core (``broker/adapters/_hotcore.c``; the store's and the wire's too,
+first with the native core (``native/_hotcore.c``; the store's and the wire's too,
 where built), the second made with ``MEMORY_BROKER_NATIVE=0`` (every path in Python). Each
 has 2n hot adapters and takes a frame that gives back the previous step's n (RELEASE) and
 acquires n others (ACQUIRE), the step channel's handler called directly on its loop. The two

@@ -4,7 +4,7 @@
     python ops/bench/bench_store_keys.py [--rounds 4] [--frames 300]
 
 Two brokers in this process (host arena, served by threads, as ``bench_step.py --keys-only``
-does): one whose store and step channel took the native core (``broker/store/_storecore.c``),
+does): one whose store and step channel took the native core (``native/_storecore.c``),
 one made with ``MEMORY_BROKER_NATIVE=0`` (the Python loops). Each round measures both, one
 after the other, at 64 and 512 keys: the loop thread's CPU time for one STEP frame that unpins
 the previous step's n keys and looks up + pins n others (decode, checks, pins, eviction queues,

@@ -307,7 +307,7 @@ for name in ("torch", "triton", "cuda-bindings", "grpcio", "protobuf", "numpy", 
         print(f"{name}: not installed ({type(e).__name__})")
 try:
     from memory_broker.proto.wire import native
-    core = native.load("memory_broker.proto.wire._stepcore")
+    core = native.load(native.STEPCORE)
     print("native step core: " + ("built" if core is not None else "not built (the Python path runs)"))
 except Exception as e:
     print(f"native step core: unknown ({type(e).__name__})")

@@ -1,10 +1,10 @@
 """The native step core: optional C extensions for the step path's per-item passes, and their fallback.
 
 Each per-item pass of the step channel (decoding a frame's ids and keys, the store's pin books,
-the client's reply records) has a pure-Python definition, and may also have a C one built from
-a ``_*.c`` file beside its module when the project is installed (``[tool.setuptools]
-ext-modules`` in ``pyproject.toml``; the build is optional, so an install without a compiler
-still works). ``load`` returns the C module, or ``None``; a caller then takes its Python path.
+the client's reply records) has a pure-Python definition, and may also have a C one in one of
+the native cores, the package ``memory_broker._native`` (``native/_*.c``, built when the project
+is installed: ``[tool.setuptools] ext-modules`` in ``pyproject.toml``; the build is optional, so
+an install without a compiler still works). ``load`` returns the C module, or ``None``; a caller then takes its Python path.
 The two are the same protocol and the same results: the tests run both.
 
 ``MEMORY_BROKER_NATIVE=0`` (or ``off``/``false``/``no``) turns every native module off, so the
@@ -22,6 +22,11 @@ import logging
 import os
 import sys
 from types import ModuleType
+
+# The cores, by the names ``load`` takes.
+STEPCORE = "memory_broker._native._stepcore"
+STORECORE = "memory_broker._native._storecore"
+HOTCORE = "memory_broker._native._hotcore"
 
 ENV = "MEMORY_BROKER_NATIVE"
 DIR_ENV = "MEMORY_BROKER_NATIVE_DIR"

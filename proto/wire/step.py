@@ -103,7 +103,7 @@ OBJ_OWNED, OBJ_DEDUP = 1, 2
 # ``MEMORY_BROKER_NATIVE=0``). Each C pass returns what its Python pass returns, or None for
 # anything it does not take, and the Python pass then runs: it gives the result or raises the
 # error that names the fault, so errors are always the Python ones. Tests switch it off here.
-_core = native.load("memory_broker.proto.wire._stepcore")
+_core = native.load(native.STEPCORE)
 _CORE_PASSES = (
     "decode_step",
     "encode_allocations",
@@ -115,8 +115,6 @@ _CORE_PASSES = (
     # A step batch's counts (``clients/step/batch.py``), which its module reads as ``_core`` here.
     "batch_take",
     "batch_account",
-    # A step reply's fresh objects (``clients/step/lease.py``'s ``SessionRecords._fresh``).
-    "step_objects",
 )
 if _core is not None and not all(hasattr(_core, f) for f in _CORE_PASSES):
     # Built from an older _stepcore.c (a tree pulled without reinstalling): not used.
@@ -142,8 +140,6 @@ class WireError(ValueError):
 
 @dataclass(slots=True)
 class Op:
-    # A plain record: the native ``decode_step`` fills its slots without calling ``__init__``
-    # (it calls the class instead if it ever gains a ``__post_init__`` or its own ``__new__``).
     kind: int
     # Adapter ids (release, acquire), object or transaction ids (unpin, pin, commit,
     # abort), or keys (lookup).
@@ -676,8 +672,8 @@ def _object_record(raw: bytes, slabs: int) -> ObjectRecord:
 
 def _object_maker(slabs: int):
     """``_object_record`` of an arena of ``slabs`` slabs, as one call of ``raw``: the native
-    core's (which fills the record's slots in C: a fresh key's record is made on every step
-    that looks it up) where it is there, else the Python one."""
+    core's (which reads the record's fields in C and calls ``ObjectRecord`` with them: a fresh
+    key's record is made on every step that looks it up) where it is there, else the Python one."""
     if _core is not None:
         return functools.partial(_core.object_record, ObjectRecord, slabs)
     return lambda raw: _object_record(raw, slabs)

@@ -11,17 +11,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
-#ifndef Py_READONLY
-#define Py_READONLY READONLY
-#endif
 
+/* The wire's numbers, as proto/wire/step.py defines them (tests/test_step_codec_native.py
+ * reads every #define here and checks it against step.py's value). */
 #define MAX_OPS 64
 #define OP_RELEASE 1
 #define OP_UNPIN 2
@@ -33,6 +28,15 @@
 #define ACQUIRE_PREPARE 1
 #define OK_KIND 0x80
 #define STEP_KIND 2
+#define HEADER_SIZE 5          /* <IB>: body length, kind */
+#define REPLY_HEAD_SIZE 6      /* <IH>: arena slabs, result count */
+#define OBJ_HEAD_SIZE 31       /* <QqBBBIII>: an object record's head */
+#define OBJ_NPAGES_AT 27       /* its page count */
+#define OBJ_OWNED 1            /* its flags */
+#define OBJ_DEDUP 2
+#define ACQ_RESULT_HEAD_SIZE 20 /* <BBQdH>: an acquire result's head */
+#define ACQ_ADAPTER_SIZE 21    /* <QQBI>: an acquired adapter's record */
+#define ACQ_NPAGES_AT 17       /* its page count */
 
 /* ------------------------------------------------------------------ little-endian reads */
 
@@ -82,6 +86,22 @@ static inline int out_u64(Out *o, uint64_t v) { return out_put(o, &v, 8); }
 
 static void out_free(Out *o) { PyMem_Free(o->p); o->p = NULL; o->len = o->cap = 0; }
 
+/* ------------------------------------------------------------------ the module's state */
+
+/* One per module object (multi-phase init): nothing process-global. The attribute names read
+ * and written on the objects the Python side passes in, interned once. */
+enum { N_OBJECT_ID, NNAMES };
+static const char *const NAMES[NNAMES] = {"object_id"};
+typedef struct {
+    PyObject *names[NNAMES]; /* interned attribute names */
+} State;
+
+static inline State *
+state_of(PyObject *module)
+{
+    return (State *)PyModule_GetState(module);
+}
+
 /* ------------------------------------------------------------------ decode_step (broker) */
 
 /* `count` length-prefixed strings from *pos (not past `end`): a tuple of bytes (text=0) or
@@ -122,82 +142,15 @@ malformed:
     return NULL;
 }
 
-/* The Op class whose slots make_op fills directly (a strong reference), and the offsets of its
- * five fields; NULL until decode_step first sees a class with that layout. Op is a plain
- * slotted record (step.py: no __init__ logic but assignment), so filling its slots is what
- * calling it does, without running a Python __init__ per op. */
-static PyTypeObject *op_fast_type;
-static Py_ssize_t op_offsets[5];
-static const char *const OP_FIELDS[5] = {"kind", "items", "flags", "max_adapters", "lease_ms"};
-
-/* Whether `cls` is a class whose `n` fields (named by `fields`) are writable object slots,
- * with object's own __new__ and no __post_init__ (an __init__ that does more than assign:
- * called, not filled). Then *fast (a strong reference) becomes it and `offsets` its fields'
- * offsets; 0 otherwise: the caller calls it. The one check for Op's and StepReply's layouts. */
-static int
-slot_layout(PyObject *cls, const char *const *fields, int n, PyTypeObject **fast, Py_ssize_t *offsets)
-{
-    if ((PyTypeObject *)cls == *fast) return 1;
-    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_new != PyBaseObject_Type.tp_new) return 0;
-    if (PyObject_HasAttrString(cls, "__post_init__")) return 0;
-    Py_ssize_t offs[16];
-    if (n > 16) return 0;
-    for (int f = 0; f < n; f++) {
-        PyObject *d = PyObject_GetAttrString(cls, fields[f]);
-        if (d == NULL) {
-            PyErr_Clear();
-            return 0;
-        }
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
-        if (ok) {
-            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
-                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
-            offs[f] = m->d_member->offset;
-        }
-        Py_DECREF(d);
-        if (!ok) return 0;
-    }
-    memcpy(offsets, offs, n * sizeof offs[0]);
-    Py_INCREF(cls);
-    Py_XSETREF(*fast, (PyTypeObject *)cls);
-    return 1;
-}
-
-/* Whether `cls` has Op's five fields as writable object slots (then op_fast_type is it). */
-static int
-op_layout(PyObject *cls)
-{
-    return slot_layout(cls, OP_FIELDS, 5, &op_fast_type, op_offsets);
-}
-
+/* Op(kind, items, flags, max_adapters, lease_ms), by calling `op_type`; steals `items`. */
 static PyObject *
-make_op(PyObject *op_type, int fast, long kind, PyObject *items, long flags, long cap, unsigned long lease)
+make_op(PyObject *op_type, long kind, PyObject *items, long flags, long cap, unsigned long lease)
 {
-    /* Op(kind, items, flags, max_adapters, lease_ms); steals `items`. `fast`: op_type is
-     * op_fast_type (its slots are filled; otherwise it is called). */
-    PyObject *args[5];
-    args[0] = PyLong_FromLong(kind);
-    args[1] = items;
-    args[2] = PyLong_FromLong(flags);
-    args[3] = PyLong_FromLong(cap);
-    args[4] = PyLong_FromUnsignedLong(lease);
+    PyObject *args[5] = {PyLong_FromLong(kind), items, PyLong_FromLong(flags), PyLong_FromLong(cap),
+                         PyLong_FromUnsignedLong(lease)};
     PyObject *op = NULL;
-    if (args[0] && args[2] && args[3] && args[4]) {
-        if (fast) {
-            PyTypeObject *t = (PyTypeObject *)op_type;
-            op = t->tp_alloc(t, 0);
-            if (op != NULL) {
-                for (int i = 0; i < 5; i++) {
-                    /* the slots of a fresh object are NULL: each takes our reference */
-                    *(PyObject **)((char *)op + op_offsets[i]) = args[i];
-                    args[i] = NULL;
-                }
-            }
-        } else {
-            op = PyObject_Vectorcall(op_type, args, 5, NULL);
-        }
-    }
+    if (args[0] && args[2] && args[3] && args[4])
+        op = PyObject_Vectorcall(op_type, args, 5, NULL);
     for (int i = 0; i < 5; i++) Py_XDECREF(args[i]);
     return op;
 }
@@ -212,7 +165,6 @@ decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *op_type = args[1];
-    int fast = op_layout(op_type);
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
@@ -271,7 +223,7 @@ decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred()) goto fail;
             goto malformed;
         }
-        PyObject *op = make_op(op_type, fast, k, items, flags, cap, lease);
+        PyObject *op = make_op(op_type, k, items, flags, cap, lease);
         if (op == NULL) goto fail;
         PyList_SET_ITEM(ops, i, op);
     }
@@ -310,14 +262,14 @@ encode_ok_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t n = PyList_GET_SIZE(results);
     if (slabs > 0xFFFFFFFFUL || n > 0xFFFF) Py_RETURN_NONE;
-    Py_ssize_t size = 6;
+    Py_ssize_t size = REPLY_HEAD_SIZE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *r = PyList_GET_ITEM(results, i);
         if (!PyBytes_CheckExact(r)) Py_RETURN_NONE;
         size += PyBytes_GET_SIZE(r);
         if (size > 0xFFFFFFFFL) Py_RETURN_NONE;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + size);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, HEADER_SIZE + size);
     if (out == NULL) return NULL;
     unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
     uint32_t v = (uint32_t)size;
@@ -327,7 +279,7 @@ encode_ok_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     memcpy(p + 5, &v, 4);
     p[9] = (unsigned char)n;
     p[10] = (unsigned char)(n >> 8);
-    p += 11;
+    p += HEADER_SIZE + REPLY_HEAD_SIZE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *r = PyList_GET_ITEM(results, i);
         Py_ssize_t k = PyBytes_GET_SIZE(r);
@@ -556,8 +508,8 @@ encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject **ops = PySequence_Fast_ITEMS(seq);
     Out o = {0};
     /* The header is written last: body length, kind. */
-    if (out_reserve(&o, 5 + 2) < 0) goto fail;
-    o.len = 5;
+    if (out_reserve(&o, HEADER_SIZE + 2) < 0) goto fail;
+    o.len = HEADER_SIZE;
     out_u16(&o, (unsigned)n);
     for (Py_ssize_t i = 0; i < n; i++) {
         long k = 0;
@@ -570,8 +522,8 @@ encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(seq);
-    if (o.len - 5 > 0xFFFFFFFFLL) { out_free(&o); Py_RETURN_NONE; }
-    uint32_t body = (uint32_t)(o.len - 5);
+    if (o.len - HEADER_SIZE > 0xFFFFFFFFLL) { out_free(&o); Py_RETURN_NONE; }
+    uint32_t body = (uint32_t)(o.len - HEADER_SIZE);
     memcpy(o.p, &body, 4);
     o.p[4] = STEP_KIND;
     PyObject *res = PyBytes_FromStringAndSize(o.p, o.len);
@@ -681,6 +633,7 @@ fail:
 static PyObject *
 batch_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    State *st = state_of(self);
     if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
         !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])) {
         PyErr_SetString(PyExc_TypeError,
@@ -723,7 +676,7 @@ batch_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred()) goto fail;
             continue;
         }
-        PyObject *oid = PyObject_GetAttrString(o, "object_id");
+        PyObject *oid = PyObject_GetAttr(o, st->names[N_OBJECT_ID]);
         if (oid == NULL) goto fail;
         int bad = PyList_Append(unpin, oid) < 0 || PyDict_DelItem(objects, k) < 0;
         Py_DECREF(oid);
@@ -821,65 +774,7 @@ fail:
     return NULL;
 }
 
-/* drop_refs(held, idle, ids, now) -> the ids held with no reference here: step_holdings.py's
- * _drop_refs (one local reference off each of ids' entries in `held`, an entry whose last goes
- * idle since `now`, added to `idle`), changing them as it does; None where ids is not a list
- * or tuple (the Python pass takes it). */
-static PyObject *
-drop_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    static PyObject *s_refs, *s_idle_since;
-    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "drop_refs(held, idle, ids, now)");
-        return NULL;
-    }
-    if (s_refs == NULL && (s_refs = PyUnicode_InternFromString("refs")) == NULL) return NULL;
-    if (s_idle_since == NULL && (s_idle_since = PyUnicode_InternFromString("idle_since")) == NULL) return NULL;
-    PyObject *held = args[0], *idle = args[1], *now = args[3];
-    PyObject **ids;
-    Py_ssize_t n;
-    if (!seq_items(args[2], &ids, &n)) Py_RETURN_NONE;
-    PyObject *direct = PyList_New(0);
-    if (direct == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyDict_GetItemWithError(held, ids[i]);
-        if (h == NULL) {
-            if (PyErr_Occurred() || PyList_Append(direct, ids[i]) < 0) goto fail;
-            continue;
-        }
-        Py_INCREF(h);
-        PyObject *r = PyObject_GetAttr(h, s_refs);
-        long refs = r == NULL ? -1 : PyLong_AsLong(r);
-        Py_XDECREF(r);
-        int bad = PyErr_Occurred() != NULL;
-        if (!bad && refs <= 0) {
-            bad = PyList_Append(direct, ids[i]) < 0;
-        } else if (!bad) {
-            PyObject *v = PyLong_FromLong(refs - 1);
-            bad = v == NULL || PyObject_SetAttr(h, s_refs, v) < 0;
-            Py_XDECREF(v);
-            if (!bad && refs == 1)
-                bad = PyObject_SetAttr(h, s_idle_since, now) < 0 || PyDict_SetItem(idle, ids[i], Py_None) < 0;
-        }
-        Py_DECREF(h);
-        if (bad) goto fail;
-    }
-    return direct;
-fail:
-    Py_DECREF(direct);
-    return NULL;
-}
-
 /* ------------------------------------------------------------------ object_record (client) */
-
-/* The ObjectRecord class whose slots object_record fills directly (a strong reference), and
- * the offsets of its twelve fields; NULL until object_record first sees a class with that
- * layout (step.py's ObjectRecord: a plain slotted record). */
-static PyTypeObject *objrec_fast_type;
-static Py_ssize_t objrec_offsets[12];
-static const char *const OBJREC_FIELDS[12] = {"object_id", "window_page", "state", "content_type",
-                                              "owned", "deduplicated", "session_pins", "total_pins",
-                                              "pages", "key", "arena_slabs", "made"};
 
 /* object_record(cls, arena_slabs, raw) -> cls(...) of one object record's bytes, as step.py's
  * _object_record(raw, arena_slabs) makes it (<QqBBBIII>, the pages <I>, then <H> and the key:
@@ -895,51 +790,36 @@ object_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *cls = args[0], *slabs = args[1];
     const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(args[2]);
     Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
-    if (size < 31) goto short_raw;
-    Py_ssize_t npages = rd32(b + 27);
-    if ((size - 31) / 4 < npages) goto short_raw;
-    Py_ssize_t at = 31 + 4 * npages;
+    if (size < OBJ_HEAD_SIZE) goto short_raw;
+    Py_ssize_t npages = rd32(b + OBJ_NPAGES_AT);
+    if ((size - OBJ_HEAD_SIZE) / 4 < npages) goto short_raw;
+    Py_ssize_t at = OBJ_HEAD_SIZE + 4 * npages;
     if (size - at < 2) goto short_raw;
-    PyObject *v[12] = {NULL};
+    PyObject *v[11] = {NULL};
     int64_t wp;
     memcpy(&wp, b + 8, 8);
     v[0] = PyLong_FromUnsignedLongLong(rd64(b));
     v[1] = PyLong_FromLongLong(wp);
     v[2] = PyLong_FromLong(b[16]);
     v[3] = PyLong_FromLong(b[17]);
-    v[4] = PyBool_FromLong(b[18] & 1);
-    v[5] = PyBool_FromLong(b[18] & 2);
+    v[4] = PyBool_FromLong(b[18] & OBJ_OWNED);
+    v[5] = PyBool_FromLong(b[18] & OBJ_DEDUP);
     v[6] = PyLong_FromUnsignedLong(rd32(b + 19));
     v[7] = PyLong_FromUnsignedLong(rd32(b + 23));
     v[8] = PyList_New(npages);
     v[9] = PyBytes_FromStringAndSize((const char *)b + at + 2, size - at - 2);
-    Py_INCREF(slabs);
-    v[10] = slabs;
-    Py_INCREF(Py_None);
-    v[11] = Py_None;
+    v[10] = Py_NewRef(slabs);
     PyObject *rec = NULL;
-    for (int i = 0; i < 12; i++)
+    for (int i = 0; i < 11; i++)
         if (v[i] == NULL) goto done;
     for (Py_ssize_t i = 0; i < npages; i++) {
-        PyObject *pg = PyLong_FromUnsignedLong(rd32(b + 31 + 4 * i));
+        PyObject *pg = PyLong_FromUnsignedLong(rd32(b + OBJ_HEAD_SIZE + 4 * i));
         if (pg == NULL) goto done;
         PyList_SET_ITEM(v[8], i, pg);
     }
-    if (slot_layout(cls, OBJREC_FIELDS, 12, &objrec_fast_type, objrec_offsets)) {
-        PyTypeObject *t = (PyTypeObject *)cls;
-        rec = t->tp_alloc(t, 0);
-        if (rec != NULL) {
-            for (int i = 0; i < 12; i++) {
-                /* the slots of a fresh object are NULL: each takes our reference */
-                *(PyObject **)((char *)rec + objrec_offsets[i]) = v[i];
-                v[i] = NULL;
-            }
-        }
-    } else if (!PyErr_Occurred()) {
-        rec = PyObject_Vectorcall(cls, v, 11, NULL);
-    }
+    rec = PyObject_Vectorcall(cls, v, 11, NULL);
 done:
-    for (int i = 0; i < 12; i++) Py_XDECREF(v[i]);
+    for (int i = 0; i < 11; i++) Py_XDECREF(v[i]);
     return rec;
 short_raw:
     PyErr_Format(PyExc_ValueError, "an object record of %zd bytes is shorter than its head, pages and key length",
@@ -947,394 +827,18 @@ short_raw:
     return NULL;
 }
 
-/* ------------------------------------------------------------------ step_objects (client) */
-
-/* The BrokerObject class (clients/client.py) whose slots step_objects fills (a strong
- * reference), and the offsets of its thirteen fields; NULL until step_objects first sees it. */
-static PyTypeObject *bobj_fast_type;
-static Py_ssize_t bobj_offsets[13];
-static const char *const BOBJ_FIELDS[13] = {"client", "object_id", "pages", "window_page", "key",
-                                            "content_type", "state", "deduplicated", "owned",
-                                            "session_pins", "total_pins", "session_id", "epoch"};
-
-#define RSLOT(rec, i) (*(PyObject **)((char *)(rec) + objrec_offsets[i]))
-
-/* step_objects(cls, client, recs, session_id, epoch) -> (objects, shared pages, own pages):
- * a BrokerObject per record, each as BrokerObject(client, rec) makes it (client.py's __init__:
- * the record's fields, its pages copied to a list, an empty key as None, the session's id and
- * epoch), each record's `made` set to its object, and the records' pages split as
- * BrokerClient._read_objects splits them (shared: deduplicated or not owned). None (nothing
- * made, nothing changed) unless `recs` is a list of ObjectRecords (object_record's layout)
- * with no window (window_page < 0) and nothing made yet, and `cls` has BrokerObject's slots. */
+/* cls(*v) of `n` values (new references each, released): a new reference, or NULL. */
 static PyObject *
-step_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "step_objects(cls, client, recs, session_id, epoch)");
-        return NULL;
-    }
-    PyObject *cls = args[0], *client = args[1], *recs = args[2];
-    if (!PyList_CheckExact(recs)) Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(recs);
-    if (n == 0) return Py_BuildValue("([][][])");
-    if (objrec_fast_type == NULL) Py_RETURN_NONE;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(recs, i);
-        if (Py_TYPE(rec) != objrec_fast_type) Py_RETURN_NONE;
-        PyObject *wp = RSLOT(rec, 1), *made = RSLOT(rec, 11), *pages = RSLOT(rec, 8);
-        if (wp == NULL || made != Py_None || pages == NULL || !PyList_CheckExact(pages)) Py_RETURN_NONE;
-        if (!PyLong_CheckExact(wp)) Py_RETURN_NONE;
-        int overflow;
-        long long w = PyLong_AsLongLongAndOverflow(wp, &overflow);
-        if (w == -1 && PyErr_Occurred()) return NULL;
-        if (overflow || w >= 0) Py_RETURN_NONE;
-        for (int f = 0; f < 12; f++)
-            if (RSLOT(rec, f) == NULL) Py_RETURN_NONE;
-    }
-    if (!slot_layout(cls, BOBJ_FIELDS, 13, &bobj_fast_type, bobj_offsets)) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
-    }
-    PyTypeObject *t = (PyTypeObject *)cls;
-    PyObject *objs = PyList_New(n), *shared = PyList_New(0), *own = PyList_New(0);
-    if (objs == NULL || shared == NULL || own == NULL) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(recs, i);
-        PyObject *pages = PyList_GetSlice(RSLOT(rec, 8), 0, PY_SSIZE_T_MAX);
-        if (pages == NULL) goto fail;
-        int keyed = PyObject_IsTrue(RSLOT(rec, 9));
-        int dedup = PyObject_IsTrue(RSLOT(rec, 5));
-        int owned = PyObject_IsTrue(RSLOT(rec, 4));
-        if (keyed < 0 || dedup < 0 || owned < 0) { Py_DECREF(pages); goto fail; }
-        PyObject *into = dedup || !owned ? shared : own;
-        Py_ssize_t at = PyList_GET_SIZE(into);
-        if (PyList_SetSlice(into, at, at, pages) < 0) { Py_DECREF(pages); goto fail; }
-        PyObject *obj = t->tp_alloc(t, 0);
-        if (obj == NULL) { Py_DECREF(pages); goto fail; }
-        PyObject *v[13] = {client, RSLOT(rec, 0), pages, RSLOT(rec, 1), keyed ? RSLOT(rec, 9) : Py_None,
-                           RSLOT(rec, 3), RSLOT(rec, 2), RSLOT(rec, 5), RSLOT(rec, 4),
-                           RSLOT(rec, 6), RSLOT(rec, 7), args[3], args[4]};
-        for (int f = 0; f < 13; f++) {
-            if (f != 2) Py_INCREF(v[f]);  /* pages: ours already */
-            *(PyObject **)((char *)obj + bobj_offsets[f]) = v[f];
-        }
-        PyList_SET_ITEM(objs, i, obj);
-    }
-    PyObject *out = PyTuple_Pack(3, objs, shared, own);
-    if (out == NULL) goto fail;
-    /* Kept on the records last: nothing is changed unless the result is returned. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(recs, i), *obj = PyList_GET_ITEM(objs, i);
-        Py_INCREF(obj);
-        Py_SETREF(RSLOT(rec, 11), obj);
-    }
-    Py_DECREF(objs);
-    Py_DECREF(shared);
-    Py_DECREF(own);
-    return out;
-fail:
-    Py_XDECREF(objs);
-    Py_XDECREF(shared);
-    Py_XDECREF(own);
-    return NULL;
-}
-
-/* ------------------------------------------------------------------ a batch change's plan and finish (client) */
-
-static PyObject *s_refs_, *s_idle_since_, *s_record_, *s_object_id_, *s_hot_, *s_adapters_, *s_key_,
-    *s_generation_, *s_pages_;
-
-static int
-delta_names(void)
-{
-    if (s_pages_ != NULL) return 0;
-    if ((s_refs_ = PyUnicode_InternFromString("refs")) == NULL ||
-        (s_idle_since_ = PyUnicode_InternFromString("idle_since")) == NULL ||
-        (s_record_ = PyUnicode_InternFromString("record")) == NULL ||
-        (s_object_id_ = PyUnicode_InternFromString("object_id")) == NULL ||
-        (s_hot_ = PyUnicode_InternFromString("hot")) == NULL ||
-        (s_adapters_ = PyUnicode_InternFromString("adapters")) == NULL ||
-        (s_key_ = PyUnicode_InternFromString("key")) == NULL ||
-        (s_generation_ = PyUnicode_InternFromString("generation")) == NULL ||
-        (s_pages_ = PyUnicode_InternFromString("pages")) == NULL)
-        return -1;
-    return 0;
-}
-
-/* A holding `h` (HeldAdapter or HeldPin) taken once more: refs + 1, idle_since 0.0, and
- * out of `idle` (under `idle_key`) where it had no reference. 0, or -1 on error. */
-static int
-take_ref(PyObject *h, PyObject *idle, PyObject *idle_key, PyObject *zero)
-{
-    PyObject *r = PyObject_GetAttr(h, s_refs_);
-    if (r == NULL) return -1;
-    long refs = PyLong_AsLong(r);
-    Py_DECREF(r);
-    if (refs == -1 && PyErr_Occurred()) return -1;
-    if (refs == 0 && idle_key != NULL) {
-        int in = PyDict_Contains(idle, idle_key);
-        if (in < 0 || (in && PyDict_DelItem(idle, idle_key) < 0)) return -1;
-    }
-    PyObject *v = PyLong_FromLong(refs + 1);
-    if (v == NULL) return -1;
-    int bad = PyObject_SetAttr(h, s_refs_, v) < 0 || PyObject_SetAttr(h, s_idle_since_, zero) < 0;
-    Py_DECREF(v);
-    return bad ? -1 : 0;
-}
-
-/* An op tuple (kind, tuple(items)[, flags]): a new reference, or NULL. */
-static PyObject *
-op_tuple(long kind, PyObject *items, int with_flags, long flags)
-{
-    PyObject *t = PySequence_Tuple(items);
-    if (t == NULL) return NULL;
-    return with_flags ? Py_BuildValue("(lNl)", kind, t, flags) : Py_BuildValue("(lN)", kind, t);
-}
-
-/* delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now) ->
- * (ops, held, missing, acq, look): step_delta.py's send_delta planned against a caching
- * path's holdings (StepHoldings' dicts), changed as its Python pass changes them: the release
- * and unpin ops of what is held with no reference here (the others' references dropped), the
- * held adapters of `acquire` ({id: record}) and the ACQUIRE op of the rest (`missing`, at op
- * index `acq`, -1: none), and the LOOKUP op of every key (at `look`, -1: none; the holdings
- * answer no key). The idle holdings' ops are the caller's. None, having changed nothing,
- * where a list argument is not a list or tuple. */
-static PyObject *
-delta_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 9 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
-        !PyDict_CheckExact(args[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now)");
-        return NULL;
-    }
-    if (delta_names() < 0) return NULL;
-    PyObject *adapters = args[0], *idle_a = args[1], *pins = args[2], *idle_p = args[3];
-    PyObject *now = args[8];
-    PyObject **acquire, **unused;
-    Py_ssize_t n_acq, n_keys, n;
-    if (!seq_items(args[4], &acquire, &n_acq) || !seq_items(args[5], &unused, &n) ||
-        !seq_items(args[6], &unused, &n_keys) || !seq_items(args[7], &unused, &n))
-        Py_RETURN_NONE;
-    PyObject *ops = PyList_New(0), *held = PyDict_New(), *missing = NULL;
-    PyObject *zero = PyFloat_FromDouble(0.0);
-    PyObject *dargs[4];
-    long acq = -1, look = -1;
-    if (ops == NULL || held == NULL || zero == NULL) goto fail;
-    for (int k = 0; k < 2; k++) { /* release, then unpin: drop_refs, and an op of the direct ones */
-        PyObject *items = args[5 + 2 * k];
-        if (PySequence_Fast_GET_SIZE(items) == 0) continue;
-        dargs[0] = k ? pins : adapters;
-        dargs[1] = k ? idle_p : idle_a;
-        dargs[2] = items;
-        dargs[3] = now;
-        PyObject *direct = drop_refs(NULL, dargs, 4);
-        if (direct == NULL) goto fail;
-        if (PyList_GET_SIZE(direct)) {
-            PyObject *op = op_tuple(k ? OP_UNPIN : OP_RELEASE, direct, 0, 0);
-            int bad = op == NULL || PyList_Append(ops, op) < 0;
-            Py_XDECREF(op);
-            if (bad) { Py_DECREF(direct); goto fail; }
-        }
-        Py_DECREF(direct);
-    }
-    if (n_acq) {
-        missing = PyList_New(0);
-        if (missing == NULL) goto fail;
-        for (Py_ssize_t i = 0; i < n_acq; i++) {
-            PyObject *h = PyDict_GetItemWithError(adapters, acquire[i]);
-            if (h == NULL) {
-                if (PyErr_Occurred() || PyList_Append(missing, acquire[i]) < 0) goto fail;
-                continue;
-            }
-            Py_INCREF(h);
-            PyObject *rec = NULL;
-            int bad = take_ref(h, idle_a, acquire[i], zero) < 0 || (rec = PyObject_GetAttr(h, s_record_)) == NULL ||
-                      PyDict_SetItem(held, acquire[i], rec) < 0;
-            Py_XDECREF(rec);
-            Py_DECREF(h);
-            if (bad) goto fail;
-        }
-        if (PyList_GET_SIZE(missing)) {
-            acq = (long)PyList_GET_SIZE(ops);
-            PyObject *op = op_tuple(OP_ACQUIRE, missing, 0, 0);
-            int bad = op == NULL || PyList_Append(ops, op) < 0;
-            Py_XDECREF(op);
-            if (bad) goto fail;
-        }
-    } else {
-        missing = args[4]; /* as send_delta: the (empty) acquire itself */
-        Py_INCREF(missing);
-    }
-    if (n_keys) {
-        look = (long)PyList_GET_SIZE(ops);
-        PyObject *op = op_tuple(OP_LOOKUP, args[6], 1, 1);
-        int bad = op == NULL || PyList_Append(ops, op) < 0;
-        Py_XDECREF(op);
-        if (bad) goto fail;
-    }
-    Py_DECREF(zero);
-    return Py_BuildValue("(NNNll)", ops, held, missing, acq, look);
-fail:
-    Py_XDECREF(ops);
-    Py_XDECREF(held);
-    Py_XDECREF(missing);
-    Py_XDECREF(zero);
-    return NULL;
-}
-
-/* The classes delta_finish fills by their slots (strong references; NULL until first seen). */
-static PyTypeObject *arec_fast_type, *hadapter_fast_type, *hpin_fast_type;
-static Py_ssize_t arec_offsets[5], hadapter_offsets[3], hpin_offsets[4];
-static const char *const AREC_FIELDS[5] = {"generation", "object_id", "found_in", "pages", "made"};
-static const char *const HADAPTER_FIELDS[3] = {"record", "refs", "idle_since"};
-static const char *const HPIN_FIELDS[4] = {"record", "refs", "broker_pins", "idle_since"};
-
-/* A new object of the slotted class `t` (laid out by slot_layout: `offsets`), its `n`
- * fields the values `v` (new references each, taken). NULL on error (the values released). */
-static PyObject *
-fill_slots(PyTypeObject *t, const Py_ssize_t *offsets, PyObject **v, int n)
+call_with(PyObject *cls, PyObject **v, int n)
 {
     PyObject *o = NULL;
+    int ok = 1;
     for (int i = 0; i < n; i++)
-        if (v[i] == NULL) goto done;
-    o = t->tp_alloc(t, 0);
-    if (o != NULL)
-        for (int i = 0; i < n; i++) {
-            *(PyObject **)((char *)o + offsets[i]) = v[i];
-            v[i] = NULL;
-        }
-done:
+        ok &= v[i] != NULL;
+    if (ok)
+        o = PyObject_Vectorcall(cls, v, n, NULL);
     for (int i = 0; i < n; i++) Py_XDECREF(v[i]);
     return o;
-}
-
-/* delta_finish(adapters, pins, acquire, held, missing, acq, look, results, AcquiredRecord,
- * HeldAdapter, HeldPin, tier_hot) -> (recs, records): step_delta.py's finish_delta of an
- * accepted reply on a caching path: each acquired adapter held (a HeldAdapter of its record
- * as found hot, one reference), `recs` the [(id, record)] of `acquire` in order (None where
- * `acquire` is empty), each looked-up object pinned with a reference (a HeldPin, by its
- * object id), `records` the found. None, having changed nothing, where the Python pass must
- * take it: the acquire was not hot, a found object is held already, or a class or result is
- * not of the layout made here. */
-static PyObject *
-delta_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 12 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[3]) ||
-        !PyList_CheckExact(args[7])) {
-        PyErr_SetString(PyExc_TypeError, "delta_finish(adapters, pins, acquire, held, missing, acq, look, results, "
-                                         "AcquiredRecord, HeldAdapter, HeldPin, tier_hot)");
-        return NULL;
-    }
-    if (delta_names() < 0) return NULL;
-    PyObject *adapters = args[0], *pins = args[1], *held = args[3];
-    PyObject *results = args[7];
-    PyObject **acquire, **missing;
-    Py_ssize_t n_acq, n_miss;
-    if (!seq_items(args[2], &acquire, &n_acq) || !seq_items(args[4], &missing, &n_miss)) Py_RETURN_NONE;
-    long acq = PyLong_AsLong(args[5]), look = PyLong_AsLong(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    if (!slot_layout(args[8], AREC_FIELDS, 5, &arec_fast_type, arec_offsets) ||
-        !slot_layout(args[9], HADAPTER_FIELDS, 3, &hadapter_fast_type, hadapter_offsets) ||
-        !slot_layout(args[10], HPIN_FIELDS, 4, &hpin_fast_type, hpin_offsets)) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t n_res = PyList_GET_SIZE(results);
-    /* Check everything first: nothing changes unless the whole of it is taken here. */
-    PyObject *outcome_ads = NULL; /* the acquire's records (a tuple), borrowed from the outcome */
-    PyObject *outcome = NULL;
-    if (n_acq && acq >= 0) {
-        if (acq >= n_res) Py_RETURN_NONE;
-        outcome = PyList_GET_ITEM(results, acq);
-        PyObject *hot = PyObject_GetAttr(outcome, s_hot_);
-        if (hot == NULL) return NULL;
-        int is_hot = hot == Py_True;
-        Py_DECREF(hot);
-        if (!is_hot) Py_RETURN_NONE;
-        outcome_ads = PyObject_GetAttr(outcome, s_adapters_);
-        if (outcome_ads == NULL) return NULL;
-        if (!PyTuple_CheckExact(outcome_ads) && !PyList_CheckExact(outcome_ads)) {
-            Py_DECREF(outcome_ads);
-            Py_RETURN_NONE;
-        }
-    }
-    PyObject *new = NULL;
-    if (look >= 0 && look < n_res) {
-        new = PyList_GET_ITEM(results, look);
-        if (!PyList_CheckExact(new) || objrec_fast_type == NULL) goto none;
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
-            PyObject *rec = PyList_GET_ITEM(new, i);
-            if (Py_TYPE(rec) != objrec_fast_type || RSLOT(rec, 0) == NULL) goto none;
-            int in = PyDict_Contains(pins, RSLOT(rec, 0));
-            if (in < 0) goto fail;
-            if (in) goto none; /* held already: add_ref_pin's other branch, in Python */
-        }
-    }
-    PyObject *got = held, *recs = Py_None, *objs = NULL;
-    Py_INCREF(got);
-    Py_INCREF(recs);
-    if (outcome_ads != NULL) {
-        Py_SETREF(got, PyDict_Copy(held));
-        if (got == NULL) goto fail_recs;
-        Py_ssize_t m = PySequence_Fast_GET_SIZE(outcome_ads);
-        PyObject **ads = PySequence_Fast_ITEMS(outcome_ads);
-        for (Py_ssize_t i = 0; i < n_miss && i < m; i++) {
-            PyObject *v[5] = {PyObject_GetAttr(ads[i], s_generation_), PyObject_GetAttr(ads[i], s_object_id_),
-                              Py_NewRef(args[11]), PyObject_GetAttr(ads[i], s_pages_), Py_NewRef(Py_None)};
-            PyObject *rec = fill_slots(arec_fast_type, arec_offsets, v, 5);
-            if (rec == NULL) goto fail_recs;
-            PyObject *hv[3] = {Py_NewRef(rec), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = fill_slots(hadapter_fast_type, hadapter_offsets, hv, 3);
-            int bad = h == NULL || PyDict_SetItem(adapters, missing[i], h) < 0 ||
-                      PyDict_SetItem(got, missing[i], rec) < 0;
-            Py_XDECREF(h);
-            Py_DECREF(rec);
-            if (bad) goto fail_recs;
-        }
-    }
-    if (n_acq) {
-        Py_SETREF(recs, PyList_New(n_acq));
-        if (recs == NULL) goto fail_recs;
-        for (Py_ssize_t i = 0; i < n_acq; i++) {
-            PyObject *rec = PyDict_GetItemWithError(got, acquire[i]);
-            if (rec == NULL) {
-                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, acquire[i]);
-                goto fail_recs;
-            }
-            PyObject *pair = PyTuple_Pack(2, acquire[i], rec);
-            if (pair == NULL) goto fail_recs;
-            PyList_SET_ITEM(recs, i, pair);
-        }
-    }
-    if (new != NULL) {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(new); i++) {
-            PyObject *rec = PyList_GET_ITEM(new, i);
-            PyObject *v[4] = {Py_NewRef(rec), PyLong_FromLong(1), PyLong_FromLong(1), PyFloat_FromDouble(0.0)};
-            PyObject *h = fill_slots(hpin_fast_type, hpin_offsets, v, 4);
-            if (h == NULL) goto fail_recs;
-            int bad = PyDict_SetItem(pins, RSLOT(rec, 0), h) < 0;
-            Py_DECREF(h);
-            if (bad) goto fail_recs;
-        }
-        objs = Py_NewRef(new);
-    } else {
-        objs = PyList_New(0);
-    }
-    if (objs == NULL) goto fail_recs;
-    Py_DECREF(got);
-    Py_XDECREF(outcome_ads);
-    return Py_BuildValue("(NN)", recs, objs);
-fail_recs:
-    Py_XDECREF(got);
-    Py_XDECREF(recs);
-    goto fail;
-none:
-    Py_XDECREF(outcome_ads);
-    Py_RETURN_NONE;
-fail:
-    Py_XDECREF(outcome_ads);
-    return NULL;
 }
 
 /* ------------------------------------------------------------------ decode_ok (client) */
@@ -1404,10 +908,10 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
 {
     PyObject *objects = args[0], *make_object = args[1], *adapters = args[2], *make_adapter = args[3];
     PyObject *outcome = args[4];
-    Py_ssize_t pos = 6, n_objects = 0, n_adapters = 0;
+    Py_ssize_t pos = REPLY_HEAD_SIZE, n_objects = 0, n_adapters = 0;
     PyObject *results = NULL;
     *malformed = 0;
-    if (end < 6) goto malformed;
+    if (end < REPLY_HEAD_SIZE) goto malformed;
     Py_ssize_t n = rd16(b + 4);
     results = PyList_New(n);
     if (results == NULL) goto fail;
@@ -1423,10 +927,10 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
             if (item == NULL) goto fail;
             for (Py_ssize_t j = 0; j < count; j++) {
                 /* <QqBBBIII>: 31 bytes, page count at 27; then the pages, then <H> key. */
-                if (end - pos < 31) { Py_DECREF(item); goto malformed; }
-                Py_ssize_t npages = rd32(b + pos + 27);
-                if ((end - pos - 31) / 4 < npages) { Py_DECREF(item); goto malformed; }
-                Py_ssize_t at = 31 + 4 * npages;
+                if (end - pos < OBJ_HEAD_SIZE) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t npages = rd32(b + pos + OBJ_NPAGES_AT);
+                if ((end - pos - OBJ_HEAD_SIZE) / 4 < npages) { Py_DECREF(item); goto malformed; }
+                Py_ssize_t at = OBJ_HEAD_SIZE + 4 * npages;
                 if (end - pos - at < 2) { Py_DECREF(item); goto malformed; }
                 Py_ssize_t klen = rd16(b + pos + at);
                 if (end - pos - at - 2 < klen) { Py_DECREF(item); goto malformed; }
@@ -1438,20 +942,20 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
             }
         } else if (k == OP_ACQUIRE) {
             /* <BBQdH>: 20 bytes; then records <QQBI> (21 bytes, page count at 17) and pages. */
-            if (end - pos < 20) goto malformed;
+            if (end - pos < ACQ_RESULT_HEAD_SIZE) goto malformed;
             int hot = b[pos + 1];
             uint64_t txn = rd64(b + pos + 2);
             double deadline;
             memcpy(&deadline, b + pos + 10, 8);
             Py_ssize_t count = rd16(b + pos + 18);
-            pos += 20;
+            pos += ACQ_RESULT_HEAD_SIZE;
             PyObject *recs = PyTuple_New(count);
             if (recs == NULL) goto fail;
             for (Py_ssize_t j = 0; j < count; j++) {
-                if (end - pos < 21) { Py_DECREF(recs); goto malformed; }
-                Py_ssize_t npages = rd32(b + pos + 17);
-                if ((end - pos - 21) / 4 < npages) { Py_DECREF(recs); goto malformed; }
-                Py_ssize_t size = 21 + 4 * npages;
+                if (end - pos < ACQ_ADAPTER_SIZE) { Py_DECREF(recs); goto malformed; }
+                Py_ssize_t npages = rd32(b + pos + ACQ_NPAGES_AT);
+                if ((end - pos - ACQ_ADAPTER_SIZE) / 4 < npages) { Py_DECREF(recs); goto malformed; }
+                Py_ssize_t size = ACQ_ADAPTER_SIZE + 4 * npages;
                 PyObject *rec = record_at(adapters, b + pos, size, make_adapter, limit, last_adapters, n_adapters++);
                 if (rec == NULL) { Py_DECREF(recs); goto fail; }
                 PyTuple_SET_ITEM(recs, j, rec);
@@ -1515,44 +1019,13 @@ decode_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return res;
 }
 
-/* The StepReply class whose slots decode_frame fills directly (a strong reference), and the
- * offsets of its four fields; NULL until decode_frame first sees a class with that layout
- * (a plain slotted record, as Op: filling its slots is what calling it does). */
-static PyTypeObject *reply_fast_type;
-static Py_ssize_t reply_offsets[4];
-static const char *const REPLY_FIELDS[4] = {"arena_slabs", "results", "error", "failed_index"};
-
-/* Whether `cls` is such a class (then reply_fast_type is it); 0: the caller calls it. */
-static int
-reply_layout(PyObject *cls)
-{
-    return slot_layout(cls, REPLY_FIELDS, 4, &reply_fast_type, reply_offsets);
-}
-
-/* reply(slabs, results): its slots filled where reply_layout takes the class (error None,
- * failed_index -1, as StepReply's defaults), else called with the two. Steals both. */
+/* reply(slabs, results), by calling the class `cls` (error and failed_index its defaults).
+ * Steals both. */
 static PyObject *
 make_reply(PyObject *cls, PyObject *slabs, PyObject *results)
 {
-    PyObject *r = NULL;
-    if (reply_layout(cls)) {
-        PyTypeObject *t = (PyTypeObject *)cls;
-        PyObject *minus = PyLong_FromLong(-1);
-        if (minus != NULL) r = t->tp_alloc(t, 0);
-        if (r != NULL) {
-            PyObject *v[4] = {slabs, results, Py_None, minus};
-            Py_INCREF(Py_None);
-            for (int i = 0; i < 4; i++) *(PyObject **)((char *)r + reply_offsets[i]) = v[i];
-            return r;
-        }
-        Py_XDECREF(minus);
-    } else if (!PyErr_Occurred()) {
-        PyObject *a[2] = {slabs, results};
-        r = PyObject_Vectorcall(cls, a, 2, NULL);
-    }
-    Py_DECREF(slabs);
-    Py_DECREF(results);
-    return r;
+    PyObject *a[2] = {slabs, results};
+    return call_with(cls, a, 2);
 }
 
 /* decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs,
@@ -1581,11 +1054,13 @@ decode_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[8], &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
     PyObject *res = NULL;
-    if (got < 11 || got > view.len || (Py_ssize_t)rd32(b) != got - 5 || b[4] != OK_KIND) goto none;
-    uint32_t slabs = rd32(b + 5);
+    if (got < HEADER_SIZE + REPLY_HEAD_SIZE || got > view.len || (Py_ssize_t)rd32(b) != got - HEADER_SIZE ||
+        b[4] != OK_KIND)
+        goto none;
+    uint32_t slabs = rd32(b + HEADER_SIZE);
     if ((long long)slabs != want && rd16(b + 9) != 0) goto none;
     int malformed;
-    PyObject *results = decode_results(b + 5, got - 5, args, limit, args[10], args[11], &malformed);
+    PyObject *results = decode_results(b + HEADER_SIZE, got - HEADER_SIZE, args, limit, args[10], args[11], &malformed);
     if (results == NULL) {
         if (malformed) goto none;
         PyBuffer_Release(&view);
@@ -1620,18 +1095,8 @@ static PyMethodDef methods[] = {
      "(rel, unpin, new_ids, new_keys, own_leases), or None"},
     {"batch_account", (PyCFunction)(void (*)(void))batch_account, METH_FASTCALL,
      "batch_account(acount, kcount, objects, adapters, add, add_keys, new_keys, found): (adapters, objects), or None"},
-    {"drop_refs", (PyCFunction)(void (*)(void))drop_refs, METH_FASTCALL,
-     "drop_refs(held, idle, ids, now): the ids held with no reference here, or None"},
     {"object_record", (PyCFunction)(void (*)(void))object_record, METH_FASTCALL,
      "object_record(cls, arena_slabs, raw): the ObjectRecord of one object record's bytes"},
-    {"step_objects", (PyCFunction)(void (*)(void))step_objects, METH_FASTCALL,
-     "step_objects(cls, client, recs, session_id, epoch): (objects, shared pages, own pages), or None"},
-    {"delta_plan", (PyCFunction)(void (*)(void))delta_plan, METH_FASTCALL,
-     "delta_plan(adapters, idle_a, pins, idle_p, acquire, release, keys, unpin, now): "
-     "(ops, held, missing, acq, look), or None"},
-    {"delta_finish", (PyCFunction)(void (*)(void))delta_finish, METH_FASTCALL,
-     "delta_finish(adapters, pins, acquire, held, missing, acq, look, results, "
-     "AcquiredRecord, HeldAdapter, HeldPin, tier_hot): (recs, records), or None"},
     {"decode_frame", (PyCFunction)(void (*)(void))decode_frame, METH_FASTCALL,
      "decode_frame(objects, make_object, adapters, make_adapter, outcome, limit, reply, slabs, buf, got, "
      "last_objects, last_adapters): "
@@ -1639,20 +1104,66 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int
+exec_module(PyObject *module)
+{
+#if PY_BIG_ENDIAN
+    PyErr_SetString(PyExc_ImportError, "the native step core assumes a little-endian machine");
+    return -1;
+#endif
+    State *st = state_of(module);
+    for (int i = 0; i < NNAMES; i++)
+        if ((st->names[i] = PyUnicode_InternFromString(NAMES[i])) == NULL)
+            return -1;
+    return 0;
+}
+
+static int
+traverse(PyObject *module, visitproc visit, void *arg)
+{
+    State *st = state_of(module);
+    for (int i = 0; i < NNAMES; i++)
+        Py_VISIT(st->names[i]);
+    return 0;
+}
+
+static int
+clear(PyObject *module)
+{
+    State *st = state_of(module);
+    for (int i = 0; i < NNAMES; i++)
+        Py_CLEAR(st->names[i]);
+    return 0;
+}
+
+static void
+free_module(void *module)
+{
+    clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_stepcore",
     .m_doc = "The step wire's native core.",
-    .m_size = -1,
+    .m_size = sizeof(State),
     .m_methods = methods,
+    .m_slots = slots,
+    .m_traverse = traverse,
+    .m_clear = clear,
+    .m_free = free_module,
 };
 
 PyMODINIT_FUNC
 PyInit__stepcore(void)
 {
-#if PY_BIG_ENDIAN
-    PyErr_SetString(PyExc_ImportError, "the native step core assumes a little-endian machine");
-    return NULL;
-#endif
-    return PyModule_Create(&module);
+    return PyModuleDef_Init(&module);
 }

@@ -4,73 +4,53 @@
  * each function here is one loop of the store's Python code over a batch (ObjectStore.lookup,
  * ObjectTable.held_once, PinLedger.pin_all / unpin_once, PriorityLRU.add_all / remove_all) and
  * does what that loop does, in the same order, to the same Python objects: the shard dicts,
- * the objects' pins dicts and the session's pins dict. Nothing is kept here but the layout of
- * the store's object class (``layout``): the slot offsets of the fields read per object, so an
- * object of that exact class is read and written without an attribute lookup; any other
- * object goes through ordinary getattr/setattr. A function that meets what its Python loop
+ * the objects' pins dicts and the session's pins dict. Nothing is kept here: an object's fields
+ * are read and written through ordinary attribute access, by names interned once in the
+ * module's state. A function that meets what its Python loop
  * would refuse or treat specially returns None (the caller then runs the Python path, which
  * says what is wrong) or raises what the Python loop would raise (KeyError, TypeError).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
-#ifndef Py_READONLY
-#define Py_READONLY READONLY
-#endif
-
-enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_OWNER, F_HEAD, F_TAIL, F_KEY, NF };
+enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_KEY, NF };
 static const char *const FIELD_NAMES[NF] = {
-    "object_id", "pins", "pin_count", "num_pages", "queue_seg", "content_type", "freed", "state",
-    "owner", "wire_head", "wire_tail", "key",
+    "object_id", "pins", "pin_count", "num_pages", "queue_seg", "content_type", "freed", "state", "key",
 };
-static PyObject *names[NF];          /* interned field names */
-static PyTypeObject *fast_type;      /* the class whose slots are read directly (strong ref) */
-static Py_ssize_t offsets[NF];
+/* The module's state (multi-phase init: one per module object, nothing process-global). */
+typedef struct {
+    PyObject *names[NF]; /* interned field names */
+} State;
+
+static inline State *
+state_of(PyObject *module)
+{
+    return (State *)PyModule_GetState(module);
+}
 
 /* ------------------------------------------------------------------ fields */
 
 /* obj.<field>, a new reference (NULL and an exception if unset). */
 static inline PyObject *
-get(PyObject *o, int f)
+get(State *st, PyObject *o, int f)
 {
-    if (Py_TYPE(o) == fast_type) {
-        PyObject *v = *(PyObject **)((char *)o + offsets[f]);
-        if (v == NULL) {
-            PyErr_SetObject(PyExc_AttributeError, names[f]);
-            return NULL;
-        }
-        Py_INCREF(v);
-        return v;
-    }
-    return PyObject_GetAttr(o, names[f]);
+    return PyObject_GetAttr(o, st->names[f]);
 }
 
 /* obj.<field> = v (v borrowed); -1 and an exception on failure. */
 static inline int
-set(PyObject *o, int f, PyObject *v)
+set(State *st, PyObject *o, int f, PyObject *v)
 {
-    if (Py_TYPE(o) == fast_type) {
-        PyObject **p = (PyObject **)((char *)o + offsets[f]);
-        PyObject *old = *p;
-        Py_INCREF(v);
-        *p = v;
-        Py_XDECREF(old);
-        return 0;
-    }
-    return PyObject_SetAttr(o, names[f], v);
+    return PyObject_SetAttr(o, st->names[f], v);
 }
 
 /* obj.<field> as a C integer; -1 with an exception set on failure (check PyErr_Occurred). */
 static inline Py_ssize_t
-get_int(PyObject *o, int f)
+get_int(State *st, PyObject *o, int f)
 {
-    PyObject *v = get(o, f);
+    PyObject *v = get(st, o, f);
     if (v == NULL)
         return -1;
     Py_ssize_t n = PyLong_AsSsize_t(v);
@@ -79,21 +59,21 @@ get_int(PyObject *o, int f)
 }
 
 static inline int
-set_int(PyObject *o, int f, Py_ssize_t n)
+set_int(State *st, PyObject *o, int f, Py_ssize_t n)
 {
     PyObject *v = PyLong_FromSsize_t(n);
     if (v == NULL)
         return -1;
-    int r = set(o, f, v);
+    int r = set(st, o, f, v);
     Py_DECREF(v);
     return r;
 }
 
 /* obj.pins, which must be a dict (a new reference). */
 static inline PyObject *
-get_pins(PyObject *o)
+get_pins(State *st, PyObject *o)
 {
-    PyObject *pins = get(o, F_PINS);
+    PyObject *pins = get(st, o, F_PINS);
     if (pins != NULL && !PyDict_Check(pins)) {
         Py_DECREF(pins);
         PyErr_SetString(PyExc_TypeError, "an object's pins must be a dict");
@@ -181,39 +161,6 @@ shard_at(PyObject *shards, Py_hash_t h)
     return d;
 }
 
-/* ------------------------------------------------------------------ layout */
-
-static PyObject *
-layout(PyObject *self, PyObject *cls)
-{
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "layout takes the store's object class");
-        return NULL;
-    }
-    Py_ssize_t offs[NF];
-    for (int f = 0; f < NF; f++) {
-        PyObject *d = PyObject_GetAttr(cls, names[f]);
-        if (d == NULL)
-            return NULL;
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
-        if (ok) {
-            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-            ok = m->d_member->type == Py_T_OBJECT_EX && !(m->d_member->flags & Py_READONLY) &&
-                 PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type);
-            offs[f] = m->d_member->offset;
-        }
-        Py_DECREF(d);
-        if (!ok) {
-            PyErr_Format(PyExc_ValueError, "%R.%U is not a writable object slot", cls, names[f]);
-            return NULL;
-        }
-    }
-    memcpy(offsets, offs, sizeof offs);
-    Py_INCREF(cls);
-    Py_XSETREF(fast_type, (PyTypeObject *)cls);
-    Py_RETURN_NONE;
-}
-
 /* ------------------------------------------------------------------ lookup */
 
 /* find_keys(shards, keys, most, pool) -> list | None
@@ -298,7 +245,7 @@ find_keys(PyObject *self, PyObject *args)
  * session's where ``sid`` held none.
  */
 static PyObject *
-pin_all_impl(PyObject *objs, PyObject *sid, PyObject *spins)
+pin_all_impl(State *st, PyObject *objs, PyObject *sid, PyObject *spins)
 {
     if (check_list(objs, "objs") < 0 || check_dict(spins, "spins") < 0)
         return NULL;
@@ -311,17 +258,17 @@ pin_all_impl(PyObject *objs, PyObject *sid, PyObject *spins)
         PyObject *obj = PyList_GET_ITEM(objs, i);
         Py_INCREF(obj);
         PyObject *pins = NULL, *oid = NULL;
-        Py_ssize_t n = get_int(obj, F_COUNT), c;
-        if ((n == -1 && PyErr_Occurred()) || set_int(obj, F_COUNT, n + 1) < 0)
+        Py_ssize_t n = get_int(st, obj, F_COUNT), c;
+        if ((n == -1 && PyErr_Occurred()) || set_int(st, obj, F_COUNT, n + 1) < 0)
             goto next_fail;
-        if ((pins = get_pins(obj)) == NULL || (oid = get(obj, F_ID)) == NULL)
+        if ((pins = get_pins(st, obj)) == NULL || (oid = get(st, obj, F_ID)) == NULL)
             goto next_fail;
         if (!n) { /* no pins at all: none of this session's either (spins mirrors obj.pins) */
             Py_ssize_t np;
             if (PyList_Append(fresh, obj) < 0 || PyDict_SetItem(pins, sid, one) < 0 ||
                 PyDict_SetItem(spins, oid, one) < 0)
                 goto next_fail;
-            np = get_int(obj, F_NPAGES);
+            np = get_int(st, obj, F_NPAGES);
             if (np == -1 && PyErr_Occurred())
                 goto next_fail;
             pages += np;
@@ -361,10 +308,11 @@ fail:
 static PyObject *
 pin_all(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *objs, *sid, *spins;
     if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
         return NULL;
-    return pin_all_impl(objs, sid, spins);
+    return pin_all_impl(st, objs, sid, spins);
 }
 
 /* A small open-addressing set of int64 ids: true if one repeats. */
@@ -408,7 +356,7 @@ has_repeat(const long long *ids, Py_ssize_t n, int *repeat)
  * id by id and says what is wrong).
  */
 static PyObject *
-held_once_impl(PyObject *shards, PyObject *ids, PyObject *sid)
+held_once_impl(State *st, PyObject *shards, PyObject *ids, PyObject *sid)
 {
     if (check_shards(shards) < 0)
         return NULL;
@@ -452,7 +400,7 @@ held_once_impl(PyObject *shards, PyObject *ids, PyObject *sid)
         }
         Py_INCREF(obj);
         PyList_SET_ITEM(out, i, obj); /* owned by out from here, even on the way out */
-        PyObject *pins = get_pins(obj);
+        PyObject *pins = get_pins(st, obj);
         if (pins == NULL)
             goto fail;
         int held = PyDict_Contains(pins, sid);
@@ -478,10 +426,11 @@ done:
 static PyObject *
 held_once(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *shards, *ids, *sid;
     if (!PyArg_ParseTuple(args, "OOO", &shards, &ids, &sid))
         return NULL;
-    return held_once_impl(shards, ids, sid);
+    return held_once_impl(st, shards, ids, sid);
 }
 
 /* unpin_once(objs, sid, spins) -> (zero, zero_pages, any_freed)
@@ -491,7 +440,7 @@ held_once(PyObject *self, PyObject *args)
  * their pages, and whether any of them is freed (its pages then go back).
  */
 static PyObject *
-unpin_once_impl(PyObject *objs, PyObject *sid, PyObject *spins)
+unpin_once_impl(State *st, PyObject *objs, PyObject *sid, PyObject *spins)
 {
     if (check_list(objs, "objs") < 0 || check_dict(spins, "spins") < 0)
         return NULL;
@@ -503,9 +452,9 @@ unpin_once_impl(PyObject *objs, PyObject *sid, PyObject *spins)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
         PyObject *obj = PyList_GET_ITEM(objs, i);
         Py_INCREF(obj);
-        PyObject *oid = NULL, *pins = get_pins(obj);
+        PyObject *oid = NULL, *pins = get_pins(st, obj);
         Py_ssize_t left, n;
-        if (pins == NULL || (oid = get(obj, F_ID)) == NULL)
+        if (pins == NULL || (oid = get(st, obj, F_ID)) == NULL)
             goto next_fail;
         PyObject *cur = PyDict_GetItemWithError(pins, sid);
         if (cur == NULL) {
@@ -522,14 +471,14 @@ unpin_once_impl(PyObject *objs, PyObject *sid, PyObject *spins)
         }
         else if (PyDict_DelItem(pins, sid) < 0 || PyDict_DelItem(spins, oid) < 0)
             goto next_fail;
-        n = get_int(obj, F_COUNT);
-        if ((n == -1 && PyErr_Occurred()) || set_int(obj, F_COUNT, n - 1) < 0)
+        n = get_int(st, obj, F_COUNT);
+        if ((n == -1 && PyErr_Occurred()) || set_int(st, obj, F_COUNT, n - 1) < 0)
             goto next_fail;
         if (n == 1) {
-            Py_ssize_t np = get_int(obj, F_NPAGES);
+            Py_ssize_t np = get_int(st, obj, F_NPAGES);
             PyObject *f;
             int t;
-            if ((np == -1 && PyErr_Occurred()) || PyList_Append(zero, obj) < 0 || (f = get(obj, F_FREED)) == NULL)
+            if ((np == -1 && PyErr_Occurred()) || PyList_Append(zero, obj) < 0 || (f = get(st, obj, F_FREED)) == NULL)
                 goto next_fail;
             t = PyObject_IsTrue(f);
             Py_DECREF(f);
@@ -555,10 +504,11 @@ unpin_once_impl(PyObject *objs, PyObject *sid, PyObject *spins)
 static PyObject *
 unpin_once(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *objs, *sid, *spins;
     if (!PyArg_ParseTuple(args, "OOO", &objs, &sid, &spins))
         return NULL;
-    return unpin_once_impl(objs, sid, spins);
+    return unpin_once_impl(st, objs, sid, spins);
 }
 
 /* pinnable_all(shards, ids, committed) -> list | None
@@ -570,6 +520,7 @@ unpin_once(PyObject *self, PyObject *args)
 static PyObject *
 pinnable_all(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *shards, *ids, *committed;
     if (!PyArg_ParseTuple(args, "OOO", &shards, &ids, &committed))
         return NULL;
@@ -603,13 +554,13 @@ pinnable_all(PyObject *self, PyObject *args)
         }
         Py_INCREF(obj);
         PyList_SET_ITEM(out, i, obj);
-        PyObject *state = get(obj, F_STATE), *freed;
+        PyObject *state = get(st, obj, F_STATE), *freed;
         if (state == NULL)
             goto fail;
         Py_DECREF(state); /* compared by identity only */
         if (state != committed)
             goto none;
-        if ((freed = get(obj, F_FREED)) == NULL)
+        if ((freed = get(st, obj, F_FREED)) == NULL)
             goto fail;
         int t = PyObject_IsTrue(freed);
         Py_DECREF(freed);
@@ -639,7 +590,7 @@ fail:
  * segment left empty, for the caller to forget (as the loop's ``q.drop``).
  */
 static PyObject *
-remove_all_impl(PyObject *objs, PyObject *segments)
+remove_all_impl(State *st, PyObject *objs, PyObject *segments)
 {
     if (check_list(objs, "objs") < 0 || check_dict(segments, "segments") < 0)
         return NULL;
@@ -650,7 +601,7 @@ remove_all_impl(PyObject *objs, PyObject *segments)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
         PyObject *obj = PyList_GET_ITEM(objs, i);
         Py_INCREF(obj);
-        PyObject *oid = NULL, *seg = NULL, *num = get(obj, F_SEG);
+        PyObject *oid = NULL, *seg = NULL, *num = get(st, obj, F_SEG);
         Py_ssize_t np;
         if (num == NULL)
             goto next_fail;
@@ -667,9 +618,9 @@ remove_all_impl(PyObject *objs, PyObject *segments)
             PyErr_SetString(PyExc_TypeError, "a queue segment must be a dict");
             goto next_fail;
         }
-        if ((oid = get(obj, F_ID)) == NULL || PyDict_DelItem(seg, oid) < 0 || set(obj, F_SEG, Py_None) < 0)
+        if ((oid = get(st, obj, F_ID)) == NULL || PyDict_DelItem(seg, oid) < 0 || set(st, obj, F_SEG, Py_None) < 0)
             goto next_fail;
-        np = get_int(obj, F_NPAGES);
+        np = get_int(st, obj, F_NPAGES);
         if (np == -1 && PyErr_Occurred())
             goto next_fail;
         pages += np;
@@ -700,10 +651,11 @@ remove_all_impl(PyObject *objs, PyObject *segments)
 static PyObject *
 remove_all(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *objs, *segments;
     if (!PyArg_ParseTuple(args, "OO", &objs, &segments))
         return NULL;
-    return remove_all_impl(objs, segments);
+    return remove_all_impl(st, objs, segments);
 }
 
 /* fill(objs, start, ct, seg, num, room) -> (stop, pages)
@@ -716,6 +668,7 @@ remove_all(PyObject *self, PyObject *args)
 static PyObject *
 fill(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *objs, *ct, *seg, *num;
     Py_ssize_t start, room, pages = 0;
     if (!PyArg_ParseTuple(args, "OnOOOn", &objs, &start, &ct, &seg, &num, &room))
@@ -730,12 +683,12 @@ fill(PyObject *self, PyObject *args)
     for (; i < PyList_GET_SIZE(objs) && room > 0; i++, room--) {
         PyObject *obj = PyList_GET_ITEM(objs, i);
         Py_INCREF(obj);
-        PyObject *oid = NULL, *v = get(obj, F_SEG);
+        PyObject *oid = NULL, *v = get(st, obj, F_SEG);
         Py_ssize_t np;
         int stop = v == NULL ? -1 : v != Py_None;
         Py_XDECREF(v);
         if (!stop) {
-            v = get(obj, F_CT);
+            v = get(st, obj, F_CT);
             stop = v == NULL ? -1 : v != ct;
             Py_XDECREF(v);
         }
@@ -745,9 +698,9 @@ fill(PyObject *self, PyObject *args)
                 return NULL;
             break;
         }
-        if ((oid = get(obj, F_ID)) == NULL || PyDict_SetItem(seg, oid, obj) < 0 || set(obj, F_SEG, num) < 0)
+        if ((oid = get(st, obj, F_ID)) == NULL || PyDict_SetItem(seg, oid, obj) < 0 || set(st, obj, F_SEG, num) < 0)
             goto next_fail;
-        np = get_int(obj, F_NPAGES);
+        np = get_int(st, obj, F_NPAGES);
         if (np == -1 && PyErr_Occurred())
             goto next_fail;
         pages += np;
@@ -774,6 +727,7 @@ fill(PyObject *self, PyObject *args)
 static PyObject *
 touch_run(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *objs, *ct, *segments, *last, *num;
     Py_ssize_t start, room;
     if (!PyArg_ParseTuple(args, "OnOOOOn", &objs, &start, &ct, &segments, &last, &num, &room))
@@ -791,12 +745,12 @@ touch_run(PyObject *self, PyObject *args)
     for (; i < PyList_GET_SIZE(objs); i++) {
         PyObject *obj = PyList_GET_ITEM(objs, i);
         Py_INCREF(obj);
-        PyObject *oid = NULL, *seg = NULL, *v = get(obj, F_CT), *at = NULL;
+        PyObject *oid = NULL, *seg = NULL, *v = get(st, obj, F_CT), *at = NULL;
         int stop = v == NULL ? -1 : v != ct;
         Py_XDECREF(v);
         if (stop)
             goto out;
-        if ((v = get(obj, F_SEG)) == NULL)
+        if ((v = get(st, obj, F_SEG)) == NULL)
             goto fail;
         if (v != Py_None) {
             seg = PyDict_GetItemWithError(segments, v);
@@ -809,7 +763,7 @@ touch_run(PyObject *self, PyObject *args)
             Py_DECREF(obj);
             continue; /* in no queue: touch leaves it */
         }
-        if (!PyDict_Check(seg) || (oid = get(obj, F_ID)) == NULL) {
+        if (!PyDict_Check(seg) || (oid = get(st, obj, F_ID)) == NULL) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "a queue segment must be a dict");
             Py_DECREF(v);
@@ -840,7 +794,7 @@ touch_run(PyObject *self, PyObject *args)
             goto fail;
         }
         Py_DECREF(v);
-        if (PyDict_SetItem(last, oid, obj) < 0 || set(obj, F_SEG, num) < 0)
+        if (PyDict_SetItem(last, oid, obj) < 0 || set(st, obj, F_SEG, num) < 0)
             goto fail;
         room--;
         Py_DECREF(seg);
@@ -866,158 +820,22 @@ touch_run(PyObject *self, PyObject *args)
     return Py_BuildValue("nN", i, emptied);
 }
 
-/* ------------------------------------------------------------------ reply rows */
-
-/* encode_rows(kind, sid, objs, parts) -> bytes | None
- *
- * proto/wire/step.py's encode_allocations for the store's objects, in one allocation: the
- * ``<BH`` head (kind, count), then per object its fixed head (``wire_head``), its changing
- * fields for session ``sid`` (``<BII``: owned, sid's pins, all pins) and its fixed tail
- * (``wire_tail``). An object whose parts are not kept yet gets them from ``parts(obj)`` (which
- * keeps them once the object is committed). None where the Python encoder would refuse the
- * counts (more than 65535 objects, a kind past 255): the caller's encoder then says so.
- */
-typedef struct {
-    PyObject *head, *tail;
-    uint32_t pins, count;
-    unsigned char owned;
-} Row;
-
-static int
-row_of(PyObject *obj, PyObject *sid, PyObject *parts, Row *r)
-{
-    PyObject *v;
-    r->head = get(obj, F_HEAD);
-    if (r->head == NULL)
-        return -1;
-    if (r->head == Py_None) {
-        Py_CLEAR(r->head);
-        PyObject *t = PyObject_CallOneArg(parts, obj);
-        if (t == NULL)
-            return -1;
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
-            Py_DECREF(t);
-            PyErr_SetString(PyExc_TypeError, "parts(obj) must give (head, tail)");
-            return -1;
-        }
-        r->head = Py_NewRef(PyTuple_GET_ITEM(t, 0));
-        r->tail = Py_NewRef(PyTuple_GET_ITEM(t, 1));
-        Py_DECREF(t);
-    }
-    else if ((r->tail = get(obj, F_TAIL)) == NULL)
-        return -1;
-    if (!PyBytes_Check(r->head) || !PyBytes_Check(r->tail)) {
-        PyErr_SetString(PyExc_TypeError, "an object's wire parts must be bytes");
-        return -1;
-    }
-    if ((v = get(obj, F_OWNER)) == NULL)
-        return -1;
-    int owned = PyObject_RichCompareBool(v, sid, Py_EQ);
-    Py_DECREF(v);
-    if (owned < 0)
-        return -1;
-    r->owned = (unsigned char)owned;
-    PyObject *pins = get_pins(obj);
-    if (pins == NULL)
-        return -1;
-    Py_ssize_t held, count;
-    int bad = dict_int(pins, sid, 0, &held);
-    Py_DECREF(pins);
-    if (bad < 0)
-        return -1;
-    count = get_int(obj, F_COUNT);
-    if (count == -1 && PyErr_Occurred())
-        return -1;
-    if (held < 0 || count < 0 || (unsigned long long)held > 0xFFFFFFFFull ||
-        (unsigned long long)count > 0xFFFFFFFFull) {
-        PyErr_SetString(PyExc_OverflowError, "a pin count does not fit the record's u32");
-        return -1;
-    }
-    r->pins = (uint32_t)held;
-    r->count = (uint32_t)count;
-    return 0;
-}
-
-static inline void
-put_u32(char *p, uint32_t v)
-{
-    memcpy(p, &v, 4); /* little-endian machines only: the module refuses to load elsewhere */
-}
-
-static PyObject *
-encode_rows(PyObject *self, PyObject *args)
-{
-    PyObject *sid, *objs, *parts, *out = NULL;
-    Py_ssize_t kind;
-    if (!PyArg_ParseTuple(args, "nOOO", &kind, &sid, &objs, &parts))
-        return NULL;
-    if (check_list(objs, "objs") < 0)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(objs);
-    if (n > 0xFFFF || kind < 0 || kind > 0xFF)
-        Py_RETURN_NONE;
-    Row *rows = PyMem_Calloc(n ? n : 1, sizeof(Row));
-    if (rows == NULL)
-        return PyErr_NoMemory();
-    Py_ssize_t total = 3, done = 0;
-    for (; done < n && done < PyList_GET_SIZE(objs); done++) {
-        PyObject *obj = PyList_GET_ITEM(objs, done);
-        Py_INCREF(obj);
-        int r = row_of(obj, sid, parts, &rows[done]);
-        Py_DECREF(obj);
-        if (r < 0) {
-            done++; /* its parts are released below */
-            goto end;
-        }
-        total += PyBytes_GET_SIZE(rows[done].head) + 9 + PyBytes_GET_SIZE(rows[done].tail);
-    }
-    if (done != n) { /* parts(obj) shortened the list */
-        PyErr_SetString(PyExc_RuntimeError, "objs changed while encoding");
-        goto end;
-    }
-    if ((out = PyBytes_FromStringAndSize(NULL, total)) == NULL)
-        goto end;
-    char *p = PyBytes_AS_STRING(out);
-    uint16_t count = (uint16_t)n;
-    *p++ = (char)kind;
-    memcpy(p, &count, 2);
-    p += 2;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Row *r = &rows[i];
-        memcpy(p, PyBytes_AS_STRING(r->head), PyBytes_GET_SIZE(r->head));
-        p += PyBytes_GET_SIZE(r->head);
-        *p++ = (char)r->owned;
-        put_u32(p, r->pins);
-        put_u32(p + 4, r->count);
-        p += 8;
-        memcpy(p, PyBytes_AS_STRING(r->tail), PyBytes_GET_SIZE(r->tail));
-        p += PyBytes_GET_SIZE(r->tail);
-    }
-end:
-    for (Py_ssize_t i = 0; i < done; i++) {
-        Py_XDECREF(rows[i].head);
-        Py_XDECREF(rows[i].tail);
-    }
-    PyMem_Free(rows);
-    return out;
-}
-
 /* ------------------------------------------------------------------ fused passes */
 
 /* pin_all, then remove_all of the objects that had no pin: a new tuple of 5 with its first
  * item left NULL for the caller, then (fresh, fresh_pages, contention, queued_pages, emptied),
  * ``fresh`` a count. */
 static PyObject *
-pin_remove_impl(PyObject *objs, PyObject *sid, PyObject *spins, PyObject *segments, Py_ssize_t first)
+pin_remove_impl(State *st, PyObject *objs, PyObject *sid, PyObject *spins, PyObject *segments, Py_ssize_t first)
 {
-    PyObject *pinned = pin_all_impl(objs, sid, spins), *removed = NULL, *out = NULL;
+    PyObject *pinned = pin_all_impl(st, objs, sid, spins), *removed = NULL, *out = NULL;
     if (pinned == NULL)
         return NULL;
     PyObject *fresh = PyTuple_GET_ITEM(pinned, 0);
     if (PyList_GET_SIZE(fresh) == 0)
         removed = Py_BuildValue("(n[])", (Py_ssize_t)0);
     else
-        removed = remove_all_impl(fresh, segments);
+        removed = remove_all_impl(st, fresh, segments);
     if (removed == NULL || (out = PyTuple_New(first + 5)) == NULL)
         goto done;
     PyObject *items[5] = {PyLong_FromSsize_t(PyList_GET_SIZE(fresh)), PyTuple_GET_ITEM(pinned, 1),
@@ -1044,10 +862,11 @@ done:
 static PyObject *
 pin_remove(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *objs, *sid, *spins, *segments;
     if (!PyArg_ParseTuple(args, "OOOO", &objs, &sid, &spins, &segments))
         return NULL;
-    return pin_remove_impl(objs, sid, spins, segments, 0);
+    return pin_remove_impl(st, objs, sid, spins, segments, 0);
 }
 
 /* lookup_pin(key_shards, keys, most, pool, sid, spins, segments, room)
@@ -1061,6 +880,7 @@ pin_remove(PyObject *self, PyObject *args)
 static PyObject *
 lookup_pin(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *shards, *keys, *pool, *sid, *spins, *segments;
     Py_ssize_t most, room;
     if (!PyArg_ParseTuple(args, "OOnOOOOn", &shards, &keys, &most, &pool, &sid, &spins, &segments, &room))
@@ -1070,7 +890,7 @@ lookup_pin(PyObject *self, PyObject *args)
         return found;
     if (room >= 0 && PyList_GET_SIZE(found) > room)
         return Py_BuildValue("(NO)", found, Py_None);
-    PyObject *out = pin_remove_impl(found, sid, spins, segments, 1);
+    PyObject *out = pin_remove_impl(st, found, sid, spins, segments, 1);
     if (out == NULL) {
         Py_DECREF(found);
         return NULL;
@@ -1087,13 +907,14 @@ lookup_pin(PyObject *self, PyObject *args)
 static PyObject *
 unpin_held(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *shards, *ids, *sid, *spins;
     if (!PyArg_ParseTuple(args, "OOOO", &shards, &ids, &sid, &spins))
         return NULL;
-    PyObject *objs = held_once_impl(shards, ids, sid);
+    PyObject *objs = held_once_impl(st, shards, ids, sid);
     if (objs == NULL || objs == Py_None)
         return objs;
-    PyObject *r = unpin_once_impl(objs, sid, spins), *out = NULL;
+    PyObject *r = unpin_once_impl(st, objs, sid, spins), *out = NULL;
     if (r != NULL && (out = PyTuple_New(4)) != NULL) {
         PyTuple_SET_ITEM(out, 0, Py_NewRef(objs));
         for (int k = 0; k < 3; k++)
@@ -1113,15 +934,16 @@ unpin_held(PyObject *self, PyObject *args)
 static PyObject *
 reply_size(PyObject *self, PyObject *objs)
 {
+    State *st = state_of(self);
     if (!PyList_CheckExact(objs))
         Py_RETURN_NONE;
     Py_ssize_t pages = 0, keys = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
         PyObject *o = PyList_GET_ITEM(objs, i);
-        Py_ssize_t n = get_int(o, F_NPAGES);
+        Py_ssize_t n = get_int(st, o, F_NPAGES);
         if (n == -1 && PyErr_Occurred())
             return NULL;
-        PyObject *k = get(o, F_KEY);
+        PyObject *k = get(st, o, F_KEY);
         if (k == NULL)
             return NULL;
         int ok = k == Py_None || PyBytes_CheckExact(k);
@@ -1138,7 +960,6 @@ reply_size(PyObject *self, PyObject *objs)
 /* ------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
-    {"layout", layout, METH_O, "read the slot offsets of the store's object class"},
     {"find_keys", find_keys, METH_VARARGS, "the objects of the longest prefix of keys in the key index"},
     {"pin_all", pin_all, METH_VARARGS, "one more pin of a session on each object"},
     {"held_once", held_once, METH_VARARGS, "the objects of ids when each is named once and pinned by the session"},
@@ -1150,29 +971,66 @@ static PyMethodDef methods[] = {
     {"pin_remove", pin_remove, METH_VARARGS, "pin_all and remove_all in one call"},
     {"lookup_pin", lookup_pin, METH_VARARGS, "find_keys, pin_all and remove_all in one call"},
     {"unpin_held", unpin_held, METH_VARARGS, "held_once and unpin_once in one call"},
-    {"encode_rows", encode_rows, METH_VARARGS, "a step reply's object records, in one allocation"},
     {"reply_size", reply_size, METH_O, "the pages and key bytes of objects, for a reply's estimate"},
     {NULL, NULL, 0, NULL},
+};
+
+static int
+exec_module(PyObject *module)
+{
+    State *st = state_of(module);
+    for (int f = 0; f < NF; f++)
+        if ((st->names[f] = PyUnicode_InternFromString(FIELD_NAMES[f])) == NULL)
+            return -1;
+    return 0;
+}
+
+static int
+traverse(PyObject *module, visitproc visit, void *arg)
+{
+    State *st = state_of(module);
+    for (int f = 0; f < NF; f++)
+        Py_VISIT(st->names[f]);
+    return 0;
+}
+
+static int
+clear(PyObject *module)
+{
+    State *st = state_of(module);
+    for (int f = 0; f < NF; f++)
+        Py_CLEAR(st->names[f]);
+    return 0;
+}
+
+static void
+free_module(void *module)
+{
+    clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_storecore",
     .m_doc = "The store's native core: a step's per-key passes.",
-    .m_size = -1,
+    .m_size = sizeof(State),
     .m_methods = methods,
+    .m_slots = slots,
+    .m_traverse = traverse,
+    .m_clear = clear,
+    .m_free = free_module,
 };
 
 PyMODINIT_FUNC
 PyInit__storecore(void)
 {
-#if PY_BIG_ENDIAN
-    PyErr_SetString(PyExc_ImportError, "the store's native core assumes a little-endian machine");
-    return NULL;
-#endif
-    for (int f = 0; f < NF; f++) {
-        if (names[f] == NULL && (names[f] = PyUnicode_InternFromString(FIELD_NAMES[f])) == NULL)
-            return NULL;
-    }
-    return PyModule_Create(&module);
+    return PyModuleDef_Init(&module);
 }

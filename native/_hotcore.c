@@ -10,88 +10,41 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <string.h>
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
 
-static PyObject *s_obj, *s_object_id, *s_freed, *s_state, *s_pins;
-
-/* The slots read per adapter: an entry's object, and that object's fields. An entry or an
- * object of exactly the class `layout` was given is read at its slot's offset, without an
- * attribute lookup; anything else through ordinary getattr. */
+/* The fields read per adapter: an entry's object, and that object's fields, through ordinary
+ * attribute access by names interned once in the module's state. */
 enum { A_OBJ, A_ID, A_FREED, A_STATE, A_PINS, NA };
-static PyTypeObject *fast_types[NA]; /* the class each field is read directly from (strong refs) */
-static Py_ssize_t offsets[NA];
+static const char *const FIELD_NAMES[NA] = {"obj", "object_id", "freed", "state", "pins"};
 
-/* o.<field>, a new reference (NULL and an exception if unset). */
+/* The module's state (multi-phase init: one per module object, nothing process-global). */
+typedef struct {
+    PyObject *names[NA]; /* interned field names */
+} State;
+
+static inline State *
+state_of(PyObject *module)
+{
+    return (State *)PyModule_GetState(module);
+}
+
+/* o.<field>, a new reference (NULL and an exception if it has none). */
 static inline PyObject *
-get(PyObject *o, int f)
+get(State *st, PyObject *o, int f)
 {
-    if (Py_TYPE(o) == fast_types[f]) {
-        PyObject *v = *(PyObject **)((char *)o + offsets[f]);
-        if (v == NULL) {
-            PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
-            PyErr_SetObject(PyExc_AttributeError, names[f]);
-            return NULL;
-        }
-        return Py_NewRef(v);
-    }
-    PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
-    return PyObject_GetAttr(o, names[f]);
-}
-
-/* The offset of `cls`'s object slot `name`, or -1 with an exception set. */
-static Py_ssize_t
-slot_offset(PyObject *cls, PyObject *name)
-{
-    PyObject *d = PyObject_GetAttr(cls, name);
-    if (d == NULL)
-        return -1;
-    Py_ssize_t off = -1;
-    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-        PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-        if (m->d_member->type == Py_T_OBJECT_EX && PyType_IsSubtype((PyTypeObject *)cls, m->d_common.d_type))
-            off = m->d_member->offset;
-    }
-    Py_DECREF(d);
-    if (off < 0)
-        PyErr_Format(PyExc_ValueError, "%R.%U is not an object slot", cls, name);
-    return off;
-}
-
-/* layout(entry_cls, obj_cls): read where `entry_cls` keeps `obj` and `obj_cls` keeps
- * object_id, freed, state and pins (slotted classes: the hot tier's entries, the store's
- * objects), so that the passes below read those of exactly these classes directly. */
-static PyObject *
-layout(PyObject *self, PyObject *args)
-{
-    PyObject *entry_cls, *obj_cls;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &entry_cls, &PyType_Type, &obj_cls))
-        return NULL;
-    PyObject *names[NA] = {s_obj, s_object_id, s_freed, s_state, s_pins};
-    Py_ssize_t offs[NA];
-    for (int f = 0; f < NA; f++)
-        if ((offs[f] = slot_offset(f == A_OBJ ? entry_cls : obj_cls, names[f])) < 0)
-            return NULL;
-    for (int f = 0; f < NA; f++) {
-        offsets[f] = offs[f];
-        Py_XSETREF(fast_types[f], (PyTypeObject *)Py_NewRef(f == A_OBJ ? entry_cls : obj_cls));
-    }
-    Py_RETURN_NONE;
+    return PyObject_GetAttr(o, st->names[f]);
 }
 
 /* `own[aid].obj` (a new reference), or NULL: with no exception set when `aid` is not in
  * `own` or its entry has no object (not the common case), else an error. */
 static PyObject *
-entry_object(PyObject *own, PyObject *aid)
+entry_object(State *st, PyObject *own, PyObject *aid)
 {
     PyObject *entry = PyDict_GetItemWithError(own, aid); /* borrowed */
     if (entry == NULL)
         return NULL;
     Py_INCREF(entry); /* held: a getattr may run code that changes `own` */
-    PyObject *obj = get(entry, A_OBJ);
+    PyObject *obj = get(st, entry, A_OBJ);
     Py_DECREF(entry);
     if (obj == Py_None) {
         Py_DECREF(obj);
@@ -104,9 +57,9 @@ entry_object(PyObject *own, PyObject *aid)
  * `committed` not NULL, not freed and in state `committed` (what the store's `pinnable`
  * asks); 0 when not; -1 on an error. */
 static int
-is_live(PyObject *obj, PyObject *shards, PyObject *committed)
+is_live(State *st, PyObject *obj, PyObject *shards, PyObject *committed)
 {
-    PyObject *oid = get(obj, A_ID);
+    PyObject *oid = get(st, obj, A_ID);
     if (oid == NULL)
         return -1;
     if (!PyLong_Check(oid)) {
@@ -138,14 +91,14 @@ is_live(PyObject *obj, PyObject *shards, PyObject *committed)
         return PyErr_Occurred() ? -1 : 0;
     if (committed == NULL)
         return 1;
-    PyObject *v = get(obj, A_FREED);
+    PyObject *v = get(st, obj, A_FREED);
     if (v == NULL)
         return -1;
     int freed = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (freed != 0)
         return freed < 0 ? -1 : 0;
-    v = get(obj, A_STATE);
+    v = get(st, obj, A_STATE);
     if (v == NULL)
         return -1;
     int ok = PyObject_RichCompareBool(v, committed, Py_EQ);
@@ -187,6 +140,7 @@ check_shards(PyObject *shards)
 static PyObject *
 pin_plan(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *own, *ids, *shards, *committed;
     Py_ssize_t cap;
     if (!PyArg_ParseTuple(args, "O!OnO!O", &PyDict_Type, &own, &ids, &cap, &PyList_Type, &shards, &committed))
@@ -216,13 +170,13 @@ pin_plan(PyObject *self, PyObject *args)
             goto done;
         if (cap > 0 && PyList_GET_SIZE(distinct) > cap)
             goto none;
-        PyObject *obj = entry_object(own, aid);
+        PyObject *obj = entry_object(st, own, aid);
         if (obj == NULL) {
             if (PyErr_Occurred())
                 goto done;
             goto none;
         }
-        int r = live ? is_live(obj, shards, committed) : 0;
+        int r = live ? is_live(st, obj, shards, committed) : 0;
         if (r < 0 || PyList_Append(objs, obj) < 0) {
             Py_DECREF(obj);
             goto done;
@@ -251,6 +205,7 @@ done:
 static PyObject *
 release_plan(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *own, *ids, *sid, *shards;
     if (!PyArg_ParseTuple(args, "O!OOO!", &PyDict_Type, &own, &ids, &sid, &PyList_Type, &shards))
         return NULL;
@@ -296,19 +251,19 @@ release_plan(PyObject *self, PyObject *args)
     if (objs == NULL)
         goto done;
     for (Py_ssize_t j = 0; j < m; j++) {
-        PyObject *obj = entry_object(own, PyList_GET_ITEM(order, j));
+        PyObject *obj = entry_object(st, own, PyList_GET_ITEM(order, j));
         if (obj == NULL) {
             if (PyErr_Occurred())
                 goto done;
             goto none;
         }
         PyList_SET_ITEM(objs, j, obj); /* steals */
-        int live = is_live(obj, shards, NULL);
+        int live = is_live(st, obj, shards, NULL);
         if (live < 0)
             goto done;
         if (!live)
             goto none;
-        PyObject *pins = get(obj, A_PINS);
+        PyObject *pins = get(st, obj, A_PINS);
         if (pins == NULL)
             goto done;
         if (!PyDict_Check(pins)) {
@@ -473,6 +428,7 @@ record_run(PyObject *self, PyObject *args)
 static PyObject *
 join_rows(PyObject *self, PyObject *args)
 {
+    State *st = state_of(self);
     PyObject *head, *kept, *list;
     if (!PyArg_ParseTuple(args, "SO!O!", &head, &PyDict_Type, &kept, &PyList_Type, &list))
         return NULL;
@@ -488,7 +444,7 @@ join_rows(PyObject *self, PyObject *args)
     Py_ssize_t total = PyBytes_GET_SIZE(head), got = 0;
     PyObject *out = NULL;
     for (; got < n; got++) {
-        PyObject *oid = get(PyTuple_GET_ITEM(objs, got), A_ID);
+        PyObject *oid = get(st, PyTuple_GET_ITEM(objs, got), A_ID);
         if (oid == NULL)
             goto done;
         PyObject *row = PyDict_GetItemWithError(kept, oid); /* borrowed */
@@ -525,7 +481,6 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"layout", layout, METH_VARARGS, "read the slots of the hot entries' and the store objects' classes"},
     {"pin_plan", pin_plan, METH_VARARGS, "distinct ids and their live hot objects, or None"},
     {"release_plan", release_plan, METH_VARARGS, "hot objects and counts a session may release, or None"},
     {"record_run", record_run, METH_VARARGS, "one use of a run of keys, in order; returns the next seq"},
@@ -533,20 +488,63 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int
+exec_module(PyObject *module)
+{
+    State *st = state_of(module);
+    for (int f = 0; f < NA; f++)
+        if ((st->names[f] = PyUnicode_InternFromString(FIELD_NAMES[f])) == NULL)
+            return -1;
+    return 0;
+}
+
+static int
+traverse(PyObject *module, visitproc visit, void *arg)
+{
+    State *st = state_of(module);
+    for (int f = 0; f < NA; f++)
+        Py_VISIT(st->names[f]);
+    return 0;
+}
+
+static int
+clear(PyObject *module)
+{
+    State *st = state_of(module);
+    for (int f = 0; f < NA; f++) {
+        Py_CLEAR(st->names[f]);
+    }
+    return 0;
+}
+
+static void
+free_module(void *module)
+{
+    clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_hotcore",
     .m_doc = "The adapter wing's native core (hot acquire and release).",
-    .m_size = -1,
+    .m_size = sizeof(State),
     .m_methods = methods,
+    .m_slots = slots,
+    .m_traverse = traverse,
+    .m_clear = clear,
+    .m_free = free_module,
 };
 
 PyMODINIT_FUNC
 PyInit__hotcore(void)
 {
-    if (!(s_obj = PyUnicode_InternFromString("obj")) || !(s_object_id = PyUnicode_InternFromString("object_id")) ||
-        !(s_freed = PyUnicode_InternFromString("freed")) || !(s_state = PyUnicode_InternFromString("state")) ||
-        !(s_pins = PyUnicode_InternFromString("pins")))
-        return NULL;
-    return PyModule_Create(&module);
+    return PyModuleDef_Init(&module);
 }
