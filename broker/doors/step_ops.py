@@ -302,62 +302,73 @@ class StepOps:
             i, error, load = self._run(c, s, ops, i + 1, results, self.sessions.authorize)
         self.links.resume(c, fd, self._reply(results, error, i))
 
+    # ------------------------------------------------------------ each op kind's handler
+    # (session id, op) -> the op's result record, its rule already enforced (decode_step lets
+    # no other kind through). The store and the manager take the op's items as decoded (a
+    # tuple: they read it, never keep or change it).
 
-# Each op kind's handler: (server, session id, op) -> the op's result record, its rule already
-# enforced (decode_step lets no other kind through). The store and the manager take the op's
-# items as decoded (a tuple: they read it, never keep or change it).
+    def _lookup(self, sid: int, op: w.Op) -> bytes:
+        return _encode_allocations(_OP_LOOKUP, sid, self.store.lookup(sid, op.items, bool(op.flags), self.room))
 
+    def _unpin(self, sid: int, op: w.Op) -> bytes:
+        self.store.unpin(sid, op.items)
+        return _UNPIN_DONE
 
-def _lookup(server: StepOps, sid: int, op: w.Op) -> bytes:
-    return _encode_allocations(_OP_LOOKUP, sid, server.store.lookup(sid, op.items, bool(op.flags), server.room))
+    def _release(self, sid: int, op: w.Op) -> bytes:
+        m = self.adapters
+        if m is None:
+            m = self._manager()  # raises
+        if not m.release_hot(sid, op.items):
+            m.release(sid, list(op.items))
+        return _RELEASE_DONE
 
+    def _acquire(self, sid: int, op: w.Op) -> bytes:
+        """Pin adapters as ``AdapterManager.acquire`` (or ``prepare_acquire``) does, with its
+        admission, deferral and errors.
 
-def _unpin(server: StepOps, sid: int, op: w.Op) -> bytes:
-    server.store.unpin(sid, op.items)
-    return _UNPIN_DONE
+        When every admitted adapter is hot the manager's acquire does not yield to the loop, so
+        it runs to completion right here, between two other callbacks of the loop, like any
+        other core call. Otherwise it raises ``_Load``: the frame waits for the load in a task
+        (``StepChannelServer._wait``) and is answered when it is done."""
+        m = self.adapters
+        if m is None:
+            m = self._manager()  # raises FAILED_PRECONDITION, as gRPC does
+        prepare = bool(op.flags & w.ACQUIRE_PREPARE)
+        if not prepare:
+            objs = m.pin_hot(sid, op.items, op.max_adapters)
+            if objs is not None:
+                return _hot_rows(self._rows, self._core, m, op.items, objs)
+        ids, cap, lease = list(op.items), op.max_adapters or None, (op.lease_ms / 1000.0) or None
 
+        def start():
+            return m.prepare_acquire(sid, ids, cap, False, lease) if prepare else m.acquire(sid, ids, cap, False)
 
-def _release(server: StepOps, sid: int, op: w.Op) -> bytes:
-    m = server.adapters
-    if m is None:
-        m = server._manager()  # raises
-    if not m.release_hot(sid, op.items):
-        m.release(sid, list(op.items))
-    return _RELEASE_DONE
-
-
-def _acquire(server: StepOps, sid: int, op: w.Op) -> bytes:
-    """Pin adapters as ``AdapterManager.acquire`` (or ``prepare_acquire``) does, with its
-    admission, deferral and errors.
-
-    When every admitted adapter is hot the manager's acquire does not yield to the loop, so
-    it runs to completion right here, between two other callbacks of the loop, like any
-    other core call. Otherwise it raises ``_Load``: the frame waits for the load in a task
-    (``StepChannelServer._wait``) and is answered when it is done."""
-    m = server.adapters
-    if m is None:
-        m = server._manager()  # raises FAILED_PRECONDITION, as gRPC does
-    prepare = bool(op.flags & w.ACQUIRE_PREPARE)
-    if not prepare:
-        objs = m.pin_hot(sid, op.items, op.max_adapters)
-        if objs is not None:
-            return _hot_rows(server._rows, server._core, m, op.items, objs)
-    ids, cap, lease = list(op.items), op.max_adapters or None, (op.lease_ms / 1000.0) or None
-
-    def start():
-        return m.prepare_acquire(sid, ids, cap, False, lease) if prepare else m.acquire(sid, ids, cap, False)
-
-    distinct = list(dict.fromkeys(ids))
-    if not all(isinstance(a, str) and m.is_hot(a) for a in distinct[: cap or len(distinct)]):
+        distinct = list(dict.fromkeys(ids))
+        if not all(isinstance(a, str) and m.is_hot(a) for a in distinct[: cap or len(distinct)]):
+            raise _Load(start, prepare)
+        coro = start()
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            return _acquired(done.value)
+        # It waited on something after all: never leave it half done; the frame waits for it.
+        coro.close()
         raise _Load(start, prepare)
-    coro = start()
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return _acquired(done.value)
-    # It waited on something after all: never leave it half done; the frame waits for it.
-    coro.close()
-    raise _Load(start, prepare)
+
+    def _pin(self, sid: int, op: w.Op) -> bytes:
+        return self._objects(w.OP_PIN, sid, self.store.pin(sid, op.items, self.room))
+
+    def _commit(self, sid: int, op: w.Op) -> bytes:
+        m = self._manager()
+        for t in op.items:
+            m.commit_acquire(sid, t)
+        return _COMMIT_DONE
+
+    def _abort(self, sid: int, op: w.Op) -> bytes:
+        m = self._manager()
+        for t in op.items:
+            m.abort_acquire(sid, t)
+        return _ABORT_DONE
 
 
 def _acquired(r) -> bytes:
@@ -379,32 +390,15 @@ def _give_back(m, sid: int, load: _Load, r) -> None:
             m.release(sid, [a.adapter_id for a in r.adapters])
 
 
-def _pin(server: StepOps, sid: int, op: w.Op) -> bytes:
-    return server._objects(w.OP_PIN, sid, server.store.pin(sid, op.items, server.room))
-
-
-def _commit(server: StepOps, sid: int, op: w.Op) -> bytes:
-    m = server._manager()
-    for t in op.items:
-        m.commit_acquire(sid, t)
-    return _COMMIT_DONE
-
-
-def _abort(server: StepOps, sid: int, op: w.Op) -> bytes:
-    m = server._manager()
-    for t in op.items:
-        m.abort_acquire(sid, t)
-    return _ABORT_DONE
-
-
+# Each op kind's handler (a StepOps method, called with the server).
 HANDLERS: dict[int, Callable[[StepOps, int, w.Op], bytes]] = {
-    w.OP_LOOKUP: _lookup,
-    w.OP_UNPIN: _unpin,
-    w.OP_ACQUIRE: _acquire,
-    w.OP_RELEASE: _release,
-    w.OP_PIN: _pin,
-    w.OP_COMMIT: _commit,
-    w.OP_ABORT: _abort,
+    w.OP_LOOKUP: StepOps._lookup,
+    w.OP_UNPIN: StepOps._unpin,
+    w.OP_ACQUIRE: StepOps._acquire,
+    w.OP_RELEASE: StepOps._release,
+    w.OP_PIN: StepOps._pin,
+    w.OP_COMMIT: StepOps._commit,
+    w.OP_ABORT: StepOps._abort,
 }
 
 
