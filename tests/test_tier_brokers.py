@@ -46,8 +46,10 @@ def two(tier):
     finally:
         ca.close()
         cb.close()
-        a.stop()
-        b.stop()
+        # A broker's Mooncake client closes slowly once the master is gone (more than 15 s
+        # under load in one CI run); a stop that hangs for good still fails here.
+        a.stop(timeout=60.0)
+        b.stop(timeout=60.0)
 
 
 def commit_chain(c: BrokerClient, tag: bytes, n: int, pages: int = 2) -> list[bytes]:
@@ -201,8 +203,10 @@ def test_a_evicts_and_spills_what_it_had_not_written(tier):
     finally:
         ca.close()
         cb.close()
-        a.stop()
-        b.stop()
+        # A broker's Mooncake client closes slowly once the master is gone (more than 15 s
+        # under load in one CI run); a stop that hangs for good still fails here.
+        a.stop(timeout=60.0)
+        b.stop(timeout=60.0)
 
 
 def corrupt(tier, key: str) -> None:
