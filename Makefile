@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The native cores (optional C extensions, docs/python-client.md "What a step costs"): pip builds them in place;
 # built again here when their sources change (a pulled change to the C is otherwise not built).
-NATIVE_SOURCES := $(wildcard native/_*.c)
+NATIVE_SOURCES := $(wildcard native/_*.c native/*.h)
 $(VENV)/.native: $(NATIVE_SOURCES) | $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@

@@ -516,7 +516,7 @@ class BrokerClient(StepSession):
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
         """Drop one pin per listed id; ``dtype``: the acquire's (only that copy's pins).
-        Posted on the step channel as ``unpin`` is."""
+        One frame on the step channel, its refusal raised here."""
         self._step_calls().release_adapters(adapter_ids, dtype)
 
     def commit_acquire(self, transaction_id: int) -> None:

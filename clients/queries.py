@@ -10,6 +10,8 @@ import os
 from collections.abc import Sequence
 
 from memory_broker.clients.session import BrokerSession
+from memory_broker.proto.wire.layout import ModuleShard
+from memory_broker.proto.wire.messages import shard_msg
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
@@ -37,8 +39,10 @@ class BrokerQueries(BrokerSession):
             retry=True,
         )
 
-    def adapter_layout(self, adapter_id: str) -> pb.AdapterLayout:
-        return self._call(self._stub.GetAdapterLayout, pb.GetAdapterLayoutRequest(adapter_id=adapter_id), retry=True)
+    def adapter_layout(self, adapter_id: str, dtype: str = "", shards: Sequence[ModuleShard] = ()) -> pb.AdapterLayout:
+        """An adapter's layout (of its copy in ``dtype`` holding ``shards``, as acquired)."""
+        req = pb.GetAdapterLayoutRequest(adapter_id=adapter_id, dtype=dtype, shards=[shard_msg(s) for s in shards])
+        return self._call(self._stub.GetAdapterLayout, req, retry=True)
 
     def prefetch_adapters(self, adapter_ids: Sequence[str], tier: str = "hot") -> pb.PrefetchAdaptersResponse:
         """Bring adapters to the warm or hot tier ahead of use, without pinning them."""

@@ -14,19 +14,9 @@
 
 /* The fields read per adapter: an entry's object, and that object's fields, through ordinary
  * attribute access by names interned once in the module's state. */
-enum { A_OBJ, A_ID, A_FREED, A_STATE, A_PINS, NA };
-static const char *const FIELD_NAMES[NA] = {"obj", "object_id", "freed", "state", "pins"};
-
-/* The module's state (multi-phase init: one per module object, nothing process-global). */
-typedef struct {
-    PyObject *names[NA]; /* interned field names */
-} State;
-
-static inline State *
-state_of(PyObject *module)
-{
-    return (State *)PyModule_GetState(module);
-}
+enum { A_OBJ, A_ID, A_FREED, A_STATE, A_PINS, NNAMES };
+static const char *const NAMES[NNAMES] = {"obj", "object_id", "freed", "state", "pins"};
+#include "module_state.h"
 
 /* o.<field>, a new reference (NULL and an exception if it has none). */
 static inline PyObject *
@@ -488,63 +478,4 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int
-exec_module(PyObject *module)
-{
-    State *st = state_of(module);
-    for (int f = 0; f < NA; f++)
-        if ((st->names[f] = PyUnicode_InternFromString(FIELD_NAMES[f])) == NULL)
-            return -1;
-    return 0;
-}
-
-static int
-traverse(PyObject *module, visitproc visit, void *arg)
-{
-    State *st = state_of(module);
-    for (int f = 0; f < NA; f++)
-        Py_VISIT(st->names[f]);
-    return 0;
-}
-
-static int
-clear(PyObject *module)
-{
-    State *st = state_of(module);
-    for (int f = 0; f < NA; f++) {
-        Py_CLEAR(st->names[f]);
-    }
-    return 0;
-}
-
-static void
-free_module(void *module)
-{
-    clear((PyObject *)module);
-}
-
-static PyModuleDef_Slot slots[] = {
-    {Py_mod_exec, exec_module},
-#ifdef Py_mod_multiple_interpreters
-    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
-#endif
-    {0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "_hotcore",
-    .m_doc = "The adapter wing's native core (hot acquire and release).",
-    .m_size = sizeof(State),
-    .m_methods = methods,
-    .m_slots = slots,
-    .m_traverse = traverse,
-    .m_clear = clear,
-    .m_free = free_module,
-};
-
-PyMODINIT_FUNC
-PyInit__hotcore(void)
-{
-    return PyModuleDef_Init(&module);
-}
+CORE_MODULE(_hotcore, "The adapter wing's native core (hot acquire and release).")

@@ -92,15 +92,7 @@ static void out_free(Out *o) { PyMem_Free(o->p); o->p = NULL; o->len = o->cap = 
  * and written on the objects the Python side passes in, interned once. */
 enum { N_OBJECT_ID, NNAMES };
 static const char *const NAMES[NNAMES] = {"object_id"};
-typedef struct {
-    PyObject *names[NNAMES]; /* interned attribute names */
-} State;
-
-static inline State *
-state_of(PyObject *module)
-{
-    return (State *)PyModule_GetState(module);
-}
+#include "module_state.h"
 
 /* ------------------------------------------------------------------ decode_step (broker) */
 
@@ -458,7 +450,8 @@ static int put_op(Out *o, PyObject *op, PyObject *attrs, long *kind_out) {
             v[j] = op_get(op, attrs, 2 + j);
             if (v[j] == NULL) { for (int q = 0; q < j; q++) Py_DECREF(v[q]); r = -1; goto done; }
         }
-        int bad3 = as_uint(v[0], 255, &fl) < 0 || as_uint(v[1], 0xFFFF, &cap) < 0 || as_uint(v[2], 0xFFFFFFFFu, &lease) < 0;
+        int bad3 = as_uint(v[0], 255, &fl) < 0 || as_uint(v[1], 0xFFFF, &cap) < 0 || as_uint(v[2], 0xFFFFFFFFu, &lease) < 0 ||
+                   (fl & ~(unsigned long long)ACQUIRE_PREPARE); /* a shaped acquire: the Python encoder's */
         for (int j = 0; j < 3; j++) Py_DECREF(v[j]);
         if (bad3) { r = 1; goto done; }
         if (out_u8(o, (unsigned)fl) < 0 || out_u16(o, (unsigned)cap) < 0 || out_u32(o, (uint32_t)lease) < 0 ||
@@ -1104,66 +1097,4 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int
-exec_module(PyObject *module)
-{
-#if PY_BIG_ENDIAN
-    PyErr_SetString(PyExc_ImportError, "the native step core assumes a little-endian machine");
-    return -1;
-#endif
-    State *st = state_of(module);
-    for (int i = 0; i < NNAMES; i++)
-        if ((st->names[i] = PyUnicode_InternFromString(NAMES[i])) == NULL)
-            return -1;
-    return 0;
-}
-
-static int
-traverse(PyObject *module, visitproc visit, void *arg)
-{
-    State *st = state_of(module);
-    for (int i = 0; i < NNAMES; i++)
-        Py_VISIT(st->names[i]);
-    return 0;
-}
-
-static int
-clear(PyObject *module)
-{
-    State *st = state_of(module);
-    for (int i = 0; i < NNAMES; i++)
-        Py_CLEAR(st->names[i]);
-    return 0;
-}
-
-static void
-free_module(void *module)
-{
-    clear((PyObject *)module);
-}
-
-static PyModuleDef_Slot slots[] = {
-    {Py_mod_exec, exec_module},
-#ifdef Py_mod_multiple_interpreters
-    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
-#endif
-    {0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "_stepcore",
-    .m_doc = "The step wire's native core.",
-    .m_size = sizeof(State),
-    .m_methods = methods,
-    .m_slots = slots,
-    .m_traverse = traverse,
-    .m_clear = clear,
-    .m_free = free_module,
-};
-
-PyMODINIT_FUNC
-PyInit__stepcore(void)
-{
-    return PyModuleDef_Init(&module);
-}
+CORE_MODULE(_stepcore, "The step wire's native core.")

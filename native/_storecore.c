@@ -15,20 +15,11 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_KEY, NF };
-static const char *const FIELD_NAMES[NF] = {
+enum { F_ID, F_PINS, F_COUNT, F_NPAGES, F_SEG, F_CT, F_FREED, F_STATE, F_KEY, NNAMES };
+static const char *const NAMES[NNAMES] = {
     "object_id", "pins", "pin_count", "num_pages", "queue_seg", "content_type", "freed", "state", "key",
 };
-/* The module's state (multi-phase init: one per module object, nothing process-global). */
-typedef struct {
-    PyObject *names[NF]; /* interned field names */
-} State;
-
-static inline State *
-state_of(PyObject *module)
-{
-    return (State *)PyModule_GetState(module);
-}
+#include "module_state.h"
 
 /* ------------------------------------------------------------------ fields */
 
@@ -975,62 +966,4 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int
-exec_module(PyObject *module)
-{
-    State *st = state_of(module);
-    for (int f = 0; f < NF; f++)
-        if ((st->names[f] = PyUnicode_InternFromString(FIELD_NAMES[f])) == NULL)
-            return -1;
-    return 0;
-}
-
-static int
-traverse(PyObject *module, visitproc visit, void *arg)
-{
-    State *st = state_of(module);
-    for (int f = 0; f < NF; f++)
-        Py_VISIT(st->names[f]);
-    return 0;
-}
-
-static int
-clear(PyObject *module)
-{
-    State *st = state_of(module);
-    for (int f = 0; f < NF; f++)
-        Py_CLEAR(st->names[f]);
-    return 0;
-}
-
-static void
-free_module(void *module)
-{
-    clear((PyObject *)module);
-}
-
-static PyModuleDef_Slot slots[] = {
-    {Py_mod_exec, exec_module},
-#ifdef Py_mod_multiple_interpreters
-    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
-#endif
-    {0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "_storecore",
-    .m_doc = "The store's native core: a step's per-key passes.",
-    .m_size = sizeof(State),
-    .m_methods = methods,
-    .m_slots = slots,
-    .m_traverse = traverse,
-    .m_clear = clear,
-    .m_free = free_module,
-};
-
-PyMODINIT_FUNC
-PyInit__storecore(void)
-{
-    return PyModuleDef_Init(&module);
-}
+CORE_MODULE(_storecore, "The store's native core: a step's per-key passes.")

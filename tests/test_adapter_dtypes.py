@@ -181,7 +181,8 @@ def test_over_grpc_a_dtype_is_served_and_a_broker_that_ignores_it_is_refused(
     from memory_broker.clients import client as client_mod
 
     b = broker_factory("--pool-size", "64MiB", "--slab-size", "4MiB")  # defaults: bfloat16 adapters
-    with BrokerClient.connect(b.socket, client_name="t") as c:
+    # gRPC's calls (a session without a step channel); the step channel's are the next test's.
+    with BrokerClient.connect(b.socket, client_name="t", fast_path=False) as c:
         c.register_adapter("r8", peft_dirs["r8"])
         # Old clients send no dtype: the broker's own.
         assert c.acquire_adapters(["r8"]).adapters[0].layout.dtype == "bfloat16"
@@ -215,6 +216,47 @@ def test_over_grpc_a_dtype_is_served_and_a_broker_that_ignores_it_is_refused(
         assert "in float16" in e.value.message and "returned them in bfloat16" in e.value.message
         assert "--adapter-dtype float16" in e.value.message
         assert {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"] == before
+
+
+def test_on_the_step_channel_a_dtype_is_acquired_and_released_in_one_frame_each(
+    peft_dirs,  # noqa: F811
+    broker_factory,
+    monkeypatch,
+):
+    from conftest import step_frames
+
+    from memory_broker.clients import BrokerClient
+    from memory_broker.clients.step.grpc_calls import GrpcCalls
+
+    def no_grpc(*a, **k):
+        raise AssertionError("a step call went over gRPC")
+
+    for name in ("acquire_adapters", "release_adapters"):
+        monkeypatch.setattr(GrpcCalls, name, no_grpc)
+    b = broker_factory("--pool-size", "64MiB", "--slab-size", "4MiB")  # defaults: bfloat16 adapters
+    with BrokerClient.connect(b.socket, client_name="t") as c:
+        c.register_adapter("r8", peft_dirs["r8"])
+        own = c.acquire_adapters(["r8"])
+        frames = step_frames(c)
+        lease = c.acquire_adapters(["r8"], dtype="float32")  # converted on the broker; the reply waits
+        assert step_frames(c) == frames + 1
+        assert lease["r8"].layout.dtype == "float32" and own["r8"].layout.dtype == "bfloat16"
+        assert len(lease["r8"].pages) == lease["r8"].layout.num_pages
+        assert lease["r8"].object_id != own["r8"].object_id
+        again = c.acquire_adapters(["r8"], dtype="float32")  # hot now: the same copy, its layout cached
+        assert again["r8"].object_id == lease["r8"].object_id and again["r8"].layout == lease["r8"].layout
+        pins = {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"]
+        lease.release()
+        again.release()  # in float32: the broker's own copy keeps its pin
+        assert {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"] == pins - 2
+        own.release()
+        assert {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"] == pins - 3
+        with pytest.raises(BrokerError) as e:
+            c.acquire_adapters(["r8"], dtype="fp32")
+        assert e.value.code == Code.INVALID_ARGUMENT and "'fp32' is not one of" in e.value.message
+        with pytest.raises(BrokerError) as e:
+            c.acquire_adapters("r8")
+        assert e.value.code == Code.INVALID_ARGUMENT and "not one string" in e.value.message
 
 
 @pytest.fixture

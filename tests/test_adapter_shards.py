@@ -173,7 +173,8 @@ def test_over_grpc_shards_are_served_and_a_broker_that_ignores_them_is_refused(
     from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
     b = broker_factory("--pool-size", "64MiB", "--slab-size", "4MiB")
-    with BrokerClient.connect(b.socket, client_name="t") as c:
+    # gRPC's calls (a session without a step channel); the step channel's are the next test's.
+    with BrokerClient.connect(b.socket, client_name="t", fast_path=False) as c:
         c.register_adapter("r8", peft_dirs["r8"])
         whole = c.acquire_adapters(["r8"], dtype="float32")
         lease = c.acquire_adapters(["r8"], dtype="float32", shards=tp_shards(1, 2))
@@ -206,6 +207,48 @@ def test_over_grpc_shards_are_served_and_a_broker_that_ignores_them_is_refused(
             c.acquire_adapters(["r8"], dtype="float32", shards=tp_shards(0, 2))
         assert e.value.code == Code.FAILED_PRECONDITION and "older than sharded copies" in e.value.message
         assert {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"] == before
+
+
+def test_on_the_step_channel_a_ranks_shards_are_acquired_in_one_frame_and_bad_ones_refused(
+    peft_dirs,  # noqa: F811
+    broker_factory,
+    monkeypatch,
+):
+    from conftest import step_frames
+
+    from memory_broker.clients import BrokerClient
+    from memory_broker.clients.step.grpc_calls import GrpcCalls
+    from memory_broker.proto.wire import step as w
+
+    def no_grpc(*a, **k):
+        raise AssertionError("a step call went over gRPC")
+
+    for name in ("acquire_adapters", "release_adapters"):
+        monkeypatch.setattr(GrpcCalls, name, no_grpc)
+    b = broker_factory("--pool-size", "64MiB", "--slab-size", "4MiB")
+    with BrokerClient.connect(b.socket, client_name="t") as c:
+        c.register_adapter("r8", peft_dirs["r8"])
+        whole = c.acquire_adapters(["r8"])
+        n = step_frames(c)
+        lease = c.acquire_adapters(["r8"], shards=tp_shards(1, 2))  # cut on the broker; the reply waits
+        assert step_frames(c) == n + 1
+        got = lease["r8"].layout
+        assert got.shard == shards_text(tp_shards(1, 2)) and got.dtype == whole["r8"].layout.dtype
+        assert got.module(0, "q_proj").out_features == whole["r8"].layout.module(0, "q_proj").out_features // 2
+        assert got.module(0, "o_proj").in_features == whole["r8"].layout.module(0, "o_proj").in_features // 2
+        assert c.acquire_adapters(["r8"])["r8"].layout.shard == ""  # each copy's layout kept apart
+        pins = {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"]
+        lease.release()
+        assert {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"] == pins - 1
+        # Shards the broker cannot cut, or text that names none: INVALID_ARGUMENT naming them,
+        # and no pin taken.
+        with pytest.raises(BrokerError) as e:
+            c.acquire_adapters(["r8"], shards=[ModuleShard("q_proj", False, 0, 7)])  # 7 does not divide it
+        assert e.value.code == Code.INVALID_ARGUMENT and "q_proj" in e.value.message, e.value
+        path = c._step_path()
+        reply = path.send([(w.OP_ACQUIRE, ["r8"], w.ACQUIRE_SHAPED, 0, 0, "", "q_proj:x1/2")])
+        assert reply.error.code == Code.INVALID_ARGUMENT and "q_proj:x1/2" in reply.error.message
+        assert {a.adapter_id: a.pin_count for a in c.list_adapters().adapters}["r8"] == pins - 1
 
 
 @pytest.fixture

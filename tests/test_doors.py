@@ -34,6 +34,7 @@ def test_every_step_op_is_refused_as_its_grpc_call_is(step_rig):
         w.OP_UNPIN: lambda c: c.unpin([anon.object_id]),
         w.OP_LOOKUP: lambda c: c.lookup([b"k" * 2000]),
         w.OP_RELEASE: lambda c: c.release_adapters(["a0"]),
+        w.OP_RELEASE_IN: lambda c: c.release_adapters(["a0"], dtype="float32"),
         w.OP_COMMIT: lambda c: c.commit_acquire(12345),
         w.OP_ABORT: lambda c: c.abort_acquire(12345),
         w.OP_ACQUIRE: lambda c: c.acquire_adapters(["no-such"]),

@@ -54,11 +54,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_each_core_keeps_its_objects_in_module_state_not_in_process_globals():
     # Multi-phase init: a module object per import (per interpreter), its names and caches in
     # its state, released with it; a `static PyObject *` would be shared by every interpreter.
+    shared = (ROOT / "native/module_state.h").read_text()  # every core's init and state
+    assert "PyModuleDef_Init(" in shared and "Py_mod_exec" in shared
+    assert ".m_traverse" in shared and ".m_clear" in shared and ".m_size = sizeof(State)" in shared
     for src in SOURCES:
         text = (ROOT / src).read_text()
-        assert "PyModuleDef_Init(" in text and "PyModule_Create(" not in text, src
-        assert "Py_mod_exec" in text and ".m_traverse" in text and ".m_clear" in text, src
-        globals_ = re.findall(r"^\s*static\s+(?:PyObject|PyTypeObject)\s*\*\s*\w+\s*[;,=\[]", text, re.M)
+        assert '#include "module_state.h"' in text and "CORE_MODULE(" in text, src
+        assert "PyModule_Create(" not in text, src
+        globals_ = re.findall(r"^\s*static\s+(?:PyObject|PyTypeObject)\s*\*\s*\w+\s*[;,=\[]", text + shared, re.M)
         assert not globals_, (src, globals_)
 
 

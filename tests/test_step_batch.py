@@ -5,6 +5,7 @@ books follow every change, bad drops change nothing, and releasing gives everyth
 from __future__ import annotations
 
 import gc
+import queue
 import random
 import threading
 import time
@@ -235,7 +236,7 @@ def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall
     # out of order.
     from memory_broker.clients.step import batch as batch_mod
 
-    jobs = batch_mod._Jobs()
+    jobs = queue.SimpleQueue()
     t = threading.Thread(target=batch_mod._worker, args=(jobs,), daemon=True)
     t.start()
     ran: list[int] = []
@@ -246,13 +247,13 @@ def test_the_worker_runs_every_queued_change_once_in_order_however_the_puts_fall
     deadline = time.monotonic() + 5
     while len(ran) < 400 and time.monotonic() < deadline:
         time.sleep(0.001)
-    # All ran before stop() (whose own wake-up would hide a lost one), once each, in order.
+    # All ran before the stop (whose own wake-up would hide a lost one), once each, in order.
     assert ran == list(range(400))
     stolen = [1]
     box = [lambda: stolen.append(2)]
     assert box.pop()  # what a result() does with a change the worker has not begun
     jobs.put(box)  # an emptied box: the worker skips it
-    jobs.stop()
+    jobs.put(None)  # stop
     t.join(10)
     assert not t.is_alive() and stolen == [1]
 

@@ -358,6 +358,38 @@ def test_threads_sharing_a_client_each_get_their_own_answers(step_rig):
         assert c.stats().pinned_pages == 0
 
 
+def test_a_lookup_whose_channel_breaks_is_answered_by_the_next_session_on_its_step_channel(monkeypatch):
+    """The broker killed under a lookup: the call waits for the client's reconnect and is sent
+    once more on the new session's step channel (never over gRPC), as gRPC's retry does."""
+    import threading
+
+    from conftest import short_tmpdir
+
+    from memory_broker.clients.step.grpc_calls import GrpcCalls
+
+    def no_grpc(*a, **k):
+        raise AssertionError("a step call went over gRPC")
+
+    monkeypatch.setattr(GrpcCalls, "lookup", no_grpc)
+    sock = os.path.join(short_tmpdir(), "b.sock")
+    b1 = start_broker(socket=sock)
+    started: list = []
+    c = BrokerClient.connect(sock, timeout=20)
+    try:
+        c.allocate([Spec(1, content_type="kv_cache", key=b"r")])
+        assert [o.key for o in c.lookup([b"r"])] == [b"r"]
+        b1.stop(signal.SIGKILL)
+        later = threading.Timer(0.5, lambda: started.append(start_broker(socket=sock)))
+        later.start()
+        assert c.lookup([b"r"]) == []  # the new broker's answer: it holds nothing
+        later.join()
+        assert c.reconnects == 1 and frames(c) >= 1
+    finally:
+        c.close()
+        for b in (b1, *started):
+            b.stop(signal.SIGKILL)
+
+
 def test_the_step_path_follows_the_client_across_a_broker_restart():
     from conftest import short_tmpdir
 

@@ -95,7 +95,7 @@ def test_the_usual_tuple_ops_are_taken_by_the_c_and_a_malformed_one_is_not():
         (w.OP_LOOKUP, [b"k" * 32, b""], 1),
     ]
     assert CORE.encode_step(ops_, w._OP_ATTRS) == w._encode_step([w.Op(*op) for op in ops_])
-    for bad in ((w.OP_UNPIN,), (w.OP_UNPIN, (1,), 0, 0, 0, 0)):
+    for bad in ((w.OP_UNPIN,), (w.OP_UNPIN, (1,), 0, 0, 0, "", "", 0)):
         assert CORE.encode_step([bad], w._OP_ATTRS) is None
         with pytest.raises(TypeError):  # the Python encoder says what is wrong with it
             w.encode_step([bad])
@@ -109,6 +109,23 @@ def test_encode_step_native_takes_the_usual_ops():
         w.Op(w.OP_LOOKUP, (b"k" * 32, b""), 1),
     ]
     assert CORE.encode_step(ops_, w._OP_ATTRS) == w._encode_step(ops_)
+
+
+def test_a_shaped_acquire_and_a_release_in_a_dtype_are_left_to_the_python_codec():
+    """An engine asks for copies in a dtype or of a rank's shards as it loads an adapter, not
+    every step: the C takes neither op, the Python codec carries both, and a cut body is
+    refused naming where."""
+    ops_ = [
+        w.Op(w.OP_ACQUIRE, ("x",), w.ACQUIRE_SHAPED | w.ACQUIRE_PREPARE, 2, 100, "float32", "q_proj:o1/2"),
+        w.Op(w.OP_RELEASE_IN, ("a", "b"), dtype="float16"),
+    ]
+    assert CORE.encode_step(ops_, w._OP_ATTRS) is None
+    body = w.encode_step(ops_)[5:]
+    assert CORE.decode_step(body, w.Op) is None
+    assert w.decode_step(body) == ops_
+    for cut in range(len(body)):
+        with pytest.raises(w.WireError, match="ends inside|op count"):
+            w.decode_step(body[:cut])
 
 
 # ------------------------------------------------------------------ STEP bodies (the broker decodes)

@@ -22,6 +22,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from memory_broker.broker.adapters.checks import ChecksumChecker
 from memory_broker.broker.adapters.config import AdapterConfig
 from memory_broker.broker.adapters.context import AdapterContext
+from memory_broker.broker.adapters.entry import copy_key
 from memory_broker.broker.adapters.hot_budget import HotBudget
 from memory_broker.broker.adapters.image_cache import ImageCache
 from memory_broker.broker.adapters.image_service import ImageService
@@ -377,10 +378,13 @@ class AdapterManager:
         (no disk access): cheap enough for every row of a listing."""
         return self.image_service.state(adapter_id)
 
-    def layout(self, adapter_id: str) -> AdapterLayout:
-        """An adapter's placement within its pages (the same for every generation)."""
-        e = self.entries.get(adapter_id)
-        return e.layout if e is not None else self.ctx.plan(self.registry.get(adapter_id))
+    def layout(self, adapter_id: str, dtype: str = "", shards: Sequence[ModuleShard] = ()) -> AdapterLayout:
+        """An adapter's placement within its pages (the same for every generation), of its
+        copy in ``dtype`` holding ``shards`` as ``acquire`` names them. Raises BrokerError:
+        INVALID_ARGUMENT (dtype, shards), NOT_FOUND (unregistered)."""
+        shard = self.pins.check_shape(dtype, shards)
+        e = self.entries.get(copy_key(adapter_id, dtype, self.config.dtype, shard))
+        return e.layout if e is not None else self.ctx.plan(self.registry.get(adapter_id), dtype, shard)
 
     def stats(self) -> AdapterStats:
         """Tier sizes, hits and misses per tier, loads per tier, hit rates; changes nothing."""

@@ -290,12 +290,17 @@ class AdapterPins:
         self, dtype: str, shards: Sequence[ModuleShard], max_adapters: int | None, lease_s: float | None
     ) -> str:
         """Refuse a bad acquire (INVALID_ARGUMENT); returns the shards' text (``shards_text``)."""
-        self._check_dtype(dtype)
+        shard = self.check_shape(dtype, shards)
         if max_adapters is not None and (not isinstance(max_adapters, int) or max_adapters < 0):
             raise invalid(f"max_adapters is {max_adapters!r}; give a count >= 1, or 0/None for no cap")
         max_lease_s = self.store.limits.max_lease_s
         if lease_s and not 0 < lease_s <= max_lease_s:
             raise invalid(f"lease of {lease_s:g} s is out of range; allowed 0 < lease <= {max_lease_s:g} s")
+        return shard
+
+    def check_shape(self, dtype: str, shards: Sequence[ModuleShard]) -> str:
+        """Refuse a bad dtype or shards of a copy (INVALID_ARGUMENT); returns the shards' text."""
+        self._check_dtype(dtype)
         try:
             return shards_text(shards)
         except ValueError as e:

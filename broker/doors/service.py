@@ -627,7 +627,7 @@ class MemoryBrokerService(broker_pb2_grpc.MemoryBrokerServicer):
     @_unary
     def GetAdapterLayout(self, request, context, session):
         m = self._manager()
-        layout = m.layout(request.adapter_id)
+        layout = m.layout(request.adapter_id, request.dtype, _shards(request.shards))
         st = m.describe(request.adapter_id)
         return self._layout_msg(request.adapter_id, layout, st.generation, st.object_id, st.pages)
 

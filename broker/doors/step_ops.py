@@ -28,6 +28,7 @@ from memory_broker.broker.sessions.manager import NO_FIELDS
 from memory_broker.broker.store.object_table import ReplyRoom
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
+from memory_broker.proto.wire.layout import parse_shards
 
 # Acquire reply rows of hot adapter objects kept at most (each a few dozen bytes).
 ROWS_KEPT = 16384
@@ -47,6 +48,7 @@ _TIERS = {"hot": w.TIER_HOT, "warm": w.TIER_WARM, "cold": w.TIER_COLD}
 # dashboards and alerts count fast-path work as they count RPCs; refused frames as "Step".
 METHODS = {
     w.OP_RELEASE: "ReleaseAdapters",
+    w.OP_RELEASE_IN: "ReleaseAdapters",
     w.OP_UNPIN: "Unpin",
     w.OP_PIN: "Pin",
     w.OP_COMMIT: "Commit",
@@ -84,9 +86,10 @@ class _Load(Exception):
     """Raised by an acquire op that must wait for a load: ``start()`` makes the manager's
     acquire coroutine (``prepare``: a two-phase one), which the frame's task awaits."""
 
-    def __init__(self, start: Callable, prepare: bool):
+    def __init__(self, start: Callable, prepare: bool, dtype: str = ""):
         super().__init__("an adapter load")
-        self.start, self.prepare = start, prepare
+        # ``dtype``: the copies' (what a give-back releases them in).
+        self.start, self.prepare, self.dtype = start, prepare, dtype
 
 
 @dataclass(slots=True)
@@ -322,6 +325,10 @@ class StepOps:
             m.release(sid, list(op.items))
         return _RELEASE_DONE
 
+    def _release_in(self, sid: int, op: w.Op) -> bytes:
+        self._manager().release(sid, list(op.items), op.dtype)
+        return _RELEASE_DONE
+
     def _acquire(self, sid: int, op: w.Op) -> bytes:
         """Pin adapters as ``AdapterManager.acquire`` (or ``prepare_acquire``) does, with its
         admission, deferral and errors.
@@ -329,23 +336,31 @@ class StepOps:
         When every admitted adapter is hot the manager's acquire does not yield to the loop, so
         it runs to completion right here, between two other callbacks of the loop, like any
         other core call. Otherwise it raises ``_Load``: the frame waits for the load in a task
-        (``StepChannelServer._wait``) and is answered when it is done."""
+        (``StepChannelServer._wait``) and is answered when it is done. So does an acquire of
+        copies in another dtype or of a rank's shards (``ACQUIRE_SHAPED``): an engine asks for
+        those as it loads an adapter, not every step."""
         m = self.adapters
         if m is None:
             m = self._manager()  # raises FAILED_PRECONDITION, as gRPC does
-        prepare = bool(op.flags & w.ACQUIRE_PREPARE)
-        if not prepare:
+        prepare, shaped = bool(op.flags & w.ACQUIRE_PREPARE), bool(op.flags & w.ACQUIRE_SHAPED)
+        if not (prepare or shaped):
             objs = m.pin_hot(sid, op.items, op.max_adapters)
             if objs is not None:
                 return _hot_rows(self._rows, self._core, m, op.items, objs)
         ids, cap, lease = list(op.items), op.max_adapters or None, (op.lease_ms / 1000.0) or None
+        try:
+            dtype, shards = op.dtype, parse_shards(op.shard)
+        except ValueError as e:
+            raise invalid(f"shards: {e}") from None
 
         def start():
-            return m.prepare_acquire(sid, ids, cap, False, lease) if prepare else m.acquire(sid, ids, cap, False)
+            if prepare:
+                return m.prepare_acquire(sid, ids, cap, False, lease, dtype, shards)
+            return m.acquire(sid, ids, cap, False, dtype, shards)
 
         distinct = list(dict.fromkeys(ids))
-        if not all(isinstance(a, str) and m.is_hot(a) for a in distinct[: cap or len(distinct)]):
-            raise _Load(start, prepare)
+        if shaped or not all(isinstance(a, str) and m.is_hot(a) for a in distinct[: cap or len(distinct)]):
+            raise _Load(start, prepare, dtype)
         coro = start()
         try:
             coro.send(None)
@@ -387,7 +402,7 @@ def _give_back(m, sid: int, load: _Load, r) -> None:
         if load.prepare and r.txn_id:
             m.abort_acquire(sid, r.txn_id)
         elif r.adapters:
-            m.release(sid, [a.adapter_id for a in r.adapters])
+            m.release(sid, [a.adapter_id for a in r.adapters], load.dtype)
 
 
 # Each op kind's handler (a StepOps method, called with the server).
@@ -396,6 +411,7 @@ HANDLERS: dict[int, Callable[[StepOps, int, w.Op], bytes]] = {
     w.OP_UNPIN: StepOps._unpin,
     w.OP_ACQUIRE: StepOps._acquire,
     w.OP_RELEASE: StepOps._release,
+    w.OP_RELEASE_IN: StepOps._release_in,
     w.OP_PIN: StepOps._pin,
     w.OP_COMMIT: StepOps._commit,
     w.OP_ABORT: StepOps._abort,

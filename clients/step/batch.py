@@ -93,27 +93,13 @@ class PendingBatchStep:
         return self._delta
 
 
-class _Jobs:
-    """A background batch's queue: changes (one-item lists, taken by ``pop``: the worker
-    or a ``result()`` that finds it not begun) and None to stop. Holds no batch."""
-
-    __slots__ = ("items",)
-
-    def __init__(self) -> None:
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-
-    def put(self, item) -> None:
-        self.items.put(item)
-
-    def stop(self) -> None:
-        self.items.put(None)
-
-
-def _worker(jobs: _Jobs) -> None:
+def _worker(jobs: queue.SimpleQueue) -> None:
     """A background batch's thread: run each begun change (send, read the reply, account
-    it) while the engine thread waits for its model; asleep until the next one comes. Ends
-    at None (the batch released or collected). Holds the queue only, not the batch."""
-    get = jobs.items.get
+    it) while the engine thread waits for its model; asleep until the next one comes. Its
+    queue holds changes (one-item lists, taken by ``pop``: this worker or a ``result()`` that
+    finds it not begun) and None to stop (the batch released or collected). Holds the queue
+    only, not the batch."""
+    get = jobs.get
     while (box := get()) is not None:
         try:
             job = box.pop()
@@ -279,10 +265,10 @@ class StepBatch:
         client = self.client
         jobs = self._jobs
         if jobs is None:
-            jobs = self._jobs = _Jobs()
+            jobs = self._jobs = queue.SimpleQueue()
             threading.Thread(target=_worker, args=(jobs,), name="step-batch-worker", daemon=True).start()
             # A batch dropped without release() still ends its thread.
-            weakref.finalize(self, jobs.stop)
+            weakref.finalize(self, jobs.put, None)
         done = threading.Lock()
         done.acquire()
         pending = PendingBatchStep(None, done, client.timeout + 1.0)
@@ -402,7 +388,7 @@ class StepBatch:
                 pass  # its caller gets it from its own result()
         self.released = True
         if self._jobs is not None:
-            self._jobs.stop()  # the worker ends
+            self._jobs.put(None)  # the worker ends
         client = self.client
         own, self._own = self._own, {}
         rel = [a for a in self.adapters if a not in own]

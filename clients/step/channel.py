@@ -4,9 +4,10 @@
 release adapters, commit or abort an acquire, lookup, pin, unpin, ``step``, ``step_begin``, a
 running batch's ``change``) and sends them over one session's ``StepPath`` (``path.py``), a
 frame a call. ``calls.choose_calls`` picks one of the two per session. The channel answers
-every acquire itself (one that needs a load waits on the broker for it); only what the wire
-has no field for (an acquire in another dtype or of a rank's shards) and a lookup or an
-acquire whose channel broke (gRPC waits for the reconnect) go to the session's ``GrpcCalls``.
+every call itself (an acquire that needs a load or a conversion waits on the broker for it). A
+lookup or an acquire whose channel broke is sent once more on the next session's calls, after
+the client's reconnect, as gRPC's retry does (``_again``); every other call whose channel broke
+raises UNAVAILABLE.
 Ops are tuples of an ``Op``'s fields (the native encoder takes them as they are). Records
 become leases and objects through the session's ``SessionRecords`` (``lease.py``).
 """
@@ -14,6 +15,7 @@ become leases and objects through the session's ``SessionRecords`` (``lease.py``
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 from memory_broker.clients.step.delta import send_delta
@@ -21,8 +23,8 @@ from memory_broker.clients.step.grpc_calls import GrpcCalls
 from memory_broker.clients.step.lease import PendingStepLease, StepLease
 from memory_broker.clients.step.path import StepPath, StepUnavailable, not_answered
 from memory_broker.proto.wire import step as _w
-from memory_broker.proto.wire.errors import BrokerError, Code
-from memory_broker.proto.wire.layout import ModuleShard
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid
+from memory_broker.proto.wire.layout import ModuleShard, shards_text
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,7 @@ class ChannelCalls:
     def __init__(self, client, path: StepPath, grpc: GrpcCalls):
         self.client = client
         self.path = path
-        # Where a call the channel cannot serve goes; its records are this session's.
-        self.grpc = grpc
+        # The session's records (shared with its gRPC calls, which a reconnect may bring).
         self.records = grpc.records
         self.epoch = grpc.epoch
         # The transport's frames whose replies are unread (a deque: its truth says whether
@@ -102,6 +103,18 @@ class ChannelCalls:
             raise reply.error
         return reply
 
+    def _again(self, name: str, *args):
+        """A lookup or acquire whose step channel broke, sent once more on the next session's
+        calls when the client has reconnected (within its ``timeout``; no session's pins are
+        named in either, so nothing is done twice); UNAVAILABLE when no new session opens."""
+        client = self.client
+        deadline = time.monotonic() + client.timeout
+        while client.reconnect_s > 0 and time.monotonic() < deadline and not client.closed and not client._end_reason:
+            if client.epoch != self.epoch and client._live.is_set():
+                return getattr(client._step_calls(), name)(*args)
+            time.sleep(0.02)
+        raise self._unavailable(StepUnavailable("no new session opened after the channel broke"))
+
     def _admitted(self, ids: list[str], cap: int) -> tuple[list[str], list[str]]:
         """``_admitted(ids, cap)``, the last call's when it asked the same."""
         last, last_cap, split = self._split
@@ -122,26 +135,28 @@ class ChannelCalls:
         dtype: str = "",
         shards: Sequence[ModuleShard] = (),
     ):
-        # The step channel acquires whole copies in the broker's dtype (loading them if need
-        # be); others are gRPC's, as is an acquire whose channel broke (gRPC waits for a reconnect).
-        if not (dtype or shards) and not isinstance(adapter_ids, str):  # gRPC refuses a str, saying why
-            # (The caller's list as it is: it is encoded now, and ``_admitted`` keeps a copy.)
-            ids = adapter_ids if type(adapter_ids) is list else list(adapter_ids)
-            op = (_ACQUIRE, ids, _w.ACQUIRE_PREPARE if prepare else 0, max_adapters, int(lease_s * 1000))
-            reply = self._frame([op], True)
-            if reply is not None:
-                r: _w.AcquireOutcome = reply.results[0]
-                if not r.hot:
-                    raise not_answered()
-                admitted, deferred = self._admitted(ids, max_adapters)
-                return self.records.step_lease(admitted, r.adapters, deferred, r.txn_id, reply.arena_slabs)
-        return self.grpc.acquire_adapters(adapter_ids, max_adapters, prepare, lease_s, dtype, shards)
+        if isinstance(adapter_ids, str):
+            raise invalid("adapter_ids must be a list of adapter ids, not one string")
+        # (The caller's list as it is: it is encoded now, and ``_admitted`` keeps a copy.)
+        ids = adapter_ids if type(adapter_ids) is list else list(adapter_ids)
+        flags, lease_ms, shard = _w.ACQUIRE_PREPARE if prepare else 0, int(lease_s * 1000), shards_text(shards)
+        if dtype or shard:  # copies in another dtype or of a rank's shards
+            op = (_ACQUIRE, ids, flags | _w.ACQUIRE_SHAPED, max_adapters, lease_ms, dtype, shard)
+        else:
+            op = (_ACQUIRE, ids, flags, max_adapters, lease_ms)
+        reply = self._frame([op], True)
+        if reply is None:
+            return self._again("acquire_adapters", adapter_ids, max_adapters, prepare, lease_s, dtype, shards)
+        r: _w.AcquireOutcome = reply.results[0]
+        if not r.hot:
+            raise not_answered()
+        admitted, deferred = self._admitted(ids, max_adapters)
+        return self.records.step_lease(admitted, r.adapters, deferred, r.txn_id, reply.arena_slabs, dtype, shard)
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
-        if dtype:
-            self.grpc.release_adapters(adapter_ids, dtype)
-        elif adapter_ids:
-            self._give_back([(_RELEASE, tuple(adapter_ids))])
+        if adapter_ids:
+            ids = tuple(adapter_ids)
+            self._give_back([(_w.OP_RELEASE_IN, ids, 0, 0, 0, dtype) if dtype else (_RELEASE, ids)])
 
     def commit_acquire(self, transaction_id: int) -> None:
         self._frame([(_COMMIT, (transaction_id,))])
@@ -158,11 +173,9 @@ class ChannelCalls:
         if not keys:
             return []
         reply = self._frame([(_LOOKUP, tuple(keys), 1 if pin else 0)], True)
-        if reply is not None:
-            return self.records.objects(reply.results[0])
-        # A step channel that broke (the broker restarting) is not retried here: the gRPC
-        # call waits for the new session and retries, as it always did.
-        return self.grpc.lookup(keys, pin)
+        if reply is None:  # the channel broke (the broker restarting)
+            return self._again("lookup", keys, pin)
+        return self.records.objects(reply.results[0])
 
     def lookup_many(self, key_lists: list[list[bytes]], pin: bool, unpin_ids: list[int]) -> list[list]:
         """``BrokerClient.lookup_many``: the unpin and every lookup in one frame (more only past

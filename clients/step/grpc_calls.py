@@ -3,9 +3,9 @@
 ``GrpcCalls`` has the methods and results of ``channel.py``'s ``ChannelCalls`` (acquire and
 release adapters, commit or abort an acquire, lookup, pin, unpin, ``step``, ``step_begin``, a
 running batch's ``change``), so ``BrokerClient`` picks one of the two per session and never
-asks which it has. The step channel's calls also fall back to this one where the channel
-cannot serve a call (an acquire in another dtype or of a rank's shards, a channel that broke). Records become
-leases and objects through the session's ``SessionRecords`` (``lease.py``).
+asks which it has: a session has these when it has no step channel (``fast_path=False``, the
+channel's connection cap, a broker without one). Records become leases and objects through the
+session's ``SessionRecords`` (``lease.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from memory_broker.clients.step.lease import PendingStepLease, SessionRecords, StepLease
 from memory_broker.proto.wire.errors import BrokerError, Code
 from memory_broker.proto.wire.layout import ModuleShard, shards_text
+from memory_broker.proto.wire.messages import shard_msg
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
@@ -60,9 +61,7 @@ class GrpcCalls:
             prepare=prepare,
             lease_ms=int(lease_s * 1000),
             dtype=dtype,
-            shards=[
-                pb.ModuleShard(module=s.module, split_input=s.split_input, index=s.index, count=s.count) for s in shards
-            ],
+            shards=[shard_msg(s) for s in shards],
         )
         resp = self._rpc("AcquireAdapters", req, retry=True)
         lease = self.records.grpc_lease(resp, dtype, shard)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
+from memory_broker.proto.wire.layout import parse_shards
 from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
 
 
@@ -66,8 +67,11 @@ class SessionRecords:
             r.made = obj
         return out
 
-    def step_lease(self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int) -> AdapterLease:
-        """The lease of a step channel's acquire: adapter ``ids[i]`` has record ``recs[i]``."""
+    def step_lease(
+        self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int, dtype: str = "", shard: str = ""
+    ) -> AdapterLease:
+        """The lease of a step channel's acquire: adapter ``ids[i]`` has record ``recs[i]``
+        (copies in ``dtype`` of the shards ``shard``, where the acquire asked for those)."""
         client = self.client
         if arena_slabs > self._mapped or client.view is not self._view:
             client._ensure_slabs(arena_slabs)
@@ -76,13 +80,13 @@ class SessionRecords:
         # under other ids, are not taken for the leases they made).
         leased = [r.made for r in recs]
         if not all(leased) or [la.adapter_id for la in leased] != ids:
-            leased = [self.leased_step(aid, rec) for aid, rec in zip(ids, recs)]
+            leased = [self.leased_step(aid, rec, dtype, shard) for aid, rec in zip(ids, recs)]
             for rec, la in zip(recs, leased):
                 if rec.found_in == _w.TIER_HOT:
                     rec.made = la
-        return AdapterLease(client, leased, deferred, txn_id, client.session_id)
+        return AdapterLease(client, leased, deferred, txn_id, client.session_id, dtype)
 
-    def leased_step(self, aid: str, rec) -> LeasedAdapter:
+    def leased_step(self, aid: str, rec, dtype: str = "", shard: str = "") -> LeasedAdapter:
         """The LeasedAdapter of a step channel's record (the caller mapped the reply's slabs)."""
         cache = self._leased
         hit = cache.get(aid)
@@ -99,7 +103,7 @@ class SessionRecords:
                 rec.generation,
                 rec.object_id,
                 tuple(rec.pages),
-                self.layout(aid, rec.generation),
+                self.layout(aid, rec.generation, dtype, shard),
                 "hot",  # what it is from now on; this record's own tier is said below
             )
         if rec.found_in != _w.TIER_HOT:
@@ -112,36 +116,41 @@ class SessionRecords:
         """The lease of a gRPC ``AcquireAdaptersResponse`` (its adapters asked in ``dtype``, of
         the tensor-parallel shards ``shard``)."""
         client = self.client
-        suffix = (f"#{dtype}" if dtype else "") + (f"#{shard}" if shard else "")
-        leased = [self.leased_grpc(a, suffix) for a in resp.adapters]
+        leased = [self.leased_grpc(a, dtype, shard) for a in resp.adapters]
         return AdapterLease(client, leased, resp.deferred, resp.transaction_id, client.session_id, dtype)
 
-    def leased_grpc(self, a, suffix: str = "") -> LeasedAdapter:
+    def leased_grpc(self, a, dtype: str = "", shard: str = "") -> LeasedAdapter:
         """A gRPC-acquired adapter mapped read-only here, with its layout (cached per adapter id and
-        asked dtype and shards: ``suffix`` is ``#dtype`` for a copy asked in a dtype, plus
-        ``#shard`` for a rank's shards)."""
+        asked dtype and shards)."""
         client = self.client
         client._ensure_slabs(a.arena_slabs)
         # Shared weights: read-only in this mapping before anyone here can touch them.
         client._set_access(a.pages, True)
         if a.HasField("layout"):
-            client._layout_cache[a.adapter_id + suffix] = (a.generation, layout_from_proto(a.layout))
-        layout = self.layout(a.adapter_id, a.generation, suffix)
+            client._layout_cache[a.adapter_id + _suffix(dtype, shard)] = (a.generation, layout_from_proto(a.layout))
+        layout = self.layout(a.adapter_id, a.generation, dtype, shard)
         return LeasedAdapter(a.adapter_id, a.generation, a.object_id, tuple(a.pages), layout, TIER_NAMES[a.found_in])
 
-    def layout(self, aid: str, generation: int, suffix: str = ""):
-        """An adapter's layout of ``generation``: cached per adapter id (and asked dtype) with
-        the generation it came with, else asked for (once per generation: an id unregistered
-        and registered again, by any process, names another adapter, maybe of other ranks)."""
+    def layout(self, aid: str, generation: int, dtype: str = "", shard: str = ""):
+        """An adapter's layout of ``generation`` (its copy's in ``dtype`` of the shards ``shard``):
+        cached per adapter id (and asked dtype and shards) with the generation it came with,
+        else asked for (once per generation: an id unregistered and registered again, by any
+        process, names another adapter, maybe of other ranks)."""
         client = self.client
+        suffix = _suffix(dtype, shard)
         hit = client._layout_cache.get(aid + suffix)
         if hit is not None and hit[0] == generation:
             return hit[1]
         # Not seen yet, another generation, or the cache was cleared under the request (a reconnect).
         # (The lease held meanwhile keeps the id from being unregistered: it is this one's.)
-        layout = layout_from_proto(client.adapter_layout(aid))
+        layout = layout_from_proto(client.adapter_layout(aid, dtype, parse_shards(shard)))
         client._layout_cache[aid + suffix] = (generation, layout)
         return layout
+
+
+def _suffix(dtype: str, shard: str) -> str:
+    """The layout cache's key suffix of a copy asked in ``dtype``, of the shards ``shard``."""
+    return (f"#{dtype}" if dtype else "") + (f"#{shard}" if shard else "")
 
 
 class PendingStepLease:

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memory_broker.proto.wire.layout import AdapterLayout, MatrixPlacement, ModulePlacement, RowChunk, elem_size
+from memory_broker.proto.wire.layout import (
+    AdapterLayout,
+    MatrixPlacement,
+    ModulePlacement,
+    ModuleShard,
+    RowChunk,
+    elem_size,
+)
 from memory_broker.proto.wire.spec import Spec
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
@@ -103,3 +110,8 @@ def layout_from_proto(msg: pb.AdapterLayout) -> AdapterLayout:
         modules=tuple(modules),
         shard=msg.shard,
     )
+
+
+def shard_msg(s: ModuleShard) -> pb.ModuleShard:
+    """A ``ModuleShard`` as its message (``AcquireAdaptersRequest.shards``)."""
+    return pb.ModuleShard(module=s.module, split_input=s.split_input, index=s.index, count=s.count)

@@ -65,6 +65,9 @@ OP_COMMIT = 4  # adapter acquire transaction ids
 OP_ABORT = 5  # adapter acquire transaction ids
 OP_ACQUIRE = 6  # flags, max_adapters, lease_ms, adapter ids
 OP_LOOKUP = 7  # pin flag, keys
+# Adapter ids, released from their copies in a dtype: the dtype, then the ids (the release of
+# an acquire that asked for one: ``OP_RELEASE`` drops the broker's own copy's pins first).
+OP_RELEASE_IN = 8
 OP_NAMES = {
     OP_RELEASE: "release",
     OP_UNPIN: "unpin",
@@ -73,8 +76,12 @@ OP_NAMES = {
     OP_ABORT: "abort",
     OP_ACQUIRE: "acquire",
     OP_LOOKUP: "lookup",
+    OP_RELEASE_IN: "release in a dtype",
 }
 ACQUIRE_PREPARE = 1
+# An acquire of copies in another dtype or of a tensor-parallel rank's shards: its ids are
+# followed by the dtype and the shards' text (``layout.shards_text``), each a str16.
+ACQUIRE_SHAPED = 2
 
 # Error codes on the wire (index into this tuple).
 CODES: tuple[Code, ...] = tuple(Code)
@@ -148,6 +155,10 @@ class Op:
     flags: int = 0
     max_adapters: int = 0
     lease_ms: int = 0
+    # Acquire with ACQUIRE_SHAPED: the copies' dtype ("": the broker's) and shards' text;
+    # release in a dtype: the dtype.
+    dtype: str = ""
+    shard: str = ""
 
 
 @dataclass(slots=True)
@@ -282,9 +293,11 @@ def _encode_step(ops: Sequence[Op | tuple]) -> bytes:
     for op in ops:
         k = op.kind
         parts.append(bytes((k,)))
-        if k in (OP_RELEASE, OP_LOOKUP) and len(op.items) > 0xFFFF:
+        if k in (OP_RELEASE, OP_RELEASE_IN, OP_LOOKUP) and len(op.items) > 0xFFFF:
             raise WireError(f"{len(op.items)} items in one op; at most 65535")
-        if k == OP_RELEASE:
+        if k in (OP_RELEASE, OP_RELEASE_IN):
+            if k == OP_RELEASE_IN:
+                _strs16_out(parts, _utf8([op.dtype]), "a dtype")
             parts.append(_U16.pack(len(op.items)))
             parts.append(_ids16(op.items))
         elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
@@ -297,6 +310,8 @@ def _encode_step(ops: Sequence[Op | tuple]) -> bytes:
                 )
             parts.append(_ACQ_HEAD.pack(op.flags, op.max_adapters, op.lease_ms, len(op.items)))
             parts.append(_ids16(op.items))
+            if op.flags & ACQUIRE_SHAPED:
+                _strs16_out(parts, _utf8([op.dtype, op.shard]), "a dtype or shards")
         elif k == OP_LOOKUP:
             parts.append(_LOOKUP_HEAD.pack(op.flags, len(op.items)))
             _strs16_out(parts, list(map(bytes, op.items)), "a key")
@@ -375,17 +390,22 @@ def _decode_step_checked(body: bytes) -> list[Op]:
     for i in range(n):
         (k,) = r.unpack(_U8, f"op {i}'s kind")
         where = f"op {i} ({OP_NAMES.get(k, k)})"
-        if k == OP_RELEASE:
+        if k in (OP_RELEASE, OP_RELEASE_IN):
+            dtype = _text(r.str16(where), where + "'s dtype") if k == OP_RELEASE_IN else ""
             count = r.u16(where)
-            ops.append(Op(k, tuple(_text(r.str16(where), where + "'s adapter id") for _ in range(count))))
+            ids = tuple(_text(r.str16(where), where + "'s adapter id") for _ in range(count))
+            ops.append(Op(k, ids, dtype=dtype))
         elif k in (OP_UNPIN, OP_PIN, OP_COMMIT, OP_ABORT):
             ops.append(Op(k, r.ids(where)))
         elif k == OP_ACQUIRE:
             flags, cap, lease_ms, count = r.unpack(_ACQ_HEAD, where)
-            if flags & ~ACQUIRE_PREPARE:
+            if flags & ~(ACQUIRE_PREPARE | ACQUIRE_SHAPED):
                 raise WireError(f"{where}: unknown flags {flags:#x}")
             ids = tuple(_text(r.str16(where), where + "'s adapter id") for _ in range(count))
-            ops.append(Op(k, ids, flags, cap, lease_ms))
+            dtype = shard = ""
+            if flags & ACQUIRE_SHAPED:
+                dtype, shard = (_text(r.str16(where), f"{where}'s {what}") for what in ("dtype", "shards"))
+            ops.append(Op(k, ids, flags, cap, lease_ms, dtype, shard))
         elif k == OP_LOOKUP:
             pin, count = r.unpack(_LOOKUP_HEAD, where)
             if pin > 1:

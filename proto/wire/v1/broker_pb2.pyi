@@ -528,10 +528,14 @@ class ModuleShard(_message.Message):
     def __init__(self, module: _Optional[str] = ..., split_input: _Optional[bool] = ..., index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetAdapterLayoutRequest(_message.Message):
-    __slots__ = ("adapter_id",)
+    __slots__ = ("adapter_id", "dtype", "shards")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
-    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+    dtype: str
+    shards: _containers.RepeatedCompositeFieldContainer[ModuleShard]
+    def __init__(self, adapter_id: _Optional[str] = ..., dtype: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ModuleShard, _Mapping]]] = ...) -> None: ...
 
 class AcquireAdaptersRequest(_message.Message):
     __slots__ = ("adapter_ids", "max_adapters", "with_layout", "prepare", "lease_ms", "dtype", "shards")
