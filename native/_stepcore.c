@@ -937,6 +937,7 @@ decode_results(const unsigned char *b, Py_ssize_t end, PyObject *const *args, Py
             /* <BBQdH>: 20 bytes; then records <QQBI> (21 bytes, page count at 17) and pages. */
             if (end - pos < ACQ_RESULT_HEAD_SIZE) goto malformed;
             int hot = b[pos + 1];
+            if (hot > 1) goto malformed; /* layouts follow (a load's): the Python decoder reads them */
             uint64_t txn = rd64(b + pos + 2);
             double deadline;
             memcpy(&deadline, b + pos + 10, 8);

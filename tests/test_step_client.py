@@ -265,9 +265,9 @@ def test_a_lease_reused_by_its_records_names_the_ids_asked(step_rig):
         s1 = c.step(["a0", "a1"])
         records = c._step_calls().records
         r0, r1 = records._leased["a0"][0], records._leased["a1"][0]
-        again = records.step_lease(["a0", "a1"], (r0, r1), [], 0, 0)
+        again = records.step_lease(["a0", "a1"], w.AcquireOutcome(True, 0, 0.0, (r0, r1)), [], 0)
         assert [a is p for a, p in zip(again.adapters, s1.adapters.adapters, strict=True)] == [True, True]
-        swapped = records.step_lease(["a1", "a0"], (r0, r1), [], 0, 0)
+        swapped = records.step_lease(["a1", "a0"], w.AcquireOutcome(True, 0, 0.0, (r0, r1)), [], 0)
         assert swapped.ids == ["a1", "a0"] and [a.object_id for a in swapped.adapters] == [r0.object_id, r1.object_id]
         swapped.released = again.released = True  # made here, not acquired: nothing to give back
         s1.release()

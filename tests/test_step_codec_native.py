@@ -321,6 +321,22 @@ def test_reply_decoder_native_and_python_give_the_same_records_or_error(reply):
         assert native_out[1][0] == w.decode_step_reply(kind, body)
 
 
+def test_an_acquire_result_with_its_loads_layouts_is_read_by_the_python_decoder():
+    """A load's reply carries the loaded adapters' layouts (an empty one for an adapter that
+    was hot): the C leaves that result to the Python decoder, which reads it whole, and a
+    body cut anywhere in it is a WireError."""
+    recs = (w.AcquiredRecord(2, 6, w.TIER_COLD, (1, 2)), w.AcquiredRecord(3, 7, w.TIER_HOT, (4,)))
+    acq = w.AcquireOutcome(True, 0, 0.0, recs, (b"\x0a\x02a0", b""))
+    body = w.encode_step_reply(2, [w.encode_acquire(acq)])[5:]
+    assert CORE.decode_ok(body, {}, bytes, {}, bytes, lambda *a: a, 4) is None
+    assert w.ReplyDecoder()(w.OK, body).results == [acq] == w.decode_step_reply(w.OK, body).results
+    for cut in range(1, len(body)):
+        with pytest.raises(w.WireError):
+            w.decode_step_reply(w.OK, body[:cut])
+    with pytest.raises(w.WireError, match="2 layouts for 1"):
+        w.encode_acquire(w.AcquireOutcome(True, 0, 0.0, recs[:1], (b"", b"")))
+
+
 def test_reply_decoder_native_hands_back_the_records_it_made_before():
     assert CORE.decode_ok(REPLY[5:], {}, bytes, {}, bytes, lambda *a: a, 4) is not None  # taken by the C
     d = w.ReplyDecoder()

@@ -29,6 +29,7 @@ from memory_broker.broker.store.object_table import ReplyRoom
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code, denied, invalid
 from memory_broker.proto.wire.layout import parse_shards
+from memory_broker.proto.wire.messages import layout_to_proto
 
 # Acquire reply rows of hot adapter objects kept at most (each a few dozen bytes).
 ROWS_KEPT = 16384
@@ -300,7 +301,7 @@ class StepOps:
             if self.links.gone(c, fd):  # the connection went meanwhile: nobody holds these
                 _give_back(self.adapters, sid, load, r)
                 return
-            results.append(_acquired(r))
+            results.append(_acquired(r, self._num_slabs()))
             self.room.reset()
             i, error, load = self._run(c, s, ops, i + 1, results, self.sessions.authorize)
         self.links.resume(c, fd, self._reply(results, error, i))
@@ -355,8 +356,8 @@ class StepOps:
 
         def start():
             if prepare:
-                return m.prepare_acquire(sid, ids, cap, False, lease, dtype, shards)
-            return m.acquire(sid, ids, cap, False, dtype, shards)
+                return m.prepare_acquire(sid, ids, cap, True, lease, dtype, shards)
+            return m.acquire(sid, ids, cap, True, dtype, shards)
 
         distinct = list(dict.fromkeys(ids))
         if shaped or not all(isinstance(a, str) and m.is_hot(a) for a in distinct[: cap or len(distinct)]):
@@ -365,7 +366,7 @@ class StepOps:
         try:
             coro.send(None)
         except StopIteration as done:
-            return _acquired(done.value)
+            return _acquired(done.value, self._num_slabs())
         # It waited on something after all: never leave it half done; the frame waits for it.
         coro.close()
         raise _Load(start, prepare)
@@ -386,13 +387,16 @@ class StepOps:
         return _ABORT_DONE
 
 
-def _acquired(r) -> bytes:
-    """An ``AcquireResult``'s reply record."""
-    return w.encode_acquire_rows(
-        r.txn_id,
-        r.deadline_unix,
-        [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters],
-    )
+def _acquired(r, slabs: int) -> bytes:
+    """An ``AcquireResult``'s reply record: with the layouts of the adapters it loaded (a new
+    generation: the client would otherwise ask GetAdapterLayout for each)."""
+    rows = [(a.generation, a.object_id, _TIERS[a.found_in.value], a.pages) for a in r.adapters]
+    layouts = [b"" if a.layout is None or a.found_in.value == "hot" else _layout_bytes(a, slabs) for a in r.adapters]
+    return w.encode_acquire_rows(r.txn_id, r.deadline_unix, rows, layouts if any(layouts) else ())
+
+
+def _layout_bytes(a, slabs: int) -> bytes:
+    return layout_to_proto(a.adapter_id, a.layout, a.generation, a.object_id, a.pages, slabs).SerializeToString()
 
 
 def _give_back(m, sid: int, load: _Load, r) -> None:

@@ -151,7 +151,7 @@ class ChannelCalls:
         if not r.hot:
             raise not_answered()
         admitted, deferred = self._admitted(ids, max_adapters)
-        return self.records.step_lease(admitted, r.adapters, deferred, r.txn_id, reply.arena_slabs, dtype, shard)
+        return self.records.step_lease(admitted, r, deferred, reply.arena_slabs, dtype, shard)
 
     def release_adapters(self, adapter_ids: Sequence[str], dtype: str = "") -> None:
         if adapter_ids:
@@ -312,7 +312,7 @@ class ChannelCalls:
             got = r.adapters
             if len(got) < len(admitted):  # a record per admitted id, in order
                 raise BrokerError(Code.INTERNAL, f"the step channel acquired {len(got)} of {len(admitted)} adapters")
-            lease = self.records.step_lease(admitted, got, deferred, r.txn_id, reply.arena_slabs)
+            lease = self.records.step_lease(admitted, r, deferred, reply.arena_slabs)
         else:
             if objs:
                 self.client.unpin(objs)

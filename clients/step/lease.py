@@ -21,6 +21,7 @@ from memory_broker.clients.step.adapters import AdapterLease, LeasedAdapter
 from memory_broker.proto.wire import step as _w
 from memory_broker.proto.wire.layout import parse_shards
 from memory_broker.proto.wire.messages import TIER_NAMES, layout_from_proto
+from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 
 class SessionRecords:
@@ -68,10 +69,11 @@ class SessionRecords:
         return out
 
     def step_lease(
-        self, ids: list[str], recs, deferred, txn_id: int, arena_slabs: int, dtype: str = "", shard: str = ""
+        self, ids: list[str], out: _w.AcquireOutcome, deferred, arena_slabs: int, dtype: str = "", shard: str = ""
     ) -> AdapterLease:
-        """The lease of a step channel's acquire: adapter ``ids[i]`` has record ``recs[i]``
-        (copies in ``dtype`` of the shards ``shard``, where the acquire asked for those)."""
+        """The lease of a step channel's acquire ``out``: adapter ``ids[i]`` has its record
+        ``i`` (copies in ``dtype`` of the shards ``shard``, where the acquire asked for those)."""
+        recs, layouts = out.adapters, out.layouts or [b""] * len(out.adapters)
         client = self.client
         if arena_slabs > self._mapped or client.view is not self._view:
             client._ensure_slabs(arena_slabs)
@@ -80,14 +82,15 @@ class SessionRecords:
         # under other ids, are not taken for the leases they made).
         leased = [r.made for r in recs]
         if not all(leased) or [la.adapter_id for la in leased] != ids:
-            leased = [self.leased_step(aid, rec, dtype, shard) for aid, rec in zip(ids, recs)]
+            leased = [self.leased_step(a, rec, dtype, shard, raw) for a, rec, raw in zip(ids, recs, layouts)]
             for rec, la in zip(recs, leased):
                 if rec.found_in == _w.TIER_HOT:
                     rec.made = la
-        return AdapterLease(client, leased, deferred, txn_id, client.session_id, dtype)
+        return AdapterLease(client, leased, deferred, out.txn_id, client.session_id, dtype)
 
-    def leased_step(self, aid: str, rec, dtype: str = "", shard: str = "") -> LeasedAdapter:
-        """The LeasedAdapter of a step channel's record (the caller mapped the reply's slabs)."""
+    def leased_step(self, aid: str, rec, dtype: str = "", shard: str = "", layout: bytes = b"") -> LeasedAdapter:
+        """The LeasedAdapter of a step channel's record (the caller mapped the reply's slabs),
+        with its ``layout`` where the reply carried one (an ``AdapterLayout`` message)."""
         cache = self._leased
         hit = cache.get(aid)
         if hit is not None and hit[0] is rec:
@@ -96,8 +99,12 @@ class SessionRecords:
         k = (aid, rec.generation, rec.object_id)
         la = cache.get(k)
         if la is None:
-            # First sight of this placement: its pages read-only here, its layout fetched once.
+            # First sight of this placement: its pages read-only here, its layout fetched once
+            # (a load's reply brings it).
             self.client._set_access(rec.pages, True)
+            if layout:
+                got = layout_from_proto(pb.AdapterLayout.FromString(layout))
+                self.client._layout_cache[aid + _suffix(dtype, shard)] = (rec.generation, got)
             la = cache[k] = LeasedAdapter(
                 aid,
                 rec.generation,

@@ -87,11 +87,17 @@ ACQUIRE_SHAPED = 2
 CODES: tuple[Code, ...] = tuple(Code)
 _CODE_INDEX = {c: i for i, c in enumerate(CODES)}
 
+# An acquire result's flags byte: the adapters were acquired (0: by a broker older than this
+# client, nothing was done); each record's layout follows the records (where the broker loaded
+# adapters for the acquire: the client has no layout of their new generation yet).
+ACQUIRED, WITH_LAYOUTS = 1, 2
+
 # Adapter tiers in acquire results (the proto's order).
 TIER_HOT, TIER_WARM, TIER_COLD = 1, 2, 3
 TIER_NAMES = {TIER_HOT: "hot", TIER_WARM: "warm", TIER_COLD: "cold"}
 
 _U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
 _COUNT_OPS = _U16
 _ACQ_HEAD = struct.Struct("<BHIH")
 _LOOKUP_HEAD = struct.Struct("<BH")
@@ -180,6 +186,9 @@ class AcquireOutcome:
     deadline_unix: float = 0.0
     # Admitted adapters in request order (the first ``max_adapters`` distinct ids).
     adapters: tuple[AcquiredRecord, ...] = ()
+    # Each adapter's layout (an ``AdapterLayout`` message's bytes; empty: none sent), where
+    # the broker sent them (``WITH_LAYOUTS``); else ().
+    layouts: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)
@@ -521,20 +530,25 @@ def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
 def encode_acquire(out: AcquireOutcome) -> bytes:
     if not out.hot:
         return _ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 0, 0, 0.0, 0)
-    parts = [_ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 1, out.txn_id, out.deadline_unix, len(out.adapters))]
-    for a in out.adapters:
-        parts.append(_ACQ_ADAPTER.pack(a.generation, a.object_id, a.found_in, len(a.pages)))
-        parts.append(struct.pack("<%dI" % len(a.pages), *a.pages))
-    return b"".join(parts)
+    rows = [(a.generation, a.object_id, a.found_in, a.pages) for a in out.adapters]
+    return encode_acquire_rows(out.txn_id, out.deadline_unix, rows, out.layouts)
 
 
-def encode_acquire_rows(txn_id: int, deadline_unix: float, rows: Sequence[tuple]) -> bytes:
-    """A hot ``encode_acquire`` from tuples in ``AcquiredRecord``'s field order (no records built)."""
-    parts = [_ACQ_RESULT_HEAD.pack(OP_ACQUIRE, 1, txn_id, deadline_unix, len(rows))]
+def encode_acquire_rows(
+    txn_id: int, deadline_unix: float, rows: Sequence[tuple], layouts: Sequence[bytes] = ()
+) -> bytes:
+    """An ``encode_acquire`` from tuples in ``AcquiredRecord``'s field order (no records
+    built), with a layout per row where ``layouts`` are given."""
+    if layouts and len(layouts) != len(rows):
+        raise WireError(f"{len(layouts)} layouts for {len(rows)} acquired adapters")
+    flags = ACQUIRED | (WITH_LAYOUTS if layouts else 0)
+    parts = [_ACQ_RESULT_HEAD.pack(OP_ACQUIRE, flags, txn_id, deadline_unix, len(rows))]
     head = _ACQ_ADAPTER.pack
     for gen, oid, tier, pages in rows:
         parts.append(head(gen, oid, tier, len(pages)))
         parts.append(struct.pack("<%dI" % len(pages), *pages))
+    for raw in layouts:
+        parts.append(_U32.pack(len(raw)) + raw)
     return b"".join(parts)
 
 
@@ -588,6 +602,31 @@ def _decode_error(r: _Reader) -> tuple[BrokerError, int]:
     return BrokerError(CODES[code] if code < len(CODES) else Code.INTERNAL, msg), index
 
 
+def _read_acquire(body: bytes, pos: int, append) -> int:
+    """The acquire result at ``pos`` of a reply's body, ``append``ed; returns where it ends."""
+    end = len(body)
+    _, hot, txn, deadline, count = _ACQ_RESULT_HEAD.unpack_from(body, pos)
+    pos += _ACQ_RESULT_HEAD.size
+    ads = []
+    for _ in range(count):
+        gen, oid, tier, npages = _ACQ_ADAPTER.unpack_from(body, pos)
+        pos += _ACQ_ADAPTER.size
+        if pos + 4 * npages > end:
+            raise WireError(f"frame ends inside an adapter's pages (byte {pos} of {end})")
+        ads.append(AcquiredRecord(gen, oid, tier, struct.unpack_from("<%dI" % npages, body, pos)))
+        pos += 4 * npages
+    layouts = []
+    for _ in range(count if hot & WITH_LAYOUTS else 0):
+        (size,) = _U32.unpack_from(body, pos)
+        pos += 4
+        if pos + size > end:
+            raise WireError(f"frame ends inside an adapter's layout (byte {pos} of {end})")
+        layouts.append(bytes(body[pos : pos + size]))
+        pos += size
+    append(AcquireOutcome(bool(hot & ACQUIRED), txn, deadline, tuple(ads), tuple(layouts)))
+    return pos
+
+
 def decode_step_reply(kind: int, body: bytes) -> StepReply:
     """A STEP (or refused HELLO/PING) reply. Raises WireError on a malformed one.
 
@@ -605,17 +644,7 @@ def decode_step_reply(kind: int, body: bytes) -> StepReply:
         for _ in range(n):
             k = body[pos]
             if k == OP_ACQUIRE:
-                _, hot, txn, deadline, count = _ACQ_RESULT_HEAD.unpack_from(body, pos)
-                pos += _ACQ_RESULT_HEAD.size
-                ads = []
-                for _ in range(count):
-                    gen, oid, tier, npages = _ACQ_ADAPTER.unpack_from(body, pos)
-                    pos += _ACQ_ADAPTER.size
-                    if pos + 4 * npages > end:
-                        raise WireError(f"frame ends inside an adapter's pages (byte {pos} of {end})")
-                    ads.append(AcquiredRecord(gen, oid, tier, struct.unpack_from("<%dI" % npages, body, pos)))
-                    pos += 4 * npages
-                append(AcquireOutcome(bool(hot), txn, deadline, tuple(ads)))
+                pos = _read_acquire(body, pos, append)
             elif k == OP_PIN or k == OP_LOOKUP:
                 (count,) = _U16.unpack_from(body, pos + 1)
                 pos += 3
