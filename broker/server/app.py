@@ -39,6 +39,7 @@ from memory_broker.broker.server.options import (
     adapter_config,
     adapter_size_limit,
     engine_limits,
+    lmcache_chunk_bytes,
     socket_mode,
 )
 from memory_broker.broker.server.tenancy import fd_authorize, fd_scope, make_pools
@@ -50,7 +51,7 @@ from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.growth import Growth
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import WindowSpace
-from memory_broker.broker.store.tiering import TierLink
+from memory_broker.broker.store.tiering import LMCacheFleet, TierLink
 from memory_broker.proto.wire import native
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
@@ -696,7 +697,12 @@ def make_tier(opts: ServeOptions, store: ObjectStore, arena, geometry, log, obse
     tier = Tier(backend, opts.tier_deadline_s, opts.tier_queue_depth, observe=observe)
     names = store.tenancy.names if store.tenancy is not None else [""]
     host = arena.backend == "host"
-    return TierLink(store, tier, arena.view, geometry, opts.tier_key_prefix, opts.tier_write, names, log, host=host)
+    fleet = None
+    if opts.tier_lmcache_model:
+        fleet = LMCacheFleet(opts.tier_lmcache_model, opts.tier_lmcache_kv_rank, lmcache_chunk_bytes(opts))
+    return TierLink(
+        store, tier, arena.view, geometry, opts.tier_key_prefix, opts.tier_write, names, log, host=host, lmcache=fleet
+    )
 
 
 def raise_fd_limit() -> tuple[int, int]:
