@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -19,6 +20,7 @@ from conftest import ROOT, start_broker
 from tier_servers import start_tier_server
 from valkey import Valkey
 
+from memory_broker.broker.server.config import build_options
 from memory_broker.broker.server.options import ServeOptions, SettingError, lmcache_chunk_bytes
 from memory_broker.clients import BrokerClient, Spec
 from memory_broker.proto.wire import lmcache
@@ -242,3 +244,15 @@ def test_the_lmcache_fleet_s_settings_are_checked():
     ):
         with pytest.raises(SettingError):
             ServeOptions(**bad).validate()
+
+
+def test_the_docs_lmcache_declaration_is_a_valid_configuration(tmp_path):
+    with open(os.path.join(ROOT, "docs", "tier.md")) as f:
+        section = f.read().split("## Sharing with LMCache", 1)[1]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    path = tmp_path / "broker.yaml"
+    path.write_text(block)
+    opts = build_options(str(path), {})
+    opts.validate()
+    assert opts.tier_lmcache_kv_rank == lmcache.kv_rank()
+    assert lmcache_chunk_bytes(opts) == 2 * 32 * 256 * 1024 * 2

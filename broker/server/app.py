@@ -233,6 +233,10 @@ class BrokerServer:
         self.digests = make_digests(opts, self.store, self.arena, self.log, self._tasks)
         # After the digests: the link chains its write-behind after theirs on commit.
         self.tier = make_tier(opts, self.store, self.arena, self.geometry, self.log, self._tier_latency)
+        if self.tier is not None and opts.tier_adapters:
+            from memory_broker.broker.adapters.tier_images import TierImages
+
+            self.adapters.image_service.tier = TierImages(self.tier.tier, opts.tier_key_prefix, self.log)
         # Engines' own KV cache on the pool's pages (docs/engine-pool.md).
         self.engine_pool = EnginePool(self.store, engine_limits(opts))
         self.store.on_session_end = self.engine_pool.session_ended

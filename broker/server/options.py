@@ -533,6 +533,13 @@ class ServeOptions(_Explained):
         metavar="TEXT",
         help="the fleet's prefix of every tier key (then the tenant pool, then the block key)",
     )
+    tier_adapters: bool = setting(
+        False,
+        kind="bool",
+        yaml="tier.adapters",
+        help="adapters' page images to the tier under content keys, written after a conversion and read "
+        "(digest checked) instead of converting the files where this broker has no image of its own",
+    )
     tier_lmcache_model: str = setting(
         "",
         kind="str",
@@ -675,6 +682,8 @@ def _check_tier(opts: ServeOptions) -> None:
         raise SettingError("tier_valkey_url", "is not set; tier.backend valkey needs it (valkey://host:port/0)")
     if opts.tier_backend == "mooncake" and not opts.tier_mooncake_master:
         raise SettingError("tier_mooncake_master", "is not set; tier.backend mooncake needs it (host:port)")
+    if opts.tier_adapters and opts.tier_backend == "none":
+        raise SettingError("tier_adapters", "is set; adapters' images in the tier need tier.backend")
     if opts.tier_lmcache_model:
         if opts.tier_backend != "valkey":
             raise SettingError("tier_lmcache_model", "is set; sharing with LMCache needs tier.backend valkey")
