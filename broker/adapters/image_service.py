@@ -3,7 +3,8 @@
 ``ImageService`` owns the ``ImageCache`` (``<state_dir>/images``), the queue of adapters to
 convert ahead of use (one background thread, rate-limited to ``convert_duty``), the image
 writes that follow a cold load, and the cold -> warm read that prefers an image to the
-safetensors file. It reads the registry and the entries it is shown; it never touches the
+safetensors file: its own, else the fleet's in the tier (``tier_images``, with
+``tier.adapters``), which it writes there after converting the files. It reads the registry and the entries it is shown; it never touches the
 store, the tiers' budgets or pins.
 """
 
@@ -58,6 +59,8 @@ class ImageService:
                 log.warning("adapter_image_cache_off", error=str(err))
         # Image writes in flight by adapter id.
         self._writes: dict[str, Future] = {}
+        # Adapters' images in the tier past one host (``tier_images.TierImages``), or None.
+        self.tier = None
         # Conversions ahead of use: adapter ids waiting (in order), the one being converted
         # and its future, and the task that works through them (in its own thread, so a
         # burst of registrations never queues in front of loads).
@@ -206,8 +209,12 @@ class ImageService:
         if images.has(meta.adapter_id) and images.valid(meta, layout):
             return 0, 0.0
         t0 = time.perf_counter()
-        # Straight into the image file: no copy of the whole image in anonymous memory.
-        written = images.store_built(meta, layout, lambda buf: build_packed_into(meta, layout, buf))
+        shared = self.tier.fetch(meta, layout) if self.tier is not None else None
+        if shared is not None:  # the fleet's image, kept here as if converted
+            written = images.store(meta, shared)
+        else:
+            # Straight into the image file: no copy of the whole image in anonymous memory.
+            written = images.store_built(meta, layout, lambda buf: build_packed_into(meta, layout, buf))
         return written, round((time.perf_counter() - t0) * 1e3, 3)
 
     # ------------------------------------------------------------ reads and writes
@@ -218,12 +225,20 @@ class ImageService:
         """(image, read from the cache?, why a cached image was rejected). Executor. Without
         ``use_cache`` (a copy in another dtype than the cached images') the files are converted."""
         rejected = ""
+        # The fleet's images (``tier``) are the broker's own dtype, whole, never int8.
+        shared = self.tier is not None and use_cache and not self.config.warm_int8
         if self.cache is not None and use_cache:
             image, rejected = self.cache.load(meta, layout, self.config.copy_threads)
             if image is not None:
+                if shared:
+                    self.tier.store(meta, image)  # (once: what came from the tier is not sent back)
                 return image, True, ""
+        if shared and (image := self.tier.fetch(meta, layout)) is not None:
+            return image, False, rejected  # (not from this broker's cache: it stores the image)
         # A copy in another dtype is made for exact tokens: never int8.
         image = build_warm_image(meta, layout, self.config.warm_int8 and use_cache, self.config.copy_threads)
+        if shared:
+            self.tier.store(meta, image)
         return image, False, rejected
 
     def write(self, meta: AdapterMeta, image: WarmImage) -> None:

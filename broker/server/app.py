@@ -39,6 +39,7 @@ from memory_broker.broker.server.options import (
     adapter_config,
     adapter_size_limit,
     engine_limits,
+    lmcache_chunk_bytes,
     socket_mode,
 )
 from memory_broker.broker.server.tenancy import fd_authorize, fd_scope, make_pools
@@ -50,7 +51,7 @@ from memory_broker.broker.store.eviction import make_policy
 from memory_broker.broker.store.growth import Growth
 from memory_broker.broker.store.objects import ObjectStore, StoreConfig, StoreStats
 from memory_broker.broker.store.pool import WindowSpace
-from memory_broker.broker.store.tiering import TierLink
+from memory_broker.broker.store.tiering import LMCacheFleet, TierLink
 from memory_broker.proto.wire import native
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping import ArenaGeometry, format_size
@@ -232,6 +233,10 @@ class BrokerServer:
         self.digests = make_digests(opts, self.store, self.arena, self.log, self._tasks)
         # After the digests: the link chains its write-behind after theirs on commit.
         self.tier = make_tier(opts, self.store, self.arena, self.geometry, self.log, self._tier_latency)
+        if self.tier is not None and opts.tier_adapters:
+            from memory_broker.broker.adapters.tier_images import TierImages
+
+            self.adapters.image_service.tier = TierImages(self.tier.tier, opts.tier_key_prefix, self.log)
         # Engines' own KV cache on the pool's pages (docs/engine-pool.md).
         self.engine_pool = EnginePool(self.store, engine_limits(opts))
         self.store.on_session_end = self.engine_pool.session_ended
@@ -696,7 +701,12 @@ def make_tier(opts: ServeOptions, store: ObjectStore, arena, geometry, log, obse
     tier = Tier(backend, opts.tier_deadline_s, opts.tier_queue_depth, observe=observe)
     names = store.tenancy.names if store.tenancy is not None else [""]
     host = arena.backend == "host"
-    return TierLink(store, tier, arena.view, geometry, opts.tier_key_prefix, opts.tier_write, names, log, host=host)
+    fleet = None
+    if opts.tier_lmcache_model:
+        fleet = LMCacheFleet(opts.tier_lmcache_model, opts.tier_lmcache_kv_rank, lmcache_chunk_bytes(opts))
+    return TierLink(
+        store, tier, arena.view, geometry, opts.tier_key_prefix, opts.tier_write, names, log, host=host, lmcache=fleet
+    )
 
 
 def raise_fd_limit() -> tuple[int, int]:

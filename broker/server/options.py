@@ -17,6 +17,7 @@ exceptions); the YAML key is ``<section>.<name>``, where the ``adapters`` sectio
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -532,6 +533,46 @@ class ServeOptions(_Explained):
         metavar="TEXT",
         help="the fleet's prefix of every tier key (then the tenant pool, then the block key)",
     )
+    tier_adapters: bool = setting(
+        False,
+        kind="bool",
+        yaml="tier.adapters",
+        help="adapters' page images to the tier under content keys, written after a conversion and read "
+        "(digest checked) instead of converting the files where this broker has no image of its own",
+    )
+    tier_lmcache_model: str = setting(
+        "",
+        kind="str",
+        yaml="tier.lmcache_model",
+        metavar="NAME",
+        shown="none",
+        help="share chunks with LMCache nodes through Valkey (docs/tier.md): the model name their keys carry; "
+        "set only where this broker's engines are declared equal to theirs",
+    )
+    tier_lmcache_kv_rank: int = setting(
+        0x01000100,
+        kind="int",
+        yaml="tier.lmcache_kv_rank",
+        metavar="N",
+        ge=0,
+        le=0xFFFFFFFF,
+        shown="0x01000100: world size 1, rank 0",
+        help="with tier.lmcache_model: the kv_rank LMCache's keys carry (world size and rank, packed)",
+    )
+    tier_lmcache_chunk_shape: str = setting(
+        "",
+        kind="str",
+        yaml="tier.lmcache_chunk_shape",
+        metavar="AxBx...",
+        shown="none",
+        help="with tier.lmcache_model: the shape of a 256-token chunk in the fleet's layout (2xLAYERSx256xHIDDEN)",
+    )
+    tier_lmcache_dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"] = setting(
+        "bfloat16",
+        kind="choice",
+        yaml="tier.lmcache_dtype",
+        help="with tier.lmcache_model: the KV cache's element type",
+    )
     max_request_size: int = setting(
         4 << 20,
         kind="size",
@@ -641,6 +682,32 @@ def _check_tier(opts: ServeOptions) -> None:
         raise SettingError("tier_valkey_url", "is not set; tier.backend valkey needs it (valkey://host:port/0)")
     if opts.tier_backend == "mooncake" and not opts.tier_mooncake_master:
         raise SettingError("tier_mooncake_master", "is not set; tier.backend mooncake needs it (host:port)")
+    if opts.tier_adapters and opts.tier_backend == "none":
+        raise SettingError("tier_adapters", "is set; adapters' images in the tier need tier.backend")
+    if opts.tier_lmcache_model:
+        if opts.tier_backend != "valkey":
+            raise SettingError("tier_lmcache_model", "is set; sharing with LMCache needs tier.backend valkey")
+        if "@" in opts.tier_lmcache_model:
+            raise SettingError("tier_lmcache_model", f"{opts.tier_lmcache_model!r} holds '@' (LMCache's separator)")
+        lmcache_chunk_bytes(opts)
+
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+
+
+def lmcache_chunk_bytes(opts: ServeOptions) -> int:
+    """The bytes of one chunk in the LMCache fleet's layout (``tier.lmcache_chunk_shape``
+    and ``tier.lmcache_dtype``); SettingError for a shape that is not positive numbers."""
+    try:
+        dims = [int(d) for d in opts.tier_lmcache_chunk_shape.lower().split("x")]
+    except ValueError:
+        dims = []
+    if not dims or min(dims) <= 0:
+        raise SettingError(
+            "tier_lmcache_chunk_shape",
+            f"{opts.tier_lmcache_chunk_shape!r} is not a shape like 2x24x256x1024; tier.lmcache_model needs it",
+        )
+    return math.prod(dims) * DTYPE_BYTES[opts.tier_lmcache_dtype]
 
 
 def _check_options(opts: ServeOptions) -> None:

@@ -37,8 +37,9 @@ from dataclasses import dataclass, fields
 from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.objects import ObjectStore
 from memory_broker.broker.store.records import Allocation, Transaction
-from memory_broker.broker.tier.base import CONTIGUOUS, Block, Meta, tier_key
+from memory_broker.broker.tier.base import CONTIGUOUS, RAW, Block, Meta, tier_key
 from memory_broker.broker.tier.tier import Tier
+from memory_broker.proto.wire import lmcache
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.spec import Spec
 
@@ -53,6 +54,26 @@ REMEMBER = 1 << 16
 # load on the tier, and on Mooncake a lease renewal each).
 MISS_TTL_S = 1.0
 WRITE_MODES = ("commit", "evict")
+
+
+@dataclass(slots=True, frozen=True)
+class LMCacheFleet:
+    """The LMCache nodes this broker's engines are declared equal to (``tier.lmcache_*``):
+    chunks under their model and kv_rank are written and read in LMCache's format."""
+
+    model: str
+    kv_rank: int
+    # A chunk's bytes in the fleet's layout (its shape and dtype, pinned in the configuration).
+    chunk_bytes: int
+
+    def wire(self, pool_name: str, key: bytes, size: int, page_size: int) -> str | None:
+        """The LMCache key an object of ``size`` bytes under ``key`` shares, or None: only in
+        the shared pool (LMCache has no tenants), under this fleet's model and kv_rank, and
+        for an object of exactly the pages a chunk takes."""
+        parsed = lmcache.parse(key) if not pool_name else None
+        if parsed is None or parsed[:2] != (self.model, self.kv_rank):
+            return None
+        return parsed[2] if size == -(-self.chunk_bytes // page_size) * page_size else None
 
 
 @dataclass(slots=True)
@@ -90,6 +111,8 @@ class TierLink:
         host: the arena's pages are host memory this process maps (the backends read and
             write them in place); False (a CUDA arena): each block goes through a host
             buffer of its own, copied in the tier's thread, at most ``STAGING_BYTES`` at once.
+        lmcache: the LMCache fleet the configuration declares this broker's engines equal
+            to, or None: no key is ever written or read in LMCache's format.
     """
 
     def __init__(  # noqa: PLR0913 - the link's parts and settings, from one call site (app.py)
@@ -103,6 +126,7 @@ class TierLink:
         pool_names: Sequence[str],
         log,
         host: bool = True,
+        lmcache: LMCacheFleet | None = None,
     ):
         if write not in WRITE_MODES:
             raise ValueError(f"tier.write must be one of {', '.join(WRITE_MODES)}; got {write!r}")
@@ -113,6 +137,7 @@ class TierLink:
         self.prefix, self.write = prefix, write
         self.pool_names = list(pool_names)
         self.host = host
+        self.lmcache = lmcache
         self.staged = 0  # bytes of host buffers standing in for device pages now
         self.counts = LinkCounts()
         self._sessions: dict[int, int] = {}  # pool -> the link's session in it
@@ -147,8 +172,23 @@ class TierLink:
             self._sessions[pool] = sid
         return self.store.sessions[sid]
 
-    def _key(self, pool: int, key: bytes) -> str:
-        return tier_key(self.prefix, self.pool_names[pool] if pool < len(self.pool_names) else str(pool), key)
+    def _key(self, pool: int, key: bytes, pages: int) -> tuple[str, int]:
+        """The tier's name for an object of ``pages`` pages under ``key``, and the size of
+        its value in LMCache's format (0: the broker's own format, under the fleet's prefix)."""
+        name = self.pool_names[pool] if pool < len(self.pool_names) else str(pool)
+        fleet = self.lmcache
+        wire = fleet.wire(name, key, pages * self.page_size, self.page_size) if fleet is not None else None
+        return (tier_key(self.prefix, name, key), 0) if wire is None else (wire, fleet.chunk_bytes)
+
+    def _expected(self, pool: int, key: bytes) -> Meta | None:
+        """For a key read in LMCache's format, the record its value must fit (it has none)."""
+        fleet = self.lmcache
+        if fleet is None:
+            return None
+        pages = -(-fleet.chunk_bytes // self.page_size)
+        if self._key(pool, key, pages)[1] == 0:
+            return None
+        return Meta(pages, fleet.chunk_bytes, b"", RAW)
 
     def _parts(self, pages: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """The pages' addresses in the broker's view; slabs the tier has not seen are
@@ -163,7 +203,11 @@ class TierLink:
         """One block per object (its pages, under its key in the tier); None when a device
         arena's host buffers would pass ``STAGING_BYTES``."""
         if self.host:
-            return [Block(self._key(pool, k), self._parts(o.pages), o.window_page >= 0) for o, k in zip(objs, keys)]
+            out = []
+            for o, k in zip(objs, keys):
+                name, raw = self._key(pool, k, o.num_pages)
+                out.append(Block(name, self._parts(o.pages), o.window_page >= 0, raw))
+            return out
         need = sum(o.num_pages for o in objs) * self.page_size
         if self.staged + need > STAGING_BYTES:
             return None
@@ -172,11 +216,13 @@ class TierLink:
         for o, k in zip(objs, keys):
             buf = ctypes.create_string_buffer(o.num_pages * self.page_size)
             base, ps, pages = ctypes.addressof(buf), self.page_size, list(o.pages)
+            name, raw = self._key(pool, k, o.num_pages)
             out.append(
                 Block(
-                    self._key(pool, k),
+                    name,
                     tuple((base + i * ps, ps) for i in range(len(pages))),
                     o.window_page >= 0,
+                    raw,
                     before=lambda b=buf, p=pages: _pages_to(self.view, p, self.page_size, b),
                     after=lambda b=buf, p=pages: _to_pages(self.view, p, self.page_size, b),
                 )
@@ -273,7 +319,8 @@ class TierLink:
             else:
                 _pages_to(self.view, o.pages, ps, buf)
             parts = tuple((base + i * ps, ps) for i in range(o.num_pages))
-            blocks.append(Block(self._key(o.pool, o.key), parts, o.window_page >= 0))
+            name, raw = self._key(o.pool, o.key, o.num_pages)
+            blocks.append(Block(name, parts, o.window_page >= 0, raw))
         fut = self.tier.put(blocks)
         if fut is None:
             self.counts.spill_dropped += len(spill)
@@ -313,7 +360,9 @@ class TierLink:
     async def _read_through(self, pool: int, keys: list[bytes], first: tuple[int, bytes]) -> None:
         served = False
         try:
-            fut = self.tier.find([self._key(pool, k) for k in keys])
+            expected = [self._expected(pool, k) for k in keys]
+            names = [self._key(pool, k, m.num_pages if m else 0)[0] for k, m in zip(keys, expected)]
+            fut = self.tier.find(names, expected)
             metas: list[Meta] = await asyncio.wrap_future(fut) if fut is not None else []
             metas = [m for m in _leading(metas, self.page_size)]
             self._reading[first] = len(metas)
@@ -358,7 +407,7 @@ class TierLink:
         if bad:
             store.abort(s.session_id, bad)
         for t, m, g in zip(txns, metas, ok):
-            if g:
+            if g and not m.flags & RAW:  # (LMCache's values have none: KeyDigests takes it)
                 t.objects[0].digest = m.text  # the digest KeyDigests would take
         self._filling = True
         try:
@@ -429,7 +478,7 @@ def _to_pages(view, pages: Sequence[int], page_size: int, buf) -> None:
 def _leading(metas: list[Meta], page_size: int):
     """The leading records whose values fit this broker's pages (a fleet's brokers may differ)."""
     for m in metas:
-        if m.size != m.num_pages * page_size:
+        if m.size != m.num_pages * page_size and not m.flags & RAW:
             return
         yield m
 

@@ -23,6 +23,8 @@ ALGO = "blake2b"
 _META = struct.Struct("<4sIIQ32s")
 # ``Meta.flags``: the object was contiguous (its pages back to back in the window).
 CONTIGUOUS = 1
+# ... the value is in LMCache's format (``Block.raw``): no record, no digest.
+RAW = 2
 _MAGIC = b"MBT1"
 # Suffix of the key of a value's record.
 META_SUFFIX = "#meta"
@@ -40,6 +42,10 @@ class Block:
     parts: tuple[tuple[int, int], ...]
     # The object asked for a contiguous window range (kept in the record for its reader).
     contiguous: bool = False
+    # LMCache's format (0: the broker's): the value is the first ``raw`` bytes of ``parts``,
+    # stored alone with no record beside it; a read takes a value of exactly that size and
+    # zeroes the rest of ``parts``.
+    raw: int = 0
     # Where ``parts`` stand in for pages the store cannot reach (a device arena's): called in
     # the tier's thread before a write reads ``parts``, and after a read filled them and its
     # digest matched (copies between the pages and ``parts``).
@@ -103,6 +109,22 @@ def write_parts(parts: Sequence[tuple[int, int]], value: bytes) -> bool:
     return True
 
 
+def value_of(block: Block) -> bytes:
+    """The bytes a write stores for ``block`` (a copy)."""
+    value = read_parts(block.parts)
+    return value[: block.raw] if block.raw else value
+
+
+def fill(block: Block, value: bytes) -> bool:
+    """Copy a value read for ``block`` over its parts; False (nothing written) for a value
+    of another size than the block's (``raw`` for LMCache's format)."""
+    if not block.raw:
+        return write_parts(block.parts, value)
+    if len(value) != block.raw:
+        return False
+    return write_parts(block.parts, value + bytes(block.size - block.raw))
+
+
 def tier_key(prefix: str, pool: str, key: bytes) -> str:
     """The tier's name for a broker block key: the fleet's prefix, the tenant pool's name
     (``shared`` for the shared pool), then the key in hex (keys are bytes; both backends
@@ -133,6 +155,10 @@ class Backend(Protocol):
 
     def get_into(self, blocks: Sequence[Block], timeout: float) -> list[bool]:
         """Read each value over its block's parts; True per block read whole."""
+        ...
+
+    def sizes(self, keys: Sequence[str], timeout: float) -> list[int]:
+        """Each value's size, 0 for none (values in LMCache's format, which have no record)."""
         ...
 
     def connect(self) -> None:

@@ -153,6 +153,10 @@ class MooncakeBackend:
         raw = store.get_batch(names[:n]) if n else []
         return [Meta.decode(r) for r in raw] + [None] * (len(keys) - n)
 
+    def sizes(self, keys: Sequence[str], timeout: float) -> list[int]:
+        """LMCache's format is shared through Valkey only (the broker's options refuse it here)."""
+        raise TierError("mooncake: values in LMCache's format are shared through Valkey only")
+
     def get_into(self, blocks: Sequence[Block], timeout: float) -> list[bool]:
         store = self._connected(self._tenant(blocks[0].key)) if blocks else None
         if store is None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 
-from memory_broker.broker.tier.base import CONTIGUOUS, Backend, Block, Meta, TierError, digest_parts
+from memory_broker.broker.tier.base import CONTIGUOUS, RAW, Backend, Block, Meta, TierError, digest_parts
 
 BACKOFF_S = 0.05
 BACKOFF_MAX_S = 2.0
@@ -114,10 +114,12 @@ class Tier:
         blocks = list(blocks)
         return self._submit("put", lambda t: self._put(blocks, t), lambda: [False] * len(blocks))
 
-    def find(self, keys: Sequence[str]) -> Future | None:
-        """The records of the leading keys the tier holds (a chain's hits, up to its first miss)."""
-        keys = list(keys)
-        return self._submit("find", lambda t: self._find(keys, t), lambda: self._missed(len(keys), []))
+    def find(self, keys: Sequence[str], raw: Sequence[Meta | None] = ()) -> Future | None:
+        """The records of the leading keys the tier holds (a chain's hits, up to its first miss).
+        ``raw[i]``, where given and not None, is the record key i's value in LMCache's format
+        must fit (it has none of its own): found when a value of exactly its size is there."""
+        keys, raw = list(keys), list(raw) or [None] * len(keys)
+        return self._submit("find", lambda t: self._find(keys, raw, t), lambda: self._missed(len(keys), []))
 
     def get(self, blocks: Sequence[Block], metas: Sequence[Meta]) -> Future | None:
         """Read each value over its block's parts and check its digest; True per block whose
@@ -203,7 +205,10 @@ class Tier:
         for b in blocks:
             if b.before is not None:
                 b.before()
-        metas = [Meta(len(b.parts), b.size, digest_parts(b.parts), CONTIGUOUS * b.contiguous) for b in blocks]
+        metas = [
+            Meta(len(b.parts), b.size, b"" if b.raw else digest_parts(b.parts), CONTIGUOUS * b.contiguous)
+            for b in blocks
+        ]
         ok = self.backend.put(blocks, metas, timeout)
         c = self.counts
         for b, good in zip(blocks, ok):
@@ -214,9 +219,14 @@ class Tier:
                 c.write_failed += 1
         return ok
 
-    def _find(self, keys: list[str], timeout: float) -> list[Meta]:
+    def _find(self, keys: list[str], raw: list[Meta | None], timeout: float) -> list[Meta]:
+        kept = [k for k, r in zip(keys, raw) if r is None]
+        records = iter(self.backend.metas(kept, timeout) if kept else [])
+        sized = [k for k, r in zip(keys, raw) if r is not None]
+        sizes = iter(self.backend.sizes(sized, timeout) if sized else [])
         found = []
-        for m in self.backend.metas(keys, timeout):
+        for r in raw:
+            m = next(records) if r is None else (r if next(sizes) == r.size else None)
             if m is None:
                 break
             found.append(m)
@@ -228,7 +238,8 @@ class Tier:
         c = self.counts
         out = []
         for b, m, got in zip(blocks, metas, read):
-            good = got and b.size == m.size and digest_parts(b.parts) == m.digest
+            # LMCache's values carry no digest: their exact size was checked (``fill``).
+            good = got and (bool(m.flags & RAW) if b.raw else b.size == m.size and digest_parts(b.parts) == m.digest)
             if got and not good:
                 c.corrupt += 1
             if good and b.after is not None:
