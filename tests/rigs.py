@@ -6,6 +6,8 @@
   frame handler can be called directly.
 * ``fill``, ``wrong``, ``churn_once``: objects written and checked through their own tensors.
 * ``recv_exact``: whole replies read from a raw step-channel socket.
+* ``encode_objects``: a lookup's or pin's reply record from ``ObjectRecord``s (what the broker's
+  ``encode_allocations`` writes from its objects).
 """
 
 from __future__ import annotations
@@ -13,6 +15,21 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
+
+def encode_objects(kind: int, objs) -> bytes:
+    """An OP_PIN or OP_LOOKUP result record of ``step.ObjectRecord``s."""
+    import struct
+
+    from memory_broker.proto.wire import step as w
+
+    parts = [w._OBJS_HEAD.pack(kind, len(objs))]
+    for o in objs:
+        flags = (w.OBJ_OWNED if o.owned else 0) | (w.OBJ_DEDUP if o.deduplicated else 0)
+        head = (o.object_id, o.window_page, o.state, o.content_type, flags, o.session_pins, o.total_pins)
+        parts.append(w._OBJ_HEAD.pack(*head, len(o.pages)) + struct.pack("<%dI" % len(o.pages), *o.pages))
+        parts.append(w._U16.pack(len(o.key)) + o.key)
+    return b"".join(parts)
 
 
 def write_adapter(path: str, seed: int, rank: int = 4) -> str:

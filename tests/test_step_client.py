@@ -10,6 +10,7 @@ import struct
 
 import pytest
 from conftest import step_frames as frames
+from rigs import encode_objects
 
 from memory_broker.clients import BrokerClient
 from memory_broker.proto.wire import step as w
@@ -67,8 +68,8 @@ def _reply(rng: random.Random, sizes: str, error: bool = False, slabs: int = 3) 
         bytes((w.OP_RELEASE,)),
         bytes((w.OP_UNPIN,)),
         w.encode_acquire(w.AcquireOutcome(True, rng.randrange(9), 12.5, _adapters(rng, n // 3, sizes == "same"))),
-        w.encode_objects(w.OP_LOOKUP, _objects(rng, n, sizes)),
-        w.encode_objects(w.OP_PIN, _objects(rng, rng.randrange(3), sizes)),
+        encode_objects(w.OP_LOOKUP, _objects(rng, n, sizes)),
+        encode_objects(w.OP_PIN, _objects(rng, rng.randrange(3), sizes)),
         w.encode_acquire(w.AcquireOutcome(False)),
     ]
     err = BrokerError(Code.NOT_FOUND, "no object 3") if error else None
@@ -123,7 +124,7 @@ def test_a_record_is_the_one_made_before_from_the_same_bytes_and_arena():
     objs, ads = _objects(rng, 50, "runs"), _adapters(rng, 20, True)
 
     def reply(objs, slabs=3):
-        results = [w.encode_acquire(w.AcquireOutcome(True, 0, 0.0, ads)), w.encode_objects(w.OP_LOOKUP, objs)]
+        results = [w.encode_acquire(w.AcquireOutcome(True, 0, 0.0, ads)), encode_objects(w.OP_LOOKUP, objs)]
         frame = w.encode_step_reply(slabs, results)
         return frame[4], frame[5:]
 
@@ -150,7 +151,7 @@ def test_a_reply_without_results_keeps_the_records_made_before():
     """A PING's reply says 0 slabs and carries nothing: the records made before stay (the
     next step's reply finds them, and what the client built from them, as before)."""
     rng = random.Random(6)
-    frame = w.encode_step_reply(3, [w.encode_objects(w.OP_LOOKUP, _objects(rng, 5, "same"))])
+    frame = w.encode_step_reply(3, [encode_objects(w.OP_LOOKUP, _objects(rng, 5, "same"))])
     pong = w.encode_step_reply(0, ())
     decode = w.ReplyDecoder()
     first = decode(frame[4], frame[5:]).results[0]

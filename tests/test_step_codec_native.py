@@ -14,6 +14,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rigs import encode_objects
 
 from memory_broker.proto.wire import native
 from memory_broker.proto.wire import step as w
@@ -292,8 +293,8 @@ REPLY = w.encode_step_reply(
         bytes((w.OP_UNPIN,)),
         w.encode_acquire(ACQ),
         w.encode_acquire(w.AcquireOutcome(False)),
-        w.encode_objects(w.OP_LOOKUP, [OBJ, OBJ, w.ObjectRecord(6, 3, 2, 1, False, True, 0, 0, [], b"", 0)]),
-        w.encode_objects(w.OP_PIN, []),
+        encode_objects(w.OP_LOOKUP, [OBJ, OBJ, w.ObjectRecord(6, 3, 2, 1, False, True, 0, 0, [], b"", 0)]),
+        encode_objects(w.OP_PIN, []),
     ],
 )
 
@@ -406,7 +407,7 @@ def test_decode_frame_takes_the_usual_reply_and_hands_back_the_rest():
 
 
 def _objs_frame(slabs: int, objs: list) -> bytearray:
-    return bytearray(w.encode_step_reply(slabs, [w.encode_objects(w.OP_LOOKUP, objs)]))
+    return bytearray(w.encode_step_reply(slabs, [encode_objects(w.OP_LOOKUP, objs)]))
 
 
 @FAST
@@ -429,7 +430,7 @@ def test_replies_one_after_another_reuse_a_record_at_its_place_only_for_the_same
         got = d.frame(data, len(data))
         assert got == w.decode_step_reply(w.OK, bytes(data[5:]))
         for i, rec in zip(picks, got.results[0]):
-            raw = w.encode_objects(w.OP_LOOKUP, [pool[i]])[3:]
+            raw = encode_objects(w.OP_LOOKUP, [pool[i]])[3:]
             assert seen.setdefault(raw, rec) is rec  # the same bytes: the same record, else another
     # A new arena (another slab count) makes its records anew, at every place.
     first = d.frame(_objs_frame(2, [pool[0]]), len(_objs_frame(2, [pool[0]]))).results[0][0]

@@ -14,6 +14,7 @@ import time
 import pytest
 from conftest import short_tmpdir
 from conftest import step_frames as frames
+from rigs import encode_objects
 
 from memory_broker.clients import BrokerClient, BrokerError, Code, Spec
 from memory_broker.clients.step.transport import BUFFER_BYTES, StepTransport, StepUnavailable
@@ -35,7 +36,7 @@ def _refused(code: Code, message: str) -> bytes:
 
 def _lookup_reply(n: int) -> bytes:
     recs = [w.ObjectRecord(100 + i, -1, 2, 1, True, False, 1, 1, [i, i + 1], b"key-%06d" % i, 3) for i in range(n)]
-    return _ok(w.encode_objects(w.OP_LOOKUP, recs))
+    return _ok(encode_objects(w.OP_LOOKUP, recs))
 
 
 class _Counting:

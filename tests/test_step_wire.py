@@ -7,6 +7,7 @@ import random
 import struct
 
 import pytest
+from rigs import encode_objects
 
 from memory_broker.proto.wire import step as w
 from memory_broker.proto.wire.errors import BrokerError, Code
@@ -49,7 +50,7 @@ def test_every_result_and_the_error_round_trip():
         bytes((w.OP_RELEASE,)),
         w.encode_acquire(acq),
         w.encode_acquire(w.AcquireOutcome(False)),
-        w.encode_objects(w.OP_LOOKUP, [obj]),
+        encode_objects(w.OP_LOOKUP, [obj]),
     ]
     frame = w.encode_step_reply(4, results, BrokerError(Code.NOT_FOUND, "no object 3"), 4)
     n, kind = w.HEADER.unpack_from(frame)
@@ -104,12 +105,6 @@ def test_random_bytes_never_escape_as_anything_but_a_wire_error():
             pass  # decoded or refused as a wire error: both fine; anything else fails the test
 
 
-def test_object_rows_encode_as_records_do():
-    rec = w.ObjectRecord(5, 3, 2, 1, False, True, 0, 2, [7], b"", 0)
-    row = (5, 3, 2, 1, False, True, 0, 2, [7], b"")
-    assert w.encode_object_rows(w.OP_PIN, [row]) == w.encode_objects(w.OP_PIN, [rec])
-
-
 def test_store_objects_encode_as_their_records_do():
     """The broker encodes a lookup's or pin's objects straight from the store's: the bytes
     are those of the records a client decodes (owned for the owner, its own pin count)."""
@@ -125,7 +120,7 @@ def test_store_objects_encode_as_their_records_do():
         w.ObjectRecord(5, -1, int(ObjectState.COMMITTED), int(ContentType.KV_CACHE), True, False, 1, 3, [4, 9], b"key"),
         w.ObjectRecord(6, 12, int(ObjectState.COMMITTED), int(ContentType.KV_CACHE), False, False, 0, 1, [3], b""),
     ]
-    assert w.encode_allocations(w.OP_LOOKUP, 7, objs) == w.encode_objects(w.OP_LOOKUP, recs)
+    assert w.encode_allocations(w.OP_LOOKUP, 7, objs) == encode_objects(w.OP_LOOKUP, recs)
 
 
 def test_an_oversize_key_or_id_is_named_however_many_ride_with_it():
@@ -139,7 +134,7 @@ def test_an_oversize_key_or_id_is_named_however_many_ride_with_it():
 def _reply_body() -> tuple[int, bytes]:
     obj = w.ObjectRecord(5, -1, 2, 1, True, False, 1, 3, [4, 9], b"key", 0)
     acq = w.AcquireOutcome(True, 11, 1234.5, (w.AcquiredRecord(2, 6, w.TIER_HOT, (1, 2, 3)),))
-    results = [bytes((w.OP_UNPIN,)), w.encode_acquire(acq), w.encode_objects(w.OP_LOOKUP, [obj, obj])]
+    results = [bytes((w.OP_UNPIN,)), w.encode_acquire(acq), encode_objects(w.OP_LOOKUP, [obj, obj])]
     frame = w.encode_step_reply(2, results)
     return frame[4], frame[5:]
 

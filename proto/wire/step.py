@@ -432,34 +432,6 @@ _U8 = struct.Struct("<B")
 # ------------------------------------------------------------------ replies
 
 
-def encode_objects(kind: int, objs: Sequence[ObjectRecord]) -> bytes:
-    parts = [_OBJS_HEAD.pack(kind, len(objs))]
-    for o in objs:
-        flags = (OBJ_OWNED if o.owned else 0) | (OBJ_DEDUP if o.deduplicated else 0)
-        pages = o.pages
-        parts.append(
-            _OBJ_HEAD.pack(
-                o.object_id, o.window_page, o.state, o.content_type, flags, o.session_pins, o.total_pins, len(pages)
-            )
-        )
-        parts.append(struct.pack("<%dI" % len(pages), *pages))
-        parts.append(_U16.pack(len(o.key)) + o.key)
-    return b"".join(parts)
-
-
-def encode_object_rows(kind: int, rows: Sequence[tuple]) -> bytes:
-    """``encode_objects`` from tuples in ``ObjectRecord``'s field order (no records built)."""
-    parts = [_OBJS_HEAD.pack(kind, len(rows))]
-    head, u16 = _OBJ_HEAD.pack, _U16.pack
-    for oid, wp, state, ct, owned, dedup, sp, tp, pages, key in rows:
-        parts.append(
-            head(oid, wp, state, ct, (OBJ_OWNED if owned else 0) | (OBJ_DEDUP if dedup else 0), sp, tp, len(pages))
-        )
-        parts.append(struct.pack("<%dI" % len(pages), *pages))
-        parts.append(u16(len(key)) + key)
-    return b"".join(parts)
-
-
 # An object record's parts: what never changes once it is committed (id, window page,
 # state, content type), what may change from one reply to the next (flags, session and
 # total pins), and what never changes at all (page count, pages, key).
@@ -482,7 +454,7 @@ def _wire_parts(o) -> tuple[bytes, bytes]:
 
 
 def encode_allocations(kind: int, sid: int, objs: Sequence) -> bytes:
-    """``encode_object_rows`` read straight from the store's objects, for session ``sid``
+    """An OP_PIN or OP_LOOKUP result of the store's objects as session ``sid`` sees them
     (anything with ``object_id``, ``window_page``, ``state``, ``content_type``, ``owner``,
     ``pins``, ``pin_count``, ``pages`` and ``key``; never deduplicated).
 
