@@ -384,11 +384,16 @@ def _as_dict(m) -> dict:
 def _tier_line(t) -> str:
     """The tier past one host in one line: up or down, reads, writes, what was dropped."""
     state = "up" if t.up else f"DOWN ({t.last_error})"
-    return (
+    line = (
         f"{t.backend} {state}: {t.hits} hits, {t.misses} misses ({t.corrupt} corrupt), {t.filled} read in; "
         f"{t.written} written ({format_size(t.bytes_written)}), {t.spilled} spilled; "
         f"{t.drops + t.spill_dropped} dropped, {t.errors} errors, {t.timeouts} timeouts; {t.queue_depth} queued"
     )
+    if t.adapter_images:
+        line += f"; adapter images {t.adapter_images_written} written, {t.adapter_images_read} read"
+    if t.lmcache_model:
+        line += f"; chunks shared with LMCache for {t.lmcache_model}"
+    return line
 
 
 def _engine_line(e) -> str:

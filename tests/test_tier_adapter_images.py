@@ -6,6 +6,8 @@ a corrupted image is a miss and B converts the files; another layout never share
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -77,6 +79,17 @@ def test_b_reads_the_image_a_converted_from_the_tier_instead_of_converting(tier,
         # B keeps it in its own image cache too, and wrote nothing back (it converted nothing).
         assert b[1].stats().tier.written == 0
         assert "adapter_image_from_tier" not in a[0].log()
+        # The operator sees each side in GetStats, the status line and the metrics.
+        ta, tb = a[1].stats().tier, b[1].stats().tier
+        assert (ta.adapter_images, ta.adapter_images_written, ta.adapter_images_read) == (True, 1, 0)
+        assert (tb.adapter_images, tb.adapter_images_written, tb.adapter_images_read) == (True, 0, 1)
+        out = subprocess.run(
+            [sys.executable, "-m", "memory_broker.broker.cli", "status", "--socket", b[0].socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert "adapter images 0 written, 1 read" in out, out
     finally:
         stop(a, b)
 

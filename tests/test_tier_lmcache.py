@@ -117,7 +117,7 @@ def test_a_broker_reads_the_chunks_an_lmcache_node_wrote_with_bytes_equal(valkey
         assert [sha(v[:CHUNK_BYTES]) for v in values] == theirs["sha256"]
         assert all(not any(v[CHUNK_BYTES:]) for v in values)  # the page's rest: zeroes
         st = cb.stats().tier
-        assert st.hits == 3 and st.corrupt == 0
+        assert st.hits == 3 and st.corrupt == 0 and st.lmcache_model == MODEL
         # The broker took its own digest of each (LMCache's values carry none).
         assert all(c.ok and c.digest for c in cb.verify_objects(keys).checks)
     finally:

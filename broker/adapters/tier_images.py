@@ -49,6 +49,8 @@ class TierImages:
         # Names this broker read from the tier or is writing or wrote: never written again.
         self._known: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()  # (executor threads, the convert thread, the tier's thread)
+        # Images written to the tier, and read from it instead of converting the files.
+        self.written = self.read = 0
 
     def name(self, meta: AdapterMeta, layout: AdapterLayout) -> tuple[str, tuple[int, int, int]] | None:
         """The tier's name for the image, and the weights file's identity it was taken at; None
@@ -95,6 +97,8 @@ class TierImages:
         if not ok[0]:
             return None
         self._remember(name)
+        with self._lock:
+            self.read += 1
         self.log.info("adapter_image_from_tier", adapter=meta.adapter_id, bytes=buf.nbytes)
         # (The identity lets this broker's own image cache keep it, as after a conversion.)
         return WarmImage(layout, packed=buf, source_bytes=0, source_identity=identity, checksum=packed_checksum(buf))
@@ -117,8 +121,11 @@ class TierImages:
 
     def _stored(self, fut: Future, name: str) -> None:
         """The tier's thread: a failed write's name is forgotten, so a later load writes again."""
-        if not fut.result()[0]:
-            with self._lock:
+        ok = fut.result()[0]
+        with self._lock:
+            if ok:
+                self.written += 1
+            else:
                 self._known.pop(name, None)
 
     def _remember(self, name: str) -> None:

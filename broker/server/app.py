@@ -236,7 +236,8 @@ class BrokerServer:
         if self.tier is not None and opts.tier_adapters:
             from memory_broker.broker.adapters.tier_images import TierImages
 
-            self.adapters.image_service.tier = TierImages(self.tier.tier, opts.tier_key_prefix, self.log)
+            images = TierImages(self.tier.tier, opts.tier_key_prefix, self.log)
+            self.adapters.image_service.tier = self.tier.images = images
         # Engines' own KV cache on the pool's pages (docs/engine-pool.md).
         self.engine_pool = EnginePool(self.store, engine_limits(opts))
         self.store.on_session_end = self.engine_pool.session_ended

@@ -261,6 +261,11 @@ class BrokerMetrics:
             "work the tier had no room for: jobs its queue refused, evicted objects not spilled",
             (("drops", "what", "job"), ("spill_dropped", "what", "spill")),
         )
+        tier(
+            "tier_adapter_images_total",
+            "adapters' page images written to the tier, and read from it instead of converting",
+            (("adapter_images_written", "direction", "written"), ("adapter_images_read", "direction", "read")),
+        )
         tier("tier_queue_depth", "tier jobs waiting", (("queue_depth", "", ""),), gauge=True)
         tier("tier_up", "1 while the tier answers, 0 during a failure's backoff", (("up", "", ""),), gauge=True)
 

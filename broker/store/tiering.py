@@ -138,6 +138,9 @@ class TierLink:
         self.pool_names = list(pool_names)
         self.host = host
         self.lmcache = lmcache
+        # Adapters' images in the tier (``adapters.tier_images.TierImages``; the server sets
+        # it where ``tier.adapters`` is on), for its figures.
+        self.images = None
         self.staged = 0  # bytes of host buffers standing in for device pages now
         self.counts = LinkCounts()
         self._sessions: dict[int, int] = {}  # pool -> the link's session in it
@@ -446,7 +449,7 @@ class TierLink:
     def stats(self) -> dict:
         """The link's and the tier's counters, the tier's queue now, whether it is up and its
         last error (changes nothing)."""
-        tier = self.tier
+        tier, images = self.tier, self.images
         return {
             **self.counts.as_dict(),
             **tier.counts.as_dict(),
@@ -454,6 +457,10 @@ class TierLink:
             "up": tier.up,
             "backend": tier.backend.name,
             "last_error": tier.last_error,
+            "lmcache_model": self.lmcache.model if self.lmcache is not None else "",
+            "adapter_images": images is not None,
+            "adapter_images_written": images.written if images is not None else 0,
+            "adapter_images_read": images.read if images is not None else 0,
         }
 
 

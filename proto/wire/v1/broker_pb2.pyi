@@ -790,7 +790,7 @@ class EngineKvStats(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., name: _Optional[str] = ..., group_pages: _Optional[int] = ..., floor_pages: _Optional[int] = ..., ceiling_pages: _Optional[int] = ..., weight: _Optional[float] = ..., held_pages: _Optional[int] = ..., grows: _Optional[int] = ..., grown_pages: _Optional[int] = ..., give_backs: _Optional[int] = ..., given_pages: _Optional[int] = ..., refusals: _Optional[int] = ..., asked: _Optional[int] = ..., asked_pages: _Optional[int] = ..., grow_seconds: _Optional[float] = ..., grow_seconds_max: _Optional[float] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("backend", "up", "last_error", "hits", "misses", "corrupt", "written", "write_failed", "bytes_written", "bytes_read", "errors", "timeouts", "skipped_down", "drops", "spill_dropped", "spilled", "filled", "queue_depth")
+    __slots__ = ("backend", "up", "last_error", "hits", "misses", "corrupt", "written", "write_failed", "bytes_written", "bytes_read", "errors", "timeouts", "skipped_down", "drops", "spill_dropped", "spilled", "filled", "queue_depth", "lmcache_model", "adapter_images", "adapter_images_written", "adapter_images_read")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -809,6 +809,10 @@ class TierStats(_message.Message):
     SPILLED_FIELD_NUMBER: _ClassVar[int]
     FILLED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LMCACHE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_IMAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_IMAGES_READ_FIELD_NUMBER: _ClassVar[int]
     backend: str
     up: bool
     last_error: str
@@ -827,7 +831,11 @@ class TierStats(_message.Message):
     spilled: int
     filled: int
     queue_depth: int
-    def __init__(self, backend: _Optional[str] = ..., up: _Optional[bool] = ..., last_error: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt: _Optional[int] = ..., written: _Optional[int] = ..., write_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., skipped_down: _Optional[int] = ..., drops: _Optional[int] = ..., spill_dropped: _Optional[int] = ..., spilled: _Optional[int] = ..., filled: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    lmcache_model: str
+    adapter_images: bool
+    adapter_images_written: int
+    adapter_images_read: int
+    def __init__(self, backend: _Optional[str] = ..., up: _Optional[bool] = ..., last_error: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt: _Optional[int] = ..., written: _Optional[int] = ..., write_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., skipped_down: _Optional[int] = ..., drops: _Optional[int] = ..., spill_dropped: _Optional[int] = ..., spilled: _Optional[int] = ..., filled: _Optional[int] = ..., queue_depth: _Optional[int] = ..., lmcache_model: _Optional[str] = ..., adapter_images: _Optional[bool] = ..., adapter_images_written: _Optional[int] = ..., adapter_images_read: _Optional[int] = ...) -> None: ...
 
 class OwnerStats(_message.Message):
     __slots__ = ("session_id", "client_name", "pid", "content_type", "objects", "pages")
