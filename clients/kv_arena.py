@@ -93,13 +93,106 @@ class HostKvRange:
             _munmap(self.base, self.nbytes)
 
 
+class CudaKvRange:
+    """``HostKvRange`` on a CUDA arena: one reservation of device address space
+    (``cuMemAddressReserve``); group ``g``'s page of layer ``l`` is the broker page's own
+    allocation (a page is one, attached in ``view``, this client's ``CudaArenaView``), mapped
+    whole with ``cuMemMap`` and made read-write for this device with ``cuMemSetAccess``; unmapped
+    with ``cuMemUnmap`` after the context has finished its work (a kernel still reading a page
+    the driver unmapped faults the context). Never run on a GPU.
+
+    Raises:
+        ValueError: the layer stride is not whole pages, or the size not whole layers.
+    """
+
+    def __init__(self, view, nbytes: int, layer_stride: int, page_size: int):
+        if layer_stride <= 0 or layer_stride % page_size or nbytes % layer_stride:
+            raise ValueError(
+                f"a KV cache of {nbytes} bytes in layers of {layer_stride} bytes cannot be mapped in "
+                f"pages of {page_size} bytes (each layer must be whole pages)"
+            )
+        self.view, self.nbytes, self.layer_stride, self.page_size = view, nbytes, layer_stride, page_size
+        self.num_layers = nbytes // layer_stride
+        self.num_groups = layer_stride // page_size
+        with view.current():
+            self.base = view._reserve(nbytes, "an engine's KV cache")
+        self._mapped: dict[int, int] = {}  # group -> layers mapped
+        self._closed = False
+
+    addresses = HostKvRange.addresses
+
+    def map_group(self, group: int, places: Sequence[int]) -> None:
+        """Map one page per layer: ``places[l]`` is the broker page of layer ``l`` (attached in
+        the view). Raises CudaError (what was mapped of the group is unmapped) or ValueError."""
+        if len(places) != self.num_layers:
+            raise ValueError(f"a group has {self.num_layers} pages (one per layer), got {len(places)}")
+        handles = [self.view.page_handle(p) for p in places]  # ValueError: one not attached
+        with self.view.current():
+            done = 0
+            try:
+                for addr, h in zip(self.addresses(group), handles):
+                    self.view._map_run(addr, [h], self.page_size, False, f"KV group {group}")
+                    done += 1
+            except BaseException:
+                self._unmap(group, done)
+                raise
+        self._mapped[group] = done
+
+    def unmap_group(self, group: int) -> None:
+        """Unmap the group's pages once the context's work is done (a touch then faults)."""
+        n = self._mapped.pop(group, 0)
+        if n:
+            with self.view.current():
+                self.view._check("cuCtxSynchronize (before unmapping a KV group)", self.view._drv.cuCtxSynchronize())
+                self._unmap(group, n)
+
+    def _unmap(self, group: int, n: int) -> None:
+        drv = self.view._drv
+        for addr in self.addresses(group)[:n]:
+            self.view._check(f"cuMemUnmap(KV group {group})", drv.cuMemUnmap(addr, self.page_size))
+
+    def tensor(self):
+        """The whole range as one int8 tensor on the device (unmapped groups are holes the
+        block pool never hands out). Group 0 must be mapped: torch may ask the driver about a
+        tensor's base address and refuse one not mapped (the physical view's anchor page).
+
+        Raises:
+            ValueError: group 0 is not mapped.
+            RuntimeError: torch made a copy instead of a view.
+        """
+        import torch
+
+        from memory_broker.proto.wire.mapping.cuda_mappings import CudaArrayInterface
+
+        if self._mapped.get(0) != self.num_layers:
+            raise ValueError("map group 0 first: the KV range's tensor needs its base address mapped")
+        dev = torch.device("cuda", self.view.device.ordinal)
+        t = torch.as_tensor(CudaArrayInterface(self.base, self.nbytes), device=dev)
+        if t.data_ptr() != self.base or t.numel() != self.nbytes:
+            raise RuntimeError(f"torch.as_tensor copied the KV range at {self.base:#x} instead of viewing it")
+        return t.view(torch.int8)
+
+    def close(self) -> None:
+        """Unmap every group and free the reservation (a tensor from ``tensor`` must be gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        for g in list(self._mapped):
+            self.unmap_group(g)
+        with self.view.current():
+            self.view._check(
+                "cuMemAddressFree(an engine's KV cache)", self.view._drv.cuMemAddressFree(self.base, self.nbytes)
+            )
+
+
 class KvGroups:
-    """Group slots of a ``HostKvRange`` and the broker groups mapped into them.
+    """Group slots of a ``HostKvRange`` (or ``CudaKvRange``) and the broker groups mapped into them.
 
     Args:
         kv: the engine's broker registration (its ``group_pages`` is the range's layers).
         rng: the reserved range.
-        place: broker page -> (memfd, offset) in this process.
+        place: broker page -> what the range maps (``host_place``: (memfd, offset) in this
+            process; a ``CudaKvRange`` takes the page itself).
         batch: groups one background grow asks for at most.
     """
 

@@ -2352,3 +2352,53 @@ def test_two_processes_churning_windows_on_the_fake_map_each_object_over_its_own
         for v in views:
             v.close()
         a.close()
+
+
+# ----------------------------------------------------------------- an engine's KV range (engine pool)
+
+
+def test_an_engines_kv_range_maps_broker_pages_by_group_and_unmaps_them_after_the_work(fake, fake_torch):
+    """``CudaKvRange`` (docs/engine-pool.md) on the strict fake: one reservation, each group's
+    page per layer mapped whole and read-write where the group sits in every layer; a group
+    with a kernel still reading it is unmapped only after the context's work is done (the
+    fake faults otherwise); close leaves nothing mapped or reserved. UNRUN on a GPU."""
+    from memory_broker.clients.kv_arena import CudaKvRange
+
+    g = geom(pps=4)
+    a, v = _client_view(fake, g)
+    ps = g.page_size
+    rng = CudaKvRange(v, 2 * 4 * ps, 4 * ps, ps)  # two layers of four groups
+    try:
+        assert rng.base in fake.reservations and fake.reservations[rng.base] == rng.nbytes
+        with pytest.raises(ValueError, match="map group 0 first"):
+            rng.tensor()  # torch may refuse a tensor whose base is not mapped
+        rng.map_group(0, [1, 5])
+        rng.map_group(2, [2, 6])
+        want = {rng.base: 1, rng.base + 4 * ps: 5, rng.base + 2 * ps: 2, rng.base + 6 * ps: 6}
+        mine = {va: m for va, m in fake.mappings.items() if rng.base <= va < rng.base + rng.nbytes}
+        assert sorted(mine) == sorted(want)
+        for va, page in want.items():
+            assert mine[va]["alloc"] == fake.handles[int(v.page_handle(page))] and mine[va]["access"] == "rw"
+        t = rng.tensor()
+        assert t.data_ptr() == rng.base and t.numel() == rng.nbytes
+        # Bad requests change nothing.
+        before = dict(fake.mappings)
+        with pytest.raises(ValueError, match="one per layer"):
+            rng.map_group(1, [3])
+        with pytest.raises(IndexError, match="outside"):
+            rng.map_group(4, [3, 7])
+        assert fake.mappings == before
+        # A kernel still reading group 2: the unmap waits for the context's work, no fault.
+        fake.launch(0x5, rng.base + 2 * ps, ps)
+        rng.unmap_group(2)
+        assert fake.sticky is None and rng.base + 2 * ps not in fake.mappings and rng.base + 6 * ps not in fake.mappings
+        assert fake.names().count("cuCtxSynchronize") >= 1
+        del t
+        rng.close()
+        assert not [va for va in fake.mappings if rng.base <= va < rng.base + rng.nbytes]
+        assert rng.base not in fake.reservations
+    finally:
+        rng.close()
+        v.close()
+        a.close()
+    assert not fake.mappings and not fake.reservations
