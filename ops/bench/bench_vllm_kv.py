@@ -1,7 +1,8 @@
 """Shared-prefix workload over two vLLM engines per mode, the modes interleaved request by
 request in one run: TTFT of local prefix-cache hits, of cross-engine hits and of misses with
 no KV connector, with vLLM's file-based example connector, with the memory-broker connector
-(``broker``; ``broker-sync``: its stores on the request's path, ``store_in_step``), and with
+(``broker``; ``broker-sync``: its stores on the request's path, ``store_in_step``;
+``broker-inline``: its lookups in the scheduler's own call, ``lookup_async`` off), and with
 LMCache's own connector (``lmcache``: LMCache 0.5.6's ``LMCacheMPConnector`` on its
 multiprocess server, as LMCache documents it for CPU engines, ``--supported-transfer-mode
 auto`` and usage reports off; engines and server run from ``--lmcache-python``, an environment
@@ -68,6 +69,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 # The rules that make the comparison fair, and the report (checked by tests/test_benchmarks.py).
 from vllm_kv_fairness import (  # noqa: E402
+    BROKER_MODES,
     KINDS,
     SPIN_ENV,
     base_mode,
@@ -91,12 +93,16 @@ def engine_main(a: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if a.mode in ("broker", "broker-sync"):
+    if a.mode in BROKER_MODES:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="MemoryBrokerConnector",
             kv_connector_module_path="memory_broker.clients.vllm.kv_connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": a.socket, "store_in_step": a.mode == "broker-sync"},
+            kv_connector_extra_config={
+                "socket": a.socket,
+                "store_in_step": a.mode == "broker-sync",
+                "lookup_async": a.mode != "broker-inline",
+            },
             kv_load_failure_policy="recompute",
         )
     elif a.mode == "lmcache":  # LMCache's own connector, on its multiprocess server (start_lmcache)
@@ -333,7 +339,7 @@ class Stores:
         self.http: dict[str, str] = {}
         for m in modes:
             base = base_mode(m)
-            if base in ("broker", "broker-sync"):
+            if base in BROKER_MODES:
                 self.procs[m], self.address[m] = start_broker(a.broker_python, tmp, m)
             elif base == "lmcache":
                 self.procs[m], self.address[m], self.http[m] = start_lmcache(a.lmcache_python, tmp, m, a.lmcache_l1_gb)
@@ -539,7 +545,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="none,none2,noop,broker",
-        help="of none, file, broker, broker-sync (stores on the request's path), lmcache (LMCache's connector and "
+        help="of none, file, broker, broker-sync (stores on the request's path), broker-inline (lookups in the "
+        "scheduler's call), lmcache (LMCache's connector and "
         "server), noop (a connector doing nothing), noop-defer (the same, answering each request's first ask 'not "
         "yet'); a number after one runs it again on its own engines (none2: the A/A control)",
     )
