@@ -342,8 +342,10 @@ def test_bench_vllm_kv_report_says_a_run_stopped_early_and_its_setup():
     text = kv.report(a, [_row("none", 100, 200), _row("none2", 101, 199)], True, 1.0)
     assert "**Stopped early**: 3 of 4 requests per mode (engine failed)." in text
     assert "vLLM's queues spinning 0.05 s after a message" in text and ": fair" in text
-    a.vllm_defaults, a.stopped_early = True, ""
-    assert "vLLM's own CPU setup" in kv.report(a, [_row("none", 100, 200)], True, 1.0)
+    assert "in a random order, after 1 untimed" in text  # no pause between requests
+    a.vllm_defaults, a.stopped_early, a.settle_s = True, "", 0.3
+    text = kv.report(a, [_row("none", 100, 200)], True, 1.0)
+    assert "vLLM's own CPU setup" in text and "in a random order, 0.3 s apart, after 1 untimed" in text
 
 
 def test_bench_vllm_kv_pairs_requests_and_bounds_each_ratio_by_bootstrap():

@@ -164,8 +164,9 @@ def report(a, rows: list[dict], same: bool, wall_s: float, ledger=None, results=
         "",
         f"{a.groups} groups of a {a.prefix}-token system prompt: per group 1 miss (engine 1), 1 cross-engine request "
         f"(engine 2) and {a.hits} local prefix-cache hits (alternating engines), {a.tail}-token tails; each request "
-        f"sent to every mode ({', '.join(modes)}) in a {a.order} order, after {a.warmup_groups} untimed warm-up "
-        f"group(s); {setup}; model tiny_model.SMALL float32; {wall_s:.0f} s of requests, load average "
+        f"sent to every mode ({', '.join(modes)}) in a {a.order} order"
+        + (f", {a.settle_s:g} s apart" if getattr(a, "settle_s", 0) else "")
+        + f", after {a.warmup_groups} untimed warm-up group(s); {setup}; model tiny_model.SMALL float32; {wall_s:.0f} s of requests, load average "
         f"{os.getloadavg()[0]:.1f} at the end. Greedy first tokens identical across modes, request by request: {same}."
         + (f" **Stopped early**: {a.stopped_early}." if getattr(a, "stopped_early", "") else "")
         + (

@@ -484,6 +484,7 @@ def run_interleaved(a, model: str, tmp: str, modes: list[str], stores: Stores) -
             try:
                 got = {}
                 for mode in order:
+                    time.sleep(a.settle_s)  # the last mode's work after its request (stores) done
                     before, t = ledger.sample(), time.monotonic()
                     got[mode] = engines[mode][eng].run([prompt])[0]
                     ledger.add(mode, eng, before, ledger.sample(), time.monotonic() - t)
@@ -551,6 +552,13 @@ def main() -> None:
         "yet'); a number after one runs it again on its own engines (none2: the A/A control)",
     )
     ap.add_argument("--order", choices=("random", "rotate"), default="random", help="the modes' order per request")
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.0,
+        help="pause before each request, so that the work a mode does after its request (a connector's stores, "
+        "a delayed free) is not timed in the next mode's",
+    )
     ap.add_argument("--warmup-groups", type=int, default=1, help="untimed groups sent to every engine first")
     ap.add_argument("--omp-cpus", default="", help="CPUs every engine's OpenMP threads use (default: all)")
     ap.add_argument(
