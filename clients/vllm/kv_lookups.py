@@ -7,8 +7,9 @@ each chain. vLLM's ask (``get_num_new_matched_tokens``) is answered from that, o
 (None) while the frame is out: vLLM then runs its step without the request and asks again
 at the next one. No step waits on a broker round trip to look up. On a busy engine the answer
 is in by the time vLLM asks; an idle engine runs one step without the request first, as it
-does with LMCache's connector (whose server looks up the same way), and that step makes its
-next one faster (ops/bench/results/2026-12-07-cpu-vllm-kv-local-hits.md).
+does with LMCache's connector (whose server looks up the same way), which on a CPU engine often
+made the next step faster (0.85-0.98 of an engine without a connector at the median in three
+runs: ops/bench/results/2026-12-07-cpu-vllm-kv-local-hits.md).
 """
 
 from __future__ import annotations
