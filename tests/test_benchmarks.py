@@ -258,7 +258,14 @@ def test_bench_vllm_kv_gives_every_engine_the_same_cpus_and_no_idle_spinning():
 
 
 def test_bench_vllm_kv_numbered_modes_are_controls_and_unknown_modes_are_refused():
-    assert [kv.base_mode(m) for m in ("none", "none2", "noop", "broker3")] == ["none", "none", "noop", "broker"]
+    assert [kv.base_mode(m) for m in ("none", "none2", "noop", "broker3", "noop-defer2", "broker-inline")] == [
+        "none",
+        "none",
+        "noop",
+        "broker",
+        "noop-defer",
+        "broker-inline",
+    ]
     with pytest.raises(SystemExit, match="unknown mode 'nope'"):
         kv.base_mode("nope")
 
@@ -335,8 +342,10 @@ def test_bench_vllm_kv_report_says_a_run_stopped_early_and_its_setup():
     text = kv.report(a, [_row("none", 100, 200), _row("none2", 101, 199)], True, 1.0)
     assert "**Stopped early**: 3 of 4 requests per mode (engine failed)." in text
     assert "vLLM's queues spinning 0.05 s after a message" in text and ": fair" in text
-    a.vllm_defaults, a.stopped_early = True, ""
-    assert "vLLM's own CPU setup" in kv.report(a, [_row("none", 100, 200)], True, 1.0)
+    assert "in a random order, after 1 untimed" in text  # no pause between requests
+    a.vllm_defaults, a.stopped_early, a.settle_s = True, "", 0.3
+    text = kv.report(a, [_row("none", 100, 200)], True, 1.0)
+    assert "vLLM's own CPU setup" in text and "in a random order, 0.3 s apart, after 1 untimed" in text
 
 
 def test_bench_vllm_kv_pairs_requests_and_bounds_each_ratio_by_bootstrap():
@@ -361,6 +370,25 @@ def test_bench_vllm_kv_pairs_requests_and_bounds_each_ratio_by_bootstrap():
     text = "\n".join(kv.paired_lines(res))
     assert "| broker / none | miss | 20 | 1.200 [1.20-1.20] |" in text
     assert "| none2 / none | local | 60 |" in text and "lmcache" not in text
+
+
+def test_bench_vllm_kv_phases_give_each_modes_median_split_of_a_requests_time():
+    # none's local hits: 1 ms to the engine core, never queued, a 100 or 120 ms step, 2 ms back;
+    # noop-defer's: queued 4 ms, a 90 ms step. Requests without phases (a run without
+    # --phases) are left out, and a run with none of them prints no table.
+    def req(kind, phases):
+        return {"kind": kind, "ttft_s": sum(phases) / 1000, "phases_s": [x / 1000 for x in phases]}
+
+    res = {
+        "none": [req("local", [1, 0, 100, 2]), req("local", [1, 0, 120, 2]), {"kind": "miss", "ttft_s": 0.5}],
+        "noop-defer": [req("local", [1, 4, 90, 2])],
+    }
+    text = "\n".join(kv.phase_lines(res))
+    assert "| front end to engine core | queued | the step | back to the front end | whole |" in text
+    assert "| none | local | 2 | 1.0 | 0.0 | 110.0 | 2.0 | 113.0 |" in text
+    assert "| noop-defer | local | 1 | 1.0 | 4.0 | 90.0 | 2.0 | 97.0 |" in text
+    assert "| none | miss |" not in text
+    assert kv.phase_lines({"none": [{"kind": "local", "ttft_s": 0.1}]}) == []
 
 
 def test_bench_vllm_kv_targets_say_met_or_not_and_where_the_a_a_spread_covers_them():

@@ -212,6 +212,105 @@ def test_a_chain_in_the_brokers_tier_is_an_asynchronous_load_that_waits_only_on_
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
 
 
+ASYNC_SCRIPT = SCRIPT.split("    # The broker holds the first 32 blocks")[0] + textwrap.dedent(
+    """
+    import threading, time
+    from memory_broker.proto.wire.errors import BrokerError, Code
+
+    gate = threading.Event()
+
+    class SlowBroker(Broker):
+        # Its frames wait for the gate (a broker slow to answer); ``error``: refused.
+        error = None
+        def lookup_many(self, c, key_lists, pin, releases=()):
+            # Lookups on the thread; pins (a step's loads) in the scheduler's own call.
+            assert pin or not key_lists or threading.current_thread().name == "memory-broker-kv-lookups"
+            gate.wait(10)
+            if self.error is not None:
+                raise self.error
+            return super().lookup_many(c, key_lists, pin, releases)
+
+    def answered(s, rid):
+        deadline = time.monotonic() + 10
+        while s._lookups.result(rid) is None:
+            assert time.monotonic() < deadline, rid
+            time.sleep(0.001)
+
+    # The broker holds 32 blocks, vLLM's cache 2. The chain goes out when vLLM adds the request;
+    # its asks are answered "not yet" (no call on the scheduler's path) until the frame is back.
+    c = Client(set(keys[:32]))
+    b = SlowBroker(c)
+    b.frames = []
+    s = BrokerKVScheduler(b, fp, BS, 1, BrokerKVStats(), async_lookups=True)
+    r = request("a")
+    s.on_new_request(r)
+    assert s.get_num_new_matched_tokens(r, 2 * BS) == (None, False)
+    assert s.get_num_new_matched_tokens(r, 2 * BS) == (None, False)
+    gate.set()
+    answered(s, "a")
+    assert s.get_num_new_matched_tokens(r, 2 * BS) == (30 * BS, False)
+    assert b.frames == [1] and c.calls == [("lookup", 34, False)], (b.frames, c.calls)
+    # Asked again (vLLM could not schedule it): the same answer, no new frame.
+    assert s.get_num_new_matched_tokens(r, 2 * BS) == (30 * BS, False) and b.frames == [1]
+    # Scheduled: its load is pinned in the step's frame, as without asynchronous lookups.
+    s.update_state_after_alloc(r, None, 30 * BS)
+    meta = s.build_connector_meta(step_output("a"), Mgr())
+    assert meta.loads[0].block_ids == list(range(102, 132)), meta.loads
+    assert c.calls[-1] == ("lookup", 30, True), c.calls
+    assert s._lookups.result("a") is None  # its answer is spent
+
+    # Requests added while a frame is out go out together in the next one.
+    gate.clear()
+    before = len(b.frames)
+    reqs = [request(f"m{i}") for i in range(6)]
+    for q in reqs:
+        s.on_new_request(q)
+    gate.set()
+    for q in reqs:
+        answered(s, q.request_id)
+    assert sum(b.frames[before:]) == 6 and len(b.frames[before:]) <= 2, b.frames  # the first may go alone
+    assert [s.get_num_new_matched_tokens(q, 0) for q in reqs] == [(32 * BS, False)] * 6
+
+    # A request that finishes while its lookup is out: the answer is dropped when it comes.
+    gate.clear()
+    late = request("late")
+    s.on_new_request(late)
+    s.request_finished(late, [])
+    gate.set()
+    time.sleep(0.05)
+    assert s._lookups.result("late") is None and not s._lookups.out("late")
+
+    # A refused frame: counted, and vLLM computes the request (never a failed request).
+    b.error = BrokerError(Code.UNAVAILABLE, "refused")
+    stats = BrokerKVStats()
+    s2 = BrokerKVScheduler(b, fp, BS, 1, stats, async_lookups=True)
+    bad = request("bad")
+    s2.on_new_request(bad)
+    answered(s2, "bad")
+    assert s2.get_num_new_matched_tokens(bad, 0) == (0, False)
+    assert stats.data["broker_errors"] == 1
+
+    # A broker away: vLLM computes it all.
+    class Away(SlowBroker):
+        def client(self):
+            return None
+    s3 = BrokerKVScheduler(Away(c), fp, BS, 1, BrokerKVStats(), async_lookups=True)
+    s3.on_new_request(request("away"))
+    answered(s3, "away")
+    assert s3.get_num_new_matched_tokens(request("away"), 0) == (0, False)
+    b.error = None
+    s.shutdown(), s2.shutdown(), s3.shutdown()
+    assert not s._lookups._thread.is_alive()
+    print("OK")
+    """
+)
+
+
+def test_asynchronous_lookups_answer_not_yet_until_the_frame_is_back_and_never_fail_a_request():
+    r = subprocess.run([VLLM_PY, "-c", ASYNC_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
 # A step of 8 new requests on a real broker: 4 whose prefix vLLM's own cache holds (local
 # hits) and 4 that load theirs from the broker, one of which lost blocks to eviction between
 # the step's lookup and its pins.

@@ -16,9 +16,12 @@ import random
 import time
 
 # broker-sync: the broker's connector with each step waiting for its stores (store_in_step),
-# as it did before the stores moved off the request's path; lmcache: LMCache's own connector
-# and multiprocess server (the peer).
-BASE_MODES = ("none", "file", "noop", "broker", "broker-sync", "lmcache")
+# as it did before the stores moved off the request's path; broker-inline: its lookups in the
+# scheduler's own call (lookup_async off), as before they moved to a thread; lmcache: LMCache's own connector
+# and multiprocess server (the peer); noop-defer: a connector doing nothing but answering each
+# request's first ask "not yet", as LMCache's does (ops/bench/noop_kv_connector.py).
+BROKER_MODES = ("broker", "broker-sync", "broker-inline")
+BASE_MODES = ("none", "file", "noop", "noop-defer", *BROKER_MODES, "lmcache")
 
 
 SPIN_ENV = "MB_BENCH_VLLM_SPIN_S"
@@ -161,8 +164,9 @@ def report(a, rows: list[dict], same: bool, wall_s: float, ledger=None, results=
         "",
         f"{a.groups} groups of a {a.prefix}-token system prompt: per group 1 miss (engine 1), 1 cross-engine request "
         f"(engine 2) and {a.hits} local prefix-cache hits (alternating engines), {a.tail}-token tails; each request "
-        f"sent to every mode ({', '.join(modes)}) in a {a.order} order, after {a.warmup_groups} untimed warm-up "
-        f"group(s); {setup}; model tiny_model.SMALL float32; {wall_s:.0f} s of requests, load average "
+        f"sent to every mode ({', '.join(modes)}) in a {a.order} order"
+        + (f", {a.settle_s:g} s apart" if getattr(a, "settle_s", 0) else "")
+        + f", after {a.warmup_groups} untimed warm-up group(s); {setup}; model tiny_model.SMALL float32; {wall_s:.0f} s of requests, load average "
         f"{os.getloadavg()[0]:.1f} at the end. Greedy first tokens identical across modes, request by request: {same}."
         + (f" **Stopped early**: {a.stopped_early}." if getattr(a, "stopped_early", "") else "")
         + (
@@ -229,6 +233,25 @@ def target_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+PHASES = ("front end to engine core", "queued", "the step", "back to the front end")
+
+
+def phase_lines(results: dict[str, list[dict]]) -> list[str]:
+    """Where each mode's time goes (``--phases``), per kind: the median of each phase of a
+    request's time (vLLM's own timestamps), in ms; nothing when no request has them."""
+    lines = ["", "Where the time goes (`--phases`: medians, ms; vLLM's timestamps):", "",
+             "| mode | kind | n | " + " | ".join(PHASES) + " | whole |", "|---|---|---:|" + "---:|" * (len(PHASES) + 1)]  # fmt: skip
+    for m, rs in results.items():
+        for kind in KINDS:
+            got = [r for r in rs if r["kind"] == kind and r.get("phases_s")]
+            if not got:
+                continue
+            cells = [f"{1000 * _median([r['phases_s'][i] for r in got]):.1f}" for i in range(len(PHASES))]
+            cells.append(f"{1000 * _median([r['ttft_s'] for r in got]):.1f}")
+            lines.append(f"| {m} | {kind} | {len(got)} | " + " | ".join(cells) + " |")
+    return lines if len(lines) > 5 else []
+
+
 # ------------------------------------------------------------- paired ratios
 
 
@@ -267,8 +290,9 @@ def paired(results: dict[str, list[dict]], mode: str, peer: str, kind: str) -> d
     }
 
 
-PAIRS = (("none2", "none"), ("broker", "none"), ("lmcache", "none"), ("broker-sync", "none"),
-         ("broker", "lmcache"), ("broker", "broker-sync"))  # fmt: skip
+PAIRS = (("none2", "none"), ("broker", "none"), ("lmcache", "none"), ("broker-sync", "none"), ("noop-defer", "none"),
+         ("broker-inline", "none"), ("broker", "lmcache"), ("broker", "broker-sync"), ("broker", "broker-inline"),
+         ("lmcache", "noop-defer"))  # fmt: skip
 
 
 def _ci(t: tuple[float, float, float]) -> str:

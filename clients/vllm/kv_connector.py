@@ -53,7 +53,16 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so these lines show among vLLM's own.
 log = logging.getLogger("vllm.memory_broker." + __name__.rsplit(".", 1)[-1])
 
-EXTRA_KEYS = ("socket", "timeout_s", "retry_s", "store_buffer_mb", "store_in_step", "engine_pool", "share_prefixes")
+EXTRA_KEYS = (
+    "socket",
+    "timeout_s",
+    "retry_s",
+    "store_buffer_mb",
+    "store_in_step",
+    "lookup_async",
+    "engine_pool",
+    "share_prefixes",
+)
 
 
 def _flag(v: object) -> bool:
@@ -73,7 +82,10 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     default 5), ``retry_s`` (between reconnect attempts, default 2), ``store_buffer_mb`` (new
     blocks staged and not yet committed, at most; default 256; a step past it is not stored) and
     ``store_in_step`` (default false: each step waits until its blocks are committed, as before
-    the stores moved off the request's path; for comparison).
+    the stores moved off the request's path; for comparison) and ``lookup_async`` (default true:
+    each request is looked up on a thread when it arrives and vLLM's ask is answered "not yet"
+    until the reply is in, ``kv_lookups.py``; false: the step's first ask looks up in the
+    scheduler's own call).
 
     With per-GPU brokers, a worker uses the broker of its device (torch's current device, else
     its local rank's visible device) and the scheduler, which may see no GPU, looks rank r up in
@@ -118,7 +130,14 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             fp = identity.engine_fingerprint(ident)
             brokers = store.rank_brokers(given, self.tp_size, **kw)
             self.broker = brokers[0]
-            self.connector_scheduler = BrokerKVScheduler(brokers, fp, self.block_size, self.tp_size, self.stats)
+            self.connector_scheduler = BrokerKVScheduler(
+                brokers,
+                fp,
+                self.block_size,
+                self.tp_size,
+                self.stats,
+                async_lookups=_flag(extra.get("lookup_async", True)),
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

