@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import threading
 import time
@@ -25,9 +26,11 @@ pytestmark = pytest.mark.timeout(3600)
 rng = random.Random(46)
 # The tiny model's KV: 16 KiB per 32-token block per layer, 2 layers. A 512 KiB broker page holds
 # 32 blocks of a layer: a group is 2 pages (one per layer), 32 blocks. 8 MiB of KV: 256 blocks,
-# 8 groups. The engine core and worker share a process (--uni: the pool's need on the CPU).
+# 8 groups. vLLM's default multiprocess engine core: the scheduler and the worker are two
+# processes (the CPU build turns the uni executor into mp), the groups travel in the metadata.
 KV_BYTES = 8 << 20
 BROKER = ("--page-size", "512KiB", "--slab-size", "1MiB")
+PAGE = 512 * 1024
 
 
 def _toks(n: int) -> list[int]:
@@ -36,6 +39,7 @@ def _toks(n: int) -> list[int]:
 
 BURST = [_toks(150 + 13 * i) for i in range(8)]  # about 60 blocks: 2 groups
 BIG = [_toks(290 + 7 * i) for i in range(12)]  # about 125 blocks: 4 groups and more
+SHORT = BURST[0][:40]  # with 64 tokens out: 4 blocks
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +48,11 @@ def env(vllm_shared):
     state = {"tmp": short_tmpdir(), "model": shared.model, "engines": []}
 
     def engine(name: str, broker=None, pool: dict | None = None, *args: str) -> Engine:
-        extra = ["--kv-bytes", str(KV_BYTES), "--max-model-len", "1024", "--uni", *args]
+        extra = ["--kv-bytes", str(KV_BYTES), "--max-model-len", "1024", *args]
         if broker is not None:
             extra += ["--connector", "broker", "--socket", broker.socket]
-            extra += ["--engine-pool", json.dumps(pool or {})]
+        if pool is not None:
+            extra += ["--engine-pool", json.dumps(pool)]
         e = Engine(name, state["tmp"], state["model"], *extra)
         state["engines"].append(e)
         return e
@@ -66,9 +71,13 @@ def engine_stats(broker, name: str):
 
 @pytest.fixture(scope="module")
 def stock(env):
-    """Stock vLLM's tokens with the same KV bytes: (BURST's, BIG's)."""
+    """Stock vLLM's tokens with the same KV bytes: (BURST's, BIG's, a short prompt's)."""
     e = env["engine"]("stock").wait_ready()
-    out = [o["tokens"] for o in e.generate(BURST, max_tokens=24)], [o["tokens"] for o in e.generate(BIG, max_tokens=24)]
+    out = (
+        [o["tokens"] for o in e.generate(BURST, max_tokens=24)],
+        [o["tokens"] for o in e.generate(BIG, max_tokens=24)],
+        e.generate([SHORT], max_tokens=64)[0]["tokens"],
+    )
     e.stop()
     return out
 
@@ -78,24 +87,44 @@ def reference(stock):
     return stock[0]
 
 
-def test_one_engine_on_the_pool_gives_stock_vllms_tokens(env, reference):
+def _pool_pids(log: str) -> tuple[set[str], set[str]]:
+    """The pids vLLM's log lines name for the worker's half and for the scheduler's."""
+    worker = set(re.findall(r"pid=(\d+)\)[^\n]*engine pool: KV cache of", log))
+    sched = set(re.findall(r"pid=(\d+)\)[^\n]*engine pool: '[^']*' at the broker", log))
+    return worker, sched
+
+
+def test_one_engine_on_the_pool_gives_stock_vllms_tokens_and_grows_and_shrinks(env, reference):
     b = start_broker("--pool-size", "16MiB", *BROKER)
     e = env["engine"]("pool-a", b, {"name": "a"}).wait_ready()
+    sampler = Sampler(b)
     try:
         assert "engine pool: KV cache of 8 groups x 32 blocks" in e.log(), e.log()[-3000:]
+        worker, sched = _pool_pids(e.log())
+        # vLLM's default engine core: the worker's half and the scheduler's in two processes.
+        assert len(worker) == 1 and len(sched) == 1 and worker != sched, (worker, sched)
         assert [o["tokens"] for o in e.generate(BURST, max_tokens=24)] == reference
-        s, st = engine_stats(b, "a")
-        assert s is not None and s.grows >= 1 and s.held_pages >= 2
-        assert s.refusals == 0
+        # Idle after the burst: free groups beyond the reserve (2) go back, group 0 stays.
+        deadline = time.monotonic() + 10
+        while (s := engine_stats(b, "a")[0]).held_pages > 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.held_pages == 6, s
+        assert s.grows >= 1 and s.give_backs >= 1 and s.refusals == 0, s
+        assert sampler.most["a"] > s.held_pages, sampler.most
     finally:
+        sampler.stop()
         e.stop()
         b.stop(signal.SIGKILL)
 
 
 def test_an_engine_on_the_pool_alone_without_shared_prefixes_gives_stock_vllms_tokens(env, reference):
     b = start_broker("--pool-size", "16MiB", *BROKER)
-    e = env["engine"]("pool-only", b, {"name": "only"}, "--no-share-prefixes").wait_ready()
+    # The engine core in the process that starts it (VLLM_ENABLE_V1_MULTIPROCESSING=0): the
+    # same two halves, in one process.
+    e = env["engine"]("pool-only", b, {"name": "only"}, "--no-share-prefixes", "--uni").wait_ready()
     try:
+        worker, sched = _pool_pids(e.log())
+        assert len(worker) == 1 and worker == sched, (worker, sched)
         assert [o["tokens"] for o in e.generate(BURST, max_tokens=24)] == reference
         s, st = engine_stats(b, "only")
         assert s.grows >= 1

@@ -115,6 +115,7 @@ LORA_PATCH_POINTS: tuple[PatchPoint, ...] = (
 # What the engine pool (engine_pool.py) uses of vLLM's block pool and KV allocation. A failed
 # check leaves vLLM's own KV cache in place (one log line), never refuses the package.
 _BP, _KU = "v1/core/block_pool.py", "v1/core/kv_cache_utils.py"
+_KC = "distributed/kv_transfer/kv_connector/v1/base.py"
 ENGINE_POOL_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(_BP, "BlockPool", "blocks", attr=True),
     PatchPoint(_BP, "BlockPool", "free_block_queue", attr=True),
@@ -128,6 +129,10 @@ ENGINE_POOL_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("v1/core/kv_cache_manager.py", "KVCacheManager", "allocate_slots"),
     PatchPoint("v1/core/kv_cache_manager.py", "KVCacheManager", "block_pool", attr=True),
     PatchPoint("v1/worker/utils.py", "", "allocate_kv_cache", ("kv_cache_config", "device", "layout")),
+    # The worker maps a step's groups in handle_preemptions, which the runner calls first in
+    # every step; an idle engine takes one more step while the scheduler has pending work.
+    PatchPoint(_KC, "KVConnectorBase_V1", "handle_preemptions", ("self", "kv_connector_metadata")),
+    PatchPoint(_KC, "KVConnectorBase_V1", "has_pending_push_work", ("self",)),
 )
 
 # The connector's base class, where the methods it implements are declared.
