@@ -12,12 +12,13 @@ import json
 import random
 import re
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
-from conftest import short_tmpdir, start_broker
-from test_vllm_kv import Engine
+from conftest import ROOT, short_tmpdir, start_broker
+from test_vllm_kv import VLLM_PY, Engine
 
 from memory_broker.clients import BrokerClient
 
@@ -225,3 +226,37 @@ def test_an_engine_killed_mid_burst_returns_its_pages_within_a_second_and_the_ot
         c.stop()
         b.stop(signal.SIGKILL)
     assert sampler.most["b"] >= 8 and sampler.most_total <= 12, sampler.most
+
+
+# vLLM's own block pool, 4 groups of 8 blocks (block 0: the null block). Four requests take every
+# block; the first (blocks 1-4, in group 0) and the third (group 2, whole) finish; a new request
+# takes 4 blocks. vLLM's order reuses the last freed first (group 2's): no group is wholly free.
+FULLEST = """
+import json
+from vllm.v1.core.block_pool import BlockPool
+from memory_broker.clients.vllm.engine_pool import prefer_fullest
+
+BPG = 8
+
+def run(fullest):
+    pool = BlockPool(num_gpu_blocks=32, enable_caching=True, hash_block_size=16)
+    if fullest:
+        prefer_fullest(pool.free_block_queue, BPG)
+    r1, r2, r3, r4 = (pool.get_new_blocks(n) for n in (4, 11, 8, 8))
+    pool.free_blocks(r1)
+    pool.free_blocks(r3)
+    r5 = pool.get_new_blocks(4)
+    whole = [g for g in range(4) if all(b.ref_cnt == 0 and not b.is_null for b in pool.blocks[g * BPG : (g + 1) * BPG])]
+    return {"r5": [b.block_id for b in r5], "whole_free": whole, "free": pool.get_num_free_blocks()}
+
+print(json.dumps({"vllm": run(False), "fullest": run(True)}))
+"""
+
+
+def test_allocation_from_the_fullest_group_frees_a_group_that_vllms_order_keeps_partly_used():
+    p = subprocess.run([VLLM_PY, "-c", FULLEST], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["vllm"]["r5"] == [16, 17, 18, 19] and out["vllm"]["whole_free"] == []
+    assert out["fullest"]["r5"] == [1, 2, 3, 4] and out["fullest"]["whole_free"] == [2]
+    assert out["vllm"]["free"] == out["fullest"]["free"] == 8  # the same blocks handed out, elsewhere

@@ -135,6 +135,15 @@ ENGINE_POOL_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(_KC, "KVConnectorBase_V1", "has_pending_push_work", ("self",)),
 )
 
+# Allocation from the fullest backed group (engine_pool.prefer_fullest): wrapped on the block
+# pool's free queue. A failed check keeps vLLM's own order (one log line); the pool still runs.
+FULLEST_GROUP_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "popleft_n", ("self", "n"), wrapped=True),
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "get_all_free_blocks", ("self",)),
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "remove", ("self", "block")),
+    PatchPoint(_BP, "BlockPool", "get_new_blocks", ("self", "num_blocks")),
+)
+
 # The connector's base class, where the methods it implements are declared.
 CONNECTOR_BASE = ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1")
 
@@ -317,6 +326,17 @@ def engine_pool_problems(root: str) -> list[str]:
 def engine_pool_problems_installed() -> tuple[str, ...]:
     root = installed_root()
     return tuple(engine_pool_problems(root)) if root is not None else ("vLLM is not installed",)
+
+
+def fullest_group_problems(root: str) -> list[str]:
+    """What allocating from the fullest backed group needs that the vLLM tree at ``root`` lacks."""
+    return [why for why in (_check_point(root, p) for p in FULLEST_GROUP_POINTS) if why]
+
+
+@functools.lru_cache(maxsize=1)
+def fullest_group_problems_installed() -> tuple[str, ...]:
+    root = installed_root()
+    return tuple(fullest_group_problems(root)) if root is not None else ("vLLM is not installed",)
 
 
 def installed_root() -> str | None:

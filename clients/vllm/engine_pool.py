@@ -208,6 +208,29 @@ class EngineOnPool:
         self.client.close()
 
 
+def prefer_fullest(queue, blocks_per_group: int) -> None:
+    """Make ``queue`` (vLLM's ``FreeKVCacheBlockQueue``) hand out blocks from the fullest groups
+    first (fewest free blocks; vLLM's order among a group's), so that whole groups fall free to
+    be given back; vLLM's order takes the oldest free blocks, wherever they lie."""
+    popleft_n = queue.popleft_n
+
+    def fullest_first(n: int) -> list:
+        free = queue.get_all_free_blocks()
+        if n >= len(free):
+            return popleft_n(n)
+        count: dict[int, int] = {}
+        for b in free:
+            g = b.block_id // blocks_per_group
+            count[g] = count.get(g, 0) + 1
+        rank = {g: i for i, g in enumerate(sorted(count, key=count.__getitem__))}
+        out = sorted(free, key=lambda b: rank[b.block_id // blocks_per_group])[:n]
+        for b in out:
+            queue.remove(b)
+        return out
+
+    queue.popleft_n = fullest_first
+
+
 class WorkerRange:
     """The worker's half: the KV cache's range, and the groups the scheduler says to map.
 
@@ -323,6 +346,15 @@ def attach(kv_cache_manager, socket: str, conf: dict, kv_cache_config: Any, vllm
             return None
         raise RuntimeError(f"engine pool: the broker at {socket} refused the engine {conf.get('name')!r}: {e}") from e
     eng.bind(kv_cache_manager.block_pool)
+    from memory_broker.clients.vllm import compat
+
+    why = compat.fullest_group_problems_installed()
+    if why:
+        log.warning(
+            "engine pool: blocks are handed out in vLLM's own order, not fullest group first: %s", "; ".join(why)
+        )
+    else:
+        prefer_fullest(kv_cache_manager.block_pool.free_block_queue, eng.blocks_per_group)
     allocate = kv_cache_manager.allocate_slots
 
     def allocate_slots(*args, **kwargs):
