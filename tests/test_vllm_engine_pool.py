@@ -1,9 +1,12 @@
 """vLLM's own KV cache on the broker's pages (the engine pool), with real vLLM CPU engines.
 
-An engine on the pool gives the same greedy tokens as stock vLLM with the same KV bytes; with a
-budget below one burst it preempts (its grows are refused) and still gives the same tokens; two
-engines on one broker share one budget, the second growing into pages the first gave back. The
-engines run as tests/test_vllm_kv.py's do (tests/vllm_harness.py under .venv-vllm).
+An engine on the pool (vLLM's default multiprocess engine core: its scheduler and worker in two
+processes) gives the same greedy tokens as stock vLLM with the same KV bytes, growing and
+shrinking at the broker; with a budget below one burst it preempts (its grows are refused) and
+still gives the same tokens; two engines on one broker share one budget, the second growing into
+pages the first gave back; a grow evicts shared prefix KV, never a held adapter; a page that
+moves from one engine to another reads zero there. The engines run as tests/test_vllm_kv.py's do
+(tests/vllm_harness.py under .venv-vllm).
 """
 
 from __future__ import annotations
@@ -226,6 +229,138 @@ def test_an_engine_killed_mid_burst_returns_its_pages_within_a_second_and_the_ot
         c.stop()
         b.stop(signal.SIGKILL)
     assert sampler.most["b"] >= 8 and sampler.most_total <= 12, sampler.most
+
+
+def lora_pages(client) -> int:
+    return sum(x.pages for x in client.stats().by_content if x.content_type == 2)
+
+
+def test_a_grow_evicts_the_shared_prefix_kv_and_never_the_held_adapter(env, stock, tmp_path):
+    from rigs import write_adapter
+
+    # 8 MiB: 16 pages. An engine off the pool stores BURST's prefix KV (a page per block: more
+    # than the pool) in what the held adapter leaves, and stops; the engine on the pool, BIG's
+    # burst, can only grow by evicting that prefix KV, or the adapter.
+    b = start_broker("--pool-size", "8MiB", *BROKER)
+    holder = BrokerClient.connect(b.socket, client_name="adapter-holder")
+    try:
+        holder.register_adapter("held", write_adapter(str(tmp_path / "held"), 1))
+        with holder.acquire_adapters(["held"]):
+            lora = lora_pages(holder)
+            assert lora >= 1
+            p = env["engine"]("prefixes", b).wait_ready()
+            for prompt in BURST:  # one at a time: a step's stores are one prepare, all or nothing
+                p.generate([prompt], max_tokens=4)
+            stored, deadline = -1, time.monotonic() + 60  # stores run off the step: let them land
+            while stored != holder.stats().keyed_objects and time.monotonic() < deadline:
+                stored = holder.stats().keyed_objects
+                time.sleep(2)
+            p.stop()
+            st0 = holder.stats()
+            assert st0.keyed_objects > 0 and st0.max_pages - st0.used_pages < 8, st0
+            sampler = Sampler(b)
+            a = env["engine"]("pool-e", b, {"name": "a", "reserve_groups": 0}, "--no-share-prefixes").wait_ready()
+            try:
+                assert [o["tokens"] for o in a.generate(BIG, max_tokens=24)] == stock[1]
+            finally:
+                sampler.stop()
+                a.stop()
+            st1 = holder.stats()
+            assert st1.evicted_objects > st0.evicted_objects and st1.keyed_objects < st0.keyed_objects
+            assert sampler.most["a"] >= 8, sampler.most  # grown into the prefix KV's pages
+            assert lora_pages(holder) == lora  # the held adapter stayed
+    finally:
+        holder.close()
+        b.stop(signal.SIGKILL)
+
+
+def _range(log: str) -> tuple[int, int, int]:
+    """(worker pid, range base, layer stride) from the worker's log line."""
+    m = re.search(
+        r"pid=(\d+)\)[^\n]*engine pool: KV cache of .*range at (0x[0-9a-f]+), (\d+) layers of (\d+) bytes", log
+    )
+    assert m, log[-3000:]
+    return int(m.group(1)), int(m.group(2), 16), int(m.group(4))
+
+
+def _pages(pid: int, base: int, stride: int, layers: int, groups) -> dict[tuple[int, int], bytes | None]:
+    """Each (group, layer) page of a worker's range, as bytes; None where it is not mapped."""
+    mapped = []
+    for line in open(f"/proc/{pid}/maps"):
+        span, mode = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if mode.startswith("rw") and hi > base and lo < base + layers * stride:
+            mapped.append((lo, hi))
+    out: dict[tuple[int, int], bytes | None] = {}
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        for g in groups:
+            for layer in range(layers):
+                at = base + layer * stride + g * PAGE
+                out[g, layer] = None
+                if any(lo <= at and at + PAGE <= hi for lo, hi in mapped):
+                    try:
+                        mem.seek(at)
+                        out[g, layer] = mem.read(PAGE)
+                    except OSError:  # unmapped since /proc/<pid>/maps was read
+                        pass
+    return out
+
+
+def test_a_page_that_moves_between_engines_reads_zero_before_it_is_written(env, stock):
+    # 6 MiB: 12 pages. a and b hold their group 0 (4 pages); a's BIG burst takes the other 8 and
+    # writes each; idle, a gives them back; b, asked for one short prompt, grows ahead of need
+    # (4 groups: those 8 pages), writes only in its group 0 (the fullest), and idle keeps 2 of
+    # them as its reserve: they read zero in b.
+    b = start_broker("--pool-size", "6MiB", *BROKER)
+    a = env["engine"]("pool-a5", b, {"name": "a", "reserve_groups": 0})
+    c = env["engine"]("pool-b5", b, {"name": "b", "reserve_groups": 2})
+    a.wait_ready()
+    c.wait_ready()
+    sampler = Sampler(b)
+    pid_a, base_a, stride = _range(a.log())
+    most_dirty = [0]
+    stop = threading.Event()
+
+    errors: list[BaseException] = []
+
+    def watch_a() -> None:  # the most pages beyond group 0 that a held written at one time
+        while not stop.is_set():
+            try:
+                pages = _pages(pid_a, base_a, stride, 2, range(1, 8))
+            except BaseException as e:
+                errors.append(e)
+                return
+            most_dirty[0] = max(most_dirty[0], sum(1 for v in pages.values() if v is not None and v.strip(b"\0")))
+            time.sleep(0.02)
+
+    w = threading.Thread(target=watch_a, daemon=True)
+    w.start()
+    try:
+        assert [o["tokens"] for o in a.generate(BIG, max_tokens=24)] == stock[1]
+        stop.set()
+        w.join(10)
+        # Every page beyond the two group 0s held a's KV at one time.
+        assert not errors and most_dirty[0] == 8, (errors, most_dirty)
+        deadline = time.monotonic() + 10
+        while engine_stats(b, "a")[0].held_pages > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine_stats(b, "a")[0].held_pages == 2
+        assert [o["tokens"] for o in c.generate([SHORT], max_tokens=64)] == [stock[2]]
+        deadline = time.monotonic() + 10
+        while engine_stats(b, "b")[0].held_pages != 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine_stats(b, "b")[0].held_pages == 6  # group 0 and the 2 reserve groups
+        pid_b, base_b, _ = _range(c.log())
+        pages = _pages(pid_b, base_b, stride, 2, range(1, 8))
+        got = {k: v for k, v in pages.items() if v is not None}
+        assert len(got) == 4, sorted(got)
+        assert all(not v.strip(b"\0") for v in got.values()), "a page moved from a to b without being zeroed"
+    finally:
+        stop.set()
+        sampler.stop()
+        a.stop()
+        c.stop()
+        b.stop(signal.SIGKILL)
 
 
 # vLLM's own block pool, 4 groups of 8 blocks (block 0: the null block). Four requests take every
