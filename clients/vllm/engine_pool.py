@@ -33,6 +33,8 @@ KEYS = ("name", "floor_mb", "ceiling_mb", "weight", "reserve_groups", "start_gro
 
 # How long a grow made on the step (an allocation that would fail) waits for give-backs.
 SYNC_WAIT_MS = 20
+# How long the first grow (at the engine's start) waits for them.
+START_WAIT_MS = 1000
 
 
 def _connect(socket: str, role: str, name: str, tensor: Any, on_event=None):
@@ -72,21 +74,28 @@ class EngineOnPool:
     """
 
     def __init__(self, socket: str, conf: dict, tensor: Any, model: str):
-        from memory_broker.clients.engine_kv import EngineKvSession
-        from memory_broker.clients.kv_arena import KvGroups, kv_geometry
-
         self.name = _name(conf, model)
         self.reserve = int(conf.get("reserve_groups", 2))
         start = max(1, int(conf.get("start_groups", 1)))
         self.kv = None
         self.client = _connect(socket, "scheduler", self.name, tensor, self._event)
-        ps = self.client.arena.page_size
         try:
-            layers, num_groups = kv_geometry(tensor.size, tensor.layer_stride, ps)
-        except ValueError:
+            self._register(conf, tensor, start)
+        except BaseException:  # a refused registration or grow: the session (and its pages) go
             self.client.close()
             raise
-        self.num_groups = num_groups
+        self.pool = None  # vLLM's BlockPool, once bound
+        # Slots whose blocks are in vLLM's free queue or held by requests.
+        self.live: set[int] = set()
+        # Grows refused (vLLM preempted) and grows made on the step.
+        self.preemptions = self.sync_grows = 0
+
+    def _register(self, conf: dict, tensor: Any, start: int) -> None:
+        from memory_broker.clients.engine_kv import EngineKvSession
+        from memory_broker.clients.kv_arena import KvGroups, kv_geometry
+
+        ps = self.client.arena.page_size
+        layers, self.num_groups = kv_geometry(tensor.size, tensor.layer_stride, ps)
         self.blocks_per_group = ps // tensor.block_stride
         mb = 1 << 20
         self.kv = EngineKvSession(
@@ -98,13 +107,9 @@ class EngineOnPool:
             ceiling_pages=int(float(conf.get("ceiling_mb", 0)) * mb) // ps,
             weight=float(conf.get("weight", 0.0)),
         )
-        self.groups = KvGroups(self.kv, num_groups, max(1, int(conf.get("batch_groups", 4))))
-        self.groups.grow_now(min(start, num_groups))  # group 0 holds vLLM's null block
-        self.pool = None  # vLLM's BlockPool, once bound
-        # Slots whose blocks are in vLLM's free queue or held by requests.
-        self.live: set[int] = set()
-        # Grows refused (vLLM preempted) and grows made on the step.
-        self.preemptions = self.sync_grows = 0
+        self.groups = KvGroups(self.kv, self.num_groups, max(1, int(conf.get("batch_groups", 4))))
+        # Group 0 holds vLLM's null block; other engines above their floors may give pages back.
+        self.groups.grow_now(min(start, self.num_groups), START_WAIT_MS)
 
     def _event(self, ev) -> None:
         if self.kv is not None:
