@@ -1,14 +1,17 @@
 """An engine's KV cache as a range it reserves once and never moves, with broker pages mapped in
 by group as the engine grows, and unmapped when a whole group is free (docs/engine-pool.md).
 
-``HostKvRange`` owns the address range (host arena: a ``PROT_NONE`` reservation; a group's page
-for layer ``l`` is mapped ``MAP_SHARED|MAP_FIXED`` from the slab's memfd at ``l * layer_stride +
-group * page_size``, and unmapped by mapping ``PROT_NONE`` anonymous memory over it).
-``KvGroups`` owns which group slot holds which broker group: growth asked for ahead of need by a
-background thread, in batches, off the engine's step (``want``/``take_ready``), or at once when the
-step has nothing left (``grow_now``); and the retirement of a free group, unmapped and given back
-only after the last step that could read it finished (``retire``/``step_done``). Which blocks are
-free is the engine's (``clients/vllm/engine_pool.py``); the broker's arbitration is
+The two halves may live in two processes (vLLM's scheduler and its worker). ``KvGroups`` is the
+scheduler's: which group slot holds which broker group, growth asked for ahead of need by a
+background thread, in batches, off the engine's step (``want``/``take_ready``), or at once when
+the step has nothing left (``grow_now``); the retirement of a free group, given back only after
+the last step that could read it finished (``retire``/``step_done``); and, for the worker, the
+ordered map and unmap operations (``take_ops``), which travel with the next step. ``KvMapper``
+is the worker's: ``HostKvRange`` owns the address range (host arena: a ``PROT_NONE``
+reservation; a group's page for layer ``l`` is mapped ``MAP_SHARED|MAP_FIXED`` from the slab's
+memfd at ``l * layer_stride + group * page_size``, and unmapped by mapping ``PROT_NONE``
+anonymous memory over it), and ``apply`` carries the operations out before the step runs. Which
+blocks are free is the engine's (``clients/vllm/engine_pool.py``); the broker's arbitration is
 ``broker/store/engine_pool.py``'s.
 """
 
@@ -22,8 +25,10 @@ from memory_broker.clients.engine_kv import EngineKvSession
 from memory_broker.proto.wire.errors import BrokerError
 from memory_broker.proto.wire.mapping.host import (
     _RESERVE_FLAGS,
+    MAP_ANONYMOUS,
     MAP_FIXED,
     MAP_POPULATE,
+    MAP_PRIVATE,
     MAP_SHARED,
     PROT_NONE,
     PROT_READ,
@@ -41,6 +46,21 @@ log = logging.getLogger(__name__)
 RETIRE_STEPS = 2
 
 
+def kv_geometry(nbytes: int, layer_stride: int, page_size: int) -> tuple[int, int]:
+    """(layers, groups) of a KV cache of ``nbytes`` in layers of ``layer_stride`` bytes, in
+    groups of one ``page_size`` page per layer.
+
+    Raises:
+        ValueError: the layer stride is not whole pages, or the size not whole layers.
+    """
+    if layer_stride <= 0 or layer_stride % page_size or nbytes % layer_stride:
+        raise ValueError(
+            f"a KV cache of {nbytes} bytes in layers of {layer_stride} bytes cannot be mapped in "
+            f"pages of {page_size} bytes (each layer must be whole pages)"
+        )
+    return nbytes // layer_stride, layer_stride // page_size
+
+
 class HostKvRange:
     """``nbytes`` of address space (``num_layers`` layers of ``layer_stride`` bytes), reserved
     once; group ``g`` is ``page_size`` bytes at ``l * layer_stride + g * page_size`` per layer.
@@ -50,14 +70,8 @@ class HostKvRange:
     """
 
     def __init__(self, nbytes: int, layer_stride: int, page_size: int):
-        if layer_stride <= 0 or layer_stride % page_size or nbytes % layer_stride:
-            raise ValueError(
-                f"a KV cache of {nbytes} bytes in layers of {layer_stride} bytes cannot be mapped in "
-                f"pages of {page_size} bytes (each layer must be whole pages)"
-            )
+        self.num_layers, self.num_groups = kv_geometry(nbytes, layer_stride, page_size)
         self.nbytes, self.layer_stride, self.page_size = nbytes, layer_stride, page_size
-        self.num_layers = nbytes // layer_stride
-        self.num_groups = layer_stride // page_size
         self.base = _mmap(None, nbytes, PROT_NONE, _RESERVE_FLAGS, -1, 0)
         self._closed = False
 
@@ -74,6 +88,12 @@ class HostKvRange:
         flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE
         for addr, (fd, offset) in zip(self.addresses(group), places):
             _mmap(addr, self.page_size, PROT_READ | PROT_WRITE, flags, fd, offset)
+
+    def map_private(self, group: int) -> None:
+        """Map zeroed private memory at the group (what vLLM's warm-up may write before the
+        broker's first pages come: they replace it)."""
+        for addr in self.addresses(group):
+            _mmap(addr, self.page_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
 
     def unmap_group(self, group: int) -> None:
         """Put the reservation back over the group's pages (a touch then faults)."""
@@ -186,28 +206,17 @@ class CudaKvRange:
 
 
 class KvGroups:
-    """Group slots of a ``HostKvRange`` (or ``CudaKvRange``) and the broker groups mapped into them.
+    """Group slots of an engine's KV range and the broker groups mapped into them (the
+    scheduler's half: it maps nothing itself; ``take_ops`` hands the worker what to map).
 
     Args:
         kv: the engine's broker registration (its ``group_pages`` is the range's layers).
-        rng: the reserved range.
-        place: broker page -> what the range maps (``host_place``: (memfd, offset) in this
-            process; a ``CudaKvRange`` takes the page itself).
+        num_groups: group slots in the range.
         batch: groups one background grow asks for at most.
     """
 
-    def __init__(
-        self,
-        kv: EngineKvSession,
-        rng: HostKvRange,
-        place: Callable[[int], tuple[int, int]],
-        batch: int = 4,
-    ):
-        if kv.group_pages != rng.num_layers:
-            raise ValueError(
-                f"the engine registered {kv.group_pages} pages a group; the range has {rng.num_layers} layers"
-            )
-        self.kv, self.rng, self._place, self.batch = kv, rng, place, batch
+    def __init__(self, kv: EngineKvSession, num_groups: int, batch: int = 4):
+        self.kv, self.num_groups, self.batch = kv, num_groups, batch
         self._lock = threading.Lock()
         # Slot -> the broker group (object id) mapped there.
         self.backed: dict[int, int] = {}
@@ -215,7 +224,13 @@ class KvGroups:
         self._ready: list[int] = []
         # (step retired at, slot) waiting for RETIRE_STEPS finished steps.
         self._retiring: list[tuple[int, int]] = []
+        # For the worker, in order: ("map", slot, pages) and ("unmap", slot).
+        self._ops: list[tuple] = []
+        # The broker's arena slabs the worker must have mapped for those pages.
+        self.slabs = 0
         self.step = 0
+        # The engine went idle (no step since): a background grow landing now goes straight back.
+        self._idle = False
         # Figures: groups mapped and given back; grows refused.
         self.grown = self.given = self.refused = 0
         self._want = 0
@@ -228,15 +243,18 @@ class KvGroups:
     def _free_slots(self, n: int) -> list[int]:
         retiring = {s for _, s in self._retiring}
         out = []
-        for slot in range(self.rng.num_groups):
+        for slot in range(self.num_groups):
             if slot not in self.backed and slot not in retiring:
                 out.append(slot)
                 if len(out) == n:
                     break
         return out
 
-    def grow_now(self, groups: int, wait_ms: int = 0) -> list[int]:
-        """Take and map ``groups`` groups now; the slots (fewer when the range is full).
+    def grow_now(self, groups: int, wait_ms: int = 0, background: bool = False) -> list[int]:
+        """Take ``groups`` groups now; the slots (fewer when the range is full). The worker
+        maps them before the step they travel with (``take_ops``). A ``background`` grow that
+        lands after the engine went idle is given back at once (an idle engine takes no step
+        to use or return it).
 
         Raises:
             BrokerError: refused (RESOURCE_EXHAUSTED: the engine preempts).
@@ -251,18 +269,20 @@ class KvGroups:
             self.refused += 1
             raise
         with self._lock:
-            slots = self._free_slots(len(infos))
+            slots = [] if background and self._idle else self._free_slots(len(infos))
             for slot, info in zip(slots, infos):
-                self.rng.map_group(slot, [self._place(p) for p in info.pages])
                 self.backed[slot] = info.object_id
+                self._ops.append(("map", slot, tuple(info.pages)))
+                self.slabs = max(self.slabs, info.arena_slabs)
             self.grown += len(slots)
-        if len(infos) > len(slots):  # another grow took the last slots meanwhile
+        if len(infos) > len(slots):  # another grow took the last slots meanwhile, or idle
             self.kv.shrink([i.object_id for i in infos[len(slots) :]])
         return slots
 
     def want(self, groups: int) -> None:
         """Ask the background grower for ``groups`` more (it batches; ``take_ready`` collects)."""
         with self._lock:
+            self._idle = False
             self._want = max(self._want, groups)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._grow_loop, name="engine-kv-grow", daemon=True)
@@ -270,7 +290,7 @@ class KvGroups:
             self._wake.notify()
 
     def take_ready(self) -> list[int]:
-        """Slots the background grower mapped since the last call."""
+        """Slots the background grower took since the last call."""
         with self._lock:
             out, self._ready = self._ready, []
         return out
@@ -284,7 +304,7 @@ class KvGroups:
                     return
                 n, self._want = min(self._want, self.batch), 0
             try:
-                slots = self.grow_now(n)
+                slots = self.grow_now(n, background=True)
             except BrokerError as e:
                 log.debug("engine KV grow of %d groups refused: %s", n, e.message)
                 continue
@@ -297,29 +317,46 @@ class KvGroups:
     # ------------------------------------------------------------ give-back
 
     def retire(self, slots: Sequence[int]) -> None:
-        """The engine stopped handing these groups out (all their blocks free): unmap and give
-        them back once ``RETIRE_STEPS`` more steps finished."""
+        """The engine stopped handing these groups out (all their blocks free): the worker
+        unmaps them before the next step; they are given back once ``RETIRE_STEPS`` more steps
+        finished."""
         with self._lock:
-            self._retiring.extend((self.step, s) for s in slots if s in self.backed)
+            for s in slots:
+                if s in self.backed:
+                    self._retiring.append((self.step, s))
+                    self._ops.append(("unmap", s))
 
     def step_done(self, idle: bool = False) -> int:
-        """One engine step finished: unmap and give back what no step can read any more (with
-        ``idle``, no request holds a block and nothing runs: everything retired); returns
-        pages given back."""
+        """One engine step finished: give back what no step can read any more (with ``idle``,
+        no request holds a block and nothing runs: everything retired); returns pages given
+        back."""
         with self._lock:
             self.step += 1
+            self._idle = idle
             if idle:
                 self.step += RETIRE_STEPS
+                self._want = 0
             due = [s for at, s in self._retiring if self.step - at >= RETIRE_STEPS]
             if not due:
                 return 0
             self._retiring = [(at, s) for at, s in self._retiring if self.step - at < RETIRE_STEPS]
-            for s in due:
-                self.rng.unmap_group(s)
             ids = [self.backed.pop(s) for s in due]
         freed = self.kv.shrink(ids)
         self.given += len(ids)
         return freed
+
+    def take_ops(self) -> tuple[list[tuple], int]:
+        """The operations for the worker since the last call, in order, and the arena slabs
+        their pages need."""
+        with self._lock:
+            self._idle = False
+            ops, self._ops = self._ops, []
+        return ops, self.slabs
+
+    def pending(self) -> bool:
+        """Operations the worker has not been sent, or groups not yet given back."""
+        with self._lock:
+            return bool(self._ops or self._retiring)
 
     def close(self) -> None:
         with self._lock:
@@ -327,6 +364,41 @@ class KvGroups:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+class KvMapper:
+    """The worker's half: the reserved range, and the broker's slabs to map pages from.
+
+    Args:
+        rng: the range.
+        client: a ``BrokerClient`` of the same broker (its slabs' memfds).
+    """
+
+    def __init__(self, rng: HostKvRange, client):
+        g = client.arena
+        if g.page_size != rng.page_size:
+            raise ValueError(f"the range is in pages of {rng.page_size} bytes; the broker's are {g.page_size}")
+        self.rng, self.client = rng, client
+        self._place = host_place(client.view, g.page_size, g.pages_per_slab)
+        # Figures: groups mapped and unmapped.
+        self.mapped = self.unmapped = 0
+
+    def apply(self, ops: Sequence[tuple], slabs: int) -> None:
+        """Carry out ``KvGroups.take_ops``'s operations, in order (before the step they came with)."""
+        if not ops:
+            return
+        self.client._ensure_slabs(slabs)
+        for op in ops:
+            if op[0] == "unmap":
+                self.rng.unmap_group(op[1])
+                self.unmapped += 1
+            else:
+                self.rng.map_group(op[1], [self._place(p) for p in op[2]])
+                self.mapped += 1
+
+    def close(self) -> None:
+        self.rng.close()
+        self.client.close()
 
 
 def host_place(view, page_size: int, pages_per_slab: int) -> Callable[[int], tuple[int, int]]:

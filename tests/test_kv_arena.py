@@ -1,6 +1,7 @@
 """An engine's KV range over broker pages on a host arena: groups mapped where the KV layout puts
-them, growth in the background, a retired group unmapped and given back only after the steps that
-could read it, and an unmapped group faulting instead of reading stale memory."""
+them (by the worker's half, from the operations the scheduler's half hands it), growth in the
+background, a retired group unmapped before the next step and given back only after the steps
+that could read it, and an unmapped group faulting instead of reading stale memory."""
 
 from __future__ import annotations
 
@@ -12,17 +13,28 @@ from conftest import ROOT
 
 from memory_broker.clients import BrokerClient
 from memory_broker.clients.engine_kv import EngineKvSession
-from memory_broker.clients.kv_arena import RETIRE_STEPS, HostKvRange, KvGroups, host_place
+from memory_broker.clients.kv_arena import RETIRE_STEPS, HostKvRange, KvGroups, KvMapper
 
 PAGE = 512 * 1024  # the conftest broker's
 LAYERS, GROUPS = 3, 4
 
 
-def groups_for(c) -> KvGroups:
-    kv = EngineKvSession(c, "test-engine", LAYERS)
-    rng = HostKvRange(LAYERS * GROUPS * PAGE, GROUPS * PAGE, PAGE)
-    g = c.arena
-    return KvGroups(kv, rng, host_place(c.view, g.page_size, g.pages_per_slab))
+class Halves:
+    """The scheduler's half (``g``) and the worker's (``m``, its own client of the broker)."""
+
+    def __init__(self, c, socket: str):
+        kv = EngineKvSession(c, "test-engine", LAYERS)
+        self.g = KvGroups(kv, GROUPS)
+        self.m = KvMapper(HostKvRange(LAYERS * GROUPS * PAGE, GROUPS * PAGE, PAGE), BrokerClient.connect(socket))
+        self.rng = self.m.rng
+
+    def step(self) -> None:
+        """What travels with one step: the worker carries out the scheduler's operations."""
+        self.m.apply(*self.g.take_ops())
+
+    def close(self) -> None:
+        self.g.close()
+        self.m.close()
 
 
 def perms(addr: int) -> str:
@@ -36,11 +48,14 @@ def perms(addr: int) -> str:
 
 def test_a_groups_pages_sit_where_the_kv_layout_puts_each_layer(broker):
     with BrokerClient.connect(broker.socket) as c:
-        g = groups_for(c)
+        h = Halves(c, broker.socket)
+        g = h.g
         try:
             slots = g.grow_now(2)
             assert slots == [0, 1]
-            t = g.rng.tensor()
+            assert perms(h.rng.base) == "---p"  # not mapped until the worker hears of it
+            h.step()
+            t = h.rng.tensor()
             (info,) = [i for i in c.stats().by_owner if i.session_id == c.session_id]
             assert info.pages == 2 * LAYERS
             # Layer 2, group 1 in the engine's view is the group's third page in the broker's.
@@ -52,32 +67,76 @@ def test_a_groups_pages_sit_where_the_kv_layout_puts_each_layer(broker):
             phys = c.physical_view()
             p = obj_pages[2]
             assert bool((phys[p * PAGE : (p + 1) * PAGE] == 7).all())
-            assert perms(g.rng.base + 2 * PAGE) == "---p"  # group 2: not mapped
+            assert perms(h.rng.base + 2 * PAGE) == "---p"  # group 2: not mapped
         finally:
-            g.close()
-            g.rng.close()
+            h.close()
 
 
-def test_a_retired_group_is_given_back_after_the_steps_that_could_read_it(broker):
+def test_a_retired_group_is_unmapped_before_the_next_step_and_given_back_after_the_steps_that_could_read_it(broker):
     with BrokerClient.connect(broker.socket) as c:
-        g = groups_for(c)
+        h = Halves(c, broker.socket)
+        g = h.g
         try:
             g.grow_now(2)
+            h.step()
+            assert perms(h.rng.base).startswith("rw")
             g.retire([0])
+            assert perms(h.rng.base).startswith("rw")  # the step in flight may still read it
+            h.step()  # the next step: the worker unmaps it first
+            assert perms(h.rng.base) == "---p"
+            assert g.pending()  # not given back yet
             for _ in range(RETIRE_STEPS - 1):
                 assert g.step_done() == 0
-                assert perms(g.rng.base).startswith("rw")
-            assert g.step_done() == LAYERS * PAGE // PAGE
-            assert perms(g.rng.base) == "---p" and 0 not in g.backed
+                assert g.kv.stats().held_pages == 2 * LAYERS
+            assert g.step_done() == LAYERS
+            assert 0 not in g.backed and not g.pending()
             assert g.kv.stats().held_pages == LAYERS
+            # The slot is free again: the next grow maps new pages there, after the unmap.
+            assert g.grow_now(1) == [0]
+            h.step()
+            assert perms(h.rng.base).startswith("rw")
         finally:
-            g.close()
-            g.rng.close()
+            h.close()
+
+
+def test_an_idle_engine_gives_back_at_once_and_the_worker_unmaps_at_its_next_step(broker):
+    with BrokerClient.connect(broker.socket) as c:
+        h = Halves(c, broker.socket)
+        g = h.g
+        try:
+            g.grow_now(2)
+            h.step()
+            g.retire([1])
+            assert g.step_done(idle=True) == LAYERS
+            assert g.kv.stats().held_pages == LAYERS
+            assert g.pending()  # the unmap has not travelled: vLLM is asked for one more step
+            h.step()
+            assert perms(h.rng.base + PAGE) == "---p" and not g.pending()
+        finally:
+            h.close()
+
+
+def test_a_background_grow_that_lands_after_the_engine_went_idle_goes_straight_back(broker):
+    with BrokerClient.connect(broker.socket) as c:
+        h = Halves(c, broker.socket)
+        g = h.g
+        try:
+            g.grow_now(1)
+            h.step()
+            g.step_done(idle=True)
+            assert g.grow_now(2, background=True) == []  # no step will take it: back at once
+            assert g.kv.stats().held_pages == LAYERS
+            assert g.take_ops() == ([], g.slabs)  # nothing to map; and a step: busy again
+            assert g.grow_now(1, background=True) == [1]
+            assert g.kv.stats().held_pages == 2 * LAYERS
+        finally:
+            h.close()
 
 
 def test_growth_asked_ahead_arrives_off_the_callers_thread(broker):
     with BrokerClient.connect(broker.socket) as c:
-        g = groups_for(c)
+        h = Halves(c, broker.socket)
+        g = h.g
         try:
             g.want(3)
             deadline = time.monotonic() + 5
@@ -88,8 +147,7 @@ def test_growth_asked_ahead_arrives_off_the_callers_thread(broker):
             assert sorted(ready) == [0, 1, 2]
             assert g.kv.stats().held_pages == 3 * LAYERS
         finally:
-            g.close()
-            g.rng.close()
+            h.close()
 
 
 TOUCH = """

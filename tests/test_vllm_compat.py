@@ -77,6 +77,26 @@ def test_an_engine_pool_point_that_moved_is_named_and_refuses_nothing_else(tmp_p
     assert "FreeKVCacheBlockQueue.append_n" in why and "gone" in why
 
 
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+def test_the_fullest_group_points_hold(release):
+    assert compat.fullest_group_problems(_tree(release)) == []
+
+
+def test_a_fullest_group_point_that_moved_is_named(tmp_path):
+    root = _tree("0.32")
+    dst = str(tmp_path / "vllm")
+    for p in compat.FULLEST_GROUP_POINTS:
+        os.makedirs(os.path.dirname(os.path.join(dst, p.path)), exist_ok=True)
+        shutil.copy(os.path.join(root, p.path), os.path.join(dst, p.path))
+    _edit(
+        os.path.join(dst, "v1/core/kv_cache_utils.py"),
+        "def popleft_n(self, n: int)",
+        "def popleft_n(self, n: int, x=0)",
+    )
+    (why,) = compat.fullest_group_problems(dst)
+    assert "FreeKVCacheBlockQueue.popleft_n" in why and "replaces it" in why
+
+
 def _copy(root: str, dst: str) -> str:
     """The files the checks read, copied (so one can be edited)."""
     paths = {p.path for p in compat.LORA_PATCH_POINTS} | {compat.CONNECTOR_BASE[0]}

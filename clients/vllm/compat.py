@@ -115,6 +115,7 @@ LORA_PATCH_POINTS: tuple[PatchPoint, ...] = (
 # What the engine pool (engine_pool.py) uses of vLLM's block pool and KV allocation. A failed
 # check leaves vLLM's own KV cache in place (one log line), never refuses the package.
 _BP, _KU = "v1/core/block_pool.py", "v1/core/kv_cache_utils.py"
+_KC = "distributed/kv_transfer/kv_connector/v1/base.py"
 ENGINE_POOL_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(_BP, "BlockPool", "blocks", attr=True),
     PatchPoint(_BP, "BlockPool", "free_block_queue", attr=True),
@@ -128,6 +129,19 @@ ENGINE_POOL_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("v1/core/kv_cache_manager.py", "KVCacheManager", "allocate_slots"),
     PatchPoint("v1/core/kv_cache_manager.py", "KVCacheManager", "block_pool", attr=True),
     PatchPoint("v1/worker/utils.py", "", "allocate_kv_cache", ("kv_cache_config", "device", "layout")),
+    # The worker maps a step's groups in handle_preemptions, which the runner calls first in
+    # every step; an idle engine takes one more step while the scheduler has pending work.
+    PatchPoint(_KC, "KVConnectorBase_V1", "handle_preemptions", ("self", "kv_connector_metadata")),
+    PatchPoint(_KC, "KVConnectorBase_V1", "has_pending_push_work", ("self",)),
+)
+
+# Allocation from the fullest backed group (engine_pool.prefer_fullest): wrapped on the block
+# pool's free queue. A failed check keeps vLLM's own order (one log line); the pool still runs.
+FULLEST_GROUP_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "popleft_n", ("self", "n"), wrapped=True),
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "get_all_free_blocks", ("self",)),
+    PatchPoint(_KU, "FreeKVCacheBlockQueue", "remove", ("self", "block")),
+    PatchPoint(_BP, "BlockPool", "get_new_blocks", ("self", "num_blocks")),
 )
 
 # The connector's base class, where the methods it implements are declared.
@@ -312,6 +326,17 @@ def engine_pool_problems(root: str) -> list[str]:
 def engine_pool_problems_installed() -> tuple[str, ...]:
     root = installed_root()
     return tuple(engine_pool_problems(root)) if root is not None else ("vLLM is not installed",)
+
+
+def fullest_group_problems(root: str) -> list[str]:
+    """What allocating from the fullest backed group needs that the vLLM tree at ``root`` lacks."""
+    return [why for why in (_check_point(root, p) for p in FULLEST_GROUP_POINTS) if why]
+
+
+@functools.lru_cache(maxsize=1)
+def fullest_group_problems_installed() -> tuple[str, ...]:
+    root = installed_root()
+    return tuple(fullest_group_problems(root)) if root is not None else ("vLLM is not installed",)
 
 
 def installed_root() -> str | None:

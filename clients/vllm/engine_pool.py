@@ -1,13 +1,17 @@
 """vLLM's own KV cache on broker pages (docs/engine-pool.md), entered through the KV connector.
 
-The worker's half answers vLLM's one ``torch.zeros`` for the KV cache (``allocate_kv_cache``,
-inside the connector's ``get_mem_pool_context()``) with a view over a range the engine reserves
-once (``clients/kv_arena.py``), with the first groups mapped. The scheduler's half, handed the
-block pool by ``bind_kv_cache_manager``, keeps the blocks of unmapped groups out of vLLM's free
-queue and appends them when their pages come (asked for ahead of need by a background thread;
-at once when an allocation would otherwise fail); it takes whole free groups back out, beyond a
-reserve, or when the broker asks, and they are unmapped and given back two steps later. With
-tensor parallelism 1 both halves live in the engine-core process and meet in ``_ENGINE``.
+Two halves, in vLLM's two roles, which may be two processes (vLLM's default multiprocess engine
+core runs the worker apart from the scheduler). The worker's half (``WorkerRange``) answers vLLM's
+one ``torch.zeros`` for the KV cache (``allocate_kv_cache``, inside the connector's
+``get_mem_pool_context()``) with a view over a range it reserves once (``clients/kv_arena.py``),
+and maps and unmaps groups of broker pages in it as the scheduler says. The scheduler's half
+(``EngineOnPool``), handed the block pool by ``bind_kv_cache_manager``, is the engine at the
+broker: it keeps the blocks of unmapped groups out of vLLM's free queue and appends them when
+their pages come (asked for ahead of need by a background thread; at once when an allocation
+would otherwise fail); it takes whole free groups back out, beyond a reserve, or when the broker
+asks, and gives them back two steps later. What to map and unmap travels in the connector's
+metadata of the next step (``BrokerKVMetadata.pool_ops``), carried out by the worker in
+``handle_preemptions``, before the step zeroes or touches a block.
 
 Every vLLM internal used here is checked per release (``compat.engine_pool_problems``); a failed
 check, another layout or TP > 1 leaves vLLM's own KV cache in place, said in one log line.
@@ -20,7 +24,7 @@ import os
 from contextlib import contextmanager
 from typing import Any
 
-from memory_broker.proto.wire.errors import BrokerError
+from memory_broker.proto.wire.errors import BrokerError, Code
 
 log = logging.getLogger("vllm.memory_broker.engine_pool")
 
@@ -29,18 +33,38 @@ KEYS = ("name", "floor_mb", "ceiling_mb", "weight", "reserve_groups", "start_gro
 
 # How long a grow made on the step (an allocation that would fail) waits for give-backs.
 SYNC_WAIT_MS = 20
+# How long the first grow (at the engine's start) waits for them.
+START_WAIT_MS = 1000
 
-# The engine of this process (TP=1: the worker's half sets it, the scheduler's half uses it).
-_ENGINE: EngineOnPool | None = None
+
+def _connect(socket: str, role: str, name: str, tensor: Any, on_event=None):
+    """A client of the broker for one half, refused unless its arena is the host's and a page is
+    whole KV blocks."""
+    from memory_broker.clients import BrokerClient
+
+    client = BrokerClient.connect(socket, client_name=f"vllm-engine-kv-{role}:{name}:{os.getpid()}", on_event=on_event)
+    ps = client.arena.page_size
+    why = None
+    if client.arena.backend != "host":
+        why = f"the broker's arena is {client.arena.backend!r}; the engine pool runs on a host arena"
+    elif ps % tensor.block_stride:
+        why = f"a broker page ({ps} bytes) is not whole KV blocks of {tensor.block_stride} bytes"
+    if why:
+        client.close()
+        raise ValueError(why)
+    return client
 
 
-def current() -> EngineOnPool | None:
-    return _ENGINE
+def _name(conf: dict, model: str) -> str:
+    unknown = set(conf) - set(KEYS)
+    if unknown:
+        raise ValueError(f"engine_pool: unknown keys {sorted(unknown)}; it takes {', '.join(KEYS)}")
+    return str(conf.get("name") or os.path.basename(str(model).rstrip("/")) or "engine")
 
 
 class EngineOnPool:
-    """One engine's KV cache on broker pages: the range, its groups, and the block pool's view
-    of them.
+    """The scheduler's half: the engine's registration at the broker, its groups, and the
+    block pool's view of them.
 
     Args:
         socket: the broker's socket.
@@ -50,35 +74,30 @@ class EngineOnPool:
     """
 
     def __init__(self, socket: str, conf: dict, tensor: Any, model: str):
-        from memory_broker.clients import BrokerClient
-        from memory_broker.clients.engine_kv import EngineKvSession
-        from memory_broker.clients.kv_arena import HostKvRange, KvGroups, host_place
-
-        unknown = set(conf) - set(KEYS)
-        if unknown:
-            raise ValueError(f"engine_pool: unknown keys {sorted(unknown)}; it takes {', '.join(KEYS)}")
-        if tensor.offset:
-            raise ValueError(f"the KV cache starts at offset {tensor.offset} of its allocation; the pool maps from 0")
-        self.name = str(conf.get("name") or os.path.basename(str(model).rstrip("/")) or "engine")
+        self.name = _name(conf, model)
         self.reserve = int(conf.get("reserve_groups", 2))
         start = max(1, int(conf.get("start_groups", 1)))
         self.kv = None
-        self.client = BrokerClient.connect(
-            socket, client_name=f"vllm-engine-kv:{self.name}:{os.getpid()}", on_event=self._event
-        )
-        if self.client.arena.backend != "host":
+        self.client = _connect(socket, "scheduler", self.name, tensor, self._event)
+        try:
+            self._register(conf, tensor, start)
+        except BaseException:  # a refused registration or grow: the session (and its pages) go
             self.client.close()
-            raise ValueError(
-                f"the broker's arena is {self.client.arena.backend!r}; the engine pool runs on a host arena"
-            )
+            raise
+        self.pool = None  # vLLM's BlockPool, once bound
+        # Slots whose blocks are in vLLM's free queue or held by requests.
+        self.live: set[int] = set()
+        # Grows refused (vLLM preempted) and grows made on the step.
+        self.preemptions = self.sync_grows = 0
+
+    def _register(self, conf: dict, tensor: Any, start: int) -> None:
+        from memory_broker.clients.engine_kv import EngineKvSession
+        from memory_broker.clients.kv_arena import KvGroups, kv_geometry
+
         ps = self.client.arena.page_size
-        if ps % tensor.block_stride:
-            self.client.close()
-            raise ValueError(f"a broker page ({ps} bytes) is not whole KV blocks of {tensor.block_stride} bytes")
-        self.rng = HostKvRange(tensor.size, tensor.layer_stride, ps)
+        layers, self.num_groups = kv_geometry(tensor.size, tensor.layer_stride, ps)
         self.blocks_per_group = ps // tensor.block_stride
         mb = 1 << 20
-        layers = self.rng.num_layers
         self.kv = EngineKvSession(
             self.client,
             self.name,
@@ -88,43 +107,13 @@ class EngineOnPool:
             ceiling_pages=int(float(conf.get("ceiling_mb", 0)) * mb) // ps,
             weight=float(conf.get("weight", 0.0)),
         )
-        g = self.client.arena
-        self.groups = KvGroups(self.kv, self.rng, host_place(self.client.view, ps, g.pages_per_slab))
-        self.groups.batch = max(1, int(conf.get("batch_groups", 4)))
-        self.groups.grow_now(min(start, self.rng.num_groups))  # group 0 holds vLLM's null block
-        self.pool = None  # vLLM's BlockPool, once bound
-        # Slots whose blocks are in vLLM's free queue or held by requests.
-        self.live: set[int] = set()
-        # Grows refused (vLLM preempted) and grows made on the step.
-        self.preemptions = self.sync_grows = 0
+        self.groups = KvGroups(self.kv, self.num_groups, max(1, int(conf.get("batch_groups", 4))))
+        # Group 0 holds vLLM's null block; other engines above their floors may give pages back.
+        self.groups.grow_now(min(start, self.num_groups), START_WAIT_MS)
 
     def _event(self, ev) -> None:
         if self.kv is not None:
             self.kv.on_event(ev)
-
-    # ------------------------------------------------------------ worker side
-
-    @contextmanager
-    def allocation_context(self, size: int):
-        """Answer ``torch.zeros(size, dtype=torch.int8)`` with the range's tensor."""
-        import torch
-        from torch.overrides import TorchFunctionMode
-
-        rng = self.rng
-
-        class Answer(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func is torch.zeros and kwargs.get("dtype") is torch.int8 and tuple(args) in ((size,), ((size,),)):
-                    dev = kwargs.get("device")
-                    if dev is None or torch.device(dev).type == "cpu":
-                        return rng.tensor()
-                return func(*args, **kwargs)
-
-        with Answer():
-            yield
-
-    # ------------------------------------------------------------ scheduler side
 
     def group_blocks(self, slot: int) -> list:
         bpg = self.blocks_per_group
@@ -134,8 +123,8 @@ class EngineOnPool:
         """Hold the blocks of unmapped groups out of vLLM's free queue."""
         self.pool = pool
         bpg = self.blocks_per_group
-        if pool.num_gpu_blocks != self.rng.num_groups * bpg:
-            raise ValueError(f"vLLM has {pool.num_gpu_blocks} blocks; the range holds {self.rng.num_groups * bpg}")
+        if pool.num_gpu_blocks != self.num_groups * bpg:
+            raise ValueError(f"vLLM has {pool.num_gpu_blocks} blocks; the range holds {self.num_groups * bpg}")
         backed = set(self.groups.backed)
         for b in pool.blocks:
             if b.block_id // bpg not in backed and not b.is_null:
@@ -188,16 +177,19 @@ class EngineOnPool:
             self.live.discard(slot)
         self.groups.retire(slots)
 
-    def after_schedule(self) -> None:
-        """Once per step, after scheduling: new groups in; more asked for when spare is low."""
+    def after_schedule(self) -> tuple[list[tuple], int]:
+        """Once per step, after scheduling: new groups in; more asked for when spare is low.
+        Returns what the worker maps and unmaps before this step runs, and the arena slabs
+        those pages need."""
         self.add(self.groups.take_ready())
         spare = self.pool.get_num_free_blocks()
-        if spare < self.reserve * self.blocks_per_group and len(self.live) < self.rng.num_groups:
+        if spare < self.reserve * self.blocks_per_group and len(self.live) < self.num_groups:
             self.groups.want(self.groups.batch)
+        return self.groups.take_ops()
 
     def after_step(self) -> None:
-        """Once per step, after its output: give back free groups beyond the reserve (all
-        the broker asks for, floor kept), and unmap what no step can read any more."""
+        """Once per step, after its output: retire free groups beyond the reserve (all the
+        broker asks for, floor kept), and give back what no step can read any more."""
         free = self._free_groups()
         r = self.kv.take_reclaim()
         keep = self.reserve
@@ -211,7 +203,8 @@ class EngineOnPool:
         if give:
             self.take_back(give)
         # No request holds a block (and the CPU schedules synchronously): nothing in flight can
-        # read a retired group, so it goes now rather than after steps an idle engine never takes.
+        # read a retired group, so it goes now rather than after steps an idle engine never
+        # takes; the worker unmaps it at the next step (``has_pending_push_work`` asks for one).
         idle = not any(b.ref_cnt for b in self.pool.blocks if not b.is_null)
         self.groups.step_done(idle)
 
@@ -220,55 +213,161 @@ class EngineOnPool:
         self.client.close()
 
 
-def start(socket: str, conf: dict, kv_cache_config: Any, vllm_config: Any):
-    """The worker's half: the engine on the pool and its allocation context, or None (one log
-    line says why vLLM keeps its own KV cache)."""
-    global _ENGINE
+def prefer_fullest(queue, blocks_per_group: int) -> None:
+    """Make ``queue`` (vLLM's ``FreeKVCacheBlockQueue``) hand out blocks from the fullest groups
+    first (fewest free blocks; vLLM's order among a group's), so that whole groups fall free to
+    be given back; vLLM's order takes the oldest free blocks, wherever they lie."""
+    popleft_n = queue.popleft_n
+
+    def fullest_first(n: int) -> list:
+        free = queue.get_all_free_blocks()
+        if n >= len(free):
+            return popleft_n(n)
+        count: dict[int, int] = {}
+        for b in free:
+            g = b.block_id // blocks_per_group
+            count[g] = count.get(g, 0) + 1
+        rank = {g: i for i, g in enumerate(sorted(count, key=count.__getitem__))}
+        out = sorted(free, key=lambda b: rank[b.block_id // blocks_per_group])[:n]
+        for b in out:
+            queue.remove(b)
+        return out
+
+    queue.popleft_n = fullest_first
+
+
+class WorkerRange:
+    """The worker's half: the KV cache's range, and the groups the scheduler says to map.
+
+    Group 0 starts on private memory (vLLM's warm-up may write its null block before the
+    scheduler exists); the broker's pages replace it with the first step.
+    """
+
+    def __init__(self, socket: str, conf: dict, tensor: Any, model: str):
+        from memory_broker.clients.kv_arena import HostKvRange, KvMapper
+
+        self.name = _name(conf, model)
+        client = _connect(socket, "worker", self.name, tensor)
+        try:
+            rng = HostKvRange(tensor.size, tensor.layer_stride, client.arena.page_size)
+        except ValueError:
+            client.close()
+            raise
+        rng.map_private(0)
+        self.mapper = KvMapper(rng, client)
+        self.blocks_per_group = client.arena.page_size // tensor.block_stride
+
+    @contextmanager
+    def allocation_context(self, size: int):
+        """Answer ``torch.zeros(size, dtype=torch.int8)`` with the range's tensor."""
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        rng = self.mapper.rng
+
+        class Answer(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is torch.zeros and kwargs.get("dtype") is torch.int8 and tuple(args) in ((size,), ((size,),)):
+                    dev = kwargs.get("device")
+                    if dev is None or torch.device(dev).type == "cpu":
+                        return rng.tensor()
+                return func(*args, **kwargs)
+
+        with Answer():
+            yield
+
+    def apply(self, ops: list[tuple], slabs: int) -> None:
+        self.mapper.apply(ops, slabs)
+
+    def close(self) -> None:
+        self.mapper.close()
+
+
+def _why_not(kv_cache_config: Any, vllm_config: Any) -> tuple[str, ...]:
+    """Why the engine pool cannot run here (the same answer in both halves), or ()."""
     from memory_broker.clients.vllm import compat
 
     why = compat.engine_pool_problems_installed()
     tensors = list(getattr(kv_cache_config, "kv_cache_tensors", []) or [])
     if not why and vllm_config.parallel_config.tensor_parallel_size != 1:
-        why = ("tensor parallelism > 1 (the scheduler and worker are not one process)",)
-    if not why and vllm_config.parallel_config.distributed_executor_backend != "uni":
-        why = (
-            "the worker runs apart from the scheduler (distributed_executor_backend="
-            f"{vllm_config.parallel_config.distributed_executor_backend!r}; the pool needs 'uni', and on the CPU "
-            "VLLM_ENABLE_V1_MULTIPROCESSING=0)",
-        )
+        why = ("tensor parallelism > 1",)
     if not why and len(tensors) != 1:
         why = (f"{len(tensors)} KV cache tensors (the pool maps one)",)
+    return why
+
+
+def start(socket: str, conf: dict, kv_cache_config: Any, vllm_config: Any) -> WorkerRange | None:
+    """The worker's half (it decides first: the worker allocates the KV cache before vLLM
+    creates the scheduler), or None: one log line says why vLLM keeps its own KV cache."""
+    why = _why_not(kv_cache_config, vllm_config)
     if why:
         log.warning("engine pool off, vLLM keeps its own KV cache: %s", "; ".join(why))
         return None
+    tensor = kv_cache_config.kv_cache_tensors[0]
+    if tensor.offset:
+        log.warning("engine pool off: the KV cache starts at offset %d of its allocation", tensor.offset)
+        return None
     try:
-        _ENGINE = EngineOnPool(socket, conf, tensors[0], vllm_config.model_config.model)
+        w = WorkerRange(socket, conf, tensor, vllm_config.model_config.model)
     except (ValueError, BrokerError, OSError) as e:
         log.warning("engine pool off, vLLM keeps its own KV cache: %s", e)
         return None
+    rng = w.mapper.rng
     log.info(
-        "engine pool: KV cache of %d groups x %d blocks on broker %s as %r, %d groups mapped",
-        _ENGINE.rng.num_groups,
-        _ENGINE.blocks_per_group,
+        "engine pool: KV cache of %d groups x %d blocks on broker %s as %r (range at %#x, %d layers of %d bytes)",
+        rng.num_groups,
+        w.blocks_per_group,
         socket,
-        _ENGINE.name,
-        len(_ENGINE.groups.backed),
+        w.name,
+        rng.base,
+        rng.num_layers,
+        rng.layer_stride,
     )
-    return _ENGINE.allocation_context(tensors[0].size)
+    return w
 
 
-def bind(kv_cache_manager) -> None:
-    """The scheduler's half: the block pool, and allocations that grow the pool before they fail."""
-    eng = _ENGINE
-    if eng is None:
-        return
+def attach(kv_cache_manager, socket: str, conf: dict, kv_cache_config: Any, vllm_config: Any) -> EngineOnPool | None:
+    """The scheduler's half: the engine at the broker, the block pool bound, and allocations
+    that grow the pool before they fail; None where the worker's half made the same checks and
+    kept vLLM's own KV cache.
+
+    Raises:
+        RuntimeError: the broker answered but refused the engine: the worker's half, which
+            reached it first, put the KV cache on the range, and it cannot run with blocks
+            nobody maps.
+    """
+    if _why_not(kv_cache_config, vllm_config) or kv_cache_config.kv_cache_tensors[0].offset:
+        return None
+    tensor = kv_cache_config.kv_cache_tensors[0]
+    try:
+        eng = EngineOnPool(socket, conf, tensor, vllm_config.model_config.model)
+    except (ValueError, OSError) as e:  # the worker's half met the same and stayed off
+        log.warning("engine pool off, vLLM keeps its own KV cache: %s", e)
+        return None
+    except BrokerError as e:
+        if e.code == Code.UNAVAILABLE:  # as the worker's half found it: it stayed off
+            log.warning("engine pool off, vLLM keeps its own KV cache: %s", e)
+            return None
+        raise RuntimeError(f"engine pool: the broker at {socket} refused the engine {conf.get('name')!r}: {e}") from e
     eng.bind(kv_cache_manager.block_pool)
+    from memory_broker.clients.vllm import compat
+
+    why = compat.fullest_group_problems_installed()
+    if why:
+        log.warning(
+            "engine pool: blocks are handed out in vLLM's own order, not fullest group first: %s", "; ".join(why)
+        )
+    else:
+        prefer_fullest(kv_cache_manager.block_pool.free_block_queue, eng.blocks_per_group)
     allocate = kv_cache_manager.allocate_slots
 
     def allocate_slots(*args, **kwargs):
         out = allocate(*args, **kwargs)
-        if out is None and len(eng.live) < eng.rng.num_groups and eng.grow_for(eng.groups.batch * eng.blocks_per_group):
+        if out is None and len(eng.live) < eng.num_groups and eng.grow_for(eng.groups.batch * eng.blocks_per_group):
             out = allocate(*args, **kwargs)
         return out
 
     kv_cache_manager.allocate_slots = allocate_slots
+    log.info("engine pool: %r at the broker, %d groups mapped", eng.name, len(eng.groups.backed))
+    return eng

@@ -155,8 +155,11 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
                 store_in_step=_flag(extra.get("store_in_step", False)),
             )
         self.socket = self.broker.socket
-        # The engine's own KV cache on the broker's pages (engine_pool.py), when asked for.
+        # The engine's own KV cache on the broker's pages (engine_pool.py), when asked for: the
+        # scheduler's half (bound with the KV cache manager) and the worker's (with the KV cache).
         self._engine_pool_conf = extra.get("engine_pool")
+        self._pool_sched: engine_pool.EngineOnPool | None = None
+        self._pool_worker: engine_pool.WorkerRange | None = None
         # False: only the engine pool; no prefix KV is looked up, loaded or stored.
         self._share = _flag(extra.get("share_prefixes", True))
         log.info(
@@ -191,24 +194,31 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        eng = engine_pool.current() if self._engine_pool_conf is not None else None
-        if eng is not None:
-            eng.after_schedule()
-        if not self._share:
-            return BrokerKVMetadata()
-        return self._sched().build_connector_meta(scheduler_output, self._kv_cache_manager)
+        if self._share:
+            meta = self._sched().build_connector_meta(scheduler_output, self._kv_cache_manager)
+        else:
+            meta = BrokerKVMetadata()
+        if self._pool_sched is not None:
+            meta.pool_ops, meta.pool_slabs = self._pool_sched.after_schedule()
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         if self._share:
             self._sched().update_connector_output(connector_output)
-        eng = engine_pool.current() if self._engine_pool_conf is not None else None
-        if eng is not None:
-            eng.after_step()
+        if self._pool_sched is not None:
+            self._pool_sched.after_step()
+
+    def has_pending_push_work(self) -> bool:
+        # The engine pool: a step (empty, when idle) carries the unmaps to the worker.
+        return self._pool_sched is not None and self._pool_sched.groups.pending()
 
     def bind_kv_cache_manager(self, kv_cache_manager):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._engine_pool_conf is not None:
-            engine_pool.bind(kv_cache_manager)
+            conf = self._engine_pool_conf if isinstance(self._engine_pool_conf, dict) else {}
+            self._pool_sched = engine_pool.attach(
+                kv_cache_manager, self.socket, conf, self._kv_cache_config, self._vllm_config
+            )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if not self._share:
@@ -221,7 +231,15 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
         if self._engine_pool_conf is None:
             return None
         conf = self._engine_pool_conf if isinstance(self._engine_pool_conf, dict) else {}
-        return engine_pool.start(self.socket, conf, self._kv_cache_config, self._vllm_config)
+        w = engine_pool.start(self.socket, conf, self._kv_cache_config, self._vllm_config)
+        self._pool_worker = w
+        return None if w is None else w.allocation_context(self._kv_cache_config.kv_cache_tensors[0].size)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        # Called first in every step, before vLLM zeroes new blocks or runs: the engine pool's
+        # groups are mapped and unmapped here.
+        if self._pool_worker is not None and isinstance(kv_connector_metadata, BrokerKVMetadata):
+            self._pool_worker.apply(kv_connector_metadata.pool_ops, kv_connector_metadata.pool_slabs)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker().register_kv_caches(kv_caches)
@@ -265,3 +283,5 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             self.connector_scheduler.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self._pool_sched is not None:  # its session's pages go back to the broker now
+            self._pool_sched.close()

@@ -105,6 +105,10 @@ class SaveRequest:
 class BrokerKVMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[SaveRequest] = field(default_factory=list)
+    # The engine pool (engine_pool.py): groups the worker maps ("map", slot, pages) and unmaps
+    # ("unmap", slot), in order, before this step; the broker's arena slabs those pages need.
+    pool_ops: list[tuple] = field(default_factory=list)
+    pool_slabs: int = 0
 
 
 @dataclass
