@@ -1,8 +1,9 @@
 """Shared-prefix workload over two vLLM engines per mode, the modes interleaved request by
 request in one run: TTFT of local prefix-cache hits, of cross-engine hits and of misses with
 no KV connector, with vLLM's file-based example connector, with the memory-broker connector
-(``broker``; ``broker-sync``: its stores on the request's path, ``store_in_step``;
-``broker-inline``: its lookups in the scheduler's own call, ``lookup_async`` off), and with
+(``broker``, with ``lookup_async`` on; ``broker-sync``: its stores on the request's path,
+``store_in_step``; ``broker-inline``: its lookups in the scheduler's own call, ``lookup_async``
+off, the connector's default), and with
 LMCache's own connector (``lmcache``: LMCache 0.5.6's ``LMCacheMPConnector`` on its
 multiprocess server, as LMCache documents it for CPU engines, ``--supported-transfer-mode
 auto`` and usage reports off; engines and server run from ``--lmcache-python``, an environment
