@@ -258,13 +258,13 @@ def test_bench_vllm_kv_gives_every_engine_the_same_cpus_and_no_idle_spinning():
 
 
 def test_bench_vllm_kv_numbered_modes_are_controls_and_unknown_modes_are_refused():
-    assert [kv.base_mode(m) for m in ("none", "none2", "noop", "broker3", "noop-defer2", "broker-inline")] == [
+    assert [kv.base_mode(m) for m in ("none", "none2", "noop", "broker3", "noop-defer2", "broker-sync")] == [
         "none",
         "none",
         "noop",
         "broker",
         "noop-defer",
-        "broker-inline",
+        "broker-sync",
     ]
     with pytest.raises(SystemExit, match="unknown mode 'nope'"):
         kv.base_mode("nope")

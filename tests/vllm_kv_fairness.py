@@ -16,11 +16,10 @@ import random
 import time
 
 # broker-sync: the broker's connector with each step waiting for its stores (store_in_step),
-# as it did before the stores moved off the request's path; broker-inline: its lookups in the
-# scheduler's own call (lookup_async off), as before they moved to a thread; lmcache: LMCache's own connector
+# as it did before the stores moved off the request's path; lmcache: LMCache's own connector
 # and multiprocess server (the peer); noop-defer: a connector doing nothing but answering each
 # request's first ask "not yet", as LMCache's does (ops/bench/noop_kv_connector.py).
-BROKER_MODES = ("broker", "broker-sync", "broker-inline")
+BROKER_MODES = ("broker", "broker-sync")
 BASE_MODES = ("none", "file", "noop", "noop-defer", *BROKER_MODES, "lmcache")
 
 
@@ -291,8 +290,7 @@ def paired(results: dict[str, list[dict]], mode: str, peer: str, kind: str) -> d
 
 
 PAIRS = (("none2", "none"), ("broker", "none"), ("lmcache", "none"), ("broker-sync", "none"), ("noop-defer", "none"),
-         ("broker-inline", "none"), ("broker", "lmcache"), ("broker", "broker-sync"), ("broker", "broker-inline"),
-         ("lmcache", "noop-defer"))  # fmt: skip
+         ("broker", "lmcache"), ("broker", "broker-sync"), ("lmcache", "noop-defer"))  # fmt: skip
 
 
 def _ci(t: tuple[float, float, float]) -> str:

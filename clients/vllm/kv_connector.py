@@ -59,7 +59,6 @@ EXTRA_KEYS = (
     "retry_s",
     "store_buffer_mb",
     "store_in_step",
-    "lookup_async",
     "engine_pool",
     "share_prefixes",
 )
@@ -82,11 +81,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
     default 5), ``retry_s`` (between reconnect attempts, default 2), ``store_buffer_mb`` (new
     blocks staged and not yet committed, at most; default 256; a step past it is not stored) and
     ``store_in_step`` (default false: each step waits until its blocks are committed, as before
-    the stores moved off the request's path; for comparison) and ``lookup_async`` (default false:
-    the step's first ask looks up in the scheduler's own call; true: each request is looked up on
-    a thread when it arrives and vLLM's ask is answered "not yet" until the reply is in,
-    ``kv_lookups.py``; its gain was inside the noise, and vLLM's engine core steps without the
-    request, busily, while the lookup is out).
+    the stores moved off the request's path; for comparison).
 
     With per-GPU brokers, a worker uses the broker of its device (torch's current device, else
     its local rank's visible device) and the scheduler, which may see no GPU, looks rank r up in
@@ -131,14 +126,7 @@ class MemoryBrokerConnector(KVConnectorBase_V1):
             fp = identity.engine_fingerprint(ident)
             brokers = store.rank_brokers(given, self.tp_size, **kw)
             self.broker = brokers[0]
-            self.connector_scheduler = BrokerKVScheduler(
-                brokers,
-                fp,
-                self.block_size,
-                self.tp_size,
-                self.stats,
-                async_lookups=_flag(extra.get("lookup_async", False)),
-            )
+            self.connector_scheduler = BrokerKVScheduler(brokers, fp, self.block_size, self.tp_size, self.stats)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

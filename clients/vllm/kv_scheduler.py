@@ -29,7 +29,6 @@ from memory_broker.clients.vllm import check_vllm_version
 check_vllm_version()
 
 from memory_broker.clients.vllm import identity  # noqa: E402
-from memory_broker.clients.vllm.kv_lookups import AWAY, AsyncLookups  # noqa: E402
 from memory_broker.clients.vllm.kv_records import (  # noqa: E402
     BrokerKVMetadata,
     BrokerKVStats,
@@ -75,9 +74,6 @@ class _Away(Exception):
     """A rank's broker is unavailable (vLLM recomputes)."""
 
 
-_NOT_YET = -2  # ``_stored``: the request's asynchronous lookup is still out
-
-
 class BrokerKVScheduler:
     """The scheduler half (see the module docstring); ``stats`` is the facade's, shared.
 
@@ -96,7 +92,6 @@ class BrokerKVScheduler:
         block_size: int,
         tp_size: int,
         stats: BrokerKVStats,
-        async_lookups: bool = False,
     ):
         # ``broker``: one for every rank, or a list with rank r's broker at r.
         self.brokers = list(broker) if isinstance(broker, Sequence) else [broker] * tp_size
@@ -121,9 +116,6 @@ class BrokerKVScheduler:
         # reported finished by the workers, or vLLM keeps their blocks).
         self._tier_waiting: dict[str, _ReqState] = {}
         self._tier_cancelled: list[str] = []
-        # ``async_lookups``: each request looked up on a thread when it arrives (kv_lookups.py);
-        # vLLM's ask is answered "not yet" until the reply is in.
-        self._lookups = AsyncLookups(self.brokers) if async_lookups else None
 
     def _state(self, request: Request) -> _ReqState | None:
         st = self._reqs.get(request.request_id)
@@ -192,39 +184,6 @@ class BrokerKVScheduler:
     def on_new_request(self, request: Request) -> None:
         if _keyable(request):
             self._waiting[request.request_id] = request
-            if self._lookups is not None:
-                self._submit(request)
-
-    def _submit(self, request: Request) -> None:
-        st = self._state(request)
-        if st is not None and st.chain:
-            self._lookups.submit(
-                request.request_id, [[identity.block_key(h, r) for h in st.chain] for r in range(self.tp_size)]
-            )
-
-    def _stored(self, request: Request, st: _ReqState) -> int | None:
-        """Blocks of ``st``'s chain every rank's broker holds (None: a broker is away), looked up
-        now in the step's frame, or taken from the request's asynchronous lookup (``_NOT_YET``
-        while it is out). Raises ``BrokerError``."""
-        rid = request.request_id
-        if self._lookups is None:
-            stored = self._found.get(rid)
-            if stored is None:
-                try:
-                    self._look_up_step(request)
-                except _Away:
-                    return None
-                stored = self._found.get(rid)
-            return stored
-        got = self._lookups.result(rid)
-        if got is None:
-            if not self._lookups.out(rid):
-                self._submit(request)  # asked again after its answer was spent
-            return _NOT_YET
-        if isinstance(got, BrokerError):
-            self._lookups.forget(rid)
-            raise got
-        return None if got == AWAY else got
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -236,15 +195,16 @@ class BrokerKVScheduler:
         st.hit_blocks = 0
         # vLLM computes at least the prompt's last token.
         loadable = (st.prompt_len - 1) // self.block_size
-        stored = None
-        if st.chain:
+        stored = self._found.get(request.request_id)
+        if stored is None and st.chain:
             try:
-                stored = self._stored(request, st)
+                self._look_up_step(request)
+            except _Away:
+                stored = None
             except BrokerError:
                 self.stats.add("broker_errors")
                 return 0, False
-            if stored == _NOT_YET:
-                return None, False  # the lookup is out: vLLM asks again next step
+            stored = self._found.get(request.request_id)
         if stored is None:
             # A rank's broker away: no rank can load (vLLM recomputes the whole prefix).
             st.next_save = max(st.next_save, num_computed_tokens // self.block_size)
@@ -305,8 +265,6 @@ class BrokerKVScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self._waiting.pop(request.request_id, None)
-        if self._lookups is not None:
-            self._lookups.forget(request.request_id)
         st = self._reqs.get(request.request_id)
         if st is None:
             return
@@ -466,8 +424,6 @@ class BrokerKVScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
-        if self._lookups is not None:
-            self._lookups.forget(request.request_id)
         self._loading.pop(request.request_id, None)
         self._to_load.discard(request.request_id)
         if self._tier_waiting.pop(request.request_id, None) is not None:
@@ -477,8 +433,6 @@ class BrokerKVScheduler:
         return False, None
 
     def shutdown(self) -> None:
-        if self._lookups is not None:
-            self._lookups.close()
         for st in list(self._reqs.values()):
             self._release(st)
         self._reqs.clear()

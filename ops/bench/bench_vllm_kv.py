@@ -1,9 +1,7 @@
 """Shared-prefix workload over two vLLM engines per mode, the modes interleaved request by
 request in one run: TTFT of local prefix-cache hits, of cross-engine hits and of misses with
 no KV connector, with vLLM's file-based example connector, with the memory-broker connector
-(``broker``, with ``lookup_async`` on; ``broker-sync``: its stores on the request's path,
-``store_in_step``; ``broker-inline``: its lookups in the scheduler's own call, ``lookup_async``
-off, the connector's default), and with
+(``broker``; ``broker-sync``: its stores on the request's path, ``store_in_step``), and with
 LMCache's own connector (``lmcache``: LMCache 0.5.6's ``LMCacheMPConnector`` on its
 multiprocess server, as LMCache documents it for CPU engines, ``--supported-transfer-mode
 auto`` and usage reports off; engines and server run from ``--lmcache-python``, an environment
@@ -102,7 +100,6 @@ def engine_main(a: argparse.Namespace) -> None:
             kv_connector_extra_config={
                 "socket": a.socket,
                 "store_in_step": a.mode == "broker-sync",
-                "lookup_async": a.mode != "broker-inline",
             },
             kv_load_failure_policy="recompute",
         )
@@ -547,8 +544,7 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="none,none2,noop,broker",
-        help="of none, file, broker, broker-sync (stores on the request's path), broker-inline (lookups in the "
-        "scheduler's call), lmcache (LMCache's connector and "
+        help="of none, file, broker, broker-sync (stores on the request's path), lmcache (LMCache's connector and "
         "server), noop (a connector doing nothing), noop-defer (the same, answering each request's first ask 'not "
         "yet'); a number after one runs it again on its own engines (none2: the A/A control)",
     )
