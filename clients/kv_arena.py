@@ -126,14 +126,8 @@ class CudaKvRange:
     """
 
     def __init__(self, view, nbytes: int, layer_stride: int, page_size: int):
-        if layer_stride <= 0 or layer_stride % page_size or nbytes % layer_stride:
-            raise ValueError(
-                f"a KV cache of {nbytes} bytes in layers of {layer_stride} bytes cannot be mapped in "
-                f"pages of {page_size} bytes (each layer must be whole pages)"
-            )
+        self.num_layers, self.num_groups = kv_geometry(nbytes, layer_stride, page_size)
         self.view, self.nbytes, self.layer_stride, self.page_size = view, nbytes, layer_stride, page_size
-        self.num_layers = nbytes // layer_stride
-        self.num_groups = layer_stride // page_size
         with view.current():
             self.base = view._reserve(nbytes, "an engine's KV cache")
         self._mapped: dict[int, int] = {}  # group -> layers mapped
