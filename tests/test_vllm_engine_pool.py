@@ -11,6 +11,7 @@ moves from one engine to another reads zero there. The engines run as tests/test
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -301,8 +302,9 @@ def _pages(pid: int, base: int, stride: int, layers: int, groups) -> dict[tuple[
                     try:
                         mem.seek(at)
                         out[g, layer] = mem.read(PAGE)
-                    except OSError:  # unmapped since /proc/<pid>/maps was read
-                        pass
+                    except OSError as e:  # EIO: unmapped since /proc/<pid>/maps was read
+                        if e.errno != errno.EIO:
+                            raise  # not allowed to read it: the test cannot see, and says so
     return out
 
 
@@ -318,19 +320,22 @@ def test_a_page_that_moves_between_engines_reads_zero_before_it_is_written(env, 
     c.wait_ready()
     sampler = Sampler(b)
     pid_a, base_a, stride = _range(a.log())
-    most_dirty = [0]
+    written: set[tuple[int, int]] = set()  # a's (group, layer) pages beyond group 0 seen written
+    looks = {"samples": 0, "mapped": 0}
     stop = threading.Event()
 
     errors: list[BaseException] = []
 
-    def watch_a() -> None:  # the most pages beyond group 0 that a held written at one time
+    def watch_a() -> None:
         while not stop.is_set():
             try:
                 pages = _pages(pid_a, base_a, stride, 2, range(1, 8))
             except BaseException as e:
                 errors.append(e)
                 return
-            most_dirty[0] = max(most_dirty[0], sum(1 for v in pages.values() if v is not None and v.strip(b"\0")))
+            looks["samples"] += 1
+            looks["mapped"] = max(looks["mapped"], sum(1 for v in pages.values() if v is not None))
+            written.update(k for k, v in pages.items() if v is not None and v.strip(b"\0"))
             time.sleep(0.02)
 
     w = threading.Thread(target=watch_a, daemon=True)
@@ -339,8 +344,9 @@ def test_a_page_that_moves_between_engines_reads_zero_before_it_is_written(env, 
         assert [o["tokens"] for o in a.generate(BIG, max_tokens=24)] == stock[1]
         stop.set()
         w.join(10)
-        # Every page beyond the two group 0s held a's KV at one time.
-        assert not errors and most_dirty[0] == 8, (errors, most_dirty)
+        # Every page beyond the two group 0s held a's KV at some time (a sampled union: on a
+        # loaded machine one sample may not catch all 8 mapped at once).
+        assert not errors and len(written) == 8, (errors, sorted(written), looks)
         deadline = time.monotonic() + 10
         while engine_stats(b, "a")[0].held_pages > 2 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -26,7 +26,9 @@ _rng = __import__("random").Random(47)
 LONG = [_rng.randrange(3, 512) for _ in range(1000)]
 LONG2 = [_rng.randrange(3, 512) for _ in range(1000)]
 FULL = (len(LONG) - 1) // BLOCK  # the blocks vLLM may load (it computes the last token)
-BROKER = ["--pool-size", "512MiB", "--slab-size", "16MiB", "--tier-deadline", "1s"]
+# The deadline is generous: a tier call past it is a miss (correct, and tested in
+# test_tier.py), which on a loaded 2-core CI machine would fail this test's count of hits.
+BROKER = ["--pool-size", "512MiB", "--slab-size", "16MiB", "--tier-deadline", "10s"]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +86,8 @@ def test_an_engine_on_another_host_gets_the_prefix_from_the_tier_on_its_first_re
     assert out_b[0]["tokens"] == want[0]
     # Not computed by B: every full block, read from the tier by B's broker, on B's first
     # request (an asynchronous external hit, not a local one on a later request).
-    assert out_b[0]["cached"] == FULL * BLOCK, out_b
     st = _tier_stats(fleet["b"].socket)
+    assert out_b[0]["cached"] == FULL * BLOCK, (out_b, st, _faults(b.log()))
     assert st.hits == FULL and st.filled == FULL and st.corrupt == 0, st
     assert _faults(b.log()) == []
     fleet["B"], fleet["want2"] = b, want[1]

@@ -14,7 +14,7 @@ import ctypes
 import time
 from collections.abc import Sequence
 
-from memory_broker.broker.store.engine_pool import EnginePool, EngineStats
+from memory_broker.broker.store.engine_pool import Engine, EnginePool
 from memory_broker.proto.wire.errors import BrokerError, Code, precondition
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
@@ -55,7 +55,7 @@ def zero_pages(backend: str, view, pages: Sequence[int], page_size: int) -> None
         view.tensor(view.page_address(p), page_size).zero_()
 
 
-def engine_stats_message(e: EngineStats) -> pb.EngineKvStats:
+def engine_stats_message(e: Engine) -> pb.EngineKvStats:
     return pb.EngineKvStats(
         session_id=e.session,
         name=e.name,

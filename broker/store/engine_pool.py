@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 
 from memory_broker.broker.store.eviction import ContentType
 from memory_broker.broker.store.objects import Allocation, ObjectStore, Spec
@@ -74,28 +74,6 @@ class Engine:
     asked_pages: int = 0
     grow_seconds: float = 0.0
     grow_seconds_max: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """One engine's figures at one instant (GetStats, status, metrics)."""
-
-    session: int
-    name: str
-    group_pages: int
-    floor: int
-    ceiling: int
-    weight: float
-    held_pages: int
-    grows: int
-    grown_pages: int
-    give_backs: int
-    given_pages: int
-    refusals: int
-    asked: int
-    asked_pages: int
-    grow_seconds: float
-    grow_seconds_max: float
 
 
 class EnginePool:
@@ -304,11 +282,12 @@ class EnginePool:
 
     # ------------------------------------------------------------ figures
 
-    def stats(self) -> list[EngineStats]:
+    def stats(self) -> list[Engine]:
+        """Each engine's figures at one instant (GetStats, status, metrics): copies of the
+        records, without their groups."""
         for e in self.engines.values():
             self._prune(e)
-        names = [f.name for f in fields(EngineStats)]
-        return [EngineStats(*(getattr(e, n) for n in names)) for e in self.engines.values()]
+        return [replace(e, groups={}) for e in self.engines.values()]
 
     def held_pages(self) -> int:
         return sum(e.held_pages for e in self.engines.values())
