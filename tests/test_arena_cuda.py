@@ -708,6 +708,12 @@ class FakeTensor:
     def untyped_storage(self):
         return SimpleNamespace(data_ptr=lambda: self.ptr, nbytes=lambda: self.n)
 
+    def zero_(self):
+        """A kernel writing zeros over the tensor, queued on the current stream (the fake
+        driver's ``launch``: it faults where the range is not mapped writable)."""
+        cu._load_driver().launch(CudaArenaView._current_stream(None), self.ptr, self.n, write=True)
+        return self
+
 
 @pytest.fixture
 def fake_torch(monkeypatch):
