@@ -10,9 +10,10 @@ ordered map and unmap operations (``take_ops``), which travel with the next step
 is the worker's: ``HostKvRange`` owns the address range (host arena: a ``PROT_NONE``
 reservation; a group's page for layer ``l`` is mapped ``MAP_SHARED|MAP_FIXED`` from the slab's
 memfd at ``l * layer_stride + group * page_size``, and unmapped by mapping ``PROT_NONE``
-anonymous memory over it), and ``apply`` carries the operations out before the step runs. Which
-blocks are free is the engine's (``clients/vllm/engine_pool.py``); the broker's arbitration is
-``broker/store/engine_pool.py``'s.
+anonymous memory over it; CUDA arena: ``CudaKvRange``, a reservation of device address space
+where each page, its own allocation, is mapped whole with ``cuMemMap``), and ``apply`` carries
+the operations out before the step runs. Which blocks are free is the engine's
+(``clients/vllm/engine_pool.py``); the broker's arbitration is ``broker/store/engine_pool.py``'s.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class CudaKvRange:
     allocation (a page is one, attached in ``view``, this client's ``CudaArenaView``), mapped
     whole with ``cuMemMap`` and made read-write for this device with ``cuMemSetAccess``; unmapped
     with ``cuMemUnmap`` after the context has finished its work (a kernel still reading a page
-    the driver unmapped faults the context). Never run on a GPU.
+    the driver unmapped faults the context). The worker's range on a CUDA arena
+    (``clients/vllm/engine_pool.py``'s ``WorkerRange``); never run on a GPU.
 
     Raises:
         ValueError: the layer stride is not whole pages, or the size not whole layers.
@@ -131,16 +133,51 @@ class CudaKvRange:
         with view.current():
             self.base = view._reserve(nbytes, "an engine's KV cache")
         self._mapped: dict[int, int] = {}  # group -> layers mapped
+        # Groups on private memory (``map_private``): their allocations, owned here.
+        self._private: dict[int, list] = {}
         self._closed = False
 
     addresses = HostKvRange.addresses
 
     def map_group(self, group: int, places: Sequence[int]) -> None:
         """Map one page per layer: ``places[l]`` is the broker page of layer ``l`` (attached in
-        the view). Raises CudaError (what was mapped of the group is unmapped) or ValueError."""
+        the view). A group mapped already (group 0's private memory) is unmapped first, after the
+        context's work is done: the driver maps nothing over a mapping, where the host's
+        ``MAP_FIXED`` replaces it. Raises CudaError (what was mapped of the group is unmapped)
+        or ValueError (nothing changed)."""
         if len(places) != self.num_layers:
             raise ValueError(f"a group has {self.num_layers} pages (one per layer), got {len(places)}")
+        self.addresses(group)  # IndexError: outside the range
         handles = [self.view.page_handle(p) for p in places]  # ValueError: one not attached
+        self.unmap_group(group)
+        self._map_handles(group, handles)
+
+    def map_private(self, group: int) -> None:
+        """Map a private allocation of this process per layer at the group (``cuMemCreate``,
+        read-write here; vLLM's warm-up may write group 0 before the broker's first pages come,
+        and ``map_group`` replaces it then). Device memory outside the broker's budget until
+        replaced: one page per layer. Raises CudaError (nothing of it left)."""
+        self.addresses(group)
+        self.unmap_group(group)
+        drv, handles = self.view._drv, []
+        with self.view.current():
+            try:
+                for _ in range(self.num_layers):
+                    prop = self.view.allocation_prop()
+                    handles.append(
+                        self.view._check(
+                            f"cuMemCreate({self.page_size} bytes, KV group {group}'s private page)",
+                            drv.cuMemCreate(self.page_size, prop, 0),
+                        )
+                    )
+                self._map_handles(group, handles)
+            except BaseException:
+                for h in handles:
+                    drv.cuMemRelease(h)
+                raise
+        self._private[group] = handles
+
+    def _map_handles(self, group: int, handles: list) -> None:
         with self.view.current():
             done = 0
             try:
@@ -153,17 +190,28 @@ class CudaKvRange:
         self._mapped[group] = done
 
     def unmap_group(self, group: int) -> None:
-        """Unmap the group's pages once the context's work is done (a touch then faults)."""
+        """Unmap the group's pages once the context's work is done (a touch then faults); a
+        private group's allocations are released."""
         n = self._mapped.pop(group, 0)
-        if n:
+        private = self._private.pop(group, [])
+        if n or private:
             with self.view.current():
-                self.view._check("cuCtxSynchronize (before unmapping a KV group)", self.view._drv.cuCtxSynchronize())
-                self._unmap(group, n)
+                if n:
+                    self.view._check(
+                        "cuCtxSynchronize (before unmapping a KV group)", self.view._drv.cuCtxSynchronize()
+                    )
+                    self._unmap(group, n)
+                for h in private:
+                    self.view._check(f"cuMemRelease(KV group {group}'s private page)", self.view._drv.cuMemRelease(h))
 
     def _unmap(self, group: int, n: int) -> None:
         drv = self.view._drv
         for addr in self.addresses(group)[:n]:
             self.view._check(f"cuMemUnmap(KV group {group})", drv.cuMemUnmap(addr, self.page_size))
+
+    def is_private(self, group: int) -> bool:
+        """Whether the group is on this process's private memory (``map_private``)."""
+        return group in self._private
 
     def tensor(self):
         """The whole range as one int8 tensor on the device (unmapped groups are holes the
@@ -361,27 +409,43 @@ class KvGroups:
 
 
 class KvMapper:
-    """The worker's half: the reserved range, and the broker's slabs to map pages from.
+    """The worker's half: the reserved range, and the broker's pages to map into it.
+
+    On a host arena a page is placed by its slab's memfd and offset (the slabs are mapped in
+    this process first, ``_ensure_slabs``). On a CUDA arena a page is its own allocation,
+    placed by its number: the slabs are made known to the view (``_ensure_slabs``), then the
+    pages of the operations this process lacks are imported in one batch (``_import_pages``:
+    fetched over the fd channel, each fd closed once imported; the view keeps each page's
+    handle), and ``CudaKvRange.map_group`` maps those handles.
 
     Args:
-        rng: the range.
-        client: a ``BrokerClient`` of the same broker (its slabs' memfds).
+        rng: the range (``HostKvRange`` on a host arena, ``CudaKvRange`` on a CUDA one).
+        client: a ``BrokerClient`` of the same broker (its view: the range's on CUDA).
     """
 
-    def __init__(self, rng: HostKvRange, client):
+    def __init__(self, rng: HostKvRange | CudaKvRange, client):
         g = client.arena
         if g.page_size != rng.page_size:
             raise ValueError(f"the range is in pages of {rng.page_size} bytes; the broker's are {g.page_size}")
         self.rng, self.client = rng, client
-        self._place = host_place(client.view, g.page_size, g.pages_per_slab)
+        self.cuda = isinstance(rng, CudaKvRange)
+        if self.cuda != (client.view.fd_unit == "page"):
+            raise ValueError(f"a {type(rng).__name__} cannot map the broker's {g.backend} arena's pages")
+        self._place = (lambda p: p) if self.cuda else host_place(client.view, g.page_size, g.pages_per_slab)
         # Figures: groups mapped and unmapped.
         self.mapped = self.unmapped = 0
 
     def apply(self, ops: Sequence[tuple], slabs: int) -> None:
-        """Carry out ``KvGroups.take_ops``'s operations, in order (before the step they came with)."""
+        """Carry out ``KvGroups.take_ops``'s operations, in order (before the step they came
+        with). An unmap on CUDA waits for the work queued in the context first (the steps
+        before this one may still run on the device: ``CudaKvRange.unmap_group``)."""
         if not ops:
             return
         self.client._ensure_slabs(slabs)
+        if self.cuda:
+            # Imported writable in this process's physical view too (it never writes there);
+            # the range's own mapping is granted read-write by ``map_group``.
+            self.client._import_pages([p for op in ops if op[0] == "map" for p in op[2]], False)
         for op in ops:
             if op[0] == "unmap":
                 self.rng.unmap_group(op[1])

@@ -708,6 +708,12 @@ class FakeTensor:
     def untyped_storage(self):
         return SimpleNamespace(data_ptr=lambda: self.ptr, nbytes=lambda: self.n)
 
+    def zero_(self):
+        """A kernel writing zeros over the tensor, queued on the current stream (the fake
+        driver's ``launch``: it faults where the range is not mapped writable)."""
+        cu._load_driver().launch(CudaArenaView._current_stream(None), self.ptr, self.n, write=True)
+        return self
+
 
 @pytest.fixture
 def fake_torch(monkeypatch):
@@ -2402,3 +2408,125 @@ def test_an_engines_kv_range_maps_broker_pages_by_group_and_unmaps_them_after_th
         v.close()
         a.close()
     assert not fake.mappings and not fake.reservations
+
+
+def _kv_tensor(layers: int, groups: int, page: int = GRAN):
+    """vLLM's ``KVCacheTensor`` as the engine pool reads it: ``layers`` layers of ``groups``
+    pages, four KV blocks a page."""
+    return SimpleNamespace(size=layers * groups * page, layer_stride=groups * page, block_stride=page // 4, offset=0)
+
+
+def test_the_engine_pools_worker_half_puts_the_kv_cache_on_a_cuda_arena(fake, fake_torch):
+    """Issue 46 on a CUDA arena (docs/engine-pool.md), the worker's half end to end without
+    vLLM, against a real broker (in this process, on the strict fake): ``WorkerRange`` on
+    ``cuda:0`` reserves a ``CudaKvRange`` with group 0 on private allocations; vLLM's
+    ``torch.zeros`` for the KV cache on the device is answered with the range's tensor (nothing
+    else is); the scheduler's half grows two groups (the broker zeroed their pages, and that
+    work had finished before the grant); the first step's operations import exactly those pages
+    and map them read-write where the layout puts each layer, replacing group 0's private
+    memory only after the warm-up's kernel on it finished (the fake faults otherwise) and
+    releasing it; a retired group is unmapped after the context's work, and given back two
+    steps later; close leaves nothing mapped, reserved or imported. UNRUN on a GPU."""
+    import torch
+
+    from memory_broker.clients.client import BrokerClient
+    from memory_broker.clients.engine_kv import EngineKvSession
+    from memory_broker.clients.kv_arena import RETIRE_STEPS, CudaKvRange, KvGroups
+    from memory_broker.clients.vllm.engine_pool import WorkerRange
+
+    layers, groups, ps = 2, 4, GRAN
+    tensor = _kv_tensor(layers, groups)
+    lp, srv, sock = _cuda_broker(fake)
+    c = w = g = None
+    try:
+        w = WorkerRange(sock, {"name": "gpu-engine"}, tensor, "model", "cuda:0")
+        rng, view = w.mapper.rng, w.mapper.client.view
+        assert isinstance(rng, CudaKvRange) and w.device == torch.device("cuda", 0)
+        assert fake.reservations[rng.base] == tensor.size and rng.is_private(0)
+        private = {fake.mappings[va]["alloc"] for va in rng.addresses(0)}
+        assert len(private) == layers and all(fake.mappings[va]["access"] == "rw" for va in rng.addresses(0))
+        assert view.attached_pages == 0  # no broker page imported yet
+        with w.allocation_context(tensor.size):
+            kv = torch.zeros(tensor.size, dtype=torch.int8, device=torch.device("cuda", 0))
+            kv_cuda = torch.zeros(tensor.size, dtype=torch.int8, device="cuda")
+            host = torch.zeros(tensor.size, dtype=torch.int8)  # a CPU tensor: not the range's
+        assert kv.data_ptr() == rng.base and kv.numel() == tensor.size and kv_cuda.data_ptr() == rng.base
+        assert isinstance(host, torch.Tensor) and host.device.type == "cpu"
+        del host, kv_cuda
+        # vLLM's warm-up: a kernel writing group 0's private memory, still running.
+        fake.launch(7, rng.base, ps, write=True)
+
+        c = BrokerClient.connect(sock, client_name="scheduler", timeout=10)
+        g = KvGroups(EngineKvSession(c, "gpu-engine", layers), groups)
+        assert g.grow_now(2) == [0, 1]
+        assert not fake.pending.get(0)  # the broker's zeroing ran before the grant
+        ops, slabs = g.take_ops()
+        pages = {op[1]: op[2] for op in ops}
+        assert [op[0] for op in ops] == ["map", "map"] and sorted(pages) == [0, 1]
+        w.apply(ops, slabs)
+        assert fake.sticky is None and not rng.is_private(0)
+        assert not private & set(fake.allocs)  # the private pages are gone
+        assert view.attached_pages == 2 * layers  # exactly the groups' pages were imported
+        for slot, want in pages.items():
+            for va, page in zip(rng.addresses(slot), want):
+                m = fake.mappings[va]
+                assert m["alloc"] == fake.handles[int(view.page_handle(page))] and m["access"] == "rw"
+        assert not [va for s in (2, 3) for va in rng.addresses(s) if fake.maps(va)]
+        assert w.mapper.mapped == 2
+
+        # Group 1 retired while a kernel still reads it: unmapped after the context's work.
+        fake.launch(3, rng.addresses(1)[1], ps)
+        g.retire([1])
+        before = len(fake.calls)
+        w.apply(*g.take_ops())
+        after = [n[0] for n in fake.calls[before:]]
+        assert after.index("cuCtxSynchronize") < after.index("cuMemUnmap")
+        assert fake.sticky is None and not any(fake.maps(va) for va in rng.addresses(1))
+        assert w.mapper.unmapped == 1 and all(fake.maps(va) for va in rng.addresses(0))
+        freed = sum(g.step_done() for _ in range(RETIRE_STEPS))
+        assert freed == layers and g.given == 1
+
+        del kv
+        base = rng.base
+        w.close()
+        w = None
+        assert base not in fake.reservations
+        assert not [va for va in fake.mappings if base <= va < base + tensor.size]
+    finally:
+        if g is not None:
+            g.close()
+        if w is not None:
+            w.close()
+        _stop_broker(fake, lp, srv, c)
+
+
+def test_the_engine_pool_refuses_an_arena_that_is_not_the_engines_devices(fake, broker):
+    """A CPU engine with a cuda arena, a CUDA engine with a host arena, and a CUDA engine on
+    another GPU than the broker's: each half refuses with one message naming both (the
+    connector then keeps vLLM's own KV cache, one log line), and leaves nothing behind."""
+    from memory_broker.clients.vllm.engine_pool import EngineOnPool, WorkerRange
+
+    tensor = _kv_tensor(2, 4)
+    lp, srv, sock = _cuda_broker(fake)
+    try:
+        why = "the broker's arena is 'cuda' and the engine runs on 'cpu'"
+        with pytest.raises(ValueError, match=why):
+            WorkerRange(sock, {}, tensor, "model", "cpu")
+        with pytest.raises(ValueError, match=why):
+            EngineOnPool(sock, {}, tensor, "model", "cpu")
+        with pytest.raises(
+            ValueError, match=r"the broker's GPU is CUDA device 0 \(.*\) here; the engine runs on cuda:1"
+        ):
+            WorkerRange(sock, {}, tensor, "model", "cuda:1")
+        assert not fake.reservations.keys() - {srv.arena.view._phys_base, srv.arena.view._window_base}
+    finally:
+        _stop_broker(fake, lp, srv)
+    # The host arena (the conftest broker: 512 KiB pages).
+    tensor = _kv_tensor(2, 4, 512 * 1024)
+    why = "the broker's arena is 'host' and the engine runs on 'cuda'"
+    with pytest.raises(ValueError, match=why):
+        WorkerRange(broker.socket, {}, tensor, "model", "cuda:0")
+    with pytest.raises(ValueError, match=why):
+        EngineOnPool(broker.socket, {}, tensor, "model", "cuda")
+    w = WorkerRange(broker.socket, {}, tensor, "model", "cpu")  # the host engine pool, as before
+    w.close()

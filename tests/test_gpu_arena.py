@@ -482,6 +482,65 @@ def test_killing_a_client_returns_its_pages_and_they_are_reused(backend, gpu_bro
             child.wait()
 
 
+def test_an_engines_kv_cache_on_broker_pages_through_the_worker_half(backend, gpu_broker):
+    """Issue 46 (docs/engine-pool.md): the engine pool's worker half (``WorkerRange``) on this
+    backend's arena, without vLLM. vLLM's ``torch.zeros`` for the KV cache is answered with the
+    range's tensor on the engine's device; group 0 starts on private memory (the warm-up's
+    writes land there); the scheduler's half grows two groups, and the first step maps the
+    broker's zeroed pages in (group 0's private memory replaced); what the engine writes into a
+    layer's page of a group is what the scheduler's own client reads from that broker page; a
+    retired group is unmapped and given back after the steps that could read it, and the rest
+    still works. On CUDA: UNRUN on a GPU when written (tests/test_arena_cuda.py has its twin
+    on the fake driver)."""
+    from types import SimpleNamespace
+
+    from memory_broker.clients.engine_kv import EngineKvSession
+    from memory_broker.clients.kv_arena import RETIRE_STEPS, KvGroups
+    from memory_broker.clients.vllm.engine_pool import WorkerRange
+
+    layers, groups, ps = 2, 4, 2 * MiB
+    spec = SimpleNamespace(size=layers * groups * ps, layer_stride=groups * ps, block_stride=ps // 4, offset=0)
+    dev = torch.device("cuda", 0) if backend.cuda else torch.device("cpu")
+    w = WorkerRange(gpu_broker.socket, {"name": "kv-engine"}, spec, "model", dev)
+    g = None
+    try:
+        rng = w.mapper.rng
+        assert type(rng).__name__ == ("CudaKvRange" if backend.cuda else "HostKvRange")
+        with w.allocation_context(spec.size):
+            kv = torch.zeros(spec.size, dtype=torch.int8, device=dev)
+        assert backend.on_device(kv) and kv.data_ptr() == rng.base and kv.numel() == spec.size
+        by_group = kv.view(layers, groups, ps)  # [layer, group, byte]
+        by_group[:, 0].fill_(5)  # vLLM's warm-up writes group 0 before the scheduler exists
+        with BrokerClient.connect(gpu_broker.socket, client_name="kv-scheduler") as c:
+            g = KvGroups(EngineKvSession(c, "kv-engine", layers), groups)
+            assert g.grow_now(2) == [0, 1]
+            ops, slabs = g.take_ops()
+            pages = {op[1]: list(op[2]) for op in ops}
+            w.apply(ops, slabs)  # the first step: the broker's zeroed pages replace group 0's
+            assert int(torch.count_nonzero(by_group[:, :2])) == 0
+            for layer in range(layers):
+                by_group[layer, 1].fill_(layer + 1)
+            backend.sync()
+            c._import_pages(pages[1], True)  # CUDA: this client maps the pages too (host: has them)
+            for layer, p in enumerate(pages[1]):
+                t = c.view.tensor(c.view.page_address(p), ps)
+                assert bool((t == layer + 1).all()), (layer, p)
+                del t
+            g.retire([1])
+            w.apply(*g.take_ops())  # unmapped (CUDA: after the device's work is done)
+            assert sum(g.step_done() for _ in range(RETIRE_STEPS)) == layers
+            by_group[:, 0].fill_(9)  # group 0 is still the engine's
+            backend.sync()
+            assert int(torch.count_nonzero(by_group[:, 0] != 9)) == 0
+            g.close()
+            g = None
+        del by_group, kv
+    finally:
+        if g is not None:
+            g.close()
+        w.close()
+
+
 def test_growth_slab_by_slab_to_the_maximum_then_eviction(backend):
     b = start_broker(*backend.args, "--pool-size", "32MiB", "--high-watermark", "1.0", "--low-watermark", "1.0")
     try:

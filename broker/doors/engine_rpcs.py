@@ -53,6 +53,11 @@ def zero_pages(backend: str, view, pages: Sequence[int], page_size: int) -> None
         return
     for p in pages:  # CUDA: UNRUN on a GPU
         view.tensor(view.page_address(p), page_size).zero_()
+    if pages:
+        # The zeroing is queued on this thread's stream: it must have run before the engine
+        # hears of the pages (another process: nothing orders its writes after this one's).
+        with view.current():
+            view._sync_streams({view._current_stream()}, "granting zeroed engine KV pages")
 
 
 def engine_stats_message(e: Engine) -> pb.EngineKvStats:

@@ -13,8 +13,10 @@ asks, and gives them back two steps later. What to map and unmap travels in the 
 metadata of the next step (``BrokerKVMetadata.pool_ops``), carried out by the worker in
 ``handle_preemptions``, before the step zeroes or touches a block.
 
-Every vLLM internal used here is checked per release (``compat.engine_pool_problems``); a failed
-check, another layout or TP > 1 leaves vLLM's own KV cache in place, said in one log line.
+The range is the arena's: host memory on a host arena (a CPU engine), device address space on a
+cuda arena (a CUDA engine; never run on a GPU). Every vLLM internal used here is checked per
+release (``compat.engine_pool_problems``); a failed check, another layout, TP > 1 or an arena
+that is not the engine's device's leaves vLLM's own KV cache in place, said in one log line.
 """
 
 from __future__ import annotations
@@ -37,16 +39,38 @@ SYNC_WAIT_MS = 20
 START_WAIT_MS = 1000
 
 
-def _connect(socket: str, role: str, name: str, tensor: Any, on_event=None):
-    """A client of the broker for one half, refused unless its arena is the host's and a page is
-    whole KV blocks."""
+# The arena the engine pool needs per engine device type (vLLM's ``device_config.device_type``).
+ARENAS = {"cpu": "host", "cuda": "cuda"}
+
+
+def _device_type(vllm_config: Any) -> str:
+    """The engine's device type ("cpu", "cuda", ...), as vLLM's device config says."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu")
+
+
+def _connect(socket: str, role: str, name: str, tensor: Any, on_event=None, device_type: str = "cpu"):
+    """A client of the broker for one half, refused (ValueError) unless its arena is the one for
+    the engine's device (a CPU engine's KV cache on a host arena, a CUDA engine's on a cuda
+    arena) and a page is whole KV blocks."""
     from memory_broker.clients import BrokerClient
 
-    client = BrokerClient.connect(socket, client_name=f"vllm-engine-kv-{role}:{name}:{os.getpid()}", on_event=on_event)
+    try:
+        client = BrokerClient.connect(
+            socket, client_name=f"vllm-engine-kv-{role}:{name}:{os.getpid()}", on_event=on_event
+        )
+    except BrokerError as e:
+        if e.code != Code.FAILED_PRECONDITION:  # UNAVAILABLE and the rest: as they are
+            raise
+        # This process cannot map the broker's arena (or speak its protocol): both halves
+        # meet the same and stay off.
+        raise ValueError(f"the engine on {device_type!r} cannot use the broker's arena: {e.message}") from None
     ps = client.arena.page_size
     why = None
-    if client.arena.backend != "host":
-        why = f"the broker's arena is {client.arena.backend!r}; the engine pool runs on a host arena"
+    if client.arena.backend != ARENAS.get(device_type):
+        why = (
+            f"the broker's arena is {client.arena.backend!r} and the engine runs on {device_type!r}: the engine "
+            "pool puts a CPU engine's KV cache on a host arena and a CUDA engine's on a cuda arena"
+        )
     elif ps % tensor.block_stride:
         why = f"a broker page ({ps} bytes) is not whole KV blocks of {tensor.block_stride} bytes"
     if why:
@@ -71,14 +95,15 @@ class EngineOnPool:
         conf: ``kv_connector_extra_config["engine_pool"]``.
         tensor: vLLM's one ``KVCacheTensor`` (size, layer_stride, block_stride, offset).
         model: a name for the engine when ``conf`` gives none.
+        device_type: the engine's device type ("cpu" or "cuda"): the arena it needs.
     """
 
-    def __init__(self, socket: str, conf: dict, tensor: Any, model: str):
+    def __init__(self, socket: str, conf: dict, tensor: Any, model: str, device_type: str = "cpu"):
         self.name = _name(conf, model)
         self.reserve = int(conf.get("reserve_groups", 2))
         start = max(1, int(conf.get("start_groups", 1)))
         self.kv = None
-        self.client = _connect(socket, "scheduler", self.name, tensor, self._event)
+        self.client = _connect(socket, "scheduler", self.name, tensor, self._event, device_type)
         try:
             self._register(conf, tensor, start)
         except BaseException:  # a refused registration or grow: the session (and its pages) go
@@ -239,38 +264,75 @@ def prefer_fullest(queue, blocks_per_group: int) -> None:
 class WorkerRange:
     """The worker's half: the KV cache's range, and the groups the scheduler says to map.
 
-    Group 0 starts on private memory (vLLM's warm-up may write its null block before the
-    scheduler exists); the broker's pages replace it with the first step.
+    On a CPU engine the range is a ``HostKvRange`` over a host arena; on a CUDA engine a
+    ``CudaKvRange`` over a cuda arena (device address space on the broker's GPU, which must be
+    the engine's), its pages imported into this process's view of the arena as the scheduler
+    hands them out. Group 0 starts on private memory (vLLM's warm-up may write its null block,
+    and on a GPU capture graphs over the range, before the scheduler exists; the CUDA range's
+    tensor also needs its base address mapped); the scheduler's first grow always takes group 0
+    (its null block is never given back), and the broker's pages replace the private memory
+    with the first step (on CUDA after the context's work is done: ``CudaKvRange.map_group``).
+    On CUDA that private group is device memory outside the broker's budget (one page per
+    layer) until then.
+
+    Args:
+        device: the engine's device ("cpu", "cuda:N"; "cuda" is this process's current one).
+
+    Raises:
+        ValueError: the broker's arena is not the device's, its GPU is not the engine's, or the
+            KV cache does not fit its pages.
+        BrokerError: the broker is unavailable.
+        CudaError: a driver call failed.
     """
 
-    def __init__(self, socket: str, conf: dict, tensor: Any, model: str):
-        from memory_broker.clients.kv_arena import HostKvRange, KvMapper
+    def __init__(self, socket: str, conf: dict, tensor: Any, model: str, device: Any = "cpu"):
+        import torch
+
+        from memory_broker.clients.kv_arena import CudaKvRange, HostKvRange, KvMapper
 
         self.name = _name(conf, model)
-        client = _connect(socket, "worker", self.name, tensor)
+        dev = torch.device(device)
+        client = _connect(socket, "worker", self.name, tensor, device_type=dev.type)
+        ps = client.arena.page_size
         try:
-            rng = HostKvRange(tensor.size, tensor.layer_stride, client.arena.page_size)
-        except ValueError:
+            if dev.type == "cuda":
+                at = client.view.device
+                if dev.index is not None and dev.index != at.ordinal:
+                    raise ValueError(f"the broker's GPU is {at.describe()} here; the engine runs on {dev}")
+                rng = CudaKvRange(client.view, tensor.size, tensor.layer_stride, ps)
+                self.device = torch.device("cuda", at.ordinal)
+            else:
+                rng = HostKvRange(tensor.size, tensor.layer_stride, ps)
+                self.device = torch.device("cpu")
+            try:
+                rng.map_private(0)
+            except BaseException:
+                rng.close()
+                raise
+        except BaseException:
             client.close()
             raise
-        rng.map_private(0)
         self.mapper = KvMapper(rng, client)
-        self.blocks_per_group = client.arena.page_size // tensor.block_stride
+        self.blocks_per_group = ps // tensor.block_stride
 
     @contextmanager
     def allocation_context(self, size: int):
-        """Answer ``torch.zeros(size, dtype=torch.int8)`` with the range's tensor."""
+        """Answer ``torch.zeros(size, dtype=torch.int8)`` on the range's device (on CUDA
+        ``device="cuda"`` or the range's ``cuda:N``) with the range's tensor."""
         import torch
         from torch.overrides import TorchFunctionMode
 
-        rng = self.mapper.rng
+        rng, mine = self.mapper.rng, self.device
+
+        def ours(dev) -> bool:
+            d = torch.device("cpu") if dev is None else torch.device(dev)
+            return d.type == mine.type and d.index in (None, mine.index)
 
         class Answer(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 if func is torch.zeros and kwargs.get("dtype") is torch.int8 and tuple(args) in ((size,), ((size,),)):
-                    dev = kwargs.get("device")
-                    if dev is None or torch.device(dev).type == "cpu":
+                    if ours(kwargs.get("device")):
                         return rng.tensor()
                 return func(*args, **kwargs)
 
@@ -297,6 +359,16 @@ def _why_not(kv_cache_config: Any, vllm_config: Any) -> tuple[str, ...]:
     return why
 
 
+def _worker_device(vllm_config: Any) -> str:
+    """The worker's device: "cuda:N" (torch's current device: vLLM's worker set it) or the type."""
+    kind = _device_type(vllm_config)
+    if kind == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return kind
+
+
 def start(socket: str, conf: dict, kv_cache_config: Any, vllm_config: Any) -> WorkerRange | None:
     """The worker's half (it decides first: the worker allocates the KV cache before vLLM
     creates the scheduler), or None: one log line says why vLLM keeps its own KV cache."""
@@ -308,9 +380,11 @@ def start(socket: str, conf: dict, kv_cache_config: Any, vllm_config: Any) -> Wo
     if tensor.offset:
         log.warning("engine pool off: the KV cache starts at offset %d of its allocation", tensor.offset)
         return None
+    from memory_broker.proto.wire.mapping.cuda_driver import CudaError
+
     try:
-        w = WorkerRange(socket, conf, tensor, vllm_config.model_config.model)
-    except (ValueError, BrokerError, OSError) as e:
+        w = WorkerRange(socket, conf, tensor, vllm_config.model_config.model, _worker_device(vllm_config))
+    except (ValueError, BrokerError, OSError, CudaError) as e:
         log.warning("engine pool off, vLLM keeps its own KV cache: %s", e)
         return None
     rng = w.mapper.rng
@@ -341,7 +415,7 @@ def attach(kv_cache_manager, socket: str, conf: dict, kv_cache_config: Any, vllm
         return None
     tensor = kv_cache_config.kv_cache_tensors[0]
     try:
-        eng = EngineOnPool(socket, conf, tensor, vllm_config.model_config.model)
+        eng = EngineOnPool(socket, conf, tensor, vllm_config.model_config.model, _device_type(vllm_config))
     except (ValueError, OSError) as e:  # the worker's half met the same and stayed off
         log.warning("engine pool off, vLLM keeps its own KV cache: %s", e)
         return None
