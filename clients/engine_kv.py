@@ -66,11 +66,13 @@ class EngineKvSession:
         )
         return c._call(c._stub.EngineKvRegister, req)
 
-    def grow(self, groups: int, wait_ms: int = 0) -> list[pb.ObjectInfo]:
-        """Take ``groups`` new zeroed groups (their pages: ``info.pages``, one per layer), or
-        raise BrokerError RESOURCE_EXHAUSTED (the engine then preempts)."""
+    def grow(self, groups: int, wait_ms: int = 0, least: int = 0) -> list[pb.ObjectInfo]:
+        """Take ``groups`` new zeroed groups (their pages: ``info.pages``, one per layer); with
+        ``least`` (1..groups) as many as fit now, at least ``least`` (only those are waited
+        for). Raises BrokerError RESOURCE_EXHAUSTED (the engine then preempts)."""
         c = self.client
-        resp = c._call(c._stub.EngineKvGrow, pb.EngineKvGrowRequest(groups=groups, wait_ms=wait_ms))
+        req = pb.EngineKvGrowRequest(groups=groups, wait_ms=wait_ms, min_groups=least)
+        resp = c._call(c._stub.EngineKvGrow, req)
         # The broker may have grown the arena for them: map its new slabs before use.
         c._ensure_slabs(max((i.arena_slabs for i in resp.groups), default=0))
         return list(resp.groups)

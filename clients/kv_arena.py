@@ -292,8 +292,9 @@ class KvGroups:
                     break
         return out
 
-    def grow_now(self, groups: int, wait_ms: int = 0, background: bool = False) -> list[int]:
-        """Take ``groups`` groups now; the slots (fewer when the range is full). The worker
+    def grow_now(self, groups: int, wait_ms: int = 0, background: bool = False, least: int = 0) -> list[int]:
+        """Take ``groups`` groups now (``least``: as many as the broker has, at least that
+        many); the slots (fewer when the range is full). The worker
         maps them before the step they travel with (``take_ops``). A ``background`` grow that
         lands after the engine went idle is given back at once (an idle engine takes no step
         to use or return it).
@@ -306,7 +307,7 @@ class KvGroups:
         if groups <= 0:
             return []
         try:
-            infos = self.kv.grow(groups, wait_ms)
+            infos = self.kv.grow(groups, wait_ms, min(least, groups))
         except BrokerError:
             self.refused += 1
             raise

@@ -98,6 +98,32 @@ def test_a_grow_no_engine_can_cover_is_refused_with_the_numbers(broker):
         b.close()
 
 
+def test_a_grow_with_a_least_takes_what_fits_now_in_one_call(broker):
+    # The step's grow: a batch of 4 where 2 fit is answered 2 at once (no refusal, no wait);
+    # with none left and no donor it is refused at once; a least above the batch is refused
+    # INVALID_ARGUMENT and changes nothing.
+    a, akv = engine(broker, "a", floor_pages=48)
+    b, bkv = engine(broker, "b")
+    try:
+        akv.grow(12)  # 48 of 64 pages, all within a's floor
+        bkv.grow(2)  # 8 more: 8 pages (2 groups) left
+        with pytest.raises(BrokerError) as e:
+            bkv.grow(2, least=3)
+        assert e.value.code == Code.INVALID_ARGUMENT and "min_groups" in e.value.message
+        assert bkv.stats().held_pages == 8
+        t0 = time.monotonic()
+        got = bkv.grow(4, wait_ms=2000, least=1)
+        assert len(got) == 2 and time.monotonic() - t0 < 1.0
+        assert bkv.stats().held_pages == 16 and bkv.stats().refusals == 0
+        with pytest.raises(BrokerError) as e:
+            bkv.grow(4, wait_ms=2000, least=1)
+        assert e.value.code == Code.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 1.5
+        assert bkv.stats().held_pages == 16
+    finally:
+        a.close()
+        b.close()
+
+
 def test_bad_engine_calls_are_answered_with_a_clear_status_and_change_nothing(broker):
     a, akv = engine(broker, "a")
     c = BrokerClient.connect(broker.socket, client_name="not-an-engine")

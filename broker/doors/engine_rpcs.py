@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from memory_broker.broker.store.engine_pool import Engine, EnginePool
-from memory_broker.proto.wire.errors import BrokerError, Code, precondition
+from memory_broker.proto.wire.errors import BrokerError, Code, invalid, precondition
 from memory_broker.proto.wire.v1 import broker_pb2 as pb
 
 # A grow waits at most this long for give-backs, whatever it asks.
@@ -103,9 +103,17 @@ def EngineKvRegister(self, request, context, session):  # noqa: N802 - the RPC's
 
 async def EngineKvGrow(self, request, context, session):  # noqa: N802 - the RPC's name
     pool = _pool(self)
-    sid, groups = session.session_id, request.groups
+    sid, groups, least = session.session_id, request.groups, request.min_groups
     t0 = time.perf_counter()
-    pool.check_groups(sid, groups)
+    if least > groups:
+        raise invalid(f"min_groups must be 0..groups ({groups}), got {least}")
+    if least:
+        if groups > pool.store.config.max_batch:
+            raise invalid(f"groups must be 1..{pool.store.config.max_batch}, got {groups}")
+        pool.check_groups(sid, least)  # the ceiling holds the least
+        groups = max(least, pool.fitting(sid, groups))  # what fits now; else the least, waited for
+    else:
+        pool.check_groups(sid, groups)
     wait_s = min(request.wait_ms / 1000.0, MAX_WAIT_S) if request.wait_ms else self.engine_reclaim_wait_s
     objs = await _take(self, pool, sid, groups, t0 + wait_s)
     if objs is None:

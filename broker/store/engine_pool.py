@@ -182,6 +182,14 @@ class EnginePool:
             )
         return eng
 
+    def fitting(self, session: int, groups: int) -> int:
+        """How many of ``groups`` new groups the store can grant now, within the ceiling."""
+        eng = self.engine(session)
+        gp = eng.group_pages
+        short = self.shortfall(session, groups)
+        fit = groups - -(-short // gp)
+        return max(0, min(fit, (eng.ceiling - eng.held_pages) // gp))
+
     def shortfall(self, session: int, groups: int) -> int:
         """Pages a grow of ``groups`` lacks after every unpinned object were evicted, keeping
         the floors other engines have not taken yet (0: the store can grant it now)."""

@@ -167,18 +167,19 @@ class EngineOnPool:
         """Map groups now (on the step: nothing spare was left); True if any came."""
         groups = min(max(1, -(-need_blocks // self.blocks_per_group)), self.groups.batch)
         try:
-            # On the step: wait briefly for other engines' give-backs (an idle one answers at
-            # its next step), then preempt; the background grower waits longer.
-            slots = self.groups.grow_now(groups, SYNC_WAIT_MS)
+            # On the step, one call: as many of the batch as the broker has, else one group
+            # after a brief wait for other engines' give-backs (an idle one answers at its
+            # next step), else vLLM preempts; the background grower waits longer.
+            slots = self.groups.grow_now(groups, SYNC_WAIT_MS, least=1)
         except BrokerError as e:
-            try:  # a whole batch may not fit where one group does
-                slots = self.groups.grow_now(1, SYNC_WAIT_MS) if groups > 1 else []
-            except BrokerError:
-                slots = []
-            if not slots:
-                log.debug("engine pool: grow refused (%s); vLLM preempts", e.message)
-                self.preemptions += 1
-                return False
+            slots = []
+            why = e.message
+        else:
+            why = "the range is full"
+        if not slots:
+            log.debug("engine pool: grow refused (%s); vLLM preempts", why)
+            self.preemptions += 1
+            return False
         self.sync_grows += 1
         self.add(slots)
         return bool(slots)

@@ -200,22 +200,26 @@ def static(tmp: str, model: str, budget: int, work: dict) -> tuple[dict, dict]:
         b.stop()
 
 
-def control(tmp: str, model: str, budget: int, burst: list, repeats: int) -> dict[str, list[float]]:
-    """One engine on the pool vs stock with the same KV bytes, and an A/A pair of stock engines,
-    two engines at a time, the same burst interleaved."""
-    out: dict[str, list[float]] = {"pool": [], "stock": [], "stock-a": [], "stock-b": []}
+def control(tmp: str, model: str, budget: int, burst: list, repeats: int, conf: dict) -> dict[str, list[float]]:
+    """One engine on the pool (``conf``: its engine_pool settings) vs stock with the same KV
+    bytes and vs an engine with the same connector but vLLM's own KV cache (what the pool
+    itself costs), then an A/A pair of stock engines, the same burst interleaved."""
+    out: dict[str, list[float]] = {"pool": [], "connector": [], "stock": [], "stock-a": [], "stock-b": []}
     proc, sock, _ = start_broker(tmp, budget)
-    pool = Engine("control-pool", tmp, model, "--kv-bytes", str(budget), "--connector", "broker", "--socket", sock,
-                  *SHARE, "--engine-pool", json.dumps({"name": "control"}))  # fmt: skip
+    conn = ["--connector", "broker", "--socket", sock, *SHARE]
+    pool = Engine("control-pool", tmp, model, "--kv-bytes", str(budget), *conn,
+                  "--engine-pool", json.dumps({"name": "control", **conf}))  # fmt: skip
+    plain = Engine("control-connector", tmp, model, "--kv-bytes", str(budget), *conn)
     stock = Engine("control-stock", tmp, model, "--kv-bytes", str(budget))
     try:
-        pool.wait(), stock.wait()
+        pool.wait(), plain.wait(), stock.wait()
         for _ in range(repeats):
-            for name, e in (("pool", pool), ("stock", stock)):
+            for name, e in (("pool", pool), ("connector", plain), ("stock", stock)):
                 e.send(burst)
                 out[name] += [o["ttft_s"] for o in e.result()]
     finally:
         pool.stop()
+        plain.stop()
         stock.stop()
         proc.terminate()
         proc.wait(30)
@@ -240,6 +244,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="control bursts per engine")
     ap.add_argument("--control-only", action="store_true", help="run the control (pool vs stock, A/A) alone")
     ap.add_argument("--share-prefixes", action="store_true", help="pool engines also store and load shared prefix KV")
+    ap.add_argument(
+        "--control-pool",
+        default="{}",
+        help="the control's pool engine's engine_pool settings (JSON), e.g. reserve_groups",
+    )
     a = ap.parse_args()
     if a.share_prefixes:
         SHARE.clear()
@@ -250,12 +259,15 @@ def main() -> None:
     work = workloads(a.rounds)
     if not a.control_only:
         pairs(tmp, model, budget, work, a)
-    c = control(tmp, model, budget, work["alternating"][0], a.repeats)
-    print(f"\ncontrol (one engine, {a.budget_mib} MiB of KV, the same burst x{a.repeats}): TTFT mean ms")
-    for name in ("pool", "stock", "stock-a", "stock-b"):
-        print(f"  {name:<8} {1e3 * statistics.mean(c[name]):8.1f}")
-    print(f"  pool / stock {statistics.mean(c['pool']) / statistics.mean(c['stock']):.3f}x; "
-          f"A/A stock-a / stock-b {statistics.mean(c['stock-a']) / statistics.mean(c['stock-b']):.3f}x")  # fmt: skip
+    c = control(tmp, model, budget, work["alternating"][0], a.repeats, json.loads(a.control_pool))
+    print(f"\ncontrol (one engine, {a.budget_mib} MiB of KV, the same burst x{a.repeats}; pool {a.control_pool}): TTFT")
+    for name in ("pool", "connector", "stock", "stock-a", "stock-b"):
+        print(
+            f"  {name:<9} mean {1e3 * statistics.mean(c[name]):7.1f} ms  median {1e3 * statistics.median(c[name]):7.1f} ms"
+        )
+    m = {k: statistics.mean(v) for k, v in c.items()}
+    print(f"  pool / stock {m['pool'] / m['stock']:.3f}x; pool / connector {m['pool'] / m['connector']:.3f}x; "
+          f"connector / stock {m['connector'] / m['stock']:.3f}x; A/A stock-a / stock-b {m['stock-a'] / m['stock-b']:.3f}x")  # fmt: skip
     shutil.rmtree(tmp, ignore_errors=True)
 
 

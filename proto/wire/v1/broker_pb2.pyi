@@ -868,12 +868,14 @@ class EngineKvRegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., group_pages: _Optional[int] = ..., floor_pages: _Optional[int] = ..., ceiling_pages: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class EngineKvGrowRequest(_message.Message):
-    __slots__ = ("groups", "wait_ms")
+    __slots__ = ("groups", "wait_ms", "min_groups")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    MIN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     groups: int
     wait_ms: int
-    def __init__(self, groups: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    min_groups: int
+    def __init__(self, groups: _Optional[int] = ..., wait_ms: _Optional[int] = ..., min_groups: _Optional[int] = ...) -> None: ...
 
 class EngineKvGrowResponse(_message.Message):
     __slots__ = ("groups",)
