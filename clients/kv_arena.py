@@ -162,8 +162,8 @@ class CudaKvRange:
         drv, handles = self.view._drv, []
         with self.view.current():
             try:
+                prop = self.view.allocation_prop()
                 for _ in range(self.num_layers):
-                    prop = self.view.allocation_prop()
                     handles.append(
                         self.view._check(
                             f"cuMemCreate({self.page_size} bytes, KV group {group}'s private page)",
@@ -208,10 +208,6 @@ class CudaKvRange:
         drv = self.view._drv
         for addr in self.addresses(group)[:n]:
             self.view._check(f"cuMemUnmap(KV group {group})", drv.cuMemUnmap(addr, self.page_size))
-
-    def is_private(self, group: int) -> bool:
-        """Whether the group is on this process's private memory (``map_private``)."""
-        return group in self._private
 
     def tensor(self):
         """The whole range as one int8 tensor on the device (unmapped groups are holes the

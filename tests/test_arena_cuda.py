@@ -2442,7 +2442,7 @@ def test_the_engine_pools_worker_half_puts_the_kv_cache_on_a_cuda_arena(fake, fa
         w = WorkerRange(sock, {"name": "gpu-engine"}, tensor, "model", "cuda:0")
         rng, view = w.mapper.rng, w.mapper.client.view
         assert isinstance(rng, CudaKvRange) and w.device == torch.device("cuda", 0)
-        assert fake.reservations[rng.base] == tensor.size and rng.is_private(0)
+        assert fake.reservations[rng.base] == tensor.size and 0 in rng._private
         private = {fake.mappings[va]["alloc"] for va in rng.addresses(0)}
         assert len(private) == layers and all(fake.mappings[va]["access"] == "rw" for va in rng.addresses(0))
         assert view.attached_pages == 0  # no broker page imported yet
@@ -2464,7 +2464,7 @@ def test_the_engine_pools_worker_half_puts_the_kv_cache_on_a_cuda_arena(fake, fa
         pages = {op[1]: op[2] for op in ops}
         assert [op[0] for op in ops] == ["map", "map"] and sorted(pages) == [0, 1]
         w.apply(ops, slabs)
-        assert fake.sticky is None and not rng.is_private(0)
+        assert fake.sticky is None and 0 not in rng._private
         assert not private & set(fake.allocs)  # the private pages are gone
         assert view.attached_pages == 2 * layers  # exactly the groups' pages were imported
         for slot, want in pages.items():
